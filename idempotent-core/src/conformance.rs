@@ -1,0 +1,449 @@
+//! The store conformance suite: the contract of [`Store`] as executable checks.
+//!
+//! Every store in this workspace runs it, and so should yours. Implement [`Harness`] for your
+//! store and invoke [`store_conformance_tests!`](crate::store_conformance_tests) in a test file;
+//! it expands to one `#[test]` per rule, each on a fresh multi-threaded tokio runtime:
+//!
+//! ```
+//! use std::time::Duration;
+//! use idempotent_core::{ManualClock, MemoryStore};
+//! use idempotent_core::conformance::Harness;
+//!
+//! struct Memory {
+//!     clock: ManualClock,
+//!     store: MemoryStore,
+//! }
+//!
+//! impl Harness for Memory {
+//!     type Store = MemoryStore;
+//!     async fn setup() -> Self {
+//!         let clock = ManualClock::new();
+//!         let store = MemoryStore::builder().clock(clock.clone()).build();
+//!         Memory { clock, store }
+//!     }
+//!     fn store(&self) -> &MemoryStore {
+//!         &self.store
+//!     }
+//!     async fn advance(&self, by: Duration) {
+//!         self.clock.advance(by);
+//!     }
+//!     fn time_unit(&self) -> Duration {
+//!         Duration::from_secs(10)
+//!     }
+//! }
+//!
+//! idempotent_core::store_conformance_tests!(Memory);
+//! # fn main() {}
+//! ```
+//!
+//! Stores whose time cannot be moved (a real server's clock) implement
+//! [`advance`](Harness::advance) by sleeping and choose a short
+//! [`time_unit`](Harness::time_unit). Every check uses fresh random storage keys, so the checks
+//! may run concurrently against one shared server.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
+
+/// A store under test, and control over its time.
+pub trait Harness: Send + Sync + Sized + 'static {
+    /// The store under test. Cloning must share the records (the concurrent checks hand a
+    /// clone to every task).
+    type Store: Store + Clone;
+
+    /// Creates a harness with a ready store (connected, migrated).
+    fn setup() -> impl Future<Output = Self> + Send;
+
+    /// The store under test.
+    fn store(&self) -> &Self::Store;
+
+    /// Lets `by` pass for the store: advance a manual clock, or sleep.
+    fn advance(&self, by: Duration) -> impl Future<Output = ()> + Send;
+
+    /// The granularity of time the checks use: leases and TTLs are small multiples of it, and
+    /// the checks advance time by fractions of it. Must be well above the store's clock
+    /// resolution and the latency of one operation.
+    fn time_unit(&self) -> Duration;
+}
+
+/// Runs one check on a fresh multi-threaded runtime. Used by
+/// [`store_conformance_tests!`](crate::store_conformance_tests).
+pub fn run<H: Harness, F, Fut>(check: F)
+where
+    F: FnOnce(Arc<H>) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("cannot build a tokio runtime for the conformance check");
+    runtime.block_on(async {
+        let harness = Arc::new(H::setup().await);
+        check(harness).await;
+    });
+}
+
+/// Expands to one `#[test]` per conformance check for the [`Harness`] type given.
+#[macro_export]
+macro_rules! store_conformance_tests {
+    ($harness:ty) => {
+        $crate::store_conformance_tests!(@tests $harness;
+            claim_on_absent_key_wins,
+            exactly_one_of_1000_concurrent_claims_wins,
+            in_flight_record_reports_fingerprint_and_lease,
+            completed_record_replays_fingerprint_and_payload,
+            payload_round_trips_empty_and_one_mebibyte,
+            stale_token_is_rejected_everywhere,
+            completed_record_cannot_be_released_renewed_or_recompleted,
+            release_frees_the_key_for_a_higher_token,
+            lease_expiry_allows_takeover_and_fences_the_old_owner,
+            renew_extends_the_lease,
+            ttl_expiry_frees_the_key,
+            tokens_increase_across_expiry_and_release,
+            keys_are_isolated,
+        );
+    };
+    (@tests $harness:ty; $($check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                $crate::conformance::run::<$harness, _, _>(|h| async move {
+                    $crate::conformance::$check(&*h).await
+                });
+            }
+        )*
+    };
+}
+
+static KEY_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A storage key no other check (in this process or another) uses.
+pub fn fresh_key() -> StorageKey {
+    let n = KEY_COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mut hasher = blake3::Hasher::new_derive_key("idempotent conformance key");
+    hasher.update(&std::process::id().to_le_bytes());
+    hasher.update(&n.to_le_bytes());
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    hasher.update(&nanos.to_le_bytes());
+    StorageKey::from_bytes(*hasher.finalize().as_bytes())
+}
+
+fn fp(label: &str) -> Fingerprint {
+    Fingerprint::from_bytes(label.as_bytes())
+}
+
+async fn claimed<S: Store>(store: &S, key: &StorageKey, f: &Fingerprint, lease: Duration) -> FencingToken {
+    match store.claim(key, f, lease).await {
+        Ok(Claim::Claimed(token)) => token,
+        other => panic!("expected Claimed, got {other:?}"),
+    }
+}
+
+fn assert_rejected(result: Result<(), StoreError>, what: &str) {
+    match result {
+        Err(StoreError::TokenRejected) => {}
+        other => panic!("{what}: expected TokenRejected, got {other:?}"),
+    }
+}
+
+async fn assert_in_flight<S: Store>(store: &S, key: &StorageKey, expected: &Fingerprint, lease: Duration) {
+    match store.claim(key, &fp("probe"), lease).await {
+        Ok(Claim::InFlight {
+            fingerprint,
+            retry_after,
+        }) => {
+            assert_eq!(fingerprint, *expected, "in-flight record reports the owner's fingerprint");
+            assert!(retry_after <= lease, "retry_after {retry_after:?} exceeds lease {lease:?}");
+        }
+        other => panic!("expected InFlight, got {other:?}"),
+    }
+}
+
+async fn assert_completed<S: Store>(store: &S, key: &StorageKey, expected_fp: &Fingerprint, expected: &[u8]) {
+    match store.claim(key, &fp("probe"), Duration::from_secs(60)).await {
+        Ok(Claim::Completed {
+            fingerprint,
+            payload,
+        }) => {
+            assert_eq!(fingerprint, *expected_fp, "completed record keeps the claim's fingerprint");
+            assert_eq!(payload.len(), expected.len(), "payload length");
+            assert!(payload == expected, "payload bytes differ");
+        }
+        other => panic!("expected Completed, got {other:?}"),
+    }
+}
+
+/// A claim on a key nobody has used succeeds.
+pub async fn claim_on_absent_key_wins<H: Harness>(h: &H) {
+    let key = fresh_key();
+    claimed(h.store(), &key, &fp("a"), 2 * h.time_unit()).await;
+}
+
+/// Of 1,000 concurrent claims on one key, exactly one wins; all others see it in flight.
+pub async fn exactly_one_of_1000_concurrent_claims_wins<H: Harness>(h: &H) {
+    exactly_one_winner(h.store().clone(), 1000, 60 * h.time_unit()).await;
+}
+
+async fn exactly_one_winner<S: Store + Clone>(store: S, n: usize, lease: Duration) {
+    let key = fresh_key();
+    let start = Arc::new(tokio::sync::Barrier::new(n));
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let (store, start) = (store.clone(), Arc::clone(&start));
+            tokio::spawn(async move {
+                start.wait().await;
+                let f = fp(&format!("claimer {i}"));
+                (f, store.claim(&key, &f, lease).await)
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    let mut in_flight = Vec::new();
+    for task in tasks {
+        match task.await.expect("claim task panicked") {
+            (f, Ok(Claim::Claimed(token))) => winners.push((f, token)),
+            (_, Ok(Claim::InFlight { fingerprint, .. })) => in_flight.push(fingerprint),
+            (_, other) => panic!("unexpected concurrent claim result: {other:?}"),
+        }
+    }
+    assert_eq!(winners.len(), 1, "exactly one of {n} concurrent claims wins");
+    assert_eq!(in_flight.len(), n - 1);
+    let winner = winners[0].0;
+    assert!(
+        in_flight.iter().all(|f| *f == winner),
+        "every loser sees the winner's fingerprint"
+    );
+}
+
+/// An in-flight record reports its fingerprint and the time left on its lease, and a second
+/// claim changes nothing.
+pub async fn in_flight_record_reports_fingerprint_and_lease<H: Harness>(h: &H) {
+    let (store, key, lease) = (h.store(), fresh_key(), 4 * h.time_unit());
+    let owner = fp("owner");
+    claimed(store, &key, &owner, lease).await;
+    match store.claim(&key, &fp("other"), lease).await {
+        Ok(Claim::InFlight {
+            fingerprint,
+            retry_after,
+        }) => {
+            assert_eq!(fingerprint, owner);
+            assert!(retry_after <= lease, "retry_after {retry_after:?} > lease");
+            assert!(retry_after > lease / 2, "retry_after {retry_after:?} too small");
+        }
+        other => panic!("expected InFlight, got {other:?}"),
+    }
+    assert_in_flight(store, &key, &owner, lease).await;
+}
+
+/// A completed record replays its fingerprint and its payload byte for byte.
+pub async fn completed_record_replays_fingerprint_and_payload<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let f = fp("request");
+    let token = claimed(store, &key, &f, 2 * unit).await;
+    let payload = Bytes::from_static(b"{\"id\":1,\"status\":201}");
+    store
+        .complete(&key, token, payload.clone(), 10 * unit)
+        .await
+        .expect("complete with the current token");
+    assert_completed(store, &key, &f, &payload).await;
+    assert_completed(store, &key, &f, &payload).await;
+}
+
+/// Empty and 1 MiB payloads (every byte value) come back unchanged.
+pub async fn payload_round_trips_empty_and_one_mebibyte<H: Harness>(h: &H) {
+    let (store, unit) = (h.store(), h.time_unit());
+    let big: Vec<u8> = (0..(1usize << 20)).map(|i| (i % 256) as u8 ^ (i >> 12) as u8).collect();
+    for payload in [Vec::new(), big, vec![0u8; 3], vec![0xff; 17]] {
+        let key = fresh_key();
+        let f = fp("round trip");
+        let token = claimed(store, &key, &f, 2 * unit).await;
+        store
+            .complete(&key, token, Bytes::from(payload.clone()), 10 * unit)
+            .await
+            .expect("complete");
+        assert_completed(store, &key, &f, &payload).await;
+    }
+}
+
+/// `complete`, `release` and `renew` with a token that is not the current one are rejected and
+/// change nothing.
+pub async fn stale_token_is_rejected_everywhere<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let owner = fp("owner");
+    let token = claimed(store, &key, &owner, 4 * unit).await;
+    for wrong in [
+        FencingToken::new(token.get().wrapping_add(1)),
+        FencingToken::new(token.get().wrapping_sub(1)),
+        FencingToken::new(0),
+        FencingToken::new(u64::MAX),
+    ] {
+        assert_rejected(
+            store.complete(&key, wrong, Bytes::from_static(b"x"), 10 * unit).await,
+            "complete with a wrong token",
+        );
+        assert_rejected(store.release(&key, wrong).await, "release with a wrong token");
+        assert_rejected(store.renew(&key, wrong, 4 * unit).await, "renew with a wrong token");
+    }
+    assert_in_flight(store, &key, &owner, 4 * unit).await;
+    // Tokens are per key: a token of another key is not valid here.
+    let other = fresh_key();
+    let other_token = claimed(store, &other, &owner, 4 * unit).await;
+    if other_token != token {
+        assert_rejected(
+            store.complete(&key, other_token, Bytes::from_static(b"x"), 10 * unit).await,
+            "complete with another key's token",
+        );
+    }
+    // Operations on keys that hold nothing are rejected too.
+    let absent = fresh_key();
+    assert_rejected(
+        store.complete(&absent, token, Bytes::from_static(b"x"), 10 * unit).await,
+        "complete on an absent key",
+    );
+    assert_rejected(store.release(&absent, token).await, "release on an absent key");
+    assert_rejected(store.renew(&absent, token, unit).await, "renew on an absent key");
+    store
+        .complete(&key, token, Bytes::from_static(b"done"), 10 * unit)
+        .await
+        .expect("the current token still completes");
+    assert_completed(store, &key, &owner, b"done").await;
+}
+
+/// Once completed, a record is not released, renewed or completed again, even with the token
+/// that completed it.
+pub async fn completed_record_cannot_be_released_renewed_or_recompleted<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let f = fp("request");
+    let token = claimed(store, &key, &f, 2 * unit).await;
+    store
+        .complete(&key, token, Bytes::from_static(b"first"), 10 * unit)
+        .await
+        .expect("complete");
+    assert_rejected(store.release(&key, token).await, "release of a completed record");
+    assert_rejected(store.renew(&key, token, unit).await, "renew of a completed record");
+    assert_rejected(
+        store.complete(&key, token, Bytes::from_static(b"second"), 10 * unit).await,
+        "second complete",
+    );
+    assert_completed(store, &key, &f, b"first").await;
+}
+
+/// Releasing a claim frees the key: the next claim wins with a higher token, and the released
+/// token is dead.
+pub async fn release_frees_the_key_for_a_higher_token<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let first = claimed(store, &key, &fp("a"), 4 * unit).await;
+    store.release(&key, first).await.expect("release");
+    assert_rejected(store.release(&key, first).await, "second release");
+    let second = claimed(store, &key, &fp("b"), 4 * unit).await;
+    assert!(second > first, "token {second:?} not above released {first:?}");
+    assert_rejected(
+        store.complete(&key, first, Bytes::from_static(b"x"), 4 * unit).await,
+        "complete with the released token",
+    );
+    assert_in_flight(store, &key, &fp("b"), 4 * unit).await;
+}
+
+/// When a lease ends, the next claim takes over with a higher token, and the old owner can no
+/// longer complete, release or renew.
+pub async fn lease_expiry_allows_takeover_and_fences_the_old_owner<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let old = claimed(store, &key, &fp("old"), 2 * unit).await;
+    h.advance(3 * unit).await;
+    let new = claimed(store, &key, &fp("new"), 4 * unit).await;
+    assert!(new > old, "takeover token {new:?} not above {old:?}");
+    assert_rejected(
+        store.complete(&key, old, Bytes::from_static(b"stale"), 10 * unit).await,
+        "old owner's complete",
+    );
+    assert_rejected(store.renew(&key, old, 10 * unit).await, "old owner's renew");
+    assert_rejected(store.release(&key, old).await, "old owner's release");
+    assert_in_flight(store, &key, &fp("new"), 4 * unit).await;
+    store
+        .complete(&key, new, Bytes::from_static(b"fresh"), 10 * unit)
+        .await
+        .expect("new owner completes");
+    assert_completed(store, &key, &fp("new"), b"fresh").await;
+}
+
+/// Renewing extends the lease from now; an expired lease cannot be renewed.
+pub async fn renew_extends_the_lease<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let f = fp("long job");
+    let token = claimed(store, &key, &f, 2 * unit).await;
+    for _ in 0..3 {
+        h.advance(unit).await;
+        store.renew(&key, token, 2 * unit).await.expect("renew before the lease ends");
+    }
+    // 3 units after the claim, past the original 2-unit lease, the claim is still held.
+    assert_in_flight(store, &key, &f, 2 * unit).await;
+    h.advance(3 * unit).await;
+    assert_rejected(store.renew(&key, token, 2 * unit).await, "renew after the lease ended");
+    let next = claimed(store, &key, &fp("next"), 2 * unit).await;
+    assert!(next > token);
+}
+
+/// A completed record is replayed until its TTL ends, then the key is free again.
+pub async fn ttl_expiry_frees_the_key<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let f = fp("request");
+    let token = claimed(store, &key, &f, 2 * unit).await;
+    store
+        .complete(&key, token, Bytes::from_static(b"result"), 3 * unit)
+        .await
+        .expect("complete");
+    // The TTL counts from completion and outlives the lease.
+    h.advance(2 * unit).await;
+    assert_completed(store, &key, &f, b"result").await;
+    h.advance(2 * unit).await;
+    let next = claimed(store, &key, &fp("after ttl"), 2 * unit).await;
+    assert!(next > token);
+}
+
+/// Tokens keep increasing per key after the record expired or was released, so an owner from
+/// long ago can never match a new claim's token.
+pub async fn tokens_increase_across_expiry_and_release<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let mut last = claimed(store, &key, &fp("0"), unit).await;
+    store
+        .complete(&key, last, Bytes::from_static(b"r"), unit)
+        .await
+        .expect("complete");
+    h.advance(2 * unit).await;
+    for round in 0..3 {
+        let token = claimed(store, &key, &fp("n"), unit).await;
+        assert!(token > last, "round {round}: {token:?} not above {last:?}");
+        if round % 2 == 0 {
+            store.release(&key, token).await.expect("release");
+        } else {
+            h.advance(2 * unit).await;
+        }
+        last = token;
+    }
+}
+
+/// Operations on one key never affect another.
+pub async fn keys_are_isolated<H: Harness>(h: &H) {
+    let (store, unit) = (h.store(), h.time_unit());
+    let (a, b, c) = (fresh_key(), fresh_key(), fresh_key());
+    let ta = claimed(store, &a, &fp("a"), 4 * unit).await;
+    let tb = claimed(store, &b, &fp("b"), 4 * unit).await;
+    store
+        .complete(&a, ta, Bytes::from_static(b"A"), 10 * unit)
+        .await
+        .expect("complete a");
+    assert_in_flight(store, &b, &fp("b"), 4 * unit).await;
+    store.release(&b, tb).await.expect("release b");
+    assert_completed(store, &a, &fp("a"), b"A").await;
+    claimed(store, &c, &fp("c"), 4 * unit).await;
+    claimed(store, &b, &fp("b2"), 4 * unit).await;
+}

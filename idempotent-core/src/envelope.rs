@@ -1,0 +1,135 @@
+//! The envelope around every stored result: a format version and a checksum.
+//!
+//! ```text
+//! offset  size  field
+//! 0       2     magic "ID"
+//! 2       1     format version (1)
+//! 3       1     kind: 0 = result bytes follow, 1 = result not retained (no bytes follow)
+//! 4       8     first 8 bytes of blake3(result bytes)
+//! 12      n     result bytes
+//! ```
+//!
+//! Stores keep the envelope as opaque bytes. A record that fails to decode is reported as
+//! [`Error::CorruptRecord`](crate::Error::CorruptRecord), never treated as absent: treating it as
+//! absent would run the work a second time.
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+const MAGIC: &[u8; 2] = b"ID";
+const VERSION: u8 = 1;
+const HEADER: usize = 12;
+const KIND_VALUE: u8 = 0;
+const KIND_NOT_RETAINED: u8 = 1;
+
+/// What a decoded envelope holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Stored {
+    /// The result bytes.
+    Value(Bytes),
+    /// The call completed but its result was too large to keep.
+    NotRetained,
+}
+
+/// Why stored bytes are not a valid envelope.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum EnvelopeError {
+    #[error("stored record is {0} bytes, shorter than the 12-byte envelope header")]
+    Truncated(usize),
+    #[error("stored record does not start with the envelope magic")]
+    BadMagic,
+    #[error("stored record has envelope version {0}; this release reads version 1")]
+    UnknownVersion(u8),
+    #[error("stored record has unknown kind {0}")]
+    UnknownKind(u8),
+    #[error("stored record checksum does not match its contents")]
+    Checksum,
+}
+
+fn checksum(bytes: &[u8]) -> [u8; 8] {
+    let digest = blake3::hash(bytes);
+    let mut out = [0; 8];
+    out.copy_from_slice(&digest.as_bytes()[..8]);
+    out
+}
+
+pub(crate) fn encode_value(result: &[u8]) -> Bytes {
+    let mut out = BytesMut::with_capacity(HEADER + result.len());
+    out.put_slice(MAGIC);
+    out.put_u8(VERSION);
+    out.put_u8(KIND_VALUE);
+    out.put_slice(&checksum(result));
+    out.put_slice(result);
+    out.freeze()
+}
+
+pub(crate) fn encode_not_retained() -> Bytes {
+    let mut out = BytesMut::with_capacity(HEADER);
+    out.put_slice(MAGIC);
+    out.put_u8(VERSION);
+    out.put_u8(KIND_NOT_RETAINED);
+    out.put_slice(&checksum(&[]));
+    out.freeze()
+}
+
+/// The stored size of a result of `len` bytes.
+#[cfg(test)]
+pub(crate) const fn encoded_len(len: usize) -> usize {
+    HEADER + len
+}
+
+pub(crate) fn decode(stored: &Bytes) -> Result<Stored, EnvelopeError> {
+    if stored.len() < HEADER {
+        return Err(EnvelopeError::Truncated(stored.len()));
+    }
+    if &stored[..2] != MAGIC {
+        return Err(EnvelopeError::BadMagic);
+    }
+    if stored[2] != VERSION {
+        return Err(EnvelopeError::UnknownVersion(stored[2]));
+    }
+    let body = &stored[HEADER..];
+    if stored[4..HEADER] != checksum(body) {
+        return Err(EnvelopeError::Checksum);
+    }
+    match stored[3] {
+        KIND_VALUE => Ok(Stored::Value(stored.slice(HEADER..))),
+        KIND_NOT_RETAINED if body.is_empty() => Ok(Stored::NotRetained),
+        kind => Err(EnvelopeError::UnknownKind(kind)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_empty_small_and_large_results() {
+        for len in [0, 1, 100, 1 << 20] {
+            let result: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+            let enc = encode_value(&result);
+            assert_eq!(enc.len(), encoded_len(len));
+            assert_eq!(decode(&enc), Ok(Stored::Value(Bytes::from(result))));
+        }
+        assert_eq!(decode(&encode_not_retained()), Ok(Stored::NotRetained));
+    }
+
+    #[test]
+    fn every_corruption_is_an_error() {
+        let enc = encode_value(b"{\"id\":1}");
+        for i in 0..enc.len() {
+            let mut bad = enc.to_vec();
+            bad[i] ^= 0x01;
+            assert!(decode(&Bytes::from(bad)).is_err(), "flip at {i} went unnoticed");
+        }
+        for cut in 0..enc.len() {
+            assert!(decode(&enc.slice(..cut)).is_err(), "truncation to {cut}");
+        }
+        assert_eq!(decode(&Bytes::new()), Err(EnvelopeError::Truncated(0)));
+        let mut future = enc.to_vec();
+        future[2] = 2;
+        assert_eq!(
+            decode(&Bytes::from(future)),
+            Err(EnvelopeError::UnknownVersion(2))
+        );
+    }
+}

@@ -1,0 +1,124 @@
+//! Errors of the runtime and of stores.
+
+use std::time::Duration;
+
+use crate::{CanonicalError, KeyError};
+
+/// A boxed error source, as kept by [`StoreError`] and [`Error`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Why a call through the runtime did not run the work or replay a result.
+///
+/// Every variant tells the client what to do next; see each variant. None of these outcomes is
+/// ever stored: a retry after fixing the cause is handled afresh.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The key is malformed. Client: send a valid key.
+    #[error("invalid idempotency key: {0}")]
+    InvalidKey(#[from] KeyError),
+
+    /// The key was already used for a request with a different fingerprint. Client: use a new
+    /// key for a new request; never reuse a key with a different payload.
+    #[error("idempotency key was already used for a different request")]
+    FingerprintMismatch,
+
+    /// Another call with the same key is still running. Client: retry after `retry_after`.
+    #[error("a request with this idempotency key is still in flight; retry after {retry_after:?}")]
+    InFlight {
+        /// When the current owner's lease ends, at the latest.
+        retry_after: Duration,
+    },
+
+    /// The first call completed but its result was too large to retain, so there is nothing to
+    /// replay and the work is not run again. Client: treat the original call as done and look
+    /// its result up by other means.
+    #[error("the request completed but its result was too large to retain for replay")]
+    ResultNotRetained,
+
+    /// The store holds a record for this key that cannot be decoded. It is treated as a conflict,
+    /// never as absent, so the work is not run again. Operator: inspect the store.
+    #[error("the stored record for this key is corrupt")]
+    CorruptRecord(#[source] BoxError),
+
+    /// The fingerprint value could not be encoded canonically.
+    #[error("cannot fingerprint the request")]
+    Fingerprint(#[from] CanonicalError),
+
+    /// The result could not be encoded for storage, or a stored result could not be decoded into
+    /// the expected type.
+    #[error("cannot encode or decode the result")]
+    Payload(#[source] BoxError),
+
+    /// The store failed; see the source. The work was not run (fail closed).
+    #[error("idempotency store failed")]
+    Store(#[from] StoreError),
+}
+
+impl Error {
+    /// How long a client should wait before retrying, where a retry can succeed.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Error::InFlight { retry_after } => Some(*retry_after),
+            Error::Store(e) => e.retry_after(),
+            _ => None,
+        }
+    }
+
+    /// A stable machine-readable code for this error, used in problem documents and logs.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::InvalidKey(_) => "invalid_key",
+            Error::FingerprintMismatch => "fingerprint_mismatch",
+            Error::InFlight { .. } => "in_flight",
+            Error::ResultNotRetained => "result_not_retained",
+            Error::CorruptRecord(_) => "corrupt_record",
+            Error::Fingerprint(_) => "invalid_fingerprint",
+            Error::Payload(_) => "payload_error",
+            Error::Store(StoreError::Capacity { .. }) => "store_capacity",
+            Error::Store(_) => "store_unavailable",
+        }
+    }
+}
+
+/// What a store reports when an operation fails.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// `complete`, `release` or `renew` was called with a token that is not the record's current
+    /// one: the caller's lease ended and another caller took over (or the record is gone). The
+    /// record was left as it was.
+    #[error("fencing token rejected: the claim is no longer held by this caller")]
+    TokenRejected,
+
+    /// The store is full of live records and refuses new ones rather than evicting them.
+    #[error("idempotency store is full ({what}); refusing new claims rather than evicting live records")]
+    Capacity {
+        /// Which bound was hit.
+        what: &'static str,
+    },
+
+    /// The backend could not be reached or did not answer.
+    #[error("idempotency store is unavailable")]
+    Unavailable(#[source] BoxError),
+
+    /// The backend answered with something this store cannot interpret.
+    #[error("idempotency store returned data it cannot decode")]
+    Corrupt(#[source] BoxError),
+
+    /// Any other backend failure.
+    #[error("idempotency store failed")]
+    Backend(#[source] BoxError),
+}
+
+impl StoreError {
+    /// How long to wait before retrying an operation that failed with this error.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            StoreError::Unavailable(_) | StoreError::Capacity { .. } | StoreError::Backend(_) => {
+                Some(Duration::from_secs(1))
+            }
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,369 @@
+//! Idempotency keys, scopes and the storage keys derived from them.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// The longest key accepted, in bytes.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// A validated idempotency key, as sent by a client.
+///
+/// A key is 1 to [`MAX_KEY_LEN`] bytes of printable ASCII: visible characters `0x21..=0x7E`,
+/// plus the space `0x20` between them (an RFC 8941 sf-string may contain spaces; a bare header
+/// token cannot). A key may not start or end with a space, so a key always has the same meaning
+/// whether it arrived quoted or bare.
+///
+/// A key is never used raw as a storage key: the store sees only a [`StorageKey`], a fixed-size
+/// digest of the namespace, the [`Scope`] and the key.
+///
+/// ```
+/// use idempotent_core::Key;
+///
+/// let key: Key = "order-8472".parse()?;
+/// assert_eq!(key.as_str(), "order-8472");
+/// assert!(Key::new("").is_err());
+/// assert!(Key::new("naïve").is_err());
+/// # Ok::<(), idempotent_core::KeyError>(())
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key(Box<str>);
+
+/// Why a string is not a valid [`Key`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The key is empty.
+    #[error("idempotency key is empty")]
+    Empty,
+    /// The key is longer than [`MAX_KEY_LEN`] bytes.
+    #[error("idempotency key is {len} bytes long; the limit is {MAX_KEY_LEN}")]
+    TooLong {
+        /// The key's length in bytes.
+        len: usize,
+    },
+    /// The key contains a byte outside printable ASCII.
+    #[error(
+        "idempotency key has byte 0x{byte:02x} at offset {offset}; only printable ASCII (0x20..=0x7e) is allowed"
+    )]
+    InvalidByte {
+        /// Offset of the first offending byte.
+        offset: usize,
+        /// The offending byte.
+        byte: u8,
+    },
+    /// The key starts or ends with a space.
+    #[error("idempotency key starts or ends with a space")]
+    SurroundingSpace,
+}
+
+impl Key {
+    /// Validates `key`.
+    pub fn new(key: impl AsRef<str> + Into<String>) -> Result<Self, KeyError> {
+        validate(key.as_ref().as_bytes())?;
+        Ok(Key(key.into().into_boxed_str()))
+    }
+
+    /// The key as sent by the client.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Checks the key rules on raw bytes without allocating.
+pub(crate) fn validate(bytes: &[u8]) -> Result<(), KeyError> {
+    if bytes.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if bytes.len() > MAX_KEY_LEN {
+        return Err(KeyError::TooLong { len: bytes.len() });
+    }
+    if let Some(offset) = bytes.iter().position(|b| !(0x20..=0x7e).contains(b)) {
+        return Err(KeyError::InvalidByte {
+            offset,
+            byte: bytes[offset],
+        });
+    }
+    if bytes[0] == b' ' || bytes[bytes.len() - 1] == b' ' {
+        return Err(KeyError::SurroundingSpace);
+    }
+    Ok(())
+}
+
+impl FromStr for Key {
+    type Err = KeyError;
+    fn from_str(s: &str) -> Result<Self, KeyError> {
+        Key::new(s)
+    }
+}
+
+impl TryFrom<&str> for Key {
+    type Error = KeyError;
+    fn try_from(s: &str) -> Result<Self, KeyError> {
+        Key::new(s)
+    }
+}
+
+impl TryFrom<String> for Key {
+    type Error = KeyError;
+    fn try_from(s: String) -> Result<Self, KeyError> {
+        Key::new(s)
+    }
+}
+
+impl AsRef<str> for Key {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Keys are client-supplied and may be sensitive, so `Debug` shows only their length and a
+/// short digest; use [`Key::as_str`] to see the key itself.
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let digest = blake3::hash(self.0.as_bytes());
+        write!(
+            f,
+            "Key(len={}, blake3={})",
+            self.0.len(),
+            &digest.to_hex()[..12]
+        )
+    }
+}
+
+/// Who a key belongs to.
+///
+/// Two requests share a record only when their namespace, scope and key are all equal, so one
+/// tenant can never replay — or even detect — another tenant's response. Each part is optional
+/// and opaque bytes; parts are length-prefixed when hashed, so `("ab", "c")` and `("a", "bc")`
+/// never collide.
+///
+/// ```
+/// use idempotent_core::Scope;
+///
+/// let scope = Scope::new().tenant("acme").principal("alice").operation("POST /payments");
+/// assert_ne!(scope, Scope::new().tenant("acme").principal("bob").operation("POST /payments"));
+/// ```
+#[derive(Clone, Default, PartialEq, Eq, Hash)]
+pub struct Scope {
+    tenant: Option<Box<[u8]>>,
+    principal: Option<Box<[u8]>>,
+    operation: Option<Box<[u8]>>,
+}
+
+impl Scope {
+    /// An empty scope: every caller shares one key space.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets the tenant (organisation, account) the key belongs to.
+    pub fn tenant(mut self, tenant: impl AsRef<[u8]>) -> Self {
+        self.tenant = Some(tenant.as_ref().into());
+        self
+    }
+
+    /// Sets the principal (user, API client) the key belongs to.
+    pub fn principal(mut self, principal: impl AsRef<[u8]>) -> Self {
+        self.principal = Some(principal.as_ref().into());
+        self
+    }
+
+    /// Sets the operation (function name, route) the key belongs to.
+    pub fn operation(mut self, operation: impl AsRef<[u8]>) -> Self {
+        self.operation = Some(operation.as_ref().into());
+        self
+    }
+}
+
+/// Scope parts may be credentials (an `Authorization` digest), so `Debug` shows only which parts
+/// are set.
+impl fmt::Debug for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let part = |p: &Option<Box<[u8]>>| if p.is_some() { "set" } else { "unset" };
+        f.debug_struct("Scope")
+            .field("tenant", &part(&self.tenant))
+            .field("principal", &part(&self.principal))
+            .field("operation", &part(&self.operation))
+            .finish()
+    }
+}
+
+/// The fixed-size name under which a store keeps one record: a blake3 digest of the namespace,
+/// the [`Scope`] and the [`Key`].
+///
+/// Storage keys have bounded size, contain no client bytes (so no injection into a backend's key
+/// syntax), and map to exactly one backend key (so one Redis Cluster slot per record).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StorageKey([u8; 32]);
+
+const STORAGE_KEY_CONTEXT: &str = "idempotent 2026-11 storage key v1";
+
+impl StorageKey {
+    /// Derives the storage key for `key` in `scope` under `namespace`.
+    ///
+    /// The derivation is stable across processes, platforms and releases of this crate.
+    pub fn derive(namespace: &[u8], scope: &Scope, key: &Key) -> Self {
+        Self::derive_raw(namespace, scope, key.as_str().as_bytes())
+    }
+
+    pub(crate) fn derive_raw(namespace: &[u8], scope: &Scope, key: &[u8]) -> Self {
+        let mut hasher = blake3::Hasher::new_derive_key(STORAGE_KEY_CONTEXT);
+        let mut field = |tag: u8, value: Option<&[u8]>| {
+            hasher.update(&[tag]);
+            match value {
+                None => {
+                    hasher.update(&[0]);
+                }
+                Some(v) => {
+                    hasher.update(&[1]);
+                    hasher.update(&(v.len() as u64).to_le_bytes());
+                    hasher.update(v);
+                }
+            }
+        };
+        field(b'n', Some(namespace));
+        field(b't', scope.tenant.as_deref());
+        field(b'p', scope.principal.as_deref());
+        field(b'o', scope.operation.as_deref());
+        field(b'k', Some(key));
+        StorageKey(*hasher.finalize().as_bytes())
+    }
+
+    /// Wraps raw digest bytes, e.g. read back from a backend.
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+        StorageKey(bytes)
+    }
+
+    /// The digest bytes.
+    pub const fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// The digest as 64 lowercase hex characters, suitable as a backend key.
+    pub fn to_hex(&self) -> String {
+        let mut out = String::with_capacity(64);
+        for b in self.0 {
+            out.push(char::from(HEX[usize::from(b >> 4)]));
+            out.push(char::from(HEX[usize::from(b & 0xf)]));
+        }
+        out
+    }
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+impl fmt::Debug for StorageKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StorageKey({})", self)
+    }
+}
+
+impl fmt::Display for StorageKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_printable_ascii_and_inner_spaces() {
+        for ok in ["a", "~", "!", "order 42", "8e03978e-40d5-43e8-bc93-6894a57f9324"] {
+            assert_eq!(Key::new(ok).unwrap().as_str(), ok);
+        }
+        assert!(Key::new("x".repeat(MAX_KEY_LEN)).is_ok());
+    }
+
+    #[test]
+    fn rejects_each_rule_with_its_own_error() {
+        assert_eq!(Key::new(""), Err(KeyError::Empty));
+        assert_eq!(
+            Key::new("x".repeat(256)),
+            Err(KeyError::TooLong { len: 256 })
+        );
+        assert_eq!(
+            Key::new("ab\ncd"),
+            Err(KeyError::InvalidByte {
+                offset: 2,
+                byte: b'\n'
+            })
+        );
+        assert_eq!(
+            Key::new("é"),
+            Err(KeyError::InvalidByte {
+                offset: 0,
+                byte: 0xc3
+            })
+        );
+        assert_eq!(
+            Key::new("a\x7f"),
+            Err(KeyError::InvalidByte {
+                offset: 1,
+                byte: 0x7f
+            })
+        );
+        assert_eq!(Key::new(" a"), Err(KeyError::SurroundingSpace));
+        assert_eq!(Key::new("a "), Err(KeyError::SurroundingSpace));
+        assert_eq!(Key::new(" "), Err(KeyError::SurroundingSpace));
+    }
+
+    #[test]
+    fn debug_never_shows_the_raw_key() {
+        let shown = format!("{:?}", Key::new("secret-key-123").unwrap());
+        assert!(!shown.contains("secret"), "{shown}");
+        let scope = format!("{:?}", Scope::new().principal("Bearer hunter2"));
+        assert!(!scope.contains("hunter2"), "{scope}");
+    }
+
+    #[test]
+    fn storage_key_separates_namespace_scope_and_key() {
+        let k = Key::new("k1").unwrap();
+        let base = StorageKey::derive(b"app", &Scope::new(), &k);
+        assert_eq!(base, StorageKey::derive(b"app", &Scope::new(), &k));
+        let variants = [
+            StorageKey::derive(b"other", &Scope::new(), &k),
+            StorageKey::derive(b"app", &Scope::new().tenant("t"), &k),
+            StorageKey::derive(b"app", &Scope::new().principal("t"), &k),
+            StorageKey::derive(b"app", &Scope::new().operation("t"), &k),
+            StorageKey::derive(b"app", &Scope::new().tenant(""), &k),
+            StorageKey::derive(b"app", &Scope::new(), &Key::new("k2").unwrap()),
+        ];
+        for (i, v) in variants.iter().enumerate() {
+            assert_ne!(*v, base, "variant {i}");
+            for w in &variants[i + 1..] {
+                assert_ne!(v, w);
+            }
+        }
+        // Length prefixes keep part boundaries unambiguous.
+        assert_ne!(
+            StorageKey::derive(b"a", &Scope::new().tenant("bc"), &k),
+            StorageKey::derive(b"ab", &Scope::new().tenant("c"), &k)
+        );
+    }
+
+    #[test]
+    fn storage_key_is_stable_across_releases() {
+        // A changed derivation would orphan every record in every shared store.
+        let key = StorageKey::derive(
+            b"payments",
+            &Scope::new().principal("alice"),
+            &Key::new("order-1").unwrap(),
+        );
+        assert_eq!(key.to_hex().len(), 64);
+        assert_eq!(
+            key.to_hex(),
+            StorageKey::derive(
+                b"payments",
+                &Scope::new().principal("alice"),
+                &Key::new("order-1").unwrap()
+            )
+            .to_string()
+        );
+        assert_eq!(key.to_hex(), GOLDEN_STORAGE_KEY);
+    }
+
+    const GOLDEN_STORAGE_KEY: &str =
+        "c86b7a46ba4d39f15b97821158a6ba1d7b4e2251c4add45474745cbbab7129bb";
+}

@@ -1,0 +1,87 @@
+//! Exactly-once effects on top of at-least-once delivery.
+//!
+//! Clients time out and retry; brokers redeliver. This crate makes the *effect* of a request
+//! happen once per idempotency key: the first call claims the key and runs, concurrent
+//! duplicates are refused (or wait), and retries replay the recorded result.
+//!
+//! ```
+//! use idempotent_core::{Call, Fingerprint, Idempotency, MemoryStore, Scope};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), idempotent_core::Error> {
+//! let idempotency = Idempotency::new(MemoryStore::new());
+//!
+//! let call = Call::new("payment-7f3a".parse()?)
+//!     .scope(Scope::new().principal("alice"))
+//!     .fingerprint(Fingerprint::of(&("EUR", 1999u64))?);
+//!
+//! let receipt = idempotency.run(&call, async { format!("charged {} cents", 1999) }).await?;
+//! let retried = idempotency.run(&call, async { String::from("charged twice!") }).await?;
+//! assert_eq!(receipt.get(), retried.get());
+//! assert!(retried.is_replayed());
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Concepts
+//!
+//! - [`Key`]: the client's idempotency key, validated (1–255 bytes of printable ASCII).
+//! - [`Scope`]: who the key belongs to (tenant, principal, operation). Scopes never share
+//!   records.
+//! - [`StorageKey`]: the blake3 digest of namespace, scope and key that a store actually sees.
+//! - [`Fingerprint`]: a digest of what the request means. The same key with another fingerprint
+//!   is refused with [`Error::FingerprintMismatch`] instead of replaying the wrong response.
+//! - **Lease** (default 30 s): how long an in-flight claim lives without renewal; renewed while
+//!   the work runs, so only a crashed owner's claim lapses. Separate from the **TTL** (default
+//!   24 h): how long a completed result is replayed.
+//! - [`FencingToken`]: strictly increasing per key; a caller whose lease lapsed can never
+//!   complete, release or renew the new owner's record.
+//! - [`Store`]: where records live. [`MemoryStore`] is the embedded default.
+//! - [`Idempotency`]: the runtime; see its docs for the exact semantics.
+//!
+//! # Features
+//!
+//! - `memory` (default): [`MemoryStore`].
+//! - `test-util`: the store conformance suite ([`conformance`]) for testing any store.
+//!
+//! # What it cannot do
+//!
+//! An effect on a system that takes no idempotency key and shares no transaction with the store
+//! (sending an e-mail, calling a third-party API without keys) cannot be made exactly-once: a
+//! crash between the effect and the completion record leaves no way to know whether it
+//! happened. Record the intent in your database in the same transaction as the state change and
+//! deliver it from there (the outbox pattern).
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod clock;
+mod envelope;
+mod error;
+mod fingerprint;
+mod key;
+mod runtime;
+mod store;
+
+#[cfg(feature = "test-util")]
+pub mod conformance;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use error::{BoxError, Error, StoreError};
+pub use fingerprint::{CanonicalError, Fingerprint, FingerprintBuilder};
+pub use key::{Key, KeyError, MAX_KEY_LEN, Scope, StorageKey};
+pub use runtime::{
+    Call, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Execution, Idempotency,
+    IdempotencyBuilder, InFlightPolicy, Outcome, Retain,
+};
+pub use store::{Claim, FencingToken, Store};
+
+/// The in-memory store, its statistics and its default bounds.
+#[cfg(feature = "memory")]
+pub mod memory {
+    pub use crate::store::memory::{
+        DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DEFAULT_SWEEP_INTERVAL, MemoryStats, MemoryStore,
+        MemoryStoreBuilder, RECORD_OVERHEAD,
+    };
+}
+#[cfg(feature = "memory")]
+pub use memory::{MemoryStore, MemoryStoreBuilder};

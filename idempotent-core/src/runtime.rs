@@ -1,0 +1,634 @@
+//! The runtime: claim → run → complete or release, or replay.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::envelope::{self, Stored};
+use crate::store::{BoxFuture, DynStore};
+use crate::{Claim, Error, FencingToken, Fingerprint, Key, Scope, StorageKey, Store, StoreError};
+
+/// Default time a completed record is kept: 24 hours.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+/// Default lease of an in-flight claim: 30 seconds, renewed every third of it while the work runs.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// Default largest result retained for replay: 1 MiB.
+pub const DEFAULT_MAX_RESULT_BYTES: usize = 1 << 20;
+
+/// What a call does when it finds its key claimed by a call still running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum InFlightPolicy {
+    /// Fail at once with [`Error::InFlight`] (HTTP 409 with `Retry-After`). The default.
+    #[default]
+    Reject,
+    /// Wait up to `max` for the running call to finish, then replay its result. If it released
+    /// its claim (it failed transiently), this call claims the key and runs the work itself. If
+    /// `max` passes first, fail with [`Error::InFlight`].
+    Wait {
+        /// The longest this call waits.
+        max: Duration,
+    },
+}
+
+/// Whether the runtime keeps a fresh result for replay or forgets the call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Retain {
+    /// Keep these result bytes: retries replay them until the TTL ends.
+    Store(Bytes),
+    /// Forget the call: the next retry runs the work again (a transient failure).
+    Release,
+}
+
+/// The result of [`Idempotency::execute`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Execution<V> {
+    /// The work ran in this call and returned this value.
+    Fresh(V),
+    /// An earlier call with the same key completed; these are the bytes it retained.
+    Replayed(Bytes),
+}
+
+/// The result of [`Idempotency::run`]: the value, and whether it was computed now or replayed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome<T> {
+    /// The work ran in this call.
+    Fresh(T),
+    /// An earlier call with the same key ran the work; this is its result.
+    Replayed(T),
+}
+
+impl<T> Outcome<T> {
+    /// True if the value was replayed from an earlier call.
+    pub fn is_replayed(&self) -> bool {
+        matches!(self, Outcome::Replayed(_))
+    }
+
+    /// The value, fresh or replayed.
+    pub fn into_inner(self) -> T {
+        match self {
+            Outcome::Fresh(v) | Outcome::Replayed(v) => v,
+        }
+    }
+
+    /// A reference to the value.
+    pub fn get(&self) -> &T {
+        match self {
+            Outcome::Fresh(v) | Outcome::Replayed(v) => v,
+        }
+    }
+}
+
+/// One idempotent call: its key, scope, fingerprint, and per-call overrides of the runtime's
+/// defaults.
+///
+/// ```
+/// use idempotent_core::{Call, Fingerprint, InFlightPolicy, Scope};
+/// use std::time::Duration;
+///
+/// let call = Call::new("order-42".parse()?)
+///     .scope(Scope::new().tenant("acme").operation("charge"))
+///     .fingerprint(Fingerprint::of(&("EUR", 1999u64))?)
+///     .ttl(Duration::from_secs(3600))
+///     .in_flight(InFlightPolicy::Wait { max: Duration::from_secs(5) });
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct Call {
+    key: Key,
+    scope: Scope,
+    fingerprint: Option<Fingerprint>,
+    ttl: Option<Duration>,
+    lease: Option<Duration>,
+    in_flight: Option<InFlightPolicy>,
+}
+
+impl Call {
+    /// A call with `key`, the empty scope and the empty fingerprint.
+    pub fn new(key: Key) -> Self {
+        Call {
+            key,
+            scope: Scope::new(),
+            fingerprint: None,
+            ttl: None,
+            lease: None,
+            in_flight: None,
+        }
+    }
+
+    /// Who the key belongs to.
+    pub fn scope(mut self, scope: Scope) -> Self {
+        self.scope = scope;
+        self
+    }
+
+    /// What the request means; a retry with the same key and another fingerprint fails with
+    /// [`Error::FingerprintMismatch`]. Default: [`Fingerprint::empty`].
+    pub fn fingerprint(mut self, fingerprint: Fingerprint) -> Self {
+        self.fingerprint = Some(fingerprint);
+        self
+    }
+
+    /// How long a completed result is replayed (default: the runtime's).
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+
+    /// How long a claim lives without renewal (default: the runtime's).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// What to do when the key is in flight (default: the runtime's).
+    pub fn in_flight(mut self, policy: InFlightPolicy) -> Self {
+        self.in_flight = Some(policy);
+        self
+    }
+
+    /// The key.
+    pub fn key(&self) -> &Key {
+        &self.key
+    }
+}
+
+/// The idempotency runtime: a store plus defaults. Cheap to clone; clones share the store.
+///
+/// ```
+/// use idempotent_core::{Call, Idempotency, MemoryStore};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), idempotent_core::Error> {
+/// let idempotency = Idempotency::new(MemoryStore::new());
+/// let call = Call::new("charge-1".parse()?);
+///
+/// let first = idempotency.run(&call, async { "charged 10 EUR".to_string() }).await?;
+/// let retry = idempotency.run(&call, async { "charged twice!".to_string() }).await?;
+///
+/// assert!(!first.is_replayed());
+/// assert!(retry.is_replayed());
+/// assert_eq!(retry.into_inner(), "charged 10 EUR");
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Semantics
+///
+/// 1. **Claim** the call's storage key. A completed record with the same fingerprint is
+///    replayed; with a different fingerprint the call fails with
+///    [`Error::FingerprintMismatch`]. A record in flight is answered per the
+///    [`InFlightPolicy`]; a record that cannot be decoded fails with [`Error::CorruptRecord`].
+/// 2. **Run** the work. While it runs, the lease is renewed every third of its length, so long
+///    work keeps its claim and a crashed owner's claim ends with its lease.
+/// 3. **Classify** the output: [`Retain::Store`] completes the record (retries replay it),
+///    [`Retain::Release`] deletes the claim (the next retry runs again). A result larger than
+///    the maximum result size is recorded as "not retained": retries fail with
+///    [`Error::ResultNotRetained`] rather than running the work again.
+/// 4. **Cancellation and panics**: if the call's future is dropped or the work panics, the claim
+///    is released in the background, so the key is never locked beyond the work's life.
+/// 5. **Store failures** before the work runs fail the call with [`Error::Store`] (fail closed).
+///    If completing fails after the work ran, the call still returns its fresh value and logs
+///    the failure: the claim then ends with its lease.
+///
+/// Requires a tokio runtime with the time driver enabled.
+#[derive(Clone)]
+pub struct Idempotency {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    store: Arc<dyn DynStore>,
+    namespace: Box<[u8]>,
+    ttl: Duration,
+    lease: Duration,
+    in_flight: InFlightPolicy,
+    max_result_bytes: usize,
+}
+
+impl fmt::Debug for Idempotency {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("namespace", &String::from_utf8_lossy(&self.inner.namespace))
+            .field("ttl", &self.inner.ttl)
+            .field("lease", &self.inner.lease)
+            .field("in_flight", &self.inner.in_flight)
+            .field("max_result_bytes", &self.inner.max_result_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures an [`Idempotency`]. Created by [`Idempotency::builder`].
+#[must_use]
+pub struct IdempotencyBuilder {
+    store: Arc<dyn DynStore>,
+    namespace: Box<[u8]>,
+    ttl: Duration,
+    lease: Duration,
+    in_flight: InFlightPolicy,
+    max_result_bytes: usize,
+}
+
+impl fmt::Debug for IdempotencyBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyBuilder").finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyBuilder {
+    /// Separates this application's records from other applications sharing the store
+    /// (default: empty). Part of every storage key: changing it forgets every record.
+    pub fn namespace(mut self, namespace: impl AsRef<[u8]>) -> Self {
+        self.namespace = namespace.as_ref().into();
+        self
+    }
+
+    /// How long completed results are replayed (default [`DEFAULT_TTL`]).
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// How long a claim lives without renewal (default [`DEFAULT_LEASE`]). After a crash, the
+    /// key stays locked this long.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// What a call does when its key is in flight (default [`InFlightPolicy::Reject`]).
+    pub fn in_flight(mut self, policy: InFlightPolicy) -> Self {
+        self.in_flight = policy;
+        self
+    }
+
+    /// The largest result retained for replay (default [`DEFAULT_MAX_RESULT_BYTES`]).
+    pub fn max_result_bytes(mut self, max: usize) -> Self {
+        self.max_result_bytes = max;
+        self
+    }
+
+    /// Builds the runtime.
+    pub fn build(self) -> Idempotency {
+        Idempotency {
+            inner: Arc::new(Inner {
+                store: self.store,
+                namespace: self.namespace,
+                ttl: self.ttl,
+                lease: self.lease,
+                in_flight: self.in_flight,
+                max_result_bytes: self.max_result_bytes,
+            }),
+        }
+    }
+}
+
+const FIRST_WAIT_POLL: Duration = Duration::from_millis(5);
+const LAST_WAIT_POLL: Duration = Duration::from_millis(200);
+
+impl Idempotency {
+    /// A runtime over `store` with the defaults.
+    pub fn new(store: impl Store) -> Self {
+        Self::builder(store).build()
+    }
+
+    /// Configures a runtime over `store`.
+    pub fn builder(store: impl Store) -> IdempotencyBuilder {
+        IdempotencyBuilder {
+            store: Arc::new(store),
+            namespace: Box::default(),
+            ttl: DEFAULT_TTL,
+            lease: DEFAULT_LEASE,
+            in_flight: InFlightPolicy::Reject,
+            max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
+        }
+    }
+
+    /// The storage key `call` maps to in this runtime's namespace.
+    pub fn storage_key(&self, call: &Call) -> StorageKey {
+        StorageKey::derive(&self.inner.namespace, &call.scope, &call.key)
+    }
+
+    /// Runs `work` at most once per key, retaining its result as JSON for replay.
+    ///
+    /// Every result is stored. To decide per result (release transient failures), use
+    /// [`run_with`](Self::run_with).
+    pub async fn run<T, F>(&self, call: &Call, work: F) -> Result<Outcome<T>, Error>
+    where
+        F: Future<Output = T>,
+        T: Serialize + DeserializeOwned,
+    {
+        self.run_with(call, work, |_| true).await
+    }
+
+    /// Like [`run`](Self::run), but a result for which `retain` returns false is not stored: the
+    /// claim is released and the next retry runs the work again.
+    pub async fn run_with<T, F>(
+        &self,
+        call: &Call,
+        work: F,
+        retain: impl FnOnce(&T) -> bool,
+    ) -> Result<Outcome<T>, Error>
+    where
+        F: Future<Output = T>,
+        T: Serialize + DeserializeOwned,
+    {
+        let mut encode_error = None;
+        let execution = self
+            .execute(call, work, |value| {
+                if !retain(value) {
+                    return Retain::Release;
+                }
+                match serde_json::to_vec(value) {
+                    Ok(bytes) => Retain::Store(Bytes::from(bytes)),
+                    Err(e) => {
+                        encode_error = Some(e);
+                        Retain::Release
+                    }
+                }
+            })
+            .await?;
+        if let Some(e) = encode_error {
+            return Err(Error::Payload(e.into()));
+        }
+        match execution {
+            Execution::Fresh(value) => Ok(Outcome::Fresh(value)),
+            Execution::Replayed(bytes) => serde_json::from_slice(&bytes)
+                .map(Outcome::Replayed)
+                .map_err(|e| Error::Payload(e.into())),
+        }
+    }
+
+    /// The byte-level primitive under [`run`](Self::run): runs `work` at most once per key;
+    /// `classify` turns its output into the bytes to retain, or releases the claim.
+    pub async fn execute<V, F>(
+        &self,
+        call: &Call,
+        work: F,
+        classify: impl FnOnce(&V) -> Retain,
+    ) -> Result<Execution<V>, Error>
+    where
+        F: Future<Output = V>,
+    {
+        let inner = &*self.inner;
+        let key = self.storage_key(call);
+        let fingerprint = call.fingerprint.unwrap_or_else(Fingerprint::empty);
+        let lease = call.lease.unwrap_or(inner.lease);
+        let ttl = call.ttl.unwrap_or(inner.ttl);
+        let token = match self
+            .acquire(&key, &fingerprint, lease, call.in_flight.unwrap_or(inner.in_flight))
+            .await?
+        {
+            Acquired::Owner(token) => token,
+            Acquired::Replay(bytes) => {
+                tracing::debug!(storage_key = %key, "idempotent call replayed");
+                return Ok(Execution::Replayed(bytes));
+            }
+        };
+        tracing::debug!(storage_key = %key, token = token.get(), "idempotent call claimed");
+
+        let mut guard = ClaimGuard {
+            store: &inner.store,
+            key,
+            token,
+            armed: true,
+        };
+        let mut work = std::pin::pin!(work);
+        let value = Renewing {
+            work: work.as_mut(),
+            store: &*inner.store,
+            key: &key,
+            token,
+            lease,
+            timer: None,
+            renewal: None,
+            lost: false,
+        }
+        .await;
+        match classify(&value) {
+            Retain::Store(result) => {
+                guard.armed = false;
+                self.complete(&key, token, &result, ttl).await;
+            }
+            Retain::Release => {
+                guard.armed = false;
+                match inner.store.release(&key, token).await {
+                    Ok(()) => tracing::debug!(storage_key = %key, "idempotent call released"),
+                    Err(error) => tracing::warn!(
+                        storage_key = %key,
+                        error = &error as &dyn std::error::Error,
+                        "idempotent call could not release its claim; it ends with its lease"
+                    ),
+                }
+            }
+        }
+        Ok(Execution::Fresh(value))
+    }
+
+    async fn acquire(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        policy: InFlightPolicy,
+    ) -> Result<Acquired, Error> {
+        let store = &*self.inner.store;
+        let deadline = match policy {
+            InFlightPolicy::Reject => None,
+            InFlightPolicy::Wait { max } => Some(tokio::time::Instant::now() + max),
+        };
+        let mut poll = FIRST_WAIT_POLL;
+        loop {
+            match store.claim(key, fingerprint, lease).await? {
+                Claim::Claimed(token) => return Ok(Acquired::Owner(token)),
+                Claim::Completed {
+                    fingerprint: recorded,
+                    payload,
+                } => {
+                    if recorded != *fingerprint {
+                        tracing::info!(storage_key = %key, "idempotency key reused with a different fingerprint");
+                        return Err(Error::FingerprintMismatch);
+                    }
+                    return match envelope::decode(&payload) {
+                        Ok(Stored::Value(bytes)) => Ok(Acquired::Replay(bytes)),
+                        Ok(Stored::NotRetained) => Err(Error::ResultNotRetained),
+                        Err(e) => {
+                            tracing::error!(storage_key = %key, error = %e, "corrupt idempotency record");
+                            Err(Error::CorruptRecord(e.into()))
+                        }
+                    };
+                }
+                Claim::InFlight {
+                    fingerprint: recorded,
+                    retry_after,
+                } => {
+                    if recorded != *fingerprint {
+                        tracing::info!(storage_key = %key, "idempotency key reused with a different fingerprint");
+                        return Err(Error::FingerprintMismatch);
+                    }
+                    let now = tokio::time::Instant::now();
+                    let Some(left) = deadline.and_then(|d| d.checked_duration_since(now)) else {
+                        tracing::debug!(storage_key = %key, "idempotent call in flight");
+                        return Err(Error::InFlight { retry_after });
+                    };
+                    if left.is_zero() {
+                        return Err(Error::InFlight { retry_after });
+                    }
+                    store
+                        .wait_for_change(key, poll.min(left).min(retry_after.max(FIRST_WAIT_POLL)))
+                        .await;
+                    poll = (poll * 2).min(LAST_WAIT_POLL);
+                }
+            }
+        }
+    }
+
+    async fn complete(&self, key: &StorageKey, token: FencingToken, result: &[u8], ttl: Duration) {
+        let store = &*self.inner.store;
+        let retained = result.len() <= self.inner.max_result_bytes;
+        let payload = if retained {
+            envelope::encode_value(result)
+        } else {
+            tracing::warn!(
+                storage_key = %key,
+                bytes = result.len(),
+                max = self.inner.max_result_bytes,
+                "idempotent result too large to retain; retries will get result_not_retained"
+            );
+            envelope::encode_not_retained()
+        };
+        let outcome = match store.complete(key, token, payload, ttl).await {
+            // The result does not fit the store: record that the call happened, so a retry is
+            // refused instead of running the work again.
+            Err(StoreError::Capacity { what }) if retained => {
+                tracing::warn!(storage_key = %key, what, "idempotency store full; recording the call without its result");
+                store
+                    .complete(key, token, envelope::encode_not_retained(), ttl)
+                    .await
+            }
+            other => other,
+        };
+        match outcome {
+            Ok(()) => tracing::debug!(storage_key = %key, "idempotent call completed"),
+            Err(StoreError::TokenRejected) => tracing::error!(
+                storage_key = %key,
+                token = token.get(),
+                "idempotent call lost its claim before completing (lease ended and another call took over): the work may have run twice; raise the lease"
+            ),
+            Err(error) => tracing::error!(
+                storage_key = %key,
+                error = &error as &dyn std::error::Error,
+                "idempotent call ran but could not record its result; the claim ends with its lease and a later retry runs the work again"
+            ),
+        }
+    }
+}
+
+enum Acquired {
+    Owner(FencingToken),
+    Replay(Bytes),
+}
+
+/// Releases the claim if the call is dropped or panics before it classifies the work's output.
+struct ClaimGuard<'a> {
+    store: &'a Arc<dyn DynStore>,
+    key: StorageKey,
+    token: FencingToken,
+    armed: bool,
+}
+
+impl Drop for ClaimGuard<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (store, key, token) = (Arc::clone(self.store), self.key, self.token);
+        tracing::debug!(storage_key = %key, "idempotent call abandoned; releasing its claim");
+        // Without a runtime to release on, the claim ends with its lease.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if let Err(error) = store.release(&key, token).await {
+                    tracing::warn!(
+                        storage_key = %key,
+                        error = &error as &dyn std::error::Error,
+                        "could not release an abandoned claim; it ends with its lease"
+                    );
+                }
+            });
+        }
+    }
+}
+
+/// Polls the work and renews the lease every third of it, concurrently. The renewal timer is
+/// created only once the work first returns pending, so work that finishes at once costs nothing.
+struct Renewing<'a, W> {
+    work: W,
+    store: &'a dyn DynStore,
+    key: &'a StorageKey,
+    token: FencingToken,
+    lease: Duration,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    renewal: Option<BoxFuture<'a, Result<(), StoreError>>>,
+    lost: bool,
+}
+
+impl<W> Renewing<'_, W> {
+    fn every(&self) -> Duration {
+        (self.lease / 3).max(Duration::from_millis(1))
+    }
+}
+
+impl<W: Future + Unpin> Future for Renewing<'_, W> {
+    type Output = W::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<W::Output> {
+        let this = self.get_mut();
+        if let Poll::Ready(out) = Pin::new(&mut this.work).poll(cx) {
+            return Poll::Ready(out);
+        }
+        if this.lost {
+            return Poll::Pending;
+        }
+        loop {
+            if let Some(renewal) = &mut this.renewal {
+                let result = ready!(renewal.as_mut().poll(cx));
+                this.renewal = None;
+                match result {
+                    Ok(()) => {}
+                    Err(StoreError::TokenRejected) => {
+                        tracing::error!(
+                            storage_key = %this.key,
+                            "idempotent call lost its claim while running (its lease ended): another call may run the same work; raise the lease"
+                        );
+                        this.lost = true;
+                        this.timer = None;
+                        return Poll::Pending;
+                    }
+                    Err(error) => tracing::warn!(
+                        storage_key = %this.key,
+                        error = &error as &dyn std::error::Error,
+                        "could not renew an idempotency lease; retrying"
+                    ),
+                }
+                let next = tokio::time::Instant::now() + this.every();
+                if let Some(timer) = &mut this.timer {
+                    timer.as_mut().reset(next);
+                }
+            }
+            let every = this.every();
+            let timer = this
+                .timer
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep(every)));
+            ready!(timer.as_mut().poll(cx));
+            this.renewal = Some(this.store.renew(this.key, this.token, this.lease));
+        }
+    }
+}

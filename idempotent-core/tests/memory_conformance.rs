@@ -1,0 +1,35 @@
+//! `MemoryStore` passes the store conformance suite, with a manual clock.
+
+use std::time::Duration;
+
+use idempotent_core::conformance::Harness;
+use idempotent_core::{ManualClock, MemoryStore};
+
+struct Memory {
+    clock: ManualClock,
+    store: MemoryStore,
+}
+
+impl Harness for Memory {
+    type Store = MemoryStore;
+
+    async fn setup() -> Self {
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        Memory { clock, store }
+    }
+
+    fn store(&self) -> &MemoryStore {
+        &self.store
+    }
+
+    async fn advance(&self, by: Duration) {
+        self.clock.advance(by);
+    }
+
+    fn time_unit(&self) -> Duration {
+        Duration::from_secs(10)
+    }
+}
+
+idempotent_core::store_conformance_tests!(Memory);
