@@ -1,1 +1,2 @@
-//! Cross-crate tests live in `tests/`.
+//! Cross-crate tests of the idempotent workspace. The tests are in `tests/tests/`; this library
+//! is empty.

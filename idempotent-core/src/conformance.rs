@@ -141,7 +141,12 @@ fn fp(label: &str) -> Fingerprint {
     Fingerprint::from_bytes(label.as_bytes())
 }
 
-async fn claimed<S: Store>(store: &S, key: &StorageKey, f: &Fingerprint, lease: Duration) -> FencingToken {
+async fn claimed<S: Store>(
+    store: &S,
+    key: &StorageKey,
+    f: &Fingerprint,
+    lease: Duration,
+) -> FencingToken {
     match store.claim(key, f, lease).await {
         Ok(Claim::Claimed(token)) => token,
         other => panic!("expected Claimed, got {other:?}"),
@@ -155,26 +160,48 @@ fn assert_rejected(result: Result<(), StoreError>, what: &str) {
     }
 }
 
-async fn assert_in_flight<S: Store>(store: &S, key: &StorageKey, expected: &Fingerprint, lease: Duration) {
+async fn assert_in_flight<S: Store>(
+    store: &S,
+    key: &StorageKey,
+    expected: &Fingerprint,
+    lease: Duration,
+) {
     match store.claim(key, &fp("probe"), lease).await {
         Ok(Claim::InFlight {
             fingerprint,
             retry_after,
         }) => {
-            assert_eq!(fingerprint, *expected, "in-flight record reports the owner's fingerprint");
-            assert!(retry_after <= lease, "retry_after {retry_after:?} exceeds lease {lease:?}");
+            assert_eq!(
+                fingerprint, *expected,
+                "in-flight record reports the owner's fingerprint"
+            );
+            assert!(
+                retry_after <= lease,
+                "retry_after {retry_after:?} exceeds lease {lease:?}"
+            );
         }
         other => panic!("expected InFlight, got {other:?}"),
     }
 }
 
-async fn assert_completed<S: Store>(store: &S, key: &StorageKey, expected_fp: &Fingerprint, expected: &[u8]) {
-    match store.claim(key, &fp("probe"), Duration::from_secs(60)).await {
+async fn assert_completed<S: Store>(
+    store: &S,
+    key: &StorageKey,
+    expected_fp: &Fingerprint,
+    expected: &[u8],
+) {
+    match store
+        .claim(key, &fp("probe"), Duration::from_secs(60))
+        .await
+    {
         Ok(Claim::Completed {
             fingerprint,
             payload,
         }) => {
-            assert_eq!(fingerprint, *expected_fp, "completed record keeps the claim's fingerprint");
+            assert_eq!(
+                fingerprint, *expected_fp,
+                "completed record keeps the claim's fingerprint"
+            );
             assert_eq!(payload.len(), expected.len(), "payload length");
             assert!(payload == expected, "payload bytes differ");
         }
@@ -215,7 +242,11 @@ async fn exactly_one_winner<S: Store + Clone>(store: S, n: usize, lease: Duratio
             (_, other) => panic!("unexpected concurrent claim result: {other:?}"),
         }
     }
-    assert_eq!(winners.len(), 1, "exactly one of {n} concurrent claims wins");
+    assert_eq!(
+        winners.len(),
+        1,
+        "exactly one of {n} concurrent claims wins"
+    );
     assert_eq!(in_flight.len(), n - 1);
     let winner = winners[0].0;
     assert!(
@@ -237,7 +268,10 @@ pub async fn in_flight_record_reports_fingerprint_and_lease<H: Harness>(h: &H) {
         }) => {
             assert_eq!(fingerprint, owner);
             assert!(retry_after <= lease, "retry_after {retry_after:?} > lease");
-            assert!(retry_after > lease / 2, "retry_after {retry_after:?} too small");
+            assert!(
+                retry_after > lease / 2,
+                "retry_after {retry_after:?} too small"
+            );
         }
         other => panic!("expected InFlight, got {other:?}"),
     }
@@ -261,7 +295,9 @@ pub async fn completed_record_replays_fingerprint_and_payload<H: Harness>(h: &H)
 /// Empty and 1 MiB payloads (every byte value) come back unchanged.
 pub async fn payload_round_trips_empty_and_one_mebibyte<H: Harness>(h: &H) {
     let (store, unit) = (h.store(), h.time_unit());
-    let big: Vec<u8> = (0..(1usize << 20)).map(|i| (i % 256) as u8 ^ (i >> 12) as u8).collect();
+    let big: Vec<u8> = (0..(1usize << 20))
+        .map(|i| (i % 256) as u8 ^ (i >> 12) as u8)
+        .collect();
     for payload in [Vec::new(), big, vec![0u8; 3], vec![0xff; 17]] {
         let key = fresh_key();
         let f = fp("round trip");
@@ -287,11 +323,19 @@ pub async fn stale_token_is_rejected_everywhere<H: Harness>(h: &H) {
         FencingToken::new(u64::MAX),
     ] {
         assert_rejected(
-            store.complete(&key, wrong, Bytes::from_static(b"x"), 10 * unit).await,
+            store
+                .complete(&key, wrong, Bytes::from_static(b"x"), 10 * unit)
+                .await,
             "complete with a wrong token",
         );
-        assert_rejected(store.release(&key, wrong).await, "release with a wrong token");
-        assert_rejected(store.renew(&key, wrong, 4 * unit).await, "renew with a wrong token");
+        assert_rejected(
+            store.release(&key, wrong).await,
+            "release with a wrong token",
+        );
+        assert_rejected(
+            store.renew(&key, wrong, 4 * unit).await,
+            "renew with a wrong token",
+        );
     }
     assert_in_flight(store, &key, &owner, 4 * unit).await;
     // Tokens are per key: a token of another key is not valid here.
@@ -299,18 +343,28 @@ pub async fn stale_token_is_rejected_everywhere<H: Harness>(h: &H) {
     let other_token = claimed(store, &other, &owner, 4 * unit).await;
     if other_token != token {
         assert_rejected(
-            store.complete(&key, other_token, Bytes::from_static(b"x"), 10 * unit).await,
+            store
+                .complete(&key, other_token, Bytes::from_static(b"x"), 10 * unit)
+                .await,
             "complete with another key's token",
         );
     }
     // Operations on keys that hold nothing are rejected too.
     let absent = fresh_key();
     assert_rejected(
-        store.complete(&absent, token, Bytes::from_static(b"x"), 10 * unit).await,
+        store
+            .complete(&absent, token, Bytes::from_static(b"x"), 10 * unit)
+            .await,
         "complete on an absent key",
     );
-    assert_rejected(store.release(&absent, token).await, "release on an absent key");
-    assert_rejected(store.renew(&absent, token, unit).await, "renew on an absent key");
+    assert_rejected(
+        store.release(&absent, token).await,
+        "release on an absent key",
+    );
+    assert_rejected(
+        store.renew(&absent, token, unit).await,
+        "renew on an absent key",
+    );
     store
         .complete(&key, token, Bytes::from_static(b"done"), 10 * unit)
         .await
@@ -328,10 +382,18 @@ pub async fn completed_record_cannot_be_released_renewed_or_recompleted<H: Harne
         .complete(&key, token, Bytes::from_static(b"first"), 10 * unit)
         .await
         .expect("complete");
-    assert_rejected(store.release(&key, token).await, "release of a completed record");
-    assert_rejected(store.renew(&key, token, unit).await, "renew of a completed record");
     assert_rejected(
-        store.complete(&key, token, Bytes::from_static(b"second"), 10 * unit).await,
+        store.release(&key, token).await,
+        "release of a completed record",
+    );
+    assert_rejected(
+        store.renew(&key, token, unit).await,
+        "renew of a completed record",
+    );
+    assert_rejected(
+        store
+            .complete(&key, token, Bytes::from_static(b"second"), 10 * unit)
+            .await,
         "second complete",
     );
     assert_completed(store, &key, &f, b"first").await;
@@ -345,9 +407,14 @@ pub async fn release_frees_the_key_for_a_higher_token<H: Harness>(h: &H) {
     store.release(&key, first).await.expect("release");
     assert_rejected(store.release(&key, first).await, "second release");
     let second = claimed(store, &key, &fp("b"), 4 * unit).await;
-    assert!(second > first, "token {second:?} not above released {first:?}");
+    assert!(
+        second > first,
+        "token {second:?} not above released {first:?}"
+    );
     assert_rejected(
-        store.complete(&key, first, Bytes::from_static(b"x"), 4 * unit).await,
+        store
+            .complete(&key, first, Bytes::from_static(b"x"), 4 * unit)
+            .await,
         "complete with the released token",
     );
     assert_in_flight(store, &key, &fp("b"), 4 * unit).await;
@@ -362,7 +429,9 @@ pub async fn lease_expiry_allows_takeover_and_fences_the_old_owner<H: Harness>(h
     let new = claimed(store, &key, &fp("new"), 4 * unit).await;
     assert!(new > old, "takeover token {new:?} not above {old:?}");
     assert_rejected(
-        store.complete(&key, old, Bytes::from_static(b"stale"), 10 * unit).await,
+        store
+            .complete(&key, old, Bytes::from_static(b"stale"), 10 * unit)
+            .await,
         "old owner's complete",
     );
     assert_rejected(store.renew(&key, old, 10 * unit).await, "old owner's renew");
@@ -382,12 +451,18 @@ pub async fn renew_extends_the_lease<H: Harness>(h: &H) {
     let token = claimed(store, &key, &f, 2 * unit).await;
     for _ in 0..3 {
         h.advance(unit).await;
-        store.renew(&key, token, 2 * unit).await.expect("renew before the lease ends");
+        store
+            .renew(&key, token, 2 * unit)
+            .await
+            .expect("renew before the lease ends");
     }
     // 3 units after the claim, past the original 2-unit lease, the claim is still held.
     assert_in_flight(store, &key, &f, 2 * unit).await;
     h.advance(3 * unit).await;
-    assert_rejected(store.renew(&key, token, 2 * unit).await, "renew after the lease ended");
+    assert_rejected(
+        store.renew(&key, token, 2 * unit).await,
+        "renew after the lease ended",
+    );
     let next = claimed(store, &key, &fp("next"), 2 * unit).await;
     assert!(next > token);
 }

@@ -119,7 +119,10 @@ mod tests {
         for i in 0..enc.len() {
             let mut bad = enc.to_vec();
             bad[i] ^= 0x01;
-            assert!(decode(&Bytes::from(bad)).is_err(), "flip at {i} went unnoticed");
+            assert!(
+                decode(&Bytes::from(bad)).is_err(),
+                "flip at {i} went unnoticed"
+            );
         }
         for cut in 0..enc.len() {
             assert!(decode(&enc.slice(..cut)).is_err(), "truncation to {cut}");

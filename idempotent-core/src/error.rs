@@ -23,10 +23,12 @@ pub enum Error {
     #[error("idempotency key was already used for a different request")]
     FingerprintMismatch,
 
-    /// Another call with the same key is still running. Client: retry after `retry_after`.
+    /// Another call with the same key is still running. Client: retry after `retry_after`
+    /// (the time left on the owner's lease, capped at
+    /// [`MAX_IN_FLIGHT_RETRY_HINT`](crate::MAX_IN_FLIGHT_RETRY_HINT)).
     #[error("a request with this idempotency key is still in flight; retry after {retry_after:?}")]
     InFlight {
-        /// When the current owner's lease ends, at the latest.
+        /// When to try again.
         retry_after: Duration,
     },
 
@@ -92,7 +94,9 @@ pub enum StoreError {
     TokenRejected,
 
     /// The store is full of live records and refuses new ones rather than evicting them.
-    #[error("idempotency store is full ({what}); refusing new claims rather than evicting live records")]
+    #[error(
+        "idempotency store is full ({what}); refusing new claims rather than evicting live records"
+    )]
     Capacity {
         /// Which bound was hit.
         what: &'static str,

@@ -270,7 +270,13 @@ mod tests {
 
     #[test]
     fn accepts_printable_ascii_and_inner_spaces() {
-        for ok in ["a", "~", "!", "order 42", "8e03978e-40d5-43e8-bc93-6894a57f9324"] {
+        for ok in [
+            "a",
+            "~",
+            "!",
+            "order 42",
+            "8e03978e-40d5-43e8-bc93-6894a57f9324",
+        ] {
             assert_eq!(Key::new(ok).unwrap().as_str(), ok);
         }
         assert!(Key::new("x".repeat(MAX_KEY_LEN)).is_ok());

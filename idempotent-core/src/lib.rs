@@ -71,7 +71,7 @@ pub use fingerprint::{CanonicalError, Fingerprint, FingerprintBuilder};
 pub use key::{Key, KeyError, MAX_KEY_LEN, Scope, StorageKey};
 pub use runtime::{
     Call, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Execution, Idempotency,
-    IdempotencyBuilder, InFlightPolicy, Outcome, Retain,
+    IdempotencyBuilder, InFlightPolicy, MAX_IN_FLIGHT_RETRY_HINT, Outcome, Retain,
 };
 pub use store::{Claim, FencingToken, Store};
 

@@ -291,6 +291,11 @@ impl IdempotencyBuilder {
     }
 }
 
+/// The longest retry hint given for a call in flight. The owner's lease bounds how long the
+/// key can stay locked, but work usually finishes long before its lease ends, so clients are
+/// told to come back soon rather than when the lease would end.
+pub const MAX_IN_FLIGHT_RETRY_HINT: Duration = Duration::from_secs(1);
+
 const FIRST_WAIT_POLL: Duration = Duration::from_millis(5);
 const LAST_WAIT_POLL: Duration = Duration::from_millis(200);
 
@@ -384,7 +389,12 @@ impl Idempotency {
         let lease = call.lease.unwrap_or(inner.lease);
         let ttl = call.ttl.unwrap_or(inner.ttl);
         let token = match self
-            .acquire(&key, &fingerprint, lease, call.in_flight.unwrap_or(inner.in_flight))
+            .acquire(
+                &key,
+                &fingerprint,
+                lease,
+                call.in_flight.unwrap_or(inner.in_flight),
+            )
             .await?
         {
             Acquired::Owner(token) => token,
@@ -474,13 +484,14 @@ impl Idempotency {
                         tracing::info!(storage_key = %key, "idempotency key reused with a different fingerprint");
                         return Err(Error::FingerprintMismatch);
                     }
+                    let hint = retry_after.min(MAX_IN_FLIGHT_RETRY_HINT);
                     let now = tokio::time::Instant::now();
                     let Some(left) = deadline.and_then(|d| d.checked_duration_since(now)) else {
                         tracing::debug!(storage_key = %key, "idempotent call in flight");
-                        return Err(Error::InFlight { retry_after });
+                        return Err(Error::InFlight { retry_after: hint });
                     };
                     if left.is_zero() {
-                        return Err(Error::InFlight { retry_after });
+                        return Err(Error::InFlight { retry_after: hint });
                     }
                     store
                         .wait_for_change(key, poll.min(left).min(retry_after.max(FIRST_WAIT_POLL)))

@@ -52,7 +52,13 @@ async fn replays_falsy_values_identically() {
         T: serde::Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug + Clone,
     {
         let v = value.clone();
-        assert_eq!(idem.run(&call(key), async { v }).await.unwrap().into_inner(), value);
+        assert_eq!(
+            idem.run(&call(key), async { v })
+                .await
+                .unwrap()
+                .into_inner(),
+            value
+        );
         let replay = idem
             .run(&call(key), async {
                 if key.is_empty() {
@@ -123,13 +129,17 @@ async fn in_flight_duplicate_is_rejected_with_retry_after() {
     let err = idem.run(&call("k"), counted(&runs)).await.unwrap_err();
     match err {
         Error::InFlight { retry_after } => {
-            assert!(retry_after <= Duration::from_secs(30));
-            assert!(retry_after >= Duration::from_secs(29));
+            assert_eq!(retry_after, idempotent_core::MAX_IN_FLIGHT_RETRY_HINT);
         }
         other => panic!("expected InFlight, got {other:?}"),
     }
     assert!(first.await.unwrap().unwrap().get() == &1);
-    assert!(idem.run(&call("k"), counted(&runs)).await.unwrap().is_replayed());
+    assert!(
+        idem.run(&call("k"), counted(&runs))
+            .await
+            .unwrap()
+            .is_replayed()
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
@@ -171,7 +181,10 @@ async fn waiting_is_bounded_then_reports_in_flight() {
     let err = idem.run(&waiting, counted(&runs)).await.unwrap_err();
     assert!(matches!(err, Error::InFlight { .. }), "{err:?}");
     let waited = started.elapsed();
-    assert!(waited >= Duration::from_secs(2) && waited < Duration::from_secs(3), "{waited:?}");
+    assert!(
+        waited >= Duration::from_secs(2) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 0);
 }
 
@@ -196,7 +209,9 @@ async fn waiting_duplicate_runs_the_work_when_the_first_releases() {
 #[tokio::test(start_paused = true)]
 async fn renewal_keeps_a_long_job_claimed_past_its_initial_lease() {
     let lease = Duration::from_secs(3);
-    let idem = Idempotency::builder(MemoryStore::new()).lease(lease).build();
+    let idem = Idempotency::builder(MemoryStore::new())
+        .lease(lease)
+        .build();
     let runs = Arc::new(AtomicUsize::new(0));
     let first = tokio::spawn({
         let (idem, work) = (idem.clone(), slow(&runs, Duration::from_secs(20)));
@@ -207,12 +222,19 @@ async fn renewal_keeps_a_long_job_claimed_past_its_initial_lease() {
         tokio::time::sleep(Duration::from_secs(3)).await;
         let err = idem.run(&call("k"), counted(&runs)).await.unwrap_err();
         match err {
-            Error::InFlight { retry_after } => assert!(retry_after <= lease),
+            Error::InFlight { retry_after } => {
+                assert!(retry_after <= idempotent_core::MAX_IN_FLIGHT_RETRY_HINT)
+            }
             other => panic!("claim was lost: {other:?}"),
         }
     }
     assert_eq!(first.await.unwrap().unwrap().into_inner(), 1);
-    assert!(idem.run(&call("k"), counted(&runs)).await.unwrap().is_replayed());
+    assert!(
+        idem.run(&call("k"), counted(&runs))
+            .await
+            .unwrap()
+            .is_replayed()
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
@@ -236,12 +258,27 @@ async fn owner_that_never_completes_is_taken_over_after_its_lease() {
         idem.run(&call("k"), counted(&runs)).await,
         Err(Error::InFlight { .. })
     ));
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    tokio::time::sleep(Duration::from_millis(4600)).await;
+    match idem.run(&call("k"), counted(&runs)).await {
+        Err(Error::InFlight { retry_after }) => {
+            assert!(
+                retry_after <= Duration::from_millis(400),
+                "hint {retry_after:?} outlives the lease"
+            )
+        }
+        other => panic!("expected InFlight, got {other:?}"),
+    }
+    tokio::time::sleep(Duration::from_millis(1400)).await;
     let taken = idem.run(&call("k"), counted(&runs)).await.unwrap();
     assert!(!taken.is_replayed());
     // The crashed owner, if it ever comes back, cannot overwrite the new result.
     let stale = store
-        .complete(&key, crashed, Bytes::from_static(b"stale"), Duration::from_secs(60))
+        .complete(
+            &key,
+            crashed,
+            Bytes::from_static(b"stale"),
+            Duration::from_secs(60),
+        )
         .await;
     assert!(matches!(stale, Err(StoreError::TokenRejected)), "{stale:?}");
     assert_eq!(
@@ -306,11 +343,20 @@ async fn classifier_release_lets_the_retry_run_again() {
     let runs = Arc::new(AtomicUsize::new(0));
     // An odd count is a "transient failure": released, not stored.
     let transient = |n: &usize| n % 2 == 0;
-    let first = idem.run_with(&call("k"), counted(&runs), transient).await.unwrap();
+    let first = idem
+        .run_with(&call("k"), counted(&runs), transient)
+        .await
+        .unwrap();
     assert_eq!(first, idempotent_core::Outcome::Fresh(1));
-    let second = idem.run_with(&call("k"), counted(&runs), transient).await.unwrap();
+    let second = idem
+        .run_with(&call("k"), counted(&runs), transient)
+        .await
+        .unwrap();
     assert_eq!(second, idempotent_core::Outcome::Fresh(2));
-    let third = idem.run_with(&call("k"), counted(&runs), transient).await.unwrap();
+    let third = idem
+        .run_with(&call("k"), counted(&runs), transient)
+        .await
+        .unwrap();
     assert_eq!(third, idempotent_core::Outcome::Replayed(2));
 }
 
@@ -345,8 +391,15 @@ async fn oversized_result_is_recorded_as_not_retained_and_never_rerun() {
         }
     };
     let first = idem.run(&call("k"), big).await.unwrap();
-    assert_eq!(first.get().len(), 1000, "the caller still gets the full result");
-    let retry = idem.run(&call("k"), async { String::new() }).await.unwrap_err();
+    assert_eq!(
+        first.get().len(),
+        1000,
+        "the caller still gets the full result"
+    );
+    let retry = idem
+        .run(&call("k"), async { String::new() })
+        .await
+        .unwrap_err();
     assert!(matches!(retry, Error::ResultNotRetained), "{retry:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
@@ -355,9 +408,15 @@ async fn oversized_result_is_recorded_as_not_retained_and_never_rerun() {
 async fn result_that_does_not_fit_the_store_is_recorded_as_not_retained() {
     let store = MemoryStore::builder().max_bytes(4096).build();
     let idem = Idempotency::new(store);
-    let first = idem.run(&call("k"), async { "y".repeat(10_000) }).await.unwrap();
+    let first = idem
+        .run(&call("k"), async { "y".repeat(10_000) })
+        .await
+        .unwrap();
     assert!(!first.is_replayed());
-    let retry = idem.run(&call("k"), async { String::new() }).await.unwrap_err();
+    let retry = idem
+        .run(&call("k"), async { String::new() })
+        .await
+        .unwrap_err();
     assert!(matches!(retry, Error::ResultNotRetained), "{retry:?}");
 }
 
@@ -374,20 +433,31 @@ async fn corrupt_record_is_a_conflict_never_absent() {
         panic!("claim")
     };
     store
-        .complete(&key, token, Bytes::from_static(b"garbage, not an envelope"), Duration::from_secs(60))
+        .complete(
+            &key,
+            token,
+            Bytes::from_static(b"garbage, not an envelope"),
+            Duration::from_secs(60),
+        )
         .await
         .unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
     let err = idem.run(&call("k"), counted(&runs)).await.unwrap_err();
     assert!(matches!(err, Error::CorruptRecord(_)), "{err:?}");
     assert_eq!(err.code(), "corrupt_record");
-    assert_eq!(runs.load(Ordering::SeqCst), 0, "the work must not run again");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "the work must not run again"
+    );
 }
 
 #[tokio::test]
 async fn replayed_bytes_of_another_type_are_a_payload_error() {
     let idem = Idempotency::new(MemoryStore::new());
-    idem.run(&call("k"), async { "text".to_string() }).await.unwrap();
+    idem.run(&call("k"), async { "text".to_string() })
+        .await
+        .unwrap();
     let err = idem.run(&call("k"), async { 5u32 }).await.unwrap_err();
     assert!(matches!(err, Error::Payload(_)), "{err:?}");
 }
@@ -395,8 +465,12 @@ async fn replayed_bytes_of_another_type_are_a_payload_error() {
 #[tokio::test]
 async fn scopes_and_namespaces_never_share_records() {
     let store = MemoryStore::new();
-    let a = Idempotency::builder(store.clone()).namespace("app-a").build();
-    let b = Idempotency::builder(store.clone()).namespace("app-b").build();
+    let a = Idempotency::builder(store.clone())
+        .namespace("app-a")
+        .build();
+    let b = Idempotency::builder(store.clone())
+        .namespace("app-b")
+        .build();
     let runs = Arc::new(AtomicUsize::new(0));
     let alice = call("k").scope(Scope::new().principal("alice"));
     let bob = call("k").scope(Scope::new().principal("bob"));
@@ -422,7 +496,12 @@ async fn full_store_refuses_new_keys_but_still_replays() {
     );
     assert_eq!(err.code(), "store_capacity");
     assert!(err.retry_after().is_some());
-    assert!(idem.run(&call("a"), counted(&runs)).await.unwrap().is_replayed());
+    assert!(
+        idem.run(&call("a"), counted(&runs))
+            .await
+            .unwrap()
+            .is_replayed()
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     assert_eq!(store.stats().records, 2);
 }
@@ -431,10 +510,21 @@ async fn full_store_refuses_new_keys_but_still_replays() {
 struct DownStore;
 
 impl Store for DownStore {
-    async fn claim(&self, _: &StorageKey, _: &Fingerprint, _: Duration) -> Result<Claim, StoreError> {
+    async fn claim(
+        &self,
+        _: &StorageKey,
+        _: &Fingerprint,
+        _: Duration,
+    ) -> Result<Claim, StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }
-    async fn complete(&self, _: &StorageKey, _: FencingToken, _: Bytes, _: Duration) -> Result<(), StoreError> {
+    async fn complete(
+        &self,
+        _: &StorageKey,
+        _: FencingToken,
+        _: Bytes,
+        _: Duration,
+    ) -> Result<(), StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }
     async fn release(&self, _: &StorageKey, _: FencingToken) -> Result<(), StoreError> {
@@ -450,11 +540,17 @@ async fn store_down_fails_closed_without_running_the_work() {
     let idem = Idempotency::new(DownStore);
     let runs = Arc::new(AtomicUsize::new(0));
     let err = idem.run(&call("k"), counted(&runs)).await.unwrap_err();
-    assert!(matches!(err, Error::Store(StoreError::Unavailable(_))), "{err:?}");
+    assert!(
+        matches!(err, Error::Store(StoreError::Unavailable(_))),
+        "{err:?}"
+    );
     assert_eq!(err.code(), "store_unavailable");
     assert_eq!(err.retry_after(), Some(Duration::from_secs(1)));
     let source = std::error::Error::source(&err).expect("store error kept as source");
-    assert!(std::error::Error::source(source).is_some(), "backend error kept as source");
+    assert!(
+        std::error::Error::source(source).is_some(),
+        "backend error kept as source"
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 0);
 }
 
@@ -468,7 +564,8 @@ async fn hundreds_of_concurrent_duplicates_run_the_work_once() {
             let (idem, runs, start) = (idem.clone(), Arc::clone(&runs), Arc::clone(&start));
             tokio::spawn(async move {
                 start.wait().await;
-                idem.run(&call("same"), slow(&runs, Duration::from_millis(50))).await
+                idem.run(&call("same"), slow(&runs, Duration::from_millis(50)))
+                    .await
             })
         })
         .collect();
@@ -498,7 +595,8 @@ async fn concurrent_waiters_all_get_the_single_result() {
         .map(|_| {
             let (idem, runs) = (idem.clone(), Arc::clone(&runs));
             tokio::spawn(async move {
-                idem.run(&call("same"), slow(&runs, Duration::from_millis(100))).await
+                idem.run(&call("same"), slow(&runs, Duration::from_millis(100)))
+                    .await
             })
         })
         .collect();
@@ -519,7 +617,10 @@ async fn distinct_keys_run_independently() {
     let tasks: Vec<_> = (0..300)
         .map(|i| {
             let (idem, runs) = (idem.clone(), Arc::clone(&runs));
-            tokio::spawn(async move { idem.run(&call(&format!("k{}", i % 100)), counted(&runs)).await })
+            tokio::spawn(async move {
+                idem.run(&call(&format!("k{}", i % 100)), counted(&runs))
+                    .await
+            })
         })
         .collect();
     for task in tasks {

@@ -449,7 +449,7 @@ impl<'a, S: Sink> SeqState<'a, S> {
                 return Err(CanonicalError::LengthMismatch {
                     declared,
                     actual: self.count + 1,
-                })
+                });
             }
             Some(_) => value.serialize(Canon {
                 out: &mut *self.out,

@@ -2,9 +2,9 @@
 
 use super::canonical::{CanonicalError, MAX_DEPTH, hash_canonical};
 use proptest::prelude::*;
-use serde::ser::{Error as _, SerializeMap, SerializeSeq, Serializer};
 use serde::Serialize;
-use serde_json::{json, Number, Value};
+use serde::ser::{Error as _, SerializeMap, SerializeSeq, Serializer};
+use serde_json::{Number, Value, json};
 use std::collections::{BTreeMap, HashMap};
 
 /// BLAKE3 digest of the canonical encoding of `value`.

@@ -167,7 +167,10 @@ mod tests {
 
     #[test]
     fn chunked_field_equals_whole_field() {
-        let whole = Fingerprint::builder().field(b"POST").field(b"hello world").finish();
+        let whole = Fingerprint::builder()
+            .field(b"POST")
+            .field(b"hello world")
+            .finish();
         let mut b = Fingerprint::builder();
         b.push_field(b"POST");
         b.begin_field();
@@ -208,7 +211,10 @@ mod tests {
         // an upgrade would be refused as mismatches.
         assert_eq!(hex(&Fingerprint::from_bytes(b"abc")), GOLDEN_BYTES);
         assert_eq!(
-            hex(&Fingerprint::builder().field(b"POST").field(b"/payments").finish()),
+            hex(&Fingerprint::builder()
+                .field(b"POST")
+                .field(b"/payments")
+                .finish()),
             GOLDEN_FIELDS
         );
     }

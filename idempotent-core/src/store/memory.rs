@@ -264,7 +264,8 @@ impl Inner {
     }
 
     fn try_reserve(&self, entries: usize, bytes: usize) -> Result<(), StoreError> {
-        if entries > 0 && self.entries.fetch_add(entries, Ordering::AcqRel) + entries > self.max_entries
+        if entries > 0
+            && self.entries.fetch_add(entries, Ordering::AcqRel) + entries > self.max_entries
         {
             self.entries.fetch_sub(entries, Ordering::AcqRel);
             return Err(StoreError::Capacity {
@@ -460,7 +461,12 @@ impl Inner {
         }
     }
 
-    fn renew(&self, key: &StorageKey, token: FencingToken, lease: Duration) -> Result<(), StoreError> {
+    fn renew(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
         let now = self.now();
         match self.records.get_mut(key).as_deref_mut() {
             Some(Record::InFlight {
