@@ -45,6 +45,10 @@ pub enum Retain {
     Store(Bytes),
     /// Forget the call: the next retry runs the work again (a transient failure).
     Release,
+    /// Record that the call completed but keep no result (it could not be captured, e.g. a
+    /// streamed response too large to buffer): retries fail with [`Error::ResultNotRetained`]
+    /// instead of running the work again.
+    CompleteWithoutResult,
 }
 
 /// The result of [`Idempotency::execute`].
@@ -426,7 +430,11 @@ impl Idempotency {
         match classify(&value) {
             Retain::Store(result) => {
                 guard.armed = false;
-                self.complete(&key, token, &result, ttl).await;
+                self.complete(&key, token, Some(&result), ttl).await;
+            }
+            Retain::CompleteWithoutResult => {
+                guard.armed = false;
+                self.complete(&key, token, None, ttl).await;
             }
             Retain::Release => {
                 guard.armed = false;
@@ -502,19 +510,28 @@ impl Idempotency {
         }
     }
 
-    async fn complete(&self, key: &StorageKey, token: FencingToken, result: &[u8], ttl: Duration) {
+    async fn complete(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        result: Option<&[u8]>,
+        ttl: Duration,
+    ) {
         let store = &*self.inner.store;
-        let retained = result.len() <= self.inner.max_result_bytes;
-        let payload = if retained {
-            envelope::encode_value(result)
-        } else {
-            tracing::warn!(
-                storage_key = %key,
-                bytes = result.len(),
-                max = self.inner.max_result_bytes,
-                "idempotent result too large to retain; retries will get result_not_retained"
-            );
-            envelope::encode_not_retained()
+        let (payload, retained) = match result {
+            Some(result) if result.len() <= self.inner.max_result_bytes => {
+                (envelope::encode_value(result), true)
+            }
+            Some(result) => {
+                tracing::warn!(
+                    storage_key = %key,
+                    bytes = result.len(),
+                    max = self.inner.max_result_bytes,
+                    "idempotent result too large to retain; retries will get result_not_retained"
+                );
+                (envelope::encode_not_retained(), false)
+            }
+            None => (envelope::encode_not_retained(), false),
         };
         let outcome = match store.complete(key, token, payload, ttl).await {
             // The result does not fit the store: record that the call happened, so a retry is

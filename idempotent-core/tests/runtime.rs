@@ -405,6 +405,24 @@ async fn oversized_result_is_recorded_as_not_retained_and_never_rerun() {
 }
 
 #[tokio::test]
+async fn complete_without_result_refuses_retries_without_rerunning() {
+    let idem = Idempotency::new(MemoryStore::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let first = idem
+        .execute(&call("k"), counted(&runs), |_| Retain::CompleteWithoutResult)
+        .await
+        .unwrap();
+    assert_eq!(first, Execution::Fresh(1));
+    let retry = idem
+        .execute(&call("k"), counted(&runs), |_| Retain::Release)
+        .await
+        .unwrap_err();
+    assert!(matches!(retry, Error::ResultNotRetained), "{retry:?}");
+    assert_eq!(retry.code(), "result_not_retained");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
 async fn result_that_does_not_fit_the_store_is_recorded_as_not_retained() {
     let store = MemoryStore::builder().max_bytes(4096).build();
     let idem = Idempotency::new(store);

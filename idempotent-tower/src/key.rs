@@ -1,0 +1,355 @@
+//! Reading the idempotency key from request headers.
+//!
+//! The IETF draft defines `Idempotency-Key` as an RFC 8941 Item whose bare item is an sf-string:
+//! `Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"`. Most clients in the wild send the
+//! key unquoted, so by default a bare value is accepted as the same key; strict mode refuses it.
+//! Parameters (`;name=value`) are parsed and ignored. Two header fields, or a list (a top-level
+//! comma), are refused: the request is ambiguous.
+
+use http::{HeaderMap, HeaderName};
+use idempotent_core::{Key, KeyError};
+
+/// Why a request's key header is unusable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum KeyProblem {
+    /// No key header.
+    Missing,
+    /// More than one key: two header fields, or a list.
+    Multiple,
+    /// The header is not an sf-string item (or, outside strict mode, a bare key).
+    Unparsable(&'static str),
+    /// Strict mode: the key was not quoted.
+    BareInStrictMode,
+    /// The key is parsed but breaks the key rules.
+    Invalid(KeyError),
+}
+
+impl KeyProblem {
+    pub(crate) fn detail(&self, header: &HeaderName) -> String {
+        match self {
+            KeyProblem::Missing => format!("this request requires an {header} header"),
+            KeyProblem::Multiple => {
+                format!("the {header} header must carry exactly one key; it was given more than once")
+            }
+            KeyProblem::Unparsable(why) => {
+                format!("the {header} header is not a structured-field string: {why}")
+            }
+            KeyProblem::BareInStrictMode => format!(
+                "the {header} header must be a quoted structured-field string, e.g. \"8e03978e-40d5-43e8-bc93-6894a57f9324\""
+            ),
+            KeyProblem::Invalid(e) => format!("the {header} header is invalid: {e}"),
+        }
+    }
+}
+
+/// The key carried by `headers`.
+pub(crate) fn key_from_headers(
+    headers: &HeaderMap,
+    name: &HeaderName,
+    strict: bool,
+) -> Result<Key, KeyProblem> {
+    let mut values = headers.get_all(name).iter();
+    let value = values.next().ok_or(KeyProblem::Missing)?;
+    if values.next().is_some() {
+        return Err(KeyProblem::Multiple);
+    }
+    let key = parse_value(value.as_bytes(), strict)?;
+    Key::new(key).map_err(KeyProblem::Invalid)
+}
+
+/// Parses one header field value into the key it carries.
+pub(crate) fn parse_value(value: &[u8], strict: bool) -> Result<String, KeyProblem> {
+    let value = trim_ows(value);
+    let mut p = Parser { input: value, pos: 0 };
+    let key = match p.peek() {
+        Some(b'"') => p.sf_string()?,
+        Some(_) if strict => return Err(KeyProblem::BareInStrictMode),
+        Some(_) => p.bare_key()?,
+        None => return Err(KeyProblem::Invalid(KeyError::Empty)),
+    };
+    p.parameters()?;
+    match p.peek() {
+        None => Ok(key),
+        Some(b',') => Err(KeyProblem::Multiple),
+        Some(_) => Err(KeyProblem::Unparsable("unexpected characters after the key")),
+    }
+}
+
+fn trim_ows(mut v: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = v {
+        v = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = v {
+        v = rest;
+    }
+    v
+}
+
+struct Parser<'a> {
+    input: &'a [u8],
+    pos: usize,
+}
+
+impl Parser<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.input.get(self.pos).copied()
+    }
+
+    fn bump(&mut self) -> Option<u8> {
+        let b = self.peek()?;
+        self.pos += 1;
+        Some(b)
+    }
+
+    fn skip_spaces(&mut self) {
+        while self.peek() == Some(b' ') {
+            self.pos += 1;
+        }
+    }
+
+    /// RFC 8941 §4.2.5: `"` then printable ASCII with `\"` and `\\` escapes, then `"`.
+    fn sf_string(&mut self) -> Result<String, KeyProblem> {
+        self.bump(); // opening quote
+        let mut out = String::new();
+        loop {
+            match self.bump() {
+                None => return Err(KeyProblem::Unparsable("unterminated string")),
+                Some(b'"') => return Ok(out),
+                Some(b'\\') => match self.bump() {
+                    Some(c @ (b'"' | b'\\')) => out.push(char::from(c)),
+                    _ => {
+                        return Err(KeyProblem::Unparsable(
+                            "a backslash may only escape a quote or a backslash",
+                        ));
+                    }
+                },
+                Some(c @ 0x20..=0x7e) => out.push(char::from(c)),
+                Some(_) => {
+                    return Err(KeyProblem::Unparsable(
+                        "strings may contain only printable ASCII",
+                    ));
+                }
+            }
+        }
+    }
+
+    /// An unquoted key: visible ASCII up to a parameter or list delimiter.
+    fn bare_key(&mut self) -> Result<String, KeyProblem> {
+        let start = self.pos;
+        while let Some(c) = self.peek() {
+            match c {
+                b';' | b',' => break,
+                b'"' | b'\\' => {
+                    return Err(KeyProblem::Unparsable(
+                        "an unquoted key may not contain quotes or backslashes",
+                    ));
+                }
+                0x21..=0x7e => self.pos += 1,
+                b' ' | b'\t' => {
+                    // Whitespace may only precede a delimiter or the end.
+                    let rest = trim_ows(&self.input[self.pos..]);
+                    if rest.is_empty() || matches!(rest[0], b';' | b',') {
+                        break;
+                    }
+                    return Err(KeyProblem::Unparsable(
+                        "an unquoted key may not contain spaces; quote it",
+                    ));
+                }
+                _ => {
+                    return Err(KeyProblem::Invalid(KeyError::InvalidByte {
+                        offset: self.pos - start,
+                        byte: c,
+                    }));
+                }
+            }
+        }
+        let key = &self.input[start..self.pos];
+        self.skip_spaces();
+        // Visible ASCII only, so this is valid UTF-8.
+        Ok(String::from_utf8_lossy(key).into_owned())
+    }
+
+    /// RFC 8941 §3.1.2 parameters, parsed for well-formedness and ignored.
+    fn parameters(&mut self) -> Result<(), KeyProblem> {
+        while self.peek() == Some(b';') {
+            self.pos += 1;
+            self.skip_spaces();
+            self.param_key()?;
+            if self.peek() == Some(b'=') {
+                self.pos += 1;
+                self.bare_item()?;
+            }
+        }
+        self.skip_spaces();
+        Ok(())
+    }
+
+    fn param_key(&mut self) -> Result<(), KeyProblem> {
+        match self.bump() {
+            Some(b'a'..=b'z' | b'*') => {}
+            _ => return Err(KeyProblem::Unparsable("malformed parameter name")),
+        }
+        while let Some(b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-' | b'.' | b'*') = self.peek() {
+            self.pos += 1;
+        }
+        Ok(())
+    }
+
+    fn bare_item(&mut self) -> Result<(), KeyProblem> {
+        match self.peek() {
+            Some(b'"') => self.sf_string().map(drop),
+            Some(b'-' | b'0'..=b'9') => {
+                self.pos += 1;
+                let mut digits = 0;
+                while let Some(b'0'..=b'9' | b'.') = self.peek() {
+                    self.pos += 1;
+                    digits += 1;
+                }
+                if digits == 0 && self.input[self.pos - 1] == b'-' {
+                    return Err(KeyProblem::Unparsable("malformed number in a parameter"));
+                }
+                Ok(())
+            }
+            Some(b'?') => {
+                self.pos += 1;
+                match self.bump() {
+                    Some(b'0' | b'1') => Ok(()),
+                    _ => Err(KeyProblem::Unparsable("malformed boolean in a parameter")),
+                }
+            }
+            Some(b':') => {
+                self.pos += 1;
+                while let Some(c) = self.bump() {
+                    match c {
+                        b':' => return Ok(()),
+                        b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'+' | b'/' | b'=' => {}
+                        _ => break,
+                    }
+                }
+                Err(KeyProblem::Unparsable("malformed byte sequence in a parameter"))
+            }
+            Some(b'A'..=b'Z' | b'a'..=b'z' | b'*') => {
+                self.pos += 1;
+                while let Some(c) = self.peek() {
+                    if is_tchar(c) || c == b':' || c == b'/' {
+                        self.pos += 1;
+                    } else {
+                        break;
+                    }
+                }
+                Ok(())
+            }
+            _ => Err(KeyProblem::Unparsable("malformed parameter value")),
+        }
+    }
+}
+
+fn is_tchar(c: u8) -> bool {
+    c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn parse(v: &str) -> Result<String, KeyProblem> {
+        parse_value(v.as_bytes(), false)
+    }
+
+    #[test]
+    fn quoted_and_bare_forms_are_the_same_key() {
+        assert_eq!(parse("\"abc-123\"").unwrap(), "abc-123");
+        assert_eq!(parse("abc-123").unwrap(), "abc-123");
+        assert_eq!(parse("  \"abc-123\"\t").unwrap(), "abc-123");
+        assert_eq!(parse("8e03978e-40d5-43e8-bc93-6894a57f9324").unwrap(), "8e03978e-40d5-43e8-bc93-6894a57f9324");
+    }
+
+    #[test]
+    fn escapes_and_spaces_inside_strings() {
+        assert_eq!(parse(r#""a \"quoted\" \\ key""#).unwrap(), r#"a "quoted" \ key"#);
+        assert!(matches!(parse(r#""bad \n escape""#), Err(KeyProblem::Unparsable(_))));
+        assert!(matches!(parse("\"unterminated"), Err(KeyProblem::Unparsable(_))));
+    }
+
+    #[test]
+    fn parameters_are_ignored_when_well_formed() {
+        assert_eq!(parse("\"k\"; a=1; b=?0; c=tok/en; d=\"s\"; e=:aGk=:; f").unwrap(), "k");
+        assert_eq!(parse("k;v=1").unwrap(), "k");
+        assert!(matches!(parse("\"k\";A=1"), Err(KeyProblem::Unparsable(_))));
+        assert!(matches!(parse("\"k\";a=?2"), Err(KeyProblem::Unparsable(_))));
+        assert!(matches!(parse("\"k\";a="), Err(KeyProblem::Unparsable(_))));
+    }
+
+    #[test]
+    fn lists_are_refused_as_multiple_keys() {
+        assert_eq!(parse("\"a\", \"b\""), Err(KeyProblem::Multiple));
+        assert_eq!(parse("a,b"), Err(KeyProblem::Multiple));
+        let mut headers = HeaderMap::new();
+        let name = HeaderName::from_static("idempotency-key");
+        headers.append(&name, HeaderValue::from_static("a"));
+        headers.append(&name, HeaderValue::from_static("a"));
+        assert_eq!(key_from_headers(&headers, &name, false), Err(KeyProblem::Multiple));
+    }
+
+    #[test]
+    fn strict_mode_refuses_bare_keys() {
+        assert_eq!(parse_value(b"abc", true), Err(KeyProblem::BareInStrictMode));
+        assert_eq!(parse_value(b"\"abc\"", true).unwrap(), "abc");
+    }
+
+    #[test]
+    fn key_rules_apply_after_parsing() {
+        let name = HeaderName::from_static("idempotency-key");
+        let key = |v: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(&name, HeaderValue::from_str(v).unwrap());
+            key_from_headers(&headers, &name, false)
+        };
+        assert_eq!(key("\"\""), Err(KeyProblem::Invalid(KeyError::Empty)));
+        assert_eq!(key(""), Err(KeyProblem::Invalid(KeyError::Empty)));
+        assert_eq!(
+            key(&"x".repeat(256)),
+            Err(KeyProblem::Invalid(KeyError::TooLong { len: 256 }))
+        );
+        assert_eq!(key(&"x".repeat(255)).unwrap().as_str().len(), 255);
+        assert_eq!(key("\" padded\""), Err(KeyProblem::Invalid(KeyError::SurroundingSpace)));
+        assert!(matches!(key("two words"), Err(KeyProblem::Unparsable(_))));
+        assert_eq!(key_from_headers(&HeaderMap::new(), &name, false), Err(KeyProblem::Missing));
+    }
+
+    #[test]
+    fn non_ascii_bytes_are_refused() {
+        assert!(matches!(parse_value(b"caf\xc3\xa9", false), Err(KeyProblem::Invalid(_))));
+        assert!(matches!(parse_value(b"\"caf\xc3\xa9\"", false), Err(KeyProblem::Unparsable(_))));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(4096))]
+
+        #[test]
+        fn arbitrary_header_bytes_never_panic_nor_yield_an_invalid_key(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            strict in proptest::prelude::any::<bool>(),
+        ) {
+            if let Ok(value) = HeaderValue::from_bytes(&bytes) {
+                let name = HeaderName::from_static("idempotency-key");
+                let mut headers = HeaderMap::new();
+                headers.insert(&name, value);
+                if let Ok(key) = key_from_headers(&headers, &name, strict) {
+                    proptest::prop_assert!(Key::new(key.as_str()).is_ok());
+                    proptest::prop_assert!(!key.as_str().is_empty() && key.as_str().len() <= 255);
+                }
+            }
+            let _ = parse_value(&bytes, strict);
+        }
+
+        #[test]
+        fn every_valid_key_round_trips_quoted(key in "[ -~]{1,255}") {
+            if let Ok(key) = Key::new(key) {
+                let quoted = format!("\"{}\"", key.as_str().replace('\\', "\\\\").replace('"', "\\\""));
+                proptest::prop_assert_eq!(parse_value(quoted.as_bytes(), true).unwrap(), key.as_str());
+            }
+        }
+    }
+}

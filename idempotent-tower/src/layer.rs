@@ -1,0 +1,278 @@
+//! [`IdempotencyLayer`] and its configuration.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::header::{self, HeaderName};
+use http::request::Parts;
+use http::{Method, StatusCode};
+use idempotent_core::{Idempotency, InFlightPolicy, Scope};
+use tower_layer::Layer;
+
+use crate::service::IdempotencyService;
+
+/// The default request header carrying the key.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+/// The header every replayed response carries, with value `true`.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+/// The header a response carries when the store was down and the request ran without
+/// idempotency protection (fail-open mode only), with value `store-unavailable`.
+pub const IDEMPOTENT_BYPASSED: HeaderName = HeaderName::from_static("idempotent-bypassed");
+/// Default limit on a protected request's body: 1 MiB.
+pub const DEFAULT_MAX_REQUEST_BODY: usize = 1 << 20;
+/// Default limit on a response retained for replay: 1 MiB.
+pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1 << 20;
+
+type ScopeFn = dyn Fn(&Parts) -> Scope + Send + Sync;
+type RetainFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+
+/// Applies idempotency to requests: see the [crate docs](crate) for the semantics and every
+/// response it produces.
+///
+/// Configured with consuming builder methods:
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotent_core::{Idempotency, InFlightPolicy, MemoryStore};
+/// use idempotent_tower::IdempotencyLayer;
+///
+/// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+///     .ttl(Duration::from_secs(24 * 3600))
+///     .in_flight(InFlightPolicy::Wait { max: Duration::from_secs(10) })
+///     .max_request_body(256 * 1024);
+/// ```
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    config: Arc<Config>,
+}
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) idempotency: Idempotency,
+    pub(crate) header: HeaderName,
+    pub(crate) strict: bool,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) require_key: bool,
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) scope: Arc<ScopeFn>,
+    pub(crate) retain: Arc<RetainFn>,
+    pub(crate) ttl: Option<Duration>,
+    pub(crate) lease: Option<Duration>,
+    pub(crate) in_flight: Option<InFlightPolicy>,
+    pub(crate) not_replayed: Vec<HeaderName>,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_response_body: usize,
+    pub(crate) fail_open: bool,
+}
+
+/// The default outcome policy: keep 2xx, 3xx and deterministic 4xx; release 5xx and the 4xx
+/// that mean "try again" (408, 409, 425, 429).
+pub fn default_retain(status: StatusCode) -> bool {
+    match status.as_u16() {
+        408 | 409 | 425 | 429 => false,
+        200..=499 => true,
+        _ => false,
+    }
+}
+
+/// The default scope: a digest of the `Authorization` header, so each credential has its own
+/// key space; requests without one share the anonymous scope.
+pub fn scope_by_authorization(parts: &Parts) -> Scope {
+    match parts.headers.get(header::AUTHORIZATION) {
+        Some(value) => {
+            let digest = blake3::derive_key("idempotent-tower authorization scope v1", value.as_bytes());
+            Scope::new().principal(digest)
+        }
+        None => Scope::new().principal(b"anonymous"),
+    }
+}
+
+impl Config {
+    pub(crate) fn protects(&self, method: &Method) -> bool {
+        self.methods.iter().any(|m| m == method)
+    }
+
+    /// Whether a response header is left out of the stored record (and so of replays).
+    pub(crate) fn is_not_replayed(&self, name: &HeaderName) -> bool {
+        self.not_replayed.iter().any(|n| n == name)
+    }
+}
+
+impl IdempotencyLayer {
+    /// A layer over `idempotency` with the defaults: key header `Idempotency-Key` (bare tokens
+    /// accepted), required on POST and PATCH, scope by `Authorization`, 1 MiB request and
+    /// response limits, reject in-flight duplicates with 409, fail closed.
+    pub fn new(idempotency: Idempotency) -> Self {
+        IdempotencyLayer {
+            config: Arc::new(Config {
+                idempotency,
+                header: IDEMPOTENCY_KEY,
+                strict: false,
+                methods: vec![Method::POST, Method::PATCH],
+                require_key: true,
+                fingerprint_headers: Vec::new(),
+                scope: Arc::new(scope_by_authorization),
+                retain: Arc::new(default_retain),
+                ttl: None,
+                lease: None,
+                in_flight: None,
+                not_replayed: vec![
+                    header::CONNECTION,
+                    HeaderName::from_static("keep-alive"),
+                    HeaderName::from_static("proxy-connection"),
+                    header::PROXY_AUTHENTICATE,
+                    header::PROXY_AUTHORIZATION,
+                    header::TE,
+                    header::TRAILER,
+                    header::TRANSFER_ENCODING,
+                    header::UPGRADE,
+                    header::DATE,
+                    header::SET_COOKIE,
+                    IDEMPOTENT_REPLAYED,
+                    IDEMPOTENT_BYPASSED,
+                ],
+                max_request_body: DEFAULT_MAX_REQUEST_BODY,
+                max_response_body: DEFAULT_MAX_RESPONSE_BODY,
+                fail_open: false,
+            }),
+        }
+    }
+
+    fn config(&mut self) -> &mut Config {
+        Arc::make_mut(&mut self.config)
+    }
+
+    /// The request header carrying the key (default `Idempotency-Key`).
+    pub fn header_name(mut self, name: HeaderName) -> Self {
+        self.config().header = name;
+        self
+    }
+
+    /// Refuses keys that are not quoted RFC 8941 strings (default: bare keys are accepted as
+    /// the same key).
+    pub fn strict(mut self, strict: bool) -> Self {
+        self.config().strict = strict;
+        self
+    }
+
+    /// The methods the layer protects (default POST and PATCH). Other methods pass through
+    /// untouched, key or not.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config().methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Whether a protected request without a key is refused with 400 (default `true`) or
+    /// passes through unprotected (`false`).
+    pub fn require_key(mut self, required: bool) -> Self {
+        self.config().require_key = required;
+        self
+    }
+
+    /// Request headers that are part of the fingerprint besides method, path, query and body
+    /// (default none).
+    pub fn fingerprint_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config().fingerprint_headers = names.into_iter().collect();
+        self
+    }
+
+    /// Who a key belongs to (default [`scope_by_authorization`]). The function sees the
+    /// request's parts, extensions included, so it can use the principal an authentication
+    /// layer placed there — put that layer outside (before) this one.
+    pub fn scope(mut self, scope: impl Fn(&Parts) -> Scope + Send + Sync + 'static) -> Self {
+        self.config().scope = Arc::new(scope);
+        self
+    }
+
+    /// Which response statuses are stored for replay (default [`default_retain`]). A status
+    /// for which it returns false releases the key: the next retry runs the handler again.
+    pub fn retain(mut self, retain: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
+        self.config().retain = Arc::new(retain);
+        self
+    }
+
+    /// How long responses are replayed (default: the runtime's TTL).
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.config().ttl = Some(ttl);
+        self
+    }
+
+    /// The lease of an in-flight request (default: the runtime's lease).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.config().lease = Some(lease);
+        self
+    }
+
+    /// What a duplicate arriving while the first is in flight gets (default: the runtime's
+    /// policy, which defaults to 409 at once).
+    pub fn in_flight(mut self, policy: InFlightPolicy) -> Self {
+        self.config().in_flight = Some(policy);
+        self
+    }
+
+    /// Also leaves `name` out of stored responses and replays.
+    pub fn exclude_header(mut self, name: HeaderName) -> Self {
+        self.config().not_replayed.push(name);
+        self
+    }
+
+    /// Stores and replays `name` even though it is excluded by default (e.g. `Set-Cookie`).
+    pub fn replay_header(mut self, name: HeaderName) -> Self {
+        self.config().not_replayed.retain(|n| *n != name);
+        self
+    }
+
+    /// The largest protected request body (default [`DEFAULT_MAX_REQUEST_BODY`]); larger ones
+    /// get 413 before the handler runs.
+    pub fn max_request_body(mut self, bytes: usize) -> Self {
+        self.config().max_request_body = bytes;
+        self
+    }
+
+    /// The largest response body retained for replay (default
+    /// [`DEFAULT_MAX_RESPONSE_BODY`]). A larger response still streams to the client, and the
+    /// key is recorded so that a retry gets 410 `result_not_retained` instead of a second
+    /// execution.
+    pub fn max_response_body(mut self, bytes: usize) -> Self {
+        self.config().max_response_body = bytes;
+        self
+    }
+
+    /// When the store is unavailable, run requests unprotected instead of answering 503
+    /// (default `false`: fail closed). Each such response carries
+    /// `Idempotent-Bypassed: store-unavailable` and a warning is logged.
+    pub fn fail_open(mut self, fail_open: bool) -> Self {
+        self.config().fail_open = fail_open;
+        self
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService::new(inner, Arc::clone(&self.config))
+    }
+}
+
+impl fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.config.fmt(f)
+    }
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("idempotency", &self.idempotency)
+            .field("header", &self.header)
+            .field("strict", &self.strict)
+            .field("methods", &self.methods)
+            .field("require_key", &self.require_key)
+            .field("max_request_body", &self.max_request_body)
+            .field("max_response_body", &self.max_response_body)
+            .field("fail_open", &self.fail_open)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,118 @@
+//! The responses the layer produces itself: RFC 9457 problem documents.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderValue, Response, StatusCode};
+use http_body::Body;
+use idempotent_core::{Error, StoreError};
+
+use crate::body::ResponseBody;
+
+/// A problem the layer answers itself. Never stored.
+#[derive(Debug, Clone)]
+pub(crate) struct Problem {
+    pub(crate) status: StatusCode,
+    pub(crate) code: &'static str,
+    pub(crate) title: &'static str,
+    pub(crate) detail: String,
+    pub(crate) retry_after: Option<Duration>,
+}
+
+impl Problem {
+    pub(crate) fn new(status: StatusCode, code: &'static str, title: &'static str, detail: impl Into<String>) -> Self {
+        Problem {
+            status,
+            code,
+            title,
+            detail: detail.into(),
+            retry_after: None,
+        }
+    }
+
+    pub(crate) fn retry_after(mut self, after: Option<Duration>) -> Self {
+        self.retry_after = after;
+        self
+    }
+
+    /// The problem for a runtime error.
+    pub(crate) fn from_error(error: &Error) -> Self {
+        let code = error.code();
+        match error {
+            Error::FingerprintMismatch => Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                code,
+                "Idempotency key reused with a different request",
+                "this idempotency key was already used for a request with a different method, path, query or body; use a new key for a new request",
+            ),
+            Error::InFlight { retry_after } => Problem::new(
+                StatusCode::CONFLICT,
+                code,
+                "Request with this idempotency key is in progress",
+                "a request with this idempotency key is still being processed; retry after the Retry-After delay to receive its response",
+            )
+            .retry_after(Some(*retry_after)),
+            Error::ResultNotRetained => Problem::new(
+                StatusCode::GONE,
+                code,
+                "Response not retained",
+                "a request with this idempotency key was already processed, but its response was too large to keep for replay; it will not be processed again",
+            ),
+            Error::CorruptRecord(_) => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                code,
+                "Idempotency record unreadable",
+                "the stored record for this idempotency key cannot be read; the request was not processed again",
+            ),
+            Error::Store(StoreError::Capacity { .. }) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                code,
+                "Idempotency store full",
+                "the idempotency store cannot accept new keys right now; the request was not processed; retry later",
+            )
+            .retry_after(error.retry_after()),
+            Error::Store(_) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                code,
+                "Idempotency store unavailable",
+                "the idempotency store cannot be reached; the request was not processed; retry later",
+            )
+            .retry_after(error.retry_after().or(Some(Duration::from_secs(1)))),
+            Error::InvalidKey(e) => Problem::new(
+                StatusCode::BAD_REQUEST,
+                code,
+                "Invalid idempotency key",
+                e.to_string(),
+            ),
+            _ => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                "Idempotency layer error",
+                "the request could not be processed idempotently",
+            ),
+        }
+    }
+
+    pub(crate) fn into_response<B: Body>(self) -> Response<ResponseBody<B>> {
+        let document = serde_json::json!({
+            "type": format!("urn:idempotent:problem:{}", self.code),
+            "title": self.title,
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+            "code": self.code,
+        });
+        let body = Bytes::from(document.to_string());
+        let mut response = Response::new(ResponseBody::full(body, None));
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        if let Some(after) = self.retry_after {
+            // Whole seconds, rounded up: a client must not retry before the hint.
+            let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+            headers.insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));
+        }
+        response
+    }
+}

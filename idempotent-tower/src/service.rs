@@ -1,0 +1,419 @@
+//! [`IdempotencyService`]: the middleware itself.
+
+use std::fmt;
+use std::future::poll_fn;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::header::CONTENT_LENGTH;
+use http::request::Parts;
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use idempotent_core::{Call, Error, Execution, Fingerprint, Key, Retain, StorageKey};
+use tower_service::Service;
+
+use crate::body::{RequestBody, ResponseBody};
+use crate::future::ResponseFuture;
+use crate::key::{KeyProblem, key_from_headers};
+use crate::layer::{Config, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED};
+use crate::problem::Problem;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The middleware created by [`IdempotencyLayer`](crate::IdempotencyLayer).
+#[derive(Clone)]
+pub struct IdempotencyService<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S> IdempotencyService<S> {
+    pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
+        IdempotencyService { inner, config }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for IdempotencyService<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("inner", &self.inner)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl<S, B, ResBody> Service<Request<B>> for IdempotencyService<S>
+where
+    S: Service<Request<RequestBody<B>>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+    ResBody: Body + Send + 'static,
+    ResBody::Data: Send,
+    ResBody::Error: Send,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResBody, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let config = &self.config;
+        if !config.protects(request.method()) {
+            return self.pass_through(request, "method not protected");
+        }
+        let key = match key_from_headers(request.headers(), &config.header, config.strict) {
+            Ok(key) => key,
+            Err(KeyProblem::Missing) if !config.require_key => {
+                return self.pass_through(request, "no key");
+            }
+            Err(problem) => {
+                let (code, title) = match problem {
+                    KeyProblem::Missing => ("missing_key", "Idempotency key required"),
+                    _ => ("invalid_key", "Invalid idempotency key"),
+                };
+                tracing::info!(outcome = "invalid_key", code, "idempotency key refused");
+                let detail = problem.detail(&config.header);
+                return ResponseFuture::ready(
+                    Problem::new(StatusCode::BAD_REQUEST, code, title, detail).into_response(),
+                );
+            }
+        };
+        if declared_length(request.headers()).is_some_and(|len| len > config.max_request_body as u64) {
+            return ResponseFuture::ready(too_large(config.max_request_body).into_response());
+        }
+        // The ready service goes with this request; a clone waits for the next poll_ready.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        // Spawned so that the handler runs to completion and its response is recorded even if
+        // the client goes away: the retry then gets a replay, not a second execution.
+        ResponseFuture::spawned(tokio::spawn(handle(Arc::clone(config), inner, request, key)))
+    }
+}
+
+impl<S> IdempotencyService<S> {
+    fn pass_through<B, ResBody>(
+        &mut self,
+        request: Request<B>,
+        why: &'static str,
+    ) -> ResponseFuture<S::Future, ResBody, S::Error>
+    where
+        S: Service<Request<RequestBody<B>>, Response = Response<ResBody>>,
+        ResBody: Body,
+    {
+        tracing::trace!(outcome = "bypassed", why, "request passed through");
+        ResponseFuture::pass_through(self.inner.call(request.map(RequestBody::streaming)))
+    }
+}
+
+fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers.get(CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+}
+
+fn too_large(limit: usize) -> Problem {
+    Problem::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "request_too_large",
+        "Request body too large",
+        format!("the request body exceeds the {limit}-byte limit for idempotent requests; it was not processed"),
+    )
+}
+
+/// What the handler produced, as far as the layer read it.
+enum Captured<B: Body> {
+    /// The whole response.
+    Complete {
+        parts: http::response::Parts,
+        body: Bytes,
+        trailers: Option<HeaderMap>,
+    },
+    /// A response larger than the retention limit: the part read, and the rest.
+    TooLarge {
+        parts: http::response::Parts,
+        prefix: Bytes,
+        rest: Pin<Box<B>>,
+    },
+    /// A response whose body failed while being read.
+    Failed {
+        parts: http::response::Parts,
+        prefix: Bytes,
+        error: B::Error,
+    },
+}
+
+impl<B: Body> Captured<B> {
+    fn status(&self) -> StatusCode {
+        match self {
+            Captured::Complete { parts, .. }
+            | Captured::TooLarge { parts, .. }
+            | Captured::Failed { parts, .. } => parts.status,
+        }
+    }
+
+    fn into_response(self) -> Response<ResponseBody<B>> {
+        match self {
+            Captured::Complete {
+                parts,
+                body,
+                trailers,
+            } => Response::from_parts(parts, ResponseBody::full(body, trailers)),
+            Captured::TooLarge {
+                parts,
+                prefix,
+                rest,
+            } => Response::from_parts(parts, ResponseBody::partial(prefix, rest)),
+            Captured::Failed {
+                parts,
+                prefix,
+                error,
+            } => Response::from_parts(parts, ResponseBody::failed(prefix, error)),
+        }
+    }
+}
+
+/// Reads the response body up to `max` bytes, keeping its trailers.
+async fn capture<B: Body>(response: Response<B>, max: usize) -> Captured<B> {
+    let (parts, body) = response.into_parts();
+    let mut body = Box::pin(body);
+    // Most bodies are one chunk: keep it as is and copy only when a second arrives.
+    let mut first: Option<Bytes> = None;
+    let mut rest = BytesMut::new();
+    let mut trailers: Option<HeaderMap> = None;
+    let read = |first: &mut Option<Bytes>, rest: &mut BytesMut| match (first.take(), rest.is_empty()) {
+        (Some(first), true) => first,
+        (Some(first), false) => {
+            let mut all = BytesMut::with_capacity(first.len() + rest.len());
+            all.put(first);
+            all.put(rest.split());
+            all.freeze()
+        }
+        (None, _) => rest.split().freeze(),
+    };
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(error) => {
+                let prefix = read(&mut first, &mut rest);
+                return Captured::Failed {
+                    parts,
+                    prefix,
+                    error,
+                };
+            }
+        };
+        match frame.into_data() {
+            Ok(mut data) => {
+                let len = first.as_ref().map_or(0, Bytes::len) + rest.len();
+                let chunk = data.copy_to_bytes(data.remaining());
+                if len + chunk.len() > max {
+                    if let Some(first) = first.take() {
+                        let mut all = BytesMut::with_capacity(first.len() + rest.len());
+                        all.put(first);
+                        all.put(rest.split());
+                        rest = all;
+                    }
+                    rest.put(chunk);
+                    return Captured::TooLarge {
+                        parts,
+                        prefix: rest.freeze(),
+                        rest: body,
+                    };
+                }
+                if first.is_none() && rest.is_empty() {
+                    first = Some(chunk);
+                } else {
+                    if let Some(first) = first.take() {
+                        rest.put(first);
+                    }
+                    rest.put(chunk);
+                }
+            }
+            Err(frame) => {
+                if let Ok(more) = frame.into_trailers() {
+                    trailers.get_or_insert_with(HeaderMap::new).extend(more);
+                }
+            }
+        }
+    }
+    Captured::Complete {
+        parts,
+        body: read(&mut first, &mut rest),
+        trailers,
+    }
+}
+
+/// The fingerprint of an HTTP request: method, path, query pairs in sorted order, the
+/// configured headers and the body. Each part is a delimited field.
+pub(crate) fn fingerprint(parts: &Parts, body: &[u8], headers: &[http::HeaderName]) -> Fingerprint {
+    let mut f = Fingerprint::builder();
+    f.push_field(parts.method.as_str().as_bytes());
+    f.push_field(parts.uri.path().as_bytes());
+    let mut pairs: Vec<&str> = parts
+        .uri
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .collect();
+    pairs.sort_unstable();
+    f.push_field(&(pairs.len() as u64).to_le_bytes());
+    for pair in pairs {
+        f.push_field(pair.as_bytes());
+    }
+    for name in headers {
+        f.push_field(name.as_str().as_bytes());
+        let values: Vec<_> = parts.headers.get_all(name).iter().collect();
+        f.push_field(&(values.len() as u64).to_le_bytes());
+        for value in values {
+            f.push_field(value.as_bytes());
+        }
+    }
+    f.push_field(body);
+    f.finish()
+}
+
+async fn handle<S, B, ResBody>(
+    config: Arc<Config>,
+    inner: S,
+    request: Request<B>,
+    key: Key,
+) -> Result<Response<ResponseBody<ResBody>>, S::Error>
+where
+    S: Service<Request<RequestBody<B>>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send,
+    B: Body,
+    B::Error: Into<BoxError>,
+    ResBody: Body,
+{
+    let (parts, body) = request.into_parts();
+    let body = match Limited::new(body, config.max_request_body).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
+            return Ok(too_large(config.max_request_body).into_response());
+        }
+        Err(error) => {
+            tracing::info!(outcome = "request_body_unreadable", error = %error, "could not read a protected request body");
+            return Ok(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "request_body_unreadable",
+                "Request body unreadable",
+                "the request body could not be read; the request was not processed",
+            )
+            .into_response());
+        }
+    };
+
+    let mut call = Call::new(key)
+        .scope((config.scope)(&parts))
+        .fingerprint(fingerprint(&parts, &body, &config.fingerprint_headers));
+    if let Some(ttl) = config.ttl {
+        call = call.ttl(ttl);
+    }
+    if let Some(lease) = config.lease {
+        call = call.lease(lease);
+    }
+    if let Some(policy) = config.in_flight {
+        call = call.in_flight(policy);
+    }
+    let storage_key = config.idempotency.storage_key(&call);
+    let fallback = config
+        .fail_open
+        .then(|| (inner.clone(), parts.clone(), body.clone()));
+
+    let request = Request::from_parts(parts, RequestBody::buffered(body));
+    let max_response = config.max_response_body;
+    let work = async move {
+        let mut inner = inner;
+        match inner.call(request).await {
+            Ok(response) => Ok(capture(response, max_response).await),
+            Err(error) => Err(error),
+        }
+    };
+    let classify = |output: &Result<Captured<ResBody>, S::Error>| match output {
+        Err(_) => Retain::Release,
+        Ok(captured) if !(config.retain)(captured.status()) => Retain::Release,
+        Ok(Captured::Complete {
+            parts,
+            body,
+            trailers,
+        }) => Retain::Store(crate::record::encode(
+            parts.status,
+            &parts.headers,
+            body,
+            trailers.as_ref(),
+            |name| config.is_not_replayed(name),
+        )),
+        // The handler ran and answered; without its whole response, the call is recorded as
+        // done so that a retry does not run it again.
+        Ok(Captured::TooLarge { .. } | Captured::Failed { .. }) => Retain::CompleteWithoutResult,
+    };
+
+    match config.idempotency.execute(&call, work, classify).await {
+        Ok(Execution::Fresh(Ok(captured))) => {
+            tracing::debug!(outcome = "fresh", %storage_key, status = captured.status().as_u16(), "idempotent request executed");
+            Ok(captured.into_response())
+        }
+        Ok(Execution::Fresh(Err(error))) => Err(error),
+        Ok(Execution::Replayed(stored)) => Ok(replay(stored, &storage_key)),
+        Err(Error::Store(error)) if fallback.is_some() => {
+            let Some((mut inner, parts, body)) = fallback else {
+                unreachable!("checked by the guard")
+            };
+            tracing::warn!(
+                outcome = "bypassed",
+                %storage_key,
+                error = &error as &dyn std::error::Error,
+                "idempotency store unavailable; running the request without protection (fail-open)"
+            );
+            poll_fn(|cx| inner.poll_ready(cx)).await?;
+            let response = inner
+                .call(Request::from_parts(parts, RequestBody::buffered(body)))
+                .await?;
+            let mut response = response.map(ResponseBody::streaming);
+            response
+                .headers_mut()
+                .insert(IDEMPOTENT_BYPASSED, HeaderValue::from_static("store-unavailable"));
+            Ok(response)
+        }
+        Err(error) => {
+            let outcome = error.code();
+            match &error {
+                Error::Store(e) => tracing::error!(
+                    outcome,
+                    %storage_key,
+                    error = e as &dyn std::error::Error,
+                    "idempotency store failed; request refused (fail closed)"
+                ),
+                _ => tracing::info!(outcome, %storage_key, "idempotent request refused"),
+            }
+            Ok(Problem::from_error(&error).into_response())
+        }
+    }
+}
+
+fn replay<B: Body>(stored: Bytes, storage_key: &StorageKey) -> Response<ResponseBody<B>> {
+    match crate::record::decode(stored) {
+        Ok(stored) => {
+            tracing::debug!(outcome = "replayed", %storage_key, status = stored.status.as_u16(), "idempotent response replayed");
+            let mut response = Response::new(ResponseBody::full(stored.body, stored.trailers));
+            *response.status_mut() = stored.status;
+            *response.headers_mut() = stored.headers;
+            response
+                .headers_mut()
+                .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+            response
+        }
+        Err(error) => {
+            tracing::error!(outcome = "corrupt_record", %storage_key, %error, "stored response cannot be decoded");
+            Problem::from_error(&Error::CorruptRecord(Box::new(error))).into_response()
+        }
+    }
+}
