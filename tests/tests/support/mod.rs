@@ -1,0 +1,179 @@
+//! Running the example servers as real processes, and an HTTP client for both protocols.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client as HyperClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// The path of an example binary built by `cargo test --workspace --all-targets` (or `cargo
+/// build --example NAME`), next to this test's own binary.
+pub fn example_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("test binary lives in target/<profile>/deps");
+    let path = profile_dir.join("examples").join(name);
+    assert!(
+        path.exists(),
+        "example binary {} is missing: build it with `cargo build --example {name}` \
+         (scripts/test.sh builds every example)",
+        path.display()
+    );
+    path
+}
+
+/// A running example server; killed when dropped.
+pub struct Server {
+    pub child: Child,
+    pub port: u16,
+}
+
+impl Server {
+    /// Starts the `payments` example on a free port with `env` and waits until it listens.
+    pub async fn payments(env: &[(&str, &str)]) -> Server {
+        Server::start("payments", env, "listening on http://127.0.0.1:").await
+    }
+
+    pub async fn start(example: &str, env: &[(&str, &str)], ready_prefix: &str) -> Server {
+        let mut command = Command::new(example_binary(example));
+        command
+            .env("PORT", "0")
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        let mut child = command.spawn().expect("start the example");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+            .await
+            .expect("the example did not start within 30 s")
+            .expect("read the example's stdout")
+            .expect("the example exited before listening");
+        let port = line
+            .strip_prefix(ready_prefix)
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .trim()
+            .parse()
+            .expect("port number");
+        // Keep draining stdout so the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Server { child, port }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id().expect("running child")
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    Http1,
+    Http2,
+}
+
+pub const PROTOCOLS: [Protocol; 2] = [Protocol::Http1, Protocol::Http2];
+
+#[derive(Clone)]
+pub struct Client {
+    inner: HyperClient<HttpConnector, Full<Bytes>>,
+}
+
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.headers.get("idempotent-replayed").is_some_and(|v| v == "true")
+    }
+
+    /// The `code` of a problem document, checking the problem's shape.
+    pub fn problem_code(&self) -> String {
+        assert_eq!(self.headers["content-type"], "application/problem+json");
+        assert_eq!(self.headers["cache-control"], "no-store");
+        let doc = self.json();
+        assert_eq!(doc["status"], self.status.as_u16());
+        doc["code"].as_str().expect("problem code").to_owned()
+    }
+}
+
+impl Client {
+    pub fn new(protocol: Protocol) -> Client {
+        let mut builder = HyperClient::builder(TokioExecutor::new());
+        if protocol == Protocol::Http2 {
+            builder.http2_only(true);
+        }
+        Client {
+            inner: builder.build_http(),
+        }
+    }
+
+    pub async fn send(
+        &self,
+        method: Method,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> Answer {
+        let mut request = Request::builder().method(method).uri(url);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request.body(Full::new(body.into())).expect("request");
+        let response = self.inner.request(request).await.expect("HTTP request failed");
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.expect("response body").to_bytes();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+
+    /// `POST url` with a JSON body, an optional key and an optional bearer principal.
+    pub async fn post(&self, url: &str, key: Option<&str>, principal: Option<&str>, json: &str) -> Answer {
+        let auth = principal.map(|p| format!("Bearer {p}"));
+        let mut headers = vec![("content-type", "application/json")];
+        if let Some(key) = key {
+            headers.push(("idempotency-key", key));
+        }
+        if let Some(auth) = &auth {
+            headers.push(("authorization", auth.as_str()));
+        }
+        self.send(Method::POST, url, &headers, json.to_owned()).await
+    }
+
+    pub async fn get(&self, url: &str) -> Answer {
+        self.send(Method::GET, url, &[], Bytes::new()).await
+    }
+
+    /// Executions so far, from `GET /payments/count`.
+    pub async fn count(&self, server: &Server) -> u64 {
+        self.get(&server.url("/payments/count")).await.json()["count"]
+            .as_u64()
+            .expect("count")
+    }
+}
