@@ -1,7 +1,140 @@
 //! Idempotency for HTTP services on tower: the `Idempotency-Key` header with IETF draft
 //! semantics, for axum routers and any tower stack.
 //!
-//! DOCS_PLACEHOLDER
+//! A client sends `Idempotency-Key: "<unique key>"` with a POST; if the request times out, it
+//! sends the same request with the same key again. The first request runs the handler; a
+//! duplicate arriving while it runs gets `409 Conflict`; every later retry gets the first
+//! response back, byte for byte, with `Idempotent-Replayed: true`. The handler runs once.
+//!
+//! ```no_run
+//! use axum::{Json, Router, routing::post};
+//! use idempotent_core::{Idempotency, MemoryStore};
+//! use idempotent_tower::IdempotencyLayer;
+//! use serde_json::{Value, json};
+//!
+//! async fn charge(Json(request): Json<Value>) -> (axum::http::StatusCode, Json<Value>) {
+//!     // ... call the payment provider exactly once per key ...
+//!     (axum::http::StatusCode::CREATED, Json(json!({ "charged": request["amount"] })))
+//! }
+//!
+//! #[tokio::main]
+//! async fn main() {
+//!     let idempotency = Idempotency::new(MemoryStore::new());
+//!     let app = Router::new()
+//!         .route("/payments", post(charge))
+//!         .layer(IdempotencyLayer::new(idempotency));
+//!     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
+//!     axum::serve(listener, app).await.unwrap();
+//! }
+//! ```
+//!
+//! `Router::route_layer` protects only the routes defined before it, and
+//! `tower::ServiceBuilder` works the same way for any `Service<http::Request<B>>`. The inner
+//! service receives `http::Request<RequestBody<B>>`; axum routes and tonic servers accept any
+//! body type, so nothing changes for them.
+//!
+//! # Semantics
+//!
+//! - **Key**: from the `Idempotency-Key` header ([`header_name`](IdempotencyLayer::header_name)
+//!   to change it): an RFC 8941 sf-string (`"…"`, with `\"` and `\\` escapes; parameters are
+//!   ignored) or, by default, the same key unquoted ([`strict`](IdempotencyLayer::strict) refuses
+//!   that). 1–255 bytes of printable ASCII, no leading or trailing space. Empty, too long,
+//!   non-ASCII, unparsable, or given twice (two fields or a list) → 400.
+//! - **Protected methods**: POST and PATCH ([`methods`](IdempotencyLayer::methods)). Other
+//!   methods pass through untouched, even with a key. A protected request without a key → 400
+//!   ([`require_key(false)`](IdempotencyLayer::require_key) lets it through unprotected).
+//! - **Fingerprint**: method, path, query pairs sorted (so `?a=1&b=2` equals `?b=2&a=1`; values
+//!   are compared as sent, not percent-decoded), the body bytes, and any
+//!   [`fingerprint_headers`](IdempotencyLayer::fingerprint_headers). The same key with another
+//!   fingerprint → 422, and the stored record stays as it was.
+//! - **Scope**: a digest of the `Authorization` header ([`scope_by_authorization`]); requests
+//!   without one share the anonymous scope. Two scopes never share records, and a request never
+//!   learns whether a key exists in another scope: it simply runs.
+//! - **In flight**: 409 with `Retry-After`; or [`in_flight`](IdempotencyLayer::in_flight) with
+//!   [`InFlightPolicy::Wait`](idempotent_core::InFlightPolicy::Wait) to wait (bounded) and
+//!   replay.
+//! - **Outcome policy**: 2xx, 3xx and 4xx are stored, except 408, 409, 425 and 429, which are
+//!   released like every 5xx: the retry runs the handler again
+//!   ([`retain`](IdempotencyLayer::retain) to change it; [`default_retain`] is the default).
+//! - **Replay**: the stored status, headers, body and trailers, plus `Idempotent-Replayed: true`.
+//!   Hop-by-hop headers, `Date` and `Set-Cookie` are never stored, so never replayed
+//!   ([`exclude_header`](IdempotencyLayer::exclude_header) and
+//!   [`replay_header`](IdempotencyLayer::replay_header) adjust the list). A first response never
+//!   carries `Idempotent-Replayed`.
+//! - **Limits**: a protected request body over 1 MiB → 413 before anything runs
+//!   ([`max_request_body`](IdempotencyLayer::max_request_body)). A response over 1 MiB
+//!   ([`max_response_body`](IdempotencyLayer::max_response_body)) still streams to the client,
+//!   and the key is recorded as done without a result: retries get 410 `result_not_retained`
+//!   instead of a second execution. Idempotent endpoints should return small bodies.
+//! - **Client disconnect**: the handler keeps running on its own task until it completes, and
+//!   its response is recorded; the client's retry gets the replay.
+//! - **Handler panics and service errors** release the key (the next retry runs) and propagate
+//!   as if the layer were not there.
+//! - **Store unavailable**: 503 with `Retry-After`; the handler does not run (fail closed).
+//!   [`fail_open(true)`](IdempotencyLayer::fail_open) runs it unprotected instead, marks the
+//!   response `Idempotent-Bypassed: store-unavailable` and logs a warning.
+//! - **Logging**: one `tracing` event per outcome (`outcome` = `fresh`, `replayed`,
+//!   `in_flight`, `fingerprint_mismatch`, `invalid_key`, `bypassed`, `store_unavailable`, …),
+//!   with the storage key digest, never the raw key.
+//!
+//! # Responses the layer produces
+//!
+//! Every one is `application/problem+json` (RFC 9457) with `type`, `title`, `status`, `detail`
+//! and a stable `code`, carries `Cache-Control: no-store`, and is never stored.
+//!
+//! | status | `code` | when | client should |
+//! |---|---|---|---|
+//! | 400 | `missing_key` | a protected request has no key | add a key |
+//! | 400 | `invalid_key` | the key is empty, too long, not ASCII, unparsable or given twice | send one valid key |
+//! | 400 | `request_body_unreadable` | the request body could not be read | retry |
+//! | 409 | `in_flight` | the same key is still being processed (with `Retry-After`) | retry after the delay |
+//! | 410 | `result_not_retained` | the key was processed but its response was too large to keep | not retry; look the result up |
+//! | 413 | `request_too_large` | the body exceeds the limit; nothing ran | send a smaller body |
+//! | 422 | `fingerprint_mismatch` | the key was used for a different request | use a new key |
+//! | 500 | `corrupt_record` | the stored record cannot be read; nothing ran | contact the operator |
+//! | 500 | `internal_error` | any other idempotency failure; nothing ran | retry |
+//! | 503 | `store_unavailable` | the store cannot be reached (with `Retry-After`); nothing ran | retry after the delay |
+//! | 503 | `store_capacity` | the store is full of live records (with `Retry-After`); nothing ran | retry after the delay |
+//! | 503 | `shutting_down` | the server stopped before the request finished | retry |
+//!
+//! # Where to put the layer
+//!
+//! - **Authentication** before (outside) it, so that a custom
+//!   [`scope`](IdempotencyLayer::scope) can use the principal it puts in the request
+//!   extensions, and unauthenticated requests never reach the store:
+//!   `Router::new().route(..).layer(IdempotencyLayer::new(..)).layer(auth)`.
+//! - **Body limits** (`DefaultBodyLimit`, `RequestBodyLimitLayer`) before it are fine; the
+//!   layer's own limit applies to protected requests in any case.
+//! - **Compression** outside it, so the stored response is the uncompressed one and each replay
+//!   is compressed per the retry's own `Accept-Encoding`.
+//! - **Timeouts** outside it stop waiting for the response, but not the handler, which runs on
+//!   and records its response for the retry. A timeout *inside* (around the handler) turns
+//!   slow requests into errors that are released, so the retry runs again.
+//! - **Rate limiting** outside it, so that rejected requests never claim a key.
+//!
+//! ```no_run
+//! # use axum::{Router, routing::post, extract::Request, middleware::Next, response::Response};
+//! # use idempotent_core::{Idempotency, MemoryStore, Scope};
+//! # use idempotent_tower::IdempotencyLayer;
+//! #[derive(Clone)]
+//! struct User { id: String }
+//!
+//! async fn authenticate(mut request: Request, next: Next) -> Response {
+//!     // ... verify the credential ...
+//!     request.extensions_mut().insert(User { id: "user-42".into() });
+//!     next.run(request).await
+//! }
+//!
+//! let idempotency = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+//!     .scope(|parts| match parts.extensions.get::<User>() {
+//!         Some(user) => Scope::new().principal(&user.id),
+//!         None => Scope::new().principal("anonymous"),
+//!     });
+//! let app: Router = Router::new()
+//!     .route("/orders", post(|| async { "created" }))
+//!     .layer(idempotency)
+//!     .layer(axum::middleware::from_fn(authenticate));
+//! ```
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
