@@ -43,7 +43,8 @@ struct Settings {
 }
 
 fn settings() -> Result<Settings, String> {
-    let var = |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
+    let var =
+        |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
     let port = var("PORT", "3000");
     let port = port
         .parse()
@@ -144,7 +145,11 @@ async fn create_payment(
     }
     ledger.executions.fetch_add(1, Ordering::SeqCst);
     if payment.amount == 0 {
-        return (StatusCode::PAYMENT_REQUIRED, Json(json!({"error": "card_declined"}))).into_response();
+        return (
+            StatusCode::PAYMENT_REQUIRED,
+            Json(json!({"error": "card_declined"})),
+        )
+            .into_response();
     }
     if payment.currency == "err" {
         return (

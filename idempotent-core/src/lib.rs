@@ -39,9 +39,34 @@
 //! - [`Store`]: where records live. [`MemoryStore`] is the embedded default.
 //! - [`Idempotency`]: the runtime; see its docs for the exact semantics.
 //!
+//! # The `#[idempotent]` attribute
+//!
+//! With the `macros` feature (on by default), one line makes any `async fn` (a handler, a job,
+//! a message consumer) idempotent: its effect happens once per key, and retries get the
+//! recorded result. The signature does not change; every mistake is a compile error at the
+//! offending token.
+//!
+//! ```
+//! # #[cfg(feature = "macros")] {
+//! use idempotent_core::{Error, idempotent};
+//!
+//! #[idempotent(key = delivery_id, ttl = "24h")]
+//! async fn apply_payment(delivery_id: &str, cents: u64) -> Result<u64, Error> {
+//!     Ok(cents) // the effect, once per delivery id
+//! }
+//! # }
+//! ```
+//!
+//! Functions run on the process-wide [`default_runtime`] (install yours with
+//! [`set_default_runtime`]; otherwise an in-memory one) or on the runtime named by
+//! `runtime = ...`. See [`idempotent`](macro@idempotent) for every argument and the
+//! limitations.
+//!
 //! # Features
 //!
 //! - `memory` (default): [`MemoryStore`].
+//! - `macros` (default): the [`#[idempotent]`](macro@idempotent) attribute.
+//! - `uuid`: [`ToKey`] for `uuid::Uuid`.
 //! - `test-util`: the store conformance suite ([`conformance`]) for testing any store.
 //!
 //! # What it cannot do
@@ -59,8 +84,13 @@ mod envelope;
 mod error;
 mod fingerprint;
 mod key;
+mod macro_support;
 mod runtime;
-mod store;
+pub mod store;
+
+#[doc(hidden)]
+#[path = "private.rs"]
+pub mod __private;
 
 #[cfg(feature = "test-util")]
 pub mod conformance;
@@ -69,6 +99,10 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{BoxError, Error, StoreError};
 pub use fingerprint::{CanonicalError, Fingerprint, FingerprintBuilder};
 pub use key::{Key, KeyError, MAX_KEY_LEN, Scope, StorageKey};
+#[cfg(feature = "macros")]
+#[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
+pub use macro_support::idempotent;
+pub use macro_support::{ToKey, default_runtime, set_default_runtime};
 pub use runtime::{
     Call, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Execution, Idempotency,
     IdempotencyBuilder, InFlightPolicy, MAX_IN_FLIGHT_RETRY_HINT, Outcome, Retain,

@@ -409,7 +409,9 @@ async fn complete_without_result_refuses_retries_without_rerunning() {
     let idem = Idempotency::new(MemoryStore::new());
     let runs = Arc::new(AtomicUsize::new(0));
     let first = idem
-        .execute(&call("k"), counted(&runs), |_| Retain::CompleteWithoutResult)
+        .execute(&call("k"), counted(&runs), |_| {
+            Retain::CompleteWithoutResult
+        })
         .await
         .unwrap();
     assert_eq!(first, Execution::Fresh(1));

@@ -68,7 +68,9 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         match self.project().kind.project() {
-            RequestKindProj::Buffered { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            RequestKindProj::Buffered { data } => {
+                Poll::Ready(data.take().map(|d| Ok(Frame::data(d))))
+            }
             RequestKindProj::Streaming { body } => body.poll_frame(cx).map(map_frame),
         }
     }

@@ -70,9 +70,9 @@ where
                 let response = ready!(future.poll(cx))?;
                 Poll::Ready(Ok(response.map(ResponseBody::streaming)))
             }
-            KindProj::Ready { response } => {
-                Poll::Ready(Ok(response.take().expect("ResponseFuture polled after completion")))
-            }
+            KindProj::Ready { response } => Poll::Ready(Ok(response
+                .take()
+                .expect("ResponseFuture polled after completion"))),
             KindProj::Spawned { task } => match ready!(Pin::new(task).poll(cx)) {
                 Ok(output) => Poll::Ready(output),
                 // The handler panicked: surface it to the caller as if it had run inline (so a
@@ -97,6 +97,8 @@ impl<F, B: Body, E> fmt::Debug for ResponseFuture<F, B, E> {
             Kind::Ready { .. } => "ready",
             Kind::Spawned { .. } => "spawned",
         };
-        f.debug_struct("ResponseFuture").field("kind", &kind).finish()
+        f.debug_struct("ResponseFuture")
+            .field("kind", &kind)
+            .finish()
     }
 }

@@ -29,7 +29,9 @@ impl KeyProblem {
         match self {
             KeyProblem::Missing => format!("this request requires an {header} header"),
             KeyProblem::Multiple => {
-                format!("the {header} header must carry exactly one key; it was given more than once")
+                format!(
+                    "the {header} header must carry exactly one key; it was given more than once"
+                )
             }
             KeyProblem::Unparsable(why) => {
                 format!("the {header} header is not a structured-field string: {why}")
@@ -60,7 +62,10 @@ pub(crate) fn key_from_headers(
 /// Parses one header field value into the key it carries.
 pub(crate) fn parse_value(value: &[u8], strict: bool) -> Result<String, KeyProblem> {
     let value = trim_ows(value);
-    let mut p = Parser { input: value, pos: 0 };
+    let mut p = Parser {
+        input: value,
+        pos: 0,
+    };
     let key = match p.peek() {
         Some(b'"') => p.sf_string()?,
         Some(_) if strict => return Err(KeyProblem::BareInStrictMode),
@@ -71,7 +76,9 @@ pub(crate) fn parse_value(value: &[u8], strict: bool) -> Result<String, KeyProbl
     match p.peek() {
         None => Ok(key),
         Some(b',') => Err(KeyProblem::Multiple),
-        Some(_) => Err(KeyProblem::Unparsable("unexpected characters after the key")),
+        Some(_) => Err(KeyProblem::Unparsable(
+            "unexpected characters after the key",
+        )),
     }
 }
 
@@ -226,7 +233,9 @@ impl Parser<'_> {
                         _ => break,
                     }
                 }
-                Err(KeyProblem::Unparsable("malformed byte sequence in a parameter"))
+                Err(KeyProblem::Unparsable(
+                    "malformed byte sequence in a parameter",
+                ))
             }
             Some(b'A'..=b'Z' | b'a'..=b'z' | b'*') => {
                 self.pos += 1;
@@ -262,22 +271,40 @@ mod tests {
         assert_eq!(parse("\"abc-123\"").unwrap(), "abc-123");
         assert_eq!(parse("abc-123").unwrap(), "abc-123");
         assert_eq!(parse("  \"abc-123\"\t").unwrap(), "abc-123");
-        assert_eq!(parse("8e03978e-40d5-43e8-bc93-6894a57f9324").unwrap(), "8e03978e-40d5-43e8-bc93-6894a57f9324");
+        assert_eq!(
+            parse("8e03978e-40d5-43e8-bc93-6894a57f9324").unwrap(),
+            "8e03978e-40d5-43e8-bc93-6894a57f9324"
+        );
     }
 
     #[test]
     fn escapes_and_spaces_inside_strings() {
-        assert_eq!(parse(r#""a \"quoted\" \\ key""#).unwrap(), r#"a "quoted" \ key"#);
-        assert!(matches!(parse(r#""bad \n escape""#), Err(KeyProblem::Unparsable(_))));
-        assert!(matches!(parse("\"unterminated"), Err(KeyProblem::Unparsable(_))));
+        assert_eq!(
+            parse(r#""a \"quoted\" \\ key""#).unwrap(),
+            r#"a "quoted" \ key"#
+        );
+        assert!(matches!(
+            parse(r#""bad \n escape""#),
+            Err(KeyProblem::Unparsable(_))
+        ));
+        assert!(matches!(
+            parse("\"unterminated"),
+            Err(KeyProblem::Unparsable(_))
+        ));
     }
 
     #[test]
     fn parameters_are_ignored_when_well_formed() {
-        assert_eq!(parse("\"k\"; a=1; b=?0; c=tok/en; d=\"s\"; e=:aGk=:; f").unwrap(), "k");
+        assert_eq!(
+            parse("\"k\"; a=1; b=?0; c=tok/en; d=\"s\"; e=:aGk=:; f").unwrap(),
+            "k"
+        );
         assert_eq!(parse("k;v=1").unwrap(), "k");
         assert!(matches!(parse("\"k\";A=1"), Err(KeyProblem::Unparsable(_))));
-        assert!(matches!(parse("\"k\";a=?2"), Err(KeyProblem::Unparsable(_))));
+        assert!(matches!(
+            parse("\"k\";a=?2"),
+            Err(KeyProblem::Unparsable(_))
+        ));
         assert!(matches!(parse("\"k\";a="), Err(KeyProblem::Unparsable(_))));
     }
 
@@ -289,7 +316,10 @@ mod tests {
         let name = HeaderName::from_static("idempotency-key");
         headers.append(&name, HeaderValue::from_static("a"));
         headers.append(&name, HeaderValue::from_static("a"));
-        assert_eq!(key_from_headers(&headers, &name, false), Err(KeyProblem::Multiple));
+        assert_eq!(
+            key_from_headers(&headers, &name, false),
+            Err(KeyProblem::Multiple)
+        );
     }
 
     #[test]
@@ -313,15 +343,27 @@ mod tests {
             Err(KeyProblem::Invalid(KeyError::TooLong { len: 256 }))
         );
         assert_eq!(key(&"x".repeat(255)).unwrap().as_str().len(), 255);
-        assert_eq!(key("\" padded\""), Err(KeyProblem::Invalid(KeyError::SurroundingSpace)));
+        assert_eq!(
+            key("\" padded\""),
+            Err(KeyProblem::Invalid(KeyError::SurroundingSpace))
+        );
         assert!(matches!(key("two words"), Err(KeyProblem::Unparsable(_))));
-        assert_eq!(key_from_headers(&HeaderMap::new(), &name, false), Err(KeyProblem::Missing));
+        assert_eq!(
+            key_from_headers(&HeaderMap::new(), &name, false),
+            Err(KeyProblem::Missing)
+        );
     }
 
     #[test]
     fn non_ascii_bytes_are_refused() {
-        assert!(matches!(parse_value(b"caf\xc3\xa9", false), Err(KeyProblem::Invalid(_))));
-        assert!(matches!(parse_value(b"\"caf\xc3\xa9\"", false), Err(KeyProblem::Unparsable(_))));
+        assert!(matches!(
+            parse_value(b"caf\xc3\xa9", false),
+            Err(KeyProblem::Invalid(_))
+        ));
+        assert!(matches!(
+            parse_value(b"\"caf\xc3\xa9\"", false),
+            Err(KeyProblem::Unparsable(_))
+        ));
     }
 
     proptest::proptest! {

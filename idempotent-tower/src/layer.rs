@@ -81,7 +81,8 @@ pub fn default_retain(status: StatusCode) -> bool {
 pub fn scope_by_authorization(parts: &Parts) -> Scope {
     match parts.headers.get(header::AUTHORIZATION) {
         Some(value) => {
-            let digest = blake3::derive_key("idempotent-tower authorization scope v1", value.as_bytes());
+            let digest =
+                blake3::derive_key("idempotent-tower authorization scope v1", value.as_bytes());
             Scope::new().principal(digest)
         }
         None => Scope::new().principal(b"anonymous"),

@@ -21,7 +21,12 @@ pub(crate) struct Problem {
 }
 
 impl Problem {
-    pub(crate) fn new(status: StatusCode, code: &'static str, title: &'static str, detail: impl Into<String>) -> Self {
+    pub(crate) fn new(
+        status: StatusCode,
+        code: &'static str,
+        title: &'static str,
+        detail: impl Into<String>,
+    ) -> Self {
         Problem {
             status,
             code,
@@ -106,7 +111,10 @@ impl Problem {
         let mut response = Response::new(ResponseBody::full(body, None));
         *response.status_mut() = self.status;
         let headers = response.headers_mut();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
         headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
         if let Some(after) = self.retry_after {
             // Whole seconds, rounded up: a client must not retry before the hint.

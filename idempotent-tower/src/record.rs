@@ -108,8 +108,8 @@ fn take_headers(input: &mut Bytes, count: u16) -> Result<HeaderMap, DecodeError>
         let name = HeaderName::from_bytes(&name).map_err(|_| DecodeError("invalid header name"))?;
         let value_len = take_u32(input)? as usize;
         let value = take_bytes(input, value_len)?;
-        let value =
-            HeaderValue::from_maybe_shared(value).map_err(|_| DecodeError("invalid header value"))?;
+        let value = HeaderValue::from_maybe_shared(value)
+            .map_err(|_| DecodeError("invalid header value"))?;
         headers.append(name, value);
     }
     Ok(headers)
@@ -161,17 +161,27 @@ mod tests {
     #[test]
     fn round_trips_status_headers_body_and_trailers() {
         let (headers, trailers) = sample();
-        let enc = encode(StatusCode::CREATED, &headers, b"{\"id\":1}", Some(&trailers), |n| {
-            n == "set-cookie"
-        });
+        let enc = encode(
+            StatusCode::CREATED,
+            &headers,
+            b"{\"id\":1}",
+            Some(&trailers),
+            |n| n == "set-cookie",
+        );
         let dec = decode(enc).unwrap();
         assert_eq!(dec.status, StatusCode::CREATED);
         assert_eq!(dec.body, Bytes::from_static(b"{\"id\":1}"));
         assert_eq!(dec.trailers, Some(trailers));
         let multi: Vec<_> = dec.headers.get_all("x-multi").iter().collect();
         assert_eq!(multi, ["1", "2"]);
-        assert!(dec.headers.get("set-cookie").is_none(), "skipped headers are not stored");
-        let none = decode(encode(StatusCode::OK, &HeaderMap::new(), b"", None, |_| false)).unwrap();
+        assert!(
+            dec.headers.get("set-cookie").is_none(),
+            "skipped headers are not stored"
+        );
+        let none = decode(encode(StatusCode::OK, &HeaderMap::new(), b"", None, |_| {
+            false
+        }))
+        .unwrap();
         assert_eq!(none.trailers, None);
         assert!(none.body.is_empty());
     }
@@ -179,7 +189,9 @@ mod tests {
     #[test]
     fn every_truncation_and_extension_is_an_error() {
         let (headers, trailers) = sample();
-        let enc = encode(StatusCode::OK, &headers, b"body", Some(&trailers), |_| false);
+        let enc = encode(StatusCode::OK, &headers, b"body", Some(&trailers), |_| {
+            false
+        });
         for cut in 0..enc.len() {
             assert!(decode(enc.slice(..cut)).is_err(), "cut at {cut}");
         }

@@ -87,7 +87,9 @@ where
                 );
             }
         };
-        if declared_length(request.headers()).is_some_and(|len| len > config.max_request_body as u64) {
+        if declared_length(request.headers())
+            .is_some_and(|len| len > config.max_request_body as u64)
+        {
             return ResponseFuture::ready(too_large(config.max_request_body).into_response());
         }
         // The ready service goes with this request; a clone waits for the next poll_ready.
@@ -95,7 +97,12 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         // Spawned so that the handler runs to completion and its response is recorded even if
         // the client goes away: the retry then gets a replay, not a second execution.
-        ResponseFuture::spawned(tokio::spawn(handle(Arc::clone(config), inner, request, key)))
+        ResponseFuture::spawned(tokio::spawn(handle(
+            Arc::clone(config),
+            inner,
+            request,
+            key,
+        )))
     }
 }
 
@@ -123,7 +130,9 @@ fn too_large(limit: usize) -> Problem {
         StatusCode::PAYLOAD_TOO_LARGE,
         "request_too_large",
         "Request body too large",
-        format!("the request body exceeds the {limit}-byte limit for idempotent requests; it was not processed"),
+        format!(
+            "the request body exceeds the {limit}-byte limit for idempotent requests; it was not processed"
+        ),
     )
 }
 
@@ -187,16 +196,17 @@ async fn capture<B: Body>(response: Response<B>, max: usize) -> Captured<B> {
     let mut first: Option<Bytes> = None;
     let mut rest = BytesMut::new();
     let mut trailers: Option<HeaderMap> = None;
-    let read = |first: &mut Option<Bytes>, rest: &mut BytesMut| match (first.take(), rest.is_empty()) {
-        (Some(first), true) => first,
-        (Some(first), false) => {
-            let mut all = BytesMut::with_capacity(first.len() + rest.len());
-            all.put(first);
-            all.put(rest.split());
-            all.freeze()
-        }
-        (None, _) => rest.split().freeze(),
-    };
+    let read =
+        |first: &mut Option<Bytes>, rest: &mut BytesMut| match (first.take(), rest.is_empty()) {
+            (Some(first), true) => first,
+            (Some(first), false) => {
+                let mut all = BytesMut::with_capacity(first.len() + rest.len());
+                all.put(first);
+                all.put(rest.split());
+                all.freeze()
+            }
+            (None, _) => rest.split().freeze(),
+        };
     while let Some(frame) = body.frame().await {
         let frame = match frame {
             Ok(frame) => frame,
@@ -378,9 +388,10 @@ where
                 .call(Request::from_parts(parts, RequestBody::buffered(body)))
                 .await?;
             let mut response = response.map(ResponseBody::streaming);
-            response
-                .headers_mut()
-                .insert(IDEMPOTENT_BYPASSED, HeaderValue::from_static("store-unavailable"));
+            response.headers_mut().insert(
+                IDEMPOTENT_BYPASSED,
+                HeaderValue::from_static("store-unavailable"),
+            );
             Ok(response)
         }
         Err(error) => {

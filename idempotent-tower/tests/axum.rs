@@ -17,7 +17,12 @@ fn counting_router(runs: &Arc<AtomicUsize>) -> Router {
     Router::new()
         .route(
             "/protected",
-            post(move || async move { (StatusCode::CREATED, a.fetch_add(1, Ordering::SeqCst).to_string()) }),
+            post(move || async move {
+                (
+                    StatusCode::CREATED,
+                    a.fetch_add(1, Ordering::SeqCst).to_string(),
+                )
+            }),
         )
         .route_layer(IdempotencyLayer::new(Idempotency::new(MemoryStore::new())))
         .route(
@@ -49,14 +54,23 @@ async fn route_layer_protects_only_the_routes_before_it() {
     let first = call(&router, "/protected", Some("k")).await;
     let retry = call(&router, "/protected", Some("k")).await;
     assert_eq!((first.0, first.1), (StatusCode::CREATED, false));
-    assert_eq!((retry.0, retry.1, &retry.2), (StatusCode::CREATED, true, &first.2));
-    assert_eq!(call(&router, "/protected", None).await.0, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        (retry.0, retry.1, &retry.2),
+        (StatusCode::CREATED, true, &first.2)
+    );
+    assert_eq!(
+        call(&router, "/protected", None).await.0,
+        StatusCode::BAD_REQUEST
+    );
     // The route added after route_layer is not wrapped: no key needed, nothing replayed.
     assert_eq!(call(&router, "/unprotected", None).await.0, StatusCode::OK);
     assert!(!call(&router, "/unprotected", Some("k")).await.1);
     assert_eq!(runs.load(Ordering::SeqCst), 3);
     // Unknown routes are untouched by route_layer.
-    assert_eq!(call(&router, "/missing", None).await.0, StatusCode::NOT_FOUND);
+    assert_eq!(
+        call(&router, "/missing", None).await.0,
+        StatusCode::NOT_FOUND
+    );
 }
 
 #[tokio::test]
@@ -66,10 +80,15 @@ async fn router_layer_wraps_every_route_including_fallbacks() {
     let router = Router::new()
         .route(
             "/orders",
-            post(move || async move { (StatusCode::CREATED, counter.fetch_add(1, Ordering::SeqCst).to_string()) }),
+            post(move || async move {
+                (
+                    StatusCode::CREATED,
+                    counter.fetch_add(1, Ordering::SeqCst).to_string(),
+                )
+            }),
         )
         .layer(IdempotencyLayer::new(Idempotency::new(MemoryStore::new())));
-    assert_eq!(call(&router, "/orders", Some("k")).await.1, false);
+    assert!(!call(&router, "/orders", Some("k")).await.1);
     assert!(call(&router, "/orders", Some("k")).await.1);
     // A 404 from the fallback is a deterministic client error: stored and replayed.
     let missing = call(&router, "/nowhere", Some("k2")).await;

@@ -110,7 +110,11 @@ impl Handler {
     }
 }
 
-type Svc = tower::util::BoxCloneSyncService<Request<Full<Bytes>>, Response<ResponseBody<TestBody>>, BoxError>;
+type Svc = tower::util::BoxCloneSyncService<
+    Request<Full<Bytes>>,
+    Response<ResponseBody<TestBody>>,
+    BoxError,
+>;
 
 fn stack(layer: IdempotencyLayer, handler: &Handler) -> Svc {
     let (runs, panics) = (Arc::clone(&handler.runs), Arc::clone(&handler.panics));
@@ -130,12 +134,19 @@ fn post(path: &str, key: Option<&str>, body: &'static str) -> Request<Full<Bytes
     request(Method::POST, path, key, body)
 }
 
-fn request(method: Method, path: &str, key: Option<&str>, body: &'static str) -> Request<Full<Bytes>> {
+fn request(
+    method: Method,
+    path: &str,
+    key: Option<&str>,
+    body: &'static str,
+) -> Request<Full<Bytes>> {
     let mut builder = Request::builder().method(method).uri(path);
     if let Some(key) = key {
         builder = builder.header("idempotency-key", key);
     }
-    builder.body(Full::new(Bytes::from_static(body.as_bytes()))).unwrap()
+    builder
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap()
 }
 
 struct Answer {
@@ -151,7 +162,9 @@ impl Answer {
     }
 
     fn replayed(&self) -> bool {
-        self.headers.get("idempotent-replayed").is_some_and(|v| v == "true")
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
     }
 
     fn problem(&self) -> serde_json::Value {
@@ -190,7 +203,10 @@ async fn retry_replays_status_headers_and_body_with_the_replay_header() {
     let svc = stack(memory(), &handler);
     let first = send(&svc, post("/payments", Some("k1"), "{\"amount\":5}")).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    assert!(!first.replayed(), "a first response never carries the replay header");
+    assert!(
+        !first.replayed(),
+        "a first response never carries the replay header"
+    );
     let retry = send(&svc, post("/payments", Some("k1"), "{\"amount\":5}")).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(retry.replayed());
@@ -205,8 +221,16 @@ async fn quoted_and_bare_keys_are_the_same_key_and_parameters_are_ignored() {
     let handler = Handler::new();
     let svc = stack(memory(), &handler);
     send(&svc, post("/p", Some("abc-1"), "x")).await;
-    assert!(send(&svc, post("/p", Some("\"abc-1\""), "x")).await.replayed());
-    assert!(send(&svc, post("/p", Some("\"abc-1\";v=1"), "x")).await.replayed());
+    assert!(
+        send(&svc, post("/p", Some("\"abc-1\""), "x"))
+            .await
+            .replayed()
+    );
+    assert!(
+        send(&svc, post("/p", Some("\"abc-1\";v=1"), "x"))
+            .await
+            .replayed()
+    );
     assert_eq!(handler.runs(), 1);
 }
 
@@ -217,7 +241,10 @@ async fn strict_mode_refuses_bare_keys() {
     let bare = send(&svc, post("/p", Some("abc"), "x")).await;
     assert_eq!(bare.status, StatusCode::BAD_REQUEST);
     assert_eq!(bare.code(), "invalid_key");
-    assert_eq!(send(&svc, post("/p", Some("\"abc\""), "x")).await.status, StatusCode::CREATED);
+    assert_eq!(
+        send(&svc, post("/p", Some("\"abc\""), "x")).await.status,
+        StatusCode::CREATED
+    );
     assert_eq!(handler.runs(), 1);
 }
 
@@ -238,18 +265,30 @@ async fn malformed_keys_are_400_and_run_nothing() {
     let handler = Handler::new();
     let svc = stack(memory(), &handler);
     let long = "k".repeat(256);
-    for bad in ["", "\"\"", long.as_str(), "\"unterminated", "a, b", "\"a\", \"b\"", "two words", "\"x\";BAD=1"] {
+    for bad in [
+        "",
+        "\"\"",
+        long.as_str(),
+        "\"unterminated",
+        "a, b",
+        "\"a\", \"b\"",
+        "two words",
+        "\"x\";BAD=1",
+    ] {
         let answer = send(&svc, post("/p", Some(bad), "x")).await;
         assert_eq!(answer.status, StatusCode::BAD_REQUEST, "key {bad:?}");
         assert_eq!(answer.code(), "invalid_key", "key {bad:?}");
     }
     let mut non_ascii = post("/p", None, "x");
-    non_ascii
-        .headers_mut()
-        .insert("idempotency-key", HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap());
+    non_ascii.headers_mut().insert(
+        "idempotency-key",
+        HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap(),
+    );
     assert_eq!(send(&svc, non_ascii).await.code(), "invalid_key");
     let mut twice = post("/p", Some("a"), "x");
-    twice.headers_mut().append("idempotency-key", HeaderValue::from_static("a"));
+    twice
+        .headers_mut()
+        .append("idempotency-key", HeaderValue::from_static("a"));
     assert_eq!(send(&svc, twice).await.code(), "invalid_key");
     assert_eq!(handler.runs(), 0);
 }
@@ -267,19 +306,35 @@ async fn unprotected_methods_pass_through_even_with_a_key() {
     assert_eq!(handler.runs(), 6);
     let svc = stack(memory().methods([Method::PUT]), &handler);
     send(&svc, request(Method::PUT, "/p", Some("k"), "")).await;
-    assert!(send(&svc, request(Method::PUT, "/p", Some("k"), "")).await.replayed());
-    assert_eq!(send(&svc, post("/p", None, "")).await.status, StatusCode::CREATED);
+    assert!(
+        send(&svc, request(Method::PUT, "/p", Some("k"), ""))
+            .await
+            .replayed()
+    );
+    assert_eq!(
+        send(&svc, post("/p", None, "")).await.status,
+        StatusCode::CREATED
+    );
 }
 
 #[tokio::test]
 async fn optional_key_mode_passes_keyless_requests_through() {
     let handler = Handler::new();
     let svc = stack(memory().require_key(false), &handler);
-    assert_eq!(send(&svc, post("/p", None, "x")).await.status, StatusCode::CREATED);
-    assert_eq!(send(&svc, post("/p", None, "x")).await.status, StatusCode::CREATED);
+    assert_eq!(
+        send(&svc, post("/p", None, "x")).await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        send(&svc, post("/p", None, "x")).await.status,
+        StatusCode::CREATED
+    );
     assert_eq!(handler.runs(), 2);
     // A malformed key is still an error: the client meant to be protected.
-    assert_eq!(send(&svc, post("/p", Some("a, b"), "x")).await.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        send(&svc, post("/p", Some("a, b"), "x")).await.status,
+        StatusCode::BAD_REQUEST
+    );
 }
 
 #[tokio::test]
@@ -315,12 +370,16 @@ async fn selected_headers_are_part_of_the_fingerprint() {
     );
     let with = |account: &'static str| {
         let mut req = post("/p", Some("k"), "x");
-        req.headers_mut().insert("x-account", HeaderValue::from_static(account));
+        req.headers_mut()
+            .insert("x-account", HeaderValue::from_static(account));
         req
     };
     send(&svc, with("a")).await;
     assert!(send(&svc, with("a")).await.replayed());
-    assert_eq!(send(&svc, with("b")).await.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        send(&svc, with("b")).await.status,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
 }
 
 #[tokio::test]
@@ -330,7 +389,8 @@ async fn scopes_by_authorization_never_share_or_reveal_keys() {
     let as_user = |auth: Option<&'static str>, body: &'static str| {
         let mut req = post("/p", Some("shared-key"), body);
         if let Some(auth) = auth {
-            req.headers_mut().insert(AUTHORIZATION, HeaderValue::from_static(auth));
+            req.headers_mut()
+                .insert(AUTHORIZATION, HeaderValue::from_static(auth));
         }
         req
     };
@@ -410,7 +470,11 @@ async fn wait_policy_replays_to_the_concurrent_duplicate() {
 async fn server_errors_are_released_and_client_errors_stored() {
     let handler = Handler::new();
     let svc = stack(memory(), &handler);
-    for (path, key, stored) in [("/fail", "a", false), ("/busy", "b", false), ("/declined", "c", true)] {
+    for (path, key, stored) in [
+        ("/fail", "a", false),
+        ("/busy", "b", false),
+        ("/declined", "c", true),
+    ] {
         let first = send(&svc, post(path, Some(key), "x")).await;
         let retry = send(&svc, post(path, Some(key), "x")).await;
         assert_eq!(retry.replayed(), stored, "{path}");
@@ -425,14 +489,21 @@ async fn outcome_policy_is_configurable() {
     let handler = Handler::new();
     let svc = stack(memory().retain(|status| status.is_success()), &handler);
     send(&svc, post("/declined", Some("k"), "x")).await;
-    assert!(!send(&svc, post("/declined", Some("k"), "x")).await.replayed());
+    assert!(
+        !send(&svc, post("/declined", Some("k"), "x"))
+            .await
+            .replayed()
+    );
     assert_eq!(handler.runs(), 2);
 }
 
 #[tokio::test]
 async fn hop_by_hop_date_and_set_cookie_are_not_replayed() {
     let handler = Handler::new();
-    let svc = stack(memory().exclude_header(HeaderName::from_static("x-run")), &handler);
+    let svc = stack(
+        memory().exclude_header(HeaderName::from_static("x-run")),
+        &handler,
+    );
     let first = send(&svc, post("/cookie", Some("k"), "x")).await;
     assert_eq!(first.headers["set-cookie"], "session=secret");
     assert!(first.headers.contains_key("date"));
@@ -464,7 +535,11 @@ async fn trailers_are_replayed() {
 async fn oversized_request_body_is_413_before_anything_runs() {
     let handler = Handler::new();
     let svc = stack(memory().max_request_body(16), &handler);
-    let declared = send(&svc, post("/p", Some("k"), "this body is longer than sixteen bytes")).await;
+    let declared = send(
+        &svc,
+        post("/p", Some("k"), "this body is longer than sixteen bytes"),
+    )
+    .await;
     assert_eq!(declared.status, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(declared.code(), "request_too_large");
     // Without a Content-Length the limit applies while reading.
@@ -474,7 +549,10 @@ async fn oversized_request_body_is_413_before_anything_runs() {
     assert_eq!(streamed.status, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(handler.runs(), 0);
     // The key was never claimed: a corrected request runs.
-    assert_eq!(send(&svc, post("/p", Some("k"), "short")).await.status, StatusCode::CREATED);
+    assert_eq!(
+        send(&svc, post("/p", Some("k"), "short")).await.status,
+        StatusCode::CREATED
+    );
 }
 
 #[tokio::test]
@@ -495,10 +573,21 @@ async fn oversized_response_reaches_the_client_and_the_retry_gets_410() {
 struct DownStore;
 
 impl Store for DownStore {
-    async fn claim(&self, _: &StorageKey, _: &Fingerprint, _: Duration) -> Result<Claim, StoreError> {
+    async fn claim(
+        &self,
+        _: &StorageKey,
+        _: &Fingerprint,
+        _: Duration,
+    ) -> Result<Claim, StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }
-    async fn complete(&self, _: &StorageKey, _: FencingToken, _: Bytes, _: Duration) -> Result<(), StoreError> {
+    async fn complete(
+        &self,
+        _: &StorageKey,
+        _: FencingToken,
+        _: Bytes,
+        _: Duration,
+    ) -> Result<(), StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }
     async fn release(&self, _: &StorageKey, _: FencingToken) -> Result<(), StoreError> {
@@ -530,7 +619,10 @@ async fn fail_open_runs_unprotected_and_says_so() {
     let answer = send(&svc, post("/p", Some("k"), "payload")).await;
     assert_eq!(answer.status, StatusCode::CREATED);
     assert_eq!(answer.headers["idempotent-bypassed"], "store-unavailable");
-    assert!(answer.text().contains("payload"), "the handler got the body");
+    assert!(
+        answer.text().contains("payload"),
+        "the handler got the body"
+    );
     assert_eq!(handler.runs(), 1);
 }
 
@@ -580,16 +672,26 @@ async fn handler_panic_propagates_and_releases_the_key() {
 async fn service_error_propagates_and_releases_the_key() {
     let handler = Handler::new();
     let svc = stack(memory(), &handler);
-    let error = svc.clone().oneshot(post("/error", Some("k"), "x")).await.unwrap_err();
+    let error = svc
+        .clone()
+        .oneshot(post("/error", Some("k"), "x"))
+        .await
+        .unwrap_err();
     assert_eq!(error.to_string(), "service failed");
-    assert_eq!(send(&svc, post("/ok", Some("k"), "x")).await.status, StatusCode::CREATED);
+    assert_eq!(
+        send(&svc, post("/ok", Some("k"), "x")).await.status,
+        StatusCode::CREATED
+    );
 }
 
 #[tokio::test]
 async fn problems_are_never_stored() {
     let handler = Handler::new();
     let store = MemoryStore::new();
-    let svc = stack(IdempotencyLayer::new(Idempotency::new(store.clone())), &handler);
+    let svc = stack(
+        IdempotencyLayer::new(Idempotency::new(store.clone())),
+        &handler,
+    );
     send(&svc, post("/p", None, "x")).await;
     send(&svc, post("/p", Some(""), "x")).await;
     assert_eq!(store.stats().records, 0);

@@ -22,7 +22,9 @@ async fn retry_replays_the_payment_with_its_location() {
         let client = Client::new(protocol);
         let before = client.count(&server).await;
         let k = key(protocol, "replay");
-        let first = client.post(&server.url("/payments"), Some(&k), Some("alice"), PAYMENT).await;
+        let first = client
+            .post(&server.url("/payments"), Some(&k), Some("alice"), PAYMENT)
+            .await;
         assert_eq!(first.status, StatusCode::CREATED, "{protocol:?}");
         assert!(!first.replayed());
         let body = first.json();
@@ -32,7 +34,9 @@ async fn retry_replays_the_payment_with_its_location() {
         let location = first.headers["location"].clone();
         assert_eq!(location, format!("/payments/{}", body["id"]));
         for _ in 0..3 {
-            let retry = client.post(&server.url("/payments"), Some(&k), Some("alice"), PAYMENT).await;
+            let retry = client
+                .post(&server.url("/payments"), Some(&k), Some("alice"), PAYMENT)
+                .await;
             assert_eq!(retry.status, StatusCode::CREATED);
             assert!(retry.replayed(), "{protocol:?}");
             assert_eq!(retry.body, first.body);
@@ -40,7 +44,13 @@ async fn retry_replays_the_payment_with_its_location() {
         }
         assert_eq!(client.count(&server).await, before + 1);
     }
-    assert_eq!(Client::new(Protocol::Http1).get(&server.url("/health")).await.status, StatusCode::OK);
+    assert_eq!(
+        Client::new(Protocol::Http1)
+            .get(&server.url("/health"))
+            .await
+            .status,
+        StatusCode::OK
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -49,10 +59,24 @@ async fn refunds_are_protected_too() {
     for protocol in PROTOCOLS {
         let client = Client::new(protocol);
         let k = key(protocol, "refund");
-        let first = client.post(&server.url("/refunds"), Some(&k), None, r#"{"payment_id":7}"#).await;
+        let first = client
+            .post(
+                &server.url("/refunds"),
+                Some(&k),
+                None,
+                r#"{"payment_id":7}"#,
+            )
+            .await;
         assert_eq!(first.status, StatusCode::CREATED);
         assert_eq!(first.json()["payment_id"], 7);
-        let retry = client.post(&server.url("/refunds"), Some(&k), None, r#"{"payment_id":7}"#).await;
+        let retry = client
+            .post(
+                &server.url("/refunds"),
+                Some(&k),
+                None,
+                r#"{"payment_id":7}"#,
+            )
+            .await;
         assert!(retry.replayed());
         assert_eq!(retry.body, first.body);
     }
@@ -64,20 +88,32 @@ async fn missing_and_malformed_keys_are_400_and_execute_nothing() {
     let server = Server::payments(&[]).await;
     for protocol in PROTOCOLS {
         let client = Client::new(protocol);
-        let missing = client.post(&server.url("/payments"), None, None, PAYMENT).await;
+        let missing = client
+            .post(&server.url("/payments"), None, None, PAYMENT)
+            .await;
         assert_eq!(missing.status, StatusCode::BAD_REQUEST);
         assert_eq!(missing.problem_code(), "missing_key");
         let long = "k".repeat(256);
         for bad in ["\"\"", long.as_str(), "\"open", "a, b", "has space"] {
-            let answer = client.post(&server.url("/payments"), Some(bad), None, PAYMENT).await;
-            assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{protocol:?} {bad:?}");
+            let answer = client
+                .post(&server.url("/payments"), Some(bad), None, PAYMENT)
+                .await;
+            assert_eq!(
+                answer.status,
+                StatusCode::BAD_REQUEST,
+                "{protocol:?} {bad:?}"
+            );
             assert_eq!(answer.problem_code(), "invalid_key");
         }
         let twice = client
             .send(
                 Method::POST,
                 &server.url("/payments"),
-                &[("content-type", "application/json"), ("idempotency-key", "a"), ("idempotency-key", "a")],
+                &[
+                    ("content-type", "application/json"),
+                    ("idempotency-key", "a"),
+                    ("idempotency-key", "a"),
+                ],
                 PAYMENT,
             )
             .await;
@@ -92,7 +128,9 @@ async fn same_key_with_another_body_query_or_path_is_422() {
     for protocol in PROTOCOLS {
         let client = Client::new(protocol);
         let k = key(protocol, "mismatch");
-        let first = client.post(&server.url("/payments"), Some(&k), None, PAYMENT).await;
+        let first = client
+            .post(&server.url("/payments"), Some(&k), None, PAYMENT)
+            .await;
         assert_eq!(first.status, StatusCode::CREATED);
         for (path, body) in [
             ("/payments", r#"{"amount":1,"currency":"EUR"}"#),
@@ -100,10 +138,16 @@ async fn same_key_with_another_body_query_or_path_is_422() {
             ("/refunds", r#"{"payment_id":1}"#),
         ] {
             let answer = client.post(&server.url(path), Some(&k), None, body).await;
-            assert_eq!(answer.status, StatusCode::UNPROCESSABLE_ENTITY, "{protocol:?} {path}");
+            assert_eq!(
+                answer.status,
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "{protocol:?} {path}"
+            );
             assert_eq!(answer.problem_code(), "fingerprint_mismatch");
         }
-        let original = client.post(&server.url("/payments"), Some(&k), None, PAYMENT).await;
+        let original = client
+            .post(&server.url("/payments"), Some(&k), None, PAYMENT)
+            .await;
         assert!(original.replayed(), "the record is untouched");
         assert_eq!(original.body, first.body);
     }
@@ -116,11 +160,20 @@ async fn principals_never_share_keys() {
     for protocol in PROTOCOLS {
         let client = Client::new(protocol);
         let k = key(protocol, "shared");
-        let alice = client.post(&server.url("/payments"), Some(&k), Some("alice"), PAYMENT).await;
-        let bob = client
-            .post(&server.url("/payments"), Some(&k), Some("bob"), r#"{"amount":5,"currency":"USD"}"#)
+        let alice = client
+            .post(&server.url("/payments"), Some(&k), Some("alice"), PAYMENT)
             .await;
-        let anonymous = client.post(&server.url("/payments"), Some(&k), None, PAYMENT).await;
+        let bob = client
+            .post(
+                &server.url("/payments"),
+                Some(&k),
+                Some("bob"),
+                r#"{"amount":5,"currency":"USD"}"#,
+            )
+            .await;
+        let anonymous = client
+            .post(&server.url("/payments"), Some(&k), None, PAYMENT)
+            .await;
         for answer in [&alice, &bob, &anonymous] {
             assert_eq!(answer.status, StatusCode::CREATED);
             assert!(!answer.replayed());
@@ -139,20 +192,29 @@ async fn declines_are_stored_and_provider_errors_released() {
         let before = client.count(&server).await;
         let declined = key(protocol, "declined");
         let zero = r#"{"amount":0,"currency":"EUR"}"#;
-        let first = client.post(&server.url("/payments"), Some(&declined), None, zero).await;
+        let first = client
+            .post(&server.url("/payments"), Some(&declined), None, zero)
+            .await;
         assert_eq!(first.status, StatusCode::PAYMENT_REQUIRED);
         assert_eq!(first.json()["error"], "card_declined");
-        let retry = client.post(&server.url("/payments"), Some(&declined), None, zero).await;
+        let retry = client
+            .post(&server.url("/payments"), Some(&declined), None, zero)
+            .await;
         assert_eq!(retry.status, StatusCode::PAYMENT_REQUIRED);
         assert!(retry.replayed());
 
         let failing = key(protocol, "provider");
         let err = r#"{"amount":10,"currency":"err"}"#;
         for _ in 0..2 {
-            let answer = client.post(&server.url("/payments"), Some(&failing), None, err).await;
+            let answer = client
+                .post(&server.url("/payments"), Some(&failing), None, err)
+                .await;
             assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
             assert_eq!(answer.json()["error"], "provider_unavailable");
-            assert!(!answer.replayed(), "a 500 is released, so the retry executes again");
+            assert!(
+                !answer.replayed(),
+                "a 500 is released, so the retry executes again"
+            );
         }
         assert_eq!(client.count(&server).await, before + 3);
     }
@@ -214,7 +276,8 @@ async fn fifty_concurrent_duplicates_execute_once() {
         let start = std::sync::Arc::new(tokio::sync::Barrier::new(50));
         let tasks: Vec<_> = (0..50)
             .map(|_| {
-                let (client, url, k, start) = (client.clone(), url.clone(), k.clone(), start.clone());
+                let (client, url, k, start) =
+                    (client.clone(), url.clone(), k.clone(), start.clone());
                 tokio::spawn(async move {
                     start.wait().await;
                     client.post(&url, Some(&k), None, PAYMENT).await
@@ -231,7 +294,10 @@ async fn fifty_concurrent_duplicates_execute_once() {
                 other => panic!("{protocol:?}: unexpected {other}"),
             }
         }
-        assert_eq!(fresh, 1, "{protocol:?}: exactly one execution answered fresh");
+        assert_eq!(
+            fresh, 1,
+            "{protocol:?}: exactly one execution answered fresh"
+        );
         assert_eq!(fresh + conflict + replayed, 50);
         assert_eq!(client.count(&server).await, before + 1, "{protocol:?}");
     }
@@ -245,7 +311,12 @@ async fn oversized_body_is_413_before_the_handler() {
     for protocol in PROTOCOLS {
         let client = Client::new(protocol);
         let answer = client
-            .post(&server.url("/payments"), Some(&key(protocol, "big")), None, &big)
+            .post(
+                &server.url("/payments"),
+                Some(&key(protocol, "big")),
+                None,
+                &big,
+            )
             .await;
         assert_eq!(answer.status, StatusCode::PAYLOAD_TOO_LARGE, "{protocol:?}");
         assert_eq!(answer.problem_code(), "request_too_large");
@@ -260,7 +331,12 @@ async fn unprotected_methods_pass_through_with_a_key() {
         let client = Client::new(protocol);
         for _ in 0..2 {
             let answer = client
-                .send(Method::GET, &server.url("/health"), &[("idempotency-key", "k")], "")
+                .send(
+                    Method::GET,
+                    &server.url("/health"),
+                    &[("idempotency-key", "k")],
+                    "",
+                )
                 .await;
             assert_eq!(answer.status, StatusCode::OK);
             assert!(!answer.replayed());
@@ -277,7 +353,9 @@ async fn client_disconnect_over_http1_still_records_the_payment() {
          idempotency-key: gone-h1\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
-    let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", server.port)).await.unwrap();
+    let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", server.port))
+        .await
+        .unwrap();
     socket.write_all(request.as_bytes()).await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
     drop(socket); // the client gives up mid-request
@@ -294,7 +372,10 @@ async fn client_disconnect_over_http2_still_records_the_payment() {
         client.post(&url, Some("gone-h2"), None, PAYMENT),
     )
     .await;
-    assert!(abandoned.is_err(), "the request was abandoned before the response");
+    assert!(
+        abandoned.is_err(),
+        "the request was abandoned before the response"
+    );
     drop(client); // closes the connection (RST_STREAM / GOAWAY)
     assert_recorded_after_disconnect(&server, "gone-h2", "/payments?delay_ms=500").await;
 }
@@ -302,8 +383,14 @@ async fn client_disconnect_over_http2_still_records_the_payment() {
 async fn assert_recorded_after_disconnect(server: &Server, key: &str, path: &str) {
     let client = Client::new(Protocol::Http1);
     tokio::time::sleep(Duration::from_millis(800)).await;
-    assert_eq!(client.count(server).await, 1, "the handler ran to completion");
-    let retry = client.post(&server.url(path), Some(key), None, PAYMENT).await;
+    assert_eq!(
+        client.count(server).await,
+        1,
+        "the handler ran to completion"
+    );
+    let retry = client
+        .post(&server.url(path), Some(key), None, PAYMENT)
+        .await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(retry.replayed(), "the retry gets the recorded response");
     assert_eq!(client.count(server).await, 1);

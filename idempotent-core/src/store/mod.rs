@@ -184,7 +184,8 @@ pub enum Claim {
     },
 }
 
-/// Where records live. See the [module docs](self) for the contract and a complete example.
+/// Where records live: the contract every backend keeps. The [`store` module docs](crate::store) hold a
+/// complete example and the guide to implementing a store.
 ///
 /// Every method is one atomic step: no interleaving of other callers' operations on the same
 /// storage key can be observed half-done. Methods take `&self` and are called concurrently from

@@ -107,7 +107,9 @@ impl Answer {
     }
 
     pub fn replayed(&self) -> bool {
-        self.headers.get("idempotent-replayed").is_some_and(|v| v == "true")
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
     }
 
     /// The `code` of a problem document, checking the problem's shape.
@@ -143,7 +145,11 @@ impl Client {
             request = request.header(*name, *value);
         }
         let request = request.body(Full::new(body.into())).expect("request");
-        let response = self.inner.request(request).await.expect("HTTP request failed");
+        let response = self
+            .inner
+            .request(request)
+            .await
+            .expect("HTTP request failed");
         let (parts, body) = response.into_parts();
         let body = body.collect().await.expect("response body").to_bytes();
         Answer {
@@ -154,7 +160,13 @@ impl Client {
     }
 
     /// `POST url` with a JSON body, an optional key and an optional bearer principal.
-    pub async fn post(&self, url: &str, key: Option<&str>, principal: Option<&str>, json: &str) -> Answer {
+    pub async fn post(
+        &self,
+        url: &str,
+        key: Option<&str>,
+        principal: Option<&str>,
+        json: &str,
+    ) -> Answer {
         let auth = principal.map(|p| format!("Bearer {p}"));
         let mut headers = vec![("content-type", "application/json")];
         if let Some(key) = key {
@@ -163,7 +175,8 @@ impl Client {
         if let Some(auth) = &auth {
             headers.push(("authorization", auth.as_str()));
         }
-        self.send(Method::POST, url, &headers, json.to_owned()).await
+        self.send(Method::POST, url, &headers, json.to_owned())
+            .await
     }
 
     pub async fn get(&self, url: &str) -> Answer {

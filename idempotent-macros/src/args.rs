@@ -1,0 +1,304 @@
+//! What the user wrote inside `#[idempotent(...)]`.
+
+use proc_macro2::{Span, TokenStream};
+use quote::ToTokens;
+use syn::ext::IdentExt as _;
+use syn::parse::{Parse, ParseStream};
+use syn::{Expr, Lit, LitStr, Path, Token};
+
+mod kw {
+    syn::custom_keyword!(key);
+    syn::custom_keyword!(ttl);
+    syn::custom_keyword!(lease);
+    syn::custom_keyword!(scope);
+    syn::custom_keyword!(fingerprint);
+    syn::custom_keyword!(name);
+    syn::custom_keyword!(on_error);
+    syn::custom_keyword!(in_flight);
+    syn::custom_keyword!(wait);
+    syn::custom_keyword!(runtime);
+}
+
+const EXPECTED: &str = "`key`, `ttl`, `lease`, `scope`, `fingerprint`, `name`, `on_error`, \
+                        `in_flight`, `wait`, `runtime` or `crate`";
+
+/// The arguments, each with the keyword it was given under (for spans).
+#[derive(Default)]
+pub(crate) struct Args {
+    pub(crate) key: Option<(kw::key, Expr)>,
+    pub(crate) ttl: Option<(kw::ttl, Millis)>,
+    pub(crate) lease: Option<(kw::lease, Millis)>,
+    pub(crate) scope: Option<(kw::scope, Expr)>,
+    pub(crate) fingerprint: Option<(kw::fingerprint, Expr)>,
+    pub(crate) name: Option<(kw::name, Name)>,
+    pub(crate) on_error: Option<(kw::on_error, OnError)>,
+    pub(crate) in_flight: Option<(kw::in_flight, Reject)>,
+    pub(crate) wait: Option<(kw::wait, Millis)>,
+    pub(crate) runtime: Option<(kw::runtime, Expr)>,
+    pub(crate) krate: Option<(Token![crate], Path)>,
+}
+
+impl Args {
+    /// Parses the attribute's arguments and checks the ones that depend on each other.
+    pub(crate) fn parse(tokens: TokenStream) -> syn::Result<Self> {
+        let args: Args = syn::parse2(tokens)?;
+        if args.key.is_none() {
+            return Err(syn::Error::new(
+                Span::call_site(),
+                "missing argument `key`: expected the expression that identifies a call, \
+                 e.g. `#[idempotent(key = order.id)]`",
+            ));
+        }
+        if let (Some((wait, _)), Some(_)) = (&args.wait, &args.in_flight) {
+            return Err(syn::Error::new_spanned(
+                wait,
+                "`wait` contradicts `in_flight = \"reject\"`: expected one of them",
+            ));
+        }
+        Ok(args)
+    }
+}
+
+impl Parse for Args {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let mut args = Args::default();
+        while !input.is_empty() {
+            let lookahead = input.lookahead1();
+            if lookahead.peek(kw::key) {
+                assign(input, &mut args.key, Expr::parse)?;
+            } else if lookahead.peek(kw::ttl) {
+                assign(input, &mut args.ttl, Millis::parse)?;
+            } else if lookahead.peek(kw::lease) {
+                assign(input, &mut args.lease, Millis::parse)?;
+            } else if lookahead.peek(kw::scope) {
+                assign(input, &mut args.scope, Expr::parse)?;
+            } else if lookahead.peek(kw::fingerprint) {
+                assign(input, &mut args.fingerprint, Expr::parse)?;
+            } else if lookahead.peek(kw::name) {
+                assign(input, &mut args.name, Name::parse)?;
+            } else if lookahead.peek(kw::on_error) {
+                assign(input, &mut args.on_error, OnError::parse)?;
+            } else if lookahead.peek(kw::in_flight) {
+                assign(input, &mut args.in_flight, Reject::parse)?;
+            } else if lookahead.peek(kw::wait) {
+                assign(input, &mut args.wait, Millis::parse)?;
+            } else if lookahead.peek(kw::runtime) {
+                assign(input, &mut args.runtime, Expr::parse)?;
+            } else if lookahead.peek(Token![crate]) {
+                assign(input, &mut args.krate, Path::parse_mod_style)?;
+            } else if input.peek(syn::Ident::peek_any) {
+                let unknown = syn::Ident::parse_any(input)?;
+                return Err(syn::Error::new_spanned(
+                    &unknown,
+                    format!("unknown argument `{unknown}`; expected {EXPECTED}"),
+                ));
+            } else {
+                return Err(lookahead.error());
+            }
+            if input.is_empty() {
+                break;
+            }
+            input.parse::<Token![,]>()?;
+        }
+        Ok(args)
+    }
+}
+
+/// Parses `keyword = value` into `slot`; a keyword given twice is an error at the second one.
+fn assign<K, V>(
+    input: ParseStream<'_>,
+    slot: &mut Option<(K, V)>,
+    value: impl FnOnce(ParseStream<'_>) -> syn::Result<V>,
+) -> syn::Result<()>
+where
+    K: Parse + ToTokens,
+{
+    let keyword: K = input.parse()?;
+    if !input.peek(Token![=]) {
+        let name = keyword.to_token_stream().to_string();
+        return Err(syn::Error::new_spanned(
+            keyword,
+            format!("expected `{name} = <value>`"),
+        ));
+    }
+    input.parse::<Token![=]>()?;
+    let value = value(input)?;
+    if slot.is_some() {
+        let name = keyword.to_token_stream().to_string();
+        return Err(syn::Error::new_spanned(
+            keyword,
+            format!("duplicate argument `{name}`; expected each argument at most once"),
+        ));
+    }
+    *slot = Some((keyword, value));
+    Ok(())
+}
+
+/// A duration checked at compile time, in milliseconds.
+pub(crate) struct Millis(pub(crate) u64);
+
+const DURATION_EXPECTED: &str = "expected a duration: a string such as \"500ms\", \"90s\", \
+                                 \"15m\", \"24h\" or \"7d\", or an integer number of seconds";
+
+impl Millis {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let expr: Expr = input.parse()?;
+        let (digits, unit, lit) = match &expr {
+            Expr::Lit(syn::ExprLit {
+                lit: Lit::Str(s), ..
+            }) => {
+                let text = s.value();
+                let split = text
+                    .find(|c: char| !c.is_ascii_digit())
+                    .unwrap_or(text.len());
+                let (digits, unit) = text.split_at(split);
+                (digits.to_owned(), unit.to_owned(), s.to_token_stream())
+            }
+            Expr::Lit(syn::ExprLit {
+                lit: Lit::Int(i), ..
+            }) if i.suffix().is_empty() => (
+                i.base10_digits().to_owned(),
+                "s".to_owned(),
+                i.to_token_stream(),
+            ),
+            other => return Err(syn::Error::new_spanned(other, DURATION_EXPECTED)),
+        };
+        let per_unit: u64 = match unit.as_str() {
+            "ms" => 1,
+            "s" => 1_000,
+            "m" => 60_000,
+            "h" => 3_600_000,
+            "d" => 86_400_000,
+            _ => return Err(syn::Error::new_spanned(lit, DURATION_EXPECTED)),
+        };
+        if digits.is_empty() {
+            return Err(syn::Error::new_spanned(lit, DURATION_EXPECTED));
+        }
+        let millis = digits
+            .parse::<u64>()
+            .ok()
+            .and_then(|n| n.checked_mul(per_unit))
+            .ok_or_else(|| {
+                syn::Error::new_spanned(
+                    &lit,
+                    "duration too large: expected at most 584 million years",
+                )
+            })?;
+        if millis == 0 {
+            return Err(syn::Error::new_spanned(
+                lit,
+                "duration is zero: expected a duration greater than zero",
+            ));
+        }
+        Ok(Millis(millis))
+    }
+}
+
+/// The `name` of the function's key space: a non-empty string literal.
+pub(crate) struct Name(pub(crate) LitStr);
+
+impl Name {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let expr: Expr = input.parse()?;
+        match expr {
+            Expr::Lit(syn::ExprLit {
+                lit: Lit::Str(s), ..
+            }) if !s.value().is_empty() => Ok(Name(s)),
+            other => Err(syn::Error::new_spanned(
+                other,
+                "expected a non-empty string literal naming the function's key space, \
+                 e.g. `name = \"payments::charge\"`",
+            )),
+        }
+    }
+}
+
+/// What happens to an `Err` returned by the function.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OnError {
+    /// Release the claim: the next call with the key runs the body again.
+    Release,
+    /// Store the error: later calls with the key replay it.
+    Store,
+}
+
+impl OnError {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let expr: Expr = input.parse()?;
+        match string_literal(&expr).as_deref() {
+            Some("release") => Ok(OnError::Release),
+            Some("store") => Ok(OnError::Store),
+            _ => Err(syn::Error::new_spanned(
+                expr,
+                "expected `\"release\"` (an `Err` lets the next call run again) or `\"store\"` \
+                 (an `Err` is replayed)",
+            )),
+        }
+    }
+}
+
+/// `in_flight = "reject"`: refuse a call whose key is in flight, whatever the runtime's policy.
+pub(crate) struct Reject;
+
+impl Reject {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let expr: Expr = input.parse()?;
+        match string_literal(&expr).as_deref() {
+            Some("reject") => Ok(Reject),
+            _ => Err(syn::Error::new_spanned(
+                expr,
+                "expected `\"reject\"`; to wait for the running call instead, \
+                 use `wait = \"5s\"` (the longest to wait)",
+            )),
+        }
+    }
+}
+
+fn string_literal(expr: &Expr) -> Option<String> {
+    match expr {
+        Expr::Lit(syn::ExprLit {
+            lit: Lit::Str(s), ..
+        }) => Some(s.value()),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn millis(value: &str) -> syn::Result<u64> {
+        syn::parse::Parser::parse_str(Millis::parse, value).map(|m| m.0)
+    }
+
+    #[test]
+    fn durations_in_every_unit() {
+        assert_eq!(millis(r#""500ms""#).unwrap(), 500);
+        assert_eq!(millis(r#""90s""#).unwrap(), 90_000);
+        assert_eq!(millis(r#""15m""#).unwrap(), 900_000);
+        assert_eq!(millis(r#""24h""#).unwrap(), 86_400_000);
+        assert_eq!(millis(r#""7d""#).unwrap(), 604_800_000);
+        assert_eq!(millis("45").unwrap(), 45_000);
+    }
+
+    #[test]
+    fn rejects_zero_garbage_and_overflow() {
+        for bad in [
+            r#""0s""#,
+            "0",
+            r#""""#,
+            r#""s""#,
+            r#""1""#,
+            r#""1 h""#,
+            r#""1h30m""#,
+            r#""-1s""#,
+            r#""1.5h""#,
+            "1u64",
+            "1.5",
+            "DAY",
+            r#""18446744073709551615d""#,
+        ] {
+            assert!(millis(bad).is_err(), "{bad} was accepted");
+        }
+    }
+}

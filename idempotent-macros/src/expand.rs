@@ -1,0 +1,152 @@
+//! What `#[idempotent]` emits: the signature unchanged, and a body that is one call into
+//! `idempotent_core::__private` with the original body as the work.
+
+use proc_macro2::{Delimiter, Group, Ident, Span, TokenStream};
+use quote::{ToTokens, quote, quote_spanned};
+use syn::Expr;
+use syn::ext::IdentExt as _;
+use syn::spanned::Spanned as _;
+
+use crate::args::{Args, OnError};
+use crate::item::Function;
+
+/// Parses, validates and expands; every user error comes back as one `syn::Error`.
+pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> syn::Result<TokenStream> {
+    match (Args::parse(args), Function::parse(item)) {
+        (Ok(args), Ok(function)) => Ok(expand(args, function)),
+        (Err(mut args), Err(function)) => {
+            args.combine(function);
+            Err(args)
+        }
+        (Err(error), Ok(_)) | (Ok(_), Err(error)) => Err(error),
+    }
+}
+
+fn expand(args: Args, function: Function) -> TokenStream {
+    let krate = match &args.krate {
+        Some((_, path)) => path.to_token_stream(),
+        None => quote!(::idempotent_core),
+    };
+    let private = quote!(#krate::__private);
+
+    let runtime = match &args.runtime {
+        Some((_, expr)) => by_reference(&private, "runtime", expr),
+        None => quote!(#private::default_runtime()),
+    };
+    let name = match &args.name {
+        Some((_, name)) => name.0.to_token_stream(),
+        None => {
+            let function = function.sig.ident.unraw().to_string();
+            quote!(#private::concat!(#private::module_path!(), "::", #function))
+        }
+    };
+    let key = match &args.key {
+        Some((_, expr)) => by_reference(&private, "key", expr),
+        None => unreachable!("checked by Args::parse"),
+    };
+
+    let mut invocation = quote!(#private::Invocation::new(#runtime, #name, #key));
+    if let Some((_, expr)) = &args.scope {
+        let scope = by_reference(&private, "scope", expr);
+        invocation.extend(quote!(.scope(#scope)));
+    }
+    if let Some((_, expr)) = &args.fingerprint {
+        let fingerprint = by_reference(&private, "fingerprint", expr);
+        invocation.extend(quote!(.fingerprint(#fingerprint)));
+    }
+    let duration = |millis: u64| quote!(#private::Duration::from_millis(#millis));
+    if let Some((_, ttl)) = &args.ttl {
+        let ttl = duration(ttl.0);
+        invocation.extend(quote!(.ttl(#ttl)));
+    }
+    if let Some((_, lease)) = &args.lease {
+        let lease = duration(lease.0);
+        invocation.extend(quote!(.lease(#lease)));
+    }
+    if let Some((_, wait)) = &args.wait {
+        let wait = duration(wait.0);
+        invocation.extend(quote!(.wait(#wait)));
+    }
+    if args.in_flight.is_some() {
+        invocation.extend(quote!(.reject()));
+    }
+
+    let run = match args.on_error.map(|(_, on_error)| on_error) {
+        None | Some(OnError::Release) => quote!(run),
+        Some(OnError::Store) => quote!(run_storing_errors),
+    };
+    // Spanned at the return type, so that an unreplayable `T` or an unconvertible `E` is
+    // reported there, once.
+    let ret_span = function.return_type().span();
+    let run = respan(quote!(#private::#run), ret_span);
+
+    let Function {
+        attrs,
+        vis,
+        sig,
+        inner_attrs,
+        body,
+        brace,
+    } = function;
+    let mut body = Group::new(Delimiter::Brace, body);
+    body.set_span(brace);
+    let invocation_var = Ident::new("__idempotent_invocation", Span::mixed_site());
+    let work = quote!(async move #body);
+    let call = quote_spanned!(ret_span=> #run(#invocation_var, #work).await);
+    quote! {
+        #(#attrs)*
+        #vis #sig {
+            #(#inner_attrs)*
+            let #invocation_var = #invocation;
+            #call
+        }
+    }
+}
+
+/// `path` (no groups) with every token at `span`.
+fn respan(path: TokenStream, span: Span) -> TokenStream {
+    path.into_iter()
+        .map(|mut token| {
+            token.set_span(span);
+            token
+        })
+        .collect()
+}
+
+/// `path::function(&expr)`, spanned at `expr` so a type error is reported on the user's
+/// expression. The expression is borrowed, never moved, so the body can still use what it
+/// names.
+fn by_reference(private: &TokenStream, function: &str, expr: &Expr) -> TokenStream {
+    let function = Ident::new(function, Span::call_site());
+    let span = expr.span();
+    let expr = if binds_tighter_than_reference(expr) {
+        expr.to_token_stream()
+    } else {
+        let mut group = Group::new(Delimiter::Parenthesis, expr.to_token_stream());
+        group.set_span(span);
+        group.into_token_stream()
+    };
+    let function = respan(quote!(#private::#function), span);
+    quote_spanned!(span=> #function(&#expr))
+}
+
+/// Whether `&expr` borrows the whole of `expr` without parentheses.
+fn binds_tighter_than_reference(expr: &Expr) -> bool {
+    matches!(
+        expr,
+        Expr::Array(_)
+            | Expr::Call(_)
+            | Expr::Field(_)
+            | Expr::Index(_)
+            | Expr::Lit(_)
+            | Expr::Macro(_)
+            | Expr::MethodCall(_)
+            | Expr::Paren(_)
+            | Expr::Path(_)
+            | Expr::Reference(_)
+            | Expr::Struct(_)
+            | Expr::Try(_)
+            | Expr::Tuple(_)
+            | Expr::Unary(_)
+    )
+}

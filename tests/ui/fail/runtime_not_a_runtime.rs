@@ -1,0 +1,14 @@
+use idempotent_core::{Error, MemoryStore, idempotent};
+
+struct App {
+    store: MemoryStore,
+}
+
+impl App {
+    #[idempotent(key = id, runtime = &self.store)]
+    async fn charge(&self, id: u64) -> Result<u64, Error> {
+        Ok(id)
+    }
+}
+
+fn main() {}
