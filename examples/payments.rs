@@ -11,7 +11,7 @@
 //! | variable | default | meaning |
 //! |---|---|---|
 //! | `PORT` | `3000` | listens on `127.0.0.1:$PORT` |
-//! | `IDEMPOTENCY_STORE` | `memory` | where records live |
+//! | `IDEMPOTENCY_STORE` | `memory` | where records live: `memory` or `redis://HOST:PORT[/DB]` |
 //! | `IDEMPOTENCY_TTL` | `24h` | how long responses are replayed |
 //! | `IDEMPOTENCY_LEASE` | `30s` | how long a crashed request keeps its key locked |
 //! | `IDEMPOTENCY_IN_FLIGHT` | `reject` | `reject` (409) or `wait` (up to one lease, then replay) |
@@ -29,7 +29,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use idempotent_core::{Idempotency, InFlightPolicy, MemoryStore};
+use idempotent_core::{Idempotency, InFlightPolicy, MemoryStore, RedisStore};
 use idempotent_tower::IdempotencyLayer;
 use serde::Deserialize;
 use serde_json::json;
@@ -90,13 +90,18 @@ fn parse_duration(name: &str, value: &str) -> Result<Duration, String> {
 }
 
 async fn idempotency(settings: &Settings) -> Result<Idempotency, String> {
-    let builder = match settings.store.as_str() {
-        "memory" => Idempotency::builder(MemoryStore::new()),
-        other => {
-            return Err(format!(
-                "IDEMPOTENCY_STORE={other:?} is not supported; use `memory`"
-            ));
-        }
+    let store = settings.store.as_str();
+    let builder = if store == "memory" {
+        Idempotency::builder(MemoryStore::new())
+    } else if store.starts_with("redis://") {
+        let redis = RedisStore::connect(store)
+            .await
+            .map_err(|e| format!("cannot connect to Redis at {store}: {}", error_chain(&e)))?;
+        Idempotency::builder(redis)
+    } else {
+        return Err(format!(
+            "IDEMPOTENCY_STORE={store:?} is not supported; use `memory` or `redis://HOST:PORT[/DB]`"
+        ));
     };
     Ok(builder
         .namespace("payments-example")
@@ -104,6 +109,17 @@ async fn idempotency(settings: &Settings) -> Result<Idempotency, String> {
         .lease(settings.lease)
         .in_flight(settings.in_flight)
         .build())
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 #[derive(Default)]

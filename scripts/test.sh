@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Runs every check the project has: formatting, lints, all tests of all features (unit,
-# conformance, property, integration, examples, benchmarks in test mode, doc tests) and docs.
+# conformance, property, trybuild, integration and end-to-end against real Redis and PostgreSQL
+# servers, examples, benchmarks in test mode, doc tests) and docs.
 #
 #   bash scripts/test.sh
 #
-# CARGO_TARGET_DIR is respected; one target directory serves every step.
+# It installs redis-server and PostgreSQL from Debian packages when they are missing, starts
+# one of each on a free loopback port in a temporary directory, exports their URLs to the tests
+# (IDEMPOTENT_TEST_REDIS_URL, IDEMPOTENT_TEST_POSTGRES_URL), and stops them on exit, also when
+# a step fails. Backend tests fail (rather than skip) when a server is missing, because this
+# script sets IDEMPOTENT_REQUIRE_BACKENDS=1. CARGO_TARGET_DIR is respected.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/services.sh
 
 step() { printf '\n==> %s\n' "$*"; }
 
@@ -15,6 +21,12 @@ cargo fmt --all -- --check
 
 step "cargo clippy (all targets, all features, warnings denied)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
+
+step "starting Redis and PostgreSQL on loopback"
+trap stop_services EXIT
+start_redis
+start_postgres
+export IDEMPOTENT_REQUIRE_BACKENDS=1
 
 step "cargo test (all targets, all features)"
 cargo test --workspace --all-targets --all-features --locked
@@ -27,5 +39,6 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps --lock
 
 step "examples run"
 cargo run --locked --example quickstart >/dev/null
+cargo run --locked --example macro >/dev/null
 
 printf '\nall checks passed\n'

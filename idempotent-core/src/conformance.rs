@@ -121,6 +121,32 @@ macro_rules! store_conformance_tests {
     };
 }
 
+/// The URL of a real backend server for tests, from the environment variable `var`
+/// (`scripts/test.sh` starts the servers and sets `IDEMPOTENT_TEST_REDIS_URL` and
+/// `IDEMPOTENT_TEST_POSTGRES_URL`).
+///
+/// When the variable is unset, a test must not pass silently: under `scripts/test.sh` or CI
+/// (`IDEMPOTENT_REQUIRE_BACKENDS=1` or `CI` set) this panics; otherwise it prints a loud notice
+/// on stderr and returns `None`, and the caller returns early.
+pub fn backend_url(var: &str) -> Option<String> {
+    if let Ok(url) = std::env::var(var) {
+        if !url.is_empty() {
+            return Some(url);
+        }
+    }
+    let required = std::env::var_os("IDEMPOTENT_REQUIRE_BACKENDS").is_some_and(|v| v != "0")
+        || std::env::var_os("CI").is_some_and(|v| !v.is_empty() && v != "false");
+    let how = "run `bash scripts/test.sh`, which starts real Redis and PostgreSQL servers, or \
+               set it to a server's URL";
+    if required {
+        panic!("{var} is not set but backend tests are required here; {how}");
+    }
+    eprintln!(
+        "\n*** NOT RUN: {var} is not set, so this test did not talk to a real server. {how}. ***\n"
+    );
+    None
+}
+
 static KEY_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// A storage key no other check (in this process or another) uses.

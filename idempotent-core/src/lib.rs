@@ -67,6 +67,7 @@
 //! - `memory` (default): [`MemoryStore`].
 //! - `macros` (default): the [`#[idempotent]`](macro@idempotent) attribute.
 //! - `uuid`: [`ToKey`] for `uuid::Uuid`.
+//! - `redis`: [`RedisStore`](store::RedisStore), shared by many app instances.
 //! - `test-util`: the store conformance suite ([`conformance`]) for testing any store.
 //!
 //! # What it cannot do
@@ -119,3 +120,6 @@ pub mod memory {
 }
 #[cfg(feature = "memory")]
 pub use memory::{MemoryStore, MemoryStoreBuilder};
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use store::RedisStore;

@@ -144,6 +144,11 @@ use crate::{Fingerprint, StorageKey, StoreError};
 
 #[cfg(feature = "memory")]
 pub(crate) mod memory;
+#[cfg(feature = "redis")]
+mod redis;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use self::redis::{DEFAULT_KEY_PREFIX as REDIS_DEFAULT_KEY_PREFIX, RedisStore};
 
 /// Identifies one claim of one storage key. Strictly increasing per storage key: every claim
 /// gets a token greater than all tokens issued before it for that key, so a caller whose lease

@@ -1,0 +1,315 @@
+//! The Redis store: one shared record per key for many app instances.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
+
+use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
+
+/// The default prefix of every Redis key this store writes.
+pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
+
+/// A [`Store`] on Redis, shared by every app instance that points at the same server.
+///
+/// Every operation is one Lua script: one atomic step and one round trip. A replay costs one
+/// round trip (`claim`); a fresh request two (`claim`, `complete`) plus a `renew` every third of
+/// the lease while the work runs.
+///
+/// # Data layout
+///
+/// One Redis hash per record at `PREFIX + hex(storage key)` (one key, so one Redis Cluster
+/// slot): field `s` (state: `i` in flight, `c` completed), `f` (the 32-byte fingerprint), `t`
+/// (the fencing token) and, once completed, `p` (the payload). The key's Redis expiry is the
+/// lease while in flight and the TTL once completed, so Redis deletes records itself and a
+/// record is live exactly while its key exists. Times are the server's: expiry runs on its
+/// clock, and tokens are derived from `TIME` (microseconds since the epoch), so they increase
+/// per key across deletions as long as the server's clock does not go backwards.
+///
+/// # Deployment
+///
+/// - **`maxmemory-policy noeviction`**: an evicted in-flight claim or completed record is a
+///   second execution waiting to happen. With `noeviction`, a full Redis refuses writes, which
+///   this store reports as [`StoreError::Capacity`] (HTTP 503), and nothing is lost.
+/// - **Persistence**: without it, a Redis restart forgets every record, and retries of requests
+///   completed before the restart run again. With AOF (`appendonly yes`, `appendfsync
+///   everysec`) at most about a second of records is lost in a crash; `appendfsync always`
+///   loses none at a write-latency cost.
+/// - **Replication and failover**: replication is asynchronous. A claim acknowledged by the
+///   primary and not yet replicated is lost if the primary fails over, so a duplicate arriving
+///   right after a failover may run again. `WAIT` narrows the window but does not close it; use
+///   the PostgreSQL store where that matters.
+/// - **Outages**: operations fail with [`StoreError::Unavailable`] (fail closed: HTTP 503)
+///   after the connection and response timeouts (default 2 s each); the connection manager
+///   reconnects by itself when the server is back.
+#[derive(Clone)]
+pub struct RedisStore {
+    connection: ConnectionManager,
+    prefix: Arc<str>,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+const CLAIM: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 's', 'f', 'p')
+if rec[1] == 'i' then
+  return {'i', rec[2], redis.call('PTTL', KEYS[1])}
+elseif rec[1] == 'c' then
+  return {'c', rec[2], rec[3]}
+elseif rec[1] then
+  return {'?', rec[1]}
+end
+local now = redis.call('TIME')
+local token = string.format('%.0f', tonumber(now[1]) * 1000000 + tonumber(now[2]))
+redis.call('HSET', KEYS[1], 's', 'i', 'f', ARGV[1], 't', token)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {'claimed', token}
+";
+
+const COMPLETE: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
+if rec[1] ~= 'i' or rec[2] ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 's', 'c', 'p', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+";
+
+const RELEASE: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
+if rec[1] ~= 'i' or rec[2] ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+";
+
+const RENEW: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
+if rec[1] ~= 'i' or rec[2] ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+";
+
+struct Scripts {
+    claim: Script,
+    complete: Script,
+    release: Script,
+    renew: Script,
+}
+
+fn scripts() -> &'static Scripts {
+    static SCRIPTS: std::sync::OnceLock<Scripts> = std::sync::OnceLock::new();
+    SCRIPTS.get_or_init(|| Scripts {
+        claim: Script::new(CLAIM),
+        complete: Script::new(COMPLETE),
+        release: Script::new(RELEASE),
+        renew: Script::new(RENEW),
+    })
+}
+
+impl RedisStore {
+    /// Connects to `url` (`redis://HOST:PORT[/DB]`) with the default key prefix and 2-second
+    /// connection and response timeouts.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Self::connect_with(url, DEFAULT_KEY_PREFIX, Duration::from_secs(2)).await
+    }
+
+    /// Connects to `url`, writing keys under `prefix`, failing operations that take longer
+    /// than `timeout` to connect or to answer.
+    pub async fn connect_with(
+        url: &str,
+        prefix: &str,
+        timeout: Duration,
+    ) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url).map_err(|e| StoreError::Backend(Box::new(e)))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(1);
+        let connection = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(store_error)?;
+        Ok(RedisStore {
+            connection,
+            prefix: prefix.into(),
+        })
+    }
+
+    /// The Redis key of a record.
+    pub fn redis_key(&self, key: &StorageKey) -> String {
+        let mut out = String::with_capacity(self.prefix.len() + 64);
+        out.push_str(&self.prefix);
+        out.push_str(&key.to_hex());
+        out
+    }
+}
+
+fn store_error(error: RedisError) -> StoreError {
+    let message = error.to_string();
+    if error.is_io_error()
+        || error.is_timeout()
+        || error.is_connection_dropped()
+        || error.is_connection_refusal()
+        || matches!(
+            error.kind(),
+            ErrorKind::Io
+                | ErrorKind::Server(
+                    ServerErrorKind::BusyLoading
+                        | ServerErrorKind::TryAgain
+                        | ServerErrorKind::MasterDown
+                        | ServerErrorKind::ClusterDown
+                        | ServerErrorKind::ReadOnly
+                )
+        )
+    {
+        StoreError::Unavailable(Box::new(error))
+    } else if message.contains("OOM") {
+        StoreError::Capacity {
+            what: "redis maxmemory",
+        }
+    } else {
+        StoreError::Backend(Box::new(error))
+    }
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Corrupt(format!("unexpected record data from redis: {what}").into())
+}
+
+fn fingerprint(value: &Value) -> Result<Fingerprint, StoreError> {
+    match value {
+        Value::BulkString(bytes) => <[u8; 32]>::try_from(bytes.as_slice())
+            .map(Fingerprint::from_digest)
+            .map_err(|_| corrupt("fingerprint is not 32 bytes")),
+        _ => Err(corrupt("missing fingerprint")),
+    }
+}
+
+fn text(value: &Value) -> Option<&[u8]> {
+    match value {
+        Value::BulkString(bytes) => Some(bytes),
+        Value::SimpleString(s) => Some(s.as_bytes()),
+        _ => None,
+    }
+}
+
+fn token_arg(token: FencingToken) -> String {
+    token.get().to_string()
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+impl RedisStore {
+    async fn run_flag(
+        &self,
+        script: &Script,
+        key: &StorageKey,
+        args: &[&[u8]],
+    ) -> Result<(), StoreError> {
+        let mut invocation = script.key(self.redis_key(key));
+        for arg in args {
+            invocation.arg(*arg);
+        }
+        let mut connection = self.connection.clone();
+        let ok: i64 = invocation
+            .invoke_async(&mut connection)
+            .await
+            .map_err(store_error)?;
+        if ok == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::TokenRejected)
+        }
+    }
+}
+
+impl Store for RedisStore {
+    async fn claim(
+        &self,
+        key: &StorageKey,
+        fingerprint_arg: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        let mut connection = self.connection.clone();
+        let reply: Vec<Value> = scripts()
+            .claim
+            .key(self.redis_key(key))
+            .arg(fingerprint_arg.as_bytes().as_slice())
+            .arg(millis(lease))
+            .invoke_async(&mut connection)
+            .await
+            .map_err(store_error)?;
+        match reply.as_slice() {
+            [state, token] if text(state) == Some(b"claimed") => {
+                let token = text(token)
+                    .and_then(|t| std::str::from_utf8(t).ok())
+                    .and_then(|t| t.parse().ok())
+                    .ok_or_else(|| corrupt("token"))?;
+                Ok(Claim::Claimed(FencingToken::new(token)))
+            }
+            [state, f, ttl] if text(state) == Some(b"i") => {
+                let ttl = match ttl {
+                    Value::Int(ms) => u64::try_from(*ms).unwrap_or(0),
+                    _ => return Err(corrupt("lease")),
+                };
+                Ok(Claim::InFlight {
+                    fingerprint: fingerprint(f)?,
+                    retry_after: Duration::from_millis(ttl),
+                })
+            }
+            [state, f, payload] if text(state) == Some(b"c") => match payload {
+                Value::BulkString(p) => Ok(Claim::Completed {
+                    fingerprint: fingerprint(f)?,
+                    payload: Bytes::from(p.clone()),
+                }),
+                _ => Err(corrupt("completed record without a payload")),
+            },
+            [state, _] if text(state) == Some(b"?") => Err(corrupt("unknown record state")),
+            _ => Err(corrupt("unexpected claim reply")),
+        }
+    }
+
+    async fn complete(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        payload: Bytes,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let token = token_arg(token);
+        let ttl = millis(ttl).to_string();
+        self.run_flag(
+            &scripts().complete,
+            key,
+            &[token.as_bytes(), &payload, ttl.as_bytes()],
+        )
+        .await
+    }
+
+    async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
+        let token = token_arg(token);
+        self.run_flag(&scripts().release, key, &[token.as_bytes()])
+            .await
+    }
+
+    async fn renew(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let token = token_arg(token);
+        let lease = millis(lease).to_string();
+        self.run_flag(&scripts().renew, key, &[token.as_bytes(), lease.as_bytes()])
+            .await
+    }
+}

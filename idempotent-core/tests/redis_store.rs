@@ -1,0 +1,145 @@
+//! `RedisStore` against a real `redis-server` (started by `scripts/test.sh`): the conformance
+//! suite, garbage in the store, and an unreachable server.
+
+use std::time::Duration;
+
+use idempotent_core::conformance::{Harness, backend_url, fresh_key};
+use idempotent_core::{Fingerprint, RedisStore, Store, StoreError};
+
+const URL_VAR: &str = "IDEMPOTENT_TEST_REDIS_URL";
+
+struct Redis {
+    store: RedisStore,
+}
+
+impl Harness for Redis {
+    type Store = RedisStore;
+
+    async fn setup() -> Self {
+        let url = backend_url(URL_VAR).unwrap_or_else(|| "redis://127.0.0.1:1".into());
+        let store = RedisStore::connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("cannot connect to {url}: {e:?}; is redis-server running?"));
+        Redis { store }
+    }
+
+    fn store(&self) -> &RedisStore {
+        &self.store
+    }
+
+    async fn advance(&self, by: Duration) {
+        tokio::time::sleep(by).await;
+    }
+
+    fn time_unit(&self) -> Duration {
+        Duration::from_millis(150)
+    }
+}
+
+/// Runs the suite only where a server is configured (and fails under scripts/test.sh or CI
+/// when none is).
+macro_rules! redis_conformance {
+    ($($check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                if backend_url(URL_VAR).is_none() {
+                    return;
+                }
+                idempotent_core::conformance::run::<Redis, _, _>(|h| async move {
+                    idempotent_core::conformance::$check(&*h).await
+                });
+            }
+        )*
+    };
+}
+
+redis_conformance!(
+    claim_on_absent_key_wins,
+    exactly_one_of_1000_concurrent_claims_wins,
+    in_flight_record_reports_fingerprint_and_lease,
+    completed_record_replays_fingerprint_and_payload,
+    payload_round_trips_empty_and_one_mebibyte,
+    stale_token_is_rejected_everywhere,
+    completed_record_cannot_be_released_renewed_or_recompleted,
+    release_frees_the_key_for_a_higher_token,
+    lease_expiry_allows_takeover_and_fences_the_old_owner,
+    renew_extends_the_lease,
+    ttl_expiry_frees_the_key,
+    tokens_increase_across_expiry_and_release,
+    keys_are_isolated,
+);
+
+async fn raw_connection() -> Option<redis::aio::MultiplexedConnection> {
+    let url = backend_url(URL_VAR)?;
+    let client = redis::Client::open(url).unwrap();
+    Some(client.get_multiplexed_async_connection().await.unwrap())
+}
+
+#[tokio::test]
+async fn garbage_in_the_store_is_a_corrupt_error_never_absent() {
+    let Some(mut raw) = raw_connection().await else {
+        return;
+    };
+    let store = RedisStore::connect(&backend_url(URL_VAR).unwrap())
+        .await
+        .unwrap();
+    let f = Fingerprint::from_bytes(b"x");
+    let cases: [&[(&str, &[u8])]; 4] = [
+        &[("s", b"c"), ("f", b"short"), ("p", b"payload")],
+        &[("s", b"c"), ("f", &[7u8; 32])],
+        &[("s", b"zz"), ("f", &[7u8; 32])],
+        &[("s", b"i")],
+    ];
+    for fields in cases {
+        let key = fresh_key();
+        let redis_key = store.redis_key(&key);
+        let _: () = redis::cmd("HSET")
+            .arg(&redis_key)
+            .arg(
+                fields
+                    .iter()
+                    .flat_map(|(k, v)| [k.as_bytes().to_vec(), v.to_vec()])
+                    .collect::<Vec<_>>(),
+            )
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        let _: () = redis::cmd("PEXPIRE")
+            .arg(&redis_key)
+            .arg(60_000)
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        let result = store.claim(&key, &f, Duration::from_secs(5)).await;
+        assert!(
+            matches!(result, Err(StoreError::Corrupt(_))),
+            "{fields:?}: {result:?}"
+        );
+        // The garbage is reported, not overwritten.
+        let still: i64 = redis::cmd("EXISTS")
+            .arg(&redis_key)
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        assert_eq!(still, 1);
+    }
+    // A key of another type is an error too, never treated as absent.
+    let key = fresh_key();
+    let _: () = redis::cmd("SET")
+        .arg(store.redis_key(&key))
+        .arg("x")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(store.claim(&key, &f, Duration::from_secs(5)).await.is_err());
+}
+
+#[tokio::test]
+async fn unreachable_server_is_unavailable() {
+    // Nothing listens on port 1.
+    match RedisStore::connect_with("redis://127.0.0.1:1", "x:", Duration::from_millis(300)).await {
+        Err(StoreError::Unavailable(_)) => {}
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+}
