@@ -207,25 +207,47 @@ impl StorageKey {
     }
 
     pub(crate) fn derive_raw(namespace: &[u8], scope: &Scope, key: &[u8]) -> Self {
-        let mut hasher = blake3::Hasher::new_derive_key(STORAGE_KEY_CONTEXT);
-        let mut field = |tag: u8, value: Option<&[u8]>| {
-            hasher.update(&[tag]);
+        // The context key is derived once per process; each call clones the keyed hasher and
+        // feeds it one buffer (a few small updates cost more than the hashing itself).
+        static KEYED: std::sync::OnceLock<blake3::Hasher> = std::sync::OnceLock::new();
+        let mut hasher = KEYED
+            .get_or_init(|| blake3::Hasher::new_derive_key(STORAGE_KEY_CONTEXT))
+            .clone();
+        let fields = [
+            (b'n', Some(namespace)),
+            (b't', scope.tenant.as_deref()),
+            (b'p', scope.principal.as_deref()),
+            (b'o', scope.operation.as_deref()),
+            (b'k', Some(key)),
+        ];
+        let len: usize = fields
+            .iter()
+            .map(|(_, v)| 2 + v.map_or(0, |v| 8 + v.len()))
+            .sum();
+        let mut stack = [0u8; 512];
+        let mut heap = Vec::new();
+        let buf: &mut [u8] = if len <= stack.len() {
+            &mut stack[..len]
+        } else {
+            heap.resize(len, 0);
+            &mut heap
+        };
+        let mut at = 0;
+        let mut put = |bytes: &[u8]| {
+            buf[at..at + bytes.len()].copy_from_slice(bytes);
+            at += bytes.len();
+        };
+        for (tag, value) in fields {
             match value {
-                None => {
-                    hasher.update(&[0]);
-                }
+                None => put(&[tag, 0]),
                 Some(v) => {
-                    hasher.update(&[1]);
-                    hasher.update(&(v.len() as u64).to_le_bytes());
-                    hasher.update(v);
+                    put(&[tag, 1]);
+                    put(&(v.len() as u64).to_le_bytes());
+                    put(v);
                 }
             }
-        };
-        field(b'n', Some(namespace));
-        field(b't', scope.tenant.as_deref());
-        field(b'p', scope.principal.as_deref());
-        field(b'o', scope.operation.as_deref());
-        field(b'k', Some(key));
+        }
+        hasher.update(buf);
         StorageKey(*hasher.finalize().as_bytes())
     }
 
@@ -368,6 +390,39 @@ mod tests {
             .to_string()
         );
         assert_eq!(key.to_hex(), GOLDEN_STORAGE_KEY);
+    }
+
+    /// The derivation spelled out field by field, as documented.
+    fn reference(namespace: &[u8], scope: &Scope, key: &[u8]) -> StorageKey {
+        let mut hasher = blake3::Hasher::new_derive_key(STORAGE_KEY_CONTEXT);
+        for (tag, value) in [
+            (b'n', Some(namespace)),
+            (b't', scope.tenant.as_deref()),
+            (b'p', scope.principal.as_deref()),
+            (b'o', scope.operation.as_deref()),
+            (b'k', Some(key)),
+        ] {
+            hasher.update(&[tag, u8::from(value.is_some())]);
+            if let Some(v) = value {
+                hasher.update(&(v.len() as u64).to_le_bytes());
+                hasher.update(v);
+            }
+        }
+        StorageKey(*hasher.finalize().as_bytes())
+    }
+
+    #[test]
+    fn derivation_matches_the_reference_for_small_and_large_inputs() {
+        let key = "k".repeat(255);
+        for size in [0, 1, 100, 400, 600, 5000] {
+            let namespace = vec![b'n'; size];
+            let scope = Scope::new().tenant(vec![b't'; size / 2]).principal("p");
+            assert_eq!(
+                StorageKey::derive_raw(&namespace, &scope, key.as_bytes()),
+                reference(&namespace, &scope, key.as_bytes()),
+                "size {size}"
+            );
+        }
     }
 
     const GOLDEN_STORAGE_KEY: &str =

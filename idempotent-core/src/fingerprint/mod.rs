@@ -42,7 +42,8 @@ pub struct Fingerprint([u8; 32]);
 impl Fingerprint {
     /// The fingerprint of a request that carries no meaning beyond its key.
     pub fn empty() -> Self {
-        Self::builder().finish()
+        static EMPTY: std::sync::OnceLock<Fingerprint> = std::sync::OnceLock::new();
+        *EMPTY.get_or_init(|| Self::builder().finish())
     }
 
     /// The fingerprint of raw bytes.

@@ -343,6 +343,32 @@ impl Inner {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         let now = self.now();
+        // Replays and in-flight reports need only the shard's read lock.
+        if let Some(record) = self.records.get(key) {
+            match &*record {
+                Record::InFlight {
+                    fingerprint,
+                    lease_until,
+                    ..
+                } if *lease_until > now => {
+                    return Ok(Claim::InFlight {
+                        fingerprint: *fingerprint,
+                        retry_after: Duration::from_nanos(lease_until - now),
+                    });
+                }
+                Record::Completed {
+                    fingerprint,
+                    payload,
+                    expires,
+                } if *expires > now => {
+                    return Ok(Claim::Completed {
+                        fingerprint: *fingerprint,
+                        payload: payload.clone(),
+                    });
+                }
+                _ => {}
+            }
+        }
         let lease_until = now.saturating_add(nanos(lease));
         let mut reserved = false;
         loop {
