@@ -28,6 +28,9 @@ start_redis
 start_postgres
 export IDEMPOTENT_REQUIRE_BACKENDS=1
 
+step "cargo build --examples (end-to-end tests run them as real processes)"
+cargo build --workspace --examples --all-features --locked
+
 step "cargo test (all targets, all features)"
 cargo test --workspace --all-targets --all-features --locked
 
