@@ -68,9 +68,6 @@
 //! - `macros` (default): the [`#[idempotent]`](macro@idempotent) attribute.
 //! - `uuid`: [`ToKey`] for `uuid::Uuid`.
 //! - `redis`: [`RedisStore`], shared by many app instances.
-//! - `postgres`: [`PostgresStore`], shared by many app instances, and its
-//!   [transactional mode](postgres::Transactional), which commits the record in the same
-//!   transaction as your database writes.
 //! - `test-util`: the store conformance suite ([`conformance`]) for testing any store.
 //!
 //! # What it cannot do
@@ -126,17 +123,3 @@ pub use memory::{MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::RedisStore;
-
-/// The PostgreSQL store and its transactional mode.
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub mod postgres {
-    pub use crate::store::postgres::{
-        DEFAULT_REAP_BATCH, DEFAULT_REAP_GRACE, DEFAULT_TABLE, InvalidTableName, PendingRecord,
-        PostgresStore, PostgresStoreBuilder, Transactional, TransactionalCall,
-        TransactionalClaim,
-    };
-}
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use postgres::{PostgresStore, Transactional};
