@@ -18,6 +18,8 @@
 //!
 //! Durations are a number followed by `ms`, `s`, `m`, `h` or `d`.
 
+mod common;
+
 use std::net::{Ipv4Addr, SocketAddr};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -29,98 +31,9 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use idempotent_core::{Idempotency, InFlightPolicy, MemoryStore, RedisStore};
 use idempotent_tower::IdempotencyLayer;
 use serde::Deserialize;
 use serde_json::json;
-
-struct Settings {
-    port: u16,
-    store: String,
-    ttl: Duration,
-    lease: Duration,
-    in_flight: InFlightPolicy,
-}
-
-fn settings() -> Result<Settings, String> {
-    let var =
-        |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
-    let port = var("PORT", "3000");
-    let port = port
-        .parse()
-        .map_err(|_| format!("PORT={port:?} is not a port number"))?;
-    let ttl = parse_duration("IDEMPOTENCY_TTL", &var("IDEMPOTENCY_TTL", "24h"))?;
-    let lease = parse_duration("IDEMPOTENCY_LEASE", &var("IDEMPOTENCY_LEASE", "30s"))?;
-    let in_flight = match var("IDEMPOTENCY_IN_FLIGHT", "reject").as_str() {
-        "reject" => InFlightPolicy::Reject,
-        "wait" => InFlightPolicy::Wait { max: lease },
-        other => {
-            return Err(format!(
-                "IDEMPOTENCY_IN_FLIGHT={other:?} is not supported; use `reject` or `wait`"
-            ));
-        }
-    };
-    Ok(Settings {
-        port,
-        store: var("IDEMPOTENCY_STORE", "memory"),
-        ttl,
-        lease,
-        in_flight,
-    })
-}
-
-fn parse_duration(name: &str, value: &str) -> Result<Duration, String> {
-    let bad = || format!("{name}={value:?} is not a duration like 500ms, 30s, 15m, 24h or 7d");
-    let split = value.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
-    let (number, unit) = value.split_at(split);
-    let number: u64 = number.parse().map_err(|_| bad())?;
-    let millis = match unit {
-        "ms" => Some(number),
-        "s" => number.checked_mul(1000),
-        "m" => number.checked_mul(60_000),
-        "h" => number.checked_mul(3_600_000),
-        "d" => number.checked_mul(86_400_000),
-        _ => None,
-    }
-    .ok_or_else(bad)?;
-    if millis == 0 {
-        return Err(format!("{name}={value:?} must be greater than zero"));
-    }
-    Ok(Duration::from_millis(millis))
-}
-
-async fn idempotency(settings: &Settings) -> Result<Idempotency, String> {
-    let store = settings.store.as_str();
-    let builder = if store == "memory" {
-        Idempotency::builder(MemoryStore::new())
-    } else if store.starts_with("redis://") {
-        let redis = RedisStore::connect(store)
-            .await
-            .map_err(|e| format!("cannot connect to Redis at {store}: {}", error_chain(&e)))?;
-        Idempotency::builder(redis)
-    } else {
-        return Err(format!(
-            "IDEMPOTENCY_STORE={store:?} is not supported; use `memory` or `redis://HOST:PORT[/DB]`"
-        ));
-    };
-    Ok(builder
-        .namespace("payments-example")
-        .ttl(settings.ttl)
-        .lease(settings.lease)
-        .in_flight(settings.in_flight)
-        .build())
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
 
 #[derive(Default)]
 struct Ledger {
@@ -209,22 +122,15 @@ async fn count(State(ledger): Shared) -> Json<serde_json::Value> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn,idempotent_tower=info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
-    let settings = match settings() {
+    common::init_logging();
+    let settings = match common::settings(3000) {
         Ok(settings) => settings,
         Err(message) => {
             eprintln!("payments: {message}");
             return ExitCode::from(2);
         }
     };
-    let idempotency = match idempotency(&settings).await {
+    let idempotency = match common::idempotency(&settings, "payments-example").await {
         Ok(idempotency) => idempotency,
         Err(message) => {
             eprintln!("payments: {message}");

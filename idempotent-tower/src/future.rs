@@ -11,6 +11,7 @@ use pin_project_lite::pin_project;
 use tokio::task::JoinHandle;
 
 use crate::body::ResponseBody;
+use crate::layer::Protocol;
 use crate::problem::Problem;
 
 type Output<B, E> = Result<Response<ResponseBody<B>>, E>;
@@ -31,7 +32,7 @@ pin_project! {
     enum Kind<F, B: Body, E> {
         PassThrough { #[pin] future: F },
         Ready { response: Option<Response<ResponseBody<B>>> },
-        Spawned { task: JoinHandle<Output<B, E>> },
+        Spawned { task: JoinHandle<Output<B, E>>, protocol: Protocol },
     }
 }
 
@@ -50,9 +51,9 @@ impl<F, B: Body, E> ResponseFuture<F, B, E> {
         }
     }
 
-    pub(crate) fn spawned(task: JoinHandle<Output<B, E>>) -> Self {
+    pub(crate) fn spawned(task: JoinHandle<Output<B, E>>, protocol: Protocol) -> Self {
         ResponseFuture {
-            kind: Kind::Spawned { task },
+            kind: Kind::Spawned { task, protocol },
         }
     }
 }
@@ -73,7 +74,7 @@ where
             KindProj::Ready { response } => Poll::Ready(Ok(response
                 .take()
                 .expect("ResponseFuture polled after completion"))),
-            KindProj::Spawned { task } => match ready!(Pin::new(task).poll(cx)) {
+            KindProj::Spawned { task, protocol } => match ready!(Pin::new(task).poll(cx)) {
                 Ok(output) => Poll::Ready(output),
                 // The handler panicked: surface it to the caller as if it had run inline (so a
                 // panic-catching layer outside still sees it). The claim was released.
@@ -84,7 +85,7 @@ where
                     "Server shutting down",
                     "the server is shutting down; retry the request",
                 )
-                .into_response())),
+                .into_response(*protocol))),
             },
         }
     }

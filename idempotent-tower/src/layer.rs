@@ -26,6 +26,14 @@ pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1 << 20;
 
 type ScopeFn = dyn Fn(&Parts) -> Scope + Send + Sync;
 type RetainFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+type GrpcRetainFn = dyn Fn(u8) -> bool + Send + Sync;
+
+/// Which protocol the layer speaks: how it answers problems and classifies outcomes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Protocol {
+    Http,
+    Grpc,
+}
 
 /// Applies idempotency to requests: see the [crate docs](crate) for the semantics and every
 /// response it produces.
@@ -50,6 +58,9 @@ pub struct IdempotencyLayer {
 #[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) idempotency: Idempotency,
+    pub(crate) protocol: Protocol,
+    pub(crate) grpc_methods: Vec<String>,
+    pub(crate) grpc_retain: Arc<GrpcRetainFn>,
     pub(crate) header: HeaderName,
     pub(crate) strict: bool,
     pub(crate) methods: Vec<Method>,
@@ -76,6 +87,15 @@ pub fn default_retain(status: StatusCode) -> bool {
     }
 }
 
+/// The default gRPC outcome policy: keep OK and the deterministic failures (INVALID_ARGUMENT,
+/// NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED, FAILED_PRECONDITION, OUT_OF_RANGE,
+/// UNAUTHENTICATED); release everything else (UNAVAILABLE, INTERNAL, UNKNOWN,
+/// DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, CANCELLED, UNIMPLEMENTED, DATA_LOSS), so
+/// the retry runs again.
+pub fn default_grpc_retain(code: u8) -> bool {
+    matches!(code, 0 | 3 | 5 | 6 | 7 | 9 | 11 | 16)
+}
+
 /// The default scope: a digest of the `Authorization` header, so each credential has its own
 /// key space; requests without one share the anonymous scope.
 pub fn scope_by_authorization(parts: &Parts) -> Scope {
@@ -90,8 +110,11 @@ pub fn scope_by_authorization(parts: &Parts) -> Scope {
 }
 
 impl Config {
-    pub(crate) fn protects(&self, method: &Method) -> bool {
-        self.methods.iter().any(|m| m == method)
+    pub(crate) fn protects(&self, method: &Method, path: &str) -> bool {
+        match self.protocol {
+            Protocol::Http => self.methods.iter().any(|m| m == method),
+            Protocol::Grpc => method == Method::POST && self.grpc_methods.iter().any(|m| m == path),
+        }
     }
 
     /// Whether a response header is left out of the stored record (and so of replays).
@@ -108,6 +131,9 @@ impl IdempotencyLayer {
         IdempotencyLayer {
             config: Arc::new(Config {
                 idempotency,
+                protocol: Protocol::Http,
+                grpc_methods: Vec::new(),
+                grpc_retain: Arc::new(default_grpc_retain),
                 header: IDEMPOTENCY_KEY,
                 strict: false,
                 methods: vec![Method::POST, Method::PATCH],
@@ -138,6 +164,39 @@ impl IdempotencyLayer {
                 fail_open: false,
             }),
         }
+    }
+
+    /// A layer for a gRPC server (tonic), protecting the unary methods named with
+    /// [`grpc_methods`](Self::grpc_methods); every other call, streaming ones included, passes
+    /// through untouched.
+    ///
+    /// The key comes from the `idempotency-key` metadata entry (the same header), the scope from
+    /// a digest of `authorization`. Problems are answered as gRPC statuses (`INVALID_ARGUMENT`,
+    /// `FAILED_PRECONDITION`, `ABORTED` with `grpc-retry-pushback-ms`, `RESOURCE_EXHAUSTED`,
+    /// `UNAVAILABLE`, …) with the stable code in the `idempotent-error` metadata entry; outcomes
+    /// are classified by `grpc-status` ([`default_grpc_retain`]). See the crate docs.
+    pub fn grpc(idempotency: Idempotency) -> Self {
+        let mut layer = Self::new(idempotency);
+        layer.config().protocol = Protocol::Grpc;
+        layer
+    }
+
+    /// The full paths of the unary gRPC methods to protect, such as
+    /// `/payments.v1.Payments/Charge` (only with [`grpc`](Self::grpc)).
+    pub fn grpc_methods<I, P>(mut self, paths: I) -> Self
+    where
+        I: IntoIterator<Item = P>,
+        P: Into<String>,
+    {
+        self.config().grpc_methods = paths.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Which `grpc-status` codes are stored for replay (default [`default_grpc_retain`]); a
+    /// code for which it returns false releases the key, so the retry runs again.
+    pub fn grpc_retain(mut self, retain: impl Fn(u8) -> bool + Send + Sync + 'static) -> Self {
+        self.config().grpc_retain = Arc::new(retain);
+        self
     }
 
     fn config(&mut self) -> &mut Config {
@@ -267,6 +326,8 @@ impl fmt::Debug for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyLayer")
             .field("idempotency", &self.idempotency)
+            .field("protocol", &self.protocol)
+            .field("grpc_methods", &self.grpc_methods)
             .field("header", &self.header)
             .field("strict", &self.strict)
             .field("methods", &self.methods)

@@ -9,6 +9,7 @@ use http_body::Body;
 use idempotent_core::{Error, StoreError};
 
 use crate::body::ResponseBody;
+use crate::layer::Protocol;
 
 /// A problem the layer answers itself. Never stored.
 #[derive(Debug, Clone)]
@@ -99,7 +100,46 @@ impl Problem {
         }
     }
 
-    pub(crate) fn into_response<B: Body>(self) -> Response<ResponseBody<B>> {
+    /// The response for `protocol`: a problem document over HTTP, a trailers-only status
+    /// response over gRPC.
+    pub(crate) fn into_response<B: Body>(self, protocol: Protocol) -> Response<ResponseBody<B>> {
+        match protocol {
+            Protocol::Http => self.into_http(),
+            Protocol::Grpc => self.into_grpc(),
+        }
+    }
+
+    /// The gRPC status code for this problem.
+    pub(crate) fn grpc_code(&self) -> u8 {
+        match self.code {
+            "missing_key" | "invalid_key" | "request_body_unreadable" => 3, // INVALID_ARGUMENT
+            "fingerprint_mismatch" => 9,                                    // FAILED_PRECONDITION
+            "in_flight" => 10,                                              // ABORTED
+            "result_not_retained" => 6,                                     // ALREADY_EXISTS
+            "request_too_large" => 8,                                       // RESOURCE_EXHAUSTED
+            "store_unavailable" | "store_capacity" | "shutting_down" => 14, // UNAVAILABLE
+            _ => 13,                                                        // INTERNAL
+        }
+    }
+
+    fn into_grpc<B: Body>(self) -> Response<ResponseBody<B>> {
+        let mut response = Response::new(ResponseBody::full(Bytes::new(), None));
+        let headers = response.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        headers.insert("grpc-status", HeaderValue::from(u16::from(self.grpc_code())));
+        if let Ok(message) = HeaderValue::from_str(&percent_encode(&self.detail)) {
+            headers.insert("grpc-message", message);
+        }
+        headers.insert("idempotent-error", HeaderValue::from_static(self.code));
+        if let Some(after) = self.retry_after {
+            let millis = u64::try_from(after.as_millis()).unwrap_or(u64::MAX).max(1);
+            // The standard gRPC retry pushback, read by clients' retry policies.
+            headers.insert("grpc-retry-pushback-ms", HeaderValue::from(millis));
+        }
+        response
+    }
+
+    fn into_http<B: Body>(self) -> Response<ResponseBody<B>> {
         let document = serde_json::json!({
             "type": format!("urn:idempotent:problem:{}", self.code),
             "title": self.title,
@@ -123,4 +163,17 @@ impl Problem {
         }
         response
     }
+}
+
+/// Percent-encodes a `grpc-message` value: bytes outside printable ASCII and `%` itself.
+fn percent_encode(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    for b in message.bytes() {
+        if (0x20..0x7f).contains(&b) && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }

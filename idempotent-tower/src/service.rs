@@ -18,7 +18,7 @@ use tower_service::Service;
 use crate::body::{RequestBody, ResponseBody};
 use crate::future::ResponseFuture;
 use crate::key::{KeyProblem, key_from_headers};
-use crate::layer::{Config, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED};
+use crate::layer::{Config, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED, Protocol};
 use crate::problem::Problem;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -67,7 +67,7 @@ where
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
         let config = &self.config;
-        if !config.protects(request.method()) {
+        if !config.protects(request.method(), request.uri().path()) {
             return self.pass_through(request, "method not protected");
         }
         let key = match key_from_headers(request.headers(), &config.header, config.strict) {
@@ -83,26 +83,24 @@ where
                 tracing::info!(outcome = "invalid_key", code, "idempotency key refused");
                 let detail = problem.detail(&config.header);
                 return ResponseFuture::ready(
-                    Problem::new(StatusCode::BAD_REQUEST, code, title, detail).into_response(),
+                    Problem::new(StatusCode::BAD_REQUEST, code, title, detail).into_response(config.protocol),
                 );
             }
         };
         if declared_length(request.headers())
             .is_some_and(|len| len > config.max_request_body as u64)
         {
-            return ResponseFuture::ready(too_large(config.max_request_body).into_response());
+            return ResponseFuture::ready(
+                too_large(config.max_request_body).into_response(config.protocol),
+            );
         }
         // The ready service goes with this request; a clone waits for the next poll_ready.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         // Spawned so that the handler runs to completion and its response is recorded even if
         // the client goes away: the retry then gets a replay, not a second execution.
-        ResponseFuture::spawned(tokio::spawn(handle(
-            Arc::clone(config),
-            inner,
-            request,
-            key,
-        )))
+        let task = tokio::spawn(handle(Arc::clone(config), inner, request, key));
+        ResponseFuture::spawned(task, config.protocol)
     }
 }
 
@@ -158,7 +156,36 @@ enum Captured<B: Body> {
     },
 }
 
+impl Config {
+    /// Whether the outcome policy keeps this response for replay.
+    fn retains<B: Body>(&self, captured: &Captured<B>) -> bool {
+        match self.protocol {
+            Protocol::Http => (self.retain)(captured.status()),
+            Protocol::Grpc => {
+                let status = captured.grpc_status();
+                captured.status() == StatusCode::OK
+                    && status.is_some_and(|code| (self.grpc_retain)(code))
+            }
+        }
+    }
+}
+
 impl<B: Body> Captured<B> {
+    /// The `grpc-status` of a gRPC response: from its trailers, or from its headers in a
+    /// trailers-only response. `None` when absent or malformed, or when the body was not
+    /// read whole.
+    fn grpc_status(&self) -> Option<u8> {
+        let read = |headers: &HeaderMap| -> Option<u8> {
+            headers.get("grpc-status")?.to_str().ok()?.parse().ok()
+        };
+        match self {
+            Captured::Complete {
+                parts, trailers, ..
+            } => trailers.as_ref().and_then(read).or_else(|| read(&parts.headers)),
+            Captured::TooLarge { parts, .. } | Captured::Failed { parts, .. } => read(&parts.headers),
+        }
+    }
+
     fn status(&self) -> StatusCode {
         match self {
             Captured::Complete { parts, .. }
@@ -307,7 +334,7 @@ where
     let body = match Limited::new(body, config.max_request_body).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
-            return Ok(too_large(config.max_request_body).into_response());
+            return Ok(too_large(config.max_request_body).into_response(config.protocol));
         }
         Err(error) => {
             tracing::info!(outcome = "request_body_unreadable", error = %error, "could not read a protected request body");
@@ -317,7 +344,7 @@ where
                 "Request body unreadable",
                 "the request body could not be read; the request was not processed",
             )
-            .into_response());
+            .into_response(config.protocol));
         }
     };
 
@@ -349,7 +376,7 @@ where
     };
     let classify = |output: &Result<Captured<ResBody>, S::Error>| match output {
         Err(_) => Retain::Release,
-        Ok(captured) if !(config.retain)(captured.status()) => Retain::Release,
+        Ok(captured) if !config.retains(captured) => Retain::Release,
         Ok(Captured::Complete {
             parts,
             body,
@@ -372,7 +399,7 @@ where
             Ok(captured.into_response())
         }
         Ok(Execution::Fresh(Err(error))) => Err(error),
-        Ok(Execution::Replayed(stored)) => Ok(replay(stored, &storage_key)),
+        Ok(Execution::Replayed(stored)) => Ok(replay(stored, &storage_key, config.protocol)),
         Err(Error::Store(error)) if fallback.is_some() => {
             let Some((mut inner, parts, body)) = fallback else {
                 unreachable!("checked by the guard")
@@ -405,12 +432,16 @@ where
                 ),
                 _ => tracing::info!(outcome, %storage_key, "idempotent request refused"),
             }
-            Ok(Problem::from_error(&error).into_response())
+            Ok(Problem::from_error(&error).into_response(config.protocol))
         }
     }
 }
 
-fn replay<B: Body>(stored: Bytes, storage_key: &StorageKey) -> Response<ResponseBody<B>> {
+fn replay<B: Body>(
+    stored: Bytes,
+    storage_key: &StorageKey,
+    protocol: Protocol,
+) -> Response<ResponseBody<B>> {
     match crate::record::decode(stored) {
         Ok(stored) => {
             tracing::debug!(outcome = "replayed", %storage_key, status = stored.status.as_u16(), "idempotent response replayed");
@@ -424,7 +455,7 @@ fn replay<B: Body>(stored: Bytes, storage_key: &StorageKey) -> Response<Response
         }
         Err(error) => {
             tracing::error!(outcome = "corrupt_record", %storage_key, %error, "stored response cannot be decoded");
-            Problem::from_error(&Error::CorruptRecord(Box::new(error))).into_response()
+            Problem::from_error(&Error::CorruptRecord(Box::new(error))).into_response(protocol)
         }
     }
 }

@@ -1,0 +1,121 @@
+//! What the example servers share: their environment settings and the store they select.
+//!
+//! | variable | default | meaning |
+//! |---|---|---|
+//! | `PORT` | per example | listens on `127.0.0.1:$PORT` |
+//! | `IDEMPOTENCY_STORE` | `memory` | `memory` or `redis://HOST:PORT[/DB]` |
+//! | `IDEMPOTENCY_TTL` | `24h` | how long responses are replayed |
+//! | `IDEMPOTENCY_LEASE` | `30s` | how long a crashed request keeps its key locked |
+//! | `IDEMPOTENCY_IN_FLIGHT` | `reject` | `reject` or `wait` (up to one lease, then replay) |
+//!
+//! Durations are a number followed by `ms`, `s`, `m`, `h` or `d`. A bad value makes the example
+//! exit with status 2 and a message naming the variable.
+
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use idempotent_core::{Idempotency, InFlightPolicy, MemoryStore, RedisStore};
+
+/// Logs to stderr, `RUST_LOG` overriding the default filter.
+pub(crate) fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,idempotent_tower=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+}
+
+pub(crate) struct Settings {
+    pub(crate) port: u16,
+    pub(crate) store: String,
+    pub(crate) ttl: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) in_flight: InFlightPolicy,
+}
+
+/// Reads `PORT` (default `default_port`) and the `IDEMPOTENCY_*` variables.
+pub(crate) fn settings(default_port: u16) -> Result<Settings, String> {
+    let var =
+        |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
+    let port = var("PORT", &default_port.to_string());
+    let port = port
+        .parse()
+        .map_err(|_| format!("PORT={port:?} is not a port number"))?;
+    let ttl = parse_duration("IDEMPOTENCY_TTL", &var("IDEMPOTENCY_TTL", "24h"))?;
+    let lease = parse_duration("IDEMPOTENCY_LEASE", &var("IDEMPOTENCY_LEASE", "30s"))?;
+    let in_flight = match var("IDEMPOTENCY_IN_FLIGHT", "reject").as_str() {
+        "reject" => InFlightPolicy::Reject,
+        "wait" => InFlightPolicy::Wait { max: lease },
+        other => {
+            return Err(format!(
+                "IDEMPOTENCY_IN_FLIGHT={other:?} is not supported; use `reject` or `wait`"
+            ));
+        }
+    };
+    Ok(Settings {
+        port,
+        store: var("IDEMPOTENCY_STORE", "memory"),
+        ttl,
+        lease,
+        in_flight,
+    })
+}
+
+fn parse_duration(name: &str, value: &str) -> Result<Duration, String> {
+    let bad = || format!("{name}={value:?} is not a duration like 500ms, 30s, 15m, 24h or 7d");
+    let split = value.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+    let (number, unit) = value.split_at(split);
+    let number: u64 = number.parse().map_err(|_| bad())?;
+    let millis = match unit {
+        "ms" => Some(number),
+        "s" => number.checked_mul(1000),
+        "m" => number.checked_mul(60_000),
+        "h" => number.checked_mul(3_600_000),
+        "d" => number.checked_mul(86_400_000),
+        _ => None,
+    }
+    .ok_or_else(bad)?;
+    if millis == 0 {
+        return Err(format!("{name}={value:?} must be greater than zero"));
+    }
+    Ok(Duration::from_millis(millis))
+}
+
+/// The runtime over the store `IDEMPOTENCY_STORE` names.
+pub(crate) async fn idempotency(settings: &Settings, namespace: &str) -> Result<Idempotency, String> {
+    let store = settings.store.as_str();
+    let builder = if store == "memory" {
+        Idempotency::builder(MemoryStore::new())
+    } else if store.starts_with("redis://") {
+        let redis = RedisStore::connect(store)
+            .await
+            .map_err(|e| format!("cannot connect to Redis at {store}: {}", error_chain(&e)))?;
+        Idempotency::builder(redis)
+    } else {
+        return Err(format!(
+            "IDEMPOTENCY_STORE={store:?} is not supported; use `memory` or `redis://HOST:PORT[/DB]`"
+        ));
+    };
+    Ok(builder
+        .namespace(namespace)
+        .ttl(settings.ttl)
+        .lease(settings.lease)
+        .in_flight(settings.in_flight)
+        .build())
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
