@@ -338,3 +338,48 @@ impl fmt::Debug for Config {
             .finish_non_exhaustive()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_grpc_policy_stores_deterministic_codes_and_releases_transient_ones() {
+        let stored = [0, 3, 5, 6, 7, 9, 11, 16];
+        let released = [1, 2, 4, 8, 10, 12, 13, 14, 15];
+        for code in stored {
+            assert!(default_grpc_retain(code), "code {code} should be stored");
+        }
+        for code in released {
+            assert!(!default_grpc_retain(code), "code {code} should be released");
+        }
+    }
+
+    #[test]
+    fn default_http_policy_releases_server_errors_and_retryable_client_errors() {
+        for status in [200, 201, 204, 301, 400, 402, 404, 422] {
+            assert!(
+                default_retain(StatusCode::from_u16(status).unwrap()),
+                "{status}"
+            );
+        }
+        for status in [408, 409, 425, 429, 500, 502, 503] {
+            assert!(
+                !default_retain(StatusCode::from_u16(status).unwrap()),
+                "{status}"
+            );
+        }
+    }
+
+    #[test]
+    fn grpc_mode_protects_only_the_listed_paths_over_post() {
+        let layer = IdempotencyLayer::grpc(Idempotency::new(idempotent_core::MemoryStore::new()))
+            .grpc_methods(["/p.v1.S/Charge"]);
+        assert!(layer.config.protects(&Method::POST, "/p.v1.S/Charge"));
+        assert!(!layer.config.protects(&Method::POST, "/p.v1.S/Stream"));
+        assert!(!layer.config.protects(&Method::GET, "/p.v1.S/Charge"));
+        let http = IdempotencyLayer::new(Idempotency::new(idempotent_core::MemoryStore::new()));
+        assert!(http.config.protects(&Method::PATCH, "/anything"));
+        assert!(!http.config.protects(&Method::GET, "/anything"));
+    }
+}

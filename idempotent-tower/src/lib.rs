@@ -97,6 +97,52 @@
 //! | 503 | `store_capacity` | the store is full of live records (with `Retry-After`); nothing ran | retry after the delay |
 //! | 503 | `shutting_down` | the server stopped before the request finished | retry |
 //!
+//! # gRPC (tonic)
+//!
+//! [`IdempotencyLayer::grpc`] speaks gRPC over the same machinery: the key is the
+//! `idempotency-key` metadata entry, the scope a digest of `authorization`, and only the unary
+//! methods named with [`grpc_methods`](IdempotencyLayer::grpc_methods) are protected — streaming
+//! calls and every other method pass through untouched (a layer cannot tell a unary call from a
+//! streaming one on the wire, so the list is explicit).
+//!
+//! ```no_run
+//! use idempotent_core::{Idempotency, MemoryStore};
+//! use idempotent_tower::IdempotencyLayer;
+//!
+//! # async fn run(service: tonic::service::Routes) -> Result<(), tonic::transport::Error> {
+//! let idempotency = IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new()))
+//!     .grpc_methods(["/payments.v1.Payments/Charge"]);
+//! tonic::transport::Server::builder()
+//!     .layer(idempotency)
+//!     .add_routes(service)
+//!     .serve("127.0.0.1:50051".parse().unwrap())
+//!     .await
+//! # }
+//! ```
+//!
+//! - **Replay**: the identical response message bytes, `grpc-status`, `grpc-message` and every
+//!   other trailer, plus the metadata entry `idempotent-replayed: true`. A stored error status
+//!   (say `INVALID_ARGUMENT: card_declined`) is replayed as that status.
+//! - **Outcome policy** by `grpc-status` ([`default_grpc_retain`];
+//!   [`grpc_retain`](IdempotencyLayer::grpc_retain) to change it): OK and the deterministic
+//!   codes `INVALID_ARGUMENT`, `NOT_FOUND`, `ALREADY_EXISTS`, `PERMISSION_DENIED`,
+//!   `FAILED_PRECONDITION`, `OUT_OF_RANGE` and `UNAUTHENTICATED` are stored; `UNAVAILABLE`,
+//!   `INTERNAL`, `UNKNOWN`, `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED`, `ABORTED`, `CANCELLED`
+//!   and the rest are released, so the retry runs again.
+//! - **Refusals** are trailers-only responses carrying a gRPC status, a percent-encoded
+//!   `grpc-message` with the same detail as the HTTP problem, and the problem's stable code in
+//!   the `idempotent-error` metadata entry:
+//!
+//! | `idempotent-error` | gRPC status | notes |
+//! |---|---|---|
+//! | `missing_key`, `invalid_key`, `request_body_unreadable` | `INVALID_ARGUMENT` | |
+//! | `fingerprint_mismatch` | `FAILED_PRECONDITION` | same key, different request message |
+//! | `in_flight` | `ABORTED` | `grpc-retry-pushback-ms` says when to retry |
+//! | `result_not_retained` | `ALREADY_EXISTS` | processed; response too large to keep |
+//! | `request_too_large` | `RESOURCE_EXHAUSTED` | request message over the limit |
+//! | `store_unavailable`, `store_capacity`, `shutting_down` | `UNAVAILABLE` | `grpc-retry-pushback-ms` where a delay is known |
+//! | `corrupt_record`, `internal_error` | `INTERNAL` | |
+//!
 //! # Where to put the layer
 //!
 //! - **Authentication** before (outside) it, so that a custom

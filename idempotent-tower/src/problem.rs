@@ -126,7 +126,10 @@ impl Problem {
         let mut response = Response::new(ResponseBody::full(Bytes::new(), None));
         let headers = response.headers_mut();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-        headers.insert("grpc-status", HeaderValue::from(u16::from(self.grpc_code())));
+        headers.insert(
+            "grpc-status",
+            HeaderValue::from(u16::from(self.grpc_code())),
+        );
         if let Ok(message) = HeaderValue::from_str(&percent_encode(&self.detail)) {
             headers.insert("grpc-message", message);
         }
@@ -176,4 +179,35 @@ fn percent_encode(message: &str) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_codes_follow_the_documented_table() {
+        let code = |c: &'static str| Problem::new(StatusCode::BAD_REQUEST, c, "t", "d").grpc_code();
+        for (problem, grpc) in [
+            ("missing_key", 3),
+            ("invalid_key", 3),
+            ("request_body_unreadable", 3),
+            ("fingerprint_mismatch", 9),
+            ("in_flight", 10),
+            ("result_not_retained", 6),
+            ("request_too_large", 8),
+            ("store_unavailable", 14),
+            ("store_capacity", 14),
+            ("shutting_down", 14),
+            ("corrupt_record", 13),
+            ("internal_error", 13),
+        ] {
+            assert_eq!(code(problem), grpc, "{problem}");
+        }
+    }
+
+    #[test]
+    fn grpc_message_is_percent_encoded() {
+        assert_eq!(percent_encode("a b%c\n\u{e9}"), "a b%25c%0A%C3%A9");
+    }
 }
