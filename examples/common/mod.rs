@@ -86,7 +86,10 @@ fn parse_duration(name: &str, value: &str) -> Result<Duration, String> {
 }
 
 /// The runtime over the store `IDEMPOTENCY_STORE` names.
-pub(crate) async fn idempotency(settings: &Settings, namespace: &str) -> Result<Idempotency, String> {
+pub(crate) async fn idempotency(
+    settings: &Settings,
+    namespace: &str,
+) -> Result<Idempotency, String> {
     let store = settings.store.as_str();
     let builder = if store == "memory" {
         Idempotency::builder(MemoryStore::new())
@@ -118,4 +121,3 @@ fn error_chain(error: &dyn std::error::Error) -> String {
     }
     text
 }
-

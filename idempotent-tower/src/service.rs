@@ -83,7 +83,8 @@ where
                 tracing::info!(outcome = "invalid_key", code, "idempotency key refused");
                 let detail = problem.detail(&config.header);
                 return ResponseFuture::ready(
-                    Problem::new(StatusCode::BAD_REQUEST, code, title, detail).into_response(config.protocol),
+                    Problem::new(StatusCode::BAD_REQUEST, code, title, detail)
+                        .into_response(config.protocol),
                 );
             }
         };
@@ -181,8 +182,13 @@ impl<B: Body> Captured<B> {
         match self {
             Captured::Complete {
                 parts, trailers, ..
-            } => trailers.as_ref().and_then(read).or_else(|| read(&parts.headers)),
-            Captured::TooLarge { parts, .. } | Captured::Failed { parts, .. } => read(&parts.headers),
+            } => trailers
+                .as_ref()
+                .and_then(read)
+                .or_else(|| read(&parts.headers)),
+            Captured::TooLarge { parts, .. } | Captured::Failed { parts, .. } => {
+                read(&parts.headers)
+            }
         }
     }
 

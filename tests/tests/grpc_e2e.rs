@@ -28,7 +28,12 @@ async fn start() -> (Server, PaymentsClient<Channel>) {
     (server, client)
 }
 
-fn charge(amount: u64, currency: &str, key: Option<&str>, principal: Option<&str>) -> Request<ChargeRequest> {
+fn charge(
+    amount: u64,
+    currency: &str,
+    key: Option<&str>,
+    principal: Option<&str>,
+) -> Request<ChargeRequest> {
     charge_slow(amount, currency, 0, key, principal)
 }
 
@@ -57,22 +62,42 @@ fn charge_slow(
 }
 
 async fn count(client: &mut PaymentsClient<Channel>) -> u64 {
-    client.count(CountRequest {}).await.unwrap().into_inner().count
+    client
+        .count(CountRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .count
 }
 
 fn replayed(metadata: &tonic::metadata::MetadataMap) -> bool {
-    metadata.get("idempotent-replayed").is_some_and(|v| v == "true")
+    metadata
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_replays_the_identical_message_with_the_replay_metadata() {
     let (_server, mut client) = start().await;
-    let first = client.charge(charge(1999, "EUR", Some("k1"), Some("alice"))).await.unwrap();
+    let first = client
+        .charge(charge(1999, "EUR", Some("k1"), Some("alice")))
+        .await
+        .unwrap();
     assert!(!replayed(first.metadata()));
     let payment = first.into_inner();
-    assert_eq!((payment.amount, payment.currency.as_str(), payment.principal.as_str()), (1999, "EUR", "alice"));
+    assert_eq!(
+        (
+            payment.amount,
+            payment.currency.as_str(),
+            payment.principal.as_str()
+        ),
+        (1999, "EUR", "alice")
+    );
     for _ in 0..3 {
-        let retry = client.charge(charge(1999, "EUR", Some("k1"), Some("alice"))).await.unwrap();
+        let retry = client
+            .charge(charge(1999, "EUR", Some("k1"), Some("alice")))
+            .await
+            .unwrap();
         assert!(replayed(retry.metadata()));
         assert_eq!(retry.into_inner(), payment);
     }
@@ -82,25 +107,54 @@ async fn retry_replays_the_identical_message_with_the_replay_metadata() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_or_invalid_key_is_invalid_argument() {
     let (_server, mut client) = start().await;
-    let missing = client.charge(charge(5, "EUR", None, None)).await.unwrap_err();
+    let missing = client
+        .charge(charge(5, "EUR", None, None))
+        .await
+        .unwrap_err();
     assert_eq!(missing.code(), Code::InvalidArgument);
-    assert_eq!(missing.metadata().get("idempotent-error").unwrap(), "missing_key");
-    assert!(missing.message().contains("idempotency-key"), "{}", missing.message());
+    assert_eq!(
+        missing.metadata().get("idempotent-error").unwrap(),
+        "missing_key"
+    );
+    assert!(
+        missing.message().contains("idempotency-key"),
+        "{}",
+        missing.message()
+    );
     let long = "k".repeat(256);
-    let invalid = client.charge(charge(5, "EUR", Some(&long), None)).await.unwrap_err();
+    let invalid = client
+        .charge(charge(5, "EUR", Some(&long), None))
+        .await
+        .unwrap_err();
     assert_eq!(invalid.code(), Code::InvalidArgument);
-    assert_eq!(invalid.metadata().get("idempotent-error").unwrap(), "invalid_key");
+    assert_eq!(
+        invalid.metadata().get("idempotent-error").unwrap(),
+        "invalid_key"
+    );
     assert_eq!(count(&mut client).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_key_with_another_message_is_failed_precondition() {
     let (_server, mut client) = start().await;
-    let first = client.charge(charge(100, "EUR", Some("k"), None)).await.unwrap().into_inner();
-    let other = client.charge(charge(200, "EUR", Some("k"), None)).await.unwrap_err();
+    let first = client
+        .charge(charge(100, "EUR", Some("k"), None))
+        .await
+        .unwrap()
+        .into_inner();
+    let other = client
+        .charge(charge(200, "EUR", Some("k"), None))
+        .await
+        .unwrap_err();
     assert_eq!(other.code(), Code::FailedPrecondition);
-    assert_eq!(other.metadata().get("idempotent-error").unwrap(), "fingerprint_mismatch");
-    let original = client.charge(charge(100, "EUR", Some("k"), None)).await.unwrap();
+    assert_eq!(
+        other.metadata().get("idempotent-error").unwrap(),
+        "fingerprint_mismatch"
+    );
+    let original = client
+        .charge(charge(100, "EUR", Some("k"), None))
+        .await
+        .unwrap();
     assert!(replayed(original.metadata()));
     assert_eq!(original.into_inner(), first);
     assert_eq!(count(&mut client).await, 1);
@@ -111,16 +165,33 @@ async fn concurrent_duplicate_is_aborted_with_a_retry_delay() {
     let (_server, mut client) = start().await;
     let first = tokio::spawn({
         let mut client = client.clone();
-        async move { client.charge(charge_slow(5, "EUR", 600, Some("k"), None)).await }
+        async move {
+            client
+                .charge(charge_slow(5, "EUR", 600, Some("k"), None))
+                .await
+        }
     });
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let dup = client.charge(charge_slow(5, "EUR", 600, Some("k"), None)).await.unwrap_err();
+    let dup = client
+        .charge(charge_slow(5, "EUR", 600, Some("k"), None))
+        .await
+        .unwrap_err();
     assert_eq!(dup.code(), Code::Aborted);
     assert_eq!(dup.metadata().get("idempotent-error").unwrap(), "in_flight");
-    let pushback: u64 = dup.metadata().get("grpc-retry-pushback-ms").unwrap().to_str().unwrap().parse().unwrap();
+    let pushback: u64 = dup
+        .metadata()
+        .get("grpc-retry-pushback-ms")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!((1..=1000).contains(&pushback), "{pushback}");
     let first = first.await.unwrap().unwrap().into_inner();
-    let later = client.charge(charge_slow(5, "EUR", 600, Some("k"), None)).await.unwrap();
+    let later = client
+        .charge(charge_slow(5, "EUR", 600, Some("k"), None))
+        .await
+        .unwrap();
     assert!(replayed(later.metadata()));
     assert_eq!(later.into_inner(), first);
 }
@@ -134,7 +205,9 @@ async fn twenty_concurrent_duplicates_execute_once() {
             let (mut client, start) = (client.clone(), Arc::clone(&start));
             tokio::spawn(async move {
                 start.wait().await;
-                client.charge(charge_slow(7, "EUR", 200, Some("same"), Some("alice"))).await
+                client
+                    .charge(charge_slow(7, "EUR", 200, Some("same"), Some("alice")))
+                    .await
             })
         })
         .collect();
@@ -155,14 +228,23 @@ async fn twenty_concurrent_duplicates_execute_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stored_invalid_argument_is_replayed_with_its_message() {
     let (_server, mut client) = start().await;
-    let first = client.charge(charge(0, "EUR", Some("declined"), None)).await.unwrap_err();
+    let first = client
+        .charge(charge(0, "EUR", Some("declined"), None))
+        .await
+        .unwrap_err();
     assert_eq!(first.code(), Code::InvalidArgument);
     assert_eq!(first.message(), "card_declined");
     assert!(!replayed(first.metadata()));
-    let retry = client.charge(charge(0, "EUR", Some("declined"), None)).await.unwrap_err();
+    let retry = client
+        .charge(charge(0, "EUR", Some("declined"), None))
+        .await
+        .unwrap_err();
     assert_eq!(retry.code(), Code::InvalidArgument);
     assert_eq!(retry.message(), "card_declined");
-    assert!(replayed(retry.metadata()), "the status was replayed, not re-executed");
+    assert!(
+        replayed(retry.metadata()),
+        "the status was replayed, not re-executed"
+    );
     assert_eq!(count(&mut client).await, 1);
 }
 
@@ -170,7 +252,10 @@ async fn stored_invalid_argument_is_replayed_with_its_message() {
 async fn unavailable_is_released_and_the_retry_executes_again() {
     let (_server, mut client) = start().await;
     for _ in 0..2 {
-        let status = client.charge(charge(10, "err", Some("flaky"), None)).await.unwrap_err();
+        let status = client
+            .charge(charge(10, "err", Some("flaky"), None))
+            .await
+            .unwrap_err();
         assert_eq!(status.code(), Code::Unavailable);
         assert_eq!(status.message(), "provider_unavailable");
         assert!(!replayed(status.metadata()));
@@ -181,13 +266,24 @@ async fn unavailable_is_released_and_the_retry_executes_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn principals_never_share_keys() {
     let (_server, mut client) = start().await;
-    let alice = client.charge(charge(5, "EUR", Some("k"), Some("alice"))).await.unwrap().into_inner();
-    let bob = client.charge(charge(9, "USD", Some("k"), Some("bob"))).await.unwrap();
+    let alice = client
+        .charge(charge(5, "EUR", Some("k"), Some("alice")))
+        .await
+        .unwrap()
+        .into_inner();
+    let bob = client
+        .charge(charge(9, "USD", Some("k"), Some("bob")))
+        .await
+        .unwrap();
     assert!(!replayed(bob.metadata()));
     let bob = bob.into_inner();
     assert_eq!(bob.principal, "bob");
     assert_ne!(alice.id, bob.id);
-    let anonymous = client.charge(charge(5, "EUR", Some("k"), None)).await.unwrap().into_inner();
+    let anonymous = client
+        .charge(charge(5, "EUR", Some("k"), None))
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(anonymous.principal, "anonymous");
     assert_eq!(count(&mut client).await, 3);
 }
@@ -196,9 +292,15 @@ async fn principals_never_share_keys() {
 async fn oversized_request_is_resource_exhausted() {
     let (_server, mut client) = start().await;
     let huge = "x".repeat(2 << 20);
-    let status = client.charge(charge(5, &huge, Some("big"), None)).await.unwrap_err();
+    let status = client
+        .charge(charge(5, &huge, Some("big"), None))
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted);
-    assert_eq!(status.metadata().get("idempotent-error").unwrap(), "request_too_large");
+    assert_eq!(
+        status.metadata().get("idempotent-error").unwrap(),
+        "request_too_large"
+    );
     assert_eq!(count(&mut client).await, 0);
 }
 
@@ -207,7 +309,9 @@ async fn streaming_and_unprotected_calls_pass_through() {
     let (_server, mut client) = start().await;
     for _ in 0..2 {
         let mut request = Request::new(StreamRequest { n: 3 });
-        request.metadata_mut().insert("idempotency-key", MetadataValue::from_static("stream"));
+        request
+            .metadata_mut()
+            .insert("idempotency-key", MetadataValue::from_static("stream"));
         let response = client.stream(request).await.unwrap();
         assert!(!replayed(response.metadata()));
         let mut stream = response.into_inner();
