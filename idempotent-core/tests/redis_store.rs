@@ -34,41 +34,13 @@ impl Harness for Redis {
     fn time_unit(&self) -> Duration {
         Duration::from_millis(150)
     }
+
+    fn backend_env() -> Option<&'static str> {
+        Some(URL_VAR)
+    }
 }
 
-/// Runs the suite only where a server is configured (and fails under scripts/test.sh or CI
-/// when none is).
-macro_rules! redis_conformance {
-    ($($check:ident),* $(,)?) => {
-        $(
-            #[test]
-            fn $check() {
-                if backend_url(URL_VAR).is_none() {
-                    return;
-                }
-                idempotent_core::conformance::run::<Redis, _, _>(|h| async move {
-                    idempotent_core::conformance::$check(&*h).await
-                });
-            }
-        )*
-    };
-}
-
-redis_conformance!(
-    claim_on_absent_key_wins,
-    exactly_one_of_1000_concurrent_claims_wins,
-    in_flight_record_reports_fingerprint_and_lease,
-    completed_record_replays_fingerprint_and_payload,
-    payload_round_trips_empty_and_one_mebibyte,
-    stale_token_is_rejected_everywhere,
-    completed_record_cannot_be_released_renewed_or_recompleted,
-    release_frees_the_key_for_a_higher_token,
-    lease_expiry_allows_takeover_and_fences_the_old_owner,
-    renew_extends_the_lease,
-    ttl_expiry_frees_the_key,
-    tokens_increase_across_expiry_and_release,
-    keys_are_isolated,
-);
+idempotent_core::store_conformance_tests!(Redis);
 
 async fn raw_connection() -> Option<redis::aio::MultiplexedConnection> {
     let url = backend_url(URL_VAR)?;

@@ -84,6 +84,30 @@ enum Record {
 }
 
 impl Record {
+    /// What a claim at `now` reports about this record, or `None` if it has expired and may
+    /// be claimed.
+    fn report(&self, now: u64) -> Option<Claim> {
+        match self {
+            Record::InFlight {
+                fingerprint,
+                lease_until,
+                ..
+            } if *lease_until > now => Some(Claim::InFlight {
+                fingerprint: *fingerprint,
+                retry_after: Duration::from_nanos(lease_until - now),
+            }),
+            Record::Completed {
+                fingerprint,
+                payload,
+                expires,
+            } if *expires > now => Some(Claim::Completed {
+                fingerprint: *fingerprint,
+                payload: payload.clone(),
+            }),
+            _ => None,
+        }
+    }
+
     fn is_live(&self, now: u64) -> bool {
         match self {
             Record::InFlight { lease_until, .. } => *lease_until > now,
@@ -344,30 +368,8 @@ impl Inner {
     ) -> Result<Claim, StoreError> {
         let now = self.now();
         // Replays and in-flight reports need only the shard's read lock.
-        if let Some(record) = self.records.get(key) {
-            match &*record {
-                Record::InFlight {
-                    fingerprint,
-                    lease_until,
-                    ..
-                } if *lease_until > now => {
-                    return Ok(Claim::InFlight {
-                        fingerprint: *fingerprint,
-                        retry_after: Duration::from_nanos(lease_until - now),
-                    });
-                }
-                Record::Completed {
-                    fingerprint,
-                    payload,
-                    expires,
-                } if *expires > now => {
-                    return Ok(Claim::Completed {
-                        fingerprint: *fingerprint,
-                        payload: payload.clone(),
-                    });
-                }
-                _ => {}
-            }
+        if let Some(found) = self.records.get(key).and_then(|r| r.report(now)) {
+            return Ok(found);
         }
         let lease_until = now.saturating_add(nanos(lease));
         let mut reserved = false;
@@ -377,41 +379,20 @@ impl Inner {
                     if reserved {
                         self.unreserve(1, RECORD_OVERHEAD);
                     }
-                    match slot.get() {
-                        Record::InFlight {
-                            fingerprint,
-                            lease_until,
-                            ..
-                        } if *lease_until > now => {
-                            return Ok(Claim::InFlight {
-                                fingerprint: *fingerprint,
-                                retry_after: Duration::from_nanos(lease_until - now),
-                            });
-                        }
-                        Record::Completed {
-                            fingerprint,
-                            payload,
-                            expires,
-                        } if *expires > now => {
-                            return Ok(Claim::Completed {
-                                fingerprint: *fingerprint,
-                                payload: payload.clone(),
-                            });
-                        }
-                        expired => {
-                            // Reclaimed in place: the slot keeps its entry, the payload's bytes
-                            // are freed.
-                            let freed = expired.cost() - RECORD_OVERHEAD;
-                            let token = self.next_token();
-                            slot.insert(Record::InFlight {
-                                token: token.get(),
-                                fingerprint: *fingerprint,
-                                lease_until,
-                            });
-                            self.bytes.fetch_sub(freed, Ordering::AcqRel);
-                            return Ok(Claim::Claimed(token));
-                        }
+                    if let Some(found) = slot.get().report(now) {
+                        return Ok(found);
                     }
+                    // Expired: reclaimed in place; the slot keeps its entry, the payload's bytes
+                    // are freed.
+                    let freed = slot.get().cost() - RECORD_OVERHEAD;
+                    let token = self.next_token();
+                    slot.insert(Record::InFlight {
+                        token: token.get(),
+                        fingerprint: *fingerprint,
+                        lease_until,
+                    });
+                    self.bytes.fetch_sub(freed, Ordering::AcqRel);
+                    return Ok(Claim::Claimed(token));
                 }
                 Entry::Vacant(slot) => {
                     if reserved {
