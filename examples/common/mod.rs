@@ -3,7 +3,7 @@
 //! | variable | default | meaning |
 //! |---|---|---|
 //! | `PORT` | per example | listens on `127.0.0.1:$PORT` |
-//! | `IDEMPOTENCY_STORE` | `memory` | `memory` or `redis://HOST:PORT[/DB]` |
+//! | `IDEMPOTENCY_STORE` | `memory` | `memory`, `redis://HOST:PORT[/DB]` or `postgres://USER@HOST:PORT/DB` |
 //! | `IDEMPOTENCY_TTL` | `24h` | how long responses are replayed |
 //! | `IDEMPOTENCY_LEASE` | `30s` | how long a crashed request keeps its key locked |
 //! | `IDEMPOTENCY_IN_FLIGHT` | `reject` | `reject` or `wait` (up to one lease, then replay) |
@@ -15,7 +15,7 @@
 
 use std::time::Duration;
 
-use idempotent_core::{Idempotency, InFlightPolicy, MemoryStore, RedisStore};
+use idempotent_core::{Idempotency, InFlightPolicy, MemoryStore, PostgresStore, RedisStore};
 
 /// Logs to stderr, `RUST_LOG` overriding the default filter.
 pub(crate) fn init_logging() {
@@ -98,9 +98,26 @@ pub(crate) async fn idempotency(
             .await
             .map_err(|e| format!("cannot connect to Redis at {store}: {}", error_chain(&e)))?;
         Idempotency::builder(redis)
+    } else if store.starts_with("postgres://") || store.starts_with("postgresql://") {
+        // The URL may hold a password: errors name the variable, not its value.
+        let postgres = PostgresStore::connect(store).await.map_err(|e| {
+            format!(
+                "cannot connect to PostgreSQL (IDEMPOTENCY_STORE): {}",
+                error_chain(&e)
+            )
+        })?;
+        postgres.migrate().await.map_err(|e| {
+            format!(
+                "cannot create the idempotency table in PostgreSQL: {}",
+                error_chain(&e)
+            )
+        })?;
+        postgres.spawn_reaper(Duration::from_secs(60));
+        Idempotency::builder(postgres)
     } else {
         return Err(format!(
-            "IDEMPOTENCY_STORE={store:?} is not supported; use `memory` or `redis://HOST:PORT[/DB]`"
+            "IDEMPOTENCY_STORE={store:?} is not supported; use `memory`, `redis://HOST:PORT[/DB]` \
+             or `postgres://USER@HOST:PORT/DB`"
         ));
     };
     Ok(builder

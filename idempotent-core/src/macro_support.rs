@@ -250,6 +250,7 @@ fn fallback_runtime() -> Idempotency {
 /// | `in_flight` | `"reject"` | the runtime's policy, *reject* unless configured |
 /// | `wait` | a duration: wait this long for a call in flight | (see `in_flight`) |
 /// | `runtime` | an expression: `&Idempotency`, `Idempotency` or `Arc<Idempotency>` | [`default_runtime()`] |
+/// | `tx` | the name of the transaction parameter (feature `postgres`) | none: the runtime's store |
 /// | `crate` | a path to this crate | `::idempotent_core` |
 ///
 /// A duration is a string of digits and one unit — `"500ms"`, `"90s"`, `"15m"`, `"24h"`,
@@ -437,6 +438,62 @@ fn fallback_runtime() -> Idempotency {
 /// }
 /// ```
 ///
+/// ## `tx = <parameter>`
+///
+/// With the `postgres` feature: the claim and the completed record are written in the
+/// caller's PostgreSQL transaction, the one the function's parameter holds (a
+/// `&mut sqlx::Transaction<'_, Postgres>` or a `&mut PgConnection` inside a transaction), so the
+/// body's own writes in that transaction and the record commit together or not at all. The
+/// caller commits: after a commit, retries replay the result; after a rollback or a crash,
+/// neither the writes nor the record exist, and a retry runs the body again. A concurrent call
+/// with the same key waits on the row until the first transaction ends, then replays its
+/// result. An `Err` undoes the body's writes (back to a savepoint taken after the claim) and
+/// releases the key in the transaction, which stays usable; with `on_error = "store"` the
+/// `Err` is recorded, with the writes. See [`Transactional`](crate::Transactional) for the
+/// details and requirements.
+///
+/// `runtime = ...` then names a [`Transactional`](crate::Transactional) (from
+/// [`PostgresStore::transactional`](crate::PostgresStore::transactional)), for its table,
+/// namespace and defaults; without it, `Transactional::default()` (table
+/// `idempotent_records`, the empty namespace). No lease renewal runs: nobody else can see an
+/// uncommitted claim.
+///
+/// ```
+/// # #[cfg(feature = "postgres")] {
+/// use idempotent_core::{Error, Transactional, idempotent};
+/// use sqlx::{Postgres, Transaction};
+///
+/// struct Ledger {
+///     transactional: Transactional,
+/// }
+///
+/// impl Ledger {
+///     #[idempotent(key = transfer_id, tx = tx, runtime = &self.transactional)]
+///     async fn transfer(
+///         &self,
+///         tx: &mut Transaction<'_, Postgres>,
+///         transfer_id: &str,
+///         cents: i64,
+///     ) -> Result<(), Error> {
+///         sqlx::query("UPDATE accounts SET balance = balance - $1 WHERE id = 'alice'")
+///             .bind(cents)
+///             .execute(&mut **tx)
+///             .await
+///             .map_err(|e| Error::Payload(e.into()))?;
+///         Ok(())
+///     }
+/// }
+///
+/// # type BoxError = Box<dyn std::error::Error>;
+/// # async fn example(ledger: Ledger, pool: sqlx::PgPool) -> Result<(), BoxError> {
+/// let mut tx = pool.begin().await?;
+/// ledger.transfer(&mut tx, "t-1", 100).await?;
+/// tx.commit().await?; // the debit and its record, together
+/// # Ok(())
+/// # }
+/// # }
+/// ```
+///
 /// ## `crate = path`
 ///
 /// Where the expansion finds this crate when it is not `::idempotent_core`: a renamed
@@ -479,7 +536,8 @@ fn fallback_runtime() -> Idempotency {
 ///
 /// Each at the offending token: a function that is not `async`, a missing `key`, an unknown or
 /// repeated argument, a zero or malformed duration, a key, scope or fingerprint of the wrong
-/// type, a return type that is not a replayable `Result`.
+/// type, a return type that is not a replayable `Result`, a `tx` that names no parameter, a
+/// parameter that is not a `&mut` transaction, or a `runtime` that is not a `Transactional`.
 ///
 /// ```compile_fail
 /// use idempotent_core::{Error, idempotent};
@@ -527,6 +585,6 @@ fn fallback_runtime() -> Idempotency {
 ///   call (`tokio::spawn`) when it must run to completion regardless of the caller.
 /// - **Exactly-once needs an idempotent or transactional effect.** If the process dies between
 ///   the body's effect and the record, the lease lapses and a retry runs the body again; see the
-///   [crate docs](crate#what-it-cannot-do).
+///   [crate docs](crate#what-it-cannot-do). For database work, `tx = ...` closes that gap.
 #[cfg(feature = "macros")]
 pub use idempotent_macros::idempotent;

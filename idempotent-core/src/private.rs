@@ -9,7 +9,9 @@
 //! __private::run(invocation, async move { original body }).await
 //! ```
 //!
-//! so every behaviour lives here, in plain Rust, and is tested without the macro.
+//! so every behaviour lives here, in plain Rust, and is tested without the macro. With
+//! `tx = <parameter>` (transactional mode, feature `postgres`), the body is three steps instead,
+//! see [`postgres`].
 
 use std::future::Future;
 use std::sync::Arc;
@@ -26,10 +28,11 @@ use crate::{
     KeyError, Retain, Scope, ToKey,
 };
 
-/// One call of an expanded function: where it runs and what identifies it.
+/// One call of an expanded function: where it runs and what identifies it. `R` is the runtime:
+/// an [`Idempotency`], or a transactional runtime with `tx = ...`.
 #[must_use]
-pub struct Invocation {
-    runtime: Idempotency,
+pub struct Invocation<R = Idempotency> {
+    runtime: R,
     name: &'static str,
     key: Result<Key, KeyError>,
     scope: Scope,
@@ -39,9 +42,9 @@ pub struct Invocation {
     in_flight: Option<InFlightPolicy>,
 }
 
-impl Invocation {
+impl<R> Invocation<R> {
     /// A call of the function `name` with `key`, through `runtime`.
-    pub fn new(runtime: Idempotency, name: &'static str, key: Result<Key, KeyError>) -> Self {
+    pub fn new(runtime: R, name: &'static str, key: Result<Key, KeyError>) -> Self {
         Invocation {
             runtime,
             name,
@@ -89,7 +92,9 @@ impl Invocation {
         self.in_flight = Some(InFlightPolicy::Reject);
         self
     }
+}
 
+impl Invocation<Idempotency> {
     fn into_call(self) -> Result<(Idempotency, Call), Error> {
         let mut call = Call::new(self.key?).scope(self.scope.operation(self.name));
         if let Some(fingerprint) = self.fingerprint {
@@ -225,26 +230,37 @@ where
     O: IdempotentResult,
     F: Future<Output = O>,
 {
-    O::from_result(
-        execute(
-            invocation,
-            work,
-            |result| match result {
-                Ok(value) => encode(&Ok::<_, ()>(value)),
-                Err(_) => Retain::Release,
-            },
-            |bytes| match serde_json::from_slice::<Result<O::Value, IgnoredAny>>(bytes) {
-                Ok(Ok(value)) => Ok(Ok(value)),
-                Ok(Err(_)) => Err(Error::Payload(
-                    "the recorded result is an error, which `on_error = \"release\"` does not \
-                     replay"
-                        .into(),
-                )),
-                Err(e) => Err(Error::Payload(e.into())),
-            },
-        )
-        .await,
-    )
+    O::from_result(execute(invocation, work, retain_released, replay_released::<O>).await)
+}
+
+/// Classifies a result under `on_error = "release"`: an `Ok` is recorded, an `Err` released.
+fn retain_released<T: Serialize, E>(result: &Result<T, E>) -> Retain {
+    match result {
+        Ok(value) => encode(&Ok::<_, ()>(value)),
+        Err(_) => Retain::Release,
+    }
+}
+
+/// Decodes a recorded result under `on_error = "release"`, which records only `Ok`s.
+fn replay_released<O: IdempotentResult>(bytes: &[u8]) -> Result<Result<O::Value, O::Error>, Error> {
+    match serde_json::from_slice::<Result<O::Value, IgnoredAny>>(bytes) {
+        Ok(Ok(value)) => Ok(Ok(value)),
+        Ok(Err(_)) => Err(Error::Payload(
+            "the recorded result is an error, which `on_error = \"release\"` does not replay"
+                .into(),
+        )),
+        Err(e) => Err(Error::Payload(e.into())),
+    }
+}
+
+/// Decodes a recorded result under `on_error = "store"`.
+fn replay_stored<O>(bytes: &[u8]) -> Result<Result<O::Value, O::Error>, Error>
+where
+    O: IdempotentResult,
+    O::Error: DeserializeOwned,
+{
+    serde_json::from_slice::<Result<O::Value, O::Error>>(bytes)
+        .map_err(|e| Error::Payload(e.into()))
 }
 
 /// `on_error = "store"`: `Ok` and `Err` are both recorded and replayed.
@@ -259,10 +275,7 @@ where
             invocation,
             work,
             |result| encode(&result.as_ref()),
-            |bytes| {
-                serde_json::from_slice::<Result<O::Value, O::Error>>(bytes)
-                    .map_err(|e| Error::Payload(e.into()))
-            },
+            replay_stored::<O>,
         )
         .await,
     )
@@ -300,6 +313,242 @@ where
     match runtime.execute(&call, work, classify).await? {
         Execution::Fresh(result) => result,
         Execution::Replayed(bytes) => replay(&bytes)?,
+    }
+}
+
+/// `tx = <parameter>`: the claim, the body and the record in the caller's PostgreSQL
+/// transaction ([`Transactional`](crate::Transactional)). An expanded function's body is
+///
+/// ```text
+/// let invocation = __private::Invocation::new(runtime, name, __private::key(&key))...;
+/// let pending = match postgres::claim(invocation, postgres::connection(&mut *tx)).await {
+///     ControlFlow::Continue(pending) => pending,
+///     ControlFlow::Break(replayed_or_refused) => return replayed_or_refused,
+/// };
+/// let output = { let tx = &mut *tx; async move { original body } }.await;
+/// postgres::finish(pending, postgres::connection(&mut *tx), output).await
+/// ```
+///
+/// Three steps rather than one call, because the body borrows the transaction between the
+/// claim and the record: a closure that receives it cannot capture borrowed arguments and
+/// still be `Send` for every lifetime of the borrow.
+#[cfg(feature = "postgres")]
+pub mod postgres {
+    use std::marker::PhantomData;
+    use std::sync::{Arc, OnceLock};
+
+    use serde::Serialize;
+    use serde::de::DeserializeOwned;
+    use sqlx::pool::PoolConnection;
+    use sqlx::postgres::{PgConnection, Postgres};
+
+    pub use core::ops::ControlFlow;
+
+    use super::{
+        IdempotentResult, Invocation, encode, replay_released, replay_stored, retain_released,
+    };
+    use crate::store::postgres::{PendingRecord, RawClaim};
+    use crate::{Error, Retain, Transactional};
+
+    /// `runtime = expr` with `tx = ...`.
+    pub fn runtime<R: AsTransactional + ?Sized>(runtime: &R) -> Transactional {
+        runtime.as_transactional().clone()
+    }
+
+    /// No `runtime = ...` with `tx = ...`: [`Transactional::default`].
+    pub fn default_runtime() -> Transactional {
+        static DEFAULT: OnceLock<Transactional> = OnceLock::new();
+        DEFAULT.get_or_init(Transactional::default).clone()
+    }
+
+    /// The type of a `runtime = ...` expression with `tx = ...`.
+    #[diagnostic::on_unimplemented(
+        message = "`{Self}` is not a transactional idempotency runtime",
+        label = "expected `&idempotent_core::Transactional`",
+        note = "with `tx = ...`, the runtime is a `Transactional`: \
+                `PostgresStore::transactional()` makes one"
+    )]
+    pub trait AsTransactional {
+        /// The runtime.
+        fn as_transactional(&self) -> &Transactional;
+    }
+
+    impl AsTransactional for Transactional {
+        fn as_transactional(&self) -> &Transactional {
+            self
+        }
+    }
+
+    impl<T: AsTransactional + ?Sized> AsTransactional for &T {
+        fn as_transactional(&self) -> &Transactional {
+            (**self).as_transactional()
+        }
+    }
+
+    impl<T: AsTransactional + ?Sized> AsTransactional for Arc<T> {
+        fn as_transactional(&self) -> &Transactional {
+            (**self).as_transactional()
+        }
+    }
+
+    /// What the parameter named by `tx = ...` refers to.
+    #[diagnostic::on_unimplemented(
+        message = "`{Self}` is not a PostgreSQL transaction",
+        label = "expected `&mut sqlx::Transaction<'_, Postgres>` or `&mut PgConnection`"
+    )]
+    pub trait TransactionArg {
+        /// The connection the transaction runs on.
+        fn connection(&mut self) -> &mut PgConnection;
+    }
+
+    impl TransactionArg for PgConnection {
+        fn connection(&mut self) -> &mut PgConnection {
+            self
+        }
+    }
+
+    impl TransactionArg for sqlx::Transaction<'_, Postgres> {
+        fn connection(&mut self) -> &mut PgConnection {
+            self
+        }
+    }
+
+    impl TransactionArg for PoolConnection<Postgres> {
+        fn connection(&mut self) -> &mut PgConnection {
+            self
+        }
+    }
+
+    /// `&mut *tx`, as the connection the claim and the record are written on.
+    pub fn connection<C: TransactionArg + ?Sized>(transaction: &mut C) -> &mut PgConnection {
+        transaction.connection()
+    }
+
+    /// Decodes a recorded result into the function's `Result`.
+    type Replay<O> = fn(
+        &[u8],
+    ) -> Result<
+        Result<<O as IdempotentResult>::Value, <O as IdempotentResult>::Error>,
+        Error,
+    >;
+
+    /// A claim held in the caller's transaction, waiting for the body's output.
+    #[must_use]
+    pub struct Pending<O> {
+        record: PendingRecord,
+        output: PhantomData<fn() -> O>,
+    }
+
+    /// Claims (`on_error = "release"`): `Continue` to run the body, or `Break` with the
+    /// function's return value (a replay, or a refusal converted into `E`).
+    pub async fn claim<O: IdempotentResult>(
+        invocation: Invocation<Transactional>,
+        connection: &mut PgConnection,
+    ) -> ControlFlow<O, Pending<O>> {
+        claim_with(invocation, connection, replay_released::<O>).await
+    }
+
+    /// Claims (`on_error = "store"`).
+    pub async fn claim_storing_errors<O>(
+        invocation: Invocation<Transactional>,
+        connection: &mut PgConnection,
+    ) -> ControlFlow<O, Pending<O>>
+    where
+        O: IdempotentResult,
+        O::Error: Serialize + DeserializeOwned,
+    {
+        claim_with(invocation, connection, replay_stored::<O>).await
+    }
+
+    /// Records an `Ok` in the transaction, or undoes an `Err`'s writes and releases the key
+    /// (`on_error = "release"`).
+    pub async fn finish<O: IdempotentResult>(
+        pending: Pending<O>,
+        connection: &mut PgConnection,
+        output: O,
+    ) -> O {
+        let result = output.into_result();
+        let retain = retain_released(&result);
+        finish_with(pending, connection, result, retain).await
+    }
+
+    /// Records an `Ok` or an `Err` in the transaction (`on_error = "store"`).
+    pub async fn finish_storing_errors<O>(
+        pending: Pending<O>,
+        connection: &mut PgConnection,
+        output: O,
+    ) -> O
+    where
+        O: IdempotentResult,
+        O::Error: Serialize + DeserializeOwned,
+    {
+        let result = output.into_result();
+        let retain = encode(&result.as_ref());
+        finish_with(pending, connection, result, retain).await
+    }
+
+    async fn claim_with<O: IdempotentResult>(
+        invocation: Invocation<Transactional>,
+        connection: &mut PgConnection,
+        replay: Replay<O>,
+    ) -> ControlFlow<O, Pending<O>> {
+        let refused = |error: Error| ControlFlow::Break(O::from_result(Err(error.into())));
+        let Invocation {
+            runtime,
+            name,
+            key,
+            scope,
+            fingerprint,
+            ttl,
+            lease,
+            in_flight,
+        } = invocation;
+        let key = match key {
+            Ok(key) => key,
+            Err(error) => return refused(error.into()),
+        };
+        let mut call = runtime.call(key).scope(scope.operation(name));
+        match fingerprint.transpose() {
+            Ok(Some(fingerprint)) => call = call.fingerprint(fingerprint),
+            Ok(None) => {}
+            Err(error) => return refused(error.into()),
+        }
+        if let Some(ttl) = ttl {
+            call = call.ttl(ttl);
+        }
+        if let Some(lease) = lease {
+            call = call.lease(lease);
+        }
+        if let Some(policy) = in_flight {
+            call = call.in_flight(policy);
+        }
+        match call.claim_raw(connection).await {
+            Ok(RawClaim::Run(record)) => ControlFlow::Continue(Pending {
+                record,
+                output: PhantomData,
+            }),
+            Ok(RawClaim::Replay(bytes)) => match replay(&bytes) {
+                Ok(result) => ControlFlow::Break(O::from_result(result)),
+                Err(error) => refused(error),
+            },
+            Err(error) => refused(error),
+        }
+    }
+
+    async fn finish_with<O: IdempotentResult>(
+        pending: Pending<O>,
+        connection: &mut PgConnection,
+        result: Result<O::Value, O::Error>,
+        retain: Retain,
+    ) -> O {
+        let released = retain == Retain::Release;
+        match pending.record.finish(connection, retain).await {
+            Ok(()) => O::from_result(result),
+            // The function's own `Err` says more than the failed release; the caller rolls
+            // back either way.
+            Err(_) if released => O::from_result(result),
+            Err(error) => O::from_result(Err(error.into())),
+        }
     }
 }
 

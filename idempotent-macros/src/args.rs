@@ -4,7 +4,7 @@ use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
 use syn::ext::IdentExt as _;
 use syn::parse::{Parse, ParseStream};
-use syn::{Expr, Lit, LitStr, Path, Token};
+use syn::{Expr, Ident, Lit, LitStr, Path, Token};
 
 mod kw {
     syn::custom_keyword!(key);
@@ -17,10 +17,11 @@ mod kw {
     syn::custom_keyword!(in_flight);
     syn::custom_keyword!(wait);
     syn::custom_keyword!(runtime);
+    syn::custom_keyword!(tx);
 }
 
 const EXPECTED: &str = "`key`, `ttl`, `lease`, `scope`, `fingerprint`, `name`, `on_error`, \
-                        `in_flight`, `wait`, `runtime` or `crate`";
+                        `in_flight`, `wait`, `runtime`, `tx` or `crate`";
 
 /// The arguments, each with the keyword it was given under (for spans).
 #[derive(Default)]
@@ -35,6 +36,7 @@ pub(crate) struct Args {
     pub(crate) in_flight: Option<(kw::in_flight, Reject)>,
     pub(crate) wait: Option<(kw::wait, Millis)>,
     pub(crate) runtime: Option<(kw::runtime, Expr)>,
+    pub(crate) tx: Option<(kw::tx, Ident)>,
     pub(crate) krate: Option<(Token![crate], Path)>,
 }
 
@@ -84,6 +86,8 @@ impl Parse for Args {
                 assign(input, &mut args.wait, Millis::parse)?;
             } else if lookahead.peek(kw::runtime) {
                 assign(input, &mut args.runtime, Expr::parse)?;
+            } else if lookahead.peek(kw::tx) {
+                assign(input, &mut args.tx, parameter_name)?;
             } else if lookahead.peek(Token![crate]) {
                 assign(input, &mut args.krate, Path::parse_mod_style)?;
             } else if input.peek(syn::Ident::peek_any) {
@@ -252,6 +256,23 @@ impl Reject {
             )),
         }
     }
+}
+
+/// `tx = <name>`: the name of one of the function's parameters.
+fn parameter_name(input: ParseStream<'_>) -> syn::Result<Ident> {
+    let expr: Expr = input.parse()?;
+    match &expr {
+        Expr::Path(path) if path.qself.is_none() && path.attrs.is_empty() => {
+            path.path.get_ident().cloned()
+        }
+        _ => None,
+    }
+    .ok_or_else(|| {
+        syn::Error::new_spanned(
+            expr,
+            "expected the name of the parameter that holds the transaction, e.g. `tx = tx`",
+        )
+    })
 }
 
 fn string_literal(expr: &Expr) -> Option<String> {

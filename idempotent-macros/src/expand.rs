@@ -1,5 +1,6 @@
 //! What `#[idempotent]` emits: the signature unchanged, and a body that is one call into
-//! `idempotent_core::__private` with the original body as the work.
+//! `idempotent_core::__private` with the original body as the work; with `tx = ...`, three
+//! (claim, body, record), because the body borrows the transaction in between.
 
 use proc_macro2::{Delimiter, Group, Ident, Span, TokenStream};
 use quote::{ToTokens, quote, quote_spanned};
@@ -13,7 +14,21 @@ use crate::item::Function;
 /// Parses, validates and expands; every user error comes back as one `syn::Error`.
 pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> syn::Result<TokenStream> {
     match (Args::parse(args), Function::parse(item)) {
-        (Ok(args), Ok(function)) => Ok(expand(args, function)),
+        (Ok(args), Ok(function)) => {
+            let transaction = match &args.tx {
+                Some((_, name)) => {
+                    let ty = function.transaction_parameter(name)?.to_token_stream();
+                    let mut tokens = ty.into_iter().map(|token| token.span());
+                    let first = tokens.next().unwrap_or_else(|| name.span());
+                    Some(Transaction {
+                        name: name.clone(),
+                        ty_spans: (first, tokens.last().unwrap_or(first)),
+                    })
+                }
+                None => None,
+            };
+            Ok(expand(args, function, transaction))
+        }
         (Err(mut args), Err(function)) => {
             args.combine(function);
             Err(args)
@@ -22,16 +37,29 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> syn::Result<To
     }
 }
 
-fn expand(args: Args, function: Function) -> TokenStream {
+/// The parameter named by `tx = ...`.
+struct Transaction {
+    name: Ident,
+    /// Its type's first and last tokens, so that a type that is not a transaction is reported
+    /// on the whole type.
+    ty_spans: (Span, Span),
+}
+
+fn expand(args: Args, function: Function, transaction: Option<Transaction>) -> TokenStream {
     let krate = match &args.krate {
         Some((_, path)) => path.to_token_stream(),
         None => quote!(::idempotent_core),
     };
     let private = quote!(#krate::__private);
+    // The transactional mode's runtime and steps live in their own module.
+    let runtimes = match &transaction {
+        Some(_) => quote!(#private::postgres),
+        None => private.clone(),
+    };
 
     let runtime = match &args.runtime {
-        Some((_, expr)) => by_reference(&private, "runtime", expr),
-        None => quote!(#private::default_runtime()),
+        Some((_, expr)) => by_reference(&runtimes, "runtime", expr),
+        None => quote!(#runtimes::default_runtime()),
     };
     let name = match &args.name {
         Some((_, name)) => name.0.to_token_stream(),
@@ -71,14 +99,10 @@ fn expand(args: Args, function: Function) -> TokenStream {
         invocation.extend(quote!(.reject()));
     }
 
-    let run = match args.on_error.map(|(_, on_error)| on_error) {
-        None | Some(OnError::Release) => quote!(run),
-        Some(OnError::Store) => quote!(run_storing_errors),
-    };
+    let storing_errors = args.on_error.map(|(_, on_error)| on_error) == Some(OnError::Store);
     // Spanned at the return type, so that an unreplayable `T` or an unconvertible `E` is
     // reported there, once.
     let ret_span = function.return_type().span();
-    let run = respan(quote!(#private::#run), ret_span);
 
     let Function {
         attrs,
@@ -92,13 +116,54 @@ fn expand(args: Args, function: Function) -> TokenStream {
     body.set_span(brace);
     let invocation_var = Ident::new("__idempotent_invocation", Span::mixed_site());
     let work = quote!(async move #body);
-    let call = quote_spanned!(ret_span=> #run(#invocation_var, #work).await);
+    let statements = match transaction {
+        None => {
+            let run = if storing_errors {
+                quote!(run_storing_errors)
+            } else {
+                quote!(run)
+            };
+            let run = respan(quote!(#private::#run), ret_span);
+            quote_spanned!(ret_span=> #run(#invocation_var, #work).await)
+        }
+        Some(Transaction { name, ty_spans }) => {
+            let (claim, finish) = if storing_errors {
+                (quote!(claim_storing_errors), quote!(finish_storing_errors))
+            } else {
+                (quote!(claim), quote!(finish))
+            };
+            let claim = respan(quote!(#private::postgres::#claim), ret_span);
+            let finish = respan(quote!(#private::postgres::#finish), ret_span);
+            let (first, last) = ty_spans;
+            let connection = respan(quote!(#private::postgres::connection), first);
+            let argument = Ident::new(&name.to_string(), last);
+            let connection = quote_spanned!(first=> #connection(&mut *#argument));
+            let pending = Ident::new("__idempotent_pending", Span::mixed_site());
+            let output = Ident::new("__idempotent_output", Span::mixed_site());
+            let flow = quote!(#private::postgres::ControlFlow);
+            // The body gets a reborrow of the transaction, so that the record can be written
+            // with it once the body's future is done.
+            quote! {
+                let #pending = match #claim(#invocation_var, #connection).await {
+                    #flow::Continue(#pending) => #pending,
+                    #flow::Break(#output) => return #output,
+                };
+                let #output = {
+                    #[allow(unused_variables)]
+                    let #name = &mut *#name;
+                    #work
+                }
+                .await;
+                #finish(#pending, #connection, #output).await
+            }
+        }
+    };
     quote! {
         #(#attrs)*
         #vis #sig {
             #(#inner_attrs)*
             let #invocation_var = #invocation;
-            #call
+            #statements
         }
     }
 }

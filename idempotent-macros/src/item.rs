@@ -2,7 +2,10 @@
 
 use proc_macro2::{Delimiter, Span, TokenStream, TokenTree};
 use syn::parse::{Parse, ParseStream};
-use syn::{Attribute, ReturnType, Signature, Token, Type, Visibility, braced, token};
+use syn::{
+    Attribute, FnArg, Ident, Pat, PatIdent, PatType, ReturnType, Signature, Token, Type,
+    Visibility, braced, token,
+};
 
 /// An `async fn` with a body and a return type, its body kept as raw tokens so that a body
 /// that does not parse is still compiled, and rustc reports the user's own error.
@@ -44,6 +47,42 @@ impl Function {
             ReturnType::Type(_, ty) => reject_impl_trait(ty)?,
         }
         Ok(function)
+    }
+
+    /// The type of the parameter `tx = name` names, checked to be a mutable reference: the
+    /// expansion reborrows it for the claim, the body and the record in turn.
+    pub(crate) fn transaction_parameter(&self, name: &Ident) -> syn::Result<&Type> {
+        let parameter = self.sig.inputs.iter().find_map(|input| match input {
+            FnArg::Typed(PatType { pat, ty, .. }) => match &**pat {
+                Pat::Ident(PatIdent { ident, .. }) if ident == name => Some(&**ty),
+                _ => None,
+            },
+            FnArg::Receiver(_) => None,
+        });
+        let Some(ty) = parameter else {
+            return Err(syn::Error::new_spanned(
+                name,
+                format!(
+                    "this function has no parameter `{name}`: expected the name of the \
+                     parameter that holds the transaction, e.g. \
+                     `{name}: &mut Transaction<'_, Postgres>`"
+                ),
+            ));
+        };
+        let mut inner = ty;
+        while let Type::Group(group) = inner {
+            inner = &group.elem;
+        }
+        match inner {
+            Type::Reference(reference) if reference.mutability.is_some() => Ok(ty),
+            _ => Err(syn::Error::new_spanned(
+                ty,
+                format!(
+                    "expected `{name}` to be a mutable reference to the transaction: \
+                     `&mut Transaction<'_, Postgres>` or `&mut PgConnection`"
+                ),
+            )),
+        }
     }
 
     /// The declared return type.

@@ -144,8 +144,13 @@ use crate::{Fingerprint, StorageKey, StoreError};
 
 #[cfg(feature = "memory")]
 pub(crate) mod memory;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use self::postgres::PostgresStore;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use self::redis::{DEFAULT_KEY_PREFIX as REDIS_DEFAULT_KEY_PREFIX, RedisStore};

@@ -1,0 +1,699 @@
+//! The PostgreSQL store: one row per record in a table shared by every app instance, and the
+//! transactional mode that commits the record in the caller's own transaction.
+
+mod transactional;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
+// Statements run through the executor's own methods, which return boxed `Send` futures: the
+// `Query` methods are generic `async fn`s whose futures rustc cannot prove `Send` for every
+// lifetime of a `&mut PgConnection` parameter ("implementation of `Executor` is not general
+// enough"), which would make every caller's future non-`Send`.
+use sqlx::{Executor as _, Row as _};
+
+use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
+
+pub(crate) use self::transactional::RawClaim;
+pub use self::transactional::{
+    PendingRecord, Transactional, TransactionalCall, TransactionalClaim,
+};
+
+/// The table [`PostgresStore::new`] and [`Transactional::default`] use.
+pub const DEFAULT_TABLE: &str = "idempotent_records";
+/// The most rows one [`reap`](PostgresStore::reap) statement deletes.
+pub const DEFAULT_REAP_BATCH: u32 = 1000;
+/// How long after expiring a row is left for the reaper: see [`PostgresStore`]'s "Fencing
+/// tokens".
+pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
+
+/// The longest table name part accepted, so that the derived index and sequence names fit
+/// PostgreSQL's 63-byte identifiers.
+const MAX_TABLE_NAME: usize = 48;
+/// Durations are bound as microseconds and capped, so that `now + duration` stays a valid
+/// timestamp: 1,000 years.
+const MAX_MICROS: i64 = 1000 * 366 * 24 * 3600 * 1_000_000;
+/// How often a claim is re-run when it lost a race it cannot see (see `claim_on`).
+const CLAIM_ATTEMPTS: usize = 8;
+
+/// A [`Store`] on PostgreSQL: one row per record in one table, shared by every app instance
+/// that points at the same database.
+///
+/// ```no_run
+/// use idempotent_core::{Idempotency, PostgresStore};
+///
+/// # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = PostgresStore::connect("postgres://app@db/app").await?;
+/// store.migrate().await?; // creates the table, its index and its sequence if missing
+/// store.spawn_reaper(std::time::Duration::from_secs(60)); // deletes expired rows
+/// let idempotency = Idempotency::new(store);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// Every operation is one SQL statement and one round trip (plus the pool's connection check):
+/// a replay costs one `claim`; a fresh call a `claim` and a `complete`, plus a `renew` every
+/// third of the lease while the work runs. Every time comparison uses the database's clock
+/// (`clock_timestamp()`), so app servers with skewed clocks agree on when a lease ends.
+///
+/// # The table
+///
+/// [`migrate`](Self::migrate) creates it (idempotently, serialized by an advisory lock, so
+/// every instance may run it at startup):
+///
+/// ```sql
+/// CREATE TABLE IF NOT EXISTS "idempotent_records" (
+///     storage_key bytea PRIMARY KEY,   -- the 32-byte StorageKey
+///     state text NOT NULL,             -- 'in_flight' or 'completed'
+///     fingerprint bytea NOT NULL,      -- 32 bytes
+///     token bigint NOT NULL,           -- the fencing token
+///     payload bytea,                   -- the completed result
+///     expires_at timestamptz NOT NULL  -- end of the lease (in flight) or of the TTL (completed)
+/// );
+/// CREATE INDEX IF NOT EXISTS "idempotent_records_expires_at_idx"
+///     ON "idempotent_records" (expires_at);
+/// CREATE SEQUENCE IF NOT EXISTS "idempotent_records_token_seq";
+/// ```
+///
+/// A row whose `expires_at` has passed is absent as far as `claim` is concerned; releasing a
+/// claim ends its lease rather than deleting the row. A row this store cannot interpret (an
+/// unknown state, a fingerprint that is not 32 bytes, a completed row without a payload) is
+/// reported as [`StoreError::Corrupt`], never treated as absent and never overwritten while it
+/// is live.
+///
+/// The table name is configurable with [`PostgresStoreBuilder::table`], optionally
+/// schema-qualified (`billing.idempotency`). It is validated as a plain lowercase identifier,
+/// so it can never inject SQL.
+///
+/// # The claim
+///
+/// One statement: report the live record if the snapshot has one, otherwise insert a new
+/// in-flight row, or take over an expired one, under the row's lock.
+///
+/// ```sql
+/// WITH live AS (
+///     SELECT state, fingerprint, payload, <microseconds until expires_at> AS remaining_us
+///     FROM t WHERE storage_key = $1 AND expires_at > clock_timestamp()
+/// ), claimed AS (
+///     INSERT INTO t AS r (storage_key, state, fingerprint, token, payload, expires_at)
+///     SELECT $1, 'in_flight', $2, nextval('t_token_seq'), NULL, clock_timestamp() + $3
+///     WHERE NOT EXISTS (SELECT FROM live)
+///     ON CONFLICT (storage_key) DO UPDATE
+///     SET state = 'in_flight', fingerprint = excluded.fingerprint,
+///         token = greatest(nextval('t_token_seq'), r.token + 1),
+///         payload = NULL, expires_at = clock_timestamp() + $3
+///     WHERE r.expires_at <= clock_timestamp()
+///     RETURNING r.token
+/// )
+/// SELECT 'claimed', token, NULL, NULL, NULL FROM claimed
+/// UNION ALL
+/// SELECT state, NULL, fingerprint, payload, remaining_us FROM live
+/// ```
+///
+/// Of concurrent claims on an absent key, the unique index lets one insert; the others wait
+/// for it and then find a live row. A claim whose snapshot predates a concurrent winner's
+/// commit finds that row neither in `live` nor expired, so the statement returns nothing; the
+/// store then runs it again with a fresh snapshot (this is the only case with a second round
+/// trip).
+///
+/// # Fencing tokens
+///
+/// Tokens come from one sequence per table, so no token is ever issued twice, for any key. A
+/// takeover draws its token while holding the row's lock and never below the row's token plus
+/// one, so it is greater than every token issued before for that key. A new row draws its token
+/// just before inserting; the [reaper](Self::reap) leaves expired rows in place for a grace
+/// period (default [`DEFAULT_REAP_GRACE`]) so that the row a slower claim could race with is
+/// still there to be taken over under its lock. Do not give the sequence a `CACHE` above 1:
+/// cached values are handed out out of order across connections.
+///
+/// # Deployment
+///
+/// - **Reaping.** Nothing deletes rows by itself: run [`spawn_reaper`](Self::spawn_reaper) in
+///   one or more instances (concurrent reapers skip each other's rows), or call
+///   [`reap`](Self::reap) from a scheduled job. It deletes expired rows in batches of
+///   [`DEFAULT_REAP_BATCH`], one short statement each, using the `expires_at` index.
+/// - **Durability.** A record is as durable as any committed row: with `synchronous_commit =
+///   on` (the default) an acknowledged claim or completion survives a crash, and with
+///   synchronous replication a failover. With asynchronous replication, a claim committed on a
+///   primary that fails over before shipping it is lost, like any other write.
+/// - **Outages.** Operations fail with [`StoreError::Unavailable`] (fail closed: HTTP 503)
+///   while the database is unreachable, after the pool's acquire timeout (2 s with
+///   [`connect`](Self::connect)). The pool replaces broken connections by itself, so service
+///   resumes when the database is back, without restarting the application.
+/// - **Connections.** [`connect`](Self::connect) opens a pool of at most 16 connections that
+///   checks each connection before use. Pass your own [`PgPool`] to [`new`](Self::new) or
+///   [`builder`](Self::builder) to size it, add TLS (enable one of sqlx's TLS features in your
+///   `Cargo.toml`) or skip the check.
+/// - **Transactions.** For database work, [`Transactional`] writes the claim and the completed
+///   record in your own transaction; see its docs.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    sql: Arc<Sql>,
+    reap_batch: u32,
+    reap_grace: Duration,
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.sql.table)
+            .field("reap_batch", &self.reap_batch)
+            .field("reap_grace", &self.reap_grace)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`PostgresStore`]. Created by [`PostgresStore::builder`].
+#[must_use]
+pub struct PostgresStoreBuilder {
+    pool: PgPool,
+    table: String,
+    reap_batch: u32,
+    reap_grace: Duration,
+}
+
+impl fmt::Debug for PostgresStoreBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStoreBuilder")
+            .field("table", &self.table)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PostgresStoreBuilder {
+    /// The table records live in (default [`DEFAULT_TABLE`]): a lowercase identifier
+    /// (`[a-z_][a-z0-9_]*`, at most 48 bytes), optionally qualified by a schema
+    /// (`billing.idempotency`). Its index and sequence are named after it.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The most rows one reaper statement deletes (default [`DEFAULT_REAP_BATCH`]).
+    pub fn reap_batch(mut self, rows: u32) -> Self {
+        self.reap_batch = rows.max(1);
+        self
+    }
+
+    /// How long after expiring a row is left for the reaper (default [`DEFAULT_REAP_GRACE`]).
+    pub fn reap_grace(mut self, grace: Duration) -> Self {
+        self.reap_grace = grace;
+        self
+    }
+
+    /// Builds the store; fails if the table name is not a valid identifier.
+    pub fn build(self) -> Result<PostgresStore, InvalidTableName> {
+        Ok(PostgresStore {
+            pool: self.pool,
+            sql: Arc::new(Sql::new(&self.table)?),
+            reap_batch: self.reap_batch,
+            reap_grace: self.reap_grace,
+        })
+    }
+}
+
+/// A table name that is not a lowercase identifier, optionally schema-qualified.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid table name {name:?}: expected a lowercase identifier ([a-z_][a-z0-9_]*, at most \
+     48 bytes), optionally qualified by a schema, e.g. \"billing.idempotency\""
+)]
+pub struct InvalidTableName {
+    name: String,
+}
+
+impl PostgresStore {
+    /// Connects to `url` (`postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE`) with a pool of at
+    /// most 16 connections and a 2-second acquire timeout, using [`DEFAULT_TABLE`]. Call
+    /// [`migrate`](Self::migrate) before the first operation.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(Duration::from_secs(2))
+            .connect(url)
+            .await
+            .map_err(store_error)?;
+        Ok(PostgresStore::new(pool))
+    }
+
+    /// A store on `pool` using [`DEFAULT_TABLE`].
+    pub fn new(pool: PgPool) -> Self {
+        PostgresStore::builder(pool)
+            .build()
+            .expect("the default table name is valid")
+    }
+
+    /// Configures a store on `pool`.
+    pub fn builder(pool: PgPool) -> PostgresStoreBuilder {
+        PostgresStoreBuilder {
+            pool,
+            table: DEFAULT_TABLE.to_owned(),
+            reap_batch: DEFAULT_REAP_BATCH,
+            reap_grace: DEFAULT_REAP_GRACE,
+        }
+    }
+
+    /// The pool this store runs on.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The table name, as configured.
+    pub fn table(&self) -> &str {
+        &self.sql.table
+    }
+
+    /// The transactional mode over this store's table: the claim and the completed record are
+    /// written in the caller's transaction. See [`Transactional`].
+    pub fn transactional(&self) -> Transactional {
+        Transactional::with_sql(Arc::clone(&self.sql))
+    }
+
+    /// Creates the table, its `expires_at` index and its token sequence if they do not exist.
+    ///
+    /// Idempotent, and safe to run from every instance at startup: concurrent migrations of one
+    /// table are serialized by a transaction-scoped advisory lock. Needs the privilege to
+    /// create tables in the schema; if the application's role lacks it, run it once from a
+    /// deployment step instead.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(store_error)?;
+        let lock = sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
+            .bind(format!("idempotent-core migrate {}", self.sql.table));
+        (&mut *tx).execute(lock).await.map_err(store_error)?;
+        for statement in &self.sql.migrate {
+            (&mut *tx)
+                .execute(statement.as_str())
+                .await
+                .map_err(store_error)?;
+        }
+        tx.commit().await.map_err(store_error)
+    }
+
+    /// Deletes rows that expired at least the grace period ago (see
+    /// [`PostgresStoreBuilder::reap_grace`]), in batches of at most
+    /// [`PostgresStoreBuilder::reap_batch`] rows, one statement each, until none are left.
+    /// Returns how many rows were deleted. Rows another reaper is deleting are skipped.
+    pub async fn reap(&self) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let reap = sqlx::query(&self.sql.reap)
+                .bind(micros(self.reap_grace))
+                .bind(i64::from(self.reap_batch));
+            let deleted = self
+                .pool
+                .execute(reap)
+                .await
+                .map_err(store_error)?
+                .rows_affected();
+            total += deleted;
+            if deleted < u64::from(self.reap_batch) {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Spawns a task that calls [`reap`](Self::reap) every `every` until the returned handle is
+    /// aborted (or the runtime shuts down). Failures are logged and retried at the next tick.
+    /// Requires a tokio runtime.
+    pub fn spawn_reaper(&self, every: Duration) -> tokio::task::JoinHandle<()> {
+        let store = self.clone();
+        let every = every.max(Duration::from_millis(1));
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                match store.reap().await {
+                    Ok(0) => {}
+                    Ok(rows) => {
+                        tracing::debug!(table = %store.sql.table, rows, "reaped expired idempotency records")
+                    }
+                    Err(error) => tracing::warn!(
+                        table = %store.sql.table,
+                        error = &error as &dyn std::error::Error,
+                        "could not reap expired idempotency records; retrying at the next tick"
+                    ),
+                }
+            }
+        })
+    }
+}
+
+/// The SQL of one table, built once per store from its validated name.
+pub(crate) struct Sql {
+    table: String,
+    migrate: [String; 3],
+    claim: String,
+    complete: String,
+    complete_in_transaction: String,
+    release: String,
+    release_in_transaction: String,
+    renew: String,
+    reap: String,
+}
+
+impl Sql {
+    pub(crate) fn new(table: &str) -> Result<Self, InvalidTableName> {
+        let invalid = || InvalidTableName {
+            name: table.to_owned(),
+        };
+        let (schema, name) = match table.split_once('.') {
+            Some((schema, name)) => (Some(schema), name),
+            None => (None, table),
+        };
+        if !schema.is_none_or(is_identifier) || !is_identifier(name) {
+            return Err(invalid());
+        }
+        // Quoted, so that a reserved word is a valid name; only lowercase is accepted, so the
+        // quoted name is the same table as the unquoted one in hand-written SQL.
+        let qualify = |part: &str| match schema {
+            Some(schema) => format!("\"{schema}\".\"{part}\""),
+            None => format!("\"{part}\""),
+        };
+        let t = qualify(name);
+        let seq = qualify(&format!("{name}_token_seq"));
+        let index = format!("\"{name}_expires_at_idx\"");
+        let until = |param: &str| format!("clock_timestamp() + {param} * interval '1 microsecond'");
+        let owned = "storage_key = $1 AND token = $2 AND state = 'in_flight'";
+        let live = "expires_at > clock_timestamp()";
+        Ok(Sql {
+            table: table.to_owned(),
+            migrate: [
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (\
+                     storage_key bytea PRIMARY KEY, \
+                     state text NOT NULL, \
+                     fingerprint bytea NOT NULL, \
+                     token bigint NOT NULL, \
+                     payload bytea, \
+                     expires_at timestamptz NOT NULL)"
+                ),
+                format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at)"),
+                format!("CREATE SEQUENCE IF NOT EXISTS {seq}"),
+            ],
+            claim: format!(
+                "WITH live AS (\
+                     SELECT state, fingerprint, payload, \
+                     (EXTRACT(EPOCH FROM expires_at - clock_timestamp()) * 1000000)::int8 AS remaining_us \
+                     FROM {t} WHERE storage_key = $1 AND {live}\
+                 ), claimed AS (\
+                     INSERT INTO {t} AS r (storage_key, state, fingerprint, token, payload, expires_at) \
+                     SELECT $1, 'in_flight', $2, nextval('{seq}'), NULL, {lease} \
+                     WHERE NOT EXISTS (SELECT FROM live) \
+                     ON CONFLICT (storage_key) DO UPDATE \
+                     SET state = 'in_flight', fingerprint = excluded.fingerprint, \
+                     token = greatest(nextval('{seq}'), r.token + 1), payload = NULL, \
+                     expires_at = {lease} \
+                     WHERE r.expires_at <= clock_timestamp() \
+                     RETURNING r.token\
+                 ) \
+                 SELECT 'claimed'::text AS state, token, NULL::bytea AS fingerprint, \
+                 NULL::bytea AS payload, NULL::int8 AS remaining_us FROM claimed \
+                 UNION ALL \
+                 SELECT state, NULL, fingerprint, payload, remaining_us FROM live",
+                lease = until("$3"),
+            ),
+            complete: format!(
+                "UPDATE {t} SET state = 'completed', payload = $3, expires_at = {ttl} \
+                 WHERE {owned} AND {live}",
+                ttl = until("$4"),
+            ),
+            // In the claimer's own transaction the row is locked until commit, so nobody can
+            // take it over, however long the work took.
+            complete_in_transaction: format!(
+                "UPDATE {t} SET state = 'completed', payload = $3, expires_at = {ttl} \
+                 WHERE {owned}",
+                ttl = until("$4"),
+            ),
+            release: format!(
+                "UPDATE {t} SET expires_at = clock_timestamp() WHERE {owned} AND {live}"
+            ),
+            release_in_transaction: format!(
+                "UPDATE {t} SET expires_at = clock_timestamp() WHERE {owned}"
+            ),
+            renew: format!(
+                "UPDATE {t} SET expires_at = {lease} WHERE {owned} AND {live}",
+                lease = until("$3"),
+            ),
+            reap: format!(
+                "DELETE FROM {t} WHERE storage_key IN (\
+                     SELECT storage_key FROM {t} \
+                     WHERE expires_at < clock_timestamp() - $1 * interval '1 microsecond' \
+                     LIMIT $2 FOR UPDATE SKIP LOCKED)"
+            ),
+        })
+    }
+
+    /// The claim statement on `connection`, run again while it loses races it cannot see.
+    pub(crate) async fn claim_on(
+        &self,
+        connection: &mut PgConnection,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        for _ in 0..CLAIM_ATTEMPTS {
+            let claim = sqlx::query(&self.claim)
+                .bind(key.as_bytes().as_slice())
+                .bind(fingerprint.as_bytes().as_slice())
+                .bind(micros(lease));
+            let row = (&mut *connection)
+                .fetch_optional(claim)
+                .await
+                .map_err(store_error)?;
+            // No row: a concurrent claim committed a live record after this statement's
+            // snapshot was taken. The next attempt's snapshot sees it.
+            if let Some(row) = row {
+                return decode_claim(&row);
+            }
+        }
+        Err(StoreError::Backend(
+            format!("claim lost {CLAIM_ATTEMPTS} races in a row; giving up").into(),
+        ))
+    }
+
+    /// Runs a token-guarded update; one row changed means the caller held the claim.
+    pub(crate) async fn guarded<'q>(
+        &self,
+        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        connection: &mut PgConnection,
+    ) -> Result<(), StoreError> {
+        let changed = connection
+            .execute(query)
+            .await
+            .map_err(store_error)?
+            .rows_affected();
+        if changed == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::TokenRejected)
+        }
+    }
+}
+
+fn is_identifier(part: &str) -> bool {
+    let mut bytes = part.bytes();
+    matches!(bytes.next(), Some(b'a'..=b'z' | b'_'))
+        && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
+        && part.len() <= MAX_TABLE_NAME
+}
+
+/// A duration bound as microseconds.
+pub(crate) fn micros(duration: Duration) -> i64 {
+    i64::try_from(duration.as_micros()).map_or(MAX_MICROS, |us| us.min(MAX_MICROS))
+}
+
+/// A token as stored: `bigint`, so above `i64::MAX` no row can hold it.
+fn token_param(token: FencingToken) -> Option<i64> {
+    i64::try_from(token.get()).ok()
+}
+
+pub(crate) fn store_error(error: sqlx::Error) -> StoreError {
+    match &error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => StoreError::Unavailable(Box::new(error)),
+        sqlx::Error::Database(db) => match db.code().as_deref() {
+            // Disk full: nothing can be written until an operator makes room.
+            Some("53100") => StoreError::Capacity {
+                what: "postgres disk full",
+            },
+            // Connection failures (08), shutdown and crash recovery (57P01-57P03), too many
+            // connections and out of memory (53), a statement or lock timeout, serialization
+            // failures and deadlocks: all pass, so a retry can succeed.
+            Some(code)
+                if code.starts_with("08")
+                    || code.starts_with("53")
+                    || matches!(
+                        code,
+                        "57P01" | "57P02" | "57P03" | "57014" | "55P03" | "40001" | "40P01"
+                    ) =>
+            {
+                StoreError::Unavailable(Box::new(error))
+            }
+            _ => StoreError::Backend(Box::new(error)),
+        },
+        sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) => {
+            StoreError::Corrupt(Box::new(error))
+        }
+        _ => StoreError::Backend(Box::new(error)),
+    }
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Corrupt(format!("unexpected record data from postgres: {what}").into())
+}
+
+fn decode_claim(row: &PgRow) -> Result<Claim, StoreError> {
+    let state: String = row.try_get("state").map_err(store_error)?;
+    let fingerprint = || -> Result<Fingerprint, StoreError> {
+        let bytes: Option<Vec<u8>> = row.try_get("fingerprint").map_err(store_error)?;
+        let bytes = bytes.ok_or_else(|| corrupt("missing fingerprint"))?;
+        <[u8; 32]>::try_from(bytes.as_slice())
+            .map(Fingerprint::from_digest)
+            .map_err(|_| corrupt("fingerprint is not 32 bytes"))
+    };
+    match state.as_str() {
+        "claimed" => {
+            let token: Option<i64> = row.try_get("token").map_err(store_error)?;
+            token
+                .and_then(|t| u64::try_from(t).ok())
+                .map(|t| Claim::Claimed(FencingToken::new(t)))
+                .ok_or_else(|| corrupt("token"))
+        }
+        "in_flight" => {
+            let remaining: Option<i64> = row.try_get("remaining_us").map_err(store_error)?;
+            let remaining = remaining.ok_or_else(|| corrupt("lease"))?;
+            Ok(Claim::InFlight {
+                fingerprint: fingerprint()?,
+                retry_after: Duration::from_micros(u64::try_from(remaining).unwrap_or(0)),
+            })
+        }
+        "completed" => {
+            let payload: Option<Vec<u8>> = row.try_get("payload").map_err(store_error)?;
+            let payload = payload.ok_or_else(|| corrupt("completed record without a payload"))?;
+            Ok(Claim::Completed {
+                fingerprint: fingerprint()?,
+                payload: Bytes::from(payload),
+            })
+        }
+        _ => Err(corrupt("unknown record state")),
+    }
+}
+
+impl Store for PostgresStore {
+    async fn claim(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        let mut connection = self.pool.acquire().await.map_err(store_error)?;
+        self.sql
+            .claim_on(&mut connection, key, fingerprint, lease)
+            .await
+    }
+
+    async fn complete(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        payload: Bytes,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let token = token_param(token).ok_or(StoreError::TokenRejected)?;
+        let mut connection = self.pool.acquire().await.map_err(store_error)?;
+        let query = sqlx::query(&self.sql.complete)
+            .bind(key.as_bytes().as_slice())
+            .bind(token)
+            .bind(payload.as_ref())
+            .bind(micros(ttl));
+        self.sql.guarded(query, &mut connection).await
+    }
+
+    async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
+        let token = token_param(token).ok_or(StoreError::TokenRejected)?;
+        let mut connection = self.pool.acquire().await.map_err(store_error)?;
+        let query = sqlx::query(&self.sql.release)
+            .bind(key.as_bytes().as_slice())
+            .bind(token);
+        self.sql.guarded(query, &mut connection).await
+    }
+
+    async fn renew(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let token = token_param(token).ok_or(StoreError::TokenRejected)?;
+        let mut connection = self.pool.acquire().await.map_err(store_error)?;
+        let query = sqlx::query(&self.sql.renew)
+            .bind(key.as_bytes().as_slice())
+            .bind(token)
+            .bind(micros(lease));
+        self.sql.guarded(query, &mut connection).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names_are_plain_identifiers() {
+        for good in [
+            "idempotent_records",
+            "_t",
+            "t1",
+            "billing.idempotency",
+            "select",
+            &"a".repeat(MAX_TABLE_NAME),
+        ] {
+            assert!(Sql::new(good).is_ok(), "{good:?} rejected");
+        }
+        for bad in [
+            "",
+            ".",
+            "a.",
+            ".a",
+            "a.b.c",
+            "1t",
+            "Records",
+            "records\"; DROP TABLE users; --",
+            "records'",
+            "re cords",
+            "réservé",
+            "a-b",
+            "a\0",
+            &"a".repeat(MAX_TABLE_NAME + 1),
+        ] {
+            assert!(Sql::new(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn derived_names_are_quoted_and_qualified() {
+        let sql = Sql::new("billing.records").unwrap();
+        assert!(sql.migrate[0].contains("\"billing\".\"records\""));
+        assert!(sql.migrate[1].contains("\"records_expires_at_idx\" ON \"billing\".\"records\""));
+        assert!(sql.migrate[2].contains("\"billing\".\"records_token_seq\""));
+        assert!(
+            sql.claim
+                .contains("nextval('\"billing\".\"records_token_seq\"')")
+        );
+    }
+
+    #[test]
+    fn durations_are_capped_microseconds() {
+        assert_eq!(micros(Duration::from_millis(1500)), 1_500_000);
+        assert_eq!(micros(Duration::ZERO), 0);
+        assert_eq!(micros(Duration::MAX), MAX_MICROS);
+    }
+}

@@ -1,0 +1,544 @@
+//! The transactional mode: the claim, the caller's work and the completed record in one
+//! PostgreSQL transaction.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sqlx::Executor as _;
+use sqlx::postgres::PgConnection;
+
+use super::{DEFAULT_TABLE, Sql, micros, store_error, token_param};
+use crate::envelope::{self, Stored};
+use crate::{
+    Claim, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Error, FencingToken, Fingerprint,
+    InFlightPolicy, Key, MAX_IN_FLIGHT_RETRY_HINT, Retain, Scope, StorageKey, StoreError,
+};
+
+/// The savepoint the work runs under, so that a failed call can undo its own writes. Sent
+/// without parameters, so in one round trip each.
+const SAVEPOINT: &str = "SAVEPOINT idempotent_work";
+const RELEASE_SAVEPOINT: &str = "RELEASE SAVEPOINT idempotent_work";
+const ROLLBACK_TO_SAVEPOINT: &str =
+    "ROLLBACK TO SAVEPOINT idempotent_work; RELEASE SAVEPOINT idempotent_work";
+
+const FIRST_WAIT_POLL: Duration = Duration::from_millis(5);
+const LAST_WAIT_POLL: Duration = Duration::from_millis(200);
+
+/// Exactly-once database work: the claim, your writes and the completed record commit together
+/// in **your** transaction, or not at all.
+///
+/// With a standalone store, a crash between the effect and the completion record either
+/// repeats the effect (the claim's lease ends, a retry runs it again) or loses it. Here the
+/// record is a row written in the same transaction as the effect, so there is nothing in
+/// between: after a commit both exist, after a rollback or a crash neither does, and a retry
+/// runs the work again as if it had never started.
+///
+/// ```no_run
+/// use idempotent_core::postgres::TransactionalClaim;
+/// use idempotent_core::{Fingerprint, PostgresStore};
+/// use sqlx::PgPool;
+///
+/// # async fn example(pool: PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let store = PostgresStore::new(pool.clone());
+/// store.migrate().await?;
+/// let transactional = store.transactional().namespace("billing");
+///
+/// let mut tx = pool.begin().await?;
+/// let call = transactional
+///     .call("deposit-7f3a".parse()?)
+///     .fingerprint(Fingerprint::of(&("acct-1", 100))?);
+/// let balance: i64 = match call.claim(&mut tx).await? {
+///     TransactionalClaim::Replay(balance) => balance, // done before: nothing was written
+///     TransactionalClaim::Run(pending) => {
+///         let balance = sqlx::query_scalar(
+///             "UPDATE accounts SET balance = balance + 100 WHERE id = 'acct-1' RETURNING balance",
+///         )
+///         .fetch_one(&mut *tx)
+///         .await?; // on error, `tx` is dropped: rolled back, claim and all
+///         pending.complete(&mut tx, &balance).await?;
+///         balance
+///     }
+/// };
+/// tx.commit().await?; // the deposit and its record, together
+/// # Ok(())
+/// # }
+/// ```
+///
+/// The `#[idempotent]` attribute does the same for a function with a transaction parameter:
+/// `#[idempotent(key = ..., tx = tx)]`.
+///
+/// # What the transaction covers
+///
+/// 1. **Claim**: one statement in your transaction, the same as
+///    [`PostgresStore`](crate::PostgresStore)'s claim. A new or taken-over row is locked by your
+///    transaction until it ends and is invisible to everyone else until it commits. A completed record is replayed; a live in-flight record
+///    committed by a standalone caller is answered by the in-flight policy.
+/// 2. **Work**: you run it with the same transaction (the claim took a savepoint after the
+///    row).
+/// 3. **Complete**: [`PendingRecord::complete`] (or an `Ok` from an `#[idempotent]` function)
+///    turns the row into a completed record in your transaction and releases the savepoint.
+///    Commit, and both the work and the record are durable; roll back (or crash, or drop the
+///    transaction), and neither is.
+/// 4. **Fail**: [`PendingRecord::release`] (or an `Err` from an `#[idempotent]` function) rolls
+///    back to the savepoint, undoing the work's writes, and releases the claim in your
+///    transaction. The transaction stays usable, even if the work left it aborted; whether you
+///    commit or roll back, the next retry runs the work again.
+///
+/// A concurrent duplicate in another transaction **waits on the row** until your transaction
+/// ends, then replays the committed result (or, after a rollback, claims the key and runs).
+/// Bound that wait with `SET LOCAL lock_timeout` in the duplicate's transaction if needed; a
+/// lock timeout fails the claim with [`StoreError::Unavailable`].
+///
+/// # Requirements
+///
+/// - The connection must be inside a transaction (`pool.begin()`, or `conn.begin()`): a claim
+///   made in autocommit mode is released and fails with [`Error::Store`].
+/// - Isolation `READ COMMITTED` (PostgreSQL's default). Under `REPEATABLE READ` or
+///   `SERIALIZABLE`, a duplicate that started before the first transaction committed fails
+///   with a serialization error ([`StoreError::Unavailable`]); retry the whole transaction,
+///   which then replays.
+/// - Roll back, or drop the transaction, after an error from the claim or the completion, and
+///   whenever a [`PendingRecord`] was neither completed nor released (an early return, a
+///   cancelled call): committing it would publish an in-flight claim that holds the key until
+///   its lease ends.
+///
+/// Records are the same rows as [`PostgresStore`](crate::PostgresStore)'s, with results encoded
+/// as JSON like [`Idempotency::run`](crate::Idempotency::run): with the same table and
+/// namespace, a standalone runtime replays what a transactional call recorded, and the other
+/// way round.
+#[derive(Clone)]
+pub struct Transactional {
+    sql: Arc<Sql>,
+    namespace: Arc<[u8]>,
+    ttl: Duration,
+    lease: Duration,
+    in_flight: InFlightPolicy,
+    max_result_bytes: usize,
+}
+
+impl fmt::Debug for Transactional {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Transactional")
+            .field("table", &self.sql.table)
+            .field("namespace", &String::from_utf8_lossy(&self.namespace))
+            .field("ttl", &self.ttl)
+            .field("lease", &self.lease)
+            .field("in_flight", &self.in_flight)
+            .field("max_result_bytes", &self.max_result_bytes)
+            .finish()
+    }
+}
+
+impl Default for Transactional {
+    /// Over [`DEFAULT_TABLE`], with the empty namespace and the runtime's defaults.
+    fn default() -> Self {
+        Transactional::with_sql(Arc::new(
+            Sql::new(DEFAULT_TABLE).expect("the default table name is valid"),
+        ))
+    }
+}
+
+impl Transactional {
+    pub(super) fn with_sql(sql: Arc<Sql>) -> Self {
+        Transactional {
+            sql,
+            namespace: Arc::from(&[][..]),
+            ttl: DEFAULT_TTL,
+            lease: DEFAULT_LEASE,
+            in_flight: InFlightPolicy::Reject,
+            max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
+        }
+    }
+
+    /// Separates this application's records from others' in the same table (default: empty),
+    /// as [`IdempotencyBuilder::namespace`](crate::IdempotencyBuilder::namespace) does.
+    #[must_use]
+    pub fn namespace(mut self, namespace: impl AsRef<[u8]>) -> Self {
+        self.namespace = Arc::from(namespace.as_ref());
+        self
+    }
+
+    /// How long completed results are replayed (default [`DEFAULT_TTL`]).
+    #[must_use]
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// The lease written with a claim (default [`DEFAULT_LEASE`]). An uncommitted claim needs
+    /// none (nobody else can see it), so this matters only if a transaction commits a claim it
+    /// neither completed nor released.
+    #[must_use]
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// What a call does when it finds a live in-flight record committed by a standalone
+    /// caller (default [`InFlightPolicy::Reject`]). Duplicates in other transactions are not
+    /// affected: they wait on the row.
+    #[must_use]
+    pub fn in_flight(mut self, policy: InFlightPolicy) -> Self {
+        self.in_flight = policy;
+        self
+    }
+
+    /// The largest result retained for replay (default [`DEFAULT_MAX_RESULT_BYTES`]); retries
+    /// of a call with a larger result get [`Error::ResultNotRetained`].
+    #[must_use]
+    pub fn max_result_bytes(mut self, max: usize) -> Self {
+        self.max_result_bytes = max;
+        self
+    }
+
+    /// The table this mode writes to.
+    pub fn table(&self) -> &str {
+        &self.sql.table
+    }
+
+    /// One call with `key`, the empty scope and the empty fingerprint.
+    pub fn call(&self, key: Key) -> TransactionalCall<'_> {
+        TransactionalCall {
+            runtime: self,
+            key,
+            scope: Scope::new(),
+            fingerprint: Fingerprint::empty(),
+            ttl: None,
+            lease: None,
+            in_flight: None,
+        }
+    }
+}
+
+/// One call in transactional mode: its key, scope, fingerprint and per-call overrides, as
+/// [`Call`](crate::Call) for the standalone runtime. Created by [`Transactional::call`].
+#[must_use]
+pub struct TransactionalCall<'a> {
+    runtime: &'a Transactional,
+    key: Key,
+    scope: Scope,
+    fingerprint: Fingerprint,
+    ttl: Option<Duration>,
+    lease: Option<Duration>,
+    in_flight: Option<InFlightPolicy>,
+}
+
+impl fmt::Debug for TransactionalCall<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TransactionalCall")
+            .field("key", &self.key)
+            .field("scope", &self.scope)
+            .field("fingerprint", &self.fingerprint)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What [`TransactionalCall::claim`] found.
+#[derive(Debug)]
+#[must_use]
+pub enum TransactionalClaim<T> {
+    /// The caller owns the key in its transaction: run the work with the transaction, then
+    /// [`complete`](PendingRecord::complete) or [`release`](PendingRecord::release).
+    Run(PendingRecord),
+    /// An earlier call completed; this is its result. Nothing was written.
+    Replay(T),
+}
+
+/// A claim written in the caller's transaction and not yet completed.
+///
+/// Complete it with the result, or release it, with the same transaction, before committing.
+/// Dropped without either, the transaction holds an in-flight claim: roll it back.
+#[must_use = "complete or release the claim with the same transaction before committing"]
+pub struct PendingRecord {
+    sql: Arc<Sql>,
+    key: StorageKey,
+    token: FencingToken,
+    ttl: Duration,
+    max_result_bytes: usize,
+}
+
+impl fmt::Debug for PendingRecord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PendingRecord")
+            .field("table", &self.sql.table)
+            .field("storage_key", &self.key)
+            .field("token", &self.token)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A claim before results are decoded: the byte-level face of [`TransactionalClaim`].
+pub(crate) enum RawClaim {
+    Run(PendingRecord),
+    Replay(Bytes),
+}
+
+impl TransactionalCall<'_> {
+    /// Who the key belongs to.
+    pub fn scope(mut self, scope: Scope) -> Self {
+        self.scope = scope;
+        self
+    }
+
+    /// What the request means; the same key with another fingerprint fails with
+    /// [`Error::FingerprintMismatch`]. Default: [`Fingerprint::empty`].
+    pub fn fingerprint(mut self, fingerprint: Fingerprint) -> Self {
+        self.fingerprint = fingerprint;
+        self
+    }
+
+    /// How long the completed result is replayed (default: the runtime's).
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+
+    /// The claim's lease (default: the runtime's); see [`Transactional::lease`].
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// What to do when a standalone caller holds the key (default: the runtime's).
+    pub fn in_flight(mut self, policy: InFlightPolicy) -> Self {
+        self.in_flight = Some(policy);
+        self
+    }
+
+    /// The storage key (the row's primary key) this call maps to.
+    pub fn storage_key(&self) -> StorageKey {
+        StorageKey::derive(&self.runtime.namespace, &self.scope, &self.key)
+    }
+
+    /// Claims the key in `connection`'s transaction, or replays the completed result.
+    ///
+    /// On [`TransactionalClaim::Run`], do the work with the same connection, then complete the
+    /// [`PendingRecord`] (or release it) before committing.
+    pub async fn claim<T: DeserializeOwned>(
+        self,
+        connection: &mut PgConnection,
+    ) -> Result<TransactionalClaim<T>, Error> {
+        match self.claim_raw(connection).await? {
+            RawClaim::Run(pending) => Ok(TransactionalClaim::Run(pending)),
+            RawClaim::Replay(bytes) => serde_json::from_slice(&bytes)
+                .map(TransactionalClaim::Replay)
+                .map_err(|e| Error::Payload(e.into())),
+        }
+    }
+
+    pub(crate) async fn claim_raw(self, connection: &mut PgConnection) -> Result<RawClaim, Error> {
+        let runtime = self.runtime;
+        let key = self.storage_key();
+        let lease = self.lease.unwrap_or(runtime.lease);
+        let deadline = match self.in_flight.unwrap_or(runtime.in_flight) {
+            InFlightPolicy::Wait { max } => Some(tokio::time::Instant::now() + max),
+            _ => None,
+        };
+        let mut poll = FIRST_WAIT_POLL;
+        loop {
+            let claim = runtime
+                .sql
+                .claim_on(connection, &key, &self.fingerprint, lease)
+                .await?;
+            match claim {
+                Claim::Claimed(token) => {
+                    let pending = PendingRecord {
+                        sql: Arc::clone(&runtime.sql),
+                        key,
+                        token,
+                        ttl: self.ttl.unwrap_or(runtime.ttl),
+                        max_result_bytes: runtime.max_result_bytes,
+                    };
+                    pending.savepoint(connection).await?;
+                    tracing::debug!(storage_key = %key, token = token.get(), "transactional call claimed");
+                    return Ok(RawClaim::Run(pending));
+                }
+                Claim::Completed {
+                    fingerprint,
+                    payload,
+                } => {
+                    if fingerprint != self.fingerprint {
+                        tracing::info!(storage_key = %key, "idempotency key reused with a different fingerprint");
+                        return Err(Error::FingerprintMismatch);
+                    }
+                    return match envelope::decode(&payload) {
+                        Ok(Stored::Value(bytes)) => {
+                            tracing::debug!(storage_key = %key, "transactional call replayed");
+                            Ok(RawClaim::Replay(bytes))
+                        }
+                        Ok(Stored::NotRetained) => Err(Error::ResultNotRetained),
+                        Err(e) => {
+                            tracing::error!(storage_key = %key, error = %e, "corrupt idempotency record");
+                            Err(Error::CorruptRecord(e.into()))
+                        }
+                    };
+                }
+                Claim::InFlight {
+                    fingerprint,
+                    retry_after,
+                } => {
+                    if fingerprint != self.fingerprint {
+                        tracing::info!(storage_key = %key, "idempotency key reused with a different fingerprint");
+                        return Err(Error::FingerprintMismatch);
+                    }
+                    let hint = retry_after.min(MAX_IN_FLIGHT_RETRY_HINT);
+                    let left = deadline
+                        .and_then(|d| d.checked_duration_since(tokio::time::Instant::now()))
+                        .filter(|left| !left.is_zero());
+                    let Some(left) = left else {
+                        return Err(Error::InFlight { retry_after: hint });
+                    };
+                    tokio::time::sleep(poll.min(left).min(retry_after.max(FIRST_WAIT_POLL))).await;
+                    poll = (poll * 2).min(LAST_WAIT_POLL);
+                }
+            }
+        }
+    }
+}
+
+impl PendingRecord {
+    /// The storage key claimed.
+    pub fn storage_key(&self) -> StorageKey {
+        self.key
+    }
+
+    /// The claim's fencing token.
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// Records `value` (as JSON) as the call's result in `connection`'s transaction. Commit the
+    /// transaction to make the work and the record durable together.
+    ///
+    /// If the value cannot be encoded or the record cannot be written, the work's writes are
+    /// undone and the claim released (as by [`release`](Self::release)) and the error is
+    /// returned: roll back.
+    pub async fn complete<T: Serialize + ?Sized>(
+        self,
+        connection: &mut PgConnection,
+        value: &T,
+    ) -> Result<(), Error> {
+        match serde_json::to_vec(value) {
+            Ok(bytes) => self.finish(connection, Retain::Store(bytes.into())).await,
+            Err(error) => {
+                self.release_logged(connection).await;
+                Err(Error::Payload(error.into()))
+            }
+        }
+    }
+
+    /// Undoes the work's writes (back to the savepoint taken after the claim) and releases the
+    /// claim in `connection`'s transaction, so the next retry runs the work again.
+    pub async fn release(self, connection: &mut PgConnection) -> Result<(), Error> {
+        (&mut *connection)
+            .execute(ROLLBACK_TO_SAVEPOINT)
+            .await
+            .map_err(store_error)?;
+        let query = sqlx::query(&self.sql.release_in_transaction)
+            .bind(self.key.as_bytes().as_slice())
+            .bind(token_param(self.token));
+        self.sql.guarded(query, connection).await?;
+        tracing::debug!(storage_key = %self.key, "transactional call released");
+        Ok(())
+    }
+
+    /// Completes with already-encoded result bytes, or releases: the byte-level face of
+    /// [`complete`](Self::complete) and [`release`](Self::release).
+    pub(crate) async fn finish(
+        self,
+        connection: &mut PgConnection,
+        retain: Retain,
+    ) -> Result<(), Error> {
+        let payload = match retain {
+            Retain::Release => return self.release(connection).await,
+            Retain::Store(result) if result.len() <= self.max_result_bytes => {
+                envelope::encode_value(&result)
+            }
+            Retain::Store(result) => {
+                tracing::warn!(
+                    storage_key = %self.key,
+                    bytes = result.len(),
+                    max = self.max_result_bytes,
+                    "idempotent result too large to retain; retries will get result_not_retained"
+                );
+                envelope::encode_not_retained()
+            }
+            Retain::CompleteWithoutResult => envelope::encode_not_retained(),
+        };
+        let query = sqlx::query(&self.sql.complete_in_transaction)
+            .bind(self.key.as_bytes().as_slice())
+            .bind(token_param(self.token))
+            .bind(payload.as_ref())
+            .bind(micros(self.ttl));
+        let completed = match self.sql.guarded(query, connection).await {
+            Ok(()) => (&mut *connection)
+                .execute(RELEASE_SAVEPOINT)
+                .await
+                .map(drop)
+                .map_err(store_error),
+            Err(error) => Err(error),
+        };
+        match completed {
+            Ok(()) => {
+                tracing::debug!(storage_key = %self.key, "transactional call completed");
+                Ok(())
+            }
+            Err(error) => {
+                tracing::warn!(
+                    storage_key = %self.key,
+                    error = &error as &dyn std::error::Error,
+                    "transactional call could not record its result; undoing its work"
+                );
+                self.release_logged(connection).await;
+                Err(Error::Store(error))
+            }
+        }
+    }
+
+    /// Releases, logging a failure instead of returning it: used where another error is
+    /// already on its way to the caller, who must roll back anyway.
+    pub(crate) async fn release_logged(self, connection: &mut PgConnection) {
+        let key = self.key;
+        if let Err(error) = self.release(connection).await {
+            tracing::warn!(
+                storage_key = %key,
+                error = &error as &dyn std::error::Error,
+                "transactional call could not release its claim; roll the transaction back"
+            );
+        }
+    }
+
+    /// Takes the savepoint the work runs under. Outside a transaction, the claim has already
+    /// committed on its own: it is released, and the call fails.
+    async fn savepoint(&self, connection: &mut PgConnection) -> Result<(), Error> {
+        let Err(error) = (&mut *connection).execute(SAVEPOINT).await else {
+            return Ok(());
+        };
+        let outside_transaction = matches!(
+            &error,
+            sqlx::Error::Database(db) if db.code().as_deref() == Some("25P01")
+        );
+        if !outside_transaction {
+            return Err(Error::Store(store_error(error)));
+        }
+        let query = sqlx::query(&self.sql.release)
+            .bind(self.key.as_bytes().as_slice())
+            .bind(token_param(self.token));
+        if let Err(error) = self.sql.guarded(query, connection).await {
+            tracing::warn!(
+                storage_key = %self.key,
+                error = &error as &dyn std::error::Error,
+                "could not release a claim made outside a transaction; it ends with its lease"
+            );
+        }
+        Err(Error::Store(StoreError::Backend(
+            "transactional mode needs a connection inside a transaction (begin one with \
+             `pool.begin()`); the claim was released"
+                .into(),
+        )))
+    }
+}

@@ -1,0 +1,401 @@
+//! `PostgresStore` against a real PostgreSQL server (started by `scripts/test.sh`): the
+//! conformance suite, garbage in the table, table names, migrations, the reaper, and an
+//! unreachable server.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use idempotent_core::conformance::{Harness, backend_url, fresh_key};
+use idempotent_core::{
+    Call, Claim, Error, Fingerprint, Idempotency, PostgresStore, StorageKey, Store, StoreError,
+};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+const URL_VAR: &str = "IDEMPOTENT_TEST_POSTGRES_URL";
+
+async fn pool(url: &str, connections: u32) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(connections)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}; is PostgreSQL running?"))
+}
+
+struct Postgres {
+    store: PostgresStore,
+}
+
+impl Harness for Postgres {
+    type Store = PostgresStore;
+
+    async fn setup() -> Self {
+        let url = backend_url(URL_VAR).unwrap_or_else(|| "postgres://127.0.0.1:1/x".into());
+        let store = PostgresStore::new(pool(&url, 8).await);
+        store.migrate().await.expect("migrate");
+        Postgres { store }
+    }
+
+    fn store(&self) -> &PostgresStore {
+        &self.store
+    }
+
+    async fn advance(&self, by: Duration) {
+        tokio::time::sleep(by).await;
+    }
+
+    fn time_unit(&self) -> Duration {
+        Duration::from_millis(150)
+    }
+
+    fn backend_env() -> Option<&'static str> {
+        Some(URL_VAR)
+    }
+}
+
+idempotent_core::store_conformance_tests!(Postgres);
+
+/// A store on its own fresh table, for checks that count or corrupt rows.
+async fn store_on_fresh_table(
+    url: &str,
+    configure: impl FnOnce(
+        idempotent_core::postgres::PostgresStoreBuilder,
+    ) -> idempotent_core::postgres::PostgresStoreBuilder,
+) -> PostgresStore {
+    let table = format!("test_{}", &fresh_key().to_hex()[..16]);
+    let store = configure(PostgresStore::builder(pool(url, 4).await).table(table))
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    store
+}
+
+async fn count_rows(store: &PostgresStore) -> i64 {
+    sqlx::query_scalar(&format!("SELECT count(*) FROM \"{}\"", store.table()))
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn garbage_in_the_table_is_a_corrupt_error_never_absent() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let store = store_on_fresh_table(&url, |b| b).await;
+    let insert = format!(
+        "INSERT INTO \"{}\" (storage_key, state, fingerprint, token, payload, expires_at) \
+         VALUES ($1, $2, $3, 1, $4, now() + interval '1 minute')",
+        store.table()
+    );
+    let f = Fingerprint::from_bytes(b"x");
+    let good = f.as_bytes().to_vec();
+    let payload = Some(b"payload".to_vec());
+    // (state, fingerprint, payload)
+    let cases = [
+        ("completed", b"short".to_vec(), payload.clone()),
+        ("completed", good.clone(), None),
+        ("in_flight", vec![7; 33], None),
+        ("zz", good.clone(), payload.clone()),
+        ("", good.clone(), None),
+    ];
+    for (state, fingerprint, payload) in &cases {
+        let key = fresh_key();
+        sqlx::query(&insert)
+            .bind(key.as_bytes().as_slice())
+            .bind(*state)
+            .bind(fingerprint)
+            .bind(payload)
+            .execute(store.pool())
+            .await
+            .unwrap();
+        let result = store.claim(&key, &f, Duration::from_secs(5)).await;
+        assert!(
+            matches!(result, Err(StoreError::Corrupt(_))),
+            "{state:?}: {result:?}"
+        );
+        // The garbage is reported, not overwritten.
+        let (still_state, still_token): (String, i64) = sqlx::query_as(&format!(
+            "SELECT state, token FROM \"{}\" WHERE storage_key = $1",
+            store.table()
+        ))
+        .bind(key.as_bytes().as_slice())
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+        assert_eq!((still_state.as_str(), still_token), (*state, 1));
+    }
+
+    // A completed row whose payload is not a valid envelope: the runtime reports a corrupt
+    // record and does not run the work.
+    let idempotency = Idempotency::new(store.clone());
+    let call = Call::new("corrupt-envelope".parse().unwrap());
+    let key = idempotency.storage_key(&call);
+    sqlx::query(&insert)
+        .bind(key.as_bytes().as_slice())
+        .bind("completed")
+        .bind(Fingerprint::empty().as_bytes().as_slice())
+        .bind(Some(&b"not an envelope"[..]))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let mut ran = false;
+    let result = idempotency
+        .run(&call, async {
+            ran = true;
+        })
+        .await;
+    assert!(matches!(result, Err(Error::CorruptRecord(_))), "{result:?}");
+    assert!(!ran, "the work ran despite a corrupt record");
+}
+
+#[tokio::test]
+async fn expired_garbage_is_absent_and_taken_over() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let store = store_on_fresh_table(&url, |b| b).await;
+    let key = fresh_key();
+    sqlx::query(&format!(
+        "INSERT INTO \"{}\" (storage_key, state, fingerprint, token, expires_at) \
+         VALUES ($1, 'zz', '\\x00', 5, now() - interval '1 second')",
+        store.table()
+    ))
+    .bind(key.as_bytes().as_slice())
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let f = Fingerprint::from_bytes(b"new");
+    match store.claim(&key, &f, Duration::from_secs(5)).await {
+        Ok(Claim::Claimed(token)) => assert!(token.get() > 5, "{token:?}"),
+        other => panic!("expected Claimed, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn table_name_is_validated_configurable_and_schema_qualified() {
+    for bad in [
+        "x; DROP TABLE users",
+        "Robert'); --",
+        "\"x\"",
+        "",
+        "a.b.c",
+        "Upper",
+    ] {
+        let error = PostgresStore::builder(PgPool::connect_lazy("postgres://localhost/x").unwrap())
+            .table(bad)
+            .build()
+            .unwrap_err();
+        assert!(error.to_string().contains("invalid table name"), "{error}");
+    }
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let schema = format!("s_{}", &fresh_key().to_hex()[..12]);
+    let pool = pool(&url, 2).await;
+    sqlx::query(&format!("CREATE SCHEMA \"{schema}\""))
+        .execute(&pool)
+        .await
+        .unwrap();
+    // A reserved word works as a name: identifiers are always quoted.
+    let store = PostgresStore::builder(pool)
+        .table(format!("{schema}.select"))
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+    let key = fresh_key();
+    let f = Fingerprint::from_bytes(b"q");
+    let Ok(Claim::Claimed(token)) = store.claim(&key, &f, Duration::from_secs(5)).await else {
+        panic!("claim on a schema-qualified table");
+    };
+    store
+        .complete(
+            &key,
+            token,
+            Bytes::from_static(b"r"),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    let rows: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM \"{schema}\".\"select\" WHERE state = 'completed'"
+    ))
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(rows, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_migrations_of_one_table_all_succeed() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let table = format!("test_{}", &fresh_key().to_hex()[..16]);
+    let pool = pool(&url, 8).await;
+    let store = PostgresStore::builder(pool).table(table).build().unwrap();
+    let migrations: Vec<_> = (0..8)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.migrate().await })
+        })
+        .collect();
+    for migration in migrations {
+        migration.await.unwrap().expect("concurrent migrate");
+    }
+    assert_eq!(count_rows(&store).await, 0);
+}
+
+#[tokio::test]
+async fn operations_before_migrate_are_errors() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let store = PostgresStore::builder(pool(&url, 1).await)
+        .table(format!("never_migrated_{}", &fresh_key().to_hex()[..8]))
+        .build()
+        .unwrap();
+    let result = store
+        .claim(&fresh_key(), &Fingerprint::empty(), Duration::from_secs(1))
+        .await;
+    assert!(matches!(result, Err(StoreError::Backend(_))), "{result:?}");
+}
+
+async fn fill_with_expired_and_live(store: &PostgresStore, expired: usize) -> Vec<StorageKey> {
+    let short = Duration::from_millis(1);
+    for i in 0..expired {
+        let key = fresh_key();
+        let Ok(Claim::Claimed(token)) = store.claim(&key, &Fingerprint::empty(), short).await
+        else {
+            panic!("claim");
+        };
+        if i % 2 == 0 {
+            // Completed with a tiny TTL or left to its tiny lease: both expire.
+            let _ = store
+                .complete(&key, token, Bytes::from_static(b"r"), short)
+                .await;
+        }
+    }
+    let mut live = Vec::new();
+    for _ in 0..3 {
+        let key = fresh_key();
+        store
+            .claim(&key, &Fingerprint::empty(), Duration::from_secs(60))
+            .await
+            .unwrap();
+        live.push(key);
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    live
+}
+
+#[tokio::test]
+async fn reaper_deletes_expired_rows_in_batches_and_keeps_live_ones() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let store = store_on_fresh_table(&url, |b| b.reap_batch(4).reap_grace(Duration::ZERO)).await;
+    let live = fill_with_expired_and_live(&store, 11).await;
+    assert_eq!(count_rows(&store).await, 14);
+    assert_eq!(store.reap().await.unwrap(), 11);
+    assert_eq!(count_rows(&store).await, 3);
+    for key in &live {
+        assert!(matches!(
+            store
+                .claim(key, &Fingerprint::empty(), Duration::from_secs(1))
+                .await,
+            Ok(Claim::InFlight { .. })
+        ));
+    }
+    assert_eq!(store.reap().await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn reaper_leaves_recently_expired_rows_for_the_grace_period() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let store = store_on_fresh_table(&url, |b| b.reap_grace(Duration::from_millis(500))).await;
+    fill_with_expired_and_live(&store, 4).await;
+    assert_eq!(
+        store.reap().await.unwrap(),
+        0,
+        "reaped within the grace period"
+    );
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(store.reap().await.unwrap(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spawned_reaper_keeps_the_table_clean() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let store = store_on_fresh_table(&url, |b| b.reap_grace(Duration::ZERO)).await;
+    let reaper = store.spawn_reaper(Duration::from_millis(50));
+    fill_with_expired_and_live(&store, 6).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while count_rows(&store).await != 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the reaper did not run"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    reaper.abort();
+}
+
+#[tokio::test]
+async fn released_token_stays_dead_and_the_row_waits_for_the_reaper() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let store = store_on_fresh_table(&url, |b| b.reap_grace(Duration::ZERO)).await;
+    let key = fresh_key();
+    let f = Fingerprint::from_bytes(b"r");
+    let Ok(Claim::Claimed(token)) = store.claim(&key, &f, Duration::from_secs(30)).await else {
+        panic!("claim");
+    };
+    store.release(&key, token).await.unwrap();
+    // The row stays, with its lease ended: the next claim takes it over under its lock.
+    assert_eq!(count_rows(&store).await, 1);
+    assert!(matches!(
+        store.renew(&key, token, Duration::from_secs(30)).await,
+        Err(StoreError::TokenRejected)
+    ));
+    assert_eq!(store.reap().await.unwrap(), 1);
+    assert_eq!(count_rows(&store).await, 0);
+}
+
+#[tokio::test]
+async fn unreachable_server_is_unavailable() {
+    // Nothing listens on port 1.
+    match PostgresStore::connect("postgres://postgres@127.0.0.1:1/postgres").await {
+        Err(StoreError::Unavailable(_)) => {}
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    // A lazily connected pool reports the same on every operation.
+    let pool = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_lazy("postgres://postgres@127.0.0.1:1/postgres")
+        .unwrap();
+    let store = PostgresStore::new(pool);
+    let key = fresh_key();
+    let f = Fingerprint::empty();
+    assert!(matches!(
+        store.claim(&key, &f, Duration::from_secs(1)).await,
+        Err(StoreError::Unavailable(_))
+    ));
+    assert!(matches!(
+        store.migrate().await,
+        Err(StoreError::Unavailable(_))
+    ));
+    let runtime = Idempotency::new(store);
+    let result = runtime
+        .run(&Call::new("k".parse().unwrap()), async { 1 })
+        .await;
+    let error = result.unwrap_err();
+    assert_eq!(error.code(), "store_unavailable");
+    assert!(error.retry_after().is_some());
+}
