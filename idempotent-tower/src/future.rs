@@ -5,23 +5,26 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use http::{Response, StatusCode};
+use http::Response;
 use http_body::Body;
 use pin_project_lite::pin_project;
-use tokio::task::JoinHandle;
 
 use crate::body::ResponseBody;
-use crate::layer::Protocol;
-use crate::problem::Problem;
 
 type Output<B, E> = Result<Response<ResponseBody<B>>, E>;
+type Protected<B, E> = Pin<Box<dyn Future<Output = Output<B, E>> + Send>>;
 
 pin_project! {
     /// The response future of [`IdempotencyService`](crate::IdempotencyService).
     ///
-    /// Dropping it does not stop a protected request: the handler runs to completion on its own
-    /// task and its response is recorded, so a retry gets the replay.
-    pub struct ResponseFuture<F, B: Body, E> {
+    /// Dropping it does not stop a protected request: if the client goes away before the
+    /// response is ready, the rest of the request (the handler and the recording of its
+    /// response) moves to a task of its own and runs to completion, so a retry gets the replay.
+    pub struct ResponseFuture<F, B: Body, E>
+    where
+        B: 'static,
+        E: 'static,
+    {
         #[pin]
         kind: Kind<F, B, E>,
     }
@@ -29,14 +32,46 @@ pin_project! {
 
 pin_project! {
     #[project = KindProj]
-    enum Kind<F, B: Body, E> {
+    enum Kind<F, B: Body, E>
+    where
+        B: 'static,
+        E: 'static,
+    {
         PassThrough { #[pin] future: F },
         Ready { response: Option<Response<ResponseBody<B>>> },
-        Spawned { task: JoinHandle<Output<B, E>>, protocol: Protocol },
+        Protected { request: Detached<Output<B, E>> },
     }
 }
 
-impl<F, B: Body, E> ResponseFuture<F, B, E> {
+/// A protected request, polled in place; if dropped unfinished, finished on a spawned task.
+///
+/// Polling in place costs nothing extra in the common case (the client waits for its
+/// response); only an abandoned request pays for a task.
+struct Detached<T: 'static>(Option<Pin<Box<dyn Future<Output = T> + Send>>>);
+
+impl<T: 'static> Drop for Detached<T> {
+    fn drop(&mut self) {
+        let Some(request) = self.0.take() else { return };
+        // A panic unwinding through the request leaves it unusable; dropping it releases the
+        // claim it holds.
+        if std::thread::panicking() {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                tracing::debug!("client went away; finishing the request in the background");
+                runtime.spawn(async move {
+                    let _ = request.await;
+                });
+            }
+            // Without a runtime the request is dropped: its claim is released (or ends with
+            // its lease) and the retry runs it.
+            Err(_) => drop(request),
+        }
+    }
+}
+
+impl<F, B: Body + 'static, E: 'static> ResponseFuture<F, B, E> {
     pub(crate) fn pass_through(future: F) -> Self {
         ResponseFuture {
             kind: Kind::PassThrough { future },
@@ -50,10 +85,18 @@ impl<F, B: Body, E> ResponseFuture<F, B, E> {
             },
         }
     }
+}
 
-    pub(crate) fn spawned(task: JoinHandle<Output<B, E>>, protocol: Protocol) -> Self {
+impl<F, B, E> ResponseFuture<F, B, E>
+where
+    B: Body + Send + 'static,
+    E: Send + 'static,
+{
+    pub(crate) fn protected(request: Protected<B, E>) -> Self {
         ResponseFuture {
-            kind: Kind::Spawned { task, protocol },
+            kind: Kind::Protected {
+                request: Detached(Some(request)),
+            },
         }
     }
 }
@@ -61,7 +104,8 @@ impl<F, B: Body, E> ResponseFuture<F, B, E> {
 impl<F, B, E> Future for ResponseFuture<F, B, E>
 where
     F: Future<Output = Result<Response<B>, E>>,
-    B: Body,
+    B: Body + Send + 'static,
+    E: Send + 'static,
 {
     type Output = Output<B, E>;
 
@@ -74,29 +118,25 @@ where
             KindProj::Ready { response } => Poll::Ready(Ok(response
                 .take()
                 .expect("ResponseFuture polled after completion"))),
-            KindProj::Spawned { task, protocol } => match ready!(Pin::new(task).poll(cx)) {
-                Ok(output) => Poll::Ready(output),
-                // The handler panicked: surface it to the caller as if it had run inline (so a
-                // panic-catching layer outside still sees it). The claim was released.
-                Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
-                Err(_) => Poll::Ready(Ok(Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "shutting_down",
-                    "Server shutting down",
-                    "the server is shutting down; retry the request",
-                )
-                .into_response(*protocol))),
-            },
+            KindProj::Protected { request } => {
+                let future = request
+                    .0
+                    .as_mut()
+                    .expect("ResponseFuture polled after completion");
+                let output = ready!(future.as_mut().poll(cx));
+                request.0 = None;
+                Poll::Ready(output)
+            }
         }
     }
 }
 
-impl<F, B: Body, E> fmt::Debug for ResponseFuture<F, B, E> {
+impl<F, B: Body + 'static, E: 'static> fmt::Debug for ResponseFuture<F, B, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = match &self.kind {
             Kind::PassThrough { .. } => "pass-through",
             Kind::Ready { .. } => "ready",
-            Kind::Spawned { .. } => "spawned",
+            Kind::Protected { .. } => "protected",
         };
         f.debug_struct("ResponseFuture")
             .field("kind", &kind)

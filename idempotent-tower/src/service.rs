@@ -98,10 +98,10 @@ where
         // The ready service goes with this request; a clone waits for the next poll_ready.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        // Spawned so that the handler runs to completion and its response is recorded even if
-        // the client goes away: the retry then gets a replay, not a second execution.
-        let task = tokio::spawn(handle(Arc::clone(config), inner, request, key));
-        ResponseFuture::spawned(task, config.protocol)
+        // Polled in place; if the client goes away first, the response future hands the rest
+        // to a task, so the handler runs to completion and its response is recorded: the retry
+        // then gets a replay, not a second execution.
+        ResponseFuture::protected(Box::pin(handle(Arc::clone(config), inner, request, key)))
     }
 }
 
