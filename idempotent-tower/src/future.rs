@@ -20,8 +20,9 @@ pin_project! {
     /// Dropping it does not stop a protected request: if the client goes away before the
     /// response is ready, the rest of the request (the handler and the recording of its
     /// response) moves to a task of its own and runs to completion, so a retry gets the replay.
-    pub struct ResponseFuture<F, B: Body, E>
+    pub struct ResponseFuture<F, B, E>
     where
+        B: Body,
         B: 'static,
         E: 'static,
     {
@@ -32,8 +33,9 @@ pin_project! {
 
 pin_project! {
     #[project = KindProj]
-    enum Kind<F, B: Body, E>
+    enum Kind<F, B, E>
     where
+        B: Body,
         B: 'static,
         E: 'static,
     {
