@@ -1,6 +1,7 @@
 //! Fingerprints: digests of what a request *means*.
 
 use std::fmt;
+use std::sync::OnceLock;
 
 mod canonical;
 #[cfg(test)]
@@ -9,6 +10,17 @@ mod canonical_tests;
 pub use canonical::CanonicalError;
 
 const BYTES_CONTEXT: &str = "idempotent 2026-11 fingerprint bytes v1";
+
+/// A keyed hasher per derivation context, derived once per process: deriving a context key
+/// costs as much as hashing a small request, so each fingerprint clones a ready one instead.
+fn keyed(context: &'static str, cell: &'static OnceLock<blake3::Hasher>) -> blake3::Hasher {
+    cell.get_or_init(|| blake3::Hasher::new_derive_key(context))
+        .clone()
+}
+
+static BYTES_HASHER: OnceLock<blake3::Hasher> = OnceLock::new();
+static FIELDS_HASHER: OnceLock<blake3::Hasher> = OnceLock::new();
+static VALUE_HASHER: OnceLock<blake3::Hasher> = OnceLock::new();
 const FIELDS_CONTEXT: &str = "idempotent 2026-11 fingerprint fields v1";
 const VALUE_CONTEXT: &str = "idempotent 2026-11 fingerprint serde v1";
 
@@ -42,13 +54,13 @@ pub struct Fingerprint([u8; 32]);
 impl Fingerprint {
     /// The fingerprint of a request that carries no meaning beyond its key.
     pub fn empty() -> Self {
-        static EMPTY: std::sync::OnceLock<Fingerprint> = std::sync::OnceLock::new();
+        static EMPTY: OnceLock<Fingerprint> = OnceLock::new();
         *EMPTY.get_or_init(|| Self::builder().finish())
     }
 
     /// The fingerprint of raw bytes.
     pub fn from_bytes(bytes: &[u8]) -> Self {
-        let mut hasher = blake3::Hasher::new_derive_key(BYTES_CONTEXT);
+        let mut hasher = keyed(BYTES_CONTEXT, &BYTES_HASHER);
         hasher.update(bytes);
         Fingerprint(*hasher.finalize().as_bytes())
     }
@@ -60,7 +72,7 @@ impl Fingerprint {
     /// Fails for values with no canonical form: NaN, a map with two equal keys, nesting deeper
     /// than 128 levels, or a `Serialize` implementation that reports an error.
     pub fn of<T: serde::Serialize + ?Sized>(value: &T) -> Result<Self, CanonicalError> {
-        let mut hasher = blake3::Hasher::new_derive_key(VALUE_CONTEXT);
+        let mut hasher = keyed(VALUE_CONTEXT, &VALUE_HASHER);
         canonical::hash_canonical(&mut hasher, value)?;
         Ok(Fingerprint(*hasher.finalize().as_bytes()))
     }
@@ -69,7 +81,7 @@ impl Fingerprint {
     /// query and body).
     pub fn builder() -> FingerprintBuilder {
         FingerprintBuilder {
-            hasher: blake3::Hasher::new_derive_key(FIELDS_CONTEXT),
+            hasher: keyed(FIELDS_CONTEXT, &FIELDS_HASHER),
             open: None,
         }
     }
