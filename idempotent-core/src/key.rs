@@ -193,8 +193,20 @@ impl fmt::Debug for Scope {
 ///
 /// Storage keys have bounded size, contain no client bytes (so no injection into a backend's key
 /// syntax), and map to exactly one backend key (so one Redis Cluster slot per record).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct StorageKey([u8; 32]);
+
+/// Feeds only the first 8 bytes to the hasher: the key is already a uniform digest, so they
+/// identify it as well as all 32 (finding two keys that share them takes about 2^32 digests
+/// per collision), and hash maps keyed by storage keys hash a quarter of the input. Maps should
+/// still use a keyed hasher (std's default), so that colliding *buckets* cannot be precomputed.
+impl std::hash::Hash for StorageKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&self.0[..8]);
+        state.write_u64(u64::from_le_bytes(first));
+    }
+}
 
 const STORAGE_KEY_CONTEXT: &str = "idempotent 2026-11 storage key v1";
 

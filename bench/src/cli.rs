@@ -1,0 +1,241 @@
+//! Command-line options.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::app::Backends;
+
+pub(crate) const USAGE: &str = "\
+usage: idempotent-bench [all|http|memory] [options]
+
+  all (default)       the HTTP rows, then the memory mode
+  http                the HTTP rows: bare, idempotent-tower, the peers, Redis/PostgreSQL rows
+  memory              resident bytes per record of MemoryStore (100k and 1M records)
+
+options:
+  --quick             short run: 1 round, 1 s warm-up, 3 s timed per row
+  --rounds N          rounds over all rows; each row reports its median round (default 3)
+  --warmup SECS       untimed seconds before each timed phase (default 3)
+  --duration SECS     timed seconds per row and round (default 10)
+  --connections N     load-generator connections, HTTP/1.1 keep-alive (default 64)
+  --replay-keys N     keys per connection in the replay scenario (default 4)
+  --server-threads N  tokio worker threads of the server (default 2)
+  --client-threads N  tokio worker threads of the load generator (default 2)
+  --only LIST         rows to run, comma-separated: an implementation, scenario or store
+                      name, or a label prefix such as idempotent-tower/replay
+  --redis-url URL     add idempotent-tower rows on Redis (default $IDEMPOTENT_TEST_REDIS_URL)
+  --postgres-url URL  add idempotent-tower rows on PostgreSQL
+                      (default $IDEMPOTENT_TEST_POSTGRES_URL)
+  --records LIST      memory mode record counts (default 100000,1000000)
+  --out PATH          JSON output (default target/bench/http.json); objects of the mode
+                      not run are kept
+";
+
+/// What to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    All,
+    Http,
+    Memory,
+    /// One memory measurement, printed as JSON (run by the memory mode in a child process).
+    MemoryChild {
+        records: u64,
+    },
+    Help,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Options {
+    pub(crate) mode: Mode,
+    pub(crate) rounds: usize,
+    pub(crate) warmup: Duration,
+    pub(crate) measure: Duration,
+    pub(crate) connections: usize,
+    pub(crate) replay_keys: usize,
+    /// Probe keys per round, and concurrent duplicates of each.
+    pub(crate) probe_keys: usize,
+    pub(crate) probe_duplicates: usize,
+    pub(crate) server_threads: usize,
+    pub(crate) client_threads: usize,
+    pub(crate) only: Vec<String>,
+    pub(crate) backends: Backends,
+    pub(crate) records: Vec<u64>,
+    pub(crate) out: PathBuf,
+}
+
+/// Parses the arguments (without the program name); `env` reads environment variables.
+pub(crate) fn parse(
+    args: impl IntoIterator<Item = String>,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<Options, String> {
+    let nonempty = |v: Option<String>| v.filter(|v| !v.is_empty());
+    let mut options = Options {
+        mode: Mode::All,
+        rounds: 3,
+        warmup: Duration::from_secs(3),
+        measure: Duration::from_secs(10),
+        connections: 64,
+        replay_keys: 4,
+        probe_keys: 16,
+        probe_duplicates: 8,
+        server_threads: 2,
+        client_threads: 2,
+        only: Vec::new(),
+        backends: Backends {
+            redis_url: nonempty(env("IDEMPOTENT_TEST_REDIS_URL")),
+            postgres_url: nonempty(env("IDEMPOTENT_TEST_POSTGRES_URL")),
+        },
+        records: vec![100_000, 1_000_000],
+        out: PathBuf::from("target/bench/http.json"),
+    };
+    let (mut rounds, mut warmup, mut measure) = (None, None, None);
+    let mut quick = false;
+    let mut child_records = None;
+    let mut args = args.into_iter();
+    let mut first = true;
+    while let Some(arg) = args.next() {
+        let mut value = |name: &str| {
+            args.next()
+                .ok_or_else(|| format!("{name} needs a value\n\n{USAGE}"))
+        };
+        match arg.as_str() {
+            "all" | "http" | "memory" | "memory-child" if first => {
+                options.mode = match arg.as_str() {
+                    "all" => Mode::All,
+                    "http" => Mode::Http,
+                    "memory" => Mode::Memory,
+                    _ => Mode::MemoryChild { records: 0 },
+                }
+            }
+            "-h" | "--help" => options.mode = Mode::Help,
+            "--quick" => quick = true,
+            "--rounds" => rounds = Some(number(&arg, &value(&arg)?)?),
+            "--warmup" => warmup = Some(seconds(&arg, &value(&arg)?)?),
+            "--duration" => measure = Some(seconds(&arg, &value(&arg)?)?),
+            "--connections" => options.connections = number(&arg, &value(&arg)?)?,
+            "--replay-keys" => options.replay_keys = number(&arg, &value(&arg)?)?,
+            "--server-threads" => options.server_threads = number(&arg, &value(&arg)?)?,
+            "--client-threads" => options.client_threads = number(&arg, &value(&arg)?)?,
+            "--only" => {
+                options.only = value(&arg)?
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(String::from)
+                    .collect()
+            }
+            "--redis-url" => options.backends.redis_url = nonempty(Some(value(&arg)?)),
+            "--postgres-url" => options.backends.postgres_url = nonempty(Some(value(&arg)?)),
+            "--records" => {
+                let list = value(&arg)?;
+                options.records = list
+                    .split(',')
+                    .map(|n| number::<u64>(&arg, n.trim()))
+                    .collect::<Result<_, _>>()?;
+                child_records = options.records.first().copied();
+            }
+            "--out" => options.out = PathBuf::from(value(&arg)?),
+            other => return Err(format!("unknown argument {other:?}\n\n{USAGE}")),
+        }
+        first = false;
+    }
+    if quick {
+        options.rounds = 1;
+        options.warmup = Duration::from_secs(1);
+        options.measure = Duration::from_secs(3);
+    }
+    options.rounds = rounds.unwrap_or(options.rounds);
+    options.warmup = warmup.unwrap_or(options.warmup);
+    options.measure = measure.unwrap_or(options.measure);
+    if let Mode::MemoryChild { .. } = options.mode {
+        let records = child_records.ok_or("memory-child needs --records N")?;
+        options.mode = Mode::MemoryChild { records };
+    }
+    if options.measure.is_zero() {
+        return Err("--duration must be more than 0".into());
+    }
+    Ok(options)
+}
+
+fn number<T: std::str::FromStr + PartialOrd + Default>(
+    name: &str,
+    value: &str,
+) -> Result<T, String> {
+    match value.parse::<T>() {
+        Ok(n) if n > T::default() => Ok(n),
+        _ => Err(format!(
+            "{name} takes a positive whole number, not {value:?}"
+        )),
+    }
+}
+
+fn seconds(name: &str, value: &str) -> Result<Duration, String> {
+    value
+        .parse::<f64>()
+        .ok()
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .ok_or_else(|| format!("{name} takes a number of seconds, not {value:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_args(args: &[&str]) -> Result<Options, String> {
+        parse(args.iter().map(|s| s.to_string()), |name| match name {
+            "IDEMPOTENT_TEST_REDIS_URL" => Some("redis://127.0.0.1:6379".into()),
+            "IDEMPOTENT_TEST_POSTGRES_URL" => Some(String::new()),
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn defaults_are_the_full_run() {
+        let o = parse_args(&[]).unwrap();
+        assert_eq!(o.mode, Mode::All);
+        assert_eq!((o.rounds, o.connections), (3, 64));
+        assert_eq!(o.measure, Duration::from_secs(10));
+        assert_eq!(
+            o.backends.redis_url.as_deref(),
+            Some("redis://127.0.0.1:6379")
+        );
+        assert_eq!(
+            o.backends.postgres_url, None,
+            "an empty variable means none"
+        );
+        assert_eq!(o.records, [100_000, 1_000_000]);
+    }
+
+    #[test]
+    fn quick_and_overrides() {
+        let o = parse_args(&["http", "--quick", "--duration", "1.5"]).unwrap();
+        assert_eq!(o.mode, Mode::Http);
+        assert_eq!(o.rounds, 1);
+        assert_eq!(o.warmup, Duration::from_secs(1));
+        assert_eq!(o.measure, Duration::from_millis(1500));
+        let o = parse_args(&[
+            "--only",
+            "bare, idempotent-tower/replay",
+            "--postgres-url",
+            "postgres://x",
+        ])
+        .unwrap();
+        assert_eq!(o.only, ["bare", "idempotent-tower/replay"]);
+        assert_eq!(o.backends.postgres_url.as_deref(), Some("postgres://x"));
+    }
+
+    #[test]
+    fn child_mode_and_errors() {
+        let o = parse_args(&["memory-child", "--records", "1000"]).unwrap();
+        assert_eq!(o.mode, Mode::MemoryChild { records: 1000 });
+        assert!(parse_args(&["memory-child"]).is_err());
+        assert!(parse_args(&["--connections", "0"]).is_err());
+        assert!(parse_args(&["--connections"]).is_err());
+        assert!(parse_args(&["--bogus"]).is_err());
+        assert!(
+            parse_args(&["--quick", "http"]).is_err(),
+            "the mode comes first"
+        );
+        assert!(parse_args(&["--duration", "0"]).is_err());
+    }
+}

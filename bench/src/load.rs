@@ -1,0 +1,332 @@
+//! The one load generator of every row: hyper HTTP/1.1 client connections with keep-alive,
+//! each sending its next request as soon as the previous response is read (closed loop).
+
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, COOKIE, HOST, SET_COOKIE};
+use http::{HeaderValue, Method, Request};
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::sync::Barrier;
+use tokio::task::JoinSet;
+
+use crate::app::{KeyId, PAYMENTS, REQUEST_BODY, SERVER_THREAD, SESSION};
+use crate::cpu::threads_cpu;
+use crate::report::Traffic;
+use crate::rows::Scenario;
+
+/// The response headers that mark a replay: `Idempotent-Replayed` (idempotent-tower and
+/// idempotent 2.0) and `Idempotency-Replayed` (axum-idempotent).
+const REPLAY_HEADERS: [&str; 2] = ["idempotent-replayed", "idempotency-replayed"];
+
+/// The name of the load generator's runtime threads.
+pub(crate) const CLIENT_THREAD: &str = "bench-client";
+
+/// What one row's timed load looks like.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan {
+    pub(crate) addr: SocketAddr,
+    pub(crate) connections: usize,
+    pub(crate) warmup: Duration,
+    pub(crate) measure: Duration,
+    pub(crate) scenario: Scenario,
+    /// Keys per connection in the `replay` scenario.
+    pub(crate) replay_keys: usize,
+    /// Whether each client must open a session first (axum-idempotent).
+    pub(crate) session: bool,
+}
+
+/// One response, as far as the load generator cares.
+struct Answer {
+    status: u16,
+    replayed: bool,
+    set_cookie: Option<HeaderValue>,
+}
+
+/// A keep-alive HTTP/1.1 connection to the server.
+struct Connection {
+    sender: SendRequest<Full<Bytes>>,
+    host: HeaderValue,
+}
+
+impl Connection {
+    async fn open(addr: SocketAddr) -> Result<Connection, String> {
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
+        stream
+            .set_nodelay(true)
+            .map_err(|e| format!("TCP_NODELAY: {e}"))?;
+        let (sender, connection) = http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| format!("HTTP/1.1 handshake with {addr}: {e}"))?;
+        tokio::spawn(connection);
+        let host = HeaderValue::from_str(&addr.to_string()).expect("an address is a valid host");
+        Ok(Connection { sender, host })
+    }
+
+    async fn send(
+        &mut self,
+        path: &str,
+        key: Option<&str>,
+        cookie: Option<&HeaderValue>,
+        body: &'static [u8],
+    ) -> Result<Answer, String> {
+        let mut request = Request::builder()
+            .method(Method::POST)
+            .uri(path)
+            .header(HOST, self.host.clone())
+            .header(CONTENT_TYPE, "application/json");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        if let Some(cookie) = cookie {
+            request = request.header(COOKIE, cookie.clone());
+        }
+        let request = request
+            .body(Full::new(Bytes::from_static(body)))
+            .map_err(|e| format!("request: {e}"))?;
+        self.sender
+            .ready()
+            .await
+            .map_err(|e| format!("connection closed: {e}"))?;
+        let response = self
+            .sender
+            .send_request(request)
+            .await
+            .map_err(|e| format!("request failed: {e}"))?;
+        let status = response.status().as_u16();
+        let replayed = REPLAY_HEADERS
+            .iter()
+            .any(|name| response.headers().get(*name).is_some_and(|v| v == "true"));
+        let set_cookie = response.headers().get(SET_COOKIE).cloned();
+        response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| format!("response body: {e}"))?;
+        Ok(Answer {
+            status,
+            replayed,
+            set_cookie,
+        })
+    }
+
+    /// Opens a session and returns the `Cookie` value that carries it.
+    async fn open_session(&mut self) -> Result<HeaderValue, String> {
+        let answer = self.send(SESSION, None, None, b"").await?;
+        let set_cookie = answer
+            .set_cookie
+            .ok_or_else(|| format!("POST {SESSION} answered {} without a cookie", answer.status))?;
+        session_cookie(&set_cookie)
+            .ok_or_else(|| format!("POST {SESSION}: unusable Set-Cookie {set_cookie:?}"))
+    }
+}
+
+/// The `name=value` pair of a `Set-Cookie` header, to send back in `Cookie`.
+fn session_cookie(set_cookie: &HeaderValue) -> Option<HeaderValue> {
+    let pair = set_cookie.to_str().ok()?.split(';').next()?.trim();
+    pair.contains('=')
+        .then(|| HeaderValue::from_str(pair).ok())
+        .flatten()
+}
+
+/// The key of request number `n` of connection `lane`.
+pub(crate) fn key_for(scenario: Scenario, replay_keys: usize, lane: usize, n: u64) -> String {
+    let index = match scenario {
+        Scenario::Replay => (n % replay_keys as u64) as usize,
+        Scenario::Fresh | Scenario::None => n as usize,
+    };
+    KeyId::Load { lane, index }.to_key()
+}
+
+/// Runs `plan`: every connection connects (and opens its session, and creates its replay keys),
+/// then all start together; requests started during the warm-up are not counted.
+pub(crate) async fn run(plan: &Plan) -> Result<Traffic, String> {
+    // The lanes and the CPU monitor start together.
+    let barrier = Arc::new(Barrier::new(plan.connections + 1));
+    let start = Arc::new(OnceLock::new());
+    let mut lanes = JoinSet::new();
+    for lane in 0..plan.connections {
+        let (plan, barrier, start) = (plan.clone(), Arc::clone(&barrier), Arc::clone(&start));
+        lanes.spawn(async move { drive(lane, &plan, &barrier, &start).await });
+    }
+    barrier.wait().await;
+    let begin = *start.get_or_init(Instant::now);
+    tokio::time::sleep_until((begin + plan.warmup).into()).await;
+    let cpu_before = (threads_cpu(SERVER_THREAD), threads_cpu(CLIENT_THREAD));
+    tokio::time::sleep_until((begin + plan.warmup + plan.measure).into()).await;
+    let cpu_after = (threads_cpu(SERVER_THREAD), threads_cpu(CLIENT_THREAD));
+
+    let mut total = Traffic::new();
+    while let Some(lane) = lanes.join_next().await {
+        let traffic = lane.map_err(|e| format!("load task failed: {e}"))??;
+        total.merge(&traffic);
+    }
+    total.elapsed = plan.measure;
+    total.server_cpu = cpu_after.0.saturating_sub(cpu_before.0);
+    total.client_cpu = cpu_after.1.saturating_sub(cpu_before.1);
+    Ok(total)
+}
+
+async fn drive(
+    lane: usize,
+    plan: &Plan,
+    barrier: &Barrier,
+    start: &OnceLock<Instant>,
+) -> Result<Traffic, String> {
+    let mut connection = Connection::open(plan.addr).await;
+    let cookie = match (&mut connection, plan.session) {
+        (Ok(connection), true) => Some(connection.open_session().await),
+        _ => None,
+    };
+    let seeded = match (&mut connection, plan.scenario) {
+        (Ok(connection), Scenario::Replay) => {
+            seed(
+                connection,
+                lane,
+                plan,
+                cookie.as_ref().and_then(|c| c.as_ref().ok()),
+            )
+            .await
+        }
+        _ => Ok(()),
+    };
+    // Every lane reaches the barrier, even a failed one, so the others are not left waiting.
+    barrier.wait().await;
+    let mut connection = connection?;
+    let cookie = cookie.transpose()?;
+    seeded?;
+
+    let begin = *start.get_or_init(Instant::now);
+    let (timed_from, end) = (begin + plan.warmup, begin + plan.warmup + plan.measure);
+    let mut traffic = Traffic::new();
+    let mut n = 0u64;
+    loop {
+        let sent = Instant::now();
+        if sent >= end {
+            break;
+        }
+        let key = key_for(plan.scenario, plan.replay_keys, lane, n);
+        n += 1;
+        let answer = connection
+            .send(PAYMENTS, Some(&key), cookie.as_ref(), REQUEST_BODY)
+            .await;
+        let timed = sent >= timed_from;
+        match answer {
+            Ok(answer) if timed => {
+                if (200..300).contains(&answer.status) {
+                    traffic.latencies.record(sent.elapsed());
+                }
+                *traffic.statuses.entry(answer.status).or_default() += 1;
+                traffic.replayed += u64::from(answer.replayed);
+            }
+            Ok(_) => {}
+            Err(_) => {
+                if timed {
+                    traffic.transport_errors += 1;
+                }
+                connection = Connection::open(plan.addr).await?;
+            }
+        }
+    }
+    Ok(traffic)
+}
+
+/// Creates connection `lane`'s replay keys, one request each.
+async fn seed(
+    connection: &mut Connection,
+    lane: usize,
+    plan: &Plan,
+    cookie: Option<&HeaderValue>,
+) -> Result<(), String> {
+    for index in 0..plan.replay_keys {
+        let key = KeyId::Load { lane, index }.to_key();
+        let answer = connection
+            .send(PAYMENTS, Some(&key), cookie, REQUEST_BODY)
+            .await?;
+        if !(200..300).contains(&answer.status) {
+            return Err(format!(
+                "creating replay key {key} answered {}",
+                answer.status
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The exactly-once probe: `keys` new keys, each sent by `duplicates` connections at once
+/// (the handler holds a probe key for [`PROBE_HOLD`](crate::app::PROBE_HOLD), so they overlap),
+/// then once more after all answered, as a client's retry. One client: the connections share
+/// its session when the row needs one. The server's tally says how often each key ran.
+pub(crate) async fn probe(
+    addr: SocketAddr,
+    session: bool,
+    keys: usize,
+    duplicates: usize,
+) -> Result<Traffic, String> {
+    let mut connections = Vec::with_capacity(duplicates);
+    for _ in 0..duplicates.max(1) {
+        connections.push(Connection::open(addr).await?);
+    }
+    let cookie = match session {
+        true => Some(connections[0].open_session().await?),
+        false => None,
+    };
+    let mut traffic = Traffic::new();
+    let mut tally = |answer: &Answer| {
+        *traffic.statuses.entry(answer.status).or_default() += 1;
+        traffic.replayed += u64::from(answer.replayed);
+    };
+    for n in 0..keys {
+        let key = KeyId::Probe(n).to_key();
+        let mut burst = JoinSet::new();
+        for mut connection in connections.drain(..) {
+            let (key, cookie) = (key.clone(), cookie.clone());
+            burst.spawn(async move {
+                let answer = connection
+                    .send(PAYMENTS, Some(&key), cookie.as_ref(), REQUEST_BODY)
+                    .await;
+                (connection, answer)
+            });
+        }
+        while let Some(joined) = burst.join_next().await {
+            let (connection, answer) = joined.map_err(|e| format!("probe task failed: {e}"))?;
+            tally(&answer?);
+            connections.push(connection);
+        }
+        let retry = connections[0]
+            .send(PAYMENTS, Some(&key), cookie.as_ref(), REQUEST_BODY)
+            .await?;
+        tally(&retry);
+    }
+    Ok(traffic)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_per_scenario() {
+        assert_eq!(key_for(Scenario::Fresh, 4, 3, 0), "c3-0");
+        assert_eq!(key_for(Scenario::Fresh, 4, 3, 9), "c3-9");
+        assert_eq!(key_for(Scenario::None, 4, 3, 9), "c3-9");
+        assert_eq!(key_for(Scenario::Replay, 4, 3, 9), "c3-1");
+        assert_eq!(key_for(Scenario::Replay, 4, 0, 4), "c0-0");
+    }
+
+    #[test]
+    fn cookie_from_set_cookie() {
+        let set = HeaderValue::from_static("session=abc123; Path=/; HttpOnly; SameSite=Lax");
+        assert_eq!(
+            session_cookie(&set),
+            Some(HeaderValue::from_static("session=abc123"))
+        );
+        assert_eq!(session_cookie(&HeaderValue::from_static("garbage")), None);
+    }
+}

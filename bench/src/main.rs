@@ -1,0 +1,295 @@
+//! The HTTP benchmark of `idempotent-tower` against a bare handler and the peer crates, and the
+//! memory footprint of the memory store. Run it with `scripts/bench.sh [--quick]`; the results
+//! and how to read them are in `BENCHMARKS.md`.
+//!
+//! - **Server**: one trivial axum handler (`POST /payments`: a small JSON body in, `201` with a
+//!   small JSON body out) that counts its executions per idempotency key. Each row puts one
+//!   middleware in front of it and serves it on a loopback port, on a tokio runtime of its own
+//!   (2 worker threads by default).
+//! - **Load**: one generator for every row: hyper HTTP/1.1 client connections with keep-alive
+//!   (64 by default), each sending its next request when the previous response is read, for a
+//!   warm-up and then a timed phase. `rps` counts 2xx responses only; `p50_us`/`p99_us` are
+//!   their latencies. The generator runs in the same process, on its own runtime, and shares
+//!   the machine's cores with the server.
+//! - **Scenarios**: `fresh` sends a new key with every request; `replay` has each connection
+//!   cycle over its own few keys, created before the warm-up; `bare` (scenario `none`) sends
+//!   the same requests as `fresh` to a server without idempotency.
+//! - **Exactly once**: after the timed phase, each round sends probe keys as concurrent
+//!   duplicates (the handler holds a probe key for 25 ms so that they overlap) and then once
+//!   more as a retry. `correct` says that the handler ran exactly once per distinct key over the
+//!   whole row; without deduplication (`bare`) or with a race, it is `false`.
+//! - **Checks**: a row whose timed phase had a non-2xx response or a connection error, or a
+//!   `replay` row whose responses were not all marked as replays, is reported and makes the
+//!   program exit with status 1.
+//! - **Memory**: resident bytes per record of a `MemoryStore` filled through
+//!   `IdempotencyLayer` with 200-byte responses, from `/proc/self/statm`, one child process
+//!   per record count.
+//!
+//! The peer crates (`idempotent` 2.0, `axum-idempotent` 0.6) are compiled in only with
+//! `RUSTFLAGS="--cfg idempotent_bench_peers"` and `cargo --ignore-rust-version` (`idempotent`
+//! 2.0 declares rust-version 1.98); without them their rows are skipped.
+
+mod app;
+mod cli;
+mod cpu;
+mod load;
+mod memory;
+#[cfg(idempotent_bench_peers)]
+mod peers;
+mod report;
+mod rows;
+
+use std::process::ExitCode;
+
+use cli::{Mode, Options};
+use report::{Audit, HttpRecord, Record, Traffic};
+use rows::{Implementation, Row};
+
+fn main() -> ExitCode {
+    let options = match cli::parse(std::env::args().skip(1), |name| std::env::var(name).ok()) {
+        Ok(options) => options,
+        Err(message) => {
+            eprintln!("idempotent-bench: {message}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = match options.mode {
+        Mode::Help => {
+            print!("{}", cli::USAGE);
+            return ExitCode::SUCCESS;
+        }
+        Mode::MemoryChild { records } => {
+            return match memory::child(records) {
+                Ok(record) => {
+                    println!("{}", serde_json::to_string(&record).expect("serializable"));
+                    ExitCode::SUCCESS
+                }
+                Err(message) => {
+                    eprintln!("idempotent-bench memory-child: {message}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        Mode::Http => http(&options),
+        Mode::Memory => memory_mode(&options),
+        Mode::All => http(&options).and_then(|http_ok| Ok(memory_mode(&options)? && http_ok)),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(message) => {
+            eprintln!("idempotent-bench: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs the HTTP rows, prints the table, writes the JSON; `Ok(false)` when a row is not to be
+/// trusted.
+fn http(options: &Options) -> Result<bool, String> {
+    let backends = &options.backends;
+    let rows: Vec<Row> = rows::all_rows(
+        backends.redis_url.is_some(),
+        backends.postgres_url.is_some(),
+    )
+    .into_iter()
+    .filter(|row| row.selected_by(&options.only))
+    .collect();
+    let (rows, skipped): (Vec<Row>, Vec<Row>) = rows
+        .into_iter()
+        .partition(|row| row.implementation.is_compiled_in());
+    for row in &skipped {
+        eprintln!(
+            "skipping {}: the peer crates are not compiled in (build with RUSTFLAGS=\"--cfg \
+             idempotent_bench_peers\" and --ignore-rust-version, as scripts/bench.sh does)",
+            row.label()
+        );
+    }
+    if rows.is_empty() {
+        return Err("no rows selected".into());
+    }
+    let client = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(options.client_threads)
+        .thread_name(load::CLIENT_THREAD)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the client runtime: {e}"))?;
+
+    // Round-major order: a slow minute of the machine spreads over all rows.
+    let mut results: Vec<Vec<(Traffic, Audit)>> = vec![Vec::new(); rows.len()];
+    let mut failed = Vec::new();
+    for round in 1..=options.rounds {
+        for (row, rounds) in rows.iter().zip(&mut results) {
+            if failed.iter().any(|(r, _)| r == row) {
+                continue;
+            }
+            match run_row(*row, options, &client) {
+                Ok((traffic, audit)) => {
+                    eprintln!(
+                        "round {round}/{}: {:<40} {:>9.0} rps  p50 {:>6} µs  p99 {:>6} µs  \
+                         server {:>5.1} µs/req  client {:>5.1} µs/req  \
+                         executions {} keys {} duplicated {}",
+                        options.rounds,
+                        row.label(),
+                        traffic.rps(),
+                        traffic.latencies.quantile_us(0.5),
+                        traffic.latencies.quantile_us(0.99),
+                        traffic.server_us_per_request(),
+                        traffic.client_us_per_request(),
+                        audit.executions,
+                        audit.distinct_keys,
+                        audit.duplicated_keys,
+                    );
+                    rounds.push((traffic, audit));
+                }
+                Err(message) => {
+                    eprintln!("{}: {message}", row.label());
+                    failed.push((*row, message));
+                }
+            }
+        }
+    }
+
+    let records: Vec<HttpRecord> = rows
+        .iter()
+        .zip(&results)
+        .filter(|(_, rounds)| !rounds.is_empty())
+        .map(|(row, rounds)| report::summarize(*row, rounds))
+        .collect();
+    println!("{}", report::markdown_table(&records));
+    if !skipped.is_empty() {
+        println!(
+            "Not run: {} (peer crates not compiled in).\n",
+            skipped
+                .iter()
+                .map(Row::label)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    report::write_json(
+        &options.out,
+        records.iter().cloned().map(Record::Http).collect(),
+    )
+    .map_err(|e| format!("cannot write {}: {e}", options.out.display()))?;
+    eprintln!("wrote {}", options.out.display());
+
+    let problems: Vec<String> = records.iter().flat_map(report::problems).collect();
+    for problem in &problems {
+        eprintln!("PROBLEM: {problem}");
+    }
+    for (row, message) in &failed {
+        eprintln!("FAILED: {}: {message}", row.label());
+    }
+    Ok(problems.is_empty() && failed.is_empty())
+}
+
+/// One round of one row: start its server, drive it, probe it, audit it, stop it.
+fn run_row(
+    row: Row,
+    options: &Options,
+    client: &tokio::runtime::Runtime,
+) -> Result<(Traffic, Audit), String> {
+    let server = app::Server::start(
+        row,
+        options.connections,
+        options.server_threads,
+        &options.backends,
+    )?;
+    let session = row.implementation == Implementation::AxumIdempotent;
+    let plan = load::Plan {
+        addr: server.addr,
+        connections: options.connections,
+        warmup: options.warmup,
+        measure: options.measure,
+        scenario: row.scenario,
+        replay_keys: options.replay_keys,
+        session,
+    };
+    let outcome = client.block_on(async {
+        let traffic = load::run(&plan).await?;
+        load::probe(
+            server.addr,
+            session,
+            options.probe_keys,
+            options.probe_duplicates,
+        )
+        .await?;
+        Ok::<_, String>(traffic)
+    });
+    let audit = Audit::of(&server.tally.executions());
+    server.stop();
+    Ok((outcome?, audit))
+}
+
+fn memory_mode(options: &Options) -> Result<bool, String> {
+    let records = memory::run(&options.records)?;
+    println!("{}", report::memory_table(&records));
+    report::write_json(
+        &options.out,
+        records.into_iter().map(Record::Memory).collect(),
+    )
+    .map_err(|e| format!("cannot write {}: {e}", options.out.display()))?;
+    eprintln!("wrote {}", options.out.display());
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rows::{Scenario, StoreKind};
+
+    /// One short round of two rows through the real server and load generator: our layer
+    /// replays and runs each key once; the bare handler runs the probe's duplicates.
+    #[test]
+    fn a_short_round_audits_both_ways() {
+        let args = [
+            "http",
+            "--warmup",
+            "0",
+            "--duration",
+            "0.2",
+            "--connections",
+            "4",
+        ];
+        let mut options = cli::parse(args.map(String::from), |_| None).unwrap();
+        options.probe_keys = 2;
+        options.probe_duplicates = 3;
+        let client = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+
+        let replay = Row {
+            implementation: Implementation::Tower,
+            scenario: Scenario::Replay,
+            store: StoreKind::Memory,
+        };
+        let (traffic, audit) = run_row(replay, &options, &client).unwrap();
+        assert!(traffic.successes() > 0);
+        assert_eq!(traffic.failures(), 0);
+        assert_eq!(
+            traffic.replayed,
+            traffic.successes(),
+            "every timed request replays"
+        );
+        // 4 connections x 4 replay keys, plus the probe keys, once each.
+        assert_eq!(audit.distinct_keys, 16 + 2);
+        assert!(audit.exactly_once(), "{audit:?}");
+
+        let bare = Row {
+            implementation: Implementation::Bare,
+            scenario: Scenario::None,
+            store: StoreKind::None,
+        };
+        let (traffic, audit) = run_row(bare, &options, &client).unwrap();
+        assert_eq!(traffic.replayed, 0);
+        assert_eq!(
+            audit.duplicated_keys, 2,
+            "each probe key ran once per duplicate"
+        );
+        assert_eq!(audit.executions - audit.distinct_keys, 2 * 3);
+        assert!(!audit.exactly_once());
+    }
+}

@@ -1,0 +1,619 @@
+//! What a run produces: latency histograms, the exactly-once audit, the per-row results, the
+//! markdown table and the JSON file.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use serde::{Deserialize, Serialize};
+
+use crate::rows::Row;
+
+/// Response latencies in microseconds, 1 µs to 60 s at three significant digits.
+#[derive(Clone)]
+pub(crate) struct Latencies {
+    histogram: Histogram<u64>,
+}
+
+impl Latencies {
+    const MAX_US: u64 = 60_000_000;
+
+    pub(crate) fn new() -> Self {
+        Latencies {
+            histogram: Histogram::new_with_bounds(1, Self::MAX_US, 3)
+                .expect("static histogram bounds are valid"),
+        }
+    }
+
+    /// Records one response; sub-microsecond times count as 1 µs, over 60 s as 60 s.
+    pub(crate) fn record(&mut self, latency: Duration) {
+        let us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
+        self.histogram.saturating_record(us.clamp(1, Self::MAX_US));
+    }
+
+    pub(crate) fn merge(&mut self, other: &Latencies) {
+        self.histogram
+            .add(&other.histogram)
+            .expect("histograms with the same bounds merge");
+    }
+
+    #[cfg(test)]
+    pub(crate) fn count(&self) -> u64 {
+        self.histogram.len()
+    }
+
+    /// The latency at `quantile` (0.0 to 1.0) in microseconds: the smallest recorded value
+    /// that at least that share of the responses did not exceed; 0 when nothing was recorded.
+    pub(crate) fn quantile_us(&self, quantile: f64) -> u64 {
+        if self.histogram.is_empty() {
+            return 0;
+        }
+        self.histogram.value_at_quantile(quantile)
+    }
+}
+
+/// How many times the handler ran per distinct key during one row, as counted by the server.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Executions {
+    /// Per load-generator connection: executions of the key with that index.
+    pub(crate) lanes: Vec<Vec<u32>>,
+    /// Executions of each probe key (sent as concurrent duplicates, then retried).
+    pub(crate) probes: Vec<u32>,
+    /// Executions of requests whose key the handler could not attribute.
+    pub(crate) unattributed: u64,
+}
+
+/// The exactly-once verdict over one row's executions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Audit {
+    /// Handler executions in the row (warm-up, timed phase and probes).
+    pub(crate) executions: u64,
+    /// Keys that ran at least once.
+    pub(crate) distinct_keys: u64,
+    /// Keys that ran more than once.
+    pub(crate) duplicated_keys: u64,
+    /// Probe keys sent, and how many of them ran exactly once.
+    pub(crate) probe_keys: u64,
+    pub(crate) probe_keys_once: u64,
+    /// Executions the handler could not attribute to a key.
+    pub(crate) unattributed: u64,
+}
+
+impl Audit {
+    pub(crate) fn of(executions: &Executions) -> Audit {
+        let mut audit = Audit {
+            unattributed: executions.unattributed,
+            executions: executions.unattributed,
+            ..Audit::default()
+        };
+        let counts = executions.lanes.iter().flatten().chain(&executions.probes);
+        for &count in counts {
+            audit.executions += u64::from(count);
+            audit.distinct_keys += u64::from(count > 0);
+            audit.duplicated_keys += u64::from(count > 1);
+        }
+        audit.probe_keys = executions.probes.len() as u64;
+        audit.probe_keys_once = executions.probes.iter().filter(|&&n| n == 1).count() as u64;
+        audit
+    }
+
+    /// Every key ran at most once, every probe key exactly once, and every execution had a key.
+    pub(crate) fn exactly_once(&self) -> bool {
+        self.duplicated_keys == 0
+            && self.unattributed == 0
+            && self.probe_keys > 0
+            && self.probe_keys_once == self.probe_keys
+    }
+}
+
+/// What the load generator saw in one timed phase.
+#[derive(Clone)]
+pub(crate) struct Traffic {
+    pub(crate) latencies: Latencies,
+    /// Responses by status code.
+    pub(crate) statuses: BTreeMap<u16, u64>,
+    /// Requests that got no response (connection errors).
+    pub(crate) transport_errors: u64,
+    /// Responses marked as replays (`Idempotent-Replayed` or `Idempotency-Replayed: true`).
+    pub(crate) replayed: u64,
+    pub(crate) elapsed: Duration,
+    /// CPU time of the server's and of the load generator's threads during the timed phase.
+    pub(crate) server_cpu: Duration,
+    pub(crate) client_cpu: Duration,
+}
+
+impl Traffic {
+    pub(crate) fn new() -> Self {
+        Traffic {
+            latencies: Latencies::new(),
+            statuses: BTreeMap::new(),
+            transport_errors: 0,
+            replayed: 0,
+            elapsed: Duration::ZERO,
+            server_cpu: Duration::ZERO,
+            client_cpu: Duration::ZERO,
+        }
+    }
+
+    pub(crate) fn merge(&mut self, other: &Traffic) {
+        self.latencies.merge(&other.latencies);
+        for (status, n) in &other.statuses {
+            *self.statuses.entry(*status).or_default() += n;
+        }
+        self.transport_errors += other.transport_errors;
+        self.replayed += other.replayed;
+        self.elapsed = self.elapsed.max(other.elapsed);
+        self.server_cpu += other.server_cpu;
+        self.client_cpu += other.client_cpu;
+    }
+
+    /// Responses of any status, plus requests without one.
+    pub(crate) fn requests(&self) -> u64 {
+        self.statuses.values().sum::<u64>() + self.transport_errors
+    }
+
+    /// Server CPU time per request in the timed phase, in microseconds.
+    pub(crate) fn server_us_per_request(&self) -> f64 {
+        per_request_us(self.server_cpu, self.requests())
+    }
+
+    /// Load-generator CPU time per request in the timed phase, in microseconds.
+    pub(crate) fn client_us_per_request(&self) -> f64 {
+        per_request_us(self.client_cpu, self.requests())
+    }
+
+    pub(crate) fn successes(&self) -> u64 {
+        self.statuses
+            .iter()
+            .filter(|(status, _)| (200..300).contains(*status))
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// Responses that were not 2xx, plus requests without a response.
+    pub(crate) fn failures(&self) -> u64 {
+        self.requests() - self.successes()
+    }
+
+    /// Successful responses per second; failures do not count.
+    pub(crate) fn rps(&self) -> f64 {
+        if self.elapsed.is_zero() {
+            return 0.0;
+        }
+        self.successes() as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+fn per_request_us(cpu: Duration, requests: u64) -> f64 {
+    if requests == 0 {
+        return 0.0;
+    }
+    round1(cpu.as_secs_f64() * 1e6 / requests as f64)
+}
+
+/// One object of `http.json`: a row of the HTTP benchmark or a memory measurement.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "lowercase")]
+pub(crate) enum Record {
+    Http(HttpRecord),
+    Memory(MemoryRecord),
+}
+
+/// One row of the HTTP benchmark (the median round of `rounds`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct HttpRecord {
+    pub(crate) implementation: String,
+    pub(crate) scenario: String,
+    pub(crate) store: String,
+    /// 2xx responses per second in the timed phase.
+    pub(crate) rps: f64,
+    pub(crate) p50_us: u64,
+    pub(crate) p99_us: u64,
+    /// The handler ran exactly once per distinct key, in every round.
+    pub(crate) correct: bool,
+    /// Responses in the timed phase, and how many were not 2xx (or had no response at all).
+    pub(crate) requests: u64,
+    pub(crate) errors: u64,
+    /// Responses in the timed phase marked as replays.
+    pub(crate) replayed: u64,
+    /// CPU time per request of the server's threads and of the load generator's, in the timed
+    /// phase (from `/proc/self/task/*/stat`, 10 ms resolution).
+    pub(crate) server_cpu_us: f64,
+    pub(crate) client_cpu_us: f64,
+    /// Timed-phase responses by status code.
+    pub(crate) statuses: BTreeMap<String, u64>,
+    /// Executions over the row (warm-up, timed phase, probes) of the median round.
+    pub(crate) audit: Audit,
+    /// Timed seconds per round, and the rps of every round.
+    pub(crate) seconds: f64,
+    pub(crate) rounds_rps: Vec<f64>,
+}
+
+/// Resident memory per record of a `MemoryStore` filled through `IdempotencyLayer`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct MemoryRecord {
+    pub(crate) implementation: String,
+    pub(crate) store: String,
+    pub(crate) records: u64,
+    /// Bytes of each response body.
+    pub(crate) body_bytes: u64,
+    /// Bytes of each stored record payload (the encoded response).
+    pub(crate) payload_bytes: u64,
+    pub(crate) rss_before: u64,
+    pub(crate) rss_after: u64,
+    /// (rss_after - rss_before) / records.
+    pub(crate) bytes_per_record: u64,
+    /// What the store charges each record against its byte bound.
+    pub(crate) charged_bytes_per_record: u64,
+}
+
+/// The median round of one row, by rps, and the row's verdict over all its rounds.
+pub(crate) fn summarize(row: Row, rounds: &[(Traffic, Audit)]) -> HttpRecord {
+    assert!(!rounds.is_empty(), "a row has at least one round");
+    let mut order: Vec<usize> = (0..rounds.len()).collect();
+    order.sort_by(|&a, &b| rounds[a].0.rps().total_cmp(&rounds[b].0.rps()));
+    let (traffic, audit) = &rounds[order[order.len() / 2]];
+    HttpRecord {
+        implementation: row.implementation.name().to_owned(),
+        scenario: row.scenario.name().to_owned(),
+        store: row.store.name().to_owned(),
+        rps: round1(traffic.rps()),
+        p50_us: traffic.latencies.quantile_us(0.50),
+        p99_us: traffic.latencies.quantile_us(0.99),
+        correct: rounds.iter().all(|(_, audit)| audit.exactly_once()),
+        requests: traffic.requests(),
+        errors: traffic.failures(),
+        replayed: traffic.replayed,
+        server_cpu_us: traffic.server_us_per_request(),
+        client_cpu_us: traffic.client_us_per_request(),
+        statuses: traffic
+            .statuses
+            .iter()
+            .map(|(status, n)| (status.to_string(), *n))
+            .collect(),
+        audit: *audit,
+        seconds: round1(traffic.elapsed.as_secs_f64()),
+        rounds_rps: rounds.iter().map(|(t, _)| round1(t.rps())).collect(),
+    }
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+/// Why a row's numbers cannot be trusted, if they cannot.
+pub(crate) fn problems(record: &HttpRecord) -> Vec<String> {
+    let mut problems = Vec::new();
+    let label = format!(
+        "{} {} {}",
+        record.implementation, record.scenario, record.store
+    );
+    if record.requests == 0 {
+        problems.push(format!("{label}: no responses in the timed phase"));
+    }
+    if record.errors > 0 {
+        problems.push(format!(
+            "{label}: {} of {} timed requests failed or were not 2xx ({:?})",
+            record.errors, record.requests, record.statuses
+        ));
+    }
+    // A replay row of an implementation that deduplicates must answer every timed request
+    // from the store; otherwise it measured something else.
+    if record.scenario == "replay" && record.correct && record.replayed != record.requests {
+        problems.push(format!(
+            "{label}: only {} of {} timed responses were replays",
+            record.replayed, record.requests
+        ));
+    }
+    problems
+}
+
+/// The HTTP rows as a markdown table; `vs bare` is each row's rps over the `bare` row's.
+pub(crate) fn markdown_table(records: &[HttpRecord]) -> String {
+    let bare = records
+        .iter()
+        .find(|r| r.implementation == "bare")
+        .map(|r| r.rps);
+    let mut out = String::from(
+        "| implementation | scenario | store | rps | vs bare | p50 µs | p99 µs | correct | non-2xx | replayed | server CPU µs/req |\n\
+         |---|---|---|---:|---:|---:|---:|:---:|---:|---:|---:|\n",
+    );
+    for r in records {
+        let versus = match bare {
+            Some(bare) if bare > 0.0 => format!("{:.0} %", 100.0 * r.rps / bare),
+            _ => "–".to_owned(),
+        };
+        let replayed = if r.requests == 0 {
+            "–".to_owned()
+        } else {
+            format!("{:.0} %", 100.0 * r.replayed as f64 / r.requests as f64)
+        };
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} |\n",
+            r.implementation,
+            r.scenario,
+            r.store,
+            thousands(r.rps.round() as u64),
+            versus,
+            thousands(r.p50_us),
+            thousands(r.p99_us),
+            if r.correct { "yes" } else { "**no**" },
+            r.errors,
+            replayed,
+            r.server_cpu_us,
+        ));
+    }
+    out
+}
+
+/// The memory measurements as a markdown table.
+pub(crate) fn memory_table(records: &[MemoryRecord]) -> String {
+    let mut out = String::from(
+        "| store | records | body B | payload B | RSS growth | bytes/record | charged bytes/record |\n\
+         |---|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in records {
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {} MiB | {} | {} |\n",
+            r.store,
+            thousands(r.records),
+            r.body_bytes,
+            r.payload_bytes,
+            thousands(r.rss_after.saturating_sub(r.rss_before) >> 20),
+            r.bytes_per_record,
+            r.charged_bytes_per_record,
+        ));
+    }
+    out
+}
+
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Writes `records` to `path`, keeping the objects of the other mode already there (so the
+/// HTTP and memory modes can run separately and still share one file).
+pub(crate) fn write_json(path: &Path, records: Vec<Record>) -> std::io::Result<()> {
+    let mut all: Vec<Record> = std::fs::read(path)
+        .ok()
+        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+        .unwrap_or_default();
+    let replaces_http = records.iter().any(|r| matches!(r, Record::Http(_)));
+    let replaces_memory = records.iter().any(|r| matches!(r, Record::Memory(_)));
+    all.retain(|r| match r {
+        Record::Http(_) => !replaces_http,
+        Record::Memory(_) => !replaces_memory,
+    });
+    all.extend(records);
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut json = serde_json::to_vec_pretty(&all).map_err(std::io::Error::other)?;
+    json.push(b'\n');
+    std::fs::write(path, json)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rows::{Implementation, Scenario, StoreKind};
+
+    fn traffic(ok: u64, conflicts: u64, seconds: u64, latency_us: u64) -> Traffic {
+        let mut t = Traffic::new();
+        for _ in 0..ok {
+            t.latencies.record(Duration::from_micros(latency_us));
+        }
+        t.statuses.insert(201, ok);
+        if conflicts > 0 {
+            t.statuses.insert(409, conflicts);
+        }
+        t.elapsed = Duration::from_secs(seconds);
+        t
+    }
+
+    #[test]
+    fn quantiles_of_a_known_distribution() {
+        let mut l = Latencies::new();
+        for us in 1..=1000 {
+            l.record(Duration::from_micros(us));
+        }
+        assert_eq!(l.count(), 1000);
+        // Three significant digits: exact below 2048 µs.
+        assert_eq!(l.quantile_us(0.5), 500);
+        assert_eq!(l.quantile_us(0.99), 990);
+        assert_eq!(l.quantile_us(1.0), 1000);
+    }
+
+    #[test]
+    fn quantiles_clamp_and_merge() {
+        let mut a = Latencies::new();
+        a.record(Duration::from_nanos(10)); // below 1 µs counts as 1 µs
+        let mut b = Latencies::new();
+        b.record(Duration::from_secs(3600)); // beyond the range counts as its top
+        a.merge(&b);
+        assert_eq!(a.count(), 2);
+        assert_eq!(a.quantile_us(0.0), 1);
+        assert!(a.quantile_us(1.0) >= 59_900_000);
+        assert_eq!(Latencies::new().quantile_us(0.5), 0);
+    }
+
+    #[test]
+    fn failures_do_not_count_as_throughput() {
+        let mut t = traffic(1000, 9000, 2, 100);
+        t.transport_errors = 5;
+        assert_eq!(t.successes(), 1000);
+        assert_eq!(t.failures(), 9005);
+        assert_eq!(t.rps(), 500.0);
+    }
+
+    #[test]
+    fn audit_counts_keys_and_duplicates() {
+        let once = Executions {
+            lanes: vec![vec![1, 1, 0], vec![1]],
+            probes: vec![1, 1],
+            unattributed: 0,
+        };
+        let audit = Audit::of(&once);
+        assert_eq!(audit.executions, 5);
+        assert_eq!(audit.distinct_keys, 5);
+        assert_eq!(audit.duplicated_keys, 0);
+        assert!(audit.exactly_once());
+
+        let replayed_twice = Executions {
+            lanes: vec![vec![1, 3]],
+            ..once.clone()
+        };
+        let audit = Audit::of(&replayed_twice);
+        assert_eq!((audit.executions, audit.duplicated_keys), (6, 1));
+        assert!(!audit.exactly_once());
+
+        let duplicate_probe = Executions {
+            probes: vec![1, 2],
+            ..once.clone()
+        };
+        assert!(!Audit::of(&duplicate_probe).exactly_once());
+        let lost_probe = Executions {
+            probes: vec![1, 0],
+            ..once.clone()
+        };
+        assert!(!Audit::of(&lost_probe).exactly_once());
+        let unattributed = Executions {
+            unattributed: 1,
+            ..once
+        };
+        assert!(!Audit::of(&unattributed).exactly_once());
+        assert!(!Audit::default().exactly_once(), "no probe, no verdict");
+    }
+
+    fn row() -> Row {
+        Row {
+            implementation: Implementation::Tower,
+            scenario: Scenario::Replay,
+            store: StoreKind::Memory,
+        }
+    }
+
+    fn good_audit() -> Audit {
+        Audit::of(&Executions {
+            lanes: vec![vec![1]],
+            probes: vec![1],
+            unattributed: 0,
+        })
+    }
+
+    #[test]
+    fn summary_takes_the_median_round_and_all_verdicts() {
+        let mut slow = traffic(100, 0, 1, 900);
+        slow.replayed = 100;
+        let mut median = traffic(200, 0, 1, 500);
+        median.replayed = 200;
+        let mut fast = traffic(300, 0, 1, 300);
+        fast.replayed = 300;
+        let bad = Audit {
+            duplicated_keys: 1,
+            ..good_audit()
+        };
+        let record = summarize(
+            row(),
+            &[(fast, good_audit()), (slow, bad), (median, good_audit())],
+        );
+        assert_eq!(record.rps, 200.0);
+        assert_eq!(record.p50_us, 500);
+        assert_eq!(record.rounds_rps, vec![300.0, 100.0, 200.0]);
+        assert!(!record.correct, "one bad round makes the row incorrect");
+        assert!(problems(&record).is_empty());
+    }
+
+    #[test]
+    fn problems_flag_errors_and_rows_that_did_not_replay() {
+        let record = summarize(row(), &[(traffic(10, 990, 1, 100), good_audit())]);
+        assert_eq!(record.rps, 10.0, "409s are not throughput");
+        let problems = problems(&record);
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(problems[0].contains("990 of 1000"));
+        assert!(problems[1].contains("0 of 1000"));
+    }
+
+    #[test]
+    fn json_shape() {
+        let mut t = traffic(2000, 0, 2, 250);
+        t.replayed = 2000;
+        let http = summarize(row(), &[(t, good_audit())]);
+        let memory = MemoryRecord {
+            implementation: "idempotent-tower".into(),
+            store: "memory".into(),
+            records: 100_000,
+            body_bytes: 200,
+            payload_bytes: 300,
+            rss_before: 1 << 20,
+            rss_after: 61 << 20,
+            bytes_per_record: 629,
+            charged_bytes_per_record: 428,
+        };
+        let json = serde_json::to_value(vec![Record::Http(http), Record::Memory(memory)]).unwrap();
+        let http = &json[0];
+        assert_eq!(http["mode"], "http");
+        assert_eq!(http["implementation"], "idempotent-tower");
+        assert_eq!(http["scenario"], "replay");
+        assert_eq!(http["store"], "memory");
+        assert_eq!(http["rps"], 1000.0);
+        assert_eq!(http["p50_us"], 250);
+        assert_eq!(http["p99_us"], 250);
+        assert_eq!(http["correct"], true);
+        assert_eq!(http["statuses"]["201"], 2000);
+        let memory = &json[1];
+        assert_eq!(memory["mode"], "memory");
+        assert_eq!(memory["records"], 100_000);
+        assert_eq!(memory["bytes_per_record"], 629);
+    }
+
+    #[test]
+    fn json_file_keeps_the_other_mode() {
+        let dir =
+            std::env::temp_dir().join(format!("idempotent-bench-test-{}", std::process::id()));
+        let path = dir.join("http.json");
+        let http = summarize(row(), &[(traffic(1, 0, 1, 1), good_audit())]);
+        let memory = MemoryRecord {
+            implementation: "idempotent-tower".into(),
+            store: "memory".into(),
+            records: 1,
+            body_bytes: 200,
+            payload_bytes: 1,
+            rss_before: 0,
+            rss_after: 0,
+            bytes_per_record: 0,
+            charged_bytes_per_record: 0,
+        };
+        write_json(&path, vec![Record::Memory(memory.clone())]).unwrap();
+        write_json(&path, vec![Record::Http(http.clone())]).unwrap();
+        write_json(&path, vec![Record::Http(http.clone())]).unwrap();
+        let all: Vec<Record> = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(all, vec![Record::Memory(memory), Record::Http(http)]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn table_marks_incorrect_rows() {
+        let bare = HttpRecord {
+            implementation: "bare".into(),
+            scenario: "none".into(),
+            store: "none".into(),
+            correct: false,
+            ..summarize(row(), &[(traffic(40_000, 0, 1, 1500), good_audit())])
+        };
+        let ours = summarize(row(), &[(traffic(38_000, 0, 1, 1600), good_audit())]);
+        let table = markdown_table(&[bare, ours]);
+        assert!(table.contains("| bare | none | none | 40,000 | 100 % | 1,500 |"));
+        assert!(table.contains("| **no** |"));
+        assert!(table.contains("| idempotent-tower | replay | memory | 38,000 | 95 % |"));
+    }
+}

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The HTTP benchmark (idempotent-tower against a bare handler and the peer crates, on the memory
+# store and, when available, Redis and PostgreSQL) and the memory store's footprint per record.
+# BENCHMARKS.md explains the rows and how to read them.
+#
+#   bash scripts/bench.sh                  # full run: 3 rounds of 3 s warm-up + 10 s timed per row
+#                                          # (about 9 minutes with Redis and PostgreSQL)
+#   bash scripts/bench.sh --quick          # 1 round of 1 s + 3 s per row (about a minute): CI-sized
+#   bash scripts/bench.sh --no-backends    # without the Redis and PostgreSQL rows
+#   bash scripts/bench.sh --only idempotent-tower --duration 20   # any idempotent-bench option
+#
+# The harness is the `idempotent-bench` package (bench/), built in release. The peer crates are
+# compiled in with RUSTFLAGS="--cfg idempotent_bench_peers", and the build uses
+# `cargo --ignore-rust-version` because `idempotent` 2.0.0 declares rust-version 1.98, above the
+# toolchain this workspace uses (it builds and runs on it).
+#
+# Redis and PostgreSQL come from scripts/services.sh (installed from Debian packages when
+# missing, started on free loopback ports, stopped on exit) unless IDEMPOTENT_TEST_REDIS_URL and
+# IDEMPOTENT_TEST_POSTGRES_URL are already set. The table is printed; the JSON goes to
+# target/bench/http.json (under CARGO_TARGET_DIR when set). Exits non-zero when a row had
+# errors or did not replay.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+backends=1
+args=()
+for arg in "$@"; do
+    case "$arg" in
+        --no-backends) backends=0 ;;
+        *) args+=("$arg") ;;
+    esac
+done
+
+target_dir="${CARGO_TARGET_DIR:-target}"
+
+echo "==> building idempotent-bench (release, peers compiled in, --ignore-rust-version)" >&2
+RUSTFLAGS="${RUSTFLAGS:-} --cfg idempotent_bench_peers" \
+    cargo build --release --locked -p idempotent-bench --ignore-rust-version
+
+if [ "$backends" = 1 ]; then
+    source scripts/services.sh
+    if [ -z "${IDEMPOTENT_TEST_REDIS_URL:-}" ] || [ -z "${IDEMPOTENT_TEST_POSTGRES_URL:-}" ]; then
+        trap stop_services EXIT
+        [ -n "${IDEMPOTENT_TEST_REDIS_URL:-}" ] || start_redis >&2
+        [ -n "${IDEMPOTENT_TEST_POSTGRES_URL:-}" ] || start_postgres >&2
+    fi
+else
+    unset IDEMPOTENT_TEST_REDIS_URL IDEMPOTENT_TEST_POSTGRES_URL
+fi
+
+echo "==> $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), load average $(cut -d' ' -f1-3 /proc/loadavg)" >&2
+"$target_dir/release/idempotent-bench" all --out "$target_dir/bench/http.json" "${args[@]}"
