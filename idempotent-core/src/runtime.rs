@@ -198,7 +198,9 @@ impl Call {
 ///    the maximum result size is recorded as "not retained": retries fail with
 ///    [`Error::ResultNotRetained`] rather than running the work again.
 /// 4. **Cancellation and panics**: if the call's future is dropped or the work panics, the claim
-///    is released in the background, so the key is never locked beyond the work's life.
+///    is released in the background, so the key is never locked beyond the work's life. If it
+///    is dropped after the work has run, while its result is being recorded, the recording
+///    finishes in the background: a retry replays the result instead of running the work again.
 /// 5. **Store failures** before the work runs fail the call with [`Error::Store`] (fail closed).
 ///    If completing fails after the work ran, the call still returns its fresh value and logs
 ///    the failure: the claim then ends with its lease.
@@ -430,11 +432,11 @@ impl Idempotency {
         match classify(&value) {
             Retain::Store(result) => {
                 guard.armed = false;
-                self.complete(&key, token, Some(&result), ttl).await;
+                self.complete_detached(key, token, Some(result), ttl).await;
             }
             Retain::CompleteWithoutResult => {
                 guard.armed = false;
-                self.complete(&key, token, None, ttl).await;
+                self.complete_detached(key, token, None, ttl).await;
             }
             Retain::Release => {
                 guard.armed = false;
@@ -510,6 +512,22 @@ impl Idempotency {
         }
     }
 
+    /// Records the outcome, and keeps recording it if the caller stops waiting: once the work
+    /// has run, abandoning the write would leave the claim to lapse and a retry to run the work
+    /// again.
+    fn complete_detached(
+        &self,
+        key: StorageKey,
+        token: FencingToken,
+        result: Option<Bytes>,
+        ttl: Duration,
+    ) -> FinishOnDrop {
+        let this = self.clone();
+        FinishOnDrop(Some(Box::pin(async move {
+            this.complete(&key, token, result.as_deref(), ttl).await;
+        })))
+    }
+
     async fn complete(
         &self,
         key: &StorageKey,
@@ -556,6 +574,35 @@ impl Idempotency {
                 error = &error as &dyn std::error::Error,
                 "idempotent call ran but could not record its result; the claim ends with its lease and a later retry runs the work again"
             ),
+        }
+    }
+}
+
+/// A store write polled in place, finished on a spawned task if dropped before it completes.
+struct FinishOnDrop(Option<BoxFuture<'static, ()>>);
+
+impl Future for FinishOnDrop {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(write) = self.0.as_mut() else {
+            return Poll::Ready(());
+        };
+        ready!(write.as_mut().poll(cx));
+        self.0 = None;
+        Poll::Ready(())
+    }
+}
+
+impl Drop for FinishOnDrop {
+    fn drop(&mut self) {
+        let Some(write) = self.0.take() else { return };
+        if std::thread::panicking() {
+            return;
+        }
+        // Without a runtime the write is lost; the claim then ends with its lease.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(write);
         }
     }
 }

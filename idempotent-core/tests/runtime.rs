@@ -648,3 +648,64 @@ async fn distinct_keys_run_independently() {
     }
     assert_eq!(runs.load(Ordering::SeqCst), 100);
 }
+
+/// A memory store whose writes of completed records take a while, like a remote store's.
+#[derive(Clone)]
+struct SlowComplete(MemoryStore);
+
+impl Store for SlowComplete {
+    async fn claim(
+        &self,
+        key: &StorageKey,
+        f: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.0.claim(key, f, lease).await
+    }
+    async fn complete(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        payload: Bytes,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        self.0.complete(key, token, payload, ttl).await
+    }
+    async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
+        self.0.release(key, token).await
+    }
+    async fn renew(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        self.0.renew(key, token, lease).await
+    }
+}
+
+#[tokio::test]
+async fn caller_giving_up_during_the_completion_write_still_records_the_result() {
+    let idem = Idempotency::builder(SlowComplete(MemoryStore::new()))
+        .lease(Duration::from_secs(1))
+        .build();
+    let runs = Arc::new(AtomicUsize::new(0));
+    // The work finishes at once; the caller stops waiting while the result is being written.
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(50),
+        idem.run(&call("k"), counted(&runs)),
+    )
+    .await;
+    assert!(abandoned.is_err(), "the caller gave up during the write");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // Well past the lease: without the write, the claim would have lapsed and the retry run.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let retry = idem.run(&call("k"), counted(&runs)).await.unwrap();
+    assert!(
+        retry.is_replayed(),
+        "the result was recorded after the caller left"
+    );
+    assert_eq!(retry.into_inner(), 1);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
