@@ -74,7 +74,7 @@ impl Error {
             Error::FingerprintMismatch => "fingerprint_mismatch",
             Error::InFlight { .. } => "in_flight",
             Error::ResultNotRetained => "result_not_retained",
-            Error::CorruptRecord(_) => "corrupt_record",
+            Error::CorruptRecord(_) | Error::Store(StoreError::Corrupt(_)) => "corrupt_record",
             Error::Fingerprint(_) => "invalid_fingerprint",
             Error::Payload(_) => "payload_error",
             Error::Store(StoreError::Capacity { .. }) => "store_capacity",

@@ -709,3 +709,33 @@ async fn caller_giving_up_during_the_completion_write_still_records_the_result()
     assert_eq!(retry.into_inner(), 1);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// Regression: when a completion did not fit a store full to its byte bound, the fallback
+/// "done, result not retained" record was refused too; the claim lapsed and the work ran again.
+#[tokio::test]
+async fn full_byte_bound_still_records_a_call_that_ran() {
+    let clock = idempotent_core::ManualClock::new();
+    let store = MemoryStore::builder()
+        .max_entries(10)
+        .max_bytes(idempotent_core::memory::RECORD_OVERHEAD)
+        .sweep_interval(None)
+        .clock(clock.clone())
+        .build();
+    let idem = Idempotency::builder(store)
+        .lease(Duration::from_secs(1))
+        .build();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let work = |runs: &Arc<AtomicUsize>| {
+        let runs = Arc::clone(runs);
+        async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            "r".repeat(200) // too large for the bytes left
+        }
+    };
+    let first = idem.run(&call("k"), work(&runs)).await.unwrap();
+    assert_eq!(first.into_inner().len(), 200, "the caller gets its result");
+    clock.advance(Duration::from_secs(2)); // past the lease
+    let retry = idem.run(&call("k"), work(&runs)).await.unwrap_err();
+    assert!(matches!(retry, Error::ResultNotRetained), "{retry:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran once");
+}

@@ -65,7 +65,7 @@ impl Problem {
                 "Response not retained",
                 "a request with this idempotency key was already processed, but its response was too large to keep for replay; it will not be processed again",
             ),
-            Error::CorruptRecord(_) => Problem::new(
+            Error::CorruptRecord(_) | Error::Store(StoreError::Corrupt(_)) => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 code,
                 "Idempotency record unreadable",

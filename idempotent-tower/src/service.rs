@@ -12,7 +12,7 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use idempotent_core::{Call, Error, Execution, Fingerprint, Key, Retain, StorageKey};
+use idempotent_core::{Call, Error, Execution, Fingerprint, Key, Retain, StorageKey, StoreError};
 use tower_service::Service;
 
 use crate::body::{RequestBody, ResponseBody};
@@ -162,11 +162,23 @@ impl Config {
     fn retains<B: Body>(&self, captured: &Captured<B>) -> bool {
         match self.protocol {
             Protocol::Http => (self.retain)(captured.status()),
-            Protocol::Grpc => {
-                let status = captured.grpc_status();
-                captured.status() == StatusCode::OK
-                    && status.is_some_and(|code| (self.grpc_retain)(code))
-            }
+            Protocol::Grpc => match captured {
+                Captured::Complete { .. } => {
+                    captured.status() == StatusCode::OK
+                        && captured
+                            .grpc_status()
+                            .is_some_and(|code| (self.grpc_retain)(code))
+                }
+                // The body was not read whole, so the grpc-status in its trailers is unknown;
+                // the handler ran and answered, so the call is recorded rather than released
+                // unless a trailers-only status says it failed transiently.
+                Captured::TooLarge { .. } | Captured::Failed { .. } => {
+                    captured.status() == StatusCode::OK
+                        && captured
+                            .grpc_status()
+                            .is_none_or(|code| (self.grpc_retain)(code))
+                }
+            },
         }
     }
 }
@@ -406,7 +418,9 @@ where
         }
         Ok(Execution::Fresh(Err(error))) => Err(error),
         Ok(Execution::Replayed(stored)) => Ok(replay(stored, &storage_key, config.protocol)),
-        Err(Error::Store(error)) if fallback.is_some() => {
+        // Only an unreachable store is bypassed: a record that exists but cannot be read is a
+        // conflict, never "absent".
+        Err(Error::Store(error @ StoreError::Unavailable(_))) if fallback.is_some() => {
             let Some((mut inner, parts, body)) = fallback else {
                 unreachable!("checked by the guard")
             };

@@ -85,7 +85,7 @@ impl Handler {
             "/fail" => (500, format!("failure {n}")),
             "/declined" => (402, format!("declined {n}")),
             "/busy" => (429, format!("busy {n}")),
-            "/big" => (200, "x".repeat(4096)),
+            "/big" | "/grpc-big" => (200, "x".repeat(4096)),
             _ => (201, format!("run {n}: {}", String::from_utf8_lossy(&body))),
         };
         let mut response = Response::builder()
@@ -96,9 +96,13 @@ impl Handler {
         if path == "/cookie" {
             response = response.header("set-cookie", "session=secret");
         }
-        let trailers = (path == "/trailers").then(|| {
+        if path == "/grpc-big" {
+            response = response.header(CONTENT_TYPE, "application/grpc");
+        }
+        let trailers = (path == "/trailers" || path == "/grpc-big").then(|| {
             let mut trailers = HeaderMap::new();
             trailers.insert("x-checksum", HeaderValue::from(n));
+            trailers.insert("grpc-status", HeaderValue::from_static("0"));
             trailers
         });
         Ok(response
@@ -699,4 +703,72 @@ async fn problems_are_never_stored() {
     send(&svc, post("/p", Some("k"), "other")).await; // 422
     assert_eq!(store.stats().records, 1);
     assert!(send(&svc, post("/p", Some("k"), "x")).await.replayed());
+}
+
+/// Regression: an OK gRPC response too large to retain carries its grpc-status in trailers the
+/// layer never reads; it was released, and the retry ran the handler again.
+#[tokio::test]
+async fn oversized_grpc_response_is_recorded_not_released() {
+    let handler = Handler::new();
+    let layer = IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new()))
+        .grpc_methods(["/grpc-big"])
+        .max_response_body(1024);
+    let svc = stack(layer, &handler);
+    let first = send(&svc, post("/grpc-big", Some("k"), "x")).await;
+    assert_eq!(first.body.len(), 4096, "the client gets the whole response");
+    let retry = send(&svc, post("/grpc-big", Some("k"), "x")).await;
+    assert_eq!(retry.headers["grpc-status"], "6", "ALREADY_EXISTS");
+    assert_eq!(retry.headers["idempotent-error"], "result_not_retained");
+    assert_eq!(handler.runs(), 1);
+}
+
+/// A store holding a record it cannot decode.
+#[derive(Clone)]
+struct CorruptStore;
+
+impl Store for CorruptStore {
+    async fn claim(
+        &self,
+        _: &StorageKey,
+        _: &Fingerprint,
+        _: Duration,
+    ) -> Result<Claim, StoreError> {
+        Err(StoreError::Corrupt("fingerprint is not 32 bytes".into()))
+    }
+    async fn complete(
+        &self,
+        _: &StorageKey,
+        _: FencingToken,
+        _: Bytes,
+        _: Duration,
+    ) -> Result<(), StoreError> {
+        Err(StoreError::TokenRejected)
+    }
+    async fn release(&self, _: &StorageKey, _: FencingToken) -> Result<(), StoreError> {
+        Err(StoreError::TokenRejected)
+    }
+    async fn renew(&self, _: &StorageKey, _: FencingToken, _: Duration) -> Result<(), StoreError> {
+        Err(StoreError::TokenRejected)
+    }
+}
+
+/// Regression: fail-open bypassed a record that exists but cannot be read (a conflict, never
+/// "absent"), running a possibly completed request again; it was also reported as a retryable
+/// 503.
+#[tokio::test]
+async fn corrupt_record_is_never_bypassed_even_in_fail_open_mode() {
+    let handler = Handler::new();
+    for fail_open in [false, true] {
+        let layer = IdempotencyLayer::new(Idempotency::new(CorruptStore)).fail_open(fail_open);
+        let svc = stack(layer, &handler);
+        let answer = send(&svc, post("/p", Some("k"), "x")).await;
+        assert_eq!(
+            answer.status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "fail_open={fail_open}"
+        );
+        assert_eq!(answer.code(), "corrupt_record");
+        assert!(!answer.headers.contains_key(RETRY_AFTER));
+    }
+    assert_eq!(handler.runs(), 0);
 }

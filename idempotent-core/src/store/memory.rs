@@ -27,6 +27,10 @@ pub const RECORD_OVERHEAD: usize = 256;
 
 const NEVER: u64 = u64::MAX;
 
+/// Completions with payloads this small are accepted even when the byte bound is reached, so
+/// the byte bound can be exceeded by at most this much per in-flight record.
+const ALWAYS_FITS: usize = 64;
+
 /// A [`Store`] in this process's memory, the embedded default.
 ///
 /// It protects one process: use a shared store (Redis, PostgreSQL) when several instances serve
@@ -36,7 +40,9 @@ const NEVER: u64 = u64::MAX;
 ///   on one key exactly one wins.
 /// - **Bounded** by a number of records and a number of bytes (payload plus
 ///   [`RECORD_OVERHEAD`] per record); defaults [`DEFAULT_MAX_ENTRIES`] and
-///   [`DEFAULT_MAX_BYTES`]. When full of live records it refuses new claims with
+///   [`DEFAULT_MAX_BYTES`]. Completions of at most 64 bytes (the runtime's "done, result not
+///   retained" record) are accepted even at the byte bound, so a call that ran can always be
+///   recorded; the bound may be exceeded by that much per in-flight record. When full of live records it refuses new claims with
 ///   [`StoreError::Capacity`] — it never evicts a live record, because an evicted claim is a
 ///   second execution. Replays of existing records keep working when full.
 /// - **Reclaimed**: an expired record is replaced in place by the next claim on its key; a
@@ -425,8 +431,17 @@ impl Inner {
     ) -> Result<(), StoreError> {
         let now = self.now();
         let extra = payload.len();
-        // Reserve before locking the record; give it back if the token is rejected.
-        self.reserve(0, extra, now)?;
+        // Reserve before locking the record; give it back if the token is rejected. A payload of
+        // at most ALWAYS_FITS bytes is accepted even by a full store: that is how the runtime
+        // records "done, result not retained" when the result itself did not fit, and refusing
+        // it too would let the claim lapse and the work run again.
+        match self.reserve(0, extra, now) {
+            Ok(()) => {}
+            Err(_) if extra <= ALWAYS_FITS => {
+                self.bytes.fetch_add(extra, Ordering::AcqRel);
+            }
+            Err(full) => return Err(full),
+        }
         let completed = match self.records.get_mut(key) {
             Some(mut record) => match &*record {
                 Record::InFlight {
