@@ -461,53 +461,13 @@ impl Idempotency {
         policy: InFlightPolicy,
     ) -> Result<Acquired, Error> {
         let store = &*self.inner.store;
-        let deadline = match policy {
-            InFlightPolicy::Reject => None,
-            InFlightPolicy::Wait { max } => Some(tokio::time::Instant::now() + max),
-        };
-        let mut poll = FIRST_WAIT_POLL;
+        let mut answer = ClaimAnswer::new(policy);
         loop {
-            match store.claim(key, fingerprint, lease).await? {
-                Claim::Claimed(token) => return Ok(Acquired::Owner(token)),
-                Claim::Completed {
-                    fingerprint: recorded,
-                    payload,
-                } => {
-                    if recorded != *fingerprint {
-                        tracing::info!(storage_key = %key, "idempotency key reused with a different fingerprint");
-                        return Err(Error::FingerprintMismatch);
-                    }
-                    return match envelope::decode(&payload) {
-                        Ok(Stored::Value(bytes)) => Ok(Acquired::Replay(bytes)),
-                        Ok(Stored::NotRetained) => Err(Error::ResultNotRetained),
-                        Err(e) => {
-                            tracing::error!(storage_key = %key, error = %e, "corrupt idempotency record");
-                            Err(Error::CorruptRecord(e.into()))
-                        }
-                    };
-                }
-                Claim::InFlight {
-                    fingerprint: recorded,
-                    retry_after,
-                } => {
-                    if recorded != *fingerprint {
-                        tracing::info!(storage_key = %key, "idempotency key reused with a different fingerprint");
-                        return Err(Error::FingerprintMismatch);
-                    }
-                    let hint = retry_after.min(MAX_IN_FLIGHT_RETRY_HINT);
-                    let now = tokio::time::Instant::now();
-                    let Some(left) = deadline.and_then(|d| d.checked_duration_since(now)) else {
-                        tracing::debug!(storage_key = %key, "idempotent call in flight");
-                        return Err(Error::InFlight { retry_after: hint });
-                    };
-                    if left.is_zero() {
-                        return Err(Error::InFlight { retry_after: hint });
-                    }
-                    store
-                        .wait_for_change(key, poll.min(left).min(retry_after.max(FIRST_WAIT_POLL)))
-                        .await;
-                    poll = (poll * 2).min(LAST_WAIT_POLL);
-                }
+            let claim = store.claim(key, fingerprint, lease).await?;
+            match answer.step(key, fingerprint, claim)? {
+                Step::Owner(token) => return Ok(Acquired::Owner(token)),
+                Step::Replay(bytes) => return Ok(Acquired::Replay(bytes)),
+                Step::Wait(wait) => store.wait_for_change(key, wait).await,
             }
         }
     }
@@ -603,6 +563,85 @@ impl Drop for FinishOnDrop {
         // Without a runtime the write is lost; the claim then ends with its lease.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(write);
+        }
+    }
+}
+
+/// What a call does next with a store's answer to its claim.
+pub(crate) enum Step {
+    /// The call owns the key: run the work.
+    Owner(FencingToken),
+    /// An earlier call completed: replay these result bytes.
+    Replay(Bytes),
+    /// The key is in flight and the call waits: claim again after at most this long.
+    Wait(Duration),
+}
+
+/// How a call answers what its claims find, under its in-flight policy. Every claim loop (the
+/// runtime's, and the PostgreSQL transactional mode's) decides through this one, so they agree
+/// on fingerprint checks, corrupt records, retry hints and how long to wait.
+pub(crate) struct ClaimAnswer {
+    deadline: Option<tokio::time::Instant>,
+    poll: Duration,
+}
+
+impl ClaimAnswer {
+    pub(crate) fn new(policy: InFlightPolicy) -> Self {
+        ClaimAnswer {
+            deadline: match policy {
+                InFlightPolicy::Reject => None,
+                InFlightPolicy::Wait { max } => Some(tokio::time::Instant::now() + max),
+            },
+            poll: FIRST_WAIT_POLL,
+        }
+    }
+
+    /// The next step for a call with `fingerprint` whose claim on `key` found `claim`.
+    pub(crate) fn step(
+        &mut self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        claim: Claim,
+    ) -> Result<Step, Error> {
+        let (recorded, found) = match claim {
+            Claim::Claimed(token) => return Ok(Step::Owner(token)),
+            Claim::Completed {
+                fingerprint,
+                payload,
+            } => (fingerprint, Ok(payload)),
+            Claim::InFlight {
+                fingerprint,
+                retry_after,
+            } => (fingerprint, Err(retry_after)),
+        };
+        if recorded != *fingerprint {
+            tracing::info!(storage_key = %key, "idempotency key reused with a different fingerprint");
+            return Err(Error::FingerprintMismatch);
+        }
+        match found {
+            Ok(payload) => match envelope::decode(&payload) {
+                Ok(Stored::Value(bytes)) => Ok(Step::Replay(bytes)),
+                Ok(Stored::NotRetained) => Err(Error::ResultNotRetained),
+                Err(e) => {
+                    tracing::error!(storage_key = %key, error = %e, "corrupt idempotency record");
+                    Err(Error::CorruptRecord(e.into()))
+                }
+            },
+            Err(retry_after) => {
+                let hint = retry_after.min(MAX_IN_FLIGHT_RETRY_HINT);
+                let now = tokio::time::Instant::now();
+                let left = self
+                    .deadline
+                    .and_then(|d| d.checked_duration_since(now))
+                    .filter(|left| !left.is_zero());
+                let Some(left) = left else {
+                    tracing::debug!(storage_key = %key, "idempotent call in flight");
+                    return Err(Error::InFlight { retry_after: hint });
+                };
+                let wait = self.poll.min(left).min(retry_after.max(FIRST_WAIT_POLL));
+                self.poll = (self.poll * 2).min(LAST_WAIT_POLL);
+                Ok(Step::Wait(wait))
+            }
         }
     }
 }

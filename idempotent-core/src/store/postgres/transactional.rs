@@ -12,10 +12,11 @@ use sqlx::Executor as _;
 use sqlx::postgres::PgConnection;
 
 use super::{DEFAULT_TABLE, Sql, micros, store_error, token_param};
-use crate::envelope::{self, Stored};
+use crate::envelope;
+use crate::runtime::{ClaimAnswer, Step};
 use crate::{
-    Claim, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Error, FencingToken, Fingerprint,
-    InFlightPolicy, Key, MAX_IN_FLIGHT_RETRY_HINT, Retain, Scope, StorageKey, StoreError,
+    DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Error, FencingToken, Fingerprint,
+    InFlightPolicy, Key, Retain, Scope, StorageKey, StoreError,
 };
 
 /// The savepoint the work runs under, so that a failed call can undo its own writes. Sent
@@ -24,9 +25,6 @@ const SAVEPOINT: &str = "SAVEPOINT idempotent_work";
 const RELEASE_SAVEPOINT: &str = "RELEASE SAVEPOINT idempotent_work";
 const ROLLBACK_TO_SAVEPOINT: &str =
     "ROLLBACK TO SAVEPOINT idempotent_work; RELEASE SAVEPOINT idempotent_work";
-
-const FIRST_WAIT_POLL: Duration = Duration::from_millis(5);
-const LAST_WAIT_POLL: Duration = Duration::from_millis(200);
 
 /// Exactly-once database work: the claim, your writes and the completed record commit together
 /// in **your** transaction, or not at all.
@@ -334,18 +332,14 @@ impl TransactionalCall<'_> {
         let runtime = self.runtime;
         let key = self.storage_key();
         let lease = self.lease.unwrap_or(runtime.lease);
-        let deadline = match self.in_flight.unwrap_or(runtime.in_flight) {
-            InFlightPolicy::Wait { max } => Some(tokio::time::Instant::now() + max),
-            _ => None,
-        };
-        let mut poll = FIRST_WAIT_POLL;
+        let mut answer = ClaimAnswer::new(self.in_flight.unwrap_or(runtime.in_flight));
         loop {
             let claim = runtime
                 .sql
                 .claim_on(connection, &key, &self.fingerprint, lease)
                 .await?;
-            match claim {
-                Claim::Claimed(token) => {
+            match answer.step(&key, &self.fingerprint, claim)? {
+                Step::Owner(token) => {
                     let pending = PendingRecord {
                         sql: Arc::clone(&runtime.sql),
                         key,
@@ -357,44 +351,13 @@ impl TransactionalCall<'_> {
                     tracing::debug!(storage_key = %key, token = token.get(), "transactional call claimed");
                     return Ok(RawClaim::Run(pending));
                 }
-                Claim::Completed {
-                    fingerprint,
-                    payload,
-                } => {
-                    if fingerprint != self.fingerprint {
-                        tracing::info!(storage_key = %key, "idempotency key reused with a different fingerprint");
-                        return Err(Error::FingerprintMismatch);
-                    }
-                    return match envelope::decode(&payload) {
-                        Ok(Stored::Value(bytes)) => {
-                            tracing::debug!(storage_key = %key, "transactional call replayed");
-                            Ok(RawClaim::Replay(bytes))
-                        }
-                        Ok(Stored::NotRetained) => Err(Error::ResultNotRetained),
-                        Err(e) => {
-                            tracing::error!(storage_key = %key, error = %e, "corrupt idempotency record");
-                            Err(Error::CorruptRecord(e.into()))
-                        }
-                    };
+                Step::Replay(bytes) => {
+                    tracing::debug!(storage_key = %key, "transactional call replayed");
+                    return Ok(RawClaim::Replay(bytes));
                 }
-                Claim::InFlight {
-                    fingerprint,
-                    retry_after,
-                } => {
-                    if fingerprint != self.fingerprint {
-                        tracing::info!(storage_key = %key, "idempotency key reused with a different fingerprint");
-                        return Err(Error::FingerprintMismatch);
-                    }
-                    let hint = retry_after.min(MAX_IN_FLIGHT_RETRY_HINT);
-                    let left = deadline
-                        .and_then(|d| d.checked_duration_since(tokio::time::Instant::now()))
-                        .filter(|left| !left.is_zero());
-                    let Some(left) = left else {
-                        return Err(Error::InFlight { retry_after: hint });
-                    };
-                    tokio::time::sleep(poll.min(left).min(retry_after.max(FIRST_WAIT_POLL))).await;
-                    poll = (poll * 2).min(LAST_WAIT_POLL);
-                }
+                // The connection is inside the caller's transaction: nothing to be notified
+                // on, so poll.
+                Step::Wait(wait) => tokio::time::sleep(wait).await,
             }
         }
     }
