@@ -38,6 +38,8 @@
 //! to a provider without idempotency keys). Write such an effect as a row of an outbox table in
 //! the same transaction, and deliver it from there.
 
+mod common;
+
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -66,10 +68,7 @@ fn config() -> Result<Config, String> {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_owned())
         .unwrap_or_else(|_| "host".into());
-    let claim_idle = var("CLAIM_IDLE", "5s");
-    let claim_idle = parse_duration(&claim_idle).ok_or_else(|| {
-        format!("CLAIM_IDLE={claim_idle:?} is not a duration like 500ms, 5s or 1m")
-    })?;
+    let claim_idle = common::parse_duration("CLAIM_IDLE", &var("CLAIM_IDLE", "5s"))?;
     let delay = var("EFFECT_DELAY_MS", "0");
     let effect_delay = delay
         .parse()
@@ -88,19 +87,6 @@ fn config() -> Result<Config, String> {
         claim_idle,
         effect_delay,
     })
-}
-
-fn parse_duration(value: &str) -> Option<Duration> {
-    let split = value.find(|c: char| !c.is_ascii_digit())?;
-    let (number, unit) = value.split_at(split);
-    let number: u64 = number.parse().ok()?;
-    let millis = match unit {
-        "ms" => number,
-        "s" => number.checked_mul(1000)?,
-        "m" => number.checked_mul(60_000)?,
-        _ => return None,
-    };
-    (millis > 0).then(|| Duration::from_millis(millis))
 }
 
 /// One stream entry, as delivered.

@@ -65,7 +65,9 @@ pub(crate) fn settings(default_port: u16) -> Result<Settings, String> {
     })
 }
 
-fn parse_duration(name: &str, value: &str) -> Result<Duration, String> {
+/// Parses `value`, the variable `name`'s, as a duration: a number followed by `ms`, `s`, `m`,
+/// `h` or `d`, greater than zero.
+pub(crate) fn parse_duration(name: &str, value: &str) -> Result<Duration, String> {
     let bad = || format!("{name}={value:?} is not a duration like 500ms, 30s, 15m, 24h or 7d");
     let split = value.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
     let (number, unit) = value.split_at(split);
