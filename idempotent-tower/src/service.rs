@@ -12,7 +12,7 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use idempotent_core::{Call, Error, Execution, Fingerprint, Key, Retain, StorageKey, StoreError};
+use idempotent_core::{Call, Error, Execution, Fingerprint, Idempotency, Key, Retain, StoreError};
 use tower_service::Service;
 
 use crate::body::{RequestBody, ResponseBody};
@@ -378,7 +378,7 @@ where
     if let Some(policy) = config.in_flight {
         call = call.in_flight(policy);
     }
-    let storage_key = config.idempotency.storage_key(&call);
+    let storage_key = LoggedKey(&config.idempotency, &call);
     let fallback = config
         .fail_open
         .then(|| (inner.clone(), parts.clone(), body.clone()));
@@ -417,7 +417,7 @@ where
             Ok(captured.into_response())
         }
         Ok(Execution::Fresh(Err(error))) => Err(error),
-        Ok(Execution::Replayed(stored)) => Ok(replay(stored, &storage_key, config.protocol)),
+        Ok(Execution::Replayed(stored)) => Ok(replay(stored, storage_key, config.protocol)),
         // Only an unreachable store is bypassed: a record that exists but cannot be read is a
         // conflict, never "absent".
         Err(Error::Store(error @ StoreError::Unavailable(_))) if fallback.is_some() => {
@@ -457,9 +457,20 @@ where
     }
 }
 
+/// A call's storage key as a log field: derived only when an event is actually recorded, so
+/// that requests do not pay for a second digest (the runtime derives its own) just to log.
+#[derive(Clone, Copy)]
+struct LoggedKey<'a>(&'a Idempotency, &'a Call);
+
+impl fmt::Display for LoggedKey<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0.storage_key(self.1), f)
+    }
+}
+
 fn replay<B: Body>(
     stored: Bytes,
-    storage_key: &StorageKey,
+    storage_key: LoggedKey<'_>,
     protocol: Protocol,
 ) -> Response<ResponseBody<B>> {
     match crate::record::decode(stored) {
