@@ -52,6 +52,14 @@ pub enum Error {
     #[error("cannot encode or decode the result")]
     Payload(#[source] BoxError),
 
+    /// The call's claim was lost while its work ran: its lease ended before a renewal got
+    /// through (the store stalled or was unreachable), or another owner took the key over.
+    /// Returned by [`ClaimHandle::check`](crate::ClaimHandle::check) and answered to a client
+    /// whose request was stopped because of it. Client: retry with the same key after
+    /// `retry_after`: the retry is answered by whichever owner holds the key now.
+    #[error("the request lost its claim on the idempotency key while running")]
+    ClaimLost,
+
     /// The store failed; see the source. The work was not run (fail closed).
     #[error("idempotency store failed")]
     Store(#[from] StoreError),
@@ -62,6 +70,7 @@ impl Error {
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             Error::InFlight { retry_after } => Some(*retry_after),
+            Error::ClaimLost => Some(crate::MAX_IN_FLIGHT_RETRY_HINT),
             Error::Store(e) => e.retry_after(),
             _ => None,
         }
@@ -74,6 +83,7 @@ impl Error {
             Error::FingerprintMismatch => "fingerprint_mismatch",
             Error::InFlight { .. } => "in_flight",
             Error::ResultNotRetained => "result_not_retained",
+            Error::ClaimLost => "claim_lost",
             Error::CorruptRecord(_) | Error::Store(StoreError::Corrupt(_)) => "corrupt_record",
             Error::Fingerprint(_) => "invalid_fingerprint",
             Error::Payload(_) => "payload_error",

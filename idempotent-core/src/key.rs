@@ -273,16 +273,37 @@ impl StorageKey {
         &self.0
     }
 
+    /// The key to hand to a downstream system for this operation (a payment provider's
+    /// `Idempotency-Key`, a consumer that deduplicates, the outbox relay).
+    ///
+    /// It is the same for every owner and every attempt of one operation (it depends only on
+    /// the storage key: namespace, scope and client key), differs across scopes and namespaces,
+    /// and reveals nothing of the client's key or of the storage key (it is a separate blake3
+    /// derivation of the storage key). It is 64 lowercase hex characters: a valid [`Key`], and
+    /// a valid idempotency key for providers that accept up to 255 printable characters.
+    ///
+    /// The derivation is stable across processes, platforms and releases of this crate.
+    pub fn operation_key(&self) -> Key {
+        let digest = blake3::derive_key(OPERATION_KEY_CONTEXT, &self.0);
+        Key(hex(&digest).into_boxed_str())
+    }
+
     /// The digest as 64 lowercase hex characters, suitable as a backend key.
     pub fn to_hex(&self) -> String {
-        let mut out = String::with_capacity(64);
-        for b in self.0 {
-            out.push(char::from(HEX[usize::from(b >> 4)]));
-            out.push(char::from(HEX[usize::from(b & 0xf)]));
-        }
-        out
+        hex(&self.0)
     }
 }
+
+fn hex(bytes: &[u8; 32]) -> String {
+    let mut out = String::with_capacity(64);
+    for &b in bytes {
+        out.push(char::from(HEX[usize::from(b >> 4)]));
+        out.push(char::from(HEX[usize::from(b & 0xf)]));
+    }
+    out
+}
+
+const OPERATION_KEY_CONTEXT: &str = "idempotent 2026-11 downstream operation key v1";
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
 

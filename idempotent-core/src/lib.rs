@@ -111,6 +111,7 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod claim;
 mod clock;
 mod envelope;
 mod error;
@@ -127,6 +128,7 @@ pub mod __private;
 #[cfg(feature = "test-util")]
 pub mod conformance;
 
+pub use claim::ClaimHandle;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{BoxError, Error, StoreError};
 pub use fingerprint::{CanonicalError, Fingerprint, FingerprintBuilder};
@@ -136,8 +138,8 @@ pub use key::{Key, KeyError, MAX_KEY_LEN, Scope, StorageKey};
 pub use macro_support::idempotent;
 pub use macro_support::{ToKey, default_runtime, set_default_runtime};
 pub use runtime::{
-    Call, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Execution, Idempotency,
-    IdempotencyBuilder, InFlightPolicy, MAX_IN_FLIGHT_RETRY_HINT, Outcome, Retain,
+    Call, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_RECORD_RETRY, DEFAULT_TTL, Execution,
+    Idempotency, IdempotencyBuilder, InFlightPolicy, MAX_IN_FLIGHT_RETRY_HINT, Outcome, Retain,
 };
 pub use store::{Claim, FencingToken, Store};
 

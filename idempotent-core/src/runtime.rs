@@ -11,6 +11,7 @@ use bytes::Bytes;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::claim::{ClaimHandle, Renewal, bounded};
 use crate::envelope::{self, Stored};
 use crate::store::{BoxFuture, DynStore};
 use crate::{Claim, Error, FencingToken, Fingerprint, Key, Scope, StorageKey, Store, StoreError};
@@ -21,6 +22,10 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// Default largest result retained for replay: 1 MiB.
 pub const DEFAULT_MAX_RESULT_BYTES: usize = 1 << 20;
+
+/// Default bound on retrying a result that could not be recorded: 60 seconds. See
+/// [`IdempotencyBuilder::record_retry`].
+pub const DEFAULT_RECORD_RETRY: Duration = Duration::from_secs(60);
 
 /// What a call does when it finds its key claimed by a call still running.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -218,6 +223,7 @@ struct Inner {
     lease: Duration,
     in_flight: InFlightPolicy,
     max_result_bytes: usize,
+    record_retry: Duration,
 }
 
 impl fmt::Debug for Idempotency {
@@ -228,6 +234,7 @@ impl fmt::Debug for Idempotency {
             .field("lease", &self.inner.lease)
             .field("in_flight", &self.inner.in_flight)
             .field("max_result_bytes", &self.inner.max_result_bytes)
+            .field("record_retry", &self.inner.record_retry)
             .finish_non_exhaustive()
     }
 }
@@ -241,6 +248,7 @@ pub struct IdempotencyBuilder {
     lease: Duration,
     in_flight: InFlightPolicy,
     max_result_bytes: usize,
+    record_retry: Duration,
 }
 
 impl fmt::Debug for IdempotencyBuilder {
@@ -282,6 +290,19 @@ impl IdempotencyBuilder {
         self
     }
 
+    /// How long a result that could not be recorded (the store was unreachable, full or
+    /// slow when the work finished) keeps being retried (default [`DEFAULT_RECORD_RETRY`]).
+    ///
+    /// Meanwhile the claim's lease is kept alive, so duplicates are answered "in flight"
+    /// rather than run again, and they replay the result once it is written. Retrying stops
+    /// early when the store rejects the claim's token (another owner took over). At the bound,
+    /// the call is recorded without its result if the store takes that; otherwise the claim
+    /// ends with its lease.
+    pub fn record_retry(mut self, bound: Duration) -> Self {
+        self.record_retry = bound;
+        self
+    }
+
     /// Builds the runtime.
     pub fn build(self) -> Idempotency {
         Idempotency {
@@ -292,6 +313,7 @@ impl IdempotencyBuilder {
                 lease: self.lease,
                 in_flight: self.in_flight,
                 max_result_bytes: self.max_result_bytes,
+                record_retry: self.record_retry,
             }),
         }
     }
@@ -320,6 +342,7 @@ impl Idempotency {
             lease: DEFAULT_LEASE,
             in_flight: InFlightPolicy::Reject,
             max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
+            record_retry: DEFAULT_RECORD_RETRY,
         }
     }
 
@@ -360,9 +383,11 @@ impl Idempotency {
                 }
                 match serde_json::to_vec(value) {
                     Ok(bytes) => Retain::Store(Bytes::from(bytes)),
+                    // The work ran: record that it did, so a retry is refused with
+                    // `ResultNotRetained` instead of running it again.
                     Err(e) => {
                         encode_error = Some(e);
-                        Retain::Release
+                        Retain::CompleteWithoutResult
                     }
                 }
             })
@@ -394,6 +419,8 @@ impl Idempotency {
         let fingerprint = call.fingerprint.unwrap_or_else(Fingerprint::empty);
         let lease = call.lease.unwrap_or(inner.lease);
         let ttl = call.ttl.unwrap_or(inner.ttl);
+        // The lease is counted from before the claim was sent: never longer than the store's.
+        let claimed_at = tokio::time::Instant::now();
         let token = match self
             .acquire(
                 &key,
@@ -411,35 +438,31 @@ impl Idempotency {
         };
         tracing::debug!(storage_key = %key, token = token.get(), "idempotent call claimed");
 
+        let claim = ClaimHandle::leased(Arc::clone(&inner.store), key, token, lease);
         let mut guard = ClaimGuard {
             store: &inner.store,
             key,
             token,
             armed: true,
         };
-        let mut work = std::pin::pin!(work);
-        let value = Renewing {
-            work: work.as_mut(),
-            store: &*inner.store,
-            key: &key,
-            token,
-            lease,
-            timer: None,
-            renewal: None,
-            lost: false,
-        }
+        // The lease is renewed on a task of its own, started only once the work first returns
+        // pending: work that finishes at once costs nothing.
+        let mut renewal: Option<Renewal> = None;
+        let mut work = std::pin::pin!(claim.clone().scope(work));
+        let value = std::future::poll_fn(|cx| {
+            let polled = work.as_mut().poll(cx);
+            if polled.is_pending() && renewal.is_none() {
+                renewal = Renewal::start(&claim, claimed_at);
+            }
+            polled
+        })
         .await;
-        match classify(&value) {
-            Retain::Store(result) => {
-                guard.armed = false;
-                self.complete_detached(key, token, Some(result), ttl).await;
-            }
-            Retain::CompleteWithoutResult => {
-                guard.armed = false;
-                self.complete_detached(key, token, None, ttl).await;
-            }
+        let result = match classify(&value) {
+            Retain::Store(result) => Some(result),
+            Retain::CompleteWithoutResult => None,
             Retain::Release => {
                 guard.armed = false;
+                drop(renewal);
                 match inner.store.release(&key, token).await {
                     Ok(()) => tracing::debug!(storage_key = %key, "idempotent call released"),
                     Err(error) => tracing::warn!(
@@ -448,8 +471,18 @@ impl Idempotency {
                         "idempotent call could not release its claim; it ends with its lease"
                     ),
                 }
+                return Ok(Execution::Fresh(value));
             }
-        }
+        };
+        guard.armed = false;
+        self.record_detached(Recording {
+            claim,
+            claimed_at,
+            renewal,
+            result,
+            ttl,
+        })
+        .await;
         Ok(Execution::Fresh(value))
     }
 
@@ -475,30 +508,28 @@ impl Idempotency {
     /// Records the outcome, and keeps recording it if the caller stops waiting: once the work
     /// has run, abandoning the write would leave the claim to lapse and a retry to run the work
     /// again.
-    fn complete_detached(
-        &self,
-        key: StorageKey,
-        token: FencingToken,
-        result: Option<Bytes>,
-        ttl: Duration,
-    ) -> FinishOnDrop {
+    fn record_detached(&self, recording: Recording) -> FinishOnDrop {
         let this = self.clone();
-        FinishOnDrop(Some(Box::pin(async move {
-            this.complete(&key, token, result.as_deref(), ttl).await;
-        })))
+        FinishOnDrop(Some(Box::pin(async move { this.record(recording).await })))
     }
 
-    async fn complete(
-        &self,
-        key: &StorageKey,
-        token: FencingToken,
-        result: Option<&[u8]>,
-        ttl: Duration,
-    ) {
-        let store = &*self.inner.store;
-        let (payload, retained) = match result {
+    /// Writes the completed record. The first attempt is made here; if the store fails
+    /// transiently, the write is retried with backoff on a task of its own (the caller gets its
+    /// value now) while the lease is kept alive, so duplicates are answered "in flight" and
+    /// then replayed, never run again. It gives up when the store rejects the token (the claim
+    /// is provably lost) or after the runtime's record retry bound.
+    async fn record(&self, recording: Recording) {
+        let Recording {
+            claim,
+            claimed_at,
+            renewal,
+            result,
+            ttl,
+        } = recording;
+        let key = claim.storage_key();
+        let payload = match result {
             Some(result) if result.len() <= self.inner.max_result_bytes => {
-                (envelope::encode_value(result), true)
+                Payload::Value(envelope::encode_value(&result))
             }
             Some(result) => {
                 tracing::warn!(
@@ -507,35 +538,154 @@ impl Idempotency {
                     max = self.inner.max_result_bytes,
                     "idempotent result too large to retain; retries will get result_not_retained"
                 );
-                (envelope::encode_not_retained(), false)
+                Payload::NotRetained
             }
-            None => (envelope::encode_not_retained(), false),
+            None => Payload::NotRetained,
         };
-        let outcome = match store.complete(key, token, payload, ttl).await {
-            // The result does not fit the store: record that the call happened, so a retry is
-            // refused instead of running the work again.
-            Err(StoreError::Capacity { what }) if retained => {
-                tracing::warn!(storage_key = %key, what, "idempotency store full; recording the call without its result");
-                store
-                    .complete(key, token, envelope::encode_not_retained(), ttl)
-                    .await
+        let limit = attempt_limit(claim.lease());
+        let error = match self.complete_once(&claim, &payload, ttl, limit).await {
+            Ok(()) => return,
+            Err(error) => error,
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        tracing::warn!(
+            storage_key = %key,
+            error = %error,
+            "idempotent call ran but its result could not be recorded yet; retrying while its claim is kept alive"
+        );
+        let renewal = renewal.or_else(|| Renewal::start(&claim, claimed_at));
+        let this = self.clone();
+        runtime.spawn(async move {
+            this.record_with_retries(claim, payload, ttl, renewal).await;
+        });
+    }
+
+    async fn record_with_retries(
+        &self,
+        claim: ClaimHandle,
+        payload: Payload,
+        ttl: Duration,
+        renewal: Option<Renewal>,
+    ) {
+        let key = claim.storage_key();
+        let limit = attempt_limit(claim.lease());
+        let deadline = tokio::time::Instant::now() + self.inner.record_retry;
+        let mut backoff = FIRST_RECORD_BACKOFF;
+        let mut attempts = 1u32;
+        loop {
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(LAST_RECORD_BACKOFF);
+            attempts += 1;
+            let error = match self.complete_once(&claim, &payload, ttl, limit).await {
+                Ok(()) => {
+                    tracing::info!(storage_key = %key, attempts, "idempotent result recorded after retries");
+                    return;
+                }
+                Err(RecordError::Lost) => return,
+                Err(error) => error,
+            };
+            if tokio::time::Instant::now() >= deadline {
+                // Last resort: at least record that the call ran, so a retry is refused rather
+                // than run again.
+                if matches!(payload, Payload::Value(_))
+                    && self
+                        .complete_once(&claim, &Payload::NotRetained, ttl, limit)
+                        .await
+                        .is_ok()
+                {
+                    tracing::error!(storage_key = %key, attempts, "idempotent result could not be recorded; recorded the call without it (retries get result_not_retained)");
+                    return;
+                }
+                drop(renewal);
+                tracing::error!(
+                    storage_key = %key,
+                    attempts,
+                    error = %error,
+                    "idempotent call ran but its result could not be recorded; gave up, the claim ends with its lease and a later retry may run the work again"
+                );
+                return;
             }
-            other => other,
-        };
-        match outcome {
-            Ok(()) => tracing::debug!(storage_key = %key, "idempotent call completed"),
-            Err(StoreError::TokenRejected) => tracing::error!(
-                storage_key = %key,
-                token = token.get(),
-                "idempotent call lost its claim before completing (lease ended and another call took over): the work may have run twice; raise the lease"
-            ),
-            Err(error) => tracing::error!(
-                storage_key = %key,
-                error = &error as &dyn std::error::Error,
-                "idempotent call ran but could not record its result; the claim ends with its lease and a later retry runs the work again"
-            ),
         }
     }
+
+    /// One bounded attempt at completing the record.
+    async fn complete_once(
+        &self,
+        claim: &ClaimHandle,
+        payload: &Payload,
+        ttl: Duration,
+        limit: Duration,
+    ) -> Result<(), RecordError> {
+        let key = claim.storage_key();
+        let bytes = match payload {
+            Payload::Value(bytes) => bytes.clone(),
+            Payload::NotRetained => envelope::encode_not_retained(),
+        };
+        claim.set_recording(true);
+        let outcome = bounded(
+            self.inner.store.complete(&key, claim.token(), bytes, ttl),
+            limit,
+        )
+        .await;
+        claim.set_recording(false);
+        match outcome {
+            Some(Ok(())) => {
+                tracing::debug!(storage_key = %key, "idempotent call completed");
+                Ok(())
+            }
+            Some(Err(StoreError::TokenRejected)) => {
+                claim.mark_lost("the store rejected its token when the result was recorded");
+                Err(RecordError::Lost)
+            }
+            Some(Err(error)) => Err(RecordError::Store(error)),
+            None => Err(RecordError::TimedOut(limit)),
+        }
+    }
+}
+
+/// Everything needed to record a call's outcome once its work has run.
+struct Recording {
+    claim: ClaimHandle,
+    claimed_at: tokio::time::Instant,
+    renewal: Option<Renewal>,
+    result: Option<Bytes>,
+    ttl: Duration,
+}
+
+enum Payload {
+    /// An encoded envelope holding the result.
+    Value(Bytes),
+    /// The call ran; its result is not kept.
+    NotRetained,
+}
+
+enum RecordError {
+    Lost,
+    Store(StoreError),
+    TimedOut(Duration),
+}
+
+impl fmt::Display for RecordError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RecordError::Lost => f.write_str("the claim was lost"),
+            RecordError::Store(error) => {
+                write!(f, "{error}: {:?}", std::error::Error::source(error))
+            }
+            RecordError::TimedOut(limit) => write!(f, "the store did not answer within {limit:?}"),
+        }
+    }
+}
+
+const FIRST_RECORD_BACKOFF: Duration = Duration::from_millis(20);
+const LAST_RECORD_BACKOFF: Duration = Duration::from_secs(2);
+
+/// How long one store write may take before it is abandoned and tried again: a third of the
+/// lease (the renewal period), at least 10 ms.
+fn attempt_limit(lease: Duration) -> Duration {
+    (lease / 3).max(Duration::from_millis(10))
 }
 
 /// A store write polled in place, finished on a spawned task if dropped before it completes.
@@ -677,72 +827,6 @@ impl Drop for ClaimGuard<'_> {
                     );
                 }
             });
-        }
-    }
-}
-
-/// Polls the work and renews the lease every third of it, concurrently. The renewal timer is
-/// created only once the work first returns pending, so work that finishes at once costs nothing.
-struct Renewing<'a, W> {
-    work: W,
-    store: &'a dyn DynStore,
-    key: &'a StorageKey,
-    token: FencingToken,
-    lease: Duration,
-    timer: Option<Pin<Box<tokio::time::Sleep>>>,
-    renewal: Option<BoxFuture<'a, Result<(), StoreError>>>,
-    lost: bool,
-}
-
-impl<W> Renewing<'_, W> {
-    fn every(&self) -> Duration {
-        (self.lease / 3).max(Duration::from_millis(1))
-    }
-}
-
-impl<W: Future + Unpin> Future for Renewing<'_, W> {
-    type Output = W::Output;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<W::Output> {
-        let this = self.get_mut();
-        if let Poll::Ready(out) = Pin::new(&mut this.work).poll(cx) {
-            return Poll::Ready(out);
-        }
-        if this.lost {
-            return Poll::Pending;
-        }
-        loop {
-            if let Some(renewal) = &mut this.renewal {
-                let result = ready!(renewal.as_mut().poll(cx));
-                this.renewal = None;
-                match result {
-                    Ok(()) => {}
-                    Err(StoreError::TokenRejected) => {
-                        tracing::error!(
-                            storage_key = %this.key,
-                            "idempotent call lost its claim while running (its lease ended): another call may run the same work; raise the lease"
-                        );
-                        this.lost = true;
-                        this.timer = None;
-                        return Poll::Pending;
-                    }
-                    Err(error) => tracing::warn!(
-                        storage_key = %this.key,
-                        error = &error as &dyn std::error::Error,
-                        "could not renew an idempotency lease; retrying"
-                    ),
-                }
-                let next = tokio::time::Instant::now() + this.every();
-                if let Some(timer) = &mut this.timer {
-                    timer.as_mut().reset(next);
-                }
-            }
-            let every = this.every();
-            let timer = this
-                .timer
-                .get_or_insert_with(|| Box::pin(tokio::time::sleep(every)));
-            ready!(timer.as_mut().poll(cx));
-            this.renewal = Some(this.store.renew(this.key, this.token, this.lease));
         }
     }
 }

@@ -12,7 +12,9 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use idempotent_core::{Call, Error, Execution, Fingerprint, Idempotency, Key, Retain, StoreError};
+use idempotent_core::{
+    Call, ClaimHandle, Error, Execution, Fingerprint, Idempotency, Key, Retain, StoreError,
+};
 use tower_service::Service;
 
 use crate::body::{RequestBody, ResponseBody};
@@ -387,6 +389,12 @@ where
     let max_response = config.max_response_body;
     let work = async move {
         let mut inner = inner;
+        let mut request = request;
+        // The handler reads the claim (fencing token, downstream operation key, loss signal)
+        // as a request extension.
+        if let Some(claim) = ClaimHandle::current() {
+            request.extensions_mut().insert(claim);
+        }
         match inner.call(request).await {
             Ok(response) => Ok(capture(response, max_response).await),
             Err(error) => Err(error),

@@ -15,8 +15,8 @@ use super::{DEFAULT_TABLE, Sql, micros, store_error, token_param};
 use crate::envelope;
 use crate::runtime::{ClaimAnswer, Step};
 use crate::{
-    DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Error, FencingToken, Fingerprint,
-    InFlightPolicy, Key, Retain, Scope, StorageKey, StoreError,
+    ClaimHandle, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Error, FencingToken,
+    Fingerprint, InFlightPolicy, Key, Retain, Scope, StorageKey, StoreError,
 };
 
 /// The savepoint the work runs under, so that a failed call can undo its own writes. Sent
@@ -256,6 +256,7 @@ pub struct PendingRecord {
     key: StorageKey,
     token: FencingToken,
     ttl: Duration,
+    lease: Duration,
     max_result_bytes: usize,
 }
 
@@ -345,6 +346,7 @@ impl TransactionalCall<'_> {
                         key,
                         token,
                         ttl: self.ttl.unwrap_or(runtime.ttl),
+                        lease,
                         max_result_bytes: runtime.max_result_bytes,
                     };
                     pending.savepoint(connection).await?;
@@ -372,6 +374,18 @@ impl PendingRecord {
     /// The claim's fencing token.
     pub fn token(&self) -> FencingToken {
         self.token
+    }
+
+    /// The claim as the work sees it: its fencing token, its downstream operation key, and
+    /// whether it is held (see [`ClaimHandle`]).
+    ///
+    /// Here the claim is a row of the caller's open transaction: other callers wait on the row
+    /// until the transaction ends, so the claim cannot be lost while the work runs, and
+    /// [`ClaimHandle::check`] answers `Ok` without a round trip. Effects outside the database
+    /// still need the [operation key](ClaimHandle::operation_key): a crash before the commit
+    /// undoes the record but not a call already made to another system.
+    pub fn claim(&self) -> ClaimHandle {
+        ClaimHandle::transactional(self.key, self.token, self.lease)
     }
 
     /// Records `value` (as JSON) as the call's result in `connection`'s transaction. Commit the
