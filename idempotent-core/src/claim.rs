@@ -57,17 +57,19 @@ tokio::task_local! {
 /// # async fn main() -> Result<(), idempotent_core::Error> {
 /// let idempotency = Idempotency::new(MemoryStore::new());
 /// let call = Call::new("charge-1".parse()?);
-/// let charge = idempotency
+/// let receipt = idempotency
 ///     .run(&call, async {
 ///         let claim = ClaimHandle::current().expect("inside run");
-///         // Same key for every attempt of this operation: the provider charges once.
-///         let provider_key = claim.operation_key();
 ///         // Ask the store before the irreversible step.
-///         claim.check().await?;
-///         Ok::<_, idempotent_core::Error>(format!("charged with key {}", provider_key.as_str()))
+///         if claim.check().await.is_err() {
+///             return None; // lost (or unknown): do not charge
+///         }
+///         // The same key for every attempt of this operation: the provider charges once.
+///         let provider_key = claim.operation_key();
+///         Some(format!("charged with idempotency key {}", provider_key.as_str()))
 ///     })
-///     .await?
-///     .into_inner()?;
+///     .await?;
+/// # let charge = receipt;
 /// # let _ = charge;
 /// # Ok(())
 /// # }
@@ -116,6 +118,7 @@ impl ClaimHandle {
 
     /// A claim held by an open database transaction: it cannot be lost while the transaction
     /// is open, and nothing of it survives if the transaction does not commit.
+    #[cfg(feature = "postgres")]
     pub(crate) fn transactional(key: StorageKey, token: FencingToken, lease: Duration) -> Self {
         Self::with_store(None, key, token, lease)
     }
@@ -276,7 +279,7 @@ impl Renewal {
 }
 
 /// Renews every third of the lease. A failed or hung attempt (each is bounded by the time left
-/// on the lease and by a third of it) is retried with backoff until the lease, as counted from
+/// on the lease and by [`attempt_limit`]) is retried with backoff until the lease, as counted from
 /// the last renewal *sent* that succeeded, has ended: then the claim is lost. A rejected token
 /// means another owner holds the key: lost at once.
 async fn renew(claim: ClaimHandle, claimed_at: Instant) {
@@ -295,7 +298,7 @@ async fn renew(claim: ClaimHandle, claimed_at: Instant) {
             claim.mark_lost("its lease ended before a renewal got through");
             return;
         }
-        let limit = (held_until - sent).min(every);
+        let limit = (held_until - sent).min(attempt_limit(lease));
         match tokio::time::timeout(limit, store.renew(&key, token, lease)).await {
             Ok(Ok(())) => {
                 held_until = sent + lease;
@@ -326,6 +329,13 @@ async fn renew(claim: ClaimHandle, claimed_at: Instant) {
             }
         }
     }
+}
+
+/// How long one store operation on a claim (a renewal, a completion write) may take before it
+/// is abandoned and tried again: a sixth of the lease (half the renewal period), at least
+/// 10 ms. Two hung attempts in a row then still leave a third of the lease for the next.
+pub(crate) fn attempt_limit(lease: Duration) -> Duration {
+    (lease / 6).max(Duration::from_millis(10))
 }
 
 /// `future`, failing with `None` if it has not finished within `limit`. The timer is created

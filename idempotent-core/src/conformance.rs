@@ -40,6 +40,13 @@
 //! [`advance`](Harness::advance) by sleeping and choose a short
 //! [`time_unit`](Harness::time_unit). Every check uses fresh random storage keys, so the checks
 //! may run concurrently against one shared server.
+//!
+//! [`FaultyStore`] wraps any store and injects faults (a failing, full, hung or slow store, a
+//! lost reply) into chosen operations, to test what happens around a store that misbehaves.
+
+mod faults;
+
+pub use faults::{Fault, Faults, FaultyStore, Op};
 
 use std::future::Future;
 use std::io::Write;

@@ -162,8 +162,9 @@ pub use store::RedisStore;
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres {
     pub use crate::store::postgres::{
-        DEFAULT_REAP_BATCH, DEFAULT_REAP_GRACE, DEFAULT_TABLE, InvalidTableName, PendingRecord,
-        PostgresStore, PostgresStoreBuilder, Transactional, TransactionalCall, TransactionalClaim,
+        DEFAULT_FENCE_TABLE, DEFAULT_REAP_BATCH, DEFAULT_REAP_GRACE, DEFAULT_TABLE, Fence,
+        FenceError, InvalidTableName, PendingRecord, PostgresStore, PostgresStoreBuilder,
+        Transactional, TransactionalCall, TransactionalClaim,
     };
 }
 #[cfg(feature = "postgres")]

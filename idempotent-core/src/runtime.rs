@@ -11,7 +11,7 @@ use bytes::Bytes;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::claim::{ClaimHandle, Renewal, bounded};
+use crate::claim::{ClaimHandle, Renewal, attempt_limit, bounded};
 use crate::envelope::{self, Stored};
 use crate::store::{BoxFuture, DynStore};
 use crate::{Claim, Error, FencingToken, Fingerprint, Key, Scope, StorageKey, Store, StoreError};
@@ -545,6 +545,10 @@ impl Idempotency {
         let limit = attempt_limit(claim.lease());
         let error = match self.complete_once(&claim, &payload, ttl, limit).await {
             Ok(()) => return,
+            Err(RecordError::Lost) => {
+                claim.mark_lost("the store rejected its token when the result was recorded");
+                return;
+            }
             Err(error) => error,
         };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -583,21 +587,15 @@ impl Idempotency {
                     tracing::info!(storage_key = %key, attempts, "idempotent result recorded after retries");
                     return;
                 }
-                Err(RecordError::Lost) => return,
+                // An earlier attempt may have landed with its reply lost, or another owner
+                // took over after the lease lapsed: either way nothing is left to write.
+                Err(RecordError::Lost) => {
+                    tracing::warn!(storage_key = %key, attempts, "the store rejected the claim's token while the result was being recorded again: an earlier attempt landed, or the claim was lost");
+                    return;
+                }
                 Err(error) => error,
             };
             if tokio::time::Instant::now() >= deadline {
-                // Last resort: at least record that the call ran, so a retry is refused rather
-                // than run again.
-                if matches!(payload, Payload::Value(_))
-                    && self
-                        .complete_once(&claim, &Payload::NotRetained, ttl, limit)
-                        .await
-                        .is_ok()
-                {
-                    tracing::error!(storage_key = %key, attempts, "idempotent result could not be recorded; recorded the call without it (retries get result_not_retained)");
-                    return;
-                }
                 drop(renewal);
                 tracing::error!(
                     storage_key = %key,
@@ -610,7 +608,9 @@ impl Idempotency {
         }
     }
 
-    /// One bounded attempt at completing the record.
+    /// One attempt at completing the record. A result the store has no room for is replaced
+    /// by the small "ran, result not retained" record, so that a retry is refused rather than
+    /// run again (a store full of live records may stay full).
     async fn complete_once(
         &self,
         claim: &ClaimHandle,
@@ -619,10 +619,33 @@ impl Idempotency {
         limit: Duration,
     ) -> Result<(), RecordError> {
         let key = claim.storage_key();
-        let bytes = match payload {
-            Payload::Value(bytes) => bytes.clone(),
-            Payload::NotRetained => envelope::encode_not_retained(),
-        };
+        match payload {
+            Payload::Value(bytes) => {
+                match self
+                    .complete_bounded(claim, bytes.clone(), ttl, limit)
+                    .await
+                {
+                    Err(RecordError::Store(StoreError::Capacity { what })) => {
+                        tracing::warn!(storage_key = %key, what, "idempotency store full; recording the call without its result");
+                    }
+                    other => return other,
+                }
+            }
+            Payload::NotRetained => {}
+        }
+        self.complete_bounded(claim, envelope::encode_not_retained(), ttl, limit)
+            .await
+    }
+
+    /// One `complete`, abandoned after `limit`.
+    async fn complete_bounded(
+        &self,
+        claim: &ClaimHandle,
+        bytes: Bytes,
+        ttl: Duration,
+        limit: Duration,
+    ) -> Result<(), RecordError> {
+        let key = claim.storage_key();
         claim.set_recording(true);
         let outcome = bounded(
             self.inner.store.complete(&key, claim.token(), bytes, ttl),
@@ -635,10 +658,7 @@ impl Idempotency {
                 tracing::debug!(storage_key = %key, "idempotent call completed");
                 Ok(())
             }
-            Some(Err(StoreError::TokenRejected)) => {
-                claim.mark_lost("the store rejected its token when the result was recorded");
-                Err(RecordError::Lost)
-            }
+            Some(Err(StoreError::TokenRejected)) => Err(RecordError::Lost),
             Some(Err(error)) => Err(RecordError::Store(error)),
             None => Err(RecordError::TimedOut(limit)),
         }
@@ -681,12 +701,6 @@ impl fmt::Display for RecordError {
 
 const FIRST_RECORD_BACKOFF: Duration = Duration::from_millis(20);
 const LAST_RECORD_BACKOFF: Duration = Duration::from_secs(2);
-
-/// How long one store write may take before it is abandoned and tried again: a third of the
-/// lease (the renewal period), at least 10 ms.
-fn attempt_limit(lease: Duration) -> Duration {
-    (lease / 3).max(Duration::from_millis(10))
-}
 
 /// A store write polled in place, finished on a spawned task if dropped before it completes.
 struct FinishOnDrop(Option<BoxFuture<'static, ()>>);

@@ -1,6 +1,7 @@
 //! The PostgreSQL store: one row per record in a table shared by every app instance, and the
 //! transactional mode that commits the record in the caller's own transaction.
 
+mod fence;
 mod transactional;
 
 use std::fmt;
@@ -17,6 +18,7 @@ use sqlx::{Executor as _, Row as _};
 
 use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
 
+pub use self::fence::{DEFAULT_FENCE_TABLE, Fence, FenceError};
 pub(crate) use self::transactional::RawClaim;
 pub use self::transactional::{
     PendingRecord, Transactional, TransactionalCall, TransactionalClaim,

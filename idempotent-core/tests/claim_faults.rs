@@ -1,0 +1,491 @@
+//! The running claim under store faults, through the fault-injecting store wrapper: the handle
+//! the work holds (token, operation key, loss signal, check), renewal that survives failed and
+//! hung attempts and cannot be starved, and a result that ran and is never lost to a transient
+//! store error.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use idempotent_core::conformance::{Fault, Faults, FaultyStore, Op};
+use idempotent_core::{
+    Call, Claim, ClaimHandle, Error, Fingerprint, Idempotency, Key, ManualClock, MemoryStore,
+    Outcome, Scope, Store,
+};
+
+fn call(key: &str) -> Call {
+    Call::new(Key::new(key).unwrap())
+}
+
+fn faulty(lease: Duration) -> (Idempotency, Faults) {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    (Idempotency::builder(store).lease(lease).build(), faults)
+}
+
+/// Work that counts its executions, takes `delay`, and returns the count it saw.
+fn slow(runs: &Arc<AtomicUsize>, delay: Duration) -> impl Future<Output = usize> + use<> {
+    let runs = Arc::clone(runs);
+    async move {
+        let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+        tokio::time::sleep(delay).await;
+        n
+    }
+}
+
+async fn expect_in_flight(idem: &Idempotency, key: &str, runs: &Arc<AtomicUsize>) {
+    match idem.run(&call(key), slow(runs, Duration::ZERO)).await {
+        Err(Error::InFlight { .. }) => {}
+        other => panic!("the claim was not held: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn the_work_sees_its_claim_and_nothing_outside_does() {
+    assert!(ClaimHandle::current().is_none());
+    let idem = Idempotency::new(MemoryStore::new());
+    let key = idem.storage_key(&call("k"));
+    let seen = idem
+        .run(&call("k"), async {
+            let claim = ClaimHandle::current().expect("inside the work");
+            assert!(!claim.is_lost());
+            assert_eq!(claim.storage_key(), key);
+            claim.check().await.expect("held");
+            (
+                claim.token().get(),
+                claim.operation_key().as_str().to_owned(),
+            )
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(seen.1, key.operation_key().as_str());
+    assert!(ClaimHandle::current().is_none());
+    // A task spawned by the work does not inherit it.
+    let inherited = idem
+        .run(&call("spawned"), async {
+            tokio::spawn(async { ClaimHandle::current().is_some() })
+                .await
+                .unwrap()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!inherited);
+}
+
+#[tokio::test]
+async fn operation_key_is_one_per_operation_across_owners_and_distinct_across_scopes() {
+    let idem = Idempotency::new(MemoryStore::new());
+    let observe = |call: Call, release: bool| {
+        let idem = idem.clone();
+        async move {
+            idem.run_with(
+                &call,
+                async {
+                    let claim = ClaimHandle::current().unwrap();
+                    (
+                        claim.token().get(),
+                        claim.operation_key().as_str().to_owned(),
+                    )
+                },
+                move |_| !release,
+            )
+            .await
+            .unwrap()
+            .into_inner()
+        }
+    };
+    // The first owner fails transiently (released); the second attempt is a new owner.
+    let (first_token, first_key) = observe(call("order-1"), true).await;
+    let (second_token, second_key) = observe(call("order-1"), false).await;
+    assert!(
+        second_token > first_token,
+        "a new owner gets a higher token"
+    );
+    assert_eq!(
+        first_key, second_key,
+        "every owner passes the same key downstream"
+    );
+
+    let other_scope = observe(call("order-1").scope(Scope::new().principal("bob")), false).await;
+    assert_ne!(other_scope.1, first_key);
+    let other_namespace = Idempotency::builder(MemoryStore::new())
+        .namespace("another-app")
+        .build()
+        .run(&call("order-1"), async {
+            ClaimHandle::current()
+                .unwrap()
+                .operation_key()
+                .as_str()
+                .to_owned()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_ne!(other_namespace, first_key);
+
+    let text = first_key.as_str();
+    assert!(Key::new(text).is_ok());
+    assert_eq!(text.len(), 64);
+    assert!(text.bytes().all(|b| b.is_ascii_hexdigit()));
+    assert!(!text.contains("order"));
+    assert_ne!(text, idem.storage_key(&call("order-1")).to_hex());
+}
+
+#[tokio::test(start_paused = true)]
+async fn renewal_retries_failed_attempts_and_keeps_the_claim() {
+    let (idem, faults) = faulty(Duration::from_secs(3));
+    // Every renewal attempt in the first two seconds fails.
+    faults.fail_next(Op::Renew, 4, Fault::Unavailable);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let owner = tokio::spawn({
+        let (idem, work) = (idem.clone(), slow(&runs, Duration::from_secs(12)));
+        async move {
+            idem.run(&call("k"), async {
+                let claim = ClaimHandle::current().unwrap();
+                let n = work.await;
+                (n, claim.is_lost())
+            })
+            .await
+        }
+    });
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        expect_in_flight(&idem, "k", &runs).await;
+    }
+    let (n, lost) = owner.await.unwrap().unwrap().into_inner();
+    assert_eq!((n, lost), (1, false));
+    assert_eq!(faults.faulted(Op::Renew), 4);
+    assert!(
+        faults.calls(Op::Renew) > 4,
+        "renewal went on after the failures"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hung_renewal_does_not_block_the_next_one() {
+    let (idem, faults) = faulty(Duration::from_secs(3));
+    faults.fail_next(Op::Renew, 2, Fault::Hang);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let owner = tokio::spawn({
+        let (idem, work) = (idem.clone(), slow(&runs, Duration::from_secs(10)));
+        async move { idem.run(&call("k"), work).await }
+    });
+    for _ in 0..9 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        expect_in_flight(&idem, "k", &runs).await;
+    }
+    assert_eq!(owner.await.unwrap().unwrap(), Outcome::Fresh(1));
+    assert!(faults.calls(Op::Renew) >= 4, "{}", faults.calls(Op::Renew));
+}
+
+/// Regression: renewal was polled by the call's own future, so work that blocked its thread
+/// (or a caller that stopped polling) starved it and the claim lapsed while the work ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewal_is_not_starved_by_work_that_blocks_its_thread() {
+    let lease = Duration::from_millis(300);
+    let idem = Idempotency::builder(MemoryStore::new())
+        .lease(lease)
+        .build();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let owner = tokio::spawn({
+        let (idem, runs) = (idem.clone(), Arc::clone(&runs));
+        async move {
+            idem.run(&call("k"), async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                // Yield once so the renewal starts, then hold the thread for 4 leases.
+                tokio::task::yield_now().await;
+                std::thread::sleep(lease * 4);
+                ClaimHandle::current().unwrap().is_lost()
+            })
+            .await
+        }
+    });
+    for _ in 0..5 {
+        tokio::time::sleep(lease / 2).await;
+        expect_in_flight(&idem, "k", &runs).await;
+    }
+    let lost = owner.await.unwrap().unwrap().into_inner();
+    assert!(!lost);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_stalled_past_the_lease_signals_the_loss_when_the_lease_ends() {
+    let lease = Duration::from_secs(3);
+    let (idem, faults) = faulty(lease);
+    faults.fail(Op::Renew, Fault::Hang);
+    let started = tokio::time::Instant::now();
+    let (lost_after, checked) = idem
+        .run(&call("k"), async {
+            let claim = ClaimHandle::current().unwrap();
+            tokio::time::timeout(Duration::from_secs(30), claim.lost())
+                .await
+                .expect("the loss is signalled");
+            let checked = claim.check().await.map_err(|e| e.code().to_owned());
+            (started.elapsed(), checked)
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        lost_after <= lease,
+        "signalled {lost_after:?} after the claim, the lease is {lease:?}"
+    );
+    assert!(lost_after >= lease / 2, "too early: {lost_after:?}");
+    assert_eq!(checked, Err("claim_lost".to_owned()));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_takeover_is_signalled_at_the_next_renewal() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let lease = Duration::from_secs(3);
+    let idem = Idempotency::builder(store.clone()).lease(lease).build();
+    let key = idem.storage_key(&call("k"));
+    let owner = tokio::spawn({
+        let idem = idem.clone();
+        async move {
+            idem.run(&call("k"), async {
+                let claim = ClaimHandle::current().unwrap();
+                let started = tokio::time::Instant::now();
+                tokio::time::timeout(Duration::from_secs(30), claim.lost())
+                    .await
+                    .expect("the loss is signalled");
+                (claim.token().get(), started.elapsed())
+            })
+            .await
+        }
+    });
+    tokio::task::yield_now().await;
+    // The store's clock jumps past the lease (a stall) and a second owner takes over before
+    // the first renews.
+    clock.advance(lease * 2);
+    let Claim::Claimed(second) = store
+        .claim(&key, &Fingerprint::empty(), lease)
+        .await
+        .unwrap()
+    else {
+        panic!("takeover")
+    };
+    let (first, lost_after) = owner.await.unwrap().unwrap().into_inner();
+    assert!(second.get() > first);
+    assert!(
+        lost_after <= lease / 3 + Duration::from_millis(1),
+        "{lost_after:?}"
+    );
+    // The stale owner's result was not recorded over the new owner's claim.
+    assert!(matches!(
+        store
+            .claim(&key, &Fingerprint::empty(), lease)
+            .await
+            .unwrap(),
+        Claim::InFlight { .. }
+    ));
+}
+
+#[tokio::test(start_paused = true)]
+async fn check_asks_the_store_once() {
+    let (idem, faults) = faulty(Duration::from_secs(30));
+    let before = faults.calls(Op::Renew);
+    let outcome = idem
+        .run(&call("k"), async {
+            let claim = ClaimHandle::current().unwrap();
+            let first = claim.check().await.is_ok();
+            faults.fail_next(Op::Renew, 1, Fault::Unavailable);
+            let second = claim.check().await;
+            (
+                first,
+                matches!(second, Err(Error::Store(_))),
+                claim.is_lost(),
+            )
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        outcome,
+        (true, true, false),
+        "an unanswered check is not a loss"
+    );
+    assert_eq!(faults.calls(Op::Renew) - before, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_completion_write_is_retried_while_duplicates_are_held_off() {
+    let lease = Duration::from_secs(3);
+    let (idem, faults) = faulty(lease);
+    faults.fail(Op::Complete, Fault::Unavailable);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let first = idem
+        .run(&call("k"), slow(&runs, Duration::ZERO))
+        .await
+        .unwrap();
+    assert_eq!(
+        first,
+        Outcome::Fresh(1),
+        "the caller gets its value at once"
+    );
+    // Three leases later the claim is still held: renewed while the write is retried.
+    for _ in 0..9 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        expect_in_flight(&idem, "k", &runs).await;
+    }
+    assert!(faults.calls(Op::Complete) > 3);
+    faults.heal(Op::Complete);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let retry = idem
+        .run(&call("k"), slow(&runs, Duration::ZERO))
+        .await
+        .unwrap();
+    assert_eq!(retry, Outcome::Replayed(1));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_store_at_completion_keeps_the_result_until_space_frees() {
+    let (idem, faults) = faulty(Duration::from_secs(3));
+    // Neither the result nor the small "not retained" record fit.
+    faults.fail(Op::Complete, Fault::Full);
+    let runs = Arc::new(AtomicUsize::new(0));
+    idem.run(&call("k"), slow(&runs, Duration::ZERO))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    expect_in_flight(&idem, "k", &runs).await;
+    faults.heal(Op::Complete);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        idem.run(&call("k"), slow(&runs, Duration::ZERO))
+            .await
+            .unwrap(),
+        Outcome::Replayed(1),
+        "the result itself, not a not-retained record"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hung_completion_write_is_abandoned_and_tried_again() {
+    let lease = Duration::from_secs(3);
+    let (idem, faults) = faulty(lease);
+    faults.fail_next(Op::Complete, 1, Fault::Hang);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let started = tokio::time::Instant::now();
+    idem.run(&call("k"), slow(&runs, Duration::ZERO))
+        .await
+        .unwrap();
+    assert!(started.elapsed() <= lease / 3, "{:?}", started.elapsed());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        idem.run(&call("k"), slow(&runs, Duration::ZERO))
+            .await
+            .unwrap(),
+        Outcome::Replayed(1)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_completion_reply_does_not_run_the_work_again() {
+    let (idem, faults) = faulty(Duration::from_secs(3));
+    faults.fail_next(Op::Complete, 1, Fault::LoseReply);
+    let runs = Arc::new(AtomicUsize::new(0));
+    idem.run(&call("k"), slow(&runs, Duration::ZERO))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(
+        idem.run(&call("k"), slow(&runs, Duration::ZERO))
+            .await
+            .unwrap(),
+        Outcome::Replayed(1)
+    );
+    assert_eq!(
+        faults.calls(Op::Complete),
+        2,
+        "the retry stopped at the rejection"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn retrying_the_write_stops_when_another_owner_took_over() {
+    let lease = Duration::from_secs(3);
+    let (idem, faults) = faulty(lease);
+    // The store is unreachable for writes and renewals: the lease lapses.
+    faults.fail(Op::Complete, Fault::Unavailable);
+    faults.fail(Op::Renew, Fault::Unavailable);
+    let runs = Arc::new(AtomicUsize::new(0));
+    idem.run(&call("k"), slow(&runs, Duration::ZERO))
+        .await
+        .unwrap();
+    tokio::time::sleep(lease * 2).await;
+    faults.heal_all();
+    // The lease ended: the retry is a new owner (an effect the first owner made must be
+    // deduplicated downstream with the operation key).
+    assert_eq!(
+        idem.run(&call("k"), slow(&runs, Duration::ZERO))
+            .await
+            .unwrap(),
+        Outcome::Fresh(2)
+    );
+    let writes = faults.calls(Op::Complete);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(
+        faults.calls(Op::Complete) <= writes + 1,
+        "the stale owner stopped at its rejected token"
+    );
+    assert_eq!(
+        idem.run(&call("k"), slow(&runs, Duration::ZERO))
+            .await
+            .unwrap(),
+        Outcome::Replayed(2),
+        "the new owner's record stands"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn retrying_the_write_ends_at_the_documented_bound() {
+    let lease = Duration::from_secs(3);
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    let idem = Idempotency::builder(store)
+        .lease(lease)
+        .record_retry(Duration::from_secs(10))
+        .build();
+    faults.fail(Op::Complete, Fault::Unavailable);
+    let runs = Arc::new(AtomicUsize::new(0));
+    idem.run(&call("k"), slow(&runs, Duration::ZERO))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    expect_in_flight(&idem, "k", &runs).await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let writes = faults.calls(Op::Complete);
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(
+        faults.calls(Op::Complete),
+        writes,
+        "no write after the bound"
+    );
+}
+
+#[tokio::test]
+async fn an_unencodable_result_is_recorded_as_ran_never_released() {
+    use std::collections::BTreeMap;
+    let idem = Idempotency::new(MemoryStore::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    // JSON maps need string keys: this value cannot be encoded.
+    let work = |runs: &Arc<AtomicUsize>| {
+        let runs = Arc::clone(runs);
+        async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            BTreeMap::from([((1u8, 2u8), 3u8)])
+        }
+    };
+    let first = idem.run(&call("k"), work(&runs)).await;
+    assert!(matches!(first, Err(Error::Payload(_))), "{first:?}");
+    let retry = idem.run(&call("k"), work(&runs)).await;
+    assert!(matches!(retry, Err(Error::ResultNotRetained)), "{retry:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
