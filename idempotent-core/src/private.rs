@@ -28,6 +28,14 @@ use crate::{
     KeyError, Retain, Scope, ToKey,
 };
 
+/// The running claim, for `claim = name`: the expansion calls this at the top of the work,
+/// which the runtime (or, with `tx = ...`, [`postgres::with_claim`]) polls with the claim
+/// set, so it is always there.
+pub fn current_claim() -> crate::ClaimHandle {
+    crate::ClaimHandle::current()
+        .expect("the work of an #[idempotent] function runs with its claim set")
+}
+
 /// One call of an expanded function: where it runs and what identifies it. `R` is the runtime:
 /// an [`Idempotency`], or a transactional runtime with `tx = ...`.
 #[must_use]
@@ -437,6 +445,14 @@ pub mod postgres {
     pub struct Pending<O> {
         record: PendingRecord,
         output: PhantomData<fn() -> O>,
+    }
+
+    /// Runs the body with the pending record's claim as the current claim.
+    pub fn with_claim<O, F: Future>(
+        pending: &Pending<O>,
+        work: F,
+    ) -> impl Future<Output = F::Output> + use<O, F> {
+        pending.record.claim().scope(work)
     }
 
     /// Claims (`on_error = "release"`): `Continue` to run the body, or `Break` with the

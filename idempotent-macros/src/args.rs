@@ -18,10 +18,11 @@ mod kw {
     syn::custom_keyword!(wait);
     syn::custom_keyword!(runtime);
     syn::custom_keyword!(tx);
+    syn::custom_keyword!(claim);
 }
 
 const EXPECTED: &str = "`key`, `ttl`, `lease`, `scope`, `fingerprint`, `name`, `on_error`, \
-                        `in_flight`, `wait`, `runtime`, `tx` or `crate`";
+                        `in_flight`, `wait`, `runtime`, `tx`, `claim` or `crate`";
 
 /// The arguments, each with the keyword it was given under (for spans).
 #[derive(Default)]
@@ -37,6 +38,7 @@ pub(crate) struct Args {
     pub(crate) wait: Option<(kw::wait, Millis)>,
     pub(crate) runtime: Option<(kw::runtime, Expr)>,
     pub(crate) tx: Option<(kw::tx, Ident)>,
+    pub(crate) claim: Option<(kw::claim, Ident)>,
     pub(crate) krate: Option<(Token![crate], Path)>,
 }
 
@@ -88,6 +90,8 @@ impl Parse for Args {
                 assign(input, &mut args.runtime, Expr::parse)?;
             } else if lookahead.peek(kw::tx) {
                 assign(input, &mut args.tx, parameter_name)?;
+            } else if lookahead.peek(kw::claim) {
+                assign(input, &mut args.claim, binding_name)?;
             } else if lookahead.peek(Token![crate]) {
                 assign(input, &mut args.krate, Path::parse_mod_style)?;
             } else if input.peek(syn::Ident::peek_any) {
@@ -271,6 +275,23 @@ fn parameter_name(input: ParseStream<'_>) -> syn::Result<Ident> {
         syn::Error::new_spanned(
             expr,
             "expected the name of the parameter that holds the transaction, e.g. `tx = tx`",
+        )
+    })
+}
+
+/// `claim = <name>`: a new variable the body sees the claim under.
+fn binding_name(input: ParseStream<'_>) -> syn::Result<Ident> {
+    let expr: Expr = input.parse()?;
+    match &expr {
+        Expr::Path(path) if path.qself.is_none() && path.attrs.is_empty() => {
+            path.path.get_ident().cloned()
+        }
+        _ => None,
+    }
+    .ok_or_else(|| {
+        syn::Error::new_spanned(
+            expr,
+            "expected a variable name to bind the running claim to, e.g. `claim = claim`",
         )
     })
 }

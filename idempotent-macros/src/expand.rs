@@ -15,6 +15,9 @@ use crate::item::Function;
 pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> syn::Result<TokenStream> {
     match (Args::parse(args), Function::parse(item)) {
         (Ok(args), Ok(function)) => {
+            if let Some((_, name)) = &args.claim {
+                function.check_claim_binding(name)?;
+            }
             let transaction = match &args.tx {
                 Some((_, name)) => {
                     let ty = function.transaction_parameter(name)?.to_token_stream();
@@ -115,7 +118,17 @@ fn expand(args: Args, function: Function, transaction: Option<Transaction>) -> T
     let mut body = Group::new(Delimiter::Brace, body);
     body.set_span(brace);
     let invocation_var = Ident::new("__idempotent_invocation", Span::mixed_site());
-    let work = quote!(async move #body);
+    // `claim = name` binds the running claim at the top of the body.
+    let work = match &args.claim {
+        Some((_, name)) => {
+            let current = respan(quote!(#private::current_claim), name.span());
+            quote!(async move {
+                let #name = #current();
+                #body
+            })
+        }
+        None => quote!(async move #body),
+    };
     let statements = match transaction {
         None => {
             let run = if storing_errors {
@@ -151,7 +164,7 @@ fn expand(args: Args, function: Function, transaction: Option<Transaction>) -> T
                 let #output = {
                     #[allow(unused_variables)]
                     let #name = &mut *#name;
-                    #work
+                    #private::postgres::with_claim(&#pending, #work)
                 }
                 .await;
                 #finish(#pending, #connection, #output).await

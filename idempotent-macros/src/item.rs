@@ -51,6 +51,26 @@ impl Function {
 
     /// The type of the parameter `tx = name` names, checked to be a mutable reference: the
     /// expansion reborrows it for the claim, the body and the record in turn.
+    /// Checks that `claim = name` introduces a new variable rather than hiding a parameter.
+    pub(crate) fn check_claim_binding(&self, name: &Ident) -> syn::Result<()> {
+        let hides_parameter = self.sig.inputs.iter().any(|input| match input {
+            FnArg::Typed(PatType { pat, .. }) => {
+                matches!(&**pat, Pat::Ident(PatIdent { ident, .. }) if ident == name)
+            }
+            FnArg::Receiver(_) => name == "self",
+        });
+        if hides_parameter || name == "self" {
+            return Err(syn::Error::new_spanned(
+                name,
+                format!(
+                    "`claim = {name}` would hide the parameter `{name}`: expected a new \
+                     variable name, e.g. `claim = claim`"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     pub(crate) fn transaction_parameter(&self, name: &Ident) -> syn::Result<&Type> {
         let parameter = self.sig.inputs.iter().find_map(|input| match input {
             FnArg::Typed(PatType { pat, ty, .. }) => match &**pat {

@@ -34,21 +34,21 @@ pub const DEFAULT_FENCE_TABLE: &str = "idempotent_fences";
 ///
 /// /// Runs as the work of the idempotency key `report-2024-06`, whose owners are the only
 /// /// writers of that report. `claim` comes from `ClaimHandle::current()` (or the layer's
-/// /// request extension, or `claim = ..` in `#[idempotent]`).
+/// /// request extension, or `claim = ..` in `#[idempotent]`). Returns whether it published.
 /// async fn publish(
 ///     pool: &PgPool,
 ///     fence: &Fence,
 ///     claim: &ClaimHandle,
 ///     body: &str,
-/// ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// ) -> Result<bool, Box<dyn std::error::Error + Send + Sync>> {
 ///     let mut tx = pool.begin().await?;
-///     // First, in the same transaction as the write: a newer owner's transaction now waits
-///     // for this one to end.
+///     // First, in the same transaction as the write: from here on, another owner's
+///     // `advance` on this resource waits until this transaction ends.
 ///     match fence.advance(&mut tx, "report:2024-06", claim.token()).await {
 ///         Ok(()) => {}
-///         // A newer owner of the key has written: stop, write nothing. `tx` is dropped here,
-///         // so it rolls back.
-///         Err(stale @ FenceError::Stale { .. }) => return Err(stale.into()),
+///         // A newer owner of the key has written the report: this owner was taken over
+///         // while it stalled. Write nothing; dropping `tx` rolls it back.
+///         Err(FenceError::Stale { .. }) => return Ok(false),
 ///         Err(other) => return Err(other.into()),
 ///     }
 ///     sqlx::query("UPDATE reports SET body = $1 WHERE month = '2024-06'")
@@ -56,7 +56,7 @@ pub const DEFAULT_FENCE_TABLE: &str = "idempotent_fences";
 ///         .execute(&mut *tx)
 ///         .await?;
 ///     tx.commit().await?; // the write and the token, together
-///     Ok(())
+///     Ok(true)
 /// }
 ///
 /// # async fn setup(pool: PgPool) -> Result<(), Box<dyn std::error::Error>> {
@@ -75,7 +75,7 @@ pub const DEFAULT_FENCE_TABLE: &str = "idempotent_fences";
 /// CREATE TABLE IF NOT EXISTS "idempotent_fences" (
 ///     resource text PRIMARY KEY,   -- the name given to `advance`
 ///     token bigint NOT NULL,       -- the highest token that has written the resource
-///     fenced_at timestamptz NOT NULL DEFAULT clock_timestamp()  -- when, by the database's clock
+///     fenced_at timestamptz NOT NULL DEFAULT clock_timestamp()  -- when (informational)
 /// );
 /// ```
 ///
@@ -117,13 +117,14 @@ pub const DEFAULT_FENCE_TABLE: &str = "idempotent_fences";
 ///   highest is refused.
 /// - **One key's tokens per resource.** Tokens are ordered per idempotency key (per storage
 ///   key) only. Name the resource after what the owners of *one* key write, such as the job's
-///   output row, or include the key in the name (`format!("{}/{table}", claim.storage_key()
-///   .to_hex())`). Fencing one resource with the claims of several keys would refuse an
-///   operation because an unrelated operation holds a newer token.
+///   output row, or include the key in the name (`format!("{}/report",
+///   claim.storage_key().to_hex())`). Fencing one resource with the claims of several keys
+///   would refuse an operation because an unrelated operation holds a newer token.
 /// - **Isolation `READ COMMITTED`** (PostgreSQL's default). Under `REPEATABLE READ` or
-///   `SERIALIZABLE`, an `advance` whose snapshot predates a concurrent owner's commit fails with
-///   a serialization error (SQLSTATE `40001`) instead of waiting and comparing; retry the
-///   transaction.
+///   `SERIALIZABLE`, an `advance` whose transaction's snapshot predates a concurrent owner's
+///   commit on the resource fails with a serialization error (SQLSTATE `40001`), whichever
+///   token is higher: retry the whole transaction, which then compares with the committed
+///   token.
 /// - **Waiting.** A concurrent owner waits until your transaction ends. Bound the wait with
 ///   `SET LOCAL lock_timeout` if needed; a timeout is a [`FenceError::Database`] error
 ///   (SQLSTATE `55P03`).
