@@ -75,6 +75,28 @@ pub(crate) struct Config {
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
     pub(crate) fail_open: bool,
+    pub(crate) on_claim_lost: OnClaimLost,
+}
+
+/// What the layer does with a request whose claim is lost while its handler runs: the store
+/// stalled or was unreachable past the lease, or another owner took the key over. See
+/// [`IdempotencyLayer::on_claim_lost`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OnClaimLost {
+    /// Let the handler finish and send its response to its client (the default). Its result
+    /// is not recorded (the store refuses a stale token); retries are answered by the owner
+    /// that holds the key now. Right when the handler protects its effect downstream (it
+    /// passes [`ClaimHandle::operation_key`](idempotent_core::ClaimHandle::operation_key) to
+    /// the system it calls, or fences the resource with the token): both owners then describe
+    /// the same single effect, and cancelling half-way could leave work undone.
+    #[default]
+    Finish,
+    /// Stop the handler (its future is dropped at its next await point) and answer `503`
+    /// `claim_lost` with `Retry-After` (gRPC `UNAVAILABLE`): the client retries with the same
+    /// key and gets the outcome of the owner that holds the key now. Right when the handler's
+    /// effects are not protected downstream and stopping early is safe.
+    Cancel,
 }
 
 /// The default outcome policy: keep 2xx, 3xx and deterministic 4xx; release 5xx and the 4xx
@@ -162,8 +184,17 @@ impl IdempotencyLayer {
                 max_request_body: DEFAULT_MAX_REQUEST_BODY,
                 max_response_body: DEFAULT_MAX_RESPONSE_BODY,
                 fail_open: false,
+                on_claim_lost: OnClaimLost::Finish,
             }),
         }
+    }
+
+    /// What to do when a request's claim is lost while its handler runs (default
+    /// [`OnClaimLost::Finish`]). Either way the handler can watch the loss itself through the
+    /// [`ClaimHandle`](idempotent_core::ClaimHandle) request extension.
+    pub fn on_claim_lost(mut self, policy: OnClaimLost) -> Self {
+        self.config().on_claim_lost = policy;
+        self
     }
 
     /// A layer for a gRPC server (tonic), protecting the unary methods named with

@@ -196,7 +196,7 @@ pub use body::{RequestBody, ResponseBody};
 pub use future::ResponseFuture;
 pub use layer::{
     DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, IDEMPOTENCY_KEY, IDEMPOTENT_BYPASSED,
-    IDEMPOTENT_REPLAYED, IdempotencyLayer, default_grpc_retain, default_retain,
+    IDEMPOTENT_REPLAYED, IdempotencyLayer, OnClaimLost, default_grpc_retain, default_retain,
     scope_by_authorization,
 };
 pub use service::IdempotencyService;

@@ -85,6 +85,13 @@ impl Problem {
                 "the idempotency store cannot be reached; the request was not processed; retry later",
             )
             .retry_after(error.retry_after().or(Some(Duration::from_secs(1)))),
+            Error::ClaimLost => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                code,
+                "Request lost its idempotency claim",
+                "the idempotency store stalled or another request took this key over while the request ran, so it was stopped; retry with the same key to receive the outcome",
+            )
+            .retry_after(error.retry_after()),
             Error::InvalidKey(e) => Problem::new(
                 StatusCode::BAD_REQUEST,
                 code,
@@ -117,8 +124,8 @@ impl Problem {
             "in_flight" => 10,                                              // ABORTED
             "result_not_retained" => 6,                                     // ALREADY_EXISTS
             "request_too_large" => 8,                                       // RESOURCE_EXHAUSTED
-            "store_unavailable" | "store_capacity" | "shutting_down" => 14, // UNAVAILABLE
-            _ => 13,                                                        // INTERNAL
+            "store_unavailable" | "store_capacity" | "shutting_down" | "claim_lost" => 14, // UNAVAILABLE
+            _ => 13, // INTERNAL
         }
     }
 

@@ -20,7 +20,7 @@ use tower_service::Service;
 use crate::body::{RequestBody, ResponseBody};
 use crate::future::ResponseFuture;
 use crate::key::{KeyProblem, key_from_headers};
-use crate::layer::{Config, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED, Protocol};
+use crate::layer::{Config, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED, OnClaimLost, Protocol};
 use crate::problem::Problem;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -387,27 +387,46 @@ where
 
     let request = Request::from_parts(parts, RequestBody::buffered(body));
     let max_response = config.max_response_body;
+    let cancel_on_loss = config.on_claim_lost == OnClaimLost::Cancel;
     let work = async move {
         let mut inner = inner;
         let mut request = request;
         // The handler reads the claim (fencing token, downstream operation key, loss signal)
         // as a request extension.
-        if let Some(claim) = ClaimHandle::current() {
-            request.extensions_mut().insert(claim);
+        let claim = ClaimHandle::current();
+        if let Some(claim) = &claim {
+            request.extensions_mut().insert(claim.clone());
         }
-        match inner.call(request).await {
-            Ok(response) => Ok(capture(response, max_response).await),
-            Err(error) => Err(error),
+        let answered = async move {
+            match inner.call(request).await {
+                Ok(response) => Ok(capture(response, max_response).await),
+                Err(error) => Err(error),
+            }
+        };
+        match claim.filter(|_| cancel_on_loss) {
+            Some(claim) => {
+                let mut answered = std::pin::pin!(answered);
+                let mut lost = std::pin::pin!(claim.lost());
+                poll_fn(|cx| {
+                    if let Poll::Ready(out) = answered.as_mut().poll(cx) {
+                        return Poll::Ready(Some(out));
+                    }
+                    lost.as_mut().poll(cx).map(|()| None)
+                })
+                .await
+            }
+            None => Some(answered.await),
         }
     };
-    let classify = |output: &Result<Captured<ResBody>, S::Error>| match output {
-        Err(_) => Retain::Release,
-        Ok(captured) if !config.retains(captured) => Retain::Release,
-        Ok(Captured::Complete {
+    let classify = |output: &Option<Result<Captured<ResBody>, S::Error>>| match output {
+        // Stopped because the claim was lost: nothing of this request is recorded.
+        None | Some(Err(_)) => Retain::Release,
+        Some(Ok(captured)) if !config.retains(captured) => Retain::Release,
+        Some(Ok(Captured::Complete {
             parts,
             body,
             trailers,
-        }) => Retain::Store(crate::record::encode(
+        })) => Retain::Store(crate::record::encode(
             parts.status,
             &parts.headers,
             body,
@@ -416,15 +435,21 @@ where
         )),
         // The handler ran and answered; without its whole response, the call is recorded as
         // done so that a retry does not run it again.
-        Ok(Captured::TooLarge { .. } | Captured::Failed { .. }) => Retain::CompleteWithoutResult,
+        Some(Ok(Captured::TooLarge { .. } | Captured::Failed { .. })) => {
+            Retain::CompleteWithoutResult
+        }
     };
 
     match config.idempotency.execute(&call, work, classify).await {
-        Ok(Execution::Fresh(Ok(captured))) => {
+        Ok(Execution::Fresh(Some(Ok(captured)))) => {
             tracing::debug!(outcome = "fresh", %storage_key, status = captured.status().as_u16(), "idempotent request executed");
             Ok(captured.into_response())
         }
-        Ok(Execution::Fresh(Err(error))) => Err(error),
+        Ok(Execution::Fresh(Some(Err(error)))) => Err(error),
+        Ok(Execution::Fresh(None)) => {
+            tracing::warn!(outcome = "claim_lost", %storage_key, "request stopped: its claim was lost while the handler ran");
+            Ok(Problem::from_error(&Error::ClaimLost).into_response(config.protocol))
+        }
         Ok(Execution::Replayed(stored)) => Ok(replay(stored, storage_key, config.protocol)),
         // Only an unreachable store is bypassed: a record that exists but cannot be read is a
         // conflict, never "absent".

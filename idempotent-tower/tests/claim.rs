@@ -1,0 +1,224 @@
+//! The running claim behind the layer: the handler reads it as a request extension (HTTP and
+//! gRPC), what a stale owner's client receives under each `OnClaimLost` policy, and a response
+//! whose record could not be written at first is still replayed, never run again.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use idempotent_core::conformance::{Fault, Faults, FaultyStore, Op};
+use idempotent_core::{Call, ClaimHandle, Idempotency, Key, MemoryStore};
+use idempotent_tower::{IdempotencyLayer, OnClaimLost, RequestBody, ResponseBody};
+use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
+
+type Svc = tower::util::BoxCloneSyncService<
+    Request<Full<Bytes>>,
+    Response<ResponseBody<Full<Bytes>>>,
+    BoxError,
+>;
+
+/// A handler that answers with what it saw of its claim, after `delay`; counts runs and
+/// handlers that were stopped before they finished.
+#[derive(Clone, Default)]
+struct Handler {
+    runs: Arc<AtomicUsize>,
+    finished: Arc<AtomicUsize>,
+}
+
+impl Handler {
+    fn stack(&self, layer: IdempotencyLayer, delay: Duration) -> Svc {
+        let this = self.clone();
+        let svc = ServiceBuilder::new().layer(layer).service(service_fn(
+            move |req: Request<RequestBody<Full<Bytes>>>| {
+                let this = this.clone();
+                async move {
+                    this.runs.fetch_add(1, Ordering::SeqCst);
+                    let claim = req.extensions().get::<ClaimHandle>().cloned();
+                    tokio::time::sleep(delay).await;
+                    this.finished.fetch_add(1, Ordering::SeqCst);
+                    let text = match claim {
+                        Some(claim) => format!(
+                            "token={} op={} lost={}",
+                            claim.token().get(),
+                            claim.operation_key().as_str(),
+                            claim.is_lost()
+                        ),
+                        None => "no claim".to_owned(),
+                    };
+                    Ok::<_, BoxError>(
+                        Response::builder()
+                            .status(201)
+                            .header(CONTENT_TYPE, "application/grpc")
+                            .header("grpc-status", "0")
+                            .body(Full::new(Bytes::from(text)))
+                            .unwrap(),
+                    )
+                }
+            },
+        ));
+        tower::util::BoxCloneSyncService::new(svc)
+    }
+
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+}
+
+fn faulty(lease: Duration) -> (Idempotency, Faults) {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    (Idempotency::builder(store).lease(lease).build(), faults)
+}
+
+fn post(path: &str, key: &str) -> Request<Full<Bytes>> {
+    Request::post(path)
+        .header("idempotency-key", key)
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap()
+}
+
+async fn send(svc: &Svc, req: Request<Full<Bytes>>) -> (Response<()>, String) {
+    let response = svc.clone().oneshot(req).await.unwrap();
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    (
+        Response::from_parts(parts, ()),
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+fn code(response: &Response<()>, body: &str) -> String {
+    if let Some(code) = response.headers().get("idempotent-error") {
+        return code.to_str().unwrap().to_owned();
+    }
+    let doc: serde_json::Value = serde_json::from_str(body).unwrap();
+    doc["code"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn the_handler_reads_the_claim_as_a_request_extension() {
+    let handler = Handler::default();
+    let idempotency = Idempotency::new(MemoryStore::new());
+    let svc = handler.stack(IdempotencyLayer::new(idempotency.clone()), Duration::ZERO);
+    let (response, body) = send(&svc, post("/pay", "order-1")).await;
+    assert_eq!(response.status(), StatusCode::CREATED);
+    // The layer's storage key for this request: its scope comes from the Authorization header.
+    let (parts, _) = post("/pay", "order-1").into_parts();
+    let scope = idempotent_tower::scope_by_authorization(&parts);
+    let key = idempotency.storage_key(&Call::new(Key::new("order-1").unwrap()).scope(scope));
+    let expected = format!("op={} lost=false", key.operation_key().as_str());
+    assert!(body.contains(&expected), "{body}");
+    assert!(body.starts_with("token="), "{body}");
+}
+
+#[tokio::test]
+async fn a_grpc_handler_reads_the_claim_too() {
+    let handler = Handler::default();
+    let layer = IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new()))
+        .grpc_methods(["/payments.v1.Payments/Charge"]);
+    let svc = handler.stack(layer, Duration::ZERO);
+    let request = Request::post("/payments.v1.Payments/Charge")
+        .header(CONTENT_TYPE, "application/grpc")
+        .header("idempotency-key", "order-1")
+        .body(Full::new(Bytes::from_static(b"\0\0\0\0\0")))
+        .unwrap();
+    let (_, body) = send(&svc, request).await;
+    assert!(
+        body.contains("lost=false") && body.contains("op="),
+        "{body}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn by_default_a_stale_owner_finishes_and_its_client_gets_its_response() {
+    let lease = Duration::from_secs(3);
+    let (idempotency, faults) = faulty(lease);
+    // The store stalls for every renewal: the claim ends with its lease while the handler runs.
+    faults.fail(Op::Renew, Fault::Hang);
+    let handler = Handler::default();
+    let svc = handler.stack(IdempotencyLayer::new(idempotency), lease * 2);
+    let (response, body) = send(&svc, post("/pay", "order-1")).await;
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert!(
+        body.contains("lost=true"),
+        "the handler saw the loss: {body}"
+    );
+    assert_eq!(handler.finished.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_cancel_a_stale_owner_is_stopped_and_its_client_told_to_retry() {
+    let lease = Duration::from_secs(3);
+    let (idempotency, faults) = faulty(lease);
+    faults.fail(Op::Renew, Fault::Hang);
+    let handler = Handler::default();
+    let layer = IdempotencyLayer::new(idempotency).on_claim_lost(OnClaimLost::Cancel);
+    let svc = handler.stack(layer, lease * 10);
+    let started = tokio::time::Instant::now();
+    let (response, body) = send(&svc, post("/pay", "order-1")).await;
+    assert!(started.elapsed() <= lease, "stopped when the lease ended");
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(code(&response, &body), "claim_lost");
+    assert!(response.headers().contains_key(RETRY_AFTER));
+    assert_eq!(
+        handler.finished.load(Ordering::SeqCst),
+        0,
+        "the handler was stopped"
+    );
+    // The retry is answered by whoever holds the key now: here nobody, so it runs.
+    faults.heal_all();
+    let svc = handler.stack(
+        IdempotencyLayer::new(faulty(lease).0).on_claim_lost(OnClaimLost::Cancel),
+        Duration::ZERO,
+    );
+    let (response, _) = send(&svc, post("/pay", "order-1")).await;
+    assert_eq!(response.status(), StatusCode::CREATED);
+}
+
+#[tokio::test(start_paused = true)]
+async fn grpc_clients_of_a_cancelled_stale_owner_get_unavailable() {
+    let lease = Duration::from_secs(3);
+    let (idempotency, faults) = faulty(lease);
+    faults.fail(Op::Renew, Fault::Hang);
+    let handler = Handler::default();
+    let layer = IdempotencyLayer::grpc(idempotency)
+        .grpc_methods(["/payments.v1.Payments/Charge"])
+        .on_claim_lost(OnClaimLost::Cancel);
+    let svc = handler.stack(layer, lease * 10);
+    let request = Request::post("/payments.v1.Payments/Charge")
+        .header(CONTENT_TYPE, "application/grpc")
+        .header("idempotency-key", "order-1")
+        .body(Full::new(Bytes::from_static(b"\0\0\0\0\0")))
+        .unwrap();
+    let (response, body) = send(&svc, request).await;
+    assert_eq!(response.headers()["grpc-status"], "14");
+    assert_eq!(code(&response, &body), "claim_lost");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_response_whose_record_failed_at_first_is_replayed_not_run_again() {
+    let lease = Duration::from_secs(3);
+    let (idempotency, faults) = faulty(lease);
+    faults.fail(Op::Complete, Fault::Unavailable);
+    let handler = Handler::default();
+    let svc = handler.stack(IdempotencyLayer::new(idempotency), Duration::ZERO);
+    let (first, first_body) = send(&svc, post("/pay", "order-1")).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (retry, body) = send(&svc, post("/pay", "order-1")).await;
+        assert_eq!(retry.status(), StatusCode::CONFLICT, "{body}");
+        assert_eq!(code(&retry, &body), "in_flight");
+    }
+    faults.heal(Op::Complete);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (retry, body) = send(&svc, post("/pay", "order-1")).await;
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(body, first_body);
+    assert_eq!(handler.runs(), 1);
+}
