@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idempotent_core::{
-    Call, Error, Idempotency, ManualClock, MemoryStore, Scope, default_runtime, idempotent,
+    Call, ClaimHandle, Error, Idempotency, Key, ManualClock, MemoryStore, Scope, default_runtime,
+    idempotent,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
@@ -604,4 +605,42 @@ mod shapes {
         );
         assert_eq!(ledger.runs(), 1);
     }
+}
+
+/// `claim = claim` binds the call's running claim: held, current, and with the operation key
+/// of this call's storage key.
+#[idempotent(key = key, name = "claims::observe", runtime = idempotency, claim = claim)]
+async fn observe_claim(
+    idempotency: &Idempotency,
+    key: &str,
+    runs: &AtomicUsize,
+) -> Result<(u64, String, bool), AppError> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    claim.check().await?;
+    let current = ClaimHandle::current().map(|c| c.token()) == Some(claim.token());
+    Ok((
+        claim.token().get(),
+        claim.operation_key().as_str().to_owned(),
+        current && !claim.is_lost(),
+    ))
+}
+
+#[tokio::test]
+async fn claim_binding_gives_the_body_its_claim() {
+    let idempotency = Idempotency::new(MemoryStore::new());
+    let runs = AtomicUsize::new(0);
+    let expected = idempotency
+        .storage_key(
+            &Call::new(Key::new("order-9").unwrap())
+                .scope(Scope::new().operation("claims::observe")),
+        )
+        .operation_key();
+    let (token, operation_key, current) =
+        observe_claim(&idempotency, "order-9", &runs).await.unwrap();
+    assert!(token > 0);
+    assert_eq!(operation_key, expected.as_str());
+    assert!(current);
+    let replayed = observe_claim(&idempotency, "order-9", &runs).await.unwrap();
+    assert_eq!(replayed, (token, operation_key, true));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }

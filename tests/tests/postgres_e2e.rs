@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use http::StatusCode;
 use idempotent_core::conformance::{backend_url, fresh_key};
-use idempotent_core::{Error, PostgresStore, Transactional, idempotent};
+use idempotent_core::{ClaimHandle, Error, Key, PostgresStore, Scope, Transactional, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
@@ -110,12 +110,20 @@ impl Bank {
     async fn open() -> Option<Bank> {
         let url = backend_url(URL_VAR)?;
         let pool = pool(&url).await;
+        // Tests open banks concurrently: `CREATE TABLE IF NOT EXISTS` alone races on a fresh
+        // database, so creation is serialised by an advisory lock.
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('tests bank accounts', 0))")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
         sqlx::query(
             "CREATE TABLE IF NOT EXISTS accounts (id text PRIMARY KEY, balance bigint NOT NULL)",
         )
-        .execute(&pool)
+        .execute(&mut *tx)
         .await
         .unwrap();
+        tx.commit().await.unwrap();
         let account = unique("acct");
         sqlx::query("INSERT INTO accounts VALUES ($1, 0)")
             .bind(&account)
@@ -304,6 +312,24 @@ impl Accounts {
         Ok(balance)
     }
 
+    /// What `claim = claim` binds in transactional mode: the claim of this call, held by the
+    /// open transaction, also current for code the body calls.
+    #[idempotent(key = key, tx = tx, runtime = &self.transactional, name = "accounts::stamp", claim = claim)]
+    async fn stamp(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        key: &str,
+    ) -> Result<(u64, String, bool), Refused> {
+        let _ = &tx;
+        claim.check().await.map_err(|_| Refused::Declined)?;
+        let current = ClaimHandle::current().map(|c| c.token()) == Some(claim.token());
+        Ok((
+            claim.token().get(),
+            claim.operation_key().as_str().to_owned(),
+            current && !claim.is_lost(),
+        ))
+    }
+
     /// Credits, then fails when `decline`; the `Err` is recorded like an `Ok`, with the credit.
     #[idempotent(key = key, tx = tx, runtime = &self.transactional, on_error = "store")]
     async fn fee(
@@ -318,6 +344,41 @@ impl Accounts {
         }
         Ok(balance)
     }
+}
+
+#[tokio::test]
+async fn the_attribute_in_transactional_mode_binds_the_claim() {
+    let Some(bank) = Bank::open().await else {
+        return;
+    };
+    let store = PostgresStore::builder(bank.pool.clone())
+        .table(&bank.table)
+        .build()
+        .unwrap();
+    let accounts = Accounts {
+        transactional: store.transactional().namespace("attribute-claim"),
+        account: bank.account.clone(),
+    };
+    let key = unique("k");
+    let expected = accounts
+        .transactional
+        .call(Key::new(key.as_str()).unwrap())
+        .scope(Scope::new().operation("accounts::stamp"))
+        .storage_key()
+        .operation_key();
+    let mut tx = bank.pool.begin().await.unwrap();
+    let (token, operation_key, current) = accounts.stamp(&mut tx, &key).await.unwrap();
+    tx.commit().await.unwrap();
+    assert!(token > 0);
+    assert_eq!(operation_key, expected.as_str());
+    assert!(current, "the bound claim is the current one and held");
+    // The replay returns the recorded values without running the body.
+    let mut tx = bank.pool.begin().await.unwrap();
+    assert_eq!(
+        accounts.stamp(&mut tx, &key).await.unwrap(),
+        (token, operation_key, true)
+    );
+    tx.commit().await.unwrap();
 }
 
 #[tokio::test]
