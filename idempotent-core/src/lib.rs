@@ -36,6 +36,8 @@
 //!   24 h): how long a completed result is replayed.
 //! - [`FencingToken`]: strictly increasing per key; a caller whose lease lapsed can never
 //!   complete, release or renew the new owner's record.
+//! - [`ClaimHandle`]: the running claim as the work sees it: its token, the downstream
+//!   operation key, and whether it is still held (see the *Failure model*).
 //! - [`Store`]: where records live. [`MemoryStore`] is the embedded default.
 //! - [`Idempotency`]: the runtime; see its docs for the exact semantics.
 //!
@@ -98,6 +100,54 @@
 //! `XAUTOCLAIM` for entries abandoned by dead consumers, a dead-letter stream for malformed
 //! entries, `XACK` after commit), and `tests/tests/ledger_e2e.rs` kills its consumers with SIGKILL
 //! while 1,000 entries with 20% duplicates flow through, then checks every balance to the unit.
+//!
+//! # Failure model
+//!
+//! A claim makes the *record* exactly-once: of any number of duplicates, one owner runs and
+//! the others wait or replay. The *effect* needs more when a fault separates the two: an owner
+//! can run while the store has already given its key to a successor (a store stalled past the
+//! lease), or crash after its effect and before its record. Three defences close that gap,
+//! each for a kind of effect; the running work gets what each needs from its [`ClaimHandle`]:
+//!
+//! | the effect is… | defence | how |
+//! |---|---|---|
+//! | a write to the PostgreSQL database that holds the record | **same transaction** | the [transactional mode](postgres::Transactional): claim, writes and record commit together or not at all |
+//! | a call to a system that accepts an idempotency key (a payment provider, a service behind this library, a deduplicating consumer, the outbox relay) | **downstream key** | pass [`ClaimHandle::operation_key`]: the same for every owner and attempt of one operation, so a stalled owner and its successor cause one effect |
+//! | a write to a resource that can compare numbers (a row in another database, storage with conditional writes) | **fencing token** | the resource refuses a [`ClaimHandle::token`] below the highest it has seen (`postgres::Fence` does it in one statement of your transaction) |
+//! | a call that takes no key, shares no transaction and compares nothing (an SMTP send) | none | at least once, with an outbox row written in the same transaction; see *What it cannot do* |
+//!
+//! What each fault does, and what is guaranteed:
+//!
+//! | fault | the record | the effect |
+//! |---|---|---|
+//! | **app crash** mid-call | the claim stays until its lease ends (duplicates: [`Error::InFlight`], HTTP 409), then one retry runs as a new owner with a higher token | the crashed attempt may have made its effect: protected by any of the three defences; the same transaction also undoes it |
+//! | **store stall shorter than the lease** | renewals that fail or hang are retried (each abandoned after a sixth of the lease); the owner keeps its claim, duplicates get 409, the work runs once | once |
+//! | **store stall past the lease** | the owner's claim is lost when its lease ends ([`ClaimHandle::lost`] fires); after the store recovers, a retry runs as a new owner; the stale owner's record write is refused by its token | once with a downstream key or a fencing token; without either, twice. Behind the tower layer the stale owner's client gets its handler's response (or, with `OnClaimLost::Cancel`, a 503 `claim_lost` to retry) |
+//! | **store outage** | before the work: the call fails closed ([`Error::Store`], HTTP 503) and nothing runs. After it: the call returns, the record write is retried for up to [`IdempotencyBuilder::record_retry`] (default 60 s) while the lease is renewed; duplicates get 409, then the replay | once if the outage ends within the lease; a longer outage is a stall past the lease |
+//! | **store full** (memory store bounds, Redis `maxmemory` with `noeviction`, PostgreSQL disk full) | new claims fail with `store_capacity` (503). A result that does not fit is recorded as "ran, not retained" (retries get [`Error::ResultNotRetained`]); if even that is refused, the write is retried while the lease is kept alive (a Redis renewal needs no memory), then the result is replayed once there is room | once |
+//! | **failover** | Redis replicates asynchronously: a claim or record acknowledged and not yet replicated is lost, and a duplicate right after the failover may run again. PostgreSQL with synchronous replication loses nothing acknowledged | with Redis, once only with a downstream key (or a fencing token whose resource is not on the failed server) |
+//! | **clock step** | leases run on the store's clock: a forward step ends leases early (a stall past the lease, above); the app servers' clocks play no part | as for a stall past the lease |
+//!
+//! What a [`FencingToken`] promises, per store:
+//!
+//! - [`MemoryStore`]: one counter per store; strictly increasing for every key, unaffected by
+//!   clocks. The store lives and dies with the process.
+//! - `PostgresStore`: a sequence; strictly increasing per key across owners, expiry, deletion
+//!   and restarts, unaffected by clock steps. After a failover to an asynchronous replica,
+//!   values handed out just before it may be handed out again; with synchronous replication
+//!   they are not.
+//! - `RedisStore`: the server's `TIME` in microseconds at the claim; strictly increasing per
+//!   key as long as the server's clock never steps back and a failover does not move to a
+//!   server whose clock is behind. A backward step can issue a token below one already
+//!   issued: where a fencing token must hold across clock steps and failovers, keep the claims
+//!   on PostgreSQL.
+//!
+//! `tests/tests/effect_faults_e2e.rs` causes these faults to real processes (Redis and
+//! PostgreSQL frozen with `SIGSTOP` past the lease and twice inside it, Redis at `maxmemory`
+//! while a result is recorded) behind the `payments` example, whose handler charges a
+//! simulated provider with the downstream key: one charge every time.
+//! [`conformance::FaultyStore`](crate::conformance) injects the same faults into any store
+//! for unit tests.
 //!
 //! # What it cannot do
 //!

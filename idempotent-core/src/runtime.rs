@@ -196,19 +196,32 @@ impl Call {
 ///    replayed; with a different fingerprint the call fails with
 ///    [`Error::FingerprintMismatch`]. A record in flight is answered per the
 ///    [`InFlightPolicy`]; a record that cannot be decoded fails with [`Error::CorruptRecord`].
-/// 2. **Run** the work. While it runs, the lease is renewed every third of its length, so long
-///    work keeps its claim and a crashed owner's claim ends with its lease.
+/// 2. **Run** the work, with its [`ClaimHandle`](crate::ClaimHandle) as
+///    [`ClaimHandle::current`](crate::ClaimHandle::current). Once the work first waits, the
+///    lease is renewed every third of its length on a task of its own (so work that blocks its
+///    thread, or a caller that stops polling, cannot starve it). A renewal that fails or hangs
+///    (each attempt is abandoned after a sixth of the lease) is retried with backoff until the
+///    lease, counted from the last renewal sent that succeeded, has ended: then the claim is
+///    *lost* and the handle says so ([`ClaimHandle::lost`](crate::ClaimHandle::lost)). A
+///    rejected token (another owner took over) is a loss at once. The work is not stopped:
+///    it decides, with the handle, what to do.
 /// 3. **Classify** the output: [`Retain::Store`] completes the record (retries replay it),
 ///    [`Retain::Release`] deletes the claim (the next retry runs again). A result larger than
-///    the maximum result size is recorded as "not retained": retries fail with
-///    [`Error::ResultNotRetained`] rather than running the work again.
+///    the maximum result size, or one the store has no room for, is recorded as "not
+///    retained": retries fail with [`Error::ResultNotRetained`] rather than running the work
+///    again. A result that [`run`](Self::run) cannot serialize is recorded the same way.
 /// 4. **Cancellation and panics**: if the call's future is dropped or the work panics, the claim
 ///    is released in the background, so the key is never locked beyond the work's life. If it
 ///    is dropped after the work has run, while its result is being recorded, the recording
 ///    finishes in the background: a retry replays the result instead of running the work again.
 /// 5. **Store failures** before the work runs fail the call with [`Error::Store`] (fail closed).
-///    If completing fails after the work ran, the call still returns its fresh value and logs
-///    the failure: the claim then ends with its lease.
+///    After the work ran, the call returns its fresh value at once; if the record could not be
+///    written (the store was unreachable, full or slow), the write is retried with backoff in
+///    the background for up to [`IdempotencyBuilder::record_retry`] while the lease is kept
+///    alive, so duplicates are answered [`Error::InFlight`] and then replay the result. It
+///    stops early when the store rejects the token (the claim was lost). Only a process crash,
+///    an outage longer than the lease, or the bound, lets the claim lapse with its lease. See
+///    the crate's *Failure model* for what protects the effect then.
 ///
 /// Requires a tokio runtime with the time driver enabled.
 #[derive(Clone)]
