@@ -1,10 +1,43 @@
-//! A payments API on axum behind `IdempotencyLayer`: the contract the end-to-end tests drive.
+//! A payments API on axum behind `IdempotencyLayer`: the contract the end-to-end tests drive,
+//! and the *downstream key* pattern that makes a payment's effect exactly-once.
 //!
 //! ```sh
 //! cargo run --release --example payments
 //! curl -i -X POST localhost:3000/payments -H 'Idempotency-Key: order-1' \
 //!      -H 'Content-Type: application/json' -d '{"amount":1999,"currency":"EUR"}'
+//! curl localhost:3000/payments/count     # {"count": handler runs, "charges": charges made}
 //! ```
+//!
+//! # The record and the effect
+//!
+//! The layer makes the *record* exactly-once: of any number of duplicates of one request, one
+//! runs the handler while the others get 409 and, later, the recorded answer. That alone does
+//! not make the *charge* exactly-once. If the store stalls for longer than the lease while the
+//! handler runs (a paused Redis, a frozen database, an overloaded network), the claim ends,
+//! a retry takes the key over and runs the handler again, and the first run, which did not
+//! stop, still goes on to charge.
+//!
+//! So the handler does what one does with Stripe: it passes an idempotency key to the provider,
+//! and the provider charges at most once per key, answering a repeated key with the charge it
+//! already made. The in-process [`Provider`](provider::Provider) here simulates such an API.
+//! The key it gets is the claim's [`operation_key`](idempotent_core::ClaimHandle::operation_key)
+//! (the layer puts the [`ClaimHandle`] into the request's extensions), not the client's
+//! `Idempotency-Key`:
+//!
+//! - it is the same for every owner and every attempt of one operation, so the stalled first
+//!   run and the retry that took over send the same key, and the provider charges once;
+//! - it is scoped like the record: two principals who happen to send the same client key get
+//!   different operation keys (the client's key would make the provider see one key with two
+//!   sets of parameters, or worse, answer one principal with the other's charge);
+//! - it reveals nothing: it is a one-way derivation, so neither the client's key nor the store's
+//!   key leaks to the provider, and the provider's logs cannot be joined back to the client's.
+//!
+//! When the provider sees the key again with *other* parameters (the client reused its key for
+//! a different payment after the record expired), it refuses, like Stripe's
+//! `idempotency_error`, and the handler answers 422 `idempotency_key_reused`.
+//!
+//! The claim's fencing token and its `lost()` signal are the tools for effects without such a
+//! key; with the key, the handler needs neither, and costs no extra round trip to the store.
 //!
 //! Environment:
 //!
@@ -15,8 +48,13 @@
 //! | `IDEMPOTENCY_TTL` | `24h` | how long responses are replayed |
 //! | `IDEMPOTENCY_LEASE` | `30s` | how long a crashed request keeps its key locked |
 //! | `IDEMPOTENCY_IN_FLIGHT` | `reject` | `reject` (409) or `wait` (up to one lease, then replay) |
+//! | `RUST_LOG` | `warn,idempotent_tower=info` | log filter (logs go to stderr) |
 //!
 //! Durations are a number followed by `ms`, `s`, `m`, `h` or `d`.
+//!
+//! Test hooks: `?delay_ms=N` sleeps before doing the work; an amount of 0 is declined by the
+//! provider (402, recorded); the currency `err` makes the provider fail (500, released, so a
+//! retry runs again).
 
 mod common;
 
@@ -30,18 +68,122 @@ use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
+use idempotent_core::ClaimHandle;
 use idempotent_tower::IdempotencyLayer;
+use provider::{Provider, ProviderError};
 use serde::Deserialize;
 use serde_json::json;
 
-#[derive(Default)]
-struct Ledger {
-    executions: AtomicU64,
-    next_id: AtomicU64,
+/// A payment provider that takes an idempotency key the way Stripe does.
+mod provider {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, PoisonError};
+
+    /// What the provider refuses.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(crate) enum ProviderError {
+        /// The card was declined. Remembered under the key: a retry gets the same decline.
+        CardDeclined,
+        /// The provider failed before processing the request. Not remembered: a retry with the
+        /// same key is processed afresh.
+        Unavailable,
+        /// The key was used before with other parameters (Stripe's `idempotency_error`).
+        KeyReused,
+    }
+
+    /// A request as the provider compares it with an earlier one under the same key.
+    #[derive(Clone, Debug, PartialEq, Eq)]
+    enum Request {
+        Charge { amount: u64, currency: String },
+        Refund { charge: u64 },
+    }
+
+    #[derive(Default)]
+    struct State {
+        /// Every key seen, with its request and its answer (the id of what it created).
+        seen: HashMap<String, (Request, Result<u64, ProviderError>)>,
+        /// The last id handed out, to charges and refunds alike.
+        last_id: u64,
+        /// Charges actually made.
+        charges: u64,
+    }
+
+    /// In memory, for the example; a real provider keeps keys for a day or so.
+    #[derive(Default)]
+    pub(crate) struct Provider {
+        state: Mutex<State>,
+    }
+
+    impl Provider {
+        /// Charges `amount` in `currency` once per `key`: the same key again answers the charge
+        /// made the first time (its id), without charging again.
+        pub(crate) fn charge(
+            &self,
+            key: &str,
+            amount: u64,
+            currency: &str,
+        ) -> Result<u64, ProviderError> {
+            self.once(
+                key,
+                Request::Charge {
+                    amount,
+                    currency: currency.to_owned(),
+                },
+            )
+        }
+
+        /// Refunds `charge` once per `key`. The simulation does not look the charge up.
+        pub(crate) fn refund(&self, key: &str, charge: u64) -> Result<u64, ProviderError> {
+            self.once(key, Request::Refund { charge })
+        }
+
+        /// Charges actually made (not counting answers to repeated keys).
+        pub(crate) fn charges(&self) -> u64 {
+            self.state
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .charges
+        }
+
+        fn once(&self, key: &str, request: Request) -> Result<u64, ProviderError> {
+            let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some((earlier, answer)) = state.seen.get(key) {
+                return if *earlier == request {
+                    *answer
+                } else {
+                    Err(ProviderError::KeyReused)
+                };
+            }
+            let answer = match &request {
+                Request::Charge { currency, .. } if currency == "err" => {
+                    return Err(ProviderError::Unavailable);
+                }
+                Request::Charge { amount: 0, .. } => Err(ProviderError::CardDeclined),
+                Request::Charge { .. } => {
+                    state.charges += 1;
+                    state.last_id += 1;
+                    Ok(state.last_id)
+                }
+                Request::Refund { .. } => {
+                    state.last_id += 1;
+                    Ok(state.last_id)
+                }
+            };
+            state.seen.insert(key.to_owned(), (request, answer));
+            answer
+        }
+    }
 }
 
-type Shared = State<Arc<Ledger>>;
+#[derive(Default)]
+struct App {
+    /// Handler runs, counted by the handlers themselves.
+    executions: AtomicU64,
+    provider: Provider,
+}
+
+type Shared = State<Arc<App>>;
 
 #[derive(Deserialize)]
 struct PaymentRequest {
@@ -63,8 +205,20 @@ fn principal(headers: &HeaderMap) -> String {
         .to_owned()
 }
 
+/// The answer to a provider error.
+fn refused(error: ProviderError) -> Response {
+    let (status, code) = match error {
+        ProviderError::CardDeclined => (StatusCode::PAYMENT_REQUIRED, "card_declined"),
+        // A 5xx is released by the layer: the client's retry runs again, with the same key.
+        ProviderError::Unavailable => (StatusCode::INTERNAL_SERVER_ERROR, "provider_unavailable"),
+        ProviderError::KeyReused => (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused"),
+    };
+    (status, Json(json!({"error": code}))).into_response()
+}
+
 async fn create_payment(
-    State(ledger): Shared,
+    State(app): Shared,
+    Extension(claim): Extension<ClaimHandle>,
     Query(delay): Query<Delay>,
     headers: HeaderMap,
     Json(payment): Json<PaymentRequest>,
@@ -72,33 +226,27 @@ async fn create_payment(
     if let Some(ms) = delay.delay_ms {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
-    ledger.executions.fetch_add(1, Ordering::SeqCst);
-    if payment.amount == 0 {
-        return (
-            StatusCode::PAYMENT_REQUIRED,
-            Json(json!({"error": "card_declined"})),
+    app.executions.fetch_add(1, Ordering::SeqCst);
+    // The same key for every owner and attempt of this operation: if this run outlived its
+    // claim and a retry took over, both reach the provider with this key, and it charges once.
+    let key = claim.operation_key();
+    match app
+        .provider
+        .charge(key.as_str(), payment.amount, &payment.currency)
+    {
+        Ok(id) => (
+            StatusCode::CREATED,
+            [(header::LOCATION, format!("/payments/{id}"))],
+            Json(json!({
+                "id": id,
+                "amount": payment.amount,
+                "currency": payment.currency,
+                "principal": principal(&headers),
+            })),
         )
-            .into_response();
+            .into_response(),
+        Err(error) => refused(error),
     }
-    if payment.currency == "err" {
-        return (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            Json(json!({"error": "provider_unavailable"})),
-        )
-            .into_response();
-    }
-    let id = ledger.next_id.fetch_add(1, Ordering::SeqCst) + 1;
-    (
-        StatusCode::CREATED,
-        [(header::LOCATION, format!("/payments/{id}"))],
-        Json(json!({
-            "id": id,
-            "amount": payment.amount,
-            "currency": payment.currency,
-            "principal": principal(&headers),
-        })),
-    )
-        .into_response()
 }
 
 #[derive(Deserialize)]
@@ -106,18 +254,32 @@ struct RefundRequest {
     payment_id: u64,
 }
 
-async fn create_refund(State(ledger): Shared, Json(refund): Json<RefundRequest>) -> Response {
-    ledger.executions.fetch_add(1, Ordering::SeqCst);
-    let id = ledger.next_id.fetch_add(1, Ordering::SeqCst) + 1;
-    (
-        StatusCode::CREATED,
-        Json(json!({"id": id, "payment_id": refund.payment_id})),
-    )
-        .into_response()
+async fn create_refund(
+    State(app): Shared,
+    Extension(claim): Extension<ClaimHandle>,
+    Json(refund): Json<RefundRequest>,
+) -> Response {
+    app.executions.fetch_add(1, Ordering::SeqCst);
+    match app
+        .provider
+        .refund(claim.operation_key().as_str(), refund.payment_id)
+    {
+        Ok(id) => (
+            StatusCode::CREATED,
+            Json(json!({"id": id, "payment_id": refund.payment_id})),
+        )
+            .into_response(),
+        Err(error) => refused(error),
+    }
 }
 
-async fn count(State(ledger): Shared) -> Json<serde_json::Value> {
-    Json(json!({"count": ledger.executions.load(Ordering::SeqCst)}))
+/// Handler runs (`count`) and charges the provider made (`charges`): after any number of
+/// retries and takeovers, one charge per payment.
+async fn count(State(app): Shared) -> Json<serde_json::Value> {
+    Json(json!({
+        "count": app.executions.load(Ordering::SeqCst),
+        "charges": app.provider.charges(),
+    }))
 }
 
 #[tokio::main]
@@ -144,7 +306,7 @@ async fn main() -> ExitCode {
         .route("/payments/count", get(count))
         .route("/health", get(|| async { StatusCode::OK }))
         .layer(IdempotencyLayer::new(idempotency))
-        .with_state(Arc::new(Ledger::default()));
+        .with_state(Arc::new(App::default()));
 
     let address = SocketAddr::from((Ipv4Addr::LOCALHOST, settings.port));
     let listener = match tokio::net::TcpListener::bind(address).await {

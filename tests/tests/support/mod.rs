@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,7 +13,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 /// The path of an example binary built by `cargo test --workspace --all-targets` (or `cargo
@@ -37,6 +38,48 @@ pub fn example_binary(name: &str) -> PathBuf {
 pub struct Server {
     pub child: Child,
     pub port: u16,
+    /// Its stderr (its log), when started with [`Server::start_logged`]; empty otherwise.
+    pub logs: Logs,
+    /// Prints `logs` if the server is dropped while the test panics.
+    dump: Option<DumpOnPanic>,
+}
+
+/// What a child process wrote to stderr so far.
+#[derive(Clone, Default)]
+pub struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Logs {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(PoisonError::into_inner)).into_owned()
+    }
+
+    fn append(&self, bytes: &[u8]) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend_from_slice(bytes);
+    }
+}
+
+/// Prints a process's captured log when dropped during a panic, so that a failing test shows
+/// what the server saw; always with `IDEMPOTENT_TEST_SHOW_LOGS=1`.
+struct DumpOnPanic {
+    label: String,
+    logs: Logs,
+}
+
+impl Drop for DumpOnPanic {
+    fn drop(&mut self) {
+        let asked = std::env::var_os("IDEMPOTENT_TEST_SHOW_LOGS").is_some_and(|v| v == "1");
+        if std::thread::panicking() || asked {
+            eprintln!(
+                "----- {} stderr -----\n{}----- end of {} stderr -----",
+                self.label,
+                self.logs.text(),
+                self.label
+            );
+        }
+    }
 }
 
 impl Server {
@@ -45,15 +88,63 @@ impl Server {
         Server::start("payments", env, "listening on http://127.0.0.1:").await
     }
 
+    /// Starts the `payments` example like [`Server::payments`], capturing its stderr in
+    /// [`Server::logs`] (printed if the test fails). `RUST_LOG` defaults to the library's
+    /// debug events.
+    pub async fn payments_logged(env: &[(&str, &str)]) -> Server {
+        Server::start_logged("payments", env, "listening on http://127.0.0.1:").await
+    }
+
     pub async fn start(example: &str, env: &[(&str, &str)], ready_prefix: &str) -> Server {
+        Server::spawn(example, env, ready_prefix, false).await
+    }
+
+    /// Like [`Server::start`], with stderr captured in [`Server::logs`].
+    pub async fn start_logged(example: &str, env: &[(&str, &str)], ready_prefix: &str) -> Server {
+        Server::spawn(example, env, ready_prefix, true).await
+    }
+
+    async fn spawn(
+        example: &str,
+        env: &[(&str, &str)],
+        ready_prefix: &str,
+        logged: bool,
+    ) -> Server {
         let mut command = Command::new(example_binary(example));
+        command.env("PORT", "0");
+        if logged && std::env::var_os("RUST_LOG").is_none() {
+            command.env(
+                "RUST_LOG",
+                "info,idempotent_core=debug,idempotent_tower=debug",
+            );
+        }
         command
-            .env("PORT", "0")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(if logged {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            })
             .kill_on_drop(true);
         let mut child = command.spawn().expect("start the example");
+        let logs = Logs::default();
+        let dump = if logged {
+            let mut stderr = child.stderr.take().expect("piped stderr");
+            let sink = logs.clone();
+            tokio::spawn(async move {
+                let mut buffer = [0u8; 8192];
+                while let Ok(n @ 1..) = stderr.read(&mut buffer).await {
+                    sink.append(&buffer[..n]);
+                }
+            });
+            Some(DumpOnPanic {
+                label: format!("{example} (pid {})", child.id().unwrap_or(0)),
+                logs: logs.clone(),
+            })
+        } else {
+            None
+        };
         let stdout = child.stdout.take().expect("piped stdout");
         let mut lines = BufReader::new(stdout).lines();
         let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
@@ -69,7 +160,12 @@ impl Server {
             .expect("port number");
         // Keep draining stdout so the child never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        Server { child, port }
+        Server {
+            child,
+            port,
+            logs,
+            dump,
+        }
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -188,5 +284,13 @@ impl Client {
         self.get(&server.url("/payments/count")).await.json()["count"]
             .as_u64()
             .expect("count")
+    }
+
+    /// Charges the payments example's simulated provider actually made, from
+    /// `GET /payments/count`: one per payment however often its handler ran.
+    pub async fn charges(&self, server: &Server) -> u64 {
+        self.get(&server.url("/payments/count")).await.json()["charges"]
+            .as_u64()
+            .expect("charges")
     }
 }

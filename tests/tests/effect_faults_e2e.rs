@@ -1,0 +1,736 @@
+//! The payments example's *effect* under store faults, with real processes and real faults: a
+//! private `redis-server` or PostgreSQL server per test, frozen with `SIGSTOP` / `SIGCONT` or
+//! made to refuse writes (`CONFIG SET maxmemory 1`) while a payment runs.
+//!
+//! - A store frozen for longer than the lease lets the claim lapse: a retry takes the key over
+//!   and runs the handler a second time while the first run still goes on. The claim cannot
+//!   prevent that; the downstream key can: both runs charge the simulated provider with the
+//!   claim's operation key, so it charges once, and every answer names the same payment
+//!   (Redis, PostgreSQL).
+//! - Short freezes inside the lease do not cost the owner its claim: duplicates get 409, the
+//!   handler runs once.
+//! - A store that refuses the completion write (out of memory) after the handler ran does not
+//!   turn into a second run: duplicates get 409 while the runtime retries the write with the
+//!   lease kept alive, and the retry replays the first answer once the store takes writes again.
+//!
+//! Each test needs `redis-server` on `PATH`, or PostgreSQL's server binaries
+//! (`IDEMPOTENT_TEST_PG_BIN` or `/usr/lib/postgresql/*/bin`), and the `payments` example built
+//! (`cargo build -p examples --examples --all-features`). Without the server binary a test says
+//! loudly that it did not run, or fails where backends are required
+//! (`IDEMPOTENT_REQUIRE_BACKENDS=1`, CI). The example's log is captured and printed when a test
+//! fails.
+
+mod support;
+
+use std::future::Future;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use http::StatusCode;
+use support::{Answer, Client, Protocol, Server};
+use tokio::process::{Child, Command};
+use tokio::time::{Instant, sleep};
+
+const PAYMENT: &str = r#"{"amount":1999,"currency":"EUR"}"#;
+const PRINCIPAL: &str = "alice";
+
+// ----- bounded steps -----
+
+/// `future`, or a test failure naming `what` if it takes longer than `limit`.
+async fn within<F: Future>(what: &str, limit: Duration, future: F) -> F::Output {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not finish within {limit:?}"))
+}
+
+/// `POST path` with the test's body, principal and `key`; bounded.
+async fn pay(client: &Client, server: &Server, path: &str, key: &str) -> Answer {
+    within(
+        &format!("POST {path} ({key})"),
+        Duration::from_secs(60),
+        client.post(&server.url(path), Some(key), Some(PRINCIPAL), PAYMENT),
+    )
+    .await
+}
+
+/// Handler runs and provider charges so far.
+async fn counts(client: &Client, server: &Server) -> (u64, u64) {
+    let limit = Duration::from_secs(10);
+    let count = within("GET /payments/count", limit, client.count(server)).await;
+    let charges = within("GET /payments/count", limit, client.charges(server)).await;
+    (count, charges)
+}
+
+/// Sends the request again, as a client honouring `Retry-After` would, while the answer is
+/// 409 `in_flight` or 503; the first other answer, and every status seen. Bounded by `limit`.
+async fn retry_until_answered(
+    client: &Client,
+    server: &Server,
+    path: &str,
+    key: &str,
+    limit: Duration,
+) -> (Answer, Vec<StatusCode>) {
+    let deadline = Instant::now() + limit;
+    let mut seen = Vec::new();
+    loop {
+        let answer = pay(client, server, path, key).await;
+        seen.push(answer.status);
+        match answer.status {
+            StatusCode::CONFLICT => assert_eq!(answer.problem_code(), "in_flight"),
+            StatusCode::SERVICE_UNAVAILABLE => {}
+            _ => return (answer, seen),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no answer but 409/503 within {limit:?}: {seen:?}"
+        );
+        sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The payment id of a 2xx answer.
+fn payment_id(answer: &Answer) -> u64 {
+    answer.json()["id"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no payment id in {:?}", answer.body))
+}
+
+// ----- processes -----
+
+/// Whether backend tests must run here (scripts/test.sh, CI), as `conformance::backend_url`
+/// decides.
+fn backends_required() -> bool {
+    std::env::var_os("IDEMPOTENT_REQUIRE_BACKENDS").is_some_and(|v| v != "0")
+        || std::env::var_os("CI").is_some_and(|v| !v.is_empty() && v != "false")
+}
+
+/// `false` (loudly) when the server binary `what` is missing, or a failure where backend
+/// tests are required.
+fn have_server(what: &str, found: bool) -> bool {
+    if found {
+        return true;
+    }
+    let how = "install it (scripts/test.sh installs Redis and PostgreSQL from Debian packages)";
+    assert!(
+        !backends_required(),
+        "{what} is missing but backend tests are required here; {how}"
+    );
+    // Written to the stderr handle, which the harness does not capture: a test that did not
+    // run must not look green.
+    let _ = writeln!(
+        std::io::stderr(),
+        "\n*** NOT RUN: {what} is missing, so this test did not talk to a real server; {how}. ***\n"
+    );
+    false
+}
+
+fn signal(pid: u32, name: &str) -> bool {
+    std::process::Command::new("kill")
+        .args([&format!("-{name}"), &pid.to_string()])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success())
+}
+
+/// Processes stopped with `SIGSTOP`. Continued by [`thaw`](Frozen::thaw), or when dropped (a
+/// failing test), so that no other guard waits on a frozen process.
+struct Frozen {
+    pids: Vec<u32>,
+}
+
+impl Frozen {
+    fn new() -> Frozen {
+        Frozen { pids: Vec::new() }
+    }
+
+    fn stop(&mut self, pid: u32) {
+        assert!(signal(pid, "STOP"), "kill -STOP {pid}");
+        self.pids.push(pid);
+    }
+
+    fn thaw(mut self) {
+        for pid in std::mem::take(&mut self.pids).into_iter().rev() {
+            assert!(signal(pid, "CONT"), "kill -CONT {pid}");
+        }
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        for &pid in self.pids.iter().rev() {
+            signal(pid, "CONT");
+        }
+    }
+}
+
+static NAMES: AtomicU64 = AtomicU64::new(0);
+
+/// A directory of this test's own, removed by its owner's `Drop`.
+fn private_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "idempotent-faults-{name}-{}-{}",
+        std::process::id(),
+        NAMES.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The contents of `path` (a server's log) when a test fails, if any.
+fn print_log_on_panic(label: &str, path: &Path) {
+    if std::thread::panicking() {
+        let log = std::fs::read_to_string(path).unwrap_or_default();
+        eprintln!("----- {label} -----\n{log}----- end of {label} -----");
+    }
+}
+
+/// A private `redis-server` with `maxmemory-policy noeviction`, its pid in a pid file. Killed
+/// (by pid, `SIGKILL`, also if frozen) and removed when dropped.
+struct PrivateRedis {
+    child: Child,
+    port: u16,
+    dir: PathBuf,
+}
+
+impl PrivateRedis {
+    async fn start(name: &str) -> Option<PrivateRedis> {
+        let found = std::process::Command::new("redis-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !have_server("redis-server", found) {
+            return None;
+        }
+        let dir = private_dir(&format!("redis-{name}"));
+        let port = free_port();
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .args(["--maxmemory-policy", "noeviction", "--daemonize", "no"])
+            .arg("--dir")
+            .arg(&dir)
+            .arg("--pidfile")
+            .arg(dir.join("redis.pid"))
+            .arg("--logfile")
+            .arg(dir.join("redis.log"))
+            .stdout(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start redis-server");
+        let redis = PrivateRedis { child, port, dir };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !(redis.ping().await && redis.dir.join("redis.pid").exists()) {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not start on port {port} within 10 s"
+            );
+            sleep(Duration::from_millis(50)).await;
+        }
+        Some(redis)
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The server's pid, from its pid file.
+    fn pid(&self) -> u32 {
+        let text = std::fs::read_to_string(self.dir.join("redis.pid")).expect("redis pid file");
+        text.trim().parse().expect("a pid in the pid file")
+    }
+
+    async fn ping(&self) -> bool {
+        let Ok(client) = redis::Client::open(self.url()) else {
+            return false;
+        };
+        let Ok(Ok(mut c)) = tokio::time::timeout(
+            Duration::from_secs(1),
+            client.get_multiplexed_async_connection(),
+        )
+        .await
+        else {
+            return false;
+        };
+        redis::cmd("PING")
+            .query_async::<String>(&mut c)
+            .await
+            .is_ok()
+    }
+
+    /// `CONFIG SET name value`, bounded.
+    async fn config_set(&self, name: &str, value: &str) {
+        let client = redis::Client::open(self.url()).unwrap();
+        within(
+            &format!("CONFIG SET {name} {value}"),
+            Duration::from_secs(5),
+            async {
+                let mut c = client.get_multiplexed_async_connection().await.unwrap();
+                redis::cmd("CONFIG")
+                    .arg("SET")
+                    .arg(name)
+                    .arg(value)
+                    .query_async::<()>(&mut c)
+                    .await
+                    .unwrap_or_else(|e| panic!("CONFIG SET {name} {value}: {e}"));
+            },
+        )
+        .await;
+    }
+
+    /// Stops the server's process: it keeps its connections but answers nothing.
+    fn freeze(&self) -> Frozen {
+        let mut frozen = Frozen::new();
+        frozen.stop(self.pid());
+        frozen
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        print_log_on_panic("redis-server log", &self.dir.join("redis.log"));
+        // SIGKILL also ends a stopped process. Reaped here (bounded): the runtime that would
+        // reap it may be gone by the time it exits.
+        let _ = self.child.start_kill();
+        for _ in 0..500 {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The directory holding PostgreSQL's server binaries, if installed.
+fn postgres_bin() -> Option<PathBuf> {
+    if let Some(bin) = std::env::var_os("IDEMPOTENT_TEST_PG_BIN") {
+        return Some(PathBuf::from(bin));
+    }
+    let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()?
+        .filter_map(|entry| Some(entry.ok()?.path().join("bin")))
+        .filter(|bin| bin.join("initdb").exists())
+        .collect();
+    found.sort();
+    found.pop()
+}
+
+/// A private PostgreSQL server (as the postgres user when the tests run as root), in a
+/// directory of its own. Continued, stopped (`pg_ctl -m immediate`) and removed when dropped.
+struct PrivatePostgres {
+    bin: PathBuf,
+    dir: PathBuf,
+    port: u16,
+    as_postgres_user: bool,
+}
+
+impl PrivatePostgres {
+    async fn start() -> Option<PrivatePostgres> {
+        let bin = postgres_bin();
+        if !have_server(
+            "PostgreSQL (initdb, pg_ctl)",
+            bin.as_ref().is_some_and(|b| b.join("pg_ctl").exists()),
+        ) {
+            return None;
+        }
+        let as_postgres_user = Command::new("id")
+            .arg("-u")
+            .output()
+            .await
+            .is_ok_and(|out| out.stdout.starts_with(b"0\n"));
+        let server = PrivatePostgres {
+            bin: bin.expect("checked"),
+            dir: private_dir("postgres"),
+            port: free_port(),
+            as_postgres_user,
+        };
+        // PostgreSQL refuses to run as root: it runs as the postgres user, in a directory it
+        // owns.
+        if as_postgres_user {
+            run(Command::new("chown")
+                .arg("postgres:postgres")
+                .arg(&server.dir))
+            .await;
+        }
+        run(server.command("initdb").arg("-D").arg(server.data()).args([
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+        ]))
+        .await;
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
+            server.port,
+            server.dir.display()
+        );
+        run(server
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(server.data())
+            .arg("-l")
+            .arg(server.log())
+            .args(["-w", "-t", "60", "-o", &options, "start"]))
+        .await;
+        Some(server)
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
+    fn log(&self) -> PathBuf {
+        self.dir.join("postgres.log")
+    }
+
+    fn command(&self, program: &str) -> Command {
+        let program = self.bin.join(program);
+        let mut command = if self.as_postgres_user {
+            let mut command = Command::new("runuser");
+            command.args(["-u", "postgres", "--"]).arg(program);
+            command
+        } else {
+            Command::new(program)
+        };
+        command.stdout(Stdio::null()).kill_on_drop(true);
+        command
+    }
+
+    /// The postmaster's pid, the first line of `postmaster.pid`.
+    fn postmaster(&self) -> Option<u32> {
+        std::fs::read_to_string(self.data().join("postmaster.pid"))
+            .ok()?
+            .lines()
+            .next()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    /// Stops the postmaster, then every process it started (backends, checkpointer, WAL
+    /// writer...): the server keeps its connections but answers nothing.
+    fn freeze(&self) -> Frozen {
+        let postmaster = self.postmaster().expect("postmaster.pid");
+        let mut frozen = Frozen::new();
+        frozen.stop(postmaster);
+        // Listed once the postmaster is stopped: it can start no more.
+        for child in children(postmaster) {
+            frozen.stop(child);
+        }
+        assert!(frozen.pids.len() > 1, "no PostgreSQL backends to freeze");
+        frozen
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        print_log_on_panic("PostgreSQL log", &self.log());
+        // A failing test may leave it stopped: `pg_ctl stop` would wait on it.
+        if let Some(postmaster) = self.postmaster() {
+            signal(postmaster, "CONT");
+            for child in children(postmaster) {
+                signal(child, "CONT");
+            }
+        }
+        let pg_ctl = self.bin.join("pg_ctl");
+        let mut stop = if self.as_postgres_user {
+            let mut stop = std::process::Command::new("runuser");
+            stop.args(["-u", "postgres", "--"]).arg(&pg_ctl);
+            stop
+        } else {
+            std::process::Command::new(&pg_ctl)
+        };
+        let _ = stop
+            .arg("-D")
+            .arg(self.data())
+            .args(["-m", "immediate", "-t", "30", "stop"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The pids of `parent`'s children.
+fn children(parent: u32) -> Vec<u32> {
+    let output = std::process::Command::new("pgrep")
+        .args(["-P", &parent.to_string()])
+        .output()
+        .expect("pgrep (procps)");
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| line.trim().parse().ok())
+        .collect()
+}
+
+async fn run(command: &mut Command) {
+    let output = within(
+        &format!("{command:?}"),
+        Duration::from_secs(90),
+        command.output(),
+    )
+    .await
+    .expect("run a PostgreSQL tool");
+    assert!(output.status.success(), "{command:?} failed: {output:?}");
+}
+
+// ----- the tests -----
+
+/// The store stalls for longer than the lease while the first run of a payment is inside its
+/// handler; the retry takes over. What the design promises here is one *effect*, not one run.
+async fn store_frozen_past_the_lease(server: &Server, freeze: impl FnOnce() -> Frozen) {
+    let client = Client::new(Protocol::Http1);
+    let key = "frozen-past-the-lease";
+    // The handler sleeps 9 s and then charges: well past the 3 s lease and the 4.5 s freeze.
+    let path = "/payments?delay_ms=9000";
+    let first = tokio::spawn({
+        let (client, url) = (client.clone(), server.url(path));
+        async move {
+            within(
+                "the first request",
+                Duration::from_secs(60),
+                client.post(&url, Some(key), Some(PRINCIPAL), PAYMENT),
+            )
+            .await
+        }
+    });
+
+    // The first request holds the claim: a duplicate is refused.
+    sleep(Duration::from_millis(500)).await;
+    let duplicate = pay(&client, server, path, key).await;
+    assert_eq!(
+        duplicate.status,
+        StatusCode::CONFLICT,
+        "{:?}",
+        duplicate.body
+    );
+    assert_eq!(duplicate.problem_code(), "in_flight");
+
+    // The store answers nothing for longer than the lease: no renewal gets through and the
+    // claim lapses (the store's clock kept running while its process was stopped).
+    let frozen = freeze();
+    sleep(Duration::from_millis(4500)).await;
+    frozen.thaw();
+
+    // The retry takes the key over and runs the handler again, while the first run, which
+    // outlived its claim, is still sleeping and will charge too.
+    let (retry, statuses) =
+        retry_until_answered(&client, server, path, key, Duration::from_secs(40)).await;
+    let first = within("the first request", Duration::from_secs(60), first)
+        .await
+        .unwrap();
+    let replay = pay(&client, server, path, key).await;
+    let (count, charges) = counts(&client, server).await;
+    eprintln!(
+        "first: {} replayed={} {:?}; retries: {statuses:?} -> {} replayed={} {:?}; \
+         replay: {} replayed={}; count={count} charges={charges}",
+        first.status,
+        first.replayed(),
+        String::from_utf8_lossy(&first.body),
+        retry.status,
+        retry.replayed(),
+        String::from_utf8_lossy(&retry.body),
+        replay.status,
+        replay.replayed(),
+    );
+
+    // One effect: both runs charged with the claim's operation key, so the provider charged
+    // once and answered the second run with the first charge.
+    assert_eq!(charges, 1, "the provider charged more than once");
+    // Two runs: the first (its claim lapsed, and it does not stop itself: with a downstream
+    // key it need not) and the retry's, which took over the lapsed claim. The claim alone
+    // cannot prevent the second run; this is why the effect needs the downstream key.
+    assert_eq!(count, 2, "handler runs: the first and the takeover");
+
+    // The retry ran (it took the key over) and its record is the one kept.
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert!(!retry.replayed(), "the retry took the key over and ran");
+    assert_eq!(replay.status, StatusCode::CREATED, "{:?}", replay.body);
+    assert!(replay.replayed());
+    assert_eq!(replay.body, retry.body);
+    // Every 2xx answer names the same payment. The first run's answer is a success too: its
+    // charge went through (it is the charge), only its record was refused.
+    assert!(
+        first.status.is_success(),
+        "the first run charged, yet answered {}: {:?}",
+        first.status,
+        first.body
+    );
+    assert!(!first.replayed());
+    assert_eq!(payment_id(&first), payment_id(&retry));
+    assert_eq!(first.body, retry.body, "both runs answer the same payment");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_frozen_past_the_lease_runs_the_handler_twice_but_charges_once() {
+    let Some(redis) = PrivateRedis::start("past-lease").await else {
+        return;
+    };
+    let url = redis.url();
+    let server = Server::payments_logged(&[
+        ("IDEMPOTENCY_STORE", url.as_str()),
+        ("IDEMPOTENCY_LEASE", "3s"),
+    ])
+    .await;
+    store_frozen_past_the_lease(&server, || redis.freeze()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_frozen_past_the_lease_runs_the_handler_twice_but_charges_once() {
+    let Some(postgres) = PrivatePostgres::start().await else {
+        return;
+    };
+    let url = postgres.url();
+    let server = Server::payments_logged(&[
+        ("IDEMPOTENCY_STORE", url.as_str()),
+        ("IDEMPOTENCY_LEASE", "3s"),
+    ])
+    .await;
+    store_frozen_past_the_lease(&server, || postgres.freeze()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_short_redis_freezes_inside_the_lease_keep_the_claim_and_run_once() {
+    let Some(redis) = PrivateRedis::start("short-freezes").await else {
+        return;
+    };
+    let url = redis.url();
+    // Renewals every 2 s; each freeze covers one renewal (at 2 s and 4 s).
+    let server = Server::payments_logged(&[
+        ("IDEMPOTENCY_STORE", url.as_str()),
+        ("IDEMPOTENCY_LEASE", "6s"),
+    ])
+    .await;
+    let client = Client::new(Protocol::Http1);
+    let key = "short-freezes";
+    let path = "/payments?delay_ms=5000";
+    let started = Instant::now();
+    let first = tokio::spawn({
+        let (client, url) = (client.clone(), server.url(path));
+        async move {
+            within(
+                "the first request",
+                Duration::from_secs(60),
+                client.post(&url, Some(key), Some(PRINCIPAL), PAYMENT),
+            )
+            .await
+        }
+    });
+
+    for freeze_at in [1500, 3500] {
+        tokio::time::sleep_until(started + Duration::from_millis(freeze_at)).await;
+        let frozen = redis.freeze();
+        sleep(Duration::from_secs(1)).await;
+        frozen.thaw();
+        // The owner kept its claim through the pause: the duplicate is refused, not run.
+        let duplicate = pay(&client, &server, path, key).await;
+        assert_eq!(
+            duplicate.status,
+            StatusCode::CONFLICT,
+            "after the freeze at {freeze_at} ms: {:?}",
+            duplicate.body
+        );
+        assert_eq!(duplicate.problem_code(), "in_flight");
+    }
+
+    let first = within("the first request", Duration::from_secs(60), first)
+        .await
+        .unwrap();
+    assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.body);
+    assert!(!first.replayed());
+    let replay = pay(&client, &server, path, key).await;
+    assert_eq!(replay.status, StatusCode::CREATED, "{:?}", replay.body);
+    assert!(replay.replayed(), "the result was recorded");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(payment_id(&replay), payment_id(&first));
+    assert_eq!(counts(&client, &server).await, (1, 1), "(runs, charges)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_refusing_the_result_write_answers_409_then_replays_without_a_second_run() {
+    let Some(redis) = PrivateRedis::start("maxmemory").await else {
+        return;
+    };
+    let url = redis.url();
+    // A short lease: the store refuses writes for longer than one lease, so the claim must be
+    // kept alive (renewed) while the result waits to be recorded.
+    let server = Server::payments_logged(&[
+        ("IDEMPOTENCY_STORE", url.as_str()),
+        ("IDEMPOTENCY_LEASE", "3s"),
+    ])
+    .await;
+    let client = Client::new(Protocol::Http1);
+    let key = "refused-write";
+    let path = "/payments?delay_ms=2000";
+    let first = tokio::spawn({
+        let (client, url) = (client.clone(), server.url(path));
+        async move {
+            within(
+                "the first request",
+                Duration::from_secs(60),
+                client.post(&url, Some(key), Some(PRINCIPAL), PAYMENT),
+            )
+            .await
+        }
+    });
+
+    // While the handler runs, Redis runs out of memory (policy noeviction): it refuses every
+    // write that may grow it, the completion among them.
+    sleep(Duration::from_millis(500)).await;
+    redis.config_set("maxmemory", "1").await;
+
+    // The handler ran and charged: its caller gets the fresh answer.
+    let first = within("the first request", Duration::from_secs(60), first)
+        .await
+        .unwrap();
+    assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.body);
+    assert!(!first.replayed());
+
+    // The result is not recorded yet; the key stays claimed, so retries are refused, not run.
+    // Over 4 s (more than the lease) in all.
+    for _ in 0..5 {
+        let retry = pay(&client, &server, path, key).await;
+        assert_eq!(
+            retry.status,
+            StatusCode::CONFLICT,
+            "a retry while the store refuses writes: {:?}",
+            retry.body
+        );
+        assert_eq!(retry.problem_code(), "in_flight");
+        sleep(Duration::from_millis(500)).await;
+    }
+    assert_eq!(counts(&client, &server).await, (1, 1), "(runs, charges)");
+
+    // Writes are taken again: the runtime's retried completion gets through and the retry
+    // replays the first answer.
+    redis.config_set("maxmemory", "0").await;
+    let (replay, statuses) =
+        retry_until_answered(&client, &server, path, key, Duration::from_secs(20)).await;
+    eprintln!("retries after the store recovered: {statuses:?}");
+    assert_eq!(replay.status, StatusCode::CREATED, "{:?}", replay.body);
+    assert!(
+        replay.replayed(),
+        "the retry ran again instead of replaying"
+    );
+    assert_eq!(replay.body, first.body);
+    assert_eq!(payment_id(&replay), payment_id(&first));
+    assert_eq!(counts(&client, &server).await, (1, 1), "(runs, charges)");
+}
