@@ -105,7 +105,7 @@ pub enum StoreError {
 
     /// The store is full of live records and refuses new ones rather than evicting them.
     #[error(
-        "idempotency store is full ({what}); refusing new claims rather than evicting live records"
+        "idempotency store is full ({what}); it refuses writes rather than evicting live records"
     )]
     Capacity {
         /// Which bound was hit.

@@ -560,6 +560,11 @@ impl Idempotency {
             Ok(()) => return,
             Err(RecordError::Lost) => {
                 claim.mark_lost("the store rejected its token when the result was recorded");
+                tracing::warn!(
+                    storage_key = %key,
+                    token = claim.token().get(),
+                    "idempotent call ran but the store refused its record (the claim was lost): the record of the owner that holds the key now stands"
+                );
                 return;
             }
             Err(error) => error,
@@ -704,9 +709,10 @@ impl fmt::Display for RecordError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             RecordError::Lost => f.write_str("the claim was lost"),
-            RecordError::Store(error) => {
-                write!(f, "{error}: {:?}", std::error::Error::source(error))
-            }
+            RecordError::Store(error) => match std::error::Error::source(error) {
+                Some(source) => write!(f, "{error}: {source}"),
+                None => write!(f, "{error}"),
+            },
             RecordError::TimedOut(limit) => write!(f, "the store did not answer within {limit:?}"),
         }
     }
