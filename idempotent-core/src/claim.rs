@@ -5,7 +5,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -86,13 +86,23 @@ struct ClaimState {
     /// `None` in the transactional mode: there the claim is a row of the caller's open
     /// transaction, held by the database until the transaction ends.
     store: Option<Arc<dyn DynStore>>,
-    lost: AtomicBool,
-    /// Set while the result is being written: a renewal the store rejects then is answered
-    /// by that write's outcome (the record is no longer in flight because it completed, or the
-    /// write fails too and reports the loss), not by the renewal.
+    /// [`HELD`], [`LOST`], [`RELEASED`] or [`COMPLETED`]; moves only away from `HELD`.
+    phase: AtomicU8,
+    /// Set once the result starts being written, never cleared: from then on a renewal the
+    /// store rejects is answered by the write's own outcome (the record is no longer in flight
+    /// because a write landed, or the write is rejected too and reports the loss).
     recording: AtomicBool,
     notify: Notify,
 }
+
+/// The call holds the claim.
+const HELD: u8 = 0;
+/// The lease ended before a renewal got through, or the store rejected the token.
+const LOST: u8 = 1;
+/// The call gave the claim up (its work failed transiently, panicked or was abandoned).
+const RELEASED: u8 = 2;
+/// The call's record was written: the operation is done.
+const COMPLETED: u8 = 3;
 
 impl fmt::Debug for ClaimHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -101,7 +111,7 @@ impl fmt::Debug for ClaimHandle {
             .field("token", &self.state.token)
             .field("lease", &self.state.lease)
             .field("transactional", &self.state.store.is_none())
-            .field("lost", &self.is_lost())
+            .field("held", &self.is_held())
             .finish()
     }
 }
@@ -135,7 +145,7 @@ impl ClaimHandle {
                 token,
                 lease,
                 store,
-                lost: AtomicBool::new(false),
+                phase: AtomicU8::new(HELD),
                 recording: AtomicBool::new(false),
                 notify: Notify::new(),
             }),
@@ -177,28 +187,42 @@ impl ClaimHandle {
         self.state.key.operation_key()
     }
 
+    pub(crate) fn store(&self) -> Option<&Arc<dyn DynStore>> {
+        self.state.store.as_ref()
+    }
+
     /// The claim's lease: how long it lives without renewal.
     pub fn lease(&self) -> Duration {
         self.state.lease
     }
 
-    /// True once the claim is known to be lost: its lease ended before a renewal got through,
-    /// or the store rejected its token (another owner holds the key). Never becomes false
-    /// again.
+    /// True once the claim is known to be gone while the operation was not done: its lease
+    /// ended before a renewal got through, the store rejected its token (another owner holds
+    /// the key), or the call gave the claim up (its work failed or was abandoned). Never becomes
+    /// false again. False after the call's record was written.
     pub fn is_lost(&self) -> bool {
-        self.state.lost.load(Ordering::Acquire)
+        matches!(self.phase(), LOST | RELEASED)
     }
 
-    /// Completes when the claim is lost (at once if it already is); never completes while it is
-    /// held. Owns a clone of the handle, so it can be moved into a task or a `select!`.
+    fn phase(&self) -> u8 {
+        self.state.phase.load(Ordering::Acquire)
+    }
+
+    fn is_held(&self) -> bool {
+        self.phase() == HELD
+    }
+
+    /// Completes when the claim is lost (see [`is_lost`](Self::is_lost); at once if it already
+    /// is); never completes while it is held, nor after the call's record was written. Owns a
+    /// clone of the handle, so it can be moved into a task or a `select!`.
     pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
-        let state = Arc::clone(&self.state);
+        let handle = self.clone();
         async move {
             loop {
-                let notified = state.notify.notified();
+                let notified = handle.state.notify.notified();
                 let mut notified = std::pin::pin!(notified);
                 notified.as_mut().enable();
-                if state.lost.load(Ordering::Acquire) {
+                if handle.is_lost() {
                     return;
                 }
                 notified.await;
@@ -217,31 +241,39 @@ impl ClaimHandle {
     /// In the PostgreSQL transactional mode the claim is a row of the caller's open transaction
     /// and cannot be lost before it ends: this returns `Ok(())` without a round trip.
     pub async fn check(&self) -> Result<(), Error> {
-        if self.is_lost() {
+        if !self.is_held() {
             return Err(Error::ClaimLost);
         }
         let Some(store) = &self.state.store else {
             return Ok(());
         };
-        match store
-            .renew(&self.state.key, self.state.token, self.state.lease)
-            .await
+        let lease = self.state.lease;
+        match bounded(
+            store.renew(&self.state.key, self.state.token, lease),
+            attempt_limit(lease),
+        )
+        .await
         {
-            Ok(()) => Ok(()),
-            Err(StoreError::TokenRejected) => {
+            Some(Ok(())) => Ok(()),
+            Some(Err(StoreError::TokenRejected)) => {
                 self.mark_lost("the store rejected its token");
                 Err(Error::ClaimLost)
             }
-            Err(error) => Err(Error::Store(error)),
+            Some(Err(error)) => Err(Error::Store(error)),
+            None => Err(Error::Store(StoreError::Unavailable(
+                format!("the store did not answer within {:?}", attempt_limit(lease)).into(),
+            ))),
         }
     }
 
-    pub(crate) fn set_recording(&self, recording: bool) {
-        self.state.recording.store(recording, Ordering::Release);
+    /// The result starts being written; see `ClaimState::recording`.
+    pub(crate) fn start_recording(&self) {
+        self.state.recording.store(true, Ordering::Release);
     }
 
+    /// Held → lost, logged and signalled once; no effect in any other phase.
     pub(crate) fn mark_lost(&self, why: &'static str) {
-        if !self.state.lost.swap(true, Ordering::AcqRel) {
+        if self.leave(LOST) {
             tracing::error!(
                 storage_key = %self.state.key,
                 token = self.state.token.get(),
@@ -249,8 +281,30 @@ impl ClaimHandle {
                 "idempotent call lost its claim while running: another owner may run the same operation; \
                  pass the operation key downstream or fence the resource with the token"
             );
+        }
+    }
+
+    /// Held → released (the call gave the claim up): the work's other tasks learn it through
+    /// [`lost`](Self::lost).
+    pub(crate) fn mark_released(&self) {
+        self.leave(RELEASED);
+    }
+
+    /// Held → completed: the record is written.
+    pub(crate) fn mark_completed(&self) {
+        self.leave(COMPLETED);
+    }
+
+    fn leave(&self, phase: u8) -> bool {
+        let left = self
+            .state
+            .phase
+            .compare_exchange(HELD, phase, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if left {
             self.state.notify.notify_waiters();
         }
+        left
     }
 }
 
@@ -258,7 +312,8 @@ impl ClaimHandle {
 const FIRST_RENEW_BACKOFF: Duration = Duration::from_millis(20);
 
 /// Keeps a claim's lease alive on a task of its own, so that neither work that blocks its
-/// poller nor a caller that stops polling can starve it. Dropping it stops the renewal.
+/// poller nor a caller that stops polling can starve it (on a runtime with more than one
+/// worker thread). Dropping it stops the renewal.
 pub(crate) struct Renewal(tokio::task::JoinHandle<()>);
 
 impl Drop for Renewal {
@@ -269,8 +324,8 @@ impl Drop for Renewal {
 
 impl Renewal {
     /// Starts renewing `claim`, whose lease began no earlier than `claimed_at` (the instant
-    /// the claim request was sent). `None` without a tokio runtime or for a transactional
-    /// claim (nothing to renew).
+    /// the successful claim request was sent). `None` without a tokio runtime or for a
+    /// transactional claim (nothing to renew).
     pub(crate) fn start(claim: &ClaimHandle, claimed_at: Instant) -> Option<Renewal> {
         claim.state.store.as_ref()?;
         let runtime = tokio::runtime::Handle::try_current().ok()?;
@@ -278,18 +333,27 @@ impl Renewal {
     }
 }
 
+/// `at + by`, or a day later than `at` if that overflows (a lease of `Duration::MAX`).
+pub(crate) fn later(at: Instant, by: Duration) -> Instant {
+    at.checked_add(by)
+        .unwrap_or_else(|| at + Duration::from_secs(86_400))
+}
+
 /// Renews every third of the lease. A failed or hung attempt (each is bounded by the time left
-/// on the lease and by [`attempt_limit`]) is retried with backoff until the lease, as counted from
-/// the last renewal *sent* that succeeded, has ended: then the claim is lost. A rejected token
-/// means another owner holds the key: lost at once.
+/// on the lease and by [`attempt_limit`]) is retried with backoff capped at a twelfth of the
+/// lease, until the lease, as counted from the last renewal *sent* that succeeded, has ended:
+/// then the claim is lost. So a store that fails fast or hangs for up to about three quarters
+/// of the lease does not cost the claim. A rejected token means another owner holds the key:
+/// lost at once.
 async fn renew(claim: ClaimHandle, claimed_at: Instant) {
     let Some(store) = claim.state.store.clone() else {
         return;
     };
     let (key, token, lease) = (claim.state.key, claim.state.token, claim.state.lease);
     let every = (lease / 3).max(Duration::from_millis(1));
-    let mut held_until = claimed_at + lease;
-    let mut next = claimed_at + every;
+    let longest_backoff = (lease / 12).max(FIRST_RENEW_BACKOFF);
+    let mut held_until = later(claimed_at, lease);
+    let mut next = later(claimed_at, every);
     let mut backoff = FIRST_RENEW_BACKOFF;
     loop {
         tokio::time::sleep_until(next.min(held_until)).await;
@@ -299,13 +363,13 @@ async fn renew(claim: ClaimHandle, claimed_at: Instant) {
             return;
         }
         let limit = (held_until - sent).min(attempt_limit(lease));
-        match tokio::time::timeout(limit, store.renew(&key, token, lease)).await {
-            Ok(Ok(())) => {
-                held_until = sent + lease;
-                next = sent + every;
+        match bounded(store.renew(&key, token, lease), limit).await {
+            Some(Ok(())) => {
+                held_until = later(sent, lease);
+                next = later(sent, every);
                 backoff = FIRST_RENEW_BACKOFF;
             }
-            Ok(Err(StoreError::TokenRejected)) => {
+            Some(Err(StoreError::TokenRejected)) => {
                 if !claim.state.recording.load(Ordering::Acquire) {
                     claim.mark_lost("the store rejected its token on renewal");
                 }
@@ -313,7 +377,7 @@ async fn renew(claim: ClaimHandle, claimed_at: Instant) {
             }
             outcome => {
                 match outcome {
-                    Ok(Err(error)) => tracing::warn!(
+                    Some(Err(error)) => tracing::warn!(
                         storage_key = %key,
                         error = &error as &dyn std::error::Error,
                         "could not renew an idempotency lease; retrying"
@@ -324,8 +388,8 @@ async fn renew(claim: ClaimHandle, claimed_at: Instant) {
                         "renewing an idempotency lease timed out; retrying"
                     ),
                 }
-                next = Instant::now() + backoff;
-                backoff = (backoff * 2).min(every);
+                next = later(Instant::now(), backoff);
+                backoff = (backoff * 2).min(longest_backoff);
             }
         }
     }

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::claim::{ClaimHandle, Renewal, attempt_limit, bounded};
+use crate::claim::{ClaimHandle, Renewal, attempt_limit, bounded, later};
 use crate::envelope::{self, Stored};
 use crate::store::{BoxFuture, DynStore};
 use crate::{Claim, Error, FencingToken, Fingerprint, Key, Scope, StorageKey, Store, StoreError};
@@ -198,8 +198,9 @@ impl Call {
 ///    [`InFlightPolicy`]; a record that cannot be decoded fails with [`Error::CorruptRecord`].
 /// 2. **Run** the work, with its [`ClaimHandle`](crate::ClaimHandle) as
 ///    [`ClaimHandle::current`](crate::ClaimHandle::current). Once the work first waits, the
-///    lease is renewed every third of its length on a task of its own (so work that blocks its
-///    thread, or a caller that stops polling, cannot starve it). A renewal that fails or hangs
+///    lease is renewed every third of its length on a task of its own (so, on a runtime with
+///    more than one worker thread, work that blocks its thread or a caller that stops polling
+///    cannot starve it). A renewal that fails or hangs
 ///    (each attempt is abandoned after a sixth of the lease) is retried with backoff until the
 ///    lease, counted from the last renewal sent that succeeded, has ended: then the claim is
 ///    *lost* and the handle says so ([`ClaimHandle::lost`](crate::ClaimHandle::lost)). A
@@ -308,9 +309,10 @@ impl IdempotencyBuilder {
     ///
     /// Meanwhile the claim's lease is kept alive, so duplicates are answered "in flight"
     /// rather than run again, and they replay the result once it is written. Retrying stops
-    /// early when the store rejects the claim's token (another owner took over). At the bound,
-    /// the call is recorded without its result if the store takes that; otherwise the claim
-    /// ends with its lease.
+    /// early when the store rejects the claim's token (another owner took over). At the bound
+    /// it gives up and stops renewing: the claim ends with its lease, and a retry after that
+    /// runs the work again (protect the effect downstream, see the crate's *Failure model*).
+    /// Each pending write holds its result in memory until it is written or given up.
     pub fn record_retry(mut self, bound: Duration) -> Self {
         self.record_retry = bound;
         self
@@ -432,9 +434,7 @@ impl Idempotency {
         let fingerprint = call.fingerprint.unwrap_or_else(Fingerprint::empty);
         let lease = call.lease.unwrap_or(inner.lease);
         let ttl = call.ttl.unwrap_or(inner.ttl);
-        // The lease is counted from before the claim was sent: never longer than the store's.
-        let claimed_at = tokio::time::Instant::now();
-        let token = match self
+        let (token, claimed_at) = match self
             .acquire(
                 &key,
                 &fingerprint,
@@ -443,7 +443,7 @@ impl Idempotency {
             )
             .await?
         {
-            Acquired::Owner(token) => token,
+            Acquired::Owner(token, claimed_at) => (token, claimed_at),
             Acquired::Replay(bytes) => {
                 tracing::debug!(storage_key = %key, "idempotent call replayed");
                 return Ok(Execution::Replayed(bytes));
@@ -453,9 +453,7 @@ impl Idempotency {
 
         let claim = ClaimHandle::leased(Arc::clone(&inner.store), key, token, lease);
         let mut guard = ClaimGuard {
-            store: &inner.store,
-            key,
-            token,
+            claim: claim.clone(),
             armed: true,
         };
         // The lease is renewed on a task of its own, started only once the work first returns
@@ -476,14 +474,8 @@ impl Idempotency {
             Retain::Release => {
                 guard.armed = false;
                 drop(renewal);
-                match inner.store.release(&key, token).await {
-                    Ok(()) => tracing::debug!(storage_key = %key, "idempotent call released"),
-                    Err(error) => tracing::warn!(
-                        storage_key = %key,
-                        error = &error as &dyn std::error::Error,
-                        "idempotent call could not release its claim; it ends with its lease"
-                    ),
-                }
+                // Finished in the background if the caller stops waiting, like a record.
+                FinishOnDrop(Some(Box::pin(release(claim.clone())))).await;
                 return Ok(Execution::Fresh(value));
             }
         };
@@ -509,9 +501,12 @@ impl Idempotency {
         let store = &*self.inner.store;
         let mut answer = ClaimAnswer::new(policy);
         loop {
+            // The lease is counted from before the successful claim was sent: never longer
+            // than the store's.
+            let sent = tokio::time::Instant::now();
             let claim = store.claim(key, fingerprint, lease).await?;
             match answer.step(key, fingerprint, claim)? {
-                Step::Owner(token) => return Ok(Acquired::Owner(token)),
+                Step::Owner(token) => return Ok(Acquired::Owner(token, sent)),
                 Step::Replay(bytes) => return Ok(Acquired::Replay(bytes)),
                 Step::Wait(wait) => store.wait_for_change(key, wait).await,
             }
@@ -555,7 +550,7 @@ impl Idempotency {
             }
             None => Payload::NotRetained,
         };
-        let limit = attempt_limit(claim.lease());
+        let limit = first_record_limit(claim.lease());
         let error = match self.complete_once(&claim, &payload, ttl, limit).await {
             Ok(()) => return,
             Err(RecordError::Lost) => {
@@ -592,13 +587,17 @@ impl Idempotency {
         renewal: Option<Renewal>,
     ) {
         let key = claim.storage_key();
-        let limit = attempt_limit(claim.lease());
-        let deadline = tokio::time::Instant::now() + self.inner.record_retry;
+        // A write that takes longer than its limit is abandoned and tried again with twice the
+        // limit, so a hung connection is given up while a store that is merely slow still
+        // gets the time it needs.
+        let mut limit = first_record_limit(claim.lease());
+        let deadline = later(tokio::time::Instant::now(), self.inner.record_retry);
         let mut backoff = FIRST_RECORD_BACKOFF;
         let mut attempts = 1u32;
         loop {
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(LAST_RECORD_BACKOFF);
+            limit = (limit * 2).min(self.inner.record_retry.max(limit));
             attempts += 1;
             let error = match self.complete_once(&claim, &payload, ttl, limit).await {
                 Ok(()) => {
@@ -609,6 +608,9 @@ impl Idempotency {
                 // took over after the lease lapsed: either way nothing is left to write.
                 Err(RecordError::Lost) => {
                     tracing::warn!(storage_key = %key, attempts, "the store rejected the claim's token while the result was being recorded again: an earlier attempt landed, or the claim was lost");
+                    claim.mark_lost(
+                        "the store rejected its token when the result was recorded again",
+                    );
                     return;
                 }
                 Err(error) => error,
@@ -664,15 +666,15 @@ impl Idempotency {
         limit: Duration,
     ) -> Result<(), RecordError> {
         let key = claim.storage_key();
-        claim.set_recording(true);
+        claim.start_recording();
         let outcome = bounded(
             self.inner.store.complete(&key, claim.token(), bytes, ttl),
             limit,
         )
         .await;
-        claim.set_recording(false);
         match outcome {
             Some(Ok(())) => {
+                claim.mark_completed();
                 tracing::debug!(storage_key = %key, "idempotent call completed");
                 Ok(())
             }
@@ -716,6 +718,12 @@ impl fmt::Display for RecordError {
             RecordError::TimedOut(limit) => write!(f, "the store did not answer within {limit:?}"),
         }
     }
+}
+
+/// How long the first attempt at writing a record may take: a third of the lease (the renewal
+/// period; the lease is renewed meanwhile), at least 10 ms.
+fn first_record_limit(lease: Duration) -> Duration {
+    (lease / 3).max(attempt_limit(lease))
 }
 
 const FIRST_RECORD_BACKOFF: Duration = Duration::from_millis(20);
@@ -830,36 +838,58 @@ impl ClaimAnswer {
 }
 
 enum Acquired {
-    Owner(FencingToken),
+    /// The call owns the key with this token; its claim was sent at this instant.
+    Owner(FencingToken, tokio::time::Instant),
     Replay(Bytes),
 }
 
 /// Releases the claim if the call is dropped or panics before it classifies the work's output.
-struct ClaimGuard<'a> {
-    store: &'a Arc<dyn DynStore>,
-    key: StorageKey,
-    token: FencingToken,
+struct ClaimGuard {
+    claim: ClaimHandle,
     armed: bool,
 }
 
-impl Drop for ClaimGuard<'_> {
+impl Drop for ClaimGuard {
     fn drop(&mut self) {
         if !self.armed {
             return;
         }
-        let (store, key, token) = (Arc::clone(self.store), self.key, self.token);
-        tracing::debug!(storage_key = %key, "idempotent call abandoned; releasing its claim");
+        tracing::debug!(storage_key = %self.claim.storage_key(), "idempotent call abandoned; releasing its claim");
         // Without a runtime to release on, the claim ends with its lease.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                if let Err(error) = store.release(&key, token).await {
-                    tracing::warn!(
-                        storage_key = %key,
-                        error = &error as &dyn std::error::Error,
-                        "could not release an abandoned claim; it ends with its lease"
-                    );
-                }
-            });
+            runtime.spawn(release(self.claim.clone()));
+        } else {
+            self.claim.mark_released();
         }
+    }
+}
+
+/// Gives the claim up: the work's other tasks learn it through [`ClaimHandle::lost`], and the
+/// store's record is deleted so the next retry runs. The store write is bounded: a store that
+/// hangs leaves the claim to end with its lease.
+async fn release(claim: ClaimHandle) {
+    claim.mark_released();
+    let key = claim.storage_key();
+    let Some(store) = claim.store() else { return };
+    match bounded(
+        store.release(&key, claim.token()),
+        attempt_limit(claim.lease()),
+    )
+    .await
+    {
+        Some(Ok(())) => tracing::debug!(storage_key = %key, "idempotent call released"),
+        Some(Err(StoreError::TokenRejected)) => tracing::debug!(
+            storage_key = %key,
+            "idempotent call's claim was already gone when it released it"
+        ),
+        Some(Err(error)) => tracing::warn!(
+            storage_key = %key,
+            error = &error as &dyn std::error::Error,
+            "idempotent call could not release its claim; it ends with its lease"
+        ),
+        None => tracing::warn!(
+            storage_key = %key,
+            "the store did not answer the release; the claim ends with its lease"
+        ),
     }
 }

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use idempotent_core::conformance::{Fault, Faults, FaultyStore, Op};
 use idempotent_core::{
-    Call, Claim, ClaimHandle, Error, Fingerprint, Idempotency, Key, ManualClock, MemoryStore,
-    Outcome, Scope, Store,
+    Call, Claim, ClaimHandle, Error, Fingerprint, Idempotency, InFlightPolicy, Key, ManualClock,
+    MemoryStore, Outcome, Scope, Store,
 };
 
 fn call(key: &str) -> Call {
@@ -136,7 +136,7 @@ async fn operation_key_is_one_per_operation_across_owners_and_distinct_across_sc
 #[tokio::test(start_paused = true)]
 async fn renewal_retries_failed_attempts_and_keeps_the_claim() {
     let (idem, faults) = faulty(Duration::from_secs(3));
-    // Every renewal attempt in the first two seconds fails.
+    // The first four renewal attempts fail at once (they are retried within ~150 ms).
     faults.fail_next(Op::Renew, 4, Fault::Unavailable);
     let runs = Arc::new(AtomicUsize::new(0));
     let owner = tokio::spawn({
@@ -185,7 +185,7 @@ async fn a_hung_renewal_does_not_block_the_next_one() {
 /// (or a caller that stopped polling) starved it and the claim lapsed while the work ran.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewal_is_not_starved_by_work_that_blocks_its_thread() {
-    let lease = Duration::from_millis(300);
+    let lease = Duration::from_millis(600);
     let idem = Idempotency::builder(MemoryStore::new())
         .lease(lease)
         .build();
@@ -488,4 +488,150 @@ async fn an_unencodable_result_is_recorded_as_ran_never_released() {
     let retry = idem.run(&call("k"), work(&runs)).await;
     assert!(matches!(retry, Err(Error::ResultNotRetained)), "{retry:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Regression: failed renewals were retried with a backoff growing to a third of the lease, so
+/// a store that refused connections for a third of the lease cost the claim, though it was
+/// back well before the lease ended.
+#[tokio::test(start_paused = true)]
+async fn a_fast_failing_outage_of_two_thirds_of_the_lease_keeps_the_claim() {
+    let lease = Duration::from_secs(3);
+    let (idem, faults) = faulty(lease);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let owner = tokio::spawn({
+        let (idem, work) = (idem.clone(), slow(&runs, Duration::from_secs(8)));
+        async move {
+            idem.run(&call("k"), async {
+                let claim = ClaimHandle::current().unwrap();
+                let n = work.await;
+                (n, claim.is_lost())
+            })
+            .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Unreachable from 0.5 s to 2.5 s: the first renewal (at 1 s) and its retries fail.
+    faults.fail(Op::Renew, Fault::Unavailable);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    faults.heal(Op::Renew);
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        expect_in_flight(&idem, "k", &runs).await;
+    }
+    assert_eq!(owner.await.unwrap().unwrap().into_inner(), (1, false));
+    assert!(
+        faults.faulted(Op::Renew) >= 5,
+        "{}",
+        faults.faulted(Op::Renew)
+    );
+}
+
+/// Regression: the lease was counted from before the call started waiting for a duplicate in
+/// flight, so a call that waited longer than a lease thought its fresh claim lost at once.
+#[tokio::test(start_paused = true)]
+async fn a_claim_won_after_a_long_wait_is_held() {
+    let lease = Duration::from_secs(1);
+    let idem = Idempotency::builder(MemoryStore::new())
+        .lease(lease)
+        .in_flight(InFlightPolicy::Wait {
+            max: Duration::from_secs(30),
+        })
+        .build();
+    // The first call holds the key for five leases, then fails transiently (released).
+    let first = tokio::spawn({
+        let idem = idem.clone();
+        async move {
+            idem.run_with(
+                &call("k"),
+                async {
+                    tokio::time::sleep(lease * 5).await;
+                    false
+                },
+                |_| false,
+            )
+            .await
+        }
+    });
+    tokio::task::yield_now().await;
+    let second = idem
+        .run(&call("k"), async {
+            let claim = ClaimHandle::current().unwrap();
+            tokio::time::sleep(lease / 2).await;
+            claim.is_lost()
+        })
+        .await
+        .unwrap();
+    assert_eq!(second, Outcome::Fresh(false));
+    assert!(!first.await.unwrap().unwrap().is_replayed());
+}
+
+#[tokio::test(start_paused = true)]
+async fn tasks_holding_the_claim_learn_when_the_call_gives_it_up() {
+    let idem = Idempotency::new(MemoryStore::new());
+    // The work fails transiently: its claim is released, and a task it spawned is told.
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    idem.run_with(
+        &call("released"),
+        async {
+            let claim = ClaimHandle::current().unwrap();
+            tx.send(tokio::spawn(async move {
+                tokio::time::timeout(Duration::from_secs(5), claim.lost())
+                    .await
+                    .is_ok()
+            }))
+            .unwrap();
+            false
+        },
+        |_| false,
+    )
+    .await
+    .unwrap();
+    assert!(rx.await.unwrap().await.unwrap(), "lost() fired on release");
+
+    // The caller stops waiting: the abandoned claim is released and the task is told.
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(100),
+        idem.run(&call("abandoned"), async {
+            let claim = ClaimHandle::current().unwrap();
+            tx.send(tokio::spawn(async move {
+                tokio::time::timeout(Duration::from_secs(5), claim.lost())
+                    .await
+                    .is_ok()
+            }))
+            .unwrap();
+            std::future::pending::<()>().await
+        }),
+    )
+    .await;
+    assert!(abandoned.is_err());
+    assert!(
+        rx.await.unwrap().await.unwrap(),
+        "lost() fired on abandonment"
+    );
+
+    // A completed call's claim is not lost.
+    let claim = idem
+        .run_with(
+            &call("completed"),
+            async { ClaimHandle::current().unwrap().token().get() },
+            |_| true,
+        )
+        .await
+        .unwrap();
+    assert!(!claim.is_replayed());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hung_release_does_not_hold_the_caller() {
+    let lease = Duration::from_secs(3);
+    let (idem, faults) = faulty(lease);
+    faults.fail(Op::Release, Fault::Hang);
+    let started = tokio::time::Instant::now();
+    let out = idem
+        .run_with(&call("k"), async { 1 }, |_| false)
+        .await
+        .unwrap();
+    assert_eq!(out, Outcome::Fresh(1));
+    assert!(started.elapsed() <= lease / 6, "{:?}", started.elapsed());
 }

@@ -49,8 +49,6 @@ impl Function {
         Ok(function)
     }
 
-    /// The type of the parameter `tx = name` names, checked to be a mutable reference: the
-    /// expansion reborrows it for the claim, the body and the record in turn.
     /// Checks that `claim = name` introduces a new variable rather than hiding a parameter.
     pub(crate) fn check_claim_binding(&self, name: &Ident) -> syn::Result<()> {
         let hides_parameter = self.sig.inputs.iter().any(|input| match input {
@@ -71,6 +69,8 @@ impl Function {
         Ok(())
     }
 
+    /// The type of the parameter `tx = name` names, checked to be a mutable reference: the
+    /// expansion reborrows it for the claim, the body and the record in turn.
     pub(crate) fn transaction_parameter(&self, name: &Ident) -> syn::Result<&Type> {
         let parameter = self.sig.inputs.iter().find_map(|input| match input {
             FnArg::Typed(PatType { pat, ty, .. }) => match &**pat {

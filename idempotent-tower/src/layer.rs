@@ -85,8 +85,8 @@ pub(crate) struct Config {
 #[non_exhaustive]
 pub enum OnClaimLost {
     /// Let the handler finish and send its response to its client (the default). Its result
-    /// is not recorded (the store refuses a stale token); retries are answered by the owner
-    /// that holds the key now. Right when the handler protects its effect downstream (it
+    /// is recorded only if no other owner took the key over meanwhile (the store refuses a
+    /// stale token); otherwise retries are answered by the owner that holds the key now. Right when the handler protects its effect downstream (it
     /// passes [`ClaimHandle::operation_key`](idempotent_core::ClaimHandle::operation_key) to
     /// the system it calls, or fences the resource with the token): both owners then describe
     /// the same single effect, and cancelling half-way could leave work undone.

@@ -94,8 +94,39 @@
 //! | 500 | `corrupt_record` | the stored record cannot be read; nothing ran | contact the operator |
 //! | 500 | `internal_error` | any other idempotency failure; nothing ran | retry |
 //! | 503 | `store_unavailable` | the store cannot be reached (with `Retry-After`); nothing ran | retry after the delay |
+//! | 503 | `claim_lost` | only with [`OnClaimLost::Cancel`]: the request's claim was lost while its handler ran, and the handler was stopped (with `Retry-After`) | retry with the same key: the owner that holds it now answers |
 //! | 503 | `store_capacity` | the store is full of live records (with `Retry-After`); nothing ran | retry after the delay |
 //! | 503 | `shutting_down` | the server stopped before the request finished | retry |
+//!
+//! # The running claim: protecting the effect
+//!
+//! The layer makes the *record* exactly-once. To make the *effect* exactly-once when the store
+//! stalls past the lease (see the `idempotent_core` *Failure model*), a protected handler reads
+//! the running [`ClaimHandle`](idempotent_core::ClaimHandle) from the request extensions and
+//! passes its operation key to the system it calls, or fences a resource with its token:
+//!
+//! ```no_run
+//! use axum::Extension;
+//! use idempotent_core::ClaimHandle;
+//!
+//! # struct Provider;
+//! # impl Provider { async fn charge(&self, _key: &str, _cents: u64) -> u64 { 1 } }
+//! # static PROVIDER: Provider = Provider;
+//! async fn create_payment(Extension(claim): Extension<ClaimHandle>) -> String {
+//!     // The same key for every owner and attempt of this request: one charge.
+//!     let charge = PROVIDER.charge(claim.operation_key().as_str(), 1999).await;
+//!     format!("{{\"id\":{charge}}}")
+//! }
+//! ```
+//!
+//! In tonic, `request.extensions().get::<ClaimHandle>()`. The extension is there for every
+//! request the layer protects; requests it passes through (unprotected methods, key-less
+//! requests when the key is optional, fail-open bypasses) have none, so a handler that serves
+//! those too takes `Option<Extension<ClaimHandle>>`.
+//!
+//! If the claim is lost while the handler runs, [`on_claim_lost`](IdempotencyLayer::on_claim_lost)
+//! decides: [`OnClaimLost::Finish`] (the default) lets the handler finish and answer its client;
+//! [`OnClaimLost::Cancel`] stops it and answers `503 claim_lost`.
 //!
 //! # gRPC (tonic)
 //!
@@ -140,7 +171,7 @@
 //! | `in_flight` | `ABORTED` | `grpc-retry-pushback-ms` says when to retry |
 //! | `result_not_retained` | `ALREADY_EXISTS` | processed; response too large to keep |
 //! | `request_too_large` | `RESOURCE_EXHAUSTED` | request message over the limit |
-//! | `store_unavailable`, `store_capacity`, `shutting_down` | `UNAVAILABLE` | `grpc-retry-pushback-ms` where a delay is known |
+//! | `store_unavailable`, `store_capacity`, `shutting_down`, `claim_lost` | `UNAVAILABLE` | `grpc-retry-pushback-ms` where a delay is known |
 //! | `corrupt_record`, `internal_error` | `INTERNAL` | |
 //!
 //! # Where to put the layer

@@ -148,19 +148,37 @@ async fn by_default_a_stale_owner_finishes_and_its_client_gets_its_response() {
         "the handler saw the loss: {body}"
     );
     assert_eq!(handler.finished.load(Ordering::SeqCst), 1);
+    // Its record was refused (the lease had ended), so the retry is a new owner: without a
+    // downstream key, the handler runs again, and both runs passed the same operation key.
+    faults.heal_all();
+    let (retry, retry_body) = send(&svc, post("/pay", "order-1")).await;
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert!(!retry.headers().contains_key("idempotent-replayed"));
+    assert_eq!(handler.runs(), 2);
+    let op = |body: &str| body.split(' ').nth(1).unwrap().to_owned();
+    assert_eq!(op(&body), op(&retry_body));
+    let (replay, replay_body) = send(&svc, post("/pay", "order-1")).await;
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(replay_body, retry_body);
 }
 
 #[tokio::test(start_paused = true)]
 async fn with_cancel_a_stale_owner_is_stopped_and_its_client_told_to_retry() {
     let lease = Duration::from_secs(3);
     let (idempotency, faults) = faulty(lease);
+    // Stalled for renewals and for the release that follows the stop.
     faults.fail(Op::Renew, Fault::Hang);
+    faults.fail(Op::Release, Fault::Hang);
     let handler = Handler::default();
-    let layer = IdempotencyLayer::new(idempotency).on_claim_lost(OnClaimLost::Cancel);
+    let layer = IdempotencyLayer::new(idempotency.clone()).on_claim_lost(OnClaimLost::Cancel);
     let svc = handler.stack(layer, lease * 10);
     let started = tokio::time::Instant::now();
     let (response, body) = send(&svc, post("/pay", "order-1")).await;
-    assert!(started.elapsed() <= lease, "stopped when the lease ended");
+    assert!(
+        started.elapsed() <= lease + lease / 6,
+        "stopped when the lease ended: {:?}",
+        started.elapsed()
+    );
     assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(code(&response, &body), "claim_lost");
     assert!(response.headers().contains_key(RETRY_AFTER));
@@ -169,14 +187,20 @@ async fn with_cancel_a_stale_owner_is_stopped_and_its_client_told_to_retry() {
         0,
         "the handler was stopped"
     );
-    // The retry is answered by whoever holds the key now: here nobody, so it runs.
+    // The retry is answered by whoever holds the key now: here nobody (the stopped owner's
+    // lease ended), so it runs, once, and is then replayed.
     faults.heal_all();
-    let svc = handler.stack(
-        IdempotencyLayer::new(faulty(lease).0).on_claim_lost(OnClaimLost::Cancel),
+    let fast = handler.stack(
+        IdempotencyLayer::new(idempotency).on_claim_lost(OnClaimLost::Cancel),
         Duration::ZERO,
     );
-    let (response, _) = send(&svc, post("/pay", "order-1")).await;
-    assert_eq!(response.status(), StatusCode::CREATED);
+    let (retry, retry_body) = send(&fast, post("/pay", "order-1")).await;
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    let (replay, replay_body) = send(&fast, post("/pay", "order-1")).await;
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(replay_body, retry_body);
+    assert_eq!(handler.runs(), 2);
+    assert_eq!(handler.finished.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test(start_paused = true)]
