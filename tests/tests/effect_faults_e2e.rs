@@ -56,6 +56,25 @@ async fn pay(client: &Client, server: &Server, path: &str, key: &str) -> Answer 
     .await
 }
 
+/// [`pay`] on a task of its own: the first request, still in its handler while the test
+/// causes a fault.
+fn spawn_pay(
+    client: &Client,
+    server: &Server,
+    path: &str,
+    key: &'static str,
+) -> tokio::task::JoinHandle<Answer> {
+    let (client, url) = (client.clone(), server.url(path));
+    tokio::spawn(async move {
+        within(
+            "the first request",
+            Duration::from_secs(60),
+            client.post(&url, Some(key), Some(PRINCIPAL), PAYMENT),
+        )
+        .await
+    })
+}
+
 /// Handler runs and provider charges so far.
 async fn counts(client: &Client, server: &Server) -> (u64, u64) {
     let limit = Duration::from_secs(10);
@@ -501,17 +520,7 @@ async fn store_frozen_past_the_lease(server: &Server, freeze: impl FnOnce() -> F
     let key = "frozen-past-the-lease";
     // The handler sleeps 9 s and then charges: well past the 3 s lease and the 4.5 s freeze.
     let path = "/payments?delay_ms=9000";
-    let first = tokio::spawn({
-        let (client, url) = (client.clone(), server.url(path));
-        async move {
-            within(
-                "the first request",
-                Duration::from_secs(60),
-                client.post(&url, Some(key), Some(PRINCIPAL), PAYMENT),
-            )
-            .await
-        }
-    });
+    let first = spawn_pay(&client, server, path, key);
 
     // The first request holds the claim: a duplicate is refused.
     sleep(Duration::from_millis(500)).await;
@@ -623,17 +632,7 @@ async fn two_short_redis_freezes_inside_the_lease_keep_the_claim_and_run_once() 
     let key = "short-freezes";
     let path = "/payments?delay_ms=5000";
     let started = Instant::now();
-    let first = tokio::spawn({
-        let (client, url) = (client.clone(), server.url(path));
-        async move {
-            within(
-                "the first request",
-                Duration::from_secs(60),
-                client.post(&url, Some(key), Some(PRINCIPAL), PAYMENT),
-            )
-            .await
-        }
-    });
+    let first = spawn_pay(&client, &server, path, key);
 
     for freeze_at in [1500, 3500] {
         tokio::time::sleep_until(started + Duration::from_millis(freeze_at)).await;
@@ -680,17 +679,7 @@ async fn redis_refusing_the_result_write_answers_409_then_replays_without_a_seco
     let client = Client::new(Protocol::Http1);
     let key = "refused-write";
     let path = "/payments?delay_ms=2000";
-    let first = tokio::spawn({
-        let (client, url) = (client.clone(), server.url(path));
-        async move {
-            within(
-                "the first request",
-                Duration::from_secs(60),
-                client.post(&url, Some(key), Some(PRINCIPAL), PAYMENT),
-            )
-            .await
-        }
-    });
+    let first = spawn_pay(&client, &server, path, key);
 
     // While the handler runs, Redis runs out of memory (policy noeviction): it refuses every
     // write that may grow it, the completion among them.
