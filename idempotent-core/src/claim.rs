@@ -290,9 +290,13 @@ impl ClaimHandle {
         self.leave(RELEASED);
     }
 
-    /// Held → completed: the record is written.
+    /// Held → completed: the record is written. Nobody waiting on [`lost`](Self::lost) is
+    /// woken: it never completes after this.
     pub(crate) fn mark_completed(&self) {
-        self.leave(COMPLETED);
+        let _ =
+            self.state
+                .phase
+                .compare_exchange(HELD, COMPLETED, Ordering::AcqRel, Ordering::Acquire);
     }
 
     fn leave(&self, phase: u8) -> bool {

@@ -453,7 +453,7 @@ impl Idempotency {
 
         let claim = ClaimHandle::leased(Arc::clone(&inner.store), key, token, lease);
         let mut guard = ClaimGuard {
-            claim: claim.clone(),
+            claim: &claim,
             armed: true,
         };
         // The lease is renewed on a task of its own, started only once the work first returns
@@ -463,7 +463,7 @@ impl Idempotency {
         let value = std::future::poll_fn(|cx| {
             let polled = work.as_mut().poll(cx);
             if polled.is_pending() && renewal.is_none() {
-                renewal = Renewal::start(&claim, claimed_at);
+                renewal = Renewal::start(&claim, claimed_at.instant());
             }
             polled
         })
@@ -480,15 +480,65 @@ impl Idempotency {
             }
         };
         guard.armed = false;
-        self.record_detached(Recording {
+        drop(guard);
+        let payload = self.payload(&key, result);
+        // The first write is polled here; only if the store does not answer at once (or
+        // fails) does the call build the machinery that finishes it if the caller goes away
+        // and retries it if it failed.
+        claim.start_recording();
+        let mut first = self.write(&claim, payload.envelope(), ttl);
+        let first = match std::future::poll_fn(|cx| Poll::Ready(first.as_mut().poll(cx))).await {
+            Poll::Ready(Ok(())) => {
+                claim.mark_completed();
+                tracing::debug!(storage_key = %key, "idempotent call completed");
+                return Ok(Execution::Fresh(value));
+            }
+            Poll::Ready(Err(error)) => First::Failed(error),
+            Poll::Pending => First::InFlight(first),
+        };
+        let recording = Recording {
             claim,
             claimed_at,
             renewal,
-            result,
+            payload,
             ttl,
-        })
+        };
+        let this = self.clone();
+        FinishOnDrop(Some(Box::pin(async move {
+            this.record(recording, first).await
+        })))
         .await;
         Ok(Execution::Fresh(value))
+    }
+
+    /// What to write for a result: itself, or "ran, not retained" when there is none or it
+    /// is larger than the runtime keeps.
+    fn payload(&self, key: &StorageKey, result: Option<Bytes>) -> Payload {
+        match result {
+            Some(result) if result.len() <= self.inner.max_result_bytes => Payload::Value(result),
+            Some(result) => {
+                tracing::warn!(
+                    storage_key = %key,
+                    bytes = result.len(),
+                    max = self.inner.max_result_bytes,
+                    "idempotent result too large to retain; retries will get result_not_retained"
+                );
+                Payload::NotRetained
+            }
+            None => Payload::NotRetained,
+        }
+    }
+
+    /// One `complete` of the claim's record with `envelope`, owning what it needs.
+    fn write(
+        &self,
+        claim: &ClaimHandle,
+        envelope: Bytes,
+        ttl: Duration,
+    ) -> BoxFuture<'static, Result<(), StoreError>> {
+        let store = Arc::clone(&self.inner.store);
+        let (key, token) = (claim.storage_key(), claim.token());
+        Box::pin(async move { store.complete(&key, token, envelope, ttl).await })
     }
 
     async fn acquire(
@@ -501,10 +551,20 @@ impl Idempotency {
         let store = &*self.inner.store;
         let mut answer = ClaimAnswer::new(policy);
         loop {
-            // The lease is counted from before the successful claim was sent: never longer
-            // than the store's.
-            let sent = tokio::time::Instant::now();
-            let claim = store.claim(key, fingerprint, lease).await?;
+            // The lease is counted from when the successful claim was sent, so it never ends
+            // later than the store's. A claim the store answers within its first poll (an
+            // in-process store) needs no clock read: it happened now, and the work reads the
+            // clock only if it waits (see `ClaimedAt`).
+            let mut claiming = store.claim(key, fingerprint, lease);
+            let mut sent = ClaimedAt::Now;
+            let claim = std::future::poll_fn(|cx| {
+                let polled = claiming.as_mut().poll(cx);
+                if polled.is_pending() && matches!(sent, ClaimedAt::Now) {
+                    sent = ClaimedAt::At(tokio::time::Instant::now());
+                }
+                polled
+            })
+            .await?;
             match answer.step(key, fingerprint, claim)? {
                 Step::Owner(token) => return Ok(Acquired::Owner(token, sent)),
                 Step::Replay(bytes) => return Ok(Acquired::Replay(bytes)),
@@ -513,46 +573,46 @@ impl Idempotency {
         }
     }
 
-    /// Records the outcome, and keeps recording it if the caller stops waiting: once the work
-    /// has run, abandoning the write would leave the claim to lapse and a retry to run the work
-    /// again.
-    fn record_detached(&self, recording: Recording) -> FinishOnDrop {
-        let this = self.clone();
-        FinishOnDrop(Some(Box::pin(async move { this.record(recording).await })))
-    }
-
-    /// Writes the completed record. The first attempt is made here; if the store fails
-    /// transiently, the write is retried with backoff on a task of its own (the caller gets its
+    /// Finishes recording the outcome after a first write that did not succeed at once: waits
+    /// for it (bounded), falls back to the small "not retained" record if the result does not
+    /// fit, and if the store still fails, retries on a task of its own (the caller gets its
     /// value now) while the lease is kept alive, so duplicates are answered "in flight" and
     /// then replayed, never run again. It gives up when the store rejects the token (the claim
-    /// is provably lost) or after the runtime's record retry bound.
-    async fn record(&self, recording: Recording) {
+    /// is provably lost) or after the runtime's record retry bound. Runs inside
+    /// [`FinishOnDrop`]: once the work has run, abandoning the write would leave the claim to
+    /// lapse and a retry to run the work again.
+    async fn record(&self, recording: Recording, first: First) {
         let Recording {
             claim,
             claimed_at,
             renewal,
-            result,
+            payload,
             ttl,
         } = recording;
         let key = claim.storage_key();
-        let payload = match result {
-            Some(result) if result.len() <= self.inner.max_result_bytes => {
-                Payload::Value(envelope::encode_value(&result))
-            }
-            Some(result) => {
-                tracing::warn!(
-                    storage_key = %key,
-                    bytes = result.len(),
-                    max = self.inner.max_result_bytes,
-                    "idempotent result too large to retain; retries will get result_not_retained"
-                );
-                Payload::NotRetained
-            }
-            None => Payload::NotRetained,
-        };
         let limit = first_record_limit(claim.lease());
-        let error = match self.complete_once(&claim, &payload, ttl, limit).await {
-            Ok(()) => return,
+        let outcome = match first {
+            First::InFlight(write) => match bounded(write, limit).await {
+                Some(outcome) => RecordError::from_store(outcome),
+                None => Err(RecordError::TimedOut(limit)),
+            },
+            First::Failed(error) => RecordError::from_store(Err(error)),
+        };
+        let outcome = match outcome {
+            Err(RecordError::Store(StoreError::Capacity { what }))
+                if matches!(payload, Payload::Value(_)) =>
+            {
+                tracing::warn!(storage_key = %key, what, "idempotency store full; recording the call without its result");
+                self.complete_bounded(&claim, envelope::encode_not_retained(), ttl, limit)
+                    .await
+            }
+            other => other,
+        };
+        let error = match outcome {
+            Ok(()) => {
+                claim.mark_completed();
+                return;
+            }
             Err(RecordError::Lost) => {
                 claim.mark_lost("the store rejected its token when the result was recorded");
                 tracing::warn!(
@@ -572,7 +632,10 @@ impl Idempotency {
             error = %error,
             "idempotent call ran but its result could not be recorded yet; retrying while its claim is kept alive"
         );
-        let renewal = renewal.or_else(|| Renewal::start(&claim, claimed_at));
+        // Without a renewal yet, the work finished without waiting and the claim came at most
+        // one attempt (two bounded writes: the result, then the small record) ago.
+        let renewal =
+            renewal.or_else(|| Renewal::start(&claim, claimed_at.instant_within(limit * 2)));
         let this = self.clone();
         runtime.spawn(async move {
             this.record_with_retries(claim, payload, ttl, renewal).await;
@@ -640,9 +703,11 @@ impl Idempotency {
     ) -> Result<(), RecordError> {
         let key = claim.storage_key();
         match payload {
-            Payload::Value(bytes) => {
+            // Encoded per attempt: a retry re-encodes rather than every call copying the
+            // envelope in case it is needed again.
+            Payload::Value(_) => {
                 match self
-                    .complete_bounded(claim, bytes.clone(), ttl, limit)
+                    .complete_bounded(claim, payload.envelope(), ttl, limit)
                     .await
                 {
                     Err(RecordError::Store(StoreError::Capacity { what })) => {
@@ -666,20 +731,20 @@ impl Idempotency {
         limit: Duration,
     ) -> Result<(), RecordError> {
         let key = claim.storage_key();
-        claim.start_recording();
         let outcome = bounded(
             self.inner.store.complete(&key, claim.token(), bytes, ttl),
             limit,
         )
         .await;
         match outcome {
-            Some(Ok(())) => {
-                claim.mark_completed();
-                tracing::debug!(storage_key = %key, "idempotent call completed");
-                Ok(())
+            Some(outcome) => {
+                let outcome = RecordError::from_store(outcome);
+                if outcome.is_ok() {
+                    claim.mark_completed();
+                    tracing::debug!(storage_key = %key, "idempotent call completed");
+                }
+                outcome
             }
-            Some(Err(StoreError::TokenRejected)) => Err(RecordError::Lost),
-            Some(Err(error)) => Err(RecordError::Store(error)),
             None => Err(RecordError::TimedOut(limit)),
         }
     }
@@ -688,23 +753,52 @@ impl Idempotency {
 /// Everything needed to record a call's outcome once its work has run.
 struct Recording {
     claim: ClaimHandle,
-    claimed_at: tokio::time::Instant,
+    claimed_at: ClaimedAt,
     renewal: Option<Renewal>,
-    result: Option<Bytes>,
+    payload: Payload,
     ttl: Duration,
 }
 
+/// The first write of a record that did not succeed at once.
+enum First {
+    /// The store has not answered yet.
+    InFlight(BoxFuture<'static, Result<(), StoreError>>),
+    /// The store answered with this error.
+    Failed(StoreError),
+}
+
 enum Payload {
-    /// An encoded envelope holding the result.
+    /// The result, to be written in an envelope.
     Value(Bytes),
     /// The call ran; its result is not kept.
     NotRetained,
+}
+
+impl Payload {
+    /// The bytes to store: encoded per attempt, so that a call does not copy the envelope
+    /// in case a retry needs it again.
+    fn envelope(&self) -> Bytes {
+        match self {
+            Payload::Value(result) => envelope::encode_value(result),
+            Payload::NotRetained => envelope::encode_not_retained(),
+        }
+    }
 }
 
 enum RecordError {
     Lost,
     Store(StoreError),
     TimedOut(Duration),
+}
+
+impl RecordError {
+    fn from_store(outcome: Result<(), StoreError>) -> Result<(), RecordError> {
+        match outcome {
+            Ok(()) => Ok(()),
+            Err(StoreError::TokenRejected) => Err(RecordError::Lost),
+            Err(error) => Err(RecordError::Store(error)),
+        }
+    }
 }
 
 impl fmt::Display for RecordError {
@@ -837,19 +931,48 @@ impl ClaimAnswer {
     }
 }
 
+/// When the winning claim was sent.
+#[derive(Clone, Copy)]
+enum ClaimedAt {
+    /// The store answered within the claim's first poll: the claim happened while this call
+    /// ran without yielding, so the first clock read after it (when the work first waits)
+    /// stands for it, late by at most the work's first synchronous stretch.
+    Now,
+    /// The store answered later; the request went out at this instant.
+    At(tokio::time::Instant),
+}
+
+impl ClaimedAt {
+    /// The instant, read as late as `elapsed` after the claim at most.
+    fn instant_within(self, elapsed: Duration) -> tokio::time::Instant {
+        match self {
+            ClaimedAt::Now => {
+                let now = tokio::time::Instant::now();
+                now.checked_sub(elapsed).unwrap_or(now)
+            }
+            ClaimedAt::At(at) => at,
+        }
+    }
+
+    /// The instant, read when the work first waits.
+    fn instant(self) -> tokio::time::Instant {
+        self.instant_within(Duration::ZERO)
+    }
+}
+
 enum Acquired {
-    /// The call owns the key with this token; its claim was sent at this instant.
-    Owner(FencingToken, tokio::time::Instant),
+    /// The call owns the key with this token; its claim was sent then.
+    Owner(FencingToken, ClaimedAt),
     Replay(Bytes),
 }
 
 /// Releases the claim if the call is dropped or panics before it classifies the work's output.
-struct ClaimGuard {
-    claim: ClaimHandle,
+struct ClaimGuard<'a> {
+    claim: &'a ClaimHandle,
     armed: bool,
 }
 
-impl Drop for ClaimGuard {
+impl Drop for ClaimGuard<'_> {
     fn drop(&mut self) {
         if !self.armed {
             return;
