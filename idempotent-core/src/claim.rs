@@ -10,13 +10,14 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::sync::Notify;
+use tokio::task::futures::TaskLocalFuture;
 use tokio::time::Instant;
 
 use crate::store::DynStore;
 use crate::{Error, FencingToken, Key, StorageKey, StoreError};
 
 tokio::task_local! {
-    static CURRENT: ClaimHandle;
+    static CURRENT: ClaimSlot;
 }
 
 /// The claim a running call holds on its key, as the work sees it.
@@ -159,15 +160,13 @@ impl ClaimHandle {
     /// [`execute`](crate::Idempotency::execute) (and so inside `#[idempotent]` functions and
     /// behind the tower layer). `None` elsewhere, including in tasks the work spawns.
     pub fn current() -> Option<ClaimHandle> {
-        CURRENT.try_with(ClaimHandle::clone).ok()
+        CURRENT.try_with(ClaimSlot::handle).ok()
     }
 
     /// Runs `work` with `self` as [`current`](Self::current).
-    pub(crate) fn scope<F: Future>(
-        self,
-        work: F,
-    ) -> tokio::task::futures::TaskLocalFuture<ClaimHandle, F> {
-        CURRENT.scope(self, work)
+    #[cfg(feature = "postgres")]
+    pub(crate) fn scope<F: Future>(self, work: F) -> TaskLocalFuture<ClaimSlot, F> {
+        CURRENT.scope(ClaimSlot::of(self), work)
     }
 
     /// The claim's fencing token: strictly increasing per storage key across owners, takeovers
@@ -185,10 +184,6 @@ impl ClaimHandle {
     /// [`StorageKey::operation_key`]. Identical for every owner and attempt of the operation.
     pub fn operation_key(&self) -> Key {
         self.state.key.operation_key()
-    }
-
-    pub(crate) fn store(&self) -> Option<&Arc<dyn DynStore>> {
-        self.state.store.as_ref()
     }
 
     /// The claim's lease: how long it lives without renewal.
@@ -309,6 +304,150 @@ impl ClaimHandle {
             self.state.notify.notify_waiters();
         }
         left
+    }
+}
+
+/// What a store-backed claim is made of.
+#[derive(Clone)]
+pub(crate) struct Seed {
+    pub(crate) store: Arc<dyn DynStore>,
+    pub(crate) key: StorageKey,
+    pub(crate) token: FencingToken,
+    pub(crate) lease: Duration,
+}
+
+/// The claim of the call whose work is running, as the runtime keeps it while the work runs
+/// ([`ClaimHandle::current`] reads it): the [`ClaimHandle`] is built only when something asks
+/// for it (the work, a renewal, a failed record write), so a call whose work finishes at once
+/// and whose record is written at once never allocates one. Armed, it is also the call's
+/// guard: dropped before the work's outcome is classified (the caller went away, or the work
+/// panicked), it releases the claim.
+pub(crate) struct ClaimSlot {
+    seed: Option<Seed>,
+    handle: std::cell::OnceCell<ClaimHandle>,
+    armed: bool,
+}
+
+impl ClaimSlot {
+    /// The slot of a leased claim: armed, no handle yet.
+    pub(crate) fn leased(seed: Seed) -> Self {
+        ClaimSlot {
+            seed: Some(seed),
+            handle: std::cell::OnceCell::new(),
+            armed: true,
+        }
+    }
+
+    /// A slot holding an existing handle, guarding nothing.
+    #[cfg(feature = "postgres")]
+    fn of(handle: ClaimHandle) -> Self {
+        ClaimSlot {
+            seed: None,
+            handle: std::cell::OnceCell::from(handle),
+            armed: false,
+        }
+    }
+
+    /// Runs `work` with this slot's claim as [`ClaimHandle::current`].
+    pub(crate) fn scope<F: Future>(self, work: F) -> TaskLocalFuture<ClaimSlot, F> {
+        CURRENT.scope(self, work)
+    }
+
+    /// Starts renewing the claim of the slot `work` runs in, unless it is already renewed.
+    pub(crate) fn start_renewal(renewal: &mut Option<Renewal>, claimed_at: Instant) {
+        if renewal.is_none() {
+            *renewal = CURRENT
+                .try_with(|slot| Renewal::start(&slot.handle(), claimed_at))
+                .ok()
+                .flatten();
+        }
+    }
+
+    /// The claim's handle, built on first use.
+    pub(crate) fn handle(&self) -> ClaimHandle {
+        self.handle
+            .get_or_init(|| match &self.seed {
+                Some(seed) => {
+                    ClaimHandle::leased(Arc::clone(&seed.store), seed.key, seed.token, seed.lease)
+                }
+                // Built with its handle (`of`): never reached.
+                None => unreachable!("a slot without a seed is created with its handle"),
+            })
+            .clone()
+    }
+
+    /// The handle, if anything asked for one.
+    pub(crate) fn existing(&self) -> Option<&ClaimHandle> {
+        self.handle.get()
+    }
+
+    /// The work's outcome is being dealt with: the slot no longer releases the claim when
+    /// dropped.
+    pub(crate) fn disarm(&mut self) {
+        self.armed = false;
+    }
+
+    /// Disarms the slot and gives the claim up (see [`release`]).
+    pub(crate) fn release(mut self) -> impl Future<Output = ()> + Send + 'static {
+        self.armed = false;
+        release(self.seed.clone(), self.handle.get().cloned())
+    }
+}
+
+impl Drop for ClaimSlot {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Some(seed) = &self.seed {
+            tracing::debug!(storage_key = %seed.key, "idempotent call abandoned; releasing its claim");
+        }
+        let release = release(self.seed.clone(), self.handle.get().cloned());
+        // Without a runtime to release on, the claim ends with its lease.
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(release);
+            }
+            Err(_) => {
+                if let Some(handle) = self.handle.get() {
+                    handle.mark_released();
+                }
+            }
+        }
+    }
+}
+
+/// Gives the claim up: the work's other tasks learn it through [`ClaimHandle::lost`], and the
+/// store's record is deleted so the next retry runs. The store write is bounded: a store that
+/// hangs leaves the claim to end with its lease.
+async fn release(seed: Option<Seed>, handle: Option<ClaimHandle>) {
+    if let Some(handle) = &handle {
+        handle.mark_released();
+    }
+    let Some(Seed {
+        store,
+        key,
+        token,
+        lease,
+    }) = seed
+    else {
+        return;
+    };
+    match bounded(store.release(&key, token), attempt_limit(lease)).await {
+        Some(Ok(())) => tracing::debug!(storage_key = %key, "idempotent call released"),
+        Some(Err(StoreError::TokenRejected)) => tracing::debug!(
+            storage_key = %key,
+            "idempotent call's claim was already gone when it released it"
+        ),
+        Some(Err(error)) => tracing::warn!(
+            storage_key = %key,
+            error = &error as &dyn std::error::Error,
+            "idempotent call could not release its claim; it ends with its lease"
+        ),
+        None => tracing::warn!(
+            storage_key = %key,
+            "the store did not answer the release; the claim ends with its lease"
+        ),
     }
 }
 

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::claim::{ClaimHandle, Renewal, attempt_limit, bounded, later};
+use crate::claim::{ClaimHandle, ClaimSlot, Renewal, Seed, attempt_limit, bounded, later};
 use crate::envelope::{self, Stored};
 use crate::store::{BoxFuture, DynStore};
 use crate::{Claim, Error, FencingToken, Fingerprint, Key, Scope, StorageKey, Store, StoreError};
@@ -451,51 +451,65 @@ impl Idempotency {
         };
         tracing::debug!(storage_key = %key, token = token.get(), "idempotent call claimed");
 
-        let claim = ClaimHandle::leased(Arc::clone(&inner.store), key, token, lease);
-        let mut guard = ClaimGuard {
-            claim: &claim,
-            armed: true,
-        };
+        let slot = ClaimSlot::leased(Seed {
+            store: Arc::clone(&inner.store),
+            key,
+            token,
+            lease,
+        });
         // The lease is renewed on a task of its own, started only once the work first returns
         // pending: work that finishes at once costs nothing.
         let mut renewal: Option<Renewal> = None;
-        let mut work = std::pin::pin!(claim.clone().scope(work));
-        let value = std::future::poll_fn(|cx| {
-            let polled = work.as_mut().poll(cx);
-            if polled.is_pending() && renewal.is_none() {
-                renewal = Renewal::start(&claim, claimed_at.instant());
-            }
-            polled
-        })
-        .await;
+        let (value, slot) = {
+            let renewal = &mut renewal;
+            let watched = async move {
+                let mut work = std::pin::pin!(work);
+                std::future::poll_fn(|cx| {
+                    let polled = work.as_mut().poll(cx);
+                    if polled.is_pending() {
+                        ClaimSlot::start_renewal(renewal, claimed_at.instant());
+                    }
+                    polled
+                })
+                .await
+            };
+            let mut scoped = std::pin::pin!(slot.scope(watched));
+            let value = scoped.as_mut().await;
+            (value, scoped.as_mut().take_value())
+        };
+        let mut slot = slot.expect("the runtime takes the claim's slot back once, after the work");
         let result = match classify(&value) {
             Retain::Store(result) => Some(result),
             Retain::CompleteWithoutResult => None,
             Retain::Release => {
-                guard.armed = false;
                 drop(renewal);
                 // Finished in the background if the caller stops waiting, like a record.
-                FinishOnDrop(Some(Box::pin(release(claim.clone())))).await;
+                FinishOnDrop(Some(Box::pin(slot.release()))).await;
                 return Ok(Execution::Fresh(value));
             }
         };
-        guard.armed = false;
-        drop(guard);
+        slot.disarm();
         let payload = self.payload(&key, result);
         // The first write is polled here; only if the store does not answer at once (or
         // fails) does the call build the machinery that finishes it if the caller goes away
         // and retries it if it failed.
-        claim.start_recording();
-        let mut first = self.write(&claim, payload.envelope(), ttl);
+        if let Some(claim) = slot.existing() {
+            claim.start_recording();
+        }
+        let mut first = self.write(key, token, payload.envelope(), ttl);
         let first = match std::future::poll_fn(|cx| Poll::Ready(first.as_mut().poll(cx))).await {
             Poll::Ready(Ok(())) => {
-                claim.mark_completed();
+                if let Some(claim) = slot.existing() {
+                    claim.mark_completed();
+                }
                 tracing::debug!(storage_key = %key, "idempotent call completed");
                 return Ok(Execution::Fresh(value));
             }
             Poll::Ready(Err(error)) => First::Failed(error),
             Poll::Pending => First::InFlight(first),
         };
+        let claim = slot.handle();
+        claim.start_recording();
         let recording = Recording {
             claim,
             claimed_at,
@@ -529,15 +543,15 @@ impl Idempotency {
         }
     }
 
-    /// One `complete` of the claim's record with `envelope`, owning what it needs.
+    /// One `complete` of the record of `key` held with `token`, owning what it needs.
     fn write(
         &self,
-        claim: &ClaimHandle,
+        key: StorageKey,
+        token: FencingToken,
         envelope: Bytes,
         ttl: Duration,
     ) -> BoxFuture<'static, Result<(), StoreError>> {
         let store = Arc::clone(&self.inner.store);
-        let (key, token) = (claim.storage_key(), claim.token());
         Box::pin(async move { store.complete(&key, token, envelope, ttl).await })
     }
 
@@ -964,55 +978,4 @@ enum Acquired {
     /// The call owns the key with this token; its claim was sent then.
     Owner(FencingToken, ClaimedAt),
     Replay(Bytes),
-}
-
-/// Releases the claim if the call is dropped or panics before it classifies the work's output.
-struct ClaimGuard<'a> {
-    claim: &'a ClaimHandle,
-    armed: bool,
-}
-
-impl Drop for ClaimGuard<'_> {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        tracing::debug!(storage_key = %self.claim.storage_key(), "idempotent call abandoned; releasing its claim");
-        // Without a runtime to release on, the claim ends with its lease.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(release(self.claim.clone()));
-        } else {
-            self.claim.mark_released();
-        }
-    }
-}
-
-/// Gives the claim up: the work's other tasks learn it through [`ClaimHandle::lost`], and the
-/// store's record is deleted so the next retry runs. The store write is bounded: a store that
-/// hangs leaves the claim to end with its lease.
-async fn release(claim: ClaimHandle) {
-    claim.mark_released();
-    let key = claim.storage_key();
-    let Some(store) = claim.store() else { return };
-    match bounded(
-        store.release(&key, claim.token()),
-        attempt_limit(claim.lease()),
-    )
-    .await
-    {
-        Some(Ok(())) => tracing::debug!(storage_key = %key, "idempotent call released"),
-        Some(Err(StoreError::TokenRejected)) => tracing::debug!(
-            storage_key = %key,
-            "idempotent call's claim was already gone when it released it"
-        ),
-        Some(Err(error)) => tracing::warn!(
-            storage_key = %key,
-            error = &error as &dyn std::error::Error,
-            "idempotent call could not release its claim; it ends with its lease"
-        ),
-        None => tracing::warn!(
-            storage_key = %key,
-            "the store did not answer the release; the claim ends with its lease"
-        ),
-    }
 }
