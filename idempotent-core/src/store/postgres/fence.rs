@@ -107,7 +107,10 @@ pub const DEFAULT_FENCE_TABLE: &str = "idempotent_fences";
 ///   concurrent owner (one of the two then fails with a database error). A connection that is
 ///   not in a transaction begun with sqlx (`pool.begin()`, `conn.begin()`) is refused with
 ///   [`FenceError::NotInTransaction`]: in autocommit mode the lock would end with the statement,
-///   before your write.
+///   before your write. The check is sqlx's own view of the connection: a transaction ended by
+///   a raw `COMMIT`, or an `advance` inside a savepoint that is later rolled back to (which
+///   releases the row lock and the new highest token with it), is not detected; keep the guard
+///   and the write in the outermost transaction.
 /// - **Roll back on [`FenceError::Stale`]**, and on any other error. In particular, when the
 ///   guard runs after the write, the rollback is what undoes the stale write: never commit a
 ///   transaction whose `advance` failed.
