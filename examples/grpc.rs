@@ -25,6 +25,7 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use idempotent_core::ClaimHandle;
 use idempotent_tower::IdempotencyLayer;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -60,6 +61,13 @@ type PaymentStream = Pin<Box<dyn Stream<Item = Result<Payment, Status>> + Send>>
 impl Payments for PaymentService {
     async fn charge(&self, request: Request<ChargeRequest>) -> Result<Response<Payment>, Status> {
         let principal = principal(&request);
+        // The layer puts the running claim into the request's extensions. A real service
+        // passes its operation key to the provider it charges (see the payments example);
+        // this one returns it as metadata, so that clients can see it is one per operation.
+        let operation_key = request
+            .extensions()
+            .get::<ClaimHandle>()
+            .map(|claim| claim.operation_key());
         let charge = request.into_inner();
         if charge.delay_ms > 0 {
             tokio::time::sleep(Duration::from_millis(charge.delay_ms)).await;
@@ -71,12 +79,16 @@ impl Payments for PaymentService {
         if charge.currency == "err" {
             return Err(Status::unavailable("provider_unavailable"));
         }
-        Ok(Response::new(Payment {
+        let mut response = Response::new(Payment {
             id: self.next_id.fetch_add(1, Ordering::SeqCst) + 1,
             amount: charge.amount,
             currency: charge.currency,
             principal,
-        }))
+        });
+        if let Some(key) = operation_key.and_then(|key| key.as_str().parse().ok()) {
+            response.metadata_mut().insert("x-operation-key", key);
+        }
+        Ok(response)
     }
 
     async fn count(&self, _: Request<CountRequest>) -> Result<Response<CountReply>, Status> {

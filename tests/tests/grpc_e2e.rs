@@ -104,6 +104,46 @@ async fn retry_replays_the_identical_message_with_the_replay_metadata() {
     assert_eq!(count(&mut client).await, 1);
 }
 
+/// The handler reads the running claim from the tonic request's extensions: its operation key
+/// (returned here as `x-operation-key`) is the same for every attempt of one operation and
+/// differs across keys and principals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handler_reads_the_claim_from_the_request_extensions() {
+    let (_server, mut client) = start().await;
+    let operation_key = |response: &tonic::Response<pb::Payment>| {
+        response
+            .metadata()
+            .get("x-operation-key")
+            .expect("the handler saw its claim")
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    let first = client
+        .charge(charge(1999, "EUR", Some("op-1"), Some("alice")))
+        .await
+        .unwrap();
+    let key = operation_key(&first);
+    assert_eq!(key.len(), 64);
+    assert!(!key.contains("op-1"));
+    let retry = client
+        .charge(charge(1999, "EUR", Some("op-1"), Some("alice")))
+        .await
+        .unwrap();
+    assert!(replayed(retry.metadata()));
+    assert_eq!(operation_key(&retry), key);
+    let other_key = client
+        .charge(charge(1999, "EUR", Some("op-2"), Some("alice")))
+        .await
+        .unwrap();
+    assert_ne!(operation_key(&other_key), key);
+    let other_principal = client
+        .charge(charge(1999, "EUR", Some("op-1"), Some("bob")))
+        .await
+        .unwrap();
+    assert_ne!(operation_key(&other_principal), key);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_or_invalid_key_is_invalid_argument() {
     let (_server, mut client) = start().await;

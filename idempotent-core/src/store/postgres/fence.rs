@@ -8,7 +8,7 @@ use sqlx::postgres::{PgConnection, PgPool};
 // The executor's own methods, for `Send` futures: see the note in the parent module.
 use sqlx::{Connection as _, Executor as _, Row as _};
 
-use super::{InvalidTableName, Sql, token_param};
+use super::{InvalidTableName, TableName, token_param};
 use crate::FencingToken;
 
 /// The table [`Fence::new`] uses.
@@ -188,14 +188,8 @@ impl Fence {
     /// never inject SQL. Use a table of its own, not the store's.
     pub fn with_table(table: impl AsRef<str>) -> Result<Self, InvalidTableName> {
         let table = table.as_ref();
-        // The store's validation, so both accept exactly the same names.
-        Sql::new(table)?;
-        // Quoted like the store's tables: a reserved word is a valid name, and since only
-        // lowercase is accepted, the quoted name is the same table as the unquoted one.
-        let t = match table.split_once('.') {
-            Some((schema, name)) => format!("\"{schema}\".\"{name}\""),
-            None => format!("\"{table}\""),
-        };
+        // The store's validation and quoting, so both accept exactly the same names.
+        let t = TableName::parse(table)?.quoted();
         Ok(Fence {
             sql: Arc::new(FenceSql {
                 table: table.to_owned(),

@@ -358,25 +358,49 @@ pub(crate) struct Sql {
     reap: String,
 }
 
-impl Sql {
-    pub(crate) fn new(table: &str) -> Result<Self, InvalidTableName> {
-        let invalid = || InvalidTableName {
-            name: table.to_owned(),
-        };
+/// A table name validated as the store accepts them: a lowercase identifier, optionally
+/// qualified by a schema.
+pub(crate) struct TableName<'a> {
+    schema: Option<&'a str>,
+    name: &'a str,
+}
+
+impl<'a> TableName<'a> {
+    pub(crate) fn parse(table: &'a str) -> Result<Self, InvalidTableName> {
         let (schema, name) = match table.split_once('.') {
             Some((schema, name)) => (Some(schema), name),
             None => (None, table),
         };
         if !schema.is_none_or(is_identifier) || !is_identifier(name) {
-            return Err(invalid());
+            return Err(InvalidTableName {
+                name: table.to_owned(),
+            });
         }
-        // Quoted, so that a reserved word is a valid name; only lowercase is accepted, so the
-        // quoted name is the same table as the unquoted one in hand-written SQL.
-        let qualify = |part: &str| match schema {
+        Ok(TableName { schema, name })
+    }
+
+    /// `part` in the table's schema, quoted: a reserved word is then a valid name, and since
+    /// only lowercase is accepted, the quoted name is the same table as the unquoted one in
+    /// hand-written SQL.
+    pub(crate) fn qualify(&self, part: &str) -> String {
+        match self.schema {
             Some(schema) => format!("\"{schema}\".\"{part}\""),
             None => format!("\"{part}\""),
-        };
-        let t = qualify(name);
+        }
+    }
+
+    /// The table itself, quoted.
+    pub(crate) fn quoted(&self) -> String {
+        self.qualify(self.name)
+    }
+}
+
+impl Sql {
+    pub(crate) fn new(table: &str) -> Result<Self, InvalidTableName> {
+        let table_name = TableName::parse(table)?;
+        let name = table_name.name;
+        let qualify = |part: &str| table_name.qualify(part);
+        let t = table_name.quoted();
         let seq = qualify(&format!("{name}_token_seq"));
         let index = format!("\"{name}_expires_at_idx\"");
         let until = |param: &str| format!("clock_timestamp() + {param} * interval '1 microsecond'");
