@@ -33,6 +33,13 @@ fn slow(runs: &Arc<AtomicUsize>, delay: Duration) -> impl Future<Output = usize>
     }
 }
 
+/// A call on key `k` whose work counts its run and finishes at once.
+async fn run_k(idem: &Idempotency, runs: &Arc<AtomicUsize>) -> Outcome<usize> {
+    idem.run(&call("k"), slow(runs, Duration::ZERO))
+        .await
+        .unwrap()
+}
+
 async fn expect_in_flight(idem: &Idempotency, key: &str, runs: &Arc<AtomicUsize>) {
     match idem.run(&call(key), slow(runs, Duration::ZERO)).await {
         Err(Error::InFlight { .. }) => {}
@@ -350,17 +357,13 @@ async fn a_full_store_at_completion_keeps_the_result_until_space_frees() {
     // Neither the result nor the small "not retained" record fit.
     faults.fail(Op::Complete, Fault::Full);
     let runs = Arc::new(AtomicUsize::new(0));
-    idem.run(&call("k"), slow(&runs, Duration::ZERO))
-        .await
-        .unwrap();
+    run_k(&idem, &runs).await;
     tokio::time::sleep(Duration::from_secs(5)).await;
     expect_in_flight(&idem, "k", &runs).await;
     faults.heal(Op::Complete);
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
-        idem.run(&call("k"), slow(&runs, Duration::ZERO))
-            .await
-            .unwrap(),
+        run_k(&idem, &runs).await,
         Outcome::Replayed(1),
         "the result itself, not a not-retained record"
     );
@@ -373,17 +376,10 @@ async fn a_hung_completion_write_is_abandoned_and_tried_again() {
     faults.fail_next(Op::Complete, 1, Fault::Hang);
     let runs = Arc::new(AtomicUsize::new(0));
     let started = tokio::time::Instant::now();
-    idem.run(&call("k"), slow(&runs, Duration::ZERO))
-        .await
-        .unwrap();
+    run_k(&idem, &runs).await;
     assert!(started.elapsed() <= lease / 3, "{:?}", started.elapsed());
     tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(
-        idem.run(&call("k"), slow(&runs, Duration::ZERO))
-            .await
-            .unwrap(),
-        Outcome::Replayed(1)
-    );
+    assert_eq!(run_k(&idem, &runs).await, Outcome::Replayed(1));
 }
 
 #[tokio::test(start_paused = true)]
@@ -391,16 +387,9 @@ async fn a_lost_completion_reply_does_not_run_the_work_again() {
     let (idem, faults) = faulty(Duration::from_secs(3));
     faults.fail_next(Op::Complete, 1, Fault::LoseReply);
     let runs = Arc::new(AtomicUsize::new(0));
-    idem.run(&call("k"), slow(&runs, Duration::ZERO))
-        .await
-        .unwrap();
+    run_k(&idem, &runs).await;
     tokio::time::sleep(Duration::from_secs(10)).await;
-    assert_eq!(
-        idem.run(&call("k"), slow(&runs, Duration::ZERO))
-            .await
-            .unwrap(),
-        Outcome::Replayed(1)
-    );
+    assert_eq!(run_k(&idem, &runs).await, Outcome::Replayed(1));
     assert_eq!(
         faults.calls(Op::Complete),
         2,
@@ -416,19 +405,12 @@ async fn retrying_the_write_stops_when_another_owner_took_over() {
     faults.fail(Op::Complete, Fault::Unavailable);
     faults.fail(Op::Renew, Fault::Unavailable);
     let runs = Arc::new(AtomicUsize::new(0));
-    idem.run(&call("k"), slow(&runs, Duration::ZERO))
-        .await
-        .unwrap();
+    run_k(&idem, &runs).await;
     tokio::time::sleep(lease * 2).await;
     faults.heal_all();
     // The lease ended: the retry is a new owner (an effect the first owner made must be
     // deduplicated downstream with the operation key).
-    assert_eq!(
-        idem.run(&call("k"), slow(&runs, Duration::ZERO))
-            .await
-            .unwrap(),
-        Outcome::Fresh(2)
-    );
+    assert_eq!(run_k(&idem, &runs).await, Outcome::Fresh(2));
     let writes = faults.calls(Op::Complete);
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert!(
@@ -436,9 +418,7 @@ async fn retrying_the_write_stops_when_another_owner_took_over() {
         "the stale owner stopped at its rejected token"
     );
     assert_eq!(
-        idem.run(&call("k"), slow(&runs, Duration::ZERO))
-            .await
-            .unwrap(),
+        run_k(&idem, &runs).await,
         Outcome::Replayed(2),
         "the new owner's record stands"
     );
@@ -455,9 +435,7 @@ async fn retrying_the_write_ends_at_the_documented_bound() {
         .build();
     faults.fail(Op::Complete, Fault::Unavailable);
     let runs = Arc::new(AtomicUsize::new(0));
-    idem.run(&call("k"), slow(&runs, Duration::ZERO))
-        .await
-        .unwrap();
+    run_k(&idem, &runs).await;
     tokio::time::sleep(Duration::from_secs(9)).await;
     expect_in_flight(&idem, "k", &runs).await;
     tokio::time::sleep(Duration::from_secs(6)).await;

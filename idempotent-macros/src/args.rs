@@ -264,23 +264,22 @@ impl Reject {
 
 /// `tx = <name>`: the name of one of the function's parameters.
 fn parameter_name(input: ParseStream<'_>) -> syn::Result<Ident> {
-    let expr: Expr = input.parse()?;
-    match &expr {
-        Expr::Path(path) if path.qself.is_none() && path.attrs.is_empty() => {
-            path.path.get_ident().cloned()
-        }
-        _ => None,
-    }
-    .ok_or_else(|| {
-        syn::Error::new_spanned(
-            expr,
-            "expected the name of the parameter that holds the transaction, e.g. `tx = tx`",
-        )
-    })
+    plain_name(
+        input,
+        "expected the name of the parameter that holds the transaction, e.g. `tx = tx`",
+    )
 }
 
 /// `claim = <name>`: a new variable the body sees the claim under.
 fn binding_name(input: ParseStream<'_>) -> syn::Result<Ident> {
+    plain_name(
+        input,
+        "expected a variable name to bind the running claim to, e.g. `claim = claim`",
+    )
+}
+
+/// A bare identifier, or `expected` at whatever expression stands there instead.
+fn plain_name(input: ParseStream<'_>, expected: &str) -> syn::Result<Ident> {
     let expr: Expr = input.parse()?;
     match &expr {
         Expr::Path(path) if path.qself.is_none() && path.attrs.is_empty() => {
@@ -288,12 +287,7 @@ fn binding_name(input: ParseStream<'_>) -> syn::Result<Ident> {
         }
         _ => None,
     }
-    .ok_or_else(|| {
-        syn::Error::new_spanned(
-            expr,
-            "expected a variable name to bind the running claim to, e.g. `claim = claim`",
-        )
-    })
+    .ok_or_else(|| syn::Error::new_spanned(expr, expected))
 }
 
 fn string_literal(expr: &Expr) -> Option<String> {
