@@ -466,7 +466,7 @@ impl Idempotency {
                 let mut work = std::pin::pin!(work);
                 std::future::poll_fn(|cx| {
                     let polled = work.as_mut().poll(cx);
-                    if polled.is_pending() {
+                    if polled.is_pending() && renewal.is_none() {
                         ClaimSlot::start_renewal(renewal, claimed_at.instant());
                     }
                     polled
