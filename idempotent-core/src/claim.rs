@@ -353,14 +353,12 @@ impl ClaimSlot {
         CURRENT.scope(self, work)
     }
 
-    /// Starts renewing the claim of the slot `work` runs in, unless it is already renewed.
-    pub(crate) fn start_renewal(renewal: &mut Option<Renewal>, claimed_at: Instant) {
-        if renewal.is_none() {
-            *renewal = CURRENT
-                .try_with(|slot| Renewal::start(&slot.handle(), claimed_at))
-                .ok()
-                .flatten();
-        }
+    /// Starts renewing the claim of the slot the calling work runs in.
+    pub(crate) fn start_renewal(claimed_at: Instant) -> Option<Renewal> {
+        CURRENT
+            .try_with(|slot| Renewal::start(&slot.handle(), claimed_at))
+            .ok()
+            .flatten()
     }
 
     /// The claim's handle, built on first use.

@@ -467,7 +467,7 @@ impl Idempotency {
                 std::future::poll_fn(|cx| {
                     let polled = work.as_mut().poll(cx);
                     if polled.is_pending() && renewal.is_none() {
-                        ClaimSlot::start_renewal(renewal, claimed_at.instant());
+                        *renewal = ClaimSlot::start_renewal(claimed_at.instant());
                     }
                     polled
                 })
@@ -612,16 +612,9 @@ impl Idempotency {
             },
             First::Failed(error) => RecordError::from_store(Err(error)),
         };
-        let outcome = match outcome {
-            Err(RecordError::Store(StoreError::Capacity { what }))
-                if matches!(payload, Payload::Value(_)) =>
-            {
-                tracing::warn!(storage_key = %key, what, "idempotency store full; recording the call without its result");
-                self.complete_bounded(&claim, envelope::encode_not_retained(), ttl, limit)
-                    .await
-            }
-            other => other,
-        };
+        let outcome = self
+            .or_not_retained(outcome, &claim, &payload, ttl, limit)
+            .await;
         let error = match outcome {
             Ok(()) => {
                 claim.mark_completed();
@@ -705,9 +698,7 @@ impl Idempotency {
         }
     }
 
-    /// One attempt at completing the record. A result the store has no room for is replaced
-    /// by the small "ran, result not retained" record, so that a retry is refused rather than
-    /// run again (a store full of live records may stay full).
+    /// One attempt at completing the record.
     async fn complete_once(
         &self,
         claim: &ClaimHandle,
@@ -715,25 +706,34 @@ impl Idempotency {
         ttl: Duration,
         limit: Duration,
     ) -> Result<(), RecordError> {
-        let key = claim.storage_key();
-        match payload {
-            // Encoded per attempt: a retry re-encodes rather than every call copying the
-            // envelope in case it is needed again.
-            Payload::Value(_) => {
-                match self
-                    .complete_bounded(claim, payload.envelope(), ttl, limit)
-                    .await
-                {
-                    Err(RecordError::Store(StoreError::Capacity { what })) => {
-                        tracing::warn!(storage_key = %key, what, "idempotency store full; recording the call without its result");
-                    }
-                    other => return other,
-                }
-            }
-            Payload::NotRetained => {}
-        }
-        self.complete_bounded(claim, envelope::encode_not_retained(), ttl, limit)
+        let outcome = self
+            .complete_bounded(claim, payload.envelope(), ttl, limit)
+            .await;
+        self.or_not_retained(outcome, claim, payload, ttl, limit)
             .await
+    }
+
+    /// A result the store has no room for is replaced by the small "ran, result not retained"
+    /// record, so that a retry is refused rather than run again (a store full of live records
+    /// may stay full). Any other outcome stands.
+    async fn or_not_retained(
+        &self,
+        outcome: Result<(), RecordError>,
+        claim: &ClaimHandle,
+        payload: &Payload,
+        ttl: Duration,
+        limit: Duration,
+    ) -> Result<(), RecordError> {
+        match outcome {
+            Err(RecordError::Store(StoreError::Capacity { what }))
+                if matches!(payload, Payload::Value(_)) =>
+            {
+                tracing::warn!(storage_key = %claim.storage_key(), what, "idempotency store full; recording the call without its result");
+                self.complete_bounded(claim, envelope::encode_not_retained(), ttl, limit)
+                    .await
+            }
+            other => other,
+        }
     }
 
     /// One `complete`, abandoned after `limit`.

@@ -40,6 +40,24 @@ async fn run_k(idem: &Idempotency, runs: &Arc<AtomicUsize>) -> Outcome<usize> {
         .unwrap()
 }
 
+/// An owner of key `k` whose work takes `delay`, and returns its run count and whether its
+/// claim was lost by then.
+fn spawn_owner(
+    idem: &Idempotency,
+    runs: &Arc<AtomicUsize>,
+    delay: Duration,
+) -> tokio::task::JoinHandle<Result<Outcome<(usize, bool)>, Error>> {
+    let (idem, work) = (idem.clone(), slow(runs, delay));
+    tokio::spawn(async move {
+        idem.run(&call("k"), async {
+            let claim = ClaimHandle::current().unwrap();
+            let n = work.await;
+            (n, claim.is_lost())
+        })
+        .await
+    })
+}
+
 async fn expect_in_flight(idem: &Idempotency, key: &str, runs: &Arc<AtomicUsize>) {
     match idem.run(&call(key), slow(runs, Duration::ZERO)).await {
         Err(Error::InFlight { .. }) => {}
@@ -146,17 +164,7 @@ async fn renewal_retries_failed_attempts_and_keeps_the_claim() {
     // The first four renewal attempts fail at once (they are retried within ~150 ms).
     faults.fail_next(Op::Renew, 4, Fault::Unavailable);
     let runs = Arc::new(AtomicUsize::new(0));
-    let owner = tokio::spawn({
-        let (idem, work) = (idem.clone(), slow(&runs, Duration::from_secs(12)));
-        async move {
-            idem.run(&call("k"), async {
-                let claim = ClaimHandle::current().unwrap();
-                let n = work.await;
-                (n, claim.is_lost())
-            })
-            .await
-        }
-    });
+    let owner = spawn_owner(&idem, &runs, Duration::from_secs(12));
     for _ in 0..10 {
         tokio::time::sleep(Duration::from_secs(1)).await;
         expect_in_flight(&idem, "k", &runs).await;
@@ -476,17 +484,7 @@ async fn a_fast_failing_outage_of_two_thirds_of_the_lease_keeps_the_claim() {
     let lease = Duration::from_secs(3);
     let (idem, faults) = faulty(lease);
     let runs = Arc::new(AtomicUsize::new(0));
-    let owner = tokio::spawn({
-        let (idem, work) = (idem.clone(), slow(&runs, Duration::from_secs(8)));
-        async move {
-            idem.run(&call("k"), async {
-                let claim = ClaimHandle::current().unwrap();
-                let n = work.await;
-                (n, claim.is_lost())
-            })
-            .await
-        }
-    });
+    let owner = spawn_owner(&idem, &runs, Duration::from_secs(8));
     tokio::time::sleep(Duration::from_millis(500)).await;
     // Unreachable from 0.5 s to 2.5 s: the first renewal (at 1 s) and its retries fail.
     faults.fail(Op::Renew, Fault::Unavailable);
