@@ -19,20 +19,72 @@
 //!   the retry replays it and changes nothing;
 //! - the same `id` published again as another entry (a producer retry) also changes nothing.
 //!
-//! A malformed entry (a field missing, an amount that is not an integer, an `id` reused for a
-//! different account or amount) is copied to `STREAM:dead` with a `reason` and the original
-//! entry id, and acknowledged, in one Redis script, so it is dead-lettered exactly once. The
-//! consumer never crashes on input. On SIGTERM it finishes the entry in hand and exits 0.
+//! # Failures
+//!
+//! An entry that is not applied is either at fault itself or met a fault of the system:
+//!
+//! - **Malformed** — a field missing, empty or repeated, an `amount` that is not a 64-bit
+//!   integer, more than 64 fields — or an `id` reused for a different account or amount:
+//!   retrying cannot help, so it is dead-lettered at once.
+//! - **Rejected by PostgreSQL for its data** — SQLSTATE class `22` (data exception: a NUL byte
+//!   in `account`, a balance overflowing `bigint`), `23` (integrity constraint violation) or
+//!   `54` (program limit exceeded: an `account` too long for the primary key's index): left
+//!   pending and delivered again, because a rejection can depend on the moment (a balance
+//!   overflows until a debit arrives), and dead-lettered at the first rejection from its
+//!   `MAX_DELIVERIES`-th delivery on.
+//! - **Transient** — PostgreSQL unreachable, a serialization failure (`40001`), a deadlock
+//!   (`40P01`), a lock or statement timeout (`55P03`, `57014`), Redis failing mid-way: left
+//!   pending and retried until it succeeds, however many deliveries that takes, because the
+//!   entry is not at fault and waiting is what repairs it.
+//!
+//! The bound counts the deliveries Redis records for the entry (its `XPENDING` delivery count),
+//! so it holds across restarts and across consumers.
+//!
+//! Dead letters go to the stream `STREAM:dead`. Each is a new entry with the fields `reason`,
+//! `entry` (the original entry's id) and `deliveries`, followed by the original entry's fields
+//! (its first 64). It is added and the original acknowledged in one Redis script, only while the
+//! original is still pending, so an entry is dead-lettered exactly once even when two consumers
+//! give up on it at the same moment. The original stays in `STREAM` under its id until the
+//! stream is trimmed.
+//!
+//! # Retries and hung transactions
+//!
+//! An entry left pending is delivered again once it has been idle for `CLAIM_IDLE`. Every
+//! `CLAIM_IDLE / 2` the consumer sweeps the group's pending list with `XAUTOCLAIM`, 64 entries a
+//! page, following the cursor each page returns until it wraps, so the tail of a long pending
+//! list is reached even when the entries at its head keep failing. New entries are read between
+//! sweeps.
+//!
+//! Each transaction runs with `SET LOCAL lock_timeout = LOCK_TIMEOUT` and `statement_timeout =
+//! STATEMENT_TIMEOUT`: an account whose row is held by another transaction that hangs, or a
+//! statement that never returns, fails that entry as transient instead of stalling the
+//! consumer, which goes on with the next entries. Keep both below `CLAIM_IDLE`, so that an
+//! entry is not taken over while its transaction still waits.
+//!
+//! # Starting
+//!
+//! Any number of consumers may start at the same moment: the idempotency table's migration and
+//! the creation of the `accounts` table each run under a transaction-scoped advisory lock,
+//! because `CREATE TABLE IF NOT EXISTS` run concurrently can fail on PostgreSQL's catalog. The
+//! consumer group is created if missing. The consumer never crashes on input. On SIGTERM it
+//! finishes the entry in hand and exits 0.
 //!
 //! | variable | default | meaning |
 //! |---|---|---|
 //! | `REDIS_URL` | `redis://127.0.0.1:6379` | the broker |
 //! | `DATABASE_URL` | `postgres://postgres@127.0.0.1:5432/postgres` | balances and idempotency records |
-//! | `STREAM` | `payments` | the stream to consume |
+//! | `STREAM` | `payments` | the stream to consume; dead letters go to `STREAM:dead` |
 //! | `GROUP` | `ledger` | the consumer group (created if missing) |
 //! | `CONSUMER` | `HOST-PID` | this consumer's name in the group |
-//! | `CLAIM_IDLE` | `5s` | take over entries left pending this long by another consumer |
+//! | `CLAIM_IDLE` | `5s` | deliver again entries left pending this long, by any consumer |
+//! | `MAX_DELIVERIES` | `3` | dead-letter an entry PostgreSQL rejects from this delivery on |
+//! | `LOCK_TIMEOUT` | `1s` | the longest a transaction waits for a lock |
+//! | `STATEMENT_TIMEOUT` | `2s` | the longest one statement runs |
 //! | `EFFECT_DELAY_MS` | `0` | a pause inside the transaction, between the effect and the commit |
+//!
+//! Durations are a number followed by `ms`, `s`, `m`, `h` or `d`, greater than zero; the two
+//! timeouts at most 24 days (PostgreSQL's limit). A bad value makes the consumer exit with
+//! status 2 and a message naming the variable.
 //!
 //! What the transaction cannot cover: an effect outside this database (an e-mail, an HTTP call
 //! to a provider without idempotency keys). Write such an effect as a row of an outbox table in
@@ -45,10 +97,20 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use idempotent_core::{Error, PostgresStore, Transactional, idempotent};
+use idempotent_core::{Error, PostgresStore, StoreError, Transactional, idempotent};
 use redis::Value;
 use redis::aio::MultiplexedConnection;
 use sqlx::{PgPool, Postgres, Transaction};
+
+/// The most fields an entry may carry; a dead letter copies at most this many.
+const MAX_FIELDS: usize = 64;
+
+/// Entries per `XAUTOCLAIM` page.
+const CLAIM_PAGE: usize = 64;
+
+/// The cursor that starts a sweep of the pending list, and that `XAUTOCLAIM` returns when the
+/// sweep has reached its end.
+const SWEEP_START: &str = "0-0";
 
 struct Config {
     redis_url: String,
@@ -58,6 +120,9 @@ struct Config {
     group: String,
     consumer: String,
     claim_idle: Duration,
+    max_deliveries: u64,
+    lock_timeout: Duration,
+    statement_timeout: Duration,
     effect_delay: Duration,
 }
 
@@ -69,6 +134,28 @@ fn config() -> Result<Config, String> {
         .map(|h| h.trim().to_owned())
         .unwrap_or_else(|_| "host".into());
     let claim_idle = common::parse_duration("CLAIM_IDLE", &var("CLAIM_IDLE", "5s"))?;
+    let max_deliveries = var("MAX_DELIVERIES", "3");
+    let max_deliveries = match max_deliveries.parse() {
+        Ok(n) if n > 0 => n,
+        _ => {
+            return Err(format!(
+                "MAX_DELIVERIES={max_deliveries:?} is not a whole number greater than zero"
+            ));
+        }
+    };
+    let timeout = |name: &str, default: &str| -> Result<Duration, String> {
+        let value = var(name, default);
+        let timeout = common::parse_duration(name, &value)?;
+        // PostgreSQL takes both settings in milliseconds, as a 32-bit integer.
+        if timeout.as_millis() > i32::MAX as u128 {
+            return Err(format!(
+                "{name}={value:?} is longer than PostgreSQL accepts"
+            ));
+        }
+        Ok(timeout)
+    };
+    let lock_timeout = timeout("LOCK_TIMEOUT", "1s")?;
+    let statement_timeout = timeout("STATEMENT_TIMEOUT", "2s")?;
     let delay = var("EFFECT_DELAY_MS", "0");
     let effect_delay = delay
         .parse()
@@ -85,6 +172,9 @@ fn config() -> Result<Config, String> {
         group: var("GROUP", "ledger"),
         consumer: var("CONSUMER", &format!("{host}-{}", std::process::id())),
         claim_idle,
+        max_deliveries,
+        lock_timeout,
+        statement_timeout,
         effect_delay,
     })
 }
@@ -93,6 +183,8 @@ fn config() -> Result<Config, String> {
 struct Delivery {
     entry_id: String,
     fields: Vec<(String, Vec<u8>)>,
+    /// How many times the group has delivered it, this delivery included.
+    deliveries: u64,
 }
 
 /// A well-formed payment message.
@@ -103,19 +195,22 @@ struct Posting {
 }
 
 impl Delivery {
-    fn field(&self, name: &str) -> Option<&[u8]> {
-        self.fields
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_slice())
-    }
-
     /// The posting it carries, or why it is malformed.
     fn posting(&self) -> Result<Posting, String> {
+        if self.fields.len() > MAX_FIELDS {
+            return Err(format!(
+                "the entry has {} fields, more than {MAX_FIELDS}",
+                self.fields.len()
+            ));
+        }
         let text = |name: &str| -> Result<String, String> {
-            let value = self
-                .field(name)
+            let mut values = self.fields.iter().filter(|(k, _)| k == name);
+            let (_, value) = values
+                .next()
                 .ok_or_else(|| format!("missing field `{name}`"))?;
+            if values.next().is_some() {
+                return Err(format!("field `{name}` is repeated"));
+            }
             let value =
                 std::str::from_utf8(value).map_err(|_| format!("field `{name}` is not UTF-8"))?;
             if value.is_empty() {
@@ -130,7 +225,7 @@ impl Delivery {
         let amount = text("amount")?;
         let amount = amount
             .parse()
-            .map_err(|_| format!("field `amount` is not an integer: {amount:?}"))?;
+            .map_err(|_| format!("field `amount` is not a 64-bit integer: {amount:?}"))?;
         Ok(Posting {
             id,
             account,
@@ -143,15 +238,6 @@ impl Delivery {
 enum ApplyError {
     Idempotency(Error),
     Database(sqlx::Error),
-}
-
-impl std::fmt::Display for ApplyError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ApplyError::Idempotency(e) => write!(f, "{e} ({})", e.code()),
-            ApplyError::Database(e) => write!(f, "database: {e}"),
-        }
-    }
 }
 
 impl From<Error> for ApplyError {
@@ -195,11 +281,55 @@ async fn apply(
     Ok(balance)
 }
 
+/// Why an entry was not applied.
+enum Failure {
+    /// The entry is at fault whatever the moment: dead-letter it now.
+    Invalid(String),
+    /// PostgreSQL rejected the entry's data: deliver it again, up to `MAX_DELIVERIES`.
+    Rejected(String),
+    /// The system failed, not the entry: deliver it again until it succeeds.
+    Transient(String),
+}
+
+impl Failure {
+    /// A failure of one of the posting's own statements: SQLSTATE classes `22` (data
+    /// exception), `23` (integrity constraint violation) and `54` (program limit exceeded)
+    /// blame its data; anything else (connection, timeout, conflict with another
+    /// transaction, shutdown) is transient.
+    fn of_statement(context: &str, error: &sqlx::Error) -> Failure {
+        if let sqlx::Error::Database(db) = error {
+            if let Some(code) = db.code() {
+                let reason = format!("{context}: {} (SQLSTATE {code})", db.message());
+                return match &code[..code.len().min(2)] {
+                    "22" | "23" | "54" => Failure::Rejected(reason),
+                    _ => Failure::Transient(reason),
+                };
+            }
+        }
+        Failure::Transient(format!("{context}: {error}"))
+    }
+
+    fn of_idempotency(error: Error) -> Failure {
+        let reason = format!("idempotency: {error} ({})", error.code());
+        match error {
+            Error::FingerprintMismatch => {
+                Failure::Invalid("id already used for a different account or amount".into())
+            }
+            // The key's stored record cannot be read back: no retry reads it any better.
+            Error::CorruptRecord(_) | Error::Payload(_) | Error::Store(StoreError::Corrupt(_)) => {
+                Failure::Rejected(reason)
+            }
+            _ => Failure::Transient(reason),
+        }
+    }
+}
+
 /// Copies an entry to the dead-letter stream and acknowledges it, atomically: only an entry
-/// still pending is copied, so a redelivered malformed entry is never dead-lettered twice.
+/// still pending is copied, so an entry is never dead-lettered twice.
 const DEAD_LETTER: &str = r"
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  redis.call('XADD', KEYS[2], '*', 'reason', ARGV[3], 'entry', ARGV[2], unpack(ARGV, 4))
+  redis.call('XADD', KEYS[2], '*', 'reason', ARGV[3], 'entry', ARGV[2], 'deliveries', ARGV[4],
+             unpack(ARGV, 5))
   return 1
 end
 return 0
@@ -211,12 +341,16 @@ struct Consumer {
     pool: PgPool,
     ledger: Ledger,
     dead_letter: redis::Script,
+    /// Where the sweep of the pending list goes on from.
+    claim_cursor: String,
 }
 
 enum Outcome {
     /// Applied now, or found already applied (replayed): either way acknowledged.
     Applied,
-    DeadLettered,
+    DeadLettered(String),
+    /// Not applied, still pending: delivered again after `CLAIM_IDLE`.
+    LeftPending(String),
 }
 
 impl Consumer {
@@ -261,8 +395,7 @@ impl Consumer {
             .await
             .map_err(|e| format!("cannot create the idempotency table: {e:?}"))?;
         let pool = store.pool().clone();
-        sqlx::query("CREATE TABLE IF NOT EXISTS accounts (account text PRIMARY KEY, balance bigint NOT NULL)")
-            .execute(&pool)
+        create_accounts_table(&pool)
             .await
             .map_err(|e| format!("cannot create the accounts table: {e}"))?;
         let ledger = Ledger {
@@ -275,7 +408,13 @@ impl Consumer {
             pool,
             ledger,
             dead_letter: redis::Script::new(DEAD_LETTER),
+            claim_cursor: SWEEP_START.to_owned(),
         })
+    }
+
+    /// Whether a sweep of the pending list has pages left.
+    fn sweeping(&self) -> bool {
+        self.claim_cursor != SWEEP_START
     }
 
     /// New entries for this consumer, waiting up to a second for some.
@@ -308,70 +447,153 @@ impl Consumer {
         })
     }
 
-    /// Entries other consumers left pending for longer than `CLAIM_IDLE`, now ours.
+    /// The next page of the sweep: entries left pending for longer than `CLAIM_IDLE` (by any
+    /// consumer, this one included), now ours, with their delivery counts.
     async fn claim_abandoned(&mut self) -> redis::RedisResult<Vec<Delivery>> {
         let reply: Value = redis::cmd("XAUTOCLAIM")
             .arg(&self.config.stream)
             .arg(&self.config.group)
             .arg(&self.config.consumer)
             .arg(u64::try_from(self.config.claim_idle.as_millis()).unwrap_or(u64::MAX))
-            .arg("0-0")
+            .arg(&self.claim_cursor)
             .arg("COUNT")
-            .arg(64)
+            .arg(CLAIM_PAGE)
             .query_async(&mut self.redis)
             .await?;
         // [next-cursor, [entries...], [deleted ids...]]
-        Ok(match reply {
-            Value::Array(mut parts) if parts.len() >= 2 => entries(parts.remove(1)),
-            _ => Vec::new(),
-        })
+        let Value::Array(mut parts) = reply else {
+            self.claim_cursor = SWEEP_START.to_owned();
+            return Ok(Vec::new());
+        };
+        let mut claimed = if parts.len() >= 2 {
+            entries(parts.remove(1))
+        } else {
+            Vec::new()
+        };
+        self.claim_cursor = parts
+            .first()
+            .and_then(text)
+            .unwrap_or_else(|| SWEEP_START.to_owned());
+        if claimed.is_empty() {
+            return Ok(claimed);
+        }
+        // XAUTOCLAIM does not report delivery counts: the pending list holds them.
+        let mut lookups = redis::pipe();
+        for delivery in &claimed {
+            lookups
+                .cmd("XPENDING")
+                .arg(&self.config.stream)
+                .arg(&self.config.group)
+                .arg(&delivery.entry_id)
+                .arg(&delivery.entry_id)
+                .arg(1);
+        }
+        let counts: Vec<Value> = lookups.query_async(&mut self.redis).await?;
+        for (delivery, count) in claimed.iter_mut().zip(&counts) {
+            // An entry acknowledged meanwhile has no count; it is applied or dead-lettered
+            // already, and handling it again changes nothing.
+            delivery.deliveries = delivery_count(count).unwrap_or(1);
+        }
+        Ok(claimed)
     }
 
     async fn handle(&mut self, delivery: &Delivery) -> Result<Outcome, String> {
-        let posting = match delivery.posting() {
-            Ok(posting) => posting,
-            Err(reason) => return self.dead_letter(delivery, &reason).await,
+        let failure = match delivery.posting() {
+            Ok(posting) => match self.post(&posting).await {
+                Ok(()) => {
+                    let _: i64 = redis::cmd("XACK")
+                        .arg(&self.config.stream)
+                        .arg(&self.config.group)
+                        .arg(&delivery.entry_id)
+                        .query_async(&mut self.redis)
+                        .await
+                        .map_err(|e| format!("XACK: {e}"))?;
+                    return Ok(Outcome::Applied);
+                }
+                Err(failure) => failure,
+            },
+            Err(reason) => Failure::Invalid(reason),
         };
-        let mut tx = self.pool.begin().await.map_err(|e| format!("begin: {e}"))?;
-        match apply(&self.ledger, &mut tx, &posting).await {
-            Ok(_) => {
-                tx.commit().await.map_err(|e| format!("commit: {e}"))?;
+        match failure {
+            Failure::Invalid(reason) => self.dead_letter(delivery, reason).await,
+            Failure::Rejected(reason) if delivery.deliveries >= self.config.max_deliveries => {
+                self.dead_letter(delivery, reason).await
             }
-            Err(ApplyError::Idempotency(Error::FingerprintMismatch)) => {
-                drop(tx);
-                let reason = "id already used for a different account or amount";
-                return self.dead_letter(delivery, reason).await;
-            }
-            Err(error) => return Err(format!("apply {}: {error}", posting.id)),
+            Failure::Rejected(reason) => Ok(Outcome::LeftPending(format!(
+                "{reason} (delivery {} of {})",
+                delivery.deliveries, self.config.max_deliveries
+            ))),
+            Failure::Transient(reason) => Ok(Outcome::LeftPending(reason)),
         }
-        let _: i64 = redis::cmd("XACK")
-            .arg(&self.config.stream)
-            .arg(&self.config.group)
-            .arg(&delivery.entry_id)
-            .query_async(&mut self.redis)
-            .await
-            .map_err(|e| format!("XACK: {e}"))?;
-        Ok(Outcome::Applied)
     }
 
-    async fn dead_letter(&mut self, delivery: &Delivery, reason: &str) -> Result<Outcome, String> {
+    /// Applies the posting in a transaction of its own, bounded by the lock and statement
+    /// timeouts, and commits it.
+    async fn post(&self, posting: &Posting) -> Result<(), Failure> {
+        let transient =
+            |context: &str, e: sqlx::Error| Failure::Transient(format!("{context}: {e}"));
+        let mut tx = self.pool.begin().await.map_err(|e| transient("begin", e))?;
+        sqlx::query(
+            "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)",
+        )
+        .bind(format!("{}ms", self.config.lock_timeout.as_millis()))
+        .bind(format!("{}ms", self.config.statement_timeout.as_millis()))
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| transient("set timeouts", e))?;
+        // On an error, `tx` is dropped: rolled back, claim and all.
+        match apply(&self.ledger, &mut tx, posting).await {
+            Ok(_) => tx
+                .commit()
+                .await
+                .map_err(|e| Failure::of_statement("commit", &e)),
+            Err(ApplyError::Database(e)) => Err(Failure::of_statement("database", &e)),
+            Err(ApplyError::Idempotency(e)) => Err(Failure::of_idempotency(e)),
+        }
+    }
+
+    async fn dead_letter(
+        &mut self,
+        delivery: &Delivery,
+        reason: String,
+    ) -> Result<Outcome, String> {
         let mut invocation = self.dead_letter.key(&self.config.stream);
         invocation
             .key(&self.config.dead)
             .arg(&self.config.group)
             .arg(&delivery.entry_id)
-            .arg(reason);
-        for (name, value) in &delivery.fields {
+            .arg(&reason)
+            .arg(delivery.deliveries);
+        // Bounded: a script cannot pass thousands of arguments to a command.
+        for (name, value) in delivery.fields.iter().take(MAX_FIELDS) {
             invocation.arg(name).arg(value.as_slice());
         }
         let _: i64 = invocation
             .invoke_async(&mut self.redis)
             .await
             .map_err(|e| format!("dead-letter: {e}"))?;
-        Ok(Outcome::DeadLettered)
+        Ok(Outcome::DeadLettered(reason))
     }
 }
 
+/// Creates the `accounts` table if it is missing. `CREATE TABLE IF NOT EXISTS` is not atomic:
+/// two sessions can both find the table missing, and the second then fails on a unique index
+/// of PostgreSQL's catalog. A transaction-scoped advisory lock makes instances starting at
+/// once take turns.
+async fn create_accounts_table(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('ledger: accounts table', 0))")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS accounts (account text PRIMARY KEY, balance bigint NOT NULL)",
+    )
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await
+}
+
+/// Entries as `XREADGROUP` and `XAUTOCLAIM` return them, counted as first deliveries.
 fn entries(value: Value) -> Vec<Delivery> {
     let Value::Array(items) = value else {
         return Vec::new();
@@ -398,9 +620,28 @@ fn entries(value: Value) -> Vec<Delivery> {
                     .collect(),
                 _ => Vec::new(),
             };
-            Some(Delivery { entry_id, fields })
+            Some(Delivery {
+                entry_id,
+                fields,
+                deliveries: 1,
+            })
         })
         .collect()
+}
+
+/// The delivery count in an `XPENDING stream group id id 1` reply:
+/// `[[id, consumer, idle-ms, deliveries]]`.
+fn delivery_count(reply: &Value) -> Option<u64> {
+    let Value::Array(rows) = reply else {
+        return None;
+    };
+    let Some(Value::Array(row)) = rows.first() else {
+        return None;
+    };
+    match row.get(3)? {
+        Value::Int(n) => u64::try_from(*n).ok(),
+        _ => None,
+    }
 }
 
 fn bytes(value: &Value) -> Option<Vec<u8>> {
@@ -450,10 +691,13 @@ async fn main() -> ExitCode {
         consumer.config.stream, consumer.config.consumer
     );
 
-    let mut last_claim = tokio::time::Instant::now();
+    let mut last_sweep = tokio::time::Instant::now();
     while !stopping.load(Ordering::SeqCst) {
-        let batch = if last_claim.elapsed() >= consumer.config.claim_idle / 2 {
-            last_claim = tokio::time::Instant::now();
+        // A sweep, once begun, runs page after page until its cursor wraps.
+        let batch = if consumer.sweeping() {
+            consumer.claim_abandoned().await
+        } else if last_sweep.elapsed() >= consumer.config.claim_idle / 2 {
+            last_sweep = tokio::time::Instant::now();
             consumer.claim_abandoned().await
         } else {
             consumer.read_new().await
@@ -470,15 +714,17 @@ async fn main() -> ExitCode {
             }
         };
         for delivery in &batch {
-            // A transient failure leaves the entry pending: it is retried after CLAIM_IDLE.
+            let entry = &delivery.entry_id;
             match consumer.handle(delivery).await {
                 Ok(Outcome::Applied) => {}
-                Ok(Outcome::DeadLettered) => {
-                    eprintln!("ledger: entry {} dead-lettered", delivery.entry_id);
+                Ok(Outcome::DeadLettered(reason)) => {
+                    eprintln!("ledger: entry {entry} dead-lettered: {reason}");
                 }
-                Err(error) => {
-                    eprintln!("ledger: entry {} left pending: {error}", delivery.entry_id)
+                Ok(Outcome::LeftPending(reason)) => {
+                    eprintln!("ledger: entry {entry} left pending: {reason}");
                 }
+                // Redis failed after the transaction: still pending, delivered again later.
+                Err(error) => eprintln!("ledger: entry {entry} left pending: {error}"),
             }
             if stopping.load(Ordering::SeqCst) {
                 break;

@@ -4,17 +4,19 @@
 //! |---|---|---|
 //! | `PORT` | per example | listens on `127.0.0.1:$PORT` |
 //! | `IDEMPOTENCY_STORE` | `memory` | `memory`, `redis://HOST:PORT[/DB]` or `postgres://USER@HOST:PORT/DB` |
-//! | `IDEMPOTENCY_TTL` | `24h` | how long responses are replayed |
-//! | `IDEMPOTENCY_LEASE` | `30s` | how long a crashed request keeps its key locked |
+//! | `IDEMPOTENCY_TTL` | `24h` | how long responses are replayed: `1ms` to `365d` |
+//! | `IDEMPOTENCY_LEASE` | `30s` | how long a crashed request keeps its key locked: `100ms` to `365d` |
 //! | `IDEMPOTENCY_IN_FLIGHT` | `reject` | `reject` or `wait` (up to one lease, then replay) |
 //!
-//! Durations are a number followed by `ms`, `s`, `m`, `h` or `d`. A bad value makes the example
-//! exit with status 2 and a message naming the variable.
+//! Durations are a number followed by `ms`, `s`, `m`, `h` or `d`; the ranges are those of
+//! `idempotent_core::limits`. A bad value, or one out of its range, makes the example exit with
+//! status 2 and a message naming the variable (and the range).
 
 #![allow(dead_code)]
 
 use std::time::Duration;
 
+use idempotent_core::limits::{self, DurationError};
 use idempotent_core::{Idempotency, InFlightPolicy, MemoryStore, PostgresStore, RedisStore};
 
 /// Logs to stderr, `RUST_LOG` overriding the default filter.
@@ -45,8 +47,16 @@ pub(crate) fn settings(default_port: u16) -> Result<Settings, String> {
     let port = port
         .parse()
         .map_err(|_| format!("PORT={port:?} is not a port number"))?;
-    let ttl = parse_duration("IDEMPOTENCY_TTL", &var("IDEMPOTENCY_TTL", "24h"))?;
-    let lease = parse_duration("IDEMPOTENCY_LEASE", &var("IDEMPOTENCY_LEASE", "30s"))?;
+    let ttl = checked_duration(
+        "IDEMPOTENCY_TTL",
+        &var("IDEMPOTENCY_TTL", "24h"),
+        limits::check_ttl,
+    )?;
+    let lease = checked_duration(
+        "IDEMPOTENCY_LEASE",
+        &var("IDEMPOTENCY_LEASE", "30s"),
+        limits::check_lease,
+    )?;
     let in_flight = match var("IDEMPOTENCY_IN_FLIGHT", "reject").as_str() {
         "reject" => InFlightPolicy::Reject,
         "wait" => InFlightPolicy::Wait { max: lease },
@@ -85,6 +95,15 @@ pub(crate) fn parse_duration(name: &str, value: &str) -> Result<Duration, String
         return Err(format!("{name}={value:?} must be greater than zero"));
     }
     Ok(Duration::from_millis(millis))
+}
+
+/// Parses `value`, the variable `name`'s, as a duration that `check` accepts.
+fn checked_duration(
+    name: &str,
+    value: &str,
+    check: fn(Duration) -> Result<Duration, DurationError>,
+) -> Result<Duration, String> {
+    check(parse_duration(name, value)?).map_err(|error| format!("{name}={value:?}: {error}"))
 }
 
 /// The runtime over the store `IDEMPOTENCY_STORE` names.

@@ -9,7 +9,9 @@
 //! 12      n     result bytes
 //! ```
 //!
-//! Stores keep the envelope as opaque bytes. A record that fails to decode is reported as
+//! Decoding reads any byte string without panicking or copying: it returns the result bytes as a
+//! slice of the input, or an [`EnvelopeError`]. Stores keep the envelope as opaque bytes. A
+//! record that fails to decode is reported as
 //! [`Error::CorruptRecord`](crate::Error::CorruptRecord), never treated as absent: treating it as
 //! absent would run the work a second time.
 
@@ -134,5 +136,52 @@ mod tests {
             decode(&Bytes::from(future)),
             Err(EnvelopeError::UnknownVersion(2))
         );
+    }
+
+    /// Bytes that reach every check: arbitrary, or a valid envelope with one byte changed,
+    /// inserted or cut.
+    fn stored_bytes() -> impl proptest::strategy::Strategy<Value = Vec<u8>> {
+        use proptest::prelude::*;
+        let valid = prop_oneof![
+            proptest::collection::vec(any::<u8>(), 0..64).prop_map(|r| encode_value(&r).to_vec()),
+            Just(encode_not_retained().to_vec()),
+        ];
+        prop_oneof![
+            proptest::collection::vec(any::<u8>(), 0..64),
+            (valid, any::<prop::sample::Index>(), any::<u8>(), 0..3u8).prop_map(
+                |(mut bytes, at, byte, damage)| {
+                    let i = at.index(bytes.len());
+                    match damage {
+                        0 => bytes[i] ^= byte | 1,
+                        1 => bytes.insert(i, byte),
+                        _ => bytes.truncate(i),
+                    }
+                    bytes
+                }
+            ),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(1024))]
+
+        #[test]
+        fn arbitrary_bytes_decode_or_fail_without_panicking(bytes in stored_bytes()) {
+            let stored = Bytes::from(bytes);
+            // Whatever decodes is exactly what the encoder writes for it: no two byte strings
+            // decode to the same result.
+            match decode(&stored) {
+                Ok(Stored::Value(result)) => proptest::prop_assert_eq!(encode_value(&result), stored),
+                Ok(Stored::NotRetained) => proptest::prop_assert_eq!(encode_not_retained(), stored),
+                Err(_) => {}
+            }
+        }
+
+        #[test]
+        fn every_result_round_trips(result in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..1024)) {
+            let stored = encode_value(&result);
+            proptest::prop_assert_eq!(stored.len(), encoded_len(result.len()));
+            proptest::prop_assert_eq!(decode(&stored), Ok(Stored::Value(Bytes::from(result))));
+        }
     }
 }

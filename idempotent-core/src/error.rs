@@ -60,6 +60,13 @@ pub enum Error {
     #[error("the request lost its claim on the idempotency key while running")]
     ClaimLost,
 
+    /// The runtime is shutting down ([`Idempotency::shutdown`](crate::Idempotency::shutdown)):
+    /// the call arrived after shutdown began and was not run, or its work was still running at
+    /// the shutdown's deadline and was stopped (its claim released). Client: retry with the
+    /// same key after `retry_after`, on another instance.
+    #[error("the service is shutting down; the request was not processed")]
+    ShuttingDown,
+
     /// The store failed; see the source. The work was not run (fail closed).
     #[error("idempotency store failed")]
     Store(#[from] StoreError),
@@ -70,7 +77,7 @@ impl Error {
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             Error::InFlight { retry_after } => Some(*retry_after),
-            Error::ClaimLost => Some(crate::MAX_IN_FLIGHT_RETRY_HINT),
+            Error::ClaimLost | Error::ShuttingDown => Some(crate::MAX_IN_FLIGHT_RETRY_HINT),
             Error::Store(e) => e.retry_after(),
             _ => None,
         }
@@ -84,6 +91,7 @@ impl Error {
             Error::InFlight { .. } => "in_flight",
             Error::ResultNotRetained => "result_not_retained",
             Error::ClaimLost => "claim_lost",
+            Error::ShuttingDown => "shutting_down",
             Error::CorruptRecord(_) | Error::Store(StoreError::Corrupt(_)) => "corrupt_record",
             Error::Fingerprint(_) => "invalid_fingerprint",
             Error::Payload(_) => "payload_error",

@@ -11,7 +11,9 @@ pub const MAX_KEY_LEN: usize = 255;
 /// A key is 1 to [`MAX_KEY_LEN`] bytes of printable ASCII: visible characters `0x21..=0x7E`,
 /// plus the space `0x20` between them (an RFC 8941 sf-string may contain spaces; a bare header
 /// token cannot). A key may not start or end with a space, so a key always has the same meaning
-/// whether it arrived quoted or bare.
+/// whether it arrived quoted or bare. Every key can be sent as a quoted sf-string; a key holding
+/// a space, `"`, `\`, `;` or `,` can only be sent quoted (`;` would start RFC 8941 parameters,
+/// `,` a list).
 ///
 /// A key is never used raw as a storage key: the store sees only a [`StorageKey`], a fixed-size
 /// digest of the namespace, the [`Scope`] and the key.

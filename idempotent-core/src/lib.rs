@@ -34,6 +34,10 @@
 //! - **Lease** (default 30 s): how long an in-flight claim lives without renewal; renewed while
 //!   the work runs, so only a crashed owner's claim lapses. Separate from the **TTL** (default
 //!   24 h): how long a completed result is replayed.
+//! - [`limits`]: the accepted range of every duration (leases 100 ms to 365 days, TTLs 1 ms
+//!   to 365 days). Setters panic on a duration out of range, the attribute refuses one at
+//!   compile time, and [`limits::check_lease`] and its siblings check values read from outside
+//!   the program.
 //! - [`FencingToken`]: strictly increasing per key; a caller whose lease lapsed can never
 //!   complete, release or renew the new owner's record.
 //! - [`ClaimHandle`]: the running claim as the work sees it: its token, the downstream
@@ -167,8 +171,10 @@ mod envelope;
 mod error;
 mod fingerprint;
 mod key;
+pub mod limits;
 mod macro_support;
 mod runtime;
+mod shutdown;
 pub mod store;
 
 #[doc(hidden)]
@@ -187,6 +193,7 @@ pub use key::{Key, KeyError, MAX_KEY_LEN, Scope, StorageKey};
 #[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
 pub use macro_support::idempotent;
 pub use macro_support::{ToKey, default_runtime, set_default_runtime};
+pub use shutdown::Drained;
 pub use runtime::{
     Call, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_RECORD_RETRY, DEFAULT_TTL, Execution,
     Idempotency, IdempotencyBuilder, InFlightPolicy, MAX_IN_FLIGHT_RETRY_HINT, Outcome, Retain,

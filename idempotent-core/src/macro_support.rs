@@ -255,8 +255,10 @@ fn fallback_runtime() -> Idempotency {
 ///
 /// A duration is a string of digits and one unit — `"500ms"`, `"90s"`, `"15m"`, `"24h"`,
 /// `"7d"` — or an integer number of seconds (`ttl = 3600`). Zero, a missing unit, several
-/// units (`"1h30m"`) and anything else are compile errors on the literal. An unknown or
-/// repeated argument is a compile error on that argument.
+/// units (`"1h30m"`) and anything else are compile errors on the literal, and so are a `ttl`
+/// or `lease` outside the ranges of [`limits`](crate::limits): a TTL from 1 ms to 365 days, a
+/// lease from 100 ms to 365 days. An unknown or repeated argument is a compile error on that
+/// argument.
 ///
 /// ## `key = <expr>`
 ///
@@ -535,14 +537,15 @@ fn fallback_runtime() -> Idempotency {
 /// # Mistakes are compile errors
 ///
 /// Each at the offending token: a function that is not `async`, a missing `key`, an unknown or
-/// repeated argument, a zero or malformed duration, a key, scope or fingerprint of the wrong
-/// type, a return type that is not a replayable `Result`, a `tx` that names no parameter, a
-/// parameter that is not a `&mut` transaction, or a `runtime` that is not a `Transactional`.
+/// repeated argument, a zero, out-of-range or malformed duration, a key, scope or fingerprint
+/// of the wrong type, a return type that is not a replayable `Result`, a `tx` that names no
+/// parameter, a parameter that is not a `&mut` transaction, or a `runtime` that is not a
+/// `Transactional`.
 ///
 /// ```compile_fail
 /// use idempotent_core::{Error, idempotent};
 ///
-/// // error: duration is zero: expected a duration greater than zero
+/// // error: ttl must be between 1ms and 365d
 /// #[idempotent(key = id, ttl = "0s")]
 /// async fn charge(id: u64) -> Result<u64, Error> {
 ///     Ok(id)

@@ -13,6 +13,7 @@ use serde::de::DeserializeOwned;
 
 use crate::claim::{ClaimHandle, ClaimSlot, Renewal, Seed, attempt_limit, bounded, later};
 use crate::envelope::{self, Stored};
+use crate::shutdown::{Active, Drain, Drained};
 use crate::store::{BoxFuture, DynStore};
 use crate::{Claim, Error, FencingToken, Fingerprint, Key, Scope, StorageKey, Store, StoreError};
 
@@ -37,6 +38,11 @@ pub enum InFlightPolicy {
     /// Wait up to `max` for the running call to finish, then replay its result. If it released
     /// its claim (it failed transiently), this call claims the key and runs the work itself. If
     /// `max` passes first, fail with [`Error::InFlight`].
+    ///
+    /// Every `max` is accepted (see [`limits`](crate::limits)): zero answers at once, like
+    /// [`Reject`](Self::Reject), and [`Duration::MAX`] (or any `max` too far away for the clock)
+    /// waits with no deadline, until the running call finishes, releases its claim or lets its
+    /// lease end.
     Wait {
         /// The longest this call waits.
         max: Duration,
@@ -118,6 +124,7 @@ pub struct Call {
     ttl: Option<Duration>,
     lease: Option<Duration>,
     in_flight: Option<InFlightPolicy>,
+    max_result_bytes: Option<usize>,
 }
 
 impl Call {
@@ -130,6 +137,7 @@ impl Call {
             ttl: None,
             lease: None,
             in_flight: None,
+            max_result_bytes: None,
         }
     }
 
@@ -147,20 +155,45 @@ impl Call {
     }
 
     /// How long a completed result is replayed (default: the runtime's).
+    ///
+    /// # Panics
+    ///
+    /// If `ttl` is outside [`limits::MIN_TTL`](crate::limits::MIN_TTL) to
+    /// [`limits::MAX_TTL`](crate::limits::MAX_TTL) (1 ms to 365 days). Check a value read from
+    /// outside the program with [`limits::check_ttl`](crate::limits::check_ttl) first.
+    #[track_caller]
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = Some(ttl);
+        self.ttl = Some(crate::limits::require(crate::limits::Setting::Ttl, ttl));
         self
     }
 
     /// How long a claim lives without renewal (default: the runtime's).
+    ///
+    /// # Panics
+    ///
+    /// If `lease` is outside [`limits::MIN_LEASE`](crate::limits::MIN_LEASE) to
+    /// [`limits::MAX_LEASE`](crate::limits::MAX_LEASE) (100 ms to 365 days). Check a value
+    /// read from outside the program with [`limits::check_lease`](crate::limits::check_lease)
+    /// first.
+    #[track_caller]
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = Some(lease);
+        self.lease = Some(crate::limits::require(crate::limits::Setting::Lease, lease));
         self
     }
 
-    /// What to do when the key is in flight (default: the runtime's).
+    /// What to do when the key is in flight (default: the runtime's). Every
+    /// [`InFlightPolicy::Wait`] `max` is accepted.
     pub fn in_flight(mut self, policy: InFlightPolicy) -> Self {
         self.in_flight = Some(policy);
+        self
+    }
+
+    /// The largest result retained for replay for this call (default: the runtime's
+    /// [`max_result_bytes`](IdempotencyBuilder::max_result_bytes)). A caller that bounds its
+    /// results itself, as the HTTP layer bounds response bodies, sets it so that one limit
+    /// decides.
+    pub fn max_result_bytes(mut self, max: usize) -> Self {
+        self.max_result_bytes = Some(max);
         self
     }
 
@@ -238,6 +271,7 @@ struct Inner {
     in_flight: InFlightPolicy,
     max_result_bytes: usize,
     record_retry: Duration,
+    drain: Arc<Drain>,
 }
 
 impl fmt::Debug for Idempotency {
@@ -280,25 +314,45 @@ impl IdempotencyBuilder {
     }
 
     /// How long completed results are replayed (default [`DEFAULT_TTL`]).
+    ///
+    /// # Panics
+    ///
+    /// If `ttl` is outside [`limits::MIN_TTL`](crate::limits::MIN_TTL) to
+    /// [`limits::MAX_TTL`](crate::limits::MAX_TTL) (1 ms to 365 days): a setting written in
+    /// the program is checked where it is written. Check a value read from outside the program
+    /// with [`limits::check_ttl`](crate::limits::check_ttl) first.
+    #[track_caller]
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
+        self.ttl = crate::limits::require(crate::limits::Setting::Ttl, ttl);
         self
     }
 
     /// How long a claim lives without renewal (default [`DEFAULT_LEASE`]). After a crash, the
     /// key stays locked this long.
+    ///
+    /// # Panics
+    ///
+    /// If `lease` is outside [`limits::MIN_LEASE`](crate::limits::MIN_LEASE) to
+    /// [`limits::MAX_LEASE`](crate::limits::MAX_LEASE) (100 ms to 365 days): a shorter lease
+    /// would lapse while its owner still runs. Check a value read from outside the program with
+    /// [`limits::check_lease`](crate::limits::check_lease) first.
+    #[track_caller]
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+        self.lease = crate::limits::require(crate::limits::Setting::Lease, lease);
         self
     }
 
-    /// What a call does when its key is in flight (default [`InFlightPolicy::Reject`]).
+    /// What a call does when its key is in flight (default [`InFlightPolicy::Reject`]). Every
+    /// [`InFlightPolicy::Wait`] `max` is accepted, [`Duration::MAX`] included.
     pub fn in_flight(mut self, policy: InFlightPolicy) -> Self {
         self.in_flight = policy;
         self
     }
 
-    /// The largest result retained for replay (default [`DEFAULT_MAX_RESULT_BYTES`]).
+    /// The largest result retained for replay (default [`DEFAULT_MAX_RESULT_BYTES`]), in
+    /// encoded bytes; a larger one is recorded as "not retained". A call can override it
+    /// ([`Call::max_result_bytes`]); the HTTP and gRPC layer does, with its own response
+    /// limit, so that behind it only the layer's `max_response_body` counts.
     pub fn max_result_bytes(mut self, max: usize) -> Self {
         self.max_result_bytes = max;
         self
@@ -313,8 +367,16 @@ impl IdempotencyBuilder {
     /// it gives up and stops renewing: the claim ends with its lease, and a retry after that
     /// runs the work again (protect the effect downstream, see the crate's *Failure model*).
     /// Each pending write holds its result in memory until it is written or given up.
+    ///
+    /// # Panics
+    ///
+    /// If `bound` is longer than
+    /// [`limits::MAX_RECORD_RETRY`](crate::limits::MAX_RECORD_RETRY) (365 days). Zero is
+    /// accepted: one more attempt, then give up. Check a value read from outside the program
+    /// with [`limits::check_record_retry`](crate::limits::check_record_retry) first.
+    #[track_caller]
     pub fn record_retry(mut self, bound: Duration) -> Self {
-        self.record_retry = bound;
+        self.record_retry = crate::limits::require(crate::limits::Setting::RecordRetry, bound);
         self
     }
 
@@ -329,6 +391,7 @@ impl IdempotencyBuilder {
                 in_flight: self.in_flight,
                 max_result_bytes: self.max_result_bytes,
                 record_retry: self.record_retry,
+                drain: Arc::default(),
             }),
         }
     }
@@ -359,6 +422,46 @@ impl Idempotency {
             max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
             record_retry: DEFAULT_RECORD_RETRY,
         }
+    }
+
+    /// Shuts the runtime (and every clone of it) down gracefully, for a process that is about
+    /// to exit (SIGTERM in a rolling deploy):
+    ///
+    /// 1. At once, every new call fails with [`Error::ShuttingDown`] without touching the
+    ///    store (the HTTP and gRPC layers answer `503 shutting_down` with `Retry-After`, gRPC
+    ///    `UNAVAILABLE`), so clients retry on another instance.
+    /// 2. Calls in flight go on: their work finishes and their outcome is recorded (or their
+    ///    claim released), including results still being written in the background after a
+    ///    store failure. Waits for them up to `grace`.
+    /// 3. At `grace`, work still waiting is stopped: its future is dropped at its current
+    ///    await point, its claim is released (so a retry elsewhere runs at once rather than
+    ///    after the lease) and its caller gets [`Error::ShuttingDown`]. Up to two more seconds
+    ///    are given to those releases.
+    ///
+    /// Returns what was left undone ([`Drained`]); calls still unfinished then (an outcome the
+    /// store has not accepted yet) keep their claims until their leases end. Shutdown cannot
+    /// be undone. Calling it again waits again. The PostgreSQL transactional mode is not
+    /// counted: its work runs inside the caller's transaction, which the caller ends.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use idempotent_core::{Call, Error, Idempotency, MemoryStore};
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let idempotency = Idempotency::new(MemoryStore::new());
+    /// let drained = idempotency.shutdown(Duration::from_secs(20)).await;
+    /// assert!(drained.is_clean());
+    /// let late = idempotency.run(&Call::new("k".parse().unwrap()), async { 1 }).await;
+    /// assert!(matches!(late, Err(Error::ShuttingDown)));
+    /// # }
+    /// ```
+    pub async fn shutdown(&self, grace: Duration) -> Drained {
+        self.inner.drain.drain(grace).await
+    }
+
+    /// Whether [`shutdown`](Self::shutdown) has begun: new calls are refused.
+    pub fn is_shutting_down(&self) -> bool {
+        !self.inner.drain.is_open()
     }
 
     /// The storage key `call` maps to in this runtime's namespace.
@@ -430,6 +533,9 @@ impl Idempotency {
         F: Future<Output = V>,
     {
         let inner = &*self.inner;
+        let Some(active) = inner.drain.enter() else {
+            return Err(Error::ShuttingDown);
+        };
         let key = self.storage_key(call);
         let fingerprint = call.fingerprint.unwrap_or_else(Fingerprint::empty);
         let lease = call.lease.unwrap_or(inner.lease);
@@ -462,14 +568,21 @@ impl Idempotency {
         let mut renewal: Option<Renewal> = None;
         let (value, slot) = {
             let renewal = &mut renewal;
+            let mut stopping = inner.drain.stopping();
             let watched = async move {
                 let mut work = std::pin::pin!(work);
                 std::future::poll_fn(|cx| {
                     let polled = work.as_mut().poll(cx);
-                    if polled.is_pending() && renewal.is_none() {
-                        *renewal = ClaimSlot::start_renewal(claimed_at.instant());
+                    if polled.is_pending() {
+                        if renewal.is_none() {
+                            *renewal = ClaimSlot::start_renewal(claimed_at.instant());
+                        }
+                        // A graceful shutdown's deadline stops work that is still waiting.
+                        if stopping.poll_stop(cx).is_ready() {
+                            return Poll::Ready(None);
+                        }
                     }
-                    polled
+                    polled.map(Some)
                 })
                 .await
             };
@@ -477,19 +590,31 @@ impl Idempotency {
             let value = scoped.as_mut().await;
             (value, scoped.as_mut().take_value())
         };
-        let mut slot = slot.expect("the runtime takes the claim's slot back once, after the work");
+        let slot = slot.expect("the runtime takes the claim's slot back once, after the work");
+        let Some(value) = value else {
+            drop(renewal);
+            active.stopped();
+            tracing::warn!(storage_key = %key, "idempotent call stopped by shutdown; its claim is released");
+            FinishOnDrop::with(slot.release(), active).await;
+            return Err(Error::ShuttingDown);
+        };
+        let mut slot = slot;
         let result = match classify(&value) {
             Retain::Store(result) => Some(result),
             Retain::CompleteWithoutResult => None,
             Retain::Release => {
                 drop(renewal);
                 // Finished in the background if the caller stops waiting, like a record.
-                FinishOnDrop(Some(Box::pin(slot.release()))).await;
+                FinishOnDrop::with(slot.release(), active).await;
                 return Ok(Execution::Fresh(value));
             }
         };
         slot.disarm();
-        let payload = self.payload(&key, result);
+        let payload = Self::payload(
+            &key,
+            result,
+            call.max_result_bytes.unwrap_or(inner.max_result_bytes),
+        );
         // The first write is polled here; only if the store does not answer at once (or
         // fails) does the call build the machinery that finishes it if the caller goes away
         // and retries it if it failed.
@@ -502,6 +627,7 @@ impl Idempotency {
                 if let Some(claim) = slot.existing() {
                     claim.mark_completed();
                 }
+                drop(active);
                 tracing::debug!(storage_key = %key, "idempotent call completed");
                 return Ok(Execution::Fresh(value));
             }
@@ -516,6 +642,7 @@ impl Idempotency {
             renewal,
             payload,
             ttl,
+            active,
         };
         let this = self.clone();
         FinishOnDrop(Some(Box::pin(async move {
@@ -527,14 +654,14 @@ impl Idempotency {
 
     /// What to write for a result: itself, or "ran, not retained" when there is none or it
     /// is larger than the runtime keeps.
-    fn payload(&self, key: &StorageKey, result: Option<Bytes>) -> Payload {
+    fn payload(key: &StorageKey, result: Option<Bytes>, max: usize) -> Payload {
         match result {
-            Some(result) if result.len() <= self.inner.max_result_bytes => Payload::Value(result),
+            Some(result) if result.len() <= max => Payload::Value(result),
             Some(result) => {
                 tracing::warn!(
                     storage_key = %key,
                     bytes = result.len(),
-                    max = self.inner.max_result_bytes,
+                    max,
                     "idempotent result too large to retain; retries will get result_not_retained"
                 );
                 Payload::NotRetained
@@ -602,6 +729,7 @@ impl Idempotency {
             renewal,
             payload,
             ttl,
+            active,
         } = recording;
         let key = claim.storage_key();
         let limit = first_record_limit(claim.lease());
@@ -646,6 +774,7 @@ impl Idempotency {
         let this = self.clone();
         runtime.spawn(async move {
             this.record_with_retries(claim, payload, ttl, renewal).await;
+            drop(active);
         });
     }
 
@@ -771,6 +900,8 @@ struct Recording {
     renewal: Option<Renewal>,
     payload: Payload,
     ttl: Duration,
+    /// Counts the call in flight until its outcome is recorded (see graceful shutdown).
+    active: Active,
 }
 
 /// The first write of a record that did not succeed at once.
@@ -840,6 +971,16 @@ const LAST_RECORD_BACKOFF: Duration = Duration::from_secs(2);
 /// A store write polled in place, finished on a spawned task if dropped before it completes.
 struct FinishOnDrop(Option<BoxFuture<'static, ()>>);
 
+impl FinishOnDrop {
+    /// `write`, with the call counted in flight until it is done.
+    fn with(write: impl Future<Output = ()> + Send + 'static, active: Active) -> Self {
+        FinishOnDrop(Some(Box::pin(async move {
+            write.await;
+            drop(active);
+        })))
+    }
+}
+
 impl Future for FinishOnDrop {
     type Output = ();
 
@@ -880,16 +1021,29 @@ pub(crate) enum Step {
 /// runtime's, and the PostgreSQL transactional mode's) decides through this one, so they agree
 /// on fingerprint checks, corrupt records, retry hints and how long to wait.
 pub(crate) struct ClaimAnswer {
-    deadline: Option<tokio::time::Instant>,
+    deadline: Deadline,
     poll: Duration,
+}
+
+/// Until when a call waits for a key in flight.
+#[derive(Clone, Copy)]
+enum Deadline {
+    /// It does not wait ([`InFlightPolicy::Reject`]).
+    Now,
+    /// Until this instant.
+    At(tokio::time::Instant),
+    /// With no deadline: the policy's `max` is past what the clock can represent.
+    Never,
 }
 
 impl ClaimAnswer {
     pub(crate) fn new(policy: InFlightPolicy) -> Self {
         ClaimAnswer {
             deadline: match policy {
-                InFlightPolicy::Reject => None,
-                InFlightPolicy::Wait { max } => Some(tokio::time::Instant::now() + max),
+                InFlightPolicy::Reject => Deadline::Now,
+                InFlightPolicy::Wait { max } => tokio::time::Instant::now()
+                    .checked_add(max)
+                    .map_or(Deadline::Never, Deadline::At),
             },
             poll: FIRST_WAIT_POLL,
         }
@@ -929,10 +1083,13 @@ impl ClaimAnswer {
             Err(retry_after) => {
                 let hint = retry_after.min(MAX_IN_FLIGHT_RETRY_HINT);
                 let now = tokio::time::Instant::now();
-                let left = self
-                    .deadline
-                    .and_then(|d| d.checked_duration_since(now))
-                    .filter(|left| !left.is_zero());
+                let left = match self.deadline {
+                    Deadline::Now => None,
+                    Deadline::At(deadline) => deadline
+                        .checked_duration_since(now)
+                        .filter(|left| !left.is_zero()),
+                    Deadline::Never => Some(Duration::MAX),
+                };
                 let Some(left) = left else {
                     tracing::debug!(storage_key = %key, "idempotent call in flight");
                     return Err(Error::InFlight { retry_after: hint });

@@ -71,9 +71,13 @@ impl Parse for Args {
             if lookahead.peek(kw::key) {
                 assign(input, &mut args.key, Expr::parse)?;
             } else if lookahead.peek(kw::ttl) {
-                assign(input, &mut args.ttl, Millis::parse)?;
+                assign(input, &mut args.ttl, |input| {
+                    Millis::parse(input, Some(TTL))
+                })?;
             } else if lookahead.peek(kw::lease) {
-                assign(input, &mut args.lease, Millis::parse)?;
+                assign(input, &mut args.lease, |input| {
+                    Millis::parse(input, Some(LEASE))
+                })?;
             } else if lookahead.peek(kw::scope) {
                 assign(input, &mut args.scope, Expr::parse)?;
             } else if lookahead.peek(kw::fingerprint) {
@@ -85,7 +89,7 @@ impl Parse for Args {
             } else if lookahead.peek(kw::in_flight) {
                 assign(input, &mut args.in_flight, Reject::parse)?;
             } else if lookahead.peek(kw::wait) {
-                assign(input, &mut args.wait, Millis::parse)?;
+                assign(input, &mut args.wait, |input| Millis::parse(input, None))?;
             } else if lookahead.peek(kw::runtime) {
                 assign(input, &mut args.runtime, Expr::parse)?;
             } else if lookahead.peek(kw::tx) {
@@ -148,8 +152,65 @@ pub(crate) struct Millis(pub(crate) u64);
 const DURATION_EXPECTED: &str = "expected a duration: a string such as \"500ms\", \"90s\", \
                                  \"15m\", \"24h\" or \"7d\", or an integer number of seconds";
 
+/// The range a duration argument accepts, in milliseconds, both ends included.
+#[derive(Clone, Copy)]
+struct Bounds {
+    argument: &'static str,
+    min: u64,
+    max: u64,
+}
+
+// The ranges of `idempotent_core::limits`, which this crate cannot depend on (the core crate
+// depends on it); `tests/tests/duration_limits.rs` checks that they agree.
+const DAY_MS: u64 = 24 * 60 * 60 * 1000;
+/// `limits::MIN_TTL`.
+const MIN_TTL_MS: u64 = 1;
+/// `limits::MAX_TTL`.
+const MAX_TTL_MS: u64 = 365 * DAY_MS;
+/// `limits::MIN_LEASE`.
+const MIN_LEASE_MS: u64 = 100;
+/// `limits::MAX_LEASE`.
+const MAX_LEASE_MS: u64 = 365 * DAY_MS;
+
+const TTL: Bounds = Bounds {
+    argument: "ttl",
+    min: MIN_TTL_MS,
+    max: MAX_TTL_MS,
+};
+const LEASE: Bounds = Bounds {
+    argument: "lease",
+    min: MIN_LEASE_MS,
+    max: MAX_LEASE_MS,
+};
+
+impl Bounds {
+    fn error(self, lit: &TokenStream) -> syn::Error {
+        syn::Error::new_spanned(
+            lit,
+            format!(
+                "{} must be between {} and {}",
+                self.argument,
+                human(self.min),
+                human(self.max)
+            ),
+        )
+    }
+}
+
+/// `ms` in the largest unit that divides it exactly: `100ms`, `90s`, `365d`.
+fn human(ms: u64) -> String {
+    for (unit, per) in [("d", DAY_MS), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
+        if ms != 0 && ms % per == 0 {
+            return format!("{}{unit}", ms / per);
+        }
+    }
+    format!("{ms}ms")
+}
+
 impl Millis {
-    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+    /// A duration literal; with `bounds`, one inside them (a TTL, a lease), otherwise any
+    /// duration above zero (a wait).
+    fn parse(input: ParseStream<'_>, bounds: Option<Bounds>) -> syn::Result<Self> {
         let expr: Expr = input.parse()?;
         let (digits, unit, lit) = match &expr {
             Expr::Lit(syn::ExprLit {
@@ -185,20 +246,22 @@ impl Millis {
         let millis = digits
             .parse::<u64>()
             .ok()
-            .and_then(|n| n.checked_mul(per_unit))
-            .ok_or_else(|| {
-                syn::Error::new_spanned(
-                    &lit,
-                    "duration too large: expected at most 584 million years",
-                )
-            })?;
-        if millis == 0 {
-            return Err(syn::Error::new_spanned(
+            .and_then(|n| n.checked_mul(per_unit));
+        match (millis, bounds) {
+            (Some(millis), Some(bounds)) if (bounds.min..=bounds.max).contains(&millis) => {
+                Ok(Millis(millis))
+            }
+            (_, Some(bounds)) => Err(bounds.error(&lit)),
+            (Some(0), None) => Err(syn::Error::new_spanned(
                 lit,
                 "duration is zero: expected a duration greater than zero",
-            ));
+            )),
+            (Some(millis), None) => Ok(Millis(millis)),
+            (None, None) => Err(syn::Error::new_spanned(
+                lit,
+                "duration too large: expected at most 584 million years",
+            )),
         }
-        Ok(Millis(millis))
     }
 }
 
@@ -304,7 +367,16 @@ mod tests {
     use super::*;
 
     fn millis(value: &str) -> syn::Result<u64> {
-        syn::parse::Parser::parse_str(Millis::parse, value).map(|m| m.0)
+        syn::parse::Parser::parse_str(|input: ParseStream<'_>| Millis::parse(input, None), value)
+            .map(|m| m.0)
+    }
+
+    fn within(bounds: Bounds, value: &str) -> syn::Result<u64> {
+        syn::parse::Parser::parse_str(
+            |input: ParseStream<'_>| Millis::parse(input, Some(bounds)),
+            value,
+        )
+        .map(|m| m.0)
     }
 
     #[test]
@@ -336,5 +408,45 @@ mod tests {
         ] {
             assert!(millis(bad).is_err(), "{bad} was accepted");
         }
+    }
+
+    #[test]
+    fn ttl_and_lease_are_checked_against_their_ranges() {
+        assert_eq!(within(LEASE, r#""100ms""#).unwrap(), 100);
+        assert_eq!(within(LEASE, r#""365d""#).unwrap(), 365 * DAY_MS);
+        assert_eq!(within(TTL, r#""1ms""#).unwrap(), 1);
+        assert_eq!(within(TTL, r#""8760h""#).unwrap(), 365 * DAY_MS);
+        for (bounds, bad, message) in [
+            (LEASE, r#""99ms""#, "lease must be between 100ms and 365d"),
+            (LEASE, r#""0s""#, "lease must be between 100ms and 365d"),
+            (LEASE, r#""366d""#, "lease must be between 100ms and 365d"),
+            (
+                LEASE,
+                r#""18446744073709551615d""#,
+                "lease must be between 100ms and 365d",
+            ),
+            (TTL, r#""0ms""#, "ttl must be between 1ms and 365d"),
+            (TTL, "31536001", "ttl must be between 1ms and 365d"),
+        ] {
+            let error = within(bounds, bad).expect_err(bad);
+            assert_eq!(error.to_string(), message, "{bad}");
+        }
+    }
+
+    #[test]
+    fn waits_take_any_duration_above_zero() {
+        assert_eq!(millis(r#""400d""#).unwrap(), 400 * DAY_MS);
+        assert_eq!(millis(r#""1ms""#).unwrap(), 1);
+    }
+
+    #[test]
+    fn ranges_read_as_written() {
+        assert_eq!(human(1), "1ms");
+        assert_eq!(human(100), "100ms");
+        assert_eq!(human(1_500), "1500ms");
+        assert_eq!(human(90_000), "90s");
+        assert_eq!(human(900_000), "15m");
+        assert_eq!(human(36 * 3_600_000), "36h");
+        assert_eq!(human(365 * DAY_MS), "365d");
     }
 }

@@ -3,8 +3,12 @@
 //! The IETF draft defines `Idempotency-Key` as an RFC 8941 Item whose bare item is an sf-string:
 //! `Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"`. Most clients in the wild send the
 //! key unquoted, so by default a bare value is accepted as the same key; strict mode refuses it.
-//! Parameters (`;name=value`) are parsed and ignored. Two header fields, or a list (a top-level
-//! comma), are refused: the request is ambiguous.
+//! Parameters (`;name=value`) after a quoted key are parsed and ignored. A bare key may not
+//! contain `;`: read as RFC 8941, `abc;x` and `abc;y` would both be the key `abc` with different
+//! parameters, so two operations would share one record; read verbatim, the same header would
+//! mean something else to a strict RFC 8941 peer. It is refused, with a detail asking to quote
+//! the key. Two header fields, or a list (a top-level comma), are refused: the request is
+//! ambiguous.
 
 use http::{HeaderMap, HeaderName};
 use idempotent_core::{Key, KeyError};
@@ -20,6 +24,8 @@ pub(crate) enum KeyProblem {
     Unparsable(&'static str),
     /// Strict mode: the key was not quoted.
     BareInStrictMode,
+    /// An unquoted key followed by `;`: a key with parameters, or a key containing `;`.
+    BareWithSemicolon,
     /// The key is parsed but breaks the key rules.
     Invalid(KeyError),
 }
@@ -38,6 +44,9 @@ impl KeyProblem {
             }
             KeyProblem::BareInStrictMode => format!(
                 "the {header} header must be a quoted structured-field string, e.g. \"8e03978e-40d5-43e8-bc93-6894a57f9324\""
+            ),
+            KeyProblem::BareWithSemicolon => format!(
+                "the {header} header has an unquoted key with a `;`; quote the key as a structured-field string, e.g. \"order;42\" (parameters may follow the closing quote)"
             ),
             KeyProblem::Invalid(e) => format!("the {header} header is invalid: {e}"),
         }
@@ -140,12 +149,15 @@ impl Parser<'_> {
         }
     }
 
-    /// An unquoted key: visible ASCII up to a parameter or list delimiter.
+    /// An unquoted key: visible ASCII up to a list delimiter. A `;` is refused: whether it
+    /// starts parameters or belongs to the key, two different headers would otherwise name the
+    /// same key.
     fn bare_key(&mut self) -> Result<String, KeyProblem> {
         let start = self.pos;
         while let Some(c) = self.peek() {
             match c {
-                b';' | b',' => break,
+                b';' => return Err(KeyProblem::BareWithSemicolon),
+                b',' => break,
                 b'"' | b'\\' => {
                     return Err(KeyProblem::Unparsable(
                         "an unquoted key may not contain quotes or backslashes",
@@ -155,8 +167,10 @@ impl Parser<'_> {
                 b' ' | b'\t' => {
                     // Whitespace may only precede a delimiter or the end.
                     let rest = trim_ows(&self.input[self.pos..]);
-                    if rest.is_empty() || matches!(rest[0], b';' | b',') {
-                        break;
+                    match rest.first() {
+                        None | Some(b',') => break,
+                        Some(b';') => return Err(KeyProblem::BareWithSemicolon),
+                        Some(_) => {}
                     }
                     return Err(KeyProblem::Unparsable(
                         "an unquoted key may not contain spaces; quote it",
@@ -261,6 +275,7 @@ fn is_tchar(c: u8) -> bool {
 mod tests {
     use super::*;
     use http::HeaderValue;
+    use proptest::strategy::Strategy;
 
     fn parse(v: &str) -> Result<String, KeyProblem> {
         parse_value(v.as_bytes(), false)
@@ -299,13 +314,33 @@ mod tests {
             parse("\"k\"; a=1; b=?0; c=tok/en; d=\"s\"; e=:aGk=:; f").unwrap(),
             "k"
         );
-        assert_eq!(parse("k;v=1").unwrap(), "k");
+        assert_eq!(parse("\"k\";v=1").unwrap(), "k");
+        assert_eq!(parse("\"abc\";x").unwrap(), parse("\"abc\";y").unwrap());
         assert!(matches!(parse("\"k\";A=1"), Err(KeyProblem::Unparsable(_))));
         assert!(matches!(
             parse("\"k\";a=?2"),
             Err(KeyProblem::Unparsable(_))
         ));
         assert!(matches!(parse("\"k\";a="), Err(KeyProblem::Unparsable(_))));
+    }
+
+    /// Regression: parameters were parsed after an unquoted key, so `abc;x` and `abc;y` were
+    /// both the key `abc` and two different operations replayed each other.
+    #[test]
+    fn an_unquoted_key_with_a_semicolon_is_refused() {
+        for bare in [
+            "abc;x", "abc;y", "abc;v=1", "abc ;x", "abc\t; x", "abc;", ";x", "a;b;c",
+        ] {
+            assert_eq!(parse(bare), Err(KeyProblem::BareWithSemicolon), "{bare:?}");
+        }
+        // Quoted, the `;` is part of the key, and the two keys differ.
+        assert_eq!(parse("\"abc;x\"").unwrap(), "abc;x");
+        assert_eq!(parse("\"abc;y\"").unwrap(), "abc;y");
+        let name = HeaderName::from_static("idempotency-key");
+        let detail = KeyProblem::BareWithSemicolon.detail(&name);
+        assert!(detail.contains("quote the key"), "{detail}");
+        // A list is still a list, whatever follows it.
+        assert_eq!(parse("a,b;x"), Err(KeyProblem::Multiple));
     }
 
     #[test]
@@ -366,12 +401,25 @@ mod tests {
         ));
     }
 
+    /// Bytes an unquoted key may hold: visible ASCII but `"`, `\`, `;` and `,`.
+    fn is_bare_key_byte(b: u8) -> bool {
+        matches!(b, 0x21..=0x7e) && !b"\"\\;,".contains(&b)
+    }
+
+    fn quote(key: &str) -> String {
+        format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""))
+    }
+
     proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(4096))]
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(1024))]
 
         #[test]
         fn arbitrary_header_bytes_never_panic_nor_yield_an_invalid_key(
-            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            bytes in proptest::prop_oneof![
+                proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+                // Mostly the bytes keys, parameters and lists are made of.
+                "[a-z0-9 \";,=?:*\\\\-]{0,40}".prop_map(String::into_bytes),
+            ],
             strict in proptest::prelude::any::<bool>(),
         ) {
             if let Ok(value) = HeaderValue::from_bytes(&bytes) {
@@ -383,15 +431,37 @@ mod tests {
                     proptest::prop_assert!(!key.as_str().is_empty() && key.as_str().len() <= 255);
                 }
             }
-            let _ = parse_value(&bytes, strict);
+            let trimmed = trim_ows(&bytes);
+            if let Ok(key) = parse_value(&bytes, strict) {
+                // A parsed key reads back the same once quoted.
+                proptest::prop_assert_eq!(parse_value(quote(&key).as_bytes(), true).unwrap(), key.as_str());
+                if trimmed.first() != Some(&b'"') {
+                    // An unquoted key is taken verbatim: nothing is dropped, so two different
+                    // bare headers never name the same key.
+                    proptest::prop_assert!(!strict);
+                    proptest::prop_assert_eq!(key.as_bytes(), trimmed);
+                    proptest::prop_assert!(key.bytes().all(is_bare_key_byte));
+                }
+            }
+            if trimmed.first().is_some_and(|&b| b != b'"') && trimmed.contains(&b';') {
+                proptest::prop_assert!(parse_value(&bytes, strict).is_err());
+            }
         }
 
         #[test]
         fn every_valid_key_round_trips_quoted(key in "[ -~]{1,255}") {
             if let Ok(key) = Key::new(key) {
-                let quoted = format!("\"{}\"", key.as_str().replace('\\', "\\\\").replace('"', "\\\""));
-                proptest::prop_assert_eq!(parse_value(quoted.as_bytes(), true).unwrap(), key.as_str());
+                proptest::prop_assert_eq!(parse_value(quote(key.as_str()).as_bytes(), true).unwrap(), key.as_str());
+                let with_parameters = format!("{};a=1;b", quote(key.as_str()));
+                proptest::prop_assert_eq!(parse_value(with_parameters.as_bytes(), false).unwrap(), key.as_str());
             }
+        }
+
+        #[test]
+        fn every_bare_key_round_trips_unquoted(key in "[!#-+\\--:<-\\[\\]-~]{1,255}") {
+            proptest::prop_assert!(key.bytes().all(is_bare_key_byte));
+            proptest::prop_assert_eq!(parse_value(key.as_bytes(), false).unwrap(), key.as_str());
+            proptest::prop_assert_eq!(parse_value(quote(&key).as_bytes(), true).unwrap(), key.as_str());
         }
     }
 }

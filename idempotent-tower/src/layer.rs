@@ -7,7 +7,7 @@ use std::time::Duration;
 use http::header::{self, HeaderName};
 use http::request::Parts;
 use http::{Method, StatusCode};
-use idempotent_core::{Idempotency, InFlightPolicy, Scope};
+use idempotent_core::{Idempotency, InFlightPolicy, Scope, limits};
 use tower_layer::Layer;
 
 use crate::service::IdempotencyService;
@@ -24,7 +24,7 @@ pub const DEFAULT_MAX_REQUEST_BODY: usize = 1 << 20;
 /// Default limit on a response retained for replay: 1 MiB.
 pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1 << 20;
 
-type ScopeFn = dyn Fn(&Parts) -> Scope + Send + Sync;
+type ScopeFn = dyn Fn(&Parts) -> Option<Scope> + Send + Sync;
 type RetainFn = dyn Fn(StatusCode) -> bool + Send + Sync;
 type GrpcRetainFn = dyn Fn(u8) -> bool + Send + Sync;
 
@@ -67,6 +67,7 @@ pub(crate) struct Config {
     pub(crate) require_key: bool,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) scope: Arc<ScopeFn>,
+    pub(crate) allow_anonymous: bool,
     pub(crate) retain: Arc<RetainFn>,
     pub(crate) ttl: Option<Duration>,
     pub(crate) lease: Option<Duration>,
@@ -118,17 +119,79 @@ pub fn default_grpc_retain(code: u8) -> bool {
     matches!(code, 0 | 3 | 5 | 6 | 7 | 9 | 11 | 16)
 }
 
-/// The default scope: a digest of the `Authorization` header, so each credential has its own
-/// key space; requests without one share the anonymous scope.
-pub fn scope_by_authorization(parts: &Parts) -> Scope {
-    match parts.headers.get(header::AUTHORIZATION) {
-        Some(value) => {
-            let digest =
-                blake3::derive_key("idempotent-tower authorization scope v1", value.as_bytes());
-            Scope::new().principal(digest)
+/// The authenticated principal of a request, as the application's authentication middleware
+/// establishes it: the default scope of every protected request.
+///
+/// Put the middleware outside (before) [`IdempotencyLayer`] and have it insert a `Principal`
+/// into the request's extensions once it has verified the credential (a session cookie, a
+/// bearer token, an mTLS certificate, an API key). Keys are then per principal: two users
+/// sending the same key never see each other's responses, and a client whose token is
+/// refreshed between two attempts keeps its key (the principal, unlike the credential, does
+/// not change).
+///
+/// ```
+/// use http::Request;
+/// use idempotent_tower::Principal;
+///
+/// let mut request = Request::new(());
+/// // in the authentication middleware, after verifying the session:
+/// request.extensions_mut().insert(Principal::new("user-4711").tenant("acme"));
+/// ```
+///
+/// With tonic the same extension works: a tower layer in front of the server inserts it into
+/// the `http::Request`, and handlers read it with `request.extensions()`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Principal {
+    tenant: Option<Box<[u8]>>,
+    id: Box<[u8]>,
+}
+
+impl Principal {
+    /// The principal with this stable identifier (a user or account id, not a credential).
+    pub fn new(id: impl AsRef<[u8]>) -> Self {
+        Principal {
+            tenant: None,
+            id: id.as_ref().into(),
         }
-        None => Scope::new().principal(b"anonymous"),
     }
+
+    /// The tenant the principal acts for, when ids are only unique within a tenant.
+    pub fn tenant(mut self, tenant: impl AsRef<[u8]>) -> Self {
+        self.tenant = Some(tenant.as_ref().into());
+        self
+    }
+
+    /// The identifier.
+    pub fn id(&self) -> &[u8] {
+        &self.id
+    }
+
+    /// The scope of this principal's keys.
+    pub fn scope(&self) -> Scope {
+        let scope = Scope::new().principal(&self.id);
+        match &self.tenant {
+            Some(tenant) => scope.tenant(tenant),
+            None => scope,
+        }
+    }
+}
+
+/// The default scope: the [`Principal`] in the request's extensions, or none (the request is
+/// refused with `403 missing_scope` unless the layer
+/// [allows anonymous requests](IdempotencyLayer::allow_anonymous)).
+pub fn scope_by_principal(parts: &Parts) -> Option<Scope> {
+    parts.extensions.get::<Principal>().map(Principal::scope)
+}
+
+/// A scope from a digest of the `Authorization` header, or none without one.
+///
+/// Only right when the credential *is* the identity and never changes, such as a static API
+/// key: a bearer token that is refreshed between two attempts of one operation puts the retry
+/// in a new scope, where it runs again. Prefer [`scope_by_principal`].
+pub fn scope_by_authorization(parts: &Parts) -> Option<Scope> {
+    let value = parts.headers.get(header::AUTHORIZATION)?;
+    let digest = blake3::derive_key("idempotent-tower authorization scope v1", value.as_bytes());
+    Some(Scope::new().principal(digest))
 }
 
 impl Config {
@@ -147,8 +210,9 @@ impl Config {
 
 impl IdempotencyLayer {
     /// A layer over `idempotency` with the defaults: key header `Idempotency-Key` (bare tokens
-    /// accepted), required on POST and PATCH, scope by `Authorization`, 1 MiB request and
-    /// response limits, reject in-flight duplicates with 409, fail closed.
+    /// accepted), required on POST and PATCH, scope by the [`Principal`] extension (requests
+    /// without one refused), 1 MiB request and response limits, reject in-flight duplicates
+    /// with 409, fail closed.
     pub fn new(idempotency: Idempotency) -> Self {
         IdempotencyLayer {
             config: Arc::new(Config {
@@ -161,7 +225,8 @@ impl IdempotencyLayer {
                 methods: vec![Method::POST, Method::PATCH],
                 require_key: true,
                 fingerprint_headers: Vec::new(),
-                scope: Arc::new(scope_by_authorization),
+                scope: Arc::new(scope_by_principal),
+                allow_anonymous: false,
                 retain: Arc::new(default_retain),
                 ttl: None,
                 lease: None,
@@ -241,7 +306,8 @@ impl IdempotencyLayer {
     }
 
     /// Refuses keys that are not quoted RFC 8941 strings (default: bare keys are accepted as
-    /// the same key).
+    /// the same key; a bare key containing `;` is refused either way, since `abc;x` would
+    /// otherwise read as the key `abc` with a parameter).
     pub fn strict(mut self, strict: bool) -> Self {
         self.config().strict = strict;
         self
@@ -268,11 +334,27 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Who a key belongs to (default [`scope_by_authorization`]). The function sees the
-    /// request's parts, extensions included, so it can use the principal an authentication
-    /// layer placed there — put that layer outside (before) this one.
-    pub fn scope(mut self, scope: impl Fn(&Parts) -> Scope + Send + Sync + 'static) -> Self {
+    /// Who a key belongs to (default [`scope_by_principal`]). The function sees the
+    /// request's parts, extensions included, so it can use what an authentication layer
+    /// placed there — put that layer outside (before) this one. `None` means the request has
+    /// no scope: it is refused with `403 missing_scope` (gRPC `PERMISSION_DENIED`) before the
+    /// handler runs, unless anonymous requests are [allowed](Self::allow_anonymous).
+    pub fn scope(
+        mut self,
+        scope: impl Fn(&Parts) -> Option<Scope> + Send + Sync + 'static,
+    ) -> Self {
         self.config().scope = Arc::new(scope);
+        self
+    }
+
+    /// Whether protected requests without a scope are run in one shared anonymous scope
+    /// (default `false`: refused with `403 missing_scope`).
+    ///
+    /// Every anonymous caller shares that key space: one caller sending another's key with
+    /// the same body receives the other's stored response, and can probe which keys exist.
+    /// Allow it only where requests carry no identity at all and keys are unguessable.
+    pub fn allow_anonymous(mut self, allow: bool) -> Self {
+        self.config().allow_anonymous = allow;
         self
     }
 
@@ -284,19 +366,42 @@ impl IdempotencyLayer {
     }
 
     /// How long responses are replayed (default: the runtime's TTL).
+    ///
+    /// # Panics
+    ///
+    /// If `ttl` is outside [`limits::MIN_TTL`] to [`limits::MAX_TTL`] (1 ms to 365 days), with
+    /// the message of [`limits::check_ttl`], which checks a value read from outside the
+    /// program without panicking.
+    #[track_caller]
     pub fn ttl(mut self, ttl: Duration) -> Self {
+        let ttl = match limits::check_ttl(ttl) {
+            Ok(ttl) => ttl,
+            Err(error) => panic!("{error}"),
+        };
         self.config().ttl = Some(ttl);
         self
     }
 
     /// The lease of an in-flight request (default: the runtime's lease).
+    ///
+    /// # Panics
+    ///
+    /// If `lease` is outside [`limits::MIN_LEASE`] to [`limits::MAX_LEASE`] (100 ms to 365
+    /// days), with the message of [`limits::check_lease`], which checks a value read from
+    /// outside the program without panicking.
+    #[track_caller]
     pub fn lease(mut self, lease: Duration) -> Self {
+        let lease = match limits::check_lease(lease) {
+            Ok(lease) => lease,
+            Err(error) => panic!("{error}"),
+        };
         self.config().lease = Some(lease);
         self
     }
 
     /// What a duplicate arriving while the first is in flight gets (default: the runtime's
-    /// policy, which defaults to 409 at once).
+    /// policy, which defaults to 409 at once). Every [`InFlightPolicy::Wait`] `max` is
+    /// accepted: [`Duration::MAX`] waits for as long as the first request holds its key.
     pub fn in_flight(mut self, policy: InFlightPolicy) -> Self {
         self.config().in_flight = Some(policy);
         self
@@ -324,7 +429,10 @@ impl IdempotencyLayer {
     /// The largest response body retained for replay (default
     /// [`DEFAULT_MAX_RESPONSE_BODY`]). A larger response still streams to the client, and the
     /// key is recorded so that a retry gets 410 `result_not_retained` instead of a second
-    /// execution.
+    /// execution. This is the only limit on what the layer retains: the runtime's
+    /// [`max_result_bytes`](idempotent_core::IdempotencyBuilder::max_result_bytes) does not
+    /// apply to requests behind the layer, so every body up to this size is replayed (the
+    /// stored record adds the status, headers and trailers to it).
     pub fn max_response_body(mut self, bytes: usize) -> Self {
         self.config().max_response_body = bytes;
         self
@@ -363,6 +471,7 @@ impl fmt::Debug for Config {
             .field("strict", &self.strict)
             .field("methods", &self.methods)
             .field("require_key", &self.require_key)
+            .field("allow_anonymous", &self.allow_anonymous)
             .field("max_request_body", &self.max_request_body)
             .field("max_response_body", &self.max_response_body)
             .field("fail_open", &self.fail_open)

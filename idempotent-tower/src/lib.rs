@@ -36,10 +36,14 @@
 //! # Semantics
 //!
 //! - **Key**: from the `Idempotency-Key` header ([`header_name`](IdempotencyLayer::header_name)
-//!   to change it): an RFC 8941 sf-string (`"…"`, with `\"` and `\\` escapes; parameters are
-//!   ignored) or, by default, the same key unquoted ([`strict`](IdempotencyLayer::strict) refuses
-//!   that). 1–255 bytes of printable ASCII, no leading or trailing space. Empty, too long,
-//!   non-ASCII, unparsable, or given twice (two fields or a list) → 400.
+//!   to change it): an RFC 8941 sf-string (`"…"`, with `\"` and `\\` escapes; parameters after
+//!   the closing quote are ignored) or, by default, the same key unquoted
+//!   ([`strict`](IdempotencyLayer::strict) refuses that). 1–255 bytes of printable ASCII, no
+//!   leading or trailing space. An unquoted key is taken verbatim and may not contain a space,
+//!   `"`, `\` or `;`: `abc;x` → 400 `invalid_key` asking for the key to be quoted, since reading
+//!   `;x` as parameters would make `abc;x` and `abc;y` the same key. Send `"abc;x"` for a key
+//!   holding `;`, or `"abc";x` for the key `abc` with a parameter. Empty, too long, non-ASCII,
+//!   unparsable, or given twice (two fields or a list) → 400.
 //! - **Protected methods**: POST and PATCH ([`methods`](IdempotencyLayer::methods)). Other
 //!   methods pass through untouched, even with a key. A protected request without a key → 400
 //!   ([`require_key(false)`](IdempotencyLayer::require_key) lets it through unprotected).
@@ -47,9 +51,15 @@
 //!   are compared as sent, not percent-decoded), the body bytes, and any
 //!   [`fingerprint_headers`](IdempotencyLayer::fingerprint_headers). The same key with another
 //!   fingerprint → 422, and the stored record stays as it was.
-//! - **Scope**: a digest of the `Authorization` header ([`scope_by_authorization`]); requests
-//!   without one share the anonymous scope. Two scopes never share records, and a request never
-//!   learns whether a key exists in another scope: it simply runs.
+//! - **Scope**: the authenticated [`Principal`] that the application's authentication
+//!   middleware put in the request extensions ([`scope_by_principal`]; [`scope`](IdempotencyLayer::scope)
+//!   to derive it otherwise). A protected request without one → 403 `missing_scope`, before
+//!   the handler runs, unless [`allow_anonymous(true)`](IdempotencyLayer::allow_anonymous) puts
+//!   such requests in one shared anonymous scope. Two scopes never share records, and a
+//!   request never learns whether a key exists in another scope: it simply runs. The scope is
+//!   the principal, not the credential: a client whose token is refreshed between two attempts
+//!   of one operation is still the same principal, so its retry replays instead of running
+//!   again ([`scope_by_authorization`] scopes by the credential, for static API keys only).
 //! - **In flight**: 409 with `Retry-After`; or [`in_flight`](IdempotencyLayer::in_flight) with
 //!   [`InFlightPolicy::Wait`](idempotent_core::InFlightPolicy::Wait) to wait (bounded) and
 //!   replay.
@@ -65,7 +75,9 @@
 //!   ([`max_request_body`](IdempotencyLayer::max_request_body)). A response over 1 MiB
 //!   ([`max_response_body`](IdempotencyLayer::max_response_body)) still streams to the client,
 //!   and the key is recorded as done without a result: retries get 410 `result_not_retained`
-//!   instead of a second execution. Idempotent endpoints should return small bodies.
+//!   instead of a second execution. A response with more than 4,096 header fields or 4,096
+//!   trailer fields (after the headers that are never stored), or a body of 4 GiB or more, is
+//!   recorded the same way. Idempotent endpoints should return small bodies.
 //! - **Client disconnect**: the handler keeps running on its own task until it completes, and
 //!   its response is recorded; the client's retry gets the replay.
 //! - **Handler panics and service errors** release the key (the next retry runs) and propagate
@@ -85,9 +97,10 @@
 //! | status | `code` | when | client should |
 //! |---|---|---|---|
 //! | 400 | `missing_key` | a protected request has no key | add a key |
-//! | 400 | `invalid_key` | the key is empty, too long, not ASCII, unparsable or given twice | send one valid key |
+//! | 400 | `invalid_key` | the key is empty, too long, not ASCII, unparsable, unquoted with a `;`, or given twice | send one valid key, quoted if it holds a `;` |
 //! | 400 | `request_body_unreadable` | the request body could not be read | retry |
 //! | 409 | `in_flight` | the same key is still being processed (with `Retry-After`) | retry after the delay |
+//! | 403 | `missing_scope` | a protected request carries no [`Principal`] (or the custom scope found none); nothing ran | authenticate |
 //! | 410 | `result_not_retained` | the key was processed but its response was too large to keep | not retry; look the result up |
 //! | 413 | `request_too_large` | the body exceeds the limit; nothing ran | send a smaller body |
 //! | 422 | `fingerprint_mismatch` | the key was used for a different request | use a new key |
@@ -96,7 +109,7 @@
 //! | 503 | `store_unavailable` | the store cannot be reached (with `Retry-After`); nothing ran | retry after the delay |
 //! | 503 | `claim_lost` | only with [`OnClaimLost::Cancel`]: the request's claim was lost while its handler ran, and the handler was stopped (with `Retry-After`) | retry with the same key: the owner that holds it now answers |
 //! | 503 | `store_capacity` | the store is full of live records (with `Retry-After`); nothing ran | retry after the delay |
-//! | 503 | `shutting_down` | the server stopped before the request finished | retry |
+//! | 503 | `shutting_down` | the server is shutting down: the request arrived after shutdown began, or its handler was still running at the shutdown's deadline and was stopped (with `Retry-After`) | retry with the same key, on another instance |
 //!
 //! # The running claim: protecting the effect
 //!
@@ -131,7 +144,8 @@
 //! # gRPC (tonic)
 //!
 //! [`IdempotencyLayer::grpc`] speaks gRPC over the same machinery: the key is the
-//! `idempotency-key` metadata entry, the scope a digest of `authorization`, and only the unary
+//! `idempotency-key` metadata entry, the scope the [`Principal`] a tower layer in front of the
+//! server put in the request extensions (the same rules as HTTP), and only the unary
 //! methods named with [`grpc_methods`](IdempotencyLayer::grpc_methods) are protected — streaming
 //! calls and every other method pass through untouched (a layer cannot tell a unary call from a
 //! streaming one on the wire, so the list is explicit).
@@ -167,6 +181,7 @@
 //! | `idempotent-error` | gRPC status | notes |
 //! |---|---|---|
 //! | `missing_key`, `invalid_key`, `request_body_unreadable` | `INVALID_ARGUMENT` | |
+//! | `missing_scope` | `PERMISSION_DENIED` | no principal in the request extensions |
 //! | `fingerprint_mismatch` | `FAILED_PRECONDITION` | same key, different request message |
 //! | `in_flight` | `ABORTED` | `grpc-retry-pushback-ms` says when to retry |
 //! | `result_not_retained` | `ALREADY_EXISTS` | processed; response too large to keep |
@@ -174,11 +189,40 @@
 //! | `store_unavailable`, `store_capacity`, `shutting_down`, `claim_lost` | `UNAVAILABLE` | `grpc-retry-pushback-ms` where a delay is known |
 //! | `corrupt_record`, `internal_error` | `INTERNAL` | |
 //!
+//! # Graceful shutdown
+//!
+//! On SIGTERM, call [`Idempotency::shutdown`](idempotent_core::Idempotency::shutdown) on the
+//! runtime the layer uses, inside the server's graceful-shutdown signal: from then on new
+//! protected requests get `503 shutting_down` with `Retry-After` (gRPC `UNAVAILABLE`), so the
+//! load balancer's retries go to another instance; requests in flight finish and record their
+//! responses, so their retries replay anywhere instead of meeting a key locked for a lease;
+//! handlers still running at the deadline are stopped and their keys released. Unprotected
+//! routes (health checks) keep being served until the server stops.
+//!
+//! ```no_run
+//! # use std::time::Duration;
+//! # use axum::{Router, routing::post};
+//! # use idempotent_core::{Idempotency, MemoryStore};
+//! # use idempotent_tower::IdempotencyLayer;
+//! # async fn sigterm() {}
+//! # async fn run(listener: tokio::net::TcpListener) -> std::io::Result<()> {
+//! let idempotency = Idempotency::new(MemoryStore::new());
+//! let app: Router = Router::new()
+//!     .route("/payments", post(|| async { "charged" }))
+//!     .layer(IdempotencyLayer::new(idempotency.clone()));
+//! axum::serve(listener, app)
+//!     .with_graceful_shutdown(async move {
+//!         sigterm().await;
+//!         idempotency.shutdown(Duration::from_secs(20)).await;
+//!     })
+//!     .await
+//! # }
+//! ```
+//!
 //! # Where to put the layer
 //!
-//! - **Authentication** before (outside) it, so that a custom
-//!   [`scope`](IdempotencyLayer::scope) can use the principal it puts in the request
-//!   extensions, and unauthenticated requests never reach the store:
+//! - **Authentication** before (outside) it, so that the [`Principal`] it puts in the request
+//!   extensions scopes the keys, and unauthenticated requests never reach the store:
 //!   `Router::new().route(..).layer(IdempotencyLayer::new(..)).layer(auth)`.
 //! - **Body limits** (`DefaultBodyLimit`, `RequestBodyLimitLayer`) before it are fine; the
 //!   layer's own limit applies to protected requests in any case.
@@ -191,22 +235,15 @@
 //!
 //! ```no_run
 //! # use axum::{Router, routing::post, extract::Request, middleware::Next, response::Response};
-//! # use idempotent_core::{Idempotency, MemoryStore, Scope};
-//! # use idempotent_tower::IdempotencyLayer;
-//! #[derive(Clone)]
-//! struct User { id: String }
-//!
+//! # use idempotent_core::{Idempotency, MemoryStore};
+//! # use idempotent_tower::{IdempotencyLayer, Principal};
 //! async fn authenticate(mut request: Request, next: Next) -> Response {
-//!     // ... verify the credential ...
-//!     request.extensions_mut().insert(User { id: "user-42".into() });
+//!     // ... verify the session cookie, token or certificate, then:
+//!     request.extensions_mut().insert(Principal::new("user-42"));
 //!     next.run(request).await
 //! }
 //!
-//! let idempotency = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
-//!     .scope(|parts| match parts.extensions.get::<User>() {
-//!         Some(user) => Scope::new().principal(&user.id),
-//!         None => Scope::new().principal("anonymous"),
-//!     });
+//! let idempotency = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()));
 //! let app: Router = Router::new()
 //!     .route("/orders", post(|| async { "created" }))
 //!     .layer(idempotency)
@@ -227,7 +264,7 @@ pub use body::{RequestBody, ResponseBody};
 pub use future::ResponseFuture;
 pub use layer::{
     DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, IDEMPOTENCY_KEY, IDEMPOTENT_BYPASSED,
-    IDEMPOTENT_REPLAYED, IdempotencyLayer, OnClaimLost, default_grpc_retain, default_retain,
-    scope_by_authorization,
+    IDEMPOTENT_REPLAYED, IdempotencyLayer, OnClaimLost, Principal, default_grpc_retain,
+    default_retain, scope_by_authorization, scope_by_principal,
 };
 pub use service::IdempotencyService;

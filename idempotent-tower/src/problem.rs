@@ -92,6 +92,13 @@ impl Problem {
                 "the idempotency store stalled or another request took this key over while the request ran, so it was stopped; retry with the same key to receive the outcome",
             )
             .retry_after(error.retry_after()),
+            Error::ShuttingDown => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                code,
+                "Service shutting down",
+                "this server is shutting down and did not process the request; retry with the same idempotency key",
+            )
+            .retry_after(error.retry_after()),
             Error::InvalidKey(e) => Problem::new(
                 StatusCode::BAD_REQUEST,
                 code,
@@ -120,6 +127,7 @@ impl Problem {
     pub(crate) fn grpc_code(&self) -> u8 {
         match self.code {
             "missing_key" | "invalid_key" | "request_body_unreadable" => 3, // INVALID_ARGUMENT
+            "missing_scope" => 7, // PERMISSION_DENIED
             "fingerprint_mismatch" => 9,                                    // FAILED_PRECONDITION
             "in_flight" => 10,                                              // ABORTED
             "result_not_retained" => 6,                                     // ALREADY_EXISTS
@@ -199,6 +207,8 @@ mod tests {
             ("missing_key", 3),
             ("invalid_key", 3),
             ("request_body_unreadable", 3),
+            ("missing_scope", 7),
+            ("claim_lost", 14),
             ("fingerprint_mismatch", 9),
             ("in_flight", 10),
             ("result_not_retained", 6),

@@ -13,7 +13,7 @@ use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotent_core::{
-    Call, ClaimHandle, Error, Execution, Fingerprint, Idempotency, Key, Retain, StoreError,
+    Call, ClaimHandle, Error, Execution, Fingerprint, Idempotency, Key, Retain, Scope, StoreError,
 };
 use tower_service::Service;
 
@@ -72,6 +72,15 @@ where
         if !config.protects(request.method(), request.uri().path()) {
             return self.pass_through(request, "method not protected");
         }
+        if config.idempotency.is_shutting_down() {
+            tracing::info!(
+                outcome = "shutting_down",
+                "protected request refused: shutting down"
+            );
+            return ResponseFuture::ready(
+                Problem::from_error(&Error::ShuttingDown).into_response(config.protocol),
+            );
+        }
         let key = match key_from_headers(request.headers(), &config.header, config.strict) {
             Ok(key) => key,
             Err(KeyProblem::Missing) if !config.require_key => {
@@ -97,13 +106,32 @@ where
                 too_large(config.max_request_body).into_response(config.protocol),
             );
         }
+        let (parts, body) = request.into_parts();
+        let scope = match (config.scope)(&parts) {
+            Some(scope) => scope,
+            None if config.allow_anonymous => Scope::new(),
+            None => {
+                tracing::info!(
+                    outcome = "missing_scope",
+                    "protected request refused: no principal to scope its key by"
+                );
+                return ResponseFuture::ready(missing_scope().into_response(config.protocol));
+            }
+        };
+        let request = Request::from_parts(parts, body);
         // The ready service goes with this request; a clone waits for the next poll_ready.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         // Polled in place; if the client goes away first, the response future hands the rest
         // to a task, so the handler runs to completion and its response is recorded: the retry
         // then gets a replay, not a second execution.
-        ResponseFuture::protected(Box::pin(handle(Arc::clone(config), inner, request, key)))
+        ResponseFuture::protected(Box::pin(handle(
+            Arc::clone(config),
+            inner,
+            request,
+            key,
+            scope,
+        )))
     }
 }
 
@@ -120,6 +148,15 @@ impl<S> IdempotencyService<S> {
         tracing::trace!(outcome = "bypassed", why, "request passed through");
         ResponseFuture::pass_through(self.inner.call(request.map(RequestBody::streaming)))
     }
+}
+
+fn missing_scope() -> Problem {
+    Problem::new(
+        StatusCode::FORBIDDEN,
+        "missing_scope",
+        "No principal for the idempotency key",
+        "this request carries no authenticated principal to scope its idempotency key by, so it was not processed; authenticate and retry",
+    )
 }
 
 fn declared_length(headers: &HeaderMap) -> Option<u64> {
@@ -342,6 +379,7 @@ async fn handle<S, B, ResBody>(
     inner: S,
     request: Request<B>,
     key: Key,
+    scope: Scope,
 ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
     S: Service<Request<RequestBody<B>>, Response = Response<ResBody>> + Clone + Send + 'static,
@@ -368,9 +406,13 @@ where
         }
     };
 
+    // The layer bounds the response body itself (`max_response_body`); the record around it
+    // (status, headers, trailers) adds what the server's header limits allow, so the runtime's
+    // own result limit must not refuse a body within the layer's.
     let mut call = Call::new(key)
-        .scope((config.scope)(&parts))
-        .fingerprint(fingerprint(&parts, &body, &config.fingerprint_headers));
+        .scope(scope)
+        .fingerprint(fingerprint(&parts, &body, &config.fingerprint_headers))
+        .max_result_bytes(usize::MAX);
     if let Some(ttl) = config.ttl {
         call = call.ttl(ttl);
     }
@@ -426,13 +468,21 @@ where
             parts,
             body,
             trailers,
-        })) => Retain::Store(crate::record::encode(
+        })) => match crate::record::encode(
             parts.status,
             &parts.headers,
             body,
             trailers.as_ref(),
             |name| config.is_not_replayed(name),
-        )),
+        ) {
+            Ok(record) => Retain::Store(record),
+            // A response the stored form cannot give back exactly is kept like one too large
+            // to buffer: recorded as done, without its result.
+            Err(error) => {
+                tracing::warn!(%storage_key, %error, "response not retained for replay");
+                Retain::CompleteWithoutResult
+            }
+        },
         // The handler ran and answered; without its whole response, the call is recorded as
         // done so that a retry does not run it again.
         Some(Ok(Captured::TooLarge { .. } | Captured::Failed { .. })) => {

@@ -32,7 +32,7 @@ fn counting_router(runs: &Arc<AtomicUsize>) -> Router {
 }
 
 async fn call(router: &Router, path: &str, key: Option<&str>) -> (StatusCode, bool, String) {
-    let mut request = Request::post(path);
+    let mut request = Request::post(path).extension(idempotent_tower::Principal::new("client"));
     if let Some(key) = key {
         request = request.header("idempotency-key", key);
     }

@@ -12,7 +12,7 @@ use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use idempotent_core::conformance::{Fault, Faults, FaultyStore, Op};
 use idempotent_core::{Call, ClaimHandle, Idempotency, Key, MemoryStore};
-use idempotent_tower::{IdempotencyLayer, OnClaimLost, RequestBody, ResponseBody};
+use idempotent_tower::{IdempotencyLayer, OnClaimLost, Principal, RequestBody, ResponseBody};
 use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
 
 type Svc = tower::util::BoxCloneSyncService<
@@ -77,6 +77,7 @@ fn faulty(lease: Duration) -> (Idempotency, Faults) {
 fn post(path: &str, key: &str) -> Request<Full<Bytes>> {
     Request::post(path)
         .header("idempotency-key", key)
+        .extension(Principal::new("client"))
         .body(Full::new(Bytes::from_static(b"{}")))
         .unwrap()
 }
@@ -106,9 +107,8 @@ async fn the_handler_reads_the_claim_as_a_request_extension() {
     let svc = handler.stack(IdempotencyLayer::new(idempotency.clone()), Duration::ZERO);
     let (response, body) = send(&svc, post("/pay", "order-1")).await;
     assert_eq!(response.status(), StatusCode::CREATED);
-    // The layer's storage key for this request: its scope comes from the Authorization header.
-    let (parts, _) = post("/pay", "order-1").into_parts();
-    let scope = idempotent_tower::scope_by_authorization(&parts);
+    // The layer's storage key for this request: its scope is the request's principal.
+    let scope = Principal::new("client").scope();
     let key = idempotency.storage_key(&Call::new(Key::new("order-1").unwrap()).scope(scope));
     let expected = format!("op={} lost=false", key.operation_key().as_str());
     assert!(body.contains(&expected), "{body}");
@@ -124,6 +124,7 @@ async fn a_grpc_handler_reads_the_claim_too() {
     let request = Request::post("/payments.v1.Payments/Charge")
         .header(CONTENT_TYPE, "application/grpc")
         .header("idempotency-key", "order-1")
+        .extension(Principal::new("client"))
         .body(Full::new(Bytes::from_static(b"\0\0\0\0\0")))
         .unwrap();
     let (_, body) = send(&svc, request).await;
@@ -216,6 +217,7 @@ async fn grpc_clients_of_a_cancelled_stale_owner_get_unavailable() {
     let request = Request::post("/payments.v1.Payments/Charge")
         .header(CONTENT_TYPE, "application/grpc")
         .header("idempotency-key", "order-1")
+        .extension(Principal::new("client"))
         .body(Full::new(Bytes::from_static(b"\0\0\0\0\0")))
         .unwrap();
     let (response, body) = send(&svc, request).await;

@@ -16,7 +16,7 @@ use idempotent_core::{
     Claim, FencingToken, Fingerprint, Idempotency, InFlightPolicy, MemoryStore, Scope, StorageKey,
     Store, StoreError,
 };
-use idempotent_tower::{IdempotencyLayer, RequestBody, ResponseBody};
+use idempotent_tower::{IdempotencyLayer, Principal, RequestBody, ResponseBody};
 use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
 
 type Req = Request<RequestBody<Full<Bytes>>>;
@@ -86,6 +86,11 @@ impl Handler {
             "/declined" => (402, format!("declined {n}")),
             "/busy" => (429, format!("busy {n}")),
             "/big" | "/grpc-big" => (200, "x".repeat(4096)),
+            // A body of as many bytes as the request body says.
+            "/sized" => (
+                200,
+                "y".repeat(String::from_utf8_lossy(&body).parse().unwrap_or(0)),
+            ),
             _ => (201, format!("run {n}: {}", String::from_utf8_lossy(&body))),
         };
         let mut response = Response::builder()
@@ -148,7 +153,9 @@ fn request(
     if let Some(key) = key {
         builder = builder.header("idempotency-key", key);
     }
+    // As an authentication layer in front of the idempotency layer would.
     builder
+        .extension(Principal::new("client"))
         .body(Full::new(Bytes::from_static(body.as_bytes())))
         .unwrap()
 }
@@ -389,7 +396,10 @@ async fn selected_headers_are_part_of_the_fingerprint() {
 #[tokio::test]
 async fn scopes_by_authorization_never_share_or_reveal_keys() {
     let handler = Handler::new();
-    let svc = stack(memory(), &handler);
+    let svc = stack(
+        memory().scope(idempotent_tower::scope_by_authorization),
+        &handler,
+    );
     let as_user = |auth: Option<&'static str>, body: &'static str| {
         let mut req = post("/p", Some("shared-key"), body);
         if let Some(auth) = auth {
@@ -404,28 +414,30 @@ async fn scopes_by_authorization_never_share_or_reveal_keys() {
     assert_eq!(bob.status, StatusCode::CREATED);
     assert!(!bob.replayed());
     assert!(bob.text().contains("bob's body"));
+    // Without a credential there is no scope: refused, not pooled with other anonymous callers.
     let anonymous = send(&svc, as_user(None, "anon")).await;
-    assert!(!anonymous.replayed());
+    assert_eq!(anonymous.status, StatusCode::FORBIDDEN);
+    assert_eq!(anonymous.problem()["code"], "missing_scope");
     let alice_again = send(&svc, as_user(Some("Bearer alice"), "alice's body")).await;
     assert!(alice_again.replayed());
     assert_eq!(alice_again.body, alice.body);
-    assert_eq!(handler.runs(), 3);
+    assert_eq!(handler.runs(), 2);
 }
 
 #[derive(Clone)]
-struct Principal(&'static str);
+struct Account(&'static str);
 
 #[tokio::test]
-async fn custom_scope_can_use_an_auth_layers_principal() {
+async fn custom_scope_can_use_an_auth_layers_own_type() {
     let handler = Handler::new();
-    let layer = memory().scope(|parts| match parts.extensions.get::<Principal>() {
-        Some(Principal(id)) => Scope::new().principal(id),
-        None => Scope::new(),
+    let layer = memory().scope(|parts| {
+        let Account(id) = parts.extensions.get::<Account>()?;
+        Some(Scope::new().principal(id))
     });
     let svc = stack(layer, &handler);
     let as_principal = |id: &'static str| {
         let mut req = post("/p", Some("k"), "x");
-        req.extensions_mut().insert(Principal(id));
+        req.extensions_mut().insert(Account(id));
         req
     };
     send(&svc, as_principal("u1")).await;
@@ -570,6 +582,29 @@ async fn oversized_response_reaches_the_client_and_the_retry_gets_410() {
     assert_eq!(retry.status, StatusCode::GONE);
     assert_eq!(retry.code(), "result_not_retained");
     assert_eq!(handler.runs(), 1);
+}
+
+/// `max_response_body` is the one limit on what is retained: behind the layer, a body of
+/// exactly that size is replayed even though the runtime's own result limit (1 MiB by default)
+/// is below the record's size, and a body one byte larger is recorded as not retained.
+#[tokio::test]
+async fn the_layers_response_limit_alone_decides_what_is_retained() {
+    const LIMIT: usize = 4 << 20;
+    let handler = Handler::new();
+    let svc = stack(memory().max_response_body(LIMIT), &handler);
+    let at_limit: &'static str = Box::leak(LIMIT.to_string().into_boxed_str());
+    let first = send(&svc, post("/sized", Some("at"), at_limit)).await;
+    assert_eq!(first.body.len(), LIMIT);
+    let retry = send(&svc, post("/sized", Some("at"), at_limit)).await;
+    assert!(retry.replayed(), "a body at the limit is replayed");
+    assert_eq!(retry.body, first.body);
+    let over: &'static str = Box::leak((LIMIT + 1).to_string().into_boxed_str());
+    let first = send(&svc, post("/sized", Some("over"), over)).await;
+    assert_eq!(first.body.len(), LIMIT + 1, "the client gets the whole response");
+    let retry = send(&svc, post("/sized", Some("over"), over)).await;
+    assert_eq!(retry.status, StatusCode::GONE);
+    assert_eq!(retry.code(), "result_not_retained");
+    assert_eq!(handler.runs(), 2);
 }
 
 /// A store whose backend is down.

@@ -10,7 +10,9 @@ use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 use tokio::sync::Notify;
 
-use crate::{Claim, Clock, FencingToken, Fingerprint, StorageKey, Store, StoreError, SystemClock};
+use crate::{
+    Claim, Clock, FencingToken, Fingerprint, StorageKey, Store, StoreError, SystemClock, limits,
+};
 
 /// Default bound on the number of records: one million.
 pub const DEFAULT_MAX_ENTRIES: usize = 1_000_000;
@@ -51,6 +53,9 @@ const ALWAYS_FITS: usize = 64;
 ///   that finds the store full sweeps once before refusing.
 /// - **Fenced**: tokens come from one counter per store, so they increase per key even across
 ///   deletions.
+/// - **Expiring**: every record expires; a lease above [`limits::MAX_LEASE`] or a TTL above
+///   [`limits::MAX_TTL`] is recorded as that ceiling, and the clock's arithmetic saturates
+///   rather than overflows.
 ///
 /// ```
 /// use idempotent_core::{Idempotency, MemoryStore};
@@ -379,7 +384,7 @@ impl Inner {
         if let Some(found) = self.records.get(key).and_then(|r| r.report(now)) {
             return Ok(found);
         }
-        let lease_until = now.saturating_add(nanos(lease));
+        let lease_until = now.saturating_add(nanos(limits::clamp_lease(lease)));
         let mut reserved = false;
         loop {
             match self.records.entry(*key) {
@@ -452,7 +457,7 @@ impl Inner {
                     *record = Record::Completed {
                         fingerprint: *fingerprint,
                         payload,
-                        expires: now.saturating_add(nanos(ttl)),
+                        expires: now.saturating_add(nanos(limits::clamp_ttl(ttl))),
                     };
                     true
                 }
@@ -498,7 +503,7 @@ impl Inner {
                 lease_until,
                 ..
             }) if *current == token.get() && *lease_until > now => {
-                *lease_until = now.saturating_add(nanos(lease));
+                *lease_until = now.saturating_add(nanos(limits::clamp_lease(lease)));
                 Ok(())
             }
             _ => Err(StoreError::TokenRejected),

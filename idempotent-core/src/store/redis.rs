@@ -8,7 +8,7 @@ use bytes::Bytes;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
 
-use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
+use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, limits};
 
 /// The default prefix of every Redis key this store writes.
 pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
@@ -25,7 +25,10 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 /// slot): field `s` (state: `i` in flight, `c` completed), `f` (the 32-byte fingerprint), `t`
 /// (the fencing token) and, once completed, `p` (the payload). The key's Redis expiry is the
 /// lease while in flight and the TTL once completed, so Redis deletes records itself and a
-/// record is live exactly while its key exists. Times are the server's: expiry runs on its
+/// record is live exactly while its key exists. Expiries are whole milliseconds, at least one;
+/// a lease above [`limits::MAX_LEASE`] or a TTL above [`limits::MAX_TTL`] is recorded as that
+/// ceiling, and each script checks its expiry before it writes, so no record is ever left
+/// without one. Times are the server's: expiry runs on its
 /// clock, and tokens are derived from `TIME` (microseconds since the epoch), so they increase
 /// per key across deletions as long as the server's clock does not go backwards.
 ///
@@ -58,6 +61,17 @@ impl fmt::Debug for RedisStore {
             .finish_non_exhaustive()
     }
 }
+
+// Every script that sets an expiry checks it before it writes anything: a Lua error does not
+// undo the writes before it, so a `PEXPIRE` that failed after the `HSET` would leave a claim
+// with no expiry, or a completed record with the lease's. `EXPIRY_MS` is replaced by the
+// argument that holds the expiry, `MAX_MS` by the longest one (`limits`).
+const CHECK_EXPIRY: &str = r"
+local ms = tonumber(EXPIRY_MS)
+if not ms or ms < 1 or ms > MAX_MS or ms ~= math.floor(ms) then
+  return redis.error_reply('ERR idempotent: expiry out of range: ' .. tostring(EXPIRY_MS))
+end
+";
 
 const CLAIM: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 's', 'f', 'p')
@@ -97,6 +111,24 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 ";
 
+/// `script` with the expiry in `ARGV[arg]` checked first.
+fn checked(arg: usize, script: &str) -> Script {
+    let check = CHECK_EXPIRY
+        .replace("EXPIRY_MS", &format!("ARGV[{arg}]"))
+        .replace("MAX_MS", &MAX_EXPIRY_MS.to_string());
+    Script::new(&format!("{check}{script}"))
+}
+
+/// The longest expiry sent to Redis, in milliseconds: the longest TTL or lease.
+const MAX_EXPIRY_MS: u64 = {
+    let max = if limits::MAX_TTL.as_millis() > limits::MAX_LEASE.as_millis() {
+        limits::MAX_TTL
+    } else {
+        limits::MAX_LEASE
+    };
+    max.as_secs() * 1000 + max.subsec_millis() as u64
+};
+
 struct Scripts {
     claim: Script,
     complete: Script,
@@ -107,10 +139,10 @@ struct Scripts {
 fn scripts() -> &'static Scripts {
     static SCRIPTS: std::sync::OnceLock<Scripts> = std::sync::OnceLock::new();
     SCRIPTS.get_or_init(|| Scripts {
-        claim: Script::new(CLAIM),
-        complete: Script::new(COMPLETE),
+        claim: checked(2, CLAIM),
+        complete: checked(3, COMPLETE),
         release: Script::new(RELEASE),
-        renew: Script::new(RENEW),
+        renew: checked(2, RENEW),
     })
 }
 
@@ -204,8 +236,10 @@ fn token_arg(token: FencingToken) -> String {
     token.get().to_string()
 }
 
+/// An expiry as Redis takes it: whole milliseconds, at least 1 (`PEXPIRE 0` deletes the key).
+/// The caller clamps it to the ceiling first.
 fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+    u64::try_from(d.as_millis()).map_or(MAX_EXPIRY_MS, |ms| ms.clamp(1, MAX_EXPIRY_MS))
 }
 
 impl RedisStore {
@@ -244,7 +278,7 @@ impl Store for RedisStore {
             .claim
             .key(self.redis_key(key))
             .arg(fingerprint_arg.as_bytes().as_slice())
-            .arg(millis(lease))
+            .arg(millis(limits::clamp_lease(lease)))
             .invoke_async(&mut connection)
             .await
             .map_err(store_error)?;
@@ -286,7 +320,7 @@ impl Store for RedisStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let token = token_arg(token);
-        let ttl = millis(ttl).to_string();
+        let ttl = millis(limits::clamp_ttl(ttl)).to_string();
         self.run_flag(
             &scripts().complete,
             key,
@@ -308,7 +342,7 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<(), StoreError> {
         let token = token_arg(token);
-        let lease = millis(lease).to_string();
+        let lease = millis(limits::clamp_lease(lease)).to_string();
         self.run_flag(&scripts().renew, key, &[token.as_bytes(), lease.as_bytes()])
             .await
     }

@@ -16,7 +16,7 @@ use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 // enough"), which would make every caller's future non-`Send`.
 use sqlx::{Executor as _, Row as _};
 
-use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
+use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, limits};
 
 pub use self::fence::{DEFAULT_FENCE_TABLE, Fence, FenceError};
 pub(crate) use self::transactional::RawClaim;
@@ -35,9 +35,17 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 /// The longest table name part accepted, so that the derived index and sequence names fit
 /// PostgreSQL's 63-byte identifiers.
 const MAX_TABLE_NAME: usize = 48;
-/// Durations are bound as microseconds and capped, so that `now + duration` stays a valid
-/// timestamp: 1,000 years.
-const MAX_MICROS: i64 = 1000 * 366 * 24 * 3600 * 1_000_000;
+/// Durations are bound as microseconds and capped at the longest TTL or lease (365 days), so
+/// that `now + duration` is always a valid timestamp and no record outlives the ceilings in
+/// [`limits`].
+const MAX_MICROS: i64 = {
+    let max = if limits::MAX_TTL.as_micros() > limits::MAX_LEASE.as_micros() {
+        limits::MAX_TTL.as_micros()
+    } else {
+        limits::MAX_LEASE.as_micros()
+    };
+    max as i64
+};
 /// How often a claim is re-run when it lost a race it cannot see (see `claim_on`).
 const CLAIM_ATTEMPTS: usize = 8;
 
@@ -81,7 +89,9 @@ const CLAIM_ATTEMPTS: usize = 8;
 /// ```
 ///
 /// A row whose `expires_at` has passed is absent as far as `claim` is concerned; releasing a
-/// claim ends its lease rather than deleting the row. A row this store cannot interpret (an
+/// claim ends its lease rather than deleting the row. A lease above [`limits::MAX_LEASE`] or a
+/// TTL above [`limits::MAX_TTL`] is written as that ceiling, so `expires_at` is always a valid
+/// timestamp at most a year away. A row this store cannot interpret (an
 /// unknown state, a fingerprint that is not 32 bytes, a completed row without a payload) is
 /// reported as [`StoreError::Corrupt`], never treated as absent and never overwritten while it
 /// is live.
@@ -486,7 +496,7 @@ impl Sql {
             let claim = sqlx::query(&self.claim)
                 .bind(key.as_bytes().as_slice())
                 .bind(fingerprint.as_bytes().as_slice())
-                .bind(micros(lease));
+                .bind(micros(limits::clamp_lease(lease)));
             let row = (&mut *connection)
                 .fetch_optional(claim)
                 .await
@@ -528,7 +538,7 @@ fn is_identifier(part: &str) -> bool {
         && part.len() <= MAX_TABLE_NAME
 }
 
-/// A duration bound as microseconds.
+/// A duration bound as microseconds, at most [`MAX_MICROS`].
 pub(crate) fn micros(duration: Duration) -> i64 {
     i64::try_from(duration.as_micros()).map_or(MAX_MICROS, |us| us.min(MAX_MICROS))
 }
@@ -639,7 +649,7 @@ impl Store for PostgresStore {
             .bind(key.as_bytes().as_slice())
             .bind(token)
             .bind(payload.as_ref())
-            .bind(micros(ttl));
+            .bind(micros(limits::clamp_ttl(ttl)));
         self.sql.guarded(query, &mut connection).await
     }
 
@@ -663,7 +673,7 @@ impl Store for PostgresStore {
         let query = sqlx::query(&self.sql.renew)
             .bind(key.as_bytes().as_slice())
             .bind(token)
-            .bind(micros(lease));
+            .bind(micros(limits::clamp_lease(lease)));
         self.sql.guarded(query, &mut connection).await
     }
 }
@@ -721,5 +731,9 @@ mod tests {
         assert_eq!(micros(Duration::from_millis(1500)), 1_500_000);
         assert_eq!(micros(Duration::ZERO), 0);
         assert_eq!(micros(Duration::MAX), MAX_MICROS);
+        assert_eq!(
+            micros(limits::MAX_TTL + Duration::from_micros(1)),
+            i64::try_from(limits::MAX_TTL.as_micros()).unwrap()
+        );
     }
 }

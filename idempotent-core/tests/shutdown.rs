@@ -1,0 +1,201 @@
+//! Graceful shutdown: new calls are refused, calls in flight finish and record their outcome
+//! (so their retries replay on another instance), and work still running at the deadline is
+//! stopped with its claim released (so its retry runs at once instead of after the lease).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use idempotent_core::conformance::{Fault, FaultyStore, Op};
+use idempotent_core::{Call, Error, Idempotency, Key, MemoryStore, Outcome};
+
+fn call(key: &str) -> Call {
+    Call::new(Key::new(key).unwrap())
+}
+
+/// Two instances of one service sharing a store.
+fn two_instances() -> (Idempotency, Idempotency) {
+    let store = MemoryStore::new();
+    (Idempotency::new(store.clone()), Idempotency::new(store))
+}
+
+/// Work that counts its runs, sleeps `delay` and returns its run number.
+fn work(runs: &Arc<AtomicUsize>, delay: Duration) -> impl Future<Output = usize> + use<> {
+    let runs = Arc::clone(runs);
+    async move {
+        let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+        tokio::time::sleep(delay).await;
+        n
+    }
+}
+
+#[tokio::test]
+async fn calls_after_shutdown_began_are_refused_without_touching_the_store() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    let idempotency = Idempotency::new(store);
+    let clone = idempotency.clone();
+    assert!(!idempotency.is_shutting_down());
+    let drained = idempotency.shutdown(Duration::from_secs(1)).await;
+    assert!(drained.is_clean(), "{drained:?}");
+    assert!(clone.is_shutting_down(), "clones share the shutdown");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let refused = clone.run(&call("k"), work(&runs, Duration::ZERO)).await;
+    assert!(matches!(refused, Err(Error::ShuttingDown)), "{refused:?}");
+    let error = refused.unwrap_err();
+    assert_eq!(error.code(), "shutting_down");
+    assert!(error.retry_after().is_some());
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(faults.calls(Op::Claim), 0, "a refused call never reaches the store");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_in_flight_finishes_and_records_before_shutdown_returns() {
+    let (a, b) = two_instances();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let running = {
+        let (a, work) = (a.clone(), work(&runs, Duration::from_millis(400)));
+        tokio::spawn(async move { a.run(&call("pay-1"), work).await })
+    };
+    while runs.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let shutdown = {
+        let a = a.clone();
+        tokio::spawn(async move { a.shutdown(Duration::from_secs(10)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Meanwhile, a new call on the instance shutting down is refused at once.
+    let late = a.run(&call("pay-2"), work(&runs, Duration::ZERO)).await;
+    assert!(matches!(late, Err(Error::ShuttingDown)), "{late:?}");
+    assert!(!shutdown.is_finished(), "shutdown waits for the call in flight");
+
+    let drained = shutdown.await.unwrap();
+    assert!(drained.is_clean(), "{drained:?}");
+    assert!(
+        running.is_finished(),
+        "shutdown returned before the call in flight had finished"
+    );
+    assert_eq!(running.await.unwrap().unwrap(), Outcome::Fresh(1));
+    // Its retry, sent to the other instance, replays the recorded result.
+    let retry = b
+        .run(&call("pay-1"), work(&runs, Duration::ZERO))
+        .await
+        .unwrap();
+    assert_eq!(retry, Outcome::Replayed(1));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_still_running_at_the_deadline_is_stopped_and_its_key_released() {
+    let (a, b) = two_instances();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let stuck = {
+        let (a, work) = (a.clone(), work(&runs, Duration::from_secs(3600)));
+        tokio::spawn(async move { a.run(&call("hung"), work).await })
+    };
+    while runs.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let started = Instant::now();
+    let drained = a.shutdown(Duration::from_millis(200)).await;
+    assert_eq!((drained.stopped, drained.remaining), (1, 0), "{drained:?}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let stopped = stuck.await.unwrap();
+    assert!(matches!(stopped, Err(Error::ShuttingDown)), "{stopped:?}");
+    // The key is free now, not locked for the 30 s lease: the retry runs at once.
+    let retry = b
+        .run(&call("hung"), work(&runs, Duration::ZERO))
+        .await
+        .unwrap();
+    assert_eq!(retry, Outcome::Fresh(2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_the_store_refused_at_first_is_recorded_before_shutdown_returns() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    let a = Idempotency::new(store.clone());
+    let b = Idempotency::new(store);
+    // The first writes of the record fail: the result is retried in the background.
+    faults.fail_next(Op::Complete, 4, Fault::Unavailable);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let fresh = a
+        .run(&call("k"), work(&runs, Duration::ZERO))
+        .await
+        .unwrap();
+    assert_eq!(fresh, Outcome::Fresh(1));
+    let drained = a.shutdown(Duration::from_secs(20)).await;
+    assert!(drained.is_clean(), "{drained:?}");
+    assert!(faults.calls(Op::Complete) >= 5, "the write was retried");
+    let retry = b
+        .run(&call("k"), work(&runs, Duration::ZERO))
+        .await
+        .unwrap();
+    assert_eq!(retry, Outcome::Replayed(1), "recorded before shutdown returned");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_the_store_keeps_refusing_is_reported_as_remaining() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    let a = Idempotency::new(store);
+    faults.fail(Op::Complete, Fault::Unavailable);
+    let runs = Arc::new(AtomicUsize::new(0));
+    a.run(&call("k"), work(&runs, Duration::ZERO))
+        .await
+        .unwrap();
+    let drained = a.shutdown(Duration::from_millis(300)).await;
+    assert_eq!((drained.stopped, drained.remaining), (0, 1), "{drained:?}");
+    assert!(!drained.is_clean());
+}
+
+/// Hundreds of calls on their own keys, with shutdown beginning among them: each call either
+/// ran once and recorded its result, or was refused without running; its retry on the other
+/// instance then replays, or runs for the first time. No key is left locked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundreds_of_calls_across_a_shutdown_each_run_once_or_not_at_all() {
+    const CALLS: usize = 400;
+    let (a, b) = two_instances();
+    let runs: Vec<Arc<AtomicUsize>> = (0..CALLS).map(|_| Arc::default()).collect();
+    let mut tasks = Vec::new();
+    for (i, runs) in runs.iter().enumerate() {
+        let (a, work) = (
+            a.clone(),
+            work(runs, Duration::from_millis((i % 7) as u64 * 15)),
+        );
+        tasks.push(tokio::spawn(async move {
+            // Spread the calls' starts around the moment shutdown begins.
+            tokio::time::sleep(Duration::from_millis((i % 40) as u64 * 2)).await;
+            a.run(&call(&format!("k-{i}")), work).await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    let drained = a.shutdown(Duration::from_secs(10)).await;
+    assert!(drained.is_clean(), "{drained:?}");
+    let (mut fresh, mut refused) = (0, 0);
+    for (i, task) in tasks.into_iter().enumerate() {
+        let key = call(&format!("k-{i}"));
+        let retry_runs = Arc::new(AtomicUsize::new(0));
+        let retry = b
+            .run(&key, work(&retry_runs, Duration::ZERO))
+            .await
+            .unwrap();
+        match task.await.unwrap() {
+            Ok(outcome) => {
+                fresh += 1;
+                assert_eq!(outcome, Outcome::Fresh(1));
+                assert_eq!(retry, Outcome::Replayed(1), "call {i}: the retry replays");
+                assert_eq!(runs[i].load(Ordering::SeqCst), 1);
+            }
+            Err(Error::ShuttingDown) => {
+                refused += 1;
+                assert_eq!(runs[i].load(Ordering::SeqCst), 0, "call {i} was refused");
+                assert_eq!(retry, Outcome::Fresh(1), "call {i}: the retry runs, at once");
+            }
+            Err(other) => panic!("call {i}: {other}"),
+        }
+    }
+    assert_eq!(fresh + refused, CALLS);
+    assert!(fresh > 0 && refused > 0, "fresh {fresh}, refused {refused}");
+}

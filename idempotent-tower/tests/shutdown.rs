@@ -1,0 +1,124 @@
+//! The layer during a graceful shutdown of its runtime: new protected requests get
+//! `503 shutting_down` with `Retry-After`, requests in flight get their responses and have
+//! them recorded, unprotected routes keep working.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::{get, post};
+use http::header::{CONTENT_TYPE, RETRY_AFTER};
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use idempotent_core::{Idempotency, MemoryStore};
+use idempotent_tower::{IdempotencyLayer, Principal};
+use tower::ServiceExt;
+
+fn app(idempotency: Idempotency, runs: &Arc<AtomicUsize>) -> Router {
+    let runs = Arc::clone(runs);
+    Router::new()
+        .route(
+            "/slow",
+            post(move || async move {
+                let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                (StatusCode::CREATED, format!("run {n}"))
+            }),
+        )
+        .route("/health", get(|| async { "ok" }))
+        .layer(IdempotencyLayer::new(idempotency))
+}
+
+async fn send(app: &Router, method: &str, path: &str, key: &str) -> (Response<()>, String) {
+    let request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("idempotency-key", key)
+        .extension(Principal::new("client"))
+        .body(Body::from("{}"))
+        .unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    (
+        Response::from_parts(parts, ()),
+        String::from_utf8(body.to_vec()).unwrap(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_refuses_new_requests_and_records_the_one_in_flight() {
+    let store = MemoryStore::new();
+    let (this, other) = (
+        Idempotency::new(store.clone()),
+        Idempotency::new(store.clone()),
+    );
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (app, other_app) = (app(this.clone(), &runs), app(other, &runs));
+
+    let in_flight = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, "POST", "/slow", "long").await })
+    };
+    while runs.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let shutdown = tokio::spawn(async move { this.shutdown(Duration::from_secs(10)).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    let (refused, body) = send(&app, "POST", "/slow", "new").await;
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.headers()[CONTENT_TYPE], "application/problem+json");
+    assert_eq!(refused.headers()[RETRY_AFTER], "1");
+    let problem: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(problem["code"], "shutting_down");
+    let (health, _) = send(&app, "GET", "/health", "unused").await;
+    assert_eq!(
+        health.status(),
+        StatusCode::OK,
+        "unprotected routes are served"
+    );
+
+    let (first, first_body) = in_flight.await.unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    assert!(shutdown.await.unwrap().is_clean());
+
+    // The client retries on another instance and gets the recorded response.
+    let (retry, retry_body) = send(&other_app, "POST", "/slow", "long").await;
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(retry_body, first_body);
+    // The refused request was never claimed: it runs on the other instance.
+    let (fresh, _) = send(&other_app, "POST", "/slow", "new").await;
+    assert_eq!(fresh.status(), StatusCode::CREATED);
+    assert!(!fresh.headers().contains_key("idempotent-replayed"));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_still_running_at_the_deadline_is_stopped_and_its_key_released() {
+    let store = MemoryStore::new();
+    let (this, other) = (Idempotency::new(store.clone()), Idempotency::new(store));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (app, other_app) = (app(this.clone(), &runs), app(other, &runs));
+    let in_flight = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, "POST", "/slow", "long").await })
+    };
+    while runs.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let drained = this.shutdown(Duration::from_millis(100)).await;
+    assert_eq!(drained.stopped, 1, "{drained:?}");
+    let (stopped, body) = in_flight.await.unwrap();
+    assert_eq!(stopped.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(body.contains("shutting_down"), "{body}");
+    let (retry, _) = send(&other_app, "POST", "/slow", "long").await;
+    assert_eq!(
+        retry.status(),
+        StatusCode::CREATED,
+        "the key was released: no 409"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
