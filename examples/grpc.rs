@@ -13,7 +13,13 @@
 //! - `Charge` (protected by the `idempotency-key` metadata entry) sleeps `delay_ms`, counts an
 //!   execution, then: amount 0 → `INVALID_ARGUMENT` `card_declined` (stored and replayed);
 //!   currency `err` → `UNAVAILABLE` `provider_unavailable` (released: the retry runs again);
-//!   otherwise a `Payment` with a new id and the principal from `authorization: Bearer NAME`.
+//!   otherwise a `Payment` with a new id and the principal.
+//!
+//! Keys are scoped by the [`Principal`] an interceptor in front of the layer derives from
+//! `authorization: Bearer NAME` (a stand-in for verifying a real token); a protected call
+//! without one gets `PERMISSION_DENIED` with `idempotent-error: missing_scope`. On SIGTERM
+//! (or Ctrl-C) the server shuts down gracefully: new protected calls get `UNAVAILABLE`
+//! (`shutting_down`), calls in flight finish and record their responses (up to 20 s).
 //! - `Count` (not protected) returns the executions so far.
 //! - `Stream` (server streaming, passes through) sends `n` payments with ids 1..=n.
 
@@ -26,7 +32,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idempotent_core::ClaimHandle;
-use idempotent_tower::IdempotencyLayer;
+use idempotent_tower::{IdempotencyLayer, Principal};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
@@ -45,14 +51,29 @@ struct PaymentService {
     next_id: AtomicU64,
 }
 
-fn principal<T>(request: &Request<T>) -> String {
-    request
+/// The demo's authentication, run before the idempotency layer: `authorization: Bearer NAME`
+/// is principal `NAME`. Calls without it go on without a principal.
+fn authenticate(mut request: Request<()>) -> Result<Request<()>, Status> {
+    let user = request
         .metadata()
         .get("authorization")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("anonymous")
-        .to_owned()
+        .filter(|user| !user.is_empty())
+        .map(str::to_owned);
+    if let Some(user) = user {
+        request.extensions_mut().insert(Principal::new(user));
+    }
+    Ok(request)
+}
+
+fn principal<T>(request: &Request<T>) -> String {
+    request
+        .extensions()
+        .get::<Principal>()
+        .map_or_else(|| "anonymous".to_owned(), |p| {
+            String::from_utf8_lossy(p.id()).into_owned()
+        })
 }
 
 type PaymentStream = Pin<Box<dyn Stream<Item = Result<Payment, Status>> + Send>>;
@@ -134,7 +155,8 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let layer = IdempotencyLayer::grpc(idempotency).grpc_methods(["/payments.v1.Payments/Charge"]);
+    let layer =
+        IdempotencyLayer::grpc(idempotency.clone()).grpc_methods(["/payments.v1.Payments/Charge"]);
 
     let address = SocketAddr::from((Ipv4Addr::LOCALHOST, settings.port));
     let listener = match tokio::net::TcpListener::bind(address).await {
@@ -147,9 +169,13 @@ async fn main() -> ExitCode {
     let port = listener.local_addr().map_or(settings.port, |a| a.port());
     println!("listening on 127.0.0.1:{port}");
     let served = tonic::transport::Server::builder()
+        .layer(tonic::service::InterceptorLayer::new(authenticate))
         .layer(layer)
         .add_service(PaymentsServer::new(PaymentService::default()))
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            common::shutdown::drain(idempotency, "grpc"),
+        )
         .await;
     if let Err(error) = served {
         eprintln!("grpc: server failed: {error}");

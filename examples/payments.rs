@@ -4,6 +4,7 @@
 //! ```sh
 //! cargo run --release --example payments
 //! curl -i -X POST localhost:3000/payments -H 'Idempotency-Key: order-1' \
+//!      -H 'Authorization: Bearer alice' \
 //!      -H 'Content-Type: application/json' -d '{"amount":1999,"currency":"EUR"}'
 //! curl localhost:3000/payments/count     # {"count": handler runs, "charges": charges made}
 //! ```
@@ -39,6 +40,22 @@
 //! The claim's fencing token and its `lost()` signal are the tools for effects without such a
 //! key; with the key, the handler needs neither, and costs no extra round trip to the store.
 //!
+//! # Whose key it is
+//!
+//! Keys are scoped by the authenticated principal, which the `authenticate` middleware puts in
+//! the request extensions as an [`idempotent_tower::Principal`]. This demo's "verification"
+//! reads `Authorization: Bearer <user>` or `Bearer <user>.<token id>`, where the token id
+//! stands for a token that is refreshed from time to time while the user stays the same: a
+//! retry sent with a refreshed token still replays. A protected request without a credential
+//! gets `403 missing_scope` from the layer. A real service verifies a session cookie, a signed
+//! token or a client certificate there instead.
+//!
+//! # Shutdown
+//!
+//! On SIGTERM (or Ctrl-C) the server shuts the runtime down gracefully: new payments get
+//! `503 shutting_down` with `Retry-After`, payments in flight finish and record their responses
+//! (so a retry sent to another instance replays them), for up to 20 seconds; then it exits.
+//!
 //! Environment:
 //!
 //! | variable | default | meaning |
@@ -65,12 +82,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::extract::{Query, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
+use axum::extract::Request;
+use axum::middleware::{self, Next};
 use idempotent_core::ClaimHandle;
-use idempotent_tower::IdempotencyLayer;
+use idempotent_tower::{IdempotencyLayer, Principal};
 use provider::{Provider, ProviderError};
 use serde::Deserialize;
 use serde_json::json;
@@ -196,13 +215,21 @@ struct Delay {
     delay_ms: Option<u64>,
 }
 
-fn principal(headers: &HeaderMap) -> String {
-    headers
+/// The demo's authentication: `Authorization: Bearer <user>[.<token id>]` is user `<user>`,
+/// whichever token id (a refreshed token) it carries. Requests without one get no principal.
+async fn authenticate(mut request: Request, next: Next) -> Response {
+    let user = request
+        .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("anonymous")
-        .to_owned()
+        .map(|token| token.split_once('.').map_or(token, |(user, _)| user))
+        .filter(|user| !user.is_empty())
+        .map(str::to_owned);
+    if let Some(user) = user {
+        request.extensions_mut().insert(Principal::new(user));
+    }
+    next.run(request).await
 }
 
 /// The answer to a provider error.
@@ -220,7 +247,7 @@ async fn create_payment(
     State(app): Shared,
     Extension(claim): Extension<ClaimHandle>,
     Query(delay): Query<Delay>,
-    headers: HeaderMap,
+    Extension(principal): Extension<Principal>,
     Json(payment): Json<PaymentRequest>,
 ) -> Response {
     if let Some(ms) = delay.delay_ms {
@@ -241,7 +268,7 @@ async fn create_payment(
                 "id": id,
                 "amount": payment.amount,
                 "currency": payment.currency,
-                "principal": principal(&headers),
+                "principal": String::from_utf8_lossy(principal.id()),
             })),
         )
             .into_response(),
@@ -305,7 +332,8 @@ async fn main() -> ExitCode {
         .route("/refunds", post(create_refund))
         .route("/payments/count", get(count))
         .route("/health", get(|| async { StatusCode::OK }))
-        .layer(IdempotencyLayer::new(idempotency))
+        .layer(IdempotencyLayer::new(idempotency.clone()))
+        .layer(middleware::from_fn(authenticate))
         .with_state(Arc::new(App::default()));
 
     let address = SocketAddr::from((Ipv4Addr::LOCALHOST, settings.port));
@@ -318,7 +346,10 @@ async fn main() -> ExitCode {
     };
     let port = listener.local_addr().map_or(settings.port, |a| a.port());
     println!("listening on http://127.0.0.1:{port}");
-    if let Err(error) = axum::serve(listener, app).await {
+    let served = axum::serve(listener, app)
+        .with_graceful_shutdown(common::shutdown::drain(idempotency, "payments"))
+        .await;
+    if let Err(error) = served {
         eprintln!("payments: server failed: {error}");
         return ExitCode::FAILURE;
     }

@@ -217,7 +217,9 @@ async fn router(row: Row, tally: Arc<Tally>, backends: &Backends) -> Result<Rout
         Implementation::Bare => payments(),
         Implementation::Tower => {
             let idempotency = idempotency(row.store, backends).await?;
-            payments().route_layer(IdempotencyLayer::new(idempotency))
+            // The load carries no credentials (the bare handler and the peers scope nothing):
+            // one shared scope, as `allow_anonymous` documents.
+            payments().route_layer(IdempotencyLayer::new(idempotency).allow_anonymous(true))
         }
         #[cfg(idempotent_bench_peers)]
         Implementation::Idempotent2 => crate::peers::idempotent2()?,

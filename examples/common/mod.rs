@@ -14,6 +14,8 @@
 
 #![allow(dead_code)]
 
+pub(crate) mod shutdown;
+
 use std::time::Duration;
 
 use idempotent_core::limits::{self, DurationError};

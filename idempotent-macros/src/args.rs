@@ -161,16 +161,18 @@ struct Bounds {
 }
 
 // The ranges of `idempotent_core::limits`, which this crate cannot depend on (the core crate
-// depends on it); `tests/tests/duration_limits.rs` checks that they agree.
-const DAY_MS: u64 = 24 * 60 * 60 * 1000;
-/// `limits::MIN_TTL`.
+// depends on it). `tests/tests/duration_limits.rs` reads these four lines and checks that they
+// agree with `limits`: keep each a plain literal.
+/// `limits::MIN_TTL`: 1 ms.
 const MIN_TTL_MS: u64 = 1;
-/// `limits::MAX_TTL`.
-const MAX_TTL_MS: u64 = 365 * DAY_MS;
-/// `limits::MIN_LEASE`.
+/// `limits::MAX_TTL`: 365 days.
+const MAX_TTL_MS: u64 = 31_536_000_000;
+/// `limits::MIN_LEASE`: 100 ms.
 const MIN_LEASE_MS: u64 = 100;
-/// `limits::MAX_LEASE`.
-const MAX_LEASE_MS: u64 = 365 * DAY_MS;
+/// `limits::MAX_LEASE`: 365 days.
+const MAX_LEASE_MS: u64 = 31_536_000_000;
+
+const DAY_MS: u64 = 24 * 60 * 60 * 1000;
 
 const TTL: Bounds = Bounds {
     argument: "ttl",

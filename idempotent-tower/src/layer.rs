@@ -74,6 +74,7 @@ pub(crate) struct Config {
     pub(crate) in_flight: Option<InFlightPolicy>,
     pub(crate) not_replayed: Vec<HeaderName>,
     pub(crate) max_request_body: usize,
+    pub(crate) max_discarded_body: usize,
     pub(crate) max_response_body: usize,
     pub(crate) fail_open: bool,
     pub(crate) on_claim_lost: OnClaimLost,
@@ -247,6 +248,7 @@ impl IdempotencyLayer {
                     IDEMPOTENT_BYPASSED,
                 ],
                 max_request_body: DEFAULT_MAX_REQUEST_BODY,
+                max_discarded_body: crate::discard::DEFAULT_MAX_DISCARDED_BODY,
                 max_response_body: DEFAULT_MAX_RESPONSE_BODY,
                 fail_open: false,
                 on_claim_lost: OnClaimLost::Finish,
@@ -267,7 +269,7 @@ impl IdempotencyLayer {
     /// through untouched.
     ///
     /// The key comes from the `idempotency-key` metadata entry (the same header), the scope from
-    /// a digest of `authorization`. Problems are answered as gRPC statuses (`INVALID_ARGUMENT`,
+    /// the [`Principal`] in the request extensions (as over HTTP). Problems are answered as gRPC statuses (`INVALID_ARGUMENT`,
     /// `FAILED_PRECONDITION`, `ABORTED` with `grpc-retry-pushback-ms`, `RESOURCE_EXHAUSTED`,
     /// `UNAVAILABLE`, …) with the stable code in the `idempotent-error` metadata entry; outcomes
     /// are classified by `grpc-status` ([`default_grpc_retain`]). See the crate docs.
@@ -420,9 +422,37 @@ impl IdempotencyLayer {
     }
 
     /// The largest protected request body (default [`DEFAULT_MAX_REQUEST_BODY`]); larger ones
-    /// get 413 before the handler runs.
+    /// get 413 `request_too_large` before the handler runs, whether the body declares its
+    /// length (`Content-Length`) or goes over the limit while it is read (chunked).
+    ///
+    /// Over HTTP/1.1 the layer reads and throws away the rest of a refused body before it
+    /// answers, up to [`max_discarded_body`](Self::max_discarded_body) bytes past the limit: a
+    /// client still sending its body then reads the 413 instead of a connection reset, and the
+    /// connection stays open for its next request. A longer body is answered with
+    /// `Connection: close` as soon as it is known to be longer: at once when its declared
+    /// length says so (nothing of it is read), after the limit and the allowance when it is
+    /// chunked. A client still sending such a body may see the connection reset before it
+    /// reads the answer. A request with `Expect: 100-continue` is answered at once with
+    /// `Connection: close`: its client has not sent the body and, without `100 Continue`, will
+    /// not. Over HTTP/2, and so for gRPC, a refusal ends only the request's stream: nothing is
+    /// read, and the connection carries on.
     pub fn max_request_body(mut self, bytes: usize) -> Self {
         self.config().max_request_body = bytes;
+        self
+    }
+
+    /// How many bytes past [`max_request_body`](Self::max_request_body) the layer reads and
+    /// throws away from a refused HTTP/1.1 request body so that its client can read the 413
+    /// (default 4 MiB, so bodies up to 5 MiB with the default limit); with `0` a refused body
+    /// is not read on.
+    ///
+    /// Reading costs bandwidth and time, not memory: the bytes are dropped as they arrive, and
+    /// the bound (give or take one read from the connection) keeps a client from making the
+    /// server read without end. How long the reading may take is the server's to bound, as
+    /// for any body: a request body timeout (such as tower-http's `RequestBodyTimeoutLayer`)
+    /// outside this layer ends it.
+    pub fn max_discarded_body(mut self, bytes: usize) -> Self {
+        self.config().max_discarded_body = bytes;
         self
     }
 
@@ -473,6 +503,7 @@ impl fmt::Debug for Config {
             .field("require_key", &self.require_key)
             .field("allow_anonymous", &self.allow_anonymous)
             .field("max_request_body", &self.max_request_body)
+            .field("max_discarded_body", &self.max_discarded_body)
             .field("max_response_body", &self.max_response_body)
             .field("fail_open", &self.fail_open)
             .finish_non_exhaustive()

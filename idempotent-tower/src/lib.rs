@@ -253,6 +253,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
+mod discard;
 mod future;
 mod key;
 mod layer;

@@ -18,6 +18,7 @@ use idempotent_core::{
 use tower_service::Service;
 
 use crate::body::{RequestBody, ResponseBody};
+use crate::discard::{self, Declared};
 use crate::future::ResponseFuture;
 use crate::key::{KeyProblem, key_from_headers};
 use crate::layer::{Config, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED, OnClaimLost, Protocol};
@@ -99,12 +100,43 @@ where
                 );
             }
         };
-        if declared_length(request.headers())
-            .is_some_and(|len| len > config.max_request_body as u64)
+        if let Some(declared) =
+            declared_length(request.headers()).filter(|&len| len > config.max_request_body as u64)
         {
-            return ResponseFuture::ready(
-                too_large(config.max_request_body).into_response(config.protocol),
-            );
+            let limit = config.max_request_body;
+            let refused = too_large(limit).into_response(config.protocol);
+            return match discard::declared(
+                request.version(),
+                request.headers(),
+                declared,
+                limit,
+                config.max_discarded_body,
+            ) {
+                Declared::AnswerNow(connection) => {
+                    tracing::info!(
+                        outcome = "request_too_large",
+                        declared,
+                        limit,
+                        ?connection,
+                        "protected request refused: its declared body is over the limit"
+                    );
+                    ResponseFuture::ready(connection.mark(refused))
+                }
+                // Answering before the body is read would let the close of the connection reset
+                // it under the client, which then never reads the answer.
+                Declared::Discard(up_to) => ResponseFuture::protected(Box::pin(async move {
+                    let body = std::pin::pin!(request.into_body());
+                    let connection = discard::discard(body, up_to).await;
+                    tracing::info!(
+                        outcome = "request_too_large",
+                        declared,
+                        limit,
+                        ?connection,
+                        "protected request refused: its declared body is over the limit"
+                    );
+                    Ok(connection.mark(refused))
+                })),
+            };
         }
         let (parts, body) = request.into_parts();
         let scope = match (config.scope)(&parts) {
@@ -389,20 +421,37 @@ where
     ResBody: Body,
 {
     let (parts, body) = request.into_parts();
-    let body = match Limited::new(body, config.max_request_body).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
-            return Ok(too_large(config.max_request_body).into_response(config.protocol));
-        }
-        Err(error) => {
-            tracing::info!(outcome = "request_body_unreadable", error = %error, "could not read a protected request body");
-            return Ok(Problem::new(
-                StatusCode::BAD_REQUEST,
-                "request_body_unreadable",
-                "Request body unreadable",
-                "the request body could not be read; the request was not processed",
-            )
-            .into_response(config.protocol));
+    let body = {
+        // Pinned here rather than moved into `Limited`, so that what is left of an over-limit
+        // body can still be read.
+        let mut body = std::pin::pin!(body);
+        match Limited::new(body.as_mut(), config.max_request_body)
+            .collect()
+            .await
+        {
+            Ok(collected) => collected.to_bytes(),
+            Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
+                let limit = config.max_request_body;
+                let connection =
+                    discard::over_limit(parts.version, body, config.max_discarded_body).await;
+                tracing::info!(
+                    outcome = "request_too_large",
+                    limit,
+                    ?connection,
+                    "protected request refused: its body went over the limit"
+                );
+                return Ok(connection.mark(too_large(limit).into_response(config.protocol)));
+            }
+            Err(error) => {
+                tracing::info!(outcome = "request_body_unreadable", error = %error, "could not read a protected request body");
+                return Ok(Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "request_body_unreadable",
+                    "Request body unreadable",
+                    "the request body could not be read; the request was not processed",
+                )
+                .into_response(config.protocol));
+            }
         }
     };
 

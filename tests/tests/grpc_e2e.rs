@@ -148,7 +148,7 @@ async fn the_handler_reads_the_claim_from_the_request_extensions() {
 async fn missing_or_invalid_key_is_invalid_argument() {
     let (_server, mut client) = start().await;
     let missing = client
-        .charge(charge(5, "EUR", None, None))
+        .charge(charge(5, "EUR", None, Some("alice")))
         .await
         .unwrap_err();
     assert_eq!(missing.code(), Code::InvalidArgument);
@@ -163,7 +163,7 @@ async fn missing_or_invalid_key_is_invalid_argument() {
     );
     let long = "k".repeat(256);
     let invalid = client
-        .charge(charge(5, "EUR", Some(&long), None))
+        .charge(charge(5, "EUR", Some(&long), Some("alice")))
         .await
         .unwrap_err();
     assert_eq!(invalid.code(), Code::InvalidArgument);
@@ -178,12 +178,12 @@ async fn missing_or_invalid_key_is_invalid_argument() {
 async fn same_key_with_another_message_is_failed_precondition() {
     let (_server, mut client) = start().await;
     let first = client
-        .charge(charge(100, "EUR", Some("k"), None))
+        .charge(charge(100, "EUR", Some("k"), Some("alice")))
         .await
         .unwrap()
         .into_inner();
     let other = client
-        .charge(charge(200, "EUR", Some("k"), None))
+        .charge(charge(200, "EUR", Some("k"), Some("alice")))
         .await
         .unwrap_err();
     assert_eq!(other.code(), Code::FailedPrecondition);
@@ -192,7 +192,7 @@ async fn same_key_with_another_message_is_failed_precondition() {
         "fingerprint_mismatch"
     );
     let original = client
-        .charge(charge(100, "EUR", Some("k"), None))
+        .charge(charge(100, "EUR", Some("k"), Some("alice")))
         .await
         .unwrap();
     assert!(replayed(original.metadata()));
@@ -207,13 +207,13 @@ async fn concurrent_duplicate_is_aborted_with_a_retry_delay() {
         let mut client = client.clone();
         async move {
             client
-                .charge(charge_slow(5, "EUR", 600, Some("k"), None))
+                .charge(charge_slow(5, "EUR", 600, Some("k"), Some("alice")))
                 .await
         }
     });
     tokio::time::sleep(Duration::from_millis(150)).await;
     let dup = client
-        .charge(charge_slow(5, "EUR", 600, Some("k"), None))
+        .charge(charge_slow(5, "EUR", 600, Some("k"), Some("alice")))
         .await
         .unwrap_err();
     assert_eq!(dup.code(), Code::Aborted);
@@ -229,7 +229,7 @@ async fn concurrent_duplicate_is_aborted_with_a_retry_delay() {
     assert!((1..=1000).contains(&pushback), "{pushback}");
     let first = first.await.unwrap().unwrap().into_inner();
     let later = client
-        .charge(charge_slow(5, "EUR", 600, Some("k"), None))
+        .charge(charge_slow(5, "EUR", 600, Some("k"), Some("alice")))
         .await
         .unwrap();
     assert!(replayed(later.metadata()));
@@ -269,14 +269,14 @@ async fn twenty_concurrent_duplicates_execute_once() {
 async fn stored_invalid_argument_is_replayed_with_its_message() {
     let (_server, mut client) = start().await;
     let first = client
-        .charge(charge(0, "EUR", Some("declined"), None))
+        .charge(charge(0, "EUR", Some("declined"), Some("alice")))
         .await
         .unwrap_err();
     assert_eq!(first.code(), Code::InvalidArgument);
     assert_eq!(first.message(), "card_declined");
     assert!(!replayed(first.metadata()));
     let retry = client
-        .charge(charge(0, "EUR", Some("declined"), None))
+        .charge(charge(0, "EUR", Some("declined"), Some("alice")))
         .await
         .unwrap_err();
     assert_eq!(retry.code(), Code::InvalidArgument);
@@ -293,7 +293,7 @@ async fn unavailable_is_released_and_the_retry_executes_again() {
     let (_server, mut client) = start().await;
     for _ in 0..2 {
         let status = client
-            .charge(charge(10, "err", Some("flaky"), None))
+            .charge(charge(10, "err", Some("flaky"), Some("alice")))
             .await
             .unwrap_err();
         assert_eq!(status.code(), Code::Unavailable);
@@ -319,13 +319,17 @@ async fn principals_never_share_keys() {
     let bob = bob.into_inner();
     assert_eq!(bob.principal, "bob");
     assert_ne!(alice.id, bob.id);
+    // Without a principal the key has no scope: refused before the handler runs.
     let anonymous = client
         .charge(charge(5, "EUR", Some("k"), None))
         .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(anonymous.principal, "anonymous");
-    assert_eq!(count(&mut client).await, 3);
+        .unwrap_err();
+    assert_eq!(anonymous.code(), tonic::Code::PermissionDenied);
+    assert_eq!(
+        anonymous.metadata().get("idempotent-error").unwrap(),
+        "missing_scope"
+    );
+    assert_eq!(count(&mut client).await, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -333,7 +337,7 @@ async fn oversized_request_is_resource_exhausted() {
     let (_server, mut client) = start().await;
     let huge = "x".repeat(2 << 20);
     let status = client
-        .charge(charge(5, &huge, Some("big"), None))
+        .charge(charge(5, &huge, Some("big"), Some("alice")))
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted);
@@ -363,4 +367,43 @@ async fn streaming_and_unprotected_calls_pass_through() {
     }
     // Count carries no key and is not refused.
     assert_eq!(count(&mut client).await, 0);
+}
+
+/// SIGTERM during a long call: the call gets its response, a call arriving meanwhile gets
+/// `UNAVAILABLE` with `idempotent-error: shutting_down`, and the process exits cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_the_call_in_flight_finish_and_refuses_new_ones() {
+    let (mut server, client) = start().await;
+    let in_flight = tokio::spawn({
+        let mut client = client.clone();
+        async move {
+            client
+                .charge(charge_slow(5, "EUR", 1500, Some("long"), Some("alice")))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &server.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let refused = client
+        .clone()
+        .charge(charge(5, "EUR", Some("late"), Some("alice")))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable);
+    assert_eq!(
+        refused.metadata().get("idempotent-error").unwrap(),
+        "shutting_down"
+    );
+    let payment = in_flight.await.unwrap().expect("the call in flight finishes");
+    assert_eq!(payment.into_inner().principal, "alice");
+    let exit = tokio::time::timeout(Duration::from_secs(15), server.child.wait())
+        .await
+        .expect("the process exits once its calls are done")
+        .unwrap();
+    assert!(exit.success(), "{exit:?}");
 }

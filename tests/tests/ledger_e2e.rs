@@ -1,19 +1,39 @@
-//! The `ledger` consumer with real Redis, PostgreSQL and processes: 1,000 stream entries over
-//! 200 accounts, 20% of them duplicate ids (some adjacent, some far apart) and a few malformed,
-//! consumed by two consumers that are killed with SIGKILL at random moments and restarted.
-//! When the group has nothing pending and nothing unread, every balance must equal the sum over
-//! distinct ids, and the dead-letter stream must hold exactly the malformed entries.
+//! The `ledger` consumer with real Redis, PostgreSQL and processes.
+//!
+//! - 1,000 stream entries over 200 accounts, 20% of them duplicate ids (some adjacent, some far
+//!   apart) and a few malformed, consumed by two consumers that are killed with SIGKILL at
+//!   random moments and restarted. When the group has nothing pending and nothing unread, every
+//!   balance must equal the sum over distinct ids, and the dead-letter stream must hold exactly
+//!   the malformed entries.
+//! - Six consumers started in the same instant on an empty database all come up.
+//! - Entries PostgreSQL rejects, and malformed ones, are dead-lettered (after `MAX_DELIVERIES`
+//!   deliveries counted across restarts, and at once, respectively) while the entries around
+//!   them are applied once.
+//! - A pending list longer than one `XAUTOCLAIM` page is processed to its tail although its
+//!   head keeps failing.
+//! - A row locked by a hung transaction costs one entry a lock or statement timeout, not the
+//!   consumer its progress; the entry is applied once the lock is released.
 
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Stdio;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use idempotent_core::conformance::backend_url;
+use redis::Value;
 use redis::aio::MultiplexedConnection;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use sqlx::PgPool;
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout, Command};
+
+/// The consumer group the example creates.
+const GROUP: &str = "ledger";
+
+/// The example's table, created here by tests that need a row before a consumer starts.
+const ACCOUNTS_TABLE: &str =
+    "CREATE TABLE IF NOT EXISTS accounts (account text PRIMARY KEY, balance bigint NOT NULL)";
 
 /// A small deterministic generator, so a failing run can be repeated from its printed seed.
 struct Rng(u64);
@@ -28,6 +48,395 @@ impl Rng {
 
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n
+    }
+}
+
+/// Fails the test with `what` once `within` has passed; waits between checks.
+struct Deadline {
+    at: tokio::time::Instant,
+    what: String,
+}
+
+impl Deadline {
+    fn after(within: Duration, what: impl Into<String>) -> Deadline {
+        Deadline {
+            at: tokio::time::Instant::now() + within,
+            what: what.into(),
+        }
+    }
+
+    async fn tick(&self) {
+        assert!(
+            tokio::time::Instant::now() < self.at,
+            "timed out: {}",
+            self.what
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A PostgreSQL database and a Redis stream of one test's own.
+struct Fixture {
+    admin: PgPool,
+    database: String,
+    database_url: String,
+    redis_url: String,
+    stream: String,
+    redis: MultiplexedConnection,
+}
+
+impl Fixture {
+    /// `None` when the backends are not configured (and not required).
+    async fn new(name: &str) -> Option<Fixture> {
+        let redis_url = backend_url("IDEMPOTENT_TEST_REDIS_URL")?;
+        let postgres_url = backend_url("IDEMPOTENT_TEST_POSTGRES_URL")?;
+        let database = format!("ledger_{name}_{}", std::process::id());
+        let admin = PgPool::connect(&postgres_url).await.unwrap();
+        sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+            .execute(&admin)
+            .await
+            .unwrap();
+        sqlx::query(&format!("CREATE DATABASE {database}"))
+            .execute(&admin)
+            .await
+            .unwrap();
+        let database_url = format!("{}/{database}", postgres_url.rsplit_once('/').unwrap().0);
+        let stream = database.clone();
+        let client = redis::Client::open(redis_url.as_str()).unwrap();
+        let mut redis = client.get_multiplexed_async_connection().await.unwrap();
+        let _: () = redis::cmd("DEL")
+            .arg(&stream)
+            .arg(format!("{stream}:dead"))
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        Some(Fixture {
+            admin,
+            database,
+            database_url,
+            redis_url,
+            stream,
+            redis,
+        })
+    }
+
+    /// The consumers' environment: this fixture's servers and stream, and `settings`.
+    fn env(&self, settings: &[(&'static str, &str)]) -> Vec<(&'static str, String)> {
+        let mut env = vec![
+            ("REDIS_URL", self.redis_url.clone()),
+            ("DATABASE_URL", self.database_url.clone()),
+            ("STREAM", self.stream.clone()),
+        ];
+        env.extend(settings.iter().map(|(k, v)| (*k, (*v).to_owned())));
+        env
+    }
+
+    async fn db(&self) -> PgPool {
+        PgPool::connect(&self.database_url).await.unwrap()
+    }
+
+    /// Adds an entry with `fields` to the stream; its id.
+    async fn publish(&mut self, fields: &[(&str, &[u8])]) -> String {
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(&self.stream).arg("*");
+        for (name, value) in fields {
+            cmd.arg(*name).arg(*value);
+        }
+        cmd.query_async(&mut self.redis).await.unwrap()
+    }
+
+    /// Publishes a posting; its entry id.
+    async fn post(&mut self, id: &str, account: &str, amount: i64) -> String {
+        let amount = amount.to_string();
+        self.publish(&[
+            ("id", id.as_bytes()),
+            ("account", account.as_bytes()),
+            ("amount", amount.as_bytes()),
+        ])
+        .await
+    }
+
+    /// Creates the group and delivers every entry published so far to `consumer`, which never
+    /// acknowledges them: they stay pending under its name, as with a consumer that died.
+    async fn deliver_to_dead_consumer(&mut self, consumer: &str) {
+        let _: () = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&self.stream)
+            .arg(GROUP)
+            .arg("0")
+            .query_async(&mut self.redis)
+            .await
+            .unwrap();
+        let _: Value = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg(GROUP)
+            .arg(consumer)
+            .arg("STREAMS")
+            .arg(&self.stream)
+            .arg(">")
+            .query_async(&mut self.redis)
+            .await
+            .unwrap();
+    }
+
+    async fn balances(&self, db: &PgPool) -> BTreeMap<String, i64> {
+        let rows: Vec<(String, i64)> = sqlx::query_as("SELECT account, balance FROM accounts")
+            .fetch_all(db)
+            .await
+            .unwrap();
+        rows.into_iter().collect()
+    }
+
+    /// How many times the group delivered `entry`, if it is pending.
+    async fn deliveries(&mut self, entry: &str) -> Option<u64> {
+        let reply: Value = redis::cmd("XPENDING")
+            .arg(&self.stream)
+            .arg(GROUP)
+            .arg(entry)
+            .arg(entry)
+            .arg(1)
+            .query_async(&mut self.redis)
+            .await
+            .unwrap();
+        match reply {
+            Value::Array(rows) => match rows.first() {
+                Some(Value::Array(row)) => match row.get(3) {
+                    Some(Value::Int(n)) => u64::try_from(*n).ok(),
+                    _ => None,
+                },
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// The dead-letter stream's entries, oldest first.
+    async fn dead_letters(&mut self) -> Vec<DeadLetter> {
+        let entries: Vec<(String, Fields)> = redis::cmd("XRANGE")
+            .arg(format!("{}:dead", self.stream))
+            .arg("-")
+            .arg("+")
+            .query_async(&mut self.redis)
+            .await
+            .unwrap();
+        entries
+            .into_iter()
+            .map(|(_, fields)| DeadLetter { fields })
+            .collect()
+    }
+
+    /// Whether the group has nothing pending and has delivered everything up to `last_id`.
+    async fn drained(&mut self, last_id: &str) -> bool {
+        let pending: Value = redis::cmd("XPENDING")
+            .arg(&self.stream)
+            .arg(GROUP)
+            .query_async(&mut self.redis)
+            .await
+            .unwrap();
+        let pending = match pending {
+            Value::Array(v) => matches!(v.first(), Some(Value::Int(0))),
+            _ => false,
+        };
+        let groups: Vec<Value> = redis::cmd("XINFO")
+            .arg("GROUPS")
+            .arg(&self.stream)
+            .query_async(&mut self.redis)
+            .await
+            .unwrap();
+        let delivered = groups.iter().any(|group| {
+            let fields: Vec<(String, Value)> = match group {
+                Value::Array(flat) => flat
+                    .chunks(2)
+                    .filter_map(|kv| match (&kv[0], kv.get(1)) {
+                        (Value::BulkString(k), Some(v)) => {
+                            Some((String::from_utf8_lossy(k).into_owned(), v.clone()))
+                        }
+                        _ => None,
+                    })
+                    .collect(),
+                Value::Map(pairs) => pairs
+                    .iter()
+                    .filter_map(|(k, v)| match k {
+                        Value::BulkString(k) => {
+                            Some((String::from_utf8_lossy(k).into_owned(), v.clone()))
+                        }
+                        Value::SimpleString(k) => Some((k.clone(), v.clone())),
+                        _ => None,
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            };
+            fields.iter().any(|(k, v)| {
+                k == "last-delivered-id"
+                    && matches!(v, Value::BulkString(id) if id == last_id.as_bytes())
+            })
+        });
+        pending && delivered
+    }
+
+    async fn wait_drained(&mut self, last_id: &str, within: Duration) {
+        let deadline = Deadline::after(within, "the group never drained");
+        while !self.drained(last_id).await {
+            deadline.tick().await;
+        }
+    }
+
+    async fn drop_database(self) {
+        sqlx::query(&format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            self.database
+        ))
+        .execute(&self.admin)
+        .await
+        .unwrap();
+    }
+}
+
+/// A stream entry's fields, in order.
+type Fields = Vec<(String, Vec<u8>)>;
+
+/// One entry of the dead-letter stream.
+struct DeadLetter {
+    fields: Fields,
+}
+
+impl DeadLetter {
+    /// The first field called `name`, as text.
+    fn field(&self, name: &str) -> String {
+        let (_, value) = self
+            .fields
+            .iter()
+            .find(|(k, _)| k == name)
+            .unwrap_or_else(|| panic!("dead letter without `{name}`"));
+        String::from_utf8_lossy(value).into_owned()
+    }
+
+    /// The original entry's fields, after `reason`, `entry` and `deliveries`.
+    fn original_fields(&self) -> &[(String, Vec<u8>)] {
+        let names: Vec<&str> = self
+            .fields
+            .iter()
+            .take(3)
+            .map(|(k, _)| k.as_str())
+            .collect();
+        assert_eq!(names, ["reason", "entry", "deliveries"]);
+        &self.fields[3..]
+    }
+}
+
+/// A running `ledger` process; killed when dropped, and its stderr printed if the test fails.
+struct Consumer {
+    child: Child,
+    name: String,
+    stdout: Option<Lines<BufReader<ChildStdout>>>,
+    log: Arc<Mutex<String>>,
+}
+
+impl Consumer {
+    /// Starts the process without waiting for it to be ready.
+    fn spawn(env: &[(&str, String)], name: impl Into<String>) -> Consumer {
+        let name = name.into();
+        let mut child = Command::new(support::example_binary("ledger"))
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .env("CONSUMER", &name)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start the ledger example");
+        let log = Arc::new(Mutex::new(String::new()));
+        let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+        let sink = Arc::clone(&log);
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = stderr.next_line().await {
+                let mut log = sink.lock().unwrap_or_else(PoisonError::into_inner);
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        let stdout = BufReader::new(child.stdout.take().unwrap()).lines();
+        Consumer {
+            child,
+            name,
+            stdout: Some(stdout),
+            log,
+        }
+    }
+
+    async fn start(env: &[(&str, String)], name: impl Into<String>) -> Consumer {
+        let mut consumer = Consumer::spawn(env, name);
+        consumer.ready().await;
+        consumer
+    }
+
+    /// Waits for the line the consumer prints once it consumes.
+    async fn ready(&mut self) {
+        let mut lines = self.stdout.take().expect("not waited for yet");
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+            .await
+            .expect("the consumer did not start within 30 s")
+            .unwrap();
+        let Some(line) = line else {
+            let status = self.child.wait().await.unwrap();
+            panic!("{} exited before it was ready: {status}", self.name);
+        };
+        assert!(
+            line.starts_with("consuming ") && line.ends_with(&format!(" as {}", self.name)),
+            "{line}"
+        );
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    }
+
+    fn log(&self) -> String {
+        self.log
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    async fn wait_for_log(&self, needle: &str, within: Duration) {
+        let deadline = Deadline::after(within, format!("{} never logged {needle:?}", self.name));
+        while !self.log().contains(needle) {
+            deadline.tick().await;
+        }
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.id().expect("running consumer");
+        let ok = std::process::Command::new("kill")
+            .args([format!("-{signal}"), pid.to_string()])
+            .status()
+            .expect("kill")
+            .success();
+        assert!(ok, "kill -{signal} {pid}");
+    }
+
+    async fn kill(&mut self) {
+        self.signal("KILL");
+        let _ = self.child.wait().await;
+    }
+
+    /// SIGTERM: the consumer finishes the entry in hand and exits 0.
+    async fn stop(&mut self) {
+        self.signal("TERM");
+        let status = tokio::time::timeout(Duration::from_secs(10), self.child.wait())
+            .await
+            .expect("the consumer did not stop on SIGTERM")
+            .unwrap();
+        assert!(status.success(), "{}: {status}", self.name);
+    }
+}
+
+impl Drop for Consumer {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "----- {} stderr -----\n{}----- end of {} stderr -----",
+                self.name,
+                self.log(),
+                self.name
+            );
+        }
     }
 }
 
@@ -95,98 +504,9 @@ fn workload(rng: &mut Rng) -> Vec<Entry> {
     entries
 }
 
-struct Consumer {
-    child: Child,
-    name: String,
-}
-
-async fn start_consumer(env: &[(&str, String)], name: String) -> Consumer {
-    let mut child = Command::new(support::example_binary("ledger"))
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-        .env("CONSUMER", &name)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start the ledger example");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-        .await
-        .expect("the consumer did not start within 30 s")
-        .unwrap()
-        .expect("the consumer exited before it was ready");
-    assert!(
-        line.starts_with("consuming ") && line.ends_with(&format!(" as {name}")),
-        "{line}"
-    );
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Consumer { child, name }
-}
-
-fn signal(child: &Child, signal: &str) {
-    let pid = child.id().expect("running consumer");
-    let ok = std::process::Command::new("kill")
-        .args([format!("-{signal}"), pid.to_string()])
-        .status()
-        .expect("kill")
-        .success();
-    assert!(ok, "kill -{signal} {pid}");
-}
-
-async fn group_drained(redis: &mut MultiplexedConnection, stream: &str, last_id: &str) -> bool {
-    let pending: redis::Value = redis::cmd("XPENDING")
-        .arg(stream)
-        .arg("ledger")
-        .query_async(redis)
-        .await
-        .unwrap();
-    let pending = match pending {
-        redis::Value::Array(v) => matches!(v.first(), Some(redis::Value::Int(0))),
-        _ => false,
-    };
-    let groups: Vec<redis::Value> = redis::cmd("XINFO")
-        .arg("GROUPS")
-        .arg(stream)
-        .query_async(redis)
-        .await
-        .unwrap();
-    let delivered = groups.iter().any(|group| {
-        let fields: Vec<(String, redis::Value)> = match group {
-            redis::Value::Array(flat) => flat
-                .chunks(2)
-                .filter_map(|kv| match (&kv[0], kv.get(1)) {
-                    (redis::Value::BulkString(k), Some(v)) => {
-                        Some((String::from_utf8_lossy(k).into_owned(), v.clone()))
-                    }
-                    _ => None,
-                })
-                .collect(),
-            redis::Value::Map(pairs) => pairs
-                .iter()
-                .filter_map(|(k, v)| match k {
-                    redis::Value::BulkString(k) => {
-                        Some((String::from_utf8_lossy(k).into_owned(), v.clone()))
-                    }
-                    redis::Value::SimpleString(k) => Some((k.clone(), v.clone())),
-                    _ => None,
-                })
-                .collect(),
-            _ => Vec::new(),
-        };
-        fields.iter().any(|(k, v)| {
-            k == "last-delivered-id"
-                && matches!(v, redis::Value::BulkString(id) if id == last_id.as_bytes())
-        })
-    });
-    pending && delivered
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn balances_are_exact_after_duplicates_malformed_entries_and_kills() {
-    let Some(redis_url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
-        return;
-    };
-    let Some(postgres_url) = backend_url("IDEMPOTENT_TEST_POSTGRES_URL") else {
+    let Some(mut fx) = Fixture::new("kills").await else {
         return;
     };
     let seed = std::time::SystemTime::now()
@@ -196,28 +516,6 @@ async fn balances_are_exact_after_duplicates_malformed_entries_and_kills() {
         | 1;
     eprintln!("ledger e2e seed: {seed}");
     let mut rng = Rng(seed);
-
-    // A database and a stream of our own.
-    let tag = format!("ledger_e2e_{}", std::process::id());
-    let admin = sqlx::PgPool::connect(&postgres_url).await.unwrap();
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {tag}"))
-        .execute(&admin)
-        .await
-        .unwrap();
-    sqlx::query(&format!("CREATE DATABASE {tag}"))
-        .execute(&admin)
-        .await
-        .unwrap();
-    let database_url = format!("{}/{tag}", postgres_url.rsplit_once('/').unwrap().0);
-    let stream = tag.clone();
-    let client = redis::Client::open(redis_url.as_str()).unwrap();
-    let mut redis = client.get_multiplexed_async_connection().await.unwrap();
-    let _: () = redis::cmd("DEL")
-        .arg(&stream)
-        .arg(format!("{stream}:dead"))
-        .query_async(&mut redis)
-        .await
-        .unwrap();
 
     let entries = workload(&mut rng);
     assert_eq!(entries.len(), 1006);
@@ -237,22 +535,16 @@ async fn balances_are_exact_after_duplicates_malformed_entries_and_kills() {
     }
     assert_eq!(seen.len(), 800);
 
-    let env = vec![
-        ("REDIS_URL", redis_url.clone()),
-        ("DATABASE_URL", database_url.clone()),
-        ("STREAM", stream.clone()),
-        ("CLAIM_IDLE", "1s".to_owned()),
-        ("EFFECT_DELAY_MS", "3".to_owned()),
-    ];
+    let env = fx.env(&[("CLAIM_IDLE", "1s"), ("EFFECT_DELAY_MS", "3")]);
     let mut consumers = vec![
-        start_consumer(&env, "c0-0".into()).await,
-        start_consumer(&env, "c1-0".into()).await,
+        Consumer::start(&env, "c0-0").await,
+        Consumer::start(&env, "c1-0").await,
     ];
 
     // Publish while the consumers run.
     let publisher = tokio::spawn({
-        let mut redis = redis.clone();
-        let stream = stream.clone();
+        let mut redis = fx.redis.clone();
+        let stream = fx.stream.clone();
         async move {
             let (mut malformed_ids, mut last) = (BTreeSet::new(), String::new());
             for (n, entry) in entries.iter().enumerate() {
@@ -293,62 +585,27 @@ async fn balances_are_exact_after_duplicates_malformed_entries_and_kills() {
     for round in 1..=6 {
         tokio::time::sleep(Duration::from_millis(150 + rng.below(500))).await;
         let victim = rng.below(2) as usize;
-        signal(&consumers[victim].child, "KILL");
-        let _ = consumers[victim].child.wait().await;
+        consumers[victim].kill().await;
         eprintln!("killed {} in round {round}", consumers[victim].name);
-        consumers[victim] = start_consumer(&env, format!("c{victim}-{round}")).await;
+        consumers[victim] = Consumer::start(&env, format!("c{victim}-{round}")).await;
     }
 
     let (malformed_ids, last_id) = publisher.await.unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
-    while !group_drained(&mut redis, &stream, &last_id).await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the group never drained"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-
-    // SIGTERM: each consumer finishes the entry in hand and exits 0.
+    fx.wait_drained(&last_id, Duration::from_secs(90)).await;
     for consumer in &mut consumers {
-        signal(&consumer.child, "TERM");
-        let status = tokio::time::timeout(Duration::from_secs(10), consumer.child.wait())
-            .await
-            .expect("the consumer did not stop on SIGTERM")
-            .unwrap();
-        assert!(status.success(), "{}: {status}", consumer.name);
+        consumer.stop().await;
     }
 
-    let db = sqlx::PgPool::connect(&database_url).await.unwrap();
-    let rows: Vec<(String, i64)> = sqlx::query_as("SELECT account, balance FROM accounts")
-        .fetch_all(&db)
-        .await
-        .unwrap();
-    let balances: BTreeMap<String, i64> = rows.into_iter().collect();
+    let db = fx.db().await;
+    let balances = fx.balances(&db).await;
     assert_eq!(balances.len(), 200);
     assert_eq!(
         balances, expected,
         "every balance is the sum over distinct ids"
     );
 
-    let dead: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
-        .arg(format!("{stream}:dead"))
-        .arg("-")
-        .arg("+")
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    let dead_entries: Vec<String> = dead
-        .iter()
-        .map(|(_, fields)| {
-            fields
-                .iter()
-                .find(|(k, _)| k == "entry")
-                .expect("entry field")
-                .1
-                .clone()
-        })
-        .collect();
+    let dead = fx.dead_letters().await;
+    let dead_entries: Vec<String> = dead.iter().map(|d| d.field("entry")).collect();
     assert_eq!(
         dead_entries.len(),
         malformed_ids.len(),
@@ -358,14 +615,380 @@ async fn balances_are_exact_after_duplicates_malformed_entries_and_kills() {
         dead_entries.into_iter().collect::<BTreeSet<_>>(),
         malformed_ids
     );
-    assert!(
-        dead.iter()
-            .all(|(_, f)| f.iter().any(|(k, v)| k == "reason" && !v.is_empty()))
-    );
+    assert!(dead.iter().all(|d| !d.field("reason").is_empty()));
 
     drop(db);
-    sqlx::query(&format!("DROP DATABASE IF EXISTS {tag} WITH (FORCE)"))
-        .execute(&admin)
+    fx.drop_database().await;
+}
+
+/// Regression: consumers started at the same moment on an empty database failed with
+/// `duplicate key value violates unique constraint "pg_type_typname_nsp_index"`, because
+/// concurrent `CREATE TABLE IF NOT EXISTS` statements race in PostgreSQL's catalog.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumers_started_at_once_on_an_empty_database_all_come_up() {
+    // Each round on a fresh database: the race is between the first table creations.
+    for round in 0..3 {
+        let Some(mut fx) = Fixture::new(&format!("start{round}")).await else {
+            return;
+        };
+        let env = fx.env(&[("CLAIM_IDLE", "1s")]);
+        // All processes first, then the waits: they start in the same instant.
+        let mut consumers: Vec<Consumer> = (0..6)
+            .map(|n| Consumer::spawn(&env, format!("s{round}-{n}")))
+            .collect();
+        for consumer in &mut consumers {
+            consumer.ready().await;
+        }
+
+        // 200 distinct ids over 20 accounts, the first 40 published twice.
+        let mut expected: BTreeMap<String, i64> = BTreeMap::new();
+        let mut last = String::new();
+        for i in 0..240i64 {
+            let n = i % 200;
+            let account = format!("acct-{}", n % 20);
+            if i < 200 {
+                *expected.entry(account.clone()).or_default() += n - 100;
+            }
+            last = fx.post(&format!("pay-{n}"), &account, n - 100).await;
+        }
+        fx.wait_drained(&last, Duration::from_secs(60)).await;
+        for consumer in &mut consumers {
+            consumer.stop().await;
+        }
+        let db = fx.db().await;
+        assert_eq!(fx.balances(&db).await, expected);
+        assert!(fx.dead_letters().await.is_empty());
+        drop(db);
+        fx.drop_database().await;
+    }
+}
+
+/// Publishes `n` good postings numbered from `next` (every fifth twice, as a producer retry),
+/// adding them to `expected`.
+async fn publish_goods(
+    fx: &mut Fixture,
+    expected: &mut BTreeMap<String, i64>,
+    next: &mut i64,
+    n: i64,
+) {
+    for _ in 0..n {
+        let account = format!("acct-{}", *next % 6);
+        let amount = *next * 13 - 300;
+        fx.post(&format!("good-{next}"), &account, amount).await;
+        if *next % 5 == 0 {
+            fx.post(&format!("good-{next}"), &account, amount).await;
+        }
+        *expected.entry(account).or_default() += amount;
+        *next += 1;
+    }
+}
+
+/// Regression: entries PostgreSQL rejects for their data were delivered again forever, and a
+/// malformed entry with thousands of fields could not be dead-lettered (the dead-letter script
+/// failed), so it was too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_entries_are_dead_lettered_and_the_entries_around_them_applied_once() {
+    let Some(mut fx) = Fixture::new("poison").await else {
+        return;
+    };
+    const MAX_DELIVERIES: u64 = 3;
+    let env = fx.env(&[("CLAIM_IDLE", "1s"), ("MAX_DELIVERIES", "3")]);
+    let mut consumer = Consumer::start(&env, "p-0").await;
+    let db = fx.db().await;
+    let mut expected: BTreeMap<String, i64> = BTreeMap::new();
+
+    // An account at the top of `bigint`, first, so that adding to it overflows.
+    let last = fx.post("max-1", "big", i64::MAX).await;
+    fx.wait_drained(&last, Duration::from_secs(30)).await;
+    expected.insert("big".into(), i64::MAX);
+
+    let mut next = 0;
+    // Malformed: dead-lettered at their first delivery.
+    publish_goods(&mut fx, &mut expected, &mut next, 10).await;
+    let mut wide_fields: Vec<(String, String)> = vec![
+        ("id".into(), "wide-1".into()),
+        ("account".into(), "acct-0".into()),
+        ("amount".into(), "1".into()),
+    ];
+    wide_fields.extend((0..5000).map(|i| (format!("f{i}"), format!("v{i}"))));
+    let wide_refs: Vec<(&str, &[u8])> = wide_fields
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_bytes()))
+        .collect();
+    let wide = fx.publish(&wide_refs).await;
+    publish_goods(&mut fx, &mut expected, &mut next, 10).await;
+    let twice = fx
+        .publish(&[
+            ("id", b"twice-1"),
+            ("account", b"acct-1"),
+            ("amount", b"1"),
+            ("amount", b"2"),
+        ])
+        .await;
+
+    // Rejected by PostgreSQL: dead-lettered at their MAX_DELIVERIES-th delivery.
+    publish_goods(&mut fx, &mut expected, &mut next, 10).await;
+    let overflow = fx.post("over-1", "big", 1).await;
+    publish_goods(&mut fx, &mut expected, &mut next, 10).await;
+    // Random letters barely compress: too long for a B-tree index entry (SQLSTATE 54000).
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let long_account: String = (0..20_000)
+        .map(|_| char::from(b'a' + rng.below(26) as u8))
+        .collect();
+    let long = fx.post("long-1", &long_account, 1).await;
+    publish_goods(&mut fx, &mut expected, &mut next, 10).await;
+    let nul = fx
+        .publish(&[
+            ("id", b"nul-1"),
+            ("account", b"acct\0nul"),
+            ("amount", b"5"),
+        ])
+        .await;
+    publish_goods(&mut fx, &mut expected, &mut next, 10).await;
+
+    // A new process for each delivery of `nul` but its last: the delivery count that bounds
+    // the attempts is Redis's, and survives restarts.
+    for restart in 1..MAX_DELIVERIES {
+        consumer
+            .wait_for_log(
+                &format!("entry {nul} left pending"),
+                Duration::from_secs(30),
+            )
+            .await;
+        consumer.kill().await;
+        consumer = Consumer::start(&env, format!("p-{restart}")).await;
+    }
+    let last = fx.post("good-last", "acct-0", 1).await;
+    *expected.entry("acct-0".into()).or_default() += 1;
+    fx.wait_drained(&last, Duration::from_secs(60)).await;
+    consumer.stop().await;
+
+    assert_eq!(
+        fx.balances(&db).await,
+        expected,
+        "every good entry applied once"
+    );
+
+    let dead = fx.dead_letters().await;
+    let by_entry: BTreeMap<String, &DeadLetter> =
+        dead.iter().map(|d| (d.field("entry"), d)).collect();
+    assert_eq!(by_entry.len(), dead.len(), "each entry dead-lettered once");
+    assert_eq!(
+        by_entry.keys().cloned().collect::<BTreeSet<_>>(),
+        BTreeSet::from([
+            wide.clone(),
+            twice.clone(),
+            overflow.clone(),
+            long.clone(),
+            nul.clone()
+        ])
+    );
+    let assert_dead_letter = |entry: &str, deliveries: u64, reason: &str| {
+        let letter = by_entry[entry];
+        assert_eq!(
+            letter.field("deliveries"),
+            deliveries.to_string(),
+            "{entry}"
+        );
+        assert!(
+            letter.field("reason").contains(reason),
+            "{entry}: {:?} should contain {reason:?}",
+            letter.field("reason")
+        );
+    };
+    assert_dead_letter(&wide, 1, "the entry has 5003 fields, more than 64");
+    assert_dead_letter(&twice, 1, "field `amount` is repeated");
+    assert_dead_letter(&overflow, MAX_DELIVERIES, "(SQLSTATE 22003)");
+    assert_dead_letter(&long, MAX_DELIVERIES, "(SQLSTATE 54000)");
+    assert_dead_letter(&nul, MAX_DELIVERIES, "(SQLSTATE 22021)");
+
+    // The dead letter carries the original fields, bytes as published; at most 64 of them.
+    let copied =
+        |entry: &str| -> Vec<(String, Vec<u8>)> { by_entry[entry].original_fields().to_vec() };
+    let nul_fields: Vec<(String, Vec<u8>)> = vec![
+        ("id".into(), b"nul-1".to_vec()),
+        ("account".into(), b"acct\0nul".to_vec()),
+        ("amount".into(), b"5".to_vec()),
+    ];
+    assert_eq!(copied(&nul), nul_fields);
+    let wide_first: Vec<(String, Vec<u8>)> = wide_fields
+        .iter()
+        .take(64)
+        .map(|(k, v)| (k.clone(), v.as_bytes().to_vec()))
+        .collect();
+    assert_eq!(copied(&wide), wide_first);
+
+    drop(db);
+    fx.drop_database().await;
+}
+
+/// Regression: `XAUTOCLAIM` always started from `0-0`, so when the first page of the pending
+/// list kept failing, the entries after it were never claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_list_longer_than_a_claim_page_is_processed_to_its_tail() {
+    let Some(mut fx) = Fixture::new("tail").await else {
+        return;
+    };
+    // The head: 70 entries (more than one 64-entry page) on an account whose row the test
+    // keeps locked, so each of them fails with a lock timeout.
+    let db = fx.db().await;
+    sqlx::query(ACCOUNTS_TABLE).execute(&db).await.unwrap();
+    sqlx::query("INSERT INTO accounts VALUES ('held', 0)")
+        .execute(&db)
         .await
         .unwrap();
+    let mut holder = db.begin().await.unwrap();
+    sqlx::query("SELECT balance FROM accounts WHERE account = 'held' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let mut held_total = 0;
+    for i in 0..70 {
+        fx.post(&format!("held-{i}"), "held", i + 1).await;
+        held_total += i + 1;
+    }
+    // The tail: 300 entries on other accounts.
+    let mut expected: BTreeMap<String, i64> = BTreeMap::new();
+    let mut last = String::new();
+    for i in 0..300i64 {
+        let account = format!("acct-{}", i % 10);
+        last = fx.post(&format!("tail-{i}"), &account, i).await;
+        *expected.entry(account).or_default() += i;
+    }
+    fx.deliver_to_dead_consumer("gone").await;
+
+    let env = fx.env(&[("CLAIM_IDLE", "1s"), ("LOCK_TIMEOUT", "30ms")]);
+    let mut consumer = Consumer::start(&env, "t-0").await;
+
+    // The whole tail is applied while the head still fails.
+    let deadline = Deadline::after(
+        Duration::from_secs(60),
+        "the tail of the pending list was never processed",
+    );
+    loop {
+        let mut balances = fx.balances(&db).await;
+        assert_eq!(balances.remove("held"), Some(0));
+        if balances == expected {
+            break;
+        }
+        deadline.tick().await;
+    }
+    assert!(fx.dead_letters().await.is_empty());
+
+    holder.rollback().await.unwrap();
+    fx.wait_drained(&last, Duration::from_secs(60)).await;
+    consumer.stop().await;
+    expected.insert("held".into(), held_total);
+    assert_eq!(fx.balances(&db).await, expected);
+    assert!(fx.dead_letters().await.is_empty());
+    drop(db);
+    fx.drop_database().await;
+}
+
+/// Holds a lock on one account's row from an open transaction while the consumer runs with
+/// `timeouts`: the consumer keeps applying the other entries, delivers the blocked one again
+/// and again (more often than `MAX_DELIVERIES`: a timeout is not the entry's fault), and
+/// applies it once the lock is released.
+async fn hung_transaction(name: &str, timeouts: &[(&'static str, &str)], sqlstate: &str) {
+    let Some(mut fx) = Fixture::new(name).await else {
+        return;
+    };
+    let mut settings = vec![("CLAIM_IDLE", "1s"), ("MAX_DELIVERIES", "2")];
+    settings.extend_from_slice(timeouts);
+    let env = fx.env(&settings);
+    let mut consumer = Consumer::start(&env, format!("{name}-0")).await;
+
+    // The consumer has created the table.
+    let db = fx.db().await;
+    sqlx::query("INSERT INTO accounts VALUES ('held', 0)")
+        .execute(&db)
+        .await
+        .unwrap();
+    let mut holder = db.begin().await.unwrap();
+    sqlx::query("SELECT balance FROM accounts WHERE account = 'held' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+
+    let blocked = fx.post("held-1", "held", 7).await;
+    let mut expected: BTreeMap<String, i64> = BTreeMap::new();
+    let mut last = String::new();
+    for i in 0..20i64 {
+        let account = format!("acct-{}", i % 4);
+        last = fx.post(&format!("other-{i}"), &account, i + 1).await;
+        *expected.entry(account).or_default() += i + 1;
+    }
+
+    let deadline = Deadline::after(
+        Duration::from_secs(30),
+        "the entries after the blocked one were not applied",
+    );
+    loop {
+        let mut balances = fx.balances(&db).await;
+        assert_eq!(balances.remove("held"), Some(0));
+        if balances == expected {
+            break;
+        }
+        deadline.tick().await;
+    }
+    let deadline = Deadline::after(
+        Duration::from_secs(30),
+        "the blocked entry was not delivered again",
+    );
+    while fx.deliveries(&blocked).await.unwrap_or(0) < 3 {
+        deadline.tick().await;
+    }
+    assert!(consumer.log().contains(&format!("(SQLSTATE {sqlstate})")));
+    assert!(fx.dead_letters().await.is_empty());
+
+    holder.rollback().await.unwrap();
+    fx.wait_drained(&last, Duration::from_secs(30)).await;
+    consumer.stop().await;
+    expected.insert("held".into(), 7);
+    assert_eq!(fx.balances(&db).await, expected);
+    assert!(fx.dead_letters().await.is_empty());
+    drop(db);
+    fx.drop_database().await;
+}
+
+/// Regression: a transaction blocked on a row lock held by a hung transaction stalled the
+/// consumer for as long as the lock was held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_timeout_keeps_a_hung_transaction_from_stalling_the_consumer() {
+    hung_transaction("lock", &[("LOCK_TIMEOUT", "200ms")], "55P03").await;
+}
+
+/// The same with only `STATEMENT_TIMEOUT` short enough to end the wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_timeout_keeps_a_hung_transaction_from_stalling_the_consumer() {
+    hung_transaction(
+        "statement",
+        &[("LOCK_TIMEOUT", "1h"), ("STATEMENT_TIMEOUT", "300ms")],
+        "57014",
+    )
+    .await;
+}
+
+/// Bad settings are refused before anything is touched: exit status 2, the variable named.
+#[tokio::test]
+async fn bad_settings_exit_with_status_2_naming_the_variable() {
+    for (name, value) in [
+        ("MAX_DELIVERIES", "0"),
+        ("MAX_DELIVERIES", "three"),
+        ("LOCK_TIMEOUT", "25d"),
+        ("STATEMENT_TIMEOUT", "0s"),
+        ("CLAIM_IDLE", "soon"),
+    ] {
+        let output = Command::new(support::example_binary("ledger"))
+            .env(name, value)
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(output.status.code(), Some(2), "{name}={value}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains(&format!("{name}=")),
+            "{name}={value}: {stderr}"
+        );
+    }
 }

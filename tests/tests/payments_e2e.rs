@@ -63,7 +63,7 @@ async fn refunds_are_protected_too() {
             .post(
                 &server.url("/refunds"),
                 Some(&k),
-                None,
+                Some("alice"),
                 r#"{"payment_id":7}"#,
             )
             .await;
@@ -73,7 +73,7 @@ async fn refunds_are_protected_too() {
             .post(
                 &server.url("/refunds"),
                 Some(&k),
-                None,
+                Some("alice"),
                 r#"{"payment_id":7}"#,
             )
             .await;
@@ -89,14 +89,14 @@ async fn missing_and_malformed_keys_are_400_and_execute_nothing() {
     for protocol in PROTOCOLS {
         let client = Client::new(protocol);
         let missing = client
-            .post(&server.url("/payments"), None, None, PAYMENT)
+            .post(&server.url("/payments"), None, Some("alice"), PAYMENT)
             .await;
         assert_eq!(missing.status, StatusCode::BAD_REQUEST);
         assert_eq!(missing.problem_code(), "missing_key");
         let long = "k".repeat(256);
         for bad in ["\"\"", long.as_str(), "\"open", "a, b", "has space"] {
             let answer = client
-                .post(&server.url("/payments"), Some(bad), None, PAYMENT)
+                .post(&server.url("/payments"), Some(bad), Some("alice"), PAYMENT)
                 .await;
             assert_eq!(
                 answer.status,
@@ -129,7 +129,7 @@ async fn same_key_with_another_body_query_or_path_is_422() {
         let client = Client::new(protocol);
         let k = key(protocol, "mismatch");
         let first = client
-            .post(&server.url("/payments"), Some(&k), None, PAYMENT)
+            .post(&server.url("/payments"), Some(&k), Some("alice"), PAYMENT)
             .await;
         assert_eq!(first.status, StatusCode::CREATED);
         for (path, body) in [
@@ -137,7 +137,7 @@ async fn same_key_with_another_body_query_or_path_is_422() {
             ("/payments?delay_ms=0", PAYMENT),
             ("/refunds", r#"{"payment_id":1}"#),
         ] {
-            let answer = client.post(&server.url(path), Some(&k), None, body).await;
+            let answer = client.post(&server.url(path), Some(&k), Some("alice"), body).await;
             assert_eq!(
                 answer.status,
                 StatusCode::UNPROCESSABLE_ENTITY,
@@ -146,7 +146,7 @@ async fn same_key_with_another_body_query_or_path_is_422() {
             assert_eq!(answer.problem_code(), "fingerprint_mismatch");
         }
         let original = client
-            .post(&server.url("/payments"), Some(&k), None, PAYMENT)
+            .post(&server.url("/payments"), Some(&k), Some("alice"), PAYMENT)
             .await;
         assert!(original.replayed(), "the record is untouched");
         assert_eq!(original.body, first.body);
@@ -163,25 +163,43 @@ async fn principals_never_share_keys() {
         let alice = client
             .post(&server.url("/payments"), Some(&k), Some("alice"), PAYMENT)
             .await;
+        // Bob sends alice's key with the same body: his own payment, not her stored answer.
         let bob = client
-            .post(
-                &server.url("/payments"),
-                Some(&k),
-                Some("bob"),
-                r#"{"amount":5,"currency":"USD"}"#,
-            )
+            .post(&server.url("/payments"), Some(&k), Some("bob"), PAYMENT)
             .await;
-        let anonymous = client
-            .post(&server.url("/payments"), Some(&k), None, PAYMENT)
-            .await;
-        for answer in [&alice, &bob, &anonymous] {
+        for answer in [&alice, &bob] {
             assert_eq!(answer.status, StatusCode::CREATED);
             assert!(!answer.replayed());
         }
         assert_eq!(bob.json()["principal"], "bob");
-        assert_eq!(anonymous.json()["principal"], "anonymous");
         assert_ne!(alice.json()["id"], bob.json()["id"]);
+        // Without a credential there is no principal to scope the key by: refused.
+        let anonymous = client
+            .post(&server.url("/payments"), Some(&k), None, PAYMENT)
+            .await;
+        assert_eq!(anonymous.status, StatusCode::FORBIDDEN);
+        assert_eq!(anonymous.json()["code"], "missing_scope");
     }
+    assert_eq!(Client::new(PROTOCOLS[0]).count(&server).await, 4);
+}
+
+/// The scope is the principal, not the credential: alice's token is refreshed between her
+/// attempts (`alice.t1`, then `alice.t2`), and her retry still replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_with_a_refreshed_token_replays() {
+    let server = Server::payments(&[]).await;
+    let client = Client::new(PROTOCOLS[0]);
+    let first = client
+        .post(&server.url("/payments"), Some("refresh-1"), Some("alice.t1"), PAYMENT)
+        .await;
+    let retry = client
+        .post(&server.url("/payments"), Some("refresh-1"), Some("alice.t2"), PAYMENT)
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(first.json()["principal"], "alice");
+    assert_eq!(client.count(&server).await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -193,12 +211,12 @@ async fn declines_are_stored_and_provider_errors_released() {
         let declined = key(protocol, "declined");
         let zero = r#"{"amount":0,"currency":"EUR"}"#;
         let first = client
-            .post(&server.url("/payments"), Some(&declined), None, zero)
+            .post(&server.url("/payments"), Some(&declined), Some("alice"), zero)
             .await;
         assert_eq!(first.status, StatusCode::PAYMENT_REQUIRED);
         assert_eq!(first.json()["error"], "card_declined");
         let retry = client
-            .post(&server.url("/payments"), Some(&declined), None, zero)
+            .post(&server.url("/payments"), Some(&declined), Some("alice"), zero)
             .await;
         assert_eq!(retry.status, StatusCode::PAYMENT_REQUIRED);
         assert!(retry.replayed());
@@ -207,7 +225,7 @@ async fn declines_are_stored_and_provider_errors_released() {
         let err = r#"{"amount":10,"currency":"err"}"#;
         for _ in 0..2 {
             let answer = client
-                .post(&server.url("/payments"), Some(&failing), None, err)
+                .post(&server.url("/payments"), Some(&failing), Some("alice"), err)
                 .await;
             assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
             assert_eq!(answer.json()["error"], "provider_unavailable");
@@ -229,16 +247,16 @@ async fn duplicate_in_flight_is_409_with_retry_after() {
         let url = server.url("/payments?delay_ms=600");
         let first = tokio::spawn({
             let (client, url, k) = (client.clone(), url.clone(), k.clone());
-            async move { client.post(&url, Some(&k), None, PAYMENT).await }
+            async move { client.post(&url, Some(&k), Some("alice"), PAYMENT).await }
         });
         tokio::time::sleep(Duration::from_millis(150)).await;
-        let dup = client.post(&url, Some(&k), None, PAYMENT).await;
+        let dup = client.post(&url, Some(&k), Some("alice"), PAYMENT).await;
         assert_eq!(dup.status, StatusCode::CONFLICT, "{protocol:?}");
         assert_eq!(dup.problem_code(), "in_flight");
         assert_eq!(dup.headers["retry-after"], "1");
         let first = first.await.unwrap();
         assert_eq!(first.status, StatusCode::CREATED);
-        let later = client.post(&url, Some(&k), None, PAYMENT).await;
+        let later = client.post(&url, Some(&k), Some("alice"), PAYMENT).await;
         assert!(later.replayed());
         assert_eq!(later.body, first.body);
     }
@@ -254,10 +272,10 @@ async fn wait_mode_replays_to_the_concurrent_duplicate() {
         let url = server.url("/payments?delay_ms=400");
         let first = tokio::spawn({
             let (client, url, k) = (client.clone(), url.clone(), k.clone());
-            async move { client.post(&url, Some(&k), None, PAYMENT).await }
+            async move { client.post(&url, Some(&k), Some("alice"), PAYMENT).await }
         });
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let dup = client.post(&url, Some(&k), None, PAYMENT).await;
+        let dup = client.post(&url, Some(&k), Some("alice"), PAYMENT).await;
         assert_eq!(dup.status, StatusCode::CREATED);
         assert!(dup.replayed());
         assert_eq!(dup.body, first.await.unwrap().body);
@@ -280,7 +298,7 @@ async fn fifty_concurrent_duplicates_execute_once() {
                     (client.clone(), url.clone(), k.clone(), start.clone());
                 tokio::spawn(async move {
                     start.wait().await;
-                    client.post(&url, Some(&k), None, PAYMENT).await
+                    client.post(&url, Some(&k), Some("alice"), PAYMENT).await
                 })
             })
             .collect();
@@ -314,7 +332,7 @@ async fn oversized_body_is_413_before_the_handler() {
             .post(
                 &server.url("/payments"),
                 Some(&key(protocol, "big")),
-                None,
+                Some("alice"),
                 &big,
             )
             .await;
@@ -350,7 +368,7 @@ async fn client_disconnect_over_http1_still_records_the_payment() {
     let body = PAYMENT;
     let request = format!(
         "POST /payments?delay_ms=500 HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
-         idempotency-key: gone-h1\r\ncontent-length: {}\r\n\r\n{body}",
+         idempotency-key: gone-h1\r\nauthorization: Bearer alice\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
     let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", server.port))
@@ -369,7 +387,7 @@ async fn client_disconnect_over_http2_still_records_the_payment() {
     let client = Client::new(Protocol::Http2);
     let abandoned = tokio::time::timeout(
         Duration::from_millis(100),
-        client.post(&url, Some("gone-h2"), None, PAYMENT),
+        client.post(&url, Some("gone-h2"), Some("alice"), PAYMENT),
     )
     .await;
     assert!(
@@ -389,7 +407,7 @@ async fn assert_recorded_after_disconnect(server: &Server, key: &str, path: &str
         "the handler ran to completion"
     );
     let retry = client
-        .post(&server.url(path), Some(key), None, PAYMENT)
+        .post(&server.url(path), Some(key), Some("alice"), PAYMENT)
         .await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(retry.replayed(), "the retry gets the recorded response");

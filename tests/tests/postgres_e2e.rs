@@ -580,13 +580,13 @@ async fn a_database_restart_gives_clean_503s_then_service_resumes_without_an_app
     let payments = server.url("/payments");
 
     let before = client
-        .post(&payments, Some("before-restart"), None, PAYMENT)
+        .post(&payments, Some("before-restart"), Some("alice"), PAYMENT)
         .await;
     assert_eq!(before.status, StatusCode::CREATED);
 
     database.stop().await;
     for key in ["during-1", "during-2", "before-restart"] {
-        let answer = client.post(&payments, Some(key), None, PAYMENT).await;
+        let answer = client.post(&payments, Some(key), Some("alice"), PAYMENT).await;
         assert_eq!(
             answer.status,
             StatusCode::SERVICE_UNAVAILABLE,
@@ -606,7 +606,7 @@ async fn a_database_restart_gives_clean_503s_then_service_resumes_without_an_app
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let after = loop {
         let answer = client
-            .post(&payments, Some("after-restart"), None, PAYMENT)
+            .post(&payments, Some("after-restart"), Some("alice"), PAYMENT)
             .await;
         if answer.status != StatusCode::SERVICE_UNAVAILABLE {
             break answer;
@@ -622,7 +622,7 @@ async fn a_database_restart_gives_clean_503s_then_service_resumes_without_an_app
 
     // Records committed before the restart survived it.
     let replay = client
-        .post(&payments, Some("before-restart"), None, PAYMENT)
+        .post(&payments, Some("before-restart"), Some("alice"), PAYMENT)
         .await;
     assert_eq!(replay.status, StatusCode::CREATED);
     assert!(replay.replayed());

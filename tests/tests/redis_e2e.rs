@@ -246,7 +246,7 @@ async fn killed_instance_keeps_the_key_until_its_lease_ends_then_the_retry_runs_
         async move {
             tokio::time::timeout(
                 Duration::from_secs(10),
-                client.post(&url, Some("crash"), None, PAYMENT),
+                client.post(&url, Some("crash"), Some("alice"), PAYMENT),
             )
             .await
         }
@@ -259,7 +259,7 @@ async fn killed_instance_keeps_the_key_until_its_lease_ends_then_the_retry_runs_
 
     // Until the dead owner's lease ends, the survivor refuses the retry.
     let url = survivor.url("/payments?delay_ms=5000");
-    let retry = client.post(&url, Some("crash"), None, PAYMENT).await;
+    let retry = client.post(&url, Some("crash"), Some("alice"), PAYMENT).await;
     assert_eq!(retry.status, StatusCode::CONFLICT);
     assert_eq!(retry.problem_code(), "in_flight");
     // Then it runs the retry, once.
@@ -269,7 +269,7 @@ async fn killed_instance_keeps_the_key_until_its_lease_ends_then_the_retry_runs_
             .post(
                 &survivor.url("/payments?delay_ms=5000"),
                 Some("crash"),
-                None,
+                Some("alice"),
                 PAYMENT,
             )
             .await;
@@ -292,7 +292,7 @@ async fn killed_instance_keeps_the_key_until_its_lease_ends_then_the_retry_runs_
         .post(
             &survivor.url("/payments?delay_ms=5000"),
             Some("crash"),
-            None,
+            Some("alice"),
             PAYMENT,
         )
         .await;
@@ -315,14 +315,14 @@ async fn redis_outage_fails_closed_and_service_resumes_without_a_restart() {
     let client = Client::new(Protocol::Http1);
     let url = server.url("/payments");
     let before = client
-        .post(&url, Some("before-outage"), None, PAYMENT)
+        .post(&url, Some("before-outage"), Some("alice"), PAYMENT)
         .await;
     assert_eq!(before.status, StatusCode::CREATED);
 
     redis.stop().await;
     for i in 0..5 {
         let answer = client
-            .post(&url, Some(&format!("during-{i}")), None, PAYMENT)
+            .post(&url, Some(&format!("during-{i}")), Some("alice"), PAYMENT)
             .await;
         assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(answer.problem_code(), "store_unavailable");
@@ -337,7 +337,7 @@ async fn redis_outage_fails_closed_and_service_resumes_without_a_restart() {
     redis.launch().await;
     let mut recovered = None;
     for _ in 0..50 {
-        let answer = client.post(&url, Some("after-outage"), None, PAYMENT).await;
+        let answer = client.post(&url, Some("after-outage"), Some("alice"), PAYMENT).await;
         if answer.status == StatusCode::CREATED {
             recovered = Some(answer);
             break;
@@ -350,7 +350,7 @@ async fn redis_outage_fails_closed_and_service_resumes_without_a_restart() {
         "service resumed without restarting the app"
     );
     let replay = client
-        .post(&url, Some("before-outage"), None, PAYMENT)
+        .post(&url, Some("before-outage"), Some("alice"), PAYMENT)
         .await;
     assert!(
         replay.replayed(),
@@ -371,22 +371,22 @@ async fn fresh_costs_two_round_trips_and_replay_one() {
     let client = Client::new(Protocol::Http1);
     let url = server.url("/payments");
     // Warm up: the server loads each script on first use.
-    client.post(&url, Some("warm-up"), None, PAYMENT).await;
-    client.post(&url, Some("warm-up"), None, PAYMENT).await;
+    client.post(&url, Some("warm-up"), Some("alice"), PAYMENT).await;
+    client.post(&url, Some("warm-up"), Some("alice"), PAYMENT).await;
 
     // One open connection for the snapshots, so no handshake commands are counted.
     let mut stats = redis.connection().await;
     let t0 = RedisServer::client_commands(&mut stats).await;
     assert!(
         !client
-            .post(&url, Some("counted"), None, PAYMENT)
+            .post(&url, Some("counted"), Some("alice"), PAYMENT)
             .await
             .replayed()
     );
     let t1 = RedisServer::client_commands(&mut stats).await;
     assert!(
         client
-            .post(&url, Some("counted"), None, PAYMENT)
+            .post(&url, Some("counted"), Some("alice"), PAYMENT)
             .await
             .replayed()
     );

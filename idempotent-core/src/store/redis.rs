@@ -347,3 +347,95 @@ impl Store for RedisStore {
             .await
     }
 }
+
+#[cfg(all(test, feature = "test-util"))]
+mod tests {
+    use super::*;
+    use crate::conformance::{backend_url, fresh_key};
+
+    #[test]
+    fn expiries_are_whole_milliseconds_up_to_the_ceiling() {
+        assert_eq!(MAX_EXPIRY_MS, 365 * 24 * 3600 * 1000);
+        assert_eq!(millis(Duration::ZERO), 1);
+        assert_eq!(millis(Duration::from_micros(1500)), 1);
+        assert_eq!(millis(Duration::from_secs(2)), 2000);
+        assert_eq!(millis(Duration::MAX), MAX_EXPIRY_MS);
+    }
+
+    /// An expiry a script cannot use is refused before the script writes anything: no claim
+    /// without an expiry, no completed record with the lease's expiry, no lease changed.
+    #[tokio::test]
+    async fn scripts_check_the_expiry_before_they_write() {
+        let Some(url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
+            return;
+        };
+        let store = RedisStore::connect(&url).await.unwrap();
+        let mut connection = store.connection.clone();
+        let too_long = (MAX_EXPIRY_MS + 1).to_string();
+        for bad in ["0", "-5", "1.5", "soon", "18446744073709551615", &too_long] {
+            let key = fresh_key();
+            let redis_key = store.redis_key(&key);
+
+            let claimed: Result<Vec<Value>, _> = scripts()
+                .claim
+                .key(&redis_key)
+                .arg(Fingerprint::empty().as_bytes().as_slice())
+                .arg(bad)
+                .invoke_async(&mut connection)
+                .await;
+            assert!(claimed.is_err(), "claim with {bad}: {claimed:?}");
+            let exists: i64 = redis::cmd("EXISTS")
+                .arg(&redis_key)
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+            assert_eq!(exists, 0, "claim with {bad} wrote a record");
+
+            let Ok(Claim::Claimed(token)) = store
+                .claim(&key, &Fingerprint::empty(), Duration::from_secs(5))
+                .await
+            else {
+                panic!("a fresh key is claimed");
+            };
+            let token = token_arg(token);
+            let completed: Result<i64, _> = scripts()
+                .complete
+                .key(&redis_key)
+                .arg(&token)
+                .arg(b"result".as_slice())
+                .arg(bad)
+                .invoke_async(&mut connection)
+                .await;
+            assert!(completed.is_err(), "complete with {bad}: {completed:?}");
+            let renewed: Result<i64, _> = scripts()
+                .renew
+                .key(&redis_key)
+                .arg(&token)
+                .arg(bad)
+                .invoke_async(&mut connection)
+                .await;
+            assert!(renewed.is_err(), "renew with {bad}: {renewed:?}");
+
+            let state: Option<String> = redis::cmd("HGET")
+                .arg(&redis_key)
+                .arg("s")
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+            assert_eq!(
+                state.as_deref(),
+                Some("i"),
+                "{bad}: the claim stays in flight"
+            );
+            let pttl: i64 = redis::cmd("PTTL")
+                .arg(&redis_key)
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+            assert!(
+                (1..=5_000).contains(&pttl),
+                "{bad}: the lease stays: {pttl}"
+            );
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! The layer's duration settings are checked where they are written: a zero or
+//! sub-millisecond lease used to be accepted (concurrent duplicates both ran), and
+//! `InFlightPolicy::Wait { max: Duration::MAX }` panicked on `Instant + max`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use idempotent_core::{Idempotency, InFlightPolicy, MemoryStore, limits};
+use idempotent_tower::{IdempotencyLayer, Principal, RequestBody};
+use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
+
+fn layer() -> IdempotencyLayer {
+    IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+}
+
+#[test]
+#[should_panic(expected = "lease must be between 100ms and 365d, got 0s")]
+fn a_zero_lease_is_refused() {
+    let _ = layer().lease(Duration::ZERO);
+}
+
+#[test]
+#[should_panic(expected = "lease must be between 100ms and 365d, got 500µs")]
+fn a_sub_millisecond_lease_is_refused() {
+    let _ = layer().lease(Duration::from_micros(500));
+}
+
+#[test]
+#[should_panic(expected = "ttl must be between 1ms and 365d, got 0s")]
+fn a_zero_ttl_is_refused() {
+    let _ = layer().ttl(Duration::ZERO);
+}
+
+#[test]
+#[should_panic(expected = "ttl must be between 1ms and 365d, got 18446744073709551615.999999999s")]
+fn an_endless_ttl_is_refused() {
+    let _ = layer().ttl(Duration::MAX);
+}
+
+#[test]
+fn both_ends_of_every_range_are_accepted() {
+    let _ = layer()
+        .ttl(limits::MIN_TTL)
+        .ttl(limits::MAX_TTL)
+        .lease(limits::MIN_LEASE)
+        .lease(limits::MAX_LEASE)
+        .in_flight(InFlightPolicy::Wait {
+            max: Duration::ZERO,
+        })
+        .in_flight(InFlightPolicy::Wait { max: Duration::MAX });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_waiting_without_a_deadline_gets_the_replay() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = Arc::clone(&runs);
+        service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
+            let runs = Arc::clone(&runs);
+            async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                Ok::<_, BoxError>(
+                    Response::builder()
+                        .status(StatusCode::CREATED)
+                        .body(Full::new(Bytes::from(format!("run {n}"))))
+                        .unwrap(),
+                )
+            }
+        })
+    };
+    let svc = ServiceBuilder::new()
+        .layer(layer().in_flight(InFlightPolicy::Wait { max: Duration::MAX }))
+        .service(handler);
+    let request = || {
+        Request::post("/payments")
+            .header("idempotency-key", "k")
+            .extension(Principal::new("client"))
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    let first = tokio::spawn(svc.clone().oneshot(request()));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let duplicate = tokio::time::timeout(Duration::from_secs(10), svc.oneshot(request()))
+        .await
+        .expect("the duplicate waits for the first request, not forever")
+        .unwrap();
+    assert_eq!(duplicate.status(), StatusCode::CREATED);
+    assert_eq!(duplicate.headers()["idempotent-replayed"], "true");
+    let body = duplicate.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"run 1");
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

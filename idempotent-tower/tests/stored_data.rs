@@ -1,0 +1,360 @@
+//! Stored responses at the edge of what a record holds, records that cannot be read back, and
+//! unquoted keys holding `;`: the layer answers with a replay or a problem, never a panic, and
+//! two different keys never share a record.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::header::CONTENT_TYPE;
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::{BodyExt, Full};
+use idempotent_core::{
+    Claim, FencingToken, Fingerprint, Idempotency, MemoryStore, StorageKey, Store, StoreError,
+};
+use idempotent_tower::{IdempotencyLayer, Principal, RequestBody, ResponseBody};
+use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
+
+/// The most header fields, and separately trailer fields, the layer keeps for replay.
+const MAX_FIELDS: usize = 4096;
+
+/// A body: data, then optional trailers.
+struct TestBody {
+    data: Option<Bytes>,
+    trailers: Option<HeaderMap>,
+}
+
+impl Body for TestBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if let Some(data) = self.data.take() {
+            return Poll::Ready(Some(Ok(Frame::data(data))));
+        }
+        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
+    }
+}
+
+type Svc = tower::util::BoxCloneSyncService<
+    Request<Full<Bytes>>,
+    Response<ResponseBody<TestBody>>,
+    BoxError,
+>;
+
+/// `n` fields: all named `x-field` (`distinct == false`) or `x-field-0`, `x-field-1`, …
+fn fields(n: usize, distinct: bool) -> HeaderMap {
+    let mut map = HeaderMap::new();
+    for i in 0..n {
+        let name = if distinct {
+            HeaderName::from_bytes(format!("x-field-{i}").as_bytes()).unwrap()
+        } else {
+            HeaderName::from_static("x-field")
+        };
+        map.append(name, HeaderValue::from(i));
+    }
+    map
+}
+
+/// Answers `/headers/<n>`, `/distinct-headers/<n>` and `/trailers/<n>` with `n` fields in that
+/// place (201, body `run <count>`); anything else with no extra fields.
+fn stack(layer: IdempotencyLayer, runs: &Arc<AtomicUsize>) -> Svc {
+    let runs = Arc::clone(runs);
+    let svc = ServiceBuilder::new().layer(layer).service(service_fn(
+        move |req: Request<RequestBody<Full<Bytes>>>| {
+            let runs = Arc::clone(&runs);
+            async move {
+                let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                let mut parts = req.uri().path().trim_start_matches('/').split('/');
+                let place = parts.next().unwrap_or_default().to_owned();
+                let count: usize = parts.next().and_then(|c| c.parse().ok()).unwrap_or(0);
+                let mut response = Response::new(TestBody {
+                    data: Some(Bytes::from(format!("run {n}"))),
+                    trailers: None,
+                });
+                *response.status_mut() = StatusCode::CREATED;
+                match place.as_str() {
+                    "headers" => *response.headers_mut() = fields(count, false),
+                    "distinct-headers" => *response.headers_mut() = fields(count, true),
+                    "trailers" => response.body_mut().trailers = Some(fields(count, false)),
+                    _ => {}
+                }
+                Ok::<_, BoxError>(response)
+            }
+        },
+    ));
+    tower::util::BoxCloneSyncService::new(svc)
+}
+
+fn post(path: &str, key: &str) -> Request<Full<Bytes>> {
+    Request::post(path)
+        .header("idempotency-key", key)
+        .extension(Principal::new("client"))
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap()
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+    trailers: Option<HeaderMap>,
+}
+
+impl Answer {
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+
+    fn problem(&self) -> serde_json::Value {
+        assert_eq!(self.headers[CONTENT_TYPE], "application/problem+json");
+        serde_json::from_slice(&self.body).unwrap()
+    }
+
+    /// The answer's fields named like `fields` names them, in order.
+    fn fields(&self, place: &str) -> Vec<(String, String)> {
+        let map = match place {
+            "trailers" => self.trailers.clone().unwrap_or_default(),
+            _ => self.headers.clone(),
+        };
+        map.iter()
+            .filter(|(name, _)| name.as_str().starts_with("x-field"))
+            .map(|(name, value)| (name.to_string(), value.to_str().unwrap().to_owned()))
+            .collect()
+    }
+}
+
+async fn send(svc: &Svc, req: Request<Full<Bytes>>) -> Answer {
+    let response = svc.clone().oneshot(req).await.unwrap();
+    let (parts, body) = response.into_parts();
+    let collected = body.collect().await.unwrap();
+    let trailers = collected.trailers().cloned();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body: collected.to_bytes(),
+        trailers,
+    }
+}
+
+fn memory() -> IdempotencyLayer {
+    IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+}
+
+#[tokio::test]
+async fn responses_with_up_to_the_field_limit_replay_whole() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let svc = stack(memory(), &runs);
+    for place in ["headers", "distinct-headers", "trailers"] {
+        let path = format!("/{place}/{MAX_FIELDS}");
+        let first = send(&svc, post(&path, place)).await;
+        assert_eq!(first.fields(place).len(), MAX_FIELDS, "{place}");
+        let retry = send(&svc, post(&path, place)).await;
+        assert!(retry.replayed(), "{place}");
+        assert_eq!(retry.status, StatusCode::CREATED);
+        assert_eq!(retry.body, first.body);
+        assert_eq!(retry.fields(place), first.fields(place), "{place}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+}
+
+/// Regression: the stored form wrote up to 65,534 fields, which the reader could not hold (a
+/// panic above 24,576), and cut anything beyond 65,534 without a word.
+#[tokio::test]
+async fn responses_with_more_fields_run_once_and_are_not_retained() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let svc = stack(memory(), &runs);
+    for place in ["headers", "distinct-headers", "trailers"] {
+        for count in [MAX_FIELDS + 1, 70_000] {
+            if place == "distinct-headers" && count > 24_576 {
+                continue; // more distinct names than a header map holds
+            }
+            let path = format!("/{place}/{count}");
+            let key = format!("{place}-{count}");
+            let first = send(&svc, post(&path, &key)).await;
+            assert_eq!(first.status, StatusCode::CREATED);
+            assert_eq!(
+                first.fields(place).len(),
+                count,
+                "the client gets the whole response ({place}, {count})"
+            );
+            let retry = send(&svc, post(&path, &key)).await;
+            assert_eq!(retry.status, StatusCode::GONE, "{place}, {count}");
+            assert_eq!(retry.problem()["code"], "result_not_retained");
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 5, "every response ran once");
+}
+
+/// A memory store whose completed records hold `record` instead of the response the layer
+/// stored: records written by another release, or damaged at rest.
+#[derive(Clone)]
+struct PlantedStore {
+    inner: MemoryStore,
+    record: Bytes,
+}
+
+/// The record envelope, as documented in `idempotent-core`: magic `ID`, version 1, kind 0 (a
+/// result follows), the first 8 bytes of the result's blake3 digest, the result.
+fn envelope(result: &[u8]) -> Bytes {
+    let mut out = BytesMut::from(&b"ID\x01\x00"[..]);
+    out.put_slice(&blake3::hash(result).as_bytes()[..8]);
+    out.put_slice(result);
+    out.freeze()
+}
+
+impl Store for PlantedStore {
+    async fn claim(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.inner.claim(key, fingerprint, lease).await
+    }
+
+    async fn complete(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        payload: Bytes,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        // The layer's own record is a well-formed envelope; replace what it holds.
+        assert_eq!(payload, envelope(&payload[12..]), "envelope format changed");
+        self.inner
+            .complete(key, token, envelope(&self.record), ttl)
+            .await
+    }
+
+    async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
+        self.inner.release(key, token).await
+    }
+
+    async fn renew(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.renew(key, token, lease).await
+    }
+}
+
+/// A stored response (format version 1, status 200) claiming `claimed` header fields, followed
+/// by `present` fields named by `name`, an empty body and no trailers.
+fn record(claimed: u16, present: usize, name: impl Fn(usize) -> String) -> Bytes {
+    let mut out = BytesMut::new();
+    out.put_u8(1);
+    out.put_u16(200);
+    out.put_u16(claimed);
+    for i in 0..present {
+        let name = name(i);
+        out.put_u16(u16::try_from(name.len()).unwrap());
+        out.put_slice(name.as_bytes());
+        out.put_u32(0);
+    }
+    out.put_u32(0);
+    out.put_u16(u16::MAX);
+    out.freeze()
+}
+
+/// Regression: a stored response claiming more than 24,576 header fields panicked the reader
+/// (`HeaderMap::with_capacity`), taking the request's task down instead of answering.
+#[tokio::test]
+async fn records_claiming_more_fields_than_a_header_map_holds_are_corrupt_records() {
+    for claimed in [24_577u16, 65_534] {
+        let planted = [
+            (
+                "nothing behind the count",
+                record(claimed, 0, |_| String::new()),
+            ),
+            (
+                "distinct names",
+                record(claimed, usize::from(claimed), |i| format!("h{i}")),
+            ),
+        ];
+        for (what, planted) in planted {
+            let runs = Arc::new(AtomicUsize::new(0));
+            let store = PlantedStore {
+                inner: MemoryStore::new(),
+                record: planted,
+            };
+            let svc = stack(IdempotencyLayer::new(Idempotency::new(store)), &runs);
+            let first = send(&svc, post("/p", "k")).await;
+            assert_eq!(first.status, StatusCode::CREATED, "{claimed}, {what}");
+            let retry = send(&svc, post("/p", "k")).await;
+            assert_eq!(
+                retry.status,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "{claimed}, {what}"
+            );
+            assert_eq!(retry.problem()["code"], "corrupt_record");
+            assert_eq!(runs.load(Ordering::SeqCst), 1, "never run again");
+        }
+    }
+    // The same counts of values under one name are a readable record.
+    let runs = Arc::new(AtomicUsize::new(0));
+    let store = PlantedStore {
+        inner: MemoryStore::new(),
+        record: record(65_534, 65_534, |_| "x-field".into()),
+    };
+    let svc = stack(IdempotencyLayer::new(Idempotency::new(store)), &runs);
+    send(&svc, post("/p", "k")).await;
+    let retry = send(&svc, post("/p", "k")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.status, StatusCode::OK);
+    assert_eq!(retry.headers.get_all("x-field").iter().count(), 65_534);
+}
+
+/// Regression: `abc;x` and `abc;y` were both read as the key `abc` with a parameter, so the
+/// second request replayed the first one's response.
+#[tokio::test]
+async fn unquoted_keys_with_a_semicolon_are_refused_and_quoted_ones_stay_apart() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let svc = stack(memory(), &runs);
+    for bare in ["abc;x", "abc;y", "abc ;x", "abc;v=1"] {
+        let answer = send(&svc, post("/p", bare)).await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{bare:?}");
+        let problem = answer.problem();
+        assert_eq!(problem["code"], "invalid_key", "{bare:?}");
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(detail.contains("quote the key"), "{detail}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+
+    // Quoted, `;` belongs to the key: two keys, two runs.
+    let x = send(&svc, post("/p", "\"abc;x\"")).await;
+    let y = send(&svc, post("/p", "\"abc;y\"")).await;
+    assert!(!x.replayed() && !y.replayed());
+    assert_ne!(x.body, y.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert!(send(&svc, post("/p", "\"abc;x\"")).await.replayed());
+
+    // Parameters after a quoted key are still ignored.
+    let first = send(&svc, post("/p", "\"abc\";x=1")).await;
+    let other_parameters = send(&svc, post("/p", "\"abc\";y=2")).await;
+    assert!(!first.replayed());
+    assert!(other_parameters.replayed());
+    assert_eq!(other_parameters.body, first.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+
+    // Strict mode refuses the unquoted form too, and keeps the quoted forms apart.
+    let strict = stack(memory().strict(true), &runs);
+    assert_eq!(
+        send(&strict, post("/p", "abc;x")).await.status,
+        StatusCode::BAD_REQUEST
+    );
+    assert!(!send(&strict, post("/p", "\"abc;x\"")).await.replayed());
+    assert!(!send(&strict, post("/p", "\"abc;y\"")).await.replayed());
+}
