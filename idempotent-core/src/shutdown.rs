@@ -69,6 +69,11 @@ impl Drain {
         self.state.load(Ordering::Relaxed) == OPEN
     }
 
+    /// Whether the shutdown's deadline has passed: work still running must stop.
+    pub(crate) fn is_stopping(&self) -> bool {
+        self.state.load(Ordering::SeqCst) == STOPPING
+    }
+
     /// Refuses new calls, waits up to `grace` for the active ones to end, then tells the work
     /// still running to stop and waits a little for it to release its claims.
     pub(crate) async fn drain(&self, grace: Duration) -> Drained {

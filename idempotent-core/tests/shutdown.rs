@@ -199,3 +199,37 @@ async fn hundreds_of_calls_across_a_shutdown_each_run_once_or_not_at_all() {
     assert_eq!(fresh + refused, CALLS);
     assert!(fresh > 0 && refused > 0, "fresh {fresh}, refused {refused}");
 }
+
+/// A duplicate waiting for another instance's owner (`InFlightPolicy::Wait`) stops waiting at
+/// the shutdown's deadline instead of holding the shutdown up for its whole wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_waiting_for_another_owner_gives_up_at_the_deadline() {
+    let (a, b) = two_instances();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let owner = {
+        let (b, work) = (b.clone(), work(&runs, Duration::from_secs(2)));
+        tokio::spawn(async move { b.run(&call("k"), work).await })
+    };
+    while runs.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let waiter = {
+        let a = a.clone();
+        let work = work(&runs, Duration::ZERO);
+        tokio::spawn(async move {
+            let patient = call("k").in_flight(idempotent_core::InFlightPolicy::Wait {
+                max: Duration::from_secs(60),
+            });
+            a.run(&patient, work).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let started = Instant::now();
+    let drained = a.shutdown(Duration::from_millis(100)).await;
+    assert!(started.elapsed() < Duration::from_secs(1), "{drained:?}");
+    assert_eq!(drained.remaining, 0, "{drained:?}");
+    let waited = waiter.await.unwrap();
+    assert!(matches!(waited, Err(Error::ShuttingDown)), "{waited:?}");
+    assert_eq!(owner.await.unwrap().unwrap(), Outcome::Fresh(1));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
