@@ -27,15 +27,16 @@
 //!   integer, more than 64 fields — or an `id` reused for a different account or amount:
 //!   retrying cannot help, so it is dead-lettered at once.
 //! - **Rejected by PostgreSQL for its data** — SQLSTATE class `22` (data exception: a NUL byte
-//!   in `account`, a balance overflowing `bigint`), `23` (integrity constraint violation) or
-//!   `54` (program limit exceeded: an `account` too long for the primary key's index): left
-//!   pending and delivered again, because a rejection can depend on the moment (a balance
-//!   overflows until a debit arrives), and dead-lettered at the first rejection from its
-//!   `MAX_DELIVERIES`-th delivery on.
-//! - **Transient** — PostgreSQL unreachable, a serialization failure (`40001`), a deadlock
-//!   (`40P01`), a lock or statement timeout (`55P03`, `57014`), Redis failing mid-way: left
-//!   pending and retried until it succeeds, however many deliveries that takes, because the
-//!   entry is not at fault and waiting is what repairs it.
+//!   in `account`, a balance overflowing `bigint`), `23` (integrity constraint violation: a
+//!   `CHECK` constraint a deployment adds to `accounts`) or `54` (program limit exceeded: an
+//!   `account` too long for the primary key's index): left pending and delivered again, because
+//!   a rejection can depend on the moment (a balance overflows until a debit arrives), and
+//!   dead-lettered at the first rejection from its `MAX_DELIVERIES`-th delivery on.
+//! - **Transient** — any other failure: the connection to PostgreSQL lost (`57P01` when the
+//!   server ends it), a serialization failure (`40001`), a deadlock (`40P01`), a lock or
+//!   statement timeout (`55P03`, `57014`): left pending and delivered again until it succeeds,
+//!   however many deliveries that takes, because the entry is not at fault and waiting is what
+//!   repairs it.
 //!
 //! The bound counts the deliveries Redis records for the entry (its `XPENDING` delivery count),
 //! so it holds across restarts and across consumers.
@@ -49,11 +50,11 @@
 //!
 //! # Retries and hung transactions
 //!
-//! An entry left pending is delivered again once it has been idle for `CLAIM_IDLE`. Every
-//! `CLAIM_IDLE / 2` the consumer sweeps the group's pending list with `XAUTOCLAIM`, 64 entries a
-//! page, following the cursor each page returns until it wraps, so the tail of a long pending
-//! list is reached even when the entries at its head keep failing. New entries are read between
-//! sweeps.
+//! An entry left pending is delivered again once it has been idle for `CLAIM_IDLE`. The
+//! consumer sweeps the group's pending list with `XAUTOCLAIM`, 64 entries a page, following the
+//! cursor each page returns until it wraps, so the tail of a long pending list is reached even
+//! when the entries at its head keep failing. Between the end of one sweep and the start of the
+//! next, `CLAIM_IDLE / 2` later, it reads new entries, so a slow sweep cannot starve them.
 //!
 //! Each transaction runs with `SET LOCAL lock_timeout = LOCK_TIMEOUT` and `statement_timeout =
 //! STATEMENT_TIMEOUT`: an account whose row is held by another transaction that hangs, or a
@@ -691,13 +692,11 @@ async fn main() -> ExitCode {
         consumer.config.stream, consumer.config.consumer
     );
 
-    let mut last_sweep = tokio::time::Instant::now();
+    let mut next_sweep = tokio::time::Instant::now() + consumer.config.claim_idle / 2;
     while !stopping.load(Ordering::SeqCst) {
         // A sweep, once begun, runs page after page until its cursor wraps.
-        let batch = if consumer.sweeping() {
-            consumer.claim_abandoned().await
-        } else if last_sweep.elapsed() >= consumer.config.claim_idle / 2 {
-            last_sweep = tokio::time::Instant::now();
+        let sweep = consumer.sweeping() || tokio::time::Instant::now() >= next_sweep;
+        let batch = if sweep {
             consumer.claim_abandoned().await
         } else {
             consumer.read_new().await
@@ -729,6 +728,11 @@ async fn main() -> ExitCode {
             if stopping.load(Ordering::SeqCst) {
                 break;
             }
+        }
+        if sweep && !consumer.sweeping() {
+            // Timed from the end of the sweep, however long it took: new entries get their
+            // turn before the next one.
+            next_sweep = tokio::time::Instant::now() + consumer.config.claim_idle / 2;
         }
     }
     eprintln!("ledger: stopped on SIGTERM");

@@ -62,12 +62,13 @@
 //! |---|---|---|
 //! | `PORT` | `3000` | listens on `127.0.0.1:$PORT` |
 //! | `IDEMPOTENCY_STORE` | `memory` | where records live: `memory`, `redis://HOST:PORT[/DB]` or `postgres://USER@HOST:PORT/DB` |
-//! | `IDEMPOTENCY_TTL` | `24h` | how long responses are replayed |
-//! | `IDEMPOTENCY_LEASE` | `30s` | how long a crashed request keeps its key locked |
+//! | `IDEMPOTENCY_TTL` | `24h` | how long responses are replayed: `1ms` to `365d` |
+//! | `IDEMPOTENCY_LEASE` | `30s` | how long a crashed request keeps its key locked: `100ms` to `365d` |
 //! | `IDEMPOTENCY_IN_FLIGHT` | `reject` | `reject` (409) or `wait` (up to one lease, then replay) |
 //! | `RUST_LOG` | `warn,idempotent_tower=info` | log filter (logs go to stderr) |
 //!
-//! Durations are a number followed by `ms`, `s`, `m`, `h` or `d`.
+//! Durations are a number followed by `ms`, `s`, `m`, `h` or `d`. A bad value, or one out of
+//! its range, makes the server exit with status 2 and a message naming the variable.
 //!
 //! Test hooks: `?delay_ms=N` sleeps before doing the work; an amount of 0 is declined by the
 //! provider (402, recorded); the currency `err` makes the provider fail (500, released, so a

@@ -44,6 +44,10 @@
 //!   operation key, and whether it is still held (see the *Failure model*).
 //! - [`Store`]: where records live. [`MemoryStore`] is the embedded default.
 //! - [`Idempotency`]: the runtime; see its docs for the exact semantics.
+//!   [`Idempotency::shutdown`] drains it before the process exits: new calls are refused with
+//!   [`Error::ShuttingDown`], calls in flight finish and record their outcome, work still
+//!   running at the deadline is stopped and its claim released ([`Drained`] says what was
+//!   left).
 //!
 //! # The `#[idempotent]` attribute
 //!

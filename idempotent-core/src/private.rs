@@ -6,10 +6,15 @@
 //! ```text
 //! let invocation = __private::Invocation::new(runtime, name, __private::key(&key))
 //!     .scope(..).fingerprint(..).ttl(..).lease(..).wait(..);
-//! __private::run(invocation, async move { original body }).await
+//! let returns = __private::returns::<R>(
+//!     __private::value::<<R as __private::IdempotentResult>::Value>(),
+//!     __private::refused::<<R as __private::IdempotentResult>::Error>(),
+//! ); // and `.storing_errors(__private::stored_errors::<..>())` with `on_error = "store"`
+//! __private::run(invocation, returns, async move { original body }).await
 //! ```
 //!
-//! so every behaviour lives here, in plain Rust, and is tested without the macro. With
+//! where `R` is the declared return type, so every behaviour lives here, in plain Rust, and is
+//! tested without the macro. With
 //! `tx = <parameter>` (transactional mode, feature `postgres`), the body is three steps instead,
 //! see [`postgres`].
 
@@ -197,8 +202,8 @@ impl<T: AsRuntime + ?Sized> AsRuntime for Arc<T> {
     }
 }
 
-/// The return type of an `#[idempotent]` function: `Result<T, E>` where `T` can be replayed and
-/// `E` can carry the runtime's errors.
+/// The return type of an `#[idempotent]` function: `Result<T, E>`, checked by [`returns`]. What
+/// `T` and `E` must implement is checked separately, each where the signature names the type.
 #[diagnostic::on_unimplemented(
     message = "`#[idempotent]` functions must return `Result<T, E>`, not `{Self}`",
     label = "expected `Result<T, E>`",
@@ -207,20 +212,16 @@ impl<T: AsRuntime + ?Sized> AsRuntime for Arc<T> {
 )]
 pub trait IdempotentResult: Sized {
     /// The value retries replay.
-    type Value: Serialize + DeserializeOwned;
+    type Value;
     /// The function's error.
-    type Error: From<Error>;
+    type Error;
     /// As a `Result`.
     fn into_result(self) -> Result<Self::Value, Self::Error>;
     /// From a `Result`.
     fn from_result(result: Result<Self::Value, Self::Error>) -> Self;
 }
 
-impl<T, E> IdempotentResult for Result<T, E>
-where
-    T: Serialize + DeserializeOwned,
-    E: From<Error>,
-{
+impl<T, E> IdempotentResult for Result<T, E> {
     type Value = T;
     type Error = E;
     fn into_result(self) -> Self {
@@ -231,62 +232,187 @@ where
     }
 }
 
-/// `on_error = "release"` (the default): an `Ok` is recorded and replayed; an `Err` releases the
-/// key, so the next call runs the body again.
-pub async fn run<O, F>(invocation: Invocation, work: F) -> O
-where
-    O: IdempotentResult,
-    F: Future<Output = O>,
-{
-    O::from_result(execute(invocation, work, retain_released, replay_released::<O>).await)
+/// The `Ok` type of an `#[idempotent]` function, checked by [`value`].
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be replayed: the `Ok` type of an `#[idempotent]` function must \
+               implement `Serialize` and `DeserializeOwned`",
+    label = "not `Serialize + DeserializeOwned`",
+    note = "retries get the `Ok` value back from its JSON record: derive or implement \
+            `serde::Serialize` and `serde::Deserialize` for it"
+)]
+pub trait Replayable: Serialize + DeserializeOwned {}
+
+// `do_not_recommend`: a type that lacks both serde traits is one error, "not `Replayable`",
+// rather than one per missing trait.
+#[diagnostic::do_not_recommend]
+impl<T: Serialize + DeserializeOwned> Replayable for T {}
+
+/// The error type of an `#[idempotent]` function, checked by [`refused`].
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot carry idempotency failures: the error type of an `#[idempotent]` \
+               function must implement `From<idempotent_core::Error>`",
+    label = "no `From<idempotent_core::Error>`",
+    note = "a call the runtime refuses (a key in flight, a fingerprint mismatch, a store \
+            failure) returns `Err(E::from(error))`: use `idempotent_core::Error` or \
+            `Box<dyn std::error::Error + Send + Sync>`, or implement \
+            `From<idempotent_core::Error>` for it"
+)]
+pub trait FromIdempotencyError: From<Error> {}
+
+#[diagnostic::do_not_recommend]
+impl<E: From<Error>> FromIdempotencyError for E {}
+
+/// The error type of an `#[idempotent]` function with `on_error = "store"`, checked by
+/// [`stored_errors`].
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be stored: with `on_error = \"store\"`, the error type of an \
+               `#[idempotent]` function must implement `Serialize` and `DeserializeOwned`",
+    label = "not `Serialize + DeserializeOwned`",
+    note = "retries get a stored `Err` back from its JSON record: derive or implement \
+            `serde::Serialize` and `serde::Deserialize` for it, or keep \
+            `on_error = \"release\"`, which stores no error"
+)]
+pub trait StorableError: Serialize + DeserializeOwned {}
+
+#[diagnostic::do_not_recommend]
+impl<E: Serialize + DeserializeOwned> StorableError for E {}
+
+/// How the runtime records, replays and refuses the return value `O` (`Result<T, E>`) of a
+/// function.
+///
+/// The expansion builds it with [`returns`], [`value`], [`refused`] and, with
+/// `on_error = "store"`, [`stored_errors`], each called with the type it checks, where the
+/// signature spells that type: a type that lacks a bound is reported there, once. What the
+/// bounds provide is kept here as function pointers, so the runners ([`run`],
+/// [`postgres::claim`], [`postgres::finish`]) have no bound left to report a second time.
+pub struct Returns<O, T, E> {
+    value: Value<T>,
+    refused: fn(Error) -> E,
+    stored_errors: Option<StoredErrors<E>>,
+    into_result: fn(O) -> Result<T, E>,
+    from_result: fn(Result<T, E>) -> O,
 }
 
-/// Classifies a result under `on_error = "release"`: an `Ok` is recorded, an `Err` released.
-fn retain_released<T: Serialize, E>(result: &Result<T, E>) -> Retain {
-    match result {
-        Ok(value) => encode(&Ok::<_, ()>(value)),
-        Err(_) => Retain::Release,
+/// The `Ok` half of a record, from [`value`].
+pub struct Value<T> {
+    encode: fn(&T) -> Retain,
+    decode: fn(&[u8]) -> serde_json::Result<Result<T, IgnoredAny>>,
+}
+
+/// The `Err` half of a record under `on_error = "store"`, from [`stored_errors`].
+pub struct StoredErrors<E> {
+    encode: fn(&E) -> Retain,
+    decode: fn(&[u8]) -> serde_json::Result<E>,
+}
+
+/// Checks the `Ok` type: the value retries replay.
+pub fn value<T: Replayable>() -> Value<T> {
+    Value {
+        encode: |value| encode(&Ok::<_, ()>(value)),
+        decode: |bytes| serde_json::from_slice(bytes),
     }
 }
 
-/// Decodes a recorded result under `on_error = "release"`, which records only `Ok`s.
-fn replay_released<O: IdempotentResult>(bytes: &[u8]) -> Result<Result<O::Value, O::Error>, Error> {
-    match serde_json::from_slice::<Result<O::Value, IgnoredAny>>(bytes) {
-        Ok(Ok(value)) => Ok(Ok(value)),
-        Ok(Err(_)) => Err(Error::Payload(
-            "the recorded result is an error, which `on_error = \"release\"` does not replay"
-                .into(),
-        )),
-        Err(e) => Err(Error::Payload(e.into())),
+/// Checks the error type: it receives the runtime's refusals.
+pub fn refused<E: FromIdempotencyError>() -> fn(Error) -> E {
+    <E as From<Error>>::from
+}
+
+/// Checks the error type under `on_error = "store"`: stored errors are replayed.
+pub fn stored_errors<E: StorableError>() -> StoredErrors<E> {
+    /// The `Err` variant of a record, `{"Err": error}`; only read once the record is known to
+    /// be an `Err`.
+    #[derive(serde::Deserialize)]
+    struct ErrRecord<E> {
+        #[serde(rename = "Err")]
+        error: E,
+    }
+    StoredErrors {
+        encode: |error| encode(&Err::<(), _>(error)),
+        decode: |bytes| serde_json::from_slice::<ErrRecord<E>>(bytes).map(|record| record.error),
     }
 }
 
-/// Decodes a recorded result under `on_error = "store"`.
-fn replay_stored<O>(bytes: &[u8]) -> Result<Result<O::Value, O::Error>, Error>
-where
-    O: IdempotentResult,
-    O::Error: DeserializeOwned,
-{
-    serde_json::from_slice::<Result<O::Value, O::Error>>(bytes)
-        .map_err(|e| Error::Payload(e.into()))
+/// Checks the return type, and makes the [`Returns`] of `on_error = "release"` (the default):
+/// an `Ok` is recorded and replayed; an `Err` releases the key, so the next call runs the body
+/// again.
+pub fn returns<O: IdempotentResult>(
+    value: Value<O::Value>,
+    refused: fn(Error) -> O::Error,
+) -> Returns<O, O::Value, O::Error> {
+    Returns {
+        value,
+        refused,
+        stored_errors: None,
+        into_result: O::into_result,
+        from_result: O::from_result,
+    }
 }
 
-/// `on_error = "store"`: `Ok` and `Err` are both recorded and replayed.
-pub async fn run_storing_errors<O, F>(invocation: Invocation, work: F) -> O
+impl<O, T, E> Returns<O, T, E> {
+    /// `on_error = "store"`: `Ok` and `Err` are both recorded and replayed.
+    pub fn storing_errors(self, errors: StoredErrors<E>) -> Self {
+        Returns {
+            stored_errors: Some(errors),
+            ..self
+        }
+    }
+
+    /// What to keep of a fresh result.
+    fn retain(&self, result: &Result<T, E>) -> Retain {
+        match (result, &self.stored_errors) {
+            (Ok(value), _) => (self.value.encode)(value),
+            (Err(error), Some(stored)) => (stored.encode)(error),
+            (Err(_), None) => Retain::Release,
+        }
+    }
+
+    /// Decodes a recorded result.
+    fn replay(&self, bytes: &[u8]) -> Result<Result<T, E>, Error> {
+        let payload = |error: serde_json::Error| Error::Payload(error.into());
+        match (self.value.decode)(bytes).map_err(payload)? {
+            Ok(value) => Ok(Ok(value)),
+            Err(IgnoredAny) => match &self.stored_errors {
+                Some(stored) => (stored.decode)(bytes).map(Err).map_err(payload),
+                None => Err(Error::Payload(
+                    "the recorded result is an error, which `on_error = \"release\"` does not \
+                     replay"
+                        .into(),
+                )),
+            },
+        }
+    }
+}
+
+/// Runs an expanded function's body once per key: a fresh result is recorded as `returns` says,
+/// a recorded one replayed, a refusal converted into the function's error.
+pub async fn run<O, T, E, F>(invocation: Invocation, returns: Returns<O, T, E>, work: F) -> O
 where
-    O: IdempotentResult,
-    O::Error: Serialize + DeserializeOwned,
     F: Future<Output = O>,
 {
-    O::from_result(
-        execute(
-            invocation,
-            work,
-            |result| encode(&result.as_ref()),
-            replay_stored::<O>,
-        )
-        .await,
-    )
+    (returns.from_result)(execute(invocation, &returns, work).await)
+}
+
+async fn execute<O, T, E, F>(
+    invocation: Invocation,
+    returns: &Returns<O, T, E>,
+    work: F,
+) -> Result<T, E>
+where
+    F: Future<Output = O>,
+{
+    let refused = returns.refused;
+    let into_result = returns.into_result;
+    let (runtime, call) = invocation.into_call().map_err(refused)?;
+    let work = async move { into_result(work.await) };
+    let execution = runtime
+        .execute(&call, work, |result| returns.retain(result))
+        .await
+        .map_err(refused)?;
+    match execution {
+        Execution::Fresh(result) => result,
+        Execution::Replayed(bytes) => returns.replay(&bytes).map_err(refused)?,
+    }
 }
 
 /// Records are serde's JSON encoding of a `Result` (`{"Ok": value}` or `{"Err": error}`), so a
@@ -306,30 +432,13 @@ fn encode<T: Serialize, E: Serialize>(result: &Result<T, E>) -> Retain {
     }
 }
 
-async fn execute<O, F>(
-    invocation: Invocation,
-    work: F,
-    classify: impl FnOnce(&Result<O::Value, O::Error>) -> Retain,
-    replay: impl FnOnce(&[u8]) -> Result<Result<O::Value, O::Error>, Error>,
-) -> Result<O::Value, O::Error>
-where
-    O: IdempotentResult,
-    F: Future<Output = O>,
-{
-    let (runtime, call) = invocation.into_call()?;
-    let work = async move { work.await.into_result() };
-    match runtime.execute(&call, work, classify).await? {
-        Execution::Fresh(result) => result,
-        Execution::Replayed(bytes) => replay(&bytes)?,
-    }
-}
-
 /// `tx = <parameter>`: the claim, the body and the record in the caller's PostgreSQL
 /// transaction ([`Transactional`](crate::Transactional)). An expanded function's body is
 ///
 /// ```text
 /// let invocation = __private::Invocation::new(runtime, name, __private::key(&key))...;
-/// let pending = match postgres::claim(invocation, postgres::connection(&mut *tx)).await {
+/// let returns = __private::returns::<R>(..); // as without `tx`
+/// let pending = match postgres::claim(invocation, returns, postgres::connection(&mut *tx)).await {
 ///     ControlFlow::Continue(pending) => pending,
 ///     ControlFlow::Break(replayed_or_refused) => return replayed_or_refused,
 /// };
@@ -342,19 +451,14 @@ where
 /// still be `Send` for every lifetime of the borrow.
 #[cfg(feature = "postgres")]
 pub mod postgres {
-    use std::marker::PhantomData;
     use std::sync::{Arc, OnceLock};
 
-    use serde::Serialize;
-    use serde::de::DeserializeOwned;
     use sqlx::pool::PoolConnection;
     use sqlx::postgres::{PgConnection, Postgres};
 
     pub use core::ops::ControlFlow;
 
-    use super::{
-        IdempotentResult, Invocation, encode, replay_released, replay_stored, retain_released,
-    };
+    use super::{Invocation, Returns};
     use crate::store::postgres::{PendingRecord, RawClaim};
     use crate::{Error, Retain, Transactional};
 
@@ -432,83 +536,30 @@ pub mod postgres {
         transaction.connection()
     }
 
-    /// Decodes a recorded result into the function's `Result`.
-    type Replay<O> = fn(
-        &[u8],
-    ) -> Result<
-        Result<<O as IdempotentResult>::Value, <O as IdempotentResult>::Error>,
-        Error,
-    >;
-
     /// A claim held in the caller's transaction, waiting for the body's output.
     #[must_use]
-    pub struct Pending<O> {
+    pub struct Pending<O, T, E> {
         record: PendingRecord,
-        output: PhantomData<fn() -> O>,
+        returns: Returns<O, T, E>,
     }
 
     /// Runs the body with the pending record's claim as the current claim.
-    pub fn with_claim<O, F: Future>(
-        pending: &Pending<O>,
+    pub fn with_claim<O, T, E, F: Future>(
+        pending: &Pending<O, T, E>,
         work: F,
-    ) -> impl Future<Output = F::Output> + use<O, F> {
+    ) -> impl Future<Output = F::Output> + use<O, T, E, F> {
         pending.record.claim().scope(work)
     }
 
-    /// Claims (`on_error = "release"`): `Continue` to run the body, or `Break` with the
-    /// function's return value (a replay, or a refusal converted into `E`).
-    pub async fn claim<O: IdempotentResult>(
+    /// Claims: `Continue` to run the body, or `Break` with the function's return value (a
+    /// replay, or a refusal converted into `E`).
+    pub async fn claim<O, T, E>(
         invocation: Invocation<Transactional>,
+        returns: Returns<O, T, E>,
         connection: &mut PgConnection,
-    ) -> ControlFlow<O, Pending<O>> {
-        claim_with(invocation, connection, replay_released::<O>).await
-    }
-
-    /// Claims (`on_error = "store"`).
-    pub async fn claim_storing_errors<O>(
-        invocation: Invocation<Transactional>,
-        connection: &mut PgConnection,
-    ) -> ControlFlow<O, Pending<O>>
-    where
-        O: IdempotentResult,
-        O::Error: Serialize + DeserializeOwned,
-    {
-        claim_with(invocation, connection, replay_stored::<O>).await
-    }
-
-    /// Records an `Ok` in the transaction, or undoes an `Err`'s writes and releases the key
-    /// (`on_error = "release"`).
-    pub async fn finish<O: IdempotentResult>(
-        pending: Pending<O>,
-        connection: &mut PgConnection,
-        output: O,
-    ) -> O {
-        let result = output.into_result();
-        let retain = retain_released(&result);
-        finish_with(pending, connection, result, retain).await
-    }
-
-    /// Records an `Ok` or an `Err` in the transaction (`on_error = "store"`).
-    pub async fn finish_storing_errors<O>(
-        pending: Pending<O>,
-        connection: &mut PgConnection,
-        output: O,
-    ) -> O
-    where
-        O: IdempotentResult,
-        O::Error: Serialize + DeserializeOwned,
-    {
-        let result = output.into_result();
-        let retain = encode(&result.as_ref());
-        finish_with(pending, connection, result, retain).await
-    }
-
-    async fn claim_with<O: IdempotentResult>(
-        invocation: Invocation<Transactional>,
-        connection: &mut PgConnection,
-        replay: Replay<O>,
-    ) -> ControlFlow<O, Pending<O>> {
-        let refused = |error: Error| ControlFlow::Break(O::from_result(Err(error.into())));
+    ) -> ControlFlow<O, Pending<O, T, E>> {
+        let (refuse, from_result) = (returns.refused, returns.from_result);
+        let refused = |error: Error| ControlFlow::Break(from_result(Err(refuse(error))));
         let Invocation {
             runtime,
             name,
@@ -539,32 +590,35 @@ pub mod postgres {
             call = call.in_flight(policy);
         }
         match call.claim_raw(connection).await {
-            Ok(RawClaim::Run(record)) => ControlFlow::Continue(Pending {
-                record,
-                output: PhantomData,
-            }),
-            Ok(RawClaim::Replay(bytes)) => match replay(&bytes) {
-                Ok(result) => ControlFlow::Break(O::from_result(result)),
+            Ok(RawClaim::Run(record)) => ControlFlow::Continue(Pending { record, returns }),
+            Ok(RawClaim::Replay(bytes)) => match returns.replay(&bytes) {
+                Ok(result) => ControlFlow::Break(from_result(result)),
                 Err(error) => refused(error),
             },
             Err(error) => refused(error),
         }
     }
 
-    async fn finish_with<O: IdempotentResult>(
-        pending: Pending<O>,
+    /// Records the body's output in the transaction: an `Ok`, or an `Err` under
+    /// `on_error = "store"`; under `on_error = "release"`, an `Err` undoes the body's writes
+    /// and releases the key.
+    pub async fn finish<O, T, E>(
+        pending: Pending<O, T, E>,
         connection: &mut PgConnection,
-        result: Result<O::Value, O::Error>,
-        retain: Retain,
+        output: O,
     ) -> O {
+        let Pending { record, returns } = pending;
+        let result = (returns.into_result)(output);
+        let retain = returns.retain(&result);
         let released = retain == Retain::Release;
-        match pending.record.finish(connection, retain).await {
-            Ok(()) => O::from_result(result),
+        let result = match record.finish(connection, retain).await {
+            Ok(()) => result,
             // The function's own `Err` says more than the failed release; the caller rolls
             // back either way.
-            Err(_) if released => O::from_result(result),
-            Err(error) => O::from_result(Err(error.into())),
-        }
+            Err(_) if released => result,
+            Err(error) => Err((returns.refused)(error)),
+        };
+        (returns.from_result)(result)
     }
 }
 
@@ -578,6 +632,32 @@ mod tests {
 
     fn invocation(runtime: &Idempotency, key: &str) -> Invocation {
         Invocation::new(runtime.clone(), "tests::op", self::key(key))
+    }
+
+    /// What the expansion builds under `on_error = "release"`.
+    fn releasing<T: Replayable, E: FromIdempotencyError>() -> Returns<Result<T, E>, T, E> {
+        returns(value(), refused())
+    }
+
+    /// What the expansion builds under `on_error = "store"`.
+    fn storing<T, E>() -> Returns<Result<T, E>, T, E>
+    where
+        T: Replayable,
+        E: FromIdempotencyError + StorableError,
+    {
+        releasing().storing_errors(stored_errors())
+    }
+
+    #[derive(Debug, PartialEq, Serialize, serde::Deserialize)]
+    enum Declined {
+        Card(u32),
+        Refused(String),
+    }
+
+    impl From<Error> for Declined {
+        fn from(error: Error) -> Self {
+            Declined::Refused(error.code().into())
+        }
     }
 
     #[tokio::test]
@@ -594,47 +674,94 @@ mod tests {
                 }
             }
         };
-        assert!(run(invocation(&runtime, "k"), body(true)).await.is_err());
-        assert_eq!(
-            run(invocation(&runtime, "k"), body(false)).await.unwrap(),
-            2
-        );
-        assert_eq!(
-            run(invocation(&runtime, "k"), body(false)).await.unwrap(),
-            2
-        );
+        let call = |fail| run(invocation(&runtime, "k"), releasing(), body(fail));
+        assert!(call(true).await.is_err());
+        assert_eq!(call(false).await.unwrap(), 2);
+        assert_eq!(call(false).await.unwrap(), 2);
     }
 
     #[tokio::test]
     async fn a_stored_err_is_replayed() {
-        #[derive(Debug, PartialEq, Serialize, serde::Deserialize)]
-        enum Declined {
-            Card(u32),
-            Refused(String),
-        }
-        impl From<Error> for Declined {
-            fn from(error: Error) -> Self {
-                Declined::Refused(error.code().into())
-            }
-        }
         let runtime = Idempotency::new(MemoryStore::new());
-        let first = run_storing_errors(invocation(&runtime, "k"), async {
+        let first = run(invocation(&runtime, "k"), storing(), async {
             Err::<u8, _>(Declined::Card(1))
         });
         assert_eq!(first.await, Err(Declined::Card(1)));
-        let retry = run_storing_errors(invocation(&runtime, "k"), async {
+        let retry = run(invocation(&runtime, "k"), storing(), async {
             Err::<u8, _>(Declined::Card(2))
         });
         assert_eq!(retry.await, Err(Declined::Card(1)));
+        let ok = run(invocation(&runtime, "ok"), storing(), async {
+            Ok::<u8, Declined>(7)
+        });
+        assert_eq!(ok.await, Ok(7));
+        let retry = run(invocation(&runtime, "ok"), storing(), async {
+            Ok::<u8, Declined>(8)
+        });
+        assert_eq!(retry.await, Ok(7));
+    }
+
+    #[tokio::test]
+    async fn a_stored_err_is_serdes_encoding_and_only_stores_replay_it() {
+        let runtime = Idempotency::new(MemoryStore::new());
+        let stored = run(invocation(&runtime, "k"), storing(), async {
+            Err::<u8, _>(Declined::Card(3))
+        });
+        assert_eq!(stored.await, Err(Declined::Card(3)));
+
+        let call = Call::new(Key::new("k").unwrap()).scope(Scope::new().operation("tests::op"));
+        let replayed = runtime
+            .run(&call, async { Ok::<u8, Declined>(0) })
+            .await
+            .unwrap();
+        assert!(replayed.is_replayed());
+        assert_eq!(replayed.into_inner(), Err(Declined::Card(3)));
+
+        // A function switched to `on_error = "release"` refuses the stored error, and runs
+        // nothing.
+        let never = async { unreachable!("the work must not run") };
+        let released = run(
+            invocation(&runtime, "k"),
+            releasing::<u8, Declined>(),
+            never,
+        );
+        assert_eq!(
+            released.await,
+            Err(Declined::Refused("payload_error".into()))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stored_err_of_another_type_is_a_payload_error() {
+        #[derive(Debug, PartialEq, Serialize, serde::Deserialize)]
+        enum Other {
+            Code(u8),
+            Refused(String),
+        }
+        impl From<Error> for Other {
+            fn from(error: Error) -> Self {
+                Other::Refused(error.code().into())
+            }
+        }
+        let runtime = Idempotency::new(MemoryStore::new());
+        let stored = run(invocation(&runtime, "k"), storing(), async {
+            Err::<u8, _>(Declined::Card(4))
+        });
+        assert_eq!(stored.await, Err(Declined::Card(4)));
+        let never = async { unreachable!("the work must not run") };
+        let replayed = run(invocation(&runtime, "k"), storing::<u8, Other>(), never);
+        assert_eq!(replayed.await, Err(Other::Refused("payload_error".into())));
     }
 
     #[tokio::test]
     async fn records_are_serdes_encoding_of_a_result_under_the_operation_name() {
         let runtime = Idempotency::new(MemoryStore::new());
         let scope = Scope::new().tenant("acme");
-        let fresh = run(invocation(&runtime, "k").scope(scope.clone()), async {
-            Ok::<_, Error>(vec![1u8, 2])
-        });
+        let fresh = run(
+            invocation(&runtime, "k").scope(scope.clone()),
+            releasing(),
+            async { Ok::<_, Error>(vec![1u8, 2]) },
+        );
         assert_eq!(fresh.await.unwrap(), vec![1, 2]);
 
         let call = Call::new(Key::new("k").unwrap()).scope(scope.operation("tests::op"));
@@ -652,14 +779,14 @@ mod tests {
         let never = async { unreachable!("the work must not run") };
         let invalid = Invocation::new(runtime.clone(), "tests::op", key(""));
         assert!(matches!(
-            run::<Result<u8, Error>, _>(invalid, never).await,
+            run(invalid, releasing::<u8, Error>(), never).await,
             Err(Error::InvalidKey(_))
         ));
 
         let unfingerprintable = invocation(&runtime, "k").fingerprint(fingerprint(&f64::NAN));
         let never = async { unreachable!("the work must not run") };
         assert!(matches!(
-            run::<Result<u8, Error>, _>(unfingerprintable, never).await,
+            run(unfingerprintable, releasing::<u8, Error>(), never).await,
             Err(Error::Fingerprint(_))
         ));
     }
@@ -668,11 +795,11 @@ mod tests {
     async fn an_unencodable_value_is_returned_once_and_never_rerun() {
         let runtime = Idempotency::new(MemoryStore::new());
         let value = HashMap::from([((1u8, 2u8), 3u8)]);
-        let fresh = run(invocation(&runtime, "k"), async {
+        let fresh = run(invocation(&runtime, "k"), releasing(), async {
             Ok::<_, Error>(value.clone())
         });
         assert_eq!(fresh.await.unwrap(), value);
-        let retry = run(invocation(&runtime, "k"), async {
+        let retry = run(invocation(&runtime, "k"), releasing(), async {
             Ok::<_, Error>(HashMap::<(u8, u8), u8>::new())
         });
         assert!(matches!(retry.await, Err(Error::ResultNotRetained)));

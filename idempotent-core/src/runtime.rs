@@ -435,7 +435,8 @@ impl Idempotency {
     ///    store failure. Waits for them up to `grace`.
     /// 3. At `grace`, work still waiting is stopped: its future is dropped at its current
     ///    await point, its claim is released (so a retry elsewhere runs at once rather than
-    ///    after the lease) and its caller gets [`Error::ShuttingDown`]. Up to two more seconds
+    ///    after the lease) and its caller gets [`Error::ShuttingDown`]; so does a duplicate
+    ///    still waiting for another owner ([`InFlightPolicy::Wait`]). Up to two more seconds
     ///    are given to those releases.
     ///
     /// Returns what was left undone ([`Drained`]); calls still unfinished then (an outcome the
@@ -709,6 +710,10 @@ impl Idempotency {
             match answer.step(key, fingerprint, claim)? {
                 Step::Owner(token) => return Ok(Acquired::Owner(token, sent)),
                 Step::Replay(bytes) => return Ok(Acquired::Replay(bytes)),
+                // A graceful shutdown's deadline also ends waiting for another owner.
+                Step::Wait(_) if self.inner.drain.is_stopping() => {
+                    return Err(Error::ShuttingDown);
+                }
                 Step::Wait(wait) => store.wait_for_change(key, wait).await,
             }
         }

@@ -36,7 +36,7 @@ fn candidate() -> impl Strategy<Value = String> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(1024))]
+    #![proptest_config(ProptestConfig::with_cases(512))]
 
     #[test]
     fn every_constructor_accepts_exactly_the_documented_keys(s in candidate()) {

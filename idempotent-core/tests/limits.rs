@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use idempotent_core::conformance::{Fault, FaultyStore, Op};
 use idempotent_core::limits::{self, Setting};
 use idempotent_core::{
     Call, Claim, Error, Fingerprint, Idempotency, InFlightPolicy, Key, ManualClock, MemoryStore,
@@ -293,6 +294,27 @@ async fn the_shortest_lease_keeps_a_long_call_claimed() {
     }
     assert!(!first.await.unwrap().unwrap().is_replayed());
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// `record_retry(Duration::ZERO)`: a result the store refused is written once more, then
+/// given up.
+#[tokio::test(start_paused = true)]
+async fn a_zero_record_retry_writes_once_more_then_gives_up() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    let idem = Idempotency::builder(store)
+        .record_retry(Duration::ZERO)
+        .build();
+    faults.fail(Op::Complete, Fault::Unavailable);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let fresh = idem.run(&call("k"), slow(&runs, Duration::ZERO)).await;
+    assert!(!fresh.unwrap().is_replayed());
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(
+        faults.calls(Op::Complete),
+        2,
+        "the first write and one more"
+    );
 }
 
 fn key(n: u8) -> StorageKey {

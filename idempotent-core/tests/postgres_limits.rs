@@ -106,3 +106,30 @@ async fn a_huge_ttl_is_recorded_as_the_longest_ttl() {
         assert!(near(left, limits::MAX_TTL), "ttl {ttl:?}: {left:?}");
     }
 }
+
+/// The transactional mode's setters take the same ranges as the runtime's.
+#[test]
+#[should_panic(expected = "lease must be between 100ms and 365d, got 0s")]
+fn the_transactional_modes_lease_is_checked() {
+    let _ = idempotent_core::Transactional::default().lease(Duration::ZERO);
+}
+
+#[test]
+#[should_panic(expected = "ttl must be between 1ms and 365d, got 366d")]
+fn a_transactional_calls_ttl_is_checked() {
+    let transactional = idempotent_core::Transactional::default();
+    let _ = transactional
+        .call("k".parse().unwrap())
+        .ttl(Duration::from_secs(366 * 24 * 3600));
+}
+
+#[test]
+fn the_transactional_modes_bounds_are_accepted() {
+    let transactional = idempotent_core::Transactional::default()
+        .ttl(limits::MAX_TTL)
+        .lease(limits::MIN_LEASE);
+    let _ = transactional
+        .call("k".parse().unwrap())
+        .ttl(limits::MIN_TTL)
+        .lease(limits::MAX_LEASE);
+}

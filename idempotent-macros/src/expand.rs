@@ -1,6 +1,10 @@
 //! What `#[idempotent]` emits: the signature unchanged, and a body that is one call into
 //! `idempotent_core::__private` with the original body as the work; with `tx = ...`, three
 //! (claim, body, record), because the body borrows the transaction in between.
+//!
+//! What the `Ok` and error types must implement is checked once each, by a call whose tokens
+//! cover the type as the signature spells it, so that a missing bound is one error on that
+//! type; the calls into the runtime put no bound on either type.
 
 use proc_macro2::{Delimiter, Group, Ident, Span, TokenStream};
 use quote::{ToTokens, quote, quote_spanned};
@@ -20,12 +24,10 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> syn::Result<To
             }
             let transaction = match &args.tx {
                 Some((_, name)) => {
-                    let ty = function.transaction_parameter(name)?.to_token_stream();
-                    let mut tokens = ty.into_iter().map(|token| token.span());
-                    let first = tokens.next().unwrap_or_else(|| name.span());
+                    let ty = function.transaction_parameter(name)?;
                     Some(Transaction {
                         name: name.clone(),
-                        ty_spans: (first, tokens.last().unwrap_or(first)),
+                        ty: Range::of(ty),
                     })
                 }
                 None => None,
@@ -43,9 +45,42 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> syn::Result<To
 /// The parameter named by `tx = ...`.
 struct Transaction {
     name: Ident,
-    /// Its type's first and last tokens, so that a type that is not a transaction is reported
-    /// on the whole type.
-    ty_spans: (Span, Span),
+    /// Its type, so that a type that is not a transaction is reported on the whole type.
+    ty: Range,
+}
+
+/// The source range of some tokens: rustc spans an expression or a type from its first token
+/// to its last, so generated tokens that start at `first` and end at `last` are reported on
+/// the whole range.
+#[derive(Clone, Copy)]
+struct Range {
+    first: Span,
+    last: Span,
+}
+
+impl Range {
+    fn of(tokens: &impl ToTokens) -> Self {
+        let mut spans = tokens
+            .to_token_stream()
+            .into_iter()
+            .map(|token| token.span());
+        let first = spans.next().unwrap_or_else(Span::call_site);
+        Range {
+            first,
+            last: spans.last().unwrap_or(first),
+        }
+    }
+
+    /// `tokens` (no groups) over the range: the first token at its start, the others at its
+    /// end.
+    fn cover(self, tokens: TokenStream) -> TokenStream {
+        let mut tokens = respan(tokens, self.last).into_iter();
+        let first = tokens.next().map(|mut token| {
+            token.set_span(self.first);
+            token
+        });
+        first.into_iter().chain(tokens).collect()
+    }
 }
 
 fn expand(args: Args, function: Function, transaction: Option<Transaction>) -> TokenStream {
@@ -103,9 +138,22 @@ fn expand(args: Args, function: Function, transaction: Option<Transaction>) -> T
     }
 
     let storing_errors = args.on_error.map(|(_, on_error)| on_error) == Some(OnError::Store);
-    // Spanned at the return type, so that an unreplayable `T` or an unconvertible `E` is
-    // reported there, once.
-    let ret_span = function.return_type().span();
+    // Each check covers the type it is about: `T` and `E` as the signature spells them, or
+    // else the whole return type, where a return type that is not a `Result` is reported too.
+    let ret = function.return_type().to_token_stream();
+    let ret_range = Range::of(&ret);
+    let (ok, err) = function.result_arguments();
+    let ok_range = ok.map_or(ret_range, Range::of);
+    let err_range = err.map_or(ret_range, Range::of);
+    let value = check(&private, "value", &ret, "Value", ok_range);
+    let refused = check(&private, "refused", &ret, "Error", err_range);
+    let mut returns = turbofish(quote!(#private::returns), &ret, quote!(), ret_range);
+    returns.extend(respan(quote!((#value, #refused)), ret_range.last));
+    if storing_errors {
+        let stored = check(&private, "stored_errors", &ret, "Error", err_range);
+        returns.extend(respan(quote!(.storing_errors), ret_range.last));
+        returns.extend(respan(quote!((#stored)), ret_range.last));
+    }
 
     let Function {
         attrs,
@@ -131,33 +179,28 @@ fn expand(args: Args, function: Function, transaction: Option<Transaction>) -> T
     };
     let statements = match transaction {
         None => {
-            let run = if storing_errors {
-                quote!(run_storing_errors)
-            } else {
-                quote!(run)
-            };
-            let run = respan(quote!(#private::#run), ret_span);
-            quote_spanned!(ret_span=> #run(#invocation_var, #work).await)
+            let run = ret_range.cover(quote!(#private::run));
+            let last = ret_range.last;
+            quote_spanned!(last=> #run(#invocation_var, #returns, #work).await)
         }
-        Some(Transaction { name, ty_spans }) => {
-            let (claim, finish) = if storing_errors {
-                (quote!(claim_storing_errors), quote!(finish_storing_errors))
-            } else {
-                (quote!(claim), quote!(finish))
-            };
-            let claim = respan(quote!(#private::postgres::#claim), ret_span);
-            let finish = respan(quote!(#private::postgres::#finish), ret_span);
-            let (first, last) = ty_spans;
-            let connection = respan(quote!(#private::postgres::connection), first);
-            let argument = Ident::new(&name.to_string(), last);
+        Some(Transaction { name, ty }) => {
+            let last = ret_range.last;
+            let claim = ret_range.cover(quote!(#private::postgres::claim));
+            let finish = ret_range.cover(quote!(#private::postgres::finish));
+            let connection = respan(quote!(#private::postgres::connection), ty.first);
+            let argument = Ident::new(&name.to_string(), ty.last);
+            let first = ty.first;
             let connection = quote_spanned!(first=> #connection(&mut *#argument));
             let pending = Ident::new("__idempotent_pending", Span::mixed_site());
             let output = Ident::new("__idempotent_output", Span::mixed_site());
+            // Each call covers the return type, like `run` without `tx`.
+            let claim = quote_spanned!(last=> #claim(#invocation_var, #returns, #connection).await);
+            let finish = quote_spanned!(last=> #finish(#pending, #connection, #output).await);
             let flow = quote!(#private::postgres::ControlFlow);
             // The body gets a reborrow of the transaction, so that the record can be written
             // with it once the body's future is done.
             quote! {
-                let #pending = match #claim(#invocation_var, #connection).await {
+                let #pending = match #claim {
                     #flow::Continue(#pending) => #pending,
                     #flow::Break(#output) => return #output,
                 };
@@ -167,7 +210,7 @@ fn expand(args: Args, function: Function, transaction: Option<Transaction>) -> T
                     #private::postgres::with_claim(&#pending, #work)
                 }
                 .await;
-                #finish(#pending, #connection, #output).await
+                #finish
             }
         }
     };
@@ -189,6 +232,39 @@ fn respan(path: TokenStream, span: Span) -> TokenStream {
             token
         })
         .collect()
+}
+
+/// `path::<ty rest>` over `range`, with `ty` as written: a bound the function puts on `ty` is
+/// reported on it.
+fn turbofish(path: TokenStream, ty: &TokenStream, rest: TokenStream, range: Range) -> TokenStream {
+    let path = range.cover(quote!(#path::<));
+    let rest = respan(quote!(#rest>), range.last);
+    quote!(#path #ty #rest)
+}
+
+/// `private::function::<<ret as IdempotentResult>::assoc>()` over `range`: the call that
+/// checks, once, what `function` requires of the return type's `assoc` type, reported on
+/// `range`. The associated type, rather than the tokens at `range`, is what is checked, so a
+/// return type that is an alias is checked for what it stands for.
+fn check(
+    private: &TokenStream,
+    function: &str,
+    ret: &TokenStream,
+    assoc: &str,
+    range: Range,
+) -> TokenStream {
+    let function = Ident::new(function, Span::call_site());
+    let assoc = Ident::new(assoc, Span::call_site());
+    let ty = range.cover(quote!(<));
+    let ty = quote!(#ty #ret);
+    let function = turbofish(
+        quote!(#private::#function),
+        &ty,
+        quote!(as #private::IdempotentResult>::#assoc),
+        range,
+    );
+    let call = respan(quote!(()), range.last);
+    quote!(#function #call)
 }
 
 /// `path::function(&expr)`, spanned at `expr` so a type error is reported on the user's

@@ -3,8 +3,8 @@
 use proc_macro2::{Delimiter, Span, TokenStream, TokenTree};
 use syn::parse::{Parse, ParseStream};
 use syn::{
-    Attribute, FnArg, Ident, Pat, PatIdent, PatType, ReturnType, Signature, Token, Type,
-    Visibility, braced, token,
+    Attribute, FnArg, GenericArgument, Ident, Pat, PatIdent, PatType, PathArguments, ReturnType,
+    Signature, Token, Type, TypeGroup, TypeParen, TypePath, Visibility, braced, token,
 };
 
 /// An `async fn` with a body and a return type, its body kept as raw tokens so that a body
@@ -111,6 +111,36 @@ impl Function {
             ReturnType::Type(_, ty) => ty,
             ReturnType::Default => unreachable!("checked by Function::parse"),
         }
+    }
+
+    /// The `Ok` and error types as the signature spells them: the first and second type
+    /// arguments of a return type written `Result<..>` (an alias such as `io::Result<T>`
+    /// spells only the first). `None` for a type the signature does not spell out; the
+    /// expansion then reports that type's errors on the whole return type.
+    pub(crate) fn result_arguments(&self) -> (Option<&Type>, Option<&Type>) {
+        let mut ty = self.return_type();
+        while let Type::Group(TypeGroup { elem, .. }) | Type::Paren(TypeParen { elem, .. }) = ty {
+            ty = elem;
+        }
+        let arguments = match ty {
+            Type::Path(TypePath { path, .. }) => {
+                path.segments.last().and_then(|last| match &last.arguments {
+                    PathArguments::AngleBracketed(arguments) if last.ident == "Result" => {
+                        Some(arguments)
+                    }
+                    _ => None,
+                })
+            }
+            _ => None,
+        };
+        let mut types = arguments
+            .into_iter()
+            .flat_map(|arguments| &arguments.args)
+            .filter_map(|argument| match argument {
+                GenericArgument::Type(ty) => Some(ty),
+                _ => None,
+            });
+        (types.next(), types.next())
     }
 }
 

@@ -411,7 +411,7 @@ mod tests {
     }
 
     proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(1024))]
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
 
         #[test]
         fn arbitrary_header_bytes_never_panic_nor_yield_an_invalid_key(

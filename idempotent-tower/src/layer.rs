@@ -433,9 +433,9 @@ impl IdempotencyLayer {
     /// length says so (nothing of it is read), after the limit and the allowance when it is
     /// chunked. A client still sending such a body may see the connection reset before it
     /// reads the answer. A request with `Expect: 100-continue` is answered at once with
-    /// `Connection: close`: its client has not sent the body and, without `100 Continue`, will
-    /// not. Over HTTP/2, and so for gRPC, a refusal ends only the request's stream: nothing is
-    /// read, and the connection carries on.
+    /// `Connection: close`: its client waits for `100 Continue` before sending the body, and
+    /// gets the 413 instead. Over HTTP/2, and so for gRPC, a refusal ends only the request's
+    /// stream: nothing more of the body is read, and the connection carries on.
     pub fn max_request_body(mut self, bytes: usize) -> Self {
         self.config().max_request_body = bytes;
         self
@@ -443,8 +443,8 @@ impl IdempotencyLayer {
 
     /// How many bytes past [`max_request_body`](Self::max_request_body) the layer reads and
     /// throws away from a refused HTTP/1.1 request body so that its client can read the 413
-    /// (default 4 MiB, so bodies up to 5 MiB with the default limit); with `0` a refused body
-    /// is not read on.
+    /// (default 4 MiB, so bodies up to 5 MiB with the default limit). With `0`, every body
+    /// declared over the limit is answered at once, with `Connection: close`.
     ///
     /// Reading costs bandwidth and time, not memory: the bytes are dropped as they arrive, and
     /// the bound (give or take one read from the connection) keeps a client from making the

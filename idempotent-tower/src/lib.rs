@@ -72,7 +72,15 @@
 //!   [`replay_header`](IdempotencyLayer::replay_header) adjust the list). A first response never
 //!   carries `Idempotent-Replayed`.
 //! - **Limits**: a protected request body over 1 MiB → 413 before anything runs
-//!   ([`max_request_body`](IdempotencyLayer::max_request_body)). A response over 1 MiB
+//!   ([`max_request_body`](IdempotencyLayer::max_request_body)). Over HTTP/1.1 the layer first
+//!   reads and throws away the rest of the refused body, up to 4 MiB past the limit
+//!   ([`max_discarded_body`](IdempotencyLayer::max_discarded_body)), so that a client still
+//!   sending it reads the 413 instead of a connection reset and keeps its connection; a longer
+//!   body, or one the client holds back for `100 Continue`, is answered as soon as it is known
+//!   with `Connection: close`, and a client still sending may then see a reset. Over HTTP/2 and
+//!   gRPC only the request's stream ends. Every other refusal before the handler (400
+//!   `missing_key`/`invalid_key`, 403 `missing_scope`, 503 `shutting_down`) reads what is left
+//!   of the body the same way, up to the limit plus that allowance. A response over 1 MiB
 //!   ([`max_response_body`](IdempotencyLayer::max_response_body)) still streams to the client,
 //!   and the key is recorded as done without a result: retries get 410 `result_not_retained`
 //!   instead of a second execution. A response with more than 4,096 header fields or 4,096
@@ -102,7 +110,7 @@
 //! | 409 | `in_flight` | the same key is still being processed (with `Retry-After`) | retry after the delay |
 //! | 403 | `missing_scope` | a protected request carries no [`Principal`] (or the custom scope found none); nothing ran | authenticate |
 //! | 410 | `result_not_retained` | the key was processed but its response was too large to keep | not retry; look the result up |
-//! | 413 | `request_too_large` | the body exceeds the limit; nothing ran | send a smaller body |
+//! | 413 | `request_too_large` | the body exceeds the limit; nothing ran. Over HTTP/1.1, sent once the rest of the body is read (up to 4 MiB past the limit), with `Connection: close` when it was not read to its end | send a smaller body |
 //! | 422 | `fingerprint_mismatch` | the key was used for a different request | use a new key |
 //! | 500 | `corrupt_record` | the stored record cannot be read; nothing ran | contact the operator |
 //! | 500 | `internal_error` | any other idempotency failure; nothing ran | retry |

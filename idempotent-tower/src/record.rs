@@ -500,7 +500,7 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(1024))]
+        #![proptest_config(ProptestConfig::with_cases(512))]
 
         #[test]
         fn arbitrary_bytes_decode_or_fail_without_panicking(

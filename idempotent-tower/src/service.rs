@@ -78,9 +78,8 @@ where
                 outcome = "shutting_down",
                 "protected request refused: shutting down"
             );
-            return ResponseFuture::ready(
-                Problem::from_error(&Error::ShuttingDown).into_response(config.protocol),
-            );
+            let refused = Problem::from_error(&Error::ShuttingDown).into_response(config.protocol);
+            return refuse(config, request, refused);
         }
         let key = match key_from_headers(request.headers(), &config.header, config.strict) {
             Ok(key) => key,
@@ -94,10 +93,9 @@ where
                 };
                 tracing::info!(outcome = "invalid_key", code, "idempotency key refused");
                 let detail = problem.detail(&config.header);
-                return ResponseFuture::ready(
-                    Problem::new(StatusCode::BAD_REQUEST, code, title, detail)
-                        .into_response(config.protocol),
-                );
+                let refused = Problem::new(StatusCode::BAD_REQUEST, code, title, detail)
+                    .into_response(config.protocol);
+                return refuse(config, request, refused);
             }
         };
         if let Some(declared) =
@@ -139,18 +137,16 @@ where
             };
         }
         let (parts, body) = request.into_parts();
-        let scope = match (config.scope)(&parts) {
-            Some(scope) => scope,
-            None if config.allow_anonymous => Scope::new(),
-            None => {
-                tracing::info!(
-                    outcome = "missing_scope",
-                    "protected request refused: no principal to scope its key by"
-                );
-                return ResponseFuture::ready(missing_scope().into_response(config.protocol));
-            }
-        };
+        let scope = (config.scope)(&parts).or_else(|| config.allow_anonymous.then(Scope::new));
         let request = Request::from_parts(parts, body);
+        let Some(scope) = scope else {
+            tracing::info!(
+                outcome = "missing_scope",
+                "protected request refused: no principal to scope its key by"
+            );
+            let refused = missing_scope().into_response(config.protocol);
+            return refuse(config, request, refused);
+        };
         // The ready service goes with this request; a clone waits for the next poll_ready.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
@@ -179,6 +175,39 @@ impl<S> IdempotencyService<S> {
     {
         tracing::trace!(outcome = "bypassed", why, "request passed through");
         ResponseFuture::pass_through(self.inner.call(request.map(RequestBody::streaming)))
+    }
+}
+
+/// Answers `refused` to a protected request the layer will not run, after reading and dropping
+/// what is left of its body, as for a body over the limit: an HTTP/1 client still sending a
+/// sizeable body then reads the answer instead of a reset. At most `max_request_body` plus
+/// `max_discarded_body` bytes are read; past that the answer closes the connection.
+fn refuse<F, B, ResBody, E>(
+    config: &Config,
+    request: Request<B>,
+    refused: Response<ResponseBody<ResBody>>,
+) -> ResponseFuture<F, ResBody, E>
+where
+    E: Send + 'static,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    ResBody: Body + Send + 'static,
+    ResBody::Data: Send,
+    ResBody::Error: Send,
+{
+    if request.body().is_end_stream() {
+        return ResponseFuture::ready(refused);
+    }
+    let bound = config
+        .max_request_body
+        .saturating_add(config.max_discarded_body);
+    let declared = declared_length(request.headers()).unwrap_or(0);
+    match discard::declared(request.version(), request.headers(), declared, 0, bound) {
+        Declared::AnswerNow(connection) => ResponseFuture::ready(connection.mark(refused)),
+        Declared::Discard(up_to) => ResponseFuture::protected(Box::pin(async move {
+            let body = std::pin::pin!(request.into_body());
+            Ok(discard::discard(body, up_to).await.mark(refused))
+        })),
     }
 }
 

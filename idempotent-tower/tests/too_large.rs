@@ -1,9 +1,14 @@
-//! Over-limit request bodies over real connections: an HTTP/1.1 client still sending its body
-//! must read the whole `413` problem document, not a connection reset.
+//! A 413 the client never read: the layer answered an over-limit HTTP/1.1 body while its
+//! client was still sending it and the connection closed with the body unread, so the kernel
+//! reset it and the client's next write failed. Here, over real connections, clients still
+//! sending read the whole problem document; HTTP/2 and gRPC refusals leave the connection be.
 
+use std::convert::Infallible;
 use std::io;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
@@ -11,6 +16,11 @@ use axum::body::{Body, Bytes};
 use axum::routing::post;
 use axum::serve::ListenerExt;
 use http::{Request, StatusCode};
+use http_body::{Frame, SizeHint};
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
 use idempotent_core::{Idempotency, MemoryStore};
 use idempotent_tower::{DEFAULT_MAX_REQUEST_BODY, IdempotencyLayer, Principal};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -20,6 +30,8 @@ use tower::util::MapRequestLayer;
 
 const LIMIT: usize = DEFAULT_MAX_REQUEST_BODY;
 const TWO_MIB: usize = 2 << 20;
+/// Within the default bound on what is read of a refused body (the limit and 4 MiB more).
+const FOUR_MIB: usize = 4 << 20;
 /// The size of each write, as curl sends a file.
 const WRITE: usize = 64 * 1024;
 /// No exchange takes longer than this unless something is wrong.
@@ -94,6 +106,10 @@ async fn serve(layer: IdempotencyLayer) -> Server {
         connections,
         task,
     }
+}
+
+fn layer() -> IdempotencyLayer {
+    IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
 }
 
 /// How the body is framed on the wire.
@@ -254,13 +270,18 @@ async fn connect(server: &Server) -> TcpStream {
         .unwrap()
 }
 
-/// One over-limit request on a fresh connection, which must neither fail to send nor fail to read.
-async fn oversized(server: &Server, framing: Framing, key: &str) -> Result<Answer, String> {
+/// One over-limit request on a fresh connection: sending must not fail, nor reading.
+async fn oversized(
+    server: &Server,
+    framing: Framing,
+    len: usize,
+    key: &str,
+) -> Result<Answer, String> {
     let mut stream = connect(server).await;
     let (answer, sent) = exchange(
         &mut stream,
-        &head(framing, TWO_MIB, key, ""),
-        &encode(framing, TWO_MIB, WRITE, true),
+        &head(framing, len, key, ""),
+        &encode(framing, len, WRITE, true),
     )
     .await?;
     // curl and most HTTP libraries give up when a write fails and never read the answer.
@@ -272,7 +293,7 @@ async fn oversized(server: &Server, framing: Framing, key: &str) -> Result<Answe
 async fn repeat(server: &Server, framing: Framing, n: usize) -> Vec<String> {
     let mut failures = Vec::new();
     for i in 0..n {
-        match oversized(server, framing, &format!("{framing:?}-{i}")).await {
+        match oversized(server, framing, TWO_MIB, &format!("{framing:?}-{i}")).await {
             Ok(answer) => answer.assert_too_large(),
             Err(failure) => failures.push(failure),
         }
@@ -318,7 +339,8 @@ async fn over_limit_bodies_get_a_readable_413_under_load() {
                     } else {
                         Framing::Chunked
                     };
-                    match oversized(&server, framing, &format!("load-{client}-{i}")).await {
+                    match oversized(&server, framing, FOUR_MIB, &format!("load-{client}-{i}")).await
+                    {
                         Ok(answer) => answer.assert_too_large(),
                         Err(failure) => failures.push(failure),
                     }
@@ -337,4 +359,341 @@ async fn over_limit_bodies_get_a_readable_413_under_load() {
         failures.len()
     );
     assert_eq!(server.runs(), 0);
+}
+
+/// Reads what follows an answer that said `Connection: close`: the end of the connection, as
+/// a clean close or as a reset.
+async fn assert_closed(stream: &mut TcpStream) {
+    let mut rest = [0u8; 1024];
+    match tokio::time::timeout(DEADLINE, stream.read(&mut rest)).await {
+        Ok(Ok(0)) => {}
+        Ok(Err(e)) if e.kind() == io::ErrorKind::ConnectionReset => {}
+        other => panic!("the connection is still open: {other:?}"),
+    }
+}
+
+/// A valid request on `stream`, which must still carry it.
+async fn assert_reusable(stream: &mut TcpStream, key: &str) {
+    let (answer, sent) = exchange(stream, &head(Framing::Length, 2, key, ""), b"{}")
+        .await
+        .unwrap();
+    sent.unwrap();
+    assert_eq!(answer.status, 201, "{answer:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_at_the_limit_still_runs_the_handler() {
+    let server = serve(layer()).await;
+    for framing in [Framing::Length, Framing::Chunked] {
+        let mut stream = connect(&server).await;
+        let (answer, sent) = exchange(
+            &mut stream,
+            &head(framing, LIMIT, &format!("at-{framing:?}"), ""),
+            &encode(framing, LIMIT, WRITE, true),
+        )
+        .await
+        .unwrap();
+        sent.unwrap();
+        assert_eq!(answer.status, 201, "{framing:?}: {answer:?}");
+        assert_eq!(answer.body, LIMIT.to_string().as_bytes());
+        let (answer, sent) = exchange(
+            &mut stream,
+            &head(framing, LIMIT + 1, &format!("over-{framing:?}"), ""),
+            &encode(framing, LIMIT + 1, WRITE, true),
+        )
+        .await
+        .unwrap();
+        sent.unwrap();
+        answer.assert_too_large();
+    }
+    assert_eq!(server.runs(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_body_within_the_bound_leaves_the_connection_open() {
+    let server = serve(layer()).await;
+    let mut stream = connect(&server).await;
+    for framing in [Framing::Length, Framing::Chunked] {
+        let (answer, sent) = exchange(
+            &mut stream,
+            &head(framing, TWO_MIB, &format!("big-{framing:?}"), ""),
+            &encode(framing, TWO_MIB, WRITE, true),
+        )
+        .await
+        .unwrap();
+        sent.unwrap();
+        answer.assert_too_large();
+        assert!(!answer.closes(), "{answer:?}");
+        assert_reusable(&mut stream, &format!("small-{framing:?}")).await;
+    }
+    assert_eq!(server.connections(), 1);
+    assert_eq!(server.runs(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_allowance_bounds_what_is_read_of_a_refused_body() {
+    let (limit, allowance, piece) = (1024, 4096, 512);
+    let server = serve(
+        layer()
+            .max_request_body(limit)
+            .max_discarded_body(allowance),
+    )
+    .await;
+
+    // Up to the limit plus the allowance, the body is read to its end.
+    let mut stream = connect(&server).await;
+    for framing in [Framing::Length, Framing::Chunked] {
+        let len = limit + allowance;
+        let (answer, sent) = exchange(
+            &mut stream,
+            &head(framing, len, &format!("bound-{framing:?}"), ""),
+            &encode(framing, len, piece, true),
+        )
+        .await
+        .unwrap();
+        sent.unwrap();
+        answer.assert_too_large();
+        assert!(!answer.closes(), "{framing:?}: {answer:?}");
+    }
+    assert_reusable(&mut stream, "after-bound").await;
+
+    // A declared length past it is answered before any of the body is sent.
+    let mut stream = connect(&server).await;
+    let declared = head(Framing::Length, limit + allowance + 1, "declared-past", "");
+    stream.write_all(&declared).await.unwrap();
+    let answer = tokio::time::timeout(DEADLINE, read_answer(&mut stream))
+        .await
+        .unwrap()
+        .unwrap();
+    answer.assert_too_large();
+    assert!(answer.closes(), "{answer:?}");
+    assert_closed(&mut stream).await;
+
+    // A chunked body past it is answered once the limit and the allowance are read, without
+    // waiting for an end that never comes.
+    let mut stream = connect(&server).await;
+    stream
+        .write_all(&head(Framing::Chunked, 0, "chunked-past", ""))
+        .await
+        .unwrap();
+    let unfinished = encode(
+        Framing::Chunked,
+        limit + allowance + 2 * piece,
+        piece,
+        false,
+    );
+    stream.write_all(&unfinished).await.unwrap();
+    let answer = tokio::time::timeout(DEADLINE, read_answer(&mut stream))
+        .await
+        .unwrap()
+        .unwrap();
+    answer.assert_too_large();
+    assert!(answer.closes(), "{answer:?}");
+    assert_closed(&mut stream).await;
+    assert_eq!(server.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_waiting_for_100_continue_gets_the_413_instead() {
+    let server = serve(layer()).await;
+    let mut stream = connect(&server).await;
+    let expecting = head(
+        Framing::Length,
+        TWO_MIB,
+        "expect",
+        "expect: 100-continue\r\n",
+    );
+    stream.write_all(&expecting).await.unwrap();
+    let answer = tokio::time::timeout(DEADLINE, read_answer(&mut stream))
+        .await
+        .unwrap()
+        .unwrap();
+    answer.assert_too_large();
+    assert!(answer.closes(), "{answer:?}");
+    assert_closed(&mut stream).await;
+}
+
+/// A request body of `len` bytes in 64 KiB frames after `head`; `exact` declares its length.
+struct Upload {
+    head: Option<Bytes>,
+    left: usize,
+    exact: bool,
+}
+
+static PIECE: [u8; WRITE] = [b'x'; WRITE];
+
+impl Upload {
+    fn new(len: usize, exact: bool) -> Self {
+        Upload {
+            head: None,
+            left: len,
+            exact,
+        }
+    }
+
+    /// A gRPC request: one uncompressed message of `len` bytes, length not declared.
+    fn grpc(len: usize) -> Self {
+        let mut prefix = vec![0u8];
+        prefix.extend_from_slice(&u32::try_from(len).unwrap().to_be_bytes());
+        Upload {
+            head: Some(Bytes::from(prefix)),
+            left: len,
+            exact: false,
+        }
+    }
+}
+
+impl http_body::Body for Upload {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if let Some(head) = self.head.take() {
+            return Poll::Ready(Some(Ok(Frame::data(head))));
+        }
+        if self.left == 0 {
+            return Poll::Ready(None);
+        }
+        let n = self.left.min(WRITE);
+        self.left -= n;
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(&PIECE[..n])))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.head.is_none() && self.left == 0
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.exact {
+            SizeHint::with_exact((self.left + self.head.as_ref().map_or(0, Bytes::len)) as u64)
+        } else {
+            SizeHint::default()
+        }
+    }
+}
+
+/// An HTTP/2 client (prior knowledge, as gRPC clients speak it), keeping one connection.
+fn h2_client() -> Client<HttpConnector, Upload> {
+    Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http()
+}
+
+/// A POST to `path` with a key of its own; the whole response.
+async fn send_h2(
+    client: &Client<HttpConnector, Upload>,
+    server: &Server,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Upload,
+) -> (http::response::Parts, Bytes) {
+    let mut request = Request::post(format!("http://127.0.0.1:{}{path}", server.port))
+        .header("idempotency-key", format!("h2-{}", unique()));
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = tokio::time::timeout(DEADLINE, client.request(request.body(body).unwrap()))
+        .await
+        .unwrap()
+        .unwrap();
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    (parts, body)
+}
+
+/// A key no other request of the test uses.
+fn unique() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    NEXT.fetch_add(1, Ordering::SeqCst)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_http2_a_refusal_ends_only_its_stream() {
+    let server = serve(layer()).await;
+    let client = h2_client();
+    for i in 0..20 {
+        let exact = i % 2 == 0;
+        let (parts, body) = send_h2(
+            &client,
+            &server,
+            "/orders",
+            &[],
+            Upload::new(TWO_MIB, exact),
+        )
+        .await;
+        assert_eq!(parts.version, http::Version::HTTP_2);
+        assert_eq!(parts.status, StatusCode::PAYLOAD_TOO_LARGE, "{parts:?}");
+        let document: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            document["code"], "request_too_large",
+            "exact length: {exact}"
+        );
+    }
+    let (parts, _) = send_h2(&client, &server, "/orders", &[], Upload::new(2, true)).await;
+    assert_eq!(parts.status, StatusCode::CREATED);
+    assert_eq!(server.connections(), 1);
+    assert_eq!(server.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_limit_grpc_message_is_resource_exhausted_and_the_connection_carries_on() {
+    let layer =
+        IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new())).grpc_methods([GRPC_METHOD]);
+    let server = serve(layer).await;
+    let client = h2_client();
+    let grpc = [("content-type", "application/grpc"), ("te", "trailers")];
+    for _ in 0..20 {
+        let (parts, _) = send_h2(&client, &server, GRPC_METHOD, &grpc, Upload::grpc(TWO_MIB)).await;
+        assert_eq!(parts.status, StatusCode::OK);
+        assert_eq!(parts.headers["grpc-status"], "8", "{parts:?}");
+        assert_eq!(parts.headers["idempotent-error"], "request_too_large");
+    }
+    let (parts, _) = send_h2(&client, &server, GRPC_METHOD, &grpc, Upload::grpc(0)).await;
+    assert_eq!(parts.headers["grpc-status"], "0", "{parts:?}");
+    assert_eq!(server.connections(), 1);
+    assert_eq!(server.runs(), 1);
+}
+
+/// Every other refusal before the handler (a malformed key here; also a request without a
+/// principal, and one arriving during shutdown) reads what is left of the body first too, so
+/// a client still sending a sizeable body reads the answer, and the connection stays usable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_refusal_of_a_large_body_is_readable_too() {
+    let server = serve(layer()).await;
+    let len = LIMIT - 1;
+    let mut failures = Vec::new();
+    for (i, framing) in [Framing::Length, Framing::Chunked]
+        .into_iter()
+        .cycle()
+        .take(30)
+        .enumerate()
+    {
+        let mut stream = connect(&server).await;
+        // A bare key with a `;` is refused with 400 before anything runs.
+        let result = exchange(
+            &mut stream,
+            &head(framing, len, &format!("bad;{i}"), ""),
+            &encode(framing, len, WRITE, true),
+        )
+        .await;
+        match result {
+            Ok((answer, Ok(()))) => {
+                assert_eq!(answer.status, 400, "{answer:?}");
+                assert_eq!(answer.code(), "invalid_key");
+                assert!(!answer.closes(), "the body was read: the connection stays");
+                assert_reusable(&mut stream, &format!("after-{i}")).await;
+            }
+            Ok((_, Err(sent))) => failures.push(format!("sending failed: {sent}")),
+            Err(failure) => failures.push(failure),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of 30 clients were reset or did not read the 400: {failures:?}",
+        failures.len()
+    );
+    assert_eq!(server.runs(), 30, "only the follow-up requests ran");
 }

@@ -626,8 +626,9 @@ async fn balances_are_exact_after_duplicates_malformed_entries_and_kills() {
 /// concurrent `CREATE TABLE IF NOT EXISTS` statements race in PostgreSQL's catalog.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumers_started_at_once_on_an_empty_database_all_come_up() {
-    // Each round on a fresh database: the race is between the first table creations.
-    for round in 0..3 {
+    // Each round on a fresh database: the race is between the first table creations, and
+    // does not show every time.
+    for round in 0..5 {
         let Some(mut fx) = Fixture::new(&format!("start{round}")).await else {
             return;
         };
@@ -702,8 +703,14 @@ async fn poison_entries_are_dead_lettered_and_the_entries_around_them_applied_on
     fx.wait_drained(&last, Duration::from_secs(30)).await;
     expected.insert("big".into(), i64::MAX);
 
+    // A rule of the deployment's own, which PostgreSQL enforces.
+    sqlx::query("ALTER TABLE accounts ADD CONSTRAINT no_overdraft CHECK (balance >= -1000000)")
+        .execute(&db)
+        .await
+        .unwrap();
+
     let mut next = 0;
-    // Malformed: dead-lettered at their first delivery.
+    // Malformed, or an id reused for another posting: dead-lettered at their first delivery.
     publish_goods(&mut fx, &mut expected, &mut next, 10).await;
     let mut wide_fields: Vec<(String, String)> = vec![
         ("id".into(), "wide-1".into()),
@@ -725,10 +732,12 @@ async fn poison_entries_are_dead_lettered_and_the_entries_around_them_applied_on
             ("amount", b"2"),
         ])
         .await;
+    let reused = fx.post("max-1", "big", 5).await;
 
     // Rejected by PostgreSQL: dead-lettered at their MAX_DELIVERIES-th delivery.
     publish_goods(&mut fx, &mut expected, &mut next, 10).await;
     let overflow = fx.post("over-1", "big", 1).await;
+    let overdraft = fx.post("overdraft-1", "acct-new", -2_000_000).await;
     publish_goods(&mut fx, &mut expected, &mut next, 10).await;
     // Random letters barely compress: too long for a B-tree index entry (SQLSTATE 54000).
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
@@ -778,7 +787,9 @@ async fn poison_entries_are_dead_lettered_and_the_entries_around_them_applied_on
         BTreeSet::from([
             wide.clone(),
             twice.clone(),
+            reused.clone(),
             overflow.clone(),
+            overdraft.clone(),
             long.clone(),
             nul.clone()
         ])
@@ -798,7 +809,13 @@ async fn poison_entries_are_dead_lettered_and_the_entries_around_them_applied_on
     };
     assert_dead_letter(&wide, 1, "the entry has 5003 fields, more than 64");
     assert_dead_letter(&twice, 1, "field `amount` is repeated");
+    assert_dead_letter(
+        &reused,
+        1,
+        "id already used for a different account or amount",
+    );
     assert_dead_letter(&overflow, MAX_DELIVERIES, "(SQLSTATE 22003)");
+    assert_dead_letter(&overdraft, MAX_DELIVERIES, "(SQLSTATE 23514)");
     assert_dead_letter(&long, MAX_DELIVERIES, "(SQLSTATE 54000)");
     assert_dead_letter(&nul, MAX_DELIVERIES, "(SQLSTATE 22021)");
 
@@ -885,17 +902,157 @@ async fn a_pending_list_longer_than_a_claim_page_is_processed_to_its_tail() {
     fx.drop_database().await;
 }
 
-/// Holds a lock on one account's row from an open transaction while the consumer runs with
-/// `timeouts`: the consumer keeps applying the other entries, delivers the blocked one again
-/// and again (more often than `MAX_DELIVERIES`: a timeout is not the entry's fault), and
-/// applies it once the lock is released.
-async fn hung_transaction(name: &str, timeouts: &[(&'static str, &str)], sqlstate: &str) {
+/// What ends the consumer's wait for the row the test holds, short of releasing it.
+#[derive(Clone, Copy, PartialEq)]
+enum Unblock {
+    /// The consumer's own `LOCK_TIMEOUT` or `STATEMENT_TIMEOUT`.
+    Timeout,
+    /// The test terminates the waiting backend: the consumer loses its connection.
+    TerminateBackend,
+    /// The consumer's transactions run under `REPEATABLE READ`, and the test commits its
+    /// update of the row while the consumer waits: a serialization failure.
+    ConcurrentUpdate,
+    /// The test waits for a lock the consumer's transaction holds: a deadlock, and
+    /// PostgreSQL picks the consumer's transaction to abort.
+    Deadlock,
+}
+
+/// The test's transaction on the `held` account's row. The row stays locked from `new` to
+/// `release`: whatever ends the consumer's waits, no attempt of the blocked entry can succeed
+/// before the release.
+struct Holder {
+    db: PgPool,
+    tx: Option<sqlx::Transaction<'static, sqlx::Postgres>>,
+    unblock: Unblock,
+}
+
+impl Holder {
+    async fn new(db: &PgPool, unblock: Unblock) -> Holder {
+        let tx = Holder::lock(db.clone()).await;
+        Holder {
+            db: db.clone(),
+            tx: Some(tx),
+            unblock,
+        }
+    }
+
+    /// A transaction that has locked the row (waiting for it if need be), and updated it: a
+    /// transaction under `REPEATABLE READ` that then writes the row fails to serialize.
+    async fn lock(db: PgPool) -> sqlx::Transaction<'static, sqlx::Postgres> {
+        let mut tx = db.begin().await.unwrap();
+        // Whatever the database's default: it waits for the previous holder and then
+        // updates the row, where `REPEATABLE READ` would fail.
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        // So that in a deadlock, the consumer's transaction is the one PostgreSQL aborts.
+        sqlx::query("SET LOCAL deadlock_timeout = '30s'")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        sqlx::query("UPDATE accounts SET balance = balance WHERE account = 'held'")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx
+    }
+
+    /// How many sessions wait for a lock.
+    async fn waiting(&self) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&self.db)
+        .await
+        .unwrap()
+    }
+
+    /// Ends the consumer's current wait, if the test's part is to end it.
+    async fn disturb(&mut self) {
+        match self.unblock {
+            Unblock::Timeout => {}
+            Unblock::TerminateBackend => {
+                sqlx::query(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                     WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                )
+                .execute(&self.db)
+                .await
+                .unwrap();
+            }
+            Unblock::ConcurrentUpdate => {
+                if self.waiting().await == 0 {
+                    return;
+                }
+                // The next holder queues for the row behind the consumer before this one
+                // commits, so the row is never free; the consumer's transaction, whose
+                // snapshot predates the commit, fails to serialize.
+                let next = tokio::spawn(Holder::lock(self.db.clone()));
+                let deadline = Deadline::after(Duration::from_secs(10), "the next holder waits");
+                while self.waiting().await < 2 {
+                    deadline.tick().await;
+                }
+                self.tx.take().unwrap().commit().await.unwrap();
+                self.tx = Some(next.await.unwrap());
+            }
+            Unblock::Deadlock => {
+                if self.waiting().await == 0 {
+                    return;
+                }
+                // The consumer's transaction wrote the idempotency table and waits for our
+                // row; this waits for the consumer's transaction. Under a savepoint, so that
+                // the table lock goes and the row lock stays.
+                let tx = self.tx.as_mut().unwrap();
+                for statement in [
+                    "SAVEPOINT deadlock",
+                    "SET LOCAL lock_timeout = '20s'",
+                    "LOCK TABLE idempotent_records IN SHARE MODE",
+                    "ROLLBACK TO SAVEPOINT deadlock",
+                ] {
+                    sqlx::query(statement).execute(&mut **tx).await.unwrap();
+                }
+            }
+        }
+    }
+
+    async fn release(mut self) {
+        self.tx.take().unwrap().rollback().await.unwrap();
+    }
+}
+
+/// Holds the lock on one account's row from an open transaction while the consumer runs with
+/// `settings`, and ends each of the consumer's waits by `unblock`: the consumer keeps applying
+/// the other entries, delivers the blocked one again and again (more often than
+/// `MAX_DELIVERIES`: the failure, `sqlstate`, is not the entry's fault), and applies it once
+/// the lock is released.
+async fn blocked_entry(
+    name: &str,
+    settings: &[(&'static str, &str)],
+    unblock: Unblock,
+    sqlstate: &str,
+) {
     let Some(mut fx) = Fixture::new(name).await else {
         return;
     };
-    let mut settings = vec![("CLAIM_IDLE", "1s"), ("MAX_DELIVERIES", "2")];
-    settings.extend_from_slice(timeouts);
-    let env = fx.env(&settings);
+    // For the consumer's sessions.
+    let database_setting = match unblock {
+        Unblock::ConcurrentUpdate => Some("default_transaction_isolation = 'repeatable read'"),
+        // PostgreSQL looks for a deadlock once, this long after a session begins to wait: the
+        // test must close the cycle before the consumer's session looks.
+        Unblock::Deadlock => Some("deadlock_timeout = '2s'"),
+        Unblock::Timeout | Unblock::TerminateBackend => None,
+    };
+    if let Some(setting) = database_setting {
+        sqlx::query(&format!("ALTER DATABASE {} SET {setting}", fx.database))
+            .execute(&fx.admin)
+            .await
+            .unwrap();
+    }
+    let mut env_settings = vec![("CLAIM_IDLE", "1s"), ("MAX_DELIVERIES", "2")];
+    env_settings.extend_from_slice(settings);
+    let env = fx.env(&env_settings);
     let mut consumer = Consumer::start(&env, format!("{name}-0")).await;
 
     // The consumer has created the table.
@@ -904,11 +1061,7 @@ async fn hung_transaction(name: &str, timeouts: &[(&'static str, &str)], sqlstat
         .execute(&db)
         .await
         .unwrap();
-    let mut holder = db.begin().await.unwrap();
-    sqlx::query("SELECT balance FROM accounts WHERE account = 'held' FOR UPDATE")
-        .execute(&mut *holder)
-        .await
-        .unwrap();
+    let mut holder = Holder::new(&db, unblock).await;
 
     let blocked = fx.post("held-1", "held", 7).await;
     let mut expected: BTreeMap<String, i64> = BTreeMap::new();
@@ -924,6 +1077,7 @@ async fn hung_transaction(name: &str, timeouts: &[(&'static str, &str)], sqlstat
         "the entries after the blocked one were not applied",
     );
     loop {
+        holder.disturb().await;
         let mut balances = fx.balances(&db).await;
         assert_eq!(balances.remove("held"), Some(0));
         if balances == expected {
@@ -936,12 +1090,18 @@ async fn hung_transaction(name: &str, timeouts: &[(&'static str, &str)], sqlstat
         "the blocked entry was not delivered again",
     );
     while fx.deliveries(&blocked).await.unwrap_or(0) < 3 {
+        holder.disturb().await;
         deadline.tick().await;
     }
-    assert!(consumer.log().contains(&format!("(SQLSTATE {sqlstate})")));
+    let log = consumer.log();
+    assert!(
+        log.contains(&format!("entry {blocked} left pending"))
+            && log.contains(&format!("(SQLSTATE {sqlstate})")),
+        "{log}"
+    );
     assert!(fx.dead_letters().await.is_empty());
 
-    holder.rollback().await.unwrap();
+    holder.release().await;
     fx.wait_drained(&last, Duration::from_secs(30)).await;
     consumer.stop().await;
     expected.insert("held".into(), 7);
@@ -955,18 +1115,38 @@ async fn hung_transaction(name: &str, timeouts: &[(&'static str, &str)], sqlstat
 /// consumer for as long as the lock was held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_timeout_keeps_a_hung_transaction_from_stalling_the_consumer() {
-    hung_transaction("lock", &[("LOCK_TIMEOUT", "200ms")], "55P03").await;
+    let settings = [("LOCK_TIMEOUT", "200ms")];
+    blocked_entry("lock", &settings, Unblock::Timeout, "55P03").await;
 }
 
 /// The same with only `STATEMENT_TIMEOUT` short enough to end the wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statement_timeout_keeps_a_hung_transaction_from_stalling_the_consumer() {
-    hung_transaction(
-        "statement",
-        &[("LOCK_TIMEOUT", "1h"), ("STATEMENT_TIMEOUT", "300ms")],
-        "57014",
-    )
-    .await;
+    let settings = [("LOCK_TIMEOUT", "1h"), ("STATEMENT_TIMEOUT", "300ms")];
+    blocked_entry("statement", &settings, Unblock::Timeout, "57014").await;
+}
+
+/// A connection lost mid-transaction is transient: retried without bound, then applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_connection_is_retried_without_bound() {
+    let settings = [("LOCK_TIMEOUT", "1h"), ("STATEMENT_TIMEOUT", "1h")];
+    blocked_entry("lost", &settings, Unblock::TerminateBackend, "57P01").await;
+}
+
+/// A serialization failure is transient: retried without bound, then applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_serialization_failure_is_retried_without_bound() {
+    let settings = [("LOCK_TIMEOUT", "1h"), ("STATEMENT_TIMEOUT", "1h")];
+    blocked_entry("serial", &settings, Unblock::ConcurrentUpdate, "40001").await;
+}
+
+/// A deadlock is transient: retried without bound, then applied. Each attempt waits two
+/// seconds for the deadlock to be found, longer than `CLAIM_IDLE / 2`: entries published after
+/// the blocked one are still read between the sweeps that deliver it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadlock_is_retried_without_bound() {
+    let settings = [("LOCK_TIMEOUT", "1h"), ("STATEMENT_TIMEOUT", "1h")];
+    blocked_entry("deadlock", &settings, Unblock::Deadlock, "40P01").await;
 }
 
 /// Bad settings are refused before anything is touched: exit status 2, the variable named.

@@ -161,18 +161,32 @@ impl Transactional {
     }
 
     /// How long completed results are replayed (default [`DEFAULT_TTL`]).
+    ///
+    /// # Panics
+    ///
+    /// If `ttl` is outside [`limits::MIN_TTL`](crate::limits::MIN_TTL) to
+    /// [`limits::MAX_TTL`](crate::limits::MAX_TTL) (1 ms to 365 days), as
+    /// [`Call::ttl`](crate::Call::ttl).
+    #[track_caller]
     #[must_use]
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
+        self.ttl = crate::limits::require(crate::limits::Setting::Ttl, ttl);
         self
     }
 
     /// The lease written with a claim (default [`DEFAULT_LEASE`]). An uncommitted claim needs
     /// none (nobody else can see it), so this matters only if a transaction commits a claim it
     /// neither completed nor released.
+    ///
+    /// # Panics
+    ///
+    /// If `lease` is outside [`limits::MIN_LEASE`](crate::limits::MIN_LEASE) to
+    /// [`limits::MAX_LEASE`](crate::limits::MAX_LEASE) (100 ms to 365 days), as
+    /// [`Call::lease`](crate::Call::lease).
+    #[track_caller]
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+        self.lease = crate::limits::require(crate::limits::Setting::Lease, lease);
         self
     }
 
@@ -291,14 +305,28 @@ impl TransactionalCall<'_> {
     }
 
     /// How long the completed result is replayed (default: the runtime's).
+    ///
+    /// # Panics
+    ///
+    /// If `ttl` is outside [`limits::MIN_TTL`](crate::limits::MIN_TTL) to
+    /// [`limits::MAX_TTL`](crate::limits::MAX_TTL) (1 ms to 365 days), as
+    /// [`Call::ttl`](crate::Call::ttl).
+    #[track_caller]
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = Some(ttl);
+        self.ttl = Some(crate::limits::require(crate::limits::Setting::Ttl, ttl));
         self
     }
 
     /// The claim's lease (default: the runtime's); see [`Transactional::lease`].
+    ///
+    /// # Panics
+    ///
+    /// If `lease` is outside [`limits::MIN_LEASE`](crate::limits::MIN_LEASE) to
+    /// [`limits::MAX_LEASE`](crate::limits::MAX_LEASE) (100 ms to 365 days), as
+    /// [`Call::lease`](crate::Call::lease).
+    #[track_caller]
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = Some(lease);
+        self.lease = Some(crate::limits::require(crate::limits::Setting::Lease, lease));
         self
     }
 

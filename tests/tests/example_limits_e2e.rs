@@ -1,0 +1,61 @@
+//! The example servers read their durations from the environment and check them against
+//! `idempotent_core::limits`: a lease of a millisecond used to start a server whose
+//! concurrent duplicates both ran. Out of range, the server exits with status 2 and a
+//! message naming the variable and the range; at the ends of the ranges it starts.
+
+mod support;
+
+use http::StatusCode;
+use support::{Client, Protocol, Server};
+
+const PAYMENT: &str = r#"{"amount":1999,"currency":"EUR"}"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durations_out_of_range_exit_with_the_variable_and_the_range() {
+    for (name, value, expected) in [
+        (
+            "IDEMPOTENCY_LEASE",
+            "1ms",
+            "IDEMPOTENCY_LEASE=\"1ms\": lease must be between 100ms and 365d, got 1ms",
+        ),
+        (
+            "IDEMPOTENCY_LEASE",
+            "366d",
+            "IDEMPOTENCY_LEASE=\"366d\": lease must be between 100ms and 365d, got 366d",
+        ),
+        (
+            "IDEMPOTENCY_TTL",
+            "8761h",
+            "IDEMPOTENCY_TTL=\"8761h\": ttl must be between 1ms and 365d, got 8761h",
+        ),
+    ] {
+        let output = tokio::process::Command::new(support::example_binary("payments"))
+            .env(name, value)
+            .output()
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{name}={value}: {stderr}");
+        assert!(stderr.contains(expected), "{name}={value}: {stderr}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durations_at_the_ends_of_their_ranges_start_the_server() {
+    let client = Client::new(Protocol::Http1);
+    for (lease, ttl, replayed) in [("100ms", "1ms", false), ("365d", "365d", true)] {
+        let env = [("IDEMPOTENCY_LEASE", lease), ("IDEMPOTENCY_TTL", ttl)];
+        let server = Server::payments(&env).await;
+        let url = server.url("/payments");
+        let first = client.post(&url, Some("k"), Some("alice"), PAYMENT).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{env:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let retry = client.post(&url, Some("k"), Some("alice"), PAYMENT).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{env:?}");
+        assert_eq!(
+            retry.replayed(),
+            replayed,
+            "{env:?}: replayed until the TTL ends"
+        );
+    }
+}

@@ -1,0 +1,8 @@
+use idempotent_core::{Error, idempotent};
+
+#[idempotent(key = id, ttl = "8761h")]
+async fn charge(id: u64) -> Result<u64, Error> {
+    Ok(id)
+}
+
+fn main() {}
