@@ -102,39 +102,13 @@ where
             declared_length(request.headers()).filter(|&len| len > config.max_request_body as u64)
         {
             let limit = config.max_request_body;
-            let refused = too_large(limit).into_response(config.protocol);
-            return match discard::declared(
-                request.version(),
-                request.headers(),
+            tracing::info!(
+                outcome = "request_too_large",
                 declared,
                 limit,
-                config.max_discarded_body,
-            ) {
-                Declared::AnswerNow(connection) => {
-                    tracing::info!(
-                        outcome = "request_too_large",
-                        declared,
-                        limit,
-                        ?connection,
-                        "protected request refused: its declared body is over the limit"
-                    );
-                    ResponseFuture::ready(connection.mark(refused))
-                }
-                // Answering before the body is read would let the close of the connection reset
-                // it under the client, which then never reads the answer.
-                Declared::Discard(up_to) => ResponseFuture::protected(Box::pin(async move {
-                    let body = std::pin::pin!(request.into_body());
-                    let connection = discard::discard(body, up_to).await;
-                    tracing::info!(
-                        outcome = "request_too_large",
-                        declared,
-                        limit,
-                        ?connection,
-                        "protected request refused: its declared body is over the limit"
-                    );
-                    Ok(connection.mark(refused))
-                })),
-            };
+                "protected request refused: its declared body is over the limit"
+            );
+            return refuse(config, request, too_large(limit).into_response(config.protocol));
         }
         let (parts, body) = request.into_parts();
         let scope = (config.scope)(&parts).or_else(|| config.allow_anonymous.then(Scope::new));
@@ -179,9 +153,10 @@ impl<S> IdempotencyService<S> {
 }
 
 /// Answers `refused` to a protected request the layer will not run, after reading and dropping
-/// what is left of its body, as for a body over the limit: an HTTP/1 client still sending a
-/// sizeable body then reads the answer instead of a reset. At most `max_request_body` plus
-/// `max_discarded_body` bytes are read; past that the answer closes the connection.
+/// what is left of its body: answering first and closing the connection with the body unread
+/// would let the kernel reset it under an HTTP/1 client still sending, which then never reads
+/// the answer. At most `max_request_body` plus `max_discarded_body` bytes are read; a body
+/// declared longer is answered at once, and one that turns out longer gets `Connection: close`.
 fn refuse<F, B, ResBody, E>(
     config: &Config,
     request: Request<B>,
@@ -198,11 +173,14 @@ where
     if request.body().is_end_stream() {
         return ResponseFuture::ready(refused);
     }
-    let bound = config
-        .max_request_body
-        .saturating_add(config.max_discarded_body);
     let declared = declared_length(request.headers()).unwrap_or(0);
-    match discard::declared(request.version(), request.headers(), declared, 0, bound) {
+    match discard::declared(
+        request.version(),
+        request.headers(),
+        declared,
+        config.max_request_body,
+        config.max_discarded_body,
+    ) {
         Declared::AnswerNow(connection) => ResponseFuture::ready(connection.mark(refused)),
         Declared::Discard(up_to) => ResponseFuture::protected(Box::pin(async move {
             let body = std::pin::pin!(request.into_body());
