@@ -84,8 +84,8 @@
 //! | `EFFECT_DELAY_MS` | `0` | a pause inside the transaction, between the effect and the commit |
 //!
 //! Durations are a number followed by `ms`, `s`, `m`, `h` or `d`, greater than zero; the two
-//! timeouts at most 24 days (PostgreSQL's limit). A bad value makes the consumer exit with
-//! status 2 and a message naming the variable.
+//! timeouts at most 2,147,483,647 ms, about 24.8 days (PostgreSQL's limit). A bad value makes
+//! the consumer exit with status 2 and a message naming the variable.
 //!
 //! What the transaction cannot cover: an effect outside this database (an e-mail, an HTTP call
 //! to a provider without idempotency keys). Write such an effect as a row of an outbox table in
@@ -98,7 +98,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use idempotent_core::{Error, PostgresStore, StoreError, Transactional, idempotent};
+use idempotent_core::{Error, PostgresStore, Transactional, idempotent};
 use redis::Value;
 use redis::aio::MultiplexedConnection;
 use sqlx::{PgPool, Postgres, Transaction};
@@ -301,8 +301,8 @@ impl Failure {
         if let sqlx::Error::Database(db) = error {
             if let Some(code) = db.code() {
                 let reason = format!("{context}: {} (SQLSTATE {code})", db.message());
-                return match &code[..code.len().min(2)] {
-                    "22" | "23" | "54" => Failure::Rejected(reason),
+                return match code.get(..2) {
+                    Some("22" | "23" | "54") => Failure::Rejected(reason),
                     _ => Failure::Transient(reason),
                 };
             }
@@ -311,16 +311,12 @@ impl Failure {
     }
 
     fn of_idempotency(error: Error) -> Failure {
-        let reason = format!("idempotency: {error} ({})", error.code());
         match error {
             Error::FingerprintMismatch => {
                 Failure::Invalid("id already used for a different account or amount".into())
             }
-            // The key's stored record cannot be read back: no retry reads it any better.
-            Error::CorruptRecord(_) | Error::Payload(_) | Error::Store(StoreError::Corrupt(_)) => {
-                Failure::Rejected(reason)
-            }
-            _ => Failure::Transient(reason),
+            // The store's failures, not the entry's: its key was validated when it was read.
+            error => Failure::Transient(format!("idempotency: {error} ({})", error.code())),
         }
     }
 }

@@ -232,7 +232,9 @@ fn fallback_runtime() -> Idempotency {
 /// - `T: Serialize + DeserializeOwned` is the value retries replay, and
 /// - `E: From<idempotent_core::Error>` receives the runtime's refusals: [`Error`](crate::Error)
 ///   itself, `Box<dyn std::error::Error + Send + Sync>`, `anyhow::Error`, or your own error
-///   type with a `From` impl.
+///   type with a `From` impl, and
+/// - with `on_error = "store"`, `E: Serialize + DeserializeOwned` too, since errors are then
+///   replayed like values.
 ///
 /// The call needs a tokio runtime with the time driver enabled.
 ///
@@ -538,9 +540,15 @@ fn fallback_runtime() -> Idempotency {
 ///
 /// Each at the offending token: a function that is not `async`, a missing `key`, an unknown or
 /// repeated argument, a zero, out-of-range or malformed duration, a key, scope or fingerprint
-/// of the wrong type, a return type that is not a replayable `Result`, a `tx` that names no
+/// of the wrong type, a return type that is not a `Result`, a `tx` that names no
 /// parameter, a parameter that is not a `&mut` transaction, or a `runtime` that is not a
 /// `Transactional`.
+///
+/// A `T` or an `E` that lacks what [the return type requires](#what-it-accepts) is one error,
+/// which names the requirement, on that type as the signature spells it: on `Session` in
+/// `Result<Session, Error>`, on `Vec<Session>` in `Result<Vec<Session>>` (an alias that fixes
+/// `E`); on the whole return type when an alias hides the type (`-> Charged` with
+/// `type Charged = Result<u64, Declined>`).
 ///
 /// ```compile_fail
 /// use idempotent_core::{Error, idempotent};
@@ -549,6 +557,21 @@ fn fallback_runtime() -> Idempotency {
 /// #[idempotent(key = id, ttl = "0s")]
 /// async fn charge(id: u64) -> Result<u64, Error> {
 ///     Ok(id)
+/// }
+/// ```
+///
+/// ```compile_fail,E0277
+/// use idempotent_core::{Error, idempotent};
+///
+/// struct Session {
+///     token: String,
+/// }
+///
+/// // error: `Session` cannot be replayed: the `Ok` type of an `#[idempotent]` function must
+/// // implement `Serialize` and `DeserializeOwned`
+/// #[idempotent(key = user)]
+/// async fn open_session(user: &str) -> Result<Session, Error> {
+///     Ok(Session { token: user.to_owned() })
 /// }
 /// ```
 ///

@@ -12,7 +12,10 @@
 //! - A pending list longer than one `XAUTOCLAIM` page is processed to its tail although its
 //!   head keeps failing.
 //! - A row locked by a hung transaction costs one entry a lock or statement timeout, not the
-//!   consumer its progress; the entry is applied once the lock is released.
+//!   consumer its progress; the entry is applied once the lock is released. Those failures, a
+//!   lost connection, a serialization failure and a deadlock are transient: retried past
+//!   `MAX_DELIVERIES`, never dead-lettered.
+//! - Bad settings make the consumer exit with status 2.
 
 mod support;
 
