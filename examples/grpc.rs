@@ -68,12 +68,10 @@ fn authenticate(mut request: Request<()>) -> Result<Request<()>, Status> {
 }
 
 fn principal<T>(request: &Request<T>) -> String {
-    request
-        .extensions()
-        .get::<Principal>()
-        .map_or_else(|| "anonymous".to_owned(), |p| {
-            String::from_utf8_lossy(p.id()).into_owned()
-        })
+    request.extensions().get::<Principal>().map_or_else(
+        || "anonymous".to_owned(),
+        |p| String::from_utf8_lossy(p.id()).into_owned(),
+    )
 }
 
 type PaymentStream = Pin<Box<dyn Stream<Item = Result<Payment, Status>> + Send>>;

@@ -82,13 +82,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use axum::extract::Request;
 use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use axum::extract::Request;
-use axum::middleware::{self, Next};
 use idempotent_core::ClaimHandle;
 use idempotent_tower::{IdempotencyLayer, Principal};
 use provider::{Provider, ProviderError};

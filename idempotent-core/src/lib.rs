@@ -197,11 +197,11 @@ pub use key::{Key, KeyError, MAX_KEY_LEN, Scope, StorageKey};
 #[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
 pub use macro_support::idempotent;
 pub use macro_support::{ToKey, default_runtime, set_default_runtime};
-pub use shutdown::Drained;
 pub use runtime::{
     Call, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_RECORD_RETRY, DEFAULT_TTL, Execution,
     Idempotency, IdempotencyBuilder, InFlightPolicy, MAX_IN_FLIGHT_RETRY_HINT, Outcome, Retain,
 };
+pub use shutdown::Drained;
 pub use store::{Claim, FencingToken, Store};
 
 /// The in-memory store, its statistics and its default bounds.

@@ -183,7 +183,10 @@ mod tests {
             tokio::spawn(async move { drain.drain(Duration::from_secs(10)).await })
         };
         tokio::task::yield_now().await;
-        assert!(drain.enter().is_none(), "a draining runtime takes no new call");
+        assert!(
+            drain.enter().is_none(),
+            "a draining runtime takes no new call"
+        );
         assert!(!waiter.is_finished());
         drop(active);
         let drained = waiter.await.unwrap();

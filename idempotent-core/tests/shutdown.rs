@@ -46,7 +46,11 @@ async fn calls_after_shutdown_began_are_refused_without_touching_the_store() {
     assert_eq!(error.code(), "shutting_down");
     assert!(error.retry_after().is_some());
     assert_eq!(runs.load(Ordering::SeqCst), 0);
-    assert_eq!(faults.calls(Op::Claim), 0, "a refused call never reaches the store");
+    assert_eq!(
+        faults.calls(Op::Claim),
+        0,
+        "a refused call never reaches the store"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -68,7 +72,10 @@ async fn work_in_flight_finishes_and_records_before_shutdown_returns() {
     // Meanwhile, a new call on the instance shutting down is refused at once.
     let late = a.run(&call("pay-2"), work(&runs, Duration::ZERO)).await;
     assert!(matches!(late, Err(Error::ShuttingDown)), "{late:?}");
-    assert!(!shutdown.is_finished(), "shutdown waits for the call in flight");
+    assert!(
+        !shutdown.is_finished(),
+        "shutdown waits for the call in flight"
+    );
 
     let drained = shutdown.await.unwrap();
     assert!(drained.is_clean(), "{drained:?}");
@@ -132,7 +139,11 @@ async fn a_result_the_store_refused_at_first_is_recorded_before_shutdown_returns
         .run(&call("k"), work(&runs, Duration::ZERO))
         .await
         .unwrap();
-    assert_eq!(retry, Outcome::Replayed(1), "recorded before shutdown returned");
+    assert_eq!(
+        retry,
+        Outcome::Replayed(1),
+        "recorded before shutdown returned"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -191,7 +202,11 @@ async fn hundreds_of_calls_across_a_shutdown_each_run_once_or_not_at_all() {
             Err(Error::ShuttingDown) => {
                 refused += 1;
                 assert_eq!(runs[i].load(Ordering::SeqCst), 0, "call {i} was refused");
-                assert_eq!(retry, Outcome::Fresh(1), "call {i}: the retry runs, at once");
+                assert_eq!(
+                    retry,
+                    Outcome::Fresh(1),
+                    "call {i}: the retry runs, at once"
+                );
             }
             Err(other) => panic!("call {i}: {other}"),
         }

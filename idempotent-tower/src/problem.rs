@@ -127,7 +127,7 @@ impl Problem {
     pub(crate) fn grpc_code(&self) -> u8 {
         match self.code {
             "missing_key" | "invalid_key" | "request_body_unreadable" => 3, // INVALID_ARGUMENT
-            "missing_scope" => 7, // PERMISSION_DENIED
+            "missing_scope" => 7,                                           // PERMISSION_DENIED
             "fingerprint_mismatch" => 9,                                    // FAILED_PRECONDITION
             "in_flight" => 10,                                              // ABORTED
             "result_not_retained" => 6,                                     // ALREADY_EXISTS

@@ -108,7 +108,11 @@ where
                 limit,
                 "protected request refused: its declared body is over the limit"
             );
-            return refuse(config, request, too_large(limit).into_response(config.protocol));
+            return refuse(
+                config,
+                request,
+                too_large(limit).into_response(config.protocol),
+            );
         }
         let (parts, body) = request.into_parts();
         let scope = (config.scope)(&parts).or_else(|| config.allow_anonymous.then(Scope::new));

@@ -600,7 +600,11 @@ async fn the_layers_response_limit_alone_decides_what_is_retained() {
     assert_eq!(retry.body, first.body);
     let over: &'static str = Box::leak((LIMIT + 1).to_string().into_boxed_str());
     let first = send(&svc, post("/sized", Some("over"), over)).await;
-    assert_eq!(first.body.len(), LIMIT + 1, "the client gets the whole response");
+    assert_eq!(
+        first.body.len(),
+        LIMIT + 1,
+        "the client gets the whole response"
+    );
     let retry = send(&svc, post("/sized", Some("over"), over)).await;
     assert_eq!(retry.status, StatusCode::GONE);
     assert_eq!(retry.code(), "result_not_retained");

@@ -91,7 +91,11 @@ async fn order(app: &Router, credential: Option<(&str, &str)>, key: &str) -> Ans
     }
     let response = app
         .clone()
-        .oneshot(request.body(Body::from(r#"{"sku":"A-1","qty":1}"#)).unwrap())
+        .oneshot(
+            request
+                .body(Body::from(r#"{"sku":"A-1","qty":1}"#))
+                .unwrap(),
+        )
         .await
         .unwrap();
     let (parts, body) = response.into_parts();
@@ -114,7 +118,10 @@ async fn two_cookie_users_with_the_same_key_and_body_each_run_once_and_never_see
     let bob = order(&app, Some(BOB), "order-1").await;
     assert_eq!(alice.status, StatusCode::CREATED);
     assert_eq!(bob.status, StatusCode::CREATED);
-    assert!(!bob.replayed(), "bob must not receive alice's stored response");
+    assert!(
+        !bob.replayed(),
+        "bob must not receive alice's stored response"
+    );
     assert!(alice.body.ends_with("for alice"), "{}", alice.body);
     assert!(bob.body.ends_with("for bob"), "{}", bob.body);
     assert_eq!(runs.load(Ordering::SeqCst), 2);
@@ -132,9 +139,19 @@ async fn two_cookie_users_with_the_same_key_and_body_each_run_once_and_never_see
 async fn a_refreshed_bearer_token_keeps_the_principals_key() {
     let runs = Arc::new(AtomicUsize::new(0));
     let app = app(layer(), &runs);
-    let first = order(&app, Some(("authorization", "Bearer token-1-of-carol")), "o-7").await;
+    let first = order(
+        &app,
+        Some(("authorization", "Bearer token-1-of-carol")),
+        "o-7",
+    )
+    .await;
     // The token was refreshed before the client retried.
-    let retry = order(&app, Some(("authorization", "Bearer token-2-of-carol")), "o-7").await;
+    let retry = order(
+        &app,
+        Some(("authorization", "Bearer token-2-of-carol")),
+        "o-7",
+    )
+    .await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(retry.replayed(), "the retry must replay, not run again");
     assert_eq!(retry.body, first.body);
@@ -150,8 +167,18 @@ async fn scoped_by_the_credential_a_refreshed_token_runs_again() {
         layer().scope(idempotent_tower::scope_by_authorization),
         &runs,
     );
-    order(&app, Some(("authorization", "Bearer token-1-of-carol")), "o-7").await;
-    let retry = order(&app, Some(("authorization", "Bearer token-2-of-carol")), "o-7").await;
+    order(
+        &app,
+        Some(("authorization", "Bearer token-1-of-carol")),
+        "o-7",
+    )
+    .await;
+    let retry = order(
+        &app,
+        Some(("authorization", "Bearer token-2-of-carol")),
+        "o-7",
+    )
+    .await;
     assert!(!retry.replayed());
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
@@ -164,8 +191,7 @@ async fn a_request_without_a_principal_is_refused_before_the_handler_runs() {
         let refused = order(&app, credential, "order-1").await;
         assert_eq!(refused.status, StatusCode::FORBIDDEN);
         assert_eq!(
-            refused.headers[CONTENT_TYPE],
-            "application/problem+json",
+            refused.headers[CONTENT_TYPE], "application/problem+json",
             "{}",
             refused.body
         );

@@ -399,7 +399,10 @@ async fn sigterm_lets_the_call_in_flight_finish_and_refuses_new_ones() {
         refused.metadata().get("idempotent-error").unwrap(),
         "shutting_down"
     );
-    let payment = in_flight.await.unwrap().expect("the call in flight finishes");
+    let payment = in_flight
+        .await
+        .unwrap()
+        .expect("the call in flight finishes");
     assert_eq!(payment.into_inner().principal, "alice");
     let exit = tokio::time::timeout(Duration::from_secs(15), server.child.wait())
         .await

@@ -137,7 +137,9 @@ async fn same_key_with_another_body_query_or_path_is_422() {
             ("/payments?delay_ms=0", PAYMENT),
             ("/refunds", r#"{"payment_id":1}"#),
         ] {
-            let answer = client.post(&server.url(path), Some(&k), Some("alice"), body).await;
+            let answer = client
+                .post(&server.url(path), Some(&k), Some("alice"), body)
+                .await;
             assert_eq!(
                 answer.status,
                 StatusCode::UNPROCESSABLE_ENTITY,
@@ -190,10 +192,20 @@ async fn a_retry_with_a_refreshed_token_replays() {
     let server = Server::payments(&[]).await;
     let client = Client::new(PROTOCOLS[0]);
     let first = client
-        .post(&server.url("/payments"), Some("refresh-1"), Some("alice.t1"), PAYMENT)
+        .post(
+            &server.url("/payments"),
+            Some("refresh-1"),
+            Some("alice.t1"),
+            PAYMENT,
+        )
         .await;
     let retry = client
-        .post(&server.url("/payments"), Some("refresh-1"), Some("alice.t2"), PAYMENT)
+        .post(
+            &server.url("/payments"),
+            Some("refresh-1"),
+            Some("alice.t2"),
+            PAYMENT,
+        )
         .await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(retry.replayed());
@@ -211,12 +223,22 @@ async fn declines_are_stored_and_provider_errors_released() {
         let declined = key(protocol, "declined");
         let zero = r#"{"amount":0,"currency":"EUR"}"#;
         let first = client
-            .post(&server.url("/payments"), Some(&declined), Some("alice"), zero)
+            .post(
+                &server.url("/payments"),
+                Some(&declined),
+                Some("alice"),
+                zero,
+            )
             .await;
         assert_eq!(first.status, StatusCode::PAYMENT_REQUIRED);
         assert_eq!(first.json()["error"], "card_declined");
         let retry = client
-            .post(&server.url("/payments"), Some(&declined), Some("alice"), zero)
+            .post(
+                &server.url("/payments"),
+                Some(&declined),
+                Some("alice"),
+                zero,
+            )
             .await;
         assert_eq!(retry.status, StatusCode::PAYMENT_REQUIRED);
         assert!(retry.replayed());

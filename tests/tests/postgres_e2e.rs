@@ -586,7 +586,9 @@ async fn a_database_restart_gives_clean_503s_then_service_resumes_without_an_app
 
     database.stop().await;
     for key in ["during-1", "during-2", "before-restart"] {
-        let answer = client.post(&payments, Some(key), Some("alice"), PAYMENT).await;
+        let answer = client
+            .post(&payments, Some(key), Some("alice"), PAYMENT)
+            .await;
         assert_eq!(
             answer.status,
             StatusCode::SERVICE_UNAVAILABLE,

@@ -259,7 +259,9 @@ async fn killed_instance_keeps_the_key_until_its_lease_ends_then_the_retry_runs_
 
     // Until the dead owner's lease ends, the survivor refuses the retry.
     let url = survivor.url("/payments?delay_ms=5000");
-    let retry = client.post(&url, Some("crash"), Some("alice"), PAYMENT).await;
+    let retry = client
+        .post(&url, Some("crash"), Some("alice"), PAYMENT)
+        .await;
     assert_eq!(retry.status, StatusCode::CONFLICT);
     assert_eq!(retry.problem_code(), "in_flight");
     // Then it runs the retry, once.
@@ -337,7 +339,9 @@ async fn redis_outage_fails_closed_and_service_resumes_without_a_restart() {
     redis.launch().await;
     let mut recovered = None;
     for _ in 0..50 {
-        let answer = client.post(&url, Some("after-outage"), Some("alice"), PAYMENT).await;
+        let answer = client
+            .post(&url, Some("after-outage"), Some("alice"), PAYMENT)
+            .await;
         if answer.status == StatusCode::CREATED {
             recovered = Some(answer);
             break;
@@ -371,8 +375,12 @@ async fn fresh_costs_two_round_trips_and_replay_one() {
     let client = Client::new(Protocol::Http1);
     let url = server.url("/payments");
     // Warm up: the server loads each script on first use.
-    client.post(&url, Some("warm-up"), Some("alice"), PAYMENT).await;
-    client.post(&url, Some("warm-up"), Some("alice"), PAYMENT).await;
+    client
+        .post(&url, Some("warm-up"), Some("alice"), PAYMENT)
+        .await;
+    client
+        .post(&url, Some("warm-up"), Some("alice"), PAYMENT)
+        .await;
 
     // One open connection for the snapshots, so no handshake commands are counted.
     let mut stats = redis.connection().await;

@@ -39,11 +39,7 @@ async fn sigterm_during_a_long_request_records_it_and_the_other_instance_replays
             stopping.url("/payments?delay_ms=1500"),
             long.clone(),
         );
-        async move {
-            client
-                .post(&url, Some(&key), Some("alice"), PAYMENT)
-                .await
-        }
+        async move { client.post(&url, Some(&key), Some("alice"), PAYMENT).await }
     });
     tokio::time::sleep(Duration::from_millis(400)).await;
     signal(stopping.pid(), "TERM");
@@ -51,7 +47,12 @@ async fn sigterm_during_a_long_request_records_it_and_the_other_instance_replays
 
     // Shutting down: a new payment is refused with a hint, and nothing runs for it.
     let refused = client
-        .post(&stopping.url("/payments"), Some(&late), Some("alice"), PAYMENT)
+        .post(
+            &stopping.url("/payments"),
+            Some(&late),
+            Some("alice"),
+            PAYMENT,
+        )
         .await;
     assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(refused.problem_code(), "shutting_down");
@@ -66,7 +67,10 @@ async fn sigterm_during_a_long_request_records_it_and_the_other_instance_replays
         .unwrap();
     assert!(exit.success(), "{exit:?}");
     assert!(
-        stopping.logs.text().contains("every request in flight finished"),
+        stopping
+            .logs
+            .text()
+            .contains("every request in flight finished"),
         "{}",
         stopping.logs.text()
     );
