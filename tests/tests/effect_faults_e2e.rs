@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use http::StatusCode;
-use support::{Answer, Client, Protocol, Server};
+use support::{Answer, Client, Protocol, Server, signal};
 use tokio::process::{Child, Command};
 use tokio::time::{Instant, sleep};
 
@@ -144,14 +144,6 @@ fn have_server(what: &str, found: bool) -> bool {
         "\n*** NOT RUN: {what} is missing, so this test did not talk to a real server; {how}. ***\n"
     );
     false
-}
-
-fn signal(pid: u32, name: &str) -> bool {
-    std::process::Command::new("kill")
-        .args([&format!("-{name}"), &pid.to_string()])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|status| status.success())
 }
 
 /// Processes stopped with `SIGSTOP`. Continued by [`thaw`](Frozen::thaw), or when dropped (a

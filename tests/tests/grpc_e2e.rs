@@ -383,11 +383,7 @@ async fn sigterm_lets_the_call_in_flight_finish_and_refuses_new_ones() {
         }
     });
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let status = std::process::Command::new("kill")
-        .args(["-TERM", &server.pid().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    server.signal("TERM");
     tokio::time::sleep(Duration::from_millis(200)).await;
     let refused = client
         .clone()

@@ -92,7 +92,7 @@ impl RedisServer {
     async fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
             let pid = child.id().expect("running redis-server");
-            kill(pid, "TERM");
+            assert!(support::signal(pid, "TERM"), "kill -TERM {pid}");
             let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
         }
     }
@@ -152,14 +152,6 @@ fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-fn kill(pid: u32, signal: &str) {
-    let status = std::process::Command::new("kill")
-        .args([&format!("-{signal}"), &pid.to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success(), "kill -{signal} {pid}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -253,7 +245,7 @@ async fn killed_instance_keeps_the_key_until_its_lease_ends_then_the_retry_runs_
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
     let killed_at = tokio::time::Instant::now();
-    kill(doomed.pid(), "KILL");
+    doomed.signal("KILL");
     let _ = doomed.child.wait().await;
     drop(in_flight);
 

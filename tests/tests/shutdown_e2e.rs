@@ -12,14 +12,6 @@ use support::{Client, Protocol, Server};
 
 const PAYMENT: &str = r#"{"amount":1999,"currency":"EUR"}"#;
 
-fn signal(pid: u32, signal: &str) {
-    let status = std::process::Command::new("kill")
-        .args([&format!("-{signal}"), &pid.to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success(), "kill -{signal} {pid}");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_during_a_long_request_records_it_and_the_other_instance_replays_it() {
     let Some(redis) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
@@ -42,7 +34,7 @@ async fn sigterm_during_a_long_request_records_it_and_the_other_instance_replays
         async move { client.post(&url, Some(&key), Some("alice"), PAYMENT).await }
     });
     tokio::time::sleep(Duration::from_millis(400)).await;
-    signal(stopping.pid(), "TERM");
+    stopping.signal("TERM");
     tokio::time::sleep(Duration::from_millis(200)).await;
 
     // Shutting down: a new payment is refused with a hint, and nothing runs for it.

@@ -175,6 +175,22 @@ impl Server {
     pub fn pid(&self) -> u32 {
         self.child.id().expect("running child")
     }
+
+    /// Sends it `kill -NAME` (`TERM`, `KILL`, `STOP`, …), asserting it was delivered.
+    pub fn signal(&self, name: &str) {
+        let pid = self.pid();
+        assert!(signal(pid, name), "kill -{name} {pid}");
+    }
+}
+
+/// Sends process `pid` the signal `name` (`TERM`, `KILL`, `STOP`, `CONT`, …) with `kill`;
+/// whether it was delivered.
+pub fn signal(pid: u32, name: &str) -> bool {
+    std::process::Command::new("kill")
+        .args([&format!("-{name}"), &pid.to_string()])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success())
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
