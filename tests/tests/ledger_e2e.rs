@@ -406,12 +406,7 @@ impl Consumer {
 
     fn signal(&self, signal: &str) {
         let pid = self.child.id().expect("running consumer");
-        let ok = std::process::Command::new("kill")
-            .args([format!("-{signal}"), pid.to_string()])
-            .status()
-            .expect("kill")
-            .success();
-        assert!(ok, "kill -{signal} {pid}");
+        assert!(support::signal(pid, signal), "kill -{signal} {pid}");
     }
 
     async fn kill(&mut self) {
