@@ -348,6 +348,9 @@ enum Outcome {
     DeadLettered(String),
     /// Not applied, still pending: delivered again after `CLAIM_IDLE`.
     LeftPending(String),
+    /// Acknowledged by another consumer meanwhile (applied or dead-lettered there): nothing
+    /// left to do here.
+    Gone,
 }
 
 impl Consumer {
@@ -565,11 +568,15 @@ impl Consumer {
         for (name, value) in delivery.fields.iter().take(MAX_FIELDS) {
             invocation.arg(name).arg(value.as_slice());
         }
-        let _: i64 = invocation
+        let copied: i64 = invocation
             .invoke_async(&mut self.redis)
             .await
             .map_err(|e| format!("dead-letter: {e}"))?;
-        Ok(Outcome::DeadLettered(reason))
+        Ok(if copied == 1 {
+            Outcome::DeadLettered(reason)
+        } else {
+            Outcome::Gone
+        })
     }
 }
 
@@ -711,7 +718,7 @@ async fn main() -> ExitCode {
         for delivery in &batch {
             let entry = &delivery.entry_id;
             match consumer.handle(delivery).await {
-                Ok(Outcome::Applied) => {}
+                Ok(Outcome::Applied | Outcome::Gone) => {}
                 Ok(Outcome::DeadLettered(reason)) => {
                     eprintln!("ledger: entry {entry} dead-lettered: {reason}");
                 }
