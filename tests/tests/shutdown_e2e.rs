@@ -68,8 +68,14 @@ async fn sigterm_during_a_long_request_records_it_and_the_other_instance_replays
     );
 
     // The client's retry lands on the other instance and replays the recorded response.
+    // (The same request: its query is part of the fingerprint.)
     let retry = client
-        .post(&other.url("/payments"), Some(&long), Some("alice"), PAYMENT)
+        .post(
+            &other.url("/payments?delay_ms=1500"),
+            Some(&long),
+            Some("alice"),
+            PAYMENT,
+        )
         .await;
     assert!(retry.replayed(), "status {}", retry.status);
     assert_eq!(retry.body, first.body);
