@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 
 use crate::claim::{ClaimHandle, ClaimSlot, Renewal, Seed, attempt_limit, bounded, later};
 use crate::envelope::{self, Stored};
-use crate::shutdown::{Active, Drain, Drained};
+use crate::shutdown::{Detached, Drain, Drained};
 use crate::store::{BoxFuture, DynStore};
 use crate::{Claim, Error, FencingToken, Fingerprint, Key, Scope, StorageKey, Store, StoreError};
 
@@ -435,9 +435,12 @@ impl Idempotency {
     ///    store failure. Waits for them up to `grace`.
     /// 3. At `grace`, work still waiting is stopped: its future is dropped at its current
     ///    await point, its claim is released (so a retry elsewhere runs at once rather than
-    ///    after the lease) and its caller gets [`Error::ShuttingDown`]; so does a duplicate
-    ///    still waiting for another owner ([`InFlightPolicy::Wait`]). Up to two more seconds
+    ///    after the lease) and its caller gets [`Error::ShuttingDown`]. Up to two more seconds
     ///    are given to those releases.
+    ///
+    /// A duplicate waiting for another owner ([`InFlightPolicy::Wait`]) has nothing in flight
+    /// of its own: it stops waiting as soon as shutdown begins (within its next poll of the
+    /// store, at most 200 ms) and fails with [`Error::ShuttingDown`].
     ///
     /// Returns what was left undone ([`Drained`]); calls still unfinished then (an outcome the
     /// store has not accepted yet) keep their claims until their leases end. Shutdown cannot
@@ -534,9 +537,11 @@ impl Idempotency {
         F: Future<Output = V>,
     {
         let inner = &*self.inner;
-        let Some(active) = inner.drain.enter() else {
+        // Refused without touching the store once shutdown has begun. Only owners are counted
+        // in flight (below): a replay or a refusal leaves nothing to wait for.
+        if !inner.drain.is_open() {
             return Err(Error::ShuttingDown);
-        };
+        }
         let key = self.storage_key(call);
         let fingerprint = call.fingerprint.unwrap_or_else(Fingerprint::empty);
         let lease = call.lease.unwrap_or(inner.lease);
@@ -564,6 +569,13 @@ impl Idempotency {
             token,
             lease,
         });
+        // Counted in flight until its outcome is recorded. Shutdown may have begun while the
+        // key was being claimed: then the claim goes back unused, so that the shutdown, which
+        // did not count this call, leaves no key locked behind it.
+        let Some(active) = inner.drain.enter() else {
+            FinishOnDrop(Some(Box::pin(slot.release()))).await;
+            return Err(Error::ShuttingDown);
+        };
         // The lease is renewed on a task of its own, started only once the work first returns
         // pending: work that finishes at once costs nothing.
         let mut renewal: Option<Renewal> = None;
@@ -596,7 +608,7 @@ impl Idempotency {
             drop(renewal);
             active.stopped();
             tracing::warn!(storage_key = %key, "idempotent call stopped by shutdown; its claim is released");
-            FinishOnDrop::with(slot.release(), active).await;
+            FinishOnDrop::with(slot.release(), active.detach()).await;
             return Err(Error::ShuttingDown);
         };
         let mut slot = slot;
@@ -606,7 +618,7 @@ impl Idempotency {
             Retain::Release => {
                 drop(renewal);
                 // Finished in the background if the caller stops waiting, like a record.
-                FinishOnDrop::with(slot.release(), active).await;
+                FinishOnDrop::with(slot.release(), active.detach()).await;
                 return Ok(Execution::Fresh(value));
             }
         };
@@ -643,7 +655,7 @@ impl Idempotency {
             renewal,
             payload,
             ttl,
-            active,
+            active: active.detach(),
         };
         let this = self.clone();
         FinishOnDrop(Some(Box::pin(async move {
@@ -710,8 +722,9 @@ impl Idempotency {
             match answer.step(key, fingerprint, claim)? {
                 Step::Owner(token) => return Ok(Acquired::Owner(token, sent)),
                 Step::Replay(bytes) => return Ok(Acquired::Replay(bytes)),
-                // A graceful shutdown's deadline also ends waiting for another owner.
-                Step::Wait(_) if self.inner.drain.is_stopping() => {
+                // Once shutdown has begun, a duplicate stops waiting for another owner: its
+                // client retries elsewhere rather than holding the shutdown up.
+                Step::Wait(_) if !self.inner.drain.is_open() => {
                     return Err(Error::ShuttingDown);
                 }
                 Step::Wait(wait) => store.wait_for_change(key, wait).await,
@@ -906,7 +919,7 @@ struct Recording {
     payload: Payload,
     ttl: Duration,
     /// Counts the call in flight until its outcome is recorded (see graceful shutdown).
-    active: Active,
+    active: Detached,
 }
 
 /// The first write of a record that did not succeed at once.
@@ -978,7 +991,7 @@ struct FinishOnDrop(Option<BoxFuture<'static, ()>>);
 
 impl FinishOnDrop {
     /// `write`, with the call counted in flight until it is done.
-    fn with(write: impl Future<Output = ()> + Send + 'static, active: Active) -> Self {
+    fn with(write: impl Future<Output = ()> + Send + 'static, active: Detached) -> Self {
         FinishOnDrop(Some(Box::pin(async move {
             write.await;
             drop(active);

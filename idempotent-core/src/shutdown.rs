@@ -54,24 +54,28 @@ impl Drained {
 
 impl Drain {
     /// Counts a new call in, or `None` once shutdown has begun.
-    pub(crate) fn enter(self: &Arc<Self>) -> Option<Active> {
+    pub(crate) fn enter(self: &Arc<Self>) -> Option<Active<'_>> {
         // SeqCst on both sides: either `drain` sees this call counted, or this call sees the
         // drain and backs out.
         self.active.fetch_add(1, Ordering::SeqCst);
+        let active = Active(self);
         if self.state.load(Ordering::SeqCst) != OPEN {
-            Active(Arc::clone(self)).end();
             return None;
         }
-        Some(Active(Arc::clone(self)))
+        Some(active)
+    }
+
+    /// Counts one call out.
+    fn end(&self) {
+        if self.active.fetch_sub(1, Ordering::SeqCst) == 1
+            && self.state.load(Ordering::SeqCst) != OPEN
+        {
+            self.idle.notify_waiters();
+        }
     }
 
     pub(crate) fn is_open(&self) -> bool {
         self.state.load(Ordering::Relaxed) == OPEN
-    }
-
-    /// Whether the shutdown's deadline has passed: work still running must stop.
-    pub(crate) fn is_stopping(&self) -> bool {
-        self.state.load(Ordering::SeqCst) == STOPPING
     }
 
     /// Refuses new calls, waits up to `grace` for the active ones to end, then tells the work
@@ -118,33 +122,49 @@ impl Drain {
     }
 }
 
-/// One call counted in flight; ends when dropped.
-pub(crate) struct Active(Arc<Drain>);
+/// One call counted in flight, borrowing the drain; ends when dropped. A call that finishes
+/// in place never clones the drain's `Arc`; one that hands its outcome to a task
+/// [detaches](Self::detach) its count first.
+pub(crate) struct Active<'a>(&'a Arc<Drain>);
 
-impl Active {
-    fn end(self) {
-        drop(self);
-    }
-
+impl Active<'_> {
     /// Records that this call's work was stopped by the shutdown.
     pub(crate) fn stopped(&self) {
         self.0.stopped.fetch_add(1, Ordering::SeqCst);
     }
-}
 
-impl Drop for Active {
-    fn drop(&mut self) {
-        if self.0.active.fetch_sub(1, Ordering::SeqCst) == 1
-            && self.0.state.load(Ordering::SeqCst) != OPEN
-        {
-            self.0.idle.notify_waiters();
-        }
+    /// The same count, owned, for a task that outlives the call.
+    pub(crate) fn detach(self) -> Detached {
+        let drain = Arc::clone(self.0);
+        std::mem::forget(self);
+        Detached(drain)
     }
 }
 
-impl fmt::Debug for Active {
+impl Drop for Active<'_> {
+    fn drop(&mut self) {
+        self.0.end();
+    }
+}
+
+impl fmt::Debug for Active<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Active")
+    }
+}
+
+/// A call's count in flight, owned by a task that finishes its outcome; ends when dropped.
+pub(crate) struct Detached(Arc<Drain>);
+
+impl Drop for Detached {
+    fn drop(&mut self) {
+        self.0.end();
+    }
+}
+
+impl fmt::Debug for Detached {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Detached")
     }
 }
 
@@ -196,16 +216,19 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn at_the_deadline_waiting_work_is_told_to_stop() {
         let drain = Arc::new(Drain::default());
-        let active = drain.enter().expect("open");
         let worker = {
             let drain = Arc::clone(&drain);
             tokio::spawn(async move {
+                let active = drain.enter().expect("open");
                 let mut stopping = drain.stopping();
                 std::future::poll_fn(|cx| stopping.poll_stop(cx)).await;
                 active.stopped();
                 drop(active);
             })
         };
+        while drain.active.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
         let drained = drain.drain(Duration::from_secs(3)).await;
         worker.await.unwrap();
         assert_eq!(
@@ -220,7 +243,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_call_that_never_ends_is_reported_as_remaining() {
         let drain = Arc::new(Drain::default());
-        let _stuck = drain.enter().expect("open");
+        let _stuck = drain.enter().expect("open").detach();
         let drained = drain.drain(Duration::from_secs(1)).await;
         assert_eq!(
             drained,
