@@ -19,7 +19,7 @@
 //! `authorization: Bearer NAME` (a stand-in for verifying a real token); a protected call
 //! without one gets `PERMISSION_DENIED` with `idempotent-error: missing_scope`. On SIGTERM
 //! (or Ctrl-C) the server shuts down gracefully: new protected calls get `UNAVAILABLE`
-//! (`shutting_down`), calls in flight finish and record their responses (up to 20 s).
+//! (`shutting_down`), calls in flight finish and record their responses (up to 10 s).
 //! - `Count` (not protected) returns the executions so far.
 //! - `Stream` (server streaming, passes through) sends `n` payments with ids 1..=n.
 

@@ -54,7 +54,7 @@
 //!
 //! On SIGTERM (or Ctrl-C) the server shuts the runtime down gracefully: new payments get
 //! `503 shutting_down` with `Retry-After`, payments in flight finish and record their responses
-//! (so a retry sent to another instance replays them), for up to 20 seconds; then it exits.
+//! (so a retry sent to another instance replays them), for up to 10 seconds; then it exits.
 //!
 //! Environment:
 //!

@@ -5,10 +5,11 @@ use std::time::Duration;
 
 use idempotent_core::Idempotency;
 
-/// How long requests in flight get to finish and record their responses after SIGTERM. Keep
-/// it below the orchestrator's kill timeout (Kubernetes: `terminationGracePeriodSeconds`,
-/// 30 s by default).
-pub(crate) const GRACE: Duration = Duration::from_secs(20);
+/// How long requests in flight get to finish and record their responses after SIGTERM.
+/// Shutdown takes up to this plus 5 s, and a response still being recorded then up to a third
+/// of the lease more (10 s with the default lease): 25 s in all, below the orchestrator's kill
+/// timeout (Kubernetes: `terminationGracePeriodSeconds`, 30 s by default).
+pub(crate) const GRACE: Duration = Duration::from_secs(10);
 
 /// Resolves on SIGTERM or Ctrl-C.
 pub(crate) async fn terminated() {

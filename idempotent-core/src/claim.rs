@@ -93,6 +93,9 @@ struct ClaimState {
     /// store rejects is answered by the write's own outcome (the record is no longer in flight
     /// because a write landed, or the write is rejected too and reports the loss).
     recording: AtomicBool,
+    /// Set by [`ClaimHandle::finish_on_shutdown`]: a graceful shutdown's deadline does not
+    /// stop the work.
+    finish_on_shutdown: AtomicBool,
     notify: Notify,
 }
 
@@ -148,6 +151,7 @@ impl ClaimHandle {
                 store,
                 phase: AtomicU8::new(HELD),
                 recording: AtomicBool::new(false),
+                finish_on_shutdown: AtomicBool::new(false),
                 notify: Notify::new(),
             }),
         }
@@ -259,6 +263,22 @@ impl ClaimHandle {
                 format!("the store did not answer within {:?}", attempt_limit(lease)).into(),
             ))),
         }
+    }
+
+    /// Asks a graceful shutdown ([`Idempotency::shutdown`](crate::Idempotency::shutdown)) to
+    /// let the rest of this work finish instead of stopping it at the shutdown's deadline.
+    ///
+    /// Call it once the work's effect has happened and only finishing steps remain: stopped
+    /// work releases its claim, so a retry would run it, effect included, again. The HTTP and
+    /// gRPC layer calls it as soon as the handler has answered, while the response body is
+    /// still being read. Work that asked this and is still running at the deadline is
+    /// reported in [`Drained::remaining`](crate::Drained::remaining).
+    pub fn finish_on_shutdown(&self) {
+        self.state.finish_on_shutdown.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn finishes_on_shutdown(&self) -> bool {
+        self.state.finish_on_shutdown.load(Ordering::Acquire)
     }
 
     /// The result starts being written; see `ClaimState::recording`.

@@ -435,17 +435,23 @@ impl Idempotency {
     ///    store failure. Waits for them up to `grace`.
     /// 3. At `grace`, work still waiting is stopped: its future is dropped at its current
     ///    await point, its claim is released (so a retry elsewhere runs at once rather than
-    ///    after the lease) and its caller gets [`Error::ShuttingDown`]. Up to two more seconds
-    ///    are given to those releases.
+    ///    after the lease) and its caller gets [`Error::ShuttingDown`]. Up to five more seconds
+    ///    are given to those releases. Stopping work half-way may leave its effect half-done
+    ///    and lets a retry run it again: protect the effect downstream (see the *Failure
+    ///    model*), or call [`ClaimHandle::finish_on_shutdown`](crate::ClaimHandle::finish_on_shutdown)
+    ///    once the effect has happened, and the work is left to finish.
     ///
     /// A duplicate waiting for another owner ([`InFlightPolicy::Wait`]) has nothing in flight
     /// of its own: it stops waiting as soon as shutdown begins (within its next poll of the
     /// store, at most 200 ms) and fails with [`Error::ShuttingDown`].
     ///
-    /// Returns what was left undone ([`Drained`]); calls still unfinished then (an outcome the
-    /// store has not accepted yet) keep their claims until their leases end. Shutdown cannot
-    /// be undone. Calling it again waits again. The PostgreSQL transactional mode is not
-    /// counted: its work runs inside the caller's transaction, which the caller ends.
+    /// Returns within `grace` plus five seconds (a `grace` too long for the clock waits as
+    /// long as calls run) with what was left undone ([`Drained`]): calls still unfinished
+    /// then (an outcome the store has not accepted yet, work that asked to finish) keep their
+    /// claims until their leases end. A call counts from before its claim is sent, so a claim
+    /// still on its way to the store is waited for too. Shutdown cannot be undone; calling it
+    /// again waits again. The PostgreSQL transactional mode is not counted: its work runs
+    /// inside the caller's transaction, which the caller ends.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -537,11 +543,12 @@ impl Idempotency {
         F: Future<Output = V>,
     {
         let inner = &*self.inner;
-        // Refused without touching the store once shutdown has begun. Only owners are counted
-        // in flight (below): a replay or a refusal leaves nothing to wait for.
-        if !inner.drain.is_open() {
+        // Counted in flight from before its claim until its outcome is recorded, so that a
+        // shutdown waits for a claim still on its way to the store; refused without touching
+        // the store once shutdown has begun.
+        let Some(active) = inner.drain.enter() else {
             return Err(Error::ShuttingDown);
-        }
+        };
         let key = self.storage_key(call);
         let fingerprint = call.fingerprint.unwrap_or_else(Fingerprint::empty);
         let lease = call.lease.unwrap_or(inner.lease);
@@ -569,13 +576,6 @@ impl Idempotency {
             token,
             lease,
         });
-        // Counted in flight until its outcome is recorded. Shutdown may have begun while the
-        // key was being claimed: then the claim goes back unused, so that the shutdown, which
-        // did not count this call, leaves no key locked behind it.
-        let Some(active) = inner.drain.enter() else {
-            FinishOnDrop(Some(Box::pin(slot.release()))).await;
-            return Err(Error::ShuttingDown);
-        };
         // The lease is renewed on a task of its own, started only once the work first returns
         // pending: work that finishes at once costs nothing.
         let mut renewal: Option<Renewal> = None;
@@ -590,8 +590,11 @@ impl Idempotency {
                         if renewal.is_none() {
                             *renewal = ClaimSlot::start_renewal(claimed_at.instant());
                         }
-                        // A graceful shutdown's deadline stops work that is still waiting.
-                        if stopping.poll_stop(cx).is_ready() {
+                        // A graceful shutdown's deadline stops work that is still waiting,
+                        // unless the work asked to finish.
+                        if stopping.poll_stop(cx).is_ready()
+                            && !ClaimHandle::current().is_some_and(|c| c.finishes_on_shutdown())
+                        {
                             return Poll::Ready(None);
                         }
                     }

@@ -16,8 +16,8 @@ const DRAINING: u8 = 1;
 const STOPPING: u8 = 2;
 
 /// How long [`Drain::drain`] waits, after the deadline, for the calls it stopped to release
-/// their claims (each release is itself bounded by the claim's attempt limit).
-const RELEASE_GRACE: Duration = Duration::from_secs(2);
+/// their claims: each release is bounded by a sixth of its lease, 5 s with the default lease.
+const RELEASE_GRACE: Duration = Duration::from_secs(5);
 
 /// The shutdown state a runtime and its clones share, and the count of calls in flight.
 #[derive(Default)]
@@ -97,9 +97,10 @@ impl Drain {
         }
     }
 
-    /// Waits until no call is active, at most `limit`; whether none is.
+    /// Waits until no call is active, at most `limit` (a `limit` too far away for the clock
+    /// waits as long as it takes); whether none is.
     async fn idle_within(&self, limit: Duration) -> bool {
-        let deadline = crate::claim::later(tokio::time::Instant::now(), limit);
+        let deadline = tokio::time::Instant::now().checked_add(limit);
         loop {
             let idle = self.idle.notified();
             let mut idle = std::pin::pin!(idle);
@@ -107,8 +108,13 @@ impl Drain {
             if self.active.load(Ordering::SeqCst) == 0 {
                 return true;
             }
-            if tokio::time::timeout_at(deadline, idle).await.is_err() {
-                return self.active.load(Ordering::SeqCst) == 0;
+            match deadline {
+                Some(deadline) => {
+                    if tokio::time::timeout_at(deadline, idle).await.is_err() {
+                        return self.active.load(Ordering::SeqCst) == 0;
+                    }
+                }
+                None => idle.await,
             }
         }
     }

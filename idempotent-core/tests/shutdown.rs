@@ -281,3 +281,71 @@ async fn a_duplicate_waiting_for_another_owner_gives_up_when_shutdown_begins() {
     assert_eq!(owner.await.unwrap().unwrap(), Outcome::Fresh(1));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// A call whose claim is still on its way to the store when shutdown begins is waited for: it
+/// was counted from before its claim, so it runs and records, and shutdown returns after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_still_on_its_way_to_the_store_is_waited_for() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    let (a, b) = (Idempotency::new(store.clone()), Idempotency::new(store));
+    faults.fail_next(Op::Claim, 1, Fault::Delay(Duration::from_millis(300)));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let slow_claim = {
+        let (a, work) = (a.clone(), work(&runs, Duration::ZERO));
+        tokio::spawn(async move { a.run(&call("k"), work).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let drained = a.shutdown(Duration::from_secs(10)).await;
+    assert!(drained.is_clean(), "{drained:?}");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "shutdown waited for the call"
+    );
+    let retry = b
+        .run(&call("k"), work(&runs, Duration::ZERO))
+        .await
+        .unwrap();
+    assert_eq!(
+        retry,
+        Outcome::Replayed(1),
+        "recorded before shutdown returned"
+    );
+    assert_eq!(slow_claim.await.unwrap().unwrap(), Outcome::Fresh(1));
+}
+
+/// Work that asked to finish (its effect has happened) is not stopped at the deadline: it
+/// completes and records, and its retry replays instead of running again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_that_asked_to_finish_is_not_stopped_at_the_deadline() {
+    let (a, b) = two_instances();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let finishing = {
+        let (a, runs) = (a.clone(), Arc::clone(&runs));
+        tokio::spawn(async move {
+            a.run(&call("k"), async move {
+                let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                // The effect has happened; what is left only finishes up.
+                idempotent_core::ClaimHandle::current()
+                    .unwrap()
+                    .finish_on_shutdown();
+                tokio::time::sleep(Duration::from_millis(600)).await;
+                n
+            })
+            .await
+        })
+    };
+    while runs.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let drained = a.shutdown(Duration::from_millis(100)).await;
+    assert_eq!((drained.stopped, drained.remaining), (0, 0), "{drained:?}");
+    assert_eq!(finishing.await.unwrap().unwrap(), Outcome::Fresh(1));
+    let retry = b
+        .run(&call("k"), work(&runs, Duration::ZERO))
+        .await
+        .unwrap();
+    assert_eq!(retry, Outcome::Replayed(1));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

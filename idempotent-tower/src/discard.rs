@@ -10,6 +10,7 @@
 //! refuse the one stream and leave the connection alone, so nothing is read there.
 
 use std::pin::Pin;
+use std::time::Duration;
 
 use bytes::Buf;
 use http::header::{CONNECTION, EXPECT};
@@ -92,10 +93,21 @@ pub(crate) async fn over_limit<B: Body>(
     discard(body, allowance as u64).await
 }
 
+/// How long the layer goes on reading a body it refused: a client that stalls half-way
+/// through its body cannot hold the refusal (or a graceful shutdown waiting for it) open.
+pub(crate) const DISCARD_TIME_LIMIT: Duration = Duration::from_secs(10);
+
 /// Reads `body` and drops what it reads, until it ends ([`Connection::Reusable`]) or fails, or
-/// more than `up_to` bytes have been read ([`Connection::Close`]). Reads at most one frame past
-/// `up_to`, which is how the end of a chunked body shows.
-pub(crate) async fn discard<B: Body>(mut body: Pin<&mut B>, up_to: u64) -> Connection {
+/// more than `up_to` bytes have been read, or [`DISCARD_TIME_LIMIT`] has passed
+/// ([`Connection::Close`]). Reads at most one frame past `up_to`, which is how the end of a
+/// chunked body shows.
+pub(crate) async fn discard<B: Body>(body: Pin<&mut B>, up_to: u64) -> Connection {
+    tokio::time::timeout(DISCARD_TIME_LIMIT, read_to(body, up_to))
+        .await
+        .unwrap_or(Connection::Close)
+}
+
+async fn read_to<B: Body>(mut body: Pin<&mut B>, up_to: u64) -> Connection {
     let mut read: u64 = 0;
     while read <= up_to {
         match body.frame().await {
@@ -229,6 +241,31 @@ mod tests {
     async fn a_body_whose_last_frame_crosses_the_bound_still_ends() {
         let body = std::pin::pin!(Exact(Some(Bytes::from(vec![0; 10_000]))));
         assert_eq!(discard(body, 4096).await, Connection::Reusable);
+    }
+
+    /// A client that stops sending half-way.
+    struct Stalled;
+
+    impl Body for Stalled {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            Poll::Pending
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_stalls_is_given_up_after_the_time_limit() {
+        let started = tokio::time::Instant::now();
+        assert_eq!(
+            discard(std::pin::pin!(Stalled), 1 << 20).await,
+            Connection::Close
+        );
+        assert_eq!(started.elapsed(), DISCARD_TIME_LIMIT);
     }
 
     #[tokio::test]

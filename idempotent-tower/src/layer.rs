@@ -448,9 +448,8 @@ impl IdempotencyLayer {
     ///
     /// Reading costs bandwidth and time, not memory: the bytes are dropped as they arrive, and
     /// the bound (give or take one read from the connection) keeps a client from making the
-    /// server read without end. How long the reading may take is the server's to bound, as
-    /// for any body: a request body timeout (such as tower-http's `RequestBodyTimeoutLayer`)
-    /// outside this layer ends it.
+    /// server read without end, and the reading stops after 10 seconds (the answer then
+    /// closes the connection), so a client that stalls half-way cannot hold it open.
     pub fn max_discarded_body(mut self, bytes: usize) -> Self {
         self.config().max_discarded_body = bytes;
         self

@@ -80,7 +80,9 @@
 //!   with `Connection: close`, and a client still sending may then see a reset. Over HTTP/2 and
 //!   gRPC only the request's stream ends. Every other refusal before the handler (400
 //!   `missing_key`/`invalid_key`, 403 `missing_scope`, 503 `shutting_down`) reads what is left
-//!   of the body the same way, up to the limit plus that allowance. A response over 1 MiB
+//!   of the body the same way, up to the limit plus that allowance. Reading a refused body
+//!   stops after 10 seconds, and the answer then closes the connection: a client that stalls
+//!   half-way cannot hold it open. A response over 1 MiB
 //!   ([`max_response_body`](IdempotencyLayer::max_response_body)) still streams to the client,
 //!   and the key is recorded as done without a result: retries get 410 `result_not_retained`
 //!   instead of a second execution. A response with more than 4,096 header fields or 4,096
@@ -204,7 +206,10 @@
 //! protected requests get `503 shutting_down` with `Retry-After` (gRPC `UNAVAILABLE`), so the
 //! load balancer's retries go to another instance; requests in flight finish and record their
 //! responses, so their retries replay anywhere instead of meeting a key locked for a lease;
-//! handlers still running at the deadline are stopped and their keys released. Unprotected
+//! handlers still running at the deadline are stopped and their keys released, while a handler
+//! that has already answered is left to finish its response body, which is recorded (stopping
+//! it would let the retry run the handler again). A protected request that arrives during the
+//! shutdown is refused even in [`fail_open`](IdempotencyLayer::fail_open) mode. Unprotected
 //! routes (health checks) keep being served until the server stops.
 //!
 //! ```no_run
@@ -221,7 +226,7 @@
 //! axum::serve(listener, app)
 //!     .with_graceful_shutdown(async move {
 //!         sigterm().await;
-//!         idempotency.shutdown(Duration::from_secs(20)).await;
+//!         idempotency.shutdown(Duration::from_secs(10)).await;
 //!     })
 //!     .await
 //! # }

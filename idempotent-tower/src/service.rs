@@ -499,9 +499,18 @@ where
         if let Some(claim) = &claim {
             request.extensions_mut().insert(claim.clone());
         }
+        let answering = claim.clone();
         let answered = async move {
             match inner.call(request).await {
-                Ok(response) => Ok(capture(response, max_response).await),
+                Ok(response) => {
+                    // The handler has answered: its effect is done. A graceful shutdown lets
+                    // the response be read to its end rather than stop the call, which would
+                    // release the key and let a retry run the handler again.
+                    if let Some(claim) = &answering {
+                        claim.finish_on_shutdown();
+                    }
+                    Ok(capture(response, max_response).await)
+                }
                 Err(error) => Err(error),
             }
         };
@@ -563,7 +572,10 @@ where
         Ok(Execution::Replayed(stored)) => Ok(replay(stored, storage_key, config.protocol)),
         // Only an unreachable store is bypassed: a record that exists but cannot be read is a
         // conflict, never "absent".
-        Err(Error::Store(error @ StoreError::Unavailable(_))) if fallback.is_some() => {
+        // Never once shutdown has begun: the handler would run after the drain counted it out.
+        Err(Error::Store(error @ StoreError::Unavailable(_)))
+            if fallback.is_some() && !config.idempotency.is_shutting_down() =>
+        {
             let Some((mut inner, parts, body)) = fallback else {
                 unreachable!("checked by the guard")
             };

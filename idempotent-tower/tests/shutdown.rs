@@ -12,7 +12,9 @@ use axum::routing::{get, post};
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use idempotent_core::{Idempotency, MemoryStore};
+use idempotent_core::{
+    Claim, FencingToken, Fingerprint, Idempotency, MemoryStore, StorageKey, Store, StoreError,
+};
 use idempotent_tower::{IdempotencyLayer, Principal};
 use tower::ServiceExt;
 
@@ -121,4 +123,149 @@ async fn a_handler_still_running_at_the_deadline_is_stopped_and_its_key_released
         "the key was released: no 409"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// A response body that arrives `after` the handler answered.
+struct SlowBody {
+    sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
+    sent: bool,
+}
+
+impl http_body::Body for SlowBody {
+    type Data = bytes::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
+        if self.sent {
+            return std::task::Poll::Ready(None);
+        }
+        std::task::ready!(self.sleep.as_mut().poll(cx));
+        self.sent = true;
+        std::task::Poll::Ready(Some(Ok(http_body::Frame::data(bytes::Bytes::from_static(
+            b"receipt",
+        )))))
+    }
+}
+
+/// A handler that has answered has run: a shutdown's deadline while its response body is
+/// still being read does not stop the call (which would release the key and let the retry run
+/// the handler again); the client gets the whole response and the retry replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_has_answered_is_not_stopped_while_its_body_is_read() {
+    let store = MemoryStore::new();
+    let (this, other) = (Idempotency::new(store.clone()), Idempotency::new(store));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = |idempotency: Idempotency| {
+        let runs = Arc::clone(&runs);
+        Router::new()
+            .route(
+                "/stream",
+                post(move || async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Response::new(Body::new(SlowBody {
+                        sleep: Box::pin(tokio::time::sleep(Duration::from_millis(600))),
+                        sent: false,
+                    }))
+                }),
+            )
+            .layer(IdempotencyLayer::new(idempotency))
+    };
+    let (app, other_app) = (app(this.clone()), app(other));
+    let in_flight = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, "POST", "/stream", "k").await })
+    };
+    while runs.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let drained = this.shutdown(Duration::from_millis(100)).await;
+    assert_eq!((drained.stopped, drained.remaining), (0, 0), "{drained:?}");
+    let (first, body) = in_flight.await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(body, "receipt");
+    let (retry, retry_body) = send(&other_app, "POST", "/stream", "k").await;
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(retry_body, "receipt");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A store that answers every operation "unavailable", 300 ms after it was asked.
+#[derive(Clone)]
+struct SlowlyDown;
+
+impl SlowlyDown {
+    async fn fail<T>() -> Result<T, StoreError> {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        Err(StoreError::Unavailable("connection refused".into()))
+    }
+}
+
+impl Store for SlowlyDown {
+    async fn claim(
+        &self,
+        _: &StorageKey,
+        _: &Fingerprint,
+        _: Duration,
+    ) -> Result<Claim, StoreError> {
+        Self::fail().await
+    }
+    async fn complete(
+        &self,
+        _: &StorageKey,
+        _: FencingToken,
+        _: bytes::Bytes,
+        _: Duration,
+    ) -> Result<(), StoreError> {
+        Self::fail().await
+    }
+    async fn release(&self, _: &StorageKey, _: FencingToken) -> Result<(), StoreError> {
+        Self::fail().await
+    }
+    async fn renew(&self, _: &StorageKey, _: FencingToken, _: Duration) -> Result<(), StoreError> {
+        Self::fail().await
+    }
+}
+
+/// In fail-open mode a store failure runs the handler unprotected, but never once shutdown has
+/// begun: the drain no longer counts the request, and the process may be gone before the
+/// handler ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_does_not_bypass_the_store_during_shutdown() {
+    let idempotency = Idempotency::new(SlowlyDown);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&runs);
+    let app = Router::new()
+        .route(
+            "/p",
+            post(move || async move {
+                counter.fetch_add(1, Ordering::SeqCst);
+                StatusCode::CREATED
+            }),
+        )
+        .layer(IdempotencyLayer::new(idempotency.clone()).fail_open(true));
+    // Before shutdown, the store being down means "run unprotected".
+    let (bypassed, _) = send(&app, "POST", "/p", "before").await;
+    assert_eq!(
+        bypassed.headers()["idempotent-bypassed"],
+        "store-unavailable"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // A request whose claim fails after shutdown began is refused instead.
+    let request = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, "POST", "/p", "during").await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    idempotency.shutdown(Duration::from_secs(5)).await;
+    let (response, body) = request.await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(!response.headers().contains_key("idempotent-bypassed"));
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the handler did not run again"
+    );
 }
