@@ -54,6 +54,7 @@ impl Drained {
 
 impl Drain {
     /// Counts a new call in, or `None` once shutdown has begun.
+    #[inline]
     pub(crate) fn enter(self: &Arc<Self>) -> Option<Active<'_>> {
         // SeqCst on both sides: either `drain` sees this call counted, or this call sees the
         // drain and backs out.
@@ -66,6 +67,7 @@ impl Drain {
     }
 
     /// Counts one call out.
+    #[inline]
     fn end(&self) {
         if self.active.fetch_sub(1, Ordering::SeqCst) == 1
             && self.state.load(Ordering::SeqCst) != OPEN
@@ -148,6 +150,7 @@ impl Active<'_> {
 }
 
 impl Drop for Active<'_> {
+    #[inline]
     fn drop(&mut self) {
         self.0.end();
     }
