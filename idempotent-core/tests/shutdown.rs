@@ -29,6 +29,23 @@ fn work(runs: &Arc<AtomicUsize>, delay: Duration) -> impl Future<Output = usize>
     }
 }
 
+/// A call on `key` through `idempotency`, on a task of its own.
+fn spawn_run(
+    idempotency: &Idempotency,
+    key: &'static str,
+    work: impl Future<Output = usize> + Send + 'static,
+) -> tokio::task::JoinHandle<Result<Outcome<usize>, Error>> {
+    let idempotency = idempotency.clone();
+    tokio::spawn(async move { idempotency.run(&call(key), work).await })
+}
+
+/// Waits until the work counting into `runs` has started.
+async fn started(runs: &AtomicUsize) {
+    while runs.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 #[tokio::test]
 async fn calls_after_shutdown_began_are_refused_without_touching_the_store() {
     let store = FaultyStore::new(MemoryStore::new());
@@ -57,13 +74,8 @@ async fn calls_after_shutdown_began_are_refused_without_touching_the_store() {
 async fn work_in_flight_finishes_and_records_before_shutdown_returns() {
     let (a, b) = two_instances();
     let runs = Arc::new(AtomicUsize::new(0));
-    let running = {
-        let (a, work) = (a.clone(), work(&runs, Duration::from_millis(400)));
-        tokio::spawn(async move { a.run(&call("pay-1"), work).await })
-    };
-    while runs.load(Ordering::SeqCst) == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let running = spawn_run(&a, "pay-1", work(&runs, Duration::from_millis(400)));
+    started(&runs).await;
     let shutdown = {
         let a = a.clone();
         tokio::spawn(async move { a.shutdown(Duration::from_secs(10)).await })
@@ -94,13 +106,8 @@ async fn work_in_flight_finishes_and_records_before_shutdown_returns() {
 async fn work_still_running_at_the_deadline_is_stopped_and_its_key_released() {
     let (a, b) = two_instances();
     let runs = Arc::new(AtomicUsize::new(0));
-    let stuck = {
-        let (a, work) = (a.clone(), work(&runs, Duration::from_secs(3600)));
-        tokio::spawn(async move { a.run(&call("hung"), work).await })
-    };
-    while runs.load(Ordering::SeqCst) == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let stuck = spawn_run(&a, "hung", work(&runs, Duration::from_secs(3600)));
+    started(&runs).await;
     let started = Instant::now();
     let drained = a.shutdown(Duration::from_millis(200)).await;
     assert_eq!((drained.stopped, drained.remaining), (1, 0), "{drained:?}");
@@ -250,13 +257,8 @@ async fn hundreds_of_calls_across_a_shutdown_each_run_once_or_not_at_all() {
 async fn a_duplicate_waiting_for_another_owner_gives_up_when_shutdown_begins() {
     let (a, b) = two_instances();
     let runs = Arc::new(AtomicUsize::new(0));
-    let owner = {
-        let (b, work) = (b.clone(), work(&runs, Duration::from_secs(2)));
-        tokio::spawn(async move { b.run(&call("k"), work).await })
-    };
-    while runs.load(Ordering::SeqCst) == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let owner = spawn_run(&b, "k", work(&runs, Duration::from_secs(2)));
+    started(&runs).await;
     let waiter = {
         let a = a.clone();
         let work = work(&runs, Duration::ZERO);
@@ -336,9 +338,7 @@ async fn work_that_asked_to_finish_is_not_stopped_at_the_deadline() {
             .await
         })
     };
-    while runs.load(Ordering::SeqCst) == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    started(&runs).await;
     let drained = a.shutdown(Duration::from_millis(100)).await;
     assert_eq!((drained.stopped, drained.remaining), (0, 0), "{drained:?}");
     assert_eq!(finishing.await.unwrap().unwrap(), Outcome::Fresh(1));
