@@ -1,46 +1,24 @@
 //! Every rule of the layer, at the tower level: `ServiceBuilder` + `service_fn` + `oneshot`.
 
-use std::convert::Infallible;
-use std::pin::Pin;
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
-use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Full};
 use idempotent_core::{
     Claim, FencingToken, Fingerprint, Idempotency, InFlightPolicy, MemoryStore, Scope, StorageKey,
     Store, StoreError,
 };
 use idempotent_tower::{IdempotencyLayer, Principal, RequestBody, ResponseBody};
+use support::TestBody;
 use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
 
 type Req = Request<RequestBody<Full<Bytes>>>;
-
-/// A response body: data, then optional trailers.
-struct TestBody {
-    data: Option<Bytes>,
-    trailers: Option<HeaderMap>,
-}
-
-impl Body for TestBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        if let Some(data) = self.data.take() {
-            return Poll::Ready(Some(Ok(Frame::data(data))));
-        }
-        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
-    }
-}
 
 /// A handler that counts executions and answers per path: `/fail` 500, `/declined` 402,
 /// `/busy` 429, `/big` a 4 KiB body, `/trailers` a body and trailers, `/cookie` sets a cookie,

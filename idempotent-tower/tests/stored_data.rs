@@ -2,47 +2,25 @@
 //! unquoted keys holding `;`: the layer answers with a replay or a problem, never a panic, and
 //! two different keys never share a record.
 
-use std::convert::Infallible;
-use std::pin::Pin;
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
-use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Full};
 use idempotent_core::{
     Claim, FencingToken, Fingerprint, Idempotency, MemoryStore, StorageKey, Store, StoreError,
 };
 use idempotent_tower::{IdempotencyLayer, Principal, RequestBody, ResponseBody};
+use support::TestBody;
 use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
 
 /// The most header fields, and separately trailer fields, the layer keeps for replay.
 const MAX_FIELDS: usize = 4096;
-
-/// A body: data, then optional trailers.
-struct TestBody {
-    data: Option<Bytes>,
-    trailers: Option<HeaderMap>,
-}
-
-impl Body for TestBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        if let Some(data) = self.data.take() {
-            return Poll::Ready(Some(Ok(Frame::data(data))));
-        }
-        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
-    }
-}
 
 type Svc = tower::util::BoxCloneSyncService<
     Request<Full<Bytes>>,
