@@ -1,16 +1,20 @@
-//! Time sources for stores that keep their own time.
+//! Time sources for stores that keep their own time: the memory store reads a [`Clock`]
+//! ([`SystemClock`] unless told otherwise), and tests move a `ManualClock` (feature
+//! `test-util`) instead of sleeping.
 
 use std::fmt;
+#[cfg(feature = "test-util")]
 use std::sync::Arc;
+#[cfg(feature = "test-util")]
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// A monotonic time source: the time elapsed since some fixed origin.
 ///
 /// Stores with a server clock (Redis, PostgreSQL) use the server's; [`MemoryStore`] uses this,
-/// so tests can move time with a [`ManualClock`] instead of sleeping.
+/// so tests can move time with a `ManualClock` (feature `test-util`) instead of sleeping.
 ///
-/// [`MemoryStore`]: crate::MemoryStore
+/// [`MemoryStore`]: crate::memory::MemoryStore
 pub trait Clock: Send + Sync + 'static {
     /// Time since this clock's origin. Never decreases.
     fn now(&self) -> Duration;
@@ -50,10 +54,12 @@ impl fmt::Debug for SystemClock {
     }
 }
 
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 /// A clock that moves only when told to. Clones share the same time.
 ///
 /// ```
-/// use idempotent_core::{Clock, ManualClock};
+/// use idempotent_core::clock::{Clock, ManualClock};
 /// use std::time::Duration;
 ///
 /// let clock = ManualClock::new();
@@ -66,6 +72,7 @@ pub struct ManualClock {
     nanos: Arc<AtomicU64>,
 }
 
+#[cfg(feature = "test-util")]
 impl ManualClock {
     /// A clock at time zero.
     pub fn new() -> Self {
@@ -79,12 +86,14 @@ impl ManualClock {
     }
 }
 
+#[cfg(feature = "test-util")]
 impl Clock for ManualClock {
     fn now(&self) -> Duration {
         Duration::from_nanos(self.nanos.load(Ordering::SeqCst))
     }
 }
 
+#[cfg(feature = "test-util")]
 impl fmt::Debug for ManualClock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_tuple("ManualClock").field(&self.now()).finish()

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::{CanonicalError, KeyError};
+use crate::{CanonicalError, KeyError, ProblemCode};
 
 /// A boxed error source, as kept by [`StoreError`] and [`Error`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -83,20 +83,24 @@ impl Error {
         }
     }
 
-    /// A stable machine-readable code for this error, used in problem documents and logs.
-    pub fn code(&self) -> &'static str {
+    /// The stable code of this error: the problem document's `code` behind the HTTP layer,
+    /// the `idempotent-error` metadata entry behind the gRPC layer, and the `outcome` of log
+    /// events. See [`ProblemCode`] for its HTTP and gRPC statuses.
+    pub fn code(&self) -> ProblemCode {
         match self {
-            Error::InvalidKey(_) => "invalid_key",
-            Error::FingerprintMismatch => "fingerprint_mismatch",
-            Error::InFlight { .. } => "in_flight",
-            Error::ResultNotRetained => "result_not_retained",
-            Error::ClaimLost => "claim_lost",
-            Error::ShuttingDown => "shutting_down",
-            Error::CorruptRecord(_) | Error::Store(StoreError::Corrupt(_)) => "corrupt_record",
-            Error::Fingerprint(_) => "invalid_fingerprint",
-            Error::Payload(_) => "payload_error",
-            Error::Store(StoreError::Capacity { .. }) => "store_capacity",
-            Error::Store(_) => "store_unavailable",
+            Error::InvalidKey(_) => ProblemCode::InvalidKey,
+            Error::FingerprintMismatch => ProblemCode::FingerprintMismatch,
+            Error::InFlight { .. } => ProblemCode::InFlight,
+            Error::ResultNotRetained => ProblemCode::ResultNotRetained,
+            Error::ClaimLost => ProblemCode::ClaimLost,
+            Error::ShuttingDown => ProblemCode::ShuttingDown,
+            Error::CorruptRecord(_) | Error::Store(StoreError::Corrupt(_)) => {
+                ProblemCode::CorruptRecord
+            }
+            Error::Fingerprint(_) => ProblemCode::InvalidFingerprint,
+            Error::Payload(_) => ProblemCode::PayloadError,
+            Error::Store(StoreError::Capacity { .. }) => ProblemCode::StoreCapacity,
+            Error::Store(_) => ProblemCode::StoreUnavailable,
         }
     }
 }

@@ -169,65 +169,83 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod attribute;
+mod call;
 mod claim;
-mod clock;
+mod claim_answer;
+mod default_runtime;
 mod envelope;
 mod error;
+mod expansion;
 mod fingerprint;
 mod key;
-pub mod limits;
-mod macro_support;
+mod lease;
+mod outcome;
+mod problem;
+mod record;
 mod runtime;
 mod shutdown;
-pub mod store;
+mod store;
+mod to_key;
 
-#[doc(hidden)]
-#[path = "private.rs"]
-pub mod __private;
+pub mod clock;
+pub mod limits;
 
 #[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub mod conformance;
 
+#[cfg(feature = "macros")]
+#[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
+pub use attribute::idempotent;
+pub use call::{CallOptions, Call, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Defaults, InFlightPolicy};
 pub use claim::ClaimHandle;
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use claim_answer::MAX_IN_FLIGHT_RETRY_HINT;
+pub use default_runtime::{default_runtime, set_default_runtime};
 pub use error::{BoxError, Error, StoreError};
 pub use fingerprint::{CanonicalError, Fingerprint, FingerprintBuilder};
 pub use key::{Key, KeyError, MAX_KEY_LEN, Scope, StorageKey};
-#[cfg(feature = "macros")]
-#[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
-pub use macro_support::idempotent;
-pub use macro_support::{ToKey, default_runtime, set_default_runtime};
-pub use runtime::{
-    Call, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_RECORD_RETRY, DEFAULT_TTL, Execution,
-    Idempotency, IdempotencyBuilder, InFlightPolicy, MAX_IN_FLIGHT_RETRY_HINT, Outcome, Retain,
-};
+pub use outcome::{Execution, Outcome, Retain};
+pub use problem::{GrpcCode, ProblemCode};
+pub use runtime::{DEFAULT_RECORD_RETRY, Idempotency, IdempotencyBuilder};
 pub use shutdown::Drained;
 pub use store::{Claim, FencingToken, Store};
+pub use to_key::ToKey;
 
-/// The in-memory store, its statistics and its default bounds.
+/// What `#[idempotent]` expands into: not a public API (no semver guarantees); only the
+/// `idempotent-macros` release this crate pins calls it.
+#[doc(hidden)]
+pub mod __private {
+    #[doc(hidden)]
+    pub use crate::expansion::*;
+}
+
+/// The in-memory store, the embedded default (feature `memory`): one process, bounded.
 #[cfg(feature = "memory")]
+#[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub mod memory {
     pub use crate::store::memory::{
         DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DEFAULT_SWEEP_INTERVAL, MemoryStats, MemoryStore,
         MemoryStoreBuilder, RECORD_OVERHEAD,
     };
 }
-#[cfg(feature = "memory")]
-pub use memory::{MemoryStore, MemoryStoreBuilder};
+
+/// The Redis store (feature `redis`): one record per key, shared by many app instances.
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
-pub use store::RedisStore;
+pub mod redis {
+    pub use crate::store::redis::{
+        DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT, RedisStore, RedisStoreBuilder,
+    };
+}
 
-/// The PostgreSQL store and its transactional mode.
+/// The PostgreSQL store, its transactional mode and the fence (feature `postgres`).
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres {
     pub use crate::store::postgres::{
         DEFAULT_FENCE_TABLE, DEFAULT_REAP_BATCH, DEFAULT_REAP_GRACE, DEFAULT_TABLE, Fence,
         FenceError, InvalidTableName, PendingRecord, PostgresStore, PostgresStoreBuilder,
-        Transactional, TransactionalCall, TransactionalClaim,
+        Transactional, TransactionalClaim,
     };
 }
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use postgres::{PostgresStore, Transactional};

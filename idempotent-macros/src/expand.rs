@@ -121,20 +121,24 @@ fn expand(args: Args, function: Function, transaction: Option<Transaction>) -> T
         invocation.extend(quote!(.fingerprint(#fingerprint)));
     }
     let duration = |millis: u64| quote!(#private::Duration::from_millis(#millis));
+    let mut options = TokenStream::new();
     if let Some((_, ttl)) = &args.ttl {
         let ttl = duration(ttl.0);
-        invocation.extend(quote!(.ttl(#ttl)));
+        options.extend(quote!(.ttl(#ttl)));
     }
     if let Some((_, lease)) = &args.lease {
         let lease = duration(lease.0);
-        invocation.extend(quote!(.lease(#lease)));
+        options.extend(quote!(.lease(#lease)));
     }
     if let Some((_, wait)) = &args.wait {
         let wait = duration(wait.0);
-        invocation.extend(quote!(.wait(#wait)));
+        options.extend(quote!(.in_flight(#private::InFlightPolicy::Wait { max: #wait })));
     }
     if args.in_flight.is_some() {
-        invocation.extend(quote!(.reject()));
+        options.extend(quote!(.in_flight(#private::InFlightPolicy::Reject)));
+    }
+    if !options.is_empty() {
+        invocation.extend(quote!(.options(#private::CallOptions::new() #options)));
     }
 
     let storing_errors = args.on_error.map(|(_, on_error)| on_error) == Some(OnError::Store);

@@ -10,9 +10,8 @@ use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 use tokio::sync::Notify;
 
-use crate::{
-    Claim, Clock, FencingToken, Fingerprint, StorageKey, Store, StoreError, SystemClock, limits,
-};
+use crate::clock::{Clock, SystemClock};
+use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, limits};
 
 /// Default bound on the number of records: one million.
 pub const DEFAULT_MAX_ENTRIES: usize = 1_000_000;
@@ -226,7 +225,7 @@ impl MemoryStoreBuilder {
         self
     }
 
-    /// The time source (default [`SystemClock`]). Tests pass a [`ManualClock`](crate::ManualClock).
+    /// The time source (default [`SystemClock`]). Tests pass a `clock::ManualClock` (feature `test-util`).
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Some(Arc::new(clock));
         self

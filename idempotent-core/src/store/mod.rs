@@ -1,137 +1,4 @@
-//! The store contract and the built-in stores.
-//!
-//! A [`Store`] keeps one record per [`StorageKey`]: either *in flight* (claimed by one caller
-//! holding a [`FencingToken`], until its lease ends) or *completed* (a result to replay, until
-//! its TTL ends). The runtime ([`Idempotency`](crate::Idempotency)) drives every store through
-//! the same cycle:
-//!
-//! ```text
-//! claim ──Claimed(token)──▶ run the work, renew(token) every lease/3 ──▶ complete(token) or release(token)
-//!   ├──InFlight──▶ reject (409) or wait and claim again
-//!   └──Completed──▶ replay the stored result
-//! ```
-//!
-//! # Implementing a custom store
-//!
-//! Implement the four required methods so that each is **one atomic step** against your
-//! backend, and run the conformance suite (feature `test-util`) against it; see
-//! [`conformance`](crate::conformance) when that feature is enabled. The rules every method
-//! must keep are in its documentation; in short:
-//!
-//! - a record whose lease or TTL has passed is as good as absent for `claim`, and only for
-//!   `claim`: `complete`, `release` and `renew` succeed only with the current token of a live
-//!   in-flight record;
-//! - every successful `claim` returns a token greater than every token issued before for that
-//!   storage key, even if the record was deleted in between;
-//! - a record is never overwritten or deleted by a caller that does not hold its current token;
-//! - time comes from one place shared by every caller (the backend's clock where it has one),
-//!   so that app servers with skewed clocks agree on when a lease ends.
-//!
-//! A complete store over a mutex-guarded `HashMap`, with time from [`std::time::Instant`]:
-//!
-//! ```
-//! use std::collections::HashMap;
-//! use std::sync::Mutex;
-//! use std::sync::atomic::{AtomicU64, Ordering};
-//! use std::time::{Duration, Instant};
-//!
-//! use bytes::Bytes;
-//! use idempotent_core::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
-//!
-//! enum Record {
-//!     InFlight { token: FencingToken, fingerprint: Fingerprint, until: Instant },
-//!     Completed { fingerprint: Fingerprint, payload: Bytes, until: Instant },
-//! }
-//!
-//! #[derive(Default)]
-//! struct MutexStore {
-//!     records: Mutex<HashMap<StorageKey, Record>>,
-//!     // One counter for all keys keeps tokens increasing per key across deletions.
-//!     last_token: AtomicU64,
-//! }
-//!
-//! impl Store for MutexStore {
-//!     async fn claim(
-//!         &self,
-//!         key: &StorageKey,
-//!         fingerprint: &Fingerprint,
-//!         lease: Duration,
-//!     ) -> Result<Claim, StoreError> {
-//!         let now = Instant::now();
-//!         let mut records = self.records.lock().unwrap();
-//!         match records.get(key) {
-//!             Some(Record::InFlight { fingerprint, until, .. }) if *until > now => {
-//!                 return Ok(Claim::InFlight { fingerprint: *fingerprint, retry_after: *until - now });
-//!             }
-//!             Some(Record::Completed { fingerprint, payload, until }) if *until > now => {
-//!                 return Ok(Claim::Completed { fingerprint: *fingerprint, payload: payload.clone() });
-//!             }
-//!             _ => {} // absent or expired: the caller becomes the owner
-//!         }
-//!         let token = FencingToken::new(self.last_token.fetch_add(1, Ordering::SeqCst) + 1);
-//!         records.insert(*key, Record::InFlight { token, fingerprint: *fingerprint, until: now + lease });
-//!         Ok(Claim::Claimed(token))
-//!     }
-//!
-//!     async fn complete(
-//!         &self,
-//!         key: &StorageKey,
-//!         token: FencingToken,
-//!         payload: Bytes,
-//!         ttl: Duration,
-//!     ) -> Result<(), StoreError> {
-//!         let now = Instant::now();
-//!         let mut records = self.records.lock().unwrap();
-//!         match records.get(key) {
-//!             Some(Record::InFlight { token: current, fingerprint, until }) if *current == token && *until > now => {
-//!                 let fingerprint = *fingerprint;
-//!                 records.insert(*key, Record::Completed { fingerprint, payload, until: now + ttl });
-//!                 Ok(())
-//!             }
-//!             _ => Err(StoreError::TokenRejected),
-//!         }
-//!     }
-//!
-//!     async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
-//!         let now = Instant::now();
-//!         let mut records = self.records.lock().unwrap();
-//!         match records.get(key) {
-//!             Some(Record::InFlight { token: current, until, .. }) if *current == token && *until > now => {
-//!                 records.remove(key);
-//!                 Ok(())
-//!             }
-//!             _ => Err(StoreError::TokenRejected),
-//!         }
-//!     }
-//!
-//!     async fn renew(&self, key: &StorageKey, token: FencingToken, lease: Duration) -> Result<(), StoreError> {
-//!         let now = Instant::now();
-//!         let mut records = self.records.lock().unwrap();
-//!         match records.get_mut(key) {
-//!             Some(Record::InFlight { token: current, until, .. }) if *current == token && *until > now => {
-//!                 *until = now + lease;
-//!                 Ok(())
-//!             }
-//!             _ => Err(StoreError::TokenRejected),
-//!         }
-//!     }
-//! }
-//!
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), idempotent_core::Error> {
-//! let idempotency = idempotent_core::Idempotency::new(MutexStore::default());
-//! let call = idempotent_core::Call::new("order-1".parse()?);
-//! let first = idempotency.run(&call, async { 42u32 }).await?;
-//! let retry = idempotency.run(&call, async { 43u32 }).await?;
-//! assert_eq!((first.into_inner(), retry.is_replayed(), retry.into_inner()), (42, true, 42));
-//! # Ok(())
-//! # }
-//! ```
-//!
-//! This store never forgets expired records and is bounded by nothing; [`MemoryStore`] shows how
-//! to reclaim and bound them.
-//!
-//! [`MemoryStore`]: crate::MemoryStore
+//! The store contract ([`Store`]) and the built-in stores.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -147,13 +14,7 @@ pub(crate) mod memory;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 #[cfg(feature = "redis")]
-mod redis;
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use self::postgres::PostgresStore;
-#[cfg(feature = "redis")]
-#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
-pub use self::redis::{DEFAULT_KEY_PREFIX as REDIS_DEFAULT_KEY_PREFIX, RedisStore};
+pub(crate) mod redis;
 
 /// Identifies one claim of one storage key. Strictly increasing per storage key: every claim
 /// gets a token greater than all tokens issued before it for that key, so a caller whose lease
@@ -194,12 +55,144 @@ pub enum Claim {
     },
 }
 
-/// Where records live: the contract every backend keeps. The [`store` module docs](crate::store) hold a
-/// complete example and the guide to implementing a store.
+/// Where records live: the contract every backend keeps.
 ///
 /// Every method is one atomic step: no interleaving of other callers' operations on the same
 /// storage key can be observed half-done. Methods take `&self` and are called concurrently from
 /// many tasks (and, for shared backends, many processes).
+///
+/// A [`Store`] keeps one record per [`StorageKey`]: either *in flight* (claimed by one caller
+/// holding a [`FencingToken`], until its lease ends) or *completed* (a result to replay, until
+/// its TTL ends). The runtime ([`Idempotency`](crate::Idempotency)) drives every store through
+/// the same cycle:
+///
+/// ```text
+/// claim ──Claimed(token)──▶ run the work, renew(token) every lease/3 ──▶ complete(token) or release(token)
+///   ├──InFlight──▶ reject (409) or wait and claim again
+///   └──Completed──▶ replay the stored result
+/// ```
+///
+/// # Implementing a store
+///
+/// Implement the four required methods so that each is **one atomic step** against your
+/// backend, and run the conformance suite (feature `test-util`) against it; see
+/// [`conformance`](crate::conformance) when that feature is enabled. The rules every method
+/// must keep are in its documentation; in short:
+///
+/// - a record whose lease or TTL has passed is as good as absent for `claim`, and only for
+///   `claim`: `complete`, `release` and `renew` succeed only with the current token of a live
+///   in-flight record;
+/// - every successful `claim` returns a token greater than every token issued before for that
+///   storage key, even if the record was deleted in between;
+/// - a record is never overwritten or deleted by a caller that does not hold its current token;
+/// - time comes from one place shared by every caller (the backend's clock where it has one),
+///   so that app servers with skewed clocks agree on when a lease ends.
+///
+/// A complete store over a mutex-guarded `HashMap`, with time from [`std::time::Instant`]:
+///
+/// ```
+/// use std::collections::HashMap;
+/// use std::sync::Mutex;
+/// use std::sync::atomic::{AtomicU64, Ordering};
+/// use std::time::{Duration, Instant};
+///
+/// use bytes::Bytes;
+/// use idempotent_core::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
+///
+/// enum Record {
+///     InFlight { token: FencingToken, fingerprint: Fingerprint, until: Instant },
+///     Completed { fingerprint: Fingerprint, payload: Bytes, until: Instant },
+/// }
+///
+/// #[derive(Default)]
+/// struct MutexStore {
+///     records: Mutex<HashMap<StorageKey, Record>>,
+///     // One counter for all keys keeps tokens increasing per key across deletions.
+///     last_token: AtomicU64,
+/// }
+///
+/// impl Store for MutexStore {
+///     async fn claim(
+///         &self,
+///         key: &StorageKey,
+///         fingerprint: &Fingerprint,
+///         lease: Duration,
+///     ) -> Result<Claim, StoreError> {
+///         let now = Instant::now();
+///         let mut records = self.records.lock().unwrap();
+///         match records.get(key) {
+///             Some(Record::InFlight { fingerprint, until, .. }) if *until > now => {
+///                 return Ok(Claim::InFlight { fingerprint: *fingerprint, retry_after: *until - now });
+///             }
+///             Some(Record::Completed { fingerprint, payload, until }) if *until > now => {
+///                 return Ok(Claim::Completed { fingerprint: *fingerprint, payload: payload.clone() });
+///             }
+///             _ => {} // absent or expired: the caller becomes the owner
+///         }
+///         let token = FencingToken::new(self.last_token.fetch_add(1, Ordering::SeqCst) + 1);
+///         records.insert(*key, Record::InFlight { token, fingerprint: *fingerprint, until: now + lease });
+///         Ok(Claim::Claimed(token))
+///     }
+///
+///     async fn complete(
+///         &self,
+///         key: &StorageKey,
+///         token: FencingToken,
+///         payload: Bytes,
+///         ttl: Duration,
+///     ) -> Result<(), StoreError> {
+///         let now = Instant::now();
+///         let mut records = self.records.lock().unwrap();
+///         match records.get(key) {
+///             Some(Record::InFlight { token: current, fingerprint, until }) if *current == token && *until > now => {
+///                 let fingerprint = *fingerprint;
+///                 records.insert(*key, Record::Completed { fingerprint, payload, until: now + ttl });
+///                 Ok(())
+///             }
+///             _ => Err(StoreError::TokenRejected),
+///         }
+///     }
+///
+///     async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
+///         let now = Instant::now();
+///         let mut records = self.records.lock().unwrap();
+///         match records.get(key) {
+///             Some(Record::InFlight { token: current, until, .. }) if *current == token && *until > now => {
+///                 records.remove(key);
+///                 Ok(())
+///             }
+///             _ => Err(StoreError::TokenRejected),
+///         }
+///     }
+///
+///     async fn renew(&self, key: &StorageKey, token: FencingToken, lease: Duration) -> Result<(), StoreError> {
+///         let now = Instant::now();
+///         let mut records = self.records.lock().unwrap();
+///         match records.get_mut(key) {
+///             Some(Record::InFlight { token: current, until, .. }) if *current == token && *until > now => {
+///                 *until = now + lease;
+///                 Ok(())
+///             }
+///             _ => Err(StoreError::TokenRejected),
+///         }
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), idempotent_core::Error> {
+/// let idempotency = idempotent_core::Idempotency::new(MutexStore::default());
+/// let call = idempotent_core::Call::new("order-1".parse()?);
+/// let first = idempotency.run(&call, async { 42u32 }).await?;
+/// let retry = idempotency.run(&call, async { 43u32 }).await?;
+/// assert_eq!((first.into_inner(), retry.is_replayed(), retry.into_inner()), (42, true, 42));
+/// # Ok(())
+/// # }
+/// ```
+///
+/// This store never forgets expired records and is bounded by nothing; [`MemoryStore`] shows how
+/// to reclaim and bound them.
+///
+/// [`MemoryStore`]: crate::memory::MemoryStore
 pub trait Store: Send + Sync + 'static {
     /// Claims `key` for `lease`, or reports the record that prevents it.
     ///

@@ -146,32 +146,80 @@ fn scripts() -> &'static Scripts {
     })
 }
 
-impl RedisStore {
-    /// Connects to `url` (`redis://HOST:PORT[/DB]`) with the default key prefix and 2-second
-    /// connection and response timeouts.
-    pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        Self::connect_with(url, DEFAULT_KEY_PREFIX, Duration::from_secs(2)).await
+/// The default connection and response timeout of a [`RedisStore`]: 2 seconds.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Configures a [`RedisStore`]. Created by [`RedisStore::builder`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct RedisStoreBuilder {
+    url: String,
+    prefix: String,
+    timeout: Duration,
+}
+
+impl RedisStoreBuilder {
+    /// The prefix of every Redis key the store writes (default [`DEFAULT_KEY_PREFIX`]), to
+    /// separate applications sharing one Redis.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
     }
 
-    /// Connects to `url`, writing keys under `prefix`, failing operations that take longer
-    /// than `timeout` to connect or to answer.
-    pub async fn connect_with(
-        url: &str,
-        prefix: &str,
-        timeout: Duration,
-    ) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url).map_err(|e| StoreError::Backend(Box::new(e)))?;
+    /// How long connecting, and each operation, may take before it fails with
+    /// [`StoreError::Unavailable`] (default [`DEFAULT_TIMEOUT`]).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Connects. Fails with [`StoreError::Backend`] for a malformed URL and
+    /// [`StoreError::Unavailable`] when the server cannot be reached.
+    pub async fn connect(self) -> Result<RedisStore, StoreError> {
+        let client =
+            redis::Client::open(self.url).map_err(|e| StoreError::Backend(Box::new(e)))?;
         let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
-            .set_response_timeout(Some(timeout))
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout))
             .set_number_of_retries(1);
         let connection = ConnectionManager::new_with_config(client, config)
             .await
             .map_err(store_error)?;
         Ok(RedisStore {
             connection,
-            prefix: prefix.into(),
+            prefix: self.prefix.into(),
         })
+    }
+}
+
+impl RedisStore {
+    /// Connects to `url` (`redis://HOST:PORT[/DB]`) with the default key prefix and timeouts:
+    /// `RedisStore::builder(url).connect()`.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Self::builder(url).connect().await
+    }
+
+    /// Configures a store on `url` (`redis://HOST:PORT[/DB]`).
+    ///
+    /// ```no_run
+    /// # async fn example() -> Result<(), idempotent_core::StoreError> {
+    /// use idempotent_core::redis::RedisStore;
+    /// use std::time::Duration;
+    ///
+    /// let store = RedisStore::builder("redis://127.0.0.1:6379")
+    ///     .key_prefix("billing:")
+    ///     .timeout(Duration::from_millis(500))
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            url: url.into(),
+            prefix: DEFAULT_KEY_PREFIX.into(),
+            timeout: DEFAULT_TIMEOUT,
+        }
     }
 
     /// The Redis key of a record.

@@ -220,7 +220,7 @@ impl Fence {
     ///
     /// Idempotent, and safe to run from every instance at startup: concurrent migrations of
     /// one table are serialized by a transaction-scoped advisory lock (the same lock
-    /// [`PostgresStore::migrate`](crate::PostgresStore::migrate) takes for a table of that
+    /// [`PostgresStore::migrate`](crate::postgres::PostgresStore::migrate) takes for a table of that
     /// name). Needs the privilege to create tables in the schema.
     pub async fn migrate(&self, pool: &PgPool) -> Result<(), sqlx::Error> {
         let mut tx = pool.begin().await?;

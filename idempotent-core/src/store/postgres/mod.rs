@@ -20,9 +20,7 @@ use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, lim
 
 pub use self::fence::{DEFAULT_FENCE_TABLE, Fence, FenceError};
 pub(crate) use self::transactional::RawClaim;
-pub use self::transactional::{
-    PendingRecord, Transactional, TransactionalCall, TransactionalClaim,
-};
+pub use self::transactional::{PendingRecord, Transactional, TransactionalClaim};
 
 /// The table [`PostgresStore::new`] and [`Transactional::default`] use.
 pub const DEFAULT_TABLE: &str = "idempotent_records";

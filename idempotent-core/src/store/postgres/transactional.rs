@@ -12,12 +12,10 @@ use sqlx::Executor as _;
 use sqlx::postgres::PgConnection;
 
 use super::{DEFAULT_TABLE, Sql, micros, store_error, token_param};
-use crate::envelope;
-use crate::runtime::{ClaimAnswer, Step};
-use crate::{
-    ClaimHandle, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Error, FencingToken,
-    Fingerprint, InFlightPolicy, Key, Retain, Scope, StorageKey, StoreError,
-};
+use crate::call::Settings;
+use crate::claim_answer::{ClaimAnswer, Step};
+use crate::record::Payload;
+use crate::{Call, ClaimHandle, Defaults, Error, FencingToken, Retain, StorageKey, StoreError};
 
 /// The savepoint the work runs under, so that a failed call can undo its own writes. Sent
 /// without parameters, so in one round trip each.
@@ -36,8 +34,8 @@ const ROLLBACK_TO_SAVEPOINT: &str =
 /// runs the work again as if it had never started.
 ///
 /// ```no_run
-/// use idempotent_core::postgres::TransactionalClaim;
-/// use idempotent_core::{Fingerprint, PostgresStore};
+/// use idempotent_core::postgres::{PostgresStore, TransactionalClaim};
+/// use idempotent_core::{Call, Fingerprint};
 /// use sqlx::PgPool;
 ///
 /// # async fn example(pool: PgPool) -> Result<(), Box<dyn std::error::Error>> {
@@ -46,10 +44,8 @@ const ROLLBACK_TO_SAVEPOINT: &str =
 /// let transactional = store.transactional().namespace("billing");
 ///
 /// let mut tx = pool.begin().await?;
-/// let call = transactional
-///     .call("deposit-7f3a".parse()?)
-///     .fingerprint(Fingerprint::of(&("acct-1", 100))?);
-/// let balance: i64 = match call.claim(&mut tx).await? {
+/// let call = Call::new("deposit-7f3a".parse()?).fingerprint(Fingerprint::of(&("acct-1", 100))?);
+/// let balance: i64 = match transactional.claim(&call, &mut tx).await? {
 ///     TransactionalClaim::Replay(balance) => balance, // done before: nothing was written
 ///     TransactionalClaim::Run(pending) => {
 ///         let balance = sqlx::query_scalar(
@@ -72,7 +68,7 @@ const ROLLBACK_TO_SAVEPOINT: &str =
 /// # What the transaction covers
 ///
 /// 1. **Claim**: one statement in your transaction, the same as
-///    [`PostgresStore`](crate::PostgresStore)'s claim. A new or taken-over row is locked by your
+///    [`PostgresStore`](crate::postgres::PostgresStore)'s claim. A new or taken-over row is locked by your
 ///    transaction until it ends and is invisible to everyone else until it commits. A completed record is replayed; a live in-flight record
 ///    committed by a standalone caller is answered by the in-flight policy.
 /// 2. **Work**: you run it with the same transaction (the claim took a savepoint after the
@@ -104,7 +100,7 @@ const ROLLBACK_TO_SAVEPOINT: &str =
 ///   cancelled call): committing it would publish an in-flight claim that holds the key until
 ///   its lease ends.
 ///
-/// Records are the same rows as [`PostgresStore`](crate::PostgresStore)'s, with results encoded
+/// Records are the same rows as [`PostgresStore`](crate::postgres::PostgresStore)'s, with results encoded
 /// as JSON like [`Idempotency::run`](crate::Idempotency::run): with the same table and
 /// namespace, a standalone runtime replays what a transactional call recorded, and the other
 /// way round.
@@ -112,10 +108,7 @@ const ROLLBACK_TO_SAVEPOINT: &str =
 pub struct Transactional {
     sql: Arc<Sql>,
     namespace: Arc<[u8]>,
-    ttl: Duration,
-    lease: Duration,
-    in_flight: InFlightPolicy,
-    max_result_bytes: usize,
+    defaults: Defaults,
 }
 
 impl fmt::Debug for Transactional {
@@ -123,10 +116,7 @@ impl fmt::Debug for Transactional {
         f.debug_struct("Transactional")
             .field("table", &self.sql.table)
             .field("namespace", &String::from_utf8_lossy(&self.namespace))
-            .field("ttl", &self.ttl)
-            .field("lease", &self.lease)
-            .field("in_flight", &self.in_flight)
-            .field("max_result_bytes", &self.max_result_bytes)
+            .field("defaults", &self.defaults)
             .finish()
     }
 }
@@ -145,10 +135,7 @@ impl Transactional {
         Transactional {
             sql,
             namespace: Arc::from(&[][..]),
-            ttl: DEFAULT_TTL,
-            lease: DEFAULT_LEASE,
-            in_flight: InFlightPolicy::Reject,
-            max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
+            defaults: Defaults::new(),
         }
     }
 
@@ -160,50 +147,16 @@ impl Transactional {
         self
     }
 
-    /// How long completed results are replayed (default [`DEFAULT_TTL`]).
-    ///
-    /// # Panics
-    ///
-    /// If `ttl` is outside [`limits::MIN_TTL`](crate::limits::MIN_TTL) to
-    /// [`limits::MAX_TTL`](crate::limits::MAX_TTL) (1 ms to 365 days), as
-    /// [`Call::ttl`](crate::Call::ttl).
-    #[track_caller]
+    /// The settings of every call that does not override them with its
+    /// [`CallOptions`](crate::CallOptions) (default [`Defaults::new`]), as
+    /// [`IdempotencyBuilder::defaults`](crate::IdempotencyBuilder::defaults). Here the lease
+    /// is only written with a claim: an uncommitted claim needs none (nobody else can see it),
+    /// so it matters only if a transaction commits a claim it neither completed nor released.
+    /// The in-flight policy answers a live in-flight record committed by a standalone caller;
+    /// duplicates in other transactions are not affected: they wait on the row.
     #[must_use]
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = crate::limits::require(crate::limits::Setting::Ttl, ttl);
-        self
-    }
-
-    /// The lease written with a claim (default [`DEFAULT_LEASE`]). An uncommitted claim needs
-    /// none (nobody else can see it), so this matters only if a transaction commits a claim it
-    /// neither completed nor released.
-    ///
-    /// # Panics
-    ///
-    /// If `lease` is outside [`limits::MIN_LEASE`](crate::limits::MIN_LEASE) to
-    /// [`limits::MAX_LEASE`](crate::limits::MAX_LEASE) (100 ms to 365 days), as
-    /// [`Call::lease`](crate::Call::lease).
-    #[track_caller]
-    #[must_use]
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = crate::limits::require(crate::limits::Setting::Lease, lease);
-        self
-    }
-
-    /// What a call does when it finds a live in-flight record committed by a standalone
-    /// caller (default [`InFlightPolicy::Reject`]). Duplicates in other transactions are not
-    /// affected: they wait on the row.
-    #[must_use]
-    pub fn in_flight(mut self, policy: InFlightPolicy) -> Self {
-        self.in_flight = policy;
-        self
-    }
-
-    /// The largest result retained for replay (default [`DEFAULT_MAX_RESULT_BYTES`]); retries
-    /// of a call with a larger result get [`Error::ResultNotRetained`].
-    #[must_use]
-    pub fn max_result_bytes(mut self, max: usize) -> Self {
-        self.max_result_bytes = max;
+    pub fn defaults(mut self, defaults: Defaults) -> Self {
+        self.defaults = defaults;
         self
     }
 
@@ -212,44 +165,74 @@ impl Transactional {
         &self.sql.table
     }
 
-    /// One call with `key`, the empty scope and the empty fingerprint.
-    pub fn call(&self, key: Key) -> TransactionalCall<'_> {
-        TransactionalCall {
-            runtime: self,
-            key,
-            scope: Scope::new(),
-            fingerprint: Fingerprint::empty(),
-            ttl: None,
-            lease: None,
-            in_flight: None,
+    /// The storage key (the row's primary key) `call` maps to.
+    pub fn storage_key(&self, call: &Call) -> StorageKey {
+        StorageKey::derive(&self.namespace, call.scope_ref(), call.key())
+    }
+
+    /// Claims `call`'s key in `connection`'s transaction, or replays the completed result.
+    ///
+    /// On [`TransactionalClaim::Run`], do the work with the same connection, then complete the
+    /// [`PendingRecord`] (or release it) before committing.
+    pub async fn claim<T: DeserializeOwned>(
+        &self,
+        call: &Call,
+        connection: &mut PgConnection,
+    ) -> Result<TransactionalClaim<T>, Error> {
+        match self.claim_raw(call, connection).await? {
+            RawClaim::Run(pending) => Ok(TransactionalClaim::Run(pending)),
+            RawClaim::Replay(bytes) => serde_json::from_slice(&bytes)
+                .map(TransactionalClaim::Replay)
+                .map_err(|e| Error::Payload(e.into())),
+        }
+    }
+
+    pub(crate) async fn claim_raw(
+        &self,
+        call: &Call,
+        connection: &mut PgConnection,
+    ) -> Result<RawClaim, Error> {
+        let key = self.storage_key(call);
+        let fingerprint = call.fingerprint_ref();
+        let Settings {
+            ttl,
+            lease,
+            in_flight,
+            max_result_bytes,
+        } = call.settings(&self.defaults);
+        let mut answer = ClaimAnswer::new(in_flight);
+        loop {
+            let claim = self
+                .sql
+                .claim_on(connection, &key, fingerprint, lease)
+                .await?;
+            match answer.step(&key, fingerprint, claim)? {
+                Step::Owner(token) => {
+                    let pending = PendingRecord {
+                        sql: Arc::clone(&self.sql),
+                        key,
+                        token,
+                        ttl,
+                        lease,
+                        max_result_bytes,
+                    };
+                    pending.savepoint(connection).await?;
+                    tracing::debug!(storage_key = %key, token = token.get(), "transactional call claimed");
+                    return Ok(RawClaim::Run(pending));
+                }
+                Step::Replay(bytes) => {
+                    tracing::debug!(storage_key = %key, "transactional call replayed");
+                    return Ok(RawClaim::Replay(bytes));
+                }
+                // The connection is inside the caller's transaction: nothing to be notified
+                // on, so poll.
+                Step::Wait(wait) => tokio::time::sleep(wait).await,
+            }
         }
     }
 }
 
-/// One call in transactional mode: its key, scope, fingerprint and per-call overrides, as
-/// [`Call`](crate::Call) for the standalone runtime. Created by [`Transactional::call`].
-#[must_use]
-pub struct TransactionalCall<'a> {
-    runtime: &'a Transactional,
-    key: Key,
-    scope: Scope,
-    fingerprint: Fingerprint,
-    ttl: Option<Duration>,
-    lease: Option<Duration>,
-    in_flight: Option<InFlightPolicy>,
-}
-
-impl fmt::Debug for TransactionalCall<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TransactionalCall")
-            .field("key", &self.key)
-            .field("scope", &self.scope)
-            .field("fingerprint", &self.fingerprint)
-            .finish_non_exhaustive()
-    }
-}
-
-/// What [`TransactionalCall::claim`] found.
+/// What [`Transactional::claim`] found.
 #[derive(Debug)]
 #[must_use]
 pub enum TransactionalClaim<T> {
@@ -290,109 +273,6 @@ pub(crate) enum RawClaim {
     Replay(Bytes),
 }
 
-impl TransactionalCall<'_> {
-    /// Who the key belongs to.
-    pub fn scope(mut self, scope: Scope) -> Self {
-        self.scope = scope;
-        self
-    }
-
-    /// What the request means; the same key with another fingerprint fails with
-    /// [`Error::FingerprintMismatch`]. Default: [`Fingerprint::empty`].
-    pub fn fingerprint(mut self, fingerprint: Fingerprint) -> Self {
-        self.fingerprint = fingerprint;
-        self
-    }
-
-    /// How long the completed result is replayed (default: the runtime's).
-    ///
-    /// # Panics
-    ///
-    /// If `ttl` is outside [`limits::MIN_TTL`](crate::limits::MIN_TTL) to
-    /// [`limits::MAX_TTL`](crate::limits::MAX_TTL) (1 ms to 365 days), as
-    /// [`Call::ttl`](crate::Call::ttl).
-    #[track_caller]
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = Some(crate::limits::require(crate::limits::Setting::Ttl, ttl));
-        self
-    }
-
-    /// The claim's lease (default: the runtime's); see [`Transactional::lease`].
-    ///
-    /// # Panics
-    ///
-    /// If `lease` is outside [`limits::MIN_LEASE`](crate::limits::MIN_LEASE) to
-    /// [`limits::MAX_LEASE`](crate::limits::MAX_LEASE) (100 ms to 365 days), as
-    /// [`Call::lease`](crate::Call::lease).
-    #[track_caller]
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = Some(crate::limits::require(crate::limits::Setting::Lease, lease));
-        self
-    }
-
-    /// What to do when a standalone caller holds the key (default: the runtime's).
-    pub fn in_flight(mut self, policy: InFlightPolicy) -> Self {
-        self.in_flight = Some(policy);
-        self
-    }
-
-    /// The storage key (the row's primary key) this call maps to.
-    pub fn storage_key(&self) -> StorageKey {
-        StorageKey::derive(&self.runtime.namespace, &self.scope, &self.key)
-    }
-
-    /// Claims the key in `connection`'s transaction, or replays the completed result.
-    ///
-    /// On [`TransactionalClaim::Run`], do the work with the same connection, then complete the
-    /// [`PendingRecord`] (or release it) before committing.
-    pub async fn claim<T: DeserializeOwned>(
-        self,
-        connection: &mut PgConnection,
-    ) -> Result<TransactionalClaim<T>, Error> {
-        match self.claim_raw(connection).await? {
-            RawClaim::Run(pending) => Ok(TransactionalClaim::Run(pending)),
-            RawClaim::Replay(bytes) => serde_json::from_slice(&bytes)
-                .map(TransactionalClaim::Replay)
-                .map_err(|e| Error::Payload(e.into())),
-        }
-    }
-
-    pub(crate) async fn claim_raw(self, connection: &mut PgConnection) -> Result<RawClaim, Error> {
-        let runtime = self.runtime;
-        let key = self.storage_key();
-        let lease = self.lease.unwrap_or(runtime.lease);
-        let mut answer = ClaimAnswer::new(self.in_flight.unwrap_or(runtime.in_flight));
-        loop {
-            let claim = runtime
-                .sql
-                .claim_on(connection, &key, &self.fingerprint, lease)
-                .await?;
-            match answer.step(&key, &self.fingerprint, claim)? {
-                Step::Owner(token) => {
-                    let pending = PendingRecord {
-                        sql: Arc::clone(&runtime.sql),
-                        key,
-                        token,
-                        ttl: self.ttl.unwrap_or(runtime.ttl),
-                        lease,
-                        max_result_bytes: runtime.max_result_bytes,
-                    };
-                    pending.savepoint(connection).await?;
-                    tracing::debug!(storage_key = %key, token = token.get(), "transactional call claimed");
-                    return Ok(RawClaim::Run(pending));
-                }
-                Step::Replay(bytes) => {
-                    tracing::debug!(storage_key = %key, "transactional call replayed");
-                    return Ok(RawClaim::Replay(bytes));
-                }
-                // The connection is inside the caller's transaction: nothing to be notified
-                // on, so poll.
-                Step::Wait(wait) => tokio::time::sleep(wait).await,
-            }
-        }
-    }
-}
-
 impl PendingRecord {
     /// The storage key claimed.
     pub fn storage_key(&self) -> StorageKey {
@@ -428,7 +308,10 @@ impl PendingRecord {
         value: &T,
     ) -> Result<(), Error> {
         match serde_json::to_vec(value) {
-            Ok(bytes) => self.finish(connection, Retain::Store(bytes.into())).await,
+            Ok(bytes) => {
+                self.finish(connection, Retain::Keep, || Some(bytes.into()))
+                    .await
+            }
             Err(error) => {
                 self.release_logged(connection).await;
                 Err(Error::Payload(error.into()))
@@ -451,28 +334,18 @@ impl PendingRecord {
         Ok(())
     }
 
-    /// Completes with already-encoded result bytes, or releases: the byte-level face of
-    /// [`complete`](Self::complete) and [`release`](Self::release).
+    /// Completes with the bytes `encode` gives (as [`Idempotency::execute`](crate::Idempotency::execute)
+    /// does), or releases: the byte-level face of [`complete`](Self::complete) and
+    /// [`release`](Self::release).
     pub(crate) async fn finish(
         self,
         connection: &mut PgConnection,
         retain: Retain,
+        encode: impl FnOnce() -> Option<Bytes>,
     ) -> Result<(), Error> {
         let payload = match retain {
             Retain::Release => return self.release(connection).await,
-            Retain::Store(result) if result.len() <= self.max_result_bytes => {
-                envelope::encode_value(&result)
-            }
-            Retain::Store(result) => {
-                tracing::warn!(
-                    storage_key = %self.key,
-                    bytes = result.len(),
-                    max = self.max_result_bytes,
-                    "idempotent result too large to retain; retries will get result_not_retained"
-                );
-                envelope::encode_not_retained()
-            }
-            Retain::CompleteWithoutResult => envelope::encode_not_retained(),
+            Retain::Keep => Payload::new(&self.key, encode(), self.max_result_bytes).envelope(),
         };
         let query = sqlx::query(&self.sql.complete_in_transaction)
             .bind(self.key.as_bytes().as_slice())

@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! let invocation = __private::Invocation::new(runtime, name, __private::key(&key))
-//!     .scope(..).fingerprint(..).ttl(..).lease(..).wait(..);
+//!     .scope(..).fingerprint(..)
+//!     .options(__private::CallOptions::new().ttl(..).lease(..).in_flight(..));
 //! let returns = __private::returns::<R>(
 //!     __private::value::<<R as __private::IdempotentResult>::Value>(),
 //!     __private::refused::<<R as __private::IdempotentResult>::Error>(),
@@ -25,12 +26,13 @@ use bytes::Bytes;
 use serde::Serialize;
 use serde::de::{DeserializeOwned, IgnoredAny};
 
+pub use crate::{CallOptions, InFlightPolicy};
 pub use core::{concat, module_path};
 pub use std::time::Duration;
 
 use crate::{
-    Call, CanonicalError, Error, Execution, Fingerprint, Idempotency, InFlightPolicy, Key,
-    KeyError, Retain, Scope, ToKey,
+    Call, CanonicalError, Error, Execution, Fingerprint, Idempotency, Key, KeyError, Retain,
+    Scope, ToKey,
 };
 
 /// The running claim, for `claim = name`: the expansion calls this at the top of the work,
@@ -50,9 +52,7 @@ pub struct Invocation<R = Idempotency> {
     key: Result<Key, KeyError>,
     scope: Scope,
     fingerprint: Option<Result<Fingerprint, CanonicalError>>,
-    ttl: Option<Duration>,
-    lease: Option<Duration>,
-    in_flight: Option<InFlightPolicy>,
+    options: CallOptions,
 }
 
 impl<R> Invocation<R> {
@@ -64,9 +64,7 @@ impl<R> Invocation<R> {
             key,
             scope: Scope::new(),
             fingerprint: None,
-            ttl: None,
-            lease: None,
-            in_flight: None,
+            options: CallOptions::new(),
         }
     }
 
@@ -82,45 +80,19 @@ impl<R> Invocation<R> {
         self
     }
 
-    /// `ttl = ...`.
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = Some(ttl);
+    /// `ttl = ...`, `lease = ...`, `wait = ...` and `in_flight = ...`.
+    pub fn options(mut self, options: CallOptions) -> Self {
+        self.options = options;
         self
     }
 
-    /// `lease = ...`.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = Some(lease);
-        self
-    }
-
-    /// `wait = ...`.
-    pub fn wait(mut self, max: Duration) -> Self {
-        self.in_flight = Some(InFlightPolicy::Wait { max });
-        self
-    }
-
-    /// `in_flight = "reject"`.
-    pub fn reject(mut self) -> Self {
-        self.in_flight = Some(InFlightPolicy::Reject);
-        self
-    }
-}
-
-impl Invocation<Idempotency> {
-    fn into_call(self) -> Result<(Idempotency, Call), Error> {
-        let mut call = Call::new(self.key?).scope(self.scope.operation(self.name));
+    /// The runtime and the call, or the error that stops the call before it claims.
+    fn into_call(self) -> Result<(R, Call), Error> {
+        let mut call = Call::new(self.key?)
+            .scope(self.scope.operation(self.name))
+            .options(self.options);
         if let Some(fingerprint) = self.fingerprint {
             call = call.fingerprint(fingerprint?);
-        }
-        if let Some(ttl) = self.ttl {
-            call = call.ttl(ttl);
-        }
-        if let Some(lease) = self.lease {
-            call = call.lease(lease);
-        }
-        if let Some(policy) = self.in_flight {
-            call = call.in_flight(policy);
         }
         Ok((self.runtime, call))
     }
@@ -295,13 +267,13 @@ pub struct Returns<O, T, E> {
 
 /// The `Ok` half of a record, from [`value`].
 pub struct Value<T> {
-    encode: fn(&T) -> Retain,
+    encode: fn(&T) -> Option<Bytes>,
     decode: fn(&[u8]) -> serde_json::Result<Result<T, IgnoredAny>>,
 }
 
 /// The `Err` half of a record under `on_error = "store"`, from [`stored_errors`].
 pub struct StoredErrors<E> {
-    encode: fn(&E) -> Retain,
+    encode: fn(&E) -> Option<Bytes>,
     decode: fn(&[u8]) -> serde_json::Result<E>,
 }
 
@@ -358,12 +330,20 @@ impl<O, T, E> Returns<O, T, E> {
         }
     }
 
-    /// What to keep of a fresh result.
+    /// Whether a fresh result is kept: an `Ok` always, an `Err` under `on_error = "store"`.
     fn retain(&self, result: &Result<T, E>) -> Retain {
+        match (result, &self.stored_errors) {
+            (Ok(_), _) | (Err(_), Some(_)) => Retain::Keep,
+            (Err(_), None) => Retain::Release,
+        }
+    }
+
+    /// The record of a kept result; `None` if it cannot be encoded.
+    fn encode(&self, result: &Result<T, E>) -> Option<Bytes> {
         match (result, &self.stored_errors) {
             (Ok(value), _) => (self.value.encode)(value),
             (Err(error), Some(stored)) => (stored.encode)(error),
-            (Err(_), None) => Retain::Release,
+            (Err(_), None) => None,
         }
     }
 
@@ -406,7 +386,12 @@ where
     let (runtime, call) = invocation.into_call().map_err(refused)?;
     let work = async move { into_result(work.await) };
     let execution = runtime
-        .execute(&call, work, |result| returns.retain(result))
+        .execute(
+            &call,
+            work,
+            |result| returns.retain(result),
+            |result| returns.encode(result),
+        )
         .await
         .map_err(refused)?;
     match execution {
@@ -417,9 +402,9 @@ where
 
 /// Records are serde's JSON encoding of a `Result` (`{"Ok": value}` or `{"Err": error}`), so a
 /// function can switch `on_error` without orphaning its records.
-fn encode<T: Serialize, E: Serialize>(result: &Result<T, E>) -> Retain {
+fn encode<T: Serialize, E: Serialize>(result: &Result<T, E>) -> Option<Bytes> {
     match serde_json::to_vec(result) {
-        Ok(bytes) => Retain::Store(Bytes::from(bytes)),
+        Ok(bytes) => Some(Bytes::from(bytes)),
         Err(error) => {
             // The body ran and its effect happened: a retry must not run it again, so record
             // the call without its result; retries get `Error::ResultNotRetained`.
@@ -427,13 +412,13 @@ fn encode<T: Serialize, E: Serialize>(result: &Result<T, E>) -> Retain {
                 error = &error as &dyn std::error::Error,
                 "idempotent result cannot be encoded for replay; retries will get result_not_retained"
             );
-            Retain::CompleteWithoutResult
+            None
         }
     }
 }
 
 /// `tx = <parameter>`: the claim, the body and the record in the caller's PostgreSQL
-/// transaction ([`Transactional`](crate::Transactional)). An expanded function's body is
+/// transaction ([`Transactional`](crate::postgres::Transactional)). An expanded function's body is
 ///
 /// ```text
 /// let invocation = __private::Invocation::new(runtime, name, __private::key(&key))...;
@@ -460,7 +445,8 @@ pub mod postgres {
 
     use super::{Invocation, Returns};
     use crate::store::postgres::{PendingRecord, RawClaim};
-    use crate::{Error, Retain, Transactional};
+    use crate::postgres::Transactional;
+    use crate::{Error, Retain};
 
     /// `runtime = expr` with `tx = ...`.
     pub fn runtime<R: AsTransactional + ?Sized>(runtime: &R) -> Transactional {
@@ -476,7 +462,7 @@ pub mod postgres {
     /// The type of a `runtime = ...` expression with `tx = ...`.
     #[diagnostic::on_unimplemented(
         message = "`{Self}` is not a transactional idempotency runtime",
-        label = "expected `&idempotent_core::Transactional`",
+        label = "expected `&idempotent_core::postgres::Transactional`",
         note = "with `tx = ...`, the runtime is a `Transactional`: \
                 `PostgresStore::transactional()` makes one"
     )]
@@ -560,36 +546,11 @@ pub mod postgres {
     ) -> ControlFlow<O, Pending<O, T, E>> {
         let (refuse, from_result) = (returns.refused, returns.from_result);
         let refused = |error: Error| ControlFlow::Break(from_result(Err(refuse(error))));
-        let Invocation {
-            runtime,
-            name,
-            key,
-            scope,
-            fingerprint,
-            ttl,
-            lease,
-            in_flight,
-        } = invocation;
-        let key = match key {
-            Ok(key) => key,
-            Err(error) => return refused(error.into()),
+        let (runtime, call) = match invocation.into_call() {
+            Ok(runtime_and_call) => runtime_and_call,
+            Err(error) => return refused(error),
         };
-        let mut call = runtime.call(key).scope(scope.operation(name));
-        match fingerprint.transpose() {
-            Ok(Some(fingerprint)) => call = call.fingerprint(fingerprint),
-            Ok(None) => {}
-            Err(error) => return refused(error.into()),
-        }
-        if let Some(ttl) = ttl {
-            call = call.ttl(ttl);
-        }
-        if let Some(lease) = lease {
-            call = call.lease(lease);
-        }
-        if let Some(policy) = in_flight {
-            call = call.in_flight(policy);
-        }
-        match call.claim_raw(connection).await {
+        match runtime.claim_raw(&call, connection).await {
             Ok(RawClaim::Run(record)) => ControlFlow::Continue(Pending { record, returns }),
             Ok(RawClaim::Replay(bytes)) => match returns.replay(&bytes) {
                 Ok(result) => ControlFlow::Break(from_result(result)),
@@ -611,7 +572,10 @@ pub mod postgres {
         let result = (returns.into_result)(output);
         let retain = returns.retain(&result);
         let released = retain == Retain::Release;
-        let result = match record.finish(connection, retain).await {
+        let finished = record
+            .finish(connection, retain, || returns.encode(&result))
+            .await;
+        let result = match finished {
             Ok(()) => result,
             // The function's own `Err` says more than the failed release; the caller rolls
             // back either way.
@@ -628,7 +592,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
-    use crate::MemoryStore;
+    use crate::memory::MemoryStore;
 
     fn invocation(runtime: &Idempotency, key: &str) -> Invocation {
         Invocation::new(runtime.clone(), "tests::op", self::key(key))
@@ -656,7 +620,7 @@ mod tests {
 
     impl From<Error> for Declined {
         fn from(error: Error) -> Self {
-            Declined::Refused(error.code().into())
+            Declined::Refused(error.code().as_str().into())
         }
     }
 
@@ -740,7 +704,7 @@ mod tests {
         }
         impl From<Error> for Other {
             fn from(error: Error) -> Self {
-                Other::Refused(error.code().into())
+                Other::Refused(error.code().as_str().into())
             }
         }
         let runtime = Idempotency::new(MemoryStore::new());

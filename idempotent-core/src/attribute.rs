@@ -1,172 +1,4 @@
-//! The public pieces behind `#[idempotent]`: key conversion and the process-wide default
-//! runtime.
-
-use std::borrow::Cow;
-use std::rc::Rc;
-use std::sync::{Arc, OnceLock};
-
-use crate::{Idempotency, Key, KeyError};
-
-/// A value that can identify a call: the `key` of an
-/// [`#[idempotent]`](macro@crate::idempotent) function.
-///
-/// Implemented for strings, integers (as their decimal digits), [`Key`] itself, `uuid::Uuid`
-/// (feature `uuid`; hyphenated lowercase), and references and smart pointers to any of them.
-/// Implement it for your own identifiers:
-///
-/// ```
-/// use idempotent_core::{Key, KeyError, ToKey};
-///
-/// struct DeliveryId {
-///     queue: &'static str,
-///     sequence: u64,
-/// }
-///
-/// impl ToKey for DeliveryId {
-///     fn to_key(&self) -> Result<Key, KeyError> {
-///         Key::new(format!("{}/{}", self.queue, self.sequence))
-///     }
-/// }
-///
-/// let id = DeliveryId { queue: "orders", sequence: 42 };
-/// assert_eq!(id.to_key()?.as_str(), "orders/42");
-/// # Ok::<(), KeyError>(())
-/// ```
-///
-/// A key that fails to convert (an empty string, say) fails the call with
-/// [`Error::InvalidKey`](crate::Error::InvalidKey) before the function's body runs.
-#[diagnostic::on_unimplemented(
-    message = "`{Self}` cannot be used as an idempotency key",
-    label = "not convertible into an idempotency key",
-    note = "keys are strings, integers, `uuid::Uuid` (feature `uuid`) or `idempotent_core::Key`; \
-            implement `idempotent_core::ToKey` for `{Self}` to use it as a key"
-)]
-pub trait ToKey {
-    /// The key; fails if the value is not a valid [`Key`] (see its rules).
-    fn to_key(&self) -> Result<Key, KeyError>;
-}
-
-impl ToKey for Key {
-    fn to_key(&self) -> Result<Key, KeyError> {
-        Ok(self.clone())
-    }
-}
-
-impl ToKey for str {
-    fn to_key(&self) -> Result<Key, KeyError> {
-        Key::new(self)
-    }
-}
-
-impl ToKey for String {
-    fn to_key(&self) -> Result<Key, KeyError> {
-        Key::new(self.as_str())
-    }
-}
-
-impl ToKey for Cow<'_, str> {
-    fn to_key(&self) -> Result<Key, KeyError> {
-        Key::new(self.as_ref())
-    }
-}
-
-impl<T: ToKey + ?Sized> ToKey for &T {
-    fn to_key(&self) -> Result<Key, KeyError> {
-        (**self).to_key()
-    }
-}
-
-impl<T: ToKey + ?Sized> ToKey for &mut T {
-    fn to_key(&self) -> Result<Key, KeyError> {
-        (**self).to_key()
-    }
-}
-
-impl<T: ToKey + ?Sized> ToKey for Box<T> {
-    fn to_key(&self) -> Result<Key, KeyError> {
-        (**self).to_key()
-    }
-}
-
-impl<T: ToKey + ?Sized> ToKey for Arc<T> {
-    fn to_key(&self) -> Result<Key, KeyError> {
-        (**self).to_key()
-    }
-}
-
-impl<T: ToKey + ?Sized> ToKey for Rc<T> {
-    fn to_key(&self) -> Result<Key, KeyError> {
-        (**self).to_key()
-    }
-}
-
-macro_rules! integer_keys {
-    ($($int:ty)*) => {$(
-        impl ToKey for $int {
-            fn to_key(&self) -> Result<Key, KeyError> {
-                Key::new(self.to_string())
-            }
-        }
-    )*};
-}
-
-integer_keys!(u8 u16 u32 u64 u128 usize i8 i16 i32 i64 i128 isize);
-
-#[cfg(feature = "uuid")]
-impl ToKey for uuid::Uuid {
-    fn to_key(&self) -> Result<Key, KeyError> {
-        Key::new(self.hyphenated().to_string())
-    }
-}
-
-static DEFAULT_RUNTIME: OnceLock<Idempotency> = OnceLock::new();
-
-/// Installs the runtime that [`#[idempotent]`](macro@crate::idempotent) functions without a
-/// `runtime = ...` argument use. Call it once, at startup, before the first such call.
-///
-/// Fails, handing `runtime` back, if a default runtime is already in place: installed by an
-/// earlier call, or created by [`default_runtime`] because an `#[idempotent]` function ran
-/// first.
-///
-/// ```
-/// use idempotent_core::{Idempotency, MemoryStore, set_default_runtime};
-/// use std::time::Duration;
-///
-/// let runtime = Idempotency::builder(MemoryStore::new())
-///     .namespace("billing")
-///     .ttl(Duration::from_secs(7 * 24 * 3600))
-///     .build();
-/// set_default_runtime(runtime).expect("installed once, at startup");
-/// ```
-pub fn set_default_runtime(runtime: Idempotency) -> Result<(), Idempotency> {
-    DEFAULT_RUNTIME.set(runtime)
-}
-
-/// The runtime [`#[idempotent]`](macro@crate::idempotent) functions use when they name none:
-/// the one installed with [`set_default_runtime`], or else, created on first use, a runtime
-/// with the default settings over a [`MemoryStore`](crate::MemoryStore) (which protects one
-/// process only).
-///
-/// # Panics
-///
-/// Without the `memory` feature there is no store to fall back on: panics if no runtime was
-/// installed.
-pub fn default_runtime() -> &'static Idempotency {
-    DEFAULT_RUNTIME.get_or_init(fallback_runtime)
-}
-
-#[cfg(feature = "memory")]
-fn fallback_runtime() -> Idempotency {
-    Idempotency::new(crate::MemoryStore::new())
-}
-
-#[cfg(not(feature = "memory"))]
-fn fallback_runtime() -> Idempotency {
-    panic!(
-        "no default idempotency runtime: call `idempotent_core::set_default_runtime` at startup, \
-         pass `runtime = ...` to #[idempotent], or enable the `memory` feature"
-    )
-}
+//! The `#[idempotent]` attribute and its documentation.
 
 /// Makes the effect of an `async fn` happen once per key.
 ///
@@ -453,11 +285,11 @@ fn fallback_runtime() -> Idempotency {
 /// with the same key waits on the row until the first transaction ends, then replays its
 /// result. An `Err` undoes the body's writes (back to a savepoint taken after the claim) and
 /// releases the key in the transaction, which stays usable; with `on_error = "store"` the
-/// `Err` is recorded, with the writes. See [`Transactional`](crate::Transactional) for the
+/// `Err` is recorded, with the writes. See [`Transactional`](crate::postgres::Transactional) for the
 /// details and requirements.
 ///
-/// `runtime = ...` then names a [`Transactional`](crate::Transactional) (from
-/// [`PostgresStore::transactional`](crate::PostgresStore::transactional)), for its table,
+/// `runtime = ...` then names a [`Transactional`](crate::postgres::Transactional) (from
+/// [`PostgresStore::transactional`](crate::postgres::PostgresStore::transactional)), for its table,
 /// namespace and defaults; without it, `Transactional::default()` (table
 /// `idempotent_records`, the empty namespace). No lease renewal runs: nobody else can see an
 /// uncommitted claim.
@@ -516,7 +348,7 @@ fn fallback_runtime() -> Idempotency {
 ///
 /// Functions without `runtime = ...` use [`default_runtime()`]: the runtime the application
 /// installed with [`set_default_runtime`] at startup, before the first call, or, if it
-/// installed none, a runtime with the default settings over a [`MemoryStore`](crate::MemoryStore)
+/// installed none, a runtime with the default settings over a [`MemoryStore`](crate::memory::MemoryStore)
 /// created on first use. The in-memory store protects one process; a service with several
 /// instances installs a runtime over a shared store.
 ///

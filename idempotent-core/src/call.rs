@@ -1,0 +1,286 @@
+//! One call and its settings: [`Call`] (what identifies it), [`CallOptions`] (its overrides)
+//! and [`Defaults`] (what a runtime uses where a call sets nothing).
+
+use std::time::Duration;
+
+use crate::limits::{Setting, require};
+use crate::{Fingerprint, Key, Scope};
+
+/// Default time a completed record is kept: 24 hours.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+/// Default lease of an in-flight claim: 30 seconds, renewed every third of it while the work runs.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// Default largest result retained for replay: 1 MiB.
+pub const DEFAULT_MAX_RESULT_BYTES: usize = 1 << 20;
+
+/// What a call does when it finds its key claimed by a call still running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum InFlightPolicy {
+    /// Fail at once with [`Error::InFlight`](crate::Error::InFlight) (HTTP 409 with
+    /// `Retry-After`). The default.
+    #[default]
+    Reject,
+    /// Wait up to `max` for the running call to finish, then replay its result. If it released
+    /// its claim (it failed transiently), this call claims the key and runs the work itself. If
+    /// `max` passes first, fail with [`Error::InFlight`](crate::Error::InFlight).
+    ///
+    /// Every `max` is accepted (see [`limits`](crate::limits)): zero answers at once, like
+    /// [`Reject`](Self::Reject), and [`Duration::MAX`] (or any `max` too far away for the clock)
+    /// waits with no deadline, until the running call finishes, releases its claim or lets its
+    /// lease end.
+    Wait {
+        /// The longest this call waits.
+        max: Duration,
+    },
+}
+
+/// One idempotent call: its key, who the key belongs to, what the request means, and its
+/// [`CallOptions`]. The standalone runtime ([`Idempotency`](crate::Idempotency)) and the
+/// PostgreSQL transactional mode take the same `Call`.
+///
+/// ```
+/// use idempotent_core::{Call, CallOptions, Fingerprint, InFlightPolicy, Scope};
+/// use std::time::Duration;
+///
+/// let call = Call::new("order-42".parse()?)
+///     .scope(Scope::new().tenant("acme").operation("charge"))
+///     .fingerprint(Fingerprint::of(&("EUR", 1999u64))?)
+///     .options(
+///         CallOptions::new()
+///             .ttl(Duration::from_secs(3600))
+///             .in_flight(InFlightPolicy::Wait { max: Duration::from_secs(5) }),
+///     );
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct Call {
+    key: Key,
+    scope: Scope,
+    fingerprint: Fingerprint,
+    options: CallOptions,
+}
+
+impl Call {
+    /// A call with `key`, the empty scope, the empty fingerprint and no overrides.
+    pub fn new(key: Key) -> Self {
+        Call {
+            key,
+            scope: Scope::new(),
+            fingerprint: Fingerprint::empty(),
+            options: CallOptions::new(),
+        }
+    }
+
+    /// Who the key belongs to.
+    pub fn scope(mut self, scope: Scope) -> Self {
+        self.scope = scope;
+        self
+    }
+
+    /// What the request means; a retry with the same key and another fingerprint fails with
+    /// [`Error::FingerprintMismatch`](crate::Error::FingerprintMismatch). Default:
+    /// [`Fingerprint::empty`].
+    pub fn fingerprint(mut self, fingerprint: Fingerprint) -> Self {
+        self.fingerprint = fingerprint;
+        self
+    }
+
+    /// This call's overrides of the runtime's [`Defaults`] (default: none).
+    pub fn options(mut self, options: CallOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// The key.
+    pub fn key(&self) -> &Key {
+        &self.key
+    }
+
+    pub(crate) fn scope_ref(&self) -> &Scope {
+        &self.scope
+    }
+
+    pub(crate) fn fingerprint_ref(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
+
+    /// The settings this call runs with under `defaults`.
+    pub(crate) fn settings(&self, defaults: &Defaults) -> Settings {
+        let options = &self.options;
+        Settings {
+            ttl: options.ttl.unwrap_or(defaults.ttl),
+            lease: options.lease.unwrap_or(defaults.lease),
+            in_flight: options.in_flight.unwrap_or(defaults.in_flight),
+            max_result_bytes: options.max_result_bytes.unwrap_or(defaults.max_result_bytes),
+        }
+    }
+}
+
+/// Per-call overrides of a runtime's [`Defaults`]: each setting left unset takes the
+/// runtime's. The one type for call settings: [`Call::options`], the `#[idempotent]`
+/// attribute's `ttl`, `lease`, `wait` and `in_flight` arguments, and the HTTP and gRPC layer's
+/// `call_options` all build one.
+///
+/// ```
+/// use idempotent_core::{CallOptions, InFlightPolicy};
+/// use std::time::Duration;
+///
+/// let options = CallOptions::new()
+///     .ttl(Duration::from_secs(3600))
+///     .lease(Duration::from_secs(10))
+///     .in_flight(InFlightPolicy::Wait { max: Duration::from_secs(5) });
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[must_use]
+pub struct CallOptions {
+    ttl: Option<Duration>,
+    lease: Option<Duration>,
+    in_flight: Option<InFlightPolicy>,
+    max_result_bytes: Option<usize>,
+}
+
+impl CallOptions {
+    /// No overrides: every setting is the runtime's.
+    pub const fn new() -> Self {
+        CallOptions {
+            ttl: None,
+            lease: None,
+            in_flight: None,
+            max_result_bytes: None,
+        }
+    }
+
+    /// How long a completed result is replayed.
+    ///
+    /// # Panics
+    ///
+    /// If `ttl` is outside [`limits::MIN_TTL`](crate::limits::MIN_TTL) to
+    /// [`limits::MAX_TTL`](crate::limits::MAX_TTL) (1 ms to 365 days): a setting written in
+    /// the program is checked where it is written. Check a value read from outside the program
+    /// with [`limits::check_ttl`](crate::limits::check_ttl) first.
+    #[track_caller]
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(require(Setting::Ttl, ttl));
+        self
+    }
+
+    /// How long a claim lives without renewal; after a crash, the key stays locked this long.
+    ///
+    /// # Panics
+    ///
+    /// If `lease` is outside [`limits::MIN_LEASE`](crate::limits::MIN_LEASE) to
+    /// [`limits::MAX_LEASE`](crate::limits::MAX_LEASE) (100 ms to 365 days): a shorter lease
+    /// would lapse while its owner still runs. Check a value read from outside the program with
+    /// [`limits::check_lease`](crate::limits::check_lease) first.
+    #[track_caller]
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(require(Setting::Lease, lease));
+        self
+    }
+
+    /// What to do when the key is in flight. Every [`InFlightPolicy::Wait`] `max` is
+    /// accepted, [`Duration::MAX`] included.
+    pub fn in_flight(mut self, policy: InFlightPolicy) -> Self {
+        self.in_flight = Some(policy);
+        self
+    }
+
+    /// The largest result retained for replay, in encoded bytes; a larger one is recorded as
+    /// "not retained" and retries get [`Error::ResultNotRetained`](crate::Error::ResultNotRetained).
+    /// A caller that bounds its results itself, as the HTTP layer bounds response bodies, sets
+    /// it so that one limit decides.
+    pub fn max_result_bytes(mut self, max: usize) -> Self {
+        self.max_result_bytes = Some(max);
+        self
+    }
+}
+
+/// What a runtime uses for every setting a call leaves unset. One type shared by the
+/// standalone runtime ([`IdempotencyBuilder::defaults`](crate::IdempotencyBuilder::defaults))
+/// and the PostgreSQL transactional mode (`postgres::Transactional::defaults`).
+///
+/// ```
+/// use idempotent_core::{Defaults, Idempotency, InFlightPolicy};
+/// use idempotent_core::memory::MemoryStore;
+/// use std::time::Duration;
+///
+/// let idempotency = Idempotency::builder(MemoryStore::new())
+///     .defaults(
+///         Defaults::new()
+///             .ttl(Duration::from_secs(6 * 3600))
+///             .in_flight(InFlightPolicy::Wait { max: Duration::from_secs(2) }),
+///     )
+///     .build();
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub struct Defaults {
+    ttl: Duration,
+    lease: Duration,
+    in_flight: InFlightPolicy,
+    max_result_bytes: usize,
+}
+
+impl Default for Defaults {
+    fn default() -> Self {
+        Defaults::new()
+    }
+}
+
+impl Defaults {
+    /// [`DEFAULT_TTL`], [`DEFAULT_LEASE`], [`InFlightPolicy::Reject`] and
+    /// [`DEFAULT_MAX_RESULT_BYTES`].
+    pub const fn new() -> Self {
+        Defaults {
+            ttl: DEFAULT_TTL,
+            lease: DEFAULT_LEASE,
+            in_flight: InFlightPolicy::Reject,
+            max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
+        }
+    }
+
+    /// How long completed results are replayed (default [`DEFAULT_TTL`]).
+    ///
+    /// # Panics
+    ///
+    /// As [`CallOptions::ttl`]: outside 1 ms to 365 days.
+    #[track_caller]
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = require(Setting::Ttl, ttl);
+        self
+    }
+
+    /// How long a claim lives without renewal (default [`DEFAULT_LEASE`]).
+    ///
+    /// # Panics
+    ///
+    /// As [`CallOptions::lease`]: outside 100 ms to 365 days.
+    #[track_caller]
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = require(Setting::Lease, lease);
+        self
+    }
+
+    /// What a call does when its key is in flight (default [`InFlightPolicy::Reject`]).
+    pub fn in_flight(mut self, policy: InFlightPolicy) -> Self {
+        self.in_flight = policy;
+        self
+    }
+
+    /// The largest result retained for replay (default [`DEFAULT_MAX_RESULT_BYTES`]).
+    pub fn max_result_bytes(mut self, max: usize) -> Self {
+        self.max_result_bytes = max;
+        self
+    }
+}
+
+/// A call's settings once its options are applied over a runtime's defaults.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Settings {
+    pub(crate) ttl: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) in_flight: InFlightPolicy,
+    pub(crate) max_result_bytes: usize,
+}
