@@ -98,7 +98,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use idempotent_core::{Error, PostgresStore, Transactional, idempotent};
+use idempotent_core::postgres::{PostgresStore, Transactional};
+use idempotent_core::{Error, idempotent};
 use redis::Value;
 use redis::aio::MultiplexedConnection;
 use sqlx::{PgPool, Postgres, Transaction};

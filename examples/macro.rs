@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use idempotent_core::{Error, Idempotency, MemoryStore, idempotent, set_default_runtime};
+use idempotent_core::memory::MemoryStore;
+use idempotent_core::{Defaults, Error, Idempotency, idempotent, set_default_runtime};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 
@@ -112,7 +113,7 @@ async fn main() {
     // A service with several instances would use a shared store here.
     let runtime = Idempotency::builder(MemoryStore::new())
         .namespace("payments-consumer")
-        .ttl(Duration::from_secs(7 * 24 * 3600))
+        .defaults(Defaults::new().ttl(Duration::from_secs(7 * 24 * 3600)))
         .build();
     set_default_runtime(runtime).expect("the default runtime is installed once");
 

@@ -1,4 +1,4 @@
-//! A payments API on axum behind `IdempotencyLayer`: the contract the end-to-end tests drive,
+//! A payments API on axum behind `IdempotencyLayer::new_for_http`: the contract the end-to-end tests drive,
 //! and the *downstream key* pattern that makes a payment's effect exactly-once.
 //!
 //! ```sh
@@ -333,7 +333,7 @@ async fn main() -> ExitCode {
         .route("/refunds", post(create_refund))
         .route("/payments/count", get(count))
         .route("/health", get(|| async { StatusCode::OK }))
-        .layer(IdempotencyLayer::new(idempotency.clone()))
+        .layer(IdempotencyLayer::new_for_http(idempotency.clone()))
         .layer(middleware::from_fn(authenticate))
         .with_state(Arc::new(App::default()));
 

@@ -25,8 +25,8 @@ use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use idempotent_core::postgres::DEFAULT_TABLE;
-use idempotent_core::{Error, PostgresStore, Transactional, idempotent};
+use idempotent_core::postgres::{DEFAULT_TABLE, PostgresStore, Transactional};
+use idempotent_core::{Error, idempotent};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Postgres, Transaction};
 

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idempotent_core::{Call, Error, Fingerprint, Idempotency, MemoryStore, Scope};
+use idempotent_core::memory::MemoryStore;
+use idempotent_core::{Call, Defaults, Error, Fingerprint, Idempotency, Scope};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
@@ -44,7 +45,7 @@ impl Provider {
 async fn main() -> Result<(), Error> {
     let idempotency = Idempotency::builder(MemoryStore::new())
         .namespace("quickstart")
-        .ttl(Duration::from_secs(24 * 60 * 60))
+        .defaults(Defaults::new().ttl(Duration::from_secs(24 * 60 * 60)))
         .build();
     let provider = Arc::new(Provider {
         charges: AtomicU64::new(0),

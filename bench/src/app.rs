@@ -11,7 +11,10 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::serve::ListenerExt;
 use axum::{Json, Router};
-use idempotent_core::{Idempotency, MemoryStore, PostgresStore, RedisStore};
+use idempotent_core::Idempotency;
+use idempotent_core::memory::MemoryStore;
+use idempotent_core::postgres::PostgresStore;
+use idempotent_core::redis::RedisStore;
 use idempotent_tower::IdempotencyLayer;
 use serde::{Deserialize, Serialize};
 
@@ -219,7 +222,7 @@ async fn router(row: Row, tally: Arc<Tally>, backends: &Backends) -> Result<Rout
             let idempotency = idempotency(row.store, backends).await?;
             // The load carries no credentials (the bare handler and the peers scope nothing):
             // one shared scope, as `allow_anonymous` documents.
-            payments().route_layer(IdempotencyLayer::new(idempotency).allow_anonymous(true))
+            payments().route_layer(IdempotencyLayer::new_for_http(idempotency).allow_anonymous(true))
         }
         #[cfg(idempotent_bench_peers)]
         Implementation::Idempotent2 => crate::peers::idempotent2()?,

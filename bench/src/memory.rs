@@ -8,8 +8,8 @@ use bytes::Bytes;
 use http::header::CONTENT_TYPE;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
-use idempotent_core::memory::RECORD_OVERHEAD;
-use idempotent_core::{Idempotency, MemoryStore};
+use idempotent_core::Idempotency;
+use idempotent_core::memory::{MemoryStore, RECORD_OVERHEAD};
 use idempotent_tower::{IdempotencyLayer, RequestBody};
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -87,14 +87,14 @@ pub(crate) fn child(records: u64) -> Result<MemoryRecord, String> {
 
         let warm = store(WARM_RECORDS);
         // Requests carry no principal: one shared scope.
-        let warm_service = IdempotencyLayer::new(Idempotency::new(warm.clone()))
+        let warm_service = IdempotencyLayer::new_for_http(Idempotency::new(warm.clone()))
             .allow_anonymous(true)
             .layer(handler.clone());
         fill(&warm_service, "w", WARM_RECORDS).await?;
 
         let before = rss_bytes()?;
         let measured = store(records);
-        let service = IdempotencyLayer::new(Idempotency::new(measured.clone()))
+        let service = IdempotencyLayer::new_for_http(Idempotency::new(measured.clone()))
             .allow_anonymous(true)
             .layer(handler);
         fill(&service, "m", records).await?;

@@ -19,7 +19,10 @@ pub(crate) mod shutdown;
 use std::time::Duration;
 
 use idempotent_core::limits::{self, DurationError};
-use idempotent_core::{Idempotency, InFlightPolicy, MemoryStore, PostgresStore, RedisStore};
+use idempotent_core::memory::MemoryStore;
+use idempotent_core::postgres::PostgresStore;
+use idempotent_core::redis::RedisStore;
+use idempotent_core::{Defaults, Idempotency, InFlightPolicy};
 
 /// Logs to stderr, `RUST_LOG` overriding the default filter.
 pub(crate) fn init_logging() {
@@ -145,9 +148,12 @@ pub(crate) async fn idempotency(
     };
     Ok(builder
         .namespace(namespace)
-        .ttl(settings.ttl)
-        .lease(settings.lease)
-        .in_flight(settings.in_flight)
+        .defaults(
+            Defaults::new()
+                .ttl(settings.ttl)
+                .lease(settings.lease)
+                .in_flight(settings.in_flight),
+        )
         .build())
 }
 

@@ -41,7 +41,7 @@
 /// # What a call does
 ///
 /// 1. Evaluates `key` (and `scope`, `fingerprint`), borrowing what they name, before the body.
-/// 2. Claims the key in the runtime's store (see [`Idempotency`] for the exact semantics):
+/// 2. Claims the key in the runtime's store (see [`Idempotency`](crate::Idempotency) for the exact semantics):
 ///    a completed record is replayed without running the body; a record in flight is answered
 ///    by the in-flight policy.
 /// 3. Runs the body, renewing the claim's lease while it runs.
@@ -74,7 +74,7 @@
 ///
 /// | argument | value | default |
 /// |---|---|---|
-/// | `key` | an expression whose type implements [`ToKey`] | required |
+/// | `key` | an expression whose type implements [`ToKey`](crate::ToKey) | required |
 /// | `ttl` | a duration: how long a result is replayed | the runtime's TTL, 24 h unless configured |
 /// | `lease` | a duration: how long a claim lives without renewal | the runtime's lease, 30 s unless configured |
 /// | `scope` | an expression of type [`Scope`](crate::Scope) (or a reference to one) | the empty scope |
@@ -83,7 +83,7 @@
 /// | `on_error` | `"release"` or `"store"` | `"release"` |
 /// | `in_flight` | `"reject"` | the runtime's policy, *reject* unless configured |
 /// | `wait` | a duration: wait this long for a call in flight | (see `in_flight`) |
-/// | `runtime` | an expression: `&Idempotency`, `Idempotency` or `Arc<Idempotency>` | [`default_runtime()`] |
+/// | `runtime` | an expression: `&Idempotency`, `Idempotency` or `Arc<Idempotency>` | [`default_runtime()`](crate::default_runtime) |
 /// | `tx` | the name of the transaction parameter (feature `postgres`) | none: the runtime's store |
 /// | `crate` | a path to this crate | `::idempotent_core` |
 ///
@@ -97,8 +97,8 @@
 /// ## `key = <expr>`
 ///
 /// What identifies a call: any expression over the arguments, `self` included. It is borrowed,
-/// never moved, so the body can still use what it names. Its type implements [`ToKey`]:
-/// strings, integers, `uuid::Uuid` (feature `uuid`), [`Key`], and your own types. A value that
+/// never moved, so the body can still use what it names. Its type implements [`ToKey`](crate::ToKey):
+/// strings, integers, `uuid::Uuid` (feature `uuid`), [`Key`](crate::Key), and your own types. A value that
 /// is not a valid key (an empty string, say) fails the call with
 /// [`Error::InvalidKey`](crate::Error::InvalidKey) before the body runs.
 ///
@@ -239,7 +239,7 @@
 /// `wait = "5s"` waits up to five seconds for the running call and replays its result; if that
 /// call released the key (it failed), the waiting call runs the body itself; if the time runs
 /// out, it fails with `Error::InFlight`. Without either, the runtime's policy applies (*reject*
-/// unless configured with [`IdempotencyBuilder::in_flight`](crate::IdempotencyBuilder::in_flight)).
+/// unless configured with [`Defaults::in_flight`](crate::Defaults::in_flight)).
 /// The two arguments exclude each other.
 ///
 /// ```
@@ -346,8 +346,8 @@
 ///
 /// # The default runtime
 ///
-/// Functions without `runtime = ...` use [`default_runtime()`]: the runtime the application
-/// installed with [`set_default_runtime`] at startup, before the first call, or, if it
+/// Functions without `runtime = ...` use [`default_runtime()`](crate::default_runtime): the runtime the application
+/// installed with [`set_default_runtime`](crate::set_default_runtime) at startup, before the first call, or, if it
 /// installed none, a runtime with the default settings over a [`MemoryStore`](crate::memory::MemoryStore)
 /// created on first use. The in-memory store protects one process; a service with several
 /// instances installs a runtime over a shared store.

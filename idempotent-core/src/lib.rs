@@ -5,7 +5,8 @@
 //! duplicates are refused (or wait), and retries replay the recorded result.
 //!
 //! ```
-//! use idempotent_core::{Call, Fingerprint, Idempotency, MemoryStore, Scope};
+//! use idempotent_core::memory::MemoryStore;
+//! use idempotent_core::{Call, Fingerprint, Idempotency, Scope};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), idempotent_core::Error> {
@@ -34,6 +35,12 @@
 //! - **Lease** (default 30 s): how long an in-flight claim lives without renewal; renewed while
 //!   the work runs, so only a crashed owner's claim lapses. Separate from the **TTL** (default
 //!   24 h): how long a completed result is replayed.
+//! - [`Call`]: one call's key, scope and fingerprint, with its [`CallOptions`] (TTL, lease,
+//!   in-flight policy, largest retained result) overriding the runtime's [`Defaults`]. The
+//!   runtime, the transactional mode, the attribute and the HTTP and gRPC layers all take these
+//!   two types; nothing else sets a call's TTL or lease.
+//! - [`Retain`]: whether a fresh outcome is kept for replay or its key released, the one
+//!   decision every API asks for.
 //! - [`limits`]: the accepted range of every duration (leases 100 ms to 365 days, TTLs 1 ms
 //!   to 365 days). Setters panic on a duration out of range, the attribute refuses one at
 //!   compile time, and [`limits::check_lease`] and its siblings check values read from outside
@@ -42,12 +49,43 @@
 //!   complete, release or renew the new owner's record.
 //! - [`ClaimHandle`]: the running claim as the work sees it: its token, the downstream
 //!   operation key, and whether it is still held (see the *Failure model*).
-//! - [`Store`]: where records live. [`MemoryStore`] is the embedded default.
+//! - [`Store`]: where records live. [`memory::MemoryStore`] is the embedded default.
 //! - [`Idempotency`]: the runtime; see its docs for the exact semantics.
 //!   [`Idempotency::shutdown`] drains it before the process exits: new calls are refused with
 //!   [`Error::ShuttingDown`], calls in flight finish and record their outcome, work still
 //!   running at the deadline is stopped and its claim released ([`Drained`] says what was
 //!   left).
+//! - [`Error`] and its [`ProblemCode`]: every refusal has one stable code with one HTTP status
+//!   and one [`GrpcCode`], the same in logs and on the wire.
+//!
+//! # Public API
+//!
+//! Every public item, each at exactly one path:
+//!
+//! | where | what |
+//! |---|---|
+//! | the root: the runtime | [`Idempotency`], [`IdempotencyBuilder`], [`Drained`], [`DEFAULT_RECORD_RETRY`] |
+//! | the root: one call | [`Call`], [`CallOptions`], [`Defaults`], [`InFlightPolicy`], [`DEFAULT_TTL`], [`DEFAULT_LEASE`], [`DEFAULT_MAX_RESULT_BYTES`] |
+//! | the root: outcomes | [`Retain`], [`Outcome`], [`Execution`], [`ClaimHandle`] |
+//! | the root: identity | [`Key`], [`KeyError`], [`MAX_KEY_LEN`], [`ToKey`], [`Scope`], [`StorageKey`], [`Fingerprint`], [`FingerprintBuilder`], [`CanonicalError`] |
+//! | the root: errors | [`Error`], [`StoreError`], [`BoxError`], [`ProblemCode`], [`GrpcCode`], [`MAX_IN_FLIGHT_RETRY_HINT`] |
+//! | the root: the store contract | [`Store`], [`Claim`], [`FencingToken`] |
+//! | the root: the attribute | [`idempotent`](macro@idempotent) (feature `macros`), [`default_runtime`], [`set_default_runtime`] |
+//! | [`limits`] | the accepted range of every duration, and checks for values read at run time |
+//! | [`clock`] | the memory store's time source; `ManualClock` with feature `test-util` |
+//! | `memory` (feature `memory`) | `MemoryStore`, its builder, statistics and bounds |
+//! | `redis` (feature `redis`) | `RedisStore` and its builder |
+//! | `postgres` (feature `postgres`) | `PostgresStore`, the transactional mode (`Transactional`), `Fence` |
+//! | `conformance` (feature `test-util`) | the store conformance suite and `FaultyStore` |
+//!
+//! Where the code lives, for readers of the source: `runtime.rs` (the runtime and its call
+//! flow), `call.rs` (calls, options, defaults), `outcome.rs`, `claim.rs` (the running claim),
+//! `lease.rs` (renewal and per-operation bounds), `claim_answer.rs` (what a claim's answer
+//! means under the in-flight policy, shared with the transactional mode), `record.rs`
+//! (recording an outcome, with retries), `shutdown.rs`, `problem.rs`, `error.rs`, `key.rs`,
+//! `fingerprint/`, `envelope.rs` (the stored record format), `store/` (the trait and each
+//! backend), `attribute.rs`, `to_key.rs` and `default_runtime.rs` (the attribute's public side)
+//! and `expansion.rs` (the hidden module the attribute expands into, `__private`).
 //!
 //! # The `#[idempotent]` attribute
 //!
@@ -74,14 +112,15 @@
 //!
 //! # Features
 //!
-//! - `memory` (default): [`MemoryStore`].
+//! - `memory` (default): `memory::MemoryStore`.
 //! - `macros` (default): the [`#[idempotent]`](macro@idempotent) attribute.
 //! - `uuid`: [`ToKey`] for `uuid::Uuid`.
-//! - `redis`: [`RedisStore`], shared by many app instances.
-//! - `postgres`: [`PostgresStore`], shared by many app instances, and its
-//!   [transactional mode](postgres::Transactional), which commits the record in the same
+//! - `redis`: `redis::RedisStore`, shared by many app instances.
+//! - `postgres`: `postgres::PostgresStore`, shared by many app instances, and its
+//!   transactional mode (`postgres::Transactional`), which commits the record in the same
 //!   transaction as your database writes.
-//! - `test-util`: the store conformance suite ([`conformance`]) for testing any store.
+//! - `test-util`: the store conformance suite (`conformance`) and `clock::ManualClock`, for
+//!   testing any store.
 //!
 //! # Message consumers
 //!
@@ -119,7 +158,7 @@
 //!
 //! | the effect is… | defence | how |
 //! |---|---|---|
-//! | a write to the PostgreSQL database that holds the record | **same transaction** | the [transactional mode](postgres::Transactional): claim, writes and record commit together or not at all |
+//! | a write to the PostgreSQL database that holds the record | **same transaction** | the transactional mode (`postgres::Transactional`): claim, writes and record commit together or not at all |
 //! | a call to a system that accepts an idempotency key (a payment provider, a service behind this library, a deduplicating consumer, the outbox relay) | **downstream key** | pass [`ClaimHandle::operation_key`]: the same for every owner and attempt of one operation, so a stalled owner and its successor cause one effect |
 //! | a write to a resource that can compare numbers (a row in another database, storage with conditional writes) | **fencing token** | the resource refuses a [`ClaimHandle::token`] below the highest it has seen (`postgres::Fence` does it in one statement of your transaction) |
 //! | a call that takes no key, shares no transaction and compares nothing (an SMTP send) | none | at least once, with an outbox row written in the same transaction; see *What it cannot do* |
@@ -138,7 +177,7 @@
 //!
 //! What a [`FencingToken`] promises, per store:
 //!
-//! - [`MemoryStore`]: one counter per store; strictly increasing for every key, unaffected by
+//! - `memory::MemoryStore`: one counter per store; strictly increasing for every key, unaffected by
 //!   clocks. The store lives and dies with the process.
 //! - `PostgresStore`: a sequence; strictly increasing per key across owners, expiry, deletion
 //!   and restarts, unaffected by clock steps. After a failover to an asynchronous replica,
@@ -164,7 +203,7 @@
 //! crash between the effect and the completion record leaves no way to know whether it
 //! happened. Record the intent in your database in the same transaction as the state change and
 //! deliver it from there (the outbox pattern). Effects that *are* writes to a PostgreSQL
-//! database close the gap with the [transactional mode](postgres::Transactional): the record
+//! database close the gap with the transactional mode (`postgres::Transactional`): the record
 //! commits in the same transaction as the writes.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]

@@ -2,10 +2,10 @@
 //!
 //! | setting | accepted | set with |
 //! |---|---|---|
-//! | TTL: how long a completed result is replayed | [`MIN_TTL`] (1 ms) to [`MAX_TTL`] (365 days) | [`IdempotencyBuilder::ttl`](crate::IdempotencyBuilder::ttl), [`Call::ttl`](crate::Call::ttl), the tower layer's `ttl`, `#[idempotent(ttl = "..")]` |
-//! | lease: how long a claim lives without renewal | [`MIN_LEASE`] (100 ms) to [`MAX_LEASE`] (365 days) | [`IdempotencyBuilder::lease`](crate::IdempotencyBuilder::lease), [`Call::lease`](crate::Call::lease), the tower layer's `lease`, `#[idempotent(lease = "..")]` |
+//! | TTL: how long a completed result is replayed | [`MIN_TTL`] (1 ms) to [`MAX_TTL`] (365 days) | [`Defaults::ttl`](crate::Defaults::ttl), [`CallOptions::ttl`](crate::CallOptions::ttl) (also the tower layer's `call_options`), `#[idempotent(ttl = "..")]` |
+//! | lease: how long a claim lives without renewal | [`MIN_LEASE`] (100 ms) to [`MAX_LEASE`] (365 days) | [`Defaults::lease`](crate::Defaults::lease), [`CallOptions::lease`](crate::CallOptions::lease) (also the tower layer's `call_options`), `#[idempotent(lease = "..")]` |
 //! | record retry: how long an unrecorded result is retried | zero to [`MAX_RECORD_RETRY`] (365 days) | [`IdempotencyBuilder::record_retry`](crate::IdempotencyBuilder::record_retry) |
-//! | in-flight wait: [`InFlightPolicy::Wait`](crate::InFlightPolicy::Wait)'s `max` | any, zero to [`Duration::MAX`] | the in-flight policy of the runtime, a call, the tower layer; `#[idempotent(wait = "..")]` |
+//! | in-flight wait: [`InFlightPolicy::Wait`](crate::InFlightPolicy::Wait)'s `max` | any, zero to [`Duration::MAX`] | [`Defaults::in_flight`](crate::Defaults::in_flight), [`CallOptions::in_flight`](crate::CallOptions::in_flight); `#[idempotent(wait = "..")]` |
 //!
 //! Why these bounds:
 //!

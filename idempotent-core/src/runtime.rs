@@ -62,7 +62,7 @@ pub const DEFAULT_RECORD_RETRY: Duration = Duration::from_secs(60);
 ///    *lost* and the handle says so ([`ClaimHandle::lost`](crate::ClaimHandle::lost)). A
 ///    rejected token (another owner took over) is a loss at once. The work is not stopped:
 ///    it decides, with the handle, what to do.
-/// 3. **Classify** the output: [`Retain::Store`] completes the record (retries replay it),
+/// 3. **Classify** the output: [`Retain::Keep`] completes the record (retries replay it),
 ///    [`Retain::Release`] deletes the claim (the next retry runs again). A result larger than
 ///    the maximum result size, or one the store has no room for, is recorded as "not
 ///    retained": retries fail with [`Error::ResultNotRetained`] rather than running the work
