@@ -4,6 +4,8 @@
 //! `idempotent_core::idempotent`, documented there) rather than on this crate: the expansion
 //! calls `idempotent_core`, and the two crates are released in lockstep.
 //!
+//! Public API: one item, the [`macro@idempotent`] attribute.
+//!
 //! The pipeline: `args` parses the arguments, `item` the function, `expand` validates both and
 //! emits the expansion; on any error, `fallback` emits it with the function unchanged.
 

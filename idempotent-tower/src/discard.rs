@@ -18,10 +18,6 @@ use http::{HeaderMap, HeaderValue, Response, Version};
 use http_body::Body;
 use http_body_util::BodyExt;
 
-/// The default for [`IdempotencyLayer::max_discarded_body`](crate::IdempotencyLayer::max_discarded_body):
-/// 4 MiB.
-pub(crate) const DEFAULT_MAX_DISCARDED_BODY: usize = 4 << 20;
-
 /// What becomes of the connection of a refused request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Connection {

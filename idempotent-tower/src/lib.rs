@@ -8,7 +8,8 @@
 //!
 //! ```no_run
 //! use axum::{Json, Router, routing::post};
-//! use idempotent_core::{Idempotency, MemoryStore};
+//! use idempotent_core::Idempotency;
+//! use idempotent_core::memory::MemoryStore;
 //! use idempotent_tower::IdempotencyLayer;
 //! use serde_json::{Value, json};
 //!
@@ -22,7 +23,7 @@
 //!     let idempotency = Idempotency::new(MemoryStore::new());
 //!     let app = Router::new()
 //!         .route("/payments", post(charge))
-//!         .layer(IdempotencyLayer::new(idempotency));
+//!         .layer(IdempotencyLayer::new_for_http(idempotency));
 //!     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
 //!     axum::serve(listener, app).await.unwrap();
 //! }
@@ -44,9 +45,9 @@
 //!   `;x` as parameters would make `abc;x` and `abc;y` the same key. Send `"abc;x"` for a key
 //!   holding `;`, or `"abc";x` for the key `abc` with a parameter. Empty, too long, non-ASCII,
 //!   unparsable, or given twice (two fields or a list) → 400.
-//! - **Protected methods**: POST and PATCH ([`methods`](IdempotencyLayer::methods)). Other
-//!   methods pass through untouched, even with a key. A protected request without a key → 400
-//!   ([`require_key(false)`](IdempotencyLayer::require_key) lets it through unprotected).
+//! - **Protected methods**: POST and PATCH ([`methods`](IdempotencyLayer::<Http>::methods)).
+//!   Other methods pass through untouched, even with a key. A protected request without a key
+//!   → 400 ([`require_key(false)`](IdempotencyLayer::require_key) lets it through unprotected).
 //! - **Fingerprint**: method, path, query pairs sorted (so `?a=1&b=2` equals `?b=2&a=1`; values
 //!   are compared as sent, not percent-decoded), the body bytes, and any
 //!   [`fingerprint_headers`](IdempotencyLayer::fingerprint_headers). The same key with another
@@ -60,12 +61,15 @@
 //!   the principal, not the credential: a client whose token is refreshed between two attempts
 //!   of one operation is still the same principal, so its retry replays instead of running
 //!   again ([`scope_by_authorization`] scopes by the credential, for static API keys only).
-//! - **In flight**: 409 with `Retry-After`; or [`in_flight`](IdempotencyLayer::in_flight) with
+//! - **In flight**: 409 with `Retry-After`; or [`call_options`](IdempotencyLayer::call_options)
+//!   with an [`in_flight`](idempotent_core::CallOptions::in_flight) policy of
 //!   [`InFlightPolicy::Wait`](idempotent_core::InFlightPolicy::Wait) to wait (bounded) and
-//!   replay.
+//!   replay. The same options set the TTL and the lease; the runtime's
+//!   [`Defaults`](idempotent_core::Defaults) apply to what they leave unset.
 //! - **Outcome policy**: 2xx, 3xx and 4xx are stored, except 408, 409, 425 and 429, which are
 //!   released like every 5xx: the retry runs the handler again
-//!   ([`retain`](IdempotencyLayer::retain) to change it; [`default_retain`] is the default).
+//!   ([`retain`](IdempotencyLayer::<Http>::retain) to change it; [`Http::default_retain`] is
+//!   the default).
 //! - **Replay**: the stored status, headers, body and trailers, plus `Idempotent-Replayed: true`.
 //!   Hop-by-hop headers, `Date` and `Set-Cookie` are never stored, so never replayed
 //!   ([`exclude_header`](IdempotencyLayer::exclude_header) and
@@ -115,7 +119,6 @@
 //! | 413 | `request_too_large` | the body exceeds the limit; nothing ran. Over HTTP/1.1, sent once the rest of the body is read (up to 4 MiB past the limit), with `Connection: close` when it was not read to its end | send a smaller body |
 //! | 422 | `fingerprint_mismatch` | the key was used for a different request | use a new key |
 //! | 500 | `corrupt_record` | the stored record cannot be read; nothing ran | contact the operator |
-//! | 500 | `internal_error` | any other idempotency failure; nothing ran | retry |
 //! | 503 | `store_unavailable` | the store cannot be reached (with `Retry-After`); nothing ran | retry after the delay |
 //! | 503 | `claim_lost` | only with [`OnClaimLost::Cancel`]: the request's claim was lost while its handler ran, and the handler was stopped (with `Retry-After`) | retry with the same key: the owner that holds it now answers |
 //! | 503 | `store_capacity` | the store is full of live records (with `Retry-After`); nothing ran | retry after the delay |
@@ -153,20 +156,21 @@
 //!
 //! # gRPC (tonic)
 //!
-//! [`IdempotencyLayer::grpc`] speaks gRPC over the same machinery: the key is the
+//! [`IdempotencyLayer::new_for_grpc`] speaks gRPC over the same machinery: the key is the
 //! `idempotency-key` metadata entry, the scope the [`Principal`] a tower layer in front of the
 //! server put in the request extensions (the same rules as HTTP), and only the unary
-//! methods named with [`grpc_methods`](IdempotencyLayer::grpc_methods) are protected — streaming
-//! calls and every other method pass through untouched (a layer cannot tell a unary call from a
-//! streaming one on the wire, so the list is explicit).
+//! methods named with the gRPC layer's `methods` are protected — streaming calls and every
+//! other method pass through untouched (a layer cannot tell a unary call from a streaming one
+//! on the wire, so the list is explicit).
 //!
 //! ```no_run
-//! use idempotent_core::{Idempotency, MemoryStore};
+//! use idempotent_core::Idempotency;
+//! use idempotent_core::memory::MemoryStore;
 //! use idempotent_tower::IdempotencyLayer;
 //!
 //! # async fn run(service: tonic::service::Routes) -> Result<(), tonic::transport::Error> {
-//! let idempotency = IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new()))
-//!     .grpc_methods(["/payments.v1.Payments/Charge"]);
+//! let idempotency = IdempotencyLayer::new_for_grpc(Idempotency::new(MemoryStore::new()))
+//!     .methods(["/payments.v1.Payments/Charge"]);
 //! tonic::transport::Server::builder()
 //!     .layer(idempotency)
 //!     .add_routes(service)
@@ -178,12 +182,12 @@
 //! - **Replay**: the identical response message bytes, `grpc-status`, `grpc-message` and every
 //!   other trailer, plus the metadata entry `idempotent-replayed: true`. A stored error status
 //!   (say `INVALID_ARGUMENT: card_declined`) is replayed as that status.
-//! - **Outcome policy** by `grpc-status` ([`default_grpc_retain`];
-//!   [`grpc_retain`](IdempotencyLayer::grpc_retain) to change it): OK and the deterministic
-//!   codes `INVALID_ARGUMENT`, `NOT_FOUND`, `ALREADY_EXISTS`, `PERMISSION_DENIED`,
-//!   `FAILED_PRECONDITION`, `OUT_OF_RANGE` and `UNAUTHENTICATED` are stored; `UNAVAILABLE`,
-//!   `INTERNAL`, `UNKNOWN`, `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED`, `ABORTED`, `CANCELLED`
-//!   and the rest are released, so the retry runs again.
+//! - **Outcome policy** by `grpc-status` ([`Grpc::default_retain`]; the gRPC layer's
+//!   `retain`, a function of the [`GrpcCode`](idempotent_core::GrpcCode), to change it): OK
+//!   and the deterministic codes `INVALID_ARGUMENT`, `NOT_FOUND`, `ALREADY_EXISTS`,
+//!   `PERMISSION_DENIED`, `FAILED_PRECONDITION`, `OUT_OF_RANGE` and `UNAUTHENTICATED` are
+//!   stored; `UNAVAILABLE`, `INTERNAL`, `UNKNOWN`, `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED`,
+//!   `ABORTED`, `CANCELLED` and the rest are released, so the retry runs again.
 //! - **Refusals** are trailers-only responses carrying a gRPC status, a percent-encoded
 //!   `grpc-message` with the same detail as the HTTP problem, and the problem's stable code in
 //!   the `idempotent-error` metadata entry:
@@ -197,7 +201,7 @@
 //! | `result_not_retained` | `ALREADY_EXISTS` | processed; response too large to keep |
 //! | `request_too_large` | `RESOURCE_EXHAUSTED` | request message over the limit |
 //! | `store_unavailable`, `store_capacity`, `shutting_down`, `claim_lost` | `UNAVAILABLE` | `grpc-retry-pushback-ms` where a delay is known |
-//! | `corrupt_record`, `internal_error` | `INTERNAL` | |
+//! | `corrupt_record` | `INTERNAL` | |
 //!
 //! # Graceful shutdown
 //!
@@ -215,14 +219,15 @@
 //! ```no_run
 //! # use std::time::Duration;
 //! # use axum::{Router, routing::post};
-//! # use idempotent_core::{Idempotency, MemoryStore};
+//! # use idempotent_core::Idempotency;
+//! # use idempotent_core::memory::MemoryStore;
 //! # use idempotent_tower::IdempotencyLayer;
 //! # async fn sigterm() {}
 //! # async fn run(listener: tokio::net::TcpListener) -> std::io::Result<()> {
 //! let idempotency = Idempotency::new(MemoryStore::new());
 //! let app: Router = Router::new()
 //!     .route("/payments", post(|| async { "charged" }))
-//!     .layer(IdempotencyLayer::new(idempotency.clone()));
+//!     .layer(IdempotencyLayer::new_for_http(idempotency.clone()));
 //! axum::serve(listener, app)
 //!     .with_graceful_shutdown(async move {
 //!         sigterm().await;
@@ -236,7 +241,7 @@
 //!
 //! - **Authentication** before (outside) it, so that the [`Principal`] it puts in the request
 //!   extensions scopes the keys, and unauthenticated requests never reach the store:
-//!   `Router::new().route(..).layer(IdempotencyLayer::new(..)).layer(auth)`.
+//!   `Router::new().route(..).layer(IdempotencyLayer::new_for_http(..)).layer(auth)`.
 //! - **Body limits** (`DefaultBodyLimit`, `RequestBodyLimitLayer`) before it are fine; the
 //!   layer's own limit applies to protected requests in any case.
 //! - **Compression** outside it, so the stored response is the uncompressed one and each replay
@@ -248,7 +253,8 @@
 //!
 //! ```no_run
 //! # use axum::{Router, routing::post, extract::Request, middleware::Next, response::Response};
-//! # use idempotent_core::{Idempotency, MemoryStore};
+//! # use idempotent_core::Idempotency;
+//! # use idempotent_core::memory::MemoryStore;
 //! # use idempotent_tower::{IdempotencyLayer, Principal};
 //! async fn authenticate(mut request: Request, next: Next) -> Response {
 //!     // ... verify the session cookie, token or certificate, then:
@@ -256,29 +262,73 @@
 //!     next.run(request).await
 //! }
 //!
-//! let idempotency = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()));
+//! let idempotency = IdempotencyLayer::new_for_http(Idempotency::new(MemoryStore::new()));
 //! let app: Router = Router::new()
 //!     .route("/orders", post(|| async { "created" }))
 //!     .layer(idempotency)
 //!     .layer(axum::middleware::from_fn(authenticate));
 //! ```
+//!
+//! # Public API
+//!
+//! - [`IdempotencyLayer`]`<P = Http>`, for one [`Protocol`]:
+//!   - built with [`IdempotencyLayer::new_for_http`] or [`IdempotencyLayer::new_for_grpc`];
+//!   - for every protocol: [`header_name`](IdempotencyLayer::header_name),
+//!     [`strict`](IdempotencyLayer::strict), [`require_key`](IdempotencyLayer::require_key),
+//!     [`fingerprint_headers`](IdempotencyLayer::fingerprint_headers),
+//!     [`scope`](IdempotencyLayer::scope),
+//!     [`allow_anonymous`](IdempotencyLayer::allow_anonymous),
+//!     [`call_options`](IdempotencyLayer::call_options) (an
+//!     [`idempotent_core::CallOptions`]: TTL, lease, in-flight policy),
+//!     [`exclude_header`](IdempotencyLayer::exclude_header),
+//!     [`replay_header`](IdempotencyLayer::replay_header),
+//!     [`max_request_body`](IdempotencyLayer::max_request_body),
+//!     [`max_response_body`](IdempotencyLayer::max_response_body),
+//!     [`fail_open`](IdempotencyLayer::fail_open),
+//!     [`on_claim_lost`](IdempotencyLayer::on_claim_lost) (an [`OnClaimLost`]);
+//!   - HTTP only: `methods` (of [`http::Method`]), `retain` (a function of the status),
+//!     `max_discarded_body`;
+//!   - gRPC only: `methods` (full paths), `retain` (a function of the
+//!     [`idempotent_core::GrpcCode`]).
+//! - The protocols: the sealed trait [`Protocol`] and its two types, [`Http`] and [`Grpc`],
+//!   with their default outcome policies [`Http::default_retain`] and
+//!   [`Grpc::default_retain`]. Every outcome policy returns an [`idempotent_core::Retain`].
+//! - [`IdempotencyService`]`<S, P = Http>`, what the layer wraps around the inner service
+//!   ([`new`](IdempotencyService::new), [`get_ref`](IdempotencyService::get_ref),
+//!   [`get_mut`](IdempotencyService::get_mut), [`into_inner`](IdempotencyService::into_inner)),
+//!   its [`ResponseFuture`], the [`RequestBody`] the inner service receives and the
+//!   [`ResponseBody`] it answers with.
+//! - Scopes: [`Principal`], [`scope_by_principal`] (the default) and
+//!   [`scope_by_authorization`].
+//! - Header names: [`IDEMPOTENCY_KEY`], [`IDEMPOTENT_REPLAYED`], [`IDEMPOTENT_BYPASSED`].
+//! - Limits: [`DEFAULT_MAX_REQUEST_BODY`], [`DEFAULT_MAX_RESPONSE_BODY`].
+//!
+//! Every refusal carries an [`idempotent_core::ProblemCode`], which gives its HTTP status,
+//! title, gRPC status and string.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
+mod capture;
+mod config;
 mod discard;
+mod fingerprint;
 mod future;
 mod key;
 mod layer;
+mod principal;
 mod problem;
+mod protocol;
 mod record;
 mod service;
 
 pub use body::{RequestBody, ResponseBody};
-pub use future::ResponseFuture;
-pub use layer::{
+pub use config::{
     DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, IDEMPOTENCY_KEY, IDEMPOTENT_BYPASSED,
-    IDEMPOTENT_REPLAYED, IdempotencyLayer, OnClaimLost, Principal, default_grpc_retain,
-    default_retain, scope_by_authorization, scope_by_principal,
+    IDEMPOTENT_REPLAYED, OnClaimLost,
 };
+pub use future::ResponseFuture;
+pub use layer::IdempotencyLayer;
+pub use principal::{Principal, scope_by_authorization, scope_by_principal};
+pub use protocol::{Grpc, Http, Protocol};
 pub use service::IdempotencyService;

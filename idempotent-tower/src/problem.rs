@@ -1,37 +1,33 @@
-//! The responses the layer produces itself: RFC 9457 problem documents.
+//! The responses the layer produces itself: RFC 9457 problem documents over HTTP, trailers-only
+//! statuses over gRPC. Each carries a [`ProblemCode`], which gives its status, title, gRPC
+//! status and string.
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
-use http::{HeaderValue, Response, StatusCode};
+use http::{HeaderName, HeaderValue, Response};
 use http_body::Body;
-use idempotent_core::{Error, StoreError};
+use idempotent_core::{Error, ProblemCode};
 
 use crate::body::ResponseBody;
-use crate::layer::Protocol;
+use crate::key::KeyProblem;
 
 /// A problem the layer answers itself. Never stored.
+///
+/// `pub` only so that the sealed [`Protocol`](crate::Protocol) can name it; not reachable
+/// from outside the crate.
 #[derive(Debug, Clone)]
-pub(crate) struct Problem {
-    pub(crate) status: StatusCode,
-    pub(crate) code: &'static str,
-    pub(crate) title: &'static str,
+pub struct Problem {
+    pub(crate) code: ProblemCode,
     pub(crate) detail: String,
     pub(crate) retry_after: Option<Duration>,
 }
 
 impl Problem {
-    pub(crate) fn new(
-        status: StatusCode,
-        code: &'static str,
-        title: &'static str,
-        detail: impl Into<String>,
-    ) -> Self {
+    pub(crate) fn new(code: ProblemCode, detail: impl Into<String>) -> Self {
         Problem {
-            status,
             code,
-            title,
             detail: detail.into(),
             retry_after: None,
         }
@@ -45,110 +41,70 @@ impl Problem {
     /// The problem for a runtime error.
     pub(crate) fn from_error(error: &Error) -> Self {
         let code = error.code();
-        match error {
-            Error::FingerprintMismatch => Problem::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                code,
-                "Idempotency key reused with a different request",
-                "this idempotency key was already used for a request with a different method, path, query or body; use a new key for a new request",
-            ),
-            Error::InFlight { retry_after } => Problem::new(
-                StatusCode::CONFLICT,
-                code,
-                "Request with this idempotency key is in progress",
-                "a request with this idempotency key is still being processed; retry after the Retry-After delay to receive its response",
-            )
-            .retry_after(Some(*retry_after)),
-            Error::ResultNotRetained => Problem::new(
-                StatusCode::GONE,
-                code,
-                "Response not retained",
-                "a request with this idempotency key was already processed, but its response was too large to keep for replay; it will not be processed again",
-            ),
-            Error::CorruptRecord(_) | Error::Store(StoreError::Corrupt(_)) => Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                code,
-                "Idempotency record unreadable",
-                "the stored record for this idempotency key cannot be read; the request was not processed again",
-            ),
-            Error::Store(StoreError::Capacity { .. }) => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                code,
-                "Idempotency store full",
-                "the idempotency store cannot accept new keys right now; the request was not processed; retry later",
-            )
-            .retry_after(error.retry_after()),
-            Error::Store(_) => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                code,
-                "Idempotency store unavailable",
-                "the idempotency store cannot be reached; the request was not processed; retry later",
-            )
-            .retry_after(error.retry_after().or(Some(Duration::from_secs(1)))),
-            Error::ClaimLost => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                code,
-                "Request lost its idempotency claim",
-                "the idempotency store stalled or another request took this key over while the request ran, so it was stopped; retry with the same key to receive the outcome",
-            )
-            .retry_after(error.retry_after()),
-            Error::ShuttingDown => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                code,
-                "Service shutting down",
-                "this server is shutting down and did not process the request; retry with the same idempotency key",
-            )
-            .retry_after(error.retry_after()),
-            Error::InvalidKey(e) => Problem::new(
-                StatusCode::BAD_REQUEST,
-                code,
-                "Invalid idempotency key",
-                e.to_string(),
-            ),
-            _ => Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal_error",
-                "Idempotency layer error",
-                "the request could not be processed idempotently",
-            ),
-        }
+        let detail = match error {
+            Error::InvalidKey(e) => e.to_string(),
+            _ => runtime_detail(code).to_owned(),
+        };
+        let retry_after = match code {
+            // A store that gives no hint is retried after a second.
+            ProblemCode::StoreUnavailable => error.retry_after().or(Some(Duration::from_secs(1))),
+            _ => error.retry_after(),
+        };
+        Problem::new(code, detail).retry_after(retry_after)
     }
 
-    /// The response for `protocol`: a problem document over HTTP, a trailers-only status
-    /// response over gRPC.
-    pub(crate) fn into_response<B: Body>(self, protocol: Protocol) -> Response<ResponseBody<B>> {
-        match protocol {
-            Protocol::Http => self.into_http(),
-            Protocol::Grpc => self.into_grpc(),
-        }
+    /// A protected request without a usable key: `missing_key` or `invalid_key`.
+    pub(crate) fn key(problem: &KeyProblem, header: &HeaderName) -> Self {
+        let code = match problem {
+            KeyProblem::Missing => ProblemCode::MissingKey,
+            _ => ProblemCode::InvalidKey,
+        };
+        Problem::new(code, problem.detail(header))
     }
 
-    /// The gRPC status code for this problem.
-    pub(crate) fn grpc_code(&self) -> u8 {
-        match self.code {
-            "missing_key" | "invalid_key" | "request_body_unreadable" => 3, // INVALID_ARGUMENT
-            "missing_scope" => 7,                                           // PERMISSION_DENIED
-            "fingerprint_mismatch" => 9,                                    // FAILED_PRECONDITION
-            "in_flight" => 10,                                              // ABORTED
-            "result_not_retained" => 6,                                     // ALREADY_EXISTS
-            "request_too_large" => 8,                                       // RESOURCE_EXHAUSTED
-            "store_unavailable" | "store_capacity" | "shutting_down" | "claim_lost" => 14, // UNAVAILABLE
-            _ => 13, // INTERNAL
-        }
+    /// A protected request without a scope.
+    pub(crate) fn missing_scope() -> Self {
+        Problem::new(
+            ProblemCode::MissingScope,
+            "this request carries no authenticated principal to scope its idempotency key by, so it was not processed; authenticate and retry",
+        )
     }
 
-    fn into_grpc<B: Body>(self) -> Response<ResponseBody<B>> {
+    /// A protected request whose body is over `limit` bytes.
+    pub(crate) fn request_too_large(limit: usize) -> Self {
+        Problem::new(
+            ProblemCode::RequestTooLarge,
+            format!(
+                "the request body exceeds the {limit}-byte limit for idempotent requests; it was not processed"
+            ),
+        )
+    }
+
+    /// A protected request whose body failed while it was read.
+    pub(crate) fn request_body_unreadable() -> Self {
+        Problem::new(
+            ProblemCode::RequestBodyUnreadable,
+            "the request body could not be read; the request was not processed",
+        )
+    }
+
+    /// The gRPC answer: a trailers-only response with the problem's gRPC status, its detail as
+    /// `grpc-message`, its code as `idempotent-error` and its delay as `grpc-retry-pushback-ms`.
+    pub(crate) fn into_grpc<B: Body>(self) -> Response<ResponseBody<B>> {
         let mut response = Response::new(ResponseBody::full(Bytes::new(), None));
         let headers = response.headers_mut();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
         headers.insert(
             "grpc-status",
-            HeaderValue::from(u16::from(self.grpc_code())),
+            HeaderValue::from(u16::from(self.code.grpc_code().as_u8())),
         );
         if let Ok(message) = HeaderValue::from_str(&percent_encode(&self.detail)) {
             headers.insert("grpc-message", message);
         }
-        headers.insert("idempotent-error", HeaderValue::from_static(self.code));
+        headers.insert(
+            "idempotent-error",
+            HeaderValue::from_static(self.code.as_str()),
+        );
         if let Some(after) = self.retry_after {
             let millis = u64::try_from(after.as_millis()).unwrap_or(u64::MAX).max(1);
             // The standard gRPC retry pushback, read by clients' retry policies.
@@ -157,17 +113,19 @@ impl Problem {
         response
     }
 
-    fn into_http<B: Body>(self) -> Response<ResponseBody<B>> {
+    /// The HTTP answer: an `application/problem+json` document, never cached.
+    pub(crate) fn into_http<B: Body>(self) -> Response<ResponseBody<B>> {
+        let code = self.code.as_str();
         let document = serde_json::json!({
-            "type": format!("urn:idempotent:problem:{}", self.code),
-            "title": self.title,
-            "status": self.status.as_u16(),
+            "type": format!("urn:idempotent:problem:{code}"),
+            "title": self.code.title(),
+            "status": self.code.status().as_u16(),
             "detail": self.detail,
-            "code": self.code,
+            "code": code,
         });
         let body = Bytes::from(document.to_string());
         let mut response = Response::new(ResponseBody::full(body, None));
-        *response.status_mut() = self.status;
+        *response.status_mut() = self.code.status();
         let headers = response.headers_mut();
         headers.insert(
             CONTENT_TYPE,
@@ -180,6 +138,39 @@ impl Problem {
             headers.insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));
         }
         response
+    }
+}
+
+/// The detail of a problem the runtime reports.
+fn runtime_detail(code: ProblemCode) -> &'static str {
+    match code {
+        ProblemCode::FingerprintMismatch => {
+            "this idempotency key was already used for a request with a different method, path, query or body; use a new key for a new request"
+        }
+        ProblemCode::InFlight => {
+            "a request with this idempotency key is still being processed; retry after the Retry-After delay to receive its response"
+        }
+        ProblemCode::ResultNotRetained => {
+            "a request with this idempotency key was already processed, but its response was too large to keep for replay; it will not be processed again"
+        }
+        ProblemCode::CorruptRecord => {
+            "the stored record for this idempotency key cannot be read; the request was not processed again"
+        }
+        ProblemCode::StoreCapacity => {
+            "the idempotency store cannot accept new keys right now; the request was not processed; retry later"
+        }
+        ProblemCode::StoreUnavailable => {
+            "the idempotency store cannot be reached; the request was not processed; retry later"
+        }
+        ProblemCode::ClaimLost => {
+            "the idempotency store stalled or another request took this key over while the request ran, so it was stopped; retry with the same key to receive the outcome"
+        }
+        ProblemCode::ShuttingDown => {
+            "this server is shutting down and did not process the request; retry with the same idempotency key"
+        }
+        // Codes the runtime never reports to the layer (the fingerprint is built from bytes,
+        // the result is not serialized), and the layer's own.
+        _ => "the request could not be processed idempotently",
     }
 }
 
@@ -202,24 +193,36 @@ mod tests {
 
     #[test]
     fn grpc_codes_follow_the_documented_table() {
-        let code = |c: &'static str| Problem::new(StatusCode::BAD_REQUEST, c, "t", "d").grpc_code();
+        let answer =
+            |code: ProblemCode| Problem::new(code, "d").into_grpc::<http_body_util::Empty<Bytes>>();
         for (problem, grpc) in [
-            ("missing_key", 3),
-            ("invalid_key", 3),
-            ("request_body_unreadable", 3),
-            ("missing_scope", 7),
-            ("claim_lost", 14),
-            ("fingerprint_mismatch", 9),
-            ("in_flight", 10),
-            ("result_not_retained", 6),
-            ("request_too_large", 8),
-            ("store_unavailable", 14),
-            ("store_capacity", 14),
-            ("shutting_down", 14),
-            ("corrupt_record", 13),
-            ("internal_error", 13),
+            (ProblemCode::MissingKey, 3),
+            (ProblemCode::InvalidKey, 3),
+            (ProblemCode::RequestBodyUnreadable, 3),
+            (ProblemCode::MissingScope, 7),
+            (ProblemCode::ClaimLost, 14),
+            (ProblemCode::FingerprintMismatch, 9),
+            (ProblemCode::InFlight, 10),
+            (ProblemCode::ResultNotRetained, 6),
+            (ProblemCode::RequestTooLarge, 8),
+            (ProblemCode::StoreUnavailable, 14),
+            (ProblemCode::StoreCapacity, 14),
+            (ProblemCode::ShuttingDown, 14),
+            (ProblemCode::CorruptRecord, 13),
+            (ProblemCode::InvalidFingerprint, 13),
+            (ProblemCode::PayloadError, 13),
         ] {
-            assert_eq!(code(problem), grpc, "{problem}");
+            let response = answer(problem);
+            assert_eq!(
+                response.headers()["grpc-status"],
+                grpc.to_string(),
+                "{problem}"
+            );
+            assert_eq!(
+                response.headers()["idempotent-error"],
+                problem.as_str(),
+                "{problem}"
+            );
         }
     }
 

@@ -1,45 +1,75 @@
-//! [`IdempotencyService`]: the middleware itself.
+//! [`IdempotencyService`]: the middleware itself, and the flow of a protected request.
 
 use std::fmt;
 use std::future::poll_fn;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use http::header::CONTENT_LENGTH;
-use http::request::Parts;
-use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotent_core::{
-    Call, ClaimHandle, Error, Execution, Fingerprint, Idempotency, Key, Retain, Scope, StoreError,
+    Call, ClaimHandle, Error, Execution, Idempotency, Key, ProblemCode, Retain, Scope, StoreError,
 };
 use tower_service::Service;
 
 use crate::body::{RequestBody, ResponseBody};
+use crate::capture::{Captured, capture};
+use crate::config::{Config, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED, OnClaimLost};
 use crate::discard::{self, Declared};
+use crate::fingerprint::fingerprint;
 use crate::future::ResponseFuture;
 use crate::key::{KeyProblem, key_from_headers};
-use crate::layer::{Config, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED, OnClaimLost, Protocol};
+use crate::layer::IdempotencyLayer;
 use crate::problem::Problem;
+use crate::protocol::{Http, Protocol};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The middleware created by [`IdempotencyLayer`](crate::IdempotencyLayer).
-#[derive(Clone)]
-pub struct IdempotencyService<S> {
+/// The middleware created by [`IdempotencyLayer`].
+pub struct IdempotencyService<S, P: Protocol = Http> {
     inner: S,
-    config: Arc<Config>,
+    config: Arc<Config<P>>,
 }
 
-impl<S> IdempotencyService<S> {
-    pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
-        IdempotencyService { inner, config }
+impl<S, P: Protocol> IdempotencyService<S, P> {
+    /// `inner` behind `layer`'s idempotency: what [`Layer::layer`](tower_layer::Layer::layer)
+    /// returns.
+    pub fn new(inner: S, layer: IdempotencyLayer<P>) -> Self {
+        IdempotencyService {
+            inner,
+            config: layer.config,
+        }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The inner service, without the layer.
+    pub fn into_inner(self) -> S {
+        self.inner
     }
 }
 
-impl<S: fmt::Debug> fmt::Debug for IdempotencyService<S> {
+impl<S: Clone, P: Protocol> Clone for IdempotencyService<S, P> {
+    fn clone(&self) -> Self {
+        IdempotencyService {
+            inner: self.inner.clone(),
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+impl<S: fmt::Debug, P: Protocol> fmt::Debug for IdempotencyService<S, P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyService")
             .field("inner", &self.inner)
@@ -48,11 +78,12 @@ impl<S: fmt::Debug> fmt::Debug for IdempotencyService<S> {
     }
 }
 
-impl<S, B, ResBody> Service<Request<B>> for IdempotencyService<S>
+impl<S, P, B, ResBody> Service<Request<B>> for IdempotencyService<S, P>
 where
     S: Service<Request<RequestBody<B>>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
+    P: Protocol,
     B: Body + Send + 'static,
     B::Data: Send,
     B::Error: Into<BoxError>,
@@ -75,10 +106,10 @@ where
         }
         if config.idempotency.is_shutting_down() {
             tracing::info!(
-                outcome = "shutting_down",
+                outcome = ProblemCode::ShuttingDown.as_str(),
                 "protected request refused: shutting down"
             );
-            let refused = Problem::from_error(&Error::ShuttingDown).into_response(config.protocol);
+            let refused = P::answer(Problem::from_error(&Error::ShuttingDown));
             return refuse(config, request, refused);
         }
         let key = match key_from_headers(request.headers(), &config.header, config.strict) {
@@ -87,15 +118,13 @@ where
                 return self.pass_through(request, "no key");
             }
             Err(problem) => {
-                let (code, title) = match problem {
-                    KeyProblem::Missing => ("missing_key", "Idempotency key required"),
-                    _ => ("invalid_key", "Invalid idempotency key"),
-                };
-                tracing::info!(outcome = "invalid_key", code, "idempotency key refused");
-                let detail = problem.detail(&config.header);
-                let refused = Problem::new(StatusCode::BAD_REQUEST, code, title, detail)
-                    .into_response(config.protocol);
-                return refuse(config, request, refused);
+                let problem = Problem::key(&problem, &config.header);
+                tracing::info!(
+                    outcome = ProblemCode::InvalidKey.as_str(),
+                    code = problem.code.as_str(),
+                    "idempotency key refused"
+                );
+                return refuse(config, request, P::answer(problem));
             }
         };
         if let Some(declared) =
@@ -103,7 +132,7 @@ where
         {
             let limit = config.max_request_body;
             tracing::info!(
-                outcome = "request_too_large",
+                outcome = ProblemCode::RequestTooLarge.as_str(),
                 declared,
                 limit,
                 "protected request refused: its declared body is over the limit"
@@ -111,7 +140,7 @@ where
             return refuse(
                 config,
                 request,
-                too_large(limit).into_response(config.protocol),
+                P::answer(Problem::request_too_large(limit)),
             );
         }
         let (parts, body) = request.into_parts();
@@ -119,11 +148,10 @@ where
         let request = Request::from_parts(parts, body);
         let Some(scope) = scope else {
             tracing::info!(
-                outcome = "missing_scope",
+                outcome = ProblemCode::MissingScope.as_str(),
                 "protected request refused: no principal to scope its key by"
             );
-            let refused = missing_scope().into_response(config.protocol);
-            return refuse(config, request, refused);
+            return refuse(config, request, P::answer(Problem::missing_scope()));
         };
         // The ready service goes with this request; a clone waits for the next poll_ready.
         let clone = self.inner.clone();
@@ -141,7 +169,7 @@ where
     }
 }
 
-impl<S> IdempotencyService<S> {
+impl<S, P: Protocol> IdempotencyService<S, P> {
     fn pass_through<B, ResBody>(
         &mut self,
         request: Request<B>,
@@ -161,12 +189,13 @@ impl<S> IdempotencyService<S> {
 /// would let the kernel reset it under an HTTP/1 client still sending, which then never reads
 /// the answer. At most `max_request_body` plus `max_discarded_body` bytes are read; a body
 /// declared longer is answered at once, and one that turns out longer gets `Connection: close`.
-fn refuse<F, B, ResBody, E>(
-    config: &Config,
+fn refuse<P, F, B, ResBody, E>(
+    config: &Config<P>,
     request: Request<B>,
     refused: Response<ResponseBody<ResBody>>,
 ) -> ResponseFuture<F, ResBody, E>
 where
+    P: Protocol,
     E: Send + 'static,
     B: Body + Send + 'static,
     B::Data: Send,
@@ -183,7 +212,7 @@ where
         request.headers(),
         declared,
         config.max_request_body,
-        config.max_discarded_body,
+        config.max_discarded_body(),
     ) {
         Declared::AnswerNow(connection) => ResponseFuture::ready(connection.mark(refused)),
         Declared::Discard(up_to) => ResponseFuture::protected(Box::pin(async move {
@@ -193,232 +222,12 @@ where
     }
 }
 
-fn missing_scope() -> Problem {
-    Problem::new(
-        StatusCode::FORBIDDEN,
-        "missing_scope",
-        "No principal for the idempotency key",
-        "this request carries no authenticated principal to scope its idempotency key by, so it was not processed; authenticate and retry",
-    )
-}
-
 fn declared_length(headers: &HeaderMap) -> Option<u64> {
     headers.get(CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
-fn too_large(limit: usize) -> Problem {
-    Problem::new(
-        StatusCode::PAYLOAD_TOO_LARGE,
-        "request_too_large",
-        "Request body too large",
-        format!(
-            "the request body exceeds the {limit}-byte limit for idempotent requests; it was not processed"
-        ),
-    )
-}
-
-/// What the handler produced, as far as the layer read it.
-enum Captured<B: Body> {
-    /// The whole response.
-    Complete {
-        parts: http::response::Parts,
-        body: Bytes,
-        trailers: Option<HeaderMap>,
-    },
-    /// A response larger than the retention limit: the part read, and the rest.
-    TooLarge {
-        parts: http::response::Parts,
-        prefix: Bytes,
-        rest: Pin<Box<B>>,
-    },
-    /// A response whose body failed while being read.
-    Failed {
-        parts: http::response::Parts,
-        prefix: Bytes,
-        error: B::Error,
-    },
-}
-
-impl Config {
-    /// Whether the outcome policy keeps this response for replay.
-    fn retains<B: Body>(&self, captured: &Captured<B>) -> bool {
-        match self.protocol {
-            Protocol::Http => (self.retain)(captured.status()),
-            Protocol::Grpc => match captured {
-                Captured::Complete { .. } => {
-                    captured.status() == StatusCode::OK
-                        && captured
-                            .grpc_status()
-                            .is_some_and(|code| (self.grpc_retain)(code))
-                }
-                // The body was not read whole, so the grpc-status in its trailers is unknown;
-                // the handler ran and answered, so the call is recorded rather than released
-                // unless a trailers-only status says it failed transiently.
-                Captured::TooLarge { .. } | Captured::Failed { .. } => {
-                    captured.status() == StatusCode::OK
-                        && captured
-                            .grpc_status()
-                            .is_none_or(|code| (self.grpc_retain)(code))
-                }
-            },
-        }
-    }
-}
-
-impl<B: Body> Captured<B> {
-    /// The `grpc-status` of a gRPC response: from its trailers, or from its headers in a
-    /// trailers-only response. `None` when absent or malformed, or when the body was not
-    /// read whole.
-    fn grpc_status(&self) -> Option<u8> {
-        let read = |headers: &HeaderMap| -> Option<u8> {
-            headers.get("grpc-status")?.to_str().ok()?.parse().ok()
-        };
-        match self {
-            Captured::Complete {
-                parts, trailers, ..
-            } => trailers
-                .as_ref()
-                .and_then(read)
-                .or_else(|| read(&parts.headers)),
-            Captured::TooLarge { parts, .. } | Captured::Failed { parts, .. } => {
-                read(&parts.headers)
-            }
-        }
-    }
-
-    fn status(&self) -> StatusCode {
-        match self {
-            Captured::Complete { parts, .. }
-            | Captured::TooLarge { parts, .. }
-            | Captured::Failed { parts, .. } => parts.status,
-        }
-    }
-
-    fn into_response(self) -> Response<ResponseBody<B>> {
-        match self {
-            Captured::Complete {
-                parts,
-                body,
-                trailers,
-            } => Response::from_parts(parts, ResponseBody::full(body, trailers)),
-            Captured::TooLarge {
-                parts,
-                prefix,
-                rest,
-            } => Response::from_parts(parts, ResponseBody::partial(prefix, rest)),
-            Captured::Failed {
-                parts,
-                prefix,
-                error,
-            } => Response::from_parts(parts, ResponseBody::failed(prefix, error)),
-        }
-    }
-}
-
-/// Reads the response body up to `max` bytes, keeping its trailers.
-async fn capture<B: Body>(response: Response<B>, max: usize) -> Captured<B> {
-    let (parts, body) = response.into_parts();
-    let mut body = Box::pin(body);
-    // Most bodies are one chunk: keep it as is and copy only when a second arrives.
-    let mut first: Option<Bytes> = None;
-    let mut rest = BytesMut::new();
-    let mut trailers: Option<HeaderMap> = None;
-    let read =
-        |first: &mut Option<Bytes>, rest: &mut BytesMut| match (first.take(), rest.is_empty()) {
-            (Some(first), true) => first,
-            (Some(first), false) => {
-                let mut all = BytesMut::with_capacity(first.len() + rest.len());
-                all.put(first);
-                all.put(rest.split());
-                all.freeze()
-            }
-            (None, _) => rest.split().freeze(),
-        };
-    while let Some(frame) = body.frame().await {
-        let frame = match frame {
-            Ok(frame) => frame,
-            Err(error) => {
-                let prefix = read(&mut first, &mut rest);
-                return Captured::Failed {
-                    parts,
-                    prefix,
-                    error,
-                };
-            }
-        };
-        match frame.into_data() {
-            Ok(mut data) => {
-                let len = first.as_ref().map_or(0, Bytes::len) + rest.len();
-                let chunk = data.copy_to_bytes(data.remaining());
-                if len + chunk.len() > max {
-                    if let Some(first) = first.take() {
-                        let mut all = BytesMut::with_capacity(first.len() + rest.len());
-                        all.put(first);
-                        all.put(rest.split());
-                        rest = all;
-                    }
-                    rest.put(chunk);
-                    return Captured::TooLarge {
-                        parts,
-                        prefix: rest.freeze(),
-                        rest: body,
-                    };
-                }
-                if first.is_none() && rest.is_empty() {
-                    first = Some(chunk);
-                } else {
-                    if let Some(first) = first.take() {
-                        rest.put(first);
-                    }
-                    rest.put(chunk);
-                }
-            }
-            Err(frame) => {
-                if let Ok(more) = frame.into_trailers() {
-                    trailers.get_or_insert_with(HeaderMap::new).extend(more);
-                }
-            }
-        }
-    }
-    Captured::Complete {
-        parts,
-        body: read(&mut first, &mut rest),
-        trailers,
-    }
-}
-
-/// The fingerprint of an HTTP request: method, path, query pairs in sorted order, the
-/// configured headers and the body. Each part is a delimited field.
-pub(crate) fn fingerprint(parts: &Parts, body: &[u8], headers: &[http::HeaderName]) -> Fingerprint {
-    let mut f = Fingerprint::builder();
-    f.push_field(parts.method.as_str().as_bytes());
-    f.push_field(parts.uri.path().as_bytes());
-    let mut pairs: Vec<&str> = parts
-        .uri
-        .query()
-        .unwrap_or("")
-        .split('&')
-        .filter(|pair| !pair.is_empty())
-        .collect();
-    pairs.sort_unstable();
-    f.push_field(&(pairs.len() as u64).to_le_bytes());
-    for pair in pairs {
-        f.push_field(pair.as_bytes());
-    }
-    for name in headers {
-        f.push_field(name.as_str().as_bytes());
-        let values: Vec<_> = parts.headers.get_all(name).iter().collect();
-        f.push_field(&(values.len() as u64).to_le_bytes());
-        for value in values {
-            f.push_field(value.as_bytes());
-        }
-    }
-    f.push_field(body);
-    f.finish()
-}
-
-async fn handle<S, B, ResBody>(
-    config: Arc<Config>,
+async fn handle<S, P, B, ResBody>(
+    config: Arc<Config<P>>,
     inner: S,
     request: Request<B>,
     key: Key,
@@ -427,6 +236,7 @@ async fn handle<S, B, ResBody>(
 where
     S: Service<Request<RequestBody<B>>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send,
+    P: Protocol,
     B: Body,
     B::Error: Into<BoxError>,
     ResBody: Body,
@@ -444,24 +254,18 @@ where
             Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
                 let limit = config.max_request_body;
                 let connection =
-                    discard::over_limit(parts.version, body, config.max_discarded_body).await;
+                    discard::over_limit(parts.version, body, config.max_discarded_body()).await;
                 tracing::info!(
-                    outcome = "request_too_large",
+                    outcome = ProblemCode::RequestTooLarge.as_str(),
                     limit,
                     ?connection,
                     "protected request refused: its body went over the limit"
                 );
-                return Ok(connection.mark(too_large(limit).into_response(config.protocol)));
+                return Ok(connection.mark(P::answer(Problem::request_too_large(limit))));
             }
             Err(error) => {
-                tracing::info!(outcome = "request_body_unreadable", error = %error, "could not read a protected request body");
-                return Ok(Problem::new(
-                    StatusCode::BAD_REQUEST,
-                    "request_body_unreadable",
-                    "Request body unreadable",
-                    "the request body could not be read; the request was not processed",
-                )
-                .into_response(config.protocol));
+                tracing::info!(outcome = ProblemCode::RequestBodyUnreadable.as_str(), error = %error, "could not read a protected request body");
+                return Ok(P::answer(Problem::request_body_unreadable()));
             }
         }
     };
@@ -469,19 +273,10 @@ where
     // The layer bounds the response body itself (`max_response_body`); the record around it
     // (status, headers, trailers) adds what the server's header limits allow, so the runtime's
     // own result limit must not refuse a body within the layer's.
-    let mut call = Call::new(key)
+    let call = Call::new(key)
         .scope(scope)
         .fingerprint(fingerprint(&parts, &body, &config.fingerprint_headers))
-        .max_result_bytes(usize::MAX);
-    if let Some(ttl) = config.ttl {
-        call = call.ttl(ttl);
-    }
-    if let Some(lease) = config.lease {
-        call = call.lease(lease);
-    }
-    if let Some(policy) = config.in_flight {
-        call = call.in_flight(policy);
-    }
+        .options(config.call_options.max_result_bytes(usize::MAX));
     let storage_key = LoggedKey(&config.idempotency, &call);
     let fallback = config
         .fail_open
@@ -529,10 +324,13 @@ where
             None => Some(answered.await),
         }
     };
-    let classify = |output: &Option<Result<Captured<ResBody>, S::Error>>| match output {
-        // Stopped because the claim was lost: nothing of this request is recorded.
-        None | Some(Err(_)) => Retain::Release,
-        Some(Ok(captured)) if !config.retains(captured) => Retain::Release,
+    let retain = |output: &Option<Result<Captured<ResBody>, S::Error>>| match output {
+        Some(Ok(captured)) if config.retains(captured) => Retain::Keep,
+        // Not kept by the outcome policy, failed, or stopped because the claim was lost: the
+        // key is released and nothing of this request is recorded.
+        _ => Retain::Release,
+    };
+    let encode = |output: &Option<Result<Captured<ResBody>, S::Error>>| match output {
         Some(Ok(Captured::Complete {
             parts,
             body,
@@ -544,32 +342,36 @@ where
             trailers.as_ref(),
             |name| config.is_not_replayed(name),
         ) {
-            Ok(record) => Retain::Store(record),
+            Ok(record) => Some(record),
             // A response the stored form cannot give back exactly is kept like one too large
             // to buffer: recorded as done, without its result.
             Err(error) => {
                 tracing::warn!(%storage_key, %error, "response not retained for replay");
-                Retain::CompleteWithoutResult
+                None
             }
         },
         // The handler ran and answered; without its whole response, the call is recorded as
         // done so that a retry does not run it again.
-        Some(Ok(Captured::TooLarge { .. } | Captured::Failed { .. })) => {
-            Retain::CompleteWithoutResult
-        }
+        Some(Ok(Captured::TooLarge { .. } | Captured::Failed { .. })) => None,
+        // Released by `retain`, so never encoded.
+        None | Some(Err(_)) => None,
     };
 
-    match config.idempotency.execute(&call, work, classify).await {
+    match config
+        .idempotency
+        .execute(&call, work, retain, encode)
+        .await
+    {
         Ok(Execution::Fresh(Some(Ok(captured)))) => {
             tracing::debug!(outcome = "fresh", %storage_key, status = captured.status().as_u16(), "idempotent request executed");
             Ok(captured.into_response())
         }
         Ok(Execution::Fresh(Some(Err(error)))) => Err(error),
         Ok(Execution::Fresh(None)) => {
-            tracing::warn!(outcome = "claim_lost", %storage_key, "request stopped: its claim was lost while the handler ran");
-            Ok(Problem::from_error(&Error::ClaimLost).into_response(config.protocol))
+            tracing::warn!(outcome = ProblemCode::ClaimLost.as_str(), %storage_key, "request stopped: its claim was lost while the handler ran");
+            Ok(P::answer(Problem::from_error(&Error::ClaimLost)))
         }
-        Ok(Execution::Replayed(stored)) => Ok(replay(stored, storage_key, config.protocol)),
+        Ok(Execution::Replayed(stored)) => Ok(replay::<P, _>(stored, storage_key)),
         // Only an unreachable store is bypassed: a record that exists but cannot be read is a
         // conflict, never "absent".
         // Never once shutdown has begun: the handler would run after the drain counted it out.
@@ -597,7 +399,7 @@ where
             Ok(response)
         }
         Err(error) => {
-            let outcome = error.code();
+            let outcome = error.code().as_str();
             match &error {
                 Error::Store(e) => tracing::error!(
                     outcome,
@@ -607,7 +409,7 @@ where
                 ),
                 _ => tracing::info!(outcome, %storage_key, "idempotent request refused"),
             }
-            Ok(Problem::from_error(&error).into_response(config.protocol))
+            Ok(P::answer(Problem::from_error(&error)))
         }
     }
 }
@@ -623,10 +425,9 @@ impl fmt::Display for LoggedKey<'_> {
     }
 }
 
-fn replay<B: Body>(
+fn replay<P: Protocol, B: Body>(
     stored: Bytes,
     storage_key: LoggedKey<'_>,
-    protocol: Protocol,
 ) -> Response<ResponseBody<B>> {
     match crate::record::decode(stored) {
         Ok(stored) => {
@@ -640,8 +441,8 @@ fn replay<B: Body>(
             response
         }
         Err(error) => {
-            tracing::error!(outcome = "corrupt_record", %storage_key, %error, "stored response cannot be decoded");
-            Problem::from_error(&Error::CorruptRecord(Box::new(error))).into_response(protocol)
+            tracing::error!(outcome = ProblemCode::CorruptRecord.as_str(), %storage_key, %error, "stored response cannot be decoded");
+            P::answer(Problem::from_error(&Error::CorruptRecord(Box::new(error))))
         }
     }
 }

@@ -8,7 +8,8 @@ use axum::body::Body;
 use axum::routing::post;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use idempotent_core::{Idempotency, MemoryStore};
+use idempotent_core::Idempotency;
+use idempotent_core::memory::MemoryStore;
 use idempotent_tower::IdempotencyLayer;
 use tower::ServiceExt;
 
@@ -24,7 +25,9 @@ fn counting_router(runs: &Arc<AtomicUsize>) -> Router {
                 )
             }),
         )
-        .route_layer(IdempotencyLayer::new(Idempotency::new(MemoryStore::new())))
+        .route_layer(IdempotencyLayer::new_for_http(Idempotency::new(
+            MemoryStore::new(),
+        )))
         .route(
             "/unprotected",
             post(move || async move { b.fetch_add(1, Ordering::SeqCst).to_string() }),
@@ -87,7 +90,9 @@ async fn router_layer_wraps_every_route_including_fallbacks() {
                 )
             }),
         )
-        .layer(IdempotencyLayer::new(Idempotency::new(MemoryStore::new())));
+        .layer(IdempotencyLayer::new_for_http(Idempotency::new(
+            MemoryStore::new(),
+        )));
     assert!(!call(&router, "/orders", Some("k")).await.1);
     assert!(call(&router, "/orders", Some("k")).await.1);
     // A 404 from the fallback is a deterministic client error: stored and replayed.

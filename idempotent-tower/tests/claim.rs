@@ -11,8 +11,11 @@ use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use idempotent_core::conformance::{Fault, Faults, FaultyStore, Op};
-use idempotent_core::{Call, ClaimHandle, Idempotency, Key, MemoryStore};
-use idempotent_tower::{IdempotencyLayer, OnClaimLost, Principal, RequestBody, ResponseBody};
+use idempotent_core::memory::MemoryStore;
+use idempotent_core::{Call, ClaimHandle, Defaults, Idempotency, Key};
+use idempotent_tower::{
+    IdempotencyLayer, OnClaimLost, Principal, Protocol, RequestBody, ResponseBody,
+};
 use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
 
 type Svc = tower::util::BoxCloneSyncService<
@@ -30,7 +33,7 @@ struct Handler {
 }
 
 impl Handler {
-    fn stack(&self, layer: IdempotencyLayer, delay: Duration) -> Svc {
+    fn stack<P: Protocol>(&self, layer: IdempotencyLayer<P>, delay: Duration) -> Svc {
         let this = self.clone();
         let svc = ServiceBuilder::new().layer(layer).service(service_fn(
             move |req: Request<RequestBody<Full<Bytes>>>| {
@@ -71,7 +74,12 @@ impl Handler {
 fn faulty(lease: Duration) -> (Idempotency, Faults) {
     let store = FaultyStore::new(MemoryStore::new());
     let faults = store.faults();
-    (Idempotency::builder(store).lease(lease).build(), faults)
+    (
+        Idempotency::builder(store)
+            .defaults(Defaults::new().lease(lease))
+            .build(),
+        faults,
+    )
 }
 
 fn post(path: &str, key: &str) -> Request<Full<Bytes>> {
@@ -104,7 +112,10 @@ fn code(response: &Response<()>, body: &str) -> String {
 async fn the_handler_reads_the_claim_as_a_request_extension() {
     let handler = Handler::default();
     let idempotency = Idempotency::new(MemoryStore::new());
-    let svc = handler.stack(IdempotencyLayer::new(idempotency.clone()), Duration::ZERO);
+    let svc = handler.stack(
+        IdempotencyLayer::new_for_http(idempotency.clone()),
+        Duration::ZERO,
+    );
     let (response, body) = send(&svc, post("/pay", "order-1")).await;
     assert_eq!(response.status(), StatusCode::CREATED);
     // The layer's storage key for this request: its scope is the request's principal.
@@ -118,8 +129,8 @@ async fn the_handler_reads_the_claim_as_a_request_extension() {
 #[tokio::test]
 async fn a_grpc_handler_reads_the_claim_too() {
     let handler = Handler::default();
-    let layer = IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new()))
-        .grpc_methods(["/payments.v1.Payments/Charge"]);
+    let layer = IdempotencyLayer::new_for_grpc(Idempotency::new(MemoryStore::new()))
+        .methods(["/payments.v1.Payments/Charge"]);
     let svc = handler.stack(layer, Duration::ZERO);
     let request = Request::post("/payments.v1.Payments/Charge")
         .header(CONTENT_TYPE, "application/grpc")
@@ -141,7 +152,7 @@ async fn by_default_a_stale_owner_finishes_and_its_client_gets_its_response() {
     // The store stalls for every renewal: the claim ends with its lease while the handler runs.
     faults.fail(Op::Renew, Fault::Hang);
     let handler = Handler::default();
-    let svc = handler.stack(IdempotencyLayer::new(idempotency), lease * 2);
+    let svc = handler.stack(IdempotencyLayer::new_for_http(idempotency), lease * 2);
     let (response, body) = send(&svc, post("/pay", "order-1")).await;
     assert_eq!(response.status(), StatusCode::CREATED);
     assert!(
@@ -171,7 +182,8 @@ async fn with_cancel_a_stale_owner_is_stopped_and_its_client_told_to_retry() {
     faults.fail(Op::Renew, Fault::Hang);
     faults.fail(Op::Release, Fault::Hang);
     let handler = Handler::default();
-    let layer = IdempotencyLayer::new(idempotency.clone()).on_claim_lost(OnClaimLost::Cancel);
+    let layer =
+        IdempotencyLayer::new_for_http(idempotency.clone()).on_claim_lost(OnClaimLost::Cancel);
     let svc = handler.stack(layer, lease * 10);
     let started = tokio::time::Instant::now();
     let (response, body) = send(&svc, post("/pay", "order-1")).await;
@@ -192,7 +204,7 @@ async fn with_cancel_a_stale_owner_is_stopped_and_its_client_told_to_retry() {
     // lease ended), so it runs, once, and is then replayed.
     faults.heal_all();
     let fast = handler.stack(
-        IdempotencyLayer::new(idempotency).on_claim_lost(OnClaimLost::Cancel),
+        IdempotencyLayer::new_for_http(idempotency).on_claim_lost(OnClaimLost::Cancel),
         Duration::ZERO,
     );
     let (retry, retry_body) = send(&fast, post("/pay", "order-1")).await;
@@ -210,8 +222,8 @@ async fn grpc_clients_of_a_cancelled_stale_owner_get_unavailable() {
     let (idempotency, faults) = faulty(lease);
     faults.fail(Op::Renew, Fault::Hang);
     let handler = Handler::default();
-    let layer = IdempotencyLayer::grpc(idempotency)
-        .grpc_methods(["/payments.v1.Payments/Charge"])
+    let layer = IdempotencyLayer::new_for_grpc(idempotency)
+        .methods(["/payments.v1.Payments/Charge"])
         .on_claim_lost(OnClaimLost::Cancel);
     let svc = handler.stack(layer, lease * 10);
     let request = Request::post("/payments.v1.Payments/Charge")
@@ -231,7 +243,7 @@ async fn a_response_whose_record_failed_at_first_is_replayed_not_run_again() {
     let (idempotency, faults) = faulty(lease);
     faults.fail(Op::Complete, Fault::Unavailable);
     let handler = Handler::default();
-    let svc = handler.stack(IdempotencyLayer::new(idempotency), Duration::ZERO);
+    let svc = handler.stack(IdempotencyLayer::new_for_http(idempotency), Duration::ZERO);
     let (first, first_body) = send(&svc, post("/pay", "order-1")).await;
     assert_eq!(first.status(), StatusCode::CREATED);
     for _ in 0..6 {

@@ -10,11 +10,12 @@ use bytes::Bytes;
 use http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
+use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
-    Claim, FencingToken, Fingerprint, Idempotency, InFlightPolicy, MemoryStore, Scope, StorageKey,
-    Store, StoreError,
+    CallOptions, Claim, FencingToken, Fingerprint, Idempotency, InFlightPolicy, Retain, Scope,
+    StorageKey, Store, StoreError,
 };
-use idempotent_tower::{IdempotencyLayer, Principal, RequestBody, ResponseBody};
+use idempotent_tower::{IdempotencyLayer, Principal, Protocol, RequestBody, ResponseBody};
 use support::TestBody;
 use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
 
@@ -103,7 +104,7 @@ type Svc = tower::util::BoxCloneSyncService<
     BoxError,
 >;
 
-fn stack(layer: IdempotencyLayer, handler: &Handler) -> Svc {
+fn stack<P: Protocol>(layer: IdempotencyLayer<P>, handler: &Handler) -> Svc {
     let (runs, panics) = (Arc::clone(&handler.runs), Arc::clone(&handler.panics));
     let svc = ServiceBuilder::new()
         .layer(layer)
@@ -114,7 +115,7 @@ fn stack(layer: IdempotencyLayer, handler: &Handler) -> Svc {
 }
 
 fn memory() -> IdempotencyLayer {
-    IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    IdempotencyLayer::new_for_http(Idempotency::new(MemoryStore::new()))
 }
 
 fn post(path: &str, key: Option<&str>, body: &'static str) -> Request<Full<Bytes>> {
@@ -444,9 +445,9 @@ async fn concurrent_duplicate_is_409_with_retry_after_then_replays() {
 #[tokio::test]
 async fn wait_policy_replays_to_the_concurrent_duplicate() {
     let handler = Handler::new();
-    let layer = memory().in_flight(InFlightPolicy::Wait {
+    let layer = memory().call_options(CallOptions::new().in_flight(InFlightPolicy::Wait {
         max: Duration::from_secs(5),
-    });
+    }));
     let svc = stack(layer, &handler);
     let first = tokio::spawn({
         let svc = svc.clone();
@@ -481,7 +482,16 @@ async fn server_errors_are_released_and_client_errors_stored() {
 #[tokio::test]
 async fn outcome_policy_is_configurable() {
     let handler = Handler::new();
-    let svc = stack(memory().retain(|status| status.is_success()), &handler);
+    let svc = stack(
+        memory().retain(|status| {
+            if status.is_success() {
+                Retain::Keep
+            } else {
+                Retain::Release
+            }
+        }),
+        &handler,
+    );
     send(&svc, post("/declined", Some("k"), "x")).await;
     assert!(
         !send(&svc, post("/declined", Some("k"), "x"))
@@ -622,7 +632,10 @@ impl Store for DownStore {
 #[tokio::test]
 async fn store_down_is_503_fail_closed() {
     let handler = Handler::new();
-    let svc = stack(IdempotencyLayer::new(Idempotency::new(DownStore)), &handler);
+    let svc = stack(
+        IdempotencyLayer::new_for_http(Idempotency::new(DownStore)),
+        &handler,
+    );
     let answer = send(&svc, post("/p", Some("k"), "x")).await;
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(answer.code(), "store_unavailable");
@@ -634,7 +647,7 @@ async fn store_down_is_503_fail_closed() {
 async fn fail_open_runs_unprotected_and_says_so() {
     let handler = Handler::new();
     let svc = stack(
-        IdempotencyLayer::new(Idempotency::new(DownStore)).fail_open(true),
+        IdempotencyLayer::new_for_http(Idempotency::new(DownStore)).fail_open(true),
         &handler,
     );
     let answer = send(&svc, post("/p", Some("k"), "payload")).await;
@@ -710,7 +723,7 @@ async fn problems_are_never_stored() {
     let handler = Handler::new();
     let store = MemoryStore::new();
     let svc = stack(
-        IdempotencyLayer::new(Idempotency::new(store.clone())),
+        IdempotencyLayer::new_for_http(Idempotency::new(store.clone())),
         &handler,
     );
     send(&svc, post("/p", None, "x")).await;
@@ -727,8 +740,8 @@ async fn problems_are_never_stored() {
 #[tokio::test]
 async fn oversized_grpc_response_is_recorded_not_released() {
     let handler = Handler::new();
-    let layer = IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new()))
-        .grpc_methods(["/grpc-big"])
+    let layer = IdempotencyLayer::new_for_grpc(Idempotency::new(MemoryStore::new()))
+        .methods(["/grpc-big"])
         .max_response_body(1024);
     let svc = stack(layer, &handler);
     let first = send(&svc, post("/grpc-big", Some("k"), "x")).await;
@@ -776,7 +789,8 @@ impl Store for CorruptStore {
 async fn corrupt_record_is_never_bypassed_even_in_fail_open_mode() {
     let handler = Handler::new();
     for fail_open in [false, true] {
-        let layer = IdempotencyLayer::new(Idempotency::new(CorruptStore)).fail_open(fail_open);
+        let layer =
+            IdempotencyLayer::new_for_http(Idempotency::new(CorruptStore)).fail_open(fail_open);
         let svc = stack(layer, &handler);
         let answer = send(&svc, post("/p", Some("k"), "x")).await;
         assert_eq!(

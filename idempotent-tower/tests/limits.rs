@@ -1,5 +1,5 @@
-//! The layer's duration settings are checked where they are written: a zero or
-//! sub-millisecond lease used to be accepted (concurrent duplicates both ran), and
+//! The layer's duration settings (its `CallOptions`) are checked where they are written: a
+//! zero or sub-millisecond lease used to be accepted (concurrent duplicates both ran), and
 //! `InFlightPolicy::Wait { max: Duration::MAX }` panicked on `Instant + max`.
 
 use std::sync::Arc;
@@ -9,49 +9,52 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
-use idempotent_core::{Idempotency, InFlightPolicy, MemoryStore, limits};
+use idempotent_core::memory::MemoryStore;
+use idempotent_core::{CallOptions, Idempotency, InFlightPolicy, limits};
 use idempotent_tower::{IdempotencyLayer, Principal, RequestBody};
 use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
 
 fn layer() -> IdempotencyLayer {
-    IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    IdempotencyLayer::new_for_http(Idempotency::new(MemoryStore::new()))
 }
 
 #[test]
 #[should_panic(expected = "lease must be between 100ms and 365d, got 0s")]
 fn a_zero_lease_is_refused() {
-    let _ = layer().lease(Duration::ZERO);
+    let _ = layer().call_options(CallOptions::new().lease(Duration::ZERO));
 }
 
 #[test]
 #[should_panic(expected = "lease must be between 100ms and 365d, got 500µs")]
 fn a_sub_millisecond_lease_is_refused() {
-    let _ = layer().lease(Duration::from_micros(500));
+    let _ = layer().call_options(CallOptions::new().lease(Duration::from_micros(500)));
 }
 
 #[test]
 #[should_panic(expected = "ttl must be between 1ms and 365d, got 0s")]
 fn a_zero_ttl_is_refused() {
-    let _ = layer().ttl(Duration::ZERO);
+    let _ = layer().call_options(CallOptions::new().ttl(Duration::ZERO));
 }
 
 #[test]
 #[should_panic(expected = "ttl must be between 1ms and 365d, got 18446744073709551615.999999999s")]
 fn an_endless_ttl_is_refused() {
-    let _ = layer().ttl(Duration::MAX);
+    let _ = layer().call_options(CallOptions::new().ttl(Duration::MAX));
 }
 
 #[test]
 fn both_ends_of_every_range_are_accepted() {
-    let _ = layer()
-        .ttl(limits::MIN_TTL)
-        .ttl(limits::MAX_TTL)
-        .lease(limits::MIN_LEASE)
-        .lease(limits::MAX_LEASE)
-        .in_flight(InFlightPolicy::Wait {
-            max: Duration::ZERO,
-        })
-        .in_flight(InFlightPolicy::Wait { max: Duration::MAX });
+    let _ = layer().call_options(
+        CallOptions::new()
+            .ttl(limits::MIN_TTL)
+            .ttl(limits::MAX_TTL)
+            .lease(limits::MIN_LEASE)
+            .lease(limits::MAX_LEASE)
+            .in_flight(InFlightPolicy::Wait {
+                max: Duration::ZERO,
+            })
+            .in_flight(InFlightPolicy::Wait { max: Duration::MAX }),
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -74,7 +77,9 @@ async fn a_duplicate_waiting_without_a_deadline_gets_the_replay() {
         })
     };
     let svc = ServiceBuilder::new()
-        .layer(layer().in_flight(InFlightPolicy::Wait { max: Duration::MAX }))
+        .layer(layer().call_options(
+            CallOptions::new().in_flight(InFlightPolicy::Wait { max: Duration::MAX }),
+        ))
         .service(handler);
     let request = || {
         Request::post("/payments")

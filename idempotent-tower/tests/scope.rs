@@ -15,7 +15,8 @@ use axum::routing::post;
 use http::header::{AUTHORIZATION, CONTENT_TYPE, COOKIE};
 use http::{HeaderMap, StatusCode};
 use http_body_util::BodyExt;
-use idempotent_core::{Idempotency, MemoryStore};
+use idempotent_core::Idempotency;
+use idempotent_core::memory::MemoryStore;
 use idempotent_tower::{IdempotencyLayer, Principal};
 use tower::ServiceExt;
 
@@ -67,7 +68,7 @@ fn app(layer: IdempotencyLayer, runs: &Arc<AtomicUsize>) -> Router {
 }
 
 fn layer() -> IdempotencyLayer {
-    IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    IdempotencyLayer::new_for_http(Idempotency::new(MemoryStore::new()))
 }
 
 struct Answer {
@@ -234,8 +235,8 @@ fn a_principals_tenant_is_part_of_its_scope() {
 #[tokio::test]
 async fn grpc_calls_without_a_principal_get_permission_denied() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let layer = IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new()))
-        .grpc_methods(["/orders.v1.Orders/Create"]);
+    let layer = IdempotencyLayer::new_for_grpc(Idempotency::new(MemoryStore::new()))
+        .methods(["/orders.v1.Orders/Create"]);
     let counter = Arc::clone(&runs);
     let app = Router::new()
         .route(

@@ -12,8 +12,9 @@ use axum::routing::{get, post};
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
+use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
-    Claim, FencingToken, Fingerprint, Idempotency, MemoryStore, StorageKey, Store, StoreError,
+    Claim, FencingToken, Fingerprint, Idempotency, StorageKey, Store, StoreError,
 };
 use idempotent_tower::{IdempotencyLayer, Principal};
 use tower::ServiceExt;
@@ -30,7 +31,7 @@ fn app(idempotency: Idempotency, runs: &Arc<AtomicUsize>) -> Router {
             }),
         )
         .route("/health", get(|| async { "ok" }))
-        .layer(IdempotencyLayer::new(idempotency))
+        .layer(IdempotencyLayer::new_for_http(idempotency))
 }
 
 async fn send(app: &Router, method: &str, path: &str, key: &str) -> (Response<()>, String) {
@@ -171,7 +172,7 @@ async fn a_handler_that_has_answered_is_not_stopped_while_its_body_is_read() {
                     }))
                 }),
             )
-            .layer(IdempotencyLayer::new(idempotency))
+            .layer(IdempotencyLayer::new_for_http(idempotency))
     };
     let (app, other_app) = (app(this.clone()), app(other));
     let in_flight = {
@@ -245,7 +246,7 @@ async fn fail_open_does_not_bypass_the_store_during_shutdown() {
                 StatusCode::CREATED
             }),
         )
-        .layer(IdempotencyLayer::new(idempotency.clone()).fail_open(true));
+        .layer(IdempotencyLayer::new_for_http(idempotency.clone()).fail_open(true));
     // Before shutdown, the store being down means "run unprotected".
     let (bypassed, _) = send(&app, "POST", "/p", "before").await;
     assert_eq!(

@@ -12,8 +12,9 @@ use bytes::{BufMut, Bytes, BytesMut};
 use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
+use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
-    Claim, FencingToken, Fingerprint, Idempotency, MemoryStore, StorageKey, Store, StoreError,
+    Claim, FencingToken, Fingerprint, Idempotency, StorageKey, Store, StoreError,
 };
 use idempotent_tower::{IdempotencyLayer, Principal, RequestBody, ResponseBody};
 use support::TestBody;
@@ -126,7 +127,7 @@ async fn send(svc: &Svc, req: Request<Full<Bytes>>) -> Answer {
 }
 
 fn memory() -> IdempotencyLayer {
-    IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    IdempotencyLayer::new_for_http(Idempotency::new(MemoryStore::new()))
 }
 
 #[tokio::test]
@@ -268,7 +269,10 @@ async fn records_claiming_more_fields_than_a_header_map_holds_are_corrupt_record
                 inner: MemoryStore::new(),
                 record: planted,
             };
-            let svc = stack(IdempotencyLayer::new(Idempotency::new(store)), &runs);
+            let svc = stack(
+                IdempotencyLayer::new_for_http(Idempotency::new(store)),
+                &runs,
+            );
             let first = send(&svc, post("/p", "k")).await;
             assert_eq!(first.status, StatusCode::CREATED, "{claimed}, {what}");
             let retry = send(&svc, post("/p", "k")).await;
@@ -287,7 +291,10 @@ async fn records_claiming_more_fields_than_a_header_map_holds_are_corrupt_record
         inner: MemoryStore::new(),
         record: record(65_534, 65_534, |_| "x-field".into()),
     };
-    let svc = stack(IdempotencyLayer::new(Idempotency::new(store)), &runs);
+    let svc = stack(
+        IdempotencyLayer::new_for_http(Idempotency::new(store)),
+        &runs,
+    );
     send(&svc, post("/p", "k")).await;
     let retry = send(&svc, post("/p", "k")).await;
     assert!(retry.replayed());

@@ -21,8 +21,9 @@ use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idempotent_core::{Idempotency, MemoryStore};
-use idempotent_tower::{DEFAULT_MAX_REQUEST_BODY, IdempotencyLayer, Principal};
+use idempotent_core::Idempotency;
+use idempotent_core::memory::MemoryStore;
+use idempotent_tower::{DEFAULT_MAX_REQUEST_BODY, IdempotencyLayer, Principal, Protocol};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::task::JoinHandle;
@@ -64,7 +65,7 @@ impl Server {
     }
 }
 
-async fn serve(layer: IdempotencyLayer) -> Server {
+async fn serve<P: Protocol>(layer: IdempotencyLayer<P>) -> Server {
     let runs = Arc::new(AtomicUsize::new(0));
     let (orders, calls) = (Arc::clone(&runs), Arc::clone(&runs));
     let app = Router::new()
@@ -109,7 +110,7 @@ async fn serve(layer: IdempotencyLayer) -> Server {
 }
 
 fn layer() -> IdempotencyLayer {
-    IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    IdempotencyLayer::new_for_http(Idempotency::new(MemoryStore::new()))
 }
 
 /// How the body is framed on the wire.
@@ -641,7 +642,7 @@ async fn over_http2_a_refusal_ends_only_its_stream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_over_limit_grpc_message_is_resource_exhausted_and_the_connection_carries_on() {
     let layer =
-        IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new())).grpc_methods([GRPC_METHOD]);
+        IdempotencyLayer::new_for_grpc(Idempotency::new(MemoryStore::new())).methods([GRPC_METHOD]);
     let server = serve(layer).await;
     let client = h2_client();
     let grpc = [("content-type", "application/grpc"), ("te", "trailers")];
