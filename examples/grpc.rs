@@ -153,8 +153,8 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let layer =
-        IdempotencyLayer::new_for_grpc(idempotency.clone()).methods(["/payments.v1.Payments/Charge"]);
+    let layer = IdempotencyLayer::new_for_grpc(idempotency.clone())
+        .methods(["/payments.v1.Payments/Charge"]);
 
     let address = SocketAddr::from((Ipv4Addr::LOCALHOST, settings.port));
     let listener = match tokio::net::TcpListener::bind(address).await {

@@ -222,7 +222,8 @@ async fn router(row: Row, tally: Arc<Tally>, backends: &Backends) -> Result<Rout
             let idempotency = idempotency(row.store, backends).await?;
             // The load carries no credentials (the bare handler and the peers scope nothing):
             // one shared scope, as `allow_anonymous` documents.
-            payments().route_layer(IdempotencyLayer::new_for_http(idempotency).allow_anonymous(true))
+            payments()
+                .route_layer(IdempotencyLayer::new_for_http(idempotency).allow_anonymous(true))
         }
         #[cfg(idempotent_bench_peers)]
         Implementation::Idempotent2 => crate::peers::idempotent2()?,

@@ -13,9 +13,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
-    Call, Claim, Error, Execution, Fingerprint, Idempotency, Key, MemoryStore, Outcome, Retain,
-    Scope, StorageKey, Store,
+    Call, Claim, Error, Execution, Fingerprint, Idempotency, Key, Outcome, Retain, Scope,
+    StorageKey, Store,
 };
 use serde::{Deserialize, Serialize};
 use tokio::runtime::Runtime;
@@ -154,7 +155,7 @@ fn fresh_call(key: &str) -> Call {
 async fn execute_fresh(idempotency: &Idempotency, key: &str) {
     let call = fresh_call(key);
     let out = idempotency
-        .execute(&call, async { 7u32 }, |_| Retain::Store(payload()))
+        .execute(&call, async { 7u32 }, |_| Retain::Keep, |_| Some(payload()))
         .await;
     assert!(matches!(out, Ok(Execution::Fresh(7))), "{out:?}");
 }
@@ -246,6 +247,7 @@ fn runtime_benches(c: &mut Criterion) {
                         &call,
                         async { unreachable!("replay ran the work") },
                         |_: &u32| Retain::Release,
+                        |_| None,
                     )
                     .await;
                 match out {
@@ -326,6 +328,7 @@ fn contention_benches(c: &mut Criterion) {
                                     &call,
                                     async { unreachable!("hot key ran the work") },
                                     |_: &u32| Retain::Release,
+                                    |_| None,
                                 )
                                 .await;
                             match (k % 2, out) {

@@ -219,7 +219,7 @@
 ///
 /// impl From<Error> for ChargeError {
 ///     fn from(error: Error) -> Self {
-///         ChargeError::Refused { code: error.code().into() }
+///         ChargeError::Refused { code: error.code().as_str().into() }
 ///     }
 /// }
 ///
@@ -296,7 +296,8 @@
 ///
 /// ```
 /// # #[cfg(feature = "postgres")] {
-/// use idempotent_core::{Error, Transactional, idempotent};
+/// use idempotent_core::postgres::Transactional;
+/// use idempotent_core::{Error, idempotent};
 /// use sqlx::{Postgres, Transaction};
 ///
 /// struct Ledger {
@@ -353,7 +354,8 @@
 /// instances installs a runtime over a shared store.
 ///
 /// ```
-/// use idempotent_core::{Idempotency, MemoryStore, set_default_runtime};
+/// use idempotent_core::memory::MemoryStore;
+/// use idempotent_core::{Defaults, Idempotency, set_default_runtime};
 /// use std::time::Duration;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
@@ -362,7 +364,7 @@
 /// let store = MemoryStore::new(); // or a shared store
 /// let runtime = Idempotency::builder(store)
 ///     .namespace("billing")
-///     .ttl(Duration::from_secs(48 * 3600))
+///     .defaults(Defaults::new().ttl(Duration::from_secs(48 * 3600)))
 ///     .build();
 /// set_default_runtime(runtime).expect("the default runtime is installed once");
 /// # }

@@ -113,7 +113,9 @@ impl Call {
             ttl: options.ttl.unwrap_or(defaults.ttl),
             lease: options.lease.unwrap_or(defaults.lease),
             in_flight: options.in_flight.unwrap_or(defaults.in_flight),
-            max_result_bytes: options.max_result_bytes.unwrap_or(defaults.max_result_bytes),
+            max_result_bytes: options
+                .max_result_bytes
+                .unwrap_or(defaults.max_result_bytes),
         }
     }
 }

@@ -52,7 +52,8 @@ tokio::task_local! {
 /// clone the handle into it. Clones are cheap and share the claim.
 ///
 /// ```
-/// use idempotent_core::{Call, ClaimHandle, Idempotency, MemoryStore};
+/// use idempotent_core::memory::MemoryStore;
+/// use idempotent_core::{Call, ClaimHandle, Idempotency};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), idempotent_core::Error> {
@@ -478,4 +479,3 @@ async fn release(seed: Option<Seed>, handle: Option<ClaimHandle>) {
         ),
     }
 }
-

@@ -6,7 +6,8 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use idempotent_core::{ManualClock, MemoryStore};
+//! use idempotent_core::clock::ManualClock;
+//! use idempotent_core::memory::MemoryStore;
 //! use idempotent_core::conformance::Harness;
 //!
 //! struct Memory {

@@ -31,8 +31,8 @@ pub use core::{concat, module_path};
 pub use std::time::Duration;
 
 use crate::{
-    Call, CanonicalError, Error, Execution, Fingerprint, Idempotency, Key, KeyError, Retain,
-    Scope, ToKey,
+    Call, CanonicalError, Error, Execution, Fingerprint, Idempotency, Key, KeyError, Retain, Scope,
+    ToKey,
 };
 
 /// The running claim, for `claim = name`: the expansion calls this at the top of the work,
@@ -444,8 +444,8 @@ pub mod postgres {
     pub use core::ops::ControlFlow;
 
     use super::{Invocation, Returns};
-    use crate::store::postgres::{PendingRecord, RawClaim};
     use crate::postgres::Transactional;
+    use crate::store::postgres::{PendingRecord, RawClaim};
     use crate::{Error, Retain};
 
     /// `runtime = expr` with `tx = ...`.

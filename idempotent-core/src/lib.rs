@@ -237,7 +237,10 @@ pub mod conformance;
 #[cfg(feature = "macros")]
 #[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
 pub use attribute::idempotent;
-pub use call::{CallOptions, Call, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Defaults, InFlightPolicy};
+pub use call::{
+    Call, CallOptions, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Defaults,
+    InFlightPolicy,
+};
 pub use claim::ClaimHandle;
 pub use claim_answer::MAX_IN_FLIGHT_RETRY_HINT;
 pub use default_runtime::{default_runtime, set_default_runtime};

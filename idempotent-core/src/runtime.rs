@@ -29,7 +29,8 @@ pub const DEFAULT_RECORD_RETRY: Duration = Duration::from_secs(60);
 /// The idempotency runtime: a store plus defaults. Cheap to clone; clones share the store.
 ///
 /// ```
-/// use idempotent_core::{Call, Idempotency, MemoryStore};
+/// use idempotent_core::memory::MemoryStore;
+/// use idempotent_core::{Call, Idempotency};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), idempotent_core::Error> {
@@ -218,7 +219,8 @@ impl Idempotency {
     ///
     /// ```
     /// # use std::time::Duration;
-    /// # use idempotent_core::{Call, Error, Idempotency, MemoryStore};
+    /// # use idempotent_core::memory::MemoryStore;
+    /// # use idempotent_core::{Call, Error, Idempotency};
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() {
     /// let idempotency = Idempotency::new(MemoryStore::new());
@@ -474,8 +476,6 @@ impl Idempotency {
             }
         }
     }
-
-
 }
 
 /// When the winning claim was sent.

@@ -7,10 +7,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use idempotent_core::clock::ManualClock;
 use idempotent_core::conformance::{Fault, Faults, FaultyStore, Op};
+use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
-    Call, Claim, ClaimHandle, Error, Fingerprint, Idempotency, InFlightPolicy, Key, ManualClock,
-    MemoryStore, Outcome, Scope, Store,
+    Call, Claim, ClaimHandle, Defaults, Error, Fingerprint, Idempotency, InFlightPolicy, Key,
+    Outcome, Retain, Scope, Store,
 };
 
 fn call(key: &str) -> Call {
@@ -20,7 +22,12 @@ fn call(key: &str) -> Call {
 fn faulty(lease: Duration) -> (Idempotency, Faults) {
     let store = FaultyStore::new(MemoryStore::new());
     let faults = store.faults();
-    (Idempotency::builder(store).lease(lease).build(), faults)
+    (
+        Idempotency::builder(store)
+            .defaults(Defaults::new().lease(lease))
+            .build(),
+        faults,
+    )
 }
 
 /// Work that counts its executions, takes `delay`, and returns the count it saw.
@@ -114,7 +121,13 @@ async fn operation_key_is_one_per_operation_across_owners_and_distinct_across_sc
                         claim.operation_key().as_str().to_owned(),
                     )
                 },
-                move |_| !release,
+                move |_| {
+                    if release {
+                        Retain::Release
+                    } else {
+                        Retain::Keep
+                    }
+                },
             )
             .await
             .unwrap()
@@ -202,7 +215,7 @@ async fn a_hung_renewal_does_not_block_the_next_one() {
 async fn renewal_is_not_starved_by_work_that_blocks_its_thread() {
     let lease = Duration::from_millis(600);
     let idem = Idempotency::builder(MemoryStore::new())
-        .lease(lease)
+        .defaults(Defaults::new().lease(lease))
         .build();
     let runs = Arc::new(AtomicUsize::new(0));
     let owner = tokio::spawn({
@@ -239,7 +252,10 @@ async fn a_store_stalled_past_the_lease_signals_the_loss_when_the_lease_ends() {
             tokio::time::timeout(Duration::from_secs(30), claim.lost())
                 .await
                 .expect("the loss is signalled");
-            let checked = claim.check().await.map_err(|e| e.code().to_owned());
+            let checked = claim
+                .check()
+                .await
+                .map_err(|e| e.code().as_str().to_owned());
             (started.elapsed(), checked)
         })
         .await
@@ -258,7 +274,9 @@ async fn a_takeover_is_signalled_at_the_next_renewal() {
     let clock = ManualClock::new();
     let store = MemoryStore::builder().clock(clock.clone()).build();
     let lease = Duration::from_secs(3);
-    let idem = Idempotency::builder(store.clone()).lease(lease).build();
+    let idem = Idempotency::builder(store.clone())
+        .defaults(Defaults::new().lease(lease))
+        .build();
     let key = idem.storage_key(&call("k"));
     let owner = tokio::spawn({
         let idem = idem.clone();
@@ -438,7 +456,7 @@ async fn retrying_the_write_ends_at_the_documented_bound() {
     let store = FaultyStore::new(MemoryStore::new());
     let faults = store.faults();
     let idem = Idempotency::builder(store)
-        .lease(lease)
+        .defaults(Defaults::new().lease(lease))
         .record_retry(Duration::from_secs(10))
         .build();
     faults.fail(Op::Complete, Fault::Unavailable);
@@ -508,10 +526,13 @@ async fn a_fast_failing_outage_of_two_thirds_of_the_lease_keeps_the_claim() {
 async fn a_claim_won_after_a_long_wait_is_held() {
     let lease = Duration::from_secs(1);
     let idem = Idempotency::builder(MemoryStore::new())
-        .lease(lease)
-        .in_flight(InFlightPolicy::Wait {
-            max: Duration::from_secs(30),
-        })
+        .defaults(
+            Defaults::new()
+                .lease(lease)
+                .in_flight(InFlightPolicy::Wait {
+                    max: Duration::from_secs(30),
+                }),
+        )
         .build();
     // The first call holds the key for five leases, then fails transiently (released).
     let first = tokio::spawn({
@@ -523,7 +544,7 @@ async fn a_claim_won_after_a_long_wait_is_held() {
                     tokio::time::sleep(lease * 5).await;
                     false
                 },
-                |_| false,
+                |_| Retain::Release,
             )
             .await
         }
@@ -558,7 +579,7 @@ async fn tasks_holding_the_claim_learn_when_the_call_gives_it_up() {
             .unwrap();
             false
         },
-        |_| false,
+        |_| Retain::Release,
     )
     .await
     .unwrap();
@@ -591,7 +612,7 @@ async fn tasks_holding_the_claim_learn_when_the_call_gives_it_up() {
         .run_with(
             &call("completed"),
             async { ClaimHandle::current().unwrap().token().get() },
-            |_| true,
+            |_| Retain::Keep,
         )
         .await
         .unwrap();
@@ -605,7 +626,7 @@ async fn a_hung_release_does_not_hold_the_caller() {
     faults.fail(Op::Release, Fault::Hang);
     let started = tokio::time::Instant::now();
     let out = idem
-        .run_with(&call("k"), async { 1 }, |_| false)
+        .run_with(&call("k"), async { 1 }, |_| Retain::Release)
         .await
         .unwrap();
     assert_eq!(out, Outcome::Fresh(1));

@@ -10,10 +10,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use idempotent_core::clock::ManualClock;
 use idempotent_core::conformance::{Fault, FaultyStore, Op};
 use idempotent_core::limits::{self, Setting};
+use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
-    Call, Claim, Error, Fingerprint, Idempotency, InFlightPolicy, Key, ManualClock, MemoryStore,
+    Call, CallOptions, Claim, Defaults, Error, Fingerprint, Idempotency, InFlightPolicy, Key,
     StorageKey, Store,
 };
 
@@ -131,13 +133,15 @@ fn messages_name_the_setting_the_range_and_the_value() {
 #[test]
 #[should_panic(expected = "lease must be between 100ms and 365d, got 0s")]
 fn builder_refuses_a_zero_lease() {
-    let _ = Idempotency::builder(MemoryStore::new()).lease(Duration::ZERO);
+    let _ =
+        Idempotency::builder(MemoryStore::new()).defaults(Defaults::new().lease(Duration::ZERO));
 }
 
 #[test]
 #[should_panic(expected = "lease must be between 100ms and 365d, got 500µs")]
 fn builder_refuses_a_sub_millisecond_lease() {
-    let _ = Idempotency::builder(MemoryStore::new()).lease(Duration::from_micros(500));
+    let _ = Idempotency::builder(MemoryStore::new())
+        .defaults(Defaults::new().lease(Duration::from_micros(500)));
 }
 
 #[test]
@@ -145,19 +149,20 @@ fn builder_refuses_a_sub_millisecond_lease() {
     expected = "lease must be between 100ms and 365d, got 18446744073709551615.999999999s"
 )]
 fn builder_refuses_an_endless_lease() {
-    let _ = Idempotency::builder(MemoryStore::new()).lease(Duration::MAX);
+    let _ = Idempotency::builder(MemoryStore::new()).defaults(Defaults::new().lease(Duration::MAX));
 }
 
 #[test]
 #[should_panic(expected = "ttl must be between 1ms and 365d, got 0s")]
 fn builder_refuses_a_zero_ttl() {
-    let _ = Idempotency::builder(MemoryStore::new()).ttl(Duration::ZERO);
+    let _ = Idempotency::builder(MemoryStore::new()).defaults(Defaults::new().ttl(Duration::ZERO));
 }
 
 #[test]
 #[should_panic(expected = "ttl must be between 1ms and 365d, got 366d")]
 fn builder_refuses_a_ttl_past_the_ceiling() {
-    let _ = Idempotency::builder(MemoryStore::new()).ttl(Duration::from_secs(366 * 24 * 3600));
+    let _ = Idempotency::builder(MemoryStore::new())
+        .defaults(Defaults::new().ttl(Duration::from_secs(366 * 24 * 3600)));
 }
 
 #[test]
@@ -171,35 +176,40 @@ fn builder_refuses_an_endless_record_retry() {
 #[test]
 #[should_panic(expected = "lease must be between 100ms and 365d, got 1ms")]
 fn call_refuses_a_short_lease() {
-    let _ = call("k").lease(Duration::from_millis(1));
+    let _ = call("k").options(CallOptions::new().lease(Duration::from_millis(1)));
 }
 
 #[test]
 #[should_panic(expected = "ttl must be between 1ms and 365d, got 18446744073709551615.999999999s")]
 fn call_refuses_an_endless_ttl() {
-    let _ = call("k").ttl(Duration::MAX);
+    let _ = call("k").options(CallOptions::new().ttl(Duration::MAX));
 }
 
 #[test]
 fn setters_accept_both_ends_of_every_range() {
     let _ = Idempotency::builder(MemoryStore::new())
-        .ttl(limits::MIN_TTL)
-        .ttl(limits::MAX_TTL)
-        .lease(limits::MIN_LEASE)
-        .lease(limits::MAX_LEASE)
+        .defaults(
+            Defaults::new()
+                .ttl(limits::MIN_TTL)
+                .ttl(limits::MAX_TTL)
+                .lease(limits::MIN_LEASE)
+                .lease(limits::MAX_LEASE)
+                .in_flight(InFlightPolicy::Wait {
+                    max: Duration::ZERO,
+                })
+                .in_flight(InFlightPolicy::Wait { max: Duration::MAX }),
+        )
         .record_retry(Duration::ZERO)
         .record_retry(limits::MAX_RECORD_RETRY)
-        .in_flight(InFlightPolicy::Wait {
-            max: Duration::ZERO,
-        })
-        .in_flight(InFlightPolicy::Wait { max: Duration::MAX })
         .build();
-    let _ = call("k")
-        .ttl(limits::MIN_TTL)
-        .ttl(limits::MAX_TTL)
-        .lease(limits::MIN_LEASE)
-        .lease(limits::MAX_LEASE)
-        .in_flight(InFlightPolicy::Wait { max: Duration::MAX });
+    let _ = call("k").options(
+        CallOptions::new()
+            .ttl(limits::MIN_TTL)
+            .ttl(limits::MAX_TTL)
+            .lease(limits::MIN_LEASE)
+            .lease(limits::MAX_LEASE)
+            .in_flight(InFlightPolicy::Wait { max: Duration::MAX }),
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -211,7 +221,8 @@ async fn a_duplicate_waiting_without_a_deadline_gets_the_replay() {
         async move { idem.run(&call("k"), work).await }
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let waiting = call("k").in_flight(InFlightPolicy::Wait { max: Duration::MAX });
+    let waiting = call("k")
+        .options(CallOptions::new().in_flight(InFlightPolicy::Wait { max: Duration::MAX }));
     let second = tokio::spawn({
         let (idem, work) = (idem.clone(), slow(&runs, Duration::ZERO));
         async move { idem.run(&waiting, work).await }
@@ -230,7 +241,7 @@ async fn a_duplicate_waiting_without_a_deadline_gets_the_replay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runtime_waiting_without_a_deadline_replays_to_every_duplicate() {
     let idem = Idempotency::builder(MemoryStore::new())
-        .in_flight(InFlightPolicy::Wait { max: Duration::MAX })
+        .defaults(Defaults::new().in_flight(InFlightPolicy::Wait { max: Duration::MAX }))
         .build();
     let runs = Arc::new(AtomicUsize::new(0));
     let mut calls = Vec::new();
@@ -260,9 +271,9 @@ async fn waiting_zero_answers_at_once_like_reject() {
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
     let started = std::time::Instant::now();
-    let waiting = call("k").in_flight(InFlightPolicy::Wait {
+    let waiting = call("k").options(CallOptions::new().in_flight(InFlightPolicy::Wait {
         max: Duration::ZERO,
-    });
+    }));
     let err = idem
         .run(&waiting, slow(&runs, Duration::ZERO))
         .await
@@ -276,7 +287,7 @@ async fn waiting_zero_answers_at_once_like_reject() {
 #[tokio::test(start_paused = true)]
 async fn the_shortest_lease_keeps_a_long_call_claimed() {
     let idem = Idempotency::builder(MemoryStore::new())
-        .lease(limits::MIN_LEASE)
+        .defaults(Defaults::new().lease(limits::MIN_LEASE))
         .build();
     let runs = Arc::new(AtomicUsize::new(0));
     let first = tokio::spawn({

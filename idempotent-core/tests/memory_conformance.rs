@@ -2,8 +2,9 @@
 
 use std::time::Duration;
 
+use idempotent_core::clock::ManualClock;
 use idempotent_core::conformance::Harness;
-use idempotent_core::{ManualClock, MemoryStore};
+use idempotent_core::memory::MemoryStore;
 
 struct Memory {
     clock: ManualClock,

@@ -6,10 +6,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use bytes::Bytes;
+use idempotent_core::clock::ManualClock;
 use idempotent_core::memory::{MemoryStore, RECORD_OVERHEAD};
-use idempotent_core::{
-    Claim, FencingToken, Fingerprint, ManualClock, StorageKey, Store, StoreError,
-};
+use idempotent_core::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::TestCaseError;

@@ -4,10 +4,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use idempotent_core::memory::RECORD_OVERHEAD;
-use idempotent_core::{
-    Claim, Fingerprint, ManualClock, MemoryStore, StorageKey, Store, StoreError,
-};
+use idempotent_core::clock::ManualClock;
+use idempotent_core::memory::{MemoryStore, RECORD_OVERHEAD};
+use idempotent_core::{Claim, Fingerprint, StorageKey, Store, StoreError};
 
 fn key(n: u8) -> StorageKey {
     StorageKey::from_bytes([n; 32])

@@ -10,10 +10,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotent_core::conformance::{backend_url, fresh_key};
-use idempotent_core::postgres::{DEFAULT_FENCE_TABLE, Fence, FenceError};
+use idempotent_core::postgres::{DEFAULT_FENCE_TABLE, Fence, FenceError, PostgresStore};
 use idempotent_core::{
-    Call, Claim, ClaimHandle, FencingToken, Fingerprint, Idempotency, PostgresStore, StorageKey,
-    Store, StoreError,
+    Call, CallOptions, Claim, ClaimHandle, FencingToken, Fingerprint, Idempotency, ProblemCode,
+    StorageKey, Store, StoreError,
 };
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
@@ -244,7 +244,8 @@ async fn stale_owner_after_a_takeover_is_refused_and_its_write_does_not_happen()
     };
     let f = fixture(&url, 4).await;
     let store = store_on_fresh_table(&f.pool).await;
-    let call = Call::new("publish-report-1".parse().unwrap()).lease(Duration::from_secs(30));
+    let call = Call::new("publish-report-1".parse().unwrap())
+        .options(CallOptions::new().lease(Duration::from_secs(30)));
 
     // A claims the call's key with a short lease and stalls past it (no renewal).
     let idempotency = Idempotency::new(store.clone());
@@ -272,7 +273,7 @@ async fn stale_owner_after_a_takeover_is_refused_and_its_write_does_not_happen()
         match outcome {
             Ok(outcome) => break FencingToken::new(outcome.into_inner().unwrap()),
             Err(error) => {
-                assert_eq!(error.code(), "in_flight", "{error}");
+                assert_eq!(error.code(), ProblemCode::InFlight, "{error}");
                 assert!(Instant::now() < deadline, "A's lease never lapsed");
                 let wait = error.retry_after().unwrap_or(Duration::from_millis(20));
                 tokio::time::sleep(wait.max(Duration::from_millis(5))).await;

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idempotent_core::conformance::{backend_url, fresh_key};
-use idempotent_core::{Claim, Fingerprint, PostgresStore, StorageKey, Store, limits};
+use idempotent_core::postgres::{PostgresStore, Transactional};
+use idempotent_core::{Call, CallOptions, Claim, Defaults, Fingerprint, StorageKey, Store, limits};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
 const URL_VAR: &str = "IDEMPOTENT_TEST_POSTGRES_URL";
@@ -107,29 +108,31 @@ async fn a_huge_ttl_is_recorded_as_the_longest_ttl() {
     }
 }
 
-/// The transactional mode's setters take the same ranges as the runtime's.
+/// The transactional mode's settings take the same ranges as the runtime's.
 #[test]
 #[should_panic(expected = "lease must be between 100ms and 365d, got 0s")]
 fn the_transactional_modes_lease_is_checked() {
-    let _ = idempotent_core::Transactional::default().lease(Duration::ZERO);
+    let _ = Transactional::default().defaults(Defaults::new().lease(Duration::ZERO));
 }
 
 #[test]
 #[should_panic(expected = "ttl must be between 1ms and 365d, got 366d")]
 fn a_transactional_calls_ttl_is_checked() {
-    let transactional = idempotent_core::Transactional::default();
-    let _ = transactional
-        .call("k".parse().unwrap())
-        .ttl(Duration::from_secs(366 * 24 * 3600));
+    let _ = Call::new("k".parse().unwrap())
+        .options(CallOptions::new().ttl(Duration::from_secs(366 * 24 * 3600)));
 }
 
 #[test]
 fn the_transactional_modes_bounds_are_accepted() {
-    let transactional = idempotent_core::Transactional::default()
-        .ttl(limits::MAX_TTL)
-        .lease(limits::MIN_LEASE);
-    let _ = transactional
-        .call("k".parse().unwrap())
-        .ttl(limits::MIN_TTL)
-        .lease(limits::MAX_LEASE);
+    let transactional = Transactional::default().defaults(
+        Defaults::new()
+            .ttl(limits::MAX_TTL)
+            .lease(limits::MIN_LEASE),
+    );
+    let call = Call::new("k".parse().unwrap()).options(
+        CallOptions::new()
+            .ttl(limits::MIN_TTL)
+            .lease(limits::MAX_LEASE),
+    );
+    let _ = transactional.storage_key(&call);
 }

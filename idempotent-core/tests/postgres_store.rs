@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idempotent_core::conformance::{Harness, backend_url, fresh_key};
+use idempotent_core::postgres::PostgresStore;
 use idempotent_core::{
-    Call, Claim, Error, Fingerprint, Idempotency, PostgresStore, StorageKey, Store, StoreError,
+    Call, Claim, Error, Fingerprint, Idempotency, ProblemCode, StorageKey, Store, StoreError,
 };
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
@@ -396,6 +397,6 @@ async fn unreachable_server_is_unavailable() {
         .run(&Call::new("k".parse().unwrap()), async { 1 })
         .await;
     let error = result.unwrap_err();
-    assert_eq!(error.code(), "store_unavailable");
+    assert_eq!(error.code(), ProblemCode::StoreUnavailable);
     assert!(error.retry_after().is_some());
 }

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotent_core::conformance::{backend_url, fresh_key};
-use idempotent_core::postgres::{Transactional, TransactionalCall, TransactionalClaim};
+use idempotent_core::postgres::{PostgresStore, Transactional, TransactionalClaim};
 use idempotent_core::{
-    BoxError, Call, Error, Fingerprint, Idempotency, InFlightPolicy, Outcome, PostgresStore,
+    BoxError, Call, CallOptions, Defaults, Error, Fingerprint, Idempotency, InFlightPolicy, Outcome,
 };
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 
@@ -73,18 +73,21 @@ impl Bank {
         tx: &mut PgConnection,
         key: &str,
     ) -> Result<Outcome<i64>, BoxError> {
-        self.deposit_with(tx, self.transactional.call(key.parse()?), Duration::ZERO)
+        let call = Call::new(key.parse()?);
+        self.deposit_with(tx, &self.transactional, &call, Duration::ZERO)
             .await
     }
 
-    /// The guarded deposit for `call`, holding the row for `hold` after the effect.
+    /// The guarded deposit for `call` through `transactional`, holding the row for `hold`
+    /// after the effect.
     async fn deposit_with(
         &self,
         tx: &mut PgConnection,
-        call: TransactionalCall<'_>,
+        transactional: &Transactional,
+        call: &Call,
         hold: Duration,
     ) -> Result<Outcome<i64>, BoxError> {
-        match call.claim::<i64>(tx).await? {
+        match transactional.claim::<i64>(call, tx).await? {
             TransactionalClaim::Replay(balance) => Ok(Outcome::Replayed(balance)),
             TransactionalClaim::Run(pending) => {
                 let balance = self.deposit(tx).await?;
@@ -171,8 +174,7 @@ async fn release_undoes_the_work_and_frees_the_key_even_if_committed() {
     let mut tx = bank.pool.begin().await.unwrap();
     let TransactionalClaim::Run(pending) = bank
         .transactional
-        .call("deposit-3".parse().unwrap())
-        .claim::<i64>(&mut tx)
+        .claim::<i64>(&Call::new("deposit-3".parse().unwrap()), &mut tx)
         .await
         .unwrap()
     else {
@@ -203,8 +205,7 @@ async fn release_after_work_that_aborted_the_transaction_leaves_it_usable() {
     let mut tx = bank.pool.begin().await.unwrap();
     let TransactionalClaim::Run(pending) = bank
         .transactional
-        .call("deposit-4".parse().unwrap())
-        .claim::<i64>(&mut tx)
+        .claim::<i64>(&Call::new("deposit-4".parse().unwrap()), &mut tx)
         .await
         .unwrap()
     else {
@@ -232,8 +233,7 @@ async fn a_result_that_cannot_be_recorded_is_undone() {
     let mut tx = bank.pool.begin().await.unwrap();
     let TransactionalClaim::Run(pending) = bank
         .transactional
-        .call("deposit-5".parse().unwrap())
-        .claim::<i64>(&mut tx)
+        .claim::<i64>(&Call::new("deposit-5".parse().unwrap()), &mut tx)
         .await
         .unwrap()
     else {
@@ -256,12 +256,16 @@ async fn replays_check_the_fingerprint() {
         return;
     };
     let call = |amount: u32| {
-        bank.transactional
-            .call("deposit-6".parse().unwrap())
+        Call::new("deposit-6".parse().unwrap())
             .fingerprint(Fingerprint::of(&("alice", amount)).unwrap())
     };
+    let transactional = &bank.transactional;
     let mut tx = bank.pool.begin().await.unwrap();
-    let TransactionalClaim::Run(pending) = call(100).claim::<i64>(&mut tx).await.unwrap() else {
+    let TransactionalClaim::Run(pending) = transactional
+        .claim::<i64>(&call(100), &mut tx)
+        .await
+        .unwrap()
+    else {
         panic!("expected to run");
     };
     let balance = bank.deposit(&mut tx).await.unwrap();
@@ -269,11 +273,15 @@ async fn replays_check_the_fingerprint() {
     tx.commit().await.unwrap();
 
     let mut tx = bank.pool.begin().await.unwrap();
-    match call(100).claim::<i64>(&mut tx).await.unwrap() {
+    match transactional
+        .claim::<i64>(&call(100), &mut tx)
+        .await
+        .unwrap()
+    {
         TransactionalClaim::Replay(balance) => assert_eq!(balance, 100),
         TransactionalClaim::Run(_) => panic!("completed key ran again"),
     }
-    let mismatch = call(999).claim::<i64>(&mut tx).await;
+    let mismatch = transactional.claim::<i64>(&call(999), &mut tx).await;
     assert!(
         matches!(mismatch, Err(Error::FingerprintMismatch)),
         "{mismatch:?}"
@@ -287,11 +295,13 @@ async fn a_result_too_large_to_retain_is_recorded_without_it() {
     let Some(bank) = Bank::open().await else {
         return;
     };
-    let transactional = bank.transactional.clone().max_result_bytes(2);
+    let transactional = bank
+        .transactional
+        .clone()
+        .defaults(Defaults::new().max_result_bytes(2));
     let mut tx = bank.pool.begin().await.unwrap();
     let TransactionalClaim::Run(pending) = transactional
-        .call("deposit-11".parse().unwrap())
-        .claim::<i64>(&mut tx)
+        .claim::<i64>(&Call::new("deposit-11".parse().unwrap()), &mut tx)
         .await
         .unwrap()
     else {
@@ -302,8 +312,7 @@ async fn a_result_too_large_to_retain_is_recorded_without_it() {
     tx.commit().await.unwrap();
     let mut tx = bank.pool.begin().await.unwrap();
     let retry = transactional
-        .call("deposit-11".parse().unwrap())
-        .claim::<i64>(&mut tx)
+        .claim::<i64>(&Call::new("deposit-11".parse().unwrap()), &mut tx)
         .await;
     assert!(matches!(retry, Err(Error::ResultNotRetained)), "{retry:?}");
     assert_eq!(bank.balance().await, 100);
@@ -318,8 +327,7 @@ async fn a_concurrent_duplicate_waits_on_the_row_then_replays() {
     let mut first = bank.pool.begin().await.unwrap();
     let TransactionalClaim::Run(pending) = bank
         .transactional
-        .call("deposit-7".parse().unwrap())
-        .claim::<i64>(&mut first)
+        .claim::<i64>(&Call::new("deposit-7".parse().unwrap()), &mut first)
         .await
         .unwrap()
     else {
@@ -361,8 +369,7 @@ async fn a_waiting_duplicate_runs_when_the_first_rolls_back() {
     let mut first = bank.pool.begin().await.unwrap();
     let TransactionalClaim::Run(_pending) = bank
         .transactional
-        .call("deposit-8".parse().unwrap())
-        .claim::<i64>(&mut first)
+        .claim::<i64>(&Call::new("deposit-8".parse().unwrap()), &mut first)
         .await
         .unwrap()
     else {
@@ -403,9 +410,14 @@ async fn twenty_concurrent_duplicates_apply_the_effect_once() {
                 let mut tx = bank.pool.begin().await.unwrap();
                 start.wait().await;
                 // The owner holds the row long enough for every duplicate to arrive.
-                let call = bank.transactional.call("deposit-9".parse().unwrap());
+                let call = Call::new("deposit-9".parse().unwrap());
                 let outcome = bank
-                    .deposit_with(&mut tx, call, Duration::from_millis(100))
+                    .deposit_with(
+                        &mut tx,
+                        &bank.transactional,
+                        &call,
+                        Duration::from_millis(100),
+                    )
                     .await
                     .unwrap();
                 tx.commit().await.unwrap();
@@ -431,8 +443,7 @@ async fn outside_a_transaction_the_claim_is_refused_and_released() {
     let mut autocommit = bank.pool.acquire().await.unwrap();
     let result = bank
         .transactional
-        .call("deposit-10".parse().unwrap())
-        .claim::<i64>(&mut autocommit)
+        .claim::<i64>(&Call::new("deposit-10".parse().unwrap()), &mut autocommit)
         .await;
     match result {
         Err(Error::Store(error)) => assert!(
@@ -460,10 +471,8 @@ async fn standalone_and_transactional_calls_share_records() {
     let fingerprint = Fingerprint::of(&100).unwrap();
 
     let mut tx = bank.pool.begin().await.unwrap();
-    let call = transactional
-        .call("shared-1".parse().unwrap())
-        .fingerprint(fingerprint);
-    bank.deposit_with(&mut tx, call, Duration::ZERO)
+    let call = Call::new("shared-1".parse().unwrap()).fingerprint(fingerprint);
+    bank.deposit_with(&mut tx, &transactional, &call, Duration::ZERO)
         .await
         .unwrap();
     tx.commit().await.unwrap();
@@ -474,11 +483,9 @@ async fn standalone_and_transactional_calls_share_records() {
     let call = Call::new("shared-2".parse().unwrap()).fingerprint(fingerprint);
     standalone.run(&call, async { 42i64 }).await.unwrap();
     let mut tx = bank.pool.begin().await.unwrap();
-    let call = transactional
-        .call("shared-2".parse().unwrap())
-        .fingerprint(fingerprint);
+    let call = Call::new("shared-2".parse().unwrap()).fingerprint(fingerprint);
     let replayed = bank
-        .deposit_with(&mut tx, call, Duration::ZERO)
+        .deposit_with(&mut tx, &transactional, &call, Duration::ZERO)
         .await
         .unwrap();
     assert_eq!(replayed, Outcome::Replayed(42));
@@ -487,12 +494,9 @@ async fn standalone_and_transactional_calls_share_records() {
 
     // Another namespace is another key space.
     let mut tx = bank.pool.begin().await.unwrap();
-    let call = bank
-        .transactional
-        .call("shared-1".parse().unwrap())
-        .fingerprint(fingerprint);
+    let call = Call::new("shared-1".parse().unwrap()).fingerprint(fingerprint);
     let other = bank
-        .deposit_with(&mut tx, call, Duration::ZERO)
+        .deposit_with(&mut tx, &bank.transactional, &call, Duration::ZERO)
         .await
         .unwrap();
     assert_eq!(other, Outcome::Fresh(200));
@@ -527,14 +531,13 @@ async fn a_standalone_claim_in_flight_is_rejected_or_waited_for() {
         "{rejected:?}"
     );
 
-    let call = bank
-        .transactional
-        .call("held-1".parse().unwrap())
-        .in_flight(InFlightPolicy::Wait {
+    let call = Call::new("held-1".parse().unwrap()).options(CallOptions::new().in_flight(
+        InFlightPolicy::Wait {
             max: Duration::from_secs(5),
-        });
+        },
+    ));
     let waited = bank
-        .deposit_with(&mut tx, call, Duration::ZERO)
+        .deposit_with(&mut tx, &bank.transactional, &call, Duration::ZERO)
         .await
         .unwrap();
     assert_eq!(waited, Outcome::Replayed(7));

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idempotent_core::conformance::{backend_url, fresh_key};
-use idempotent_core::{Claim, Fingerprint, RedisStore, StorageKey, Store, limits};
+use idempotent_core::redis::RedisStore;
+use idempotent_core::{Claim, Fingerprint, StorageKey, Store, limits};
 
 const URL_VAR: &str = "IDEMPOTENT_TEST_REDIS_URL";
 

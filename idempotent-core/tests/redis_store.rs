@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use idempotent_core::conformance::{Harness, backend_url, fresh_key};
-use idempotent_core::{Fingerprint, RedisStore, Store, StoreError};
+use idempotent_core::redis::RedisStore;
+use idempotent_core::{Fingerprint, Store, StoreError};
 
 const URL_VAR: &str = "IDEMPOTENT_TEST_REDIS_URL";
 
@@ -110,7 +111,12 @@ async fn garbage_in_the_store_is_a_corrupt_error_never_absent() {
 #[tokio::test]
 async fn unreachable_server_is_unavailable() {
     // Nothing listens on port 1.
-    match RedisStore::connect_with("redis://127.0.0.1:1", "x:", Duration::from_millis(300)).await {
+    match RedisStore::builder("redis://127.0.0.1:1")
+        .key_prefix("x:")
+        .timeout(Duration::from_millis(300))
+        .connect()
+        .await
+    {
         Err(StoreError::Unavailable(_)) => {}
         other => panic!("expected Unavailable, got {other:?}"),
     }

@@ -7,9 +7,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
-    Call, Claim, Error, Execution, FencingToken, Fingerprint, Idempotency, InFlightPolicy, Key,
-    MemoryStore, Retain, Scope, StorageKey, Store, StoreError,
+    Call, CallOptions, Claim, Defaults, Error, Execution, FencingToken, Fingerprint, Idempotency,
+    InFlightPolicy, Key, ProblemCode, Retain, Scope, StorageKey, Store, StoreError,
 };
 
 fn call(key: &str) -> Call {
@@ -88,7 +89,7 @@ async fn different_fingerprint_is_a_mismatch_and_leaves_the_record() {
     idem.run(&a, counted(&runs)).await.unwrap();
     let err = idem.run(&b, counted(&runs)).await.unwrap_err();
     assert!(matches!(err, Error::FingerprintMismatch), "{err:?}");
-    assert_eq!(err.code(), "fingerprint_mismatch");
+    assert_eq!(err.code(), ProblemCode::FingerprintMismatch);
     // The original request still replays.
     assert!(idem.run(&a, counted(&runs)).await.unwrap().is_replayed());
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -101,9 +102,9 @@ async fn mismatch_is_reported_while_in_flight_too() {
     let a = call("k").fingerprint(Fingerprint::from_bytes(b"a"));
     let b = call("k")
         .fingerprint(Fingerprint::from_bytes(b"b"))
-        .in_flight(InFlightPolicy::Wait {
+        .options(CallOptions::new().in_flight(InFlightPolicy::Wait {
             max: Duration::from_secs(5),
-        });
+        }));
     let first = tokio::spawn({
         let (idem, work) = (idem.clone(), slow(&runs, Duration::from_secs(1)));
         async move { idem.run(&a, work).await }
@@ -118,7 +119,7 @@ async fn mismatch_is_reported_while_in_flight_too() {
 #[tokio::test(start_paused = true)]
 async fn in_flight_duplicate_is_rejected_with_retry_after() {
     let idem = Idempotency::builder(MemoryStore::new())
-        .lease(Duration::from_secs(30))
+        .defaults(Defaults::new().lease(Duration::from_secs(30)))
         .build();
     let runs = Arc::new(AtomicUsize::new(0));
     let first = tokio::spawn({
@@ -146,9 +147,9 @@ async fn in_flight_duplicate_is_rejected_with_retry_after() {
 #[tokio::test(start_paused = true)]
 async fn waiting_duplicate_replays_once_the_first_completes() {
     let idem = Idempotency::builder(MemoryStore::new())
-        .in_flight(InFlightPolicy::Wait {
+        .defaults(Defaults::new().in_flight(InFlightPolicy::Wait {
             max: Duration::from_secs(10),
-        })
+        }))
         .build();
     let runs = Arc::new(AtomicUsize::new(0));
     let first = tokio::spawn({
@@ -175,9 +176,9 @@ async fn waiting_is_bounded_then_reports_in_flight() {
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
     let started = tokio::time::Instant::now();
-    let waiting = call("k").in_flight(InFlightPolicy::Wait {
+    let waiting = call("k").options(CallOptions::new().in_flight(InFlightPolicy::Wait {
         max: Duration::from_secs(2),
-    });
+    }));
     let err = idem.run(&waiting, counted(&runs)).await.unwrap_err();
     assert!(matches!(err, Error::InFlight { .. }), "{err:?}");
     let waited = started.elapsed();
@@ -194,12 +195,12 @@ async fn waiting_duplicate_runs_the_work_when_the_first_releases() {
     let runs = Arc::new(AtomicUsize::new(0));
     let first = tokio::spawn({
         let (idem, work) = (idem.clone(), slow(&runs, Duration::from_secs(1)));
-        async move { idem.run_with(&call("k"), work, |_| false).await }
+        async move { idem.run_with(&call("k"), work, |_| Retain::Release).await }
     });
     tokio::time::sleep(Duration::from_millis(10)).await;
-    let waiting = call("k").in_flight(InFlightPolicy::Wait {
+    let waiting = call("k").options(CallOptions::new().in_flight(InFlightPolicy::Wait {
         max: Duration::from_secs(5),
-    });
+    }));
     let second = idem.run(&waiting, counted(&runs)).await.unwrap();
     assert!(!second.is_replayed(), "the released call is not replayed");
     assert_eq!(second.into_inner(), 2);
@@ -210,7 +211,7 @@ async fn waiting_duplicate_runs_the_work_when_the_first_releases() {
 async fn renewal_keeps_a_long_job_claimed_past_its_initial_lease() {
     let lease = Duration::from_secs(3);
     let idem = Idempotency::builder(MemoryStore::new())
-        .lease(lease)
+        .defaults(Defaults::new().lease(lease))
         .build();
     let runs = Arc::new(AtomicUsize::new(0));
     let first = tokio::spawn({
@@ -242,7 +243,7 @@ async fn renewal_keeps_a_long_job_claimed_past_its_initial_lease() {
 async fn owner_that_never_completes_is_taken_over_after_its_lease() {
     let store = MemoryStore::new();
     let idem = Idempotency::builder(store.clone())
-        .lease(Duration::from_secs(5))
+        .defaults(Defaults::new().lease(Duration::from_secs(5)))
         .build();
     let key = idem.storage_key(&call("k"));
     // A crashed owner: it claimed and will never renew, complete or release.
@@ -342,7 +343,13 @@ async fn classifier_release_lets_the_retry_run_again() {
     let idem = Idempotency::new(MemoryStore::new());
     let runs = Arc::new(AtomicUsize::new(0));
     // An odd count is a "transient failure": released, not stored.
-    let transient = |n: &usize| n % 2 == 0;
+    let transient = |n: &usize| {
+        if n % 2 == 0 {
+            Retain::Keep
+        } else {
+            Retain::Release
+        }
+    };
     let first = idem
         .run_with(&call("k"), counted(&runs), transient)
         .await
@@ -364,14 +371,17 @@ async fn classifier_release_lets_the_retry_run_again() {
 async fn execute_classifies_and_replays_raw_bytes() {
     let idem = Idempotency::new(MemoryStore::new());
     let fresh = idem
-        .execute(&call("k"), async { 201u16 }, |status| {
-            Retain::Store(Bytes::from(status.to_string()))
-        })
+        .execute(
+            &call("k"),
+            async { 201u16 },
+            |_| Retain::Keep,
+            |status| Some(Bytes::from(status.to_string())),
+        )
         .await
         .unwrap();
     assert_eq!(fresh, Execution::Fresh(201));
     let replay = idem
-        .execute(&call("k"), async { 500u16 }, |_| Retain::Release)
+        .execute(&call("k"), async { 500u16 }, |_| Retain::Release, |_| None)
         .await
         .unwrap();
     assert_eq!(replay, Execution::Replayed(Bytes::from_static(b"201")));
@@ -380,7 +390,7 @@ async fn execute_classifies_and_replays_raw_bytes() {
 #[tokio::test]
 async fn oversized_result_is_recorded_as_not_retained_and_never_rerun() {
     let idem = Idempotency::builder(MemoryStore::new())
-        .max_result_bytes(64)
+        .defaults(Defaults::new().max_result_bytes(64))
         .build();
     let runs = Arc::new(AtomicUsize::new(0));
     let big = {
@@ -409,18 +419,16 @@ async fn complete_without_result_refuses_retries_without_rerunning() {
     let idem = Idempotency::new(MemoryStore::new());
     let runs = Arc::new(AtomicUsize::new(0));
     let first = idem
-        .execute(&call("k"), counted(&runs), |_| {
-            Retain::CompleteWithoutResult
-        })
+        .execute(&call("k"), counted(&runs), |_| Retain::Keep, |_| None)
         .await
         .unwrap();
     assert_eq!(first, Execution::Fresh(1));
     let retry = idem
-        .execute(&call("k"), counted(&runs), |_| Retain::Release)
+        .execute(&call("k"), counted(&runs), |_| Retain::Release, |_| None)
         .await
         .unwrap_err();
     assert!(matches!(retry, Error::ResultNotRetained), "{retry:?}");
-    assert_eq!(retry.code(), "result_not_retained");
+    assert_eq!(retry.code(), ProblemCode::ResultNotRetained);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
@@ -464,7 +472,7 @@ async fn corrupt_record_is_a_conflict_never_absent() {
     let runs = Arc::new(AtomicUsize::new(0));
     let err = idem.run(&call("k"), counted(&runs)).await.unwrap_err();
     assert!(matches!(err, Error::CorruptRecord(_)), "{err:?}");
-    assert_eq!(err.code(), "corrupt_record");
+    assert_eq!(err.code(), ProblemCode::CorruptRecord);
     assert_eq!(
         runs.load(Ordering::SeqCst),
         0,
@@ -514,7 +522,7 @@ async fn full_store_refuses_new_keys_but_still_replays() {
         matches!(err, Error::Store(StoreError::Capacity { .. })),
         "{err:?}"
     );
-    assert_eq!(err.code(), "store_capacity");
+    assert_eq!(err.code(), ProblemCode::StoreCapacity);
     assert!(err.retry_after().is_some());
     assert!(
         idem.run(&call("a"), counted(&runs))
@@ -564,7 +572,7 @@ async fn store_down_fails_closed_without_running_the_work() {
         matches!(err, Error::Store(StoreError::Unavailable(_))),
         "{err:?}"
     );
-    assert_eq!(err.code(), "store_unavailable");
+    assert_eq!(err.code(), ProblemCode::StoreUnavailable);
     assert_eq!(err.retry_after(), Some(Duration::from_secs(1)));
     let source = std::error::Error::source(&err).expect("store error kept as source");
     assert!(
@@ -606,9 +614,9 @@ async fn hundreds_of_concurrent_duplicates_run_the_work_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_waiters_all_get_the_single_result() {
     let idem = Idempotency::builder(MemoryStore::new())
-        .in_flight(InFlightPolicy::Wait {
+        .defaults(Defaults::new().in_flight(InFlightPolicy::Wait {
             max: Duration::from_secs(30),
-        })
+        }))
         .build();
     let runs = Arc::new(AtomicUsize::new(0));
     let tasks: Vec<_> = (0..200)
@@ -629,9 +637,9 @@ async fn concurrent_waiters_all_get_the_single_result() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn distinct_keys_run_independently() {
     let idem = Idempotency::builder(MemoryStore::new())
-        .in_flight(InFlightPolicy::Wait {
+        .defaults(Defaults::new().in_flight(InFlightPolicy::Wait {
             max: Duration::from_secs(30),
-        })
+        }))
         .build();
     let runs = Arc::new(AtomicUsize::new(0));
     let tasks: Vec<_> = (0..300)
@@ -688,7 +696,7 @@ impl Store for SlowComplete {
 #[tokio::test]
 async fn caller_giving_up_during_the_completion_write_still_records_the_result() {
     let idem = Idempotency::builder(SlowComplete(MemoryStore::new()))
-        .lease(Duration::from_secs(1))
+        .defaults(Defaults::new().lease(Duration::from_secs(1)))
         .build();
     let runs = Arc::new(AtomicUsize::new(0));
     // The work finishes at once; the caller stops waiting while the result is being written.
@@ -714,7 +722,7 @@ async fn caller_giving_up_during_the_completion_write_still_records_the_result()
 /// "done, result not retained" record was refused too; the claim lapsed and the work ran again.
 #[tokio::test]
 async fn full_byte_bound_still_records_a_call_that_ran() {
-    let clock = idempotent_core::ManualClock::new();
+    let clock = idempotent_core::clock::ManualClock::new();
     let store = MemoryStore::builder()
         .max_entries(10)
         .max_bytes(idempotent_core::memory::RECORD_OVERHEAD)
@@ -722,7 +730,7 @@ async fn full_byte_bound_still_records_a_call_that_ran() {
         .clock(clock.clone())
         .build();
     let idem = Idempotency::builder(store)
-        .lease(Duration::from_secs(1))
+        .defaults(Defaults::new().lease(Duration::from_secs(1)))
         .build();
     let runs = Arc::new(AtomicUsize::new(0));
     let work = |runs: &Arc<AtomicUsize>| {

@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use idempotent_core::conformance::{Fault, FaultyStore, Op};
-use idempotent_core::{Call, Error, Idempotency, Key, MemoryStore, Outcome};
+use idempotent_core::memory::MemoryStore;
+use idempotent_core::{Call, CallOptions, Error, Idempotency, Key, Outcome, ProblemCode};
 
 fn call(key: &str) -> Call {
     Call::new(Key::new(key).unwrap())
@@ -60,7 +61,7 @@ async fn calls_after_shutdown_began_are_refused_without_touching_the_store() {
     let refused = clone.run(&call("k"), work(&runs, Duration::ZERO)).await;
     assert!(matches!(refused, Err(Error::ShuttingDown)), "{refused:?}");
     let error = refused.unwrap_err();
-    assert_eq!(error.code(), "shutting_down");
+    assert_eq!(error.code(), ProblemCode::ShuttingDown);
     assert!(error.retry_after().is_some());
     assert_eq!(runs.load(Ordering::SeqCst), 0);
     assert_eq!(
@@ -263,9 +264,11 @@ async fn a_duplicate_waiting_for_another_owner_gives_up_when_shutdown_begins() {
         let a = a.clone();
         let work = work(&runs, Duration::ZERO);
         tokio::spawn(async move {
-            let patient = call("k").in_flight(idempotent_core::InFlightPolicy::Wait {
-                max: Duration::from_secs(60),
-            });
+            let patient = call("k").options(CallOptions::new().in_flight(
+                idempotent_core::InFlightPolicy::Wait {
+                    max: Duration::from_secs(60),
+                },
+            ));
             a.run(&patient, work).await
         })
     };

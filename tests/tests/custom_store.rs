@@ -7,10 +7,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use idempotent_core::clock::{Clock, ManualClock};
 use idempotent_core::conformance::Harness;
 use idempotent_core::{
-    Call, Claim, Clock, FencingToken, Fingerprint, Idempotency, ManualClock, StorageKey, Store,
-    StoreError,
+    Call, Claim, FencingToken, Fingerprint, Idempotency, StorageKey, Store, StoreError,
 };
 
 enum Record {

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idempotent_core::{Error, Idempotency, MemoryStore, idempotent, limits};
+use idempotent_core::memory::MemoryStore;
+use idempotent_core::{Error, Idempotency, idempotent, limits};
 use tokio::sync::Semaphore;
 
 /// The macro crate's copies of the ranges, read from its source.

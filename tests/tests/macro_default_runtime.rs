@@ -5,8 +5,9 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
-    Call, Error, Idempotency, MemoryStore, Scope, default_runtime, idempotent, set_default_runtime,
+    Call, Defaults, Error, Idempotency, Scope, default_runtime, idempotent, set_default_runtime,
 };
 
 static RUNS: AtomicUsize = AtomicUsize::new(0);
@@ -21,7 +22,7 @@ async fn functions_use_the_installed_runtime() {
     let store = MemoryStore::new();
     let installed = Idempotency::builder(store.clone())
         .namespace("billing")
-        .ttl(Duration::from_secs(60))
+        .defaults(Defaults::new().ttl(Duration::from_secs(60)))
         .build();
     set_default_runtime(installed.clone()).unwrap();
     assert!(

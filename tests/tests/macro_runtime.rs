@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use idempotent_core::clock::ManualClock;
+use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
-    Call, ClaimHandle, Error, Idempotency, Key, ManualClock, MemoryStore, Scope, default_runtime,
-    idempotent,
+    Call, ClaimHandle, Error, Idempotency, Key, Scope, default_runtime, idempotent,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
@@ -38,7 +39,7 @@ enum ChargeError {
 impl From<Error> for ChargeError {
     fn from(error: Error) -> Self {
         ChargeError::Idempotency {
-            code: error.code().to_owned(),
+            code: error.code().as_str().to_owned(),
         }
     }
 }

@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use http::StatusCode;
 use idempotent_core::conformance::{backend_url, fresh_key};
-use idempotent_core::{ClaimHandle, Error, Key, PostgresStore, Scope, Transactional, idempotent};
+use idempotent_core::postgres::{PostgresStore, Transactional};
+use idempotent_core::{Call, ClaimHandle, Error, Key, Scope, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
@@ -276,7 +277,7 @@ enum Refused {
 
 impl From<Error> for Refused {
     fn from(error: Error) -> Self {
-        Refused::Idempotency(error.code().into())
+        Refused::Idempotency(error.code().as_str().into())
     }
 }
 
@@ -360,12 +361,9 @@ async fn the_attribute_in_transactional_mode_binds_the_claim() {
         account: bank.account.clone(),
     };
     let key = unique("k");
-    let expected = accounts
-        .transactional
-        .call(Key::new(key.as_str()).unwrap())
-        .scope(Scope::new().operation("accounts::stamp"))
-        .storage_key()
-        .operation_key();
+    let call =
+        Call::new(Key::new(key.as_str()).unwrap()).scope(Scope::new().operation("accounts::stamp"));
+    let expected = accounts.transactional.storage_key(&call).operation_key();
     let mut tx = bank.pool.begin().await.unwrap();
     let (token, operation_key, current) = accounts.stamp(&mut tx, &key).await.unwrap();
     tx.commit().await.unwrap();

@@ -161,7 +161,8 @@ impl Faults {
 /// ```
 /// use std::time::Duration;
 /// use idempotent_core::conformance::{Fault, FaultyStore, Op};
-/// use idempotent_core::{Call, Error, Idempotency, MemoryStore};
+/// use idempotent_core::memory::MemoryStore;
+/// use idempotent_core::{Call, Error, Idempotency};
 ///
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
 /// # async fn main() -> Result<(), Error> {

@@ -57,7 +57,8 @@ const ALWAYS_FITS: usize = 64;
 ///   rather than overflows.
 ///
 /// ```
-/// use idempotent_core::{Idempotency, MemoryStore};
+/// use idempotent_core::memory::MemoryStore;
+/// use idempotent_core::Idempotency;
 ///
 /// let store = MemoryStore::builder().max_entries(10_000).max_bytes(64 << 20).build();
 /// let idempotency = Idempotency::new(store);

@@ -176,8 +176,7 @@ impl RedisStoreBuilder {
     /// Connects. Fails with [`StoreError::Backend`] for a malformed URL and
     /// [`StoreError::Unavailable`] when the server cannot be reached.
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
-        let client =
-            redis::Client::open(self.url).map_err(|e| StoreError::Backend(Box::new(e)))?;
+        let client = redis::Client::open(self.url).map_err(|e| StoreError::Backend(Box::new(e)))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(self.timeout))
             .set_response_timeout(Some(self.timeout))

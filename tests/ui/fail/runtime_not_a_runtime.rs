@@ -1,4 +1,4 @@
-use idempotent_core::{Error, MemoryStore, idempotent};
+use idempotent_core::{Error, idempotent, memory::MemoryStore};
 
 struct App {
     store: MemoryStore,

@@ -9,7 +9,7 @@ enum Declined {
 
 impl From<Error> for Declined {
     fn from(error: Error) -> Self {
-        Declined::Refused(error.code().to_owned())
+        Declined::Refused(error.code().as_str().to_owned())
     }
 }
 

@@ -2,7 +2,8 @@
 #![deny(warnings)]
 #![deny(missing_docs, unused_qualifications, unused_parens, unused_mut)]
 
-use idempotent_core::{Error, Idempotency, MemoryStore, Scope, idempotent};
+use idempotent_core::memory::MemoryStore;
+use idempotent_core::{Error, Idempotency, Scope, idempotent};
 use serde::{Deserialize, Serialize};
 
 /// An error of this crate.

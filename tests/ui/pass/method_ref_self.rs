@@ -1,6 +1,7 @@
 //! A `&self` method whose key, scope, fingerprint and runtime come from fields.
 
-use idempotent_core::{Error, Idempotency, MemoryStore, Scope, idempotent};
+use idempotent_core::memory::MemoryStore;
+use idempotent_core::{Error, Idempotency, Scope, idempotent};
 
 struct Consumer {
     tenant: String,

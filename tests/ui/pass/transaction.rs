@@ -3,7 +3,8 @@
 //! warning, and its future is `Send`.
 #![deny(warnings)]
 
-use idempotent_core::{Error, PostgresStore, Transactional, idempotent};
+use idempotent_core::postgres::{PostgresStore, Transactional};
+use idempotent_core::{Error, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
@@ -40,7 +41,7 @@ enum Declined {
 
 impl From<Error> for Declined {
     fn from(error: Error) -> Self {
-        Declined::Refused(error.code().into())
+        Declined::Refused(error.code().as_str().into())
     }
 }
 

@@ -51,7 +51,8 @@ const CLAIM_ATTEMPTS: usize = 8;
 /// that points at the same database.
 ///
 /// ```no_run
-/// use idempotent_core::{Idempotency, PostgresStore};
+/// use idempotent_core::Idempotency;
+/// use idempotent_core::postgres::PostgresStore;
 ///
 /// # async fn example() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = PostgresStore::connect("postgres://app@db/app").await?;
