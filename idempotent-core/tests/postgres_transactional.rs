@@ -318,6 +318,63 @@ async fn a_result_too_large_to_retain_is_recorded_without_it() {
     assert_eq!(bank.balance().await, 100);
 }
 
+/// The transactional mode takes the same `Call` as the standalone runtime: the call's own
+/// `CallOptions` override the mode's `Defaults`, here the largest retained result.
+#[tokio::test]
+async fn a_calls_options_override_the_transactional_defaults() {
+    let Some(bank) = Bank::open().await else {
+        return;
+    };
+    let small =
+        Call::new("deposit-12".parse().unwrap()).options(CallOptions::new().max_result_bytes(2));
+    let mut tx = bank.pool.begin().await.unwrap();
+    let TransactionalClaim::Run(pending) = bank
+        .transactional
+        .claim::<i64>(&small, &mut tx)
+        .await
+        .unwrap()
+    else {
+        panic!("expected to run");
+    };
+    let balance = bank.deposit(&mut tx).await.unwrap();
+    pending.complete(&mut tx, &balance).await.unwrap();
+    tx.commit().await.unwrap();
+    // The retry without the override still finds the call recorded without its result.
+    let mut tx = bank.pool.begin().await.unwrap();
+    let retry = bank
+        .transactional
+        .claim::<i64>(&Call::new("deposit-12".parse().unwrap()), &mut tx)
+        .await;
+    assert!(matches!(retry, Err(Error::ResultNotRetained)), "{retry:?}");
+    tx.rollback().await.unwrap();
+    assert_eq!(bank.balance().await, 100);
+
+    // Without the override the mode's default (1 MiB) keeps the same result.
+    let mut tx = bank.pool.begin().await.unwrap();
+    let TransactionalClaim::Run(pending) = bank
+        .transactional
+        .claim::<i64>(&Call::new("deposit-13".parse().unwrap()), &mut tx)
+        .await
+        .unwrap()
+    else {
+        panic!("expected to run");
+    };
+    let balance = bank.deposit(&mut tx).await.unwrap();
+    pending.complete(&mut tx, &balance).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = bank.pool.begin().await.unwrap();
+    let replayed = bank
+        .transactional
+        .claim::<i64>(&Call::new("deposit-13".parse().unwrap()), &mut tx)
+        .await
+        .unwrap();
+    assert!(
+        matches!(replayed, TransactionalClaim::Replay(200)),
+        "{replayed:?}"
+    );
+    tx.rollback().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_concurrent_duplicate_waits_on_the_row_then_replays() {
     let Some(bank) = Bank::open().await else {
