@@ -572,9 +572,13 @@ pub mod postgres {
         let result = (returns.into_result)(output);
         let retain = returns.retain(&result);
         let released = retain == Retain::Release;
-        let finished = record
-            .finish(connection, retain, || returns.encode(&result))
-            .await;
+        // Encoded before the write, so that the future holds bytes rather than a borrow of
+        // the result: it stays `Send` for results that are `Send` but not `Sync`.
+        let encoded = match retain {
+            Retain::Keep => returns.encode(&result),
+            Retain::Release => None,
+        };
+        let finished = record.finish(connection, retain, encoded).await;
         let result = match finished {
             Ok(()) => result,
             // The function's own `Err` says more than the failed release; the caller rolls

@@ -275,16 +275,11 @@ impl GrpcCode {
         }
     }
 
-    /// A `grpc-status` value: a decimal number from 0 to 255 (an undefined one is
-    /// [`Unknown`](Self::Unknown)); `None` for anything else.
+    /// A `grpc-status` value: a decimal number from 0 to 255, as [`u8`]'s `FromStr` reads it
+    /// (an undefined one is [`Unknown`](Self::Unknown)); `None` for anything else.
     pub fn parse(value: &[u8]) -> Option<GrpcCode> {
-        if value.is_empty() || value.len() > 3 || !value.iter().all(u8::is_ascii_digit) {
-            return None;
-        }
-        let number = value
-            .iter()
-            .fold(0u16, |n, digit| n * 10 + u16::from(digit - b'0'));
-        u8::try_from(number).ok().map(GrpcCode::from_u8)
+        let number = std::str::from_utf8(value).ok()?.parse::<u8>().ok()?;
+        Some(GrpcCode::from_u8(number))
     }
 
     /// The code's number.
@@ -319,6 +314,9 @@ mod tests {
         assert_eq!(GrpcCode::parse(b"200"), Some(GrpcCode::Unknown));
         assert_eq!(GrpcCode::parse(b"999"), None);
         assert_eq!(GrpcCode::parse(b"1000"), None);
+        assert_eq!(GrpcCode::parse(b"+0"), Some(GrpcCode::Ok));
+        assert_eq!(GrpcCode::parse(b"0014"), Some(GrpcCode::Unavailable));
+        assert_eq!(GrpcCode::parse(b" 0"), None);
         assert_eq!(GrpcCode::parse(b""), None);
         assert_eq!(GrpcCode::parse(b"-1"), None);
         assert_eq!(GrpcCode::parse(b"OK"), None);

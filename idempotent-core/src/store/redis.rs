@@ -150,12 +150,22 @@ fn scripts() -> &'static Scripts {
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Configures a [`RedisStore`]. Created by [`RedisStore::builder`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[must_use]
 pub struct RedisStoreBuilder {
     url: String,
     prefix: String,
     timeout: Duration,
+}
+
+impl fmt::Debug for RedisStoreBuilder {
+    /// Leaves the URL out: it may hold a password.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStoreBuilder")
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
 }
 
 impl RedisStoreBuilder {

@@ -1,6 +1,6 @@
 //! `tx = <parameter>`: the claim and the record are written with the function's transaction,
 //! given as `&mut Transaction<'_, Postgres>` or `&mut PgConnection`; the expansion raises no
-//! warning, and its future is `Send`.
+//! warning, and its future is `Send`, also for a result that is `Send` but not `Sync`.
 #![deny(warnings)]
 
 use idempotent_core::postgres::{PostgresStore, Transactional};
@@ -24,6 +24,19 @@ async fn on_connection(order_id: &str, conn: &mut PgConnection) -> Result<usize,
         .await
         .map_err(|e| Error::Payload(e.into()))?;
     Ok(order_id.len())
+}
+
+/// `Send`, not `Sync`.
+#[derive(Serialize, Deserialize)]
+struct Counter(std::cell::Cell<u64>);
+
+#[idempotent(key = id, tx = tx)]
+async fn counted(tx: &mut Transaction<'_, Postgres>, id: u64) -> Result<Counter, Error> {
+    sqlx::query("SELECT 1")
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| Error::Payload(e.into()))?;
+    Ok(Counter(std::cell::Cell::new(id)))
 }
 
 /// The body need not use the transaction: the claim and the record still go through it.
@@ -86,6 +99,7 @@ fn calls(pool: PgPool, ledger: Ledger) {
         on_connection("k", &mut tx).await.unwrap();
         unused(&mut tx, 2).await.unwrap();
         ledger.post(&mut tx, "p-1".into(), 5).await.unwrap();
+        counted(&mut tx, 3).await.unwrap();
         tx.commit().await.unwrap();
     });
 }

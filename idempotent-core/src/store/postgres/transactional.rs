@@ -309,7 +309,7 @@ impl PendingRecord {
     ) -> Result<(), Error> {
         match serde_json::to_vec(value) {
             Ok(bytes) => {
-                self.finish(connection, Retain::Keep, || Some(bytes.into()))
+                self.finish(connection, Retain::Keep, Some(bytes.into()))
                     .await
             }
             Err(error) => {
@@ -334,18 +334,18 @@ impl PendingRecord {
         Ok(())
     }
 
-    /// Completes with the bytes `encode` gives (as [`Idempotency::execute`](crate::Idempotency::execute)
-    /// does), or releases: the byte-level face of [`complete`](Self::complete) and
-    /// [`release`](Self::release).
+    /// Completes with `result`, the encoded result (`None`: recorded without one, as
+    /// [`Idempotency::execute`](crate::Idempotency::execute) does), or releases: the
+    /// byte-level face of [`complete`](Self::complete) and [`release`](Self::release).
     pub(crate) async fn finish(
         self,
         connection: &mut PgConnection,
         retain: Retain,
-        encode: impl FnOnce() -> Option<Bytes>,
+        result: Option<Bytes>,
     ) -> Result<(), Error> {
         let payload = match retain {
             Retain::Release => return self.release(connection).await,
-            Retain::Keep => Payload::new(&self.key, encode(), self.max_result_bytes).envelope(),
+            Retain::Keep => Payload::new(&self.key, result, self.max_result_bytes).envelope(),
         };
         let query = sqlx::query(&self.sql.complete_in_transaction)
             .bind(self.key.as_bytes().as_slice())
