@@ -301,6 +301,36 @@ mod tests {
         }
     }
 
+    /// The table in [`ProblemCode`]'s docs is what the code answers: one row per code, with
+    /// its status and gRPC status.
+    #[test]
+    fn the_documented_table_is_the_one_match() {
+        let source = include_str!("problem.rs");
+        let rows: Vec<Vec<&str>> = source
+            .lines()
+            .filter_map(|line| line.strip_prefix("/// | `"))
+            .map(|row| row.split(" | ").map(str::trim).collect())
+            .collect();
+        assert_eq!(rows.len(), ProblemCode::ALL.len(), "{rows:?}");
+        for code in ProblemCode::ALL {
+            let row = rows
+                .iter()
+                .find(|row| row[0].trim_end_matches('`') == code.as_str())
+                .unwrap_or_else(|| panic!("{code} is not in the table"));
+            assert_eq!(row[1], code.status().as_str(), "{code}");
+            let grpc = format!("{:?}", code.grpc_code());
+            let screaming: String = grpc
+                .chars()
+                .enumerate()
+                .flat_map(|(i, c)| {
+                    let underscore = (i > 0 && c.is_uppercase()).then_some('_');
+                    underscore.into_iter().chain(c.to_uppercase())
+                })
+                .collect();
+            assert_eq!(row[2], format!("`{screaming}`"), "{code}");
+        }
+    }
+
     #[test]
     fn grpc_codes_round_trip_and_unknown_numbers_read_as_unknown() {
         for number in 0..=16u8 {
