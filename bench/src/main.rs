@@ -21,6 +21,11 @@
 //! - **Checks**: a row whose timed phase had a non-2xx response or a connection error, or a
 //!   `replay` row whose responses were not all marked as replays, is reported and makes the
 //!   program exit with status 1.
+//! - **Limits**: with PostgreSQL, the rows `pgbench/fresh/postgres` and
+//!   `pgbench/replay/postgres` run the PostgreSQL store's own claim and completion statements
+//!   under `pgbench -M prepared`, with as many connections as the store's pool, in the same
+//!   rounds as the layer's rows; the table shows each `idempotent-tower` PostgreSQL row as a
+//!   fraction of its limit (see `limit.rs`).
 //! - **Memory**: resident bytes per record of a `MemoryStore` filled through
 //!   `IdempotencyLayer` with 200-byte responses, from `/proc/self/statm`, one child process
 //!   per record count.
@@ -32,6 +37,7 @@
 mod app;
 mod cli;
 mod cpu;
+mod limit;
 mod load;
 mod memory;
 #[cfg(idempotent_bench_peers)]
@@ -42,7 +48,7 @@ mod rows;
 use std::process::ExitCode;
 
 use cli::{Mode, Options};
-use report::{Audit, HttpRecord, Record, Traffic};
+use report::{Audit, HttpRecord, LimitRecord, Record, Traffic};
 use rows::{Implementation, Row};
 
 fn main() -> ExitCode {
@@ -105,7 +111,11 @@ fn http(options: &Options) -> Result<bool, String> {
             row.label()
         );
     }
-    if rows.is_empty() {
+    let limit_rows: Vec<limit::LimitRow> = limit::rows(backends.postgres_url.is_some())
+        .into_iter()
+        .filter(|row| row.selected_by(&options.only))
+        .collect();
+    if rows.is_empty() && limit_rows.is_empty() {
         return Err("no rows selected".into());
     }
     let client = tokio::runtime::Builder::new_multi_thread()
@@ -115,9 +125,16 @@ fn http(options: &Options) -> Result<bool, String> {
         .build()
         .map_err(|e| format!("cannot start the client runtime: {e}"))?;
 
+    let limits = match (&backends.postgres_url, limit_rows.is_empty()) {
+        (Some(url), false) => Some(limit::Postgres::prepare(url, &client)?),
+        _ => None,
+    };
+
     // Round-major order: a slow minute of the machine spreads over all rows.
     let mut results: Vec<Vec<(Traffic, Audit)>> = vec![Vec::new(); rows.len()];
+    let mut limit_results: Vec<Vec<f64>> = vec![Vec::new(); limit_rows.len()];
     let mut failed = Vec::new();
+    let mut failed_limits = Vec::new();
     for round in 1..=options.rounds {
         for (row, rounds) in rows.iter().zip(&mut results) {
             if failed.iter().any(|(r, _)| r == row) {
@@ -148,6 +165,26 @@ fn http(options: &Options) -> Result<bool, String> {
                 }
             }
         }
+        for (row, rounds) in limit_rows.iter().zip(&mut limit_results) {
+            let Some(postgres) = &limits else { break };
+            if failed_limits.iter().any(|(r, _)| r == row) {
+                continue;
+            }
+            match postgres.run(*row, options) {
+                Ok(rate) => {
+                    eprintln!(
+                        "round {round}/{}: {:<40} {rate:>9.0} ops/s",
+                        options.rounds,
+                        row.label()
+                    );
+                    rounds.push(rate);
+                }
+                Err(message) => {
+                    eprintln!("{}: {message}", row.label());
+                    failed_limits.push((*row, message));
+                }
+            }
+        }
     }
 
     let records: Vec<HttpRecord> = rows
@@ -156,7 +193,27 @@ fn http(options: &Options) -> Result<bool, String> {
         .filter(|(_, rounds)| !rounds.is_empty())
         .map(|(row, rounds)| report::summarize(*row, rounds))
         .collect();
+    let limit_records: Vec<LimitRecord> = limit_rows
+        .iter()
+        .zip(&limit_results)
+        .filter(|(_, rounds)| !rounds.is_empty())
+        .map(|(row, rounds)| {
+            LimitRecord::summarize(
+                [
+                    limit::LimitRow::TOOL,
+                    row.scenario.name(),
+                    limit::LimitRow::STORE,
+                ],
+                limit::POSTGRES_CONNECTIONS,
+                limit::seconds(options.measure),
+                rounds,
+            )
+        })
+        .collect();
     println!("{}", report::markdown_table(&records));
+    if !limit_records.is_empty() {
+        println!("{}", report::limit_table(&limit_records, &records));
+    }
     if !skipped.is_empty() {
         println!(
             "Not run: {} (peer crates not compiled in).\n",
@@ -169,7 +226,12 @@ fn http(options: &Options) -> Result<bool, String> {
     }
     report::write_json(
         &options.out,
-        records.iter().cloned().map(Record::Http).collect(),
+        records
+            .iter()
+            .cloned()
+            .map(Record::Http)
+            .chain(limit_records.into_iter().map(Record::Limit))
+            .collect(),
     )
     .map_err(|e| format!("cannot write {}: {e}", options.out.display()))?;
     eprintln!("wrote {}", options.out.display());
@@ -181,7 +243,10 @@ fn http(options: &Options) -> Result<bool, String> {
     for (row, message) in &failed {
         eprintln!("FAILED: {}: {message}", row.label());
     }
-    Ok(problems.is_empty() && failed.is_empty())
+    for (row, message) in &failed_limits {
+        eprintln!("FAILED: {}: {message}", row.label());
+    }
+    Ok(problems.is_empty() && failed.is_empty() && failed_limits.is_empty())
 }
 
 /// One round of one row: start its server, drive it, probe it, audit it, stop it.

@@ -197,7 +197,79 @@ fn per_request_us(cpu: Duration, requests: u64) -> f64 {
 #[serde(tag = "mode", rename_all = "lowercase")]
 pub(crate) enum Record {
     Http(HttpRecord),
+    Limit(LimitRecord),
     Memory(MemoryRecord),
+}
+
+/// A limit row: what the backend's own benchmark tool does with the store's statements
+/// (see `limit.rs`), in operations per second: one fresh request's statements, or one
+/// replay's, per operation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct LimitRecord {
+    pub(crate) implementation: String,
+    pub(crate) scenario: String,
+    pub(crate) store: String,
+    /// The median round's operations per second.
+    pub(crate) rps: f64,
+    pub(crate) connections: usize,
+    /// Timed seconds per round, and the rate of every round.
+    pub(crate) seconds: f64,
+    pub(crate) rounds_rps: Vec<f64>,
+}
+
+impl LimitRecord {
+    /// The median of `rounds` (operations per second per round).
+    pub(crate) fn summarize(
+        label: [&str; 3],
+        connections: usize,
+        seconds: u64,
+        rounds: &[f64],
+    ) -> LimitRecord {
+        assert!(!rounds.is_empty(), "a row has at least one round");
+        let mut sorted = rounds.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        LimitRecord {
+            implementation: label[0].to_owned(),
+            scenario: label[1].to_owned(),
+            store: label[2].to_owned(),
+            rps: round1(sorted[sorted.len() / 2]),
+            connections,
+            seconds: seconds as f64,
+            rounds_rps: rounds.iter().copied().map(round1).collect(),
+        }
+    }
+}
+
+/// The limit rows as a markdown table, each beside the `idempotent-tower` row of the same
+/// scenario and store and that row's fraction of the limit.
+pub(crate) fn limit_table(limits: &[LimitRecord], rows: &[HttpRecord]) -> String {
+    let mut out = String::from(
+        "| limit | scenario | store | ops/s | idempotent-tower rps | fraction of the limit | server CPU µs/req |\n\
+         |---|---|---|---:|---:|---:|---:|\n",
+    );
+    for limit in limits {
+        let layer = rows.iter().find(|r| {
+            r.implementation == "idempotent-tower"
+                && r.scenario == limit.scenario
+                && r.store == limit.store
+        });
+        let (rps, fraction, cpu) = match layer {
+            Some(r) if limit.rps > 0.0 => (
+                thousands(r.rps.round() as u64),
+                format!("{:.0} %", 100.0 * r.rps / limit.rps),
+                format!("{:.1}", r.server_cpu_us),
+            ),
+            _ => ("–".to_owned(), "–".to_owned(), "–".to_owned()),
+        };
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {rps} | {fraction} | {cpu} |\n",
+            limit.implementation,
+            limit.scenario,
+            limit.store,
+            thousands(limit.rps.round() as u64),
+        ));
+    }
+    out
 }
 
 /// One row of the HTTP benchmark (the median round of `rounds`).
@@ -381,16 +453,19 @@ fn thousands(n: u64) -> String {
 }
 
 /// Writes `records` to `path`, keeping the objects of the other mode already there (so the
-/// HTTP and memory modes can run separately and still share one file).
+/// HTTP and memory modes can run separately and still share one file). The limit rows belong
+/// to the HTTP mode.
 pub(crate) fn write_json(path: &Path, records: Vec<Record>) -> std::io::Result<()> {
     let mut all: Vec<Record> = std::fs::read(path)
         .ok()
         .and_then(|bytes| serde_json::from_slice(&bytes).ok())
         .unwrap_or_default();
-    let replaces_http = records.iter().any(|r| matches!(r, Record::Http(_)));
+    let replaces_http = records
+        .iter()
+        .any(|r| matches!(r, Record::Http(_) | Record::Limit(_)));
     let replaces_memory = records.iter().any(|r| matches!(r, Record::Memory(_)));
     all.retain(|r| match r {
-        Record::Http(_) => !replaces_http,
+        Record::Http(_) | Record::Limit(_) => !replaces_http,
         Record::Memory(_) => !replaces_memory,
     });
     all.extend(records);
@@ -574,6 +649,33 @@ mod tests {
         assert_eq!(memory["mode"], "memory");
         assert_eq!(memory["records"], 100_000);
         assert_eq!(memory["bytes_per_record"], 629);
+    }
+
+    #[test]
+    fn limit_rows_are_medians_in_the_json_and_fractions_in_the_table() {
+        let limit = LimitRecord::summarize(
+            ["pgbench", "replay", "memory"],
+            16,
+            3,
+            &[900.0, 4000.0, 2000.0],
+        );
+        assert_eq!(limit.rps, 2000.0);
+        assert_eq!(limit.rounds_rps, [900.0, 4000.0, 2000.0]);
+        let json = serde_json::to_value(vec![Record::Limit(limit.clone())]).unwrap();
+        assert_eq!(json[0]["mode"], "limit");
+        assert_eq!(json[0]["implementation"], "pgbench");
+        assert_eq!(json[0]["scenario"], "replay");
+        assert_eq!(json[0]["store"], "memory");
+        assert_eq!(json[0]["rps"], 2000.0);
+        assert_eq!(json[0]["connections"], 16);
+        // The layer's replay row does 1,000 rps: half of the limit.
+        let http = summarize(row(), &[(traffic(1000, 0, 1, 250), good_audit())]);
+        let table = limit_table(&[limit], &[http]);
+        let last = table.lines().last().unwrap();
+        assert!(
+            last.starts_with("| pgbench | replay | memory | 2,000 | 1,000 | 50 % |"),
+            "{table}"
+        );
     }
 
     #[test]

@@ -97,15 +97,26 @@ impl Row {
     /// equals the implementation, the scenario or the store, or when it contains a `/` and
     /// starts the label `implementation/scenario/store`. An empty filter selects every row.
     pub(crate) fn selected_by(&self, filter: &[String]) -> bool {
-        let label = self.label();
-        filter.is_empty()
-            || filter.iter().any(|item| {
-                item == self.implementation.name()
-                    || item == self.scenario.name()
-                    || item == self.store.name()
-                    || (item.contains('/') && label.starts_with(item.as_str()))
-            })
+        selects(
+            filter,
+            [
+                self.implementation.name(),
+                self.scenario.name(),
+                self.store.name(),
+            ],
+        )
     }
+}
+
+/// Whether `filter` selects the row whose implementation, scenario and store are `parts`:
+/// see [`Row::selected_by`].
+pub(crate) fn selects(filter: &[String], parts: [&str; 3]) -> bool {
+    let label = parts.join("/");
+    filter.is_empty()
+        || filter.iter().any(|item| {
+            parts.contains(&item.as_str())
+                || (item.contains('/') && label.starts_with(item.as_str()))
+        })
 }
 
 /// Every row, in table order: `bare`, ours on memory, the peers, ours on the shared stores

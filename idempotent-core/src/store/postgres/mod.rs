@@ -278,6 +278,16 @@ impl PostgresStore {
         &self.sql.table
     }
 
+    /// The claim and the completion statements, exactly as the store sends them: the claim
+    /// binds `$1` storage key, `$2` fingerprint, `$3` lease in microseconds; the completion
+    /// `$1` storage key, `$2` token, `$3` payload, `$4` TTL in microseconds. For measuring
+    /// what the database itself does with them (the benchmark's `pgbench` rows); not a stable
+    /// API.
+    #[doc(hidden)]
+    pub fn claim_and_complete_sql(&self) -> [&str; 2] {
+        [&self.sql.claim, &self.sql.complete]
+    }
+
     /// The transactional mode over this store's table: the claim and the completed record are
     /// written in the caller's transaction. See [`Transactional`].
     pub fn transactional(&self) -> Transactional {
