@@ -400,3 +400,72 @@ async fn unreachable_server_is_unavailable() {
     assert_eq!(error.code(), ProblemCode::StoreUnavailable);
     assert!(error.retry_after().is_some());
 }
+
+/// `PostgresStore::connect` does not ping a connection before each operation: a connection
+/// broken under it (a database restart; here every backend of its database terminated) fails
+/// the one operation that next uses it and is replaced, so at most one failure per pooled
+/// connection, and service resumes without a new store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_connections_fail_one_operation_each_then_are_replaced() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    // A database of its own, so that terminating its backends touches no other test.
+    let admin = pool(&url, 1).await;
+    let database = format!("idempotent_broken_{}", &fresh_key().to_hex()[..16]);
+    sqlx::query(&format!("CREATE DATABASE \"{database}\""))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let (base, _) = url.rsplit_once('/').expect("a database in the URL");
+    let store = PostgresStore::connect(&format!("{base}/{database}"))
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+
+    // Open every connection of the pool (16) by holding them all at once.
+    let mut held = Vec::new();
+    for _ in 0..16 {
+        held.push(store.pool().acquire().await.unwrap());
+    }
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let terminated: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = $1 AND pid <> pg_backend_pid()) AS t",
+    )
+    .bind(&database)
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert!(terminated >= 16, "terminated {terminated} backends");
+
+    let mut failures = 0;
+    let mut last_failure = 0;
+    for attempt in 1..=48 {
+        let key = fresh_key();
+        match store
+            .claim(&key, &Fingerprint::empty(), Duration::from_secs(30))
+            .await
+        {
+            Ok(Claim::Claimed(_)) => {}
+            Ok(other) => panic!("a fresh key was {other:?}"),
+            Err(StoreError::Unavailable(_)) => {
+                failures += 1;
+                last_failure = attempt;
+            }
+            Err(error) => panic!("unexpected {error:?}"),
+        }
+    }
+    assert!(failures <= 16, "{failures} operations failed");
+    assert!(
+        last_failure <= 32,
+        "operation {last_failure} still failed: broken connections are not replaced"
+    );
+
+    store.pool().close().await;
+    sqlx::query(&format!("DROP DATABASE \"{database}\" WITH (FORCE)"))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
