@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The HTTP benchmark (idempotent-tower against a bare handler and the peer crates, on the memory
-# store and, when available, Redis and PostgreSQL, with pgbench running the PostgreSQL store's own
-# statements as the limit its rows are compared with) and the memory store's footprint per record.
+# store and, when available, Redis and PostgreSQL, with pgbench and redis-benchmark running the
+# stores' own statements and scripts as the limits their rows are compared with) and the memory
+# store's footprint per record.
 # BENCHMARKS.md explains the rows and how to read them.
 #
 #   bash scripts/bench.sh                  # full run: 3 rounds of 3 s warm-up + 10 s timed per row

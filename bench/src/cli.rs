@@ -21,10 +21,11 @@ options:
   --replay-keys N     keys per connection in the replay scenario (default 4)
   --server-threads N  tokio worker threads of the server (default 2)
   --client-threads N  tokio worker threads of the load generator (default 2)
-  --only LIST         rows to run, comma-separated: an implementation (or `pgbench` for the
-                      limit rows), scenario or store name, or a label prefix such as
-                      idempotent-tower/replay
-  --redis-url URL     add idempotent-tower rows on Redis (default $IDEMPOTENT_TEST_REDIS_URL)
+  --only LIST         rows to run, comma-separated: an implementation (or `pgbench`,
+                      `redis-benchmark` for the limit rows), scenario or store name, or a
+                      label prefix such as idempotent-tower/replay
+  --redis-url URL     add idempotent-tower rows on Redis, and the redis-benchmark limit rows
+                      (default $IDEMPOTENT_TEST_REDIS_URL)
   --postgres-url URL  add idempotent-tower rows on PostgreSQL, and the pgbench limit rows
                       (default $IDEMPOTENT_TEST_POSTGRES_URL)
   --records LIST      memory mode record counts (default 100000,1000000)

@@ -8,8 +8,16 @@
 //! - `pgbench/replay/postgres`: the claim on one of a few keys completed before the timed
 //!   phase, which is all a replay asks.
 //!
-//! Both run with as many connections as the store's pool has (16) and two pgbench threads, on
-//! the machine the layer's rows use.
+//! - `redis-benchmark/replay/redis`: the Redis store's claim script (`EVALSHA`) on one of a few
+//!   keys completed before the row.
+//! - `redis-benchmark/fresh/redis`: `redis-benchmark` sends one command per request and cannot
+//!   pass the claim's token on to the completion, so the claim (on new keys) and the completion
+//!   (on keys put in flight before the run, with a known token) are measured apart. Redis runs
+//!   scripts one at a time, so a fresh request costs it the claim's time plus the
+//!   completion's: the limit is `1 / (1 / claims + 1 / completions)` per second.
+//!
+//! All run with 16 connections (the PostgreSQL store's pool) on the machine the layer's rows
+//! use; pgbench with two threads.
 
 use std::io::Write as _;
 use std::path::Path;
@@ -18,38 +26,334 @@ use std::time::Duration;
 
 use crate::rows::{Scenario, selects};
 
-/// A limit row: `pgbench/fresh/postgres` or `pgbench/replay/postgres`.
+/// The benchmark tool of a limit row, and so its store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Tool {
+    Pgbench,
+    RedisBenchmark,
+}
+
+impl Tool {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Tool::Pgbench => "pgbench",
+            Tool::RedisBenchmark => "redis-benchmark",
+        }
+    }
+
+    pub(crate) fn store(self) -> &'static str {
+        match self {
+            Tool::Pgbench => "postgres",
+            Tool::RedisBenchmark => "redis",
+        }
+    }
+}
+
+/// A limit row: `pgbench/fresh/postgres`, `redis-benchmark/replay/redis`, ….
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct LimitRow {
+    pub(crate) tool: Tool,
     pub(crate) scenario: Scenario,
 }
 
 impl LimitRow {
-    pub(crate) const TOOL: &'static str = "pgbench";
-    pub(crate) const STORE: &'static str = "postgres";
+    pub(crate) fn parts(&self) -> [&'static str; 3] {
+        [self.tool.name(), self.scenario.name(), self.tool.store()]
+    }
 
     pub(crate) fn label(&self) -> String {
-        format!("{}/{}/{}", Self::TOOL, self.scenario.name(), Self::STORE)
+        self.parts().join("/")
     }
 
     /// Whether `filter` selects this row, as for the layer's rows.
     pub(crate) fn selected_by(&self, filter: &[String]) -> bool {
-        selects(filter, [Self::TOOL, self.scenario.name(), Self::STORE])
+        selects(filter, self.parts())
     }
 }
 
-/// The limit rows, when PostgreSQL is available.
-pub(crate) fn rows(postgres: bool) -> Vec<LimitRow> {
-    if !postgres {
-        return Vec::new();
+/// The limit rows of the stores that are available.
+pub(crate) fn rows(redis: bool, postgres: bool) -> Vec<LimitRow> {
+    let mut rows = Vec::new();
+    for (tool, available) in [(Tool::RedisBenchmark, redis), (Tool::Pgbench, postgres)] {
+        if available {
+            rows.extend(
+                [Scenario::Fresh, Scenario::Replay].map(|scenario| LimitRow { tool, scenario }),
+            );
+        }
     }
-    [Scenario::Fresh, Scenario::Replay]
-        .map(|scenario| LimitRow { scenario })
-        .to_vec()
+    rows
 }
 
-/// The connections of `PostgresStore::connect`'s pool: the limit rows use as many.
-pub(crate) const POSTGRES_CONNECTIONS: usize = 16;
+/// What the limit rows need, prepared once per run.
+pub(crate) struct Limits {
+    pub(crate) postgres: Option<Postgres>,
+    pub(crate) redis: Option<Redis>,
+}
+
+impl Limits {
+    /// Prepares the tools `rows` use.
+    pub(crate) fn prepare(
+        rows: &[LimitRow],
+        backends: &crate::app::Backends,
+        runtime: &tokio::runtime::Runtime,
+    ) -> Result<Limits, String> {
+        let uses = |tool| rows.iter().any(|row| row.tool == tool);
+        let postgres = match &backends.postgres_url {
+            Some(url) if uses(Tool::Pgbench) => Some(Postgres::prepare(url, runtime)?),
+            _ => None,
+        };
+        let redis = match &backends.redis_url {
+            Some(url) if uses(Tool::RedisBenchmark) => Some(Redis::prepare(url)?),
+            _ => None,
+        };
+        Ok(Limits { postgres, redis })
+    }
+
+    /// One round of `row`: its operations per second.
+    pub(crate) fn run(&self, row: LimitRow, options: &crate::cli::Options) -> Result<f64, String> {
+        match row.tool {
+            Tool::Pgbench => self
+                .postgres
+                .as_ref()
+                .ok_or("no PostgreSQL")?
+                .run(row, options),
+            Tool::RedisBenchmark => self.redis.as_ref().ok_or("no Redis")?.run(row, options),
+        }
+    }
+}
+
+/// The Redis limit rows' setup: the store's scripts loaded, the replay keys completed.
+pub(crate) struct Redis {
+    host: String,
+    port: u16,
+    claim: String,
+    complete: String,
+}
+
+/// Keys put in flight before a `fresh` Redis limit row's completions.
+const IN_FLIGHT_KEYS: u64 = 1_000_000;
+/// The most completions one run sends: a fifth of the keys in flight, so that at most a fifth
+/// (a tenth on average) of them land on a key already completed, which answers sooner.
+const MAX_COMPLETIONS: u64 = IN_FLIGHT_KEYS / 5;
+/// Commands each `redis-benchmark` connection keeps in flight. The store sends every command
+/// over one multiplexed connection, which pipelines whatever is concurrent: without
+/// pipelining, `redis-benchmark` measures Redis's per-command network overhead, which the
+/// store does not pay, and falls below what the store gets.
+const REDIS_PIPELINE: usize = 16;
+/// Record keys of the Redis limit rows, beside the store's (`idempotent:` + 64 hex digits).
+const REDIS_REPLAY_KEY: &str = "idempotent:limit:replay:";
+const REDIS_FRESH_KEY: &str = "idempotent:limit:fresh:";
+const REDIS_IN_FLIGHT_KEY: &str = "idempotent:limit:in-flight:";
+/// The fingerprint the Redis limit rows send: 32 bytes, like the store's.
+const REDIS_FINGERPRINT: &str = "ffffffffffffffffffffffffffffffff";
+
+impl Redis {
+    pub(crate) fn prepare(url: &str) -> Result<Redis, String> {
+        let address = url
+            .strip_prefix("redis://")
+            .ok_or_else(|| format!("not a redis:// URL: {url}"))?;
+        let address = address.split('/').next().unwrap_or(address);
+        let (host, port) = address
+            .rsplit_once(':')
+            .ok_or_else(|| format!("no port in {url}"))?;
+        let port: u16 = port.parse().map_err(|_| format!("bad port in {url}"))?;
+        let mut redis = Redis {
+            host: host.to_owned(),
+            port,
+            claim: String::new(),
+            complete: String::new(),
+        };
+        let [claim, complete] = idempotent_core::redis::RedisStore::claim_and_complete_scripts();
+        redis.claim = redis.script_load(&claim)?;
+        redis.complete = redis.script_load(&complete)?;
+        let payload = "x".repeat(200);
+        redis.pipe((0..REPLAY_KEYS).map(|n| {
+            let key = format!("{REDIS_REPLAY_KEY}{n:012}");
+            vec![
+                vec![
+                    "HSET".into(),
+                    key.clone(),
+                    "s".into(),
+                    "c".into(),
+                    "f".into(),
+                    REDIS_FINGERPRINT.into(),
+                    "t".into(),
+                    "1".into(),
+                    "p".into(),
+                    payload.clone(),
+                ],
+                vec!["PEXPIRE".into(), key, "3600000".into()],
+            ]
+        }))?;
+        Ok(redis)
+    }
+
+    fn run(&self, row: LimitRow, options: &crate::cli::Options) -> Result<f64, String> {
+        let seconds = seconds(options.measure) as f64;
+        let claim = |prefix: &str, keys: u64, requests: u64| {
+            self.benchmark(
+                requests,
+                keys,
+                &[
+                    "EVALSHA",
+                    &self.claim,
+                    "1",
+                    &format!("{prefix}__rand_int__"),
+                    REDIS_FINGERPRINT,
+                    "30000",
+                ],
+            )
+        };
+        match row.scenario {
+            Scenario::Replay => {
+                let rate = claim(REDIS_REPLAY_KEY, REPLAY_KEYS, 20_000)?;
+                claim(REDIS_REPLAY_KEY, REPLAY_KEYS, (rate * seconds) as u64)
+            }
+            Scenario::Fresh | Scenario::None => {
+                let fresh_keys = 100_000_000_000;
+                let rate = claim(REDIS_FRESH_KEY, fresh_keys, 20_000)?;
+                let claims = claim(REDIS_FRESH_KEY, fresh_keys, (rate * seconds) as u64)?;
+                self.put_in_flight()?;
+                let payload = "x".repeat(200);
+                let complete = [
+                    "EVALSHA",
+                    &self.complete,
+                    "1",
+                    &format!("{REDIS_IN_FLIGHT_KEY}__rand_int__"),
+                    "1",
+                    &payload,
+                    "600000",
+                ];
+                let requests = ((claims * seconds) as u64).min(MAX_COMPLETIONS);
+                let completions = self.benchmark(requests, IN_FLIGHT_KEYS, &complete)?;
+                eprintln!(
+                    "{}: claims {claims:.0}/s, completions {completions:.0}/s",
+                    row.label()
+                );
+                Ok(1.0 / (1.0 / claims + 1.0 / completions))
+            }
+        }
+    }
+
+    /// Puts the in-flight keys in flight, with token `1`, for ten minutes.
+    fn put_in_flight(&self) -> Result<(), String> {
+        self.pipe((0..IN_FLIGHT_KEYS).map(|n| {
+            let key = format!("{REDIS_IN_FLIGHT_KEY}{n:012}");
+            vec![
+                vec![
+                    "HSET".into(),
+                    key.clone(),
+                    "s".into(),
+                    "i".into(),
+                    "f".into(),
+                    REDIS_FINGERPRINT.into(),
+                    "t".into(),
+                    "1".into(),
+                ],
+                vec!["PEXPIRE".into(), key, "600000".into()],
+            ]
+        }))
+    }
+
+    fn cli(&self) -> Command {
+        let mut command = Command::new("redis-cli");
+        command.args(["-h", &self.host, "-p", &self.port.to_string()]);
+        command
+    }
+
+    fn script_load(&self, script: &str) -> Result<String, String> {
+        let output = self
+            .cli()
+            .args(["SCRIPT", "LOAD", script])
+            .output()
+            .map_err(|e| format!("cannot run redis-cli (from the Redis packages): {e}"))?;
+        let sha = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+        if !output.status.success() || sha.len() != 40 {
+            return Err(format!(
+                "SCRIPT LOAD failed: {sha} {}",
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        }
+        Ok(sha)
+    }
+
+    /// Sends `commands` through `redis-cli --pipe`.
+    fn pipe(&self, commands: impl Iterator<Item = Vec<Vec<String>>>) -> Result<(), String> {
+        let mut child = self
+            .cli()
+            .arg("--pipe")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot run redis-cli --pipe: {e}"))?;
+        {
+            let stdin = child.stdin.as_mut().ok_or("no stdin")?;
+            let mut out = std::io::BufWriter::new(stdin);
+            for group in commands {
+                for command in group {
+                    out.write_all(&resp(&command)).map_err(|e| e.to_string())?;
+                }
+            }
+            out.flush().map_err(|e| e.to_string())?;
+        }
+        let output = child.wait_with_output().map_err(|e| e.to_string())?;
+        let text = String::from_utf8_lossy(&output.stdout);
+        if !output.status.success() || !text.contains("errors: 0") {
+            return Err(format!("redis-cli --pipe failed: {text}"));
+        }
+        Ok(())
+    }
+
+    /// `redis-benchmark` sending `command` `requests` times (at least 1,000) over 16
+    /// connections, with `__rand_int__` drawn below `keys`; its requests per second.
+    fn benchmark(&self, requests: u64, keys: u64, command: &[&str]) -> Result<f64, String> {
+        let output = Command::new("redis-benchmark")
+            .args(["-h", &self.host, "-p", &self.port.to_string(), "--csv"])
+            .args(["-c", &CONNECTIONS.to_string()])
+            .args(["-P", &REDIS_PIPELINE.to_string()])
+            .args([
+                "-n",
+                &requests.max(1000).to_string(),
+                "-r",
+                &keys.to_string(),
+            ])
+            .args(command)
+            .output()
+            .map_err(|e| format!("cannot run redis-benchmark (from the Redis packages): {e}"))?;
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        if !output.status.success() {
+            return Err(format!(
+                "redis-benchmark failed: {stdout}{}",
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        }
+        csv_rps(&stdout).ok_or_else(|| format!("no rate in redis-benchmark's output: {stdout}"))
+    }
+}
+
+/// A command in Redis's protocol.
+fn resp(command: &[String]) -> Vec<u8> {
+    let mut out = format!("*{}\r\n", command.len()).into_bytes();
+    for arg in command {
+        out.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
+        out.extend_from_slice(arg.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+/// The requests per second of `redis-benchmark --csv`: the second field of the line after the
+/// header, `"EVALSHA ...","81234.56",...`.
+fn csv_rps(output: &str) -> Option<f64> {
+    let line = output
+        .lines()
+        .find(|line| !line.is_empty() && !line.starts_with("\"test\""))?;
+    let field = line.split("\",\"").nth(1)?;
+    field.trim_matches('"').parse().ok()
+}
+
+/// The connections of `PostgresStore::connect`'s pool: every limit row uses as many.
+pub(crate) const CONNECTIONS: usize = 16;
 /// Keys completed before a `replay` limit row; its claims pick among them.
 const REPLAY_KEYS: u64 = 1000;
 /// The first key of the `fresh` limit rows' key space, above the replay keys.
@@ -106,13 +410,13 @@ impl Postgres {
     }
 
     /// One round of `row`: a warm-up run, then the timed one; its transactions per second.
-    pub(crate) fn run(&self, row: LimitRow, options: &crate::cli::Options) -> Result<f64, String> {
+    fn run(&self, row: LimitRow, options: &crate::cli::Options) -> Result<f64, String> {
         let script = pgbench_script(&self.claim, &self.complete, row.scenario);
         if !options.warmup.is_zero() {
             pgbench(
                 &self.url,
                 &script,
-                POSTGRES_CONNECTIONS,
+                CONNECTIONS,
                 seconds(options.warmup),
                 &self.dir,
             )?;
@@ -120,7 +424,7 @@ impl Postgres {
         pgbench(
             &self.url,
             &script,
-            POSTGRES_CONNECTIONS,
+            CONNECTIONS,
             seconds(options.measure),
             &self.dir,
         )
@@ -270,6 +574,18 @@ mod tests {
         assert_eq!(replay.lines().count(), 2);
         assert!(replay.starts_with("\\set k random(1, 1000)\n"));
         assert!(replay.ends_with(";\n") && !replay.contains("UPDATE"));
+    }
+
+    #[test]
+    fn redis_benchmark_output_and_the_protocol() {
+        let csv =
+            "\"test\",\"rps\",\"avg_latency_ms\"\n\"EVALSHA abc 1 k x\",\"81234.56\",\"0.2\"\n";
+        assert_eq!(csv_rps(csv), Some(81234.56));
+        assert_eq!(csv_rps("nothing"), None);
+        assert_eq!(
+            resp(&["HSET".into(), "k".into(), "ab".into()]),
+            b"*3\r\n$4\r\nHSET\r\n$1\r\nk\r\n$2\r\nab\r\n"
+        );
     }
 
     #[test]

@@ -23,9 +23,10 @@
 //!   program exit with status 1.
 //! - **Limits**: with PostgreSQL, the rows `pgbench/fresh/postgres` and
 //!   `pgbench/replay/postgres` run the PostgreSQL store's own claim and completion statements
-//!   under `pgbench -M prepared`, with as many connections as the store's pool, in the same
-//!   rounds as the layer's rows; the table shows each `idempotent-tower` PostgreSQL row as a
-//!   fraction of its limit (see `limit.rs`).
+//!   under `pgbench -M prepared`; with Redis, `redis-benchmark/{fresh,replay}/redis` run the
+//!   Redis store's own scripts with `EVALSHA` on random keys; in the same rounds as the layer's
+//!   rows. The table shows each `idempotent-tower` row on a shared store as a fraction of its
+//!   limit (see `limit.rs`).
 //! - **Memory**: resident bytes per record of a `MemoryStore` filled through
 //!   `IdempotencyLayer` with 200-byte responses, from `/proc/self/statm`, one child process
 //!   per record count.
@@ -111,10 +112,13 @@ fn http(options: &Options) -> Result<bool, String> {
             row.label()
         );
     }
-    let limit_rows: Vec<limit::LimitRow> = limit::rows(backends.postgres_url.is_some())
-        .into_iter()
-        .filter(|row| row.selected_by(&options.only))
-        .collect();
+    let limit_rows: Vec<limit::LimitRow> = limit::rows(
+        backends.redis_url.is_some(),
+        backends.postgres_url.is_some(),
+    )
+    .into_iter()
+    .filter(|row| row.selected_by(&options.only))
+    .collect();
     if rows.is_empty() && limit_rows.is_empty() {
         return Err("no rows selected".into());
     }
@@ -125,10 +129,7 @@ fn http(options: &Options) -> Result<bool, String> {
         .build()
         .map_err(|e| format!("cannot start the client runtime: {e}"))?;
 
-    let limits = match (&backends.postgres_url, limit_rows.is_empty()) {
-        (Some(url), false) => Some(limit::Postgres::prepare(url, &client)?),
-        _ => None,
-    };
+    let limits = limit::Limits::prepare(&limit_rows, backends, &client)?;
 
     // Round-major order: a slow minute of the machine spreads over all rows.
     let mut results: Vec<Vec<(Traffic, Audit)>> = vec![Vec::new(); rows.len()];
@@ -166,11 +167,10 @@ fn http(options: &Options) -> Result<bool, String> {
             }
         }
         for (row, rounds) in limit_rows.iter().zip(&mut limit_results) {
-            let Some(postgres) = &limits else { break };
             if failed_limits.iter().any(|(r, _)| r == row) {
                 continue;
             }
-            match postgres.run(*row, options) {
+            match limits.run(*row, options) {
                 Ok(rate) => {
                     eprintln!(
                         "round {round}/{}: {:<40} {rate:>9.0} ops/s",
@@ -199,12 +199,8 @@ fn http(options: &Options) -> Result<bool, String> {
         .filter(|(_, rounds)| !rounds.is_empty())
         .map(|(row, rounds)| {
             LimitRecord::summarize(
-                [
-                    limit::LimitRow::TOOL,
-                    row.scenario.name(),
-                    limit::LimitRow::STORE,
-                ],
-                limit::POSTGRES_CONNECTIONS,
+                row.parts(),
+                limit::CONNECTIONS,
                 limit::seconds(options.measure),
                 rounds,
             )

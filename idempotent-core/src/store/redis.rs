@@ -113,10 +113,15 @@ return 1
 
 /// `script` with the expiry in `ARGV[arg]` checked first.
 fn checked(arg: usize, script: &str) -> Script {
+    Script::new(&checked_source(arg, script))
+}
+
+/// The source of [`checked`]'s script.
+fn checked_source(arg: usize, script: &str) -> String {
     let check = CHECK_EXPIRY
         .replace("EXPIRY_MS", &format!("ARGV[{arg}]"))
         .replace("MAX_MS", &MAX_EXPIRY_MS.to_string());
-    Script::new(&format!("{check}{script}"))
+    format!("{check}{script}")
 }
 
 /// The longest expiry sent to Redis, in milliseconds: the longest TTL or lease.
@@ -229,6 +234,16 @@ impl RedisStore {
             prefix: DEFAULT_KEY_PREFIX.into(),
             timeout: DEFAULT_TIMEOUT,
         }
+    }
+
+    /// The claim and completion scripts, exactly as the store sends them: the claim takes
+    /// the record's key, `ARGV[1]` fingerprint and `ARGV[2]` lease in milliseconds; the
+    /// completion the key, `ARGV[1]` token, `ARGV[2]` payload and `ARGV[3]` TTL in
+    /// milliseconds. For measuring what Redis itself does with them (the benchmark's
+    /// `redis-benchmark` rows); not a stable API.
+    #[doc(hidden)]
+    pub fn claim_and_complete_scripts() -> [String; 2] {
+        [checked_source(2, CLAIM), checked_source(3, COMPLETE)]
     }
 
     /// The Redis key of a record.
