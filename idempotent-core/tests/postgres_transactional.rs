@@ -98,6 +98,24 @@ impl Bank {
         }
     }
 
+    /// Deposits once with `first` and commits, then checks that a retry with `retry` (the
+    /// same key) is refused with `ResultNotRetained` and deposits nothing.
+    async fn assert_not_retained(&self, transactional: &Transactional, first: &Call, retry: &Call) {
+        let before = self.balance().await;
+        let mut tx = self.pool.begin().await.unwrap();
+        let fresh = self.deposit_with(&mut tx, transactional, first, Duration::ZERO);
+        assert!(matches!(fresh.await.unwrap(), Outcome::Fresh(_)));
+        tx.commit().await.unwrap();
+        let mut tx = self.pool.begin().await.unwrap();
+        let refused = transactional.claim::<i64>(retry, &mut tx).await;
+        assert!(
+            matches!(refused, Err(Error::ResultNotRetained)),
+            "{refused:?}"
+        );
+        tx.rollback().await.unwrap();
+        assert_eq!(self.balance().await, before + 100);
+    }
+
     async fn balance(&self) -> i64 {
         sqlx::query_scalar(&format!(
             "SELECT balance FROM \"{}\" WHERE id = 'alice'",
@@ -299,23 +317,8 @@ async fn a_result_too_large_to_retain_is_recorded_without_it() {
         .transactional
         .clone()
         .defaults(Defaults::new().max_result_bytes(2));
-    let mut tx = bank.pool.begin().await.unwrap();
-    let TransactionalClaim::Run(pending) = transactional
-        .claim::<i64>(&Call::new("deposit-11".parse().unwrap()), &mut tx)
-        .await
-        .unwrap()
-    else {
-        panic!("expected to run");
-    };
-    let balance = bank.deposit(&mut tx).await.unwrap();
-    pending.complete(&mut tx, &balance).await.unwrap();
-    tx.commit().await.unwrap();
-    let mut tx = bank.pool.begin().await.unwrap();
-    let retry = transactional
-        .claim::<i64>(&Call::new("deposit-11".parse().unwrap()), &mut tx)
-        .await;
-    assert!(matches!(retry, Err(Error::ResultNotRetained)), "{retry:?}");
-    assert_eq!(bank.balance().await, 100);
+    let call = Call::new("deposit-11".parse().unwrap());
+    bank.assert_not_retained(&transactional, &call, &call).await;
 }
 
 /// The transactional mode takes the same `Call` as the standalone runtime: the call's own
@@ -327,52 +330,22 @@ async fn a_calls_options_override_the_transactional_defaults() {
     };
     let small =
         Call::new("deposit-12".parse().unwrap()).options(CallOptions::new().max_result_bytes(2));
-    let mut tx = bank.pool.begin().await.unwrap();
-    let TransactionalClaim::Run(pending) = bank
-        .transactional
-        .claim::<i64>(&small, &mut tx)
-        .await
-        .unwrap()
-    else {
-        panic!("expected to run");
-    };
-    let balance = bank.deposit(&mut tx).await.unwrap();
-    pending.complete(&mut tx, &balance).await.unwrap();
-    tx.commit().await.unwrap();
     // The retry without the override still finds the call recorded without its result.
-    let mut tx = bank.pool.begin().await.unwrap();
-    let retry = bank
-        .transactional
-        .claim::<i64>(&Call::new("deposit-12".parse().unwrap()), &mut tx)
+    let plain = Call::new("deposit-12".parse().unwrap());
+    bank.assert_not_retained(&bank.transactional, &small, &plain)
         .await;
-    assert!(matches!(retry, Err(Error::ResultNotRetained)), "{retry:?}");
-    tx.rollback().await.unwrap();
-    assert_eq!(bank.balance().await, 100);
 
     // Without the override the mode's default (1 MiB) keeps the same result.
+    let call = Call::new("deposit-13".parse().unwrap());
     let mut tx = bank.pool.begin().await.unwrap();
-    let TransactionalClaim::Run(pending) = bank
-        .transactional
-        .claim::<i64>(&Call::new("deposit-13".parse().unwrap()), &mut tx)
-        .await
-        .unwrap()
-    else {
-        panic!("expected to run");
-    };
-    let balance = bank.deposit(&mut tx).await.unwrap();
-    pending.complete(&mut tx, &balance).await.unwrap();
+    let fresh = bank.deposit_with(&mut tx, &bank.transactional, &call, Duration::ZERO);
+    assert_eq!(fresh.await.unwrap(), Outcome::Fresh(200));
     tx.commit().await.unwrap();
     let mut tx = bank.pool.begin().await.unwrap();
-    let replayed = bank
-        .transactional
-        .claim::<i64>(&Call::new("deposit-13".parse().unwrap()), &mut tx)
-        .await
-        .unwrap();
-    assert!(
-        matches!(replayed, TransactionalClaim::Replay(200)),
-        "{replayed:?}"
-    );
+    let replayed = bank.deposit_with(&mut tx, &bank.transactional, &call, Duration::ZERO);
+    assert_eq!(replayed.await.unwrap(), Outcome::Replayed(200));
     tx.rollback().await.unwrap();
+    assert_eq!(bank.balance().await, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
