@@ -1,6 +1,7 @@
 //! The PostgreSQL store: one row per record in a table shared by every app instance, and the
 //! transactional mode that commits the record in the caller's own transaction.
 
+mod connections;
 mod fence;
 mod transactional;
 
@@ -16,6 +17,7 @@ use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 // enough"), which would make every caller's future non-`Send`.
 use sqlx::{Executor as _, Row as _};
 
+use self::connections::Connections;
 use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, limits};
 
 pub use self::fence::{DEFAULT_FENCE_TABLE, Fence, FenceError};
@@ -63,8 +65,7 @@ const CLAIM_ATTEMPTS: usize = 8;
 /// # }
 /// ```
 ///
-/// Every operation is one SQL statement and one round trip (plus the pool's connection check):
-/// a replay costs one `claim`; a fresh call a `claim` and a `complete`, plus a `renew` every
+/// Every operation is one SQL statement and one round trip: a replay costs one `claim`; a fresh call a `claim` and a `complete`, plus a `renew` every
 /// third of the lease while the work runs. Every time comparison uses the database's clock
 /// (`clock_timestamp()`), so app servers with skewed clocks agree on when a lease ends.
 ///
@@ -152,17 +153,30 @@ const CLAIM_ATTEMPTS: usize = 8;
 ///   primary that fails over before shipping it is lost, like any other write.
 /// - **Outages.** Operations fail with [`StoreError::Unavailable`] (fail closed: HTTP 503)
 ///   while the database is unreachable, after the pool's acquire timeout (2 s with
-///   [`connect`](Self::connect)). The pool replaces broken connections by itself, so service
+///   [`connect`](Self::connect)) for a free connection and as long again to open one. A
+///   connection that fails that way is closed, so a connection broken by a database restart
+///   fails at most the one operation that used it; new ones are opened as needed, and service
 ///   resumes when the database is back, without restarting the application.
-/// - **Connections.** [`connect`](Self::connect) opens a pool of at most 16 connections that
-///   checks each connection before use. Pass your own [`PgPool`] to [`new`](Self::new) or
-///   [`builder`](Self::builder) to size it, add TLS (enable one of sqlx's TLS features in your
-///   `Cargo.toml`) or skip the check.
+/// - **Connections.** The claim, completion, release and renewal statements run on
+///   connections the store opens itself, with the [`PgPool`]'s connect options (URL,
+///   credentials, TLS, statement cache), at most the pool's `max_connections` of them (or
+///   [`PostgresStoreBuilder::max_connections`]), opened on first use. They go back to the
+///   store without the round trip sqlx's pool makes to check every connection it takes back,
+///   which doubled the round trips of every operation (BENCHMARKS.md). The pool itself serves
+///   [`migrate`](Self::migrate), [`reap`](Self::reap) and your own transactions, so the store
+///   and the pool together can hold up to twice the pool's `max_connections`: size the
+///   database's `max_connections` for both. `after_connect` hooks of the pool do not run on
+///   the store's connections: schema-qualify the [table](PostgresStoreBuilder::table) rather
+///   than setting `search_path` in a hook. [`connect`](Self::connect) opens a pool of at most
+///   16 connections; pass your own [`PgPool`] to [`new`](Self::new) or
+///   [`builder`](Self::builder) to size it or add TLS (enable one of sqlx's TLS features in
+///   your `Cargo.toml`).
 /// - **Transactions.** For database work, [`Transactional`] writes the claim and the completed
 ///   record in your own transaction; see its docs.
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: PgPool,
+    connections: Connections,
     sql: Arc<Sql>,
     reap_batch: u32,
     reap_grace: Duration,
@@ -174,6 +188,7 @@ impl fmt::Debug for PostgresStore {
             .field("table", &self.sql.table)
             .field("reap_batch", &self.reap_batch)
             .field("reap_grace", &self.reap_grace)
+            .field("max_connections", &self.connections.max())
             .finish_non_exhaustive()
     }
 }
@@ -182,6 +197,7 @@ impl fmt::Debug for PostgresStore {
 #[must_use]
 pub struct PostgresStoreBuilder {
     pool: PgPool,
+    max_connections: usize,
     table: String,
     reap_batch: u32,
     reap_grace: Duration,
@@ -216,10 +232,23 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// The most connections the store's own statements use at once (default: the pool's
+    /// `max_connections`; at least 1). See [`PostgresStore`]'s "Connections".
+    pub fn max_connections(mut self, connections: usize) -> Self {
+        self.max_connections = connections.max(1);
+        self
+    }
+
     /// Builds the store; fails if the table name is not a valid identifier.
     pub fn build(self) -> Result<PostgresStore, InvalidTableName> {
+        let connections = Connections::new(
+            self.pool.connect_options(),
+            self.max_connections,
+            self.pool.options().get_acquire_timeout(),
+        );
         Ok(PostgresStore {
             pool: self.pool,
+            connections,
             sql: Arc::new(Sql::new(&self.table)?),
             reap_batch: self.reap_batch,
             reap_grace: self.reap_grace,
@@ -239,19 +268,13 @@ pub struct InvalidTableName {
 
 impl PostgresStore {
     /// Connects to `url` (`postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE`) with a pool of at
-    /// most 16 connections and a 2-second acquire timeout, using [`DEFAULT_TABLE`]. Call
-    /// [`migrate`](Self::migrate) before the first operation.
-    ///
-    /// The pool does not ping a connection before handing it out (sqlx's
-    /// `test_before_acquire`): that ping is a round trip before every statement, and cost a
-    /// third of the throughput (BENCHMARKS.md). A connection is still checked when it goes
-    /// back to the pool, so one broken by a database restart fails at most the operation that
-    /// used it (fail closed: HTTP 503) and is then replaced; service resumes without an app
-    /// restart.
+    /// most 16 connections and a 2-second acquire timeout, using [`DEFAULT_TABLE`]; fails if
+    /// the database cannot be reached. The store's own statements run on up to 16 connections
+    /// of its own (see "Connections" above). Call [`migrate`](Self::migrate) before the first
+    /// operation.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let pool = PgPoolOptions::new()
             .max_connections(16)
-            .test_before_acquire(false)
             .acquire_timeout(Duration::from_secs(2))
             .connect(url)
             .await
@@ -269,6 +292,7 @@ impl PostgresStore {
     /// Configures a store on `pool`.
     pub fn builder(pool: PgPool) -> PostgresStoreBuilder {
         PostgresStoreBuilder {
+            max_connections: pool.options().get_max_connections() as usize,
             pool,
             table: DEFAULT_TABLE.to_owned(),
             reap_batch: DEFAULT_REAP_BATCH,
@@ -647,10 +671,12 @@ impl Store for PostgresStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        let mut connection = self.pool.acquire().await.map_err(store_error)?;
-        self.sql
+        let mut connection = self.connections.get().await?;
+        let result = self
+            .sql
             .claim_on(&mut connection, key, fingerprint, lease)
-            .await
+            .await;
+        Connections::settle(connection, result)
     }
 
     async fn complete(
@@ -661,22 +687,24 @@ impl Store for PostgresStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let token = token_param(token).ok_or(StoreError::TokenRejected)?;
-        let mut connection = self.pool.acquire().await.map_err(store_error)?;
+        let mut connection = self.connections.get().await?;
         let query = sqlx::query(&self.sql.complete)
             .bind(key.as_bytes().as_slice())
             .bind(token)
             .bind(payload.as_ref())
             .bind(micros(limits::clamp_ttl(ttl)));
-        self.sql.guarded(query, &mut connection).await
+        let result = self.sql.guarded(query, &mut connection).await;
+        Connections::settle(connection, result)
     }
 
     async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
         let token = token_param(token).ok_or(StoreError::TokenRejected)?;
-        let mut connection = self.pool.acquire().await.map_err(store_error)?;
+        let mut connection = self.connections.get().await?;
         let query = sqlx::query(&self.sql.release)
             .bind(key.as_bytes().as_slice())
             .bind(token);
-        self.sql.guarded(query, &mut connection).await
+        let result = self.sql.guarded(query, &mut connection).await;
+        Connections::settle(connection, result)
     }
 
     async fn renew(
@@ -686,12 +714,13 @@ impl Store for PostgresStore {
         lease: Duration,
     ) -> Result<(), StoreError> {
         let token = token_param(token).ok_or(StoreError::TokenRejected)?;
-        let mut connection = self.pool.acquire().await.map_err(store_error)?;
+        let mut connection = self.connections.get().await?;
         let query = sqlx::query(&self.sql.renew)
             .bind(key.as_bytes().as_slice())
             .bind(token)
             .bind(micros(limits::clamp_lease(lease)));
-        self.sql.guarded(query, &mut connection).await
+        let result = self.sql.guarded(query, &mut connection).await;
+        Connections::settle(connection, result)
     }
 }
 
