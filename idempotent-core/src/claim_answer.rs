@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::envelope::{self, Stored};
+use crate::envelope::{self, Integrity, Stored};
 use crate::{Claim, Error, FencingToken, Fingerprint, InFlightPolicy, StorageKey};
 
 /// The longest retry hint given for a call in flight. The owner's lease bounds how long the
@@ -27,6 +27,7 @@ pub(crate) enum Step {
 /// runtime's, and the PostgreSQL transactional mode's) decides through this one, so they agree
 /// on fingerprint checks, corrupt records, retry hints and how long to wait.
 pub(crate) struct ClaimAnswer {
+    integrity: Integrity,
     deadline: Deadline,
     poll: Duration,
 }
@@ -43,8 +44,9 @@ enum Deadline {
 }
 
 impl ClaimAnswer {
-    pub(crate) fn new(policy: InFlightPolicy) -> Self {
+    pub(crate) fn new(policy: InFlightPolicy, integrity: Integrity) -> Self {
         ClaimAnswer {
+            integrity,
             deadline: match policy {
                 InFlightPolicy::Reject => Deadline::Now,
                 InFlightPolicy::Wait { max } => tokio::time::Instant::now()
@@ -78,7 +80,7 @@ impl ClaimAnswer {
             return Err(Error::FingerprintMismatch);
         }
         match found {
-            Ok(payload) => match envelope::decode(&payload) {
+            Ok(payload) => match envelope::decode(&payload, self.integrity) {
                 Ok(Stored::Value(bytes)) => Ok(Step::Replay(bytes)),
                 Ok(Stored::NotRetained) => Err(Error::ResultNotRetained),
                 Err(e) => {

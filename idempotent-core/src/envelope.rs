@@ -5,9 +5,15 @@
 //! 0       2     magic "ID"
 //! 2       1     format version (1)
 //! 3       1     kind: 0 = result bytes follow, 1 = result not retained (no bytes follow)
-//! 4       8     first 8 bytes of blake3(result bytes)
+//! 4       8     first 8 bytes of blake3(result bytes); zero on an in-process store
 //! 12      n     result bytes
 //! ```
+//!
+//! A store whose records never leave the process ([`Store::keeps_records_in_process`]) gets
+//! no checksum: it hands back the very bytes it was given, and the digest cost as much as a
+//! replay's other two digests together (BENCHMARKS.md). Every other check still applies.
+//!
+//! [`Store::keeps_records_in_process`]: crate::Store::keeps_records_in_process
 //!
 //! Decoding reads any byte string without panicking: it returns the result bytes or an
 //! [`EnvelopeError`]. Stores keep the envelope as opaque bytes. A record that fails to decode is
@@ -21,6 +27,24 @@ const VERSION: u8 = 1;
 const HEADER: usize = 12;
 const KIND_VALUE: u8 = 0;
 const KIND_NOT_RETAINED: u8 = 1;
+
+/// Whether a store's envelopes carry a checksum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Integrity {
+    /// Computed on write, checked on read: the bytes went through a store outside the process.
+    Checksummed,
+    /// Neither: the store keeps the bytes in this process and hands back the same ones.
+    InProcess,
+}
+
+impl Integrity {
+    fn checksum(self, bytes: &[u8]) -> [u8; 8] {
+        match self {
+            Integrity::Checksummed => checksum(bytes),
+            Integrity::InProcess => [0; 8],
+        }
+    }
+}
 
 /// What a decoded envelope holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,12 +77,12 @@ fn checksum(bytes: &[u8]) -> [u8; 8] {
     out
 }
 
-pub(crate) fn encode_value(result: &[u8]) -> Bytes {
+pub(crate) fn encode_value(result: &[u8], integrity: Integrity) -> Bytes {
     let mut out = BytesMut::with_capacity(HEADER + result.len());
     out.put_slice(MAGIC);
     out.put_u8(VERSION);
     out.put_u8(KIND_VALUE);
-    out.put_slice(&checksum(result));
+    out.put_slice(&integrity.checksum(result));
     out.put_slice(result);
     out.freeze()
 }
@@ -78,7 +102,7 @@ pub(crate) const fn encoded_len(len: usize) -> usize {
     HEADER + len
 }
 
-pub(crate) fn decode(stored: &Bytes) -> Result<Stored, EnvelopeError> {
+pub(crate) fn decode(stored: &Bytes, integrity: Integrity) -> Result<Stored, EnvelopeError> {
     if stored.len() < HEADER {
         return Err(EnvelopeError::Truncated(stored.len()));
     }
@@ -89,7 +113,7 @@ pub(crate) fn decode(stored: &Bytes) -> Result<Stored, EnvelopeError> {
         return Err(EnvelopeError::UnknownVersion(stored[2]));
     }
     let body = &stored[HEADER..];
-    if stored[4..HEADER] != checksum(body) {
+    if integrity == Integrity::Checksummed && stored[4..HEADER] != checksum(body) {
         return Err(EnvelopeError::Checksum);
     }
     match stored[3] {
@@ -107,34 +131,78 @@ mod tests {
     fn round_trips_empty_small_and_large_results() {
         for len in [0, 1, 100, 1 << 20] {
             let result: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-            let enc = encode_value(&result);
+            let enc = encode_value(&result, Integrity::Checksummed);
             assert_eq!(enc.len(), encoded_len(len));
-            assert_eq!(decode(&enc), Ok(Stored::Value(Bytes::from(result))));
+            assert_eq!(
+                decode(&enc, Integrity::Checksummed),
+                Ok(Stored::Value(Bytes::from(result)))
+            );
         }
-        assert_eq!(decode(&encode_not_retained()), Ok(Stored::NotRetained));
+        assert_eq!(
+            decode(&encode_not_retained(), Integrity::Checksummed),
+            Ok(Stored::NotRetained)
+        );
     }
 
     #[test]
     fn every_corruption_is_an_error() {
-        let enc = encode_value(b"{\"id\":1}");
+        let enc = encode_value(b"{\"id\":1}", Integrity::Checksummed);
         for i in 0..enc.len() {
             let mut bad = enc.to_vec();
             bad[i] ^= 0x01;
             assert!(
-                decode(&Bytes::from(bad)).is_err(),
+                decode(&Bytes::from(bad), Integrity::Checksummed).is_err(),
                 "flip at {i} went unnoticed"
             );
         }
         for cut in 0..enc.len() {
-            assert!(decode(&enc.slice(..cut)).is_err(), "truncation to {cut}");
+            assert!(
+                decode(&enc.slice(..cut), Integrity::Checksummed).is_err(),
+                "truncation to {cut}"
+            );
         }
-        assert_eq!(decode(&Bytes::new()), Err(EnvelopeError::Truncated(0)));
+        assert_eq!(
+            decode(&Bytes::new(), Integrity::Checksummed),
+            Err(EnvelopeError::Truncated(0))
+        );
         let mut future = enc.to_vec();
         future[2] = 2;
         assert_eq!(
-            decode(&Bytes::from(future)),
+            decode(&Bytes::from(future), Integrity::Checksummed),
             Err(EnvelopeError::UnknownVersion(2))
         );
+    }
+
+    #[test]
+    fn in_process_envelopes_skip_only_the_checksum() {
+        let enc = encode_value(b"{\"id\":1}", Integrity::InProcess);
+        assert_eq!(&enc[4..HEADER], &[0; 8]);
+        assert_eq!(
+            decode(&enc, Integrity::InProcess),
+            Ok(Stored::Value(Bytes::from_static(b"{\"id\":1}")))
+        );
+        // A checksummed envelope reads the same in process; the reverse fails the checksum.
+        let checked = encode_value(b"{\"id\":1}", Integrity::Checksummed);
+        assert_eq!(
+            decode(&checked, Integrity::InProcess),
+            decode(&enc, Integrity::InProcess)
+        );
+        assert_eq!(
+            decode(&enc, Integrity::Checksummed),
+            Err(EnvelopeError::Checksum)
+        );
+        // The header is still checked.
+        for at in 0..4 {
+            let mut bad = enc.to_vec();
+            bad[at] ^= 0x02;
+            assert!(
+                decode(&Bytes::from(bad), Integrity::InProcess).is_err(),
+                "flip at {at}"
+            );
+        }
+        for cut in 0..HEADER {
+            assert!(decode(&enc.slice(..cut), Integrity::InProcess).is_err());
+        }
     }
 
     /// Bytes that reach every check: arbitrary, or a valid envelope with one byte changed,
@@ -142,7 +210,11 @@ mod tests {
     fn stored_bytes() -> impl proptest::strategy::Strategy<Value = Vec<u8>> {
         use proptest::prelude::*;
         let valid = prop_oneof![
-            proptest::collection::vec(any::<u8>(), 0..64).prop_map(|r| encode_value(&r).to_vec()),
+            proptest::collection::vec(any::<u8>(), 0..64).prop_map(|r| encode_value(
+                &r,
+                Integrity::Checksummed
+            )
+            .to_vec()),
             Just(encode_not_retained().to_vec()),
         ];
         prop_oneof![
@@ -169,8 +241,8 @@ mod tests {
             let stored = Bytes::from(bytes);
             // Whatever decodes is exactly what the encoder writes for it: no two byte strings
             // decode to the same result.
-            match decode(&stored) {
-                Ok(Stored::Value(result)) => proptest::prop_assert_eq!(encode_value(&result), stored),
+            match decode(&stored, Integrity::Checksummed) {
+                Ok(Stored::Value(result)) => proptest::prop_assert_eq!(encode_value(&result, Integrity::Checksummed), stored),
                 Ok(Stored::NotRetained) => proptest::prop_assert_eq!(encode_not_retained(), stored),
                 Err(_) => {}
             }
@@ -178,9 +250,9 @@ mod tests {
 
         #[test]
         fn every_result_round_trips(result in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..1024)) {
-            let stored = encode_value(&result);
+            let stored = encode_value(&result, Integrity::Checksummed);
             proptest::prop_assert_eq!(stored.len(), encoded_len(result.len()));
-            proptest::prop_assert_eq!(decode(&stored), Ok(Stored::Value(Bytes::from(result))));
+            proptest::prop_assert_eq!(decode(&stored, Integrity::Checksummed), Ok(Stored::Value(Bytes::from(result))));
         }
     }
 }

@@ -140,7 +140,7 @@ impl Idempotency {
         limit: Duration,
     ) -> Result<(), RecordError> {
         let outcome = self
-            .complete_bounded(claim, payload.envelope(), ttl, limit)
+            .complete_bounded(claim, payload.envelope(self.inner.integrity), ttl, limit)
             .await;
         self.or_not_retained(outcome, claim, payload, ttl, limit)
             .await
@@ -244,9 +244,9 @@ impl Payload {
 
     /// The bytes to store: encoded per attempt, so that a call does not copy the envelope
     /// in case a retry needs it again.
-    pub(crate) fn envelope(&self) -> Bytes {
+    pub(crate) fn envelope(&self, integrity: envelope::Integrity) -> Bytes {
         match self {
-            Payload::Value(result) => envelope::encode_value(result),
+            Payload::Value(result) => envelope::encode_value(result, integrity),
             Payload::NotRetained => envelope::encode_not_retained(),
         }
     }

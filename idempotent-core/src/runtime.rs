@@ -13,6 +13,7 @@ use serde::de::DeserializeOwned;
 use crate::call::Settings;
 use crate::claim::{ClaimHandle, ClaimSlot, Seed};
 use crate::claim_answer::{ClaimAnswer, Step};
+use crate::envelope::Integrity;
 use crate::lease::Renewal;
 use crate::record::{FinishOnDrop, First, Payload, Recording};
 use crate::shutdown::{Drain, Drained};
@@ -93,6 +94,8 @@ pub(crate) struct Inner {
     defaults: Defaults,
     pub(crate) record_retry: Duration,
     drain: Arc<Drain>,
+    /// Whether results are checksummed: not on a store that keeps them in this process.
+    pub(crate) integrity: Integrity,
 }
 
 impl fmt::Debug for Idempotency {
@@ -162,6 +165,11 @@ impl IdempotencyBuilder {
     pub fn build(self) -> Idempotency {
         Idempotency {
             inner: Arc::new(Inner {
+                integrity: if self.store.keeps_records_in_process() {
+                    Integrity::InProcess
+                } else {
+                    Integrity::Checksummed
+                },
                 store: self.store,
                 namespace: self.namespace,
                 defaults: self.defaults,
@@ -397,7 +405,7 @@ impl Idempotency {
         if let Some(claim) = slot.existing() {
             claim.start_recording();
         }
-        let mut first = self.write(key, token, payload.envelope(), ttl);
+        let mut first = self.write(key, token, payload.envelope(self.inner.integrity), ttl);
         let first = match std::future::poll_fn(|cx| Poll::Ready(first.as_mut().poll(cx))).await {
             Poll::Ready(Ok(())) => {
                 if let Some(claim) = slot.existing() {
@@ -448,7 +456,7 @@ impl Idempotency {
         policy: InFlightPolicy,
     ) -> Result<Acquired, Error> {
         let store = &*self.inner.store;
-        let mut answer = ClaimAnswer::new(policy);
+        let mut answer = ClaimAnswer::new(policy, self.inner.integrity);
         loop {
             // The lease is counted from when the successful claim was sent, so it never ends
             // later than the store's. A claim the store answers within its first poll (an

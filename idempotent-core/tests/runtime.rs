@@ -747,3 +747,87 @@ async fn full_byte_bound_still_records_a_call_that_ran() {
     assert!(matches!(retry, Error::ResultNotRetained), "{retry:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran once");
 }
+
+/// A memory store that changes the last byte of every completed record it hands back, and
+/// says it keeps records in process or not.
+struct Damaging {
+    inner: MemoryStore,
+    in_process: bool,
+}
+
+impl Store for Damaging {
+    async fn claim(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        match self.inner.claim(key, fingerprint, lease).await? {
+            Claim::Completed {
+                fingerprint,
+                payload,
+            } => {
+                let mut damaged = payload.to_vec();
+                *damaged.last_mut().unwrap() ^= 0x01;
+                Ok(Claim::Completed {
+                    fingerprint,
+                    payload: Bytes::from(damaged),
+                })
+            }
+            other => Ok(other),
+        }
+    }
+    async fn complete(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        payload: Bytes,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.complete(key, token, payload, ttl).await
+    }
+    async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
+        self.inner.release(key, token).await
+    }
+    async fn renew(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.renew(key, token, lease).await
+    }
+    fn keeps_records_in_process(&self) -> bool {
+        self.in_process
+    }
+}
+
+/// Results are checksummed on every store except one that keeps its records in this process
+/// (the memory store): there the damage goes through, which shows the checksum is neither
+/// written nor checked; everywhere else it is a corrupt record and the work does not run again.
+#[tokio::test]
+async fn results_are_checksummed_unless_the_store_keeps_them_in_process() {
+    assert!(MemoryStore::new().keeps_records_in_process());
+    for in_process in [false, true] {
+        let idem = Idempotency::new(Damaging {
+            inner: MemoryStore::new(),
+            in_process,
+        });
+        let runs = Arc::new(AtomicUsize::new(0));
+        let keep = |_: &usize| Retain::Keep;
+        let encode = |_: &usize| Some(Bytes::from_static(b"abc"));
+        let first = idem.execute(&call("k"), counted(&runs), keep, encode).await;
+        assert_eq!(first.unwrap(), Execution::Fresh(1));
+        let retry = idem.execute(&call("k"), counted(&runs), keep, encode).await;
+        if in_process {
+            assert_eq!(
+                retry.unwrap(),
+                Execution::Replayed(Bytes::from_static(b"abb"))
+            );
+        } else {
+            let error = retry.unwrap_err();
+            assert!(matches!(error, Error::CorruptRecord(_)), "{error:?}");
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+}

@@ -251,6 +251,20 @@ pub trait Store: Send + Sync + 'static {
         lease: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Whether this store keeps the bytes [`complete`](Self::complete) is given in this
+    /// process's memory and hands those same bytes back from [`claim`](Self::claim), so
+    /// that nothing outside the process can change them. Default `false`.
+    ///
+    /// The runtime then skips the checksum it otherwise computes over every result it records
+    /// and checks on every replay (the rest of the record's envelope is still checked). Return
+    /// `true` only for such a store: on any other, a record damaged outside the process would
+    /// be replayed instead of refused as corrupt. [`MemoryStore`] returns `true`.
+    ///
+    /// [`MemoryStore`]: crate::memory::MemoryStore
+    fn keeps_records_in_process(&self) -> bool {
+        false
+    }
+
     /// Waits until `key` may have changed, or `max_wait` has passed, whichever is first.
     ///
     /// Callers waiting for an in-flight record to complete call this between claims. The
@@ -300,6 +314,9 @@ impl<S: Store> Store for Arc<S> {
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
         S::renew(self, key, token, lease)
     }
+    fn keeps_records_in_process(&self) -> bool {
+        S::keeps_records_in_process(self)
+    }
     fn wait_for_change(
         &self,
         key: &StorageKey,
@@ -338,6 +355,7 @@ pub(crate) trait DynStore: Send + Sync + 'static {
         lease: Duration,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
     fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()>;
+    fn keeps_records_in_process(&self) -> bool;
 }
 
 impl<S: Store> DynStore for S {
@@ -375,5 +393,8 @@ impl<S: Store> DynStore for S {
     }
     fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()> {
         Box::pin(Store::wait_for_change(self, key, max_wait))
+    }
+    fn keeps_records_in_process(&self) -> bool {
+        Store::keeps_records_in_process(self)
     }
 }

@@ -14,6 +14,7 @@ use sqlx::postgres::PgConnection;
 use super::{DEFAULT_TABLE, Sql, micros, store_error, token_param};
 use crate::call::Settings;
 use crate::claim_answer::{ClaimAnswer, Step};
+use crate::envelope::Integrity;
 use crate::record::Payload;
 use crate::{Call, ClaimHandle, Defaults, Error, FencingToken, Retain, StorageKey, StoreError};
 
@@ -200,7 +201,7 @@ impl Transactional {
             in_flight,
             max_result_bytes,
         } = call.settings(&self.defaults);
-        let mut answer = ClaimAnswer::new(in_flight);
+        let mut answer = ClaimAnswer::new(in_flight, Integrity::Checksummed);
         loop {
             let claim = self
                 .sql
@@ -345,7 +346,8 @@ impl PendingRecord {
     ) -> Result<(), Error> {
         let payload = match retain {
             Retain::Release => return self.release(connection).await,
-            Retain::Keep => Payload::new(&self.key, result, self.max_result_bytes).envelope(),
+            Retain::Keep => Payload::new(&self.key, result, self.max_result_bytes)
+                .envelope(Integrity::Checksummed),
         };
         let query = sqlx::query(&self.sql.complete_in_transaction)
             .bind(self.key.as_bytes().as_slice())
