@@ -346,7 +346,7 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         let mut connection = self.connection.clone();
-        let reply: Vec<Value> = scripts()
+        let mut reply: Vec<Value> = scripts()
             .claim
             .key(self.redis_key(key))
             .arg(fingerprint_arg.as_bytes().as_slice())
@@ -354,7 +354,7 @@ impl Store for RedisStore {
             .invoke_async(&mut connection)
             .await
             .map_err(store_error)?;
-        match reply.as_slice() {
+        match reply.as_mut_slice() {
             [state, token] if text(state) == Some(b"claimed") => {
                 let token = text(token)
                     .and_then(|t| std::str::from_utf8(t).ok())
@@ -373,9 +373,10 @@ impl Store for RedisStore {
                 })
             }
             [state, f, payload] if text(state) == Some(b"c") => match payload {
+                // Taken, not copied: the reply is dropped right after.
                 Value::BulkString(p) => Ok(Claim::Completed {
                     fingerprint: fingerprint(f)?,
-                    payload: Bytes::from(p.clone()),
+                    payload: Bytes::from(std::mem::take(p)),
                 }),
                 _ => Err(corrupt("completed record without a payload")),
             },
