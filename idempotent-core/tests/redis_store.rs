@@ -121,3 +121,47 @@ async fn unreachable_server_is_unavailable() {
         other => panic!("expected Unavailable, got {other:?}"),
     }
 }
+
+/// The store sends its scripts by hash (`EVALSHA`); after the server forgets them (a restart,
+/// `SCRIPT FLUSH`), each operation loads its script again and succeeds.
+#[tokio::test]
+async fn scripts_the_server_forgot_are_loaded_again() {
+    let Some(mut raw) = raw_connection().await else {
+        return;
+    };
+    let store = RedisStore::connect(&backend_url(URL_VAR).unwrap())
+        .await
+        .unwrap();
+    let flush = || redis::cmd("SCRIPT").arg("FLUSH").to_owned();
+    let lease = Duration::from_secs(30);
+    let f = Fingerprint::from_bytes(b"x");
+
+    let key = fresh_key();
+    flush().exec_async(&mut raw).await.unwrap();
+    let Ok(idempotent_core::Claim::Claimed(token)) = store.claim(&key, &f, lease).await else {
+        panic!("a fresh key is claimed after SCRIPT FLUSH");
+    };
+    flush().exec_async(&mut raw).await.unwrap();
+    store.renew(&key, token, lease).await.unwrap();
+    flush().exec_async(&mut raw).await.unwrap();
+    store
+        .complete(&key, token, bytes::Bytes::from_static(b"done"), lease)
+        .await
+        .unwrap();
+    flush().exec_async(&mut raw).await.unwrap();
+    assert!(matches!(
+        store.claim(&key, &f, lease).await.unwrap(),
+        idempotent_core::Claim::Completed { payload, .. } if payload == "done"
+    ));
+
+    let other = fresh_key();
+    let Ok(idempotent_core::Claim::Claimed(token)) = store.claim(&other, &f, lease).await else {
+        panic!("claimed");
+    };
+    flush().exec_async(&mut raw).await.unwrap();
+    store.release(&other, token).await.unwrap();
+    assert!(matches!(
+        store.claim(&other, &f, lease).await.unwrap(),
+        idempotent_core::Claim::Claimed(_)
+    ));
+}

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
+use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, Script, ServerErrorKind, Value};
 
 use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, limits};
 
@@ -304,10 +304,6 @@ fn text(value: &Value) -> Option<&[u8]> {
     }
 }
 
-fn token_arg(token: FencingToken) -> String {
-    token.get().to_string()
-}
-
 /// An expiry as Redis takes it: whole milliseconds, at least 1 (`PEXPIRE 0` deletes the key).
 /// The caller clamps it to the ceiling first.
 fn millis(d: Duration) -> u64 {
@@ -315,21 +311,42 @@ fn millis(d: Duration) -> u64 {
 }
 
 impl RedisStore {
-    async fn run_flag(
-        &self,
-        script: &Script,
-        key: &StorageKey,
-        args: &[&[u8]],
-    ) -> Result<(), StoreError> {
-        let mut invocation = script.key(self.redis_key(key));
-        for arg in args {
-            invocation.arg(*arg);
+    /// `script` on `key` as one `EVALSHA` command, its arguments still to be added: built
+    /// directly rather than through `Script::key(..).arg(..)`, which copies every argument
+    /// (the payload included) once more and allocates for each.
+    fn evalsha(&self, script: &Script, key: &StorageKey) -> Cmd {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut redis_key = Vec::with_capacity(self.prefix.len() + 64);
+        redis_key.extend_from_slice(self.prefix.as_bytes());
+        for byte in key.as_bytes() {
+            redis_key.push(HEX[usize::from(byte >> 4)]);
+            redis_key.push(HEX[usize::from(byte & 0x0f)]);
         }
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(script.get_hash()).arg(1).arg(redis_key.as_slice());
+        cmd
+    }
+
+    /// Sends `cmd` (from [`evalsha`](Self::evalsha)); a server that does not have `script`
+    /// yet (after a restart or `SCRIPT FLUSH`) gets it loaded, then the command again.
+    async fn query<T: FromRedisValue>(&self, script: &Script, cmd: Cmd) -> Result<T, StoreError> {
         let mut connection = self.connection.clone();
-        let ok: i64 = invocation
-            .invoke_async(&mut connection)
-            .await
-            .map_err(store_error)?;
+        match cmd.query_async(&mut connection).await {
+            Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                script
+                    .load_async(&mut connection)
+                    .await
+                    .map_err(store_error)?;
+                cmd.query_async(&mut connection).await
+            }
+            other => other,
+        }
+        .map_err(store_error)
+    }
+
+    /// Runs a token-guarded script; `1` means the caller held the claim.
+    async fn run_flag(&self, script: &Script, cmd: Cmd) -> Result<(), StoreError> {
+        let ok: i64 = self.query(script, cmd).await?;
         if ok == 1 {
             Ok(())
         } else {
@@ -345,15 +362,11 @@ impl Store for RedisStore {
         fingerprint_arg: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        let mut connection = self.connection.clone();
-        let mut reply: Vec<Value> = scripts()
-            .claim
-            .key(self.redis_key(key))
-            .arg(fingerprint_arg.as_bytes().as_slice())
-            .arg(millis(limits::clamp_lease(lease)))
-            .invoke_async(&mut connection)
-            .await
-            .map_err(store_error)?;
+        let script = &scripts().claim;
+        let mut cmd = self.evalsha(script, key);
+        cmd.arg(fingerprint_arg.as_bytes().as_slice())
+            .arg(millis(limits::clamp_lease(lease)));
+        let mut reply: Vec<Value> = self.query(script, cmd).await?;
         match reply.as_mut_slice() {
             [state, token] if text(state) == Some(b"claimed") => {
                 let token = text(token)
@@ -392,20 +405,19 @@ impl Store for RedisStore {
         payload: Bytes,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let token = token_arg(token);
-        let ttl = millis(limits::clamp_ttl(ttl)).to_string();
-        self.run_flag(
-            &scripts().complete,
-            key,
-            &[token.as_bytes(), &payload, ttl.as_bytes()],
-        )
-        .await
+        let script = &scripts().complete;
+        let mut cmd = self.evalsha(script, key);
+        cmd.arg(token.get())
+            .arg(payload.as_ref())
+            .arg(millis(limits::clamp_ttl(ttl)));
+        self.run_flag(script, cmd).await
     }
 
     async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
-        let token = token_arg(token);
-        self.run_flag(&scripts().release, key, &[token.as_bytes()])
-            .await
+        let script = &scripts().release;
+        let mut cmd = self.evalsha(script, key);
+        cmd.arg(token.get());
+        self.run_flag(script, cmd).await
     }
 
     async fn renew(
@@ -414,10 +426,10 @@ impl Store for RedisStore {
         token: FencingToken,
         lease: Duration,
     ) -> Result<(), StoreError> {
-        let token = token_arg(token);
-        let lease = millis(limits::clamp_lease(lease)).to_string();
-        self.run_flag(&scripts().renew, key, &[token.as_bytes(), lease.as_bytes()])
-            .await
+        let script = &scripts().renew;
+        let mut cmd = self.evalsha(script, key);
+        cmd.arg(token.get()).arg(millis(limits::clamp_lease(lease)));
+        self.run_flag(script, cmd).await
     }
 }
 
@@ -470,7 +482,7 @@ mod tests {
             else {
                 panic!("a fresh key is claimed");
             };
-            let token = token_arg(token);
+            let token = token.get().to_string();
             let completed: Result<i64, _> = scripts()
                 .complete
                 .key(&redis_key)
