@@ -173,21 +173,30 @@ pub(crate) struct Backends {
     pub(crate) postgres_url: Option<String>,
 }
 
+/// How often the PostgreSQL rows' reaper runs: often enough to work during a row.
+const REAP_EVERY: Duration = Duration::from_secs(1);
+
 /// The runtime of an `idempotent-tower` row: its store, a namespace of its own (so that runs
 /// against the same Redis or PostgreSQL never see each other's keys), default TTL and lease.
-async fn idempotency(store: StoreKind, backends: &Backends) -> Result<Idempotency, String> {
+/// A prefilled memory row's store is filled here (`scale.rs`); the shared stores are filled
+/// before the row. PostgreSQL rows run the reaper, as a deployment does.
+async fn idempotency(row: Row, backends: &Backends) -> Result<Idempotency, String> {
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()
         .as_nanos();
     let namespace = format!("idempotent-bench-{}-{nanos}", std::process::id());
-    let builder = match store {
-        StoreKind::Memory => Idempotency::builder(
-            MemoryStore::builder()
+    let builder = match row.store {
+        StoreKind::Memory => {
+            let store = MemoryStore::builder()
                 .max_entries(MEMORY_MAX_ENTRIES)
                 .max_bytes(MEMORY_MAX_BYTES)
-                .build(),
-        ),
+                .build();
+            if row.prefilled > 0 {
+                crate::scale::fill_memory(store.clone(), row.prefilled).await?;
+            }
+            Idempotency::builder(store)
+        }
         StoreKind::Redis => {
             let url = backends.redis_url.as_deref().ok_or("no Redis URL")?;
             let redis = RedisStore::connect(url)
@@ -207,6 +216,8 @@ async fn idempotency(store: StoreKind, backends: &Backends) -> Result<Idempotenc
                 .migrate()
                 .await
                 .map_err(|e| format!("cannot migrate PostgreSQL at {url}: {e}"))?;
+            // Stopped with the row's runtime.
+            postgres.spawn_reaper(REAP_EVERY);
             Idempotency::builder(postgres)
         }
         StoreKind::None => return Err("idempotent-tower needs a store".into()),
@@ -219,7 +230,7 @@ async fn router(row: Row, tally: Arc<Tally>, backends: &Backends) -> Result<Rout
     let router = match row.implementation {
         Implementation::Bare => payments(),
         Implementation::Tower => {
-            let idempotency = idempotency(row.store, backends).await?;
+            let idempotency = idempotency(row, backends).await?;
             // The load carries no credentials (the bare handler and the peers scope nothing):
             // one shared scope, as `allow_anonymous` documents.
             payments()

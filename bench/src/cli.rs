@@ -10,10 +10,12 @@ usage: idempotent-bench [all|http|memory] [options]
 
   all (default)       the HTTP rows, then the memory mode
   http                the HTTP rows: bare, idempotent-tower, the peers, Redis/PostgreSQL rows
-  memory              resident bytes per record of MemoryStore (100k and 1M records)
+  memory              resident bytes per record of MemoryStore (100k, 1M and 10M records;
+                      100k and 1M with --quick)
 
 options:
-  --quick             short run: 1 round, 1 s warm-up, 3 s timed per row
+  --quick             short run: 1 round, 1 s warm-up, 3 s timed per row, prefill 1M only,
+                      memory mode up to 1M records
   --rounds N          rounds over all rows; each row reports its median round (default 3)
   --warmup SECS       untimed seconds before each timed phase (default 3)
   --duration SECS     timed seconds per row and round (default 10)
@@ -28,7 +30,9 @@ options:
                       (default $IDEMPOTENT_TEST_REDIS_URL)
   --postgres-url URL  add idempotent-tower rows on PostgreSQL, and the pgbench limit rows
                       (default $IDEMPOTENT_TEST_POSTGRES_URL)
-  --records LIST      memory mode record counts (default 100000,1000000)
+  --prefill LIST      the idempotent-tower rows again with this many records already in
+                      each store, comma-separated (default 1000000,10000000; `none` for none)
+  --records LIST      memory mode record counts (default 100000,1000000,10000000)
   --out PATH          JSON output (default target/bench/http.json); objects of the mode
                       not run are kept
 ";
@@ -62,6 +66,9 @@ pub(crate) struct Options {
     pub(crate) only: Vec<String>,
     pub(crate) backends: Backends,
     pub(crate) records: Vec<u64>,
+    /// Records put in each store before the prefilled rows (`scale.rs`), one set of rows per
+    /// count.
+    pub(crate) prefill: Vec<u64>,
     pub(crate) out: PathBuf,
 }
 
@@ -87,10 +94,12 @@ pub(crate) fn parse(
             redis_url: nonempty(env("IDEMPOTENT_TEST_REDIS_URL")),
             postgres_url: nonempty(env("IDEMPOTENT_TEST_POSTGRES_URL")),
         },
-        records: vec![100_000, 1_000_000],
+        records: vec![100_000, 1_000_000, 10_000_000],
+        prefill: vec![1_000_000, 10_000_000],
         out: PathBuf::from("target/bench/http.json"),
     };
     let (mut rounds, mut warmup, mut measure) = (None, None, None);
+    let (mut records, mut prefill) = (None, None);
     let mut quick = false;
     let mut child_records = None;
     let mut args = args.into_iter();
@@ -129,12 +138,17 @@ pub(crate) fn parse(
             "--redis-url" => options.backends.redis_url = nonempty(Some(value(&arg)?)),
             "--postgres-url" => options.backends.postgres_url = nonempty(Some(value(&arg)?)),
             "--records" => {
+                let list = counts(&arg, &value(&arg)?)?;
+                child_records = list.first().copied();
+                records = Some(list);
+            }
+            "--prefill" => {
                 let list = value(&arg)?;
-                options.records = list
-                    .split(',')
-                    .map(|n| number::<u64>(&arg, n.trim()))
-                    .collect::<Result<_, _>>()?;
-                child_records = options.records.first().copied();
+                prefill = Some(if list == "none" {
+                    Vec::new()
+                } else {
+                    counts(&arg, &list)?
+                });
             }
             "--out" => options.out = PathBuf::from(value(&arg)?),
             other => return Err(format!("unknown argument {other:?}\n\n{USAGE}")),
@@ -145,7 +159,11 @@ pub(crate) fn parse(
         options.rounds = 1;
         options.warmup = Duration::from_secs(1);
         options.measure = Duration::from_secs(3);
+        options.records = vec![100_000, 1_000_000];
+        options.prefill = vec![1_000_000];
     }
+    options.records = records.unwrap_or(options.records);
+    options.prefill = prefill.unwrap_or(options.prefill);
     options.rounds = rounds.unwrap_or(options.rounds);
     options.warmup = warmup.unwrap_or(options.warmup);
     options.measure = measure.unwrap_or(options.measure);
@@ -169,6 +187,13 @@ fn number<T: std::str::FromStr + PartialOrd + Default>(
             "{name} takes a positive whole number, not {value:?}"
         )),
     }
+}
+
+/// A comma-separated list of positive counts.
+fn counts(name: &str, list: &str) -> Result<Vec<u64>, String> {
+    list.split(',')
+        .map(|n| number::<u64>(name, n.trim()))
+        .collect()
 }
 
 fn seconds(name: &str, value: &str) -> Result<Duration, String> {
@@ -205,7 +230,26 @@ mod tests {
             o.backends.postgres_url, None,
             "an empty variable means none"
         );
+        assert_eq!(o.records, [100_000, 1_000_000, 10_000_000]);
+        assert_eq!(o.prefill, [1_000_000, 10_000_000]);
+    }
+
+    #[test]
+    fn prefill_and_records() {
+        let o = parse_args(&["--quick"]).unwrap();
         assert_eq!(o.records, [100_000, 1_000_000]);
+        assert_eq!(o.prefill, [1_000_000]);
+        let o = parse_args(&["--prefill", "5000, 20000", "--quick", "--records", "7"]).unwrap();
+        assert_eq!(o.prefill, [5_000, 20_000], "an explicit list beats --quick");
+        assert_eq!(o.records, [7]);
+        assert!(
+            parse_args(&["--prefill", "none"])
+                .unwrap()
+                .prefill
+                .is_empty()
+        );
+        assert!(parse_args(&["--prefill", "0"]).is_err());
+        assert!(parse_args(&["--prefill", "1,x"]).is_err());
     }
 
     #[test]

@@ -159,8 +159,10 @@ pub(crate) async fn run(plan: &Plan) -> Result<Traffic, String> {
     let begin = *start.get_or_init(Instant::now);
     tokio::time::sleep_until((begin + plan.warmup).into()).await;
     let cpu_before = (threads_cpu(SERVER_THREAD), threads_cpu(CLIENT_THREAD));
+    let machine_before = crate::machine::Reading::now();
     tokio::time::sleep_until((begin + plan.warmup + plan.measure).into()).await;
     let cpu_after = (threads_cpu(SERVER_THREAD), threads_cpu(CLIENT_THREAD));
+    let machine_after = crate::machine::Reading::now();
 
     let mut total = Traffic::new();
     while let Some(lane) = lanes.join_next().await {
@@ -170,6 +172,10 @@ pub(crate) async fn run(plan: &Plan) -> Result<Traffic, String> {
     total.elapsed = plan.measure;
     total.server_cpu = cpu_after.0.saturating_sub(cpu_before.0);
     total.client_cpu = cpu_after.1.saturating_sub(cpu_before.1);
+    if let (Some(before), Some(after)) = (machine_before, machine_after) {
+        total.machine_cpu = after.busy_since(before);
+        total.machine_busy = after.utilization_since(before);
+    }
     Ok(total)
 }
 

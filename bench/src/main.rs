@@ -40,17 +40,19 @@ mod cli;
 mod cpu;
 mod limit;
 mod load;
+mod machine;
 mod memory;
 #[cfg(idempotent_bench_peers)]
 mod peers;
 mod report;
 mod rows;
+mod scale;
 
 use std::process::ExitCode;
 
 use cli::{Mode, Options};
 use report::{Audit, HttpRecord, LimitRecord, Record, Traffic};
-use rows::{Implementation, Row};
+use rows::{Implementation, Row, StoreKind};
 
 fn main() -> ExitCode {
     let options = match cli::parse(std::env::args().skip(1), |name| std::env::var(name).ok()) {
@@ -119,7 +121,21 @@ fn http(options: &Options) -> Result<bool, String> {
     .into_iter()
     .filter(|row| row.selected_by(&options.only))
     .collect();
-    if rows.is_empty() && limit_rows.is_empty() {
+    let prefilled_rows: Vec<Vec<Row>> = options
+        .prefill
+        .iter()
+        .map(|&records| {
+            rows::prefilled_rows(
+                records,
+                backends.redis_url.is_some(),
+                backends.postgres_url.is_some(),
+            )
+            .into_iter()
+            .filter(|row| row.selected_by(&options.only))
+            .collect()
+        })
+        .collect();
+    if rows.is_empty() && limit_rows.is_empty() && prefilled_rows.iter().all(Vec::is_empty) {
         return Err("no rows selected".into());
     }
     let client = tokio::runtime::Builder::new_multi_thread()
@@ -133,7 +149,7 @@ fn http(options: &Options) -> Result<bool, String> {
 
     // Round-major order: a slow minute of the machine spreads over all rows.
     let mut results: Vec<Vec<(Traffic, Audit)>> = vec![Vec::new(); rows.len()];
-    let mut limit_results: Vec<Vec<f64>> = vec![Vec::new(); limit_rows.len()];
+    let mut limit_results: Vec<Vec<(f64, f64)>> = vec![Vec::new(); limit_rows.len()];
     let mut failed = Vec::new();
     let mut failed_limits = Vec::new();
     for round in 1..=options.rounds {
@@ -141,43 +157,29 @@ fn http(options: &Options) -> Result<bool, String> {
             if failed.iter().any(|(r, _)| r == row) {
                 continue;
             }
-            match run_row(*row, options, &client) {
-                Ok((traffic, audit)) => {
-                    eprintln!(
-                        "round {round}/{}: {:<40} {:>9.0} rps  p50 {:>6} µs  p99 {:>6} µs  \
-                         server {:>5.1} µs/req  client {:>5.1} µs/req  \
-                         executions {} keys {} duplicated {}",
-                        options.rounds,
-                        row.label(),
-                        traffic.rps(),
-                        traffic.latencies.quantile_us(0.5),
-                        traffic.latencies.quantile_us(0.99),
-                        traffic.server_us_per_request(),
-                        traffic.client_us_per_request(),
-                        audit.executions,
-                        audit.distinct_keys,
-                        audit.duplicated_keys,
-                    );
-                    rounds.push((traffic, audit));
-                }
-                Err(message) => {
-                    eprintln!("{}: {message}", row.label());
-                    failed.push((*row, message));
-                }
+            match run_logged(*row, round, options, &client) {
+                Ok(outcome) => rounds.push(outcome),
+                Err(message) => failed.push((*row, message)),
             }
         }
         for (row, rounds) in limit_rows.iter().zip(&mut limit_results) {
             if failed_limits.iter().any(|(r, _)| r == row) {
                 continue;
             }
+            let before = machine::Reading::now();
             match limits.run(*row, options) {
                 Ok(rate) => {
+                    let busy = match (before, machine::Reading::now()) {
+                        (Some(before), Some(after)) => after.utilization_since(before),
+                        _ => 0.0,
+                    };
                     eprintln!(
-                        "round {round}/{}: {:<40} {rate:>9.0} ops/s",
+                        "round {round}/{}: {:<40} {rate:>9.0} ops/s  machine busy {:>3.0} %",
                         options.rounds,
-                        row.label()
+                        row.label(),
+                        100.0 * busy
                     );
-                    rounds.push(rate);
+                    rounds.push((rate, busy));
                 }
                 Err(message) => {
                     eprintln!("{}: {message}", row.label());
@@ -187,9 +189,60 @@ fn http(options: &Options) -> Result<bool, String> {
         }
     }
 
+    // The prefilled rows, after the others: the shared stores keep their prefilled records
+    // from one count to the next, and the other rows are measured without them.
+    let mut shared = scale::Shared::new(backends);
+    let mut fills = Vec::new();
+    let mut prefilled_results: Vec<(Row, Vec<(Traffic, Audit)>)> = Vec::new();
+    for (&records, rows) in options.prefill.iter().zip(prefilled_rows) {
+        let mut rows = rows;
+        for store in [StoreKind::Redis, StoreKind::Postgres] {
+            if !rows.iter().any(|row| row.store == store) {
+                continue;
+            }
+            let filled = client.block_on(async {
+                match store {
+                    StoreKind::Redis => shared.redis(records).await,
+                    _ => shared.postgres(records).await,
+                }
+            });
+            match filled {
+                Ok(fill) => {
+                    eprintln!(
+                        "prefill: {} holds {} prefilled records ({:.1} s to add them), {} \
+                         entries, {} bytes",
+                        fill.store, fill.records, fill.fill_seconds, fill.entries, fill.store_bytes
+                    );
+                    fills.push(fill);
+                }
+                Err(message) => {
+                    eprintln!("prefill {}: {message}", store.name());
+                    for row in rows.iter().filter(|row| row.store == store) {
+                        failed.push((*row, message.clone()));
+                    }
+                    rows.retain(|row| row.store != store);
+                }
+            }
+        }
+        let mut results: Vec<Vec<(Traffic, Audit)>> = vec![Vec::new(); rows.len()];
+        for round in 1..=options.rounds {
+            for (row, rounds) in rows.iter().zip(&mut results) {
+                if failed.iter().any(|(r, _)| r == row) {
+                    continue;
+                }
+                match run_logged(*row, round, options, &client) {
+                    Ok(outcome) => rounds.push(outcome),
+                    Err(message) => failed.push((*row, message)),
+                }
+            }
+        }
+        prefilled_results.extend(rows.into_iter().zip(results));
+    }
+
     let records: Vec<HttpRecord> = rows
         .iter()
         .zip(&results)
+        .chain(prefilled_results.iter().map(|(row, rounds)| (row, rounds)))
         .filter(|(_, rounds)| !rounds.is_empty())
         .map(|(row, rounds)| report::summarize(*row, rounds))
         .collect();
@@ -206,9 +259,14 @@ fn http(options: &Options) -> Result<bool, String> {
             )
         })
         .collect();
-    println!("{}", report::markdown_table(&records));
+    let (usual, prefilled): (Vec<HttpRecord>, Vec<HttpRecord>) =
+        records.iter().cloned().partition(|r| r.prefilled == 0);
+    println!("{}", report::markdown_table(&usual));
     if !limit_records.is_empty() {
         println!("{}", report::limit_table(&limit_records, &records));
+    }
+    if !prefilled.is_empty() {
+        println!("{}", report::prefilled_table(&records, &fills));
     }
     if !skipped.is_empty() {
         println!(
@@ -227,6 +285,7 @@ fn http(options: &Options) -> Result<bool, String> {
             .cloned()
             .map(Record::Http)
             .chain(limit_records.into_iter().map(Record::Limit))
+            .chain(fills.into_iter().map(Record::Prefill))
             .collect(),
     )
     .map_err(|e| format!("cannot write {}: {e}", options.out.display()))?;
@@ -243,6 +302,41 @@ fn http(options: &Options) -> Result<bool, String> {
         eprintln!("FAILED: {}: {message}", row.label());
     }
     Ok(problems.is_empty() && failed.is_empty() && failed_limits.is_empty())
+}
+
+/// [`run_row`], with a line on standard error for the round.
+fn run_logged(
+    row: Row,
+    round: usize,
+    options: &Options,
+    client: &tokio::runtime::Runtime,
+) -> Result<(Traffic, Audit), String> {
+    match run_row(row, options, client) {
+        Ok((traffic, audit)) => {
+            eprintln!(
+                "round {round}/{}: {:<40} {:>9.0} rps  p50 {:>6} µs  p99 {:>6} µs  \
+                 server {:>5.1} µs/req  client {:>5.1} µs/req  machine {:>5.1} µs/req \
+                 ({:>3.0} % busy)  executions {} keys {} duplicated {}",
+                options.rounds,
+                row.label(),
+                traffic.rps(),
+                traffic.latencies.quantile_us(0.5),
+                traffic.latencies.quantile_us(0.99),
+                traffic.server_us_per_request(),
+                traffic.client_us_per_request(),
+                traffic.machine_us_per_request(),
+                100.0 * traffic.machine_busy,
+                audit.executions,
+                audit.distinct_keys,
+                audit.duplicated_keys,
+            );
+            Ok((traffic, audit))
+        }
+        Err(message) => {
+            eprintln!("{}: {message}", row.label());
+            Err(message)
+        }
+    }
 }
 
 /// One round of one row: start its server, drive it, probe it, audit it, stop it.
@@ -326,6 +420,7 @@ mod tests {
             implementation: Implementation::Tower,
             scenario: Scenario::Replay,
             store: StoreKind::Memory,
+            prefilled: 0,
         };
         let (traffic, audit) = run_row(replay, &options, &client).unwrap();
         assert!(traffic.successes() > 0);
@@ -343,6 +438,7 @@ mod tests {
             implementation: Implementation::Bare,
             scenario: Scenario::None,
             store: StoreKind::None,
+            prefilled: 0,
         };
         let (traffic, audit) = run_row(bare, &options, &client).unwrap();
         assert_eq!(traffic.replayed, 0);

@@ -121,6 +121,10 @@ pub(crate) struct Traffic {
     /// CPU time of the server's and of the load generator's threads during the timed phase.
     pub(crate) server_cpu: Duration,
     pub(crate) client_cpu: Duration,
+    /// Busy time of all the machine's CPUs during the timed phase, and its share of their
+    /// time (`machine.rs`).
+    pub(crate) machine_cpu: Duration,
+    pub(crate) machine_busy: f64,
 }
 
 impl Traffic {
@@ -133,6 +137,8 @@ impl Traffic {
             elapsed: Duration::ZERO,
             server_cpu: Duration::ZERO,
             client_cpu: Duration::ZERO,
+            machine_cpu: Duration::ZERO,
+            machine_busy: 0.0,
         }
     }
 
@@ -146,6 +152,8 @@ impl Traffic {
         self.elapsed = self.elapsed.max(other.elapsed);
         self.server_cpu += other.server_cpu;
         self.client_cpu += other.client_cpu;
+        self.machine_cpu += other.machine_cpu;
+        self.machine_busy = self.machine_busy.max(other.machine_busy);
     }
 
     /// Responses of any status, plus requests without one.
@@ -161,6 +169,11 @@ impl Traffic {
     /// Load-generator CPU time per request in the timed phase, in microseconds.
     pub(crate) fn client_us_per_request(&self) -> f64 {
         per_request_us(self.client_cpu, self.requests())
+    }
+
+    /// Busy time of the whole machine per request in the timed phase, in microseconds.
+    pub(crate) fn machine_us_per_request(&self) -> f64 {
+        per_request_us(self.machine_cpu, self.requests())
     }
 
     pub(crate) fn successes(&self) -> u64 {
@@ -199,6 +212,8 @@ pub(crate) enum Record {
     Http(HttpRecord),
     Limit(LimitRecord),
     Memory(MemoryRecord),
+    /// How a shared store was prefilled for the prefilled rows, and its size then.
+    Prefill(crate::scale::FillRecord),
 }
 
 /// A limit row: what the backend's own benchmark tool does with the store's statements
@@ -215,27 +230,34 @@ pub(crate) struct LimitRecord {
     /// Timed seconds per round, and the rate of every round.
     pub(crate) seconds: f64,
     pub(crate) rounds_rps: Vec<f64>,
+    /// The share of the machine's CPU time that was busy while the median round's tool ran
+    /// (its warm-up and timed runs).
+    #[serde(default)]
+    pub(crate) machine_busy: f64,
 }
 
 impl LimitRecord {
-    /// The median of `rounds` (operations per second per round).
+    /// The median of `rounds` (operations per second, and the machine's busy share, per
+    /// round).
     pub(crate) fn summarize(
         label: [&str; 3],
         connections: usize,
         seconds: u64,
-        rounds: &[f64],
+        rounds: &[(f64, f64)],
     ) -> LimitRecord {
         assert!(!rounds.is_empty(), "a row has at least one round");
         let mut sorted = rounds.to_vec();
-        sorted.sort_by(f64::total_cmp);
+        sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (rps, busy) = sorted[sorted.len() / 2];
         LimitRecord {
             implementation: label[0].to_owned(),
             scenario: label[1].to_owned(),
             store: label[2].to_owned(),
-            rps: round1(sorted[sorted.len() / 2]),
+            rps: round1(rps),
             connections,
             seconds: seconds as f64,
-            rounds_rps: rounds.iter().copied().map(round1).collect(),
+            rounds_rps: rounds.iter().map(|(rps, _)| round1(*rps)).collect(),
+            machine_busy: (busy * 1000.0).round() / 1000.0,
         }
     }
 }
@@ -244,29 +266,35 @@ impl LimitRecord {
 /// scenario and store and that row's fraction of the limit.
 pub(crate) fn limit_table(limits: &[LimitRecord], rows: &[HttpRecord]) -> String {
     let mut out = String::from(
-        "| limit | scenario | store | ops/s | idempotent-tower rps | fraction of the limit | server CPU µs/req |\n\
-         |---|---|---|---:|---:|---:|---:|\n",
+        "| limit | scenario | store | ops/s | machine busy | idempotent-tower rps | fraction of the limit | machine busy | server CPU µs/req | machine CPU µs/req |\n\
+         |---|---|---|---:|---:|---:|---:|---:|---:|---:|\n",
     );
+    let percent = |share: f64| format!("{:.0} %", 100.0 * share);
     for limit in limits {
         let layer = rows.iter().find(|r| {
             r.implementation == "idempotent-tower"
                 && r.scenario == limit.scenario
                 && r.store == limit.store
+                && r.prefilled == 0
         });
-        let (rps, fraction, cpu) = match layer {
-            Some(r) if limit.rps > 0.0 => (
+        let columns = match layer {
+            Some(r) if limit.rps > 0.0 => [
                 thousands(r.rps.round() as u64),
-                format!("{:.0} %", 100.0 * r.rps / limit.rps),
+                percent(r.rps / limit.rps),
+                percent(r.machine_busy),
                 format!("{:.1}", r.server_cpu_us),
-            ),
-            _ => ("–".to_owned(), "–".to_owned(), "–".to_owned()),
+                format!("{:.1}", r.machine_cpu_us),
+            ],
+            _ => std::array::from_fn(|_| "–".to_owned()),
         };
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {rps} | {fraction} | {cpu} |\n",
+            "| {} | {} | {} | {} | {} | {} |\n",
             limit.implementation,
             limit.scenario,
             limit.store,
             thousands(limit.rps.round() as u64),
+            percent(limit.machine_busy),
+            columns.join(" | "),
         ));
     }
     out
@@ -293,6 +321,16 @@ pub(crate) struct HttpRecord {
     /// phase (from `/proc/self/task/*/stat`, 10 ms resolution).
     pub(crate) server_cpu_us: f64,
     pub(crate) client_cpu_us: f64,
+    /// Busy CPU time of the whole machine per request (server, load generator, Redis or
+    /// PostgreSQL, kernel), and the share of the machine's CPU time that was busy, in the
+    /// timed phase (from `/proc/stat`).
+    #[serde(default)]
+    pub(crate) machine_cpu_us: f64,
+    #[serde(default)]
+    pub(crate) machine_busy: f64,
+    /// Records in the store before the row started (`scale.rs`); 0 for the usual rows.
+    #[serde(default)]
+    pub(crate) prefilled: u64,
     /// Timed-phase responses by status code.
     pub(crate) statuses: BTreeMap<String, u64>,
     /// Executions over the row (warm-up, timed phase, probes) of the median round.
@@ -339,6 +377,9 @@ pub(crate) fn summarize(row: Row, rounds: &[(Traffic, Audit)]) -> HttpRecord {
         replayed: traffic.replayed,
         server_cpu_us: traffic.server_us_per_request(),
         client_cpu_us: traffic.client_us_per_request(),
+        machine_cpu_us: round1(traffic.machine_us_per_request()),
+        machine_busy: (traffic.machine_busy * 1000.0).round() / 1000.0,
+        prefilled: row.prefilled,
         statuses: traffic
             .statuses
             .iter()
@@ -440,6 +481,68 @@ pub(crate) fn memory_table(records: &[MemoryRecord]) -> String {
     out
 }
 
+/// The prefilled rows as a markdown table, each beside the same row on a store without
+/// prefilled records, and the sizes of the shared stores after each fill.
+pub(crate) fn prefilled_table(
+    records: &[HttpRecord],
+    fills: &[crate::scale::FillRecord],
+) -> String {
+    let mut out = String::from(
+        "| scenario | store | records before | rps | rps, no records before | ratio | within 20 % | server CPU µs/req | p99 µs |\n\
+         |---|---|---:|---:|---:|---:|:---:|---:|---:|\n",
+    );
+    for r in records.iter().filter(|r| r.prefilled > 0) {
+        let empty = records.iter().find(|e| {
+            e.prefilled == 0
+                && e.implementation == r.implementation
+                && e.scenario == r.scenario
+                && e.store == r.store
+        });
+        let (base, ratio, within) = match empty {
+            Some(e) if e.rps > 0.0 => {
+                let ratio = r.rps / e.rps;
+                (
+                    thousands(e.rps.round() as u64),
+                    format!("{:.0} %", 100.0 * ratio),
+                    if ratio >= 0.8 { "yes" } else { "**no**" }.to_owned(),
+                )
+            }
+            _ => ("–".to_owned(), "–".to_owned(), "–".to_owned()),
+        };
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {base} | {ratio} | {within} | {:.1} | {} |\n",
+            r.scenario,
+            r.store,
+            thousands(r.prefilled),
+            thousands(r.rps.round() as u64),
+            r.server_cpu_us,
+            thousands(r.p99_us),
+        ));
+    }
+    if !fills.is_empty() {
+        out.push_str(
+            "\n| store | prefilled records | fill s | entries | size MiB | of which indexes MiB | bytes per entry |\n\
+             |---|---:|---:|---:|---:|---:|---:|\n",
+        );
+        for f in fills {
+            let mib = |bytes: u64| format!("{:.0}", bytes as f64 / f64::from(1 << 20));
+            out.push_str(&format!(
+                "| {} | {} | {:.1} | {} | {} | {} | {} |\n",
+                f.store,
+                thousands(f.records),
+                f.fill_seconds,
+                thousands(f.entries),
+                mib(f.store_bytes),
+                f.index_bytes.map_or("–".to_owned(), mib),
+                f.store_bytes
+                    .checked_div(f.entries)
+                    .map_or("–".to_owned(), thousands),
+            ));
+        }
+    }
+    out
+}
+
 fn thousands(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
@@ -454,7 +557,7 @@ fn thousands(n: u64) -> String {
 
 /// Writes `records` to `path`, keeping the objects of the other mode already there (so the
 /// HTTP and memory modes can run separately and still share one file). The limit rows belong
-/// to the HTTP mode.
+/// and the prefill records belong to the HTTP mode.
 pub(crate) fn write_json(path: &Path, records: Vec<Record>) -> std::io::Result<()> {
     let mut all: Vec<Record> = std::fs::read(path)
         .ok()
@@ -462,10 +565,10 @@ pub(crate) fn write_json(path: &Path, records: Vec<Record>) -> std::io::Result<(
         .unwrap_or_default();
     let replaces_http = records
         .iter()
-        .any(|r| matches!(r, Record::Http(_) | Record::Limit(_)));
+        .any(|r| matches!(r, Record::Http(_) | Record::Limit(_) | Record::Prefill(_)));
     let replaces_memory = records.iter().any(|r| matches!(r, Record::Memory(_)));
     all.retain(|r| match r {
-        Record::Http(_) | Record::Limit(_) => !replaces_http,
+        Record::Http(_) | Record::Limit(_) | Record::Prefill(_) => !replaces_http,
         Record::Memory(_) => !replaces_memory,
     });
     all.extend(records);
@@ -574,6 +677,7 @@ mod tests {
             implementation: Implementation::Tower,
             scenario: Scenario::Replay,
             store: StoreKind::Memory,
+            prefilled: 0,
         }
     }
 
@@ -657,10 +761,11 @@ mod tests {
             ["pgbench", "replay", "memory"],
             16,
             3,
-            &[900.0, 4000.0, 2000.0],
+            &[(900.0, 0.5), (4000.0, 0.9), (2000.0, 0.75)],
         );
         assert_eq!(limit.rps, 2000.0);
         assert_eq!(limit.rounds_rps, [900.0, 4000.0, 2000.0]);
+        assert_eq!(limit.machine_busy, 0.75, "the median round's");
         let json = serde_json::to_value(vec![Record::Limit(limit.clone())]).unwrap();
         assert_eq!(json[0]["mode"], "limit");
         assert_eq!(json[0]["implementation"], "pgbench");
@@ -673,7 +778,7 @@ mod tests {
         let table = limit_table(&[limit], &[http]);
         let last = table.lines().last().unwrap();
         assert!(
-            last.starts_with("| pgbench | replay | memory | 2,000 | 1,000 | 50 % |"),
+            last.starts_with("| pgbench | replay | memory | 2,000 | 75 % | 1,000 | 50 % |"),
             "{table}"
         );
     }

@@ -81,22 +81,31 @@ pub(crate) struct Row {
     pub(crate) implementation: Implementation,
     pub(crate) scenario: Scenario,
     pub(crate) store: StoreKind,
+    /// Records in the store before the row starts (`scale.rs`); 0 for the usual rows.
+    pub(crate) prefilled: u64,
 }
 
 impl Row {
     pub(crate) fn label(&self) -> String {
-        format!(
+        let label = format!(
             "{}/{}/{}",
             self.implementation.name(),
             self.scenario.name(),
             self.store.name()
-        )
+        );
+        match self.prefilled {
+            0 => label,
+            n => format!("{label}+{}", count_name(n)),
+        }
     }
 
     /// Whether `filter` (comma-separated) selects this row: an item matches a row when it
     /// equals the implementation, the scenario or the store, or when it contains a `/` and
     /// starts the label `implementation/scenario/store`. An empty filter selects every row.
     pub(crate) fn selected_by(&self, filter: &[String]) -> bool {
+        if self.prefilled > 0 && filter.iter().any(|item| item == "prefilled") {
+            return true;
+        }
         selects(
             filter,
             [
@@ -126,12 +135,14 @@ pub(crate) fn all_rows(redis: bool, postgres: bool) -> Vec<Row> {
         implementation: Implementation::Bare,
         scenario: Scenario::None,
         store: StoreKind::None,
+        prefilled: 0,
     }];
     let both = |implementation, store| {
         [Scenario::Fresh, Scenario::Replay].map(|scenario| Row {
             implementation,
             scenario,
             store,
+            prefilled: 0,
         })
     };
     rows.extend(both(Implementation::Tower, StoreKind::Memory));
@@ -144,6 +155,37 @@ pub(crate) fn all_rows(redis: bool, postgres: bool) -> Vec<Row> {
         rows.extend(both(Implementation::Tower, StoreKind::Postgres));
     }
     rows
+}
+
+/// The `idempotent-tower` rows again with `records` already in each store: memory, and Redis
+/// and PostgreSQL when their URL is known.
+pub(crate) fn prefilled_rows(records: u64, redis: bool, postgres: bool) -> Vec<Row> {
+    let stores = [
+        (StoreKind::Memory, true),
+        (StoreKind::Redis, redis),
+        (StoreKind::Postgres, postgres),
+    ];
+    stores
+        .into_iter()
+        .filter(|(_, known)| *known)
+        .flat_map(|(store, _)| {
+            [Scenario::Fresh, Scenario::Replay].map(|scenario| Row {
+                implementation: Implementation::Tower,
+                scenario,
+                store,
+                prefilled: records,
+            })
+        })
+        .collect()
+}
+
+/// `1M`, `10M`, `250k`, or the number itself.
+pub(crate) fn count_name(n: u64) -> String {
+    match n {
+        n if n >= 1_000_000 && n % 1_000_000 == 0 => format!("{}M", n / 1_000_000),
+        n if n >= 1_000 && n % 1_000 == 0 => format!("{}k", n / 1_000),
+        n => n.to_string(),
+    }
 }
 
 #[cfg(test)]
@@ -191,5 +233,37 @@ mod tests {
             ]
         );
         assert_eq!(pick(&["idempotent"]).len(), 0, "no partial names");
+    }
+
+    #[test]
+    fn prefilled_rows_and_their_labels() {
+        let rows = prefilled_rows(10_000_000, false, true);
+        let labels: Vec<String> = rows.iter().map(Row::label).collect();
+        assert_eq!(
+            labels,
+            [
+                "idempotent-tower/fresh/memory+10M",
+                "idempotent-tower/replay/memory+10M",
+                "idempotent-tower/fresh/postgres+10M",
+                "idempotent-tower/replay/postgres+10M",
+            ]
+        );
+        let only =
+            |items: &[&str]| -> Vec<String> { items.iter().map(|s| s.to_string()).collect() };
+        assert!(rows.iter().all(|r| r.selected_by(&only(&["prefilled"]))));
+        assert!(
+            !all_rows(true, true)
+                .iter()
+                .any(|r| r.selected_by(&only(&["prefilled"])))
+        );
+        assert_eq!(
+            rows.iter()
+                .filter(|r| r.selected_by(&only(&["postgres"])))
+                .count(),
+            2
+        );
+        assert_eq!(count_name(1_000_000), "1M");
+        assert_eq!(count_name(250_000), "250k");
+        assert_eq!(count_name(1_234), "1234");
     }
 }

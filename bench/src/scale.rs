@@ -1,0 +1,386 @@
+//! The prefilled rows: the `idempotent-tower` rows again with a million or ten million records
+//! already in the store, to show that throughput does not fall as the store grows.
+//!
+//! Every prefilled record is a completed `201` response of the payments handler, stored under
+//! the key `prefill-<i>` in a namespace of its own ([`NAMESPACE`]), with the anonymous scope the
+//! rows use. How it gets there depends on the store:
+//!
+//! - **memory**: through the real `IdempotencyLayer` (the memory mode's path), into the row's
+//!   own store, before each round of the row: a memory store lives as long as its row.
+//! - **Redis and PostgreSQL**: one record goes through the layer; the others are copies of its
+//!   stored fields (state, fingerprint, token, payload) under their own storage keys, written
+//!   in bulk: Redis hashes through pipelines, PostgreSQL rows through `INSERT ... SELECT FROM
+//!   unnest(...)` batches. The shared stores keep them for the rest of the run, so a larger
+//!   count only adds the difference. A prefilled key is then replayed through the layer to
+//!   check the copies are records the store reads back.
+//!
+//! On PostgreSQL, one prefilled row in twenty expires during the run (spread over ten
+//! minutes), so the reaper, which every PostgreSQL row runs, deletes rows while the rows are
+//! measured.
+
+use std::convert::Infallible;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::header::CONTENT_TYPE;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use idempotent_core::postgres::{DEFAULT_TABLE, PostgresStore};
+use idempotent_core::redis::RedisStore;
+use idempotent_core::{Idempotency, Key, Scope, StorageKey, Store};
+use idempotent_tower::{IdempotencyLayer, RequestBody};
+use serde::{Deserialize, Serialize};
+use tower::{Layer, ServiceExt, service_fn};
+
+use crate::app::{Backends, PAYMENTS, REQUEST_BODY};
+use crate::memory::response_body;
+
+/// The namespace of every prefilled record: apart from the rows' own namespaces.
+pub(crate) const NAMESPACE: &str = "idempotent-bench-prefill";
+/// Records written per Redis pipeline or PostgreSQL statement.
+const BATCH: u64 = 5_000;
+/// Prefilled PostgreSQL rows that expire during the run: one in this many.
+const EXPIRING_ONE_IN: u64 = 20;
+/// Over how many seconds the expiring rows' expiries are spread.
+const EXPIRY_SPREAD_SECONDS: u64 = 600;
+/// The TTL of the other prefilled records: the layer's default.
+const TTL_MS: u64 = 24 * 3600 * 1000;
+
+/// How a store was prefilled, and what it then held.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct FillRecord {
+    pub(crate) store: String,
+    /// Prefilled records in the store after this fill.
+    pub(crate) records: u64,
+    /// Seconds this fill took (the records it added).
+    pub(crate) fill_seconds: f64,
+    /// PostgreSQL: the table with its indexes and TOAST (`pg_total_relation_size`); Redis:
+    /// `used_memory` of `INFO memory`. Everything in the store, the rows' own records too.
+    pub(crate) store_bytes: u64,
+    /// PostgreSQL: the indexes alone (`pg_indexes_size`).
+    pub(crate) index_bytes: Option<u64>,
+    /// Rows of the table, or keys of the Redis database, counted after the fill.
+    pub(crate) entries: u64,
+}
+
+type Answer = Response<Full<Bytes>>;
+
+/// The handler of the prefill: the payments handler's answer without the payments handler.
+fn handler() -> impl tower::Service<
+    Request<RequestBody<Full<Bytes>>>,
+    Response = Answer,
+    Error = Infallible,
+    Future = std::future::Ready<Result<Answer, Infallible>>,
+> + Clone {
+    let body = response_body();
+    service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
+        std::future::ready(Ok(Response::builder()
+            .status(StatusCode::CREATED)
+            .header(CONTENT_TYPE, "application/json")
+            .body(Full::new(body.clone()))
+            .expect("a valid response")))
+    })
+}
+
+fn prefill_key(i: u64) -> String {
+    format!("prefill-{i}")
+}
+
+/// Sends `prefill-<i>` for every `i` in `range` through the layer on `idempotency` and checks
+/// each answer: `201` when `fresh`, otherwise a replay.
+async fn through_layer(
+    idempotency: Idempotency,
+    range: std::ops::Range<u64>,
+    fresh: bool,
+) -> Result<(), String> {
+    let service = IdempotencyLayer::new_for_http(idempotency)
+        .allow_anonymous(true)
+        .layer(handler());
+    for i in range {
+        let request = Request::post(PAYMENTS)
+            .header("idempotency-key", prefill_key(i))
+            .header(CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from_static(REQUEST_BODY)))
+            .expect("a valid request");
+        let Ok(response) = service.clone().oneshot(request).await;
+        let replayed = response.headers().contains_key("idempotent-replayed");
+        if response.status() != StatusCode::CREATED || replayed == fresh {
+            return Err(format!(
+                "prefill key {i}: the layer answered {} ({}a replay)",
+                response.status(),
+                if replayed { "" } else { "not " }
+            ));
+        }
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| format!("prefill key {i}: body: {e}"))?
+            .to_bytes();
+        if body != response_body() {
+            return Err(format!("prefill key {i}: not the handler's body"));
+        }
+    }
+    Ok(())
+}
+
+/// Fills the memory store of a row (behind `idempotency`'s store, in [`NAMESPACE`]) with
+/// `records` records through the layer.
+pub(crate) async fn fill_memory(
+    store: idempotent_core::memory::MemoryStore,
+    records: u64,
+) -> Result<(), String> {
+    let started = Instant::now();
+    through_layer(prefill_runtime(store), 0..records, true).await?;
+    eprintln!(
+        "prefill: {records} records through the layer into the memory store in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn prefill_runtime(store: impl Store) -> Idempotency {
+    Idempotency::builder(store).namespace(NAMESPACE).build()
+}
+
+/// The storage key of prefilled record `i`.
+fn storage_key(i: u64) -> StorageKey {
+    let key = Key::new(prefill_key(i)).expect("prefill keys are valid");
+    StorageKey::derive(NAMESPACE.as_bytes(), &Scope::new(), &key)
+}
+
+/// The prefilled records of the shared stores, kept across the run.
+pub(crate) struct Shared {
+    backends: Backends,
+    redis: u64,
+    postgres: u64,
+}
+
+impl Shared {
+    pub(crate) fn new(backends: &Backends) -> Shared {
+        Shared {
+            backends: backends.clone(),
+            redis: 0,
+            postgres: 0,
+        }
+    }
+
+    /// Tops the Redis store up to `records` prefilled records.
+    pub(crate) async fn redis(&mut self, records: u64) -> Result<FillRecord, String> {
+        let url = self.backends.redis_url.as_deref().ok_or("no Redis URL")?;
+        let store = RedisStore::connect(url)
+            .await
+            .map_err(|e| format!("Redis: {e}"))?;
+        let client = redis::Client::open(url).map_err(|e| format!("Redis: {e}"))?;
+        let mut connection = client
+            .get_multiplexed_async_connection()
+            .await
+            .map_err(|e| format!("Redis: {e}"))?;
+        let started = Instant::now();
+        if self.redis < records {
+            // The template: record `self.redis`, through the layer; copies after it.
+            through_layer(
+                prefill_runtime(store.clone()),
+                self.redis..self.redis + 1,
+                true,
+            )
+            .await?;
+            let template: Vec<(String, Vec<u8>)> = redis::cmd("HGETALL")
+                .arg(store.redis_key(&storage_key(self.redis)))
+                .query_async(&mut connection)
+                .await
+                .map_err(|e| format!("Redis HGETALL: {e}"))?;
+            if template.is_empty() {
+                return Err("Redis: the template record is not where the store keeps it".into());
+            }
+            let mut next = self.redis + 1;
+            let mut pending = tokio::task::JoinSet::new();
+            while next < records {
+                let end = (next + BATCH).min(records);
+                let mut pipe = redis::pipe();
+                for i in next..end {
+                    let key = store.redis_key(&storage_key(i));
+                    pipe.cmd("HSET").arg(&key);
+                    for (field, value) in &template {
+                        pipe.arg(field).arg(value.as_slice());
+                    }
+                    pipe.ignore();
+                    pipe.cmd("PEXPIRE").arg(&key).arg(TTL_MS).ignore();
+                }
+                let mut connection = connection.clone();
+                pending.spawn(async move { pipe.exec_async(&mut connection).await });
+                while pending.len() >= 4 {
+                    join_one(&mut pending).await?;
+                }
+                next = end;
+            }
+            while !pending.is_empty() {
+                join_one(&mut pending).await?;
+            }
+            through_layer(prefill_runtime(store), records - 1..records, false).await?;
+            self.redis = records;
+        }
+        let fill_seconds = started.elapsed().as_secs_f64();
+        let info: String = redis::cmd("INFO")
+            .arg("memory")
+            .query_async(&mut connection)
+            .await
+            .map_err(|e| format!("Redis INFO: {e}"))?;
+        let entries: u64 = redis::cmd("DBSIZE")
+            .query_async(&mut connection)
+            .await
+            .map_err(|e| format!("Redis DBSIZE: {e}"))?;
+        Ok(FillRecord {
+            store: "redis".into(),
+            records,
+            fill_seconds,
+            store_bytes: info_field(&info, "used_memory").unwrap_or(0),
+            index_bytes: None,
+            entries,
+        })
+    }
+
+    /// Tops the PostgreSQL table up to `records` prefilled rows.
+    pub(crate) async fn postgres(&mut self, records: u64) -> Result<FillRecord, String> {
+        let url = self
+            .backends
+            .postgres_url
+            .as_deref()
+            .ok_or("no PostgreSQL URL")?;
+        let store = PostgresStore::connect(url)
+            .await
+            .map_err(|e| format!("PostgreSQL: {e}"))?;
+        store
+            .migrate()
+            .await
+            .map_err(|e| format!("PostgreSQL: {e}"))?;
+        let pool = store.pool().clone();
+        let table = format!("\"{DEFAULT_TABLE}\"");
+        let sequence = format!("\"{DEFAULT_TABLE}_token_seq\"");
+        let started = Instant::now();
+        if self.postgres < records {
+            through_layer(
+                prefill_runtime(store.clone()),
+                self.postgres..self.postgres + 1,
+                true,
+            )
+            .await?;
+            let (fingerprint, payload): (Vec<u8>, Vec<u8>) = sqlx::query_as(&format!(
+                "SELECT fingerprint, payload FROM {table} WHERE storage_key = $1"
+            ))
+            .bind(storage_key(self.postgres).as_bytes().as_slice())
+            .fetch_one(&pool)
+            .await
+            .map_err(|e| format!("PostgreSQL: the template record: {e}"))?;
+            let insert = format!(
+                "INSERT INTO {table} (storage_key, state, fingerprint, token, payload, expires_at) \
+                 SELECT k, 'completed', $2, nextval('{sequence}'), $3, \
+                 CASE WHEN n % {EXPIRING_ONE_IN} = 0 \
+                 THEN clock_timestamp() + (n % {EXPIRY_SPREAD_SECONDS}) * interval '1 second' \
+                 ELSE clock_timestamp() + interval '24 hours' END \
+                 FROM unnest($1::bytea[], $4::int8[]) AS u(k, n) \
+                 ON CONFLICT (storage_key) DO NOTHING"
+            );
+            let mut next = self.postgres + 1;
+            while next < records {
+                let end = (next + BATCH).min(records);
+                let keys: Vec<Vec<u8>> = (next..end)
+                    .map(|i| storage_key(i).as_bytes().to_vec())
+                    .collect();
+                let numbers: Vec<i64> = (next..end).map(|i| i as i64).collect();
+                sqlx::query(&insert)
+                    .bind(keys)
+                    .bind(fingerprint.as_slice())
+                    .bind(payload.as_slice())
+                    .bind(numbers)
+                    .execute(&pool)
+                    .await
+                    .map_err(|e| format!("PostgreSQL: prefill insert: {e}"))?;
+                next = end;
+            }
+            sqlx::query(&format!("ANALYZE {table}"))
+                .execute(&pool)
+                .await
+                .map_err(|e| format!("PostgreSQL: ANALYZE: {e}"))?;
+            // The last record is live (its number is not a multiple of EXPIRING_ONE_IN unless
+            // by chance; either way the layer must answer it, fresh or replayed, with 201).
+            let last = records - 1;
+            let live_check = if last % EXPIRING_ONE_IN == 0 {
+                last - 1
+            } else {
+                last
+            };
+            through_layer(prefill_runtime(store), live_check..live_check + 1, false).await?;
+            self.postgres = records;
+        }
+        let fill_seconds = started.elapsed().as_secs_f64();
+        let (store_bytes, index_bytes, entries): (i64, i64, i64) = sqlx::query_as(&format!(
+            "SELECT pg_total_relation_size('{table}'), pg_indexes_size('{table}'), \
+             (SELECT count(*) FROM {table})"
+        ))
+        .fetch_one(&pool)
+        .await
+        .map_err(|e| format!("PostgreSQL: sizes: {e}"))?;
+        Ok(FillRecord {
+            store: "postgres".into(),
+            records,
+            fill_seconds,
+            store_bytes: store_bytes.max(0) as u64,
+            index_bytes: Some(index_bytes.max(0) as u64),
+            entries: entries.max(0) as u64,
+        })
+    }
+}
+
+async fn join_one(
+    pending: &mut tokio::task::JoinSet<redis::RedisResult<()>>,
+) -> Result<(), String> {
+    match pending.join_next().await {
+        Some(Ok(Ok(()))) | None => Ok(()),
+        Some(Ok(Err(e))) => Err(format!("Redis prefill pipeline: {e}")),
+        Some(Err(e)) => Err(format!("Redis prefill task: {e}")),
+    }
+}
+
+/// A numeric field of `INFO` output (`name:value` lines).
+fn info_field(info: &str, name: &str) -> Option<u64> {
+    info.lines()
+        .find_map(|line| line.trim_end().strip_prefix(name)?.strip_prefix(':'))
+        .and_then(|value| value.parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn info_fields() {
+        let info = "# Memory\r\nused_memory:1048576\r\nused_memory_human:1.00M\r\n";
+        assert_eq!(info_field(info, "used_memory"), Some(1_048_576));
+        assert_eq!(info_field(info, "used_memory_rss"), None);
+        assert_eq!(info_field(info, "used_memory_human"), None);
+    }
+
+    #[test]
+    fn prefill_keys_are_distinct_storage_keys() {
+        assert_ne!(storage_key(0), storage_key(1));
+        assert_eq!(storage_key(7), storage_key(7));
+    }
+
+    /// The memory fill puts exactly the records asked for, each replayed afterwards.
+    #[test]
+    fn memory_fill_records_replay() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let store = idempotent_core::memory::MemoryStore::new();
+            fill_memory(store.clone(), 50).await.unwrap();
+            assert_eq!(store.stats().records, 50);
+            through_layer(prefill_runtime(store), 0..50, false)
+                .await
+                .unwrap();
+        });
+    }
+}
