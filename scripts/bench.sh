@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The HTTP benchmark (idempotent-tower against a bare handler and the peer crates, on the memory
 # store and, when available, Redis and PostgreSQL, with pgbench and redis-benchmark running the
-# stores' own statements and scripts as the limits their rows are compared with) and the memory
-# store's footprint per record.
-# BENCHMARKS.md explains the rows and how to read them.
+# stores' own statements and scripts as the limits their rows are compared with; the same rows
+# again with 1M and 10M records already in each store) and the memory store's footprint per
+# record. BENCHMARKS.md explains the rows and how to read them.
 #
 #   bash scripts/bench.sh                  # full run: 3 rounds of 3 s warm-up + 10 s timed per row
-#                                          # (about 9 minutes with Redis and PostgreSQL)
-#   bash scripts/bench.sh --quick          # 1 round of 1 s + 3 s per row (about a minute): CI-sized
+#                                          # (about 35 minutes with Redis and PostgreSQL)
+#   bash scripts/bench.sh --quick          # 1 round of 1 s + 3 s per row, 1M prefilled records
+#                                          # only (about 3 minutes)
 #   bash scripts/bench.sh --no-backends    # without the Redis and PostgreSQL rows
 #   bash scripts/bench.sh --only idempotent-tower --duration 20   # any idempotent-bench option
 #
