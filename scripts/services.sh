@@ -84,7 +84,7 @@ start_postgres() {
         return 1
     }
     "${run[@]}" "$bin/pg_ctl" -D "$dir/data" -l "$dir/postgres.log" -w -t 60 \
-        -o "-p $port -k $dir -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200" start >/dev/null || {
+        -o "-p $port -k $dir -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200 -c shared_buffers=2GB" start >/dev/null || {
         cat "$dir/postgres.log" >&2
         return 1
     }

@@ -2,24 +2,46 @@
 //! the load generator's cost per request, which other load on the machine does not change the
 //! way it changes throughput.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// Clock ticks per second of `utime`/`stime` (`USER_HZ`, 100 on Linux).
 const TICKS_PER_SECOND: u64 = 100;
 
-/// User plus system time of every thread of this process named `name`.
-pub(crate) fn threads_cpu(name: &str) -> Duration {
+/// User plus system time of every thread of this process named `name`, by thread id.
+pub(crate) fn threads_cpu(name: &str) -> Threads {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return Duration::ZERO;
+        return Threads::default();
     };
-    let ticks: u64 = tasks
-        .flatten()
-        .filter_map(|task| std::fs::read_to_string(task.path().join("stat")).ok())
-        .filter_map(|stat| parse_stat(&stat))
-        .filter(|(comm, _)| comm == name)
-        .map(|(_, ticks)| ticks)
-        .sum();
-    Duration::from_millis(ticks * 1000 / TICKS_PER_SECOND)
+    Threads(
+        tasks
+            .flatten()
+            .filter_map(|task| {
+                let tid = task.file_name().to_str()?.parse().ok()?;
+                let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
+                let (comm, ticks) = parse_stat(&stat)?;
+                (comm == name).then_some((tid, ticks))
+            })
+            .collect(),
+    )
+}
+
+/// CPU ticks of some threads, by thread id.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Threads(BTreeMap<u32, u64>);
+
+impl Threads {
+    /// CPU time spent since `earlier` by the threads alive now. A thread that ended in between
+    /// (a runtime's idle blocking thread) takes its time with it, and would otherwise make the
+    /// sum go down.
+    pub(crate) fn since(&self, earlier: &Threads) -> Duration {
+        let ticks: u64 = self
+            .0
+            .iter()
+            .map(|(tid, ticks)| ticks.saturating_sub(earlier.0.get(tid).copied().unwrap_or(0)))
+            .sum();
+        Duration::from_millis(ticks * 1000 / TICKS_PER_SECOND)
+    }
 }
 
 /// The thread name and `utime + stime` of a `stat` line. The name is in parentheses and may
@@ -48,6 +70,13 @@ mod tests {
     }
 
     #[test]
+    fn threads_that_end_do_not_count_against_the_others() {
+        let before = Threads([(1, 100), (2, 500)].into());
+        let after = Threads([(1, 150), (3, 20)].into());
+        assert_eq!(after.since(&before), Duration::from_millis(700));
+    }
+
+    #[test]
     fn this_thread_is_counted() {
         let name = std::thread::current()
             .name()
@@ -60,7 +89,7 @@ mod tests {
         }
         assert!(x > 0);
         if let Some(name) = name {
-            assert!(threads_cpu(&name) > Duration::ZERO);
+            assert!(threads_cpu(&name).since(&Threads::default()) > Duration::ZERO);
         }
     }
 }

@@ -170,8 +170,8 @@ pub(crate) async fn run(plan: &Plan) -> Result<Traffic, String> {
         total.merge(&traffic);
     }
     total.elapsed = plan.measure;
-    total.server_cpu = cpu_after.0.saturating_sub(cpu_before.0);
-    total.client_cpu = cpu_after.1.saturating_sub(cpu_before.1);
+    total.server_cpu = cpu_after.0.since(&cpu_before.0);
+    total.client_cpu = cpu_after.1.since(&cpu_before.1);
     if let (Some(before), Some(after)) = (machine_before, machine_after) {
         total.machine_cpu = after.busy_since(before);
         total.machine_busy = after.utilization_since(before);

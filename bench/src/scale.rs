@@ -14,9 +14,11 @@
 //!   count only adds the difference. A prefilled key is then replayed through the layer to
 //!   check the copies are records the store reads back.
 //!
-//! On PostgreSQL, one prefilled row in twenty expires during the run (spread over ten
+//! On PostgreSQL, 100,000 rows of each fill expire during the rows after it (spread over ten
 //! minutes), so the reaper, which every PostgreSQL row runs, deletes rows while the rows are
-//! measured.
+//! measured. A fill ends with what the store would otherwise do in the background during the
+//! first rows: PostgreSQL's `VACUUM (ANALYZE)` and `CHECKPOINT`, and Redis's rewrite of its
+//! append-only file (`BGREWRITEAOF`, waited for).
 
 use std::convert::Infallible;
 use std::time::Instant;
@@ -39,8 +41,10 @@ use crate::memory::response_body;
 pub(crate) const NAMESPACE: &str = "idempotent-bench-prefill";
 /// Records written per Redis pipeline or PostgreSQL statement.
 const BATCH: u64 = 5_000;
-/// Prefilled PostgreSQL rows that expire during the run: one in this many.
-const EXPIRING_ONE_IN: u64 = 20;
+/// PostgreSQL rows of each fill that expire during the rows after it, whatever the count: the
+/// reaper then deletes at the same rate (about 170 rows a second) with 1M or 10M records, as
+/// in a steady state where records expire as fast as new ones come.
+const EXPIRING_PER_FILL: u64 = 100_000;
 /// Over how many seconds the expiring rows' expiries are spread.
 const EXPIRY_SPREAD_SECONDS: u64 = 600;
 /// The TTL of the other prefilled records: the layer's default.
@@ -172,8 +176,11 @@ impl Shared {
             .await
             .map_err(|e| format!("Redis: {e}"))?;
         let client = redis::Client::open(url).map_err(|e| format!("Redis: {e}"))?;
+        // No response timeout: a pipeline of thousands of writes may wait behind Redis's own
+        // work (a rewrite of its append-only file forks a copy of gigabytes).
+        let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
         let mut connection = client
-            .get_multiplexed_async_connection()
+            .get_multiplexed_async_connection_with_config(&config)
             .await
             .map_err(|e| format!("Redis: {e}"))?;
         let started = Instant::now();
@@ -219,6 +226,13 @@ impl Shared {
             }
             through_layer(prefill_runtime(store), records - 1..records, false).await?;
             self.redis = records;
+            // The fill grows the append-only file enough for Redis to rewrite it, in a child
+            // process that would share the CPUs with the rows: rewrite now and wait.
+            redis::cmd("BGREWRITEAOF")
+                .exec_async(&mut connection)
+                .await
+                .map_err(|e| format!("Redis BGREWRITEAOF: {e}"))?;
+            wait_for_rewrite(&mut connection).await?;
         }
         let fill_seconds = started.elapsed().as_secs_f64();
         let info: String = redis::cmd("INFO")
@@ -275,13 +289,14 @@ impl Shared {
             let insert = format!(
                 "INSERT INTO {table} (storage_key, state, fingerprint, token, payload, expires_at) \
                  SELECT k, 'completed', $2, nextval('{sequence}'), $3, \
-                 CASE WHEN n % {EXPIRING_ONE_IN} = 0 \
+                 CASE WHEN n < $5 \
                  THEN clock_timestamp() + (n % {EXPIRY_SPREAD_SECONDS}) * interval '1 second' \
                  ELSE clock_timestamp() + interval '24 hours' END \
                  FROM unnest($1::bytea[], $4::int8[]) AS u(k, n) \
                  ON CONFLICT (storage_key) DO NOTHING"
             );
             let mut next = self.postgres + 1;
+            let expiring_end = (next + EXPIRING_PER_FILL) as i64;
             while next < records {
                 let end = (next + BATCH).min(records);
                 let keys: Vec<Vec<u8>> = (next..end)
@@ -293,24 +308,23 @@ impl Shared {
                     .bind(fingerprint.as_slice())
                     .bind(payload.as_slice())
                     .bind(numbers)
+                    .bind(expiring_end)
                     .execute(&pool)
                     .await
                     .map_err(|e| format!("PostgreSQL: prefill insert: {e}"))?;
                 next = end;
             }
-            sqlx::query(&format!("ANALYZE {table}"))
-                .execute(&pool)
-                .await
-                .map_err(|e| format!("PostgreSQL: ANALYZE: {e}"))?;
-            // The last record is live (its number is not a multiple of EXPIRING_ONE_IN unless
-            // by chance; either way the layer must answer it, fresh or replayed, with 201).
-            let last = records - 1;
-            let live_check = if last % EXPIRING_ONE_IN == 0 {
-                last - 1
-            } else {
-                last
-            };
-            through_layer(prefill_runtime(store), live_check..live_check + 1, false).await?;
+            // What autovacuum and the checkpointer would otherwise do during the rows.
+            for statement in [format!("VACUUM (ANALYZE) {table}"), "CHECKPOINT".to_owned()] {
+                sqlx::query(&statement)
+                    .execute(&pool)
+                    .await
+                    .map_err(|e| format!("PostgreSQL: {statement}: {e}"))?;
+            }
+            // The last record of a fill larger than its expiring share is live for a day.
+            if records - self.postgres > EXPIRING_PER_FILL + 1 {
+                through_layer(prefill_runtime(store), records - 1..records, false).await?;
+            }
             self.postgres = records;
         }
         let fill_seconds = started.elapsed().as_secs_f64();
@@ -329,6 +343,34 @@ impl Shared {
             index_bytes: Some(index_bytes.max(0) as u64),
             entries: entries.max(0) as u64,
         })
+    }
+}
+
+/// Waits until Redis has no append-only-file rewrite or snapshot running or scheduled.
+async fn wait_for_rewrite(
+    connection: &mut redis::aio::MultiplexedConnection,
+) -> Result<(), String> {
+    let deadline = Instant::now() + std::time::Duration::from_secs(600);
+    loop {
+        let info: String = redis::cmd("INFO")
+            .arg("persistence")
+            .query_async(connection)
+            .await
+            .map_err(|e| format!("Redis INFO: {e}"))?;
+        let busy = [
+            "aof_rewrite_in_progress",
+            "aof_rewrite_scheduled",
+            "rdb_bgsave_in_progress",
+        ]
+        .iter()
+        .any(|field| info_field(&info, field).unwrap_or(0) != 0);
+        if !busy {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err("Redis: still rewriting its append-only file after 10 minutes".into());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
 }
 
