@@ -227,7 +227,10 @@ impl Shared {
             through_layer(prefill_runtime(store), records - 1..records, false).await?;
             self.redis = records;
             // The fill grows the append-only file enough for Redis to rewrite it, in a child
-            // process that would share the CPUs with the rows: rewrite now and wait.
+            // process that would share the CPUs with the rows: rewrite now and wait. Redis may
+            // have started a rewrite of its own during the fill, and refuses a second one
+            // meanwhile: wait for it first.
+            wait_for_rewrite(&mut connection).await?;
             redis::cmd("BGREWRITEAOF")
                 .exec_async(&mut connection)
                 .await
