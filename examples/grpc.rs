@@ -6,7 +6,9 @@
 //! ```
 //!
 //! It listens on `127.0.0.1:$PORT` (default 50051) and reads the same `IDEMPOTENCY_*`
-//! environment as the `payments` example (see `common/mod.rs`). The service is
+//! environment as the `payments` example (see `common/mod.rs`). With `METRICS_PORT` set, it
+//! also serves `GET /metrics` (Prometheus text format, see `idempotent_core::metrics`) on
+//! `127.0.0.1:$METRICS_PORT`. The service is
 //! `payments.v1.Payments` from `proto/payments.proto`, compiled at build time by `protox` (a
 //! protobuf compiler in pure Rust: no `protoc` needed):
 //!
@@ -146,6 +148,33 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let metrics = match common::install_metrics() {
+        Ok(metrics) => metrics,
+        Err(message) => {
+            eprintln!("grpc: {message}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Ok(port) = std::env::var("METRICS_PORT") {
+        let Ok(port) = port.parse::<u16>() else {
+            eprintln!("grpc: METRICS_PORT={port:?} is not a port number");
+            return ExitCode::from(2);
+        };
+        let address = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        let listener = match tokio::net::TcpListener::bind(address).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                eprintln!("grpc: cannot listen on {address} for metrics: {error}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let app = axum::Router::new().route("/metrics", common::metrics_route(metrics));
+        tokio::spawn(async move {
+            if let Err(error) = axum::serve(listener, app).await {
+                eprintln!("grpc: metrics server failed: {error}");
+            }
+        });
+    }
     let idempotency = match common::idempotency(&settings, "grpc-example").await {
         Ok(idempotency) => idempotency,
         Err(message) => {

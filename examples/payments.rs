@@ -7,7 +7,11 @@
 //!      -H 'Authorization: Bearer alice' \
 //!      -H 'Content-Type: application/json' -d '{"amount":1999,"currency":"EUR"}'
 //! curl localhost:3000/payments/count     # {"count": handler runs, "charges": charges made}
+//! curl localhost:3000/metrics             # idempotency_requests_total{outcome="fresh",…} 1 …
 //! ```
+//!
+//! `GET /metrics` serves the runtime's and the layer's metrics (see `idempotent_core::metrics`)
+//! in Prometheus's text format, through `metrics-exporter-prometheus`.
 //!
 //! # The record and the effect
 //!
@@ -320,6 +324,13 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let metrics = match common::install_metrics() {
+        Ok(metrics) => metrics,
+        Err(message) => {
+            eprintln!("payments: {message}");
+            return ExitCode::FAILURE;
+        }
+    };
     let idempotency = match common::idempotency(&settings, "payments-example").await {
         Ok(idempotency) => idempotency,
         Err(message) => {
@@ -333,6 +344,7 @@ async fn main() -> ExitCode {
         .route("/refunds", post(create_refund))
         .route("/payments/count", get(count))
         .route("/health", get(|| async { StatusCode::OK }))
+        .route("/metrics", common::metrics_route(metrics))
         .layer(IdempotencyLayer::new_for_http(idempotency.clone()))
         .layer(middleware::from_fn(authenticate))
         .with_state(Arc::new(App::default()));

@@ -23,6 +23,7 @@ use idempotent_core::memory::MemoryStore;
 use idempotent_core::postgres::PostgresStore;
 use idempotent_core::redis::RedisStore;
 use idempotent_core::{Defaults, Idempotency, InFlightPolicy};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 /// Logs to stderr, `RUST_LOG` overriding the default filter.
 pub(crate) fn init_logging() {
@@ -109,6 +110,48 @@ fn checked_duration(
     check: fn(Duration) -> Result<Duration, DurationError>,
 ) -> Result<Duration, String> {
     check(parse_duration(name, value)?).map_err(|error| format!("{name}={value:?}: {error}"))
+}
+
+/// Installs the process's metrics recorder (Prometheus text format, with Prometheus's
+/// recommended names: `idempotency_requests_total`, `…_duration_seconds`), before any runtime
+/// is created, since runtimes register their metrics with the recorder installed when they
+/// are created. Returns what renders the scrape; histograms are drained into it every 5 s.
+pub(crate) fn install_metrics() -> Result<PrometheusHandle, String> {
+    let handle = PrometheusBuilder::new()
+        .with_recommended_naming(true)
+        .set_buckets(&[
+            0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+            1.0, 2.5, 5.0, 10.0,
+        ])
+        .and_then(PrometheusBuilder::install_recorder)
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            every.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    Ok(handle)
+}
+
+/// `GET /metrics`: the scrape, in Prometheus's text format.
+pub(crate) fn metrics_route<S: Clone + Send + Sync + 'static>(
+    handle: PrometheusHandle,
+) -> axum::routing::MethodRouter<S> {
+    axum::routing::get(move || {
+        let handle = handle.clone();
+        async move {
+            (
+                [(
+                    axum::http::header::CONTENT_TYPE,
+                    "text/plain; version=0.0.4; charset=utf-8",
+                )],
+                handle.render(),
+            )
+        }
+    })
 }
 
 /// The runtime over the store `IDEMPOTENCY_STORE` names.

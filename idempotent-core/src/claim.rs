@@ -300,6 +300,9 @@ impl ClaimHandle {
     /// Held → lost, logged and signalled once; no effect in any other phase.
     pub(crate) fn mark_lost(&self, why: &'static str) {
         if self.leave(LOST) {
+            if let Some(store) = &self.state.store {
+                store.metrics().lost.increment(1);
+            }
             tracing::error!(
                 storage_key = %self.state.key,
                 token = self.state.token.get(),

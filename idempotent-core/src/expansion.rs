@@ -30,6 +30,7 @@ pub use crate::{CallOptions, InFlightPolicy};
 pub use core::{concat, module_path};
 pub use std::time::Duration;
 
+use crate::metrics::{Protocol, RequestOutcome};
 use crate::{
     Call, CanonicalError, Error, Execution, Fingerprint, Idempotency, Key, KeyError, Retain, Scope,
     ToKey,
@@ -86,15 +87,18 @@ impl<R> Invocation<R> {
         self
     }
 
-    /// The runtime and the call, or the error that stops the call before it claims.
-    fn into_call(self) -> Result<(R, Call), Error> {
-        let mut call = Call::new(self.key?)
-            .scope(self.scope.operation(self.name))
-            .options(self.options);
-        if let Some(fingerprint) = self.fingerprint {
-            call = call.fingerprint(fingerprint?);
-        }
-        Ok((self.runtime, call))
+    /// The runtime, and the call or the error that stops the call before it claims.
+    fn into_call(self) -> (R, Result<Call, Error>) {
+        let call = (|| {
+            let mut call = Call::new(self.key?)
+                .scope(self.scope.operation(self.name))
+                .options(self.options);
+            if let Some(fingerprint) = self.fingerprint {
+                call = call.fingerprint(fingerprint?);
+            }
+            Ok(call)
+        })();
+        (self.runtime, call)
     }
 }
 
@@ -383,7 +387,11 @@ where
 {
     let refused = returns.refused;
     let into_result = returns.into_result;
-    let (runtime, call) = invocation.into_call().map_err(refused)?;
+    let (runtime, call) = invocation.into_call();
+    let call = call.map_err(|error| {
+        runtime.count(Protocol::Call, RequestOutcome::of_error(&error));
+        refused(error)
+    })?;
     let work = async move { into_result(work.await) };
     let execution = runtime
         .execute(
@@ -392,8 +400,9 @@ where
             |result| returns.retain(result),
             |result| returns.encode(result),
         )
-        .await
-        .map_err(refused)?;
+        .await;
+    runtime.inner.metrics().call(&execution);
+    let execution = execution.map_err(refused)?;
     match execution {
         Execution::Fresh(result) => result,
         Execution::Replayed(bytes) => returns.replay(&bytes).map_err(refused)?,
@@ -546,9 +555,13 @@ pub mod postgres {
     ) -> ControlFlow<O, Pending<O, T, E>> {
         let (refuse, from_result) = (returns.refused, returns.from_result);
         let refused = |error: Error| ControlFlow::Break(from_result(Err(refuse(error))));
-        let (runtime, call) = match invocation.into_call() {
-            Ok(runtime_and_call) => runtime_and_call,
-            Err(error) => return refused(error),
+        let (runtime, call) = invocation.into_call();
+        let call = match call {
+            Ok(call) => call,
+            Err(error) => {
+                runtime.count_refused(&error);
+                return refused(error);
+            }
         };
         match runtime.claim_raw(&call, connection).await {
             Ok(RawClaim::Run(record)) => ControlFlow::Continue(Pending { record, returns }),

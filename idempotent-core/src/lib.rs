@@ -57,6 +57,9 @@
 //!   left).
 //! - [`Error`] and its [`ProblemCode`]: every refusal has one stable code with one HTTP status
 //!   and one [`GrpcCode`], the same in logs and on the wire.
+//! - [`metrics`]: what the runtime and the layers count and time, through the `metrics`
+//!   facade (requests by outcome, store operation and work durations, claims in flight, lost
+//!   claims, completion retries), for whatever recorder the application installs.
 //!
 //! # Public API
 //!
@@ -73,6 +76,7 @@
 //! | the root: the attribute | [`idempotent`](macro@idempotent) (feature `macros`), [`default_runtime`], [`set_default_runtime`] |
 //! | [`limits`] | the accepted range of every duration, and checks for values read at run time |
 //! | [`clock`] | the memory store's time source; `ManualClock` with feature `test-util` |
+//! | [`metrics`] | the metric names, their labels ([`metrics::Protocol`], [`metrics::RequestOutcome`]) and [`metrics::describe`] |
 //! | `memory` (feature `memory`) | `MemoryStore`, its builder, statistics and bounds |
 //! | `redis` (feature `redis`) | `RedisStore` and its builder |
 //! | `postgres` (feature `postgres`) | `PostgresStore`, the transactional mode (`Transactional`), `Fence` |
@@ -82,7 +86,7 @@
 //! flow), `call.rs` (calls, options, defaults), `outcome.rs`, `claim.rs` (the running claim),
 //! `lease.rs` (renewal and per-operation bounds), `claim_answer.rs` (what a claim's answer
 //! means under the in-flight policy, shared with the transactional mode), `record.rs`
-//! (recording an outcome, with retries), `shutdown.rs`, `problem.rs`, `error.rs`, `key.rs`,
+//! (recording an outcome, with retries), `shutdown.rs`, `metrics.rs`, `problem.rs`, `error.rs`, `key.rs`,
 //! `fingerprint/`, `envelope.rs` (the stored record format), `store/` (the trait and each
 //! backend), `attribute.rs`, `to_key.rs` and `default_runtime.rs` (the attribute's public side)
 //! and `expansion.rs` (the hidden module the attribute expands into, `__private`).
@@ -229,6 +233,7 @@ mod to_key;
 
 pub mod clock;
 pub mod limits;
+pub mod metrics;
 
 #[cfg(feature = "test-util")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]

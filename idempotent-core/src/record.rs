@@ -102,6 +102,7 @@ impl Idempotency {
             backoff = (backoff * 2).min(LAST_RECORD_BACKOFF);
             limit = (limit * 2).min(self.inner.record_retry.max(limit));
             attempts += 1;
+            self.inner.metrics().completion_retries.increment(1);
             let error = match self.complete_once(&claim, &payload, ttl, limit).await {
                 Ok(()) => {
                     tracing::info!(storage_key = %key, attempts, "idempotent result recorded after retries");

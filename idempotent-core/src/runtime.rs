@@ -15,9 +15,10 @@ use crate::claim::{ClaimHandle, ClaimSlot, Seed};
 use crate::claim_answer::{ClaimAnswer, Step};
 use crate::envelope::Integrity;
 use crate::lease::Renewal;
+use crate::metrics::{Metrics, Protocol, RequestOutcome};
 use crate::record::{FinishOnDrop, First, Payload, Recording};
 use crate::shutdown::{Drain, Drained};
-use crate::store::{BoxFuture, DynStore};
+use crate::store::{BoxFuture, DynStore, Measured};
 use crate::{
     Call, Defaults, Error, Execution, FencingToken, Fingerprint, InFlightPolicy, Outcome, Retain,
     StorageKey, Store, StoreError,
@@ -96,6 +97,13 @@ pub(crate) struct Inner {
     drain: Arc<Drain>,
     /// Whether results are checksummed: not on a store that keeps them in this process.
     pub(crate) integrity: Integrity,
+}
+
+impl Inner {
+    /// This runtime's metrics, which its store's wrapper holds.
+    pub(crate) fn metrics(&self) -> &Metrics {
+        self.store.metrics()
+    }
 }
 
 impl fmt::Debug for Idempotency {
@@ -181,15 +189,17 @@ impl IdempotencyBuilder {
 }
 
 impl Idempotency {
-    /// A runtime over `store` with the defaults.
+    /// A runtime over `store` with the defaults. Its [metrics](crate::metrics) are registered
+    /// with the recorder installed now.
     pub fn new(store: impl Store) -> Self {
         Self::builder(store).build()
     }
 
-    /// Configures a runtime over `store`.
+    /// Configures a runtime over `store`. The runtime's [metrics](crate::metrics) are
+    /// registered with the recorder installed now.
     pub fn builder(store: impl Store) -> IdempotencyBuilder {
         IdempotencyBuilder {
-            store: Arc::new(store),
+            store: Arc::new(Measured::new(store)),
             namespace: Box::default(),
             defaults: Defaults::new(),
             record_retry: DEFAULT_RECORD_RETRY,
@@ -247,6 +257,15 @@ impl Idempotency {
         !self.inner.drain.is_open()
     }
 
+    /// Counts one call or request that ended with `outcome` in
+    /// [`idempotency.requests`](crate::metrics), with this runtime's recorder. The runtime's
+    /// own API and the layers count theirs; this is for an integration built on
+    /// [`execute`](Self::execute), which counts nothing, or one that refuses requests before
+    /// they reach the runtime.
+    pub fn count(&self, protocol: Protocol, outcome: RequestOutcome) {
+        self.inner.metrics().request(protocol, outcome);
+    }
+
     /// The storage key `call` maps to in this runtime's namespace.
     pub fn storage_key(&self, call: &Call) -> StorageKey {
         StorageKey::derive(&self.inner.namespace, call.scope_ref(), call.key())
@@ -289,7 +308,9 @@ impl Idempotency {
                     }
                 }
             })
-            .await?;
+            .await;
+        self.inner.metrics().call(&execution);
+        let execution = execution?;
         if let Some(e) = encode_error {
             return Err(Error::Payload(e.into()));
         }
@@ -307,6 +328,10 @@ impl Idempotency {
     /// cannot be kept (a response too large to buffer): the call is then recorded as done
     /// without a result, and retries get [`Error::ResultNotRetained`] instead of running the
     /// work again.
+    ///
+    /// It records the store's and the work's [metrics](crate::metrics) but does not count the
+    /// call in `idempotency.requests`: what the caller makes of the execution is its outcome
+    /// (see [`count`](Self::count)).
     pub async fn execute<V, F>(
         &self,
         call: &Call,
@@ -321,7 +346,7 @@ impl Idempotency {
         // Counted in flight from before its claim until its outcome is recorded, so that a
         // shutdown waits for a claim still on its way to the store; refused without touching
         // the store once shutdown has begun.
-        let Some(active) = inner.drain.enter() else {
+        let Some(mut active) = inner.drain.enter() else {
             return Err(Error::ShuttingDown);
         };
         let key = self.storage_key(call);
@@ -342,6 +367,8 @@ impl Idempotency {
             }
         };
         tracing::debug!(storage_key = %key, token = token.get(), "idempotent call claimed");
+        active.own(&inner.metrics().in_flight);
+        let started = std::time::Instant::now();
 
         let slot = ClaimSlot::leased(Seed {
             store: Arc::clone(&inner.store),
@@ -380,6 +407,7 @@ impl Idempotency {
             (value, scoped.as_mut().take_value())
         };
         let slot = slot.expect("the runtime takes the claim's slot back once, after the work");
+        inner.metrics().work.record(started.elapsed());
         let Some(value) = value else {
             drop(renewal);
             active.stopped();

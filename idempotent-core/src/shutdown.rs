@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use metrics::Gauge;
 use tokio::sync::Notify;
 use tokio::sync::futures::Notified;
 
@@ -59,7 +60,10 @@ impl Drain {
         // SeqCst on both sides: either `drain` sees this call counted, or this call sees the
         // drain and backs out.
         self.active.fetch_add(1, Ordering::SeqCst);
-        let active = Active(self);
+        let active = Active {
+            drain: self,
+            owner: None,
+        };
         if self.state.load(Ordering::SeqCst) != OPEN {
             return None;
         }
@@ -132,27 +136,44 @@ impl Drain {
 
 /// One call counted in flight, borrowing the drain; ends when dropped. A call that finishes
 /// in place never clones the drain's `Arc`; one that hands its outcome to a task
-/// [detaches](Self::detach) its count first.
-pub(crate) struct Active<'a>(&'a Arc<Drain>);
+/// [detaches](Self::detach) its count first. Once the call owns its claim it also counts in
+/// the [`idempotency.claims.in_flight`](crate::metrics) gauge, until it ends.
+pub(crate) struct Active<'a> {
+    drain: &'a Arc<Drain>,
+    owner: Option<Gauge>,
+}
 
 impl Active<'_> {
     /// Records that this call's work was stopped by the shutdown.
     pub(crate) fn stopped(&self) {
-        self.0.stopped.fetch_add(1, Ordering::SeqCst);
+        self.drain.stopped.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Counts this call in `gauge` as an owner until it ends.
+    #[inline]
+    pub(crate) fn own(&mut self, gauge: &Gauge) {
+        gauge.increment(1.0);
+        self.owner = Some(gauge.clone());
     }
 
     /// The same count, owned, for a task that outlives the call.
-    pub(crate) fn detach(self) -> Detached {
-        let drain = Arc::clone(self.0);
+    pub(crate) fn detach(mut self) -> Detached {
+        let detached = Detached {
+            drain: Arc::clone(self.drain),
+            owner: self.owner.take(),
+        };
         std::mem::forget(self);
-        Detached(drain)
+        detached
     }
 }
 
 impl Drop for Active<'_> {
     #[inline]
     fn drop(&mut self) {
-        self.0.end();
+        if let Some(gauge) = &self.owner {
+            gauge.decrement(1.0);
+        }
+        self.drain.end();
     }
 }
 
@@ -163,11 +184,17 @@ impl fmt::Debug for Active<'_> {
 }
 
 /// A call's count in flight, owned by a task that finishes its outcome; ends when dropped.
-pub(crate) struct Detached(Arc<Drain>);
+pub(crate) struct Detached {
+    drain: Arc<Drain>,
+    owner: Option<Gauge>,
+}
 
 impl Drop for Detached {
     fn drop(&mut self) {
-        self.0.end();
+        if let Some(gauge) = &self.owner {
+            gauge.decrement(1.0);
+        }
+        self.drain.end();
     }
 }
 

@@ -102,6 +102,11 @@
 //! - **Logging**: one `tracing` event per outcome (`outcome` = `fresh`, `replayed`,
 //!   `in_flight`, `fingerprint_mismatch`, `invalid_key`, `bypassed`, `store_unavailable`, …),
 //!   with the storage key digest, never the raw key.
+//! - **Metrics**: each protected request is counted once in `idempotency.requests` with
+//!   `protocol` `http` or `grpc` and its `outcome` (the runtime under the layer does not count
+//!   it again), with the runtime's recorder; the runtime times the store operations and the
+//!   handler. Requests the layer does not protect are not counted. The names, labels and
+//!   outcomes are in [`idempotent_core::metrics`].
 //!
 //! # Responses the layer produces
 //!

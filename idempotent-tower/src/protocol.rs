@@ -155,10 +155,15 @@ pub(crate) mod sealed {
 
         /// The answer to a refusal.
         fn answer<B: Body>(problem: Problem) -> Response<ResponseBody<B>>;
+
+        /// The `protocol` label of this protocol's requests in the metrics.
+        const METRICS: idempotent_core::metrics::Protocol;
     }
 
     impl Sealed for Http {
         type Settings = HttpSettings;
+        const METRICS: idempotent_core::metrics::Protocol =
+            idempotent_core::metrics::Protocol::Http;
 
         fn protects(settings: &HttpSettings, method: &Method, _path: &str) -> bool {
             settings.methods.iter().any(|m| m == method)
@@ -178,6 +183,8 @@ pub(crate) mod sealed {
     }
 
     impl Sealed for Grpc {
+        const METRICS: idempotent_core::metrics::Protocol =
+            idempotent_core::metrics::Protocol::Grpc;
         type Settings = GrpcSettings;
 
         fn protects(settings: &GrpcSettings, method: &Method, path: &str) -> bool {

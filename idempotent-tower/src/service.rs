@@ -10,6 +10,7 @@ use http::header::CONTENT_LENGTH;
 use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use idempotent_core::metrics::RequestOutcome;
 use idempotent_core::{
     Call, ClaimHandle, Error, Execution, Idempotency, Key, ProblemCode, Retain, Scope, StoreError,
 };
@@ -109,8 +110,7 @@ where
                 outcome = ProblemCode::ShuttingDown.as_str(),
                 "protected request refused: shutting down"
             );
-            let refused = P::answer(Problem::from_error(&Error::ShuttingDown));
-            return refuse(config, request, refused);
+            return refuse(config, request, Problem::from_error(&Error::ShuttingDown));
         }
         let key = match key_from_headers(request.headers(), &config.header, config.strict) {
             Ok(key) => key,
@@ -124,7 +124,7 @@ where
                     code = problem.code.as_str(),
                     "idempotency key refused"
                 );
-                return refuse(config, request, P::answer(problem));
+                return refuse(config, request, problem);
             }
         };
         if let Some(declared) =
@@ -137,11 +137,7 @@ where
                 limit,
                 "protected request refused: its declared body is over the limit"
             );
-            return refuse(
-                config,
-                request,
-                P::answer(Problem::request_too_large(limit)),
-            );
+            return refuse(config, request, Problem::request_too_large(limit));
         }
         let (parts, body) = request.into_parts();
         let scope = (config.scope)(&parts).or_else(|| config.allow_anonymous.then(Scope::new));
@@ -151,7 +147,7 @@ where
                 outcome = ProblemCode::MissingScope.as_str(),
                 "protected request refused: no principal to scope its key by"
             );
-            return refuse(config, request, P::answer(Problem::missing_scope()));
+            return refuse(config, request, Problem::missing_scope());
         };
         // The ready service goes with this request; a clone waits for the next poll_ready.
         let clone = self.inner.clone();
@@ -184,7 +180,13 @@ impl<S, P: Protocol> IdempotencyService<S, P> {
     }
 }
 
-/// Answers `refused` to a protected request the layer will not run, after reading and dropping
+/// Counts one protected request that ended with `outcome`.
+fn count<P: Protocol>(config: &Config<P>, outcome: RequestOutcome) {
+    config.idempotency.count(P::METRICS, outcome);
+}
+
+/// Answers `problem` to a protected request the layer will not run (and counts it), after
+/// reading and dropping
 /// what is left of its body: answering first and closing the connection with the body unread
 /// would let the kernel reset it under an HTTP/1 client still sending, which then never reads
 /// the answer. At most `max_request_body` plus `max_discarded_body` bytes are read; a body
@@ -192,7 +194,7 @@ impl<S, P: Protocol> IdempotencyService<S, P> {
 fn refuse<P, F, B, ResBody, E>(
     config: &Config<P>,
     request: Request<B>,
-    refused: Response<ResponseBody<ResBody>>,
+    problem: Problem,
 ) -> ResponseFuture<F, ResBody, E>
 where
     P: Protocol,
@@ -203,6 +205,8 @@ where
     ResBody::Data: Send,
     ResBody::Error: Send,
 {
+    count(config, RequestOutcome::Refused(problem.code));
+    let refused = P::answer(problem);
     if request.body().is_end_stream() {
         return ResponseFuture::ready(refused);
     }
@@ -261,10 +265,18 @@ where
                     ?connection,
                     "protected request refused: its body went over the limit"
                 );
+                count(
+                    &config,
+                    RequestOutcome::Refused(ProblemCode::RequestTooLarge),
+                );
                 return Ok(connection.mark(P::answer(Problem::request_too_large(limit))));
             }
             Err(error) => {
                 tracing::info!(outcome = ProblemCode::RequestBodyUnreadable.as_str(), error = %error, "could not read a protected request body");
+                count(
+                    &config,
+                    RequestOutcome::Refused(ProblemCode::RequestBodyUnreadable),
+                );
                 return Ok(P::answer(Problem::request_body_unreadable()));
             }
         }
@@ -364,14 +376,24 @@ where
     {
         Ok(Execution::Fresh(Some(Ok(captured)))) => {
             tracing::debug!(outcome = "fresh", %storage_key, status = captured.status().as_u16(), "idempotent request executed");
+            count(&config, RequestOutcome::Fresh);
             Ok(captured.into_response())
         }
-        Ok(Execution::Fresh(Some(Err(error)))) => Err(error),
+        // The handler ran; the inner service's own error is its answer.
+        Ok(Execution::Fresh(Some(Err(error)))) => {
+            count(&config, RequestOutcome::Fresh);
+            Err(error)
+        }
         Ok(Execution::Fresh(None)) => {
             tracing::warn!(outcome = ProblemCode::ClaimLost.as_str(), %storage_key, "request stopped: its claim was lost while the handler ran");
+            count(&config, RequestOutcome::Refused(ProblemCode::ClaimLost));
             Ok(P::answer(Problem::from_error(&Error::ClaimLost)))
         }
-        Ok(Execution::Replayed(stored)) => Ok(replay::<P, _>(stored, storage_key)),
+        Ok(Execution::Replayed(stored)) => {
+            let (response, outcome) = replay::<P, _>(stored, storage_key);
+            count(&config, outcome);
+            Ok(response)
+        }
         // Only an unreachable store is bypassed: a record that exists but cannot be read is a
         // conflict, never "absent".
         // Never once shutdown has begun: the handler would run after the drain counted it out.
@@ -387,6 +409,7 @@ where
                 error = &error as &dyn std::error::Error,
                 "idempotency store unavailable; running the request without protection (fail-open)"
             );
+            count(&config, RequestOutcome::Bypassed);
             poll_fn(|cx| inner.poll_ready(cx)).await?;
             let response = inner
                 .call(Request::from_parts(parts, RequestBody::buffered(body)))
@@ -409,6 +432,7 @@ where
                 ),
                 _ => tracing::info!(outcome, %storage_key, "idempotent request refused"),
             }
+            count(&config, RequestOutcome::of_error(&error));
             Ok(P::answer(Problem::from_error(&error)))
         }
     }
@@ -425,10 +449,12 @@ impl fmt::Display for LoggedKey<'_> {
     }
 }
 
+/// The replayed response, and how the request ended: replayed, or refused if the record
+/// cannot be decoded.
 fn replay<P: Protocol, B: Body>(
     stored: Bytes,
     storage_key: LoggedKey<'_>,
-) -> Response<ResponseBody<B>> {
+) -> (Response<ResponseBody<B>>, RequestOutcome) {
     match crate::record::decode(stored) {
         Ok(stored) => {
             tracing::debug!(outcome = "replayed", %storage_key, status = stored.status.as_u16(), "idempotent response replayed");
@@ -438,11 +464,14 @@ fn replay<P: Protocol, B: Body>(
             response
                 .headers_mut()
                 .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-            response
+            (response, RequestOutcome::Replayed)
         }
         Err(error) => {
             tracing::error!(outcome = ProblemCode::CorruptRecord.as_str(), %storage_key, %error, "stored response cannot be decoded");
-            P::answer(Problem::from_error(&Error::CorruptRecord(Box::new(error))))
+            (
+                P::answer(Problem::from_error(&Error::CorruptRecord(Box::new(error)))),
+                RequestOutcome::Refused(ProblemCode::CorruptRecord),
+            )
         }
     }
 }

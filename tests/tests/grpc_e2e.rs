@@ -7,7 +7,7 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::Server;
+use support::{Client, Protocol, Server, metric};
 use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
 use tonic::{Code, Request};
@@ -405,4 +405,64 @@ async fn sigterm_lets_the_call_in_flight_finish_and_refuses_new_ones() {
         .expect("the process exits once its calls are done")
         .unwrap();
     assert!(exit.success(), "{exit:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_on_their_own_port_count_grpc_calls_by_outcome() {
+    let metrics_port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let metrics_port = metrics_port.to_string();
+    let server = Server::start(
+        "grpc",
+        &[("METRICS_PORT", metrics_port.as_str())],
+        "listening on 127.0.0.1:",
+    )
+    .await;
+    let mut client = PaymentsClient::connect(format!("http://127.0.0.1:{}", server.port))
+        .await
+        .expect("connect to the grpc example");
+    client
+        .charge(charge(100, "EUR", Some("g-1"), Some("alice")))
+        .await
+        .unwrap();
+    client
+        .charge(charge(100, "EUR", Some("g-1"), Some("alice")))
+        .await
+        .unwrap();
+    let mismatch = client
+        .charge(charge(200, "EUR", Some("g-1"), Some("alice")))
+        .await
+        .unwrap_err();
+    assert_eq!(mismatch.code(), Code::FailedPrecondition);
+    let mut slow_client = client.clone();
+    let slow = tokio::spawn(async move {
+        slow_client
+            .charge(charge_slow(100, "EUR", 1500, Some("g-2"), Some("alice")))
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let conflict = client
+        .charge(charge_slow(100, "EUR", 1500, Some("g-2"), Some("alice")))
+        .await
+        .unwrap_err();
+    assert_eq!(conflict.code(), Code::Aborted);
+    slow.await.unwrap().unwrap();
+
+    let scrape = Client::new(Protocol::Http1)
+        .get(&format!("http://127.0.0.1:{metrics_port}/metrics"))
+        .await;
+    let scrape = String::from_utf8_lossy(&scrape.body).into_owned();
+    let requests = |outcome| {
+        metric(
+            &scrape,
+            "idempotency_requests_total",
+            &[("protocol", "grpc"), ("outcome", outcome)],
+        )
+    };
+    assert_eq!(requests("fresh"), Some(2.0), "{scrape}");
+    assert_eq!(requests("replayed"), Some(1.0));
+    assert_eq!(requests("mismatch"), Some(1.0));
+    assert_eq!(requests("in_flight"), Some(1.0));
 }

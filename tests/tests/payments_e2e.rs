@@ -6,7 +6,7 @@ mod support;
 use std::time::Duration;
 
 use http::{Method, StatusCode};
-use support::{Client, PROTOCOLS, Protocol, Server};
+use support::{Client, PROTOCOLS, Protocol, Server, metric};
 use tokio::io::AsyncWriteExt;
 
 const PAYMENT: &str = r#"{"amount":1999,"currency":"EUR"}"#;
@@ -454,4 +454,75 @@ async fn bad_configuration_exits_with_a_clear_message() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(stderr.contains(expected), "{name}={value}: {stderr}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_a_fresh_request_a_replay_a_409_and_a_422() {
+    let server = Server::payments(&[]).await;
+    let client = Client::new(Protocol::Http1);
+    let post = |key: &'static str, url: &'static str, body: &'static str| {
+        let (client, url) = (client.clone(), server.url(url));
+        async move { client.post(&url, Some(key), Some("alice"), body).await }
+    };
+    assert_eq!(
+        post("m-1", "/payments", PAYMENT).await.status,
+        StatusCode::CREATED
+    );
+    assert!(post("m-1", "/payments", PAYMENT).await.replayed());
+    let other = r#"{"amount":1,"currency":"EUR"}"#;
+    assert_eq!(
+        post("m-1", "/payments", other).await.status,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    let slow = tokio::spawn(post("m-2", "/payments?delay_ms=1500", PAYMENT));
+    // The duplicate arrives while the first sleeps in its handler.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let conflict = post("m-2", "/payments?delay_ms=1500", PAYMENT).await;
+    assert_eq!(conflict.status, StatusCode::CONFLICT);
+    assert_eq!(slow.await.unwrap().status, StatusCode::CREATED);
+
+    let scrape = client.get(&server.url("/metrics")).await;
+    assert_eq!(scrape.status, StatusCode::OK);
+    let scrape = String::from_utf8_lossy(&scrape.body).into_owned();
+    let requests = |outcome| {
+        metric(
+            &scrape,
+            "idempotency_requests_total",
+            &[("protocol", "http"), ("outcome", outcome)],
+        )
+    };
+    assert_eq!(requests("fresh"), Some(2.0), "{scrape}");
+    assert_eq!(requests("replayed"), Some(1.0));
+    assert_eq!(requests("mismatch"), Some(1.0));
+    assert_eq!(requests("in_flight"), Some(1.0));
+    assert_eq!(
+        requests("store_error"),
+        Some(0.0),
+        "every outcome is exported"
+    );
+    assert_eq!(
+        metric(
+            &scrape,
+            "idempotency_store_operation_duration_seconds_count",
+            &[
+                ("operation", "claim"),
+                ("store", "memory"),
+                ("result", "ok")
+            ],
+        ),
+        Some(5.0),
+        "fresh, replay, mismatch, and the two claims of m-2"
+    );
+    assert_eq!(
+        metric(&scrape, "idempotency_work_duration_seconds_count", &[]),
+        Some(2.0)
+    );
+    assert_eq!(
+        metric(&scrape, "idempotency_claims_in_flight", &[]),
+        Some(0.0)
+    );
+    assert_eq!(
+        metric(&scrape, "idempotency_claims_lost_total", &[]),
+        Some(0.0)
+    );
 }

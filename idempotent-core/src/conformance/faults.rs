@@ -238,6 +238,10 @@ impl<S: Store> FaultyStore<S> {
 }
 
 impl<S: Store> Store for FaultyStore<S> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
     async fn claim(
         &self,
         key: &StorageKey,

@@ -520,6 +520,10 @@ impl Drop for Waiting<'_> {
 }
 
 impl Store for MemoryStore {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
     async fn claim(
         &self,
         key: &StorageKey,

@@ -3,10 +3,11 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use crate::metrics::{Metrics, Operation};
 use crate::{Fingerprint, StorageKey, StoreError};
 
 #[cfg(feature = "memory")]
@@ -251,6 +252,13 @@ pub trait Store: Send + Sync + 'static {
         lease: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// The store's name, the `store` label of its operations' metrics
+    /// ([`metrics`](crate::metrics)): `memory`, `redis` and `postgres` for the built-in stores,
+    /// `custom` by default. A few distinct values at most: it is a label.
+    fn name(&self) -> &'static str {
+        "custom"
+    }
+
     /// Whether this store keeps the bytes [`complete`](Self::complete) is given in this
     /// process's memory and hands those same bytes back from [`claim`](Self::claim), so
     /// that nothing outside the process can change them. Default `false`.
@@ -314,6 +322,9 @@ impl<S: Store> Store for Arc<S> {
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
         S::renew(self, key, token, lease)
     }
+    fn name(&self) -> &'static str {
+        S::name(self)
+    }
     fn keeps_records_in_process(&self) -> bool {
         S::keeps_records_in_process(self)
     }
@@ -356,16 +367,45 @@ pub(crate) trait DynStore: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<(), StoreError>>;
     fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()>;
     fn keeps_records_in_process(&self) -> bool;
+    /// The metrics of the runtime this store serves.
+    fn metrics(&self) -> &Metrics;
 }
 
-impl<S: Store> DynStore for S {
+/// A store as a runtime holds it: type-erased, every operation timed into the runtime's
+/// [`Metrics`]. The timing lives in the one future each operation is boxed into anyway.
+pub(crate) struct Measured<S> {
+    store: S,
+    metrics: Metrics,
+}
+
+impl<S: Store> Measured<S> {
+    /// `store`, with the runtime's metrics registered with the current recorder.
+    pub(crate) fn new(store: S) -> Self {
+        let metrics = Metrics::register(store.name());
+        Measured { store, metrics }
+    }
+
+    async fn timed<T>(
+        &self,
+        operation: Operation,
+        answer: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let started = Instant::now();
+        let answer = answer.await;
+        self.metrics
+            .store_operation(operation, answer.as_ref().err(), started.elapsed());
+        answer
+    }
+}
+
+impl<S: Store> DynStore for Measured<S> {
     fn claim<'a>(
         &'a self,
         key: &'a StorageKey,
         fingerprint: &'a Fingerprint,
         lease: Duration,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        Box::pin(Store::claim(self, key, fingerprint, lease))
+        Box::pin(self.timed(Operation::Claim, self.store.claim(key, fingerprint, lease)))
     }
     fn complete<'a>(
         &'a self,
@@ -374,14 +414,17 @@ impl<S: Store> DynStore for S {
         payload: Bytes,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(Store::complete(self, key, token, payload, ttl))
+        Box::pin(self.timed(
+            Operation::Complete,
+            self.store.complete(key, token, payload, ttl),
+        ))
     }
     fn release<'a>(
         &'a self,
         key: &'a StorageKey,
         token: FencingToken,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(Store::release(self, key, token))
+        Box::pin(self.timed(Operation::Release, self.store.release(key, token)))
     }
     fn renew<'a>(
         &'a self,
@@ -389,12 +432,15 @@ impl<S: Store> DynStore for S {
         token: FencingToken,
         lease: Duration,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(Store::renew(self, key, token, lease))
+        Box::pin(self.timed(Operation::Renew, self.store.renew(key, token, lease)))
     }
     fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()> {
-        Box::pin(Store::wait_for_change(self, key, max_wait))
+        Box::pin(self.store.wait_for_change(key, max_wait))
     }
     fn keeps_records_in_process(&self) -> bool {
-        Store::keeps_records_in_process(self)
+        self.store.keeps_records_in_process()
+    }
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
 }

@@ -356,6 +356,10 @@ impl RedisStore {
 }
 
 impl Store for RedisStore {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
     async fn claim(
         &self,
         key: &StorageKey,

@@ -310,3 +310,16 @@ impl Client {
             .expect("charges")
     }
 }
+
+/// The value of the sample `name` whose labels include every pair of `labels`, from a scrape
+/// in Prometheus's text format; `None` if there is no such sample.
+pub fn metric(scrape: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    scrape.lines().find_map(|line| {
+        let (series, value) = line.rsplit_once(' ')?;
+        let (metric, rest) = series.split_once('{').unwrap_or((series, "}"));
+        let wanted = labels
+            .iter()
+            .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")));
+        (metric == name && wanted).then(|| value.parse().ok())?
+    })
+}

@@ -665,6 +665,10 @@ fn decode_claim(row: &PgRow) -> Result<Claim, StoreError> {
 }
 
 impl Store for PostgresStore {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
     async fn claim(
         &self,
         key: &StorageKey,

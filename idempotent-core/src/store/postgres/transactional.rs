@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde::Serialize;
@@ -15,6 +15,7 @@ use super::{DEFAULT_TABLE, Sql, micros, store_error, token_param};
 use crate::call::Settings;
 use crate::claim_answer::{ClaimAnswer, Step};
 use crate::envelope::Integrity;
+use crate::metrics::{Metrics, Operation, Protocol, RequestOutcome};
 use crate::record::Payload;
 use crate::{Call, ClaimHandle, Defaults, Error, FencingToken, Retain, StorageKey, StoreError};
 
@@ -110,6 +111,7 @@ pub struct Transactional {
     sql: Arc<Sql>,
     namespace: Arc<[u8]>,
     defaults: Defaults,
+    metrics: Arc<Metrics>,
 }
 
 impl fmt::Debug for Transactional {
@@ -137,6 +139,7 @@ impl Transactional {
             sql,
             namespace: Arc::from(&[][..]),
             defaults: Defaults::new(),
+            metrics: Arc::new(Metrics::register("postgres")),
         }
     }
 
@@ -188,7 +191,32 @@ impl Transactional {
         }
     }
 
+    /// Claims, and counts the call by how the claim ended (`fresh` when the work is to run)
+    /// in [`idempotency.requests`](crate::metrics) with protocol `call`.
     pub(crate) async fn claim_raw(
+        &self,
+        call: &Call,
+        connection: &mut PgConnection,
+    ) -> Result<RawClaim, Error> {
+        let claim = self.claim_uncounted(call, connection).await;
+        self.metrics.request(
+            Protocol::Call,
+            match &claim {
+                Ok(RawClaim::Run(_)) => RequestOutcome::Fresh,
+                Ok(RawClaim::Replay(_)) => RequestOutcome::Replayed,
+                Err(error) => RequestOutcome::of_error(error),
+            },
+        );
+        claim
+    }
+
+    /// Counts a call refused before its claim (a malformed key or fingerprint).
+    pub(crate) fn count_refused(&self, error: &Error) {
+        self.metrics
+            .request(Protocol::Call, RequestOutcome::of_error(error));
+    }
+
+    async fn claim_uncounted(
         &self,
         call: &Call,
         connection: &mut PgConnection,
@@ -203,10 +231,14 @@ impl Transactional {
         } = call.settings(&self.defaults);
         let mut answer = ClaimAnswer::new(in_flight, Integrity::Checksummed);
         loop {
+            let started = Instant::now();
             let claim = self
                 .sql
                 .claim_on(connection, &key, fingerprint, lease)
-                .await?;
+                .await;
+            self.metrics
+                .store_operation(Operation::Claim, claim.as_ref().err(), started.elapsed());
+            let claim = claim?;
             match answer.step(&key, fingerprint, claim)? {
                 Step::Owner(token) => {
                     let pending = PendingRecord {
