@@ -53,6 +53,87 @@ start_redis() {
     return 1
 }
 
+# Whether the cluster node on `port` sees every slot served and three replicas.
+cluster_ready() {
+    redis-cli -p "$1" cluster info 2>/dev/null | grep -q '^cluster_state:ok' &&
+        [ "$(redis-cli -p "$1" cluster nodes 2>/dev/null | awk '$3 ~ /slave/' | wc -l)" = 3 ]
+}
+
+# A Redis Cluster of three primaries with one replica each, on six free loopback ports, for
+# the cluster tests. Exports IDEMPOTENT_TEST_REDIS_CLUSTER_URLS (the six nodes' URLs, comma-
+# separated, as the store and the examples take them) and IDEMPOTENT_TEST_REDIS_CLUSTER_DIR
+# (one directory per node, named by its port, holding its pid file).
+start_redis_cluster() {
+    if ! command -v redis-server >/dev/null; then
+        apt_install redis-server
+    fi
+    local ports=() port dir urls=() addresses=()
+    # A cluster node also listens on its port + 10000 (the cluster bus): six ports that are
+    # free, together with their bus ports, and at most 55535.
+    read -r -a ports <<<"$(python3 -c '
+import random, socket
+def free(port):
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+ports = []
+while len(ports) < 6:
+    port = random.randint(20000, 55535)
+    if port not in ports and port + 10000 not in ports and free(port) and free(port + 10000):
+        ports.append(port)
+print(*ports)
+')"
+    for port in "${ports[@]}"; do
+        dir="$SERVICES_DIR/redis-cluster/$port"
+        mkdir -p "$dir"
+        redis-server --port "$port" --bind 127.0.0.1 --dir "$dir" --save "" \
+            --appendonly yes --appendfsync everysec --maxmemory-policy noeviction \
+            --cluster-enabled yes --cluster-config-file nodes.conf --cluster-node-timeout 2000 \
+            --daemonize yes --pidfile "$dir/redis.pid" --logfile "$dir/redis.log"
+        addresses+=("127.0.0.1:$port")
+        urls+=("redis://127.0.0.1:$port")
+    done
+    for port in "${ports[@]}"; do
+        for _ in $(seq 1 100); do
+            redis-cli -p "$port" ping >/dev/null 2>&1 && break
+            sleep 0.1
+        done
+        if ! redis-cli -p "$port" ping >/dev/null 2>&1; then
+            echo "cluster node on port $port did not start; log:" >&2
+            cat "$SERVICES_DIR/redis-cluster/$port/redis.log" >&2
+            return 1
+        fi
+    done
+    if ! redis-cli --cluster create "${addresses[@]}" --cluster-replicas 1 --cluster-yes \
+        >"$SERVICES_DIR/redis-cluster/create.log" 2>&1; then
+        echo "redis-cli --cluster create failed:" >&2
+        cat "$SERVICES_DIR/redis-cluster/create.log" >&2
+        return 1
+    fi
+    # Every node must see all slots served and every primary's replica attached before the
+    # tests use the cluster (replicas join a moment after the slots are assigned).
+    for port in "${ports[@]}"; do
+        for _ in $(seq 1 300); do
+            cluster_ready "$port" && break
+            sleep 0.1
+        done
+        if ! cluster_ready "$port"; then
+            echo "the Redis Cluster did not come up on port $port:" >&2
+            redis-cli -p "$port" cluster nodes >&2
+            return 1
+        fi
+    done
+    IDEMPOTENT_TEST_REDIS_CLUSTER_URLS="$(IFS=,; echo "${urls[*]}")"
+    export IDEMPOTENT_TEST_REDIS_CLUSTER_URLS
+    export IDEMPOTENT_TEST_REDIS_CLUSTER_DIR="$SERVICES_DIR/redis-cluster"
+    echo "redis cluster (3 primaries, 3 replicas) on ${addresses[*]}"
+}
+
 pg_bin() {
     local dir
     for dir in /usr/lib/postgresql/*/bin; do
@@ -94,10 +175,15 @@ start_postgres() {
 }
 
 stop_services() {
-    local dir="$SERVICES_DIR"
+    local dir="$SERVICES_DIR" pidfile
     if [ -f "$dir/redis/redis.pid" ]; then
         kill "$(cat "$dir/redis/redis.pid")" 2>/dev/null || true
     fi
+    for pidfile in "$dir"/redis-cluster/*/redis.pid; do
+        if [ -f "$pidfile" ]; then
+            kill "$(cat "$pidfile")" 2>/dev/null || true
+        fi
+    done
     if [ -d "$dir/postgres/data" ]; then
         local bin run=()
         bin="$(pg_bin)"

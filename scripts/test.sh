@@ -6,9 +6,10 @@
 #   bash scripts/test.sh
 #
 # It installs redis-server and PostgreSQL from Debian packages when they are missing, starts
-# one of each on a free loopback port in a temporary directory, exports their URLs to the tests
-# (IDEMPOTENT_TEST_REDIS_URL, IDEMPOTENT_TEST_POSTGRES_URL), and stops them on exit, also when
-# a step fails. Backend tests fail (rather than skip) when a server is missing, because this
+# one of each on a free loopback port in a temporary directory, and a Redis Cluster of three
+# primaries and three replicas, exports their URLs to the tests (IDEMPOTENT_TEST_REDIS_URL,
+# IDEMPOTENT_TEST_REDIS_CLUSTER_URLS, IDEMPOTENT_TEST_POSTGRES_URL), and stops them on exit,
+# also when a step fails. Backend tests fail (rather than skip) when a server is missing, because this
 # script sets IDEMPOTENT_REQUIRE_BACKENDS=1. CARGO_TARGET_DIR is respected.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,9 +23,10 @@ cargo fmt --all -- --check
 step "cargo clippy (all targets, all features, warnings denied)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
-step "starting Redis and PostgreSQL on loopback"
+step "starting Redis, a Redis Cluster and PostgreSQL on loopback"
 trap stop_services EXIT
 start_redis
+start_redis_cluster
 start_postgres
 export IDEMPOTENT_REQUIRE_BACKENDS=1
 

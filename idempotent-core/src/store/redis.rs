@@ -5,15 +5,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, Script, ServerErrorKind, Value};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{
+    Cmd, ErrorKind, FromRedisValue, Pipeline, RedisError, RedisFuture, Script, ServerErrorKind,
+    Value,
+};
 
 use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, limits};
 
 /// The default prefix of every Redis key this store writes.
 pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 
-/// A [`Store`] on Redis, shared by every app instance that points at the same server.
+/// A [`Store`] on Redis, shared by every app instance that points at the same server or
+/// Redis Cluster.
 ///
 /// Every operation is one Lua script: one atomic step and one round trip. A replay costs one
 /// round trip (`claim`); a fresh request two (`claim`, `complete`) plus a `renew` every third of
@@ -41,17 +47,63 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 ///   completed before the restart run again. With AOF (`appendonly yes`, `appendfsync
 ///   everysec`) at most about a second of records is lost in a crash; `appendfsync always`
 ///   loses none at a write-latency cost.
-/// - **Replication and failover**: replication is asynchronous. A claim acknowledged by the
-///   primary and not yet replicated is lost if the primary fails over, so a duplicate arriving
-///   right after a failover may run again. `WAIT` narrows the window but does not close it; use
-///   the PostgreSQL store where that matters.
+/// - **Redis Cluster**: give [`RedisStore::connect`] (or [`RedisStore::builder`]) the URLs of
+///   some of its nodes, comma-separated. Every record is one key, so each operation is one
+///   script on one slot's primary; the client follows `MOVED` and `ASK` redirections and
+///   learns the new primaries after a failover, so the app rides a failover out without a
+///   restart (operations meanwhile fail with [`StoreError::Unavailable`]: HTTP 503).
+/// - **Replication and failover**: replication is asynchronous. A coordinated failover
+///   (`CLUSTER FAILOVER`, a switchover) waits for the replica to catch up and loses nothing.
+///   A primary that dies takes with it what it acknowledged and had not replicated yet: a claim
+///   or record lost that way lets a duplicate arriving right after the failover run again.
+///   Use the PostgreSQL store with synchronous replication where that matters.
 /// - **Outages**: operations fail with [`StoreError::Unavailable`] (fail closed: HTTP 503)
 ///   after the connection and response timeouts (default 2 s each); the connection manager
 ///   reconnects by itself when the server is back.
 #[derive(Clone)]
 pub struct RedisStore {
-    connection: ConnectionManager,
+    connection: Connection,
     prefix: Arc<str>,
+}
+
+/// One server, or a Redis Cluster. Both pipeline whatever is concurrent over their
+/// connections and reconnect by themselves.
+#[derive(Clone)]
+enum Connection {
+    Node(ConnectionManager),
+    /// Routes each script by its one key's slot, follows `MOVED` and `ASK` redirections, and
+    /// refreshes its view of the slots after a failover.
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Connection::Node(connection) => connection.req_packed_command(cmd),
+            Connection::Cluster(connection) => connection.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Connection::Node(connection) => connection.req_packed_commands(pipeline, offset, count),
+            Connection::Cluster(connection) => {
+                connection.req_packed_commands(pipeline, offset, count)
+            }
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Connection::Node(connection) => connection.get_db(),
+            Connection::Cluster(connection) => connection.get_db(),
+        }
+    }
 }
 
 impl fmt::Debug for RedisStore {
@@ -188,17 +240,31 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Connects. Fails with [`StoreError::Backend`] for a malformed URL and
-    /// [`StoreError::Unavailable`] when the server cannot be reached.
+    /// Connects: to one server, or, when the URL is several comma-separated URLs, to the
+    /// Redis Cluster they are nodes of. Fails with [`StoreError::Backend`] for a malformed URL
+    /// and [`StoreError::Unavailable`] when no server can be reached.
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
-        let client = redis::Client::open(self.url).map_err(|e| StoreError::Backend(Box::new(e)))?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(self.timeout))
-            .set_response_timeout(Some(self.timeout))
-            .set_number_of_retries(1);
-        let connection = ConnectionManager::new_with_config(client, config)
-            .await
-            .map_err(store_error)?;
+        let malformed = |e: RedisError| StoreError::Backend(Box::new(e));
+        let nodes: Vec<&str> = self.url.split(',').map(str::trim).collect();
+        let connection = if nodes.len() > 1 {
+            let client = ClusterClientBuilder::new(nodes)
+                .connection_timeout(self.timeout)
+                .response_timeout(self.timeout)
+                .build()
+                .map_err(malformed)?;
+            Connection::Cluster(client.get_async_connection().await.map_err(store_error)?)
+        } else {
+            let client = redis::Client::open(self.url.as_str()).map_err(malformed)?;
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(self.timeout))
+                .set_response_timeout(Some(self.timeout))
+                .set_number_of_retries(1);
+            Connection::Node(
+                ConnectionManager::new_with_config(client, config)
+                    .await
+                    .map_err(store_error)?,
+            )
+        };
         Ok(RedisStore {
             connection,
             prefix: self.prefix.into(),
@@ -207,13 +273,16 @@ impl RedisStoreBuilder {
 }
 
 impl RedisStore {
-    /// Connects to `url` (`redis://HOST:PORT[/DB]`) with the default key prefix and timeouts:
+    /// Connects to `url` (`redis://HOST:PORT[/DB]`, or a Redis Cluster's nodes as
+    /// `redis://HOST1:PORT1,redis://HOST2:PORT2,…`) with the default key prefix and timeouts:
     /// `RedisStore::builder(url).connect()`.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         Self::builder(url).connect().await
     }
 
-    /// Configures a store on `url` (`redis://HOST:PORT[/DB]`).
+    /// Configures a store on `url`: `redis://HOST:PORT[/DB]` for one server, or several such
+    /// URLs separated by commas for a Redis Cluster (any of its nodes; the client learns the
+    /// rest from them). Records are one key each, so any cluster serves them.
     ///
     /// ```no_run
     /// # async fn example() -> Result<(), idempotent_core::StoreError> {
