@@ -91,10 +91,11 @@ print(*ports)
     for port in "${ports[@]}"; do
         dir="$SERVICES_DIR/redis-cluster/$port"
         mkdir -p "$dir"
-        redis-server --port "$port" --bind 127.0.0.1 --dir "$dir" --save "" \
-            --appendonly yes --appendfsync everysec --maxmemory-policy noeviction \
-            --cluster-enabled yes --cluster-config-file nodes.conf --cluster-node-timeout 2000 \
-            --daemonize yes --pidfile "$dir/redis.pid" --logfile "$dir/redis.log"
+        # The node's command line, kept so a test can restart a node it killed (it rejoins
+        # the cluster from its nodes.conf).
+        printf 'exec redis-server --port %s --bind 127.0.0.1 --dir %q --save "" --appendonly yes --appendfsync everysec --maxmemory-policy noeviction --cluster-enabled yes --cluster-config-file nodes.conf --cluster-node-timeout 2000 --daemonize yes --pidfile %q --logfile %q\n' \
+            "$port" "$dir" "$dir/redis.pid" "$dir/redis.log" >"$dir/start.sh"
+        bash "$dir/start.sh"
         addresses+=("127.0.0.1:$port")
         urls+=("redis://127.0.0.1:$port")
     done

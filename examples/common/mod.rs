@@ -7,6 +7,7 @@
 //! | `IDEMPOTENCY_TTL` | `24h` | how long responses are replayed: `1ms` to `365d` |
 //! | `IDEMPOTENCY_LEASE` | `30s` | how long a crashed request keeps its key locked: `100ms` to `365d` |
 //! | `IDEMPOTENCY_IN_FLIGHT` | `reject` | `reject` or `wait` (up to one lease, then replay) |
+//! | `IDEMPOTENCY_REDIS_REPLICAS` | `0` | on Redis, replicas that must acknowledge every claim and record (`WAIT`) |
 //!
 //! Durations are a number followed by `ms`, `s`, `m`, `h` or `d`; the ranges are those of
 //! `idempotent_core::limits`. A bad value, or one out of its range, makes the example exit with
@@ -163,7 +164,15 @@ pub(crate) async fn idempotency(
     let builder = if store == "memory" {
         Idempotency::builder(MemoryStore::new())
     } else if store.starts_with("redis://") {
-        let redis = RedisStore::connect(store)
+        let replicas = match std::env::var("IDEMPOTENCY_REDIS_REPLICAS") {
+            Ok(n) => n.parse().map_err(|_| {
+                format!("IDEMPOTENCY_REDIS_REPLICAS={n:?} is not a number of replicas")
+            })?,
+            Err(_) => 0,
+        };
+        let redis = RedisStore::builder(store)
+            .replicas(replicas)
+            .connect()
             .await
             .map_err(|e| format!("cannot connect to Redis at {store}: {}", error_chain(&e)))?;
         Idempotency::builder(redis)

@@ -8,6 +8,7 @@ use bytes::Bytes;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{
     Cmd, ErrorKind, FromRedisValue, Pipeline, RedisError, RedisFuture, Script, ServerErrorKind,
     Value,
@@ -64,6 +65,9 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 pub struct RedisStore {
     connection: Connection,
     prefix: Arc<str>,
+    /// Replicas that must acknowledge each claim and completion (`WAIT`), and how long
+    /// to wait for them; none by default.
+    replicas: Option<(usize, Duration)>,
 }
 
 /// One server, or a Redis Cluster. Both pipeline whatever is concurrent over their
@@ -110,6 +114,7 @@ impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisStore")
             .field("prefix", &self.prefix)
+            .field("replicas", &self.replicas)
             .finish_non_exhaustive()
     }
 }
@@ -213,6 +218,7 @@ pub struct RedisStoreBuilder {
     url: String,
     prefix: String,
     timeout: Duration,
+    replicas: usize,
 }
 
 impl fmt::Debug for RedisStoreBuilder {
@@ -230,6 +236,23 @@ impl RedisStoreBuilder {
     /// separate applications sharing one Redis.
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
+        self
+    }
+
+    /// Makes every claim and every completion wait until at least `replicas` replicas of the
+    /// record's primary have acknowledged it (`WAIT`), for at most half the
+    /// [`timeout`](Self::timeout); default 0, none.
+    ///
+    /// An acknowledged claim or record survives its primary's death: the replica promoted in
+    /// its place has it, so no request answered before a failover runs again after it. The
+    /// cost is a second round trip per claim and per completion, and the replicas' own delay
+    /// (see BENCHMARKS.md). Fails closed: when fewer replicas acknowledge in time, a claim is
+    /// given back (released) and fails with [`StoreError::Unavailable`] (HTTP 503; nothing
+    /// ran), and a completion fails with [`StoreError::Unavailable`]: the result is on the
+    /// primary, and the runtime's retry of the write finds it already written. With more
+    /// replicas required than exist, every claim fails.
+    pub fn replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas;
         self
     }
 
@@ -268,6 +291,7 @@ impl RedisStoreBuilder {
         Ok(RedisStore {
             connection,
             prefix: self.prefix.into(),
+            replicas: (self.replicas > 0).then_some((self.replicas, self.timeout / 2)),
         })
     }
 }
@@ -302,6 +326,7 @@ impl RedisStore {
             url: url.into(),
             prefix: DEFAULT_KEY_PREFIX.into(),
             timeout: DEFAULT_TIMEOUT,
+            replicas: 0,
         }
     }
 
@@ -413,6 +438,46 @@ impl RedisStore {
         .map_err(store_error)
     }
 
+    /// With [`RedisStoreBuilder::replicas`], waits until that many replicas of `key`'s
+    /// primary have acknowledged the writes sent before (`WAIT`, on the connection the write
+    /// went over, so it covers it).
+    async fn replicated(&self, key: &StorageKey) -> Result<(), StoreError> {
+        let Some((replicas, wait)) = self.replicas else {
+            return Ok(());
+        };
+        let mut cmd = redis::cmd("WAIT");
+        cmd.arg(replicas)
+            .arg(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX).max(1));
+        let acknowledged: usize = match &self.connection {
+            Connection::Node(connection) => cmd.query_async(&mut connection.clone()).await,
+            Connection::Cluster(connection) => {
+                let route = Route::with_key(self.redis_key(key), SlotAddr::Master);
+                connection
+                    .clone()
+                    .route_command(
+                        cmd,
+                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+                    )
+                    .await
+                    .and_then(|value| Ok(usize::from_redis_value(value)?))
+            }
+        }
+        // The write itself landed; whatever kept the replicas from confirming it (a timeout,
+        // a node that just turned replica and refuses `WAIT`), it is not yet safe.
+        .map_err(|error| StoreError::Unavailable(Box::new(error)))?;
+        if acknowledged >= replicas {
+            Ok(())
+        } else {
+            Err(StoreError::Unavailable(
+                format!(
+                    "the write was acknowledged by {acknowledged} of the {replicas} replicas \
+                     required within {wait:?}"
+                )
+                .into(),
+            ))
+        }
+    }
+
     /// Runs a token-guarded script; `1` means the caller held the claim.
     async fn run_flag(&self, script: &Script, cmd: Cmd) -> Result<(), StoreError> {
         let ok: i64 = self.query(script, cmd).await?;
@@ -446,7 +511,14 @@ impl Store for RedisStore {
                     .and_then(|t| std::str::from_utf8(t).ok())
                     .and_then(|t| t.parse().ok())
                     .ok_or_else(|| corrupt("token"))?;
-                Ok(Claim::Claimed(FencingToken::new(token)))
+                let token = FencingToken::new(token);
+                if let Err(error) = self.replicated(key).await {
+                    // Nothing runs on a claim that could be lost: give it back so a retry
+                    // need not wait for its lease.
+                    let _ = self.release(key, token).await;
+                    return Err(error);
+                }
+                Ok(Claim::Claimed(token))
             }
             [state, f, ttl] if text(state) == Some(b"i") => {
                 let ttl = match ttl {
@@ -483,7 +555,8 @@ impl Store for RedisStore {
         cmd.arg(token.get())
             .arg(payload.as_ref())
             .arg(millis(limits::clamp_ttl(ttl)));
-        self.run_flag(script, cmd).await
+        self.run_flag(script, cmd).await?;
+        self.replicated(key).await
     }
 
     async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
