@@ -171,6 +171,9 @@ pub(crate) fn payments() -> Router<Arc<Tally>> {
 pub(crate) struct Backends {
     pub(crate) redis_url: Option<String>,
     pub(crate) postgres_url: Option<String>,
+    /// Replicas that must acknowledge each claim and record on Redis
+    /// (`RedisStoreBuilder::replicas`).
+    pub(crate) redis_replicas: usize,
 }
 
 /// How often the PostgreSQL rows' reaper runs: often enough to work during a row.
@@ -199,7 +202,9 @@ async fn idempotency(row: Row, backends: &Backends) -> Result<Idempotency, Strin
         }
         StoreKind::Redis => {
             let url = backends.redis_url.as_deref().ok_or("no Redis URL")?;
-            let redis = RedisStore::connect(url)
+            let redis = RedisStore::builder(url)
+                .replicas(backends.redis_replicas)
+                .connect()
                 .await
                 .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?;
             Idempotency::builder(redis)

@@ -28,6 +28,9 @@ options:
                       label prefix such as idempotent-tower/replay
   --redis-url URL     add idempotent-tower rows on Redis, and the redis-benchmark limit rows
                       (default $IDEMPOTENT_TEST_REDIS_URL)
+  --redis-replicas N  replicas that must acknowledge each claim and record on Redis
+                      (RedisStoreBuilder::replicas; default 0); several comma-separated
+                      --redis-url URLs are a Redis Cluster
   --postgres-url URL  add idempotent-tower rows on PostgreSQL, and the pgbench limit rows
                       (default $IDEMPOTENT_TEST_POSTGRES_URL)
   --prefill LIST      the idempotent-tower rows again with this many records already in
@@ -93,6 +96,7 @@ pub(crate) fn parse(
         backends: Backends {
             redis_url: nonempty(env("IDEMPOTENT_TEST_REDIS_URL")),
             postgres_url: nonempty(env("IDEMPOTENT_TEST_POSTGRES_URL")),
+            redis_replicas: 0,
         },
         records: vec![100_000, 1_000_000, 10_000_000],
         prefill: vec![1_000_000, 10_000_000],
@@ -136,6 +140,12 @@ pub(crate) fn parse(
                     .collect()
             }
             "--redis-url" => options.backends.redis_url = nonempty(Some(value(&arg)?)),
+            "--redis-replicas" => {
+                let n = value(&arg)?;
+                options.backends.redis_replicas = n
+                    .parse()
+                    .map_err(|_| format!("--redis-replicas {n:?} is not a number\n\n{USAGE}"))?;
+            }
             "--postgres-url" => options.backends.postgres_url = nonempty(Some(value(&arg)?)),
             "--records" => {
                 let list = counts(&arg, &value(&arg)?)?;

@@ -57,7 +57,11 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 ///   (`CLUSTER FAILOVER`, a switchover) waits for the replica to catch up and loses nothing.
 ///   A primary that dies takes with it what it acknowledged and had not replicated yet: a claim
 ///   or record lost that way lets a duplicate arriving right after the failover run again.
-///   Use the PostgreSQL store with synchronous replication where that matters.
+///   [`RedisStoreBuilder::replicas`] closes that window: a claim or record counts only once
+///   that many replicas have it, so the replica promoted in a dead primary's place has every
+///   claim and record the store reported (at the cost of a second round trip per claim and
+///   completion). Without it, or where a replica may be promoted that did not acknowledge, use
+///   the PostgreSQL store with synchronous replication.
 /// - **Outages**: operations fail with [`StoreError::Unavailable`] (fail closed: HTTP 503)
 ///   after the connection and response timeouts (default 2 s each); the connection manager
 ///   reconnects by itself when the server is back.
