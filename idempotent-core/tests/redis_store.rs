@@ -1,5 +1,6 @@
-//! `RedisStore` against a real `redis-server` (started by `scripts/test.sh`): the conformance
-//! suite, garbage in the store, and an unreachable server.
+//! `RedisStore` against a real `redis-server` and a real Redis Cluster (three primaries, three
+//! replicas; both started by `scripts/test.sh`): the conformance suite on each, records spread
+//! over the cluster's primaries, garbage in the store, and an unreachable server.
 
 use std::time::Duration;
 
@@ -8,20 +9,43 @@ use idempotent_core::redis::RedisStore;
 use idempotent_core::{Fingerprint, Store, StoreError};
 
 const URL_VAR: &str = "IDEMPOTENT_TEST_REDIS_URL";
+/// A Redis Cluster of three primaries and three replicas, its nodes' URLs comma-separated.
+const CLUSTER_URLS_VAR: &str = "IDEMPOTENT_TEST_REDIS_CLUSTER_URLS";
 
-struct Redis {
-    store: RedisStore,
+/// Where a harness's Redis is: the variable holding its URL.
+trait Deployment: Send + Sync + 'static {
+    const VAR: &'static str;
 }
 
-impl Harness for Redis {
+/// One `redis-server`.
+struct Node;
+impl Deployment for Node {
+    const VAR: &'static str = URL_VAR;
+}
+
+/// The test cluster.
+struct Cluster;
+impl Deployment for Cluster {
+    const VAR: &'static str = CLUSTER_URLS_VAR;
+}
+
+struct Redis<D> {
+    store: RedisStore,
+    deployment: std::marker::PhantomData<D>,
+}
+
+impl<D: Deployment> Harness for Redis<D> {
     type Store = RedisStore;
 
     async fn setup() -> Self {
-        let url = backend_url(URL_VAR).unwrap_or_else(|| "redis://127.0.0.1:1".into());
+        let url = backend_url(D::VAR).unwrap_or_else(|| "redis://127.0.0.1:1".into());
         let store = RedisStore::connect(&url)
             .await
             .unwrap_or_else(|e| panic!("cannot connect to {url}: {e:?}; is redis-server running?"));
-        Redis { store }
+        Redis {
+            store,
+            deployment: std::marker::PhantomData,
+        }
     }
 
     fn store(&self) -> &RedisStore {
@@ -37,11 +61,96 @@ impl Harness for Redis {
     }
 
     fn backend_env() -> Option<&'static str> {
-        Some(URL_VAR)
+        Some(D::VAR)
     }
 }
 
-idempotent_core::store_conformance_tests!(Redis);
+idempotent_core::store_conformance_tests!(Redis<Node>);
+
+/// The same contract on a Redis Cluster, and records spread over its primaries.
+mod cluster {
+    use std::collections::BTreeSet;
+    use std::time::Duration;
+
+    use idempotent_core::conformance::{backend_url, fresh_key};
+    use idempotent_core::redis::RedisStore;
+    use idempotent_core::{Claim, Fingerprint, Store};
+
+    use super::{CLUSTER_URLS_VAR, Cluster, Redis};
+
+    idempotent_core::store_conformance_tests!(Redis<Cluster>);
+
+    /// The ports of the primaries serving `keys`, from the cluster's slot map.
+    async fn primaries_of(urls: &str, keys: &[String]) -> BTreeSet<i64> {
+        let first = urls.split(',').next().unwrap();
+        let client = redis::Client::open(first).unwrap();
+        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+        let shards: Vec<redis::Value> = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        let mut primaries = BTreeSet::new();
+        for key in keys {
+            let slot: i64 = redis::cmd("CLUSTER")
+                .arg("KEYSLOT")
+                .arg(key)
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+            for shard in &shards {
+                let redis::Value::Array(parts) = shard else {
+                    continue;
+                };
+                if let [
+                    redis::Value::Int(start),
+                    redis::Value::Int(end),
+                    redis::Value::Array(primary),
+                    ..,
+                ] = parts.as_slice()
+                {
+                    if (*start..=*end).contains(&slot) {
+                        if let Some(redis::Value::Int(port)) = primary.get(1) {
+                            primaries.insert(*port);
+                        }
+                    }
+                }
+            }
+        }
+        primaries
+    }
+
+    #[tokio::test]
+    async fn records_spread_over_every_primary_and_each_is_one_key() {
+        let Some(urls) = backend_url(CLUSTER_URLS_VAR) else {
+            return;
+        };
+        let store = RedisStore::connect(&urls).await.unwrap();
+        let f = Fingerprint::from_bytes(b"spread");
+        let keys: Vec<_> = (0..64).map(|_| fresh_key()).collect();
+        for key in &keys {
+            let Claim::Claimed(token) =
+                store.claim(key, &f, Duration::from_secs(30)).await.unwrap()
+            else {
+                panic!("a fresh key is claimed");
+            };
+            store
+                .complete(key, token, "done".into(), Duration::from_secs(60))
+                .await
+                .unwrap();
+            match store.claim(key, &f, Duration::from_secs(30)).await.unwrap() {
+                Claim::Completed { payload, .. } => assert_eq!(&payload[..], b"done"),
+                other => panic!("expected the record back, got {other:?}"),
+            }
+        }
+        let redis_keys: Vec<_> = keys.iter().map(|k| store.redis_key(k)).collect();
+        assert_eq!(
+            primaries_of(&urls, &redis_keys).await.len(),
+            3,
+            "64 records land on all three primaries"
+        );
+    }
+}
 
 async fn raw_connection() -> Option<redis::aio::MultiplexedConnection> {
     let url = backend_url(URL_VAR)?;

@@ -22,6 +22,45 @@ const PAYMENT: &str = r#"{"amount":1999,"currency":"EUR"}"#;
 /// One cluster test at a time: a failover moves primaries under the others' feet.
 static CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Makes the replica on `replica` take over from its primary (`CLUSTER FAILOVER`, a
+/// coordinated switchover) and waits until it has.
+async fn failover_to(replica: u16) {
+    let _: String = redis::cmd("CLUSTER")
+        .arg("FAILOVER")
+        .query_async(&mut redis(replica).await)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while role(replica).await != "master" {
+        assert!(Instant::now() < deadline, "the replica did not take over");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The port of the primary serving `slot`.
+async fn primary_of_slot(slot: u16, ports: &[u16]) -> u16 {
+    for &port in ports {
+        let nodes: String = redis::cmd("CLUSTER")
+            .arg("NODES")
+            .query_async(&mut redis(port).await)
+            .await
+            .unwrap();
+        let myself = nodes.lines().find(|line| line.contains("myself")).unwrap();
+        let serves = myself.contains("master")
+            && myself.split(' ').skip(8).any(|range| {
+                let (start, end) = range.split_once('-').unwrap_or((range, range));
+                match (start.parse::<u16>(), end.parse::<u16>()) {
+                    (Ok(start), Ok(end)) => (start..=end).contains(&slot),
+                    _ => false,
+                }
+            });
+        if serves {
+            return port;
+        }
+    }
+    panic!("no primary serves slot {slot}");
+}
+
 /// A prefix for this run's keys: records outlive a test run in the cluster.
 fn run_id() -> String {
     let nanos = std::time::SystemTime::now()
@@ -164,11 +203,7 @@ async fn a_primary_failover_under_load_loses_no_answered_key_and_needs_no_restar
         }
     }
     let replica = replica.expect("the cluster has replicas");
-    let _: String = redis::cmd("CLUSTER")
-        .arg("FAILOVER")
-        .query_async(&mut redis(replica).await)
-        .await
-        .unwrap();
+    let failover = tokio::spawn(failover_to(replica));
 
     // During and after: new payments and replays of the old ones, until the replica is a
     // primary and twenty requests in a row have succeeded. Only 201 or a clean 503 (the
@@ -210,6 +245,7 @@ async fn a_primary_failover_under_load_loses_no_answered_key_and_needs_no_restar
         }
     }
 
+    failover.await.unwrap();
     // Every key answered before, during or after the failover replays its own payment, and
     // the handler ran once per answered key.
     for (key, id) in &answered {
@@ -486,47 +522,9 @@ async fn fencing_tokens_keep_increasing_across_a_failover() {
         .query_async(&mut redis(ports[0]).await)
         .await
         .unwrap();
-    let mut replica = None;
-    for &port in &ports {
-        if role(port).await != "slave" {
-            continue;
-        }
-        let nodes: String = redis::cmd("CLUSTER")
-            .arg("NODES")
-            .query_async(&mut redis(port).await)
-            .await
-            .unwrap();
-        let master_id = nodes
-            .lines()
-            .find(|line| line.contains("myself"))
-            .and_then(|line| line.split(' ').nth(3))
-            .unwrap()
-            .to_owned();
-        let serves_slot = nodes.lines().any(|line| {
-            line.starts_with(&master_id)
-                && line.split(' ').skip(8).any(|range| {
-                    let (start, end) = range.split_once('-').unwrap_or((range, range));
-                    match (start.parse::<u16>(), end.parse::<u16>()) {
-                        (Ok(start), Ok(end)) => (start..=end).contains(&slot),
-                        _ => false,
-                    }
-                })
-        });
-        if serves_slot {
-            replica = Some(port);
-        }
-    }
-    let replica = replica.expect("the key's primary has a replica");
-    let _: String = redis::cmd("CLUSTER")
-        .arg("FAILOVER")
-        .query_async(&mut redis(replica).await)
-        .await
-        .unwrap();
+    let primary = primary_of_slot(slot, &ports).await;
+    failover_to(replica_of(primary, &ports).await).await;
     let deadline = Instant::now() + Duration::from_secs(30);
-    while role(replica).await != "master" {
-        assert!(Instant::now() < deadline, "the replica did not take over");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
     tokio::time::sleep(lease * 2).await;
     let second = loop {
         match store.claim(&key, &f, lease).await {
