@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use idempotent_core::conformance::{Harness, backend_url, fresh_key};
 use idempotent_core::redis::RedisStore;
-use idempotent_core::{Fingerprint, Store, StoreError};
+use idempotent_core::{Claim, Fingerprint, Store, StoreError};
 
 const URL_VAR: &str = "IDEMPOTENT_TEST_REDIS_URL";
 /// A Redis Cluster of three primaries and three replicas, its nodes' URLs comma-separated.
@@ -272,5 +272,54 @@ async fn scripts_the_server_forgot_are_loaded_again() {
     assert!(matches!(
         store.claim(&other, &f, lease).await.unwrap(),
         idempotent_core::Claim::Claimed(_)
+    ));
+}
+
+#[tokio::test]
+async fn without_the_replicas_required_a_claim_fails_closed_and_is_given_back() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    // One server, no replicas: `WAIT 1` never gets its acknowledgement.
+    let waiting = RedisStore::builder(&url)
+        .replicas(1)
+        .timeout(Duration::from_millis(400))
+        .connect()
+        .await
+        .unwrap();
+    let plain = RedisStore::connect(&url).await.unwrap();
+    let f = Fingerprint::from_bytes(b"replicas");
+    let key = fresh_key();
+    match waiting.claim(&key, &f, Duration::from_secs(30)).await {
+        Err(StoreError::Unavailable(error)) => {
+            assert!(
+                error.to_string().contains("acknowledged by 0 of the 1"),
+                "{error}"
+            )
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    // Given back: nothing holds the key.
+    let Claim::Claimed(token) = plain
+        .claim(&key, &f, Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
+        panic!("the refused claim was released");
+    };
+    // A completion that is not acknowledged fails closed too, though the record is written:
+    // a retry of the write then finds it done.
+    assert!(matches!(
+        waiting
+            .complete(&key, token, "done".into(), Duration::from_secs(60))
+            .await,
+        Err(StoreError::Unavailable(_))
+    ));
+    assert!(matches!(
+        plain
+            .claim(&key, &f, Duration::from_secs(30))
+            .await
+            .unwrap(),
+        Claim::Completed { .. }
     ));
 }
