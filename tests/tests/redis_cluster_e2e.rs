@@ -281,27 +281,44 @@ fn node_pid(port: u16) -> u32 {
         .unwrap()
 }
 
-/// The port of the replica of the primary on `primary`.
+/// The port of the replica of the primary on `primary`, as the replica itself reports it
+/// (`ROLE`: its primary's port, and a connected link), waiting for one to be in sync.
 async fn replica_of(primary: u16, ports: &[u16]) -> u16 {
-    let nodes: String = redis::cmd("CLUSTER")
-        .arg("NODES")
-        .query_async(&mut redis(primary).await)
-        .await
-        .unwrap();
-    let address = format!("127.0.0.1:{primary}@");
-    let id = nodes
-        .lines()
-        .find(|line| line.contains(&address))
-        .and_then(|line| line.split(' ').next())
-        .unwrap()
-        .to_owned();
-    nodes
-        .lines()
-        .map(|line| line.split(' ').collect::<Vec<_>>())
-        .find(|fields| fields[2].contains("slave") && fields[3] == id)
-        .and_then(|fields| fields[1].split(['@', ':']).nth(1)?.parse().ok())
-        .filter(|port| ports.contains(port))
-        .expect("the primary has a replica")
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        for &port in ports.iter().filter(|&&port| port != primary) {
+            let Ok(mut connection) = redis::Client::open(format!("redis://127.0.0.1:{port}"))
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+            else {
+                continue;
+            };
+            let Ok(role) = redis::cmd("ROLE")
+                .query_async::<Vec<redis::Value>>(&mut connection)
+                .await
+            else {
+                continue;
+            };
+            if let [
+                redis::Value::BulkString(kind),
+                _,
+                redis::Value::Int(master_port),
+                redis::Value::BulkString(state),
+                ..,
+            ] = role.as_slice()
+            {
+                if kind == b"slave" && *master_port == i64::from(primary) && state == b"connected" {
+                    return port;
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the primary on {primary} has no replica in sync"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Starts the node on `port` again after it was killed; it rejoins as a replica.
