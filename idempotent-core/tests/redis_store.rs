@@ -322,4 +322,23 @@ async fn without_the_replicas_required_a_claim_fails_closed_and_is_given_back() 
             .unwrap(),
         Claim::Completed { .. }
     ));
+    // The runtime's retry of that write waits for the replicas again rather than being told
+    // its claim is gone; another token is still refused.
+    assert!(matches!(
+        waiting
+            .complete(&key, token, "done".into(), Duration::from_secs(60))
+            .await,
+        Err(StoreError::Unavailable(_))
+    ));
+    assert!(matches!(
+        waiting
+            .complete(
+                &key,
+                idempotent_core::FencingToken::new(token.get() + 1),
+                "other".into(),
+                Duration::from_secs(60)
+            )
+            .await,
+        Err(StoreError::TokenRejected)
+    ));
 }
