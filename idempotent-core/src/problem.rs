@@ -84,6 +84,11 @@ impl ProblemCode {
         ProblemCode::StoreCapacity,
     ];
 
+    /// The code's place in [`ProblemCode::ALL`] (its declaration order, which `ALL` follows).
+    pub(crate) const fn index(self) -> usize {
+        self as usize
+    }
+
     /// The code's string, its HTTP status, its gRPC status and its title: the one place they
     /// are written.
     const fn describe(self) -> (&'static str, StatusCode, GrpcCode, &'static str) {
@@ -291,6 +296,13 @@ impl GrpcCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn all_lists_every_code_at_its_index() {
+        for (i, code) in ProblemCode::ALL.into_iter().enumerate() {
+            assert_eq!(code.index(), i, "{code}");
+        }
+    }
 
     #[test]
     fn every_code_has_its_own_string() {

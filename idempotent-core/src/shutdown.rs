@@ -170,11 +170,17 @@ impl Active<'_> {
 impl Drop for Active<'_> {
     #[inline]
     fn drop(&mut self) {
-        if let Some(gauge) = &self.owner {
-            gauge.decrement(1.0);
-        }
-        self.drain.end();
+        end_call(self.drain, self.owner.as_ref());
     }
+}
+
+/// Ends one call's count: out of the owners' gauge, if it was in it, and out of the drain.
+#[inline]
+fn end_call(drain: &Drain, owner: Option<&Gauge>) {
+    if let Some(gauge) = owner {
+        gauge.decrement(1.0);
+    }
+    drain.end();
 }
 
 impl fmt::Debug for Active<'_> {
@@ -191,10 +197,7 @@ pub(crate) struct Detached {
 
 impl Drop for Detached {
     fn drop(&mut self) {
-        if let Some(gauge) = &self.owner {
-            gauge.decrement(1.0);
-        }
-        self.drain.end();
+        end_call(&self.drain, self.owner.as_ref());
     }
 }
 

@@ -15,6 +15,8 @@ const CLUSTER_URLS_VAR: &str = "IDEMPOTENT_TEST_REDIS_CLUSTER_URLS";
 /// Where a harness's Redis is: the variable holding its URL.
 trait Deployment: Send + Sync + 'static {
     const VAR: &'static str;
+    /// Replicas that must acknowledge each claim and completion (`RedisStoreBuilder::replicas`).
+    const REPLICAS: usize = 0;
 }
 
 /// One `redis-server`.
@@ -29,6 +31,13 @@ impl Deployment for Cluster {
     const VAR: &'static str = CLUSTER_URLS_VAR;
 }
 
+/// The test cluster, each claim and record acknowledged by its primary's replica.
+struct AcknowledgedCluster;
+impl Deployment for AcknowledgedCluster {
+    const VAR: &'static str = CLUSTER_URLS_VAR;
+    const REPLICAS: usize = 1;
+}
+
 struct Redis<D> {
     store: RedisStore,
     deployment: std::marker::PhantomData<D>,
@@ -39,7 +48,9 @@ impl<D: Deployment> Harness for Redis<D> {
 
     async fn setup() -> Self {
         let url = backend_url(D::VAR).unwrap_or_else(|| "redis://127.0.0.1:1".into());
-        let store = RedisStore::connect(&url)
+        let store = RedisStore::builder(&url)
+            .replicas(D::REPLICAS)
+            .connect()
             .await
             .unwrap_or_else(|e| panic!("cannot connect to {url}: {e:?}; is redis-server running?"));
         Redis {
@@ -79,6 +90,13 @@ mod cluster {
     use super::{CLUSTER_URLS_VAR, Cluster, Redis};
 
     idempotent_core::store_conformance_tests!(Redis<Cluster>);
+
+    /// The contract holds as well with every claim and record acknowledged by a replica.
+    mod acknowledged {
+        use super::super::{AcknowledgedCluster, Redis};
+
+        idempotent_core::store_conformance_tests!(Redis<AcknowledgedCluster>);
+    }
 
     /// The ports of the primaries serving `keys`, from the cluster's slot map.
     async fn primaries_of(urls: &str, keys: &[String]) -> BTreeSet<i64> {
@@ -322,13 +340,20 @@ async fn without_the_replicas_required_a_claim_fails_closed_and_is_given_back() 
             .unwrap(),
         Claim::Completed { .. }
     ));
-    // The runtime's retry of that write waits for the replicas again rather than being told
-    // its claim is gone; another token is still refused.
+    // The runtime's retry of that write (the same token and payload) waits for the replicas
+    // again rather than being told its claim is gone; another payload or another token is
+    // still refused.
     assert!(matches!(
         waiting
             .complete(&key, token, "done".into(), Duration::from_secs(60))
             .await,
         Err(StoreError::Unavailable(_))
+    ));
+    assert!(matches!(
+        waiting
+            .complete(&key, token, "other".into(), Duration::from_secs(60))
+            .await,
+        Err(StoreError::TokenRejected)
     ));
     assert!(matches!(
         waiting

@@ -8,7 +8,6 @@ use bytes::Bytes;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{
     Cmd, ErrorKind, FromRedisValue, Pipeline, RedisError, RedisFuture, Script, ServerErrorKind,
     Value,
@@ -150,18 +149,37 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {'claimed', token}
 ";
 
+// With `ARGV[4]` set (replicas required), the same completion repeated by the owner whose
+// earlier attempt landed without its acknowledgement writes the token again (changing
+// nothing) for `WAIT` to cover.
 const COMPLETE: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
-if rec[1] ~= 'i' or rec[2] ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 's', 'c', 'p', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return 1
+if rec[1] == 'i' and rec[2] == ARGV[1] then
+  redis.call('HSET', KEYS[1], 's', 'c', 'p', ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return 1
+end
+if ARGV[4] == '1' and rec[1] == 'c' and rec[2] == ARGV[1]
+    and redis.call('HGET', KEYS[1], 'p') == ARGV[2] then
+  redis.call('HSET', KEYS[1], 't', ARGV[1])
+  return 1
+end
+return 0
 ";
 
 const RELEASE: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
 if rec[1] ~= 'i' or rec[2] ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
+return 1
+";
+
+// Whether the record is still claimed with token `ARGV[1]`; if so, writes the token again
+// (changing nothing), a write for `WAIT` to cover that reaches the replicas after the claim.
+const CONFIRM: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
+if rec[1] ~= 'i' or rec[2] ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 't', ARGV[1])
 return 1
 ";
 
@@ -200,6 +218,7 @@ struct Scripts {
     complete: Script,
     release: Script,
     renew: Script,
+    confirm: Script,
 }
 
 fn scripts() -> &'static Scripts {
@@ -209,6 +228,7 @@ fn scripts() -> &'static Scripts {
         complete: checked(3, COMPLETE),
         release: Script::new(RELEASE),
         renew: checked(2, RENEW),
+        confirm: Script::new(CONFIRM),
     })
 }
 
@@ -254,10 +274,14 @@ impl RedisStoreBuilder {
     /// given back (released) and fails with [`StoreError::Unavailable`] (HTTP 503; nothing
     /// ran), and a completion fails with [`StoreError::Unavailable`]: the result is on the
     /// primary, not yet safe, and the runtime retries the write while it keeps the claim; a
-    /// completion repeated with the token of the record it completed only waits for the
-    /// replicas again (this is the one place this store departs from the contract's "a
-    /// completed record is never completed again": it writes nothing). With more replicas
-    /// required than exist, every claim fails.
+    /// completion repeated with the token and the payload of the record it completed only
+    /// waits for the replicas again (it changes nothing; any other completion of a completed
+    /// record is refused, as the contract says). With more replicas required than exist,
+    /// every claim fails.
+    ///
+    /// Each `WAIT` travels in one pipeline with the write it confirms, so it counts the
+    /// replicas of the node that made that write and no other: a claim whose primary died
+    /// before a replica had it is not confirmed by another node, and fails.
     pub fn replicas(mut self, replicas: usize) -> Self {
         self.replicas = replicas;
         self
@@ -384,6 +408,21 @@ fn store_error(error: RedisError) -> StoreError {
     }
 }
 
+/// Fails closed unless `acknowledged` replicas are at least the `required` ones.
+fn enough(acknowledged: usize, (replicas, wait): (usize, Duration)) -> Result<(), StoreError> {
+    if acknowledged >= replicas {
+        Ok(())
+    } else {
+        Err(StoreError::Unavailable(
+            format!(
+                "the write was acknowledged by {acknowledged} of the {replicas} replicas \
+                 required within {wait:?}"
+            )
+            .into(),
+        ))
+    }
+}
+
 fn corrupt(what: &str) -> StoreError {
     StoreError::Corrupt(format!("unexpected record data from redis: {what}").into())
 }
@@ -445,60 +484,78 @@ impl RedisStore {
         .map_err(store_error)
     }
 
-    /// With [`RedisStoreBuilder::replicas`], waits until that many replicas of `key`'s
-    /// primary have acknowledged the writes sent before (`WAIT`, on the connection the write
-    /// went over, so it covers it).
-    async fn replicated(&self, key: &StorageKey) -> Result<(), StoreError> {
-        let Some((replicas, wait)) = self.replicas else {
-            return Ok(());
+    /// Sends `cmd` (from [`evalsha`](Self::evalsha)) with `WAIT` for `replicas` replicas right
+    /// behind it, in one pipeline, and returns the script's reply and how many replicas
+    /// acknowledged. One pipeline goes to one node over one connection, so the `WAIT` covers
+    /// exactly the writes of the script before it, on the node that ran it. (A `WAIT` sent on
+    /// its own could land elsewhere: after a reconnect on a connection that wrote nothing, or,
+    /// on a cluster whose primary just died, on another node, which answers at once.) A
+    /// redirected or retried pipeline is sent again whole.
+    async fn query_then_wait<T: FromRedisValue>(
+        &self,
+        script: &Script,
+        cmd: Cmd,
+        (replicas, wait): (usize, Duration),
+    ) -> Result<(T, usize), StoreError> {
+        let mut pipe = redis::pipe();
+        pipe.add_command(cmd)
+            .cmd("WAIT")
+            .arg(replicas)
+            .arg(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX).max(1))
+            .ignore_errors();
+        let mut connection = self.connection.clone();
+        let mut replies: Vec<redis::RedisResult<Value>> = pipe
+            .query_async(&mut connection)
+            .await
+            .map_err(store_error)?;
+        if matches!(replies.first(), Some(Err(error)) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript))
+        {
+            script
+                .load_async(&mut connection)
+                .await
+                .map_err(store_error)?;
+            replies = pipe
+                .query_async(&mut connection)
+                .await
+                .map_err(store_error)?;
+        }
+        let mut replies = replies.into_iter();
+        let (Some(reply), Some(acknowledged), None) =
+            (replies.next(), replies.next(), replies.next())
+        else {
+            return Err(corrupt("unexpected reply to a script and WAIT"));
         };
-        let mut cmd = redis::cmd("WAIT");
-        cmd.arg(replicas)
-            .arg(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX).max(1));
-        let acknowledged: usize = match &self.connection {
-            Connection::Node(connection) => cmd.query_async(&mut connection.clone()).await,
-            Connection::Cluster(connection) => {
-                let route = Route::with_key(self.redis_key(key), SlotAddr::Master);
-                connection
-                    .clone()
-                    .route_command(
-                        cmd,
-                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
-                    )
-                    .await
-                    .and_then(|value| Ok(usize::from_redis_value(value)?))
-            }
-        }
-        // The write itself landed; whatever kept the replicas from confirming it (a timeout,
-        // a node that just turned replica and refuses `WAIT`), it is not yet safe.
-        .map_err(|error| StoreError::Unavailable(Box::new(error)))?;
-        if acknowledged >= replicas {
-            Ok(())
-        } else {
-            Err(StoreError::Unavailable(
-                format!(
-                    "the write was acknowledged by {acknowledged} of the {replicas} replicas \
-                     required within {wait:?}"
-                )
-                .into(),
-            ))
-        }
+        let reply = reply
+            .and_then(|value| Ok(T::from_redis_value(value)?))
+            .map_err(store_error)?;
+        // The script's write landed; whatever kept the replicas from confirming it (a node
+        // that just turned replica and refuses `WAIT`, say), it is not yet safe.
+        let acknowledged = acknowledged
+            .and_then(|value| Ok(usize::from_redis_value(value)?))
+            .map_err(|error| StoreError::Unavailable(Box::new(error)))?;
+        Ok((reply, acknowledged))
     }
 
-    /// Whether `key` holds a completed record written with `token`.
-    async fn completed_with(
+    /// With [`RedisStoreBuilder::replicas`], whether `key` is still claimed with `token` on
+    /// its primary, which then writes the token again, a write that reaches the replicas after
+    /// the claim; and whether enough replicas acknowledged it. `Ok(false)` when the claim is
+    /// not there.
+    async fn confirm_claim(
         &self,
         key: &StorageKey,
         token: FencingToken,
+        required: (usize, Duration),
     ) -> Result<bool, StoreError> {
-        let (state, written_with): (Option<Vec<u8>>, Option<u64>) = redis::cmd("HMGET")
-            .arg(self.redis_key(key))
-            .arg("s")
-            .arg("t")
-            .query_async(&mut self.connection.clone())
-            .await
-            .map_err(store_error)?;
-        Ok(state.as_deref() == Some(b"c") && written_with == Some(token.get()))
+        let script = &scripts().confirm;
+        let mut cmd = self.evalsha(script, key);
+        cmd.arg(token.get());
+        let (held, acknowledged): (i64, usize) =
+            self.query_then_wait(script, cmd, required).await?;
+        if held != 1 {
+            return Ok(false);
+        }
+        enough(acknowledged, required)?;
+        Ok(true)
     }
 
     /// Runs a token-guarded script; `1` means the caller held the claim.
@@ -535,11 +592,24 @@ impl Store for RedisStore {
                     .and_then(|t| t.parse().ok())
                     .ok_or_else(|| corrupt("token"))?;
                 let token = FencingToken::new(token);
-                if let Err(error) = self.replicated(key).await {
-                    // Nothing runs on a claim that could be lost: give it back so a retry
-                    // need not wait for its lease.
-                    let _ = self.release(key, token).await;
-                    return Err(error);
+                if let Some(required) = self.replicas {
+                    // Nothing runs on a claim that could be lost: one the key's primary no
+                    // longer holds (it died before replicating it) fails, and one too few
+                    // replicas acknowledged is given back so a retry need not wait for its
+                    // lease.
+                    match self.confirm_claim(key, token, required).await {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            return Err(StoreError::Unavailable(
+                                "the claim was lost with its primary before a replica had it"
+                                    .into(),
+                            ));
+                        }
+                        Err(error) => {
+                            let _ = self.release(key, token).await;
+                            return Err(error);
+                        }
+                    }
                 }
                 Ok(Claim::Claimed(token))
             }
@@ -578,15 +648,18 @@ impl Store for RedisStore {
         cmd.arg(token.get())
             .arg(payload.as_ref())
             .arg(millis(limits::clamp_ttl(ttl)));
-        match self.run_flag(script, cmd).await {
-            // With replicas required, a completion that landed but was not acknowledged in
-            // time is retried by the runtime: repeated with the token of the record it
-            // completed, it only waits for the replicas again.
-            Err(StoreError::TokenRejected)
-                if self.replicas.is_some() && self.completed_with(key, token).await? => {}
-            other => other?,
+        let Some(required) = self.replicas else {
+            return self.run_flag(script, cmd).await;
+        };
+        // A completion that landed but was not acknowledged in time is retried by the
+        // runtime: repeated, it only waits for the replicas again.
+        cmd.arg(1);
+        let (written, acknowledged): (i64, usize) =
+            self.query_then_wait(script, cmd, required).await?;
+        if written != 1 {
+            return Err(StoreError::TokenRejected);
         }
-        self.replicated(key).await
+        enough(acknowledged, required)
     }
 
     async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
