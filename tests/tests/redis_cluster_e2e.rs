@@ -142,22 +142,26 @@ async fn role(port: u16) -> String {
 /// primary (a replica that never synced cannot take over).
 async fn wait_for_cluster_ok(ports: &[u16]) {
     let deadline = Instant::now() + Duration::from_secs(60);
+    // A node that is down or still loading its data (just restarted) is waited for.
+    async fn settled(port: u16) -> Option<bool> {
+        let mut connection = try_redis(port).await?;
+        let info: String = redis::cmd("CLUSTER")
+            .arg("INFO")
+            .query_async(&mut connection)
+            .await
+            .ok()?;
+        let replication: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut connection)
+            .await
+            .ok()?;
+        let in_sync =
+            replication.contains("role:master") || replication.contains("master_link_status:up");
+        Some(info.contains("cluster_state:ok") && in_sync)
+    }
     for &port in ports {
         loop {
-            let mut connection = redis(port).await;
-            let info: String = redis::cmd("CLUSTER")
-                .arg("INFO")
-                .query_async(&mut connection)
-                .await
-                .unwrap();
-            let replication: String = redis::cmd("INFO")
-                .arg("replication")
-                .query_async(&mut connection)
-                .await
-                .unwrap();
-            let in_sync = replication.contains("role:master")
-                || replication.contains("master_link_status:up");
-            if info.contains("cluster_state:ok") && in_sync {
+            if settled(port).await == Some(true) {
                 break;
             }
             assert!(Instant::now() < deadline, "the cluster did not settle");
