@@ -315,6 +315,7 @@
 
 mod body;
 mod capture;
+pub mod client;
 mod config;
 mod discard;
 mod fingerprint;

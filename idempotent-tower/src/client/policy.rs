@@ -1,0 +1,446 @@
+//! The retry policy and the loop every client integration shares: attempts, deadline,
+//! backoff with full jitter, the retry budget, and the verdict on each answer.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderMap, StatusCode};
+use tokio::time::Instant;
+use tower::retry::budget::{Budget, TpsBudget};
+
+use super::{BoxError, ClientError, GiveUp};
+
+/// Default [`RetryPolicy::max_attempts`]: 6.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 6;
+/// Default [`RetryPolicy::deadline`]: 30 seconds for a logical call, retries included.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
+/// Default [`RetryPolicy::attempt_timeout`]: 10 seconds for one attempt.
+pub const DEFAULT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default [`RetryPolicy::max_request_body`]: 1 MiB, the server layer's default limit.
+pub const DEFAULT_MAX_REQUEST_BODY: usize = 1 << 20;
+
+/// How a client retries one logical call: at most [`max_attempts`](Self::max_attempts)
+/// attempts within the [`deadline`](Self::deadline), each bounded by the
+/// [`attempt_timeout`](Self::attempt_timeout), separated by exponential backoff with full
+/// jitter (or the server's `Retry-After` / `grpc-retry-pushback-ms`), and only while the
+/// retry [`budget`](Self::budget) allows.
+///
+/// The budget is shared by every clone of the policy (and of the layers and services built
+/// with it): it is what keeps a fleet of clients from multiplying an outage. By default it
+/// allows retries of 20 % of the calls of the last 10 seconds, plus 10 per second.
+#[derive(Clone)]
+pub struct RetryPolicy {
+    pub(crate) max_attempts: u32,
+    pub(crate) deadline: Duration,
+    pub(crate) attempt_timeout: Duration,
+    pub(crate) first_backoff: Duration,
+    pub(crate) max_backoff: Duration,
+    pub(crate) max_request_body: usize,
+    pub(crate) budget: Arc<TpsBudget>,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            deadline: DEFAULT_DEADLINE,
+            attempt_timeout: DEFAULT_ATTEMPT_TIMEOUT,
+            first_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(5),
+            max_request_body: DEFAULT_MAX_REQUEST_BODY,
+            budget: Arc::new(TpsBudget::default()),
+        }
+    }
+}
+
+impl fmt::Debug for RetryPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryPolicy")
+            .field("max_attempts", &self.max_attempts)
+            .field("deadline", &self.deadline)
+            .field("attempt_timeout", &self.attempt_timeout)
+            .field("first_backoff", &self.first_backoff)
+            .field("max_backoff", &self.max_backoff)
+            .field("max_request_body", &self.max_request_body)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RetryPolicy {
+    /// The defaults: [`DEFAULT_MAX_ATTEMPTS`], [`DEFAULT_DEADLINE`],
+    /// [`DEFAULT_ATTEMPT_TIMEOUT`], backoff from 100 ms up to 5 s, [`DEFAULT_MAX_REQUEST_BODY`]
+    /// and a budget of 20 % retries plus 10 per second.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Attempts per logical call, the first included (at least 1).
+    #[must_use]
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts.max(1);
+        self
+    }
+
+    /// How long a logical call may take, every attempt and wait included. No retry starts
+    /// after it, and no wait is begun that would end after it.
+    #[must_use]
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// How long one attempt may wait for its answer's head before it is abandoned and
+    /// retried (the abandoned request may still have reached the server: the retry carries
+    /// the same key, so it cannot run twice).
+    #[must_use]
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.attempt_timeout = timeout;
+        self
+    }
+
+    /// Exponential backoff with full jitter: before retry `n`, a random wait between zero and
+    /// `min(max, first × 2ⁿ⁻¹)`. A server's `Retry-After` or `grpc-retry-pushback-ms` is
+    /// waited instead.
+    #[must_use]
+    pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.first_backoff = first;
+        self.max_backoff = max.max(first);
+        self
+    }
+
+    /// The largest request body kept for resending (default [`DEFAULT_MAX_REQUEST_BODY`]); a
+    /// larger one fails with [`ClientError::BodyTooLarge`] before anything is sent.
+    #[must_use]
+    pub fn max_request_body(mut self, bytes: usize) -> Self {
+        self.max_request_body = bytes;
+        self
+    }
+
+    /// The retry budget (tower's [`TpsBudget`]): each logical call deposits, each retry
+    /// withdraws; `retry_percent` of the calls of the last `ttl` may be retried, plus
+    /// `min_per_sec` retries per second. A call whose retry the budget refuses ends with
+    /// its last answer. `ttl` is clamped to 1–60 s and `retry_percent` to 0–1000 (%/100).
+    #[must_use]
+    pub fn budget(mut self, ttl: Duration, min_per_sec: u32, retry_percent: f32) -> Self {
+        let ttl = ttl.clamp(Duration::from_secs(1), Duration::from_secs(60));
+        let percent = if retry_percent.is_finite() {
+            retry_percent.clamp(0.0, 1000.0)
+        } else {
+            0.0
+        };
+        let min_per_sec = min_per_sec.min(i32::MAX as u32 - 1);
+        self.budget = Arc::new(TpsBudget::new(ttl, min_per_sec, percent));
+        self
+    }
+
+    /// The wait before retry number `retry` (1 for the first retry): full jitter.
+    fn backoff_for(&self, retry: u32) -> Duration {
+        let exponent = retry.saturating_sub(1).min(20);
+        let ceiling = self
+            .first_backoff
+            .saturating_mul(1 << exponent)
+            .min(self.max_backoff);
+        ceiling.mul_f64(fastrand::f64())
+    }
+}
+
+/// What an answer means for the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// The call's answer (a success, a replay, or a refusal retrying cannot change).
+    Done,
+    /// The key was used for another request (HTTP 422, gRPC `FAILED_PRECONDITION` with
+    /// `fingerprint_mismatch`): a bug in the caller, answered as it is and logged.
+    KeyReused,
+    /// Worth another attempt with the same key, after the server's delay if it gave one.
+    Retry(Option<Duration>),
+}
+
+/// The verdict on an HTTP answer: 409 with `Retry-After` (a duplicate still in flight),
+/// 429 and 503 (with or without `Retry-After`), 502 and 504 are retried; 422 is a reused key;
+/// everything else is the answer.
+pub(crate) fn http_verdict(status: StatusCode, headers: &HeaderMap) -> Verdict {
+    match status.as_u16() {
+        409 => match retry_after(headers) {
+            Some(after) => Verdict::Retry(Some(after)),
+            // A 409 without a delay is the application's own conflict, not ours.
+            None => Verdict::Done,
+        },
+        429 | 503 => Verdict::Retry(retry_after(headers)),
+        502 | 504 => Verdict::Retry(None),
+        422 => Verdict::KeyReused,
+        _ => Verdict::Done,
+    }
+}
+
+/// `Retry-After` in whole seconds (an HTTP date is not read: the backoff applies instead).
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let value = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?;
+    value.trim().parse::<u64>().ok().map(Duration::from_secs)
+}
+
+/// The verdict on a gRPC answer, from its head: a status in the headers (a trailers-only
+/// answer, which is how servers refuse and fail unary calls) `UNAVAILABLE` or `ABORTED` is
+/// retried after its `grpc-retry-pushback-ms` (a negative or unreadable pushback means "do
+/// not retry"); `FAILED_PRECONDITION` with `idempotent-error: fingerprint_mismatch` is a
+/// reused key; HTTP 502, 503 and 504 from a proxy are retried. An answer whose status comes
+/// in trailers carries messages, and is the answer.
+pub(crate) fn grpc_verdict(status: StatusCode, headers: &HeaderMap) -> Verdict {
+    if matches!(status.as_u16(), 502..=504) {
+        return Verdict::Retry(None);
+    }
+    let code = headers
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u8>().ok());
+    match code {
+        // ABORTED, UNAVAILABLE
+        Some(10 | 14) => match headers.get("grpc-retry-pushback-ms") {
+            None => Verdict::Retry(None),
+            Some(value) => match value.to_str().ok().and_then(|v| v.parse::<i64>().ok()) {
+                Some(ms) if ms >= 0 => {
+                    Verdict::Retry(Some(Duration::from_millis(ms.unsigned_abs())))
+                }
+                _ => Verdict::Done,
+            },
+        },
+        // FAILED_PRECONDITION
+        Some(9)
+            if headers
+                .get("idempotent-error")
+                .is_some_and(|v| v == "fingerprint_mismatch") =>
+        {
+            Verdict::KeyReused
+        }
+        _ => Verdict::Done,
+    }
+}
+
+/// How one logical call went: its answer and how many attempts it took.
+pub(crate) struct Delivered<R> {
+    pub(crate) answer: R,
+    pub(crate) attempts: u32,
+}
+
+/// The last attempt of a call being retried: an answer with a retryable status, or none.
+enum Last<R> {
+    Answer(R),
+    Failed(BoxError),
+}
+
+/// Why an attempt produced no answer.
+#[derive(Debug)]
+struct AttemptTimedOut(Duration);
+
+impl fmt::Display for AttemptTimedOut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "no answer within the attempt timeout of {:?}", self.0)
+    }
+}
+
+impl std::error::Error for AttemptTimedOut {}
+
+/// Sends one logical call: `send` makes one attempt (the same request, the same key), and
+/// `verdict` judges each answer. Ends with the first answer that is not to be retried, or,
+/// when the attempts, the deadline or the budget run out, with the last answer (a retryable
+/// status is still an answer) or [`ClientError::GaveUp`] if the last attempt got none.
+pub(crate) async fn deliver<R, F, Fut>(
+    policy: &RetryPolicy,
+    key: &str,
+    mut send: F,
+    verdict: impl Fn(&R) -> Verdict,
+) -> Result<Delivered<R>, ClientError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<R, BoxError>>,
+{
+    policy.budget.deposit();
+    let deadline = Instant::now() + policy.deadline;
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let now = Instant::now();
+        let timeout = policy
+            .attempt_timeout
+            .min(deadline.saturating_duration_since(now));
+        tracing::debug!(key, attempt = attempts, "sending idempotent request");
+        let (server_delay, failure) = match tokio::time::timeout(timeout, send()).await {
+            Ok(Ok(answer)) => match verdict(&answer) {
+                Verdict::Done => return Ok(Delivered { answer, attempts }),
+                Verdict::KeyReused => {
+                    tracing::error!(
+                        key,
+                        attempts,
+                        "the idempotency key was already used for a different request: the server refused this one; a key must name one operation"
+                    );
+                    return Ok(Delivered { answer, attempts });
+                }
+                Verdict::Retry(after) => (after, Last::Answer(answer)),
+            },
+            Ok(Err(error)) => (None, Last::Failed(error)),
+            Err(_) => (None, Last::Failed(Box::new(AttemptTimedOut(timeout)))),
+        };
+        let give_up = |reason: GiveUp, failure: Last<R>| match failure {
+            Last::Answer(answer) => {
+                tracing::warn!(key, attempts, %reason, "idempotent request not retried again; returning its last answer");
+                Ok(Delivered { answer, attempts })
+            }
+            Last::Failed(last) => {
+                tracing::warn!(key, attempts, %reason, error = %last, "idempotent request failed; gave up");
+                Err(ClientError::GaveUp {
+                    key: key.to_owned(),
+                    attempts,
+                    reason,
+                    last,
+                })
+            }
+        };
+        if attempts >= policy.max_attempts {
+            return give_up(GiveUp::Attempts, failure);
+        }
+        let wait = server_delay.unwrap_or_else(|| policy.backoff_for(attempts));
+        if Instant::now() + wait >= deadline {
+            return give_up(GiveUp::Deadline, failure);
+        }
+        if !policy.budget.withdraw() {
+            return give_up(GiveUp::Budget, failure);
+        }
+        match &failure {
+            Last::Failed(error) => {
+                tracing::info!(key, attempt = attempts, ?wait, error = %error, "idempotent request failed; retrying with the same key")
+            }
+            Last::Answer(_) => {
+                tracing::info!(
+                    key,
+                    attempt = attempts,
+                    ?wait,
+                    "idempotent request answered with a retryable status; retrying with the same key"
+                )
+            }
+        }
+        drop(failure);
+        tokio::time::sleep(wait).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (name, value) in pairs {
+            map.insert(*name, HeaderValue::from_static(value));
+        }
+        map
+    }
+
+    #[test]
+    fn http_answers_are_judged_by_status_and_retry_after() {
+        let none = HeaderMap::new();
+        let later = headers(&[("retry-after", "3")]);
+        for ok in [200, 201, 204, 301, 400, 401, 403, 404, 500, 501] {
+            assert_eq!(
+                http_verdict(StatusCode::from_u16(ok).unwrap(), &none),
+                Verdict::Done,
+                "{ok}"
+            );
+        }
+        assert_eq!(http_verdict(StatusCode::CONFLICT, &none), Verdict::Done);
+        assert_eq!(
+            http_verdict(StatusCode::CONFLICT, &later),
+            Verdict::Retry(Some(Duration::from_secs(3)))
+        );
+        for retried in [429, 503] {
+            let status = StatusCode::from_u16(retried).unwrap();
+            assert_eq!(http_verdict(status, &none), Verdict::Retry(None));
+            assert_eq!(
+                http_verdict(status, &later),
+                Verdict::Retry(Some(Duration::from_secs(3)))
+            );
+        }
+        for retried in [502, 504] {
+            let status = StatusCode::from_u16(retried).unwrap();
+            assert_eq!(http_verdict(status, &none), Verdict::Retry(None));
+        }
+        assert_eq!(
+            http_verdict(StatusCode::UNPROCESSABLE_ENTITY, &none),
+            Verdict::KeyReused
+        );
+        // A date is not read: the backoff applies.
+        let dated = headers(&[("retry-after", "Wed, 21 Oct 2015 07:28:00 GMT")]);
+        assert_eq!(
+            http_verdict(StatusCode::SERVICE_UNAVAILABLE, &dated),
+            Verdict::Retry(None)
+        );
+    }
+
+    #[test]
+    fn grpc_answers_are_judged_by_status_and_pushback() {
+        let ok = StatusCode::OK;
+        assert_eq!(grpc_verdict(ok, &HeaderMap::new()), Verdict::Done);
+        assert_eq!(
+            grpc_verdict(ok, &headers(&[("grpc-status", "0")])),
+            Verdict::Done
+        );
+        assert_eq!(
+            grpc_verdict(ok, &headers(&[("grpc-status", "14")])),
+            Verdict::Retry(None)
+        );
+        assert_eq!(
+            grpc_verdict(
+                ok,
+                &headers(&[("grpc-status", "10"), ("grpc-retry-pushback-ms", "250")])
+            ),
+            Verdict::Retry(Some(Duration::from_millis(250)))
+        );
+        for refused in ["-1", "soon"] {
+            assert_eq!(
+                grpc_verdict(
+                    ok,
+                    &headers(&[("grpc-status", "14"), ("grpc-retry-pushback-ms", refused)])
+                ),
+                Verdict::Done,
+                "{refused}"
+            );
+        }
+        assert_eq!(
+            grpc_verdict(
+                ok,
+                &headers(&[
+                    ("grpc-status", "9"),
+                    ("idempotent-error", "fingerprint_mismatch")
+                ])
+            ),
+            Verdict::KeyReused
+        );
+        for done in ["3", "9", "13", "2", "4"] {
+            assert_eq!(
+                grpc_verdict(ok, &headers(&[("grpc-status", done)])),
+                Verdict::Done,
+                "{done}"
+            );
+        }
+        assert_eq!(
+            grpc_verdict(StatusCode::BAD_GATEWAY, &HeaderMap::new()),
+            Verdict::Retry(None)
+        );
+    }
+
+    #[test]
+    fn backoff_is_full_jitter_under_a_growing_ceiling() {
+        let policy =
+            RetryPolicy::new().backoff(Duration::from_millis(100), Duration::from_millis(800));
+        for retry in 1..=8u32 {
+            let ceiling = Duration::from_millis(100 * (1 << (retry - 1).min(3)));
+            let waits: Vec<_> = (0..200).map(|_| policy.backoff_for(retry)).collect();
+            assert!(waits.iter().all(|w| *w <= ceiling), "retry {retry}");
+            // Spread over the whole range, not a fixed delay.
+            assert!(waits.iter().any(|w| *w < ceiling / 4), "retry {retry}");
+            assert!(waits.iter().any(|w| *w > ceiling * 3 / 4), "retry {retry}");
+        }
+    }
+}

@@ -1,0 +1,443 @@
+//! The client layer against a scripted inner client: which answers are retried, with which
+//! key and body, how long it waits, and when it gives up.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use idempotent_tower::client::{
+    ClientError, ClientLayer, Delivery, GiveUp, IdempotencyKey, RetryPolicy,
+};
+use tower::{Layer, Service, ServiceExt};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What the scripted client does for one attempt.
+enum Step {
+    Answer(u16, &'static [(&'static str, &'static str)]),
+    Fail,
+    Hang,
+}
+
+/// A request as the inner client received it.
+#[derive(Debug, Clone)]
+struct Seen {
+    method: Method,
+    key: Option<String>,
+    body: Bytes,
+    at: tokio::time::Instant,
+}
+
+#[derive(Clone)]
+struct Scripted {
+    steps: Arc<Mutex<VecDeque<Step>>>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl Scripted {
+    fn new(steps: Vec<Step>) -> Self {
+        Scripted {
+            steps: Arc::new(Mutex::new(steps.into())),
+            seen: Arc::new(Mutex::new(Vec::new())),
+        }
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+impl Service<Request<Full<Bytes>>> for Scripted {
+    type Response = Response<Full<Bytes>>;
+    type Error = BoxError;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, BoxError>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), BoxError>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Full<Bytes>>) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            let (parts, body) = request.into_parts();
+            let body = body.collect().await.unwrap().to_bytes();
+            this.seen.lock().unwrap().push(Seen {
+                method: parts.method,
+                key: parts
+                    .headers
+                    .get("idempotency-key")
+                    .map(|v| v.to_str().unwrap().to_owned()),
+                body,
+                at: tokio::time::Instant::now(),
+            });
+            let step = this
+                .steps
+                .lock()
+                .unwrap()
+                .pop_front()
+                .expect("no more steps scripted");
+            match step {
+                Step::Answer(status, headers) => {
+                    let mut response = Response::new(Full::new(Bytes::from_static(b"answer")));
+                    *response.status_mut() = StatusCode::from_u16(status).unwrap();
+                    for (name, value) in headers {
+                        response.headers_mut().insert(*name, value.parse().unwrap());
+                    }
+                    Ok(response)
+                }
+                Step::Fail => Err("connection reset".into()),
+                Step::Hang => {
+                    std::future::pending::<()>().await;
+                    unreachable!()
+                }
+            }
+        })
+    }
+}
+
+fn payment() -> Request<Full<Bytes>> {
+    Request::post("http://server/payments")
+        .body(Full::new(Bytes::from_static(b"{\"amount\":1999}")))
+        .unwrap()
+}
+
+/// A fast policy for the tests: no jitter wait worth speaking of.
+fn policy() -> RetryPolicy {
+    RetryPolicy::new().backoff(Duration::from_millis(10), Duration::from_millis(50))
+}
+
+async fn send(
+    layer: ClientLayer,
+    steps: Vec<Step>,
+    request: Request<Full<Bytes>>,
+) -> (Result<Response<Full<Bytes>>, ClientError>, Vec<Seen>) {
+    let inner = Scripted::new(steps);
+    let mut client = layer.layer(inner.clone());
+    let answer = client.ready().await.unwrap().call(request).await;
+    (answer, inner.seen())
+}
+
+fn delivery(response: &Response<Full<Bytes>>) -> Delivery {
+    response.extensions().get::<Delivery>().unwrap().clone()
+}
+
+#[tokio::test(start_paused = true)]
+async fn retryable_answers_are_retried_with_the_same_key_and_body() {
+    let (answer, seen) = send(
+        ClientLayer::http().policy(policy()),
+        vec![
+            Step::Answer(503, &[]),
+            Step::Fail,
+            Step::Answer(502, &[]),
+            Step::Answer(504, &[]),
+            Step::Answer(429, &[]),
+            Step::Answer(201, &[("idempotent-replayed", "true")]),
+        ],
+        payment(),
+    )
+    .await;
+    let answer = answer.unwrap();
+    assert_eq!(answer.status(), StatusCode::CREATED);
+    assert_eq!(seen.len(), 6);
+    let key = seen[0].key.clone().unwrap();
+    // A fresh UUID, sent as an RFC 8941 string.
+    assert_eq!(key.len(), 38, "{key}");
+    assert!(key.starts_with('"') && key.ends_with('"'));
+    for attempt in &seen {
+        assert_eq!(attempt.key.as_ref(), Some(&key));
+        assert_eq!(attempt.body, "{\"amount\":1999}");
+    }
+    let delivery = delivery(&answer);
+    assert_eq!(delivery.key(), key.trim_matches('"'));
+    assert_eq!(delivery.attempts(), 6);
+    assert!(delivery.replayed());
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_call_gets_its_own_key_and_a_given_key_is_kept() {
+    let layer = ClientLayer::http().policy(policy());
+    let (_, first) = send(layer.clone(), vec![Step::Answer(201, &[])], payment()).await;
+    let (_, second) = send(layer.clone(), vec![Step::Answer(201, &[])], payment()).await;
+    assert_ne!(first[0].key, second[0].key);
+
+    let mut chosen = payment();
+    chosen
+        .extensions_mut()
+        .insert(IdempotencyKey::new("order-7").unwrap());
+    let (answer, seen) = send(layer.clone(), vec![Step::Answer(201, &[])], chosen).await;
+    assert_eq!(seen[0].key.as_deref(), Some("\"order-7\""));
+    assert_eq!(delivery(&answer.unwrap()).key(), "order-7");
+
+    let mut carried = payment();
+    carried
+        .headers_mut()
+        .insert("idempotency-key", "\"mine\"".parse().unwrap());
+    let (answer, seen) = send(
+        layer,
+        vec![Step::Answer(503, &[]), Step::Answer(201, &[])],
+        carried,
+    )
+    .await;
+    assert_eq!(seen[0].key.as_deref(), Some("\"mine\""));
+    assert_eq!(seen[1].key.as_deref(), Some("\"mine\""));
+    let delivery = delivery(&answer.unwrap());
+    assert_eq!(delivery.key(), "\"mine\"");
+    assert!(!delivery.replayed());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_duplicate_in_flight_is_waited_out_for_its_retry_after() {
+    let (answer, seen) = send(
+        ClientLayer::http().policy(policy()),
+        vec![
+            Step::Answer(409, &[("retry-after", "2")]),
+            Step::Answer(201, &[("idempotent-replayed", "true")]),
+        ],
+        payment(),
+    )
+    .await;
+    assert_eq!(answer.unwrap().status(), StatusCode::CREATED);
+    assert_eq!(seen.len(), 2);
+    assert!(seen[1].at - seen[0].at >= Duration::from_secs(2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn other_answers_are_not_retried() {
+    for status in [400u16, 401, 404, 409, 422, 500, 501] {
+        let (answer, seen) = send(
+            ClientLayer::http().policy(policy()),
+            vec![Step::Answer(status, &[])],
+            payment(),
+        )
+        .await;
+        let answer = answer.unwrap();
+        assert_eq!(answer.status().as_u16(), status);
+        assert_eq!(seen.len(), 1, "{status} was retried");
+        assert_eq!(delivery(&answer).attempts(), 1);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn unprotected_methods_pass_through_without_a_key() {
+    let get = Request::get("http://server/payments/count")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let (answer, seen) = send(
+        ClientLayer::http().policy(policy()),
+        vec![Step::Answer(503, &[])],
+        get,
+    )
+    .await;
+    assert_eq!(answer.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].method, Method::GET);
+    assert_eq!(seen[0].key, None);
+
+    let put = Request::put("http://server/x")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let (_, seen) = send(
+        ClientLayer::http().methods([Method::PUT]).policy(policy()),
+        vec![Step::Answer(201, &[])],
+        put,
+    )
+    .await;
+    assert!(seen[0].key.is_some());
+}
+
+#[tokio::test(start_paused = true)]
+async fn attempts_run_out_with_the_last_answer_or_a_clear_error() {
+    let (answer, seen) = send(
+        ClientLayer::http().policy(policy().max_attempts(3)),
+        vec![
+            Step::Answer(503, &[]),
+            Step::Answer(503, &[]),
+            Step::Answer(503, &[]),
+        ],
+        payment(),
+    )
+    .await;
+    let answer = answer.unwrap();
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(delivery(&answer).attempts(), 3);
+    assert_eq!(seen.len(), 3);
+
+    let (answer, seen) = send(
+        ClientLayer::http().policy(policy().max_attempts(2)),
+        vec![Step::Fail, Step::Fail],
+        payment(),
+    )
+    .await;
+    match answer {
+        Err(ClientError::GaveUp {
+            key,
+            attempts: 2,
+            reason: GiveUp::Attempts,
+            last,
+        }) => {
+            assert_eq!(Some(format!("\"{key}\"")), seen[0].key);
+            assert_eq!(last.to_string(), "connection reset");
+        }
+        other => panic!("expected GaveUp, got {other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_attempt_that_hangs_is_abandoned_and_retried() {
+    let started = tokio::time::Instant::now();
+    let (answer, seen) = send(
+        ClientLayer::http().policy(policy().attempt_timeout(Duration::from_secs(1))),
+        vec![Step::Hang, Step::Answer(201, &[])],
+        payment(),
+    )
+    .await;
+    assert_eq!(answer.unwrap().status(), StatusCode::CREATED);
+    assert_eq!(seen.len(), 2);
+    assert!(seen[1].at - started >= Duration::from_secs(1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_wait_outlasts_the_deadline() {
+    let started = tokio::time::Instant::now();
+    let (answer, seen) = send(
+        ClientLayer::http().policy(policy().deadline(Duration::from_secs(5))),
+        vec![Step::Answer(503, &[("retry-after", "10")])],
+        payment(),
+    )
+    .await;
+    // The server's delay would end after the deadline: its answer is the call's, at once.
+    assert_eq!(answer.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(seen.len(), 1);
+    assert!(tokio::time::Instant::now() - started < Duration::from_secs(1));
+
+    let (answer, _) = send(
+        ClientLayer::http().policy(
+            policy()
+                .deadline(Duration::from_secs(3))
+                .attempt_timeout(Duration::from_secs(2)),
+        ),
+        vec![Step::Hang, Step::Hang],
+        payment(),
+    )
+    .await;
+    assert!(matches!(
+        answer,
+        Err(ClientError::GaveUp {
+            reason: GiveUp::Deadline,
+            ..
+        })
+    ));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_budget_bounds_retries_across_calls() {
+    // No retries beyond 1 per second and none as a share of calls.
+    let layer = ClientLayer::http().policy(policy().budget(Duration::from_secs(1), 1, 0.0));
+    let (first, seen) = send(
+        layer.clone(),
+        vec![
+            Step::Answer(503, &[]),
+            Step::Answer(503, &[]),
+            Step::Answer(503, &[]),
+        ],
+        payment(),
+    )
+    .await;
+    assert_eq!(first.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(seen.len(), 2, "one retry, the budget's only one");
+    let (second, seen) = send(layer, vec![Step::Fail, Step::Answer(201, &[])], payment()).await;
+    // The one retry the budget held went to the first call.
+    assert!(
+        matches!(
+            second,
+            Err(ClientError::GaveUp {
+                reason: GiveUp::Budget,
+                attempts: 1,
+                ..
+            })
+        ),
+        "{second:?}"
+    );
+    assert_eq!(seen.len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_over_the_limit_is_refused_before_anything_is_sent() {
+    let big = Request::post("http://server/payments")
+        .body(Full::new(Bytes::from(vec![b'x'; 2048])))
+        .unwrap();
+    let (answer, seen) = send(
+        ClientLayer::http().policy(policy().max_request_body(1024)),
+        vec![],
+        big,
+    )
+    .await;
+    assert!(matches!(
+        answer,
+        Err(ClientError::BodyTooLarge { limit: 1024 })
+    ));
+    assert!(seen.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn grpc_unavailable_and_aborted_are_retried_after_their_pushback() {
+    let call = || {
+        Request::post("http://server/payments.Payments/Pay")
+            .header("content-type", "application/grpc")
+            .body(Full::new(Bytes::from_static(b"\0\0\0\0\0")))
+            .unwrap()
+    };
+    let (answer, seen) = send(
+        ClientLayer::grpc().policy(policy()),
+        vec![
+            Step::Answer(
+                200,
+                &[("grpc-status", "10"), ("grpc-retry-pushback-ms", "1500")],
+            ),
+            Step::Answer(200, &[("grpc-status", "14")]),
+            Step::Answer(200, &[]),
+        ],
+        call(),
+    )
+    .await;
+    assert_eq!(delivery(&answer.unwrap()).attempts(), 3);
+    assert!(seen[1].at - seen[0].at >= Duration::from_millis(1500));
+    assert!(seen.iter().all(|s| s.key == seen[0].key && s.key.is_some()));
+
+    // A negative pushback: the server says not to retry.
+    let (answer, seen) = send(
+        ClientLayer::grpc().policy(policy()),
+        vec![Step::Answer(
+            200,
+            &[("grpc-status", "14"), ("grpc-retry-pushback-ms", "-1")],
+        )],
+        call(),
+    )
+    .await;
+    assert_eq!(seen.len(), 1);
+    let answer = answer.unwrap();
+    let headers: &HeaderMap = answer.headers();
+    assert_eq!(headers["grpc-status"], "14");
+
+    // A reused key and other statuses are answers.
+    for status in ["3", "9", "13"] {
+        let (_, seen) = send(
+            ClientLayer::grpc().policy(policy()),
+            vec![Step::Answer(
+                200,
+                Box::leak(vec![("grpc-status", status)].into_boxed_slice()),
+            )],
+            call(),
+        )
+        .await;
+        assert_eq!(seen.len(), 1, "{status}");
+    }
+}
