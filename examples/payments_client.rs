@@ -1,0 +1,182 @@
+//! A client of the `payments` example that pays N distinct payments through the client layer
+//! (`idempotent_tower::client::ClientLayer`): each payment gets its own key, and every retry
+//! of a payment carries that key, so a lost answer never becomes a second charge.
+//!
+//! ```text
+//! cargo run --release --example payments                  # in one terminal
+//! cargo run --release --example payments_client -- --url http://127.0.0.1:3000 --payments 100 --concurrency 8
+//! ```
+//!
+//! Payments are made as the user `--user` (default `alice`; the `payments` example scopes keys
+//! by user).
+//!
+//! The last line printed is one JSON object:
+//! `{"sent": N, "succeeded": S, "replayed": R, "failed": F, "attempts": A}`: `succeeded` counts
+//! payments answered 201, `replayed` those whose answer was a replay (an earlier attempt ran
+//! and its answer was lost), `failed` the rest, and `attempts` every request sent, retries
+//! included. The exit status is 0 only if every payment succeeded.
+//!
+//! The retry policy (up to 12 attempts in 60 s, backoff from 50 ms to 2 s, a budget of one
+//! retry per payment plus 50 a second) completes every payment on a network that loses a
+//! third of all answers: the chance that one payment loses 12 answers in a row is 1 in
+//! 531,441.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use idempotent_tower::client::{ClientLayer, Delivery, RetryPolicy};
+use tower::{Layer, Service, ServiceExt};
+
+struct Args {
+    url: String,
+    user: String,
+    payments: u64,
+    concurrency: u64,
+}
+
+fn args() -> Result<Args, String> {
+    let mut args = Args {
+        url: "http://127.0.0.1:3000".into(),
+        user: "alice".into(),
+        payments: 100,
+        concurrency: 8,
+    };
+    let mut given = std::env::args().skip(1);
+    while let Some(flag) = given.next() {
+        let mut value = || given.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--url" => args.url = value()?.trim_end_matches('/').to_owned(),
+            "--user" => args.user = value()?,
+            "--payments" => {
+                args.payments = value()?
+                    .parse()
+                    .map_err(|_| "--payments takes a number".to_owned())?;
+            }
+            "--concurrency" => {
+                args.concurrency = value()?
+                    .parse::<u64>()
+                    .map_err(|_| "--concurrency takes a number".to_owned())?
+                    .max(1);
+            }
+            other => {
+                return Err(format!(
+                    "unknown argument {other}; usage: payments_client --url URL --payments N --concurrency C [--user NAME]"
+                ));
+            }
+        }
+    }
+    Ok(args)
+}
+
+#[derive(Default)]
+struct Tally {
+    succeeded: AtomicU64,
+    replayed: AtomicU64,
+    failed: AtomicU64,
+    attempts: AtomicU64,
+}
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = match args() {
+        Ok(args) => args,
+        Err(message) => {
+            eprintln!("{message}");
+            std::process::exit(2);
+        }
+    };
+    let policy = RetryPolicy::new()
+        .max_attempts(12)
+        .deadline(Duration::from_secs(60))
+        .attempt_timeout(Duration::from_secs(5))
+        .backoff(Duration::from_millis(50), Duration::from_secs(2))
+        .budget(Duration::from_secs(10), 50, 1.0);
+    let http = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let client = ClientLayer::http().policy(policy).layer(http);
+    let url = format!("{}/payments", args.url);
+    let authorization = format!("Bearer {}", args.user);
+    let tally = Arc::new(Tally::default());
+    let next = Arc::new(AtomicU64::new(0));
+    let mut workers = Vec::new();
+    for _ in 0..args.concurrency.min(args.payments.max(1)) {
+        let (mut client, url, authorization, tally, next) = (
+            client.clone(),
+            url.clone(),
+            authorization.clone(),
+            Arc::clone(&tally),
+            Arc::clone(&next),
+        );
+        let payments = args.payments;
+        workers.push(tokio::spawn(async move {
+            while next.fetch_add(1, Ordering::SeqCst) < payments {
+                let request = http::Request::post(url.as_str())
+                    .header("content-type", "application/json")
+                    .header("authorization", authorization.as_str())
+                    .body(Full::new(Bytes::from_static(
+                        br#"{"amount":1999,"currency":"EUR"}"#,
+                    )))
+                    .expect("a valid request");
+                let answer = match client.ready().await {
+                    Ok(ready) => ready.call(request).await,
+                    Err(error) => Err(error),
+                };
+                match answer {
+                    Ok(response) => {
+                        let delivery = response.extensions().get::<Delivery>().cloned();
+                        let attempts = delivery.as_ref().map_or(1, Delivery::attempts);
+                        tally
+                            .attempts
+                            .fetch_add(u64::from(attempts), Ordering::SeqCst);
+                        if response.status() == http::StatusCode::CREATED {
+                            tally.succeeded.fetch_add(1, Ordering::SeqCst);
+                            if delivery.is_some_and(|d| d.replayed()) {
+                                tally.replayed.fetch_add(1, Ordering::SeqCst);
+                            }
+                        } else {
+                            eprintln!("payment answered {}", response.status());
+                            tally.failed.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                    Err(error) => {
+                        eprintln!("payment failed: {error}");
+                        if let idempotent_tower::client::ClientError::GaveUp { attempts, .. } =
+                            &error
+                        {
+                            tally
+                                .attempts
+                                .fetch_add(u64::from(*attempts), Ordering::SeqCst);
+                        }
+                        tally.failed.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            }
+        }));
+    }
+    for worker in workers {
+        worker.await.expect("a worker panicked");
+    }
+    // In the documented order.
+    let summary = format!(
+        r#"{{"sent": {}, "succeeded": {}, "replayed": {}, "failed": {}, "attempts": {}}}"#,
+        args.payments,
+        tally.succeeded.load(Ordering::SeqCst),
+        tally.replayed.load(Ordering::SeqCst),
+        tally.failed.load(Ordering::SeqCst),
+        tally.attempts.load(Ordering::SeqCst),
+    );
+    println!("{summary}");
+    if tally.succeeded.load(Ordering::SeqCst) != args.payments {
+        std::process::exit(1);
+    }
+}

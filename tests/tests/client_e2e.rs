@@ -1,0 +1,271 @@
+//! The client layer against the real `payments` example, through a TCP proxy that loses
+//! answers: the request reaches the server, which charges, and the proxy cuts the connection
+//! instead of passing the answer on. Every payment still succeeds, and the server charges
+//! each exactly once.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::client::legacy::Client as HyperClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use idempotent_tower::client::{
+    ClientLayer, Delivery, IdempotencyKey, IdempotentClient, RetryPolicy,
+};
+use support::{Client, Protocol, Server};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tower::{Layer, Service, ServiceExt};
+
+/// What the proxy does to the connections and answers it carries.
+#[derive(Clone, Copy)]
+struct Faults {
+    /// The share of answers lost: the request was forwarded, the server answered, and the
+    /// proxy closes the client's connection instead of forwarding the answer.
+    lose_answer: f64,
+    /// The share of connections closed before anything is forwarded.
+    reset_before: f64,
+    /// A delay added before forwarding each answer, up to this long (uniformly drawn).
+    delay: Duration,
+}
+
+/// A TCP proxy on loopback in front of `upstream`, causing `faults`.
+struct FaultProxy {
+    address: SocketAddr,
+    lost: Arc<AtomicU64>,
+    reset: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl FaultProxy {
+    async fn start(upstream: SocketAddr, faults: Faults) -> FaultProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (lost, reset) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (lost_count, reset_count) = (Arc::clone(&lost), Arc::clone(&reset));
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                if fastrand::f64() < faults.reset_before {
+                    reset_count.fetch_add(1, Ordering::SeqCst);
+                    // Closed before anything is forwarded: the server sees nothing.
+                    drop(client);
+                    continue;
+                }
+                let lost = Arc::clone(&lost_count);
+                tokio::spawn(async move {
+                    if let Ok(server) = TcpStream::connect(upstream).await {
+                        carry(client, server, faults, lost).await;
+                    }
+                });
+            }
+        });
+        FaultProxy {
+            address,
+            lost,
+            reset,
+            task,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.address)
+    }
+}
+
+/// Carries one connection both ways. Each answer (the first bytes the server sends after
+/// the client sent a request) is lost with probability `lose_answer`: the proxy reads it, so
+/// the server has answered, and closes both sides without forwarding it.
+async fn carry(client: TcpStream, server: TcpStream, faults: Faults, lost: Arc<AtomicU64>) {
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let requested = Arc::new(AtomicBool::new(false));
+    let asked = Arc::clone(&requested);
+    let upstream = async move {
+        let mut buffer = vec![0u8; 16 * 1024];
+        loop {
+            match client_read.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    asked.store(true, Ordering::SeqCst);
+                    if server_write.write_all(&buffer[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = server_write.shutdown().await;
+    };
+    let downstream = async move {
+        let mut buffer = vec![0u8; 16 * 1024];
+        loop {
+            let n = match server_read.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if requested.swap(false, Ordering::SeqCst) {
+                if fastrand::f64() < faults.lose_answer {
+                    lost.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
+                if !faults.delay.is_zero() {
+                    tokio::time::sleep(faults.delay.mul_f64(fastrand::f64())).await;
+                }
+            }
+            if client_write.write_all(&buffer[..n]).await.is_err() {
+                break;
+            }
+        }
+    };
+    // Whichever side ends first ends the connection (a lost answer ends it at once).
+    tokio::select! {
+        () = upstream => {}
+        () = downstream => {}
+    }
+}
+
+fn upstream(server: &Server) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], server.port))
+}
+
+/// Runs the `payments_client` example and returns its summary line.
+async fn payments_client(url: &str, payments: u32, concurrency: u32) -> (bool, serde_json::Value) {
+    let output = tokio::process::Command::new(support::example_binary("payments_client"))
+        .args([
+            "--url",
+            url,
+            "--payments",
+            &payments.to_string(),
+            "--concurrency",
+            &concurrency.to_string(),
+        ])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let last = stdout.lines().last().unwrap_or_else(|| {
+        panic!(
+            "no summary; stderr: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    });
+    (output.status.success(), serde_json::from_str(last).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_third_of_the_answers_lost_every_payment_is_charged_once() {
+    let server = Server::payments(&[]).await;
+    let proxy = FaultProxy::start(
+        upstream(&server),
+        Faults {
+            lose_answer: 0.3,
+            reset_before: 0.05,
+            delay: Duration::from_millis(20),
+        },
+    )
+    .await;
+    let (ok, summary) = payments_client(&proxy.url(""), 300, 8).await;
+    assert!(ok, "{summary}");
+    assert_eq!(summary["sent"], 300);
+    assert_eq!(summary["succeeded"], 300, "{summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+    let lost = proxy.lost.load(Ordering::SeqCst);
+    assert!(
+        lost >= 50,
+        "the proxy lost {lost} answers: the fault did not happen"
+    );
+    // Every lost answer cost an attempt; the payments whose answer was lost after the server
+    // ran them were answered by a replay.
+    let attempts = summary["attempts"].as_u64().unwrap();
+    assert!(attempts >= 300 + lost, "{summary}, {lost} lost");
+    assert!(summary["replayed"].as_u64().unwrap() > 0, "{summary}");
+    let client = Client::new(Protocol::Http1);
+    assert_eq!(client.count(&server).await, 300, "one charge per payment");
+    assert_eq!(client.charges(&server).await, 300);
+    eprintln!(
+        "{summary}: {lost} answers lost, {} connections reset",
+        proxy.reset.load(Ordering::SeqCst)
+    );
+}
+
+/// The client layer on hyper-util's client, as an application would use it.
+fn client(policy: RetryPolicy) -> IdempotentClient<HyperClient<HttpConnector, Full<Bytes>>> {
+    let http = HyperClient::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    ClientLayer::http().policy(policy).layer(http)
+}
+
+fn payment(url: &str, key: &str, body: &'static str) -> http::Request<Full<Bytes>> {
+    let mut request = http::Request::post(url)
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer alice")
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap();
+    request
+        .extensions_mut()
+        .insert(IdempotencyKey::new(key).unwrap());
+    request
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_in_flight_is_waited_out_and_a_reused_key_is_not_retried() {
+    let server = Server::payments(&[]).await;
+    let key = format!("client-{}", std::process::id());
+    let slow = server.url("/payments?delay_ms=1500");
+    let first = {
+        let (mut client, request) = (
+            client(RetryPolicy::new()),
+            payment(&slow, &key, r#"{"amount":1999,"currency":"EUR"}"#),
+        );
+        tokio::spawn(async move { client.ready().await.unwrap().call(request).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The same payment while the first still runs: 409 with Retry-After, waited out, then
+    // the first one's answer replayed.
+    let mut second = client(RetryPolicy::new());
+    let answer = second
+        .ready()
+        .await
+        .unwrap()
+        .call(payment(&slow, &key, r#"{"amount":1999,"currency":"EUR"}"#))
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), http::StatusCode::CREATED);
+    let delivery = answer.extensions().get::<Delivery>().unwrap();
+    assert!(delivery.attempts() >= 2, "{delivery:?}");
+    assert!(delivery.replayed(), "{delivery:?}");
+    assert_eq!(
+        first.await.unwrap().unwrap().status(),
+        http::StatusCode::CREATED
+    );
+
+    // The same key for another payment: 422, answered at once, not retried.
+    let answer = second
+        .ready()
+        .await
+        .unwrap()
+        .call(payment(
+            &server.url("/payments"),
+            &key,
+            r#"{"amount":5,"currency":"EUR"}"#,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), http::StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(answer.extensions().get::<Delivery>().unwrap().attempts(), 1);
+    let client = Client::new(Protocol::Http1);
+    assert_eq!(client.count(&server).await, 1, "one charge for the key");
+}
