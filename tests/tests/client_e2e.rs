@@ -269,3 +269,74 @@ async fn a_duplicate_in_flight_is_waited_out_and_a_reused_key_is_not_retried() {
     let client = Client::new(Protocol::Http1);
     assert_eq!(client.count(&server).await, 1, "one charge for the key");
 }
+
+mod pb {
+    #![allow(missing_docs, unreachable_pub, clippy::all)]
+    tonic::include_proto!("payments.v1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_grpc_with_a_third_of_the_answers_lost_every_charge_runs_once() {
+    use pb::payments_client::PaymentsClient;
+    use pb::{ChargeRequest, CountRequest};
+
+    let server = Server::start("grpc", &[], "listening on 127.0.0.1:").await;
+    let proxy = FaultProxy::start(
+        upstream(&server),
+        Faults {
+            lose_answer: 0.3,
+            reset_before: 0.05,
+            delay: Duration::from_millis(5),
+        },
+    )
+    .await;
+    let channel = tonic::transport::Endpoint::from_shared(proxy.url(""))
+        .unwrap()
+        .connect_lazy();
+    let policy = RetryPolicy::new()
+        .max_attempts(12)
+        .deadline(Duration::from_secs(60))
+        .attempt_timeout(Duration::from_secs(5))
+        .backoff(Duration::from_millis(20), Duration::from_secs(1))
+        .budget(Duration::from_secs(10), 50, 1.0);
+    let mut client = PaymentsClient::new(ClientLayer::grpc().policy(policy).layer(channel));
+    let mut replayed = 0;
+    for n in 0..300 {
+        let mut request = tonic::Request::new(ChargeRequest {
+            amount: 1999,
+            currency: "EUR".into(),
+            delay_ms: 0,
+        });
+        request
+            .metadata_mut()
+            .insert("authorization", "Bearer alice".parse().unwrap());
+        let answer = client
+            .charge(request)
+            .await
+            .unwrap_or_else(|status| panic!("charge {n}: {status:?}"));
+        if answer
+            .metadata()
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+        {
+            replayed += 1;
+        }
+    }
+    let lost = proxy.lost.load(Ordering::SeqCst);
+    assert!(
+        lost >= 50,
+        "the proxy lost {lost} answers: the fault did not happen"
+    );
+    assert!(replayed > 0, "no lost answer was replayed");
+    let mut direct = PaymentsClient::connect(format!("http://127.0.0.1:{}", server.port))
+        .await
+        .unwrap();
+    let count = direct
+        .count(CountRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .count;
+    assert_eq!(count, 300, "one execution per charge");
+    eprintln!("gRPC: 300 charges, {lost} answers lost, {replayed} answered by a replay");
+}
