@@ -325,12 +325,13 @@ async fn without_the_replicas_required_a_claim_fails_closed_and_is_given_back() 
     else {
         panic!("the refused claim was released");
     };
+    let complete = |token: idempotent_core::FencingToken, payload: &'static str| {
+        waiting.complete(&key, token, payload.into(), Duration::from_secs(60))
+    };
     // A completion that is not acknowledged fails closed too, though the record is written:
     // a retry of the write then finds it done.
     assert!(matches!(
-        waiting
-            .complete(&key, token, "done".into(), Duration::from_secs(60))
-            .await,
+        complete(token, "done").await,
         Err(StoreError::Unavailable(_))
     ));
     assert!(matches!(
@@ -344,26 +345,15 @@ async fn without_the_replicas_required_a_claim_fails_closed_and_is_given_back() 
     // again rather than being told its claim is gone; another payload or another token is
     // still refused.
     assert!(matches!(
-        waiting
-            .complete(&key, token, "done".into(), Duration::from_secs(60))
-            .await,
+        complete(token, "done").await,
         Err(StoreError::Unavailable(_))
     ));
     assert!(matches!(
-        waiting
-            .complete(&key, token, "other".into(), Duration::from_secs(60))
-            .await,
+        complete(token, "other").await,
         Err(StoreError::TokenRejected)
     ));
     assert!(matches!(
-        waiting
-            .complete(
-                &key,
-                idempotent_core::FencingToken::new(token.get() + 1),
-                "other".into(),
-                Duration::from_secs(60)
-            )
-            .await,
+        complete(idempotent_core::FencingToken::new(token.get() + 1), "other").await,
         Err(StoreError::TokenRejected)
     ));
 }

@@ -130,6 +130,17 @@ async fn ask_role(port: u16) -> Option<Role> {
     Some(Role { kind, primary })
 }
 
+/// Those of `ports` whose nodes are up with the role `kind` (`master` or `slave`).
+async fn with_role(ports: &[u16], kind: &str) -> Vec<u16> {
+    let mut found = Vec::new();
+    for &port in ports {
+        if ask_role(port).await.is_some_and(|role| role.kind == kind) {
+            found.push(port);
+        }
+    }
+    found
+}
+
 /// `ROLE` of the node on `port`: `master` or `slave`.
 async fn role(port: u16) -> String {
     ask_role(port)
@@ -240,14 +251,10 @@ async fn a_primary_failover_under_load_loses_no_answered_key_and_needs_no_restar
     }
 
     // A replica takes over its primary (a coordinated failover: it first catches up).
-    let mut replica = None;
-    for &port in &ports {
-        if role(port).await == "slave" {
-            replica = Some(port);
-            break;
-        }
-    }
-    let replica = replica.expect("the cluster has replicas");
+    let replica = *with_role(&ports, "slave")
+        .await
+        .first()
+        .expect("the cluster has replicas");
     let failover = tokio::spawn(failover_to(replica));
 
     // During and after: new payments and replays of the old ones, until the replica is a
@@ -390,19 +397,7 @@ async fn restart_node(mut killed: Killed, ports: &[u16]) {
         .unwrap();
     assert!(status.success(), "restart the killed node");
     let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let mut replicas = 0;
-        for &port in ports {
-            if ask_role(port)
-                .await
-                .is_some_and(|role| role.kind == "slave")
-            {
-                replicas += 1;
-            }
-        }
-        if replicas == 3 {
-            break;
-        }
+    while with_role(ports, "slave").await.len() != 3 {
         assert!(Instant::now() < deadline, "the killed node did not rejoin");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -454,14 +449,7 @@ async fn kill_a_primary_under_load(urls: &str, replicas: &str) -> (usize, u64) {
         }));
     }
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let mut primary = None;
-    for &port in &ports {
-        if role(port).await == "master" {
-            primary = Some(port);
-            break;
-        }
-    }
-    let primary = primary.unwrap();
+    let primary = with_role(&ports, "master").await[0];
     let replica = replica_of(primary, &ports).await;
     // The replica falls behind: frozen, its link to the primary cut (what the primary had
     // sent it already sits in its socket), then a second of load that reaches only the
@@ -483,16 +471,8 @@ async fn kill_a_primary_under_load(urls: &str, replicas: &str) -> (usize, u64) {
     // The cluster promotes the dead primary's replica after its node timeout (2 s); the load
     // goes on meanwhile, then for a while on the new primary.
     let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let mut masters = 0;
-        for &port in ports.iter().filter(|&&p| p != primary) {
-            if role(port).await == "master" {
-                masters += 1;
-            }
-        }
-        if masters == 3 {
-            break;
-        }
+    // The dead node does not answer, so three primaries means its replica took over.
+    while with_role(&ports, "master").await.len() != 3 {
         assert!(Instant::now() < deadline, "no replica was promoted");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

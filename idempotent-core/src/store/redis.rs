@@ -59,8 +59,9 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 ///   [`RedisStoreBuilder::replicas`] closes that window: a claim or record counts only once
 ///   that many replicas have it, so the replica promoted in a dead primary's place has every
 ///   claim and record the store reported (at the cost of a second round trip per claim and
-///   the replicas' delay on every claim and completion). Without it, or where a replica may be promoted that did not acknowledge, use
-///   the PostgreSQL store with synchronous replication.
+///   the replicas' delay on every claim and completion). Without it, or where a replica may
+///   be promoted that did not acknowledge, use the PostgreSQL store with synchronous
+///   replication.
 /// - **Outages**: operations fail with [`StoreError::Unavailable`] (fail closed: HTTP 503)
 ///   after the connection and response timeouts (default 2 s each); the connection manager
 ///   reconnects by itself when the server is back.
@@ -271,9 +272,9 @@ impl RedisStoreBuilder {
     /// its place has it, so no request answered before a failover runs again after it. The
     /// cost is a second round trip per claim (a confirmation with its `WAIT`), a completion
     /// that waits with its `WAIT`, and the replicas' own delay, which every operation
-    /// pipelined behind a `WAIT` on the same connection shares (see BENCHMARKS.md). Fails closed: when fewer replicas acknowledge in time, a claim is
-    /// given back (released) and fails with [`StoreError::Unavailable`] (HTTP 503; nothing
-    /// ran), and a completion fails with [`StoreError::Unavailable`]: the result is on the
+    /// pipelined behind a `WAIT` on the same connection shares (see BENCHMARKS.md). Fails
+    /// closed: when fewer replicas acknowledge in time, a claim is given back (released) and
+    /// fails with [`StoreError::Unavailable`] (HTTP 503; nothing ran), and a completion fails with [`StoreError::Unavailable`]: the result is on the
     /// primary, not yet safe, and the runtime retries the write while it keeps the claim; a
     /// completion repeated with the token and the payload of the record it completed only
     /// waits for the replicas again (it changes nothing; any other completion of a completed

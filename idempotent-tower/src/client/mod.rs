@@ -70,6 +70,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use idempotent_core::{Key, KeyError};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -87,35 +88,30 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The key of one logical call, chosen by the caller: put it in a request's extensions and
 /// the client sends it instead of a fresh UUID. Keep it to retry the call later.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct IdempotencyKey(Arc<str>);
+pub struct IdempotencyKey(Key);
 
 impl IdempotencyKey {
-    /// `key` as a key: 1–255 bytes of printable ASCII, no leading or trailing space (what the
-    /// server layer accepts).
-    pub fn new(key: impl Into<String>) -> Result<Self, ClientError> {
-        let key = key.into();
-        let printable = key.bytes().all(|b| (0x20..0x7f).contains(&b));
-        if key.is_empty() || key.len() > 255 || !printable || key.trim() != key {
-            return Err(ClientError::InvalidKey(key));
-        }
-        Ok(IdempotencyKey(key.into()))
+    /// `key` as a key, by the rules the server applies ([`Key`]): 1–255 bytes of printable
+    /// ASCII, no leading or trailing space.
+    pub fn new(key: impl AsRef<str> + Into<String>) -> Result<Self, ClientError> {
+        Ok(IdempotencyKey(Key::new(key)?))
     }
 
     /// A fresh random key (a UUIDv4).
     pub fn random() -> Self {
-        IdempotencyKey(uuid::Uuid::new_v4().to_string().into())
+        IdempotencyKey(Key::new(uuid::Uuid::new_v4().to_string()).expect("a UUID is a valid key"))
     }
 
     /// The key.
     pub fn as_str(&self) -> &str {
-        &self.0
+        self.0.as_str()
     }
 
     /// The header value: an RFC 8941 string.
     fn header_value(&self) -> HeaderValue {
-        let mut quoted = String::with_capacity(self.0.len() + 2);
+        let mut quoted = String::with_capacity(self.as_str().len() + 2);
         quoted.push('"');
-        for c in self.0.chars() {
+        for c in self.as_str().chars() {
             if c == '"' || c == '\\' {
                 quoted.push('\\');
             }
@@ -128,7 +124,7 @@ impl IdempotencyKey {
 
 impl fmt::Display for IdempotencyKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(self.as_str())
     }
 }
 
@@ -175,10 +171,8 @@ pub enum ClientError {
     #[error("the request body could not be read; nothing was sent")]
     Body(#[source] BoxError),
     /// The key given in [`IdempotencyKey::new`] is not a valid key.
-    #[error(
-        "{0:?} is not an idempotency key: 1-255 bytes of printable ASCII, no leading or trailing space"
-    )]
-    InvalidKey(String),
+    #[error(transparent)]
+    InvalidKey(#[from] KeyError),
     /// No attempt got an answer before the attempts, the deadline or the budget ran out. The
     /// call may or may not have run: send the same request with `key` to find out (it will
     /// not run twice).
@@ -264,7 +258,7 @@ enum Wire {
     Grpc,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Config {
     wire: Wire,
     header: HeaderName,
@@ -303,11 +297,7 @@ impl ClientLayer {
     }
 
     fn config(mut self, change: impl FnOnce(&mut Config)) -> Self {
-        let mut config = Config {
-            wire: self.config.wire.clone(),
-            header: self.config.header.clone(),
-            policy: self.config.policy.clone(),
-        };
+        let mut config = Config::clone(&self.config);
         change(&mut config);
         self.config = Arc::new(config);
         self

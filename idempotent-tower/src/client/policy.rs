@@ -30,7 +30,7 @@ pub const DEFAULT_MAX_REQUEST_BODY: usize = 1 << 20;
 /// The budget is shared by every clone of the policy (and of the layers and services built
 /// with it): it is what keeps a fleet of clients from multiplying an outage. By default it
 /// allows retries of 20 % of the calls of the last 10 seconds, plus 10 per second.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct RetryPolicy {
     pub(crate) max_attempts: u32,
     pub(crate) deadline: Duration,
@@ -52,19 +52,6 @@ impl Default for RetryPolicy {
             max_request_body: DEFAULT_MAX_REQUEST_BODY,
             budget: Arc::new(TpsBudget::default()),
         }
-    }
-}
-
-impl fmt::Debug for RetryPolicy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RetryPolicy")
-            .field("max_attempts", &self.max_attempts)
-            .field("deadline", &self.deadline)
-            .field("attempt_timeout", &self.attempt_timeout)
-            .field("first_backoff", &self.first_backoff)
-            .field("max_backoff", &self.max_backoff)
-            .field("max_request_body", &self.max_request_body)
-            .finish_non_exhaustive()
     }
 }
 
