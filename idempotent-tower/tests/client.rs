@@ -8,8 +8,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
+use idempotent_core::metrics::Recorded;
 use idempotent_tower::client::{
-    ClientError, ClientLayer, Delivery, GiveUp, IdempotencyKey, RetryPolicy,
+    CLIENT_ATTEMPTS, CLIENT_CALLS, CLIENT_RETRIES, ClientError, ClientLayer, Delivery, GiveUp,
+    IdempotencyKey, RetryPolicy,
 };
 use tower::{Layer, Service, ServiceExt};
 
@@ -440,4 +442,121 @@ async fn grpc_unavailable_and_aborted_are_retried_after_their_pushback() {
         .await;
         assert_eq!(seen.len(), 1, "{status}");
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_default_budget_retries_a_fifth_of_the_calls_plus_ten_a_second() {
+    // 50 calls in a row, each answered 503 every time, with the default budget: 10 retries a
+    // second over its 10-second window (100), plus one retry for every 5 calls (10).
+    let (layer, recorded) =
+        Recorded::capture(|| ClientLayer::http().policy(policy().max_attempts(6)));
+    let mut sent = 0;
+    let mut ends = Vec::new();
+    for _ in 0..50 {
+        let (answer, seen) = send(
+            layer.clone(),
+            (0..6).map(|_| Step::Answer(503, &[])).collect(),
+            payment(),
+        )
+        .await;
+        assert_eq!(answer.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+        sent += seen.len();
+        ends.push(seen.len());
+    }
+    assert_eq!(sent, 50 + 110, "{ends:?}");
+    // The reserve pays the first 20 calls' 5 retries each; then the calls' own deposits.
+    assert!(ends[..20].iter().all(|&n| n == 6), "{ends:?}");
+    assert_eq!(ends[20], 5, "{ends:?}");
+
+    let http = [("protocol", "http")];
+    assert_eq!(recorded.counter(CLIENT_ATTEMPTS, &http), 160);
+    assert_eq!(
+        recorded.counter(
+            CLIENT_RETRIES,
+            &[("protocol", "http"), ("reason", "unavailable")]
+        ),
+        110
+    );
+    assert_eq!(recorded.counter(CLIENT_RETRIES, &http), 110);
+    let calls =
+        |outcome| recorded.counter(CLIENT_CALLS, &[("protocol", "http"), ("outcome", outcome)]);
+    assert_eq!(calls("attempts_exhausted"), 20);
+    assert_eq!(calls("budget_spent"), 30);
+    assert_eq!(recorded.counter(CLIENT_CALLS, &http), 50);
+}
+
+#[tokio::test(start_paused = true)]
+async fn calls_attempts_and_retries_are_counted_by_outcome_and_reason() {
+    let (layer, recorded) = Recorded::capture(|| ClientLayer::http().policy(policy()));
+    let layer = layer.policy(policy().max_attempts(3));
+    let script: Vec<(Vec<Step>, usize)> = vec![
+        (vec![Step::Answer(201, &[])], 1),
+        (
+            vec![
+                Step::Fail,
+                Step::Answer(409, &[("retry-after", "1")]),
+                Step::Answer(201, &[("idempotent-replayed", "true")]),
+            ],
+            3,
+        ),
+        (vec![Step::Answer(422, &[])], 1),
+        (vec![Step::Hang, Step::Answer(502, &[]), Step::Fail], 3),
+        (vec![Step::Answer(429, &[]), Step::Answer(400, &[])], 2),
+    ];
+    for (steps, attempts) in script {
+        let (_, seen) = send(layer.clone(), steps, payment()).await;
+        assert_eq!(seen.len(), attempts);
+    }
+    let big = Request::post("http://server/payments")
+        .body(Full::new(Bytes::from(vec![0u8; 2 << 20])))
+        .unwrap();
+    let (answer, seen) = send(layer.clone(), vec![], big).await;
+    assert!(matches!(answer, Err(ClientError::BodyTooLarge { .. })));
+    assert!(seen.is_empty());
+    // A GET is not protected, and not counted.
+    let get = Request::get("http://server/payments")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    send(layer, vec![Step::Answer(200, &[])], get)
+        .await
+        .0
+        .unwrap();
+
+    let counter = |name, labels: &[(&str, &str)]| {
+        let mut all = vec![("protocol", "http")];
+        all.extend_from_slice(labels);
+        recorded.counter(name, &all)
+    };
+    assert_eq!(counter(CLIENT_ATTEMPTS, &[]), 10);
+    for (reason, n) in [
+        ("error", 1),
+        ("in_flight", 1),
+        ("timeout", 1),
+        ("bad_gateway", 1),
+        ("throttled", 1),
+        ("unavailable", 0),
+        ("aborted", 0),
+    ] {
+        assert_eq!(
+            counter(CLIENT_RETRIES, &[("reason", reason)]),
+            n,
+            "{reason}"
+        );
+    }
+    for (outcome, n) in [
+        ("answered", 2),
+        ("replayed", 1),
+        ("key_reused", 1),
+        ("attempts_exhausted", 1),
+        ("deadline_reached", 0),
+        ("budget_spent", 0),
+        ("not_sent", 1),
+    ] {
+        assert_eq!(
+            counter(CLIENT_CALLS, &[("outcome", outcome)]),
+            n,
+            "{outcome}"
+        );
+    }
+    assert_eq!(counter(CLIENT_CALLS, &[]), 6);
 }

@@ -16,7 +16,8 @@ use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idempotent_tower::client::{
-    ClientLayer, Delivery, IdempotencyKey, IdempotentClient, RetryPolicy,
+    ClientError, ClientLayer, Delivery, IdempotencyKey, IdempotencyMiddleware, IdempotentClient,
+    RetryPolicy,
 };
 use support::{Client, Protocol, Server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -34,6 +35,13 @@ struct Faults {
     /// A delay added before forwarding each answer, up to this long (uniformly drawn).
     delay: Duration,
 }
+
+/// 30 % of the answers lost, 5 % of the connections reset, answers delayed up to 20 ms.
+const A_THIRD_LOST: Faults = Faults {
+    lose_answer: 0.3,
+    reset_before: 0.05,
+    delay: Duration::from_millis(20),
+};
 
 /// A TCP proxy on loopback in front of `upstream`, causing `faults`.
 struct FaultProxy {
@@ -169,15 +177,7 @@ async fn payments_client(url: &str, payments: u32, concurrency: u32) -> (bool, s
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_a_third_of_the_answers_lost_every_payment_is_charged_once() {
     let server = Server::payments(&[]).await;
-    let proxy = FaultProxy::start(
-        upstream(&server),
-        Faults {
-            lose_answer: 0.3,
-            reset_before: 0.05,
-            delay: Duration::from_millis(20),
-        },
-    )
-    .await;
+    let proxy = FaultProxy::start(upstream(&server), A_THIRD_LOST).await;
     let (ok, summary) = payments_client(&proxy.url(""), 300, 8).await;
     assert!(ok, "{summary}");
     assert_eq!(summary["sent"], 300);
@@ -200,6 +200,16 @@ async fn with_a_third_of_the_answers_lost_every_payment_is_charged_once() {
         "{summary}: {lost} answers lost, {} connections reset",
         proxy.reset.load(Ordering::SeqCst)
     );
+}
+
+/// A policy for a network losing a third of the answers (the `payments_client` example's).
+fn lossy() -> RetryPolicy {
+    RetryPolicy::new()
+        .max_attempts(12)
+        .deadline(Duration::from_secs(60))
+        .attempt_timeout(Duration::from_secs(5))
+        .backoff(Duration::from_millis(20), Duration::from_secs(1))
+        .budget(Duration::from_secs(10), 50, 1.0)
 }
 
 /// The client layer on hyper-util's client, as an application would use it.
@@ -284,22 +294,15 @@ async fn over_grpc_with_a_third_of_the_answers_lost_every_charge_runs_once() {
     let proxy = FaultProxy::start(
         upstream(&server),
         Faults {
-            lose_answer: 0.3,
-            reset_before: 0.05,
             delay: Duration::from_millis(5),
+            ..A_THIRD_LOST
         },
     )
     .await;
     let channel = tonic::transport::Endpoint::from_shared(proxy.url(""))
         .unwrap()
         .connect_lazy();
-    let policy = RetryPolicy::new()
-        .max_attempts(12)
-        .deadline(Duration::from_secs(60))
-        .attempt_timeout(Duration::from_secs(5))
-        .backoff(Duration::from_millis(20), Duration::from_secs(1))
-        .budget(Duration::from_secs(10), 50, 1.0);
-    let mut client = PaymentsClient::new(ClientLayer::grpc().policy(policy).layer(channel));
+    let mut client = PaymentsClient::new(ClientLayer::grpc().policy(lossy()).layer(channel));
     let mut replayed = 0;
     for n in 0..300 {
         let mut request = tonic::Request::new(ChargeRequest {
@@ -339,4 +342,156 @@ async fn over_grpc_with_a_third_of_the_answers_lost_every_charge_runs_once() {
         .count;
     assert_eq!(count, 300, "one execution per charge");
     eprintln!("gRPC: 300 charges, {lost} answers lost, {replayed} answered by a replay");
+}
+
+/// reqwest with the client's middleware, as an application would use it.
+fn reqwest_client(policy: RetryPolicy) -> reqwest_middleware::ClientWithMiddleware {
+    reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+        .with(IdempotencyMiddleware::new().policy(policy))
+        .build()
+}
+
+/// The [`ClientError`] in a failed reqwest call.
+fn client_error(error: &reqwest_middleware::Error) -> &ClientError {
+    match error {
+        reqwest_middleware::Error::Middleware(error) => error
+            .downcast_ref::<ClientError>()
+            .unwrap_or_else(|| panic!("not a ClientError: {error:?}")),
+        other => panic!("not the middleware's error: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_reqwest_with_a_third_of_the_answers_lost_every_payment_is_charged_once() {
+    let server = Server::payments(&[]).await;
+    let proxy = FaultProxy::start(upstream(&server), A_THIRD_LOST).await;
+    let client = reqwest_client(lossy());
+    let url = proxy.url("/payments");
+    let mut calls = tokio::task::JoinSet::new();
+    let (mut attempts, mut replayed) = (0, 0);
+    for n in 0..300u32 {
+        if calls.len() == 8 {
+            let delivery: Delivery = calls.join_next().await.unwrap().unwrap();
+            attempts += delivery.attempts();
+            replayed += u32::from(delivery.replayed());
+        }
+        let (client, url) = (client.clone(), url.clone());
+        calls.spawn(async move {
+            let answer = client
+                .post(url)
+                .header("content-type", "application/json")
+                .header("authorization", "Bearer alice")
+                .body(r#"{"amount":1999,"currency":"EUR"}"#)
+                .send()
+                .await
+                .unwrap_or_else(|error| panic!("payment {n}: {error:?}"));
+            assert_eq!(answer.status(), reqwest::StatusCode::CREATED, "payment {n}");
+            answer.extensions().get::<Delivery>().unwrap().clone()
+        });
+    }
+    while let Some(delivery) = calls.join_next().await {
+        let delivery = delivery.unwrap();
+        attempts += delivery.attempts();
+        replayed += u32::from(delivery.replayed());
+    }
+    let lost = proxy.lost.load(Ordering::SeqCst);
+    assert!(
+        lost >= 50,
+        "the proxy lost {lost} answers: the fault did not happen"
+    );
+    assert!(
+        u64::from(attempts) >= 300 + lost,
+        "{attempts} attempts, {lost} lost"
+    );
+    assert!(replayed > 0, "no lost answer was replayed");
+    let direct = Client::new(Protocol::Http1);
+    assert_eq!(direct.count(&server).await, 300, "one charge per payment");
+    eprintln!(
+        "reqwest: 300 payments, {attempts} attempts, {lost} answers lost, {replayed} replays"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_reqwest_a_duplicate_is_waited_out_and_what_cannot_be_resent_is_not_sent() {
+    let server = Server::payments(&[]).await;
+    let key = format!("reqwest-{}", std::process::id());
+    let client = reqwest_client(RetryPolicy::new().max_request_body(1024));
+    let pay = |url: String, body: &'static str| {
+        client
+            .post(url)
+            .header("content-type", "application/json")
+            .header("authorization", "Bearer alice")
+            .body(body)
+            .with_extension(IdempotencyKey::new(key.clone()).unwrap())
+    };
+    let slow = server.url("/payments?delay_ms=1500");
+    let first = tokio::spawn(pay(slow.clone(), r#"{"amount":1999,"currency":"EUR"}"#).send());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The same payment while the first runs: 409 with Retry-After, waited out, replayed.
+    let answer = pay(slow, r#"{"amount":1999,"currency":"EUR"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::CREATED);
+    let delivery = answer.extensions().get::<Delivery>().unwrap();
+    assert_eq!(delivery.key(), key, "the caller's key");
+    assert!(delivery.attempts() >= 2, "{delivery:?}");
+    assert!(delivery.replayed(), "{delivery:?}");
+    assert_eq!(
+        first.await.unwrap().unwrap().status(),
+        reqwest::StatusCode::CREATED
+    );
+
+    // The key reused for another payment: 422 at once, not retried.
+    let answer = pay(server.url("/payments"), r#"{"amount":5,"currency":"EUR"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(answer.extensions().get::<Delivery>().unwrap().attempts(), 1);
+
+    // A body over the limit, and a streamed body, are refused before anything is sent.
+    let error = client
+        .post(server.url("/payments"))
+        .header("authorization", "Bearer alice")
+        .body(vec![b' '; 2048])
+        .send()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            client_error(&error),
+            ClientError::BodyTooLarge { limit: 1024 }
+        ),
+        "{error:?}"
+    );
+    let streamed = reqwest::Body::wrap(Full::new(Bytes::from_static(
+        br#"{"amount":7,"currency":"EUR"}"#,
+    )));
+    let error = client
+        .post(server.url("/payments"))
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer alice")
+        .body(streamed)
+        .send()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(client_error(&error), ClientError::Body(_)),
+        "{error:?}"
+    );
+    assert_eq!(
+        Client::new(Protocol::Http1).count(&server).await,
+        1,
+        "one charge: the duplicate replayed, the rest never sent"
+    );
+
+    // A GET is not the middleware's: no key, no retries.
+    let answer = client
+        .get(server.url("/payments/count"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::OK);
+    assert!(answer.extensions().get::<Delivery>().is_none());
 }

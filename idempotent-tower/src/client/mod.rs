@@ -27,6 +27,16 @@
 //!   [`ClientError::GaveUp`] if the last attempt got none; either way the key is known, and
 //!   sending the same request with it later learns the call's outcome without running it
 //!   twice.
+//! - **Counted**: [`CLIENT_CALLS`] (by outcome: `answered`, `replayed`, `key_reused`,
+//!   `attempts_exhausted`, `deadline_reached`, `budget_spent`, `not_sent`),
+//!   [`CLIENT_ATTEMPTS`] and [`CLIENT_RETRIES`] (by reason: `error`, `timeout`, `in_flight`,
+//!   `throttled`, `unavailable`, `aborted`, `bad_gateway`), each labelled with `protocol`
+//!   (`http` or `grpc`), through the [`metrics`](https://docs.rs/metrics) facade. A layer
+//!   registers them with the recorder installed when it is created; requests of methods it
+//!   does not protect are not counted.
+//!
+//! With reqwest, [`IdempotencyMiddleware`] (feature `reqwest`) does the same as a
+//! `reqwest-middleware` middleware.
 //!
 //! The guarantee, with a server that is idempotent for the key (this crate's
 //! [`IdempotencyLayer`](crate::IdempotencyLayer), or any server honouring the IETF
@@ -58,7 +68,10 @@
 //! # }
 //! ```
 
+mod metrics;
 mod policy;
+#[cfg(feature = "reqwest")]
+mod reqwest;
 
 use std::fmt;
 use std::future::Future;
@@ -76,11 +89,15 @@ use tower_service::Service;
 
 use crate::IDEMPOTENCY_KEY;
 use crate::config::IDEMPOTENT_REPLAYED;
+use metrics::ClientMetrics;
+pub use metrics::{CLIENT_ATTEMPTS, CLIENT_CALLS, CLIENT_RETRIES};
 pub use policy::{
     DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_DEADLINE, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_REQUEST_BODY,
     RetryPolicy,
 };
 use policy::{deliver, grpc_verdict, http_verdict};
+#[cfg(feature = "reqwest")]
+pub use reqwest::IdempotencyMiddleware;
 
 /// A boxed error, as tower services return them.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -263,6 +280,7 @@ struct Config {
     wire: Wire,
     header: HeaderName,
     policy: RetryPolicy,
+    metrics: ClientMetrics,
 }
 
 /// The client-side layer: see the [module docs](self).
@@ -287,11 +305,16 @@ impl ClientLayer {
     }
 
     fn with(wire: Wire) -> Self {
+        let protocol = match wire {
+            Wire::Http { .. } => "http",
+            Wire::Grpc => "grpc",
+        };
         ClientLayer {
             config: Arc::new(Config {
                 wire,
                 header: IDEMPOTENCY_KEY,
                 policy: RetryPolicy::default(),
+                metrics: ClientMetrics::register(protocol),
             }),
         }
     }
@@ -403,45 +426,28 @@ where
     B: ResendBody,
     B::Error: Into<BoxError>,
 {
-    let protected = match &config.wire {
-        Wire::Http { methods } => methods.contains(request.method()),
-        Wire::Grpc => true,
-    };
-    if !protected {
+    if !config.protects(request.method()) {
         return attempt(inner, request)
             .await
             .map_err(ClientError::Unprotected);
     }
     let (mut parts, body) = request.into_parts();
-    let key = match parts.headers.get(&config.header) {
-        Some(given) => String::from_utf8_lossy(given.as_bytes()).into_owned(),
-        None => {
-            let key = parts
-                .extensions
-                .remove::<IdempotencyKey>()
-                .unwrap_or_else(IdempotencyKey::random);
-            parts
-                .headers
-                .insert(config.header.clone(), key.header_value());
-            key.as_str().to_owned()
-        }
-    };
+    let chosen = parts.extensions.remove::<IdempotencyKey>();
+    let key = config.key(&mut parts.headers, chosen);
     let limit = config.policy.max_request_body;
-    let body = Limited::new(body, limit)
-        .collect()
-        .await
-        .map_err(|error| {
-            if error.is::<LengthLimitError>() {
+    let body = match Limited::new(body, limit).collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(error) => {
+            let error = if error.is::<LengthLimitError>() {
                 ClientError::BodyTooLarge { limit }
             } else {
                 ClientError::Body(error)
-            }
-        })?
-        .to_bytes();
-    let verdict = |response: &Response<RB>| match &config.wire {
-        Wire::Http { .. } => http_verdict(response.status(), response.headers()),
-        Wire::Grpc => grpc_verdict(response.status(), response.headers()),
+            };
+            config.metrics.failed(&error);
+            return Err(error);
+        }
     };
+    let verdict = |response: &Response<RB>| config.verdict(response.status(), response.headers());
     let send = move || {
         let mut request = Request::new(B::from_bytes(body.clone()));
         *request.method_mut() = parts.method.clone();
@@ -451,18 +457,77 @@ where
         *request.extensions_mut() = parts.extensions.clone();
         attempt(inner.clone(), request)
     };
-    let delivered = deliver(&config.policy, &key, send, verdict).await?;
+    let delivered = config.deliver(&key, send, verdict).await?;
+    let delivery = config.delivery(key, &delivered, delivered.answer.headers());
     let mut response = delivered.answer;
-    let replayed = response
-        .headers()
-        .get(IDEMPOTENT_REPLAYED)
-        .is_some_and(|v| v == "true");
-    response.extensions_mut().insert(Delivery {
-        key,
-        attempts: delivered.attempts,
-        replayed,
-    });
+    response.extensions_mut().insert(delivery);
     Ok(response)
+}
+
+impl Config {
+    /// Whether a request of `method` gets a key and retries.
+    fn protects(&self, method: &Method) -> bool {
+        match &self.wire {
+            Wire::Http { methods } => methods.contains(method),
+            Wire::Grpc => true,
+        }
+    }
+
+    /// The request's key: the one its headers already carry, else the caller's `chosen` key
+    /// or a fresh one, added to the headers.
+    fn key(&self, headers: &mut http::HeaderMap, chosen: Option<IdempotencyKey>) -> String {
+        match headers.get(&self.header) {
+            Some(given) => String::from_utf8_lossy(given.as_bytes()).into_owned(),
+            None => {
+                let key = chosen.unwrap_or_else(IdempotencyKey::random);
+                headers.insert(self.header.clone(), key.header_value());
+                key.as_str().to_owned()
+            }
+        }
+    }
+
+    fn verdict(&self, status: http::StatusCode, headers: &http::HeaderMap) -> policy::Verdict {
+        match &self.wire {
+            Wire::Http { .. } => http_verdict(status, headers),
+            Wire::Grpc => grpc_verdict(status, headers),
+        }
+    }
+
+    /// Sends one logical call by the policy, counting it.
+    async fn deliver<R, F, Fut>(
+        &self,
+        key: &str,
+        send: F,
+        verdict: impl Fn(&R) -> policy::Verdict,
+    ) -> Result<policy::Delivered<R>, ClientError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<R, BoxError>>,
+    {
+        let delivered = deliver(&self.policy, &self.metrics, key, send, verdict).await;
+        if let Err(error) = &delivered {
+            self.metrics.failed(error);
+        }
+        delivered
+    }
+
+    /// The [`Delivery`] of a call that got an answer with `headers`, counted.
+    fn delivery<R>(
+        &self,
+        key: String,
+        delivered: &policy::Delivered<R>,
+        headers: &http::HeaderMap,
+    ) -> Delivery {
+        let replayed = headers
+            .get(IDEMPOTENT_REPLAYED)
+            .is_some_and(|v| v == "true");
+        self.metrics.answered(delivered.ended, replayed);
+        Delivery {
+            key,
+            attempts: delivered.attempts,
+            replayed,
+        }
+    }
 }
 
 #[cfg(test)]

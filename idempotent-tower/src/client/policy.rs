@@ -10,6 +10,7 @@ use http::{HeaderMap, StatusCode};
 use tokio::time::Instant;
 use tower::retry::budget::{Budget, TpsBudget};
 
+use super::metrics::ClientMetrics;
 use super::{BoxError, ClientError, GiveUp};
 
 /// Default [`RetryPolicy::max_attempts`]: 6.
@@ -142,7 +143,51 @@ pub(crate) enum Verdict {
     /// `fingerprint_mismatch`): a bug in the caller, answered as it is and logged.
     KeyReused,
     /// Worth another attempt with the same key, after the server's delay if it gave one.
-    Retry(Option<Duration>),
+    Retry(Option<Duration>, RetryReason),
+}
+
+/// Why an attempt is retried: the `reason` label of the client's retries metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RetryReason {
+    /// No answer: the connection failed, or the client returned an error.
+    Error,
+    /// No answer within the attempt timeout.
+    Timeout,
+    /// HTTP 409 with `Retry-After`: a duplicate still in flight on the server.
+    InFlight,
+    /// HTTP 429.
+    Throttled,
+    /// HTTP 503, gRPC `UNAVAILABLE`.
+    Unavailable,
+    /// gRPC `ABORTED`.
+    Aborted,
+    /// HTTP 502 or 504 (a proxy could not reach the server, or gave up on it).
+    BadGateway,
+}
+
+impl RetryReason {
+    pub(crate) const ALL: [RetryReason; 7] = [
+        RetryReason::Error,
+        RetryReason::Timeout,
+        RetryReason::InFlight,
+        RetryReason::Throttled,
+        RetryReason::Unavailable,
+        RetryReason::Aborted,
+        RetryReason::BadGateway,
+    ];
+
+    /// The label value.
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            RetryReason::Error => "error",
+            RetryReason::Timeout => "timeout",
+            RetryReason::InFlight => "in_flight",
+            RetryReason::Throttled => "throttled",
+            RetryReason::Unavailable => "unavailable",
+            RetryReason::Aborted => "aborted",
+            RetryReason::BadGateway => "bad_gateway",
+        }
+    }
 }
 
 /// The verdict on an HTTP answer: 409 with `Retry-After` (a duplicate still in flight),
@@ -151,12 +196,13 @@ pub(crate) enum Verdict {
 pub(crate) fn http_verdict(status: StatusCode, headers: &HeaderMap) -> Verdict {
     match status.as_u16() {
         409 => match retry_after(headers) {
-            Some(after) => Verdict::Retry(Some(after)),
+            Some(after) => Verdict::Retry(Some(after), RetryReason::InFlight),
             // A 409 without a delay is the application's own conflict, not ours.
             None => Verdict::Done,
         },
-        429 | 503 => Verdict::Retry(retry_after(headers)),
-        502 | 504 => Verdict::Retry(None),
+        429 => Verdict::Retry(retry_after(headers), RetryReason::Throttled),
+        503 => Verdict::Retry(retry_after(headers), RetryReason::Unavailable),
+        502 | 504 => Verdict::Retry(None, RetryReason::BadGateway),
         422 => Verdict::KeyReused,
         _ => Verdict::Done,
     }
@@ -175,8 +221,10 @@ fn retry_after(headers: &HeaderMap) -> Option<Duration> {
 /// reused key; HTTP 502, 503 and 504 from a proxy are retried. An answer whose status comes
 /// in trailers carries messages, and is the answer.
 pub(crate) fn grpc_verdict(status: StatusCode, headers: &HeaderMap) -> Verdict {
-    if matches!(status.as_u16(), 502..=504) {
-        return Verdict::Retry(None);
+    match status.as_u16() {
+        502 | 504 => return Verdict::Retry(None, RetryReason::BadGateway),
+        503 => return Verdict::Retry(None, RetryReason::Unavailable),
+        _ => {}
     }
     let code = headers
         .get("grpc-status")
@@ -184,15 +232,22 @@ pub(crate) fn grpc_verdict(status: StatusCode, headers: &HeaderMap) -> Verdict {
         .and_then(|v| v.parse::<u8>().ok());
     match code {
         // ABORTED, UNAVAILABLE
-        Some(10 | 14) => match headers.get("grpc-retry-pushback-ms") {
-            None => Verdict::Retry(None),
-            Some(value) => match value.to_str().ok().and_then(|v| v.parse::<i64>().ok()) {
-                Some(ms) if ms >= 0 => {
-                    Verdict::Retry(Some(Duration::from_millis(ms.unsigned_abs())))
-                }
-                _ => Verdict::Done,
-            },
-        },
+        Some(code @ (10 | 14)) => {
+            let reason = if code == 10 {
+                RetryReason::Aborted
+            } else {
+                RetryReason::Unavailable
+            };
+            match headers.get("grpc-retry-pushback-ms") {
+                None => Verdict::Retry(None, reason),
+                Some(value) => match value.to_str().ok().and_then(|v| v.parse::<i64>().ok()) {
+                    Some(ms) if ms >= 0 => {
+                        Verdict::Retry(Some(Duration::from_millis(ms.unsigned_abs())), reason)
+                    }
+                    _ => Verdict::Done,
+                },
+            }
+        }
         // FAILED_PRECONDITION
         Some(9)
             if headers
@@ -205,10 +260,22 @@ pub(crate) fn grpc_verdict(status: StatusCode, headers: &HeaderMap) -> Verdict {
     }
 }
 
-/// How one logical call went: its answer and how many attempts it took.
+/// How one logical call went: its answer, how many attempts it took, and why it ended.
 pub(crate) struct Delivered<R> {
     pub(crate) answer: R,
     pub(crate) attempts: u32,
+    pub(crate) ended: Ended,
+}
+
+/// Why the call ended with the answer it has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// An answer not to be retried.
+    Answered,
+    /// A `422`: the key was used for another request.
+    KeyReused,
+    /// A retryable answer, with no retry left.
+    GaveUp(GiveUp),
 }
 
 /// The last attempt of a call being retried: an answer with a retryable status, or none.
@@ -235,6 +302,7 @@ impl std::error::Error for AttemptTimedOut {}
 /// status is still an answer) or [`ClientError::GaveUp`] if the last attempt got none.
 pub(crate) async fn deliver<R, F, Fut>(
     policy: &RetryPolicy,
+    metrics: &ClientMetrics,
     key: &str,
     mut send: F,
     verdict: impl Fn(&R) -> Verdict,
@@ -248,31 +316,50 @@ where
     let mut attempts = 0u32;
     loop {
         attempts += 1;
+        metrics.attempt();
         let now = Instant::now();
         let timeout = policy
             .attempt_timeout
             .min(deadline.saturating_duration_since(now));
         tracing::debug!(key, attempt = attempts, "sending idempotent request");
-        let (server_delay, failure) = match tokio::time::timeout(timeout, send()).await {
+        let (server_delay, why, failure) = match tokio::time::timeout(timeout, send()).await {
             Ok(Ok(answer)) => match verdict(&answer) {
-                Verdict::Done => return Ok(Delivered { answer, attempts }),
+                Verdict::Done => {
+                    return Ok(Delivered {
+                        answer,
+                        attempts,
+                        ended: Ended::Answered,
+                    });
+                }
                 Verdict::KeyReused => {
                     tracing::error!(
                         key,
                         attempts,
                         "the idempotency key was already used for a different request: the server refused this one; a key must name one operation"
                     );
-                    return Ok(Delivered { answer, attempts });
+                    return Ok(Delivered {
+                        answer,
+                        attempts,
+                        ended: Ended::KeyReused,
+                    });
                 }
-                Verdict::Retry(after) => (after, Last::Answer(answer)),
+                Verdict::Retry(after, why) => (after, why, Last::Answer(answer)),
             },
-            Ok(Err(error)) => (None, Last::Failed(error)),
-            Err(_) => (None, Last::Failed(Box::new(AttemptTimedOut(timeout)))),
+            Ok(Err(error)) => (None, RetryReason::Error, Last::Failed(error)),
+            Err(_) => (
+                None,
+                RetryReason::Timeout,
+                Last::Failed(Box::new(AttemptTimedOut(timeout))),
+            ),
         };
         let give_up = |reason: GiveUp, failure: Last<R>| match failure {
             Last::Answer(answer) => {
                 tracing::warn!(key, attempts, %reason, "idempotent request not retried again; returning its last answer");
-                Ok(Delivered { answer, attempts })
+                Ok(Delivered {
+                    answer,
+                    attempts,
+                    ended: Ended::GaveUp(reason),
+                })
             }
             Last::Failed(last) => {
                 tracing::warn!(key, attempts, %reason, error = %last, "idempotent request failed; gave up");
@@ -294,6 +381,7 @@ where
         if !policy.budget.withdraw() {
             return give_up(GiveUp::Budget, failure);
         }
+        metrics.retry(why);
         match &failure {
             Last::Failed(error) => {
                 tracing::info!(key, attempt = attempts, ?wait, error = %error, "idempotent request failed; retrying with the same key")
@@ -327,8 +415,10 @@ mod tests {
 
     #[test]
     fn http_answers_are_judged_by_status_and_retry_after() {
+        use RetryReason::*;
         let none = HeaderMap::new();
         let later = headers(&[("retry-after", "3")]);
+        let three = Some(Duration::from_secs(3));
         for ok in [200, 201, 204, 301, 400, 401, 403, 404, 500, 501] {
             assert_eq!(
                 http_verdict(StatusCode::from_u16(ok).unwrap(), &none),
@@ -339,19 +429,19 @@ mod tests {
         assert_eq!(http_verdict(StatusCode::CONFLICT, &none), Verdict::Done);
         assert_eq!(
             http_verdict(StatusCode::CONFLICT, &later),
-            Verdict::Retry(Some(Duration::from_secs(3)))
+            Verdict::Retry(three, InFlight)
         );
-        for retried in [429, 503] {
+        for (retried, why) in [(429, Throttled), (503, Unavailable)] {
             let status = StatusCode::from_u16(retried).unwrap();
-            assert_eq!(http_verdict(status, &none), Verdict::Retry(None));
-            assert_eq!(
-                http_verdict(status, &later),
-                Verdict::Retry(Some(Duration::from_secs(3)))
-            );
+            assert_eq!(http_verdict(status, &none), Verdict::Retry(None, why));
+            assert_eq!(http_verdict(status, &later), Verdict::Retry(three, why));
         }
         for retried in [502, 504] {
             let status = StatusCode::from_u16(retried).unwrap();
-            assert_eq!(http_verdict(status, &none), Verdict::Retry(None));
+            assert_eq!(
+                http_verdict(status, &none),
+                Verdict::Retry(None, BadGateway)
+            );
         }
         assert_eq!(
             http_verdict(StatusCode::UNPROCESSABLE_ENTITY, &none),
@@ -361,12 +451,13 @@ mod tests {
         let dated = headers(&[("retry-after", "Wed, 21 Oct 2015 07:28:00 GMT")]);
         assert_eq!(
             http_verdict(StatusCode::SERVICE_UNAVAILABLE, &dated),
-            Verdict::Retry(None)
+            Verdict::Retry(None, Unavailable)
         );
     }
 
     #[test]
     fn grpc_answers_are_judged_by_status_and_pushback() {
+        use RetryReason::*;
         let ok = StatusCode::OK;
         assert_eq!(grpc_verdict(ok, &HeaderMap::new()), Verdict::Done);
         assert_eq!(
@@ -375,14 +466,14 @@ mod tests {
         );
         assert_eq!(
             grpc_verdict(ok, &headers(&[("grpc-status", "14")])),
-            Verdict::Retry(None)
+            Verdict::Retry(None, Unavailable)
         );
         assert_eq!(
             grpc_verdict(
                 ok,
                 &headers(&[("grpc-status", "10"), ("grpc-retry-pushback-ms", "250")])
             ),
-            Verdict::Retry(Some(Duration::from_millis(250)))
+            Verdict::Retry(Some(Duration::from_millis(250)), Aborted)
         );
         for refused in ["-1", "soon"] {
             assert_eq!(
@@ -411,10 +502,12 @@ mod tests {
                 "{done}"
             );
         }
-        assert_eq!(
-            grpc_verdict(StatusCode::BAD_GATEWAY, &HeaderMap::new()),
-            Verdict::Retry(None)
-        );
+        for (status, why) in [(502, BadGateway), (503, Unavailable), (504, BadGateway)] {
+            assert_eq!(
+                grpc_verdict(StatusCode::from_u16(status).unwrap(), &HeaderMap::new()),
+                Verdict::Retry(None, why)
+            );
+        }
     }
 
     #[test]

@@ -1,0 +1,151 @@
+//! The client's policy for reqwest, as a [`reqwest_middleware`] middleware.
+
+use std::sync::Arc;
+
+use ::reqwest::{Request, Response};
+use http::Extensions;
+use reqwest_middleware::{Middleware, Next};
+
+use super::{ClientError, ClientLayer, Config, IdempotencyKey};
+
+/// The client layer's behaviour for [`reqwest`](::reqwest), as a
+/// [`reqwest_middleware::Middleware`] (feature `reqwest`): the same keys, retries, policy,
+/// [`Delivery`](super::Delivery) extension on the answer and metrics as
+/// [`ClientLayer::http`].
+///
+/// ```no_run
+/// use idempotent_tower::client::{IdempotencyKey, IdempotencyMiddleware, RetryPolicy};
+/// use std::time::Duration;
+///
+/// # async fn example() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+///     .with(IdempotencyMiddleware::new().policy(RetryPolicy::new().deadline(Duration::from_secs(20))))
+///     .build();
+/// let response = client
+///     .post("http://127.0.0.1:3000/payments")
+///     .header("content-type", "application/json")
+///     .body(r#"{"amount":1999,"currency":"EUR"}"#)
+///     .with_extension(IdempotencyKey::new("order-7-payment")?) // else a fresh UUIDv4
+///     .send()
+///     .await?;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// - The caller's own key goes in the request's middleware extensions
+///   (`RequestBuilder::with_extension`); a request that already has the header keeps it.
+/// - The body must be bytes (a string, a `Vec<u8>`, JSON, a form): a streamed body cannot be
+///   sent twice, and is refused with [`ClientError::Body`] before anything is sent; a body
+///   over [`RetryPolicy::max_request_body`](super::RetryPolicy::max_request_body) with
+///   [`ClientError::BodyTooLarge`].
+/// - An error of the call is a [`reqwest_middleware::Error::Middleware`] holding the
+///   [`ClientError`] (`error.downcast_ref::<ClientError>()` on the `anyhow::Error`);
+///   reqwest's own error of the last attempt is the `source` of [`ClientError::GaveUp`].
+/// - Add it last of the middlewares that change the request (it sends the request it is
+///   given, as it is, on every attempt), and not together with another retrying middleware
+///   (`reqwest-retry`): retries multiply, and that one does not keep the key.
+#[derive(Debug, Clone)]
+pub struct IdempotencyMiddleware {
+    config: Arc<Config>,
+}
+
+impl IdempotencyMiddleware {
+    /// The middleware of [`ClientLayer::http`]: POST and PATCH get a key and retries.
+    pub fn new() -> Self {
+        ClientLayer::http().into()
+    }
+
+    fn layer(self, change: impl FnOnce(ClientLayer) -> ClientLayer) -> Self {
+        change(ClientLayer {
+            config: self.config,
+        })
+        .into()
+    }
+
+    /// The retry policy (see [`ClientLayer::policy`]).
+    pub fn policy(self, policy: super::RetryPolicy) -> Self {
+        self.layer(|layer| layer.policy(policy))
+    }
+
+    /// The methods that get a key and retries (see [`ClientLayer::methods`]).
+    pub fn methods(self, methods: impl IntoIterator<Item = http::Method>) -> Self {
+        self.layer(|layer| layer.methods(methods))
+    }
+
+    /// The header carrying the key (see [`ClientLayer::header_name`]).
+    pub fn header_name(self, name: http::HeaderName) -> Self {
+        self.layer(|layer| layer.header_name(name))
+    }
+}
+
+impl Default for IdempotencyMiddleware {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A layer's configuration as a middleware: `ClientLayer::http().policy(…).into()`.
+impl From<ClientLayer> for IdempotencyMiddleware {
+    fn from(layer: ClientLayer) -> Self {
+        IdempotencyMiddleware {
+            config: layer.config,
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Middleware for IdempotencyMiddleware {
+    async fn handle(
+        &self,
+        mut request: Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> reqwest_middleware::Result<Response> {
+        let config = &self.config;
+        if !config.protects(request.method()) {
+            return next.run(request, extensions).await;
+        }
+        let refuse = |error: ClientError| {
+            config.metrics.failed(&error);
+            Err(reqwest_middleware::Error::middleware(error))
+        };
+        let limit = config.policy.max_request_body;
+        match request.body().map(|body| body.as_bytes()) {
+            None => {}
+            Some(Some(bytes)) if bytes.len() > limit => {
+                return refuse(ClientError::BodyTooLarge { limit });
+            }
+            Some(Some(_)) => {}
+            Some(None) => {
+                return refuse(ClientError::Body(
+                    "a streamed request body cannot be sent again: give the request its body as bytes"
+                        .into(),
+                ));
+            }
+        }
+        let chosen = extensions.remove::<IdempotencyKey>();
+        let key = config.key(request.headers_mut(), chosen);
+        let send = || {
+            // Each attempt gets a copy of the request and of the extensions; a body of bytes
+            // always clones.
+            let request = request.try_clone();
+            let mut extensions = extensions.clone();
+            let next = next.clone();
+            async move {
+                let request = request.ok_or("the request could not be copied for an attempt")?;
+                next.run(request, &mut extensions)
+                    .await
+                    .map_err(|error| Box::new(error) as super::BoxError)
+            }
+        };
+        let verdict = |response: &Response| config.verdict(response.status(), response.headers());
+        let delivered = config
+            .deliver(&key, send, verdict)
+            .await
+            .map_err(reqwest_middleware::Error::middleware)?;
+        let delivery = config.delivery(key, &delivered, delivered.answer.headers());
+        let mut response = delivered.answer;
+        response.extensions_mut().insert(delivery);
+        Ok(response)
+    }
+}
