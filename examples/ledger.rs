@@ -82,14 +82,35 @@
 //! | `LOCK_TIMEOUT` | `1s` | the longest a transaction waits for a lock |
 //! | `STATEMENT_TIMEOUT` | `2s` | the longest one statement runs |
 //! | `EFFECT_DELAY_MS` | `0` | a pause inside the transaction, between the effect and the commit |
+//! | `NOTIFY_URL` | unset | notify each applied posting to this `http://` URL, through the outbox |
+//! | `RELAY` | `1` | `0`: enqueue notifications but leave their delivery to other processes |
+//! | `RELAY_MAX_ATTEMPTS`, `RELAY_BACKOFF`, `RELAY_POLL` | `10`, `1s`, `1s` | the relay's attempts, first backoff and poll interval |
 //!
 //! Durations are a number followed by `ms`, `s`, `m`, `h` or `d`, greater than zero; the two
 //! timeouts at most 2,147,483,647 ms, about 24.8 days (PostgreSQL's limit). A bad value makes
 //! the consumer exit with status 2 and a message naming the variable.
 //!
-//! What the transaction cannot cover: an effect outside this database (an e-mail, an HTTP call
-//! to a provider without idempotency keys). Write such an effect as a row of an outbox table in
-//! the same transaction, and deliver it from there.
+//! # Notifications: an effect outside the database
+//!
+//! With `NOTIFY_URL` set, each applied posting also notifies another service: in the same
+//! transaction as the balance change and the record, it enqueues a message in the transactional
+//! outbox (`idempotent_core::postgres::Outbox`), and a relay POSTs it to `NOTIFY_URL` as
+//! `{"id": <posting id>, "account": …, "amount": …}` with the message key as `Idempotency-Key`.
+//! The key is the posting's operation key (`ClaimHandle::operation_key`), the same for every
+//! attempt of the posting. So:
+//!
+//! - a posting whose transaction rolls back (a crash, a rejection by PostgreSQL) enqueued
+//!   nothing; its redelivery enqueues again, with the same key;
+//! - a committed posting has exactly one message, delivered at least once (a relay that dies
+//!   mid-delivery leaves it to be delivered again), always with the same key, so a receiver that
+//!   deduplicates on `Idempotency-Key` (this library's layer) acts on it once;
+//! - a receiver that is down delays notifications, and loses none: each is retried with
+//!   backoff, and dead-lettered (kept in the outbox table with its last error) after
+//!   `RELAY_MAX_ATTEMPTS` attempts or a refusal (4xx).
+//!
+//! Every consumer runs a relay in-process unless `RELAY=0`; `cargo run --release --example
+//! relay` runs one on its own. Any number of relays share the outbox; two never deliver one
+//! message at the same time. Without `NOTIFY_URL`, nothing is enqueued.
 
 mod common;
 
@@ -98,7 +119,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use idempotent_core::postgres::{PostgresStore, Transactional};
+use common::relay::{NOTIFICATIONS, RelaySettings};
+use idempotent_core::postgres::{Message, Outbox, OutboxError, PostgresStore, Transactional};
 use idempotent_core::{Error, idempotent};
 use redis::Value;
 use redis::aio::MultiplexedConnection;
@@ -126,6 +148,8 @@ struct Config {
     lock_timeout: Duration,
     statement_timeout: Duration,
     effect_delay: Duration,
+    notify: Option<RelaySettings>,
+    run_relay: bool,
 }
 
 fn config() -> Result<Config, String> {
@@ -163,7 +187,14 @@ fn config() -> Result<Config, String> {
         .parse()
         .map(Duration::from_millis)
         .map_err(|_| format!("EFFECT_DELAY_MS={delay:?} is not a number of milliseconds"))?;
+    let run_relay = match var("RELAY", "1").as_str() {
+        "1" => true,
+        "0" => false,
+        other => return Err(format!("RELAY={other:?} is neither 0 nor 1")),
+    };
     Ok(Config {
+        notify: common::relay::relay_settings()?,
+        run_relay,
         redis_url: var("REDIS_URL", "redis://127.0.0.1:6379"),
         database_url: var(
             "DATABASE_URL",
@@ -240,6 +271,7 @@ impl Delivery {
 enum ApplyError {
     Idempotency(Error),
     Database(sqlx::Error),
+    Outbox(OutboxError),
 }
 
 impl From<Error> for ApplyError {
@@ -251,10 +283,13 @@ impl From<Error> for ApplyError {
 struct Ledger {
     transactional: Transactional,
     effect_delay: Duration,
+    /// With `NOTIFY_URL`: where each applied posting's notification is enqueued.
+    outbox: Option<Outbox>,
 }
 
-/// Adds the posting's amount to its account, exactly once per message id: the balance update
-/// and the idempotency record are written in `tx`, and commit or roll back together.
+/// Adds the posting's amount to its account, exactly once per message id: the balance update,
+/// the idempotency record and (with `NOTIFY_URL`) the notification's outbox message are
+/// written in `tx`, and commit or roll back together.
 #[idempotent(
     key = posting.id.as_str(),
     tx = tx,
@@ -267,6 +302,21 @@ async fn apply(
     tx: &mut Transaction<'_, Postgres>,
     posting: &Posting,
 ) -> Result<i64, ApplyError> {
+    if let Some(outbox) = &ledger.outbox {
+        // Keyed by the running claim's operation key: the same for every attempt of this
+        // posting. Enqueued first, so that a posting PostgreSQL then rejects leaves nothing.
+        let notification = serde_json::json!({
+            "id": posting.id,
+            "account": posting.account,
+            "amount": posting.amount,
+        });
+        let message = Message::new(NOTIFICATIONS, notification.to_string())
+            .header("content-type", "application/json");
+        outbox
+            .enqueue(tx, &message)
+            .await
+            .map_err(ApplyError::Outbox)?;
+    }
     let balance: i64 = sqlx::query_scalar(
         "INSERT INTO accounts (account, balance) VALUES ($1, $2) \
          ON CONFLICT (account) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance \
@@ -399,9 +449,21 @@ impl Consumer {
         create_accounts_table(&pool)
             .await
             .map_err(|e| format!("cannot create the accounts table: {e}"))?;
+        let outbox = match &config.notify {
+            Some(_) => {
+                let outbox = Outbox::new();
+                outbox
+                    .migrate(&pool)
+                    .await
+                    .map_err(|e| format!("cannot create the outbox table: {e:?}"))?;
+                Some(outbox)
+            }
+            None => None,
+        };
         let ledger = Ledger {
             transactional: store.transactional().namespace("ledger"),
             effect_delay: config.effect_delay,
+            outbox,
         };
         Ok(Consumer {
             config,
@@ -550,6 +612,9 @@ impl Consumer {
                 .map_err(|e| Failure::of_statement("commit", &e)),
             Err(ApplyError::Database(e)) => Err(Failure::of_statement("database", &e)),
             Err(ApplyError::Idempotency(e)) => Err(Failure::of_idempotency(e)),
+            // The outbox's statement failed (its other errors cannot happen here: the key is
+            // the claim's, the message well-formed).
+            Err(ApplyError::Outbox(e)) => Err(Failure::Transient(format!("outbox: {e}"))),
         }
     }
 
@@ -691,6 +756,18 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // The in-process relay, stopped after the consumer loop.
+    let stop_relay = Arc::new(tokio::sync::Notify::new());
+    let relay = match (&consumer.config.notify, &consumer.ledger.outbox) {
+        (Some(settings), Some(outbox)) if consumer.config.run_relay => {
+            let relay = common::relay::relay(consumer.pool.clone(), outbox.clone(), settings);
+            let stop = Arc::clone(&stop_relay);
+            Some(tokio::spawn(async move {
+                relay.run(async move { stop.notified().await }).await
+            }))
+        }
+        _ => None,
+    };
     println!(
         "consuming {} as {}",
         consumer.config.stream, consumer.config.consumer
@@ -738,6 +815,12 @@ async fn main() -> ExitCode {
             // turn before the next one.
             next_sweep = tokio::time::Instant::now() + consumer.config.claim_idle / 2;
         }
+    }
+    if let Some(relay) = relay {
+        // The batch in hand is finished; what is left is delivered by other relays, or by
+        // this one's successor.
+        stop_relay.notify_one();
+        let _ = tokio::time::timeout(Duration::from_secs(30), relay).await;
     }
     eprintln!("ledger: stopped on SIGTERM");
     ExitCode::SUCCESS

@@ -15,6 +15,7 @@
 
 #![allow(dead_code)]
 
+pub(crate) mod relay;
 pub(crate) mod shutdown;
 
 use std::time::Duration;

@@ -79,7 +79,7 @@
 //! | [`metrics`] | the metric names, their labels ([`metrics::Protocol`], [`metrics::RequestOutcome`]) and [`metrics::describe`] |
 //! | `memory` (feature `memory`) | `MemoryStore`, its builder, statistics and bounds |
 //! | `redis` (feature `redis`) | `RedisStore` and its builder |
-//! | `postgres` (feature `postgres`) | `PostgresStore`, the transactional mode (`Transactional`), `Fence` |
+//! | `postgres` (feature `postgres`) | `PostgresStore`, the transactional mode (`Transactional`), `Fence`, the transactional outbox (`Outbox`, `Message`) and its `Relay` with `Sink`s (`RedisStreamSink` with feature `redis`) |
 //! | `conformance` (feature `test-util`) | the store conformance suite and `FaultyStore` |
 //!
 //! Where the code lives, for readers of the source: `runtime.rs` (the runtime and its call
@@ -165,7 +165,8 @@
 //! | a write to the PostgreSQL database that holds the record | **same transaction** | the transactional mode (`postgres::Transactional`): claim, writes and record commit together or not at all |
 //! | a call to a system that accepts an idempotency key (a payment provider, a service behind this library, a deduplicating consumer, the outbox relay) | **downstream key** | pass [`ClaimHandle::operation_key`]: the same for every owner and attempt of one operation, so a stalled owner and its successor cause one effect |
 //! | a write to a resource that can compare numbers (a row in another database, storage with conditional writes) | **fencing token** | the resource refuses a [`ClaimHandle::token`] below the highest it has seen (`postgres::Fence` does it in one statement of your transaction) |
-//! | a call that takes no key, shares no transaction and compares nothing (an SMTP send) | none | at least once, with an outbox row written in the same transaction; see *What it cannot do* |
+//! | a call to another system that must follow a database change if and only if it commits | **transactional outbox** | `postgres::Outbox` writes the message in the change's transaction; `postgres::Relay` delivers it after the commit, at least once, with its key (by default the claim's operation key) |
+//! | a call that takes no key, shares no transaction and compares nothing (an SMTP send) | none | at least once, through the outbox; see *What it cannot do* |
 //!
 //! What each fault does, and what is guaranteed:
 //!
@@ -206,7 +207,8 @@
 //! (sending an e-mail, calling a third-party API without keys) cannot be made exactly-once: a
 //! crash between the effect and the completion record leaves no way to know whether it
 //! happened. Record the intent in your database in the same transaction as the state change and
-//! deliver it from there (the outbox pattern). Effects that *are* writes to a PostgreSQL
+//! deliver it from there: `postgres::Outbox` and `postgres::Relay` (at least once, with a key
+//! the receiver can deduplicate on). Effects that *are* writes to a PostgreSQL
 //! database close the gap with the transactional mode (`postgres::Transactional`): the record
 //! commits in the same transaction as the writes.
 
@@ -286,13 +288,18 @@ pub mod redis {
     };
 }
 
-/// The PostgreSQL store, its transactional mode and the fence (feature `postgres`).
+/// The PostgreSQL store, its transactional mode, the fence, and the transactional outbox with
+/// its relay (feature `postgres`).
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres {
+    #[cfg(feature = "redis")]
+    pub use crate::store::postgres::RedisStreamSink;
     pub use crate::store::postgres::{
-        DEFAULT_FENCE_TABLE, DEFAULT_REAP_BATCH, DEFAULT_REAP_GRACE, DEFAULT_TABLE, Fence,
-        FenceError, InvalidTableName, PendingRecord, PostgresStore, PostgresStoreBuilder,
+        Batch, BoxFuture, DEFAULT_FENCE_TABLE, DEFAULT_OUTBOX_TABLE, DEFAULT_REAP_BATCH,
+        DEFAULT_REAP_GRACE, DEFAULT_TABLE, DeadLetter, Fence, FenceError, InvalidTableName,
+        MAX_OUTBOX_PAYLOAD, Message, OUTBOX_DELIVERIES, Outbox, OutboxError, OutboxMessage,
+        PendingRecord, PostgresStore, PostgresStoreBuilder, Relay, RelayBuilder, Sink, SinkError,
         Transactional, TransactionalClaim,
     };
 }

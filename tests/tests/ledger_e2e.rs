@@ -1,11 +1,16 @@
 //! The `ledger` consumer with real Redis, PostgreSQL and processes.
 //!
 //! - 1,000 stream entries over 200 accounts, 20% of them duplicate ids (some adjacent, some far
-//!   apart) and a few malformed, consumed by two consumers that are killed with SIGKILL at
+//!   apart) and a few malformed, consumed by two consumers, with notifications relayed by the
+//!   first consumer and two relay processes; consumers and relays are killed with SIGKILL at
 //!   random moments and restarted. When the group has nothing pending and nothing unread, every
-//!   balance must equal the sum over distinct ids, and the dead-letter stream must hold exactly
-//!   the malformed entries.
-//! - Six consumers started in the same instant on an empty database all come up.
+//!   balance must equal the sum over distinct ids, the dead-letter stream must hold exactly
+//!   the malformed entries and the one PostgreSQL rejects, and the notifier (deduplicating by
+//!   `Idempotency-Key`) must have acted once on each applied posting and on nothing else.
+//! - A notifier that is down delays notifications and loses none; one it refuses is
+//!   dead-lettered; three relays never deliver one notification at the same time.
+//! - Six consumers and two relays started in the same instant on an empty database all come
+//!   up (the idempotency, accounts and outbox tables each created once).
 //! - Entries PostgreSQL rejects, and malformed ones, are dead-lettered (after `MAX_DELIVERIES`
 //!   deliveries counted across restarts, and at once, respectively) while the entries around
 //!   them are applied once.
@@ -19,7 +24,7 @@
 
 mod support;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -327,19 +332,37 @@ impl DeadLetter {
     }
 }
 
-/// A running `ledger` process; killed when dropped, and its stderr printed if the test fails.
+/// A running `ledger` (or `relay`) process; killed when dropped, and its stderr printed if the
+/// test fails.
 struct Consumer {
     child: Child,
     name: String,
     stdout: Option<Lines<BufReader<ChildStdout>>>,
     log: Arc<Mutex<String>>,
+    /// How the line the process prints once it works starts.
+    ready_line: &'static str,
 }
 
 impl Consumer {
     /// Starts the process without waiting for it to be ready.
     fn spawn(env: &[(&str, String)], name: impl Into<String>) -> Consumer {
-        let name = name.into();
-        let mut child = Command::new(support::example_binary("ledger"))
+        Consumer::spawn_example("ledger", "consuming ", env, name.into())
+    }
+
+    /// Starts a `relay` process and waits until it relays.
+    async fn relay(env: &[(&str, String)], name: impl Into<String>) -> Consumer {
+        let mut relay = Consumer::spawn_example("relay", "relaying to ", env, name.into());
+        relay.ready().await;
+        relay
+    }
+
+    fn spawn_example(
+        example: &str,
+        ready_line: &'static str,
+        env: &[(&str, String)],
+        name: String,
+    ) -> Consumer {
+        let mut child = Command::new(support::example_binary(example))
             .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .env("CONSUMER", &name)
             .stdout(Stdio::piped())
@@ -363,6 +386,7 @@ impl Consumer {
             name,
             stdout: Some(stdout),
             log,
+            ready_line,
         }
     }
 
@@ -383,10 +407,11 @@ impl Consumer {
             let status = self.child.wait().await.unwrap();
             panic!("{} exited before it was ready: {status}", self.name);
         };
-        assert!(
-            line.starts_with("consuming ") && line.ends_with(&format!(" as {}", self.name)),
-            "{line}"
-        );
+        let ready = match self.ready_line {
+            "consuming " => line.ends_with(&format!(" as {}", self.name)),
+            _ => true,
+        };
+        assert!(line.starts_with(self.ready_line) && ready, "{line}");
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     }
 
@@ -533,10 +558,29 @@ async fn balances_are_exact_after_duplicates_malformed_entries_and_kills() {
     }
     assert_eq!(seen.len(), 800);
 
-    let env = fx.env(&[("CLAIM_IDLE", "1s"), ("EFFECT_DELAY_MS", "3")]);
-    let mut consumers = vec![
+    // Each applied posting notifies the notifier through the outbox: relays run inside the
+    // first consumer and on their own, and are killed too.
+    let notifier = Notifier::start().await;
+    let notify = [
+        ("NOTIFY_URL", notifier.url()),
+        ("RELAY_BACKOFF", "100ms".into()),
+        ("RELAY_POLL", "200ms".into()),
+        ("RELAY_MAX_ATTEMPTS", "1000".into()),
+    ];
+    let settings: Vec<(&str, &str)> = [("CLAIM_IDLE", "1s"), ("EFFECT_DELAY_MS", "3")]
+        .into_iter()
+        .chain(notify.iter().map(|(k, v)| (*k, v.as_str())))
+        .collect();
+    let env = fx.env(&settings);
+    let mut without_relay = env.clone();
+    without_relay.push(("RELAY", "0".into()));
+    let mut consumers = [
         Consumer::start(&env, "c0-0").await,
-        Consumer::start(&env, "c1-0").await,
+        Consumer::start(&without_relay, "c1-0").await,
+    ];
+    let mut relays = [
+        Consumer::relay(&env, "r0-0").await,
+        Consumer::relay(&env, "r1-0").await,
     ];
 
     // Publish while the consumers run.
@@ -546,6 +590,24 @@ async fn balances_are_exact_after_duplicates_malformed_entries_and_kills() {
         async move {
             let (mut malformed_ids, mut last) = (BTreeSet::new(), String::new());
             for (n, entry) in entries.iter().enumerate() {
+                if n == 500 {
+                    // PostgreSQL rejects this one (a NUL byte in the account) after its
+                    // notification was enqueued: every attempt rolls both back, and the entry
+                    // is dead-lettered after MAX_DELIVERIES.
+                    let rejected: String = redis::cmd("XADD")
+                        .arg(&stream)
+                        .arg("*")
+                        .arg("id")
+                        .arg("pay-rejected")
+                        .arg("account")
+                        .arg("acct-\0")
+                        .arg("amount")
+                        .arg(1)
+                        .query_async(&mut redis)
+                        .await
+                        .unwrap();
+                    malformed_ids.insert(rejected);
+                }
                 let mut cmd = redis::cmd("XADD");
                 cmd.arg(&stream).arg("*");
                 match entry {
@@ -579,22 +641,39 @@ async fn balances_are_exact_after_duplicates_malformed_entries_and_kills() {
         }
     });
 
-    // Kill consumers at random moments, and restart them.
-    for round in 1..=6 {
+    // Kill consumers and relays at random moments, and restart them.
+    for round in 1..=8 {
         tokio::time::sleep(Duration::from_millis(150 + rng.below(500))).await;
         let victim = rng.below(2) as usize;
-        consumers[victim].kill().await;
-        eprintln!("killed {} in round {round}", consumers[victim].name);
-        consumers[victim] = Consumer::start(&env, format!("c{victim}-{round}")).await;
+        if rng.below(2) == 0 {
+            consumers[victim].kill().await;
+            eprintln!("killed {} in round {round}", consumers[victim].name);
+            let env = if victim == 0 { &env } else { &without_relay };
+            consumers[victim] = Consumer::start(env, format!("c{victim}-{round}")).await;
+        } else {
+            relays[victim].kill().await;
+            eprintln!("killed {} in round {round}", relays[victim].name);
+            relays[victim] = Consumer::relay(&env, format!("r{victim}-{round}")).await;
+        }
     }
 
     let (malformed_ids, last_id) = publisher.await.unwrap();
     fx.wait_drained(&last_id, Duration::from_secs(90)).await;
-    for consumer in &mut consumers {
-        consumer.stop().await;
+    notifier.wait_for(&seen, Duration::from_secs(90)).await;
+    for process in consumers.iter_mut().chain(&mut relays) {
+        process.stop().await;
     }
+    // Exactly one notification acted on per distinct applied posting (at least one delivery
+    // each; duplicates deduplicated by key), none for the rejected entry whose transactions
+    // rolled back, none for malformed ones.
+    notifier.assert_once_each(&seen);
 
     let db = fx.db().await;
+    assert_eq!(
+        outbox_states(&db).await,
+        BTreeMap::from([("delivered".to_owned(), 800)]),
+        "one message per applied posting, all delivered"
+    );
     let balances = fx.balances(&db).await;
     assert_eq!(balances.len(), 200);
     assert_eq!(
@@ -630,10 +709,16 @@ async fn consumers_started_at_once_on_an_empty_database_all_come_up() {
         let Some(mut fx) = Fixture::new(&format!("start{round}")).await else {
             return;
         };
-        let env = fx.env(&[("CLAIM_IDLE", "1s")]);
+        // With notifications on, each also creates the outbox table; two relays start with them.
+        let notifier = Notifier::start().await;
+        let url = notifier.url();
+        let env = fx.env(&[("CLAIM_IDLE", "1s"), ("NOTIFY_URL", &url)]);
         // All processes first, then the waits: they start in the same instant.
         let mut consumers: Vec<Consumer> = (0..6)
             .map(|n| Consumer::spawn(&env, format!("s{round}-{n}")))
+            .chain((0..2).map(|n| {
+                Consumer::spawn_example("relay", "relaying to ", &env, format!("r{round}-{n}"))
+            }))
             .collect();
         for consumer in &mut consumers {
             consumer.ready().await;
@@ -651,9 +736,12 @@ async fn consumers_started_at_once_on_an_empty_database_all_come_up() {
             last = fx.post(&format!("pay-{n}"), &account, n - 100).await;
         }
         fx.wait_drained(&last, Duration::from_secs(60)).await;
+        let ids: BTreeSet<String> = (0..200).map(|n| format!("pay-{n}")).collect();
+        notifier.wait_for(&ids, Duration::from_secs(60)).await;
         for consumer in &mut consumers {
             consumer.stop().await;
         }
+        notifier.assert_once_each(&ids);
         let db = fx.db().await;
         assert_eq!(fx.balances(&db).await, expected);
         assert!(fx.dead_letters().await.is_empty());
@@ -1156,17 +1244,311 @@ async fn bad_settings_exit_with_status_2_naming_the_variable() {
         ("LOCK_TIMEOUT", "25d"),
         ("STATEMENT_TIMEOUT", "0s"),
         ("CLAIM_IDLE", "soon"),
+        ("RELAY", "yes"),
+        ("NOTIFY_URL", "https://notifier.example/notify"),
+        ("NOTIFY_URL", "not a url"),
+        ("RELAY_MAX_ATTEMPTS", "0"),
+        ("RELAY_BACKOFF", "fast"),
+        ("RELAY_POLL", "0ms"),
     ] {
-        let output = Command::new(support::example_binary("ledger"))
-            .env(name, value)
-            .output()
+        for example in ["ledger", "relay"] {
+            if example == "relay"
+                && matches!(
+                    name,
+                    "MAX_DELIVERIES"
+                        | "LOCK_TIMEOUT"
+                        | "STATEMENT_TIMEOUT"
+                        | "CLAIM_IDLE"
+                        | "RELAY"
+                )
+            {
+                continue;
+            }
+            let mut command = Command::new(support::example_binary(example));
+            if name.starts_with("RELAY_") {
+                command.env("NOTIFY_URL", "http://127.0.0.1:9/notify");
+            }
+            let output = command.env(name, value).output().await.unwrap();
+            assert_eq!(output.status.code(), Some(2), "{example}: {name}={value}");
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert!(
+                stderr.contains(&format!("{name}=")),
+                "{example}: {name}={value}: {stderr}"
+            );
+        }
+    }
+    // The relay has nothing to do without NOTIFY_URL.
+    let output = Command::new(support::example_binary("relay"))
+        .env_remove("NOTIFY_URL")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("NOTIFY_URL"));
+}
+
+/// What the notifier saw.
+#[derive(Default)]
+struct Notified {
+    /// Each notification its handler acted on, after deduplication: `(key, body)`.
+    acted: Vec<(String, serde_json::Value)>,
+    /// Requests received per key, duplicates and refusals included.
+    attempts: HashMap<String, u32>,
+    /// Keys of the requests being handled now.
+    in_flight: HashSet<String>,
+    /// Whether two requests with one key were ever handled at once.
+    overlapped: bool,
+}
+
+/// The receiver of the ledger's notifications: an HTTP server in the test process that
+/// deduplicates by `Idempotency-Key` with this library's layer (its records survive a
+/// restart), counts what it receives, and refuses (400) the notifications of one account. It
+/// can be stopped, refusing connections, and started again on the same port.
+struct Notifier {
+    port: u16,
+    seen: Arc<Mutex<Notified>>,
+    idempotency: idempotent_core::Idempotency,
+    server: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// The account whose notifications the notifier refuses.
+const REFUSED_ACCOUNT: &str = "acct-refused";
+
+impl Notifier {
+    async fn start() -> Notifier {
+        let mut notifier = Notifier {
+            port: 0,
+            seen: Arc::default(),
+            idempotency: idempotent_core::Idempotency::new(
+                idempotent_core::memory::MemoryStore::new(),
+            ),
+            server: None,
+        };
+        notifier.up().await;
+        notifier
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/notify", self.port)
+    }
+
+    /// Listens (on the same port as before, once there was one).
+    async fn up(&mut self) {
+        use axum::extract::State;
+        use axum::routing::post;
+
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", self.port))
             .await
             .unwrap();
-        assert_eq!(output.status.code(), Some(2), "{name}={value}");
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(
-            stderr.contains(&format!("{name}=")),
-            "{name}={value}: {stderr}"
-        );
+        self.port = listener.local_addr().unwrap().port();
+        let act = |State(seen): State<Arc<Mutex<Notified>>>,
+                   headers: http::HeaderMap,
+                   body: axum::Json<serde_json::Value>| async move {
+            if body["account"] == REFUSED_ACCOUNT {
+                return http::StatusCode::BAD_REQUEST;
+            }
+            let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+            lock(&seen).acted.push((key, body.0));
+            // A short hold, so that a second delivery of one message at the same time would
+            // be seen.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            http::StatusCode::CREATED
+        };
+        let count = |State(seen): State<Arc<Mutex<Notified>>>,
+                     request: axum::extract::Request,
+                     next: axum::middleware::Next| async move {
+            let key = request
+                .headers()
+                .get("idempotency-key")
+                .map(|k| k.to_str().unwrap().to_owned())
+                .unwrap_or_default();
+            {
+                let mut seen = lock(&seen);
+                *seen.attempts.entry(key.clone()).or_default() += 1;
+                if !seen.in_flight.insert(key.clone()) {
+                    seen.overlapped = true;
+                }
+            }
+            let response = next.run(request).await;
+            lock(&seen).in_flight.remove(&key);
+            response
+        };
+        let app = axum::Router::new()
+            .route("/notify", post(act))
+            .layer(
+                idempotent_tower::IdempotencyLayer::new_for_http(self.idempotency.clone())
+                    .allow_anonymous(true),
+            )
+            .layer(axum::middleware::from_fn_with_state(
+                Arc::clone(&self.seen),
+                count,
+            ))
+            .with_state(Arc::clone(&self.seen));
+        self.server = Some(tokio::spawn(async move {
+            // Every connection is a task of this set: stopping the server drops them all.
+            let mut connections = tokio::task::JoinSet::new();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let service = hyper_util::service::TowerToHyperService::new(app.clone());
+                connections.spawn(async move {
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        }));
     }
+
+    /// Stops listening and drops every connection: deliveries fail until [`up`](Self::up).
+    async fn down(&mut self) {
+        if let Some(server) = self.server.take() {
+            server.abort();
+            let _ = server.await;
+        }
+    }
+
+    fn seen(&self) -> std::sync::MutexGuard<'_, Notified> {
+        lock(&self.seen)
+    }
+
+    /// Waits until notifications for `ids` were acted on.
+    async fn wait_for(&self, ids: &BTreeSet<String>, within: Duration) {
+        let deadline = Deadline::after(within, "not every notification arrived");
+        loop {
+            let acted: BTreeSet<String> = self
+                .seen()
+                .acted
+                .iter()
+                .map(|(_, body)| body["id"].as_str().unwrap().to_owned())
+                .collect();
+            if ids.is_subset(&acted) {
+                return;
+            }
+            deadline.tick().await;
+        }
+    }
+
+    /// Checks that each of `ids` was acted on exactly once, with its own key, and nothing
+    /// else was.
+    fn assert_once_each(&self, ids: &BTreeSet<String>) {
+        let seen = self.seen();
+        let mut by_id: BTreeMap<String, Vec<&String>> = BTreeMap::new();
+        for (key, body) in &seen.acted {
+            by_id
+                .entry(body["id"].as_str().unwrap().to_owned())
+                .or_default()
+                .push(key);
+        }
+        let acted: BTreeSet<String> = by_id.keys().cloned().collect();
+        assert_eq!(
+            &acted, ids,
+            "one notification per applied posting, no other"
+        );
+        for (id, keys) in &by_id {
+            assert_eq!(keys.len(), 1, "{id} acted on {} times", keys.len());
+            assert!(seen.attempts[keys[0]] >= 1);
+        }
+        let keys: HashSet<&String> = by_id.values().map(|k| k[0]).collect();
+        assert_eq!(keys.len(), ids.len(), "each notification has its own key");
+    }
+}
+
+impl Drop for Notifier {
+    fn drop(&mut self) {
+        if let Some(server) = self.server.take() {
+            server.abort();
+        }
+    }
+}
+
+fn lock(seen: &Mutex<Notified>) -> std::sync::MutexGuard<'_, Notified> {
+    seen.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The outbox rows by state.
+async fn outbox_states(db: &PgPool) -> BTreeMap<String, i64> {
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT state, count(*) FROM idempotent_outbox GROUP BY state")
+            .fetch_all(db)
+            .await
+            .unwrap();
+    rows.into_iter().collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notifier_that_is_down_delays_notifications_and_loses_none() {
+    let Some(mut fx) = Fixture::new("notify_down").await else {
+        return;
+    };
+    let mut notifier = Notifier::start().await;
+    notifier.down().await;
+    let env = fx.env(&[
+        ("NOTIFY_URL", &notifier.url()),
+        ("RELAY_BACKOFF", "100ms"),
+        ("RELAY_POLL", "200ms"),
+        ("RELAY_MAX_ATTEMPTS", "1000"),
+    ]);
+    // Three relays: the consumer's and two on their own.
+    let mut processes = vec![
+        Consumer::start(&env, "c0").await,
+        Consumer::relay(&env, "relay-0").await,
+        Consumer::relay(&env, "relay-1").await,
+    ];
+    let mut ids = BTreeSet::new();
+    let mut last = String::new();
+    for n in 0..60 {
+        let id = format!("pay-{n}");
+        last = fx.post(&id, &format!("acct-{}", n % 7), 10 + n).await;
+        ids.insert(id);
+    }
+    fx.post("pay-refused", REFUSED_ACCOUNT, 5).await;
+    let last_id = fx.post("pay-last", "acct-0", 1).await;
+    ids.insert("pay-last".to_owned());
+    fx.wait_drained(&last_id, Duration::from_secs(60)).await;
+    let _ = last;
+    let db = fx.db().await;
+    // Applied, and their notifications waiting: attempts failed while the notifier is down.
+    let deadline = Deadline::after(Duration::from_secs(30), "no delivery attempt failed");
+    loop {
+        let failed: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM idempotent_outbox WHERE state = 'pending' AND attempts > 0 \
+             AND last_error IS NOT NULL",
+        )
+        .fetch_one(&db)
+        .await
+        .unwrap();
+        if failed > 0 {
+            break;
+        }
+        deadline.tick().await;
+    }
+    assert!(notifier.seen().acted.is_empty());
+    assert_eq!(outbox_states(&db).await.get("pending"), Some(&62));
+
+    notifier.up().await;
+    notifier.wait_for(&ids, Duration::from_secs(60)).await;
+    // The refused one is dead-lettered at once, with the answer kept.
+    let deadline = Deadline::after(Duration::from_secs(30), "the refusal was not dead-lettered");
+    while outbox_states(&db).await.get("dead") != Some(&1) {
+        deadline.tick().await;
+    }
+    let error: String =
+        sqlx::query_scalar("SELECT last_error FROM idempotent_outbox WHERE state = 'dead'")
+            .fetch_one(&db)
+            .await
+            .unwrap();
+    assert!(error.contains("400"), "{error}");
+    for process in &mut processes {
+        process.stop().await;
+    }
+    notifier.assert_once_each(&ids);
+    assert_eq!(outbox_states(&db).await.get("pending"), None);
+    assert!(
+        !notifier.seen().overlapped,
+        "two relays delivered one notification at the same time"
+    );
+    drop(db);
+    fx.drop_database().await;
 }

@@ -72,6 +72,8 @@ mod metrics;
 mod policy;
 #[cfg(feature = "reqwest")]
 mod reqwest;
+#[cfg(feature = "outbox")]
+mod sink;
 
 use std::fmt;
 use std::future::Future;
@@ -98,6 +100,8 @@ pub use policy::{
 use policy::{deliver, grpc_verdict, http_verdict};
 #[cfg(feature = "reqwest")]
 pub use reqwest::IdempotencyMiddleware;
+#[cfg(feature = "outbox")]
+pub use sink::{HttpSink, HttpSinkError};
 
 /// A boxed error, as tower services return them.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

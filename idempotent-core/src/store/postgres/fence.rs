@@ -223,12 +223,12 @@ impl Fence {
     /// [`PostgresStore::migrate`](crate::postgres::PostgresStore::migrate) takes for a table of that
     /// name). Needs the privilege to create tables in the schema.
     pub async fn migrate(&self, pool: &PgPool) -> Result<(), sqlx::Error> {
-        let mut tx = pool.begin().await?;
-        let lock = sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
-            .bind(format!("idempotent-core migrate {}", self.sql.table));
-        (&mut *tx).execute(lock).await?;
-        (&mut *tx).execute(self.sql.migrate.as_str()).await?;
-        tx.commit().await
+        super::migrate(
+            pool,
+            &self.sql.table,
+            std::slice::from_ref(&self.sql.migrate),
+        )
+        .await
     }
 
     /// Records that the owner of `token` writes `resource`, or refuses it: succeeds if `token`

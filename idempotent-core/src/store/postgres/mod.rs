@@ -3,6 +3,8 @@
 
 mod connections;
 mod fence;
+mod outbox;
+mod relay;
 mod transactional;
 
 use std::fmt;
@@ -21,6 +23,14 @@ use self::connections::Connections;
 use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, limits};
 
 pub use self::fence::{DEFAULT_FENCE_TABLE, Fence, FenceError};
+pub use self::outbox::{
+    DEFAULT_OUTBOX_TABLE, DeadLetter, MAX_OUTBOX_PAYLOAD, Message, Outbox, OutboxError,
+};
+#[cfg(feature = "redis")]
+pub use self::relay::RedisStreamSink;
+pub use self::relay::{
+    Batch, BoxFuture, OUTBOX_DELIVERIES, OutboxMessage, Relay, RelayBuilder, Sink, SinkError,
+};
 pub(crate) use self::transactional::RawClaim;
 pub use self::transactional::{PendingRecord, Transactional, TransactionalClaim};
 
@@ -333,17 +343,9 @@ impl PostgresStore {
     /// create tables in the schema; if the application's role lacks it, run it once from a
     /// deployment step instead.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await.map_err(store_error)?;
-        let lock = sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
-            .bind(format!("idempotent-core migrate {}", self.sql.table));
-        (&mut *tx).execute(lock).await.map_err(store_error)?;
-        for statement in &self.sql.migrate {
-            (&mut *tx)
-                .execute(statement.as_str())
-                .await
-                .map_err(store_error)?;
-        }
-        tx.commit().await.map_err(store_error)
+        migrate(&self.pool, &self.sql.table, &self.sql.migrate)
+            .await
+            .map_err(store_error)
     }
 
     /// Deletes rows that expired at least the grace period ago (see
@@ -570,6 +572,24 @@ impl Sql {
             Err(StoreError::TokenRejected)
         }
     }
+}
+
+/// Runs `statements` (`CREATE … IF NOT EXISTS`) in one transaction under an advisory lock
+/// named after `table`: concurrent `CREATE TABLE IF NOT EXISTS` can fail in PostgreSQL's
+/// catalog, so instances starting at once take turns.
+pub(crate) async fn migrate(
+    pool: &PgPool,
+    table: &str,
+    statements: &[String],
+) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let lock = sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
+        .bind(format!("idempotent-core migrate {table}"));
+    (&mut *tx).execute(lock).await?;
+    for statement in statements {
+        (&mut *tx).execute(statement.as_str()).await?;
+    }
+    tx.commit().await
 }
 
 fn is_identifier(part: &str) -> bool {

@@ -1,0 +1,67 @@
+//! The notification relay of the `ledger` example: run inside each consumer, or alone as the
+//! `relay` example.
+//!
+//! | variable | default | meaning |
+//! |---|---|---|
+//! | `NOTIFY_URL` | unset | where notifications are POSTed; unset: nothing is enqueued or relayed |
+//! | `RELAY_MAX_ATTEMPTS` | `10` | delivery attempts before a notification is dead-lettered |
+//! | `RELAY_BACKOFF` | `1s` | the wait after a first failed attempt, doubling up to a minute |
+//! | `RELAY_POLL` | `1s` | how often the relay looks for due notifications without a `NOTIFY` |
+
+use std::time::Duration;
+
+use idempotent_core::postgres::{Outbox, Relay};
+use idempotent_tower::client::HttpSink;
+use sqlx::PgPool;
+
+/// The outbox destination of the ledger's notifications.
+pub(crate) const NOTIFICATIONS: &str = "notifications";
+
+/// The relay's settings, from the environment: `None` without `NOTIFY_URL`.
+pub(crate) struct RelaySettings {
+    pub(crate) notify_url: String,
+    max_attempts: u32,
+    backoff: Duration,
+    poll: Duration,
+}
+
+pub(crate) fn relay_settings() -> Result<Option<RelaySettings>, String> {
+    let Ok(notify_url) = std::env::var("NOTIFY_URL") else {
+        return Ok(None);
+    };
+    let var =
+        |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
+    let attempts = var("RELAY_MAX_ATTEMPTS", "10");
+    let max_attempts = match attempts.parse() {
+        Ok(n) if n > 0 => n,
+        _ => {
+            return Err(format!(
+                "RELAY_MAX_ATTEMPTS={attempts:?} is not a whole number greater than zero"
+            ));
+        }
+    };
+    let backoff = super::parse_duration("RELAY_BACKOFF", &var("RELAY_BACKOFF", "1s"))?;
+    let poll = super::parse_duration("RELAY_POLL", &var("RELAY_POLL", "1s"))?;
+    // Checked now, so that a bad URL stops the process at startup.
+    HttpSink::new(&notify_url).map_err(|e| format!("NOTIFY_URL={notify_url:?}: {e}"))?;
+    Ok(Some(RelaySettings {
+        notify_url,
+        max_attempts,
+        backoff,
+        poll,
+    }))
+}
+
+/// The relay of `outbox`'s notifications to `NOTIFY_URL`.
+pub(crate) fn relay(pool: PgPool, outbox: Outbox, settings: &RelaySettings) -> Relay {
+    let sink = HttpSink::new(&settings.notify_url).expect("checked when read");
+    Relay::builder(pool, outbox)
+        .sink(NOTIFICATIONS, sink)
+        .max_attempts(settings.max_attempts)
+        .backoff(
+            settings.backoff,
+            Duration::from_secs(60).max(settings.backoff),
+        )
+        .poll_interval(settings.poll)
+        .build()
+}

@@ -1,0 +1,506 @@
+//! The transactional outbox: messages written in the caller's transaction, next to the effect
+//! and the idempotency record, and delivered afterwards by a [`Relay`](super::Relay).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::postgres::{PgConnection, PgPool};
+// The executor's own methods, for `Send` futures: see the note in the parent module.
+use sqlx::{Executor as _, Row as _};
+
+use super::{InvalidTableName, TableName, micros, store_error};
+use crate::{ClaimHandle, Key, KeyError, StoreError};
+
+/// The table [`Outbox::new`] uses.
+pub const DEFAULT_OUTBOX_TABLE: &str = "idempotent_outbox";
+
+/// The largest payload [`Outbox::enqueue`] accepts: 16 MiB.
+pub const MAX_OUTBOX_PAYLOAD: usize = 16 << 20;
+
+/// A message to send to another system, once the transaction that enqueues it commits.
+///
+/// ```
+/// use idempotent_core::postgres::Message;
+///
+/// let message = Message::new("notifications", r#"{"id":"pay-1","amount":250}"#)
+///     .header("content-type", "application/json")
+///     .ordering_key("account:alice");
+/// ```
+#[derive(Debug, Clone)]
+pub struct Message {
+    destination: String,
+    payload: Bytes,
+    key: Option<Key>,
+    operation: Option<Key>,
+    part: Option<String>,
+    headers: Vec<(String, String)>,
+    ordering_key: Option<String>,
+    delay: Duration,
+}
+
+impl Message {
+    /// A message for `destination` (the name a [`Relay`](super::Relay) routes to one of its
+    /// sinks) carrying `payload`.
+    pub fn new(destination: impl Into<String>, payload: impl Into<Bytes>) -> Self {
+        Message {
+            destination: destination.into(),
+            payload: payload.into(),
+            key: None,
+            operation: None,
+            part: None,
+            headers: Vec::new(),
+            ordering_key: None,
+            delay: Duration::ZERO,
+        }
+    }
+
+    /// The message's idempotency key: what the receiver deduplicates on (the HTTP sink sends
+    /// it as `Idempotency-Key`, the Redis Streams sink as the `key` field). By default it is
+    /// the [operation key](ClaimHandle::operation_key) of the claim given with
+    /// [`claim`](Self::claim), else of the running claim ([`ClaimHandle::current`]: inside an
+    /// `#[idempotent]` function, the runtime's `run`, a layer's handler): the same for every
+    /// owner and attempt of the operation that enqueues it.
+    #[must_use]
+    pub fn key(mut self, key: Key) -> Self {
+        self.key = Some(key);
+        self
+    }
+
+    /// Takes its default key from `claim` (its [operation
+    /// key](ClaimHandle::operation_key)) instead of the running claim: for the transactional
+    /// mode's [`PendingRecord::claim`](super::PendingRecord::claim), where no claim is
+    /// running as [`ClaimHandle::current`].
+    #[must_use]
+    pub fn claim(mut self, claim: &ClaimHandle) -> Self {
+        self.operation = Some(claim.operation_key());
+        self
+    }
+
+    /// Names this message among several an operation sends to the same receiver: the default
+    /// key becomes `<operation key>.<part>`, so each message has its own key and every
+    /// attempt of the operation still gives each the same one. Ignored with [`key`](Self::key).
+    #[must_use]
+    pub fn part(mut self, part: impl Into<String>) -> Self {
+        self.part = Some(part.into());
+        self
+    }
+
+    /// A header sent with the message (the HTTP sink sends it as an HTTP header, the Redis
+    /// Streams sink as a field).
+    #[must_use]
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// Messages with the same ordering key are delivered one at a time, in the order they
+    /// were enqueued: a message waits until every earlier one with its ordering key was
+    /// delivered or dead-lettered. Without one, messages are delivered in any order, several
+    /// at once.
+    #[must_use]
+    pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
+        self.ordering_key = Some(key.into());
+        self
+    }
+
+    /// Deliver no sooner than `delay` after the enqueue.
+    #[must_use]
+    pub fn delay(mut self, delay: Duration) -> Self {
+        self.delay = delay;
+        self
+    }
+
+    /// The key the message is sent with: its own, else the running claim's operation key
+    /// (with its part).
+    fn resolved_key(&self) -> Result<Key, OutboxError> {
+        if let Some(key) = &self.key {
+            return Ok(key.clone());
+        }
+        let operation = match &self.operation {
+            Some(operation) => operation.clone(),
+            None => ClaimHandle::current()
+                .ok_or(OutboxError::NoKey)?
+                .operation_key(),
+        };
+        match &self.part {
+            None => Ok(operation),
+            Some(part) => Ok(Key::new(format!("{}.{part}", operation.as_str()))?),
+        }
+    }
+}
+
+/// Why a message was not enqueued. The transaction is untouched: roll it back, or go on
+/// without the message.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OutboxError {
+    /// No key or claim was given and no claim is running (outside an `#[idempotent]`
+    /// function or the runtime's work): there is no operation key to default to.
+    #[error(
+        "the message has no key and no claim is running: give it one with Message::key or \
+         Message::claim, or enqueue it from the work of an idempotent call"
+    )]
+    NoKey,
+    /// The key (or the operation key with its part) is not a valid key.
+    #[error("the message key is not valid: {0}")]
+    InvalidKey(#[from] KeyError),
+    /// The destination is empty or longer than 255 bytes.
+    #[error("the destination must be 1 to 255 bytes")]
+    InvalidDestination,
+    /// A header name or value is not valid in HTTP (a control character, a space in a name),
+    /// or a destination or ordering key holds a NUL byte (PostgreSQL text cannot).
+    #[error("a header name or value is not valid HTTP, or a text holds a NUL byte")]
+    InvalidHeader,
+    /// The payload is over [`MAX_OUTBOX_PAYLOAD`].
+    #[error("the payload is {size} bytes, over the outbox's limit of {MAX_OUTBOX_PAYLOAD}")]
+    PayloadTooLarge {
+        /// The payload's size.
+        size: usize,
+    },
+    /// The statement failed; the transaction is aborted: roll it back.
+    #[error("the outbox could not be written")]
+    Store(#[source] StoreError),
+}
+
+/// A message the relay could not deliver, kept with its last error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadLetter {
+    /// The message's row id.
+    pub id: i64,
+    /// Its destination.
+    pub destination: String,
+    /// Its key.
+    pub key: String,
+    /// Delivery attempts made.
+    pub attempts: i32,
+    /// The last attempt's error.
+    pub last_error: Option<String>,
+}
+
+/// The transactional outbox on PostgreSQL: [`enqueue`](Self::enqueue) writes a message in
+/// **your** transaction, so it commits with the effect and the idempotency record, or not at
+/// all; a [`Relay`](super::Relay) delivers it afterwards, at least once, with its key.
+///
+/// ```no_run
+/// use idempotent_core::postgres::{Message, Outbox};
+/// use sqlx::PgPool;
+///
+/// # async fn example(pool: PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let outbox = Outbox::new();
+/// outbox.migrate(&pool).await?; // at startup, like `PostgresStore::migrate`
+///
+/// let mut tx = pool.begin().await?;
+/// // ... the business change, in `tx` ...
+/// let message = Message::new("notifications", r#"{"order":7}"#)
+///     .key("order-7-confirmation".parse()?);
+/// outbox.enqueue(&mut tx, &message).await?;
+/// tx.commit().await?; // the change and the message, together
+/// # Ok(())
+/// # }
+/// ```
+///
+/// Inside the work of an idempotent call (`#[idempotent(tx = ..)]`, or the runtime's `run`), a
+/// message without a key gets the running claim's [operation
+/// key](ClaimHandle::operation_key); with the transactional mode's API, give it the claim:
+/// `Message::new(..).claim(&pending.claim())`. That key is the same for every attempt of the
+/// operation, so however often the operation is retried, the receiver sees one key.
+/// With the transactional mode, a retried operation either replays (its transaction, message
+/// included, committed) or runs again from nothing (it rolled back, message included).
+///
+/// # The table
+///
+/// [`migrate`](Self::migrate) creates it (idempotently, serialized by an advisory lock, so
+/// every instance may run it at startup):
+///
+/// ```sql
+/// CREATE TABLE IF NOT EXISTS "idempotent_outbox" (
+///     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,  -- enqueue order
+///     destination text NOT NULL,      -- routed by the relay to a sink
+///     message_key text NOT NULL,      -- what the receiver deduplicates on
+///     payload bytea NOT NULL,
+///     header_names text[] NOT NULL,
+///     header_values text[] NOT NULL,
+///     ordering_key text,              -- one at a time, in order, per ordering key
+///     state text NOT NULL DEFAULT 'pending',  -- 'pending', 'delivered' or 'dead'
+///     attempts integer NOT NULL DEFAULT 0,
+///     available_at timestamptz NOT NULL,      -- not delivered before (backoff, delay)
+///     created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+///     delivered_at timestamptz,
+///     last_error text
+/// );
+/// ```
+///
+/// with partial indexes on the pending messages (by `available_at`, and by `ordering_key`)
+/// and on the delivered ones (by `delivered_at`, for reaping). Enqueuing also sends
+/// `NOTIFY` on the channel named after the table, which PostgreSQL delivers at the commit:
+/// a listening relay wakes up at once.
+#[derive(Clone)]
+pub struct Outbox {
+    sql: Arc<OutboxSql>,
+}
+
+impl fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Outbox")
+            .field("table", &self.sql.table)
+            .finish()
+    }
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        Outbox::new()
+    }
+}
+
+impl Outbox {
+    /// The outbox in [`DEFAULT_OUTBOX_TABLE`].
+    pub fn new() -> Self {
+        Self::with_table(DEFAULT_OUTBOX_TABLE).expect("the default table name is valid")
+    }
+
+    /// The outbox in `table`: a lowercase identifier, optionally qualified by a schema.
+    pub fn with_table(table: &str) -> Result<Self, InvalidTableName> {
+        Ok(Outbox {
+            sql: Arc::new(OutboxSql::new(table)?),
+        })
+    }
+
+    /// The table's name, as given.
+    pub fn table(&self) -> &str {
+        &self.sql.table
+    }
+
+    /// The `LISTEN`/`NOTIFY` channel enqueues notify: the table's name.
+    pub fn channel(&self) -> &str {
+        &self.sql.table
+    }
+
+    pub(crate) fn sql(&self) -> &OutboxSql {
+        &self.sql
+    }
+
+    /// Creates the table and its indexes if missing. Safe to run from every instance at once.
+    pub async fn migrate(&self, pool: &PgPool) -> Result<(), StoreError> {
+        super::migrate(pool, &self.sql.table, &self.sql.migrate)
+            .await
+            .map_err(store_error)
+    }
+
+    /// Writes `message` in `connection`'s transaction and returns its id. It is delivered once
+    /// the transaction commits; a rollback discards it. The key is the message's own, else the
+    /// running claim's operation key (see [`Message::key`]).
+    ///
+    /// In autocommit mode (a connection not in a transaction) the message is committed at
+    /// once, which is only right for a message that does not depend on other writes.
+    pub async fn enqueue(
+        &self,
+        connection: &mut PgConnection,
+        message: &Message,
+    ) -> Result<i64, OutboxError> {
+        let key = message.resolved_key()?;
+        if message.destination.is_empty() || message.destination.len() > 255 {
+            return Err(OutboxError::InvalidDestination);
+        }
+        if message.payload.len() > MAX_OUTBOX_PAYLOAD {
+            return Err(OutboxError::PayloadTooLarge {
+                size: message.payload.len(),
+            });
+        }
+        let valid_header = |(name, value): &(String, String)| {
+            http::HeaderName::from_bytes(name.as_bytes()).is_ok()
+                && http::HeaderValue::from_str(value).is_ok()
+        };
+        let nul = message.destination.contains('\0')
+            || message
+                .ordering_key
+                .as_ref()
+                .is_some_and(|k| k.contains('\0'));
+        if nul || !message.headers.iter().all(valid_header) {
+            return Err(OutboxError::InvalidHeader);
+        }
+        let (names, values): (Vec<&str>, Vec<&str>) = message
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .unzip();
+        let insert = sqlx::query(&self.sql.enqueue)
+            .bind(&message.destination)
+            .bind(key.as_str())
+            .bind(message.payload.as_ref())
+            .bind(names)
+            .bind(values)
+            .bind(message.ordering_key.as_deref())
+            .bind(micros(message.delay))
+            .bind(&self.sql.table);
+        let row = connection
+            .fetch_one(insert)
+            .await
+            .map_err(|e| OutboxError::Store(store_error(e)))?;
+        row.try_get::<i64, _>(0)
+            .map_err(|e| OutboxError::Store(store_error(e)))
+    }
+
+    /// Messages the relay gave up on, oldest first, at most `limit`.
+    pub async fn dead_letters(
+        &self,
+        pool: &PgPool,
+        limit: u32,
+    ) -> Result<Vec<DeadLetter>, StoreError> {
+        let rows = pool
+            .fetch_all(sqlx::query(&self.sql.dead_letters).bind(i64::from(limit)))
+            .await
+            .map_err(store_error)?;
+        rows.iter()
+            .map(|row| {
+                Ok(DeadLetter {
+                    id: row.try_get(0)?,
+                    destination: row.try_get(1)?,
+                    key: row.try_get(2)?,
+                    attempts: row.try_get(3)?,
+                    last_error: row.try_get(4)?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(store_error)
+    }
+
+    /// Puts a dead letter back to be delivered again (its attempts counted from zero), for
+    /// example once the receiver is fixed. Returns whether `id` was a dead letter.
+    pub async fn requeue(&self, pool: &PgPool, id: i64) -> Result<bool, StoreError> {
+        let done = pool
+            .execute(sqlx::query(&self.sql.requeue).bind(id))
+            .await
+            .map_err(store_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Deletes delivered messages delivered more than `older_than` ago, in batches of 1,000;
+    /// returns how many. Pending messages and dead letters are kept.
+    pub async fn reap(&self, pool: &PgPool, older_than: Duration) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let deleted = pool
+                .execute(sqlx::query(&self.sql.reap).bind(micros(older_than)))
+                .await
+                .map_err(store_error)?
+                .rows_affected();
+            total += deleted;
+            if deleted < REAP_BATCH {
+                return Ok(total);
+            }
+        }
+    }
+}
+
+/// Rows one reap statement deletes at most.
+const REAP_BATCH: u64 = 1000;
+
+/// The outbox's statements, for one table.
+pub(crate) struct OutboxSql {
+    pub(crate) table: String,
+    migrate: [String; 4],
+    enqueue: String,
+    dead_letters: String,
+    requeue: String,
+    reap: String,
+    /// `$1` the batch size, `$2` the destinations the relay has sinks for.
+    pub(crate) take: String,
+    /// `$1` the ids delivered.
+    pub(crate) delivered: String,
+    /// `$1` id, `$2` error, `$3` backoff (µs), `$4` the most attempts.
+    pub(crate) failed: String,
+    /// `$1` id, `$2` error.
+    pub(crate) dead: String,
+}
+
+impl OutboxSql {
+    fn new(table: &str) -> Result<Self, InvalidTableName> {
+        let name = TableName::parse(table)?;
+        let t = name.quoted();
+        let short = table.rsplit('.').next().unwrap_or(table);
+        let index = |suffix: &str| format!("\"{short}_{suffix}\"");
+        Ok(OutboxSql {
+            table: table.to_owned(),
+            migrate: [
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (\
+                     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, \
+                     destination text NOT NULL, \
+                     message_key text NOT NULL, \
+                     payload bytea NOT NULL, \
+                     header_names text[] NOT NULL, \
+                     header_values text[] NOT NULL, \
+                     ordering_key text, \
+                     state text NOT NULL DEFAULT 'pending', \
+                     attempts integer NOT NULL DEFAULT 0, \
+                     available_at timestamptz NOT NULL, \
+                     created_at timestamptz NOT NULL DEFAULT clock_timestamp(), \
+                     delivered_at timestamptz, \
+                     last_error text)"
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {t} (available_at, id) \
+                     WHERE state = 'pending'",
+                    index("pending_idx")
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {t} (ordering_key, id) \
+                     WHERE state = 'pending' AND ordering_key IS NOT NULL",
+                    index("ordering_idx")
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {t} (delivered_at) \
+                     WHERE state = 'delivered'",
+                    index("delivered_idx")
+                ),
+            ],
+            enqueue: format!(
+                "WITH m AS (INSERT INTO {t} (destination, message_key, payload, header_names, \
+                 header_values, ordering_key, available_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp() + $7 * interval '1 microsecond') \
+                 RETURNING id) \
+                 SELECT id, pg_notify($8, '') FROM m"
+            ),
+            dead_letters: format!(
+                "SELECT id, destination, message_key, attempts, last_error FROM {t} \
+                 WHERE state = 'dead' ORDER BY id LIMIT $1"
+            ),
+            requeue: format!(
+                "UPDATE {t} SET state = 'pending', attempts = 0, \
+                 available_at = clock_timestamp() WHERE id = $1 AND state = 'dead'"
+            ),
+            reap: format!(
+                "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} WHERE state = 'delivered' \
+                 AND delivered_at < clock_timestamp() - $1 * interval '1 microsecond' \
+                 LIMIT {REAP_BATCH} FOR UPDATE SKIP LOCKED)"
+            ),
+            take: format!(
+                "SELECT id, destination, message_key, payload, header_names, header_values, \
+                 attempts FROM {t} o \
+                 WHERE state = 'pending' AND available_at <= clock_timestamp() \
+                 AND destination = ANY($2) \
+                 AND (ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {t} e \
+                   WHERE e.ordering_key = o.ordering_key AND e.state = 'pending' AND e.id < o.id)) \
+                 ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
+            ),
+            delivered: format!(
+                "UPDATE {t} SET state = 'delivered', attempts = attempts + 1, \
+                 delivered_at = clock_timestamp(), last_error = NULL WHERE id = ANY($1)"
+            ),
+            failed: format!(
+                "UPDATE {t} SET attempts = attempts + 1, last_error = $2, \
+                 state = CASE WHEN attempts + 1 >= $4 THEN 'dead' ELSE 'pending' END, \
+                 available_at = clock_timestamp() + $3 * interval '1 microsecond' \
+                 WHERE id = $1"
+            ),
+            dead: format!(
+                "UPDATE {t} SET attempts = attempts + 1, last_error = $2, state = 'dead' \
+                 WHERE id = $1"
+            ),
+        })
+    }
+}

@@ -1,0 +1,560 @@
+//! The relay: delivers the outbox's committed messages, at least once, with their keys.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::postgres::{PgListener, PgPool};
+// The executor's own methods, for `Send` futures: see the note in the parent module.
+use sqlx::{Executor as _, Row as _};
+
+use super::outbox::Outbox;
+use super::{micros, store_error};
+use crate::StoreError;
+
+/// A boxed future, as [`Sink::deliver`] returns.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// `idempotency.outbox.deliveries` (counter; label `result`: `delivered`, `retried`, `dead`):
+/// delivery attempts of outbox messages, by how each ended.
+pub const OUTBOX_DELIVERIES: &str = "idempotency.outbox.deliveries";
+
+/// One committed message, as the relay hands it to a sink. (To test a sink of your own, start
+/// from `OutboxMessage::default()` and set the fields.)
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct OutboxMessage {
+    /// The message's row id (its enqueue order).
+    pub id: i64,
+    /// Its destination.
+    pub destination: String,
+    /// Its key: what the receiver deduplicates on.
+    pub key: String,
+    /// Its payload.
+    pub payload: Bytes,
+    /// Its headers, in the order given.
+    pub headers: Vec<(String, String)>,
+    /// Which attempt this is, from 1.
+    pub attempt: u32,
+}
+
+/// Why a sink did not deliver a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SinkError {
+    message: String,
+    permanent: bool,
+}
+
+impl SinkError {
+    /// A failure that may pass (the receiver down, a timeout): the message is tried again
+    /// after a backoff, up to the relay's [`max_attempts`](RelayBuilder::max_attempts).
+    pub fn retry(error: impl fmt::Display) -> Self {
+        SinkError {
+            message: error.to_string(),
+            permanent: false,
+        }
+    }
+
+    /// A failure that retrying cannot change (the receiver refused the message as
+    /// malformed): the message is dead-lettered at once.
+    pub fn permanent(error: impl fmt::Display) -> Self {
+        SinkError {
+            message: error.to_string(),
+            permanent: true,
+        }
+    }
+
+    /// Whether retrying cannot help.
+    pub fn is_permanent(&self) -> bool {
+        self.permanent
+    }
+}
+
+impl fmt::Display for SinkError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for SinkError {}
+
+/// Where a [`Relay`] delivers the messages of one destination. Delivery must carry the
+/// message's [`key`](OutboxMessage::key) to the receiver, which deduplicates on it: the relay
+/// delivers at least once.
+pub trait Sink: Send + Sync + 'static {
+    /// Delivers `message`; `Ok` once the receiver has it.
+    fn deliver<'a>(&'a self, message: &'a OutboxMessage) -> BoxFuture<'a, Result<(), SinkError>>;
+}
+
+/// What one [`Relay::run_once`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Batch {
+    /// Messages taken.
+    pub taken: usize,
+    /// Delivered.
+    pub delivered: usize,
+    /// Failed, to be tried again after a backoff.
+    pub retried: usize,
+    /// Failed for the last time, or permanently: dead-lettered.
+    pub dead: usize,
+}
+
+/// Settings of a [`Relay`]; see [`RelayBuilder`].
+#[derive(Debug, Clone)]
+struct Settings {
+    batch_size: u32,
+    poll_interval: Duration,
+    max_attempts: u32,
+    first_backoff: Duration,
+    max_backoff: Duration,
+    delivery_timeout: Duration,
+    retain_delivered: Duration,
+    reap_every: Duration,
+}
+
+/// Delivers an [`Outbox`]'s committed messages to [`Sink`]s, at least once.
+///
+/// ```no_run
+/// use idempotent_core::postgres::{Outbox, Relay};
+/// # use idempotent_core::postgres::{BoxFuture, OutboxMessage, Sink, SinkError};
+/// # struct Notifier;
+/// # impl Sink for Notifier {
+/// #     fn deliver<'a>(&'a self, _: &'a OutboxMessage) -> BoxFuture<'a, Result<(), SinkError>> {
+/// #         Box::pin(async { Ok(()) })
+/// #     }
+/// # }
+/// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let outbox = Outbox::new();
+/// outbox.migrate(&pool).await?;
+/// let relay = Relay::builder(pool, outbox).sink("notifications", Notifier).build();
+/// relay.run(async { tokio::signal::ctrl_c().await.ok(); }).await;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # How it delivers
+///
+/// - **Batches under row locks.** A batch is one transaction: it takes up to
+///   [`batch_size`](RelayBuilder::batch_size) pending messages that are due, whose destination
+///   has a sink here, and that no earlier pending message with the same ordering key precedes,
+///   with `SELECT … FOR UPDATE SKIP LOCKED`; delivers them concurrently, each within
+///   [`delivery_timeout`](RelayBuilder::delivery_timeout); records each outcome; commits.
+///   Another relay skips the locked rows, so **many relays share the work and never deliver
+///   one message at the same time**. A relay that dies mid-batch (a crash, SIGKILL, a lost
+///   connection) releases its locks with its connection: its messages are delivered again
+///   by the next batch, which is why delivery is *at least once* and the receiver must
+///   deduplicate on the key. A relay frozen with its connection open holds its rows until
+///   PostgreSQL ends its transaction after `idle_in_transaction_session_timeout`, set for
+///   the batch to twice the delivery timeout plus 5 s; if it then wakes in the middle of a
+///   delivery, that delivery can overlap another relay's: the key makes it harmless.
+/// - **Waking.** It listens for the `NOTIFY` each enqueue sends on commit, and also polls
+///   every [`poll_interval`](RelayBuilder::poll_interval), so a lost notification or a
+///   dropped listener connection delays a message by at most one interval. While batches
+///   come back full, it takes the next at once.
+/// - **Failures.** A failed delivery is tried again after an exponential backoff (from
+///   [`backoff`](RelayBuilder::backoff)'s first delay, doubling, capped, with jitter); after
+///   [`max_attempts`](RelayBuilder::max_attempts) attempts, or at once for a
+///   [`SinkError::permanent`], the message is **dead-lettered**: kept with `state = 'dead'`
+///   and its last error, listed by [`Outbox::dead_letters`], put back by
+///   [`Outbox::requeue`]. A dead-lettered message no longer holds back later messages with
+///   its ordering key.
+/// - **Reaping.** Every [`reap_every`](RelayBuilder::reap_every), delivered messages older
+///   than [`retain_delivered`](RelayBuilder::retain_delivered) are deleted.
+/// - **The database down.** A batch that fails is logged and tried again after the poll
+///   interval; nothing is lost (messages not recorded as delivered are delivered again).
+///
+/// It counts each attempt in [`OUTBOX_DELIVERIES`] by result.
+#[derive(Clone)]
+pub struct Relay {
+    pool: PgPool,
+    outbox: Outbox,
+    sinks: Arc<HashMap<String, Arc<dyn Sink>>>,
+    destinations: Arc<[String]>,
+    settings: Settings,
+}
+
+impl fmt::Debug for Relay {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Relay")
+            .field("outbox", &self.outbox)
+            .field("destinations", &self.destinations)
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`Relay`].
+#[must_use]
+pub struct RelayBuilder {
+    pool: PgPool,
+    outbox: Outbox,
+    sinks: HashMap<String, Arc<dyn Sink>>,
+    settings: Settings,
+}
+
+impl RelayBuilder {
+    /// Delivers the messages of `destination` to `sink`. A relay takes only the messages of
+    /// the destinations it has sinks for, so relays with different sinks can share an outbox.
+    pub fn sink(mut self, destination: impl Into<String>, sink: impl Sink) -> Self {
+        self.sinks.insert(destination.into(), Arc::new(sink));
+        self
+    }
+
+    /// Messages per batch (default 32, at least 1).
+    pub fn batch_size(mut self, size: u32) -> Self {
+        self.settings.batch_size = size.max(1);
+        self
+    }
+
+    /// How often to look for due messages without a notification (default 1 s).
+    pub fn poll_interval(mut self, every: Duration) -> Self {
+        self.settings.poll_interval = every.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Attempts before a message is dead-lettered (default 10, at least 1).
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.settings.max_attempts = attempts.clamp(1, i32::MAX as u32);
+        self
+    }
+
+    /// The backoff after a failed attempt: `first` after the first, doubling after each, at
+    /// most `max`, each drawn between half and all of that (default 1 s and 5 min).
+    pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.settings.first_backoff = first;
+        self.settings.max_backoff = max.max(first);
+        self
+    }
+
+    /// How long one delivery may take before it counts as failed (default 30 s).
+    pub fn delivery_timeout(mut self, timeout: Duration) -> Self {
+        self.settings.delivery_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long delivered messages are kept before reaping (default 1 h).
+    pub fn retain_delivered(mut self, retain: Duration) -> Self {
+        self.settings.retain_delivered = retain;
+        self
+    }
+
+    /// How often delivered messages are reaped (default 1 min).
+    pub fn reap_every(mut self, every: Duration) -> Self {
+        self.settings.reap_every = every.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The relay.
+    pub fn build(self) -> Relay {
+        let mut destinations: Vec<String> = self.sinks.keys().cloned().collect();
+        destinations.sort();
+        Relay {
+            pool: self.pool,
+            outbox: self.outbox,
+            sinks: Arc::new(self.sinks),
+            destinations: destinations.into(),
+            settings: self.settings,
+        }
+    }
+}
+
+/// How one message's delivery ended.
+enum Delivered {
+    Ok(i64),
+    Failed(i64, u32, SinkError),
+}
+
+impl Relay {
+    /// A relay for `outbox` on `pool`, without sinks yet.
+    pub fn builder(pool: PgPool, outbox: Outbox) -> RelayBuilder {
+        RelayBuilder {
+            pool,
+            outbox,
+            sinks: HashMap::new(),
+            settings: Settings {
+                batch_size: 32,
+                poll_interval: Duration::from_secs(1),
+                max_attempts: 10,
+                first_backoff: Duration::from_secs(1),
+                max_backoff: Duration::from_secs(300),
+                delivery_timeout: Duration::from_secs(30),
+                retain_delivered: Duration::from_secs(3600),
+                reap_every: Duration::from_secs(60),
+            },
+        }
+    }
+
+    /// Delivers one batch: see "How it delivers".
+    pub async fn run_once(&self) -> Result<Batch, StoreError> {
+        let settings = &self.settings;
+        let mut tx = self.pool.begin().await.map_err(store_error)?;
+        let idle = settings.delivery_timeout.saturating_mul(2) + Duration::from_secs(5);
+        let idle_ms = idle.as_millis().min(i32::MAX as u128).to_string();
+        let set = sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', $1, true)")
+            .bind(idle_ms);
+        (&mut *tx).execute(set).await.map_err(store_error)?;
+        let take = sqlx::query(&self.outbox.sql().take)
+            .bind(i64::from(settings.batch_size))
+            .bind(&self.destinations[..]);
+        let rows = (&mut *tx).fetch_all(take).await.map_err(store_error)?;
+        let mut batch = Batch {
+            taken: rows.len(),
+            ..Batch::default()
+        };
+        if rows.is_empty() {
+            tx.commit().await.map_err(store_error)?;
+            return Ok(batch);
+        }
+        let mut deliveries = tokio::task::JoinSet::new();
+        for row in &rows {
+            let message = message(row).map_err(store_error)?;
+            let Some(sink) = self.sinks.get(&message.destination).cloned() else {
+                continue;
+            };
+            let timeout = settings.delivery_timeout;
+            deliveries.spawn(async move {
+                let outcome = match tokio::time::timeout(timeout, sink.deliver(&message)).await {
+                    Ok(Ok(())) => return Delivered::Ok(message.id),
+                    Ok(Err(error)) => error,
+                    Err(_) => SinkError::retry(format!("no delivery within {timeout:?}")),
+                };
+                Delivered::Failed(message.id, message.attempt, outcome)
+            });
+        }
+        let mut delivered = Vec::new();
+        let mut failed = Vec::new();
+        while let Some(done) = deliveries.join_next().await {
+            match done {
+                Ok(Delivered::Ok(id)) => delivered.push(id),
+                Ok(Delivered::Failed(id, attempt, error)) => failed.push((id, attempt, error)),
+                // A sink that panicked: its message stays locked until the commit, unchanged,
+                // and is delivered again by a later batch.
+                Err(error) => {
+                    tracing::error!(outbox = %self.outbox.table(), error = %error, "an outbox sink panicked")
+                }
+            }
+        }
+        if !delivered.is_empty() {
+            let update = sqlx::query(&self.outbox.sql().delivered).bind(&delivered);
+            (&mut *tx).execute(update).await.map_err(store_error)?;
+        }
+        for (id, attempt, error) in &failed {
+            let dead = error.is_permanent() || *attempt >= settings.max_attempts;
+            let text = error.to_string().replace('\0', "\u{FFFD}");
+            let update = if dead {
+                sqlx::query(&self.outbox.sql().dead).bind(id).bind(text)
+            } else {
+                sqlx::query(&self.outbox.sql().failed)
+                    .bind(id)
+                    .bind(text)
+                    .bind(micros(self.backoff(*attempt)))
+                    .bind(i64::from(settings.max_attempts))
+            };
+            (&mut *tx).execute(update).await.map_err(store_error)?;
+            if dead {
+                batch.dead += 1;
+                tracing::warn!(outbox = %self.outbox.table(), id, attempt, error = %error, "outbox message dead-lettered");
+            } else {
+                batch.retried += 1;
+                tracing::info!(outbox = %self.outbox.table(), id, attempt, error = %error, "outbox message not delivered; will retry");
+            }
+        }
+        tx.commit().await.map_err(store_error)?;
+        batch.delivered = delivered.len();
+        count("delivered", batch.delivered);
+        count("retried", batch.retried);
+        count("dead", batch.dead);
+        Ok(batch)
+    }
+
+    /// The backoff after attempt `attempt` (from 1), before the jitter: `first × 2^(attempt-1)`,
+    /// at most `max`, then between half and all of it.
+    fn backoff(&self, attempt: u32) -> Duration {
+        let ceiling = self
+            .settings
+            .first_backoff
+            .saturating_mul(1 << attempt.saturating_sub(1).min(20))
+            .min(self.settings.max_backoff);
+        // Jitter from the clock's low bits: enough to spread retries of one batch.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        ceiling / 2 + (ceiling / 2).mul_f64(f64::from(nanos % 1000) / 1000.0)
+    }
+
+    /// Delivers batches until `shutdown` completes: at once while batches come back full, on
+    /// each `NOTIFY` from an enqueue, and every poll interval. The batch in hand when
+    /// `shutdown` completes is finished first. Failures are logged and retried; it never
+    /// returns early.
+    pub async fn run(&self, shutdown: impl Future<Output = ()>) {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut listener: Option<PgListener> = None;
+        let mut last_reap = tokio::time::Instant::now();
+        loop {
+            if listener.is_none() {
+                listener = self.listen().await;
+            }
+            let more = match self.run_once().await {
+                Ok(batch) => batch.taken >= self.settings.batch_size as usize,
+                Err(error) => {
+                    tracing::warn!(outbox = %self.outbox.table(), error = &error as &dyn std::error::Error, "outbox batch failed; retrying after the poll interval");
+                    false
+                }
+            };
+            if last_reap.elapsed() >= self.settings.reap_every {
+                last_reap = tokio::time::Instant::now();
+                if let Err(error) = self
+                    .outbox
+                    .reap(&self.pool, self.settings.retain_delivered)
+                    .await
+                {
+                    tracing::warn!(outbox = %self.outbox.table(), error = &error as &dyn std::error::Error, "could not reap delivered outbox messages");
+                }
+            }
+            if more {
+                if futures_ready(&mut shutdown).await {
+                    return;
+                }
+                continue;
+            }
+            let wait = tokio::time::sleep(self.settings.poll_interval);
+            tokio::select! {
+                () = &mut shutdown => return,
+                () = wait => {}
+                notified = recv(&mut listener) => {
+                    if !notified {
+                        listener = None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// A listener on the outbox's channel, or `None` (polling alone) if it cannot be had now.
+    async fn listen(&self) -> Option<PgListener> {
+        let mut listener = match PgListener::connect_with(&self.pool).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                tracing::debug!(error = %error, "outbox relay cannot listen now; polling");
+                return None;
+            }
+        };
+        match listener.listen(self.outbox.channel()).await {
+            Ok(()) => Some(listener),
+            Err(error) => {
+                tracing::debug!(error = %error, "outbox relay cannot listen now; polling");
+                None
+            }
+        }
+    }
+}
+
+/// Waits for a notification: `true` on one, `false` if the listener failed; never completes
+/// without a listener.
+async fn recv(listener: &mut Option<PgListener>) -> bool {
+    match listener {
+        Some(listener) => matches!(listener.try_recv().await, Ok(Some(_))),
+        None => std::future::pending().await,
+    }
+}
+
+/// Whether `shutdown` has completed, without waiting for it.
+async fn futures_ready(shutdown: &mut Pin<&mut impl Future<Output = ()>>) -> bool {
+    tokio::select! {
+        biased;
+        () = shutdown.as_mut() => true,
+        () = std::future::ready(()) => false,
+    }
+}
+
+fn count(result: &'static str, n: usize) {
+    if n > 0 {
+        metrics::counter!(OUTBOX_DELIVERIES, "result" => result).increment(n as u64);
+    }
+}
+
+fn message(row: &sqlx::postgres::PgRow) -> Result<OutboxMessage, sqlx::Error> {
+    let names: Vec<String> = row.try_get(4)?;
+    let values: Vec<String> = row.try_get(5)?;
+    let attempts: i32 = row.try_get(6)?;
+    Ok(OutboxMessage {
+        id: row.try_get(0)?,
+        destination: row.try_get(1)?,
+        key: row.try_get(2)?,
+        payload: Bytes::from(row.try_get::<Vec<u8>, _>(3)?),
+        headers: names.into_iter().zip(values).collect(),
+        attempt: u32::try_from(attempts).unwrap_or(0).saturating_add(1),
+    })
+}
+
+/// A [`Sink`] that adds each message to a Redis stream (feature `redis`): `XADD` with the
+/// fields `key` (the message key, which the stream's consumers deduplicate on), `payload`,
+/// and each header as a field of its own, in order.
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+#[derive(Clone)]
+pub struct RedisStreamSink {
+    connection: redis::aio::ConnectionManager,
+    stream: String,
+    max_len: Option<usize>,
+}
+
+#[cfg(feature = "redis")]
+impl fmt::Debug for RedisStreamSink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStreamSink")
+            .field("stream", &self.stream)
+            .field("max_len", &self.max_len)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "redis")]
+impl RedisStreamSink {
+    /// A sink adding to `stream` through `connection` (which reconnects by itself).
+    pub fn new(connection: redis::aio::ConnectionManager, stream: impl Into<String>) -> Self {
+        RedisStreamSink {
+            connection,
+            stream: stream.into(),
+            max_len: None,
+        }
+    }
+
+    /// Trims the stream to about `len` entries on each add (`MAXLEN ~`).
+    pub fn max_len(mut self, len: usize) -> Self {
+        self.max_len = Some(len);
+        self
+    }
+}
+
+#[cfg(feature = "redis")]
+impl Sink for RedisStreamSink {
+    fn deliver<'a>(&'a self, message: &'a OutboxMessage) -> BoxFuture<'a, Result<(), SinkError>> {
+        Box::pin(async move {
+            let mut add = redis::cmd("XADD");
+            add.arg(&self.stream);
+            if let Some(len) = self.max_len {
+                add.arg("MAXLEN").arg("~").arg(len);
+            }
+            add.arg("*")
+                .arg("key")
+                .arg(&message.key)
+                .arg("payload")
+                .arg(message.payload.as_ref());
+            for (name, value) in &message.headers {
+                add.arg(name).arg(value);
+            }
+            let mut connection = self.connection.clone();
+            add.query_async::<redis::Value>(&mut connection)
+                .await
+                .map(drop)
+                .map_err(|error| SinkError::retry(format!("XADD to {}: {error}", self.stream)))
+        })
+    }
+}

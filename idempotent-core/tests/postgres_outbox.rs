@@ -1,0 +1,652 @@
+//! The transactional outbox and its relay against a real PostgreSQL server (started by
+//! `scripts/test.sh`): messages commit or roll back with the caller's transaction, take the
+//! running claim's operation key, are delivered at least once by relays sharing the work
+//! without ever delivering one message twice at the same time, retried with backoff,
+//! dead-lettered, kept in order per ordering key, woken by NOTIFY, and reaped.
+// Built only with the features it needs (like a `required-features` entry in Cargo.toml).
+#![cfg(all(feature = "postgres", feature = "test-util"))]
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::str::FromStr as _;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idempotent_core::conformance::{backend_url, fresh_key};
+use idempotent_core::postgres::{
+    BoxFuture, Message, Outbox, OutboxError, OutboxMessage, PostgresStore, Relay, Sink, SinkError,
+    TransactionalClaim,
+};
+use idempotent_core::{Call, Fingerprint, Key};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use tokio::time::{Instant, timeout};
+
+const URL_VAR: &str = "IDEMPOTENT_TEST_POSTGRES_URL";
+/// The bound on every wait in these tests; a test that reaches it has failed.
+const BOUND: Duration = Duration::from_secs(60);
+
+async fn pool(url: &str, connections: u32) -> PgPool {
+    let options = PgConnectOptions::from_str(url)
+        .unwrap()
+        .options([("lock_timeout", "30s")]);
+    PgPoolOptions::new()
+        .max_connections(connections)
+        .acquire_timeout(BOUND)
+        .connect_with(options)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}; is PostgreSQL running?"))
+}
+
+/// A migrated outbox on a table of its own.
+async fn outbox(pool: &PgPool) -> Outbox {
+    let outbox = Outbox::with_table(&format!("outbox_{}", &fresh_key().to_hex()[..16])).unwrap();
+    outbox.migrate(pool).await.unwrap();
+    outbox
+}
+
+/// One delivery a sink saw.
+#[derive(Debug, Clone)]
+struct Seen {
+    id: i64,
+    key: String,
+    payload: Vec<u8>,
+    headers: Vec<(String, String)>,
+    attempt: u32,
+}
+
+/// A sink that records what it is given, fails each message's first `fail_first` attempts
+/// (or forever for payloads starting with `poison`, permanently for `refuse`), and notices
+/// two deliveries of one message at the same time.
+#[derive(Clone, Default)]
+struct Recorder {
+    seen: Arc<Mutex<Vec<Seen>>>,
+    delivered: Arc<Mutex<Vec<i64>>>,
+    in_flight: Arc<Mutex<HashSet<i64>>>,
+    overlapped: Arc<AtomicBool>,
+    fail_first: u32,
+    hold: Duration,
+}
+
+impl Recorder {
+    fn delivered(&self) -> Vec<i64> {
+        self.delivered.lock().unwrap().clone()
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+impl Sink for Recorder {
+    fn deliver<'a>(&'a self, message: &'a OutboxMessage) -> BoxFuture<'a, Result<(), SinkError>> {
+        Box::pin(async move {
+            if !self.in_flight.lock().unwrap().insert(message.id) {
+                self.overlapped.store(true, Ordering::SeqCst);
+            }
+            self.seen.lock().unwrap().push(Seen {
+                id: message.id,
+                key: message.key.clone(),
+                payload: message.payload.to_vec(),
+                headers: message.headers.clone(),
+                attempt: message.attempt,
+            });
+            tokio::time::sleep(self.hold).await;
+            self.in_flight.lock().unwrap().remove(&message.id);
+            if message.payload.starts_with(b"refuse") {
+                return Err(SinkError::permanent("refused: malformed"));
+            }
+            if message.payload.starts_with(b"poison") {
+                return Err(SinkError::retry(format!(
+                    "receiver down (attempt {})",
+                    message.attempt
+                )));
+            }
+            if message.attempt <= self.fail_first {
+                return Err(SinkError::retry("receiver busy"));
+            }
+            self.delivered.lock().unwrap().push(message.id);
+            Ok(())
+        })
+    }
+}
+
+/// Runs `relay` batch after batch until a batch takes nothing and `done` holds.
+async fn drain(relay: &Relay, done: impl Fn() -> bool) {
+    let start = Instant::now();
+    loop {
+        let batch = relay.run_once().await.unwrap();
+        if batch.taken == 0 && done() {
+            return;
+        }
+        assert!(start.elapsed() < BOUND, "the outbox did not drain");
+        if batch.taken == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_commits_or_rolls_back_with_the_transaction() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let pool = pool(&url, 4).await;
+    let outbox = outbox(&pool).await;
+    let key = Key::new("order-7-confirmation").unwrap();
+
+    let mut tx = pool.begin().await.unwrap();
+    let rolled_back = Message::new("mail", "rolled back").key(key.clone());
+    outbox.enqueue(&mut tx, &rolled_back).await.unwrap();
+    tx.rollback().await.unwrap();
+
+    let mut tx = pool.begin().await.unwrap();
+    let message = Message::new("mail", r#"{"order":7}"#)
+        .key(key.clone())
+        .header("content-type", "application/json")
+        .header("x-tenant", "acme");
+    let id = outbox.enqueue(&mut tx, &message).await.unwrap();
+    // Not visible to a relay before the commit.
+    let sink = Recorder::default();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("mail", sink.clone())
+        .build();
+    assert_eq!(relay.run_once().await.unwrap().taken, 0);
+    tx.commit().await.unwrap();
+
+    let batch = relay.run_once().await.unwrap();
+    assert_eq!((batch.taken, batch.delivered), (1, 1));
+    let seen = sink.seen();
+    assert_eq!(seen.len(), 1, "only the committed message");
+    assert_eq!(seen[0].id, id);
+    assert_eq!(seen[0].key, "order-7-confirmation");
+    assert_eq!(seen[0].payload, br#"{"order":7}"#);
+    assert_eq!(
+        seen[0].headers,
+        [
+            ("content-type".to_owned(), "application/json".to_owned()),
+            ("x-tenant".to_owned(), "acme".to_owned())
+        ]
+    );
+    assert_eq!(seen[0].attempt, 1);
+    // Delivered once: nothing left.
+    assert_eq!(relay.run_once().await.unwrap().taken, 0);
+    assert_eq!(sink.seen().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_takes_the_running_claims_operation_key() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let pool = pool(&url, 4).await;
+    let outbox = outbox(&pool).await;
+    let store = PostgresStore::new(pool.clone());
+    store.migrate().await.unwrap();
+    let transactional = store.transactional().namespace("outbox-test");
+
+    // Outside a claim there is no key to default to.
+    let mut tx = pool.begin().await.unwrap();
+    assert!(matches!(
+        outbox.enqueue(&mut tx, &Message::new("mail", "x")).await,
+        Err(OutboxError::NoKey)
+    ));
+    drop(tx);
+
+    let client_key = format!("deposit-{}", &fresh_key().to_hex()[..12]);
+    let call = || {
+        Call::new(client_key.parse().unwrap())
+            .fingerprint(Fingerprint::of(&("acct-1", 100)).unwrap())
+    };
+    // The first attempt enqueues and rolls back (a crash before the commit); the second
+    // commits. Both enqueue with the same key.
+    let mut keys = Vec::new();
+    for commit in [false, true] {
+        let mut tx = pool.begin().await.unwrap();
+        let TransactionalClaim::Run(pending) =
+            transactional.claim::<i64>(&call(), &mut tx).await.unwrap()
+        else {
+            panic!("nothing was committed yet: the work must run");
+        };
+        let claim = pending.claim();
+        let receipt = Message::new("mail", "receipt").claim(&claim);
+        outbox.enqueue(&mut tx, &receipt).await.unwrap();
+        let ledger = Message::new("mail", "ledger").claim(&claim).part("ledger");
+        outbox.enqueue(&mut tx, &ledger).await.unwrap();
+        keys.push(claim.operation_key());
+        pending.complete(&mut tx, &100i64).await.unwrap();
+        if commit {
+            tx.commit().await.unwrap();
+        } else {
+            tx.rollback().await.unwrap();
+        }
+    }
+    assert_eq!(keys[0], keys[1], "every attempt has the same operation key");
+    // A third attempt replays: nothing more is enqueued.
+    let mut tx = pool.begin().await.unwrap();
+    assert!(matches!(
+        transactional.claim::<i64>(&call(), &mut tx).await.unwrap(),
+        TransactionalClaim::Replay(100)
+    ));
+    tx.commit().await.unwrap();
+
+    let sink = Recorder::default();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("mail", sink.clone())
+        .build();
+    relay.run_once().await.unwrap();
+    let seen: BTreeMap<Vec<u8>, String> = sink
+        .seen()
+        .into_iter()
+        .map(|s| (s.payload, s.key))
+        .collect();
+    let operation = keys[1].as_str().to_owned();
+    assert_eq!(
+        seen,
+        BTreeMap::from([
+            (b"receipt".to_vec(), operation.clone()),
+            (b"ledger".to_vec(), format!("{operation}.ledger")),
+        ]),
+        "one message of each, from the committed attempt, with the operation's key"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_are_retried_with_backoff_then_dead_lettered_with_the_last_error() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let pool = pool(&url, 4).await;
+    let outbox = outbox(&pool).await;
+    let mut tx = pool.begin().await.unwrap();
+    let mut ids = HashMap::new();
+    for payload in ["flaky", "poison", "refuse"] {
+        let message = Message::new("hook", payload).key(Key::new(payload).unwrap());
+        ids.insert(payload, outbox.enqueue(&mut tx, &message).await.unwrap());
+    }
+    tx.commit().await.unwrap();
+    let sink = Recorder {
+        fail_first: 2,
+        ..Recorder::default()
+    };
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .max_attempts(4)
+        .backoff(Duration::from_millis(200), Duration::from_millis(400))
+        .build();
+
+    let first = relay.run_once().await.unwrap();
+    assert_eq!((first.taken, first.retried, first.dead), (3, 2, 1));
+    // The backoff holds them back: nothing is due at once.
+    assert_eq!(relay.run_once().await.unwrap().taken, 0);
+    let delivered = sink.clone();
+    drain(&relay, || {
+        !delivered.delivered().is_empty() && {
+            let attempts = delivered
+                .seen()
+                .iter()
+                .filter(|s| s.key == "poison")
+                .count();
+            attempts == 4
+        }
+    })
+    .await;
+    assert_eq!(
+        sink.delivered(),
+        [ids["flaky"]],
+        "delivered on its third attempt"
+    );
+    let by_key = |key: &str| -> Vec<u32> {
+        sink.seen()
+            .iter()
+            .filter(|s| s.key == key)
+            .map(|s| s.attempt)
+            .collect()
+    };
+    assert_eq!(by_key("flaky"), [1, 2, 3]);
+    assert_eq!(by_key("poison"), [1, 2, 3, 4], "max_attempts, then no more");
+    assert_eq!(by_key("refuse"), [1], "a permanent failure is not retried");
+
+    let dead = outbox.dead_letters(&pool, 10).await.unwrap();
+    let dead: Vec<_> = dead
+        .iter()
+        .map(|d| (d.id, d.attempts, d.last_error.clone().unwrap()))
+        .collect();
+    assert_eq!(
+        dead,
+        [
+            (ids["poison"], 4, "receiver down (attempt 4)".to_owned()),
+            (ids["refuse"], 1, "refused: malformed".to_owned()),
+        ]
+    );
+    // Dead letters are not delivered again unless requeued.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(relay.run_once().await.unwrap().taken, 0);
+    assert!(outbox.requeue(&pool, ids["poison"]).await.unwrap());
+    assert!(
+        !outbox.requeue(&pool, ids["flaky"]).await.unwrap(),
+        "not dead"
+    );
+    assert_eq!(relay.run_once().await.unwrap().taken, 1);
+    assert_eq!(by_key("poison"), [1, 2, 3, 4, 1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_with_one_ordering_key_are_delivered_in_order() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let pool = pool(&url, 8).await;
+    let outbox = outbox(&pool).await;
+    // Three accounts, ten messages each, interleaved; every message fails once first.
+    let mut tx = pool.begin().await.unwrap();
+    for n in 0..30 {
+        let account = format!("acct-{}", n % 3);
+        let message = Message::new("hook", format!("{account}:{n}"))
+            .key(Key::new(format!("m-{n}")).unwrap())
+            .ordering_key(account);
+        outbox.enqueue(&mut tx, &message).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let sink = Recorder {
+        fail_first: 1,
+        hold: Duration::from_millis(2),
+        ..Recorder::default()
+    };
+    // Two relays at once.
+    let relays: Vec<Relay> = (0..2)
+        .map(|_| {
+            Relay::builder(pool.clone(), outbox.clone())
+                .sink("hook", sink.clone())
+                .backoff(Duration::from_millis(5), Duration::from_millis(10))
+                .build()
+        })
+        .collect();
+    let done = {
+        let sink = sink.clone();
+        move || sink.delivered().len() == 30
+    };
+    let tasks: Vec<_> = relays
+        .into_iter()
+        .map(|relay| {
+            let done = done.clone();
+            tokio::spawn(async move { drain(&relay, done).await })
+        })
+        .collect();
+    for task in tasks {
+        timeout(BOUND, task).await.unwrap().unwrap();
+    }
+    let delivered = sink.delivered();
+    for account in 0..3 {
+        let ids: Vec<i64> = delivered
+            .iter()
+            .copied()
+            .filter(|id| {
+                sink.seen().iter().any(|s| {
+                    s.id == *id && s.payload.starts_with(format!("acct-{account}:").as_bytes())
+                })
+            })
+            .collect();
+        let mut sorted = ids.clone();
+        sorted.sort();
+        assert_eq!(ids.len(), 10);
+        assert_eq!(ids, sorted, "acct-{account} out of order");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_relays_share_the_work_and_never_deliver_one_message_at_once() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let pool = pool(&url, 16).await;
+    let outbox = outbox(&pool).await;
+    const MESSAGES: usize = 600;
+    // Enqueued from 20 transactions at once.
+    let writers: Vec<_> = (0..20)
+        .map(|w| {
+            let (pool, outbox) = (pool.clone(), outbox.clone());
+            tokio::spawn(async move {
+                let mut tx = pool.begin().await.unwrap();
+                for n in 0..MESSAGES / 20 {
+                    let key = Key::new(format!("w{w}-{n}")).unwrap();
+                    let message = Message::new("hook", format!("{w}-{n}")).key(key);
+                    outbox.enqueue(&mut tx, &message).await.unwrap();
+                }
+                tx.commit().await.unwrap();
+            })
+        })
+        .collect();
+    let sink = Recorder {
+        hold: Duration::from_millis(3),
+        ..Recorder::default()
+    };
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let relays: Vec<_> = (0..4)
+        .map(|_| {
+            let relay = Relay::builder(pool.clone(), outbox.clone())
+                .sink("hook", sink.clone())
+                .batch_size(16)
+                .poll_interval(Duration::from_millis(50))
+                .build();
+            let stop = Arc::clone(&stop);
+            tokio::spawn(async move { relay.run(async move { stop.notified().await }).await })
+        })
+        .collect();
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let start = Instant::now();
+    while sink.delivered().len() < MESSAGES {
+        assert!(
+            start.elapsed() < BOUND,
+            "{} of {MESSAGES} delivered",
+            sink.delivered().len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.notify_waiters();
+    for relay in relays {
+        timeout(BOUND, relay).await.unwrap().unwrap();
+    }
+    assert!(
+        !sink.overlapped.load(Ordering::SeqCst),
+        "two relays delivered one message at the same time"
+    );
+    let delivered = sink.delivered();
+    let distinct: HashSet<i64> = delivered.iter().copied().collect();
+    assert_eq!(distinct.len(), MESSAGES);
+    assert_eq!(delivered.len(), MESSAGES, "no crash, so no message twice");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notify_wakes_the_relay_before_its_poll_interval() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let pool = pool(&url, 4).await;
+    let outbox = outbox(&pool).await;
+    let sink = Recorder::default();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .poll_interval(Duration::from_secs(3600))
+        .build();
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let running = {
+        let stop = Arc::clone(&stop);
+        tokio::spawn(async move { relay.run(async move { stop.notified().await }).await })
+    };
+    // Let it run its first batch and start waiting.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut tx = pool.begin().await.unwrap();
+    let message = Message::new("hook", "wake").key(Key::new("wake").unwrap());
+    outbox.enqueue(&mut tx, &message).await.unwrap();
+    tx.commit().await.unwrap();
+    let start = Instant::now();
+    while sink.delivered().is_empty() {
+        assert!(start.elapsed() < BOUND, "the NOTIFY did not wake the relay");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.notify_waiters();
+    timeout(BOUND, running).await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delivered_messages_are_reaped_and_the_others_kept() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let pool = pool(&url, 4).await;
+    let outbox = outbox(&pool).await;
+    let mut tx = pool.begin().await.unwrap();
+    for payload in ["ok-1", "ok-2", "refuse", "poison"] {
+        let message = Message::new("hook", payload).key(Key::new(payload).unwrap());
+        outbox.enqueue(&mut tx, &message).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", Recorder::default())
+        .build();
+    relay.run_once().await.unwrap();
+    let count = |state: &'static str| {
+        let (pool, table) = (pool.clone(), outbox.table().to_owned());
+        async move {
+            sqlx::query_scalar::<_, i64>(&format!(
+                "SELECT count(*) FROM \"{table}\" WHERE state = $1"
+            ))
+            .bind(state)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(count("delivered").await, 2);
+    assert_eq!(
+        outbox.reap(&pool, Duration::from_secs(3600)).await.unwrap(),
+        0
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        outbox.reap(&pool, Duration::from_millis(10)).await.unwrap(),
+        2
+    );
+    assert_eq!(count("delivered").await, 0);
+    assert_eq!(count("dead").await, 1, "a dead letter is kept");
+    assert_eq!(count("pending").await, 1, "a message to retry is kept");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_messages_are_refused_before_anything_is_written() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let pool = pool(&url, 4).await;
+    let outbox = outbox(&pool).await;
+    let key = Key::new("k").unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let cases = [
+        (Message::new("", "x").key(key.clone()), "destination"),
+        (
+            Message::new("d".repeat(256), "x").key(key.clone()),
+            "destination",
+        ),
+        (
+            Message::new("hook", "x")
+                .key(key.clone())
+                .header("bad name", "v"),
+            "header",
+        ),
+        (
+            Message::new("hook", "x")
+                .key(key.clone())
+                .header("x-a", "line\nbreak"),
+            "header",
+        ),
+        (
+            Message::new("hook", "x")
+                .key(key.clone())
+                .ordering_key("a\0b"),
+            "header",
+        ),
+        (
+            Message::new("hook", vec![0u8; (16 << 20) + 1]).key(key.clone()),
+            "payload",
+        ),
+    ];
+    for (message, what) in cases {
+        let error = outbox.enqueue(&mut tx, &message).await.unwrap_err();
+        let matched = match what {
+            "destination" => matches!(error, OutboxError::InvalidDestination),
+            "header" => matches!(error, OutboxError::InvalidHeader),
+            _ => matches!(error, OutboxError::PayloadTooLarge { .. }),
+        };
+        assert!(matched, "{what}: {error:?}");
+    }
+    // The transaction is still usable, and nothing was written.
+    tx.commit().await.unwrap();
+    let rows: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM \"{}\"", outbox.table()))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 0);
+    assert!(Outbox::with_table("Outbox; DROP TABLE x").is_err());
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_streams_sink_adds_each_message_with_its_key() {
+    use idempotent_core::postgres::RedisStreamSink;
+
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let Some(redis_url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
+        return;
+    };
+    let pool = pool(&url, 4).await;
+    let outbox = outbox(&pool).await;
+    let client = redis::Client::open(redis_url.as_str()).unwrap();
+    let connection = redis::aio::ConnectionManager::new(client).await.unwrap();
+    let stream = format!("outbox-test-{}", &fresh_key().to_hex()[..12]);
+    let mut tx = pool.begin().await.unwrap();
+    for n in 0..3 {
+        let message = Message::new("events", format!("event {n}"))
+            .key(Key::new(format!("event-{n}")).unwrap())
+            .header("type", "posting.applied");
+        outbox.enqueue(&mut tx, &message).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink(
+            "events",
+            RedisStreamSink::new(connection.clone(), stream.clone()).max_len(1000),
+        )
+        .build();
+    assert_eq!(relay.run_once().await.unwrap().delivered, 3);
+    let mut connection = connection;
+    type Fields = Vec<(String, Vec<u8>)>;
+    let entries: Vec<(String, Fields)> = redis::cmd("XRANGE")
+        .arg(&stream)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    // One batch delivers its messages concurrently: in any order.
+    let mut fields: Vec<Fields> = entries.into_iter().map(|(_, f)| f).collect();
+    fields.sort();
+    let expected: Vec<Fields> = (0..3)
+        .map(|n| {
+            vec![
+                ("key".to_owned(), format!("event-{n}").into_bytes()),
+                ("payload".to_owned(), format!("event {n}").into_bytes()),
+                ("type".to_owned(), b"posting.applied".to_vec()),
+            ]
+        })
+        .collect();
+    assert_eq!(fields, expected, "each message once, with its key");
+    let _: () = redis::cmd("DEL")
+        .arg(&stream)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+}
