@@ -84,7 +84,7 @@
 //! | `EFFECT_DELAY_MS` | `0` | a pause inside the transaction, between the effect and the commit |
 //! | `NOTIFY_URL` | unset | notify each applied posting to this `http://` URL, through the outbox |
 //! | `RELAY` | `1` | `0`: enqueue notifications but leave their delivery to other processes |
-//! | `RELAY_MAX_ATTEMPTS`, `RELAY_BACKOFF`, `RELAY_POLL` | `10`, `1s`, `1s` | the relay's attempts, first backoff and poll interval |
+//! | `RELAY_MAX_ATTEMPTS`, `RELAY_BACKOFF`, `RELAY_POLL`, `RELAY_DELIVERY_TIMEOUT` | `10`, `1s`, `1s`, `30s` | the relay's attempts, first backoff, poll interval and delivery timeout (see the `relay` example) |
 //!
 //! Durations are a number followed by `ms`, `s`, `m`, `h` or `d`, greater than zero; the two
 //! timeouts at most 2,147,483,647 ms, about 24.8 days (PostgreSQL's limit). A bad value makes

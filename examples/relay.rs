@@ -17,6 +17,7 @@
 //! | `DATABASE_URL` | `postgres://postgres@127.0.0.1:5432/postgres` | the ledger's database |
 //! | `NOTIFY_URL` | required | where notifications are POSTed |
 //! | `RELAY_MAX_ATTEMPTS`, `RELAY_BACKOFF`, `RELAY_POLL` | `10`, `1s`, `1s` | attempts before dead-lettering, the first backoff, the poll interval |
+//! | `RELAY_DELIVERY_TIMEOUT` | `30s` | how long one delivery may take; a relay frozen mid-batch holds its messages for twice this plus 5 s, then PostgreSQL ends its transaction and other relays deliver them |
 //!
 //! A bad value makes it exit with status 2 and a message naming the variable.
 

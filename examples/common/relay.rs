@@ -7,6 +7,7 @@
 //! | `RELAY_MAX_ATTEMPTS` | `10` | delivery attempts before a notification is dead-lettered |
 //! | `RELAY_BACKOFF` | `1s` | the wait after a first failed attempt, doubling up to a minute |
 //! | `RELAY_POLL` | `1s` | how often the relay looks for due notifications without a `NOTIFY` |
+//! | `RELAY_DELIVERY_TIMEOUT` | `30s` | how long one delivery may take; a relay frozen mid-batch holds its notifications for twice this plus 5 s |
 
 use std::time::Duration;
 
@@ -23,6 +24,7 @@ pub(crate) struct RelaySettings {
     max_attempts: u32,
     backoff: Duration,
     poll: Duration,
+    delivery_timeout: Duration,
 }
 
 pub(crate) fn relay_settings() -> Result<Option<RelaySettings>, String> {
@@ -42,6 +44,10 @@ pub(crate) fn relay_settings() -> Result<Option<RelaySettings>, String> {
     };
     let backoff = super::parse_duration("RELAY_BACKOFF", &var("RELAY_BACKOFF", "1s"))?;
     let poll = super::parse_duration("RELAY_POLL", &var("RELAY_POLL", "1s"))?;
+    let delivery_timeout = super::parse_duration(
+        "RELAY_DELIVERY_TIMEOUT",
+        &var("RELAY_DELIVERY_TIMEOUT", "30s"),
+    )?;
     // Checked now, so that a bad URL stops the process at startup.
     HttpSink::new(&notify_url).map_err(|e| format!("NOTIFY_URL={notify_url:?}: {e}"))?;
     Ok(Some(RelaySettings {
@@ -49,6 +55,7 @@ pub(crate) fn relay_settings() -> Result<Option<RelaySettings>, String> {
         max_attempts,
         backoff,
         poll,
+        delivery_timeout,
     }))
 }
 
@@ -63,5 +70,6 @@ pub(crate) fn relay(pool: PgPool, outbox: Outbox, settings: &RelaySettings) -> R
             Duration::from_secs(60).max(settings.backoff),
         )
         .poll_interval(settings.poll)
+        .delivery_timeout(settings.delivery_timeout)
         .build()
 }

@@ -13,9 +13,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idempotent_core::conformance::{backend_url, fresh_key};
+use idempotent_core::metrics::Recorded;
 use idempotent_core::postgres::{
-    BoxFuture, Message, Outbox, OutboxError, OutboxMessage, PostgresStore, Relay, Sink, SinkError,
-    TransactionalClaim,
+    BoxFuture, Message, OUTBOX_DELIVERIES, Outbox, OutboxError, OutboxMessage, PostgresStore,
+    Relay, Sink, SinkError, TransactionalClaim,
 };
 use idempotent_core::{Call, Fingerprint, Key};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
@@ -268,11 +269,13 @@ async fn failures_are_retried_with_backoff_then_dead_lettered_with_the_last_erro
         fail_first: 2,
         ..Recorder::default()
     };
-    let relay = Relay::builder(pool.clone(), outbox.clone())
-        .sink("hook", sink.clone())
-        .max_attempts(4)
-        .backoff(Duration::from_millis(200), Duration::from_millis(400))
-        .build();
+    let (relay, recorded) = Recorded::capture(|| {
+        Relay::builder(pool.clone(), outbox.clone())
+            .sink("hook", sink.clone())
+            .max_attempts(4)
+            .backoff(Duration::from_millis(200), Duration::from_millis(400))
+            .build()
+    });
 
     let first = relay.run_once().await.unwrap();
     assert_eq!((first.taken, first.retried, first.dead), (3, 2, 1));
@@ -317,6 +320,17 @@ async fn failures_are_retried_with_backoff_then_dead_lettered_with_the_last_erro
             (ids["poison"], 4, "receiver down (attempt 4)".to_owned()),
             (ids["refuse"], 1, "refused: malformed".to_owned()),
         ]
+    );
+    // Every attempt counted by how it ended: flaky 2 retried + 1 delivered, poison 3 retried
+    // + 1 dead, refuse 1 dead.
+    let deliveries = |result| recorded.counter(OUTBOX_DELIVERIES, &[("result", result)]);
+    assert_eq!(
+        (
+            deliveries("delivered"),
+            deliveries("retried"),
+            deliveries("dead")
+        ),
+        (1, 5, 2)
     );
     // Dead letters are not delivered again unless requeued.
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -8,7 +8,8 @@
 //!   the malformed entries and the one PostgreSQL rejects, and the notifier (deduplicating by
 //!   `Idempotency-Key`) must have acted once on each applied posting and on nothing else.
 //! - A notifier that is down delays notifications and loses none; one it refuses is
-//!   dead-lettered; three relays never deliver one notification at the same time.
+//!   dead-lettered; three relays never deliver one notification at the same time. A relay
+//!   frozen mid-batch gives the batch up to another once PostgreSQL ends its transaction.
 //! - Six consumers and two relays started in the same instant on an empty database all come
 //!   up (the idempotency, accounts and outbox tables each created once).
 //! - Entries PostgreSQL rejects, and malformed ones, are dead-lettered (after `MAX_DELIVERIES`
@@ -1306,6 +1307,8 @@ struct Notified {
 /// can be stopped, refusing connections, and started again on the same port.
 struct Notifier {
     port: u16,
+    /// How long the handler takes.
+    hold: Duration,
     seen: Arc<Mutex<Notified>>,
     idempotency: idempotent_core::Idempotency,
     server: Option<tokio::task::JoinHandle<()>>,
@@ -1316,8 +1319,13 @@ const REFUSED_ACCOUNT: &str = "acct-refused";
 
 impl Notifier {
     async fn start() -> Notifier {
+        Notifier::start_holding(Duration::from_millis(5)).await
+    }
+
+    async fn start_holding(hold: Duration) -> Notifier {
         let mut notifier = Notifier {
             port: 0,
+            hold,
             seen: Arc::default(),
             idempotency: idempotent_core::Idempotency::new(
                 idempotent_core::memory::MemoryStore::new(),
@@ -1341,17 +1349,17 @@ impl Notifier {
             .await
             .unwrap();
         self.port = listener.local_addr().unwrap().port();
-        let act = |State(seen): State<Arc<Mutex<Notified>>>,
-                   headers: http::HeaderMap,
-                   body: axum::Json<serde_json::Value>| async move {
+        let hold = self.hold;
+        let act = move |State(seen): State<Arc<Mutex<Notified>>>,
+                        headers: http::HeaderMap,
+                        body: axum::Json<serde_json::Value>| async move {
             if body["account"] == REFUSED_ACCOUNT {
                 return http::StatusCode::BAD_REQUEST;
             }
             let key = headers["idempotency-key"].to_str().unwrap().to_owned();
             lock(&seen).acted.push((key, body.0));
-            // A short hold, so that a second delivery of one message at the same time would
-            // be seen.
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            // A hold, so that a second delivery of one message at the same time would be seen.
+            tokio::time::sleep(hold).await;
             http::StatusCode::CREATED
         };
         let count = |State(seen): State<Arc<Mutex<Notified>>>,
@@ -1548,6 +1556,71 @@ async fn a_notifier_that_is_down_delays_notifications_and_loses_none() {
     assert!(
         !notifier.seen().overlapped,
         "two relays delivered one notification at the same time"
+    );
+    drop(db);
+    fx.drop_database().await;
+}
+
+/// A relay frozen (SIGSTOP) in the middle of a batch keeps its notifications locked only until
+/// PostgreSQL ends its idle transaction (twice the delivery timeout plus 5 s); another relay
+/// then delivers them, and the receiver acts on each once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_relay_gives_its_batch_up_to_another() {
+    let Some(mut fx) = Fixture::new("relay_frozen").await else {
+        return;
+    };
+    let notifier = Notifier::start_holding(Duration::from_millis(200)).await;
+    let url = notifier.url();
+    let relay_env = fx.env(&[
+        ("NOTIFY_URL", &url),
+        ("RELAY_DELIVERY_TIMEOUT", "1s"),
+        ("RELAY_BACKOFF", "100ms"),
+        ("RELAY_POLL", "200ms"),
+    ]);
+    let mut consumer_env = relay_env.clone();
+    consumer_env.push(("RELAY", "0".into()));
+    let mut consumer = Consumer::start(&consumer_env, "c0").await;
+    let mut ids = BTreeSet::new();
+    let mut last = String::new();
+    for n in 0..20 {
+        let id = format!("pay-{n}");
+        last = fx.post(&id, "acct-0", n).await;
+        ids.insert(id);
+    }
+    fx.wait_drained(&last, Duration::from_secs(60)).await;
+    // One relay takes all 20 in its first batch; freeze it while it delivers them.
+    let mut frozen = Consumer::relay(&relay_env, "relay-frozen").await;
+    let deadline = Deadline::after(Duration::from_secs(30), "the relay never delivered");
+    while notifier.seen().attempts.is_empty() {
+        deadline.tick().await;
+    }
+    frozen.signal("STOP");
+    let mut other = Consumer::relay(&relay_env, "relay-other").await;
+    // While the first relay stays frozen, the other one gets the batch once PostgreSQL has
+    // ended the frozen relay's transaction, and records every notification delivered.
+    let db = fx.db().await;
+    let deadline = Deadline::after(
+        Duration::from_secs(60),
+        "the frozen relay's batch was never delivered by the other",
+    );
+    while outbox_states(&db).await != BTreeMap::from([("delivered".to_owned(), 20)]) {
+        deadline.tick().await;
+    }
+    let redelivered = notifier
+        .seen()
+        .attempts
+        .values()
+        .filter(|n| **n >= 2)
+        .count();
+    assert!(redelivered > 0, "the other relay delivered the batch again");
+    frozen.signal("CONT");
+    for process in [&mut consumer, &mut frozen, &mut other] {
+        process.stop().await;
+    }
+    notifier.assert_once_each(&ids);
+    assert_eq!(
+        outbox_states(&db).await,
+        BTreeMap::from([("delivered".to_owned(), 20)])
     );
     drop(db);
     fx.drop_database().await;

@@ -168,7 +168,8 @@ struct Settings {
 /// - **The database down.** A batch that fails is logged and tried again after the poll
 ///   interval; nothing is lost (messages not recorded as delivered are delivered again).
 ///
-/// It counts each attempt in [`OUTBOX_DELIVERIES`] by result.
+/// It counts each attempt in [`OUTBOX_DELIVERIES`] by result, with the recorder installed
+/// when it was [built](RelayBuilder::build).
 #[derive(Clone)]
 pub struct Relay {
     pool: PgPool,
@@ -176,6 +177,31 @@ pub struct Relay {
     sinks: Arc<HashMap<String, Arc<dyn Sink>>>,
     destinations: Arc<[String]>,
     settings: Settings,
+    metrics: Arc<RelayMetrics>,
+}
+
+/// The relay's counters, registered when it is built.
+struct RelayMetrics {
+    delivered: metrics::Counter,
+    retried: metrics::Counter,
+    dead: metrics::Counter,
+}
+
+impl RelayMetrics {
+    fn register() -> Self {
+        metrics::describe_counter!(
+            OUTBOX_DELIVERIES,
+            metrics::Unit::Count,
+            "Delivery attempts of outbox messages, by result"
+        );
+        let counter =
+            |result: &'static str| metrics::counter!(OUTBOX_DELIVERIES, "result" => result);
+        RelayMetrics {
+            delivered: counter("delivered"),
+            retried: counter("retried"),
+            dead: counter("dead"),
+        }
+    }
 }
 
 impl fmt::Debug for Relay {
@@ -249,7 +275,7 @@ impl RelayBuilder {
         self
     }
 
-    /// The relay.
+    /// The relay. Its metrics are registered with the recorder installed now.
     pub fn build(self) -> Relay {
         let mut destinations: Vec<String> = self.sinks.keys().cloned().collect();
         destinations.sort();
@@ -259,6 +285,7 @@ impl RelayBuilder {
             sinks: Arc::new(self.sinks),
             destinations: destinations.into(),
             settings: self.settings,
+            metrics: Arc::new(RelayMetrics::register()),
         }
     }
 }
@@ -366,9 +393,9 @@ impl Relay {
         }
         tx.commit().await.map_err(store_error)?;
         batch.delivered = delivered.len();
-        count("delivered", batch.delivered);
-        count("retried", batch.retried);
-        count("dead", batch.dead);
+        self.metrics.delivered.increment(batch.delivered as u64);
+        self.metrics.retried.increment(batch.retried as u64);
+        self.metrics.dead.increment(batch.dead as u64);
         Ok(batch)
     }
 
@@ -470,12 +497,6 @@ async fn futures_ready(shutdown: &mut Pin<&mut impl Future<Output = ()>>) -> boo
         biased;
         () = shutdown.as_mut() => true,
         () = std::future::ready(()) => false,
-    }
-}
-
-fn count(result: &'static str, n: usize) {
-    if n > 0 {
-        metrics::counter!(OUTBOX_DELIVERIES, "result" => result).increment(n as u64);
     }
 }
 
