@@ -93,6 +93,9 @@ impl Sink for Recorder {
             });
             tokio::time::sleep(self.hold).await;
             self.in_flight.lock().unwrap().remove(&message.id);
+            if message.payload.starts_with(b"panic") {
+                panic!("a sink bug");
+            }
             if message.payload.starts_with(b"refuse") {
                 return Err(SinkError::permanent("refused: malformed"));
             }
@@ -582,6 +585,12 @@ async fn bad_messages_are_refused_before_anything_is_written() {
             "header",
         ),
         (
+            Message::new("hook", "x")
+                .key(key.clone())
+                .header("Idempotency-Key", "other"),
+            "header",
+        ),
+        (
             Message::new("hook", vec![0u8; (16 << 20) + 1]).key(key.clone()),
             "payload",
         ),
@@ -661,6 +670,167 @@ async fn the_redis_streams_sink_adds_each_message_with_its_key() {
     let _: () = redis::cmd("DEL")
         .arg(&stream)
         .query_async(&mut connection)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_that_panics_and_a_row_that_cannot_be_read_fail_only_their_message() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let pool = pool(&url, 4).await;
+    let outbox = outbox(&pool).await;
+    let mut tx = pool.begin().await.unwrap();
+    let mut ids = HashMap::new();
+    for payload in ["panic", "edited", "fine"] {
+        let message = Message::new("hook", payload)
+            .key(Key::new(payload).unwrap())
+            .header("x-a", "1");
+        ids.insert(payload, outbox.enqueue(&mut tx, &message).await.unwrap());
+    }
+    tx.commit().await.unwrap();
+    // A row edited by hand so that it cannot be read.
+    sqlx::query(&format!(
+        "UPDATE \"{}\" SET header_values = '{{}}' WHERE id = $1",
+        outbox.table()
+    ))
+    .bind(ids["edited"])
+    .execute(&pool)
+    .await
+    .unwrap();
+    let sink = Recorder::default();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .max_attempts(2)
+        .backoff(Duration::from_millis(10), Duration::from_millis(10))
+        .build();
+    let first = relay.run_once().await.unwrap();
+    assert_eq!(
+        (first.taken, first.delivered, first.retried, first.dead),
+        (3, 1, 1, 1)
+    );
+    assert_eq!(sink.delivered(), [ids["fine"]]);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = relay.run_once().await.unwrap();
+    assert_eq!(
+        (second.taken, second.dead),
+        (1, 1),
+        "the panic's last attempt"
+    );
+    let dead: BTreeMap<i64, String> = outbox
+        .dead_letters(&pool, 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| (d.id, d.last_error.unwrap()))
+        .collect();
+    assert_eq!(dead[&ids["panic"]], "the sink panicked");
+    assert!(
+        dead[&ids["edited"]].starts_with("the stored message cannot be read"),
+        "{dead:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_ordering_key_is_delivered_in_commit_order() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let pool = pool(&url, 8).await;
+    let outbox = outbox(&pool).await;
+    let message = |n: u32| {
+        Message::new("hook", format!("m{n}"))
+            .key(Key::new(format!("m{n}")).unwrap())
+            .ordering_key("account-1")
+    };
+    // The first transaction enqueues and stays open; the second enqueues after it with the
+    // same ordering key, and commits as soon as it can.
+    let mut first = pool.begin().await.unwrap();
+    outbox.enqueue(&mut first, &message(1)).await.unwrap();
+    let second = {
+        let (pool, outbox, m2) = (pool.clone(), outbox.clone(), message(2));
+        tokio::spawn(async move {
+            let mut tx = pool.begin().await.unwrap();
+            outbox.enqueue(&mut tx, &m2).await.unwrap();
+            tx.commit().await.unwrap();
+        })
+    };
+    // It waits for the first transaction's turn on the ordering key.
+    let start = Instant::now();
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(start.elapsed() < BOUND, "the second enqueue did not wait");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let sink = Recorder::default();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .build();
+    assert_eq!(
+        relay.run_once().await.unwrap().taken,
+        0,
+        "nothing committed yet"
+    );
+    first.commit().await.unwrap();
+    timeout(BOUND, second).await.unwrap().unwrap();
+    let done = sink.clone();
+    drain(&relay, move || done.delivered().len() == 2).await;
+    let order: Vec<Vec<u8>> = sink.seen().into_iter().map(|s| s.payload).collect();
+    assert_eq!(order, [b"m1".to_vec(), b"m2".to_vec()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_table_name_gets_a_channel_postgresql_accepts() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let pool = pool(&url, 4).await;
+    let schema = format!("s{}", &fresh_key().to_hex()[..40]);
+    sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\""))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let table = format!("{schema}.{}", "o".repeat(48));
+    let outbox = Outbox::with_table(&table).unwrap();
+    assert!(
+        table.len() > 63 && outbox.channel().len() <= 63,
+        "{}",
+        outbox.channel()
+    );
+    outbox.migrate(&pool).await.unwrap();
+    let sink = Recorder::default();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .poll_interval(Duration::from_secs(3600))
+        .build();
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let running = {
+        let stop = Arc::clone(&stop);
+        tokio::spawn(async move { relay.run(async move { stop.notified().await }).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut tx = pool.begin().await.unwrap();
+    let message = Message::new("hook", "x").key(Key::new("x").unwrap());
+    outbox.enqueue(&mut tx, &message).await.unwrap();
+    tx.commit().await.unwrap();
+    let start = Instant::now();
+    while sink.delivered().is_empty() {
+        assert!(start.elapsed() < BOUND, "not woken on the hashed channel");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.notify_waiters();
+    timeout(BOUND, running).await.unwrap().unwrap();
+    sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .execute(&pool)
         .await
         .unwrap();
 }

@@ -118,4 +118,11 @@ async fn a_receiver_that_is_down_is_a_failure_to_retry() {
             .header("bad name", "x")
             .is_err()
     );
+    assert!(
+        HttpSink::new(&url)
+            .unwrap()
+            .header("Idempotency-Key", "same-for-all")
+            .is_err(),
+        "each message has its own key"
+    );
 }

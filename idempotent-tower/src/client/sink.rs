@@ -101,16 +101,22 @@ impl HttpSink {
     /// The client's policy for one delivery attempt (see [`RetryPolicy`]). Keep its deadline
     /// below the relay's [`delivery_timeout`](idempotent_core::postgres::RelayBuilder::delivery_timeout).
     #[must_use]
-    pub fn policy(mut self, policy: RetryPolicy) -> Self {
+    pub fn policy(mut self, mut policy: RetryPolicy) -> Self {
+        // Every payload the outbox accepts can be sent.
+        policy.max_request_body = policy
+            .max_request_body
+            .max(idempotent_core::postgres::MAX_OUTBOX_PAYLOAD);
         self.client = Self::client(policy);
         self
     }
 
     /// A header sent with every message (credentials, say); a message's own header of the
-    /// same name is sent as well.
+    /// same name is sent as well. `Idempotency-Key` is refused: each message has its own.
     pub fn header(mut self, name: &str, value: &str) -> Result<Self, HttpSinkError> {
         let name = HeaderName::from_bytes(name.as_bytes())
-            .map_err(|_| HttpSinkError::Header(name.to_owned()))?;
+            .ok()
+            .filter(|name| *name != crate::IDEMPOTENCY_KEY)
+            .ok_or_else(|| HttpSinkError::Header(name.to_owned()))?;
         let value = HeaderValue::from_str(value)
             .map_err(|_| HttpSinkError::Header(format!("value of {name}")))?;
         self.headers.push((name, value));
@@ -135,6 +141,11 @@ impl HttpSink {
                     "a header of the message is not valid HTTP",
                 ));
             };
+            if name == crate::IDEMPOTENCY_KEY {
+                return Err(SinkError::permanent(
+                    "the message carries its own Idempotency-Key header",
+                ));
+            }
             headers.append(name, value);
         }
         request.extensions_mut().insert(key);

@@ -88,17 +88,20 @@ impl Message {
     }
 
     /// A header sent with the message (the HTTP sink sends it as an HTTP header, the Redis
-    /// Streams sink as a field).
+    /// Streams sink as a field). `Idempotency-Key` is refused at the enqueue: the key is
+    /// [`key`](Self::key).
     #[must_use]
     pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.headers.push((name.into(), value.into()));
         self
     }
 
-    /// Messages with the same ordering key are delivered one at a time, in the order they
-    /// were enqueued: a message waits until every earlier one with its ordering key was
-    /// delivered or dead-lettered. Without one, messages are delivered in any order, several
-    /// at once.
+    /// Messages with the same ordering key are delivered one at a time, in the order their
+    /// transactions committed: a message waits until every earlier one with its ordering key
+    /// was delivered or dead-lettered. Transactions that enqueue messages with the same
+    /// ordering key take turns (the enqueue takes an advisory lock held until the commit), so
+    /// enqueue order and commit order agree. Without one, messages are delivered in any order,
+    /// several at once.
     #[must_use]
     pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
         self.ordering_key = Some(key.into());
@@ -150,7 +153,8 @@ pub enum OutboxError {
     #[error("the destination must be 1 to 255 bytes")]
     InvalidDestination,
     /// A header name or value is not valid in HTTP (a control character, a space in a name),
-    /// or a destination or ordering key holds a NUL byte (PostgreSQL text cannot).
+    /// a header is named `Idempotency-Key` (the key is [`Message::key`]), or a destination or
+    /// ordering key holds a NUL byte (PostgreSQL text cannot).
     #[error("a header name or value is not valid HTTP, or a text holds a NUL byte")]
     InvalidHeader,
     /// The payload is over [`MAX_OUTBOX_PAYLOAD`].
@@ -235,8 +239,8 @@ pub struct DeadLetter {
 ///
 /// with partial indexes on the pending messages (by `available_at`, and by `ordering_key`)
 /// and on the delivered ones (by `delivered_at`, for reaping). Enqueuing also sends
-/// `NOTIFY` on the channel named after the table, which PostgreSQL delivers at the commit:
-/// a listening relay wakes up at once.
+/// `NOTIFY` on the outbox's [`channel`](Self::channel), which PostgreSQL delivers at the
+/// commit: a listening relay wakes up at once.
 #[derive(Clone)]
 pub struct Outbox {
     sql: Arc<OutboxSql>,
@@ -274,9 +278,10 @@ impl Outbox {
         &self.sql.table
     }
 
-    /// The `LISTEN`/`NOTIFY` channel enqueues notify: the table's name.
+    /// The `LISTEN`/`NOTIFY` channel enqueues notify: the table's name, or for a name longer
+    /// than PostgreSQL's 63-byte channel names, `idempotent_outbox_` and a hash of it.
     pub fn channel(&self) -> &str {
-        &self.sql.table
+        &self.sql.channel
     }
 
     pub(crate) fn sql(&self) -> &OutboxSql {
@@ -313,6 +318,7 @@ impl Outbox {
         let valid_header = |(name, value): &(String, String)| {
             http::HeaderName::from_bytes(name.as_bytes()).is_ok()
                 && http::HeaderValue::from_str(value).is_ok()
+                && !name.eq_ignore_ascii_case("idempotency-key")
         };
         let nul = message.destination.contains('\0')
             || message
@@ -321,6 +327,15 @@ impl Outbox {
                 .is_some_and(|k| k.contains('\0'));
         if nul || !message.headers.iter().all(valid_header) {
             return Err(OutboxError::InvalidHeader);
+        }
+        if let Some(ordering_key) = &message.ordering_key {
+            let turn = sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))").bind(
+                format!("idempotent-core outbox {} {ordering_key}", self.sql.table),
+            );
+            connection
+                .execute(turn)
+                .await
+                .map_err(|e| OutboxError::Store(store_error(e)))?;
         }
         let (names, values): (Vec<&str>, Vec<&str>) = message
             .headers
@@ -335,7 +350,7 @@ impl Outbox {
             .bind(values)
             .bind(message.ordering_key.as_deref())
             .bind(micros(message.delay))
-            .bind(&self.sql.table);
+            .bind(&self.sql.channel);
         let row = connection
             .fetch_one(insert)
             .await
@@ -402,6 +417,7 @@ const REAP_BATCH: u64 = 1000;
 /// The outbox's statements, for one table.
 pub(crate) struct OutboxSql {
     pub(crate) table: String,
+    channel: String,
     migrate: [String; 4],
     enqueue: String,
     dead_letters: String,
@@ -423,8 +439,15 @@ impl OutboxSql {
         let t = name.quoted();
         let short = table.rsplit('.').next().unwrap_or(table);
         let index = |suffix: &str| format!("\"{short}_{suffix}\"");
+        let channel = if table.len() <= 63 {
+            table.to_owned()
+        } else {
+            let digest = blake3::hash(table.as_bytes()).to_hex();
+            format!("idempotent_outbox_{}", &digest.as_str()[..32])
+        };
         Ok(OutboxSql {
             table: table.to_owned(),
+            channel,
             migrate: [
                 format!(
                     "CREATE TABLE IF NOT EXISTS {t} (\
@@ -488,17 +511,17 @@ impl OutboxSql {
                  ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
             ),
             delivered: format!(
-                "UPDATE {t} SET state = 'delivered', attempts = attempts + 1, \
+                "UPDATE {t} SET state = 'delivered', attempts = LEAST(attempts, 2147483646) + 1, \
                  delivered_at = clock_timestamp(), last_error = NULL WHERE id = ANY($1)"
             ),
             failed: format!(
-                "UPDATE {t} SET attempts = attempts + 1, last_error = $2, \
-                 state = CASE WHEN attempts + 1 >= $4 THEN 'dead' ELSE 'pending' END, \
+                "UPDATE {t} SET attempts = LEAST(attempts, 2147483646) + 1, last_error = $2, \
+                 state = CASE WHEN LEAST(attempts, 2147483646) + 1 >= $4 THEN 'dead' ELSE 'pending' END, \
                  available_at = clock_timestamp() + $3 * interval '1 microsecond' \
                  WHERE id = $1"
             ),
             dead: format!(
-                "UPDATE {t} SET attempts = attempts + 1, last_error = $2, state = 'dead' \
+                "UPDATE {t} SET attempts = LEAST(attempts, 2147483646) + 1, last_error = $2, state = 'dead' \
                  WHERE id = $1"
             ),
         })

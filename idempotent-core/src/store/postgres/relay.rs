@@ -139,6 +139,8 @@ struct Settings {
 ///
 /// # How it delivers
 ///
+/// - **Connections.** It uses two of the pool's connections: one for the batch's transaction,
+///   one listening. Give it a pool of at least two.
 /// - **Batches under row locks.** A batch is one transaction: it takes up to
 ///   [`batch_size`](RelayBuilder::batch_size) pending messages that are due, whose destination
 ///   has a sink here, and that no earlier pending message with the same ordering key precedes,
@@ -151,18 +153,22 @@ struct Settings {
 ///   deduplicate on the key. A relay frozen with its connection open holds its rows until
 ///   PostgreSQL ends its transaction after `idle_in_transaction_session_timeout`, set for
 ///   the batch to twice the delivery timeout plus 5 s; if it then wakes in the middle of a
-///   delivery, that delivery can overlap another relay's: the key makes it harmless.
+///   delivery, that delivery can overlap another relay's. So can one still running when its
+///   connection was cut under it (the server restarted, `pg_terminate_backend`, a network
+///   partition): its locks went with the connection. The key makes both harmless.
 /// - **Waking.** It listens for the `NOTIFY` each enqueue sends on commit, and also polls
 ///   every [`poll_interval`](RelayBuilder::poll_interval), so a lost notification or a
 ///   dropped listener connection delays a message by at most one interval. While batches
 ///   come back full, it takes the next at once.
-/// - **Failures.** A failed delivery is tried again after an exponential backoff (from
+/// - **Failures.** A failed delivery (an error, the timeout, a sink that panicked) is tried
+///   again after an exponential backoff (from
 ///   [`backoff`](RelayBuilder::backoff)'s first delay, doubling, capped, with jitter); after
 ///   [`max_attempts`](RelayBuilder::max_attempts) attempts, or at once for a
 ///   [`SinkError::permanent`], the message is **dead-lettered**: kept with `state = 'dead'`
 ///   and its last error, listed by [`Outbox::dead_letters`], put back by
 ///   [`Outbox::requeue`]. A dead-lettered message no longer holds back later messages with
-///   its ordering key.
+///   its ordering key (so a requeued one may follow them). A row that cannot be read
+///   (edited by hand) is dead-lettered with the reason.
 /// - **Reaping.** Every [`reap_every`](RelayBuilder::reap_every), delivered messages older
 ///   than [`retain_delivered`](RelayBuilder::retain_delivered) are deleted.
 /// - **The database down.** A batch that fails is logged and tried again after the poll
@@ -337,32 +343,56 @@ impl Relay {
             tx.commit().await.map_err(store_error)?;
             return Ok(batch);
         }
+        // Every row is read before anything is sent: a row that cannot be read (stored data
+        // edited by hand) is dead-lettered on its own instead of failing the batch.
+        let mut failed = Vec::new();
         let mut deliveries = tokio::task::JoinSet::new();
+        let mut spawned = HashMap::new();
+        let mut messages = Vec::with_capacity(rows.len());
         for row in &rows {
-            let message = message(row).map_err(store_error)?;
+            match message(row) {
+                Ok(message) => messages.push(message),
+                Err(error) => match row.try_get::<i64, _>(0) {
+                    Ok(id) => failed.push((
+                        id,
+                        u32::MAX,
+                        SinkError::permanent(format!("the stored message cannot be read: {error}")),
+                    )),
+                    Err(error) => return Err(store_error(error)),
+                },
+            }
+        }
+        for message in messages {
             let Some(sink) = self.sinks.get(&message.destination).cloned() else {
                 continue;
             };
             let timeout = settings.delivery_timeout;
-            deliveries.spawn(async move {
-                let outcome = match tokio::time::timeout(timeout, sink.deliver(&message)).await {
-                    Ok(Ok(())) => return Delivered::Ok(message.id),
-                    Ok(Err(error)) => error,
-                    Err(_) => SinkError::retry(format!("no delivery within {timeout:?}")),
-                };
-                Delivered::Failed(message.id, message.attempt, outcome)
+            let (id, attempt) = (message.id, message.attempt);
+            let task = deliveries.spawn(async move {
+                match tokio::time::timeout(timeout, sink.deliver(&message)).await {
+                    Ok(Ok(())) => Delivered::Ok(message.id),
+                    Ok(Err(error)) => Delivered::Failed(message.id, message.attempt, error),
+                    Err(_) => Delivered::Failed(
+                        message.id,
+                        message.attempt,
+                        SinkError::retry(format!("no delivery within {timeout:?}")),
+                    ),
+                }
             });
+            spawned.insert(task.id(), (id, attempt));
         }
         let mut delivered = Vec::new();
-        let mut failed = Vec::new();
         while let Some(done) = deliveries.join_next().await {
             match done {
                 Ok(Delivered::Ok(id)) => delivered.push(id),
                 Ok(Delivered::Failed(id, attempt, error)) => failed.push((id, attempt, error)),
-                // A sink that panicked: its message stays locked until the commit, unchanged,
-                // and is delivered again by a later batch.
+                // A sink that panicked failed this attempt: retried like any failure, and
+                // dead-lettered after the last.
                 Err(error) => {
-                    tracing::error!(outbox = %self.outbox.table(), error = %error, "an outbox sink panicked")
+                    tracing::error!(outbox = %self.outbox.table(), error = %error, "an outbox sink panicked");
+                    if let Some((id, attempt)) = spawned.get(&error.id()) {
+                        failed.push((*id, *attempt, SinkError::retry("the sink panicked")));
+                    }
                 }
             }
         }
@@ -379,7 +409,7 @@ impl Relay {
                 sqlx::query(&self.outbox.sql().failed)
                     .bind(id)
                     .bind(text)
-                    .bind(micros(self.backoff(*attempt)))
+                    .bind(micros(self.backoff(*id, *attempt)))
                     .bind(i64::from(settings.max_attempts))
             };
             (&mut *tx).execute(update).await.map_err(store_error)?;
@@ -399,20 +429,29 @@ impl Relay {
         Ok(batch)
     }
 
-    /// The backoff after attempt `attempt` (from 1), before the jitter: `first × 2^(attempt-1)`,
-    /// at most `max`, then between half and all of it.
-    fn backoff(&self, attempt: u32) -> Duration {
+    /// The backoff of message `id` after attempt `attempt` (from 1): `first × 2^(attempt-1)`,
+    /// at most `max`, then a point between half and all of it, drawn from a hash of the
+    /// message, the attempt and the time, so that the retries of one batch spread out.
+    fn backoff(&self, id: i64, attempt: u32) -> Duration {
         let ceiling = self
             .settings
             .first_backoff
             .saturating_mul(1 << attempt.saturating_sub(1).min(20))
             .min(self.settings.max_backoff);
-        // Jitter from the clock's low bits: enough to spread retries of one batch.
-        let nanos = std::time::SystemTime::now()
+        let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
+            .map(|d| d.as_nanos())
             .unwrap_or(0);
-        ceiling / 2 + (ceiling / 2).mul_f64(f64::from(nanos % 1000) / 1000.0)
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(&id.to_le_bytes());
+        hasher.update(&attempt.to_le_bytes());
+        hasher.update(&now.to_le_bytes());
+        let draw = u64::from_le_bytes(
+            hasher.finalize().as_bytes()[..8]
+                .try_into()
+                .unwrap_or([0; 8]),
+        );
+        ceiling / 2 + (ceiling / 2).mul_f64(draw as f64 / u64::MAX as f64)
     }
 
     /// Delivers batches until `shutdown` completes: at once while batches come back full, on
@@ -425,7 +464,14 @@ impl Relay {
         let mut last_reap = tokio::time::Instant::now();
         loop {
             if listener.is_none() {
-                listener = self.listen().await;
+                tokio::select! {
+                    () = &mut shutdown => return,
+                    listening = self.listen() => listener = listening,
+                }
+            }
+            // Notifications that arrived meanwhile are all answered by this batch.
+            if !drain(&mut listener).await {
+                listener = None;
             }
             let more = match self.run_once().await {
                 Ok(batch) => batch.taken >= self.settings.batch_size as usize,
@@ -491,6 +537,25 @@ async fn recv(listener: &mut Option<PgListener>) -> bool {
     }
 }
 
+/// Takes every notification already received, without waiting: `false` if the listener
+/// failed.
+async fn drain(listener: &mut Option<PgListener>) -> bool {
+    let Some(listening) = listener else {
+        return true;
+    };
+    while let Some(_notification) = listening.next_buffered() {}
+    loop {
+        tokio::select! {
+            biased;
+            received = listening.try_recv() => match received {
+                Ok(Some(_)) => {}
+                _ => return false,
+            },
+            () = std::future::ready(()) => return true,
+        }
+    }
+}
+
 /// Whether `shutdown` has completed, without waiting for it.
 async fn futures_ready(shutdown: &mut Pin<&mut impl Future<Output = ()>>) -> bool {
     tokio::select! {
@@ -503,6 +568,11 @@ async fn futures_ready(shutdown: &mut Pin<&mut impl Future<Output = ()>>) -> boo
 fn message(row: &sqlx::postgres::PgRow) -> Result<OutboxMessage, sqlx::Error> {
     let names: Vec<String> = row.try_get(4)?;
     let values: Vec<String> = row.try_get(5)?;
+    if names.len() != values.len() {
+        return Err(sqlx::Error::Decode(
+            "header_names and header_values differ in length".into(),
+        ));
+    }
     let attempts: i32 = row.try_get(6)?;
     Ok(OutboxMessage {
         id: row.try_get(0)?,
@@ -516,7 +586,8 @@ fn message(row: &sqlx::postgres::PgRow) -> Result<OutboxMessage, sqlx::Error> {
 
 /// A [`Sink`] that adds each message to a Redis stream (feature `redis`): `XADD` with the
 /// fields `key` (the message key, which the stream's consumers deduplicate on), `payload`,
-/// and each header as a field of its own, in order.
+/// and each header as a field of its own, in order. A message with a header named `key` or
+/// `payload` is dead-lettered (it would shadow those fields).
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 #[derive(Clone)]
@@ -558,6 +629,15 @@ impl RedisStreamSink {
 impl Sink for RedisStreamSink {
     fn deliver<'a>(&'a self, message: &'a OutboxMessage) -> BoxFuture<'a, Result<(), SinkError>> {
         Box::pin(async move {
+            if message
+                .headers
+                .iter()
+                .any(|(name, _)| name == "key" || name == "payload")
+            {
+                return Err(SinkError::permanent(
+                    "a header named `key` or `payload` would shadow the entry's own field",
+                ));
+            }
             let mut add = redis::cmd("XADD");
             add.arg(&self.stream);
             if let Some(len) = self.max_len {
