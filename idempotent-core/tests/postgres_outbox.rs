@@ -482,6 +482,12 @@ async fn a_notify_wakes_the_relay_before_its_poll_interval() {
     };
     let pool = pool(&url, 4).await;
     let outbox = outbox(&pool).await;
+    woken_by_notify(&pool, &outbox).await;
+}
+
+/// A relay that polls once an hour delivers a message enqueued while it waits: the `NOTIFY`
+/// woke it.
+async fn woken_by_notify(pool: &PgPool, outbox: &Outbox) {
     let sink = Recorder::default();
     let relay = Relay::builder(pool.clone(), outbox.clone())
         .sink("hook", sink.clone())
@@ -807,28 +813,7 @@ async fn a_long_table_name_gets_a_channel_postgresql_accepts() {
         outbox.channel()
     );
     outbox.migrate(&pool).await.unwrap();
-    let sink = Recorder::default();
-    let relay = Relay::builder(pool.clone(), outbox.clone())
-        .sink("hook", sink.clone())
-        .poll_interval(Duration::from_secs(3600))
-        .build();
-    let stop = Arc::new(tokio::sync::Notify::new());
-    let running = {
-        let stop = Arc::clone(&stop);
-        tokio::spawn(async move { relay.run(async move { stop.notified().await }).await })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let mut tx = pool.begin().await.unwrap();
-    let message = Message::new("hook", "x").key(Key::new("x").unwrap());
-    outbox.enqueue(&mut tx, &message).await.unwrap();
-    tx.commit().await.unwrap();
-    let start = Instant::now();
-    while sink.delivered().is_empty() {
-        assert!(start.elapsed() < BOUND, "not woken on the hashed channel");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    stop.notify_waiters();
-    timeout(BOUND, running).await.unwrap().unwrap();
+    woken_by_notify(&pool, &outbox).await;
     sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
         .execute(&pool)
         .await
