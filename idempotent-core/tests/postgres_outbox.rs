@@ -18,7 +18,7 @@ use idempotent_core::postgres::{
     BoxFuture, Message, OUTBOX_DELIVERIES, Outbox, OutboxError, OutboxMessage, PostgresStore,
     Relay, Sink, SinkError, TransactionalClaim,
 };
-use idempotent_core::{Call, Fingerprint, Key};
+use idempotent_core::{Call, ClaimHandle, Fingerprint, Idempotency, Key};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use tokio::time::{Instant, timeout};
 
@@ -252,6 +252,37 @@ async fn a_message_takes_the_running_claims_operation_key() {
         ]),
         "one message of each, from the committed attempt, with the operation's key"
     );
+
+    // Inside the runtime's work, the running claim gives the key (ClaimHandle::current).
+    let idempotency = Idempotency::new(store.clone());
+    let call = Call::new(
+        format!("notify-{}", &fresh_key().to_hex()[..12])
+            .parse()
+            .unwrap(),
+    );
+    let (pool2, outbox2) = (pool.clone(), outbox.clone());
+    let outcome = idempotency
+        .run(&call, async move {
+            let claim = ClaimHandle::current().expect("inside run");
+            let mut tx = pool2.begin().await.unwrap();
+            outbox2
+                .enqueue(&mut tx, &Message::new("mail", "from run"))
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            claim.operation_key().as_str().to_owned()
+        })
+        .await
+        .unwrap();
+    let expected = outcome.into_inner();
+    relay.run_once().await.unwrap();
+    let from_run: Vec<String> = sink
+        .seen()
+        .into_iter()
+        .filter(|s| s.payload == b"from run")
+        .map(|s| s.key)
+        .collect();
+    assert_eq!(from_run, [expected]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
