@@ -22,13 +22,16 @@ use tower_layer::Layer as _;
 /// backoff, with the same key.
 ///
 /// ```no_run
-/// use idempotent_core::postgres::{Outbox, Relay};
+/// use idempotent_core::postgres::{Outbox, PostgresStore, Relay};
 /// use idempotent_tower::client::HttpSink;
 ///
-/// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = PostgresStore::connect("postgres://app@db/app").await?;
 /// let sink = HttpSink::new("http://notifier.internal/notifications")?
 ///     .header("authorization", "Bearer ledger-relay")?;
-/// let relay = Relay::builder(pool, Outbox::new()).sink("notifications", sink).build();
+/// let relay = Relay::builder(store.pool().clone(), Outbox::new())
+///     .sink("notifications", sink)
+///     .build();
 /// # Ok(())
 /// # }
 /// ```
