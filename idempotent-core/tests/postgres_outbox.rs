@@ -468,7 +468,7 @@ async fn many_relays_share_the_work_and_never_deliver_one_message_at_once() {
         hold: Duration::from_millis(3),
         ..Recorder::default()
     };
-    let stop = Arc::new(tokio::sync::Notify::new());
+    let (stop, stopped) = tokio::sync::watch::channel(false);
     let relays: Vec<_> = (0..4)
         .map(|_| {
             let relay = Relay::builder(pool.clone(), outbox.clone())
@@ -476,8 +476,14 @@ async fn many_relays_share_the_work_and_never_deliver_one_message_at_once() {
                 .batch_size(16)
                 .poll_interval(Duration::from_millis(50))
                 .build();
-            let stop = Arc::clone(&stop);
-            tokio::spawn(async move { relay.run(async move { stop.notified().await }).await })
+            let mut stopped = stopped.clone();
+            tokio::spawn(async move {
+                relay
+                    .run(async move {
+                        let _ = stopped.wait_for(|stop| *stop).await;
+                    })
+                    .await
+            })
         })
         .collect();
     for writer in writers {
@@ -492,7 +498,7 @@ async fn many_relays_share_the_work_and_never_deliver_one_message_at_once() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    stop.notify_waiters();
+    stop.send_replace(true);
     for relay in relays {
         timeout(BOUND, relay).await.unwrap().unwrap();
     }
@@ -524,10 +530,16 @@ async fn woken_by_notify(pool: &PgPool, outbox: &Outbox) {
         .sink("hook", sink.clone())
         .poll_interval(Duration::from_secs(3600))
         .build();
-    let stop = Arc::new(tokio::sync::Notify::new());
+    let (stop, stopped) = tokio::sync::watch::channel(false);
     let running = {
-        let stop = Arc::clone(&stop);
-        tokio::spawn(async move { relay.run(async move { stop.notified().await }).await })
+        let mut stopped = stopped.clone();
+        tokio::spawn(async move {
+            relay
+                .run(async move {
+                    let _ = stopped.wait_for(|stop| *stop).await;
+                })
+                .await
+        })
     };
     // Let it run its first batch and start waiting.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -540,7 +552,7 @@ async fn woken_by_notify(pool: &PgPool, outbox: &Outbox) {
         assert!(start.elapsed() < BOUND, "the NOTIFY did not wake the relay");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    stop.notify_waiters();
+    stop.send_replace(true);
     timeout(BOUND, running).await.unwrap().unwrap();
 }
 

@@ -184,6 +184,8 @@ pub struct Relay {
     destinations: Arc<[String]>,
     settings: Settings,
     metrics: Arc<RelayMetrics>,
+    /// The batch query, for this relay's batch size.
+    take: Arc<str>,
 }
 
 /// The relay's counters, registered when it is built.
@@ -285,7 +287,9 @@ impl RelayBuilder {
     pub fn build(self) -> Relay {
         let mut destinations: Vec<String> = self.sinks.keys().cloned().collect();
         destinations.sort();
+        let take = self.outbox.sql().take(self.settings.batch_size).into();
         Relay {
+            take,
             pool: self.pool,
             outbox: self.outbox,
             sinks: Arc::new(self.sinks),
@@ -331,9 +335,7 @@ impl Relay {
         let set = sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', $1, true)")
             .bind(idle_ms);
         (&mut *tx).execute(set).await.map_err(store_error)?;
-        let take = sqlx::query(&self.outbox.sql().take)
-            .bind(i64::from(settings.batch_size))
-            .bind(&self.destinations[..]);
+        let take = sqlx::query(&self.take).bind(&self.destinations[..]);
         let rows = (&mut *tx).fetch_all(take).await.map_err(store_error)?;
         let mut batch = Batch {
             taken: rows.len(),
