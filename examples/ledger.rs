@@ -757,14 +757,9 @@ async fn main() -> ExitCode {
         }
     };
     // The in-process relay, stopped after the consumer loop.
-    let stop_relay = Arc::new(tokio::sync::Notify::new());
     let relay = match (&consumer.config.notify, &consumer.ledger.outbox) {
         (Some(settings), Some(outbox)) if consumer.config.run_relay => {
-            let relay = common::relay::relay(consumer.pool.clone(), outbox.clone(), settings);
-            let stop = Arc::clone(&stop_relay);
-            Some(tokio::spawn(async move {
-                relay.run(async move { stop.notified().await }).await
-            }))
+            Some(common::relay::relay(consumer.pool.clone(), outbox.clone(), settings).spawn())
         }
         _ => None,
     };
@@ -819,8 +814,7 @@ async fn main() -> ExitCode {
     if let Some(relay) = relay {
         // The batch in hand is finished; what is left is delivered by other relays, or by
         // this one's successor.
-        stop_relay.notify_one();
-        let _ = tokio::time::timeout(Duration::from_secs(30), relay).await;
+        let _ = tokio::time::timeout(Duration::from_secs(30), relay.stop()).await;
     }
     eprintln!("ledger: stopped on SIGTERM");
     ExitCode::SUCCESS

@@ -299,7 +299,7 @@ pub mod postgres {
         Batch, BoxFuture, DEFAULT_FENCE_TABLE, DEFAULT_OUTBOX_TABLE, DEFAULT_REAP_BATCH,
         DEFAULT_REAP_GRACE, DEFAULT_TABLE, DeadLetter, Fence, FenceError, InvalidTableName,
         MAX_OUTBOX_PAYLOAD, Message, OUTBOX_DELIVERIES, Outbox, OutboxError, OutboxMessage,
-        PendingRecord, PostgresStore, PostgresStoreBuilder, Relay, RelayBuilder, Sink, SinkError,
-        Transactional, TransactionalClaim,
+        PendingRecord, PostgresStore, PostgresStoreBuilder, Relay, RelayBuilder, RunningRelay,
+        Sink, SinkError, Transactional, TransactionalClaim,
     };
 }

@@ -468,22 +468,14 @@ async fn many_relays_share_the_work_and_never_deliver_one_message_at_once() {
         hold: Duration::from_millis(3),
         ..Recorder::default()
     };
-    let (stop, stopped) = tokio::sync::watch::channel(false);
     let relays: Vec<_> = (0..4)
         .map(|_| {
-            let relay = Relay::builder(pool.clone(), outbox.clone())
+            Relay::builder(pool.clone(), outbox.clone())
                 .sink("hook", sink.clone())
                 .batch_size(16)
                 .poll_interval(Duration::from_millis(50))
-                .build();
-            let mut stopped = stopped.clone();
-            tokio::spawn(async move {
-                relay
-                    .run(async move {
-                        let _ = stopped.wait_for(|stop| *stop).await;
-                    })
-                    .await
-            })
+                .build()
+                .spawn()
         })
         .collect();
     for writer in writers {
@@ -498,9 +490,8 @@ async fn many_relays_share_the_work_and_never_deliver_one_message_at_once() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    stop.send_replace(true);
     for relay in relays {
-        timeout(BOUND, relay).await.unwrap().unwrap();
+        timeout(BOUND, relay.stop()).await.unwrap();
     }
     assert!(
         !sink.overlapped.load(Ordering::SeqCst),
@@ -529,18 +520,8 @@ async fn woken_by_notify(pool: &PgPool, outbox: &Outbox) {
     let relay = Relay::builder(pool.clone(), outbox.clone())
         .sink("hook", sink.clone())
         .poll_interval(Duration::from_secs(3600))
-        .build();
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let running = {
-        let mut stopped = stopped.clone();
-        tokio::spawn(async move {
-            relay
-                .run(async move {
-                    let _ = stopped.wait_for(|stop| *stop).await;
-                })
-                .await
-        })
-    };
+        .build()
+        .spawn();
     // Let it run its first batch and start waiting.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut tx = pool.begin().await.unwrap();
@@ -552,8 +533,7 @@ async fn woken_by_notify(pool: &PgPool, outbox: &Outbox) {
         assert!(start.elapsed() < BOUND, "the NOTIFY did not wake the relay");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    stop.send_replace(true);
-    timeout(BOUND, running).await.unwrap().unwrap();
+    timeout(BOUND, relay.stop()).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -861,4 +841,50 @@ async fn a_long_table_name_gets_a_channel_postgresql_accepts() {
         .execute(&pool)
         .await
         .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_stops_when_its_handle_is_stopped_or_dropped() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let pool = pool(&url, 4).await;
+    let outbox = outbox(&pool).await;
+    // A running relay listens on the outbox's channel; a stopped one no longer does.
+    let listening = || {
+        let (pool, channel) = (pool.clone(), outbox.channel().to_owned());
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN \"' || $1 || '\"'",
+            )
+            .bind(channel)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    for drop_it in [false, true] {
+        let relay = Relay::builder(pool.clone(), outbox.clone())
+            .sink("hook", Recorder::default())
+            .build()
+            .spawn();
+        let start = Instant::now();
+        while listening().await == 0 {
+            assert!(start.elapsed() < BOUND, "the relay never listened");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if drop_it {
+            drop(relay);
+        } else {
+            timeout(BOUND, relay.stop()).await.unwrap();
+        }
+        let start = Instant::now();
+        while listening().await > 0 {
+            assert!(
+                start.elapsed() < BOUND,
+                "the relay did not stop (dropped: {drop_it})"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }

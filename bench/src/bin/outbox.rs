@@ -176,20 +176,12 @@ async fn relay_row<S: Sink + Clone>(
         .await
         .unwrap();
     let start = Instant::now();
-    let (stop, stopped) = tokio::sync::watch::channel(false);
     let running: Vec<_> = (0..relays)
         .map(|_| {
-            let relay = Relay::builder(pool.clone(), outbox.clone())
+            Relay::builder(pool.clone(), outbox.clone())
                 .sink("notifications", sink.clone())
-                .build();
-            let mut stopped = stopped.clone();
-            tokio::spawn(async move {
-                relay
-                    .run(async move {
-                        let _ = stopped.wait_for(|stop| *stop).await;
-                    })
-                    .await
-            })
+                .build()
+                .spawn()
         })
         .collect();
     let count = format!(
@@ -204,9 +196,8 @@ async fn relay_row<S: Sink + Clone>(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let elapsed = start.elapsed();
-    stop.send_replace(true);
     for relay in running {
-        relay.await.unwrap();
+        relay.stop().await;
     }
     sqlx::query(&format!("DROP TABLE \"{}\"", outbox.table()))
         .execute(pool)

@@ -29,7 +29,8 @@ pub use self::outbox::{
 #[cfg(feature = "redis")]
 pub use self::relay::RedisStreamSink;
 pub use self::relay::{
-    Batch, BoxFuture, OUTBOX_DELIVERIES, OutboxMessage, Relay, RelayBuilder, Sink, SinkError,
+    Batch, BoxFuture, OUTBOX_DELIVERIES, OutboxMessage, Relay, RelayBuilder, RunningRelay, Sink,
+    SinkError,
 };
 pub(crate) use self::transactional::RawClaim;
 pub use self::transactional::{PendingRecord, Transactional, TransactionalClaim};

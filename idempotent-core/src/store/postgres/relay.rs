@@ -511,6 +511,20 @@ impl Relay {
         }
     }
 
+    /// Runs the relay ([`run`](Self::run)) on a task of its own until the returned handle's
+    /// [`stop`](RunningRelay::stop). Requires a tokio runtime.
+    pub fn spawn(self) -> RunningRelay {
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(async move {
+            self.run(async move {
+                // Ends on `stop`, and when the handle is dropped.
+                let _ = stopped.wait_for(|stop| *stop).await;
+            })
+            .await;
+        });
+        RunningRelay { stop, task }
+    }
+
     /// A listener on the outbox's channel, or `None` (polling alone) if it cannot be had now.
     async fn listen(&self) -> Option<PgListener> {
         let mut listener = match PgListener::connect_with(&self.pool).await {
@@ -536,6 +550,22 @@ async fn recv(listener: &mut Option<PgListener>) -> bool {
     match listener {
         Some(listener) => matches!(listener.try_recv().await, Ok(Some(_))),
         None => std::future::pending().await,
+    }
+}
+
+/// A relay running on its own task ([`Relay::spawn`]). Dropping it stops the relay as
+/// [`stop`](Self::stop) does, without waiting for it.
+#[derive(Debug)]
+pub struct RunningRelay {
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RunningRelay {
+    /// Stops the relay once the batch in hand is finished, and waits for it.
+    pub async fn stop(self) {
+        self.stop.send_replace(true);
+        let _ = self.task.await;
     }
 }
 
