@@ -296,10 +296,11 @@ pub mod postgres {
     #[cfg(feature = "redis")]
     pub use crate::store::postgres::RedisStreamSink;
     pub use crate::store::postgres::{
-        Batch, BoxFuture, DEFAULT_FENCE_TABLE, DEFAULT_OUTBOX_TABLE, DEFAULT_REAP_BATCH,
+        Backlog, Batch, BoxFuture, DEFAULT_FENCE_TABLE, DEFAULT_OUTBOX_TABLE, DEFAULT_REAP_BATCH,
         DEFAULT_REAP_GRACE, DEFAULT_TABLE, DeadLetter, Fence, FenceError, InvalidTableName,
-        MAX_OUTBOX_PAYLOAD, Message, OUTBOX_DELIVERIES, Outbox, OutboxError, OutboxMessage,
-        PendingRecord, PostgresStore, PostgresStoreBuilder, Relay, RelayBuilder, RunningRelay,
-        Sink, SinkError, Transactional, TransactionalClaim,
+        MAX_OUTBOX_PAYLOAD, Message, OUTBOX_DEAD, OUTBOX_DELIVERIES, OUTBOX_OLDEST_PENDING_AGE,
+        OUTBOX_PENDING, Outbox, OutboxError, OutboxMessage, PendingRecord, PostgresStore,
+        PostgresStoreBuilder, Relay, RelayBuilder, RunningRelay, Sink, SinkError, Transactional,
+        TransactionalClaim,
     };
 }

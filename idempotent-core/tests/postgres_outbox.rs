@@ -15,8 +15,8 @@ use std::time::Duration;
 use idempotent_core::conformance::{backend_url, fresh_key};
 use idempotent_core::metrics::Recorded;
 use idempotent_core::postgres::{
-    BoxFuture, Message, OUTBOX_DELIVERIES, Outbox, OutboxError, OutboxMessage, PostgresStore,
-    Relay, Sink, SinkError, TransactionalClaim,
+    BoxFuture, Message, OUTBOX_DEAD, OUTBOX_DELIVERIES, OUTBOX_OLDEST_PENDING_AGE, OUTBOX_PENDING,
+    Outbox, OutboxError, OutboxMessage, PostgresStore, Relay, Sink, SinkError, TransactionalClaim,
 };
 use idempotent_core::{Call, ClaimHandle, Fingerprint, Idempotency, Key};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
@@ -887,4 +887,57 @@ async fn a_relay_stops_when_its_handle_is_stopped_or_dropped() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_backlog_is_read_and_reported_as_gauges() {
+    let Some(url) = backend_url(URL_VAR) else {
+        return;
+    };
+    let pool = pool(&url, 4).await;
+    let outbox = outbox(&pool).await;
+    let empty = outbox.backlog(&pool).await.unwrap();
+    assert_eq!(
+        (empty.pending, empty.dead, empty.oldest_pending),
+        (0, 0, None)
+    );
+    let mut tx = pool.begin().await.unwrap();
+    for payload in ["ok", "refuse", "poison"] {
+        let message = Message::new("hook", payload).key(Key::new(payload).unwrap());
+        outbox.enqueue(&mut tx, &message).await.unwrap();
+    }
+    // Not due for an hour: pending all along.
+    let later = Message::new("hook", "later")
+        .key(Key::new("later").unwrap())
+        .delay(Duration::from_secs(3600));
+    outbox.enqueue(&mut tx, &later).await.unwrap();
+    tx.commit().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (relay, recorded) = Recorded::capture(|| {
+        Relay::builder(pool.clone(), outbox.clone())
+            .sink("hook", Recorder::default())
+            .backoff(Duration::from_secs(3600), Duration::from_secs(3600))
+            .reap_every(Duration::from_millis(10))
+            .poll_interval(Duration::from_millis(20))
+            .build()
+    });
+    let running = relay.spawn();
+    // ok delivered, refuse dead, poison waiting for its retry, later not due.
+    let start = Instant::now();
+    while (
+        recorded.gauge(OUTBOX_PENDING, &[]),
+        recorded.gauge(OUTBOX_DEAD, &[]),
+    ) != (2.0, 1.0)
+    {
+        assert!(
+            start.elapsed() < BOUND,
+            "the gauges never showed the backlog"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(recorded.gauge(OUTBOX_OLDEST_PENDING_AGE, &[]) >= 0.05);
+    timeout(BOUND, running.stop()).await.unwrap();
+    let backlog = outbox.backlog(&pool).await.unwrap();
+    assert_eq!((backlog.pending, backlog.dead), (2, 1));
+    assert!(backlog.oldest_pending.unwrap() >= Duration::from_millis(50));
 }

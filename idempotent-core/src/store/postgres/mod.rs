@@ -24,13 +24,13 @@ use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, lim
 
 pub use self::fence::{DEFAULT_FENCE_TABLE, Fence, FenceError};
 pub use self::outbox::{
-    DEFAULT_OUTBOX_TABLE, DeadLetter, MAX_OUTBOX_PAYLOAD, Message, Outbox, OutboxError,
+    Backlog, DEFAULT_OUTBOX_TABLE, DeadLetter, MAX_OUTBOX_PAYLOAD, Message, Outbox, OutboxError,
 };
 #[cfg(feature = "redis")]
 pub use self::relay::RedisStreamSink;
 pub use self::relay::{
-    Batch, BoxFuture, OUTBOX_DELIVERIES, OutboxMessage, Relay, RelayBuilder, RunningRelay, Sink,
-    SinkError,
+    Batch, BoxFuture, OUTBOX_DEAD, OUTBOX_DELIVERIES, OUTBOX_OLDEST_PENDING_AGE, OUTBOX_PENDING,
+    OutboxMessage, Relay, RelayBuilder, RunningRelay, Sink, SinkError,
 };
 pub(crate) use self::transactional::RawClaim;
 pub use self::transactional::{PendingRecord, Transactional, TransactionalClaim};

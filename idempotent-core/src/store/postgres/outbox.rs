@@ -168,6 +168,18 @@ pub enum OutboxError {
     Store(#[source] StoreError),
 }
 
+/// What [`Outbox::backlog`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Backlog {
+    /// Messages not delivered yet (due, or waiting for a retry or their delay).
+    pub pending: u64,
+    /// Dead letters.
+    pub dead: u64,
+    /// How long ago the oldest pending message was enqueued; `None` with none pending.
+    pub oldest_pending: Option<Duration>,
+}
+
 /// A message the relay could not deliver, kept with its last error.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -237,8 +249,8 @@ pub struct DeadLetter {
 /// );
 /// ```
 ///
-/// with partial indexes on the pending messages (by `available_at`, and by `ordering_key`)
-/// and on the delivered ones (by `delivered_at`, for reaping). Enqueuing also sends
+/// with partial indexes on the pending messages (by `available_at`, and by `ordering_key`),
+/// on the delivered ones (by `delivered_at`, for reaping) and on the dead letters. Enqueuing also sends
 /// `NOTIFY` on the outbox's [`channel`](Self::channel), which PostgreSQL delivers at the
 /// commit: a listening relay wakes up at once.
 #[derive(Clone)]
@@ -383,6 +395,25 @@ impl Outbox {
             .map_err(store_error)
     }
 
+    /// How much is waiting: pending messages, dead letters, and how long the oldest pending
+    /// message has waited. The relays report the same as gauges.
+    pub async fn backlog(&self, pool: &PgPool) -> Result<Backlog, StoreError> {
+        let row = pool
+            .fetch_one(sqlx::query(&self.sql.backlog))
+            .await
+            .map_err(store_error)?;
+        let count = |n: i64| u64::try_from(n).unwrap_or(0);
+        Ok(Backlog {
+            pending: count(row.try_get(0).map_err(store_error)?),
+            dead: count(row.try_get(1).map_err(store_error)?),
+            oldest_pending: row
+                .try_get::<Option<f64>, _>(2)
+                .map_err(store_error)?
+                .filter(|secs| secs.is_finite())
+                .map(|secs| Duration::from_secs_f64(secs.max(0.0))),
+        })
+    }
+
     /// Puts a dead letter back to be delivered again (its attempts counted from zero), for
     /// example once the receiver is fixed. Returns whether `id` was a dead letter.
     pub async fn requeue(&self, pool: &PgPool, id: i64) -> Result<bool, StoreError> {
@@ -418,7 +449,8 @@ const REAP_BATCH: u64 = 1000;
 pub(crate) struct OutboxSql {
     pub(crate) table: String,
     channel: String,
-    migrate: [String; 4],
+    migrate: [String; 5],
+    backlog: String,
     enqueue: String,
     dead_letters: String,
     requeue: String,
@@ -489,7 +521,17 @@ impl OutboxSql {
                      WHERE state = 'delivered'",
                     index("delivered_idx")
                 ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {t} (id) WHERE state = 'dead'",
+                    index("dead_idx")
+                ),
             ],
+            backlog: format!(
+                "SELECT (SELECT count(*) FROM {t} WHERE state = 'pending'), \
+                 (SELECT count(*) FROM {t} WHERE state = 'dead'), \
+                 (SELECT EXTRACT(EPOCH FROM clock_timestamp() - min(created_at))::float8 \
+                  FROM {t} WHERE state = 'pending')"
+            ),
             enqueue: format!(
                 "WITH m AS (INSERT INTO {t} (destination, message_key, payload, header_names, \
                  header_values, ordering_key, available_at) \

@@ -22,6 +22,13 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// `idempotency.outbox.deliveries` (counter; label `result`: `delivered`, `retried`, `dead`):
 /// delivery attempts of outbox messages, by how each ended.
 pub const OUTBOX_DELIVERIES: &str = "idempotency.outbox.deliveries";
+/// `idempotency.outbox.pending` (gauge): messages not delivered yet, as a relay last read it.
+pub const OUTBOX_PENDING: &str = "idempotency.outbox.pending";
+/// `idempotency.outbox.dead` (gauge): dead letters, as a relay last read it.
+pub const OUTBOX_DEAD: &str = "idempotency.outbox.dead";
+/// `idempotency.outbox.oldest_pending_age` (gauge, seconds): how long the oldest pending
+/// message has waited (0 with none pending), as a relay last read it.
+pub const OUTBOX_OLDEST_PENDING_AGE: &str = "idempotency.outbox.oldest_pending_age";
 
 /// One committed message, as the relay hands it to a sink. (To test a sink of your own, start
 /// from `OutboxMessage::default()` and set the fields.)
@@ -169,8 +176,10 @@ struct Settings {
 ///   [`Outbox::requeue`]. A dead-lettered message no longer holds back later messages with
 ///   its ordering key (so a requeued one may follow them). A row that cannot be read
 ///   (edited by hand) is dead-lettered with the reason.
-/// - **Reaping.** Every [`reap_every`](RelayBuilder::reap_every), delivered messages older
-///   than [`retain_delivered`](RelayBuilder::retain_delivered) are deleted.
+/// - **Reaping and the backlog.** Every [`reap_every`](RelayBuilder::reap_every), delivered
+///   messages older than [`retain_delivered`](RelayBuilder::retain_delivered) are deleted,
+///   and the [backlog](Outbox::backlog) is read into the gauges [`OUTBOX_PENDING`],
+///   [`OUTBOX_DEAD`] and [`OUTBOX_OLDEST_PENDING_AGE`].
 /// - **The database down.** A batch that fails is logged and tried again after the poll
 ///   interval; nothing is lost (messages not recorded as delivered are delivered again).
 ///
@@ -193,6 +202,9 @@ struct RelayMetrics {
     delivered: metrics::Counter,
     retried: metrics::Counter,
     dead: metrics::Counter,
+    pending_now: metrics::Gauge,
+    dead_now: metrics::Gauge,
+    oldest_pending_age: metrics::Gauge,
 }
 
 impl RelayMetrics {
@@ -202,12 +214,26 @@ impl RelayMetrics {
             metrics::Unit::Count,
             "Delivery attempts of outbox messages, by result"
         );
+        metrics::describe_gauge!(
+            OUTBOX_PENDING,
+            metrics::Unit::Count,
+            "Outbox messages not delivered yet"
+        );
+        metrics::describe_gauge!(OUTBOX_DEAD, metrics::Unit::Count, "Outbox dead letters");
+        metrics::describe_gauge!(
+            OUTBOX_OLDEST_PENDING_AGE,
+            metrics::Unit::Seconds,
+            "How long the oldest pending outbox message has waited"
+        );
         let counter =
             |result: &'static str| metrics::counter!(OUTBOX_DELIVERIES, "result" => result);
         RelayMetrics {
             delivered: counter("delivered"),
             retried: counter("retried"),
             dead: counter("dead"),
+            pending_now: metrics::gauge!(OUTBOX_PENDING),
+            dead_now: metrics::gauge!(OUTBOX_DEAD),
+            oldest_pending_age: metrics::gauge!(OUTBOX_OLDEST_PENDING_AGE),
         }
     }
 }
@@ -277,7 +303,7 @@ impl RelayBuilder {
         self
     }
 
-    /// How often delivered messages are reaped (default 1 min).
+    /// How often delivered messages are reaped and the backlog gauges read (default 1 min).
     pub fn reap_every(mut self, every: Duration) -> Self {
         self.settings.reap_every = every.max(Duration::from_millis(1));
         self
@@ -490,6 +516,17 @@ impl Relay {
                     .await
                 {
                     tracing::warn!(outbox = %self.outbox.table(), error = &error as &dyn std::error::Error, "could not reap delivered outbox messages");
+                }
+                match self.outbox.backlog(&self.pool).await {
+                    Ok(backlog) => {
+                        self.metrics.pending_now.set(backlog.pending as f64);
+                        self.metrics.dead_now.set(backlog.dead as f64);
+                        let age = backlog.oldest_pending.unwrap_or_default();
+                        self.metrics.oldest_pending_age.set(age.as_secs_f64());
+                    }
+                    Err(error) => {
+                        tracing::warn!(outbox = %self.outbox.table(), error = &error as &dyn std::error::Error, "could not read the outbox's backlog")
+                    }
                 }
             }
             if more {
