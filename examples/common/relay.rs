@@ -21,6 +21,7 @@ pub(crate) const NOTIFICATIONS: &str = "notifications";
 /// The relay's settings, from the environment: `None` without `NOTIFY_URL`.
 pub(crate) struct RelaySettings {
     pub(crate) notify_url: String,
+    sink: HttpSink,
     max_attempts: u32,
     backoff: Duration,
     poll: Duration,
@@ -48,10 +49,11 @@ pub(crate) fn relay_settings() -> Result<Option<RelaySettings>, String> {
         "RELAY_DELIVERY_TIMEOUT",
         &var("RELAY_DELIVERY_TIMEOUT", "30s"),
     )?;
-    // Checked now, so that a bad URL stops the process at startup.
-    HttpSink::new(&notify_url).map_err(|e| format!("NOTIFY_URL={notify_url:?}: {e}"))?;
+    // Built now, so that a bad URL stops the process at startup.
+    let sink = HttpSink::new(&notify_url).map_err(|e| format!("NOTIFY_URL={notify_url:?}: {e}"))?;
     Ok(Some(RelaySettings {
         notify_url,
+        sink,
         max_attempts,
         backoff,
         poll,
@@ -61,9 +63,8 @@ pub(crate) fn relay_settings() -> Result<Option<RelaySettings>, String> {
 
 /// The relay of `outbox`'s notifications to `NOTIFY_URL`.
 pub(crate) fn relay(pool: PgPool, outbox: Outbox, settings: &RelaySettings) -> Relay {
-    let sink = HttpSink::new(&settings.notify_url).expect("checked when read");
     Relay::builder(pool, outbox)
-        .sink(NOTIFICATIONS, sink)
+        .sink(NOTIFICATIONS, settings.sink.clone())
         .max_attempts(settings.max_attempts)
         .backoff(
             settings.backoff,

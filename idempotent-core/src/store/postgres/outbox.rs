@@ -460,7 +460,8 @@ pub(crate) struct OutboxSql {
     take: String,
     /// `$1` the ids delivered.
     pub(crate) delivered: String,
-    /// `$1` id, `$2` error, `$3` backoff (µs), `$4` the most attempts.
+    /// `$1` id, `$2` error, `$3` backoff (µs). Whether the attempt was the last is the
+    /// relay's decision: then it runs [`dead`](Self::dead) instead.
     pub(crate) failed: String,
     /// `$1` id, `$2` error.
     pub(crate) dead: String,
@@ -567,7 +568,6 @@ impl OutboxSql {
             ),
             failed: format!(
                 "UPDATE {t} SET attempts = LEAST(attempts, 2147483646) + 1, last_error = $2, \
-                 state = CASE WHEN LEAST(attempts, 2147483646) + 1 >= $4 THEN 'dead' ELSE 'pending' END, \
                  available_at = clock_timestamp() + $3 * interval '1 microsecond' \
                  WHERE id = $1"
             ),

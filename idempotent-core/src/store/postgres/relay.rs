@@ -438,7 +438,6 @@ impl Relay {
                     .bind(id)
                     .bind(text)
                     .bind(micros(self.backoff(*id, *attempt)))
-                    .bind(i64::from(settings.max_attempts))
             };
             (&mut *tx).execute(update).await.map_err(store_error)?;
             if dead {
