@@ -38,6 +38,14 @@ async fn pool(url: &str, connections: u32) -> PgPool {
         .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}; is PostgreSQL running?"))
 }
 
+/// A pool of `connections` and a migrated outbox of the test's own, or `None` when
+/// PostgreSQL is not configured (and not required).
+async fn setup(connections: u32) -> Option<(PgPool, Outbox)> {
+    let pool = pool(&backend_url(URL_VAR)?, connections).await;
+    let outbox = outbox(&pool).await;
+    Some((pool, outbox))
+}
+
 /// A migrated outbox on a table of its own.
 async fn outbox(pool: &PgPool) -> Outbox {
     let outbox = Outbox::with_table(&format!("outbox_{}", &fresh_key().to_hex()[..16])).unwrap();
@@ -114,6 +122,16 @@ impl Sink for Recorder {
     }
 }
 
+/// Waits until `check` holds, looking every 20 ms; fails the test with `what` after
+/// [`BOUND`].
+async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
+    let start = Instant::now();
+    while !check().await {
+        assert!(start.elapsed() < BOUND, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Runs `relay` batch after batch until a batch takes nothing and `done` holds.
 async fn drain(relay: &Relay, done: impl Fn() -> bool) {
     let start = Instant::now();
@@ -131,11 +149,9 @@ async fn drain(relay: &Relay, done: impl Fn() -> bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_commits_or_rolls_back_with_the_transaction() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some((pool, outbox)) = setup(4).await else {
         return;
     };
-    let pool = pool(&url, 4).await;
-    let outbox = outbox(&pool).await;
     let key = Key::new("order-7-confirmation").unwrap();
 
     let mut tx = pool.begin().await.unwrap();
@@ -179,11 +195,9 @@ async fn a_message_commits_or_rolls_back_with_the_transaction() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_takes_the_running_claims_operation_key() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some((pool, outbox)) = setup(4).await else {
         return;
     };
-    let pool = pool(&url, 4).await;
-    let outbox = outbox(&pool).await;
     let store = PostgresStore::new(pool.clone());
     store.migrate().await.unwrap();
     let transactional = store.transactional().namespace("outbox-test");
@@ -287,11 +301,9 @@ async fn a_message_takes_the_running_claims_operation_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failures_are_retried_with_backoff_then_dead_lettered_with_the_last_error() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some((pool, outbox)) = setup(4).await else {
         return;
     };
-    let pool = pool(&url, 4).await;
-    let outbox = outbox(&pool).await;
     let mut tx = pool.begin().await.unwrap();
     let mut ids = HashMap::new();
     for payload in ["flaky", "poison", "refuse"] {
@@ -380,11 +392,9 @@ async fn failures_are_retried_with_backoff_then_dead_lettered_with_the_last_erro
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_with_one_ordering_key_are_delivered_in_order() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some((pool, outbox)) = setup(8).await else {
         return;
     };
-    let pool = pool(&url, 8).await;
-    let outbox = outbox(&pool).await;
     // Three accounts, ten messages each, interleaved; every message fails once first.
     let mut tx = pool.begin().await.unwrap();
     for n in 0..30 {
@@ -443,11 +453,9 @@ async fn messages_with_one_ordering_key_are_delivered_in_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_relays_share_the_work_and_never_deliver_one_message_at_once() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some((pool, outbox)) = setup(16).await else {
         return;
     };
-    let pool = pool(&url, 16).await;
-    let outbox = outbox(&pool).await;
     const MESSAGES: usize = 600;
     // Enqueued from 20 transactions at once.
     let writers: Vec<_> = (0..20)
@@ -481,15 +489,10 @@ async fn many_relays_share_the_work_and_never_deliver_one_message_at_once() {
     for writer in writers {
         writer.await.unwrap();
     }
-    let start = Instant::now();
-    while sink.delivered().len() < MESSAGES {
-        assert!(
-            start.elapsed() < BOUND,
-            "{} of {MESSAGES} delivered",
-            sink.delivered().len()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("every message delivered", async || {
+        sink.delivered().len() >= MESSAGES
+    })
+    .await;
     for relay in relays {
         timeout(BOUND, relay.stop()).await.unwrap();
     }
@@ -505,11 +508,9 @@ async fn many_relays_share_the_work_and_never_deliver_one_message_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_notify_wakes_the_relay_before_its_poll_interval() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some((pool, outbox)) = setup(4).await else {
         return;
     };
-    let pool = pool(&url, 4).await;
-    let outbox = outbox(&pool).await;
     woken_by_notify(&pool, &outbox).await;
 }
 
@@ -528,21 +529,18 @@ async fn woken_by_notify(pool: &PgPool, outbox: &Outbox) {
     let message = Message::new("hook", "wake").key(Key::new("wake").unwrap());
     outbox.enqueue(&mut tx, &message).await.unwrap();
     tx.commit().await.unwrap();
-    let start = Instant::now();
-    while sink.delivered().is_empty() {
-        assert!(start.elapsed() < BOUND, "the NOTIFY did not wake the relay");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the NOTIFY woke the relay", async || {
+        !sink.delivered().is_empty()
+    })
+    .await;
     timeout(BOUND, relay.stop()).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delivered_messages_are_reaped_and_the_others_kept() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some((pool, outbox)) = setup(4).await else {
         return;
     };
-    let pool = pool(&url, 4).await;
-    let outbox = outbox(&pool).await;
     let mut tx = pool.begin().await.unwrap();
     for payload in ["ok-1", "ok-2", "refuse", "poison"] {
         let message = Message::new("hook", payload).key(Key::new(payload).unwrap());
@@ -582,11 +580,9 @@ async fn delivered_messages_are_reaped_and_the_others_kept() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_messages_are_refused_before_anything_is_written() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some((pool, outbox)) = setup(4).await else {
         return;
     };
-    let pool = pool(&url, 4).await;
-    let outbox = outbox(&pool).await;
     let key = Key::new("k").unwrap();
     let mut tx = pool.begin().await.unwrap();
     let cases = [
@@ -705,11 +701,9 @@ async fn the_redis_streams_sink_adds_each_message_with_its_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sink_that_panics_and_a_row_that_cannot_be_read_fail_only_their_message() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some((pool, outbox)) = setup(4).await else {
         return;
     };
-    let pool = pool(&url, 4).await;
-    let outbox = outbox(&pool).await;
     let mut tx = pool.begin().await.unwrap();
     let mut ids = HashMap::new();
     for payload in ["panic", "edited", "fine"] {
@@ -763,11 +757,9 @@ async fn a_sink_that_panics_and_a_row_that_cannot_be_read_fail_only_their_messag
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_ordering_key_is_delivered_in_commit_order() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some((pool, outbox)) = setup(8).await else {
         return;
     };
-    let pool = pool(&url, 8).await;
-    let outbox = outbox(&pool).await;
     let message = |n: u32| {
         Message::new("hook", format!("m{n}"))
             .key(Key::new(format!("m{n}")).unwrap())
@@ -786,20 +778,16 @@ async fn one_ordering_key_is_delivered_in_commit_order() {
         })
     };
     // It waits for the first transaction's turn on the ordering key.
-    let start = Instant::now();
-    loop {
+    eventually("the second enqueue waits", async || {
         let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
         )
         .fetch_one(&pool)
         .await
         .unwrap();
-        if waiting > 0 {
-            break;
-        }
-        assert!(start.elapsed() < BOUND, "the second enqueue did not wait");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+        waiting > 0
+    })
+    .await;
     let sink = Recorder::default();
     let relay = Relay::builder(pool.clone(), outbox.clone())
         .sink("hook", sink.clone())
@@ -845,11 +833,9 @@ async fn a_long_table_name_gets_a_channel_postgresql_accepts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_stops_when_its_handle_is_stopped_or_dropped() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some((pool, outbox)) = setup(4).await else {
         return;
     };
-    let pool = pool(&url, 4).await;
-    let outbox = outbox(&pool).await;
     // A running relay listens on the outbox's channel; a stopped one no longer does.
     let listening = || {
         let (pool, channel) = (pool.clone(), outbox.channel().to_owned());
@@ -868,34 +854,25 @@ async fn a_relay_stops_when_its_handle_is_stopped_or_dropped() {
             .sink("hook", Recorder::default())
             .build()
             .spawn();
-        let start = Instant::now();
-        while listening().await == 0 {
-            assert!(start.elapsed() < BOUND, "the relay never listened");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        eventually("the relay listens", async || listening().await > 0).await;
         if drop_it {
             drop(relay);
         } else {
             timeout(BOUND, relay.stop()).await.unwrap();
         }
-        let start = Instant::now();
-        while listening().await > 0 {
-            assert!(
-                start.elapsed() < BOUND,
-                "the relay did not stop (dropped: {drop_it})"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        eventually(
+            &format!("the relay stops (dropped: {drop_it})"),
+            async || listening().await == 0,
+        )
+        .await;
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_backlog_is_read_and_reported_as_gauges() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some((pool, outbox)) = setup(4).await else {
         return;
     };
-    let pool = pool(&url, 4).await;
-    let outbox = outbox(&pool).await;
     let empty = outbox.backlog(&pool).await.unwrap();
     assert_eq!(
         (empty.pending, empty.dead, empty.oldest_pending),
@@ -923,18 +900,11 @@ async fn the_backlog_is_read_and_reported_as_gauges() {
     });
     let running = relay.spawn();
     // ok delivered, refuse dead, poison waiting for its retry, later not due.
-    let start = Instant::now();
-    while (
-        recorded.gauge(OUTBOX_PENDING, &[]),
-        recorded.gauge(OUTBOX_DEAD, &[]),
-    ) != (2.0, 1.0)
-    {
-        assert!(
-            start.elapsed() < BOUND,
-            "the gauges never showed the backlog"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the gauges show the backlog", async || {
+        let gauge = |name| recorded.gauge(name, &[]);
+        (gauge(OUTBOX_PENDING), gauge(OUTBOX_DEAD)) == (2.0, 1.0)
+    })
+    .await;
     assert!(recorded.gauge(OUTBOX_OLDEST_PENDING_AGE, &[]) >= 0.05);
     timeout(BOUND, running.stop()).await.unwrap();
     let backlog = outbox.backlog(&pool).await.unwrap();
