@@ -176,7 +176,7 @@ fn store_benches(c: &mut Criterion) {
                         let key = &keys[i as usize];
                         let fingerprint = &fingerprint;
                         async move {
-                            let claim = store.claim(key, fingerprint, LEASE).await;
+                            let claim = store.claim(key, fingerprint, LEASE, LEASE).await;
                             let Ok(Claim::Claimed(token)) = claim else {
                                 panic!("claim on a fresh key: {claim:?}");
                             };
@@ -191,7 +191,7 @@ fn store_benches(c: &mut Criterion) {
     let replay_store = store();
     let key = storage_key(u64::MAX);
     runtime.block_on(async {
-        let claim = replay_store.claim(&key, &fingerprint, LEASE).await;
+        let claim = replay_store.claim(&key, &fingerprint, LEASE, LEASE).await;
         let Ok(Claim::Claimed(token)) = claim else {
             panic!("setup claim: {claim:?}");
         };
@@ -203,7 +203,7 @@ fn store_benches(c: &mut Criterion) {
     group.bench_function("replay", |b| {
         b.iter_custom(|iters| {
             timed_loop(&runtime, iters, |_| async {
-                match replay_store.claim(&key, &fingerprint, LEASE).await {
+                match replay_store.claim(&key, &fingerprint, LEASE, LEASE).await {
                     Ok(Claim::Completed { payload, .. }) if payload.len() == PAYLOAD.len() => {
                         payload
                     }
@@ -306,7 +306,7 @@ fn contention_benches(c: &mut Criterion) {
             } else {
                 let storage_key = idempotency.storage_key(&fresh_call(key));
                 let claim = hot_store
-                    .claim(&storage_key, &Fingerprint::empty(), HELD_LEASE)
+                    .claim(&storage_key, &Fingerprint::empty(), HELD_LEASE, HELD_LEASE)
                     .await;
                 assert!(matches!(claim, Ok(Claim::Claimed(_))), "{claim:?}");
             }

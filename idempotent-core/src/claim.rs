@@ -84,6 +84,8 @@ pub struct ClaimHandle {
 struct ClaimState {
     key: StorageKey,
     token: FencingToken,
+    /// The token that began the record's lifetime: with the key, it names the operation.
+    lifetime: FencingToken,
     lease: Duration,
     /// `None` in the transactional mode: there the claim is a row of the caller's open
     /// transaction, held by the database until the transaction ends.
@@ -122,32 +124,38 @@ impl fmt::Debug for ClaimHandle {
 }
 
 impl ClaimHandle {
-    pub(crate) fn leased(
-        store: Arc<dyn DynStore>,
-        key: StorageKey,
-        token: FencingToken,
-        lease: Duration,
-    ) -> Self {
-        Self::with_store(Some(store), key, token, lease)
+    pub(crate) fn leased(seed: &Seed) -> Self {
+        Self::with_store(
+            Some(Arc::clone(&seed.store)),
+            seed.key,
+            (seed.token, seed.lifetime),
+            seed.lease,
+        )
     }
 
     /// A claim held by an open database transaction: it cannot be lost while the transaction
     /// is open, and nothing of it survives if the transaction does not commit.
     #[cfg(feature = "postgres")]
-    pub(crate) fn transactional(key: StorageKey, token: FencingToken, lease: Duration) -> Self {
-        Self::with_store(None, key, token, lease)
+    pub(crate) fn transactional(
+        key: StorageKey,
+        token: FencingToken,
+        lifetime: FencingToken,
+        lease: Duration,
+    ) -> Self {
+        Self::with_store(None, key, (token, lifetime), lease)
     }
 
     fn with_store(
         store: Option<Arc<dyn DynStore>>,
         key: StorageKey,
-        token: FencingToken,
+        (token, lifetime): (FencingToken, FencingToken),
         lease: Duration,
     ) -> Self {
         ClaimHandle {
             state: Arc::new(ClaimState {
                 key,
                 token,
+                lifetime,
                 lease,
                 store,
                 phase: AtomicU8::new(HELD),
@@ -185,10 +193,18 @@ impl ClaimHandle {
         self.state.key
     }
 
-    /// The key to pass downstream for this operation: see
-    /// [`StorageKey::operation_key`]. Identical for every owner and attempt of the operation.
+    /// The key to pass downstream for this operation: see [`StorageKey::operation_key`].
+    /// Identical for every owner and attempt while the record lives (a takeover after a lapsed
+    /// lease, and a retry after a release, included); different once the record has expired
+    /// and the same client key begins a new operation.
     pub fn operation_key(&self) -> Key {
-        self.state.key.operation_key()
+        self.state.key.operation_key(self.state.lifetime)
+    }
+
+    /// The token of the claim that began the record's lifetime (this claim's own
+    /// [`token`](Self::token), unless it took over an abandoned claim of the same request).
+    pub fn lifetime(&self) -> FencingToken {
+        self.state.lifetime
     }
 
     /// The claim's lease: how long it lives without renewal.
@@ -347,6 +363,7 @@ pub(crate) struct Seed {
     pub(crate) store: Arc<dyn DynStore>,
     pub(crate) key: StorageKey,
     pub(crate) token: FencingToken,
+    pub(crate) lifetime: FencingToken,
     pub(crate) lease: Duration,
 }
 
@@ -399,9 +416,7 @@ impl ClaimSlot {
     pub(crate) fn handle(&self) -> ClaimHandle {
         self.handle
             .get_or_init(|| match &self.seed {
-                Some(seed) => {
-                    ClaimHandle::leased(Arc::clone(&seed.store), seed.key, seed.token, seed.lease)
-                }
+                Some(seed) => ClaimHandle::leased(seed),
                 // Built with its handle (`of`): never reached.
                 None => unreachable!("a slot without a seed is created with its handle"),
             })
@@ -461,6 +476,7 @@ async fn release(seed: Option<Seed>, handle: Option<ClaimHandle>) {
         key,
         token,
         lease,
+        ..
     }) = seed
     else {
         return;

@@ -15,8 +15,9 @@ const LAST_WAIT_POLL: Duration = Duration::from_millis(200);
 
 /// What a call does next with a store's answer to its claim.
 pub(crate) enum Step {
-    /// The call owns the key: run the work.
-    Owner(FencingToken),
+    /// The call owns the key with this token, in the record lifetime the second token began:
+    /// run the work.
+    Owner(FencingToken, FencingToken),
     /// An earlier call completed: replay these result bytes.
     Replay(bytes::Bytes),
     /// The key is in flight and the call waits: claim again after at most this long.
@@ -65,7 +66,8 @@ impl ClaimAnswer {
         claim: Claim,
     ) -> Result<Step, Error> {
         let (recorded, found) = match claim {
-            Claim::Claimed(token) => return Ok(Step::Owner(token)),
+            Claim::Claimed(token) => return Ok(Step::Owner(token, token)),
+            Claim::TakenOver { token, lifetime } => return Ok(Step::Owner(token, lifetime)),
             Claim::Completed {
                 fingerprint,
                 payload,

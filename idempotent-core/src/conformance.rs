@@ -121,8 +121,11 @@ macro_rules! store_conformance_tests {
             completed_record_replays_fingerprint_and_payload,
             payload_round_trips_empty_and_one_mebibyte,
             stale_token_is_rejected_everywhere,
-            completed_record_cannot_be_released_renewed_or_recompleted,
+            completed_record_cannot_be_released_or_renewed_and_a_repeated_completion_changes_nothing,
             release_frees_the_key_for_a_higher_token,
+            takeover_of_the_same_request_continues_the_lifetime,
+            expired_record_begins_a_new_lifetime,
+            abandoned_claim_is_kept_for_its_ttl_only,
             lease_expiry_allows_takeover_and_fences_the_old_owner,
             renew_extends_the_lease,
             ttl_expiry_frees_the_key,
@@ -191,15 +194,38 @@ fn fp(label: &str) -> Fingerprint {
     Fingerprint::from_bytes(label.as_bytes())
 }
 
+/// Claims `key` (with a TTL equal to the lease) and returns the token, whether the claim
+/// began a lifetime or continued one.
 async fn claimed<S: Store>(
     store: &S,
     key: &StorageKey,
     f: &Fingerprint,
     lease: Duration,
 ) -> FencingToken {
-    match store.claim(key, f, lease).await {
-        Ok(Claim::Claimed(token)) => token,
-        other => panic!("expected Claimed, got {other:?}"),
+    match store.claim(key, f, lease, lease).await {
+        Ok(Claim::Claimed(token) | Claim::TakenOver { token, .. }) => token,
+        other => panic!("expected Claimed or TakenOver, got {other:?}"),
+    }
+}
+
+/// Claims `key` for `lease` and `ttl`: the token and the token that began the record's
+/// lifetime.
+async fn owned<S: Store>(
+    store: &S,
+    key: &StorageKey,
+    f: &Fingerprint,
+    (lease, ttl): (Duration, Duration),
+) -> (FencingToken, FencingToken) {
+    match store.claim(key, f, lease, ttl).await {
+        Ok(Claim::Claimed(token)) => (token, token),
+        Ok(Claim::TakenOver { token, lifetime }) => {
+            assert!(
+                lifetime < token,
+                "a lifetime {lifetime:?} taken over begins before the new token {token:?}"
+            );
+            (token, lifetime)
+        }
+        other => panic!("expected Claimed or TakenOver, got {other:?}"),
     }
 }
 
@@ -216,7 +242,7 @@ async fn assert_in_flight<S: Store>(
     expected: &Fingerprint,
     lease: Duration,
 ) {
-    match store.claim(key, &fp("probe"), lease).await {
+    match store.claim(key, &fp("probe"), lease, lease).await {
         Ok(Claim::InFlight {
             fingerprint,
             retry_after,
@@ -241,7 +267,12 @@ async fn assert_completed<S: Store>(
     expected: &[u8],
 ) {
     match store
-        .claim(key, &fp("probe"), Duration::from_secs(60))
+        .claim(
+            key,
+            &fp("probe"),
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        )
         .await
     {
         Ok(Claim::Completed {
@@ -279,7 +310,7 @@ async fn exactly_one_winner<S: Store + Clone>(store: S, n: usize, lease: Duratio
             tokio::spawn(async move {
                 start.wait().await;
                 let f = fp(&format!("claimer {i}"));
-                (f, store.claim(&key, &f, lease).await)
+                (f, store.claim(&key, &f, lease, lease).await)
             })
         })
         .collect();
@@ -311,7 +342,7 @@ pub async fn in_flight_record_reports_fingerprint_and_lease<H: Harness>(h: &H) {
     let (store, key, lease) = (h.store(), fresh_key(), 4 * h.time_unit());
     let owner = fp("owner");
     claimed(store, &key, &owner, lease).await;
-    match store.claim(&key, &fp("other"), lease).await {
+    match store.claim(&key, &fp("other"), lease, lease).await {
         Ok(Claim::InFlight {
             fingerprint,
             retry_after,
@@ -422,9 +453,14 @@ pub async fn stale_token_is_rejected_everywhere<H: Harness>(h: &H) {
     assert_completed(store, &key, &owner, b"done").await;
 }
 
-/// Once completed, a record is not released, renewed or completed again, even with the token
-/// that completed it.
-pub async fn completed_record_cannot_be_released_renewed_or_recompleted<H: Harness>(h: &H) {
+/// Once completed, a record is not released or renewed, even with the token that completed
+/// it; a completion repeated with that token (its first answer was lost, or it carries
+/// another payload) succeeds and changes nothing.
+pub async fn completed_record_cannot_be_released_or_renewed_and_a_repeated_completion_changes_nothing<
+    H: Harness,
+>(
+    h: &H,
+) {
     let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
     let f = fp("request");
     let token = claimed(store, &key, &f, 2 * unit).await;
@@ -440,11 +476,20 @@ pub async fn completed_record_cannot_be_released_renewed_or_recompleted<H: Harne
         store.renew(&key, token, unit).await,
         "renew of a completed record",
     );
+    store
+        .complete(&key, token, Bytes::from_static(b"second"), 10 * unit)
+        .await
+        .expect("the owner's repeated completion finds its own record and succeeds");
     assert_rejected(
         store
-            .complete(&key, token, Bytes::from_static(b"second"), 10 * unit)
+            .complete(
+                &key,
+                FencingToken::new(token.get().wrapping_add(1)),
+                Bytes::from_static(b"third"),
+                10 * unit,
+            )
             .await,
-        "second complete",
+        "completion of a completed record with another token",
     );
     assert_completed(store, &key, &f, b"first").await;
 }
@@ -492,6 +537,82 @@ pub async fn lease_expiry_allows_takeover_and_fences_the_old_owner<H: Harness>(h
         .await
         .expect("new owner completes");
     assert_completed(store, &key, &fp("new"), b"fresh").await;
+}
+
+/// An owner whose lease ended, or who released its claim, leaves the record for the next
+/// claim of the same request to take over: a new, higher token in the same lifetime (the
+/// operation keeps its downstream key). A claim of another request begins a new lifetime.
+pub async fn takeover_of_the_same_request_continues_the_lifetime<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let f = fp("request");
+    let terms = (2 * unit, 20 * unit);
+    let (first, lifetime) = owned(store, &key, &f, terms).await;
+    assert_eq!(
+        lifetime, first,
+        "a claim on an absent key begins a lifetime"
+    );
+    // The lease lapses: the successor continues the lifetime.
+    h.advance(3 * unit).await;
+    let (second, continued) = owned(store, &key, &f, terms).await;
+    assert!(second > first);
+    assert_eq!(continued, lifetime, "a takeover after a lapsed lease");
+    assert_rejected(
+        store
+            .complete(&key, first, Bytes::from_static(b"stale"), 10 * unit)
+            .await,
+        "the lapsed owner's complete",
+    );
+    // Released: the retry continues it too.
+    store.release(&key, second).await.expect("release");
+    let (third, continued) = owned(store, &key, &f, terms).await;
+    assert!(third > second);
+    assert_eq!(continued, lifetime, "a retry after a release");
+    assert_rejected(
+        store.renew(&key, second, 2 * unit).await,
+        "the released owner's renew",
+    );
+    // Another request on the abandoned record begins a lifetime of its own.
+    store.release(&key, third).await.expect("release");
+    let (fourth, other) = owned(store, &key, &fp("another request"), terms).await;
+    assert!(fourth > third);
+    assert_eq!(other, fourth, "another request begins a new lifetime");
+    store
+        .complete(&key, fourth, Bytes::from_static(b"done"), 10 * unit)
+        .await
+        .expect("the last owner completes");
+    assert_completed(store, &key, &fp("another request"), b"done").await;
+}
+
+/// A claim after the record's TTL ended begins a new lifetime: the reused key is a new
+/// operation.
+pub async fn expired_record_begins_a_new_lifetime<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let f = fp("request");
+    let (token, lifetime) = owned(store, &key, &f, (2 * unit, 2 * unit)).await;
+    store
+        .complete(&key, token, Bytes::from_static(b"result"), 2 * unit)
+        .await
+        .expect("complete");
+    h.advance(3 * unit).await;
+    let (next, next_lifetime) = owned(store, &key, &f, (2 * unit, 2 * unit)).await;
+    assert!(next > token);
+    assert_eq!(
+        next_lifetime, next,
+        "the expired record's successor begins a lifetime"
+    );
+    assert_ne!(next_lifetime, lifetime);
+}
+
+/// An abandoned claim is kept no longer than the TTL it was claimed with: then the same
+/// request begins a new lifetime.
+pub async fn abandoned_claim_is_kept_for_its_ttl_only<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let f = fp("request");
+    let (token, _) = owned(store, &key, &f, (unit, 3 * unit)).await;
+    h.advance(4 * unit).await;
+    let (next, lifetime) = owned(store, &key, &f, (unit, 3 * unit)).await;
+    assert!(next > token);
+    assert_eq!(lifetime, next, "past its TTL the abandoned claim is gone");
 }
 
 /// Renewing extends the lease from now; an expired lease cannot be renewed.

@@ -275,18 +275,27 @@ impl StorageKey {
         &self.0
     }
 
-    /// The key to hand to a downstream system for this operation (a payment provider's
-    /// `Idempotency-Key`, a consumer that deduplicates, the outbox relay).
+    /// The key to hand to a downstream system for the operation of this storage key whose
+    /// record lifetime began with the claim holding `lifetime` (a payment provider's
+    /// `Idempotency-Key`, a consumer that deduplicates, the outbox relay). The running work
+    /// gets it from [`ClaimHandle::operation_key`](crate::ClaimHandle::operation_key).
     ///
-    /// It is the same for every owner and every attempt of one operation (it depends only on
-    /// the storage key: namespace, scope and client key), differs across scopes and namespaces,
-    /// and reveals nothing of the client's key or of the storage key (it is a separate blake3
-    /// derivation of the storage key). It is 64 lowercase hex characters: a valid [`Key`], and
-    /// a valid idempotency key for providers that accept up to 255 printable characters.
+    /// A record's lifetime begins with the claim that finds no live record, and goes on
+    /// through every takeover of the same request after a lease lapsed or a claim was
+    /// released, until the record expires. So the key is the same for every owner and every
+    /// attempt of one operation, and different when the client key is reused after its
+    /// record expired (a new operation, which must reach the provider as a new charge). It
+    /// differs across scopes and namespaces, and reveals nothing of the client's key or of
+    /// the storage key (it is a separate blake3 derivation of the storage key and the
+    /// lifetime). It is 64 lowercase hex characters: a valid [`Key`], and a valid idempotency
+    /// key for providers that accept up to 255 printable characters.
     ///
     /// The derivation is stable across processes, platforms and releases of this crate.
-    pub fn operation_key(&self) -> Key {
-        let digest = blake3::derive_key(OPERATION_KEY_CONTEXT, &self.0);
+    pub fn operation_key(&self, lifetime: crate::FencingToken) -> Key {
+        let mut input = [0u8; 40];
+        input[..32].copy_from_slice(&self.0);
+        input[32..].copy_from_slice(&lifetime.get().to_be_bytes());
+        let digest = blake3::derive_key(OPERATION_KEY_CONTEXT, &input);
         Key(hex(&digest).into_boxed_str())
     }
 
@@ -305,7 +314,7 @@ fn hex(bytes: &[u8; 32]) -> String {
     out
 }
 
-const OPERATION_KEY_CONTEXT: &str = "idempotent 2026-11 downstream operation key v1";
+const OPERATION_KEY_CONTEXT: &str = "idempotent 2026-11 downstream operation key v2";
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
 

@@ -67,7 +67,7 @@
 //!
 //! | where | what |
 //! |---|---|
-//! | the root: the runtime | [`Idempotency`], [`IdempotencyBuilder`], [`Drained`], [`DEFAULT_RECORD_RETRY`] |
+//! | the root: the runtime | [`Idempotency`], [`IdempotencyBuilder`], [`Drained`], [`DEFAULT_RECORD_RETRY`], [`CLAIM_TIMEOUT`] |
 //! | the root: one call | [`Call`], [`CallOptions`], [`Defaults`], [`InFlightPolicy`], [`DEFAULT_TTL`], [`DEFAULT_LEASE`], [`DEFAULT_MAX_RESULT_BYTES`] |
 //! | the root: outcomes | [`Retain`], [`Outcome`], [`Execution`], [`ClaimHandle`] |
 //! | the root: identity | [`Key`], [`KeyError`], [`MAX_KEY_LEN`], [`ToKey`], [`Scope`], [`StorageKey`], [`Fingerprint`], [`FingerprintBuilder`], [`CanonicalError`] |
@@ -256,7 +256,7 @@ pub use fingerprint::{CanonicalError, Fingerprint, FingerprintBuilder};
 pub use key::{Key, KeyError, MAX_KEY_LEN, Scope, StorageKey};
 pub use outcome::{Execution, Outcome, Retain};
 pub use problem::{GrpcCode, ProblemCode};
-pub use runtime::{DEFAULT_RECORD_RETRY, Idempotency, IdempotencyBuilder};
+pub use runtime::{CLAIM_TIMEOUT, DEFAULT_RECORD_RETRY, Idempotency, IdempotencyBuilder};
 pub use shutdown::Drained;
 pub use store::{Claim, FencingToken, Store};
 pub use to_key::ToKey;

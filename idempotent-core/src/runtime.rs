@@ -14,10 +14,10 @@ use crate::call::Settings;
 use crate::claim::{ClaimHandle, ClaimSlot, Seed};
 use crate::claim_answer::{ClaimAnswer, Step};
 use crate::envelope::Integrity;
-use crate::lease::Renewal;
+use crate::lease::{Renewal, attempt_limit, bounded};
 use crate::metrics::{Metrics, Protocol, RequestOutcome};
 use crate::record::{FinishOnDrop, First, Payload, Recording};
-use crate::shutdown::{Drain, Drained};
+use crate::shutdown::{Active, Drain, Drained};
 use crate::store::{BoxFuture, DynStore, Measured};
 use crate::{
     Call, Defaults, Error, Execution, FencingToken, Fingerprint, InFlightPolicy, Outcome, Retain,
@@ -27,6 +27,13 @@ use crate::{
 /// Default bound on retrying a result that could not be recorded: 60 seconds. See
 /// [`IdempotencyBuilder::record_retry`].
 pub const DEFAULT_RECORD_RETRY: Duration = Duration::from_secs(60);
+
+/// The longest the runtime waits for the store to answer a claim: 5 seconds (or a sixth of
+/// the lease, if shorter). A store that does not answer in time (frozen, or its connections
+/// hung) fails the call with [`Error::Store`] (HTTP `503 store_unavailable`) and nothing runs;
+/// Redis and PostgreSQL give back a claim that reaches them later, as soon as they answer
+/// again, so the retry does not wait for its lease.
+pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The idempotency runtime: a store plus defaults. Cheap to clone; clones share the store.
 ///
@@ -356,11 +363,11 @@ impl Idempotency {
             in_flight,
             max_result_bytes,
         } = call.settings(&inner.defaults);
-        let (token, claimed_at) = match self
-            .acquire(&key, call.fingerprint_ref(), lease, in_flight)
+        let (token, lifetime, claimed_at) = match self
+            .acquire(&key, call.fingerprint_ref(), (lease, ttl), in_flight)
             .await?
         {
-            Acquired::Owner(token, claimed_at) => (token, claimed_at),
+            Acquired::Owner(token, lifetime, claimed_at) => (token, lifetime, claimed_at),
             Acquired::Replay(bytes) => {
                 tracing::debug!(storage_key = %key, "idempotent call replayed");
                 return Ok(Execution::Replayed(bytes));
@@ -374,6 +381,7 @@ impl Idempotency {
             store: Arc::clone(&inner.store),
             key,
             token,
+            lifetime,
             lease,
         });
         // The lease is renewed on a task of its own, started only once the work first returns
@@ -416,16 +424,67 @@ impl Idempotency {
             return Err(Error::ShuttingDown);
         };
         let mut slot = slot;
-        let result = match retain(&value) {
-            Retain::Keep => encode(&value),
-            Retain::Release => {
+        // The work ran: a panic in `retain` or `encode` (a `Serialize` impl, say) must not
+        // unwind through the armed slot, which would release the claim and let a retry run
+        // the work again. It is recorded as "not retained", then resumed.
+        let decided =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match retain(&value) {
+                Retain::Keep => Some(encode(&value)),
+                Retain::Release => None,
+            }));
+        let (result, panicked) = match decided {
+            Ok(Some(result)) => (result, None),
+            Ok(None) => {
                 drop(renewal);
                 // Finished in the background if the caller stops waiting, like a record.
                 FinishOnDrop::with(slot.release(), active.detach()).await;
                 return Ok(Execution::Fresh(value));
             }
+            Err(panic) => {
+                tracing::error!(
+                    storage_key = %key,
+                    "deciding or encoding the result of an idempotent call panicked after its work ran; \
+                     it is recorded as done without a result (retries get result_not_retained)"
+                );
+                (None, Some(panic))
+            }
         };
         slot.disarm();
+        let finishing = Finishing {
+            key,
+            token,
+            ttl,
+            max_result_bytes,
+            claimed_at,
+            renewal,
+            slot,
+            active,
+        };
+        let recorded = self.finish(finishing, result, value).await;
+        if let Some(panic) = panicked {
+            std::panic::resume_unwind(panic);
+        }
+        recorded
+    }
+
+    /// Records the result of work that ran (`None`: done, not retained), and gives the
+    /// caller its value.
+    async fn finish<V>(
+        &self,
+        finishing: Finishing<'_>,
+        result: Option<Bytes>,
+        value: V,
+    ) -> Result<Execution<V>, Error> {
+        let Finishing {
+            key,
+            token,
+            ttl,
+            max_result_bytes,
+            claimed_at,
+            renewal,
+            slot,
+            active,
+        } = finishing;
         let payload = Payload::new(&key, result, max_result_bytes);
         // The first write is polled here; only if the store does not answer at once (or
         // fails) does the call build the machinery that finishes it if the caller goes away
@@ -480,7 +539,7 @@ impl Idempotency {
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
-        lease: Duration,
+        (lease, ttl): (Duration, Duration),
         policy: InFlightPolicy,
     ) -> Result<Acquired, Error> {
         let store = &*self.inner.store;
@@ -490,18 +549,32 @@ impl Idempotency {
             // later than the store's. A claim the store answers within its first poll (an
             // in-process store) needs no clock read: it happened now, and the work reads the
             // clock only if it waits (see `ClaimedAt`).
-            let mut claiming = store.claim(key, fingerprint, lease);
+            let mut claiming = store.claim(key, fingerprint, lease, ttl);
             let mut sent = ClaimedAt::Now;
-            let claim = std::future::poll_fn(|cx| {
-                let polled = claiming.as_mut().poll(cx);
-                if polled.is_pending() && matches!(sent, ClaimedAt::Now) {
-                    sent = ClaimedAt::At(tokio::time::Instant::now());
-                }
-                polled
-            })
-            .await?;
+            // Bounded like every other store operation: a store that does not answer (frozen,
+            // or its connections hung) fails the call closed instead of hanging it. The store
+            // gives back a claim that lands after this (see its docs).
+            let limit = claim_limit(lease);
+            let claim = bounded(
+                std::future::poll_fn(|cx| {
+                    let polled = claiming.as_mut().poll(cx);
+                    if polled.is_pending() && matches!(sent, ClaimedAt::Now) {
+                        sent = ClaimedAt::At(tokio::time::Instant::now());
+                    }
+                    polled
+                }),
+                limit,
+            )
+            .await
+            .unwrap_or_else(|| {
+                Err(StoreError::Unavailable(
+                    format!("the store did not answer the claim within {limit:?}").into(),
+                ))
+            })?;
             match answer.step(key, fingerprint, claim)? {
-                Step::Owner(token) => return Ok(Acquired::Owner(token, sent)),
+                Step::Owner(token, lifetime) => {
+                    return Ok(Acquired::Owner(token, lifetime, sent));
+                }
                 Step::Replay(bytes) => return Ok(Acquired::Replay(bytes)),
                 // Once shutdown has begun, a duplicate stops waiting for another owner: its
                 // client retries elsewhere rather than holding the shutdown up.
@@ -543,8 +616,27 @@ impl ClaimedAt {
     }
 }
 
+/// The longest a claim is waited for: [`CLAIM_TIMEOUT`], or a sixth of a shorter lease (like
+/// every other store operation).
+fn claim_limit(lease: Duration) -> Duration {
+    attempt_limit(lease).min(CLAIM_TIMEOUT)
+}
+
+/// What the runtime keeps of a call whose work ran, while its result is recorded.
+struct Finishing<'a> {
+    key: StorageKey,
+    token: FencingToken,
+    ttl: Duration,
+    max_result_bytes: usize,
+    claimed_at: ClaimedAt,
+    renewal: Option<Renewal>,
+    slot: ClaimSlot,
+    active: Active<'a>,
+}
+
 enum Acquired {
-    /// The call owns the key with this token; its claim was sent then.
-    Owner(FencingToken, ClaimedAt),
+    /// The call owns the key with this token, in the record lifetime the second token began;
+    /// its claim was sent then.
+    Owner(FencingToken, FencingToken, ClaimedAt),
     Replay(Bytes),
 }

@@ -11,8 +11,8 @@ use idempotent_core::clock::ManualClock;
 use idempotent_core::conformance::{Fault, Faults, FaultyStore, Op};
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
-    Call, Claim, ClaimHandle, Defaults, Error, Fingerprint, Idempotency, InFlightPolicy, Key,
-    Outcome, Retain, Scope, Store,
+    Call, CallOptions, Claim, ClaimHandle, Defaults, Error, FencingToken, Fingerprint, Idempotency,
+    InFlightPolicy, Key, Outcome, Retain, Scope, Store,
 };
 
 fn call(key: &str) -> Call {
@@ -91,7 +91,11 @@ async fn the_work_sees_its_claim_and_nothing_outside_does() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(seen.1, key.operation_key().as_str());
+    assert_eq!(
+        seen.1,
+        key.operation_key(FencingToken::new(seen.0)).as_str(),
+        "the first claim of a key begins its lifetime"
+    );
     assert!(ClaimHandle::current().is_none());
     // A task spawned by the work does not inherit it.
     let inherited = idem
@@ -169,6 +173,87 @@ async fn operation_key_is_one_per_operation_across_owners_and_distinct_across_sc
     assert!(text.bytes().all(|b| b.is_ascii_hexdigit()));
     assert!(!text.contains("order"));
     assert_ne!(text, idem.storage_key(&call("order-1")).to_hex());
+}
+
+// A key reused after its record expired reached the provider with the first operation's key
+// (derived from the storage key alone), so the provider answered the old charge and the new
+// payment never happened.
+#[tokio::test]
+async fn a_key_reused_after_its_record_expired_gets_a_new_operation_key() {
+    let clock = ManualClock::new();
+    let idem = Idempotency::new(MemoryStore::builder().clock(clock.clone()).build());
+    let ttl = Duration::from_secs(2);
+    let pay = || {
+        let idem = idem.clone();
+        async move {
+            idem.run(
+                &call("order-7").options(CallOptions::new().ttl(ttl)),
+                async {
+                    ClaimHandle::current()
+                        .unwrap()
+                        .operation_key()
+                        .as_str()
+                        .to_owned()
+                },
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let first = pay().await;
+    assert!(!first.is_replayed());
+    let first = first.into_inner();
+    let replay = pay().await;
+    assert!(replay.is_replayed());
+    assert_eq!(replay.into_inner(), first, "the record's life");
+    clock.advance(Duration::from_millis(3200));
+    let reused = pay().await;
+    assert!(!reused.is_replayed(), "the record expired: a new operation");
+    assert_ne!(
+        reused.into_inner(),
+        first,
+        "a new operation gets a new operation key"
+    );
+}
+
+// Within one record's life, an owner whose lease lapsed (a store stall) and its successor
+// pass the same operation key downstream.
+#[tokio::test]
+async fn a_takeover_after_a_lapsed_lease_keeps_the_operation_key() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let idem = Idempotency::new(store.clone());
+    let lease = Duration::from_secs(30);
+    let storage_key = idem.storage_key(&call("order-8"));
+    let fingerprint = Fingerprint::empty();
+    // The first owner's claim, which it then loses to a stall.
+    let Ok(Claim::Claimed(first)) = store
+        .claim(&storage_key, &fingerprint, lease, Duration::from_secs(3600))
+        .await
+    else {
+        panic!("a fresh key is claimed");
+    };
+    clock.advance(lease + Duration::from_secs(1));
+    let successor = idem
+        .run(&call("order-8"), async {
+            let claim = ClaimHandle::current().unwrap();
+            (
+                claim.token().get(),
+                claim.operation_key().as_str().to_owned(),
+            )
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        successor.0 > first.get(),
+        "the successor holds a newer token"
+    );
+    assert_eq!(
+        successor.1,
+        storage_key.operation_key(first).as_str(),
+        "the successor passes the first owner's operation key"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -296,8 +381,8 @@ async fn a_takeover_is_signalled_at_the_next_renewal() {
     // The store's clock jumps past the lease (a stall) and a second owner takes over before
     // the first renews.
     clock.advance(lease * 2);
-    let Claim::Claimed(second) = store
-        .claim(&key, &Fingerprint::empty(), lease)
+    let Claim::TakenOver { token: second, .. } = store
+        .claim(&key, &Fingerprint::empty(), lease, lease)
         .await
         .unwrap()
     else {
@@ -312,7 +397,7 @@ async fn a_takeover_is_signalled_at_the_next_renewal() {
     // The stale owner's result was not recorded over the new owner's claim.
     assert!(matches!(
         store
-            .claim(&key, &Fingerprint::empty(), lease)
+            .claim(&key, &Fingerprint::empty(), lease, lease)
             .await
             .unwrap(),
         Claim::InFlight { .. }
@@ -631,4 +716,79 @@ async fn a_hung_release_does_not_hold_the_caller() {
         .unwrap();
     assert_eq!(out, Outcome::Fresh(1));
     assert!(started.elapsed() <= lease / 6, "{:?}", started.elapsed());
+}
+
+/// A result whose `Serialize` panics.
+#[derive(Debug, serde::Deserialize)]
+struct PanicsWhenEncoded;
+
+impl serde::Serialize for PanicsWhenEncoded {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        panic!("this result cannot be encoded");
+    }
+}
+
+// A panic in `retain` or in the result's `Serialize` unwound through the armed claim, whose
+// drop released the key: the retry ran the work, and its effect, again.
+#[tokio::test]
+async fn a_panic_after_the_work_ran_is_recorded_not_released() {
+    let idem = Idempotency::new(MemoryStore::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = |runs: &Arc<AtomicUsize>| {
+        let runs = Arc::clone(runs);
+        async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+        }
+    };
+
+    // `Serialize` panics, through `run`.
+    let encode = {
+        let (idem, runs) = (idem.clone(), Arc::clone(&runs));
+        tokio::spawn(async move {
+            idem.run(&call("encode"), async move {
+                counted(&runs).await;
+                PanicsWhenEncoded
+            })
+            .await
+        })
+    };
+    let panic = encode.await.expect_err("the panic reaches the caller");
+    assert!(panic.is_panic());
+    // `retain` panics, through `run_with`.
+    let retain = {
+        let (idem, runs) = (idem.clone(), Arc::clone(&runs));
+        tokio::spawn(async move {
+            idem.run_with(
+                &call("retain"),
+                async move {
+                    counted(&runs).await;
+                    7u32
+                },
+                |_| panic!("retain cannot decide"),
+            )
+            .await
+        })
+    };
+    assert!(
+        retain
+            .await
+            .expect_err("the panic reaches the caller")
+            .is_panic()
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    // The retries do not run the work again: the calls are recorded as done, not retained.
+    for key in ["encode", "retain"] {
+        let retry = idem
+            .run(&call(key), async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                0u32
+            })
+            .await;
+        assert!(
+            matches!(retry, Err(Error::ResultNotRetained)),
+            "{key}: {retry:?}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "no work ran twice");
 }

@@ -347,10 +347,18 @@ fn manual_store() -> (ManualClock, MemoryStore) {
 async fn memory_store_records_an_endless_lease_as_the_ceiling() {
     let (clock, store) = manual_store();
     let fp = Fingerprint::empty();
-    let Claim::Claimed(token) = store.claim(&key(1), &fp, Duration::MAX).await.unwrap() else {
+    let Claim::Claimed(token) = store
+        .claim(&key(1), &fp, Duration::MAX, Duration::MAX)
+        .await
+        .unwrap()
+    else {
         panic!("a fresh key is claimed");
     };
-    match store.claim(&key(1), &fp, Duration::MAX).await.unwrap() {
+    match store
+        .claim(&key(1), &fp, Duration::MAX, Duration::MAX)
+        .await
+        .unwrap()
+    {
         Claim::InFlight { retry_after, .. } => assert_eq!(retry_after, limits::MAX_LEASE),
         other => panic!("expected InFlight, got {other:?}"),
     }
@@ -361,13 +369,19 @@ async fn memory_store_records_an_endless_lease_as_the_ceiling() {
         .expect("the owner renews");
     clock.advance(limits::MAX_LEASE - NANO);
     assert!(matches!(
-        store.claim(&key(1), &fp, Duration::MAX).await.unwrap(),
+        store
+            .claim(&key(1), &fp, Duration::MAX, Duration::MAX)
+            .await
+            .unwrap(),
         Claim::InFlight { .. }
     ));
     clock.advance(NANO);
     assert!(
         matches!(
-            store.claim(&key(1), &fp, limits::MIN_LEASE).await.unwrap(),
+            store
+                .claim(&key(1), &fp, limits::MIN_LEASE, limits::MIN_LEASE)
+                .await
+                .unwrap(),
             Claim::Claimed(_)
         ),
         "the renewed claim ended with the longest lease"
@@ -380,7 +394,11 @@ async fn memory_store_records_an_endless_lease_as_the_ceiling() {
 async fn memory_store_records_an_endless_ttl_as_the_ceiling() {
     let (clock, store) = manual_store();
     let fp = Fingerprint::empty();
-    let Claim::Claimed(token) = store.claim(&key(2), &fp, limits::MIN_LEASE).await.unwrap() else {
+    let Claim::Claimed(token) = store
+        .claim(&key(2), &fp, limits::MIN_LEASE, limits::MIN_LEASE)
+        .await
+        .unwrap()
+    else {
         panic!("a fresh key is claimed");
     };
     store
@@ -389,13 +407,19 @@ async fn memory_store_records_an_endless_ttl_as_the_ceiling() {
         .expect("the owner completes");
     clock.advance(limits::MAX_TTL - NANO);
     assert!(matches!(
-        store.claim(&key(2), &fp, limits::MIN_LEASE).await.unwrap(),
+        store
+            .claim(&key(2), &fp, limits::MIN_LEASE, limits::MIN_LEASE)
+            .await
+            .unwrap(),
         Claim::Completed { .. }
     ));
     clock.advance(NANO);
     assert!(
         matches!(
-            store.claim(&key(2), &fp, limits::MIN_LEASE).await.unwrap(),
+            store
+                .claim(&key(2), &fp, limits::MIN_LEASE, limits::MIN_LEASE)
+                .await
+                .unwrap(),
             Claim::Claimed(_)
         ),
         "the record ended with the longest TTL"
@@ -408,7 +432,11 @@ async fn memory_store_saturates_instead_of_overflowing() {
     let (clock, store) = manual_store();
     clock.advance(Duration::from_secs(u64::MAX / 1_000_000_000 - 1));
     let fp = Fingerprint::empty();
-    let Claim::Claimed(token) = store.claim(&key(3), &fp, Duration::MAX).await.unwrap() else {
+    let Claim::Claimed(token) = store
+        .claim(&key(3), &fp, Duration::MAX, Duration::MAX)
+        .await
+        .unwrap()
+    else {
         panic!("a fresh key is claimed");
     };
     store
@@ -416,7 +444,10 @@ async fn memory_store_saturates_instead_of_overflowing() {
         .await
         .expect("the owner completes");
     assert!(matches!(
-        store.claim(&key(3), &fp, Duration::MAX).await.unwrap(),
+        store
+            .claim(&key(3), &fp, Duration::MAX, Duration::MAX)
+            .await
+            .unwrap(),
         Claim::Completed { .. }
     ));
 }

@@ -1,5 +1,6 @@
 //! Model-based property tests of `MemoryStore`: random sequences of claims, completions,
 //! releases, renewals, clock advances and sweeps must give exactly the answers, tokens, record
+//! lifetimes,
 //! counts and byte counts of a simple reference model, with and without a `max_entries` bound.
 
 use std::collections::BTreeMap;
@@ -37,6 +38,7 @@ enum Op {
         key: u8,
         fp: u8,
         lease_ms: u64,
+        ttl_ms: u64,
     },
     Complete {
         key: u8,
@@ -63,6 +65,8 @@ enum Op {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Answer {
     Claimed,
+    /// A takeover continuing the lifetime that began with this token.
+    TakenOver(FencingToken),
     Found(Claim),
     Done,
     TokenRejected,
@@ -89,6 +93,7 @@ impl Answer {
     fn of_claim(r: &Result<Claim, StoreError>) -> Self {
         match r {
             Ok(Claim::Claimed(_)) => Answer::Claimed,
+            Ok(Claim::TakenOver { lifetime, .. }) => Answer::TakenOver(*lifetime),
             Ok(found) => Answer::Found(found.clone()),
             Err(e) => Answer::of_error(e),
         }
@@ -108,10 +113,13 @@ fn fingerprint(fp: u8) -> Fingerprint {
 enum Rec {
     InFlight {
         token: FencingToken,
+        lifetime: FencingToken,
         fp: u8,
         lease_until: u64,
+        kept_until: u64,
     },
     Completed {
+        token: FencingToken,
         fp: u8,
         payload: Vec<u8>,
         expires: u64,
@@ -119,10 +127,15 @@ enum Rec {
 }
 
 impl Rec {
-    /// Live while its lease or TTL instant is strictly after `now`.
-    fn is_live(&self, now: u64) -> bool {
+    /// Kept by a sweep while its lease or TTL instant is strictly after `now`, or, unless the
+    /// store is full (`pressed`), while an abandoned claim's TTL is.
+    fn is_kept(&self, now: u64, pressed: bool) -> bool {
         match self {
-            Rec::InFlight { lease_until, .. } => *lease_until > now,
+            Rec::InFlight {
+                lease_until,
+                kept_until,
+                ..
+            } => *lease_until > now || (!pressed && *kept_until > now),
             Rec::Completed { expires, .. } => *expires > now,
         }
     }
@@ -189,10 +202,10 @@ impl Model {
         }
     }
 
-    fn live_count(&self) -> usize {
+    fn kept_count(&self) -> usize {
         self.records
             .values()
-            .filter(|r| r.is_live(self.now))
+            .filter(|r| r.is_kept(self.now, false))
             .count()
     }
 
@@ -200,17 +213,18 @@ impl Model {
         self.records.values().map(Rec::cost).sum()
     }
 
-    /// Deletes every expired record; returns how many.
-    fn sweep(&mut self) -> usize {
+    /// Deletes every expired record (and, if `pressed`, every abandoned claim); returns how
+    /// many.
+    fn sweep(&mut self, pressed: bool) -> usize {
         let before = self.records.len();
         let now = self.now;
-        self.records.retain(|_, r| r.is_live(now));
+        self.records.retain(|_, r| r.is_kept(now, pressed));
         before - self.records.len()
     }
 
     /// What a claim on `key` must answer. Performs the capacity sweep a full store does, when
     /// one is due. `Answer::Claimed` means the caller must then report the token to `claimed`.
-    fn expect_claim(&mut self, key: u8) -> Answer {
+    fn expect_claim(&mut self, key: u8, fp: u8) -> Answer {
         match self.records.get(&key) {
             Some(Rec::InFlight {
                 fp, lease_until, ..
@@ -222,11 +236,19 @@ impl Model {
                 fp,
                 payload,
                 expires,
+                ..
             }) if *expires > self.now => Answer::Found(Claim::Completed {
                 fingerprint: fingerprint(*fp),
                 payload: Bytes::from(payload.clone()),
             }),
-            // Expired: reclaimed in place, needs no capacity.
+            // Abandoned by the same request: taken over in place, in the same lifetime.
+            Some(Rec::InFlight {
+                lifetime,
+                fp: recorded,
+                kept_until,
+                ..
+            }) if *kept_until > self.now && *recorded == fp => Answer::TakenOver(*lifetime),
+            // Expired or another request's: reclaimed in place, needs no capacity.
             Some(_) => Answer::Claimed,
             None if self.records.len() < self.max_entries => Answer::Claimed,
             None => {
@@ -235,7 +257,7 @@ impl Model {
                     .is_none_or(|last| self.now >= last + CAPACITY_SWEEP_GAP_MS);
                 if due {
                     self.last_capacity_sweep = Some(self.now);
-                    if self.sweep() > 0 {
+                    if self.sweep(true) > 0 {
                         return Answer::Claimed;
                     }
                 }
@@ -244,13 +266,21 @@ impl Model {
         }
     }
 
-    fn claimed(&mut self, key: u8, token: FencingToken, fp: u8, lease_ms: u64) {
+    fn claimed(
+        &mut self,
+        key: u8,
+        (token, lifetime): (FencingToken, FencingToken),
+        fp: u8,
+        (lease_ms, ttl_ms): (u64, u64),
+    ) {
         self.records.insert(
             key,
             Rec::InFlight {
                 token,
+                lifetime,
                 fp,
                 lease_until: self.now + lease_ms,
+                kept_until: self.now + ttl_ms.max(lease_ms),
             },
         );
         self.issued.entry(key).or_default().push(token);
@@ -266,13 +296,20 @@ impl Model {
     }
 
     fn complete(&mut self, key: u8, token: FencingToken, payload: &[u8], ttl_ms: u64) -> Answer {
-        let expires = self.now + ttl_ms;
+        let (now, expires) = (self.now, self.now + ttl_ms);
+        // The owner's repeated completion finds its own live record: done, nothing changes.
+        if matches!(self.records.get(&key), Some(Rec::Completed { token: current, expires, .. })
+            if *current == token && *expires > now)
+        {
+            return Answer::Done;
+        }
         match self.owned(key, token) {
             Some(rec) => {
                 let fp = match rec {
                     Rec::InFlight { fp, .. } | Rec::Completed { fp, .. } => *fp,
                 };
                 *rec = Rec::Completed {
+                    token,
                     fp,
                     payload: payload.to_vec(),
                     expires,
@@ -283,20 +320,28 @@ impl Model {
         }
     }
 
+    /// Ends the lease; the record is kept as an abandoned claim.
     fn release(&mut self, key: u8, token: FencingToken) -> Answer {
-        if self.owned(key, token).is_some() {
-            self.records.remove(&key);
-            Answer::Done
-        } else {
-            Answer::TokenRejected
+        let now = self.now;
+        match self.owned(key, token) {
+            Some(Rec::InFlight { lease_until, .. }) => {
+                *lease_until = now;
+                Answer::Done
+            }
+            _ => Answer::TokenRejected,
         }
     }
 
     fn renew(&mut self, key: u8, token: FencingToken, lease_ms: u64) -> Answer {
         let until = self.now + lease_ms;
         match self.owned(key, token) {
-            Some(Rec::InFlight { lease_until, .. }) => {
+            Some(Rec::InFlight {
+                lease_until,
+                kept_until,
+                ..
+            }) => {
                 *lease_until = until;
+                *kept_until = (*kept_until).max(until);
                 Answer::Done
             }
             _ => Answer::TokenRejected,
@@ -346,20 +391,31 @@ impl Harness {
 
     fn step(&mut self, op: &Op) -> Result<(), TestCaseError> {
         match op {
-            Op::Claim { key, fp, lease_ms } => {
+            Op::Claim {
+                key,
+                fp,
+                lease_ms,
+                ttl_ms,
+            } => {
                 let got = self.runtime.block_on(self.store.claim(
                     &storage_key(*key),
                     &fingerprint(*fp),
                     Duration::from_millis(*lease_ms),
+                    Duration::from_millis(*ttl_ms),
                 ));
-                let expected = self.model.expect_claim(*key);
+                let expected = self.model.expect_claim(*key, *fp);
                 prop_assert_eq!(
                     &Answer::of_claim(&got),
                     &expected,
                     "model: {:?}",
                     self.model
                 );
-                if let Ok(Claim::Claimed(token)) = got {
+                let owner = match got {
+                    Ok(Claim::Claimed(token)) => Some((token, token)),
+                    Ok(Claim::TakenOver { token, lifetime }) => Some((token, lifetime)),
+                    _ => None,
+                };
+                if let Some((token, lifetime)) = owner {
                     for earlier in self.model.issued(*key) {
                         prop_assert!(
                             token > *earlier,
@@ -369,7 +425,8 @@ impl Harness {
                             key
                         );
                     }
-                    self.model.claimed(*key, token, *fp, *lease_ms);
+                    self.model
+                        .claimed(*key, (token, lifetime), *fp, (*lease_ms, *ttl_ms));
                 }
             }
             Op::Complete {
@@ -416,8 +473,8 @@ impl Harness {
             }
             Op::Sweep => {
                 let removed = self.store.sweep();
-                prop_assert_eq!(removed, self.model.sweep(), "records swept");
-                let live = self.model.live_count();
+                prop_assert_eq!(removed, self.model.sweep(false), "records swept");
+                let live = self.model.kept_count();
                 let live_bytes = self.model.bytes();
                 let stats = self.store.stats();
                 prop_assert_eq!(stats.records, live, "records after a sweep");
@@ -446,10 +503,13 @@ fn token_choice(keys: u8) -> impl Strategy<Value = TokenChoice> {
 fn op(keys: u8, unit_ms: u64, max_advance: u64) -> impl Strategy<Value = Op> {
     let units = move |n: u64| n * unit_ms;
     prop_oneof![
-        4 => (0..keys, 0..3u8, 1..20u64).prop_map(move |(key, fp, lease)| Op::Claim {
-            key,
-            fp,
-            lease_ms: units(lease),
+        4 => (0..keys, 0..3u8, 1..20u64, 1..50u64).prop_map(move |(key, fp, lease, ttl)| {
+            Op::Claim {
+                key,
+                fp,
+                lease_ms: units(lease),
+                ttl_ms: units(ttl),
+            }
         }),
         3 => (0..keys, token_choice(keys), prop::collection::vec(any::<u8>(), 0..8), 1..50u64)
             .prop_map(move |(key, token, payload, ttl)| Op::Complete {

@@ -13,7 +13,9 @@ fn key(n: u8) -> StorageKey {
 }
 
 async fn claim(store: &MemoryStore, n: u8, lease: Duration) -> Result<Claim, StoreError> {
-    store.claim(&key(n), &Fingerprint::empty(), lease).await
+    store
+        .claim(&key(n), &Fingerprint::empty(), lease, lease)
+        .await
 }
 
 #[tokio::test]
@@ -189,6 +191,7 @@ async fn concurrent_claims_on_a_full_store_never_exceed_the_bound() {
                     .claim(
                         &StorageKey::from_bytes(bytes),
                         &Fingerprint::empty(),
+                        Duration::from_secs(60),
                         Duration::from_secs(60),
                     )
                     .await

@@ -173,6 +173,40 @@ async fn a_claim_lost_to_a_stalled_store_is_counted() {
     assert_eq!(recorded.gauge(CLAIMS_IN_FLIGHT, &[]), 0.0);
 }
 
+// A completion whose reply was lost landed; its retry found the record completed with its own
+// token and was refused, which the runtime took for a lost claim: a false "another owner may
+// run" alarm and `claims.lost` + 1.
+#[tokio::test(start_paused = true)]
+async fn a_completion_whose_reply_was_lost_is_a_success_not_a_lost_claim() {
+    let (idempotency, faults, recorded) = faulty(Duration::from_secs(30));
+    faults.fail_next(Op::Complete, 1, Fault::LoseReply);
+    let (handle_tx, handle_rx) = tokio::sync::oneshot::channel();
+    let first = idempotency
+        .run(&call("k"), async {
+            let _ = handle_tx.send(idempotent_core::ClaimHandle::current().unwrap());
+            1
+        })
+        .await
+        .unwrap();
+    assert!(!first.is_replayed());
+    let handle = handle_rx.await.unwrap();
+    let replay = loop {
+        match idempotency.run(&call("k"), async { 2 }).await {
+            Err(Error::InFlight { .. }) => tokio::time::sleep(Duration::from_millis(100)).await,
+            other => break other.unwrap(),
+        }
+    };
+    assert_eq!(replay.into_inner(), 1);
+    // Let the background write finish whatever it does next.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(faults.calls(Op::Complete), 2, "one retry, which succeeded");
+    assert_eq!(store_ops(&recorded, "complete", "ok"), 1);
+    assert_eq!(store_ops(&recorded, "complete", "token_rejected"), 0);
+    assert_eq!(recorded.counter(CLAIMS_LOST, &[]), 0, "no false alarm");
+    assert!(!handle.is_lost());
+    assert_eq!(recorded.gauge(CLAIMS_IN_FLIGHT, &[]), 0.0);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_result_written_after_store_failures_counts_its_retries() {
     let (idempotency, faults, recorded) = faulty(Duration::from_secs(30));

@@ -164,7 +164,11 @@ async fn claim_after_lapse(store: &PostgresStore, key: &StorageKey) -> FencingTo
             Instant::now() < deadline,
             "the first owner's lease never lapsed"
         );
-        match store.claim(key, &f, Duration::from_secs(30)).await.unwrap() {
+        match store
+            .claim(key, &f, Duration::from_secs(30), Duration::from_secs(30))
+            .await
+            .unwrap()
+        {
             Claim::Claimed(token) => return token,
             Claim::InFlight { retry_after, .. } => {
                 tokio::time::sleep(retry_after.max(Duration::from_millis(5))).await;
@@ -179,7 +183,11 @@ async fn claim_after_lapse(store: &PostgresStore, key: &StorageKey) -> FencingTo
 async fn two_owners(store: &PostgresStore) -> (FencingToken, FencingToken) {
     let key = fresh_key();
     let f = Fingerprint::from_bytes(b"fenced");
-    let Claim::Claimed(a) = store.claim(&key, &f, SHORT_LEASE).await.unwrap() else {
+    let Claim::Claimed(a) = store
+        .claim(&key, &f, SHORT_LEASE, SHORT_LEASE)
+        .await
+        .unwrap()
+    else {
         panic!("A could not claim a fresh key");
     };
     let b = claim_after_lapse(store, &key).await;
@@ -251,7 +259,7 @@ async fn stale_owner_after_a_takeover_is_refused_and_its_write_does_not_happen()
     let idempotency = Idempotency::new(store.clone());
     let key = idempotency.storage_key(&call);
     let Claim::Claimed(a) = store
-        .claim(&key, &Fingerprint::empty(), SHORT_LEASE)
+        .claim(&key, &Fingerprint::empty(), SHORT_LEASE, SHORT_LEASE)
         .await
         .unwrap()
     else {

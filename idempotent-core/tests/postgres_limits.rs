@@ -63,14 +63,15 @@ async fn a_huge_lease_is_recorded_as_the_longest_lease() {
     };
     for lease in HUGE {
         let key = fresh_key();
-        let Ok(Claim::Claimed(token)) = store.claim(&key, &Fingerprint::empty(), lease).await
+        let Ok(Claim::Claimed(token)) =
+            store.claim(&key, &Fingerprint::empty(), lease, lease).await
         else {
             panic!("a fresh key is claimed with {lease:?}");
         };
         let (state, left) = row(&store, &pool, &key).await;
         assert_eq!(state, "in_flight");
         assert!(near(left, limits::MAX_LEASE), "lease {lease:?}: {left:?}");
-        match store.claim(&key, &Fingerprint::empty(), lease).await {
+        match store.claim(&key, &Fingerprint::empty(), lease, lease).await {
             Ok(Claim::InFlight { retry_after, .. }) => {
                 assert!(near(retry_after, limits::MAX_LEASE), "{retry_after:?}");
             }
@@ -93,7 +94,12 @@ async fn a_huge_ttl_is_recorded_as_the_longest_ttl() {
     for ttl in HUGE {
         let key = fresh_key();
         let Ok(Claim::Claimed(token)) = store
-            .claim(&key, &Fingerprint::empty(), Duration::from_secs(5))
+            .claim(
+                &key,
+                &Fingerprint::empty(),
+                Duration::from_secs(5),
+                Duration::from_secs(5),
+            )
             .await
         else {
             panic!("a fresh key is claimed");

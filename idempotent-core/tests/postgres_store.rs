@@ -110,7 +110,9 @@ async fn garbage_in_the_table_is_a_corrupt_error_never_absent() {
             .execute(store.pool())
             .await
             .unwrap();
-        let result = store.claim(&key, &f, Duration::from_secs(5)).await;
+        let result = store
+            .claim(&key, &f, Duration::from_secs(5), Duration::from_secs(5))
+            .await;
         assert!(
             matches!(result, Err(StoreError::Corrupt(_))),
             "{state:?}: {result:?}"
@@ -167,7 +169,10 @@ async fn expired_garbage_is_absent_and_taken_over() {
     .await
     .unwrap();
     let f = Fingerprint::from_bytes(b"new");
-    match store.claim(&key, &f, Duration::from_secs(5)).await {
+    match store
+        .claim(&key, &f, Duration::from_secs(5), Duration::from_secs(5))
+        .await
+    {
         Ok(Claim::Claimed(token)) => assert!(token.get() > 5, "{token:?}"),
         other => panic!("expected Claimed, got {other:?}"),
     }
@@ -207,7 +212,10 @@ async fn table_name_is_validated_configurable_and_schema_qualified() {
     store.migrate().await.unwrap();
     let key = fresh_key();
     let f = Fingerprint::from_bytes(b"q");
-    let Ok(Claim::Claimed(token)) = store.claim(&key, &f, Duration::from_secs(5)).await else {
+    let Ok(Claim::Claimed(token)) = store
+        .claim(&key, &f, Duration::from_secs(5), Duration::from_secs(5))
+        .await
+    else {
         panic!("claim on a schema-qualified table");
     };
     store
@@ -258,7 +266,12 @@ async fn operations_before_migrate_are_errors() {
         .build()
         .unwrap();
     let result = store
-        .claim(&fresh_key(), &Fingerprint::empty(), Duration::from_secs(1))
+        .claim(
+            &fresh_key(),
+            &Fingerprint::empty(),
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+        )
         .await;
     assert!(matches!(result, Err(StoreError::Backend(_))), "{result:?}");
 }
@@ -267,7 +280,8 @@ async fn fill_with_expired_and_live(store: &PostgresStore, expired: usize) -> Ve
     let short = Duration::from_millis(1);
     for i in 0..expired {
         let key = fresh_key();
-        let Ok(Claim::Claimed(token)) = store.claim(&key, &Fingerprint::empty(), short).await
+        let Ok(Claim::Claimed(token)) =
+            store.claim(&key, &Fingerprint::empty(), short, short).await
         else {
             panic!("claim");
         };
@@ -282,7 +296,12 @@ async fn fill_with_expired_and_live(store: &PostgresStore, expired: usize) -> Ve
     for _ in 0..3 {
         let key = fresh_key();
         store
-            .claim(&key, &Fingerprint::empty(), Duration::from_secs(60))
+            .claim(
+                &key,
+                &Fingerprint::empty(),
+                Duration::from_secs(60),
+                Duration::from_secs(60),
+            )
             .await
             .unwrap();
         live.push(key);
@@ -304,7 +323,12 @@ async fn reaper_deletes_expired_rows_in_batches_and_keeps_live_ones() {
     for key in &live {
         assert!(matches!(
             store
-                .claim(key, &Fingerprint::empty(), Duration::from_secs(1))
+                .claim(
+                    key,
+                    &Fingerprint::empty(),
+                    Duration::from_secs(1),
+                    Duration::from_secs(1)
+                )
                 .await,
             Ok(Claim::InFlight { .. })
         ));
@@ -348,23 +372,27 @@ async fn spawned_reaper_keeps_the_table_clean() {
 }
 
 #[tokio::test]
-async fn released_token_stays_dead_and_the_row_waits_for_the_reaper() {
+async fn released_token_stays_dead_and_the_row_waits_for_its_ttl_and_the_reaper() {
     let Some(url) = backend_url(URL_VAR) else {
         return;
     };
     let store = store_on_fresh_table(&url, |b| b.reap_grace(Duration::ZERO)).await;
     let key = fresh_key();
     let f = Fingerprint::from_bytes(b"r");
-    let Ok(Claim::Claimed(token)) = store.claim(&key, &f, Duration::from_secs(30)).await else {
+    let kept = Duration::from_millis(300);
+    let Ok(Claim::Claimed(token)) = store.claim(&key, &f, kept, kept).await else {
         panic!("claim");
     };
     store.release(&key, token).await.unwrap();
-    // The row stays, with its lease ended: the next claim takes it over under its lock.
+    // The row stays, with its lease ended: the next claim of the same request takes it over
+    // under its lock and continues its lifetime, until the TTL it was claimed with.
     assert_eq!(count_rows(&store).await, 1);
     assert!(matches!(
         store.renew(&key, token, Duration::from_secs(30)).await,
         Err(StoreError::TokenRejected)
     ));
+    assert_eq!(store.reap().await.unwrap(), 0, "kept for its TTL");
+    tokio::time::sleep(kept + Duration::from_millis(50)).await;
     assert_eq!(store.reap().await.unwrap(), 1);
     assert_eq!(count_rows(&store).await, 0);
 }
@@ -385,7 +413,9 @@ async fn unreachable_server_is_unavailable() {
     let key = fresh_key();
     let f = Fingerprint::empty();
     assert!(matches!(
-        store.claim(&key, &f, Duration::from_secs(1)).await,
+        store
+            .claim(&key, &f, Duration::from_secs(1), Duration::from_secs(1))
+            .await,
         Err(StoreError::Unavailable(_))
     ));
     assert!(matches!(
@@ -429,7 +459,12 @@ async fn broken_connections_fail_one_operation_each_then_are_replaced() {
             let store = store.clone();
             tokio::spawn(async move {
                 store
-                    .claim(&fresh_key(), &Fingerprint::empty(), Duration::from_secs(30))
+                    .claim(
+                        &fresh_key(),
+                        &Fingerprint::empty(),
+                        Duration::from_secs(30),
+                        Duration::from_secs(30),
+                    )
                     .await
                     .unwrap()
             })
@@ -464,7 +499,12 @@ async fn broken_connections_fail_one_operation_each_then_are_replaced() {
     for attempt in 1..=48 {
         let key = fresh_key();
         match store
-            .claim(&key, &Fingerprint::empty(), Duration::from_secs(30))
+            .claim(
+                &key,
+                &Fingerprint::empty(),
+                Duration::from_secs(30),
+                Duration::from_secs(30),
+            )
             .await
         {
             Ok(Claim::Claimed(_)) => {}

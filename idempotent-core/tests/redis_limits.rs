@@ -78,7 +78,7 @@ async fn a_huge_lease_is_recorded_as_the_longest_lease() {
         let key = fresh_key();
         let claim = redis
             .store
-            .claim(&key, &Fingerprint::empty(), lease)
+            .claim(&key, &Fingerprint::empty(), lease, lease)
             .await
             .unwrap_or_else(|e| panic!("claim with {lease:?}: {e:?}"));
         assert!(matches!(claim, Claim::Claimed(_)), "{claim:?}");
@@ -88,7 +88,11 @@ async fn a_huge_lease_is_recorded_as_the_longest_lease() {
             near(pttl, limits::MAX_LEASE),
             "lease {lease:?}: PTTL {pttl}"
         );
-        match redis.store.claim(&key, &Fingerprint::empty(), lease).await {
+        match redis
+            .store
+            .claim(&key, &Fingerprint::empty(), lease, lease)
+            .await
+        {
             Ok(Claim::InFlight { retry_after, .. }) => {
                 assert!(retry_after <= limits::MAX_LEASE, "{retry_after:?}");
             }
@@ -106,7 +110,12 @@ async fn a_huge_renewal_is_recorded_as_the_longest_lease() {
         let key = fresh_key();
         let Ok(Claim::Claimed(token)) = redis
             .store
-            .claim(&key, &Fingerprint::empty(), Duration::from_secs(5))
+            .claim(
+                &key,
+                &Fingerprint::empty(),
+                Duration::from_secs(5),
+                Duration::from_secs(5),
+            )
             .await
         else {
             panic!("a fresh key is claimed");
@@ -133,7 +142,12 @@ async fn a_huge_ttl_is_recorded_as_the_longest_ttl() {
         let key = fresh_key();
         let Ok(Claim::Claimed(token)) = redis
             .store
-            .claim(&key, &Fingerprint::empty(), Duration::from_secs(5))
+            .claim(
+                &key,
+                &Fingerprint::empty(),
+                Duration::from_secs(5),
+                Duration::from_secs(5),
+            )
             .await
         else {
             panic!("a fresh key is claimed");
@@ -149,7 +163,12 @@ async fn a_huge_ttl_is_recorded_as_the_longest_ttl() {
         assert!(matches!(
             redis
                 .store
-                .claim(&key, &Fingerprint::empty(), Duration::from_secs(5))
+                .claim(
+                    &key,
+                    &Fingerprint::empty(),
+                    Duration::from_secs(5),
+                    Duration::from_secs(5)
+                )
                 .await,
             Ok(Claim::Completed { .. })
         ));
@@ -167,7 +186,7 @@ async fn a_sub_millisecond_duration_is_one_millisecond() {
         let key = fresh_key();
         let claim = redis
             .store
-            .claim(&key, &Fingerprint::empty(), short)
+            .claim(&key, &Fingerprint::empty(), short, short)
             .await
             .unwrap();
         assert!(matches!(claim, Claim::Claimed(_)), "{claim:?}");

@@ -147,8 +147,10 @@ mod cluster {
         let f = Fingerprint::from_bytes(b"spread");
         let keys: Vec<_> = (0..64).map(|_| fresh_key()).collect();
         for key in &keys {
-            let Claim::Claimed(token) =
-                store.claim(key, &f, Duration::from_secs(30)).await.unwrap()
+            let Claim::Claimed(token) = store
+                .claim(key, &f, Duration::from_secs(30), Duration::from_secs(30))
+                .await
+                .unwrap()
             else {
                 panic!("a fresh key is claimed");
             };
@@ -156,7 +158,11 @@ mod cluster {
                 .complete(key, token, "done".into(), Duration::from_secs(60))
                 .await
                 .unwrap();
-            match store.claim(key, &f, Duration::from_secs(30)).await.unwrap() {
+            match store
+                .claim(key, &f, Duration::from_secs(30), Duration::from_secs(30))
+                .await
+                .unwrap()
+            {
                 Claim::Completed { payload, .. } => assert_eq!(&payload[..], b"done"),
                 other => panic!("expected the record back, got {other:?}"),
             }
@@ -211,7 +217,9 @@ async fn garbage_in_the_store_is_a_corrupt_error_never_absent() {
             .query_async(&mut raw)
             .await
             .unwrap();
-        let result = store.claim(&key, &f, Duration::from_secs(5)).await;
+        let result = store
+            .claim(&key, &f, Duration::from_secs(5), Duration::from_secs(5))
+            .await;
         assert!(
             matches!(result, Err(StoreError::Corrupt(_))),
             "{fields:?}: {result:?}"
@@ -232,7 +240,12 @@ async fn garbage_in_the_store_is_a_corrupt_error_never_absent() {
         .query_async(&mut raw)
         .await
         .unwrap();
-    assert!(store.claim(&key, &f, Duration::from_secs(5)).await.is_err());
+    assert!(
+        store
+            .claim(&key, &f, Duration::from_secs(5), Duration::from_secs(5))
+            .await
+            .is_err()
+    );
 }
 
 #[tokio::test]
@@ -265,7 +278,8 @@ async fn scripts_the_server_forgot_are_loaded_again() {
 
     let key = fresh_key();
     flush().exec_async(&mut raw).await.unwrap();
-    let Ok(idempotent_core::Claim::Claimed(token)) = store.claim(&key, &f, lease).await else {
+    let Ok(idempotent_core::Claim::Claimed(token)) = store.claim(&key, &f, lease, lease).await
+    else {
         panic!("a fresh key is claimed after SCRIPT FLUSH");
     };
     flush().exec_async(&mut raw).await.unwrap();
@@ -277,19 +291,21 @@ async fn scripts_the_server_forgot_are_loaded_again() {
         .unwrap();
     flush().exec_async(&mut raw).await.unwrap();
     assert!(matches!(
-        store.claim(&key, &f, lease).await.unwrap(),
+        store.claim(&key, &f, lease, lease).await.unwrap(),
         idempotent_core::Claim::Completed { payload, .. } if payload == "done"
     ));
 
     let other = fresh_key();
-    let Ok(idempotent_core::Claim::Claimed(token)) = store.claim(&other, &f, lease).await else {
+    let Ok(idempotent_core::Claim::Claimed(token)) = store.claim(&other, &f, lease, lease).await
+    else {
         panic!("claimed");
     };
     flush().exec_async(&mut raw).await.unwrap();
     store.release(&other, token).await.unwrap();
+    // Released: the same request takes the record over and continues its lifetime.
     assert!(matches!(
-        store.claim(&other, &f, lease).await.unwrap(),
-        idempotent_core::Claim::Claimed(_)
+        store.claim(&other, &f, lease, lease).await.unwrap(),
+        idempotent_core::Claim::TakenOver { lifetime, .. } if lifetime == token
     ));
 }
 
@@ -308,7 +324,10 @@ async fn without_the_replicas_required_a_claim_fails_closed_and_is_given_back() 
     let plain = RedisStore::connect(&url).await.unwrap();
     let f = Fingerprint::from_bytes(b"replicas");
     let key = fresh_key();
-    match waiting.claim(&key, &f, Duration::from_secs(30)).await {
+    match waiting
+        .claim(&key, &f, Duration::from_secs(30), Duration::from_secs(30))
+        .await
+    {
         Err(StoreError::Unavailable(error)) => {
             assert!(
                 error.to_string().contains("acknowledged by 0 of the 1"),
@@ -317,9 +336,10 @@ async fn without_the_replicas_required_a_claim_fails_closed_and_is_given_back() 
         }
         other => panic!("expected a refusal, got {other:?}"),
     }
-    // Given back: nothing holds the key.
-    let Claim::Claimed(token) = plain
-        .claim(&key, &f, Duration::from_secs(30))
+    // Given back: nothing holds the key (the same request continues the given-back claim's
+    // lifetime).
+    let (Claim::Claimed(token) | Claim::TakenOver { token, .. }) = plain
+        .claim(&key, &f, Duration::from_secs(30), Duration::from_secs(30))
         .await
         .unwrap()
     else {
@@ -336,21 +356,28 @@ async fn without_the_replicas_required_a_claim_fails_closed_and_is_given_back() 
     ));
     assert!(matches!(
         plain
-            .claim(&key, &f, Duration::from_secs(30))
+            .claim(&key, &f, Duration::from_secs(30), Duration::from_secs(30))
             .await
             .unwrap(),
         Claim::Completed { .. }
     ));
-    // The runtime's retry of that write (the same token and payload) waits for the replicas
-    // again rather than being told its claim is gone; another payload or another token is
-    // still refused.
+    // The runtime's retry of that write (the same token, with the same payload or the "not
+    // retained" record it falls back to) waits for the replicas again rather than being told
+    // its claim is gone, and changes nothing; another token is still refused.
     assert!(matches!(
         complete(token, "done").await,
         Err(StoreError::Unavailable(_))
     ));
     assert!(matches!(
         complete(token, "other").await,
-        Err(StoreError::TokenRejected)
+        Err(StoreError::Unavailable(_))
+    ));
+    assert!(matches!(
+        plain
+            .claim(&key, &f, Duration::from_secs(30), Duration::from_secs(30))
+            .await
+            .unwrap(),
+        Claim::Completed { payload, .. } if payload == "done"
     ));
     assert!(matches!(
         complete(idempotent_core::FencingToken::new(token.get() + 1), "other").await,

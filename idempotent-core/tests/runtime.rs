@@ -248,7 +248,12 @@ async fn owner_that_never_completes_is_taken_over_after_its_lease() {
     let key = idem.storage_key(&call("k"));
     // A crashed owner: it claimed and will never renew, complete or release.
     let Claim::Claimed(crashed) = store
-        .claim(&key, &Fingerprint::empty(), Duration::from_secs(5))
+        .claim(
+            &key,
+            &Fingerprint::empty(),
+            Duration::from_secs(5),
+            Duration::from_secs(5),
+        )
         .await
         .unwrap()
     else {
@@ -454,7 +459,12 @@ async fn corrupt_record_is_a_conflict_never_absent() {
     let idem = Idempotency::new(store.clone());
     let key = idem.storage_key(&call("k"));
     let Claim::Claimed(token) = store
-        .claim(&key, &Fingerprint::empty(), Duration::from_secs(5))
+        .claim(
+            &key,
+            &Fingerprint::empty(),
+            Duration::from_secs(5),
+            Duration::from_secs(5),
+        )
         .await
         .unwrap()
     else {
@@ -542,6 +552,7 @@ impl Store for DownStore {
         &self,
         _: &StorageKey,
         _: &Fingerprint,
+        _: Duration,
         _: Duration,
     ) -> Result<Claim, StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
@@ -667,8 +678,9 @@ impl Store for SlowComplete {
         key: &StorageKey,
         f: &Fingerprint,
         lease: Duration,
+        ttl: Duration,
     ) -> Result<Claim, StoreError> {
-        self.0.claim(key, f, lease).await
+        self.0.claim(key, f, lease, ttl).await
     }
     async fn complete(
         &self,
@@ -761,8 +773,9 @@ impl Store for Damaging {
         key: &StorageKey,
         fingerprint: &Fingerprint,
         lease: Duration,
+        ttl: Duration,
     ) -> Result<Claim, StoreError> {
-        match self.inner.claim(key, fingerprint, lease).await? {
+        match self.inner.claim(key, fingerprint, lease, ttl).await? {
             Claim::Completed {
                 fingerprint,
                 payload,

@@ -609,6 +609,7 @@ impl Store for DownStore {
         _: &StorageKey,
         _: &Fingerprint,
         _: Duration,
+        _: Duration,
     ) -> Result<Claim, StoreError> {
         Err(StoreError::Unavailable("connection refused".into()))
     }
@@ -761,6 +762,7 @@ impl Store for CorruptStore {
         &self,
         _: &StorageKey,
         _: &Fingerprint,
+        _: Duration,
         _: Duration,
     ) -> Result<Claim, StoreError> {
         Err(StoreError::Corrupt("fingerprint is not 32 bytes".into()))

@@ -210,6 +210,7 @@ impl Store for SlowlyDown {
         _: &StorageKey,
         _: &Fingerprint,
         _: Duration,
+        _: Duration,
     ) -> Result<Claim, StoreError> {
         Self::fail().await
     }

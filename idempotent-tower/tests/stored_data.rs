@@ -198,8 +198,9 @@ impl Store for PlantedStore {
         key: &StorageKey,
         fingerprint: &Fingerprint,
         lease: Duration,
+        ttl: Duration,
     ) -> Result<Claim, StoreError> {
-        self.inner.claim(key, fingerprint, lease).await
+        self.inner.claim(key, fingerprint, lease, ttl).await
     }
 
     async fn complete(

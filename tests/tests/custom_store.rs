@@ -14,12 +14,17 @@ use idempotent_core::{
 };
 
 enum Record {
+    /// `until` ends the lease; the record is kept until `kept` for a takeover of the same
+    /// request to continue its `lifetime`.
     InFlight {
         token: FencingToken,
+        lifetime: FencingToken,
         fingerprint: Fingerprint,
         until: Duration,
+        kept: Duration,
     },
     Completed {
+        token: FencingToken,
         fingerprint: Fingerprint,
         payload: Bytes,
         until: Duration,
@@ -47,17 +52,15 @@ impl MutexStore {
         &self,
         key: &StorageKey,
         token: FencingToken,
-        op: impl FnOnce(&mut HashMap<StorageKey, Record>, Duration),
+        op: impl FnOnce(&mut Record, Duration),
     ) -> Result<(), StoreError> {
         let now = self.clock.now();
         let mut records = self.records.lock().unwrap();
-        match records.get(key) {
-            Some(Record::InFlight {
-                token: current,
-                until,
-                ..
-            }) if *current == token && *until > now => {
-                op(&mut records, now);
+        let owned = matches!(records.get(key), Some(Record::InFlight { token: current, until, .. })
+            if *current == token && *until > now);
+        match records.get_mut(key) {
+            Some(record) if owned => {
+                op(record, now);
                 Ok(())
             }
             _ => Err(StoreError::TokenRejected),
@@ -71,9 +74,11 @@ impl Store for MutexStore {
         key: &StorageKey,
         fingerprint: &Fingerprint,
         lease: Duration,
+        ttl: Duration,
     ) -> Result<Claim, StoreError> {
         let now = self.clock.now();
         let mut records = self.records.lock().unwrap();
+        let mut continues = None;
         match records.get(key) {
             Some(Record::InFlight {
                 fingerprint, until, ..
@@ -87,12 +92,19 @@ impl Store for MutexStore {
                 fingerprint,
                 payload,
                 until,
+                ..
             }) if *until > now => {
                 return Ok(Claim::Completed {
                     fingerprint: *fingerprint,
                     payload: payload.clone(),
                 });
             }
+            Some(Record::InFlight {
+                lifetime,
+                fingerprint: recorded,
+                kept,
+                ..
+            }) if *kept > now && recorded == fingerprint => continues = Some(*lifetime),
             _ => {}
         }
         let token = FencingToken::new(self.last_token.fetch_add(1, Ordering::SeqCst) + 1);
@@ -100,11 +112,16 @@ impl Store for MutexStore {
             *key,
             Record::InFlight {
                 token,
+                lifetime: continues.unwrap_or(token),
                 fingerprint: *fingerprint,
                 until: now + lease,
+                kept: now + ttl.max(lease),
             },
         );
-        Ok(Claim::Claimed(token))
+        Ok(match continues {
+            Some(lifetime) => Claim::TakenOver { token, lifetime },
+            None => Claim::Claimed(token),
+        })
     }
 
     async fn complete(
@@ -114,24 +131,41 @@ impl Store for MutexStore {
         payload: Bytes,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        self.with_owned(key, token, |records, now| {
-            if let Some(Record::InFlight { fingerprint, .. }) = records.get(key) {
+        {
+            let now = self.clock.now();
+            let records = self.records.lock().unwrap();
+            if let Some(Record::Completed {
+                token: current,
+                until,
+                ..
+            }) = records.get(key)
+            {
+                // The owner's earlier completion landed: done already.
+                return if *current == token && *until > now {
+                    Ok(())
+                } else {
+                    Err(StoreError::TokenRejected)
+                };
+            }
+        }
+        self.with_owned(key, token, |record, now| {
+            if let Record::InFlight { fingerprint, .. } = record {
                 let fingerprint = *fingerprint;
-                records.insert(
-                    *key,
-                    Record::Completed {
-                        fingerprint,
-                        payload,
-                        until: now + ttl,
-                    },
-                );
+                *record = Record::Completed {
+                    token,
+                    fingerprint,
+                    payload,
+                    until: now + ttl,
+                };
             }
         })
     }
 
     async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
-        self.with_owned(key, token, |records, _| {
-            records.remove(key);
+        self.with_owned(key, token, |record, now| {
+            if let Record::InFlight { until, .. } = record {
+                *until = now;
+            }
         })
     }
 
@@ -141,9 +175,10 @@ impl Store for MutexStore {
         token: FencingToken,
         lease: Duration,
     ) -> Result<(), StoreError> {
-        self.with_owned(key, token, |records, now| {
-            if let Some(Record::InFlight { until, .. }) = records.get_mut(key) {
+        self.with_owned(key, token, |record, now| {
+            if let Record::InFlight { until, kept, .. } = record {
                 *until = now + lease;
+                *kept = (*kept).max(*until);
             }
         })
     }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use idempotent_core::clock::ManualClock;
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
-    Call, ClaimHandle, Error, Idempotency, Key, Scope, default_runtime, idempotent,
+    Call, ClaimHandle, Error, FencingToken, Idempotency, Key, Scope, default_runtime, idempotent,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
@@ -49,6 +49,16 @@ struct Receipt {
     charge_id: usize,
     cents: u64,
     note: Option<String>,
+}
+
+/// A result whose `Serialize` panics.
+#[derive(Debug, Deserialize)]
+struct PanicsWhenEncoded;
+
+impl Serialize for PanicsWhenEncoded {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        panic!("this result cannot be encoded");
+    }
 }
 
 #[derive(Serialize)]
@@ -90,6 +100,12 @@ impl Ledger {
 
     fn runs(&self) -> usize {
         self.runs.load(Ordering::SeqCst)
+    }
+
+    #[idempotent(key = key, runtime = &self.idempotency)]
+    async fn panics_when_encoded(&self, key: &str) -> Result<PanicsWhenEncoded, AppError> {
+        self.ran();
+        Ok(PanicsWhenEncoded)
     }
 
     #[idempotent(key = key, runtime = &self.idempotency)]
@@ -630,18 +646,36 @@ async fn observe_claim(
 async fn claim_binding_gives_the_body_its_claim() {
     let idempotency = Idempotency::new(MemoryStore::new());
     let runs = AtomicUsize::new(0);
-    let expected = idempotency
-        .storage_key(
-            &Call::new(Key::new("order-9").unwrap())
-                .scope(Scope::new().operation("claims::observe")),
-        )
-        .operation_key();
+    let storage_key = idempotency.storage_key(
+        &Call::new(Key::new("order-9").unwrap()).scope(Scope::new().operation("claims::observe")),
+    );
     let (token, operation_key, current) =
         observe_claim(&idempotency, "order-9", &runs).await.unwrap();
     assert!(token > 0);
+    // The first claim of the key begins the record's lifetime.
+    let expected = storage_key.operation_key(FencingToken::new(token));
     assert_eq!(operation_key, expected.as_str());
     assert!(current);
     let replayed = observe_claim(&idempotency, "order-9", &runs).await.unwrap();
     assert_eq!(replayed, (token, operation_key, true));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+// A panic in the result's `Serialize` unwound through the armed claim and released the key:
+// a retry of the attribute's function ran its body again.
+#[tokio::test]
+async fn a_result_whose_encoding_panics_is_recorded_not_released() {
+    let ledger = Ledger::new();
+    let first = tokio::spawn({
+        let ledger = Arc::clone(&ledger);
+        async move { ledger.panics_when_encoded("k").await.map(|_| ()) }
+    })
+    .await;
+    assert!(first.expect_err("the panic reaches the caller").is_panic());
+    let retry = ledger.panics_when_encoded("k").await;
+    assert!(
+        matches!(retry, Err(AppError::Idempotency(Error::ResultNotRetained))),
+        "{retry:?}"
+    );
+    assert_eq!(ledger.runs(), 1, "the body ran once");
 }

@@ -363,11 +363,13 @@ async fn the_attribute_in_transactional_mode_binds_the_claim() {
     let key = unique("k");
     let call =
         Call::new(Key::new(key.as_str()).unwrap()).scope(Scope::new().operation("accounts::stamp"));
-    let expected = accounts.transactional.storage_key(&call).operation_key();
+    let storage_key = accounts.transactional.storage_key(&call);
     let mut tx = bank.pool.begin().await.unwrap();
     let (token, operation_key, current) = accounts.stamp(&mut tx, &key).await.unwrap();
     tx.commit().await.unwrap();
     assert!(token > 0);
+    // The first claim of the key begins the record's lifetime.
+    let expected = storage_key.operation_key(idempotent_core::FencingToken::new(token));
     assert_eq!(operation_key, expected.as_str());
     assert!(current, "the bound claim is the current one and held");
     // The replay returns the recorded values without running the body.

@@ -542,7 +542,10 @@ async fn kill_a_primary_under_load(urls: &str, replicas: &str) -> (usize, u64) {
             }
         };
         let f = Fingerprint::from_bytes(b"new");
-        match store.claim(&key, &f, Duration::from_secs(30)).await {
+        match store
+            .claim(&key, &f, Duration::from_secs(30), Duration::from_secs(30))
+            .await
+        {
             Err(idempotent_core::StoreError::Unavailable(error)) => {
                 assert!(error.to_string().contains("acknowledged by 0"), "{error}");
             }
@@ -551,7 +554,9 @@ async fn kill_a_primary_under_load(urls: &str, replicas: &str) -> (usize, u64) {
         restart_node(killed, &ports).await;
         // With the node back as its replica, the shard takes new keys again.
         assert!(matches!(
-            store.claim(&key, &f, Duration::from_secs(30)).await,
+            store
+                .claim(&key, &f, Duration::from_secs(30), Duration::from_secs(30))
+                .await,
             Ok(Claim::Claimed(_))
         ));
     } else {
@@ -606,7 +611,7 @@ async fn fencing_tokens_keep_increasing_across_a_failover() {
     let f = Fingerprint::from_bytes(b"fence");
     let key = idempotent_core::conformance::fresh_key();
     let lease = Duration::from_millis(500);
-    let Claim::Claimed(first) = store.claim(&key, &f, lease).await.unwrap() else {
+    let Claim::Claimed(first) = store.claim(&key, &f, lease, lease).await.unwrap() else {
         panic!("a fresh key is claimed");
     };
     // The replica of the key's primary takes over, then the lease lapses there.
@@ -621,7 +626,7 @@ async fn fencing_tokens_keep_increasing_across_a_failover() {
     let deadline = Instant::now() + Duration::from_secs(30);
     tokio::time::sleep(lease * 2).await;
     let second = loop {
-        match store.claim(&key, &f, lease).await {
+        match store.claim(&key, &f, lease, lease).await {
             Ok(Claim::Claimed(token)) => break token,
             Ok(other) => panic!("the lapsed claim is taken over, not {other:?}"),
             Err(_) => {

@@ -247,8 +247,9 @@ impl<S: Store> Store for FaultyStore<S> {
         key: &StorageKey,
         fingerprint: &Fingerprint,
         lease: Duration,
+        ttl: Duration,
     ) -> Result<Claim, StoreError> {
-        self.apply(Op::Claim, self.inner.claim(key, fingerprint, lease))
+        self.apply(Op::Claim, self.inner.claim(key, fingerprint, lease, ttl))
             .await
     }
 

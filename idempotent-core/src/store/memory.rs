@@ -49,7 +49,11 @@ const ALWAYS_FITS: usize = 64;
 /// - **Reclaimed**: an expired record is replaced in place by the next claim on its key; a
 ///   background task deletes expired records every [`DEFAULT_SWEEP_INTERVAL`] (when the store
 ///   is built inside a tokio runtime; the task ends when the last clone is dropped); and a claim
-///   that finds the store full sweeps once before refusing.
+///   that finds the store full sweeps once before refusing. An abandoned claim (its lease
+///   ended, or it was released) is kept until the TTL it was claimed with, so that the next
+///   owner continues its lifetime and [operation key](crate::ClaimHandle::operation_key); a
+///   full store's sweep deletes abandoned claims too, and the next owner of such a key then
+///   begins a new lifetime.
 /// - **Fenced**: tokens come from one counter per store, so they increase per key even across
 ///   deletions.
 /// - **Expiring**: every record expires; a lease above [`limits::MAX_LEASE`] or a TTL above
@@ -86,10 +90,16 @@ struct Inner {
 enum Record {
     InFlight {
         token: u64,
+        /// The token that began the record's lifetime.
+        lifetime: u64,
         fingerprint: Fingerprint,
         lease_until: u64,
+        /// Until when the record is kept once its lease ended (or it was released), so that a
+        /// takeover of the same request continues its lifetime.
+        kept_until: u64,
     },
     Completed {
+        token: u64,
         fingerprint: Fingerprint,
         payload: Bytes,
         expires: u64,
@@ -113,6 +123,7 @@ impl Record {
                 fingerprint,
                 payload,
                 expires,
+                ..
             } if *expires > now => Some(Claim::Completed {
                 fingerprint: *fingerprint,
                 payload: payload.clone(),
@@ -121,10 +132,30 @@ impl Record {
         }
     }
 
-    fn is_live(&self, now: u64) -> bool {
+    /// Whether a sweep at `now` keeps the record: it is live, or (unless `pressed`: the store is
+    /// full) an abandoned claim still within the TTL it was claimed with.
+    fn is_kept(&self, now: u64, pressed: bool) -> bool {
         match self {
-            Record::InFlight { lease_until, .. } => *lease_until > now,
+            Record::InFlight {
+                lease_until,
+                kept_until,
+                ..
+            } => *lease_until > now || (!pressed && *kept_until > now),
             Record::Completed { expires, .. } => *expires > now,
+        }
+    }
+
+    /// The lifetime an abandoned claim of `fingerprint` at `now` continues, if this record is
+    /// one.
+    fn continued_by(&self, fingerprint: &Fingerprint, now: u64) -> Option<u64> {
+        match self {
+            Record::InFlight {
+                lifetime,
+                fingerprint: recorded,
+                kept_until,
+                ..
+            } if *kept_until > now && recorded == fingerprint => Some(*lifetime),
+            _ => None,
         }
     }
 
@@ -174,9 +205,10 @@ impl MemoryStore {
         }
     }
 
-    /// Deletes every expired record now; returns how many were deleted.
+    /// Deletes every expired record now (completed records past their TTL, abandoned claims
+    /// past the TTL they were claimed with); returns how many were deleted.
     pub fn sweep(&self) -> usize {
-        self.inner.sweep()
+        self.inner.sweep(false)
     }
 }
 
@@ -276,7 +308,7 @@ async fn sweep_periodically(store: Weak<Inner>, every: Duration) {
     loop {
         tokio::time::sleep(every).await;
         let Some(inner) = store.upgrade() else { return };
-        let removed = inner.sweep();
+        let removed = inner.sweep(false);
         if removed > 0 {
             tracing::trace!(removed, "idempotency memory store swept expired records");
         }
@@ -337,6 +369,7 @@ impl Inner {
         }
     }
 
+    /// Sweeps a full store: abandoned claims go too (their successors begin new lifetimes).
     fn sweep_if_due(&self, now: u64) -> usize {
         let last = self.last_capacity_sweep.load(Ordering::Acquire);
         if last != NEVER && now < last.saturating_add(self.capacity_sweep_gap) {
@@ -349,14 +382,14 @@ impl Inner {
         {
             return 0; // another caller is sweeping
         }
-        self.sweep()
+        self.sweep(true)
     }
 
-    fn sweep(&self) -> usize {
+    fn sweep(&self, pressed: bool) -> usize {
         let now = self.now();
         let (mut removed, mut freed) = (0, 0);
         self.records.retain(|_, record| {
-            let live = record.is_live(now);
+            let live = record.is_kept(now, pressed);
             if !live {
                 removed += 1;
                 freed += record.cost();
@@ -378,6 +411,7 @@ impl Inner {
         key: &StorageKey,
         fingerprint: &Fingerprint,
         lease: Duration,
+        ttl: Duration,
     ) -> Result<Claim, StoreError> {
         let now = self.now();
         // Replays and in-flight reports need only the shard's read lock.
@@ -385,6 +419,26 @@ impl Inner {
             return Ok(found);
         }
         let lease_until = now.saturating_add(nanos(limits::clamp_lease(lease)));
+        let kept_until = now
+            .saturating_add(nanos(limits::clamp_ttl(ttl)))
+            .max(lease_until);
+        let in_flight = |token: FencingToken, lifetime: Option<u64>| {
+            let record = Record::InFlight {
+                token: token.get(),
+                lifetime: lifetime.unwrap_or(token.get()),
+                fingerprint: *fingerprint,
+                lease_until,
+                kept_until,
+            };
+            let claim = match lifetime {
+                Some(lifetime) => Claim::TakenOver {
+                    token,
+                    lifetime: FencingToken::new(lifetime),
+                },
+                None => Claim::Claimed(token),
+            };
+            (record, claim)
+        };
         let mut reserved = false;
         loop {
             match self.records.entry(*key) {
@@ -395,27 +449,20 @@ impl Inner {
                     if let Some(found) = slot.get().report(now) {
                         return Ok(found);
                     }
-                    // Expired: reclaimed in place; the slot keeps its entry, the payload's bytes
-                    // are freed.
+                    // Expired or abandoned: reclaimed in place; the slot keeps its entry, the
+                    // payload's bytes are freed.
                     let freed = slot.get().cost() - RECORD_OVERHEAD;
-                    let token = self.next_token();
-                    slot.insert(Record::InFlight {
-                        token: token.get(),
-                        fingerprint: *fingerprint,
-                        lease_until,
-                    });
+                    let lifetime = slot.get().continued_by(fingerprint, now);
+                    let (record, claim) = in_flight(self.next_token(), lifetime);
+                    slot.insert(record);
                     self.bytes.fetch_sub(freed, Ordering::AcqRel);
-                    return Ok(Claim::Claimed(token));
+                    return Ok(claim);
                 }
                 Entry::Vacant(slot) => {
                     if reserved {
-                        let token = self.next_token();
-                        slot.insert(Record::InFlight {
-                            token: token.get(),
-                            fingerprint: *fingerprint,
-                            lease_until,
-                        });
-                        return Ok(Claim::Claimed(token));
+                        let (record, claim) = in_flight(self.next_token(), None);
+                        slot.insert(record);
+                        return Ok(claim);
                     }
                     // Reserve outside the shard lock (a full store sweeps every shard), then
                     // look again: the key may have been claimed meanwhile.
@@ -453,20 +500,31 @@ impl Inner {
                     token: current,
                     fingerprint,
                     lease_until,
+                    ..
                 } if *current == token.get() && *lease_until > now => {
                     *record = Record::Completed {
+                        token: token.get(),
                         fingerprint: *fingerprint,
                         payload,
                         expires: now.saturating_add(nanos(limits::clamp_ttl(ttl))),
                     };
-                    true
+                    Completion::Written
                 }
-                _ => false,
+                // This owner's earlier completion landed: done already, nothing changes.
+                Record::Completed {
+                    token: current,
+                    expires,
+                    ..
+                } if *current == token.get() && *expires > now => Completion::Repeated,
+                _ => Completion::Rejected,
             },
-            None => false,
+            None => Completion::Rejected,
         };
-        if completed {
+        if completed == Completion::Written {
             self.notify_changed();
+            Ok(())
+        } else if completed == Completion::Repeated {
+            self.unreserve(0, extra);
             Ok(())
         } else {
             self.unreserve(0, extra);
@@ -474,19 +532,25 @@ impl Inner {
         }
     }
 
+    /// Ends the lease at once; the record is kept as an abandoned claim (see `is_kept`).
     fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
         let now = self.now();
-        let removed = self.records.remove_if(key, |_, record| {
-            matches!(record, Record::InFlight { token: current, lease_until, .. }
-                if *current == token.get() && *lease_until > now)
-        });
-        match removed {
-            Some(_) => {
-                self.unreserve(1, RECORD_OVERHEAD);
-                self.notify_changed();
-                Ok(())
+        let released = match self.records.get_mut(key).as_deref_mut() {
+            Some(Record::InFlight {
+                token: current,
+                lease_until,
+                ..
+            }) if *current == token.get() && *lease_until > now => {
+                *lease_until = now;
+                true
             }
-            None => Err(StoreError::TokenRejected),
+            _ => false,
+        };
+        if released {
+            self.notify_changed();
+            Ok(())
+        } else {
+            Err(StoreError::TokenRejected)
         }
     }
 
@@ -501,14 +565,25 @@ impl Inner {
             Some(Record::InFlight {
                 token: current,
                 lease_until,
+                kept_until,
                 ..
             }) if *current == token.get() && *lease_until > now => {
                 *lease_until = now.saturating_add(nanos(limits::clamp_lease(lease)));
+                *kept_until = (*kept_until).max(*lease_until);
                 Ok(())
             }
             _ => Err(StoreError::TokenRejected),
         }
     }
+}
+
+/// What a completion found.
+#[derive(PartialEq, Eq)]
+enum Completion {
+    Written,
+    /// The same owner's completion had landed already.
+    Repeated,
+    Rejected,
 }
 
 struct Waiting<'a>(&'a AtomicUsize);
@@ -529,8 +604,9 @@ impl Store for MemoryStore {
         key: &StorageKey,
         fingerprint: &Fingerprint,
         lease: Duration,
+        ttl: Duration,
     ) -> Result<Claim, StoreError> {
-        self.inner.claim(key, fingerprint, lease)
+        self.inner.claim(key, fingerprint, lease, ttl)
     }
 
     async fn complete(

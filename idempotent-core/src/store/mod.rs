@@ -38,8 +38,22 @@ impl FencingToken {
 /// What [`Store::claim`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
-    /// The caller now owns the key until its lease ends, and holds this token.
+    /// The caller now owns the key until its lease ends, and holds this token. A new record
+    /// *lifetime* begins with it: the key had no record, its record had expired (a completed
+    /// record past its TTL, an abandoned one past the TTL it was claimed with), or the
+    /// abandoned record was claimed for a different request.
     Claimed(FencingToken),
+    /// The caller now owns the key until its lease ends, and holds `token`, taking over a
+    /// record of the same request whose owner's lease ended or who released it: the record's
+    /// lifetime goes on. `lifetime` is the token that began it (see
+    /// [`StorageKey::operation_key`]), so every owner and attempt of one operation passes the
+    /// same operation key downstream.
+    TakenOver {
+        /// The caller's new token, greater than every token issued before for the key.
+        token: FencingToken,
+        /// The token of the claim that began the record's lifetime.
+        lifetime: FencingToken,
+    },
     /// Another caller owns the key.
     InFlight {
         /// The fingerprint the owner claimed with.
@@ -82,7 +96,13 @@ pub enum Claim {
 ///
 /// - a record whose lease or TTL has passed is as good as absent for `claim`, and only for
 ///   `claim`: `complete`, `release` and `renew` succeed only with the current token of a live
-///   in-flight record;
+///   in-flight record (and `complete` repeated by the owner whose record it completed succeeds
+///   again);
+/// - an in-flight record whose lease ended, or which was released, is kept until the TTL it
+///   was claimed with has passed, so that the next claim of the same request takes it over
+///   ([`Claim::TakenOver`]) and the operation keeps its
+///   [operation key](StorageKey::operation_key); a claim that finds no record, an expired one,
+///   or one of a different request begins a new lifetime ([`Claim::Claimed`]);
 /// - every successful `claim` returns a token greater than every token issued before for that
 ///   storage key, even if the record was deleted in between;
 /// - a record is never overwritten or deleted by a caller that does not hold its current token;
@@ -101,8 +121,16 @@ pub enum Claim {
 /// use idempotent_core::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
 ///
 /// enum Record {
-///     InFlight { token: FencingToken, fingerprint: Fingerprint, until: Instant },
-///     Completed { fingerprint: Fingerprint, payload: Bytes, until: Instant },
+///     // `lease_until` is when the owner's lease ends; the record is kept until `kept_until`
+///     // (the TTL it was claimed with) so a takeover continues its lifetime.
+///     InFlight {
+///         token: FencingToken,
+///         lifetime: FencingToken,
+///         fingerprint: Fingerprint,
+///         lease_until: Instant,
+///         kept_until: Instant,
+///     },
+///     Completed { token: FencingToken, fingerprint: Fingerprint, payload: Bytes, until: Instant },
 /// }
 ///
 /// #[derive(Default)]
@@ -118,21 +146,36 @@ pub enum Claim {
 ///         key: &StorageKey,
 ///         fingerprint: &Fingerprint,
 ///         lease: Duration,
+///         ttl: Duration,
 ///     ) -> Result<Claim, StoreError> {
 ///         let now = Instant::now();
 ///         let mut records = self.records.lock().unwrap();
+///         let mut continues = None;
 ///         match records.get(key) {
-///             Some(Record::InFlight { fingerprint, until, .. }) if *until > now => {
-///                 return Ok(Claim::InFlight { fingerprint: *fingerprint, retry_after: *until - now });
+///             Some(Record::InFlight { fingerprint: f, lease_until, .. }) if *lease_until > now => {
+///                 return Ok(Claim::InFlight { fingerprint: *f, retry_after: *lease_until - now });
 ///             }
-///             Some(Record::Completed { fingerprint, payload, until }) if *until > now => {
+///             Some(Record::Completed { fingerprint, payload, until, .. }) if *until > now => {
 ///                 return Ok(Claim::Completed { fingerprint: *fingerprint, payload: payload.clone() });
 ///             }
-///             _ => {} // absent or expired: the caller becomes the owner
+///             // Abandoned (lease ended or released) by the same request: its lifetime goes on.
+///             Some(Record::InFlight { lifetime, fingerprint: f, kept_until, .. })
+///                 if *kept_until > now && f == fingerprint => continues = Some(*lifetime),
+///             _ => {} // absent, expired or another request's: a new lifetime
 ///         }
 ///         let token = FencingToken::new(self.last_token.fetch_add(1, Ordering::SeqCst) + 1);
-///         records.insert(*key, Record::InFlight { token, fingerprint: *fingerprint, until: now + lease });
-///         Ok(Claim::Claimed(token))
+///         let lifetime = continues.unwrap_or(token);
+///         records.insert(*key, Record::InFlight {
+///             token,
+///             lifetime,
+///             fingerprint: *fingerprint,
+///             lease_until: now + lease,
+///             kept_until: now + ttl.max(lease),
+///         });
+///         Ok(match continues {
+///             Some(lifetime) => Claim::TakenOver { token, lifetime },
+///             None => Claim::Claimed(token),
+///         })
 ///     }
 ///
 ///     async fn complete(
@@ -145,11 +188,15 @@ pub enum Claim {
 ///         let now = Instant::now();
 ///         let mut records = self.records.lock().unwrap();
 ///         match records.get(key) {
-///             Some(Record::InFlight { token: current, fingerprint, until }) if *current == token && *until > now => {
+///             Some(Record::InFlight { token: current, fingerprint, lease_until, .. })
+///                 if *current == token && *lease_until > now =>
+///             {
 ///                 let fingerprint = *fingerprint;
-///                 records.insert(*key, Record::Completed { fingerprint, payload, until: now + ttl });
+///                 records.insert(*key, Record::Completed { token, fingerprint, payload, until: now + ttl });
 ///                 Ok(())
 ///             }
+///             // The owner's earlier completion landed (its answer was lost): done already.
+///             Some(Record::Completed { token: current, until, .. }) if *current == token && *until > now => Ok(()),
 ///             _ => Err(StoreError::TokenRejected),
 ///         }
 ///     }
@@ -157,9 +204,11 @@ pub enum Claim {
 ///     async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
 ///         let now = Instant::now();
 ///         let mut records = self.records.lock().unwrap();
-///         match records.get(key) {
-///             Some(Record::InFlight { token: current, until, .. }) if *current == token && *until > now => {
-///                 records.remove(key);
+///         match records.get_mut(key) {
+///             Some(Record::InFlight { token: current, lease_until, .. })
+///                 if *current == token && *lease_until > now =>
+///             {
+///                 *lease_until = now; // kept, so the next claim continues its lifetime
 ///                 Ok(())
 ///             }
 ///             _ => Err(StoreError::TokenRejected),
@@ -170,8 +219,11 @@ pub enum Claim {
 ///         let now = Instant::now();
 ///         let mut records = self.records.lock().unwrap();
 ///         match records.get_mut(key) {
-///             Some(Record::InFlight { token: current, until, .. }) if *current == token && *until > now => {
-///                 *until = now + lease;
+///             Some(Record::InFlight { token: current, lease_until, kept_until, .. })
+///                 if *current == token && *lease_until > now =>
+///             {
+///                 *lease_until = now + lease;
+///                 *kept_until = (*kept_until).max(*lease_until);
 ///                 Ok(())
 ///             }
 ///             _ => Err(StoreError::TokenRejected),
@@ -197,20 +249,32 @@ pub enum Claim {
 pub trait Store: Send + Sync + 'static {
     /// Claims `key` for `lease`, or reports the record that prevents it.
     ///
-    /// - No record, or a record whose lease (in flight) or TTL (completed) has passed: stores a
-    ///   new in-flight record with `fingerprint`, a lease ending `lease` from now, and a new token
-    ///   greater than every token issued before for `key`; returns [`Claim::Claimed`].
-    /// - A live in-flight record: returns [`Claim::InFlight`] with its fingerprint and the time
-    ///   left on its lease. Nothing is changed.
+    /// - A live in-flight record (its lease has not ended): returns [`Claim::InFlight`] with
+    ///   its fingerprint and the time left on its lease. Nothing is changed.
     /// - A live completed record: returns [`Claim::Completed`] with its fingerprint and payload.
     ///   Nothing is changed.
+    /// - An in-flight record whose lease ended or that was released, with the same
+    ///   `fingerprint`, kept less than its TTL ago: the caller takes it over, with a new token
+    ///   greater than every token issued before for `key` and a lease ending `lease` from now;
+    ///   returns [`Claim::TakenOver`] with the token and the record's `lifetime` (the token that
+    ///   began it). The record is kept at least until `ttl` from now.
+    /// - Otherwise (no record, an expired one, or an abandoned one of another request): stores
+    ///   a new in-flight record with `fingerprint`, a new token as above, a lease ending `lease`
+    ///   from now, kept until `ttl` (at least `lease`) from now, and a lifetime beginning with
+    ///   the token; returns [`Claim::Claimed`].
     ///
-    /// Of any number of concurrent claims on an absent key, exactly one returns `Claimed`.
+    /// Of any number of concurrent claims on a key no live record holds, exactly one returns
+    /// `Claimed` or `TakenOver`.
+    ///
+    /// `ttl` is what the record's completion will be given: an abandoned claim is kept that
+    /// long (so an owner whose lease lapsed and its successor share one lifetime) and no
+    /// longer (so a key reused after its record expired is a new operation).
     fn claim(
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
         lease: Duration,
+        ttl: Duration,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
     /// Turns the caller's in-flight record into a completed one holding `payload`, kept for
@@ -220,6 +284,11 @@ pub trait Store: Send + Sync + 'static {
     /// returns [`StoreError::TokenRejected`] and changes nothing. The fingerprint is kept from
     /// the claim. May return [`StoreError::Capacity`] if the payload does not fit; the record
     /// then stays in flight.
+    ///
+    /// A completion repeated by the owner whose completion already landed (its answer was
+    /// lost, or it retries with another payload) finds the live completed record with its own
+    /// `token` and succeeds again, changing nothing: the record keeps the payload that landed
+    /// first.
     fn complete(
         &self,
         key: &StorageKey,
@@ -228,8 +297,9 @@ pub trait Store: Send + Sync + 'static {
         ttl: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Deletes the caller's in-flight record, so the next claim runs the work again (the work
-    /// failed transiently or was abandoned).
+    /// Ends the caller's lease at once, so the next claim runs the work again (the work failed
+    /// transiently or was abandoned). The record is kept as an abandoned one (see
+    /// [`claim`](Self::claim)): the next claim of the same request continues its lifetime.
     ///
     /// Succeeds only if `key` holds a live in-flight record with exactly `token`; otherwise
     /// returns [`StoreError::TokenRejected`] and changes nothing. A completed record is never
@@ -295,8 +365,9 @@ impl<S: Store> Store for Arc<S> {
         key: &StorageKey,
         fingerprint: &Fingerprint,
         lease: Duration,
+        ttl: Duration,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
-        S::claim(self, key, fingerprint, lease)
+        S::claim(self, key, fingerprint, lease, ttl)
     }
     fn complete(
         &self,
@@ -346,6 +417,7 @@ pub(crate) trait DynStore: Send + Sync + 'static {
         key: &'a StorageKey,
         fingerprint: &'a Fingerprint,
         lease: Duration,
+        ttl: Duration,
     ) -> BoxFuture<'a, Result<Claim, StoreError>>;
     fn complete<'a>(
         &'a self,
@@ -404,8 +476,12 @@ impl<S: Store> DynStore for Measured<S> {
         key: &'a StorageKey,
         fingerprint: &'a Fingerprint,
         lease: Duration,
+        ttl: Duration,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        Box::pin(self.timed(Operation::Claim, self.store.claim(key, fingerprint, lease)))
+        Box::pin(self.timed(
+            Operation::Claim,
+            self.store.claim(key, fingerprint, lease, ttl),
+        ))
     }
     fn complete<'a>(
         &'a self,
@@ -443,4 +519,129 @@ impl<S: Store> DynStore for Measured<S> {
     fn metrics(&self) -> &Metrics {
         &self.metrics
     }
+}
+
+/// A claim sent to a shared store whose answer did not come back: the store may have
+/// received it, and will then make it when it next runs (a store frozen, then thawed). Its
+/// caller has already been told the store is unavailable and will retry; a claim landing
+/// after that must not hold the key for a whole lease. Each such claim carries a random
+/// *claimant* number, written into the record it makes; dropped before [`answered`], this
+/// guard gives back, in the background, the in-flight record that carries that number.
+///
+/// [`answered`]: Unanswered::answered
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) struct Unanswered {
+    give_back: Option<GiveBack>,
+}
+
+/// One attempt to give back a claim: `Ok(true)` if the store held it and has given it up,
+/// `Ok(false)` if it holds no such claim.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) type GiveBack =
+    Box<dyn FnMut() -> BoxFuture<'static, Result<bool, StoreError>> + Send + 'static>;
+
+/// How long a claim that may still land is given back for once the store answers again and
+/// does not hold it: the claim may be queued behind the give-back on another connection.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+const GIVE_BACK_SETTLE: Duration = Duration::from_secs(5);
+/// How long the store may stay unreachable while a claim that may land is waiting to be given
+/// back. A store frozen longer than this makes the claim at its thaw, and it holds the key
+/// until its lease ends.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) const GIVE_BACK_MAX: Duration = Duration::from_secs(600);
+/// Each give-back attempt is abandoned after this long.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+const GIVE_BACK_ATTEMPT: Duration = Duration::from_secs(2);
+
+#[cfg(any(feature = "redis", feature = "postgres"))]
+impl Unanswered {
+    /// Armed with what gives the claim back.
+    pub(crate) fn new(give_back: GiveBack) -> Self {
+        Unanswered {
+            give_back: Some(give_back),
+        }
+    }
+
+    /// The store answered: the caller knows what the claim did.
+    pub(crate) fn answered(mut self) {
+        self.give_back = None;
+    }
+}
+
+/// At most this many claims are being given back at once; past it (a long outage under heavy
+/// load), a claim the store may still make ends with its lease.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+const GIVE_BACK_TASKS: usize = 10_000;
+
+#[cfg(any(feature = "redis", feature = "postgres"))]
+static GIVING_BACK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[cfg(any(feature = "redis", feature = "postgres"))]
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering;
+        let Some(give_back) = self.give_back.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if GIVING_BACK.fetch_add(1, Ordering::AcqRel) >= GIVE_BACK_TASKS {
+            GIVING_BACK.fetch_sub(1, Ordering::AcqRel);
+            return;
+        }
+        runtime.spawn(async move {
+            give_back_until_settled(give_back).await;
+            GIVING_BACK.fetch_sub(1, Ordering::AcqRel);
+        });
+    }
+}
+
+/// Tries to give an unanswered claim back, with backoff, until the store gives it up, or has
+/// answered for [`GIVE_BACK_SETTLE`] without holding it, or stayed unreachable for
+/// [`GIVE_BACK_MAX`].
+#[cfg(any(feature = "redis", feature = "postgres"))]
+async fn give_back_until_settled(mut give_back: GiveBack) {
+    let started = tokio::time::Instant::now();
+    let mut first_answer = None;
+    let mut delay = Duration::from_millis(50);
+    loop {
+        let now = tokio::time::Instant::now();
+        match tokio::time::timeout(GIVE_BACK_ATTEMPT, give_back()).await {
+            Ok(Ok(true)) => {
+                tracing::info!(
+                    "a claim the store made after its caller stopped waiting was given back"
+                );
+                return;
+            }
+            Ok(Ok(false)) => {
+                let answered = *first_answer.get_or_insert(now);
+                if now.duration_since(answered) >= GIVE_BACK_SETTLE {
+                    return;
+                }
+            }
+            Ok(Err(_)) | Err(_) => {
+                if first_answer.is_none() && now.duration_since(started) >= GIVE_BACK_MAX {
+                    tracing::warn!(
+                        "the store stayed unreachable; a claim it may still make ends with its lease"
+                    );
+                    return;
+                }
+            }
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(1));
+    }
+}
+
+/// A random number naming one claim attempt (see [`Unanswered`]): never zero.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) fn claimant() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = std::hash::RandomState::new().build_hasher();
+    hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    // Non-negative as an i64 (PostgreSQL's bigint) and never zero.
+    (hasher.finish() >> 1).max(1)
 }

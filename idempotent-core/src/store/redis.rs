@@ -13,6 +13,7 @@ use redis::{
     Value,
 };
 
+use super::Unanswered;
 use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, limits};
 
 /// The default prefix of every Redis key this store writes.
@@ -29,14 +30,23 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 ///
 /// One Redis hash per record at `PREFIX + hex(storage key)` (one key, so one Redis Cluster
 /// slot): field `s` (state: `i` in flight, `c` completed), `f` (the 32-byte fingerprint), `t`
-/// (the fencing token) and, once completed, `p` (the payload). The key's Redis expiry is the
-/// lease while in flight and the TTL once completed, so Redis deletes records itself and a
-/// record is live exactly while its key exists. Expiries are whole milliseconds, at least one;
+/// (the fencing token), `o` (the token that began the record's lifetime) and, in flight, `l`
+/// (when the lease ends, in the server's milliseconds) and `n` (the claimant number that
+/// gives back a claim whose caller stopped waiting) or, once completed, `p` (the payload).
+/// The key's Redis expiry is the TTL (at least the lease) while in flight and the TTL once
+/// completed, so Redis deletes records itself: a claim whose lease ended, or which was
+/// released, stays until the TTL it was claimed with, for the next owner of the same request
+/// to continue its lifetime. Expiries are whole milliseconds, at least one;
 /// a lease above [`limits::MAX_LEASE`] or a TTL above [`limits::MAX_TTL`] is recorded as that
 /// ceiling, and each script checks its expiry before it writes, so no record is ever left
-/// without one. Times are the server's: expiry runs on its
+/// without one. Times are the server's: leases and expiry run on its
 /// clock, and tokens are derived from `TIME` (microseconds since the epoch), so they increase
 /// per key across deletions as long as the server's clock does not go backwards.
+///
+/// A claim whose reply does not come back (the server is frozen, the response timeout
+/// passed) may still be made when the server runs again; the store then gives it back in the
+/// background (ends its lease) as soon as the server answers, so the retry of the caller that
+/// was told "unavailable" does not wait for a lease.
 ///
 /// # Deployment
 ///
@@ -134,74 +144,116 @@ if not ms or ms < 1 or ms > MAX_MS or ms ~= math.floor(ms) then
 end
 ";
 
+// The server's time in milliseconds, as `ms`.
+const NOW_MS: &str = r"
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+";
+
+// `ARGV[1]` fingerprint, `ARGV[2]` lease and `ARGV[3]` TTL in milliseconds, `ARGV[4]` the
+// claimant. A record in flight whose lease (`l`, server milliseconds) ended is kept until the
+// TTL it was claimed with: the same request takes it over and keeps its lifetime (`o`).
 const CLAIM: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 's', 'f', 'p')
+local rec = redis.call('HMGET', KEYS[1], 's', 'f', 'p', 'l', 'o')
 if rec[1] == 'i' then
-  return {'i', rec[2], redis.call('PTTL', KEYS[1])}
+  local left
+  if rec[4] then left = tonumber(rec[4]) - ms else left = redis.call('PTTL', KEYS[1]) end
+  if left > 0 then return {'i', rec[2], left} end
 elseif rec[1] == 'c' then
   return {'c', rec[2], rec[3]}
 elseif rec[1] then
   return {'?', rec[1]}
 end
-local now = redis.call('TIME')
 local token = string.format('%.0f', tonumber(now[1]) * 1000000 + tonumber(now[2]))
-redis.call('HSET', KEYS[1], 's', 'i', 'f', ARGV[1], 't', token)
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {'claimed', token}
+local lifetime = token
+if rec[1] == 'i' and rec[2] == ARGV[1] and rec[5] then lifetime = rec[5] end
+redis.call('HSET', KEYS[1], 's', 'i', 'f', ARGV[1], 't', token, 'o', lifetime,
+  'l', string.format('%.0f', ms + tonumber(ARGV[2])), 'n', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[2]), tonumber(ARGV[3])))
+return {'claimed', token, lifetime}
 ";
 
-// With `ARGV[4]` set (replicas required), the same completion repeated by the owner whose
-// earlier attempt landed without its acknowledgement writes the token again (changing
-// nothing) for `WAIT` to cover.
+// Whether the record is in flight with token `ARGV[1]` and a lease that has not ended, as
+// `owned`.
+const OWNED: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 's', 't', 'l')
+local owned = rec[1] == 'i' and rec[2] == ARGV[1] and (not rec[3] or tonumber(rec[3]) > ms)
+";
+
+// A completion repeated by the owner whose completion landed (its reply was lost, or it
+// retries with the 'not retained' record) finds its own token on the completed record and
+// succeeds, changing nothing; with `ARGV[4]` set (replicas required) it writes the token
+// again for `WAIT` to cover.
 const COMPLETE: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 's', 't')
-if rec[1] == 'i' and rec[2] == ARGV[1] then
+if owned then
   redis.call('HSET', KEYS[1], 's', 'c', 'p', ARGV[2])
+  redis.call('HDEL', KEYS[1], 'l', 'n')
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return 1
 end
-if ARGV[4] == '1' and rec[1] == 'c' and rec[2] == ARGV[1]
-    and redis.call('HGET', KEYS[1], 'p') == ARGV[2] then
-  redis.call('HSET', KEYS[1], 't', ARGV[1])
+if rec[1] == 'c' and rec[2] == ARGV[1] then
+  if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 't', ARGV[1]) end
   return 1
 end
 return 0
 ";
 
+// Ends the lease; the record is kept for the next claim of the same request to take over.
 const RELEASE: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 's', 't')
-if rec[1] ~= 'i' or rec[2] ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
+if not owned then return 0 end
+redis.call('HSET', KEYS[1], 'l', '0')
 return 1
 ";
 
 // Whether the record is still claimed with token `ARGV[1]`; if so, writes the token again
 // (changing nothing), a write for `WAIT` to cover that reaches the replicas after the claim.
 const CONFIRM: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 's', 't')
-if rec[1] ~= 'i' or rec[2] ~= ARGV[1] then return 0 end
+if not owned then return 0 end
 redis.call('HSET', KEYS[1], 't', ARGV[1])
 return 1
 ";
 
 const RENEW: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 's', 't')
-if rec[1] ~= 'i' or rec[2] ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if not owned then return 0 end
+redis.call('HSET', KEYS[1], 'l', string.format('%.0f', ms + tonumber(ARGV[2])))
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
 return 1
 ";
 
-/// `script` with the expiry in `ARGV[arg]` checked first.
-fn checked(arg: usize, script: &str) -> Script {
-    Script::new(&checked_source(arg, script))
+// Ends the lease of the claim made by claimant `ARGV[1]` after its caller stopped waiting
+// for the reply (see `Unanswered`).
+const GIVE_BACK: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 's', 'n', 'l')
+if rec[1] ~= 'i' or rec[2] ~= ARGV[1] or not rec[3] or tonumber(rec[3]) <= ms then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'l', '0')
+return 1
+";
+
+/// `parts` (the server's time first, then what reads it), with the expiries in `expiries`
+/// (argument numbers) checked before anything.
+fn checked(expiries: &[usize], parts: &[&str]) -> Script {
+    Script::new(&checked_source(expiries, parts))
 }
 
 /// The source of [`checked`]'s script.
-fn checked_source(arg: usize, script: &str) -> String {
-    let check = CHECK_EXPIRY
-        .replace("EXPIRY_MS", &format!("ARGV[{arg}]"))
-        .replace("MAX_MS", &MAX_EXPIRY_MS.to_string());
-    format!("{check}{script}")
+fn checked_source(expiries: &[usize], parts: &[&str]) -> String {
+    let mut source = String::new();
+    for arg in expiries {
+        source.push_str(
+            &CHECK_EXPIRY
+                .replace("EXPIRY_MS", &format!("ARGV[{arg}]"))
+                .replace("MAX_MS", &MAX_EXPIRY_MS.to_string()),
+        );
+    }
+    source.push_str(NOW_MS);
+    for part in parts {
+        source.push_str(part);
+    }
+    source
 }
 
 /// The longest expiry sent to Redis, in milliseconds: the longest TTL or lease.
@@ -220,16 +272,18 @@ struct Scripts {
     release: Script,
     renew: Script,
     confirm: Script,
+    give_back: Script,
 }
 
 fn scripts() -> &'static Scripts {
     static SCRIPTS: std::sync::OnceLock<Scripts> = std::sync::OnceLock::new();
     SCRIPTS.get_or_init(|| Scripts {
-        claim: checked(2, CLAIM),
-        complete: checked(3, COMPLETE),
-        release: Script::new(RELEASE),
-        renew: checked(2, RENEW),
-        confirm: Script::new(CONFIRM),
+        claim: checked(&[2, 3], &[CLAIM]),
+        complete: checked(&[3], &[OWNED, COMPLETE]),
+        release: checked(&[], &[OWNED, RELEASE]),
+        renew: checked(&[2], &[OWNED, RENEW]),
+        confirm: checked(&[], &[OWNED, CONFIRM]),
+        give_back: checked(&[], &[GIVE_BACK]),
     })
 }
 
@@ -364,13 +418,16 @@ impl RedisStore {
     }
 
     /// The claim and completion scripts, exactly as the store sends them: the claim takes
-    /// the record's key, `ARGV[1]` fingerprint and `ARGV[2]` lease in milliseconds; the
-    /// completion the key, `ARGV[1]` token, `ARGV[2]` payload and `ARGV[3]` TTL in
-    /// milliseconds. For measuring what Redis itself does with them (the benchmark's
-    /// `redis-benchmark` rows); not a stable API.
+    /// the record's key, `ARGV[1]` fingerprint, `ARGV[2]` lease and `ARGV[3]` TTL in
+    /// milliseconds and `ARGV[4]` a claimant number; the completion the key, `ARGV[1]` token,
+    /// `ARGV[2]` payload and `ARGV[3]` TTL in milliseconds. For measuring what Redis itself
+    /// does with them (the benchmark's `redis-benchmark` rows); not a stable API.
     #[doc(hidden)]
     pub fn claim_and_complete_scripts() -> [String; 2] {
-        [checked_source(2, CLAIM), checked_source(3, COMPLETE)]
+        [
+            checked_source(&[2, 3], &[CLAIM]),
+            checked_source(&[3], &[OWNED, COMPLETE]),
+        ]
     }
 
     /// The Redis key of a record.
@@ -581,19 +638,45 @@ impl Store for RedisStore {
         key: &StorageKey,
         fingerprint_arg: &Fingerprint,
         lease: Duration,
+        ttl: Duration,
     ) -> Result<Claim, StoreError> {
         let script = &scripts().claim;
+        let claimant = super::claimant();
         let mut cmd = self.evalsha(script, key);
         cmd.arg(fingerprint_arg.as_bytes().as_slice())
-            .arg(millis(limits::clamp_lease(lease)));
-        let mut reply: Vec<Value> = self.query(script, cmd).await?;
+            .arg(millis(limits::clamp_lease(lease)))
+            .arg(millis(limits::clamp_ttl(ttl)))
+            .arg(claimant);
+        let unanswered = Unanswered::new({
+            let (store, key) = (self.clone(), *key);
+            Box::new(move || {
+                let store = store.clone();
+                Box::pin(async move {
+                    let script = &scripts().give_back;
+                    let mut cmd = store.evalsha(script, &key);
+                    cmd.arg(claimant);
+                    let given: i64 = store.query(script, cmd).await?;
+                    Ok(given == 1)
+                })
+            })
+        });
+        let reply = self.query(script, cmd).await;
+        // An error from the server is an answer; a timeout or a broken connection may not
+        // be: the claim may be made when the server runs again.
+        if !matches!(reply, Err(StoreError::Unavailable(_))) {
+            unanswered.answered();
+        }
+        let mut reply: Vec<Value> = reply?;
         match reply.as_mut_slice() {
-            [state, token] if text(state) == Some(b"claimed") => {
-                let token = text(token)
-                    .and_then(|t| std::str::from_utf8(t).ok())
-                    .and_then(|t| t.parse().ok())
-                    .ok_or_else(|| corrupt("token"))?;
-                let token = FencingToken::new(token);
+            [state, token, lifetime] if text(state) == Some(b"claimed") => {
+                let number = |value: &Value| {
+                    text(value)
+                        .and_then(|t| std::str::from_utf8(t).ok())
+                        .and_then(|t| t.parse().ok())
+                        .map(FencingToken::new)
+                        .ok_or_else(|| corrupt("token"))
+                };
+                let (token, lifetime) = (number(token)?, number(lifetime)?);
                 if let Some(required) = self.replicas {
                     // Nothing runs on a claim that could be lost: one the key's primary no
                     // longer holds (it died before replicating it) fails, and one too few
@@ -613,7 +696,11 @@ impl Store for RedisStore {
                         }
                     }
                 }
-                Ok(Claim::Claimed(token))
+                Ok(if lifetime == token {
+                    Claim::Claimed(token)
+                } else {
+                    Claim::TakenOver { token, lifetime }
+                })
             }
             [state, f, ttl] if text(state) == Some(b"i") => {
                 let ttl = match ttl {
@@ -717,6 +804,8 @@ mod tests {
                 .key(&redis_key)
                 .arg(Fingerprint::empty().as_bytes().as_slice())
                 .arg(bad)
+                .arg(1000)
+                .arg(1)
                 .invoke_async(&mut connection)
                 .await;
             assert!(claimed.is_err(), "claim with {bad}: {claimed:?}");
@@ -728,7 +817,12 @@ mod tests {
             assert_eq!(exists, 0, "claim with {bad} wrote a record");
 
             let Ok(Claim::Claimed(token)) = store
-                .claim(&key, &Fingerprint::empty(), Duration::from_secs(5))
+                .claim(
+                    &key,
+                    &Fingerprint::empty(),
+                    Duration::from_secs(5),
+                    Duration::from_secs(5),
+                )
                 .await
             else {
                 panic!("a fresh key is claimed");

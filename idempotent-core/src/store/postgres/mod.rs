@@ -20,6 +20,7 @@ use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Executor as _, Row as _};
 
 use self::connections::Connections;
+use super::Unanswered;
 use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, limits};
 
 pub use self::fence::{DEFAULT_FENCE_TABLE, Fence, FenceError};
@@ -402,13 +403,14 @@ impl PostgresStore {
 /// The SQL of one table, built once per store from its validated name.
 pub(crate) struct Sql {
     table: String,
-    migrate: [String; 3],
+    migrate: [String; 4],
     claim: String,
     complete: String,
     complete_in_transaction: String,
     release: String,
     release_in_transaction: String,
     renew: String,
+    give_back: String,
     reap: String,
 }
 
@@ -457,9 +459,14 @@ impl Sql {
         let t = table_name.quoted();
         let seq = qualify(&format!("{name}_token_seq"));
         let index = format!("\"{name}_expires_at_idx\"");
+        let kept_index = format!("\"{name}_kept_until_idx\"");
+        let kept_index_qualified = qualify(&format!("{name}_kept_until_idx"));
         let until = |param: &str| format!("clock_timestamp() + {param} * interval '1 microsecond'");
         let owned = "storage_key = $1 AND token = $2 AND state = 'in_flight'";
         let live = "expires_at > clock_timestamp()";
+        // Until when a row is kept: rows migrated from before `kept_until` have only their
+        // `expires_at`.
+        let kept = "coalesce(kept_until, expires_at)";
         Ok(Sql {
             table: table.to_owned(),
             migrate: [
@@ -474,6 +481,22 @@ impl Sql {
                 ),
                 format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at)"),
                 format!("CREATE SEQUENCE IF NOT EXISTS {seq}"),
+                // The columns added in 0.3, checked first: `ALTER TABLE` and `CREATE INDEX`
+                // lock the table even when there is nothing to do, and every instance
+                // migrates at startup while others hold open transactions on the table.
+                format!(
+                    "DO $$ BEGIN \
+                     IF NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = '{t}'::regclass \
+                         AND attname = 'claimant' AND NOT attisdropped) THEN \
+                         ALTER TABLE {t} ADD COLUMN IF NOT EXISTS lifetime bigint, \
+                         ADD COLUMN IF NOT EXISTS kept_until timestamptz, \
+                         ADD COLUMN IF NOT EXISTS claimant bigint; \
+                     END IF; \
+                     IF to_regclass('{kept_index_qualified}') IS NULL THEN \
+                         CREATE INDEX IF NOT EXISTS {kept_index} ON {t} (({kept})); \
+                     END IF; \
+                     END $$"
+                ),
             ],
             claim: format!(
                 "WITH live AS (\
@@ -481,31 +504,46 @@ impl Sql {
                      (EXTRACT(EPOCH FROM expires_at - clock_timestamp()) * 1000000)::int8 AS remaining_us \
                      FROM {t} WHERE storage_key = $1 AND {live}\
                  ), claimed AS (\
-                     INSERT INTO {t} AS r (storage_key, state, fingerprint, token, payload, expires_at) \
-                     SELECT $1, 'in_flight', $2, nextval('{seq}'), NULL, {lease} \
+                     INSERT INTO {t} AS r (storage_key, state, fingerprint, token, lifetime, payload, \
+                     expires_at, kept_until, claimant) \
+                     SELECT $1, 'in_flight', $2, nextval('{seq}'), NULL, NULL, {lease}, {kept_for}, $5 \
                      WHERE NOT EXISTS (SELECT FROM live) \
                      ON CONFLICT (storage_key) DO UPDATE \
                      SET state = 'in_flight', fingerprint = excluded.fingerprint, \
-                     token = greatest(nextval('{seq}'), r.token + 1), payload = NULL, \
-                     expires_at = {lease} \
+                     token = greatest(nextval('{seq}'), r.token + 1), \
+                     lifetime = CASE WHEN r.state = 'in_flight' AND r.fingerprint = excluded.fingerprint \
+                         AND coalesce(r.kept_until, r.expires_at) > clock_timestamp() \
+                         THEN coalesce(r.lifetime, r.token) END, \
+                     payload = NULL, expires_at = {lease}, kept_until = {kept_for}, \
+                     claimant = excluded.claimant \
                      WHERE r.expires_at <= clock_timestamp() \
-                     RETURNING r.token\
+                     RETURNING r.token, coalesce(r.lifetime, r.token) AS lifetime\
                  ) \
-                 SELECT 'claimed'::text AS state, token, NULL::bytea AS fingerprint, \
+                 SELECT 'claimed'::text AS state, token, lifetime, NULL::bytea AS fingerprint, \
                  NULL::bytea AS payload, NULL::int8 AS remaining_us FROM claimed \
                  UNION ALL \
-                 SELECT state, NULL, fingerprint, payload, remaining_us FROM live",
+                 SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live",
                 lease = until("$3"),
+                kept_for = until("greatest($3, $4)"),
             ),
+            // The owner's completion repeated after the first one landed (its answer was
+            // lost, or the runtime retries with the "not retained" record) changes nothing
+            // and succeeds.
             complete: format!(
-                "UPDATE {t} SET state = 'completed', payload = $3, expires_at = {ttl} \
-                 WHERE {owned} AND {live}",
+                "UPDATE {t} SET state = 'completed', \
+                 payload = CASE WHEN state = 'in_flight' THEN $3 ELSE payload END, \
+                 expires_at = CASE WHEN state = 'in_flight' THEN {ttl} ELSE expires_at END, \
+                 kept_until = CASE WHEN state = 'in_flight' THEN {ttl} ELSE kept_until END, \
+                 claimant = NULL \
+                 WHERE storage_key = $1 AND token = $2 AND state IN ('in_flight', 'completed') \
+                 AND {live}",
                 ttl = until("$4"),
             ),
             // In the claimer's own transaction the row is locked until commit, so nobody can
             // take it over, however long the work took.
             complete_in_transaction: format!(
-                "UPDATE {t} SET state = 'completed', payload = $3, expires_at = {ttl} \
+                "UPDATE {t} SET state = 'completed', payload = $3, expires_at = {ttl}, \
+                 kept_until = {ttl}, claimant = NULL \
                  WHERE {owned}",
                 ttl = until("$4"),
             ),
@@ -516,31 +554,40 @@ impl Sql {
                 "UPDATE {t} SET expires_at = clock_timestamp() WHERE {owned}"
             ),
             renew: format!(
-                "UPDATE {t} SET expires_at = {lease} WHERE {owned} AND {live}",
+                "UPDATE {t} SET expires_at = {lease}, kept_until = greatest(kept_until, {lease}) \
+                 WHERE {owned} AND {live}",
                 lease = until("$3"),
+            ),
+            give_back: format!(
+                "UPDATE {t} SET expires_at = clock_timestamp() \
+                 WHERE storage_key = $1 AND claimant = $2 AND state = 'in_flight' AND {live}"
             ),
             reap: format!(
                 "DELETE FROM {t} WHERE storage_key IN (\
                      SELECT storage_key FROM {t} \
-                     WHERE expires_at < clock_timestamp() - $1 * interval '1 microsecond' \
+                     WHERE {kept} < clock_timestamp() - $1 * interval '1 microsecond' \
                      LIMIT $2 FOR UPDATE SKIP LOCKED)"
             ),
         })
     }
 
     /// The claim statement on `connection`, run again while it loses races it cannot see.
+    /// `claimant` (see `Unanswered`) is written into the row it makes, if any.
     pub(crate) async fn claim_on(
         &self,
         connection: &mut PgConnection,
         key: &StorageKey,
         fingerprint: &Fingerprint,
-        lease: Duration,
+        (lease, ttl): (Duration, Duration),
+        claimant: Option<i64>,
     ) -> Result<Claim, StoreError> {
         for _ in 0..CLAIM_ATTEMPTS {
             let claim = sqlx::query(&self.claim)
                 .bind(key.as_bytes().as_slice())
                 .bind(fingerprint.as_bytes().as_slice())
-                .bind(micros(limits::clamp_lease(lease)));
+                .bind(micros(limits::clamp_lease(lease)))
+                .bind(micros(limits::clamp_ttl(ttl)))
+                .bind(claimant);
             let row = (&mut *connection)
                 .fetch_optional(claim)
                 .await
@@ -659,11 +706,19 @@ fn decode_claim(row: &PgRow) -> Result<Claim, StoreError> {
     };
     match state.as_str() {
         "claimed" => {
-            let token: Option<i64> = row.try_get("token").map_err(store_error)?;
-            token
-                .and_then(|t| u64::try_from(t).ok())
-                .map(|t| Claim::Claimed(FencingToken::new(t)))
-                .ok_or_else(|| corrupt("token"))
+            let number = |column: &str| -> Result<FencingToken, StoreError> {
+                let value: Option<i64> = row.try_get(column).map_err(store_error)?;
+                value
+                    .and_then(|t| u64::try_from(t).ok())
+                    .map(FencingToken::new)
+                    .ok_or_else(|| corrupt(column))
+            };
+            let (token, lifetime) = (number("token")?, number("lifetime")?);
+            Ok(if lifetime == token {
+                Claim::Claimed(token)
+            } else {
+                Claim::TakenOver { token, lifetime }
+            })
         }
         "in_flight" => {
             let remaining: Option<i64> = row.try_get("remaining_us").map_err(store_error)?;
@@ -695,12 +750,44 @@ impl Store for PostgresStore {
         key: &StorageKey,
         fingerprint: &Fingerprint,
         lease: Duration,
+        ttl: Duration,
     ) -> Result<Claim, StoreError> {
         let mut connection = self.connections.get().await?;
+        // Non-negative, so it fits a bigint.
+        let claimant = i64::try_from(super::claimant()).unwrap_or(i64::MAX);
+        let unanswered = Unanswered::new({
+            let (store, key) = (self.clone(), *key);
+            Box::new(move || {
+                let store = store.clone();
+                Box::pin(async move {
+                    let mut connection = store.connections.get().await?;
+                    let query = sqlx::query(&store.sql.give_back)
+                        .bind(key.as_bytes().as_slice())
+                        .bind(claimant);
+                    let given = connection
+                        .execute(query)
+                        .await
+                        .map(|done| done.rows_affected() == 1)
+                        .map_err(store_error);
+                    Connections::settle(connection, given)
+                })
+            })
+        });
         let result = self
             .sql
-            .claim_on(&mut connection, key, fingerprint, lease)
+            .claim_on(
+                &mut connection,
+                key,
+                fingerprint,
+                (lease, ttl),
+                Some(claimant),
+            )
             .await;
+        // An error from the database itself is an answer; one from the connection may
+        // not be: the claim may be made when the database runs again.
+        if !matches!(result, Err(StoreError::Unavailable(_))) {
+            unanswered.answered();
+        }
         Connections::settle(connection, result)
     }
 

@@ -234,17 +234,18 @@ impl Transactional {
             let started = Instant::now();
             let claim = self
                 .sql
-                .claim_on(connection, &key, fingerprint, lease)
+                .claim_on(connection, &key, fingerprint, (lease, ttl), None)
                 .await;
             self.metrics
                 .store_operation(Operation::Claim, claim.as_ref().err(), started.elapsed());
             let claim = claim?;
             match answer.step(&key, fingerprint, claim)? {
-                Step::Owner(token) => {
+                Step::Owner(token, lifetime) => {
                     let pending = PendingRecord {
                         sql: Arc::clone(&self.sql),
                         key,
                         token,
+                        lifetime,
                         ttl,
                         lease,
                         max_result_bytes,
@@ -285,6 +286,8 @@ pub struct PendingRecord {
     sql: Arc<Sql>,
     key: StorageKey,
     token: FencingToken,
+    /// The token that began the record's lifetime.
+    lifetime: FencingToken,
     ttl: Duration,
     lease: Duration,
     max_result_bytes: usize,
@@ -322,11 +325,18 @@ impl PendingRecord {
     ///
     /// Here the claim is a row of the caller's open transaction: other callers wait on the row
     /// until the transaction ends, so the claim cannot be lost while the work runs, and
-    /// [`ClaimHandle::check`] answers `Ok` without a round trip. Effects outside the database
-    /// still need the [operation key](ClaimHandle::operation_key): a crash before the commit
-    /// undoes the record but not a call already made to another system.
+    /// [`ClaimHandle::check`] answers `Ok` without a round trip.
+    ///
+    /// The [operation key](ClaimHandle::operation_key) names the record's lifetime, which
+    /// begins with the claim that finds no live record. A rolled-back transaction leaves no
+    /// record, so its retry begins a new lifetime with a new operation key: what the work
+    /// writes in the transaction is undone with it (messages of the
+    /// [`Outbox`](crate::postgres::Outbox) included), but a call already made to another
+    /// system is not, and the retry's key does not deduplicate it. Make such calls through
+    /// the outbox, which sends them only once the transaction commits, or with the leased
+    /// runtime, whose released and lapsed claims keep their lifetime.
     pub fn claim(&self) -> ClaimHandle {
-        ClaimHandle::transactional(self.key, self.token, self.lease)
+        ClaimHandle::transactional(self.key, self.token, self.lifetime, self.lease)
     }
 
     /// Records `value` (as JSON) as the call's result in `connection`'s transaction. Commit the
