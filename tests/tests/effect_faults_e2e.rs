@@ -715,3 +715,91 @@ async fn redis_refusing_the_result_write_answers_409_then_replays_without_a_seco
     assert_eq!(payment_id(&replay), payment_id(&first));
     assert_eq!(counts(&client, &server).await, (1, 1), "(runs, charges)");
 }
+
+// An owner's completion that landed, repeated while Redis refused new data (its reply was
+// lost, or the replicas had not acknowledged it), was refused as "store full" instead of
+// finding the owner's own record: the runtime kept retrying it, or fell back to the "not
+// retained" record, which was refused as another owner's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_repeated_while_redis_is_full_recognises_its_own_record() {
+    use idempotent_core::conformance::fresh_key;
+    use idempotent_core::redis::RedisStore;
+    use idempotent_core::{Claim, FencingToken, Fingerprint, Store, StoreError};
+
+    let Some(redis) = PrivateRedis::start("full-repeat").await else {
+        return;
+    };
+    let plain = RedisStore::connect(&redis.url()).await.unwrap();
+    // One server, no replica: a `WAIT 1` is never acknowledged, as with a replica behind.
+    let waiting = RedisStore::builder(redis.url())
+        .replicas(1)
+        .timeout(Duration::from_millis(400))
+        .connect()
+        .await
+        .unwrap();
+    let f = Fingerprint::from_bytes(b"full");
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+    let claim = |key| {
+        let plain = plain.clone();
+        async move {
+            match plain.claim(&key, &f, lease, ttl).await.unwrap() {
+                Claim::Claimed(token) => token,
+                other => panic!("a fresh key is claimed: {other:?}"),
+            }
+        }
+    };
+    let (done, unacknowledged) = (fresh_key(), fresh_key());
+    let done_token = claim(done).await;
+    plain
+        .complete(&done, done_token, "done".into(), ttl)
+        .await
+        .unwrap();
+    let unacknowledged_token = claim(unacknowledged).await;
+    assert!(matches!(
+        waiting
+            .complete(&unacknowledged, unacknowledged_token, "done".into(), ttl)
+            .await,
+        Err(StoreError::Unavailable(_))
+    ));
+
+    redis.config_set("maxmemory", "1").await;
+    // The store is really full: a new key is refused.
+    assert!(matches!(
+        plain.claim(&fresh_key(), &f, lease, ttl).await,
+        Err(StoreError::Capacity { .. })
+    ));
+    // The owner's repeated completions find its own record: done, whatever the payload.
+    plain
+        .complete(&done, done_token, "done".into(), ttl)
+        .await
+        .expect("the owner's repeated completion");
+    plain
+        .complete(&done, done_token, "not retained".into(), ttl)
+        .await
+        .expect("the owner's fallback completion");
+    // Another token is not the owner's: refused.
+    assert!(matches!(
+        plain
+            .complete(
+                &done,
+                FencingToken::new(done_token.get() + 1),
+                "x".into(),
+                ttl
+            )
+            .await,
+        Err(StoreError::TokenRejected)
+    ));
+    // With replicas required, the repeat waits for the replicas again (fails closed until
+    // they acknowledge) instead of failing as full.
+    assert!(matches!(
+        waiting
+            .complete(&unacknowledged, unacknowledged_token, "done".into(), ttl)
+            .await,
+        Err(StoreError::Unavailable(_))
+    ));
+    redis.config_set("maxmemory", "0").await;
+    assert!(matches!(
+        plain.claim(&done, &f, lease, ttl).await.unwrap(),
+        Claim::Completed { payload, .. } if payload == "done"
+    ));
+}

@@ -222,6 +222,16 @@ end
 return 1
 ";
 
+// Whether the record is completed with token `ARGV[1]` (the owner's completion landed and its
+// retry was refused for want of memory); with `ARGV[2]` set (replicas required), writes the
+// token again for `WAIT` to cover.
+const COMPLETED: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
+if rec[1] ~= 'c' or rec[2] ~= ARGV[1] then return 0 end
+if ARGV[2] == '1' then redis.call('HSET', KEYS[1], 't', ARGV[1]) end
+return 1
+";
+
 // Ends the lease of the claim made by claimant `ARGV[1]` after its caller stopped waiting
 // for the reply (see `Unanswered`).
 const GIVE_BACK: &str = r"
@@ -237,6 +247,18 @@ return 1
 /// (argument numbers) checked before anything.
 fn checked(expiries: &[usize], parts: &[&str]) -> Script {
     Script::new(&checked_source(expiries, parts))
+}
+
+/// Like [`checked`], for a script that must run when Redis is out of memory (`maxmemory`
+/// reached, policy `noeviction`): it only rewrites a field in place (a lease's end, its
+/// token) or ends a lease, so a running claim keeps its lease, can be given up, and
+/// recognises its own completed record while the store refuses new data. Redis 7 runs
+/// flagged scripts only; earlier versions refuse them.
+fn checked_in_oom(expiries: &[usize], parts: &[&str]) -> Script {
+    Script::new(&format!(
+        "#!lua flags=allow-oom\n{}",
+        checked_source(expiries, parts)
+    ))
 }
 
 /// The source of [`checked`]'s script.
@@ -273,6 +295,7 @@ struct Scripts {
     renew: Script,
     confirm: Script,
     give_back: Script,
+    completed: Script,
 }
 
 fn scripts() -> &'static Scripts {
@@ -280,10 +303,11 @@ fn scripts() -> &'static Scripts {
     SCRIPTS.get_or_init(|| Scripts {
         claim: checked(&[2, 3], &[CLAIM]),
         complete: checked(&[3], &[OWNED, COMPLETE]),
-        release: checked(&[], &[OWNED, RELEASE]),
-        renew: checked(&[2], &[OWNED, RENEW]),
+        release: checked_in_oom(&[], &[OWNED, RELEASE]),
+        renew: checked_in_oom(&[2], &[OWNED, RENEW]),
         confirm: checked(&[], &[OWNED, CONFIRM]),
-        give_back: checked(&[], &[GIVE_BACK]),
+        give_back: checked_in_oom(&[], &[GIVE_BACK]),
+        completed: checked_in_oom(&[], &[COMPLETED]),
     })
 }
 
@@ -617,6 +641,37 @@ impl RedisStore {
         Ok(true)
     }
 
+    /// A completion Redis refused for want of memory: succeeds if this owner's earlier
+    /// completion landed (its record is completed with `token`, waited for by `required`
+    /// replicas again), and is refused as full (`what`) otherwise.
+    async fn completed_already(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        required: Option<(usize, Duration)>,
+        what: &'static str,
+    ) -> Result<(), StoreError> {
+        let script = &scripts().completed;
+        let mut cmd = self.evalsha(script, key);
+        cmd.arg(token.get()).arg(u8::from(required.is_some()));
+        let done = match required {
+            None => self.query::<i64>(script, cmd).await? == 1,
+            Some(required) => {
+                let (done, acknowledged): (i64, usize) =
+                    self.query_then_wait(script, cmd, required).await?;
+                if done == 1 {
+                    enough(acknowledged, required)?;
+                }
+                done == 1
+            }
+        };
+        if done {
+            Ok(())
+        } else {
+            Err(StoreError::Capacity { what })
+        }
+    }
+
     /// Runs a token-guarded script; `1` means the caller held the claim.
     async fn run_flag(&self, script: &Script, cmd: Cmd) -> Result<(), StoreError> {
         let ok: i64 = self.query(script, cmd).await?;
@@ -738,13 +793,25 @@ impl Store for RedisStore {
             .arg(payload.as_ref())
             .arg(millis(limits::clamp_ttl(ttl)));
         let Some(required) = self.replicas else {
-            return self.run_flag(script, cmd).await;
+            return match self.run_flag(script, cmd).await {
+                Err(StoreError::Capacity { what }) => {
+                    self.completed_already(key, token, None, what).await
+                }
+                other => other,
+            };
         };
         // A completion that landed but was not acknowledged in time is retried by the
         // runtime: repeated, it only waits for the replicas again.
         cmd.arg(1);
         let (written, acknowledged): (i64, usize) =
-            self.query_then_wait(script, cmd, required).await?;
+            match self.query_then_wait(script, cmd, required).await {
+                Err(StoreError::Capacity { what }) => {
+                    return self
+                        .completed_already(key, token, Some(required), what)
+                        .await;
+                }
+                other => other?,
+            };
         if written != 1 {
             return Err(StoreError::TokenRejected);
         }
