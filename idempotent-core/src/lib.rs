@@ -163,7 +163,7 @@
 //! | the effect is… | defence | how |
 //! |---|---|---|
 //! | a write to the PostgreSQL database that holds the record | **same transaction** | the transactional mode (`postgres::Transactional`): claim, writes and record commit together or not at all |
-//! | a call to a system that accepts an idempotency key (a payment provider, a service behind this library, a deduplicating consumer, the outbox relay) | **downstream key** | pass [`ClaimHandle::operation_key`]: the same for every owner and attempt of one operation, so a stalled owner and its successor cause one effect |
+//! | a call to a system that accepts an idempotency key (a payment provider, a service behind this library, a deduplicating consumer, the outbox relay) | **downstream key** | pass [`ClaimHandle::operation_key`]: the same for every owner and attempt of one operation (one *record lifetime*: from the claim that finds no live record, through every takeover and retry after a release, until the record expires), so a stalled owner and its successor cause one effect, and a key reused after its record expired is a new operation downstream too |
 //! | a write to a resource that can compare numbers (a row in another database, storage with conditional writes) | **fencing token** | the resource refuses a [`ClaimHandle::token`] below the highest it has seen (`postgres::Fence` does it in one statement of your transaction) |
 //! | a call to another system that must follow a database change if and only if it commits | **transactional outbox** | `postgres::Outbox` writes the message in the change's transaction; `postgres::Relay` delivers it after the commit, at least once, with its key (by default the claim's operation key) |
 //! | a call that takes no key, shares no transaction and compares nothing (an SMTP send) | none | at least once, through the outbox; see *What it cannot do* |
@@ -175,6 +175,8 @@
 //! | **app crash** mid-call | the claim stays until its lease ends (duplicates: [`Error::InFlight`], HTTP 409), then one retry runs as a new owner with a higher token | the crashed attempt may have made its effect: protected by any of the three defences; the same transaction also undoes it |
 //! | **store stall or outage inside the lease** (up to about three quarters of it) | renewals that fail or hang are retried (each abandoned after a sixth of the lease, at most a twelfth of it apart); the owner keeps its claim, duplicates get 409, the work runs once | once |
 //! | **store stall past the lease** | the owner's claim is lost when its lease ends ([`ClaimHandle::lost`] fires); after the store recovers, a retry runs as a new owner; the stale owner's record write is refused by its token | once with a downstream key or a fencing token; without either, twice. Behind the tower layer the stale owner's client gets its handler's response (or, with `OnClaimLost::Cancel`, a 503 `claim_lost` to retry) |
+//! | **store frozen before the claim** (a stopped process, hung connections) | the claim is abandoned after [`CLAIM_TIMEOUT`] (5 s, or a sixth of a shorter lease) and the call fails closed ([`Error::Store`], HTTP 503 `store_unavailable`); nothing runs. A claim the store makes when it runs again is given back by Redis and PostgreSQL as soon as they answer (its caller was told to retry), so the retry runs within moments of the thaw instead of after a lease | once |
+//! | **key reused after its record expired** | a new record, a new lifetime: the work runs again, as the contract and the IETF draft say | a new operation key, so the provider makes the new charge instead of answering the old one |
 //! | **store outage** | before the work: the call fails closed ([`Error::Store`], HTTP 503) and nothing runs. After it: the call returns, the record write is retried for up to [`IdempotencyBuilder::record_retry`] (default 60 s) while the lease is renewed; duplicates get 409, then the replay | once if the outage ends within the lease; a longer outage is a stall past the lease |
 //! | **store full** (memory store bounds, Redis `maxmemory` with `noeviction`, PostgreSQL disk full) | new claims fail with `store_capacity` (503). A result that does not fit is recorded as "ran, not retained" (retries get [`Error::ResultNotRetained`]); if even that is refused, the write is retried while the lease is kept alive (a Redis renewal needs no memory), then the result is replayed once there is room | once; a full PostgreSQL disk can refuse renewals too, which makes it a stall past the lease |
 //! | **failover** | Redis replicates asynchronously: a claim or record acknowledged and not yet replicated is lost, and a duplicate right after the failover may run again. PostgreSQL with synchronous replication loses nothing acknowledged | with Redis, once only with a downstream key (or a fencing token whose resource is not on the failed server) |
@@ -194,10 +196,19 @@
 //!   issued: where a fencing token must hold across clock steps and failovers, keep the claims
 //!   on PostgreSQL.
 //!
+//! A panic in deciding or encoding a result after the work ran (a `retain` closure, a
+//! `Serialize` implementation) is caught, the call recorded as "ran, not retained" (retries
+//! get [`Error::ResultNotRetained`], never a second run), and the panic resumed for its
+//! caller. A completion repeated by its owner (its first reply was lost, or it retries with
+//! the "not retained" record) finds its own record and succeeds: no false "claim lost".
+//!
 //! `tests/tests/effect_faults_e2e.rs` causes these faults to real processes (Redis and
 //! PostgreSQL frozen with `SIGSTOP` past the lease and twice inside it, Redis at `maxmemory`
 //! while a result is recorded) behind the `payments` example, whose handler charges a
 //! simulated provider with the downstream key: one charge every time.
+//! `tests/tests/store_edges_e2e.rs` freezes Redis and PostgreSQL before a claim (503 within
+//! ten seconds, the key answered right after the thaw, one run) and reuses a key after its
+//! record expired (a second charge).
 //! [`conformance::FaultyStore`](crate::conformance) injects the same faults into any store
 //! for unit tests.
 //!

@@ -50,6 +50,8 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 ///
 /// # Deployment
 ///
+/// - **Redis 7.0 or later**: the renewal, release and give-back scripts are flagged to run
+///   when Redis is out of memory, which earlier versions refuse.
 /// - **`maxmemory-policy noeviction`**: an evicted in-flight claim or completed record is a
 ///   second execution waiting to happen. With `noeviction`, a full Redis refuses writes, which
 ///   this store reports as [`StoreError::Capacity`] (HTTP 503), and nothing is lost.

@@ -93,15 +93,25 @@ const CLAIM_ATTEMPTS: usize = 8;
 ///     fingerprint bytea NOT NULL,      -- 32 bytes
 ///     token bigint NOT NULL,           -- the fencing token
 ///     payload bytea,                   -- the completed result
-///     expires_at timestamptz NOT NULL  -- end of the lease (in flight) or of the TTL (completed)
+///     expires_at timestamptz NOT NULL, -- end of the lease (in flight) or of the TTL (completed)
+///     lifetime bigint,                 -- the token that began the record's lifetime (NULL: token)
+///     kept_until timestamptz,          -- until when the row is kept (an abandoned claim: its TTL)
+///     claimant bigint                  -- names the claim attempt, to give back one whose caller left
 /// );
 /// CREATE INDEX IF NOT EXISTS "idempotent_records_expires_at_idx"
 ///     ON "idempotent_records" (expires_at);
+/// CREATE INDEX IF NOT EXISTS "idempotent_records_kept_until_idx"
+///     ON "idempotent_records" ((coalesce(kept_until, expires_at)));
 /// CREATE SEQUENCE IF NOT EXISTS "idempotent_records_token_seq";
 /// ```
 ///
-/// A row whose `expires_at` has passed is absent as far as `claim` is concerned; releasing a
-/// claim ends its lease rather than deleting the row. A lease above [`limits::MAX_LEASE`] or a
+/// (A table made by an earlier release gets the last three columns and the second index from
+/// `migrate`, which checks the catalog first and locks the table only when they are missing.)
+///
+/// A row whose `expires_at` has passed is absent as far as `claim` is concerned, except that an
+/// in-flight row kept until `kept_until` is *taken over* by a claim of the same request,
+/// which keeps its `lifetime` (see [`Claim::TakenOver`]); releasing a claim ends its lease
+/// rather than deleting the row. A lease above [`limits::MAX_LEASE`] or a
 /// TTL above [`limits::MAX_TTL`] is written as that ceiling, so `expires_at` is always a valid
 /// timestamp at most a year away. A row this store cannot interpret (an
 /// unknown state, a fingerprint that is not 32 bytes, a completed row without a payload) is
@@ -122,19 +132,24 @@ const CLAIM_ATTEMPTS: usize = 8;
 ///     SELECT state, fingerprint, payload, <microseconds until expires_at> AS remaining_us
 ///     FROM t WHERE storage_key = $1 AND expires_at > clock_timestamp()
 /// ), claimed AS (
-///     INSERT INTO t AS r (storage_key, state, fingerprint, token, payload, expires_at)
-///     SELECT $1, 'in_flight', $2, nextval('t_token_seq'), NULL, clock_timestamp() + $3
+///     INSERT INTO t AS r (storage_key, state, fingerprint, token, lifetime, payload,
+///                         expires_at, kept_until, claimant)
+///     SELECT $1, 'in_flight', $2, nextval('t_token_seq'), NULL, NULL,
+///            clock_timestamp() + $3, clock_timestamp() + greatest($3, $4), $5
 ///     WHERE NOT EXISTS (SELECT FROM live)
 ///     ON CONFLICT (storage_key) DO UPDATE
 ///     SET state = 'in_flight', fingerprint = excluded.fingerprint,
 ///         token = greatest(nextval('t_token_seq'), r.token + 1),
-///         payload = NULL, expires_at = clock_timestamp() + $3
+///         lifetime = CASE WHEN <r is an abandoned claim of the same fingerprint, kept>
+///                    THEN coalesce(r.lifetime, r.token) END,
+///         payload = NULL, expires_at = clock_timestamp() + $3,
+///         kept_until = clock_timestamp() + greatest($3, $4), claimant = excluded.claimant
 ///     WHERE r.expires_at <= clock_timestamp()
-///     RETURNING r.token
+///     RETURNING r.token, coalesce(r.lifetime, r.token) AS lifetime
 /// )
-/// SELECT 'claimed', token, NULL, NULL, NULL FROM claimed
+/// SELECT 'claimed', token, lifetime, NULL, NULL, NULL FROM claimed
 /// UNION ALL
-/// SELECT state, NULL, fingerprint, payload, remaining_us FROM live
+/// SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live
 /// ```
 ///
 /// Of concurrent claims on an absent key, the unique index lets one insert; the others wait
@@ -157,8 +172,9 @@ const CLAIM_ATTEMPTS: usize = 8;
 ///
 /// - **Reaping.** Nothing deletes rows by itself: run [`spawn_reaper`](Self::spawn_reaper) in
 ///   one or more instances (concurrent reapers skip each other's rows), or call
-///   [`reap`](Self::reap) from a scheduled job. It deletes expired rows in batches of
-///   [`DEFAULT_REAP_BATCH`], one short statement each, using the `expires_at` index.
+///   [`reap`](Self::reap) from a scheduled job. It deletes rows past their `kept_until`
+///   (completed rows past their TTL, abandoned claims past the TTL they were claimed with) in
+///   batches of [`DEFAULT_REAP_BATCH`], one short statement each, using the `kept_until` index.
 /// - **Durability.** A record is as durable as any committed row: with `synchronous_commit =
 ///   on` (the default) an acknowledged claim or completion survives a crash, and with
 ///   synchronous replication a failover. With asynchronous replication, a claim committed on a
@@ -168,7 +184,14 @@ const CLAIM_ATTEMPTS: usize = 8;
 ///   [`connect`](Self::connect)) for a free connection and as long again to open one. A
 ///   connection that fails that way is closed, so a connection broken by a database restart
 ///   fails at most the one operation that used it; new ones are opened as needed, and service
-///   resumes when the database is back, without restarting the application.
+///   resumes when the database is back, without restarting the application. A database that
+///   is up but does not answer (frozen, its connections hung) keeps a statement waiting: the
+///   runtime abandons a claim after [`CLAIM_TIMEOUT`](crate::CLAIM_TIMEOUT) and renewals,
+///   completions and releases after a sixth of the lease. A claim abandoned that way may still
+///   be made when the database answers again; each claim writes a random claimant number into
+///   its row, and the store gives back (ends the lease of) the row holding its number as soon
+///   as the database answers, retrying for a few seconds in case the claim is still queued
+///   behind it.
 /// - **Connections.** The claim, completion, release and renewal statements run on
 ///   connections the store opens itself, with the [`PgPool`]'s connect options (URL,
 ///   credentials, TLS, statement cache), at most the pool's `max_connections` of them (or
