@@ -560,3 +560,397 @@ async fn calls_attempts_and_retries_are_counted_by_outcome_and_reason() {
     }
     assert_eq!(counter(CLIENT_CALLS, &[]), 6);
 }
+
+// ---------------------------------------------------------------------------------------------
+// A hostile peer and extreme settings, against a real server on loopback: a typed outcome,
+// never a panic.
+
+/// A server on loopback that answers every request with the next of its answers (the last one
+/// again once they run out): a status and raw headers, whatever a hostile peer sends.
+struct Peer {
+    url: String,
+    requests: Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+type Answers = Arc<Mutex<VecDeque<(u16, Vec<(&'static str, String)>)>>>;
+
+impl Peer {
+    async fn start(answers: Vec<(u16, Vec<(&'static str, String)>)>) -> Peer {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let requests = Arc::new(AtomicUsize::new(0));
+        let state = (
+            Answers::new(Mutex::new(answers.into())),
+            Arc::clone(&requests),
+        );
+        let handler = |axum::extract::State((answers, requests)): axum::extract::State<(
+            Answers,
+            Arc<AtomicUsize>,
+        )>| async move {
+            requests.fetch_add(1, Ordering::SeqCst);
+            let (status, headers) = {
+                let mut answers = answers.lock().unwrap();
+                if answers.len() > 1 {
+                    answers.pop_front().unwrap()
+                } else {
+                    answers.front().cloned().expect("an answer")
+                }
+            };
+            let mut response = Response::new(axum::body::Body::from("hostile"));
+            *response.status_mut() = StatusCode::from_u16(status).unwrap();
+            for (name, value) in headers {
+                response
+                    .headers_mut()
+                    .append(name, http::HeaderValue::from_str(&value).unwrap());
+            }
+            response
+        };
+        let app = axum::Router::new()
+            .route("/payments", axum::routing::post(handler))
+            .with_state(state);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/payments", listener.local_addr().unwrap());
+        let task = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        Peer {
+            url,
+            requests,
+            task,
+        }
+    }
+
+    fn requests(&self) -> usize {
+        self.requests.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// The largest `Retry-After` a `u64` holds, one too large for it, and 64 KiB of nines.
+fn endless_delays() -> Vec<String> {
+    vec![
+        u64::MAX.to_string(),
+        "18446744073709551616".into(),
+        "9".repeat(64 * 1024),
+    ]
+}
+
+/// Anything the call may take: a hang is a failure, not a stuck test.
+const QUICKLY: Duration = Duration::from_secs(5);
+
+/// One payment through the layer on hyper-util's client, against `url`; `Err` if it took
+/// longer than [`QUICKLY`].
+async fn pay_over_http(
+    layer: ClientLayer,
+    url: &str,
+) -> Result<Result<Response<hyper::body::Incoming>, ClientError>, tokio::time::error::Elapsed> {
+    let http = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let mut client = layer.layer(http);
+    let request = Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(b"{\"amount\":1999}")))
+        .unwrap();
+    tokio::time::timeout(QUICKLY, async {
+        client.ready().await.unwrap().call(request).await
+    })
+    .await
+}
+
+fn outcome(recorded: &Recorded, outcome: &str) -> u64 {
+    recorded.counter(CLIENT_CALLS, &[("protocol", "http"), ("outcome", outcome)])
+}
+
+// Regression: `Retry-After: 18446744073709551615` on a 503, 409 or 429 made the client compute
+// `Instant + Duration` and panic ("overflow when adding duration to instant"). A delay that
+// would end after the deadline is not waited: the call ends at once with the server's answer,
+// counted as `deadline_reached`.
+#[tokio::test]
+async fn a_retry_after_beyond_any_deadline_ends_the_call_at_once() {
+    for status in [503u16, 409, 429] {
+        for delay in endless_delays() {
+            for no_deadline in [false, true] {
+                let policy = if no_deadline {
+                    policy().deadline(Duration::MAX)
+                } else {
+                    policy()
+                };
+                let (layer, recorded) = Recorded::capture(|| ClientLayer::http().policy(policy));
+                let peer = Peer::start(vec![(status, vec![("retry-after", delay.clone())])]).await;
+                let case = format!(
+                    "{status}, {} digits, no deadline: {no_deadline}",
+                    delay.len()
+                );
+                let answer = pay_over_http(layer, &peer.url)
+                    .await
+                    .unwrap_or_else(|_| panic!("{case}: the call waited"))
+                    .unwrap_or_else(|error| panic!("{case}: {error:?}"));
+                assert_eq!(answer.status().as_u16(), status, "{case}");
+                let delivery = answer.extensions().get::<Delivery>().unwrap();
+                assert_eq!(delivery.attempts(), 1, "{case}");
+                assert_eq!(peer.requests(), 1, "{case}");
+                assert_eq!(outcome(&recorded, "deadline_reached"), 1, "{case}");
+            }
+        }
+    }
+}
+
+// Regression: `RetryPolicy::deadline(Duration::MAX)` panicked on the first call ("overflow
+// when adding duration to instant"), and `backoff(Duration::MAX, _)` on the first retry. Each
+// Duration setting at its maximum now means "none" (deadline, attempt timeout) or a wait
+// beyond the deadline (backoff), and the calls still work.
+#[tokio::test]
+async fn every_setting_at_its_maximum_is_safe() {
+    let extreme = || {
+        RetryPolicy::new()
+            .max_attempts(u32::MAX)
+            .deadline(Duration::MAX)
+            .attempt_timeout(Duration::MAX)
+            .backoff(Duration::MAX, Duration::MAX)
+            .budget(Duration::MAX, u32::MAX, f32::MAX)
+            .max_request_body(usize::MAX)
+    };
+    // Odd budgets are clamped, not asserted on.
+    for percent in [
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        -1.0,
+        f32::MIN_POSITIVE,
+    ] {
+        let _ = RetryPolicy::new().budget(Duration::ZERO, 0, percent);
+    }
+
+    let ok = Peer::start(vec![(201, vec![])]).await;
+    let answer = pay_over_http(ClientLayer::http().policy(extreme()), &ok.url)
+        .await
+        .expect("answered")
+        .unwrap();
+    assert_eq!(answer.status(), StatusCode::CREATED);
+
+    // With a retry: the server asks for none, or for one second.
+    for wait in ["0", "1"] {
+        for (setting, policy) in [
+            ("deadline", policy().deadline(Duration::MAX)),
+            ("attempt timeout", policy().attempt_timeout(Duration::MAX)),
+            ("all", extreme()),
+        ] {
+            let peer = Peer::start(vec![
+                (503, vec![("retry-after", wait.into())]),
+                (201, vec![("idempotent-replayed", "true".into())]),
+            ])
+            .await;
+            let answer = pay_over_http(ClientLayer::http().policy(policy), &peer.url)
+                .await
+                .unwrap_or_else(|_| panic!("{setting}: the call waited"))
+                .unwrap_or_else(|error| panic!("{setting}: {error:?}"));
+            assert_eq!(answer.status(), StatusCode::CREATED, "{setting}");
+            let delivery = answer.extensions().get::<Delivery>().unwrap();
+            assert_eq!(delivery.attempts(), 2, "{setting}");
+            assert!(delivery.replayed(), "{setting}");
+        }
+    }
+
+    // A backoff longer than any deadline is not waited: the 503 is the answer, at once.
+    for policy in [
+        policy().backoff(Duration::MAX, Duration::MAX),
+        policy().backoff(Duration::from_secs(u64::MAX / 2), Duration::MAX),
+        extreme(),
+    ] {
+        let (layer, recorded) = Recorded::capture(|| ClientLayer::http().policy(policy));
+        let peer = Peer::start(vec![(503, vec![]), (201, vec![])]).await;
+        let answer = pay_over_http(layer, &peer.url)
+            .await
+            .expect("no wait")
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(peer.requests(), 1);
+        assert_eq!(outcome(&recorded, "deadline_reached"), 1);
+    }
+}
+
+// A `Retry-After` that is not `delay-seconds` (a date, a sign, a fraction, garbage, 32 KiB of
+// it) is ignored: the backoff applies. `+5` used to be read as 5 seconds (`u64::from_str`
+// takes a sign).
+#[tokio::test]
+async fn a_retry_after_that_is_not_a_number_of_seconds_is_ignored() {
+    let garbage = [
+        "",
+        "-1",
+        "+5",
+        "1.5",
+        "1e3",
+        "-18446744073709551615",
+        "Fri, 31 Dec 9999 23:59:59 GMT",
+        "Thu, 01 Jan 1970 00:00:00 GMT",
+        "Sun, 06 Nov 1994 08:49:37 GMT",
+        "soon",
+    ]
+    .map(String::from)
+    .into_iter()
+    .chain([format!("1{}", "x".repeat(32 * 1024))]);
+    for value in garbage {
+        let case: String = value.chars().take(40).collect();
+        let started = tokio::time::Instant::now();
+        let peer = Peer::start(vec![
+            (503, vec![("retry-after", value.clone())]),
+            (201, vec![]),
+        ])
+        .await;
+        let answer = pay_over_http(ClientLayer::http().policy(policy()), &peer.url)
+            .await
+            .unwrap_or_else(|_| panic!("{case:?}: the call waited"))
+            .unwrap_or_else(|error| panic!("{case:?}: {error:?}"));
+        assert_eq!(answer.status(), StatusCode::CREATED, "{case:?}");
+        assert_eq!(peer.requests(), 2, "{case:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{case:?}: waited {:?}",
+            started.elapsed()
+        );
+
+        // On a 409, no delay: the application's own conflict, returned as it is.
+        let peer = Peer::start(vec![(409, vec![("retry-after", value.clone())])]).await;
+        let answer = pay_over_http(ClientLayer::http().policy(policy()), &peer.url)
+            .await
+            .unwrap_or_else(|_| panic!("{case:?}: the call waited"))
+            .unwrap();
+        assert_eq!(answer.status(), StatusCode::CONFLICT, "{case:?}");
+        assert_eq!(peer.requests(), 1, "{case:?}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_grpc_pushback_beyond_the_deadline_ends_the_call_at_once() {
+    let call = || {
+        Request::post("http://server/payments.Payments/Pay")
+            .header("content-type", "application/grpc")
+            .body(Full::new(Bytes::from_static(b"\0\0\0\0\0")))
+            .unwrap()
+    };
+    for (pushback, no_deadline) in [
+        ("9223372036854775807", false),
+        ("9223372036854775807", true),
+        ("86400000", false),
+        // Unreadable (beyond an i64): "do not retry".
+        ("99999999999999999999", false),
+    ] {
+        let policy = if no_deadline {
+            policy().deadline(Duration::MAX)
+        } else {
+            policy()
+        };
+        let started = tokio::time::Instant::now();
+        let (answer, seen) = send(
+            ClientLayer::grpc().policy(policy),
+            vec![Step::Answer(
+                200,
+                Box::leak(
+                    vec![("grpc-status", "14"), ("grpc-retry-pushback-ms", pushback)]
+                        .into_boxed_slice(),
+                ),
+            )],
+            call(),
+        )
+        .await;
+        assert_eq!(answer.unwrap().headers()["grpc-status"], "14", "{pushback}");
+        assert_eq!(seen.len(), 1, "{pushback}");
+        assert_eq!(tokio::time::Instant::now(), started, "{pushback}: waited");
+    }
+}
+
+#[cfg(feature = "reqwest")]
+mod over_reqwest {
+    use super::*;
+    use idempotent_tower::client::IdempotencyMiddleware;
+
+    /// One payment through reqwest with the middleware; `Err` if it took longer than
+    /// [`QUICKLY`].
+    async fn pay(
+        policy: RetryPolicy,
+        url: &str,
+    ) -> (
+        Result<reqwest_middleware::Result<reqwest::Response>, tokio::time::error::Elapsed>,
+        Recorded,
+    ) {
+        let (middleware, recorded) =
+            Recorded::capture(|| IdempotencyMiddleware::new().policy(policy));
+        let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+            .with(middleware)
+            .build();
+        let call = client
+            .post(url)
+            .header("content-type", "application/json")
+            .body(r#"{"amount":1999}"#)
+            .send();
+        (tokio::time::timeout(QUICKLY, call).await, recorded)
+    }
+
+    // Regression: the same overflow through the reqwest middleware: `Retry-After:
+    // 18446744073709551615` on 503, 409 and 429 panicked the caller's task.
+    #[tokio::test]
+    async fn a_retry_after_beyond_any_deadline_ends_the_call_at_once() {
+        for status in [503u16, 409, 429] {
+            for delay in endless_delays() {
+                for policy in [policy(), policy().deadline(Duration::MAX)] {
+                    let peer =
+                        Peer::start(vec![(status, vec![("retry-after", delay.clone())])]).await;
+                    let case = format!("{status}, {} digits", delay.len());
+                    let (answer, recorded) = pay(policy, &peer.url).await;
+                    let answer = answer
+                        .unwrap_or_else(|_| panic!("{case}: the call waited"))
+                        .unwrap_or_else(|error| panic!("{case}: {error:?}"));
+                    assert_eq!(answer.status().as_u16(), status, "{case}");
+                    assert_eq!(
+                        answer.extensions().get::<Delivery>().unwrap().attempts(),
+                        1,
+                        "{case}"
+                    );
+                    assert_eq!(peer.requests(), 1, "{case}");
+                    assert_eq!(outcome(&recorded, "deadline_reached"), 1, "{case}");
+                }
+            }
+        }
+    }
+
+    // Regression: `deadline(Duration::MAX)` and `backoff(Duration::MAX, _)` panicked through
+    // the middleware too.
+    #[tokio::test]
+    async fn every_setting_at_its_maximum_is_safe() {
+        let extreme = || {
+            RetryPolicy::new()
+                .max_attempts(u32::MAX)
+                .deadline(Duration::MAX)
+                .attempt_timeout(Duration::MAX)
+                .backoff(Duration::MAX, Duration::MAX)
+                .budget(Duration::MAX, u32::MAX, f32::MAX)
+                .max_request_body(usize::MAX)
+        };
+        for policy in [
+            policy().deadline(Duration::MAX),
+            policy().attempt_timeout(Duration::MAX),
+            extreme(),
+        ] {
+            let peer = Peer::start(vec![
+                (503, vec![("retry-after", "0".into())]),
+                (201, vec![]),
+            ])
+            .await;
+            let (answer, _) = pay(policy, &peer.url).await;
+            let answer = answer.expect("answered").unwrap();
+            assert_eq!(answer.status(), reqwest::StatusCode::CREATED);
+            assert_eq!(answer.extensions().get::<Delivery>().unwrap().attempts(), 2);
+        }
+        for policy in [policy().backoff(Duration::MAX, Duration::MAX), extreme()] {
+            let peer = Peer::start(vec![(503, vec![]), (201, vec![])]).await;
+            let (answer, recorded) = pay(policy, &peer.url).await;
+            let answer = answer.expect("no wait").unwrap();
+            assert_eq!(answer.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(peer.requests(), 1);
+            assert_eq!(outcome(&recorded, "deadline_reached"), 1);
+        }
+    }
+}

@@ -150,9 +150,9 @@ fn upstream(server: &Server) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], server.port))
 }
 
-/// Runs the `payments_client` example and returns its summary line.
-async fn payments_client(url: &str, payments: u32, concurrency: u32) -> (bool, serde_json::Value) {
-    let output = tokio::process::Command::new(support::example_binary("payments_client"))
+/// Runs the `payments_client` example to its end (killed if the test is dropped first).
+async fn run_payments_client(url: &str, payments: u32, concurrency: u32) -> std::process::Output {
+    tokio::process::Command::new(support::example_binary("payments_client"))
         .args([
             "--url",
             url,
@@ -161,17 +161,29 @@ async fn payments_client(url: &str, payments: u32, concurrency: u32) -> (bool, s
             "--concurrency",
             &concurrency.to_string(),
         ])
+        .kill_on_drop(true)
         .output()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// The summary line `payments_client` printed last.
+fn summary(output: &std::process::Output) -> serde_json::Value {
     let stdout = String::from_utf8_lossy(&output.stdout);
     let last = stdout.lines().last().unwrap_or_else(|| {
         panic!(
-            "no summary; stderr: {}",
+            "no summary ({}); stderr: {}",
+            output.status,
             String::from_utf8_lossy(&output.stderr)
         )
     });
-    (output.status.success(), serde_json::from_str(last).unwrap())
+    serde_json::from_str(last).unwrap()
+}
+
+/// Runs the `payments_client` example and returns its summary line.
+async fn payments_client(url: &str, payments: u32, concurrency: u32) -> (bool, serde_json::Value) {
+    let output = run_payments_client(url, payments, concurrency).await;
+    (output.status.success(), summary(&output))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -199,6 +211,62 @@ async fn with_a_third_of_the_answers_lost_every_payment_is_charged_once() {
     eprintln!(
         "{summary}: {lost} answers lost, {} connections reset",
         proxy.reset.load(Ordering::SeqCst)
+    );
+}
+
+// Regression: a server answering `503` with `Retry-After: 18446744073709551615` made the
+// client layer overflow an `Instant` ("overflow when adding duration to instant"): the worker
+// panicked and `payments_client` died with exit status 101 and no summary. A delay beyond the
+// deadline is not waited: each payment ends at once with the 503, counted as failed, and the
+// client exits 1 with its summary, as documented for payments that do not succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payments_client_survives_a_server_asking_to_wait_forever() {
+    use axum::http::{HeaderName, StatusCode, header::RETRY_AFTER};
+
+    let requests = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&requests);
+    let hostile = axum::Router::new().route(
+        "/payments",
+        axum::routing::post(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async {
+                let forever: (HeaderName, String) = (RETRY_AFTER, u64::MAX.to_string());
+                (StatusCode::SERVICE_UNAVAILABLE, [forever], "busy")
+            }
+        }),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move { axum::serve(listener, hostile).await.unwrap() });
+
+    let started = std::time::Instant::now();
+    // Its policy's deadline is 60 s: well under it means no payment waited.
+    let output = tokio::time::timeout(Duration::from_secs(30), run_payments_client(&url, 6, 3))
+        .await
+        .expect("payments_client waited on the server's delay");
+    server.abort();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(output.status.code(), Some(1), "{}: {stderr}", output.status);
+    assert_eq!(
+        summary(&output),
+        serde_json::json!({"sent": 6, "succeeded": 0, "replayed": 0, "failed": 6, "attempts": 6}),
+        "{stderr}"
+    );
+    assert_eq!(
+        stderr.matches("payment answered 503").count(),
+        6,
+        "{stderr}"
+    );
+    assert_eq!(
+        requests.load(Ordering::SeqCst),
+        6,
+        "one attempt per payment"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
     );
 }
 

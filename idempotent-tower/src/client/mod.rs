@@ -20,7 +20,12 @@
 //!   error.
 //! - **Bounded**: [`RetryPolicy`]: attempts, a total deadline, a per-attempt timeout,
 //!   exponential backoff with full jitter, and tower's retry budget shared by every clone.
-//!   The request body is buffered (up to [`RetryPolicy::max_request_body`]) to be resent.
+//!   The request body is buffered (up to [`RetryPolicy::max_request_body`]) to be resent. A
+//!   wait that would end after the deadline (the backoff, or a server's `Retry-After` or
+//!   pushback however large) is not begun: the call ends at once, its deadline reached.
+//!   `Retry-After` is read as a number of seconds (ASCII digits; too many for a `u64` is the
+//!   largest); a date or anything else is ignored, and the backoff applies. No answer and no
+//!   setting (`Duration::MAX` anywhere) makes the client panic.
 //! - **Reported**: the answer carries a [`Delivery`] extension (the key, the attempts, whether
 //!   the answer was a replay). When the attempts, the deadline or the budget run out, the
 //!   last answer is returned if it had one (a `503` is an answer), and

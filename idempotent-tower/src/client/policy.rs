@@ -22,6 +22,12 @@ pub const DEFAULT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default [`RetryPolicy::max_request_body`]: 1 MiB, the server layer's default limit.
 pub const DEFAULT_MAX_REQUEST_BODY: usize = 1 << 20;
 
+/// The longest a call, an attempt or a wait lasts: about 30 years, tokio's own "never". A
+/// deadline or an attempt timeout beyond it (`Duration::MAX`, say) means none; a wait beyond
+/// it ends after any deadline, so it is never begun. Every instant the client computes is
+/// `now` plus at most this, which the clock and the timer can represent.
+const NEVER: Duration = Duration::from_secs(60 * 60 * 24 * 365 * 30);
+
 /// How a client retries one logical call: at most [`max_attempts`](Self::max_attempts)
 /// attempts within the [`deadline`](Self::deadline), each bounded by the
 /// [`attempt_timeout`](Self::attempt_timeout), separated by exponential backoff with full
@@ -72,7 +78,9 @@ impl RetryPolicy {
     }
 
     /// How long a logical call may take, every attempt and wait included. No retry starts
-    /// after it, and no wait is begun that would end after it.
+    /// after it, and no wait is begun that would end after it (a server's `Retry-After` that
+    /// does is not waited: the call ends at once, with that answer). `Duration::MAX` (any
+    /// deadline over about 30 years) means no deadline.
     #[must_use]
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;
@@ -81,7 +89,8 @@ impl RetryPolicy {
 
     /// How long one attempt may wait for its answer's head before it is abandoned and
     /// retried (the abandoned request may still have reached the server: the retry carries
-    /// the same key, so it cannot run twice).
+    /// the same key, so it cannot run twice). `Duration::MAX` means no timeout of its own: an
+    /// attempt is still bounded by the [`deadline`](Self::deadline).
     #[must_use]
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
         self.attempt_timeout = timeout;
@@ -130,8 +139,19 @@ impl RetryPolicy {
             .first_backoff
             .saturating_mul(1 << exponent)
             .min(self.max_backoff);
-        ceiling.mul_f64(fastrand::f64())
+        jitter(ceiling, fastrand::u32(..))
     }
+}
+
+/// `ceiling × fraction / 2³²`, in integers: no rounding can carry it past `ceiling`, and no
+/// ceiling (up to `Duration::MAX`) overflows.
+fn jitter(ceiling: Duration, fraction: u32) -> Duration {
+    const NANOS_PER_SEC: u128 = 1_000_000_000;
+    // Under 2⁹⁵ nanoseconds times under 2³²: fits in a u128.
+    let nanos = (ceiling.as_nanos() * u128::from(fraction)) >> 32;
+    let secs = u64::try_from(nanos / NANOS_PER_SEC).unwrap_or(u64::MAX);
+    let subsec = u32::try_from(nanos % NANOS_PER_SEC).unwrap_or(0);
+    Duration::new(secs, subsec)
 }
 
 /// What an answer means for the call.
@@ -208,10 +228,25 @@ pub(crate) fn http_verdict(status: StatusCode, headers: &HeaderMap) -> Verdict {
     }
 }
 
-/// `Retry-After` in whole seconds (an HTTP date is not read: the backoff applies instead).
+/// `Retry-After` in whole seconds (`delay-seconds`: ASCII digits only). An HTTP date is not
+/// read, nor is anything else (a sign, a fraction, garbage): the backoff applies instead. A
+/// number of seconds too large for a `u64` is `u64::MAX` seconds (RFC 9111 §1.2.2), which
+/// ends the call rather than being waited.
 fn retry_after(headers: &HeaderMap) -> Option<Duration> {
-    let value = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?;
-    value.trim().parse::<u64>().ok().map(Duration::from_secs)
+    let value = headers
+        .get(http::header::RETRY_AFTER)?
+        .as_bytes()
+        .trim_ascii();
+    if value.is_empty() || !value.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let secs = value
+        .iter()
+        .try_fold(0u64, |secs, digit| {
+            secs.checked_mul(10)?.checked_add(u64::from(digit - b'0'))
+        })
+        .unwrap_or(u64::MAX);
+    Some(Duration::from_secs(secs))
 }
 
 /// The verdict on a gRPC answer, from its head: a status in the headers (a trailers-only
@@ -296,6 +331,14 @@ impl fmt::Display for AttemptTimedOut {
 
 impl std::error::Error for AttemptTimedOut {}
 
+/// `now + duration`, with any duration over [`NEVER`] taken as [`NEVER`]: never an overflow.
+fn after(now: Instant, duration: Duration) -> Instant {
+    now.checked_add(duration.min(NEVER))
+        // A clock that cannot hold 30 years from now: a day, then now.
+        .or_else(|| now.checked_add(Duration::from_secs(86_400)))
+        .unwrap_or(now)
+}
+
 /// Sends one logical call: `send` makes one attempt (the same request, the same key), and
 /// `verdict` judges each answer. Ends with the first answer that is not to be retried, or,
 /// when the attempts, the deadline or the budget run out, with the last answer (a retryable
@@ -312,7 +355,7 @@ where
     Fut: Future<Output = Result<R, BoxError>>,
 {
     policy.budget.deposit();
-    let deadline = Instant::now() + policy.deadline;
+    let deadline = after(Instant::now(), policy.deadline);
     let mut attempts = 0u32;
     loop {
         attempts += 1;
@@ -375,7 +418,9 @@ where
             return give_up(GiveUp::Attempts, failure);
         }
         let wait = server_delay.unwrap_or_else(|| policy.backoff_for(attempts));
-        if Instant::now() + wait >= deadline {
+        // However long the server asked for: a wait that would end at or after the deadline
+        // is not begun. Compared with what is left, never added to an instant.
+        if wait >= deadline.saturating_duration_since(Instant::now()) {
             return give_up(GiveUp::Deadline, failure);
         }
         if !policy.budget.withdraw() {
@@ -508,6 +553,74 @@ mod tests {
                 Verdict::Retry(None, why)
             );
         }
+    }
+
+    // `Instant + Duration` panicked on a huge `Retry-After` or setting, and the jitter relied
+    // on float rounding to stay under `Duration::MAX`: every step now saturates or compares.
+    #[test]
+    fn huge_delays_and_settings_saturate() {
+        for ceiling in [Duration::ZERO, Duration::from_millis(1), Duration::MAX] {
+            for fraction in [0, 1, u32::MAX / 2, u32::MAX] {
+                assert!(
+                    jitter(ceiling, fraction) <= ceiling,
+                    "{ceiling:?} {fraction}"
+                );
+            }
+        }
+        assert!(jitter(Duration::MAX, u32::MAX) > Duration::MAX / 2);
+        let policy = RetryPolicy::new().backoff(Duration::MAX, Duration::MAX);
+        for retry in [0, 1, 2, 30, u32::MAX] {
+            let _ = policy.backoff_for(retry);
+        }
+        let now = Instant::now();
+        assert_eq!(after(now, Duration::MAX), now + NEVER);
+        assert_eq!(
+            after(now, Duration::from_secs(3)),
+            now + Duration::from_secs(3)
+        );
+
+        let forever = Some(Duration::from_secs(u64::MAX));
+        for huge in [
+            "18446744073709551615",
+            "18446744073709551616",
+            "99999999999999999999999999999999999999999999",
+        ] {
+            let owned = HeaderValue::from_str(huge).unwrap();
+            let mut map = HeaderMap::new();
+            map.insert("retry-after", owned);
+            assert_eq!(retry_after(&map), forever, "{huge}");
+        }
+        let mut long = HeaderMap::new();
+        long.insert(
+            "retry-after",
+            HeaderValue::from_str(&"9".repeat(64 * 1024)).unwrap(),
+        );
+        assert_eq!(retry_after(&long), forever);
+        assert_eq!(
+            retry_after(&headers(&[("retry-after", " 7 ")])),
+            Some(Duration::from_secs(7))
+        );
+        for garbage in [
+            "",
+            " ",
+            "-1",
+            "+5",
+            "1.5",
+            "1e3",
+            "0x10",
+            "5 s",
+            "Fri, 31 Dec 9999 23:59:59 GMT",
+            "Thu, 01 Jan 1970 00:00:00 GMT",
+        ] {
+            assert_eq!(
+                retry_after(&headers(&[("retry-after", garbage)])),
+                None,
+                "{garbage:?}"
+            );
+        }
+        let mut opaque = HeaderMap::new();
+        opaque.insert("retry-after", HeaderValue::from_bytes(b"\xff\xfe").unwrap());
+        assert_eq!(retry_after(&opaque), None);
     }
 
     #[test]
