@@ -134,7 +134,9 @@ impl Problem {
         headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
         if let Some(after) = self.retry_after {
             // Whole seconds, rounded up: a client must not retry before the hint.
-            let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+            let secs = after
+                .as_secs()
+                .saturating_add(u64::from(after.subsec_nanos() > 0));
             headers.insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));
         }
         response
