@@ -22,29 +22,19 @@
 
 mod support;
 
-use std::future::Future;
 use std::io::Write as _;
-use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use http::StatusCode;
-use support::{Answer, Client, Protocol, Server, signal};
-use tokio::process::{Child, Command};
+use support::private::{Frozen, PrivatePostgres, PrivateRedis, postgres_bin};
+use support::{Answer, Client, Protocol, Server, payment_id, within};
 use tokio::time::{Instant, sleep};
 
 const PAYMENT: &str = r#"{"amount":1999,"currency":"EUR"}"#;
 const PRINCIPAL: &str = "alice";
 
 // ----- bounded steps -----
-
-/// `future`, or a test failure naming `what` if it takes longer than `limit`.
-async fn within<F: Future>(what: &str, limit: Duration, future: F) -> F::Output {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not finish within {limit:?}"))
-}
 
 /// `POST path` with the test's body, principal and `key`; bounded.
 async fn pay(client: &Client, server: &Server, path: &str, key: &str) -> Answer {
@@ -110,14 +100,7 @@ async fn retry_until_answered(
     }
 }
 
-/// The payment id of a 2xx answer.
-fn payment_id(answer: &Answer) -> u64 {
-    answer.json()["id"]
-        .as_u64()
-        .unwrap_or_else(|| panic!("no payment id in {:?}", answer.body))
-}
-
-// ----- processes -----
+// ----- private servers (support::private), when installed -----
 
 /// Whether backend tests must run here (scripts/test.sh, CI), as `conformance::backend_url`
 /// decides.
@@ -146,361 +129,30 @@ fn have_server(what: &str, found: bool) -> bool {
     false
 }
 
-/// Processes stopped with `SIGSTOP`. Continued by [`thaw`](Frozen::thaw), or when dropped (a
-/// failing test), so that no other guard waits on a frozen process.
-struct Frozen {
-    pids: Vec<u32>,
+/// A private `redis-server`, or `None` when it is not installed (see [`have_server`]).
+async fn private_redis(name: &str) -> Option<PrivateRedis> {
+    let found = std::process::Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !have_server("redis-server", found) {
+        return None;
+    }
+    Some(PrivateRedis::start(name).await)
 }
 
-impl Frozen {
-    fn new() -> Frozen {
-        Frozen { pids: Vec::new() }
+/// A private PostgreSQL server, or `None` when its binaries are not installed (see
+/// [`have_server`]).
+async fn private_postgres() -> Option<PrivatePostgres> {
+    let bin = postgres_bin();
+    if !have_server(
+        "PostgreSQL (initdb, pg_ctl)",
+        bin.as_ref().is_some_and(|b| b.join("pg_ctl").exists()),
+    ) {
+        return None;
     }
-
-    fn stop(&mut self, pid: u32) {
-        assert!(signal(pid, "STOP"), "kill -STOP {pid}");
-        self.pids.push(pid);
-    }
-
-    fn thaw(mut self) {
-        for pid in std::mem::take(&mut self.pids).into_iter().rev() {
-            assert!(signal(pid, "CONT"), "kill -CONT {pid}");
-        }
-    }
-}
-
-impl Drop for Frozen {
-    fn drop(&mut self) {
-        for &pid in self.pids.iter().rev() {
-            signal(pid, "CONT");
-        }
-    }
-}
-
-static NAMES: AtomicU64 = AtomicU64::new(0);
-
-/// A directory of this test's own, removed by its owner's `Drop`.
-fn private_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "idempotent-faults-{name}-{}-{}",
-        std::process::id(),
-        NAMES.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// The contents of `path` (a server's log) when a test fails, if any.
-fn print_log_on_panic(label: &str, path: &Path) {
-    if std::thread::panicking() {
-        let log = std::fs::read_to_string(path).unwrap_or_default();
-        eprintln!("----- {label} -----\n{log}----- end of {label} -----");
-    }
-}
-
-/// A private `redis-server` with `maxmemory-policy noeviction`, its pid in a pid file. Killed
-/// (by pid, `SIGKILL`, also if frozen) and removed when dropped.
-struct PrivateRedis {
-    child: Child,
-    port: u16,
-    dir: PathBuf,
-}
-
-impl PrivateRedis {
-    async fn start(name: &str) -> Option<PrivateRedis> {
-        let found = std::process::Command::new("redis-server")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !have_server("redis-server", found) {
-            return None;
-        }
-        let dir = private_dir(&format!("redis-{name}"));
-        let port = free_port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .args(["--maxmemory-policy", "noeviction", "--daemonize", "no"])
-            .arg("--dir")
-            .arg(&dir)
-            .arg("--pidfile")
-            .arg(dir.join("redis.pid"))
-            .arg("--logfile")
-            .arg(dir.join("redis.log"))
-            .stdout(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start redis-server");
-        let redis = PrivateRedis { child, port, dir };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !(redis.ping().await && redis.dir.join("redis.pid").exists()) {
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not start on port {port} within 10 s"
-            );
-            sleep(Duration::from_millis(50)).await;
-        }
-        Some(redis)
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// The server's pid, from its pid file.
-    fn pid(&self) -> u32 {
-        let text = std::fs::read_to_string(self.dir.join("redis.pid")).expect("redis pid file");
-        text.trim().parse().expect("a pid in the pid file")
-    }
-
-    async fn ping(&self) -> bool {
-        let Ok(client) = redis::Client::open(self.url()) else {
-            return false;
-        };
-        let Ok(Ok(mut c)) = tokio::time::timeout(
-            Duration::from_secs(1),
-            client.get_multiplexed_async_connection(),
-        )
-        .await
-        else {
-            return false;
-        };
-        redis::cmd("PING")
-            .query_async::<String>(&mut c)
-            .await
-            .is_ok()
-    }
-
-    /// `CONFIG SET name value`, bounded.
-    async fn config_set(&self, name: &str, value: &str) {
-        let client = redis::Client::open(self.url()).unwrap();
-        within(
-            &format!("CONFIG SET {name} {value}"),
-            Duration::from_secs(5),
-            async {
-                let mut c = client.get_multiplexed_async_connection().await.unwrap();
-                redis::cmd("CONFIG")
-                    .arg("SET")
-                    .arg(name)
-                    .arg(value)
-                    .query_async::<()>(&mut c)
-                    .await
-                    .unwrap_or_else(|e| panic!("CONFIG SET {name} {value}: {e}"));
-            },
-        )
-        .await;
-    }
-
-    /// Stops the server's process: it keeps its connections but answers nothing.
-    fn freeze(&self) -> Frozen {
-        let mut frozen = Frozen::new();
-        frozen.stop(self.pid());
-        frozen
-    }
-}
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        print_log_on_panic("redis-server log", &self.dir.join("redis.log"));
-        // SIGKILL also ends a stopped process. Reaped here (bounded): the runtime that would
-        // reap it may be gone by the time it exits.
-        let _ = self.child.start_kill();
-        for _ in 0..500 {
-            if !matches!(self.child.try_wait(), Ok(None)) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// The directory holding PostgreSQL's server binaries, if installed.
-fn postgres_bin() -> Option<PathBuf> {
-    if let Some(bin) = std::env::var_os("IDEMPOTENT_TEST_PG_BIN") {
-        return Some(PathBuf::from(bin));
-    }
-    let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .ok()?
-        .filter_map(|entry| Some(entry.ok()?.path().join("bin")))
-        .filter(|bin| bin.join("initdb").exists())
-        .collect();
-    found.sort();
-    found.pop()
-}
-
-/// A private PostgreSQL server (as the postgres user when the tests run as root), in a
-/// directory of its own. Continued, stopped (`pg_ctl -m immediate`) and removed when dropped.
-struct PrivatePostgres {
-    bin: PathBuf,
-    dir: PathBuf,
-    port: u16,
-    as_postgres_user: bool,
-}
-
-impl PrivatePostgres {
-    async fn start() -> Option<PrivatePostgres> {
-        let bin = postgres_bin();
-        if !have_server(
-            "PostgreSQL (initdb, pg_ctl)",
-            bin.as_ref().is_some_and(|b| b.join("pg_ctl").exists()),
-        ) {
-            return None;
-        }
-        let as_postgres_user = Command::new("id")
-            .arg("-u")
-            .output()
-            .await
-            .is_ok_and(|out| out.stdout.starts_with(b"0\n"));
-        let server = PrivatePostgres {
-            bin: bin.expect("checked"),
-            dir: private_dir("postgres"),
-            port: free_port(),
-            as_postgres_user,
-        };
-        // PostgreSQL refuses to run as root: it runs as the postgres user, in a directory it
-        // owns.
-        if as_postgres_user {
-            run(Command::new("chown")
-                .arg("postgres:postgres")
-                .arg(&server.dir))
-            .await;
-        }
-        run(server.command("initdb").arg("-D").arg(server.data()).args([
-            "-U",
-            "postgres",
-            "--auth=trust",
-            "-E",
-            "UTF8",
-        ]))
-        .await;
-        let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
-            server.port,
-            server.dir.display()
-        );
-        run(server
-            .command("pg_ctl")
-            .arg("-D")
-            .arg(server.data())
-            .arg("-l")
-            .arg(server.log())
-            .args(["-w", "-t", "60", "-o", &options, "start"]))
-        .await;
-        Some(server)
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-
-    fn data(&self) -> PathBuf {
-        self.dir.join("data")
-    }
-
-    fn log(&self) -> PathBuf {
-        self.dir.join("postgres.log")
-    }
-
-    fn command(&self, program: &str) -> Command {
-        let program = self.bin.join(program);
-        let mut command = if self.as_postgres_user {
-            let mut command = Command::new("runuser");
-            command.args(["-u", "postgres", "--"]).arg(program);
-            command
-        } else {
-            Command::new(program)
-        };
-        command.stdout(Stdio::null()).kill_on_drop(true);
-        command
-    }
-
-    /// The postmaster's pid, the first line of `postmaster.pid`.
-    fn postmaster(&self) -> Option<u32> {
-        std::fs::read_to_string(self.data().join("postmaster.pid"))
-            .ok()?
-            .lines()
-            .next()?
-            .trim()
-            .parse()
-            .ok()
-    }
-
-    /// Stops the postmaster, then every process it started (backends, checkpointer, WAL
-    /// writer...): the server keeps its connections but answers nothing.
-    fn freeze(&self) -> Frozen {
-        let postmaster = self.postmaster().expect("postmaster.pid");
-        let mut frozen = Frozen::new();
-        frozen.stop(postmaster);
-        // Listed once the postmaster is stopped: it can start no more.
-        for child in children(postmaster) {
-            frozen.stop(child);
-        }
-        assert!(frozen.pids.len() > 1, "no PostgreSQL backends to freeze");
-        frozen
-    }
-}
-
-impl Drop for PrivatePostgres {
-    fn drop(&mut self) {
-        print_log_on_panic("PostgreSQL log", &self.log());
-        // A failing test may leave it stopped: `pg_ctl stop` would wait on it.
-        if let Some(postmaster) = self.postmaster() {
-            signal(postmaster, "CONT");
-            for child in children(postmaster) {
-                signal(child, "CONT");
-            }
-        }
-        let pg_ctl = self.bin.join("pg_ctl");
-        let mut stop = if self.as_postgres_user {
-            let mut stop = std::process::Command::new("runuser");
-            stop.args(["-u", "postgres", "--"]).arg(&pg_ctl);
-            stop
-        } else {
-            std::process::Command::new(&pg_ctl)
-        };
-        let _ = stop
-            .arg("-D")
-            .arg(self.data())
-            .args(["-m", "immediate", "-t", "30", "stop"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// The pids of `parent`'s children.
-fn children(parent: u32) -> Vec<u32> {
-    let output = std::process::Command::new("pgrep")
-        .args(["-P", &parent.to_string()])
-        .output()
-        .expect("pgrep (procps)");
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|line| line.trim().parse().ok())
-        .collect()
-}
-
-async fn run(command: &mut Command) {
-    let output = within(
-        &format!("{command:?}"),
-        Duration::from_secs(90),
-        command.output(),
-    )
-    .await
-    .expect("run a PostgreSQL tool");
-    assert!(output.status.success(), "{command:?} failed: {output:?}");
+    Some(PrivatePostgres::start(bin.expect("checked")).await)
 }
 
 // ----- the tests -----
@@ -582,7 +234,7 @@ async fn store_frozen_past_the_lease(server: &Server, freeze: impl FnOnce() -> F
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_frozen_past_the_lease_runs_the_handler_twice_but_charges_once() {
-    let Some(redis) = PrivateRedis::start("past-lease").await else {
+    let Some(redis) = private_redis("past-lease").await else {
         return;
     };
     let url = redis.url();
@@ -596,7 +248,7 @@ async fn redis_frozen_past_the_lease_runs_the_handler_twice_but_charges_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_frozen_past_the_lease_runs_the_handler_twice_but_charges_once() {
-    let Some(postgres) = PrivatePostgres::start().await else {
+    let Some(postgres) = private_postgres().await else {
         return;
     };
     let url = postgres.url();
@@ -610,7 +262,7 @@ async fn postgres_frozen_past_the_lease_runs_the_handler_twice_but_charges_once(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_short_redis_freezes_inside_the_lease_keep_the_claim_and_run_once() {
-    let Some(redis) = PrivateRedis::start("short-freezes").await else {
+    let Some(redis) = private_redis("short-freezes").await else {
         return;
     };
     let url = redis.url();
@@ -657,7 +309,7 @@ async fn two_short_redis_freezes_inside_the_lease_keep_the_claim_and_run_once() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_refusing_the_result_write_answers_409_then_replays_without_a_second_run() {
-    let Some(redis) = PrivateRedis::start("maxmemory").await else {
+    let Some(redis) = private_redis("maxmemory").await else {
         return;
     };
     let url = redis.url();
@@ -726,7 +378,7 @@ async fn a_completion_repeated_while_redis_is_full_recognises_its_own_record() {
     use idempotent_core::redis::RedisStore;
     use idempotent_core::{Claim, FencingToken, Fingerprint, Store, StoreError};
 
-    let Some(redis) = PrivateRedis::start("full-repeat").await else {
+    let Some(redis) = private_redis("full-repeat").await else {
         return;
     };
     let plain = RedisStore::connect(&redis.url()).await.unwrap();

@@ -21,16 +21,13 @@
 
 mod support;
 
-use std::future::Future;
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::StatusCode;
 use idempotent_core::conformance::backend_url;
-use support::{Answer, Client, Protocol, Server, signal};
-use tokio::process::{Child, Command};
+use support::private::{Frozen, PrivatePostgres, PrivateRedis, postgres_bin};
+use support::{Answer, Client, Protocol, Server, payment_id, within};
 use tokio::time::{Instant, sleep};
 
 const PAYMENT: &str = r#"{"amount":1999,"currency":"EUR"}"#;
@@ -47,13 +44,6 @@ const AFTER_THE_THAW_BOUND: Duration = Duration::from_secs(10);
 const LEASE: &str = "30s";
 
 // ----- bounded steps -----
-
-/// `future`, or a test failure naming `what` if it takes longer than `limit`.
-async fn within<F: Future>(what: &str, limit: Duration, future: F) -> F::Output {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not finish within {limit:?}"))
-}
 
 /// `POST /payments` with the test's body and principal and `key`; bounded by `limit`.
 async fn pay(client: &Client, server: &Server, key: &str, limit: Duration) -> Answer {
@@ -93,13 +83,6 @@ async fn counts(client: &Client, server: &Server) -> (u64, u64) {
     (field("count"), field("charges"))
 }
 
-/// The payment id of a 2xx answer.
-fn payment_id(answer: &Answer) -> u64 {
-    answer.json()["id"]
-        .as_u64()
-        .unwrap_or_else(|| panic!("no payment id in {:?}", answer.body))
-}
-
 /// `status code` of an answer, for messages.
 fn describe(answer: &Answer) -> String {
     let is_problem = answer
@@ -128,335 +111,23 @@ fn unique_key(name: &str) -> String {
     )
 }
 
-// ----- private servers, and freezing them (as in effect_faults_e2e) -----
+// ----- private servers (support::private), where the test environment has the store -----
 
-/// Processes stopped with `SIGSTOP`. Continued by [`thaw`](Frozen::thaw), or when dropped (a
-/// failing test), so that no other guard waits on a frozen process.
-struct Frozen {
-    pids: Vec<u32>,
+/// A private `redis-server`, or `None` (loudly, or failing where backends are required) when
+/// the test environment has no Redis.
+async fn private_redis(name: &str) -> Option<PrivateRedis> {
+    backend_url("IDEMPOTENT_TEST_REDIS_URL")?;
+    Some(PrivateRedis::start(name).await)
 }
 
-impl Frozen {
-    fn new() -> Frozen {
-        Frozen { pids: Vec::new() }
-    }
-
-    fn stop(&mut self, pid: u32) {
-        assert!(signal(pid, "STOP"), "kill -STOP {pid}");
-        self.pids.push(pid);
-    }
-
-    fn thaw(mut self) {
-        for pid in std::mem::take(&mut self.pids).into_iter().rev() {
-            assert!(signal(pid, "CONT"), "kill -CONT {pid}");
-        }
-    }
-}
-
-impl Drop for Frozen {
-    fn drop(&mut self) {
-        for &pid in self.pids.iter().rev() {
-            signal(pid, "CONT");
-        }
-    }
-}
-
-/// A directory of this test's own, removed by its owner's `Drop`.
-fn private_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "idempotent-edges-{name}-{}-{}",
-        std::process::id(),
-        NAMES.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// The contents of `path` (a server's log) when a test fails, if any.
-fn print_log_on_panic(label: &str, path: &Path) {
-    if std::thread::panicking() {
-        let log = std::fs::read_to_string(path).unwrap_or_default();
-        eprintln!("----- {label} -----\n{log}----- end of {label} -----");
-    }
-}
-
-/// A private `redis-server`, its pid in a pid file. Killed (by pid, `SIGKILL`, also if frozen)
-/// and removed when dropped.
-struct PrivateRedis {
-    child: Child,
-    port: u16,
-    dir: PathBuf,
-}
-
-impl PrivateRedis {
-    /// Starts one, or `None` (loudly, or failing where backends are required) when the test
-    /// environment has no Redis.
-    async fn start(name: &str) -> Option<PrivateRedis> {
-        backend_url("IDEMPOTENT_TEST_REDIS_URL")?;
-        let dir = private_dir(&format!("redis-{name}"));
-        let port = free_port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .args(["--maxmemory-policy", "noeviction", "--daemonize", "no"])
-            .arg("--dir")
-            .arg(&dir)
-            .arg("--pidfile")
-            .arg(dir.join("redis.pid"))
-            .arg("--logfile")
-            .arg(dir.join("redis.log"))
-            .stdout(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("redis-server on PATH (scripts/test.sh installs it)");
-        let redis = PrivateRedis { child, port, dir };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !(redis.ping().await && redis.dir.join("redis.pid").exists()) {
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not start on port {port} within 10 s"
-            );
-            sleep(Duration::from_millis(50)).await;
-        }
-        Some(redis)
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// The server's pid, from its pid file.
-    fn pid(&self) -> u32 {
-        let text = std::fs::read_to_string(self.dir.join("redis.pid")).expect("redis pid file");
-        text.trim().parse().expect("a pid in the pid file")
-    }
-
-    async fn ping(&self) -> bool {
-        let Ok(client) = redis::Client::open(self.url()) else {
-            return false;
-        };
-        let Ok(Ok(mut c)) = tokio::time::timeout(
-            Duration::from_secs(1),
-            client.get_multiplexed_async_connection(),
-        )
-        .await
-        else {
-            return false;
-        };
-        redis::cmd("PING")
-            .query_async::<String>(&mut c)
-            .await
-            .is_ok()
-    }
-
-    /// Stops the server's process: it keeps its connections but answers nothing.
-    fn freeze(&self) -> Frozen {
-        let mut frozen = Frozen::new();
-        frozen.stop(self.pid());
-        frozen
-    }
-}
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        print_log_on_panic("redis-server log", &self.dir.join("redis.log"));
-        // SIGKILL also ends a stopped process. Reaped here (bounded): the runtime that would
-        // reap it may be gone by the time it exits.
-        let _ = self.child.start_kill();
-        for _ in 0..500 {
-            if !matches!(self.child.try_wait(), Ok(None)) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// The directory holding PostgreSQL's server binaries, if installed.
-fn postgres_bin() -> Option<PathBuf> {
-    if let Some(bin) = std::env::var_os("IDEMPOTENT_TEST_PG_BIN") {
-        return Some(PathBuf::from(bin));
-    }
-    let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .ok()?
-        .filter_map(|entry| Some(entry.ok()?.path().join("bin")))
-        .filter(|bin| bin.join("initdb").exists())
-        .collect();
-    found.sort();
-    found.pop()
-}
-
-/// A private PostgreSQL server (as the postgres user when the tests run as root), in a
-/// directory of its own. Continued, stopped (`pg_ctl -m immediate`) and removed when dropped.
-struct PrivatePostgres {
-    bin: PathBuf,
-    dir: PathBuf,
-    port: u16,
-    as_postgres_user: bool,
-}
-
-impl PrivatePostgres {
-    /// Starts one, or `None` (loudly, or failing where backends are required) when the test
-    /// environment has no PostgreSQL.
-    async fn start() -> Option<PrivatePostgres> {
-        backend_url("IDEMPOTENT_TEST_POSTGRES_URL")?;
-        let bin = postgres_bin().expect(
-            "PostgreSQL's server binaries (IDEMPOTENT_TEST_PG_BIN or /usr/lib/postgresql/*/bin)",
-        );
-        let as_postgres_user = Command::new("id")
-            .arg("-u")
-            .output()
-            .await
-            .is_ok_and(|out| out.stdout.starts_with(b"0\n"));
-        let server = PrivatePostgres {
-            bin,
-            dir: private_dir("postgres"),
-            port: free_port(),
-            as_postgres_user,
-        };
-        // PostgreSQL refuses to run as root: it runs as the postgres user, in a directory it
-        // owns.
-        if as_postgres_user {
-            run(Command::new("chown")
-                .arg("postgres:postgres")
-                .arg(&server.dir))
-            .await;
-        }
-        run(server.command("initdb").arg("-D").arg(server.data()).args([
-            "-U",
-            "postgres",
-            "--auth=trust",
-            "-E",
-            "UTF8",
-        ]))
-        .await;
-        let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
-            server.port,
-            server.dir.display()
-        );
-        run(server
-            .command("pg_ctl")
-            .arg("-D")
-            .arg(server.data())
-            .arg("-l")
-            .arg(server.log())
-            .args(["-w", "-t", "60", "-o", &options, "start"]))
-        .await;
-        Some(server)
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-
-    fn data(&self) -> PathBuf {
-        self.dir.join("data")
-    }
-
-    fn log(&self) -> PathBuf {
-        self.dir.join("postgres.log")
-    }
-
-    fn command(&self, program: &str) -> Command {
-        let program = self.bin.join(program);
-        let mut command = if self.as_postgres_user {
-            let mut command = Command::new("runuser");
-            command.args(["-u", "postgres", "--"]).arg(program);
-            command
-        } else {
-            Command::new(program)
-        };
-        command.stdout(Stdio::null()).kill_on_drop(true);
-        command
-    }
-
-    /// The postmaster's pid, the first line of `postmaster.pid`.
-    fn postmaster(&self) -> Option<u32> {
-        std::fs::read_to_string(self.data().join("postmaster.pid"))
-            .ok()?
-            .lines()
-            .next()?
-            .trim()
-            .parse()
-            .ok()
-    }
-
-    /// Stops the postmaster, then every process it started (backends, checkpointer, WAL
-    /// writer...): the server keeps its connections but answers nothing.
-    fn freeze(&self) -> Frozen {
-        let postmaster = self.postmaster().expect("postmaster.pid");
-        let mut frozen = Frozen::new();
-        frozen.stop(postmaster);
-        // Listed once the postmaster is stopped: it can start no more.
-        for child in children(postmaster) {
-            frozen.stop(child);
-        }
-        assert!(frozen.pids.len() > 1, "no PostgreSQL backends to freeze");
-        frozen
-    }
-}
-
-impl Drop for PrivatePostgres {
-    fn drop(&mut self) {
-        print_log_on_panic("PostgreSQL log", &self.log());
-        // A failing test may leave it stopped: `pg_ctl stop` would wait on it.
-        if let Some(postmaster) = self.postmaster() {
-            signal(postmaster, "CONT");
-            for child in children(postmaster) {
-                signal(child, "CONT");
-            }
-        }
-        let pg_ctl = self.bin.join("pg_ctl");
-        let mut stop = if self.as_postgres_user {
-            let mut stop = std::process::Command::new("runuser");
-            stop.args(["-u", "postgres", "--"]).arg(&pg_ctl);
-            stop
-        } else {
-            std::process::Command::new(&pg_ctl)
-        };
-        let _ = stop
-            .arg("-D")
-            .arg(self.data())
-            .args(["-m", "immediate", "-t", "30", "stop"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// The pids of `parent`'s children.
-fn children(parent: u32) -> Vec<u32> {
-    let output = std::process::Command::new("pgrep")
-        .args(["-P", &parent.to_string()])
-        .output()
-        .expect("pgrep (procps)");
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|line| line.trim().parse().ok())
-        .collect()
-}
-
-async fn run(command: &mut Command) {
-    let output = within(
-        &format!("{command:?}"),
-        Duration::from_secs(90),
-        command.output(),
-    )
-    .await
-    .expect("run a PostgreSQL tool");
-    assert!(output.status.success(), "{command:?} failed: {output:?}");
+/// A private PostgreSQL server, or `None` (loudly, or failing where backends are required)
+/// when the test environment has no PostgreSQL.
+async fn private_postgres() -> Option<PrivatePostgres> {
+    backend_url("IDEMPOTENT_TEST_POSTGRES_URL")?;
+    let bin = postgres_bin().expect(
+        "PostgreSQL's server binaries (IDEMPOTENT_TEST_PG_BIN or /usr/lib/postgresql/*/bin)",
+    );
+    Some(PrivatePostgres::start(bin).await)
 }
 
 // ----- a store frozen before the claim -----
@@ -677,7 +348,7 @@ mod on_redis {
     async fn a_store_frozen_before_the_claim_answers_503_and_the_key_works_after_the_thaw() {
         // Broke: a claim sent to a frozen Redis timed out (503), but Redis ran it when it was
         // continued, so the key stayed claimed by nobody, 409 in_flight, for the whole lease.
-        let Some(redis) = PrivateRedis::start("frozen-before-claim").await else {
+        let Some(redis) = private_redis("frozen-before-claim").await else {
             return;
         };
         let url = redis.url();
@@ -709,7 +380,7 @@ mod on_postgres {
         // Broke: a claim sent to a frozen PostgreSQL on an open connection waited for it with
         // no bound (no 503), and a claim that timed out could be committed once the database
         // was continued, holding the key for the whole lease.
-        let Some(postgres) = PrivatePostgres::start().await else {
+        let Some(postgres) = private_postgres().await else {
             return;
         };
         let url = postgres.url();

@@ -1,7 +1,11 @@
-//! Running the example servers as real processes, and an HTTP client for both protocols.
+//! Running the example servers as real processes, and an HTTP client for both protocols;
+//! store servers of a test's own in [`private`].
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod private;
+
+use std::future::Future;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -15,6 +19,13 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::process::{Child, Command};
+
+/// `future`, or a test failure naming `what` if it takes longer than `limit`.
+pub async fn within<F: Future>(what: &str, limit: Duration, future: F) -> F::Output {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not finish within {limit:?}"))
+}
 
 /// The path of an example binary built by `cargo test --workspace --all-targets` (or `cargo
 /// build --example NAME`), next to this test's own binary.
@@ -232,6 +243,13 @@ impl Answer {
         assert_eq!(doc["status"], self.status.as_u16());
         doc["code"].as_str().expect("problem code").to_owned()
     }
+}
+
+/// The payment id of a 2xx answer of the payments example.
+pub fn payment_id(answer: &Answer) -> u64 {
+    answer.json()["id"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no payment id in {:?}", answer.body))
 }
 
 impl Client {
