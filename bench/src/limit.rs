@@ -201,6 +201,8 @@ impl Redis {
                     &format!("{prefix}__rand_int__"),
                     REDIS_FINGERPRINT,
                     "30000",
+                    "86400000",
+                    "1",
                 ],
             )
         };

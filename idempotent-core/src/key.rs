@@ -290,7 +290,8 @@ impl StorageKey {
     /// lifetime). It is 64 lowercase hex characters: a valid [`Key`], and a valid idempotency
     /// key for providers that accept up to 255 printable characters.
     ///
-    /// The derivation is stable across processes, platforms and releases of this crate.
+    /// The derivation is stable across processes and platforms. It changed once, in 0.3, when
+    /// the lifetime became part of it (see the CHANGELOG).
     pub fn operation_key(&self, lifetime: crate::FencingToken) -> Key {
         let mut input = [0u8; 40];
         input[..32].copy_from_slice(&self.0);

@@ -29,10 +29,14 @@ use crate::{
 pub const DEFAULT_RECORD_RETRY: Duration = Duration::from_secs(60);
 
 /// The longest the runtime waits for the store to answer a claim: 5 seconds (or a sixth of
-/// the lease, if shorter). A store that does not answer in time (frozen, or its connections
-/// hung) fails the call with [`Error::Store`] (HTTP `503 store_unavailable`) and nothing runs;
-/// Redis and PostgreSQL give back a claim that reaches them later, as soon as they answer
-/// again, so the retry does not wait for its lease.
+/// the lease, if shorter, but at least one second). A store that does not answer in time
+/// (frozen, or its connections hung) fails the call with [`Error::Store`] (HTTP
+/// `503 store_unavailable`) and nothing runs. Redis and PostgreSQL give back a claim that
+/// reaches them later, as soon as they answer again, so the retry does not wait for its
+/// lease; they keep trying for five seconds after the store first answers, and for ten
+/// minutes in all, with at most 10,000 claims being given back at once: a claim that lands
+/// outside those bounds holds its key until its lease ends, as does one sent to a custom
+/// store.
 pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The idempotency runtime: a store plus defaults. Cheap to clone; clones share the store.
@@ -617,10 +621,14 @@ impl ClaimedAt {
 }
 
 /// The longest a claim is waited for: [`CLAIM_TIMEOUT`], or a sixth of a shorter lease (like
-/// every other store operation).
+/// every other store operation), but at least [`MIN_CLAIM_TIMEOUT`].
 fn claim_limit(lease: Duration) -> Duration {
-    attempt_limit(lease).min(CLAIM_TIMEOUT)
+    attempt_limit(lease).clamp(MIN_CLAIM_TIMEOUT, CLAIM_TIMEOUT)
 }
+
+/// However short the lease, a claim is given this long: waiting for a pooled connection is
+/// part of it, and each abandoned claim costs a background give-back.
+const MIN_CLAIM_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// What the runtime keeps of a call whose work ran, while its result is recorded.
 struct Finishing<'a> {

@@ -544,9 +544,8 @@ pub(crate) type GiveBack =
 /// does not hold it: the claim may be queued behind the give-back on another connection.
 #[cfg(any(feature = "redis", feature = "postgres"))]
 const GIVE_BACK_SETTLE: Duration = Duration::from_secs(5);
-/// How long the store may stay unreachable while a claim that may land is waiting to be given
-/// back. A store frozen longer than this makes the claim at its thaw, and it holds the key
-/// until its lease ends.
+/// How long a claim that may land is tried to be given back at most. A store frozen longer
+/// than this makes the claim at its thaw, and it holds the key until its lease ends.
 #[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) const GIVE_BACK_MAX: Duration = Duration::from_secs(600);
 /// Each give-back attempt is abandoned after this long.
@@ -563,7 +562,7 @@ impl Unanswered {
     }
 
     /// The store answered: the caller knows what the claim did.
-    pub(crate) fn answered(mut self) {
+    pub(crate) fn answered(&mut self) {
         self.give_back = None;
     }
 }
@@ -598,13 +597,12 @@ impl Drop for Unanswered {
 }
 
 /// Tries to give an unanswered claim back, with backoff, until the store gives it up, or has
-/// answered for [`GIVE_BACK_SETTLE`] without holding it, or stayed unreachable for
-/// [`GIVE_BACK_MAX`].
+/// answered for [`GIVE_BACK_SETTLE`] without holding it, or [`GIVE_BACK_MAX`] has passed.
 #[cfg(any(feature = "redis", feature = "postgres"))]
 async fn give_back_until_settled(mut give_back: GiveBack) {
     let started = tokio::time::Instant::now();
     let mut first_answer = None;
-    let mut delay = Duration::from_millis(50);
+    let mut delay = Duration::from_millis(200);
     loop {
         let now = tokio::time::Instant::now();
         match tokio::time::timeout(GIVE_BACK_ATTEMPT, give_back()).await {
@@ -621,7 +619,7 @@ async fn give_back_until_settled(mut give_back: GiveBack) {
                 }
             }
             Ok(Err(_)) | Err(_) => {
-                if first_answer.is_none() && now.duration_since(started) >= GIVE_BACK_MAX {
+                if now.duration_since(started) >= GIVE_BACK_MAX {
                     tracing::warn!(
                         "the store stayed unreachable; a claim it may still make ends with its lease"
                     );

@@ -41,7 +41,8 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 /// ceiling, and each script checks its expiry before it writes, so no record is ever left
 /// without one. Times are the server's: leases and expiry run on its
 /// clock, and tokens are derived from `TIME` (microseconds since the epoch), so they increase
-/// per key across deletions as long as the server's clock does not go backwards.
+/// per key across deletions as long as the server's clock does not go backwards (a claim that
+/// finds a kept record takes a token above the record's even then).
 ///
 /// A claim whose reply does not come back (the server is frozen, the response timeout
 /// passed) may still be made when the server runs again; the store then gives it back in the
@@ -156,17 +157,24 @@ local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 // claimant. A record in flight whose lease (`l`, server milliseconds) ended is kept until the
 // TTL it was claimed with: the same request takes it over and keeps its lifetime (`o`).
 const CLAIM: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 's', 'f', 'p', 'l', 'o')
+local rec = redis.call('HMGET', KEYS[1], 's', 'f', 'p', 'l', 'o', 't', 'n')
 if rec[1] == 'i' then
   local left
   if rec[4] then left = tonumber(rec[4]) - ms else left = redis.call('PTTL', KEYS[1]) end
-  if left > 0 then return {'i', rec[2], left} end
+  if left > 0 then
+    -- The same claim sent again (the client resent it after a dropped connection): its own.
+    if rec[7] == ARGV[4] then return {'claimed', rec[6], rec[5] or rec[6]} end
+    return {'i', rec[2], left}
+  end
 elseif rec[1] == 'c' then
   return {'c', rec[2], rec[3]}
 elseif rec[1] then
   return {'?', rec[1]}
 end
-local token = string.format('%.0f', tonumber(now[1]) * 1000000 + tonumber(now[2]))
+-- From the server's clock, and above the record's last token even if the clock stepped back.
+local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
+if rec[6] and tonumber(rec[6]) and tonumber(rec[6]) >= micros then micros = tonumber(rec[6]) + 1 end
+local token = string.format('%.0f', micros)
 local lifetime = token
 if rec[1] == 'i' and rec[2] == ARGV[1] and rec[5] then lifetime = rec[5] end
 redis.call('HSET', KEYS[1], 's', 'i', 'f', ARGV[1], 't', token, 'o', lifetime,
@@ -704,7 +712,7 @@ impl Store for RedisStore {
             .arg(millis(limits::clamp_lease(lease)))
             .arg(millis(limits::clamp_ttl(ttl)))
             .arg(claimant);
-        let unanswered = Unanswered::new({
+        let mut unanswered = Unanswered::new({
             let (store, key) = (self.clone(), *key);
             Box::new(move || {
                 let store = store.clone();
@@ -719,11 +727,16 @@ impl Store for RedisStore {
         });
         let reply = self.query(script, cmd).await;
         // An error from the server is an answer; a timeout or a broken connection may not
-        // be: the claim may be made when the server runs again.
-        if !matches!(reply, Err(StoreError::Unavailable(_))) {
+        // be: the claim may be made when the server runs again. A claim made is answered only
+        // once it is confirmed (or given up) below: dropped while it waits for the replicas,
+        // it is given back too.
+        let mut reply: Vec<Value> = match reply {
+            Err(error @ StoreError::Unavailable(_)) => return Err(error),
+            other => other?,
+        };
+        if !matches!(reply.first().and_then(text), Some(b"claimed")) {
             unanswered.answered();
         }
-        let mut reply: Vec<Value> = reply?;
         match reply.as_mut_slice() {
             [state, token, lifetime] if text(state) == Some(b"claimed") => {
                 let number = |value: &Value| {
@@ -733,13 +746,22 @@ impl Store for RedisStore {
                         .map(FencingToken::new)
                         .ok_or_else(|| corrupt("token"))
                 };
-                let (token, lifetime) = (number(token)?, number(lifetime)?);
+                let numbers = number(token).and_then(|token| Ok((token, number(lifetime)?)));
+                let (token, lifetime) = match numbers {
+                    Ok(numbers) => numbers,
+                    Err(error) => {
+                        unanswered.answered();
+                        return Err(error);
+                    }
+                };
                 if let Some(required) = self.replicas {
                     // Nothing runs on a claim that could be lost: one the key's primary no
                     // longer holds (it died before replicating it) fails, and one too few
                     // replicas acknowledged is given back so a retry need not wait for its
                     // lease.
-                    match self.confirm_claim(key, token, required).await {
+                    let confirmed = self.confirm_claim(key, token, required).await;
+                    unanswered.answered();
+                    match confirmed {
                         Ok(true) => {}
                         Ok(false) => {
                             return Err(StoreError::Unavailable(
@@ -752,6 +774,8 @@ impl Store for RedisStore {
                             return Err(error);
                         }
                     }
+                } else {
+                    unanswered.answered();
                 }
                 Ok(if lifetime == token {
                     Claim::Claimed(token)
@@ -856,6 +880,69 @@ mod tests {
 
     /// An expiry a script cannot use is refused before the script writes anything: no claim
     /// without an expiry, no completed record with the lease's expiry, no lease changed.
+    // A claim the client sent twice (it resends a command after a dropped connection) found
+    // its own first copy in flight and answered "in flight": its caller waited out a lease
+    // that was its own.
+    #[tokio::test]
+    async fn a_claim_sent_twice_is_its_own() {
+        let Some(url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
+            return;
+        };
+        let store = RedisStore::connect(&url).await.unwrap();
+        let mut connection = store.connection.clone();
+        let redis_key = store.redis_key(&fresh_key());
+        let mut claim = async |claimant: &str| -> Vec<Value> {
+            scripts()
+                .claim
+                .key(&redis_key)
+                .arg(Fingerprint::empty().as_bytes().as_slice())
+                .arg(30_000)
+                .arg(60_000)
+                .arg(claimant)
+                .invoke_async(&mut connection)
+                .await
+                .unwrap()
+        };
+        let first = claim("41").await;
+        let again = claim("41").await;
+        assert_eq!(text(&first[0]), Some(&b"claimed"[..]));
+        assert_eq!(first, again, "the same claim, answered again");
+        let other = claim("42").await;
+        assert_eq!(text(&other[0]), Some(&b"i"[..]), "another claimant waits");
+    }
+
+    // Tokens came from the server's clock alone: after the clock stepped back, a takeover of
+    // a kept record could get a token below the record's own.
+    #[tokio::test]
+    async fn a_takeover_token_is_above_the_kept_record_even_if_the_clock_stepped_back() {
+        let Some(url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
+            return;
+        };
+        let store = RedisStore::connect(&url).await.unwrap();
+        let mut connection = store.connection.clone();
+        let key = fresh_key();
+        let f = Fingerprint::empty();
+        let lease = Duration::from_millis(50);
+        store
+            .claim(&key, &f, lease, Duration::from_secs(60))
+            .await
+            .unwrap();
+        // A token from a clock far ahead of the server's current one.
+        let ahead: u64 = 9_000_000_000_000_000;
+        let _: () = redis::cmd("HSET")
+            .arg(store.redis_key(&key))
+            .arg("t")
+            .arg(ahead)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        tokio::time::sleep(lease * 2).await;
+        match store.claim(&key, &f, lease, Duration::from_secs(60)).await {
+            Ok(Claim::TakenOver { token, .. }) => assert!(token.get() > ahead, "{token:?}"),
+            other => panic!("a takeover: {other:?}"),
+        }
+    }
+
     #[tokio::test]
     async fn scripts_check_the_expiry_before_they_write() {
         let Some(url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {

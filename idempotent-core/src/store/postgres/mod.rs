@@ -101,12 +101,15 @@ const CLAIM_ATTEMPTS: usize = 8;
 /// CREATE INDEX IF NOT EXISTS "idempotent_records_expires_at_idx"
 ///     ON "idempotent_records" (expires_at);
 /// CREATE INDEX IF NOT EXISTS "idempotent_records_kept_until_idx"
-///     ON "idempotent_records" ((coalesce(kept_until, expires_at)));
+///     ON "idempotent_records" ((greatest(kept_until, expires_at)));
 /// CREATE SEQUENCE IF NOT EXISTS "idempotent_records_token_seq";
 /// ```
 ///
 /// (A table made by an earlier release gets the last three columns and the second index from
-/// `migrate`, which checks the catalog first and locks the table only when they are missing.)
+/// `migrate`, which checks the catalog first and locks the table only when they are missing.
+/// Building the index locks a table that has them missing for as long as the build takes:
+/// on a large table, create it first with `CREATE INDEX CONCURRENTLY` and the definition
+/// above, after adding the columns, and `migrate` finds it there.)
 ///
 /// A row whose `expires_at` has passed is absent as far as `claim` is concerned, except that an
 /// in-flight row kept until `kept_until` is *taken over* by a claim of the same request,
@@ -487,9 +490,9 @@ impl Sql {
         let until = |param: &str| format!("clock_timestamp() + {param} * interval '1 microsecond'");
         let owned = "storage_key = $1 AND token = $2 AND state = 'in_flight'";
         let live = "expires_at > clock_timestamp()";
-        // Until when a row is kept: rows migrated from before `kept_until` have only their
-        // `expires_at`.
-        let kept = "coalesce(kept_until, expires_at)";
+        // Until when a row is kept: the later of its lease or TTL and the TTL an abandoned
+        // claim is kept for (`greatest` skips a NULL `kept_until`: rows written before it).
+        let kept = "greatest(kept_until, expires_at)";
         Ok(Sql {
             table: table.to_owned(),
             migrate: [
@@ -585,10 +588,12 @@ impl Sql {
                 "UPDATE {t} SET expires_at = clock_timestamp() \
                  WHERE storage_key = $1 AND claimant = $2 AND state = 'in_flight' AND {live}"
             ),
+            // `statement_timestamp()`, not `clock_timestamp()`: a volatile function cannot be
+            // an index condition, and the grace dwarfs the difference.
             reap: format!(
                 "DELETE FROM {t} WHERE storage_key IN (\
                      SELECT storage_key FROM {t} \
-                     WHERE {kept} < clock_timestamp() - $1 * interval '1 microsecond' \
+                     WHERE {kept} < statement_timestamp() - $1 * interval '1 microsecond' \
                      LIMIT $2 FOR UPDATE SKIP LOCKED)"
             ),
         })
@@ -778,7 +783,7 @@ impl Store for PostgresStore {
         let mut connection = self.connections.get().await?;
         // Non-negative, so it fits a bigint.
         let claimant = i64::try_from(super::claimant()).unwrap_or(i64::MAX);
-        let unanswered = Unanswered::new({
+        let mut unanswered = Unanswered::new({
             let (store, key) = (self.clone(), *key);
             Box::new(move || {
                 let store = store.clone();
