@@ -26,6 +26,11 @@
 //! - **Malformed** — a field missing, empty or repeated, an `amount` that is not a 64-bit
 //!   integer, more than 64 fields — or an `id` reused for a different account or amount:
 //!   retrying cannot help, so it is dead-lettered at once.
+//! - **Its record cannot be decoded** — the idempotency record of its `id` is there but
+//!   corrupt (`corrupt_record`: its bytes were damaged or written by something else; or
+//!   `payload_error`: the result it holds is not a balance). The runtime never treats such a
+//!   record as absent, so every delivery would meet it again: dead-lettered at once, with
+//!   that reason, for an operator to repair.
 //! - **Rejected by PostgreSQL for its data** — SQLSTATE class `22` (data exception: a NUL byte
 //!   in `account`, a balance overflowing `bigint`), `23` (integrity constraint violation: a
 //!   `CHECK` constraint a deployment adds to `accounts`) or `54` (program limit exceeded: an
@@ -106,7 +111,9 @@
 //!   deduplicates on `Idempotency-Key` (this library's layer) acts on it once;
 //! - a receiver that is down delays notifications, and loses none: each is retried with
 //!   backoff, and dead-lettered (kept in the outbox table with its last error) after
-//!   `RELAY_MAX_ATTEMPTS` attempts or a refusal (4xx).
+//!   `RELAY_MAX_ATTEMPTS` attempts or a refusal (4xx). Attempts during which the relay died
+//!   count: a notification whose delivery kills its relay every time is dead-lettered as
+//!   `relay_crashed` instead of taking every relay down.
 //!
 //! Every consumer runs a relay in-process unless `RELAY=0`; `cargo run --release --example
 //! relay` runs one on its own. Any number of relays share the outbox; two never deliver one
@@ -121,7 +128,7 @@ use std::time::Duration;
 
 use common::relay::{NOTIFICATIONS, RelaySettings};
 use idempotent_core::postgres::{Message, Outbox, OutboxError, PostgresStore, Transactional};
-use idempotent_core::{Error, idempotent};
+use idempotent_core::{Error, ProblemCode, idempotent};
 use redis::Value;
 use redis::aio::MultiplexedConnection;
 use sqlx::{PgPool, Postgres, Transaction};
@@ -366,10 +373,37 @@ impl Failure {
             Error::FingerprintMismatch => {
                 Failure::Invalid("id already used for a different account or amount".into())
             }
+            // The entry's record is there and cannot be decoded (its bytes were damaged, or
+            // written by something else): the runtime never treats it as absent, so every
+            // delivery would meet it again. Retrying cannot help; an operator can.
+            error
+                if matches!(
+                    error.code(),
+                    ProblemCode::CorruptRecord | ProblemCode::PayloadError
+                ) =>
+            {
+                Failure::Invalid(format!(
+                    "idempotency: the stored record cannot be decoded: {} ({})",
+                    error_chain(&error),
+                    error.code()
+                ))
+            }
             // The store's failures, not the entry's: its key was validated when it was read.
             error => Failure::Transient(format!("idempotency: {error} ({})", error.code())),
         }
     }
+}
+
+/// `error` and its sources, `: `-separated.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 /// Copies an entry to the dead-letter stream and acknowledges it, atomically: only an entry

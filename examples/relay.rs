@@ -9,8 +9,11 @@
 //!
 //! Any number of relays (these, and those inside the consumers) share the outbox: each takes
 //! its batches under row locks (`FOR UPDATE SKIP LOCKED`), so two never deliver one message at
-//! the same time, and a relay that dies leaves its messages to the others. On SIGTERM it
-//! finishes the batch in hand and exits 0.
+//! the same time, and a relay that dies leaves its messages to the others (5 s after it took
+//! them). Each attempt is counted before the notification is sent, so one whose delivery kills
+//! its relay (SIGKILL, out of memory) every time is dead-lettered after `RELAY_MAX_ATTEMPTS`
+//! such deaths, with a last error starting `relay_crashed`, instead of taking every relay down
+//! forever. On SIGTERM it finishes the batch in hand and exits 0.
 //!
 //! | variable | default | meaning |
 //! |---|---|---|

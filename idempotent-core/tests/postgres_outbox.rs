@@ -2,7 +2,9 @@
 //! `scripts/test.sh`): messages commit or roll back with the caller's transaction, take the
 //! running claim's operation key, are delivered at least once by relays sharing the work
 //! without ever delivering one message twice at the same time, retried with backoff,
-//! dead-lettered, kept in order per ordering key, woken by NOTIFY, and reaped.
+//! dead-lettered (also when their relays die delivering them), kept in order per ordering key
+//! (which must be enqueued in a transaction) without a hot key slowing the batches, woken by
+//! NOTIFY, and reaped; and every duration setting saturates.
 // Built only with the features it needs (like a `required-features` entry in Cargo.toml).
 #![cfg(all(feature = "postgres", feature = "test-util"))]
 
@@ -64,8 +66,8 @@ struct Seen {
 }
 
 /// A sink that records what it is given, fails each message's first `fail_first` attempts
-/// (or forever for payloads starting with `poison`, permanently for `refuse`), and notices
-/// two deliveries of one message at the same time.
+/// (or forever for payloads starting with `poison`, permanently for `refuse`; never answers
+/// for `hang`), and notices two deliveries of one message at the same time.
 #[derive(Clone, Default)]
 struct Recorder {
     seen: Arc<Mutex<Vec<Seen>>>,
@@ -99,6 +101,11 @@ impl Sink for Recorder {
                 headers: message.headers.clone(),
                 attempt: message.attempt,
             });
+            if message.payload.starts_with(b"hang") {
+                // Never answers: the relay is stopped (its batch dropped) in the middle of it.
+                self.in_flight.lock().unwrap().remove(&message.id);
+                std::future::pending::<()>().await;
+            }
             tokio::time::sleep(self.hold).await;
             self.in_flight.lock().unwrap().remove(&message.id);
             if message.payload.starts_with(b"panic") {
@@ -216,7 +223,7 @@ async fn a_message_takes_the_running_claims_operation_key() {
             .fingerprint(Fingerprint::of(&("acct-1", 100)).unwrap())
     };
     // The first attempt enqueues and rolls back (a crash before the commit); the second
-    // commits. Both enqueue with the same key.
+    // commits. Each enqueues with its claim's operation key.
     let mut keys = Vec::new();
     for commit in [false, true] {
         let mut tx = pool.begin().await.unwrap();
@@ -238,7 +245,12 @@ async fn a_message_takes_the_running_claims_operation_key() {
             tx.rollback().await.unwrap();
         }
     }
-    assert_eq!(keys[0], keys[1], "every attempt has the same operation key");
+    // The rolled-back attempt left no record, so no lifetime: the committed attempt began a
+    // new one. Its messages went with the rollback, so no receiver ever sees the first key.
+    assert_ne!(
+        keys[0], keys[1],
+        "a rolled-back attempt leaves no lifetime behind"
+    );
     // A third attempt replays: nothing more is enqueued.
     let mut tx = pool.begin().await.unwrap();
     assert!(matches!(
@@ -910,4 +922,305 @@ async fn the_backlog_is_read_and_reported_as_gauges() {
     let backlog = outbox.backlog(&pool).await.unwrap();
     assert_eq!((backlog.pending, backlog.dead), (2, 1));
     assert!(backlog.oldest_pending.unwrap() >= Duration::from_millis(50));
+}
+
+/// The row of message `id`: `(state, attempts, last_error)`.
+async fn row(pool: &PgPool, outbox: &Outbox, id: i64) -> (String, i32, Option<String>) {
+    sqlx::query_as(&format!(
+        "SELECT state, attempts, last_error FROM \"{}\" WHERE id = $1",
+        outbox.table()
+    ))
+    .bind(id)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+// Regression: a relay that died while delivering a message (SIGKILL, out of memory, an abort)
+// rolled its attempt back with its transaction, so a message that killed every relay that
+// delivered it was taken first again and again, forever, and the later messages with its
+// ordering key waited behind it. Here the relay "dies" by having its batch dropped mid-delivery;
+// the e2e test `a_message_that_kills_its_relay_is_dead_lettered_and_the_rest_flows` kills a
+// relay process with SIGKILL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_whose_relay_dies_while_delivering_it_is_dead_lettered_after_max_attempts() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    let mut tx = pool.begin().await.unwrap();
+    let mut ids = HashMap::new();
+    for payload in ["hang", "after-1", "after-2"] {
+        let message = Message::new("hook", payload)
+            .key(Key::new(payload).unwrap())
+            .ordering_key("account-1");
+        ids.insert(payload, outbox.enqueue(&mut tx, &message).await.unwrap());
+    }
+    tx.commit().await.unwrap();
+    let sink = Recorder::default();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .max_attempts(3)
+        .build();
+    for crash in 1..=3 {
+        // The relay dies while it delivers `hang`.
+        let batch = timeout(Duration::from_millis(500), relay.run_once()).await;
+        assert!(batch.is_err(), "the batch hangs in the sink: {batch:?}");
+        let (state, attempts, _) = row(&pool, &outbox, ids["hang"]).await;
+        assert_eq!(
+            (state.as_str(), attempts),
+            ("pending", crash),
+            "the attempt is counted although the relay died"
+        );
+        // The next relay does not take it at once (the dead relay took it a moment ago) and
+        // takes nothing behind it on its ordering key.
+        assert_eq!(relay.run_once().await.unwrap().taken, 0);
+        // As if the hold (5 s) were over.
+        sqlx::query(&format!(
+            "UPDATE \"{}\" SET available_at = clock_timestamp() WHERE id = $1",
+            outbox.table()
+        ))
+        .bind(ids["hang"])
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let hangs = sink.seen().iter().filter(|s| s.key == "hang").count();
+    assert_eq!(hangs, 3, "one delivery per attempt");
+    // Three attempts, each one's relay died: dead-lettered without a fourth delivery.
+    let batch = relay.run_once().await.unwrap();
+    assert_eq!((batch.taken, batch.dead), (1, 1));
+    let (state, attempts, error) = row(&pool, &outbox, ids["hang"]).await;
+    assert_eq!((state.as_str(), attempts), ("dead", 3));
+    let error = error.unwrap();
+    assert!(
+        error.starts_with("relay_crashed: a relay died while delivering it (attempt 3)"),
+        "{error}"
+    );
+    let dead = outbox.dead_letters(&pool, 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].last_error.as_deref(), Some(error.as_str()));
+    // And the rest of its ordering key flows, in order.
+    let done = sink.clone();
+    drain(&relay, move || done.delivered().len() == 2).await;
+    assert_eq!(sink.delivered(), [ids["after-1"], ids["after-2"]]);
+    assert_eq!(
+        sink.seen().iter().filter(|s| s.key == "hang").count(),
+        3,
+        "never delivered again"
+    );
+}
+
+// Regression: `RelayBuilder::delivery_timeout(Duration::MAX)` panicked in every batch
+// (`Duration::MAX * 2 + 5 s` overflowed), and a backoff of `Duration::MAX` could overflow the
+// jitter. Every duration setting of the relay and the outbox now saturates: waits longer than
+// the clock can express are "never", and what is written to the table is at most 365 days.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duration_max_in_every_relay_and_outbox_setting_does_not_panic() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    let mut tx = pool.begin().await.unwrap();
+    let mut ids = HashMap::new();
+    for payload in ["ok", "poison"] {
+        let message = Message::new("hook", payload).key(Key::new(payload).unwrap());
+        ids.insert(payload, outbox.enqueue(&mut tx, &message).await.unwrap());
+    }
+    let later = Message::new("hook", "later")
+        .key(Key::new("later").unwrap())
+        .delay(Duration::MAX);
+    ids.insert("later", outbox.enqueue(&mut tx, &later).await.unwrap());
+    tx.commit().await.unwrap();
+
+    let sink = Recorder::default();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .delivery_timeout(Duration::MAX)
+        .backoff(Duration::MAX, Duration::MAX)
+        .poll_interval(Duration::MAX)
+        .reap_every(Duration::MAX)
+        .retain_delivered(Duration::MAX)
+        .build();
+    let batch = relay.run_once().await.unwrap();
+    assert_eq!(
+        (batch.taken, batch.delivered, batch.retried),
+        (2, 1, 1),
+        "`later` is not due"
+    );
+    // The retry waits between half of 365 days and 365 days; `later` 365 days.
+    let waits: BTreeMap<i64, f64> = sqlx::query_as::<_, (i64, f64)>(&format!(
+        "SELECT id, EXTRACT(EPOCH FROM available_at - clock_timestamp())::float8 / 86400 \
+         FROM \"{}\" WHERE state = 'pending'",
+        outbox.table()
+    ))
+    .fetch_all(&pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .collect();
+    let poison = waits[&ids["poison"]];
+    assert!((182.0..=365.0).contains(&poison), "{poison} days");
+    let later = waits[&ids["later"]];
+    assert!((364.9..=365.0).contains(&later), "{later} days");
+    // Nothing is older than 365 days.
+    assert_eq!(outbox.reap(&pool, Duration::MAX).await.unwrap(), 0);
+
+    // Running: no poll (the NOTIFY wakes it), no reaping, no delivery timeout.
+    let running = relay.spawn();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut tx = pool.begin().await.unwrap();
+    let woken = Message::new("hook", "woken").key(Key::new("woken").unwrap());
+    outbox.enqueue(&mut tx, &woken).await.unwrap();
+    tx.commit().await.unwrap();
+    eventually("the NOTIFY woke the relay", async || {
+        sink.delivered().len() == 2
+    })
+    .await;
+    timeout(BOUND, running.stop()).await.unwrap();
+    let backlog = outbox.backlog(&pool).await.unwrap();
+    assert_eq!((backlog.pending, backlog.dead), (2, 0));
+}
+
+// Regression: a message with an ordering key enqueued on a connection in autocommit mode took
+// its turn on the key (a transaction-scoped advisory lock) for its own statement only, so
+// per-key commit order silently broke; now it is refused before anything is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ordering_key_outside_a_transaction_is_refused() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    let ordered = |n: u32| {
+        Message::new("hook", format!("m{n}"))
+            .key(Key::new(format!("m{n}")).unwrap())
+            .ordering_key("account-1")
+    };
+    let count = || {
+        let (pool, table) = (pool.clone(), outbox.table().to_owned());
+        async move {
+            sqlx::query_scalar::<_, i64>(&format!("SELECT count(*) FROM \"{table}\""))
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    // A plain pooled connection: autocommit.
+    let mut connection = pool.acquire().await.unwrap();
+    let refused = outbox.enqueue(&mut connection, &ordered(1)).await;
+    assert!(
+        matches!(refused, Err(OutboxError::NotInTransaction)),
+        "{refused:?}"
+    );
+    assert_eq!(count().await, 0, "nothing written");
+    // The connection is fine, and a message without an ordering key still commits at once.
+    let unordered = Message::new("hook", "u").key(Key::new("u").unwrap());
+    outbox.enqueue(&mut connection, &unordered).await.unwrap();
+    assert_eq!(count().await, 1);
+    // In a transaction: accepted, also one begun by hand.
+    let mut tx = pool.begin().await.unwrap();
+    outbox.enqueue(&mut tx, &ordered(2)).await.unwrap();
+    tx.commit().await.unwrap();
+    sqlx::query("BEGIN")
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+    outbox.enqueue(&mut connection, &ordered(3)).await.unwrap();
+    sqlx::query("COMMIT")
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+    assert_eq!(count().await, 3);
+    // In a transaction aborted by an earlier error: the statement's failure, not a refusal.
+    let mut tx = pool.begin().await.unwrap();
+    assert!(sqlx::query("SELECT 1/0").execute(&mut *tx).await.is_err());
+    let failed = outbox.enqueue(&mut tx, &ordered(4)).await;
+    assert!(matches!(failed, Err(OutboxError::Store(_))), "{failed:?}");
+    tx.rollback().await.unwrap();
+    assert_eq!(count().await, 3);
+}
+
+// A key with a backlog of thousands: only its oldest message is ever looked at, so the other
+// keys and the messages without a key flow at full speed past it while it waits for a retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_ordering_key_does_not_hold_back_the_other_messages() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    sqlx::query(&format!(
+        "INSERT INTO \"{}\" (destination, message_key, payload, header_names, header_values, \
+         ordering_key, available_at) \
+         SELECT 'hook', 'hot-' || n, convert_to('poison ' || n, 'UTF8'), '{{}}', '{{}}', 'hot', \
+         clock_timestamp() FROM generate_series(1, 5000) n",
+        outbox.table()
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    for n in 0..40 {
+        let message = Message::new("hook", format!("keyed {n}"))
+            .key(Key::new(format!("keyed-{n}")).unwrap())
+            .ordering_key(format!("k-{n:02}"));
+        outbox.enqueue(&mut tx, &message).await.unwrap();
+    }
+    for n in 0..10 {
+        let message =
+            Message::new("hook", format!("free {n}")).key(Key::new(format!("free-{n}")).unwrap());
+        outbox.enqueue(&mut tx, &message).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let sink = Recorder::default();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .batch_size(16)
+        .backoff(Duration::from_secs(3600), Duration::from_secs(3600))
+        .build();
+    let mut batches = 0;
+    while sink.delivered().len() < 50 {
+        let batch = relay.run_once().await.unwrap();
+        assert!(batch.taken > 0, "a batch took nothing with messages due");
+        batches += 1;
+        assert!(batches <= 5, "50 messages in batches of 16");
+    }
+    let hot: Vec<String> = sink
+        .seen()
+        .into_iter()
+        .filter(|s| s.key.starts_with("hot-"))
+        .map(|s| s.key)
+        .collect();
+    assert_eq!(hot, ["hot-1"], "only the hot key's oldest message, once");
+    assert_eq!(
+        relay.run_once().await.unwrap().taken,
+        0,
+        "the hot key waits"
+    );
+}
+
+// Which keys a batch takes rotates: with more keys due than a batch holds, each gets its turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordering_keys_take_turns() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    let mut tx = pool.begin().await.unwrap();
+    for key in ["a", "b", "c"] {
+        for n in 1..=3 {
+            let message = Message::new("hook", format!("{key}{n}"))
+                .key(Key::new(format!("{key}{n}")).unwrap())
+                .ordering_key(key);
+            outbox.enqueue(&mut tx, &message).await.unwrap();
+        }
+    }
+    tx.commit().await.unwrap();
+    let sink = Recorder::default();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .batch_size(1)
+        .build();
+    for _ in 0..9 {
+        assert_eq!(relay.run_once().await.unwrap().delivered, 1);
+    }
+    let order: Vec<String> = sink.seen().into_iter().map(|s| s.key).collect();
+    assert_eq!(
+        order,
+        ["a1", "b1", "c1", "a2", "b2", "c2", "a3", "b3", "c3"]
+    );
 }

@@ -21,6 +21,12 @@
 //!   consumer its progress; the entry is applied once the lock is released. Those failures, a
 //!   lost connection, a serialization failure and a deadlock are transient: retried past
 //!   `MAX_DELIVERIES`, never dead-lettered.
+//! - A notification that kills every relay delivering it (SIGKILLed by the test each time the
+//!   notifier receives it) is dead-lettered as `relay_crashed` after `RELAY_MAX_ATTEMPTS`
+//!   crashes, and the notifications behind it on its ordering key, and the others, are
+//!   delivered.
+//! - An entry whose idempotency record cannot be decoded is dead-lettered once, and the
+//!   entries after it are applied.
 //! - Bad settings make the consumer exit with status 2.
 
 mod support;
@@ -30,7 +36,9 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use idempotent_core::Key;
 use idempotent_core::conformance::backend_url;
+use idempotent_core::postgres::{Message, Outbox};
 use redis::Value;
 use redis::aio::MultiplexedConnection;
 use sqlx::PgPool;
@@ -661,6 +669,13 @@ async fn balances_are_exact_after_duplicates_malformed_entries_and_kills() {
     let (malformed_ids, last_id) = publisher.await.unwrap();
     fx.wait_drained(&last_id, Duration::from_secs(90)).await;
     notifier.wait_for(&seen, Duration::from_secs(90)).await;
+    // A notification whose relay was killed after the notifier had it is delivered again, and
+    // recorded, by another relay once the killed relay's hold on it is over (5 s).
+    let db = fx.db().await;
+    let deadline = Deadline::after(Duration::from_secs(60), "the outbox never drained");
+    while outbox_states(&db).await.contains_key("pending") {
+        deadline.tick().await;
+    }
     for process in consumers.iter_mut().chain(&mut relays) {
         process.stop().await;
     }
@@ -669,7 +684,6 @@ async fn balances_are_exact_after_duplicates_malformed_entries_and_kills() {
     // rolled back, none for malformed ones.
     notifier.assert_once_each(&seen);
 
-    let db = fx.db().await;
     assert_eq!(
         outbox_states(&db).await,
         BTreeMap::from([("delivered".to_owned(), 800)]),
@@ -1303,8 +1317,9 @@ struct Notified {
 
 /// The receiver of the ledger's notifications: an HTTP server in the test process that
 /// deduplicates by `Idempotency-Key` with this library's layer (its records survive a
-/// restart), counts what it receives, and refuses (400) the notifications of one account. It
-/// can be stopped, refusing connections, and started again on the same port.
+/// restart), counts what it receives, refuses (400) the notifications of one account, and
+/// never answers those with a [hanging key](HANGING_KEY_PREFIX). It can be stopped, refusing
+/// connections, and started again on the same port.
 struct Notifier {
     port: u16,
     /// How long the handler takes.
@@ -1316,6 +1331,10 @@ struct Notifier {
 
 /// The account whose notifications the notifier refuses.
 const REFUSED_ACCOUNT: &str = "acct-refused";
+
+/// The notifier never answers a request whose `Idempotency-Key` starts with this: it counts
+/// it, then holds it until its connection goes (the test kills the relay that sent it).
+const HANGING_KEY_PREFIX: &str = "hang-";
 
 impl Notifier {
     async fn start() -> Notifier {
@@ -1370,12 +1389,18 @@ impl Notifier {
                 .get("idempotency-key")
                 .map(|k| k.to_str().unwrap().to_owned())
                 .unwrap_or_default();
-            {
+            let hang = {
                 let mut seen = lock(&seen);
                 *seen.attempts.entry(key.clone()).or_default() += 1;
-                if !seen.in_flight.insert(key.clone()) {
+                // The key as sent: an RFC 8941 string, quoted or bare.
+                let hang = key.trim_matches('"').starts_with(HANGING_KEY_PREFIX);
+                if !hang && !seen.in_flight.insert(key.clone()) {
                     seen.overlapped = true;
                 }
+                hang
+            };
+            if hang {
+                return std::future::pending().await;
             }
             let response = next.run(request).await;
             lock(&seen).in_flight.remove(&key);
@@ -1419,6 +1444,16 @@ impl Notifier {
 
     fn seen(&self) -> std::sync::MutexGuard<'_, Notified> {
         lock(&self.seen)
+    }
+
+    /// Requests received with the message key `key` (sent quoted or bare).
+    fn attempts(&self, key: &str) -> u32 {
+        self.seen()
+            .attempts
+            .iter()
+            .filter(|(sent, _)| sent.trim_matches('"') == key)
+            .map(|(_, n)| n)
+            .sum()
     }
 
     /// Waits until notifications for `ids` were acted on.
@@ -1621,6 +1656,168 @@ async fn a_frozen_relay_gives_its_batch_up_to_another() {
     assert_eq!(
         outbox_states(&db).await,
         BTreeMap::from([("delivered".to_owned(), 20)])
+    );
+    drop(db);
+    fx.drop_database().await;
+}
+
+// Regression: a notification whose delivery killed its relay was delivered again forever: the
+// relay counted the attempt in its batch's transaction, which died with it, so the next relay
+// took the same notification first, died too, and the later notifications of its ordering key
+// waited behind it. Here the test SIGKILLs the relay process each time the notifier receives
+// that notification.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_kills_its_relay_is_dead_lettered_and_the_rest_flows() {
+    let Some(fx) = Fixture::new("relay_crash").await else {
+        return;
+    };
+    const MAX_ATTEMPTS: u32 = 3;
+    let poison_key = format!("{HANGING_KEY_PREFIX}pay-poison");
+    let notifier = Notifier::start().await;
+    let db = fx.db().await;
+    let outbox = Outbox::new();
+    outbox.migrate(&db).await.unwrap();
+    // Notifications as the ledger enqueues them, six in order on one account (the poison one
+    // second), four without an ordering key.
+    let mut ids = BTreeSet::new();
+    let mut in_order = Vec::new();
+    let mut tx = db.begin().await.unwrap();
+    for n in 0..10 {
+        let id = if n == 1 {
+            "pay-poison".to_owned()
+        } else {
+            format!("pay-{n}")
+        };
+        let body = serde_json::json!({"id": id, "account": "acct-0", "amount": n});
+        let key = if n == 1 {
+            poison_key.clone()
+        } else {
+            format!("note-{n}")
+        };
+        let mut message = Message::new("notifications", body.to_string())
+            .key(Key::new(key).unwrap())
+            .header("content-type", "application/json");
+        if n < 6 {
+            message = message.ordering_key("acct-0");
+            if n != 1 {
+                in_order.push(id.clone());
+            }
+        }
+        outbox.enqueue(&mut tx, &message).await.unwrap();
+        if n != 1 {
+            ids.insert(id);
+        }
+    }
+    tx.commit().await.unwrap();
+
+    let env = fx.env(&[
+        ("NOTIFY_URL", &notifier.url()),
+        ("RELAY_MAX_ATTEMPTS", &MAX_ATTEMPTS.to_string()),
+        ("RELAY_BACKOFF", "100ms"),
+        ("RELAY_POLL", "200ms"),
+    ]);
+    // Each time the notifier receives it, the relay delivering it is killed, and another
+    // started. Its relays crash MAX_ATTEMPTS times; then it is dead-lettered, not delivered
+    // again.
+    let mut relay = Consumer::relay(&env, "relay-0").await;
+    let mut crashes = 0;
+    let deadline = Deadline::after(
+        Duration::from_secs(90),
+        "the poison notification was never dead-lettered",
+    );
+    let dead = loop {
+        if notifier.attempts(&poison_key) > crashes {
+            crashes += 1;
+            assert!(
+                crashes <= MAX_ATTEMPTS,
+                "delivered again after {MAX_ATTEMPTS} relays died delivering it: their \
+                 attempts were not counted"
+            );
+            relay.kill().await;
+            relay = Consumer::relay(&env, format!("relay-{crashes}")).await;
+            continue;
+        }
+        let dead = outbox.dead_letters(&db, 10).await.unwrap();
+        if !dead.is_empty() {
+            break dead;
+        }
+        deadline.tick().await;
+    };
+    assert_eq!(crashes, MAX_ATTEMPTS);
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].key, poison_key);
+    assert_eq!(dead[0].attempts, MAX_ATTEMPTS as i32);
+    let error = dead[0].last_error.clone().unwrap_or_default();
+    assert!(
+        error.starts_with("relay_crashed: a relay died while delivering it (attempt 3)"),
+        "{error}"
+    );
+    // The rest flows, its ordering key in order.
+    notifier.wait_for(&ids, Duration::from_secs(60)).await;
+    relay.stop().await;
+    notifier.assert_once_each(&ids);
+    let acted: Vec<String> = notifier
+        .seen()
+        .acted
+        .iter()
+        .map(|(_, body)| body["id"].as_str().unwrap().to_owned())
+        .filter(|id| in_order.contains(id))
+        .collect();
+    assert_eq!(acted, in_order, "acct-0's notifications out of order");
+    assert_eq!(
+        notifier.attempts(&poison_key),
+        MAX_ATTEMPTS,
+        "one delivery per attempt, none after the last"
+    );
+    assert_eq!(
+        outbox_states(&db).await,
+        BTreeMap::from([("dead".to_owned(), 1), ("delivered".to_owned(), 9)])
+    );
+    drop(db);
+    fx.drop_database().await;
+}
+
+// Regression: an entry whose idempotency record could not be decoded (`Error::CorruptRecord`)
+// counted as a transient failure: it was left pending and delivered again forever, every
+// delivery meeting the same record. Now it is dead-lettered at once with that reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_whose_record_cannot_be_decoded_is_dead_lettered_once() {
+    let Some(mut fx) = Fixture::new("corrupt").await else {
+        return;
+    };
+    let env = fx.env(&[("CLAIM_IDLE", "1s")]);
+    let mut consumer = Consumer::start(&env, "corrupt-0").await;
+    let db = fx.db().await;
+    let first = fx.post("pay-1", "acct-1", 100).await;
+    fx.wait_drained(&first, Duration::from_secs(30)).await;
+    // Its record, the only one so far, damaged in the table.
+    let damaged = sqlx::query("UPDATE idempotent_records SET payload = '\\xdeadbeef'::bytea")
+        .execute(&db)
+        .await
+        .unwrap()
+        .rows_affected();
+    assert_eq!(damaged, 1);
+    // The same posting again (a producer retry), then others.
+    let replay = fx.post("pay-1", "acct-1", 100).await;
+    fx.post("pay-2", "acct-2", 7).await;
+    fx.post("pay-3", "acct-1", 5).await;
+    let last = fx.post("pay-4", "acct-2", -2).await;
+    fx.wait_drained(&last, Duration::from_secs(30)).await;
+    consumer.stop().await;
+
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead.len(), 1, "dead-lettered once");
+    assert_eq!(dead[0].field("entry"), replay);
+    assert_eq!(dead[0].field("deliveries"), "1");
+    let reason = dead[0].field("reason");
+    assert!(
+        reason.contains("cannot be decoded") && reason.contains("corrupt_record"),
+        "{reason}"
+    );
+    assert_eq!(
+        fx.balances(&db).await,
+        BTreeMap::from([("acct-1".to_owned(), 105), ("acct-2".to_owned(), 5)]),
+        "pay-1 applied once, the others after it applied"
     );
     drop(db);
     fx.drop_database().await;

@@ -19,6 +19,13 @@ pub const DEFAULT_OUTBOX_TABLE: &str = "idempotent_outbox";
 /// The largest payload [`Outbox::enqueue`] accepts: 16 MiB.
 pub const MAX_OUTBOX_PAYLOAD: usize = 16 << 20;
 
+/// The longest wait the outbox writes into its table: 365 days. A [`Message::delay`], a
+/// relay's [backoff](super::RelayBuilder::backoff) and its
+/// [`retain_delivered`](super::RelayBuilder::retain_delivered) longer than this (up to
+/// [`Duration::MAX`]) are this, so that `now ± wait` is always a valid timestamp. (The same
+/// ceiling as the parent module's `micros`, which binds every duration.)
+pub(crate) const MAX_OUTBOX_DELAY: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// A message to send to another system, once the transaction that enqueues it commits.
 ///
 /// ```
@@ -102,13 +109,18 @@ impl Message {
     /// ordering key take turns (the enqueue takes an advisory lock held until the commit), so
     /// enqueue order and commit order agree. Without one, messages are delivered in any order,
     /// several at once.
+    ///
+    /// That lock lasts as long as the transaction, so a message with an ordering key must be
+    /// enqueued in an explicit transaction (`pool.begin()`): on a connection in autocommit
+    /// mode [`Outbox::enqueue`] refuses it with [`OutboxError::NotInTransaction`].
     #[must_use]
     pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
         self.ordering_key = Some(key.into());
         self
     }
 
-    /// Deliver no sooner than `delay` after the enqueue.
+    /// Deliver no sooner than `delay` after the enqueue. A delay longer than 365 days,
+    /// [`Duration::MAX`] included, is 365 days.
     #[must_use]
     pub fn delay(mut self, delay: Duration) -> Self {
         self.delay = delay;
@@ -163,6 +175,15 @@ pub enum OutboxError {
         /// The payload's size.
         size: usize,
     },
+    /// The message has an [ordering key](Message::ordering_key) and the connection is not in
+    /// a transaction (autocommit mode). Its turn on the ordering key would end with the
+    /// statement instead of the commit, so the message could be delivered out of order:
+    /// enqueue it in a transaction (`pool.begin()`). Nothing was written.
+    #[error(
+        "a message with an ordering key must be enqueued in a transaction: begin one on the \
+         connection (pool.begin()) and commit it after the enqueue"
+    )]
+    NotInTransaction,
     /// The statement failed; the transaction is aborted: roll it back.
     #[error("the outbox could not be written")]
     Store(#[source] StoreError),
@@ -245,14 +266,26 @@ pub struct DeadLetter {
 ///     available_at timestamptz NOT NULL,      -- not delivered before (backoff, delay)
 ///     created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
 ///     delivered_at timestamptz,
-///     last_error text
+///     last_error text,
+///     delivering_since timestamptz    -- set while an attempt runs (or its relay died)
 /// );
 /// ```
 ///
-/// with partial indexes on the pending messages (by `available_at`, and by `ordering_key`),
-/// on the delivered ones (by `delivered_at`, for reaping) and on the dead letters. Enqueuing also sends
+/// with partial indexes on the pending messages (by `available_at`; by `available_at` for
+/// those without an ordering key; by `ordering_key, id` for the others), on the delivered ones
+/// (by `delivered_at`, for reaping) and on the dead letters. A table created by an earlier
+/// version gets `delivering_since` and the new index from `migrate`. Enqueuing also sends
 /// `NOTIFY` on the outbox's [`channel`](Self::channel), which PostgreSQL delivers at the
 /// commit: a listening relay wakes up at once.
+///
+/// `attempts` counts every attempt, committed before the message is handed to a sink, so an
+/// attempt during which the relay died (SIGKILL, out of memory, an abort) counts too: see
+/// "How it delivers" on [`Relay`](super::Relay).
+///
+/// A relay's batch costs at most one index probe per ordering key with pending messages (it
+/// stops as soon as it has a batch of them), plus the batch itself: the messages waiting
+/// behind a key's oldest one are never read, so one key with a backlog of thousands does not
+/// slow the batches down.
 #[derive(Clone)]
 pub struct Outbox {
     sql: Arc<OutboxSql>,
@@ -312,7 +345,10 @@ impl Outbox {
     /// running claim's operation key (see [`Message::key`]).
     ///
     /// In autocommit mode (a connection not in a transaction) the message is committed at
-    /// once, which is only right for a message that does not depend on other writes.
+    /// once, which is only right for a message that does not depend on other writes; a
+    /// message with an [ordering key](Message::ordering_key) is refused there with
+    /// [`OutboxError::NotInTransaction`] before anything is written (one extra round trip,
+    /// only for messages with an ordering key, asks the server).
     pub async fn enqueue(
         &self,
         connection: &mut PgConnection,
@@ -341,6 +377,25 @@ impl Outbox {
             return Err(OutboxError::InvalidHeader);
         }
         if let Some(ordering_key) = &message.ordering_key {
+            // The turn below is a transaction-scoped advisory lock: in autocommit mode it would
+            // end with its own statement, and a later transaction could commit its message
+            // first. Whether the connection is in a transaction block is asked of the server
+            // itself: `SAVEPOINT` is refused (SQLSTATE 25P01) outside one, autocommit and the
+            // implicit block of a multi-statement query alike, and a savepoint released at once
+            // changes nothing inside one. The cheaper hints are not reliable:
+            // `txid_current_if_assigned()` is NULL in a transaction that has not written yet,
+            // `now() = statement_timestamp()` also holds for the first statement after a
+            // `BEGIN` sent in the same microsecond, and sqlx's own transaction depth does not
+            // see a `BEGIN` run as a query.
+            match connection.execute(IN_TRANSACTION_PROBE).await {
+                Ok(_) => {}
+                Err(sqlx::Error::Database(error))
+                    if error.code().as_deref() == Some(NO_ACTIVE_SQL_TRANSACTION) =>
+                {
+                    return Err(OutboxError::NotInTransaction);
+                }
+                Err(error) => return Err(OutboxError::Store(store_error(error))),
+            }
             let turn = sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))").bind(
                 format!("idempotent-core outbox {} {ordering_key}", self.sql.table),
             );
@@ -425,7 +480,8 @@ impl Outbox {
     }
 
     /// Deletes delivered messages delivered more than `older_than` ago, in batches of 1,000;
-    /// returns how many. Pending messages and dead letters are kept.
+    /// returns how many. Pending messages and dead letters are kept. An `older_than` above 365
+    /// days, [`Duration::MAX`] included, is 365 days.
     pub async fn reap(&self, pool: &PgPool, older_than: Duration) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
@@ -442,22 +498,49 @@ impl Outbox {
     }
 }
 
+/// Succeeds in a transaction block, changing nothing; fails with
+/// [`NO_ACTIVE_SQL_TRANSACTION`] outside one. One simple-query round trip.
+const IN_TRANSACTION_PROBE: &str =
+    "SAVEPOINT idempotent_outbox_probe; RELEASE SAVEPOINT idempotent_outbox_probe";
+
+/// SQLSTATE `25P01`: `SAVEPOINT can only be used in transaction blocks`.
+const NO_ACTIVE_SQL_TRANSACTION: &str = "25P01";
+
 /// Rows one reap statement deletes at most.
 const REAP_BATCH: u64 = 1000;
+
+/// How long a message a relay took stays out of other relays' batches before the relay holds
+/// it under a row lock: the moment between the commit that counts the attempt and the lock.
+/// Once the lock is held, the lock keeps the others away; if the relay dies before it records
+/// the outcome, the message is due again this long after it was taken, at the soonest.
+pub(crate) const TAKEN_HOLD: Duration = Duration::from_secs(5);
+
+/// The prefix of the last error of an attempt whose relay died, or lost its database
+/// connection, before recording how it ended.
+pub(crate) const RELAY_CRASHED: &str = "relay_crashed";
 
 /// The outbox's statements, for one table.
 pub(crate) struct OutboxSql {
     pub(crate) table: String,
     channel: String,
-    migrate: [String; 5],
+    migrate: [String; 7],
     backlog: String,
     enqueue: String,
     dead_letters: String,
     requeue: String,
     reap: String,
-    /// The batch query, with `{batch}` for the batch size; `$1` the destinations the relay
-    /// has sinks for. See [`take`](Self::take).
+    /// The batch statement, with `{batch}` for the batch size. See [`take`](Self::take).
     take: String,
+    /// Locks, in the batch's transaction, the messages just taken that are still as the take
+    /// left them: `$1` their ids, `$2` their attempt counts. Returns the ids locked.
+    ///
+    /// It waits for locks rather than skipping them: another relay's batch statement, running
+    /// while this one's committed, can hold some of them for a moment (`FOR UPDATE` locks a row
+    /// before it sees the row is no longer due, and keeps the lock to the end of its
+    /// statement); skipping them would strand them until [`TAKEN_HOLD`] is over. A message
+    /// another relay took over meanwhile has another attempt count by then, and is not locked.
+    /// The wait is bounded by the batch's `lock_timeout` ([`TAKEN_HOLD`]).
+    pub(crate) lock: String,
     /// `$1` the ids delivered.
     pub(crate) delivered: String,
     /// `$1` id, `$2` error, `$3` backoff (µs). Whether the attempt was the last is the
@@ -468,10 +551,34 @@ pub(crate) struct OutboxSql {
 }
 
 impl OutboxSql {
-    /// The batch query for batches of `batch` messages. The size is written into the text,
-    /// not bound: with `LIMIT $1`, PostgreSQL's generic plan for the prepared statement (used
-    /// after its fifth execution) takes about a hundred times longer than the plan for a
+    /// The batch statement for batches of `batch` messages. The size is written into the
+    /// text, not bound: with `LIMIT $1`, PostgreSQL's generic plan for the prepared statement
+    /// (used after its fifth execution) takes about a hundred times longer than the plan for a
     /// known limit.
+    ///
+    /// Binds `$1` the destinations the relay has sinks for, `$2` its `max_attempts`, `$3` the
+    /// ordering key after which the look for heads starts (see below). One statement,
+    /// committed on its own (autocommit), so what it counts survives the relay:
+    ///
+    /// - **Candidates.** Messages without an ordering key, due, oldest first, through the
+    ///   partial index on `(available_at, id)` of the pending ones without an ordering key;
+    ///   and the *head* of each ordering key (its oldest pending message) if it is due, found
+    ///   by a skip scan of the index on `(ordering_key, id)`: one index probe per key, however
+    ///   many messages wait behind its head, visiting keys from `$3` on and wrapping around,
+    ///   and stopping once a batch of heads is locked. A message that is not its key's head is
+    ///   never looked at. Each part locks at most `batch` rows (`FOR UPDATE SKIP LOCKED`: rows
+    ///   another relay holds are passed over, and a head another relay holds blocks its key);
+    ///   the oldest `batch` of both are taken.
+    /// - **Taking.** Each taken message's `attempts` is counted and committed *before* it is
+    ///   delivered, `delivering_since` is set, and it is not due for [`TAKEN_HOLD`]: by then
+    ///   the relay holds it under a row lock in the batch's transaction (`lock`).
+    /// - **Crashes.** A taken message whose `delivering_since` was already set was left by a
+    ///   relay that died while delivering it: its `last_error` says so ([`RELAY_CRASHED`]),
+    ///   and if its attempts already reached `$2` it is dead-lettered here instead of being
+    ///   delivered again (its payload is not returned).
+    ///
+    /// Returns `id, destination, message_key, payload, header_names, header_values, attempts,
+    /// exhausted (dead-lettered here), crashed, ordering_key, last_error`.
     pub(crate) fn take(&self, batch: u32) -> String {
         self.take.replace("{batch}", &batch.to_string())
     }
@@ -487,6 +594,26 @@ impl OutboxSql {
             let digest = blake3::hash(table.as_bytes()).to_hex();
             format!("idempotent_outbox_{}", &digest.as_str()[..32])
         };
+        let hold_ms = TAKEN_HOLD.as_millis();
+        let heads = |name: &str, bound: &str| {
+            let next = |after: &str| {
+                format!(
+                    "SELECT ordering_key, id FROM {t} WHERE state = 'pending' \
+                     AND ordering_key IS NOT NULL AND {after} {bound} \
+                     ORDER BY ordering_key, id LIMIT 1"
+                )
+            };
+            format!(
+                "{name}(k, id) AS (({first}) UNION ALL \
+                 SELECT n.ordering_key, n.id FROM {name} c, LATERAL ({then}) n)",
+                first = next("TRUE"),
+                then = next("ordering_key > c.k"),
+            )
+        };
+        let crashed_error = format!(
+            "'{RELAY_CRASHED}: a relay died while delivering it (attempt ' || o.attempts || \
+             '), or lost its database connection before recording how the attempt ended'"
+        );
         Ok(OutboxSql {
             table: table.to_owned(),
             channel,
@@ -505,12 +632,20 @@ impl OutboxSql {
                      available_at timestamptz NOT NULL, \
                      created_at timestamptz NOT NULL DEFAULT clock_timestamp(), \
                      delivered_at timestamptz, \
-                     last_error text)"
+                     last_error text, \
+                     delivering_since timestamptz)"
                 ),
+                // Tables created before the column existed.
+                format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS delivering_since timestamptz"),
                 format!(
                     "CREATE INDEX IF NOT EXISTS {} ON {t} (available_at, id) \
                      WHERE state = 'pending'",
                     index("pending_idx")
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {} ON {t} (available_at, id) \
+                     WHERE state = 'pending' AND ordering_key IS NULL",
+                    index("unordered_idx")
                 ),
                 format!(
                     "CREATE INDEX IF NOT EXISTS {} ON {t} (ordering_key, id) \
@@ -545,7 +680,7 @@ impl OutboxSql {
                  WHERE state = 'dead' ORDER BY id LIMIT $1"
             ),
             requeue: format!(
-                "UPDATE {t} SET state = 'pending', attempts = 0, \
+                "UPDATE {t} SET state = 'pending', attempts = 0, delivering_since = NULL, \
                  available_at = clock_timestamp() WHERE id = $1 AND state = 'dead'"
             ),
             reap: format!(
@@ -554,25 +689,55 @@ impl OutboxSql {
                  LIMIT {REAP_BATCH} FOR UPDATE SKIP LOCKED)"
             ),
             take: format!(
-                "SELECT id, destination, message_key, payload, header_names, header_values, \
-                 attempts FROM {t} o \
-                 WHERE state = 'pending' AND available_at <= clock_timestamp() \
-                 AND destination = ANY($1) \
-                 AND (ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {t} e \
-                   WHERE e.ordering_key = o.ordering_key AND e.state = 'pending' AND e.id < o.id)) \
-                 ORDER BY available_at, id LIMIT {{batch}} FOR UPDATE SKIP LOCKED"
+                "WITH RECURSIVE {after_cursor}, {up_to_cursor}, \
+                 heads AS (SELECT o.id, o.available_at, o.attempts, o.delivering_since \
+                   FROM (SELECT id FROM after_cursor UNION ALL SELECT id FROM up_to_cursor) h \
+                   JOIN {t} o ON o.id = h.id \
+                   WHERE o.state = 'pending' AND o.available_at <= clock_timestamp() \
+                   AND o.destination = ANY($1) \
+                   LIMIT {{batch}} FOR UPDATE OF o SKIP LOCKED), \
+                 unordered AS (SELECT id, available_at, attempts, delivering_since FROM {t} \
+                   WHERE state = 'pending' AND ordering_key IS NULL \
+                   AND available_at <= clock_timestamp() AND destination = ANY($1) \
+                   ORDER BY available_at, id LIMIT {{batch}} FOR UPDATE SKIP LOCKED), \
+                 chosen AS (SELECT id, delivering_since IS NOT NULL AS crashed, \
+                   delivering_since IS NOT NULL AND attempts >= $2 AS exhausted \
+                   FROM (SELECT * FROM heads UNION ALL SELECT * FROM unordered) c \
+                   ORDER BY available_at, id LIMIT {{batch}}) \
+                 UPDATE {t} o SET \
+                   state = CASE WHEN c.exhausted THEN 'dead' ELSE o.state END, \
+                   attempts = CASE WHEN c.exhausted THEN o.attempts \
+                     ELSE LEAST(o.attempts, 2147483646) + 1 END, \
+                   last_error = CASE WHEN c.crashed THEN {crashed_error} ELSE o.last_error END, \
+                   available_at = CASE WHEN c.exhausted THEN o.available_at \
+                     ELSE clock_timestamp() + interval '{hold_ms} milliseconds' END, \
+                   delivering_since = CASE WHEN c.exhausted THEN NULL \
+                     ELSE clock_timestamp() END \
+                 FROM chosen c WHERE o.id = c.id \
+                 RETURNING o.id, o.destination, o.message_key, \
+                   CASE WHEN c.exhausted THEN NULL ELSE o.payload END, \
+                   o.header_names, o.header_values, o.attempts, c.exhausted, c.crashed, \
+                   o.ordering_key, o.last_error",
+                after_cursor = heads("after_cursor", "AND ordering_key > $3"),
+                up_to_cursor = heads("up_to_cursor", "AND ordering_key <= $3"),
+            ),
+            lock: format!(
+                "SELECT o.id FROM {t} o \
+                 JOIN unnest($1::int8[], $2::int4[]) AS taken(id, attempts) \
+                 ON o.id = taken.id AND o.attempts = taken.attempts \
+                 WHERE o.state = 'pending' FOR UPDATE OF o"
             ),
             delivered: format!(
-                "UPDATE {t} SET state = 'delivered', attempts = LEAST(attempts, 2147483646) + 1, \
-                 delivered_at = clock_timestamp(), last_error = NULL WHERE id = ANY($1)"
+                "UPDATE {t} SET state = 'delivered', delivered_at = clock_timestamp(), \
+                 last_error = NULL, delivering_since = NULL WHERE id = ANY($1)"
             ),
             failed: format!(
-                "UPDATE {t} SET attempts = LEAST(attempts, 2147483646) + 1, last_error = $2, \
+                "UPDATE {t} SET last_error = $2, delivering_since = NULL, \
                  available_at = clock_timestamp() + $3 * interval '1 microsecond' \
                  WHERE id = $1"
             ),
             dead: format!(
-                "UPDATE {t} SET attempts = LEAST(attempts, 2147483646) + 1, last_error = $2, state = 'dead' \
+                "UPDATE {t} SET state = 'dead', last_error = $2, delivering_since = NULL \
                  WHERE id = $1"
             ),
         })

@@ -12,7 +12,7 @@ use sqlx::postgres::{PgListener, PgPool};
 // The executor's own methods, for `Send` futures: see the note in the parent module.
 use sqlx::{Executor as _, Row as _};
 
-use super::outbox::Outbox;
+use super::outbox::{MAX_OUTBOX_DELAY, Outbox, RELAY_CRASHED, TAKEN_HOLD};
 use super::{micros, store_error};
 use crate::StoreError;
 
@@ -45,7 +45,7 @@ pub struct OutboxMessage {
     pub payload: Bytes,
     /// Its headers, in the order given.
     pub headers: Vec<(String, String)>,
-    /// Which attempt this is, from 1.
+    /// Which attempt this is, from 1. Attempts during which a relay died count too.
     pub attempt: u32,
 }
 
@@ -107,7 +107,8 @@ pub struct Batch {
     pub delivered: usize,
     /// Failed, to be tried again after a backoff.
     pub retried: usize,
-    /// Failed for the last time, or permanently: dead-lettered.
+    /// Failed for the last time, or permanently, or their relays died while delivering them
+    /// `max_attempts` times: dead-lettered.
     pub dead: usize,
 }
 
@@ -146,23 +147,37 @@ struct Settings {
 ///
 /// # How it delivers
 ///
-/// - **Connections.** It uses two of the pool's connections: one for the batch's transaction,
-///   one listening. Give it a pool of at least two.
-/// - **Batches under row locks.** A batch is one transaction: it takes up to
-///   [`batch_size`](RelayBuilder::batch_size) pending messages that are due, whose destination
-///   has a sink here, and that no earlier pending message with the same ordering key precedes,
-///   with `SELECT … FOR UPDATE SKIP LOCKED`; delivers them concurrently, each within
-///   [`delivery_timeout`](RelayBuilder::delivery_timeout); records each outcome; commits.
-///   Another relay skips the locked rows, so **many relays share the work and never deliver
-///   one message at the same time**. A relay that dies mid-batch (a crash, SIGKILL, a lost
-///   connection) releases its locks with its connection: its messages are delivered again
-///   by the next batch, which is why delivery is *at least once* and the receiver must
-///   deduplicate on the key. A relay frozen with its connection open holds its rows until
-///   PostgreSQL ends its transaction after `idle_in_transaction_session_timeout`, set for
-///   the batch to twice the delivery timeout plus 5 s; if it then wakes in the middle of a
-///   delivery, that delivery can overlap another relay's. So can one still running when its
-///   connection was cut under it (the server restarted, `pg_terminate_backend`, a network
-///   partition): its locks went with the connection. The key makes both harmless.
+/// - **Connections.** It uses two of the pool's connections: one for the batch, one
+///   listening. Give it a pool of at least two.
+/// - **Taking a batch.** A batch starts with one statement, committed on its own: it takes up
+///   to [`batch_size`](RelayBuilder::batch_size) pending messages that are due, whose
+///   destination has a sink here, and that are the oldest pending message of their ordering
+///   key (if they have one), with `SELECT … FOR UPDATE SKIP LOCKED`, and **counts the attempt
+///   before anything is sent**: `attempts` goes up, `delivering_since` is set, and the message
+///   is not due for 5 s. The cost does not grow with the messages waiting behind an ordering
+///   key's oldest one (see [`Outbox`]'s table).
+/// - **Delivering under row locks.** The batch's transaction then locks the messages it took
+///   (`FOR UPDATE`, each only if it still has the attempt count it took), delivers them
+///   concurrently, each within [`delivery_timeout`](RelayBuilder::delivery_timeout), records
+///   each outcome and commits. Another relay skips the locked rows, so **many relays share
+///   the work and never deliver one message at the same time**; a message another relay took
+///   over in between (only possible if this relay needed more than the 5 s to lock it: its
+///   count changed) is left to that relay.
+/// - **A relay that dies.** A relay that dies mid-batch (a crash, SIGKILL, running out of
+///   memory, a lost connection) releases its locks with its connection, but its attempts were
+///   counted: 5 s after it took them its messages are taken again by the next batch, which
+///   is why delivery is *at least once* and the receiver must deduplicate on the key. Their
+///   `last_error` then reads `relay_crashed: a relay died while delivering it (attempt N) …`.
+///   A message that makes its relay die each time it is delivered (a sink that aborts on it,
+///   a payload that exhausts memory) is therefore dead-lettered, with that error, once its
+///   attempts reach [`max_attempts`](RelayBuilder::max_attempts): it does not take every
+///   relay down forever, and the messages behind it on its ordering key flow again.
+///   A relay frozen with its connection open holds its rows until PostgreSQL ends its
+///   transaction after `idle_in_transaction_session_timeout`, set for the batch to twice the
+///   delivery timeout plus 5 s; if it then wakes in the middle of a delivery, that delivery
+///   can overlap another relay's. So can one still running when its connection was cut under
+///   it (the server restarted, `pg_terminate_backend`, a network partition): its locks went
+///   with the connection. The key makes both harmless; both count as a relay that died.
 /// - **Waking.** It listens for the `NOTIFY` each enqueue sends on commit, and also polls
 ///   every [`poll_interval`](RelayBuilder::poll_interval), so a lost notification or a
 ///   dropped listener connection delays a message by at most one interval. While batches
@@ -181,7 +196,12 @@ struct Settings {
 ///   and the [backlog](Outbox::backlog) is read into the gauges [`OUTBOX_PENDING`],
 ///   [`OUTBOX_DEAD`] and [`OUTBOX_OLDEST_PENDING_AGE`].
 /// - **The database down.** A batch that fails is logged and tried again after the poll
-///   interval; nothing is lost (messages not recorded as delivered are delivered again).
+///   interval; nothing is lost (messages not recorded as delivered are delivered again, as
+///   after a relay that died).
+/// - **Memory.** A batch holds each payload once: each row is dropped as soon as its message
+///   is read from it, and each message is moved, not copied, to its delivery. At most
+///   `batch_size` × [`MAX_OUTBOX_PAYLOAD`](super::MAX_OUTBOX_PAYLOAD) (512 MiB with the
+///   defaults) of payloads, plus one being read.
 ///
 /// It counts each attempt in [`OUTBOX_DELIVERIES`] by result, with the recorder installed
 /// when it was [built](RelayBuilder::build).
@@ -193,8 +213,11 @@ pub struct Relay {
     destinations: Arc<[String]>,
     settings: Settings,
     metrics: Arc<RelayMetrics>,
-    /// The batch query, for this relay's batch size.
+    /// The batch statement, for this relay's batch size.
     take: Arc<str>,
+    /// The ordering key after which the next batch looks for heads first: the last key this
+    /// relay took, so that every key gets its turn however many have messages due.
+    cursor: Arc<std::sync::Mutex<String>>,
 }
 
 /// The relay's counters, registered when it is built.
@@ -271,7 +294,9 @@ impl RelayBuilder {
         self
     }
 
-    /// How often to look for due messages without a notification (default 1 s).
+    /// How often to look for due messages without a notification (default 1 s, at least
+    /// 1 ms). [`Duration::MAX`], or any interval too long for the clock, is never: the relay
+    /// then waits for notifications alone.
     pub fn poll_interval(mut self, every: Duration) -> Self {
         self.settings.poll_interval = every.max(Duration::from_millis(1));
         self
@@ -284,26 +309,32 @@ impl RelayBuilder {
     }
 
     /// The backoff after a failed attempt: `first` after the first, doubling after each, at
-    /// most `max`, each drawn between half and all of that (default 1 s and 5 min).
+    /// most `max`, each drawn between half and all of that (default 1 s and 5 min). Both are
+    /// at most 365 days: a longer one, [`Duration::MAX`] included, is 365 days.
     pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
         self.settings.first_backoff = first;
         self.settings.max_backoff = max.max(first);
         self
     }
 
-    /// How long one delivery may take before it counts as failed (default 30 s).
+    /// How long one delivery may take before it counts as failed (default 30 s, at least
+    /// 1 ms). [`Duration::MAX`], or any timeout too long for the clock, is none: a delivery
+    /// may take as long as its sink does. The batch's idle-transaction timeout (twice this plus
+    /// 5 s, see "How it delivers") is at most PostgreSQL's largest, about 24.8 days.
     pub fn delivery_timeout(mut self, timeout: Duration) -> Self {
         self.settings.delivery_timeout = timeout.max(Duration::from_millis(1));
         self
     }
 
-    /// How long delivered messages are kept before reaping (default 1 h).
+    /// How long delivered messages are kept before reaping (default 1 h). At most 365 days:
+    /// a longer one, [`Duration::MAX`] included, is 365 days.
     pub fn retain_delivered(mut self, retain: Duration) -> Self {
         self.settings.retain_delivered = retain;
         self
     }
 
-    /// How often delivered messages are reaped and the backlog gauges read (default 1 min).
+    /// How often delivered messages are reaped and the backlog gauges read (default 1 min,
+    /// at least 1 ms). [`Duration::MAX`] is never.
     pub fn reap_every(mut self, every: Duration) -> Self {
         self.settings.reap_every = every.max(Duration::from_millis(1));
         self
@@ -322,6 +353,7 @@ impl RelayBuilder {
             destinations: destinations.into(),
             settings: self.settings,
             metrics: Arc::new(RelayMetrics::register()),
+            cursor: Arc::default(),
         }
     }
 }
@@ -330,6 +362,14 @@ impl RelayBuilder {
 enum Delivered {
     Ok(i64),
     Failed(i64, u32, SinkError),
+}
+
+/// A row the batch statement took, read.
+enum Taken {
+    /// To deliver.
+    Message(OutboxMessage),
+    /// To dead-letter without delivering: the row cannot be read (its id, attempt and why).
+    Unreadable(i64, u32, sqlx::Error),
 }
 
 impl Relay {
@@ -355,47 +395,125 @@ impl Relay {
     /// Delivers one batch: see "How it delivers".
     pub async fn run_once(&self) -> Result<Batch, StoreError> {
         let settings = &self.settings;
-        let mut tx = self.pool.begin().await.map_err(store_error)?;
-        let idle = settings.delivery_timeout.saturating_mul(2) + Duration::from_secs(5);
-        let idle_ms = idle.as_millis().min(i32::MAX as u128).to_string();
-        let set = sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', $1, true)")
-            .bind(idle_ms);
-        (&mut *tx).execute(set).await.map_err(store_error)?;
-        let take = sqlx::query(&self.take).bind(&self.destinations[..]);
-        let rows = (&mut *tx).fetch_all(take).await.map_err(store_error)?;
-        let mut batch = Batch {
-            taken: rows.len(),
-            ..Batch::default()
-        };
+        let mut connection = self.pool.acquire().await.map_err(store_error)?;
+        let cursor = self
+            .cursor
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        // Committed at once (autocommit): each attempt is counted before anything is sent.
+        let take = sqlx::query(&self.take)
+            .bind(&self.destinations[..])
+            .bind(i32::try_from(settings.max_attempts).unwrap_or(i32::MAX))
+            .bind(cursor.as_str());
+        let rows = (&mut *connection)
+            .fetch_all(take)
+            .await
+            .map_err(store_error)?;
+        let mut batch = Batch::default();
         if rows.is_empty() {
-            tx.commit().await.map_err(store_error)?;
             return Ok(batch);
         }
         // Every row is read before anything is sent: a row that cannot be read (stored data
-        // edited by hand) is dead-lettered on its own instead of failing the batch.
+        // edited by hand) is dead-lettered on its own instead of failing the batch. Each row
+        // is dropped once read, so that each payload is held once.
+        let mut taken = Vec::with_capacity(rows.len());
+        let mut keys = Vec::new();
+        for row in rows {
+            let id: i64 = row.try_get(0).map_err(store_error)?;
+            let attempt = attempt(row.try_get(6).map_err(store_error)?);
+            if let Ok(Some(key)) = row.try_get::<Option<String>, _>(9) {
+                keys.push(key);
+            }
+            if row.try_get::<bool, _>(7).map_err(store_error)? {
+                // Its relays died delivering it `max_attempts` times: dead-lettered by the
+                // batch statement itself.
+                let error = row.try_get::<Option<String>, _>(10).ok().flatten();
+                tracing::warn!(outbox = %self.outbox.table(), id, attempts = attempt, error = error.as_deref().unwrap_or(RELAY_CRASHED), "outbox message dead-lettered: its relay died while delivering it, max_attempts times");
+                batch.taken += 1;
+                batch.dead += 1;
+                continue;
+            }
+            if row.try_get::<bool, _>(8).unwrap_or(false) {
+                tracing::warn!(outbox = %self.outbox.table(), id, attempt, "outbox message taken again: its relay died while delivering it");
+            }
+            taken.push(match message(row) {
+                Ok(message) => Taken::Message(message),
+                Err(error) => Taken::Unreadable(id, attempt, error),
+            });
+        }
+        self.advance_cursor(&cursor, keys);
+        if taken.is_empty() {
+            self.metrics.dead.increment(batch.dead as u64);
+            return Ok(batch);
+        }
+
+        // The batch's transaction, with its timeouts, in one round trip (integers in ms).
+        let idle = settings
+            .delivery_timeout
+            .saturating_mul(2)
+            .saturating_add(Duration::from_secs(5));
+        let begin = format!(
+            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}; \
+             SET LOCAL lock_timeout = {}",
+            idle.as_millis().min(i32::MAX as u128),
+            TAKEN_HOLD.as_millis(),
+        );
+        let mut tx = sqlx::Connection::begin_with(&mut *connection, begin)
+            .await
+            .map_err(store_error)?;
+        // Held until the commit: while this relay delivers, no other takes these messages.
+        let (ids, attempts): (Vec<i64>, Vec<i32>) = taken
+            .iter()
+            .map(|taken| match taken {
+                Taken::Message(message) => (message.id, message.attempt),
+                Taken::Unreadable(id, attempt, _) => (*id, *attempt),
+            })
+            .map(|(id, attempt)| (id, i32::try_from(attempt).unwrap_or(i32::MAX)))
+            .unzip();
+        let lock = sqlx::query(&self.outbox.sql().lock)
+            .bind(&ids)
+            .bind(&attempts);
+        let locked: std::collections::HashSet<i64> = (&mut *tx)
+            .fetch_all(lock)
+            .await
+            .map_err(store_error)?
+            .iter()
+            .map(|row| row.try_get::<i64, _>(0))
+            .collect::<Result<_, _>>()
+            .map_err(store_error)?;
         let mut failed = Vec::new();
-        let mut deliveries = tokio::task::JoinSet::new();
-        let mut spawned = HashMap::new();
-        let mut messages = Vec::with_capacity(rows.len());
-        for row in &rows {
-            match message(row) {
-                Ok(message) => messages.push(message),
-                Err(error) => match row.try_get::<i64, _>(0) {
-                    Ok(id) => failed.push((
-                        id,
-                        u32::MAX,
-                        SinkError::permanent(format!("the stored message cannot be read: {error}")),
-                    )),
-                    Err(error) => return Err(store_error(error)),
-                },
+        let mut messages = Vec::with_capacity(taken.len());
+        for taken in taken {
+            let id = match &taken {
+                Taken::Message(message) => message.id,
+                Taken::Unreadable(id, ..) => *id,
+            };
+            if !locked.contains(&id) {
+                // Taken over by another relay between the take and the lock (this relay took
+                // longer than the hold to lock it): that relay delivers it.
+                tracing::debug!(outbox = %self.outbox.table(), id, "outbox message taken over by another relay");
+                continue;
+            }
+            batch.taken += 1;
+            match taken {
+                Taken::Message(message) => messages.push(message),
+                Taken::Unreadable(id, _, error) => failed.push((
+                    id,
+                    u32::MAX,
+                    SinkError::permanent(format!("the stored message cannot be read: {error}")),
+                )),
             }
         }
+        let mut deliveries = tokio::task::JoinSet::new();
+        let mut spawned = HashMap::new();
         for message in messages {
             let Some(sink) = self.sinks.get(&message.destination).cloned() else {
                 continue;
             };
             let timeout = settings.delivery_timeout;
             let (id, attempt) = (message.id, message.attempt);
+            // The message moves into its delivery: its payload is not copied.
             let task = deliveries.spawn(async move {
                 match tokio::time::timeout(timeout, sink.deliver(&message)).await {
                     Ok(Ok(())) => Delivered::Ok(message.id),
@@ -456,15 +574,34 @@ impl Relay {
         Ok(batch)
     }
 
+    /// Moves the cursor past the ordering keys the batch took: the next batch looks for
+    /// heads after the last of them, in the order the batch statement visits keys (those
+    /// after the cursor, then from the first key on).
+    fn advance_cursor(&self, cursor: &str, keys: Vec<String>) {
+        let (after, wrapped): (Vec<String>, Vec<String>) =
+            keys.into_iter().partition(|key| key.as_str() > cursor);
+        if let Some(last) = after
+            .into_iter()
+            .max()
+            .or_else(|| wrapped.into_iter().max())
+        {
+            *self
+                .cursor
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = last;
+        }
+    }
+
     /// The backoff of message `id` after attempt `attempt` (from 1): `first × 2^(attempt-1)`,
-    /// at most `max`, then a point between half and all of it, drawn from a hash of the
-    /// message, the attempt and the time, so that the retries of one batch spread out.
+    /// at most `max` (both at most 365 days), then a point between half and all of it, drawn
+    /// from a hash of the message, the attempt and the time, so that the retries of one batch
+    /// spread out.
     fn backoff(&self, id: i64, attempt: u32) -> Duration {
-        let ceiling = self
-            .settings
-            .first_backoff
+        let first = self.settings.first_backoff.min(MAX_OUTBOX_DELAY);
+        let max = self.settings.max_backoff.min(MAX_OUTBOX_DELAY);
+        let ceiling = first
             .saturating_mul(1 << attempt.saturating_sub(1).min(20))
-            .min(self.settings.max_backoff);
+            .min(max);
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
@@ -478,7 +615,8 @@ impl Relay {
                 .try_into()
                 .unwrap_or([0; 8]),
         );
-        ceiling / 2 + (ceiling / 2).mul_f64(draw as f64 / u64::MAX as f64)
+        let half = ceiling / 2;
+        half.saturating_add(half.mul_f64(draw as f64 / u64::MAX as f64))
     }
 
     /// Delivers batches until `shutdown` completes: at once while batches come back full, on
@@ -633,7 +771,14 @@ async fn futures_ready(shutdown: &mut Pin<&mut impl Future<Output = ()>>) -> boo
     }
 }
 
-fn message(row: &sqlx::postgres::PgRow) -> Result<OutboxMessage, sqlx::Error> {
+/// The attempt a row's `attempts` (counted by the batch statement) stands for, from 1.
+fn attempt(attempts: i32) -> u32 {
+    u32::try_from(attempts).unwrap_or(0).max(1)
+}
+
+/// The message in a row of the batch statement, which is dropped here: its payload is copied
+/// out of the row once, into the message, and the row's copy freed at once.
+fn message(row: sqlx::postgres::PgRow) -> Result<OutboxMessage, sqlx::Error> {
     let names: Vec<String> = row.try_get(4)?;
     let values: Vec<String> = row.try_get(5)?;
     if names.len() != values.len() {
@@ -641,14 +786,13 @@ fn message(row: &sqlx::postgres::PgRow) -> Result<OutboxMessage, sqlx::Error> {
             "header_names and header_values differ in length".into(),
         ));
     }
-    let attempts: i32 = row.try_get(6)?;
     Ok(OutboxMessage {
         id: row.try_get(0)?,
         destination: row.try_get(1)?,
         key: row.try_get(2)?,
         payload: Bytes::from(row.try_get::<Vec<u8>, _>(3)?),
         headers: names.into_iter().zip(values).collect(),
-        attempt: u32::try_from(attempts).unwrap_or(0).saturating_add(1),
+        attempt: attempt(row.try_get(6)?),
     })
 }
 
