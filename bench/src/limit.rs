@@ -369,6 +369,8 @@ const PAYLOAD: &str = "decode(repeat('ab', 200), 'hex')";
 /// The lease and TTL the store sends, in microseconds (the runtime's defaults).
 const LEASE_US: &str = "30000000";
 const TTL_US: &str = "86400000000";
+/// A claimant number (the store gives each claim a random one).
+const CLAIMANT: &str = "1";
 /// A key as the store binds it (32 bytes), from pgbench's integer variable `k`.
 const KEY: &str = "decode(lpad(to_hex(:k::int8), 64, '0'), 'hex')";
 
@@ -442,6 +444,8 @@ impl Drop for Postgres {
 /// The pgbench script of a limit row, from the store's claim and completion statements.
 pub(crate) fn pgbench_script(claim: &str, complete: &str, scenario: Scenario) -> String {
     let claim = claim
+        .replace("$5", CLAIMANT)
+        .replace("$4", TTL_US)
         .replace("$3", LEASE_US)
         .replace("$2", FINGERPRINT)
         .replace("$1", KEY);
@@ -557,7 +561,7 @@ pub(crate) fn seconds(duration: Duration) -> u64 {
 mod tests {
     use super::*;
 
-    const CLAIM: &str = "SELECT $1, $2, $3";
+    const CLAIM: &str = "SELECT $1, $2, $3, $4, $5";
     const COMPLETE: &str = "UPDATE t SET p = $3, e = $4 WHERE k = $1 AND t = $2";
 
     #[test]
@@ -566,7 +570,9 @@ mod tests {
         let lines: Vec<&str> = fresh.lines().collect();
         assert_eq!(lines.len(), 3, "{fresh}");
         assert!(lines[0].starts_with("\\set k random(1000001, "));
-        assert!(lines[1].starts_with(&format!("SELECT {KEY}, {FINGERPRINT}, {LEASE_US}")));
+        assert!(lines[1].starts_with(&format!(
+            "SELECT {KEY}, {FINGERPRINT}, {LEASE_US}, {TTL_US}, {CLAIMANT}"
+        )));
         assert!(lines[1].ends_with(" \\gset"));
         assert_eq!(
             lines[2],

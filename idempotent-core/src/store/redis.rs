@@ -157,7 +157,17 @@ local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 // claimant. A record in flight whose lease (`l`, server milliseconds) ended is kept until the
 // TTL it was claimed with: the same request takes it over and keeps its lifetime (`o`).
 const CLAIM: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 's', 'f', 'p', 'l', 'o', 't', 'n')
+local rec = redis.call('HMGET', KEYS[1], 's', 'f', 'p')
+if rec[1] == 'c' then return {'c', rec[2], rec[3]} end
+if rec[1] and rec[1] ~= 'i' then return {'?', rec[1]} end
+if rec[1] then
+  local more = redis.call('HMGET', KEYS[1], 'l', 'o', 't', 'n')
+  rec[4], rec[5], rec[6], rec[7] = more[1], more[2], more[3], more[4]
+end
+";
+
+// The rest of the claim, once the server's time is read (a replay above does not need it).
+const CLAIM_IN_TIME: &str = r"
 if rec[1] == 'i' then
   local left
   if rec[4] then left = tonumber(rec[4]) - ms else left = redis.call('PTTL', KEYS[1]) end
@@ -166,10 +176,6 @@ if rec[1] == 'i' then
     if rec[7] == ARGV[4] then return {'claimed', rec[6], rec[5] or rec[6]} end
     return {'i', rec[2], left}
   end
-elseif rec[1] == 'c' then
-  return {'c', rec[2], rec[3]}
-elseif rec[1] then
-  return {'?', rec[1]}
 end
 -- From the server's clock, and above the record's last token even if the clock stepped back.
 local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
@@ -253,8 +259,8 @@ redis.call('HSET', KEYS[1], 'l', '0')
 return 1
 ";
 
-/// `parts` (the server's time first, then what reads it), with the expiries in `expiries`
-/// (argument numbers) checked before anything.
+/// `parts` (with [`NOW_MS`] before the first part that reads the server's time), with the
+/// expiries in `expiries` (argument numbers) checked before anything.
 fn checked(expiries: &[usize], parts: &[&str]) -> Script {
     Script::new(&checked_source(expiries, parts))
 }
@@ -271,19 +277,32 @@ fn checked_in_oom(expiries: &[usize], parts: &[&str]) -> Script {
     ))
 }
 
+/// Where in a script's parts its expiry checks go, when not first: after parts that only
+/// read (a replay returns before it, and pays for no check).
+const EXPIRY_CHECKS: &str = "--[[ the expiry checks ]]";
+
 /// The source of [`checked`]'s script.
 fn checked_source(expiries: &[usize], parts: &[&str]) -> String {
-    let mut source = String::new();
-    for arg in expiries {
-        source.push_str(
-            &CHECK_EXPIRY
+    let checks: String = expiries
+        .iter()
+        .map(|arg| {
+            CHECK_EXPIRY
                 .replace("EXPIRY_MS", &format!("ARGV[{arg}]"))
-                .replace("MAX_MS", &MAX_EXPIRY_MS.to_string()),
-        );
-    }
-    source.push_str(NOW_MS);
+                .replace("MAX_MS", &MAX_EXPIRY_MS.to_string())
+        })
+        .collect();
+    let placed = parts.contains(&EXPIRY_CHECKS);
+    let mut source = if placed {
+        String::new()
+    } else {
+        checks.clone()
+    };
     for part in parts {
-        source.push_str(part);
+        if *part == EXPIRY_CHECKS {
+            source.push_str(&checks);
+        } else {
+            source.push_str(part);
+        }
     }
     source
 }
@@ -311,12 +330,12 @@ struct Scripts {
 fn scripts() -> &'static Scripts {
     static SCRIPTS: std::sync::OnceLock<Scripts> = std::sync::OnceLock::new();
     SCRIPTS.get_or_init(|| Scripts {
-        claim: checked(&[2, 3], &[CLAIM]),
-        complete: checked(&[3], &[OWNED, COMPLETE]),
-        release: checked_in_oom(&[], &[OWNED, RELEASE]),
-        renew: checked_in_oom(&[2], &[OWNED, RENEW]),
-        confirm: checked(&[], &[OWNED, CONFIRM]),
-        give_back: checked_in_oom(&[], &[GIVE_BACK]),
+        claim: checked(&[2, 3], &[CLAIM, EXPIRY_CHECKS, NOW_MS, CLAIM_IN_TIME]),
+        complete: checked(&[3], &[NOW_MS, OWNED, COMPLETE]),
+        release: checked_in_oom(&[], &[NOW_MS, OWNED, RELEASE]),
+        renew: checked_in_oom(&[2], &[NOW_MS, OWNED, RENEW]),
+        confirm: checked(&[], &[NOW_MS, OWNED, CONFIRM]),
+        give_back: checked_in_oom(&[], &[NOW_MS, GIVE_BACK]),
         completed: checked_in_oom(&[], &[COMPLETED]),
     })
 }
@@ -459,8 +478,8 @@ impl RedisStore {
     #[doc(hidden)]
     pub fn claim_and_complete_scripts() -> [String; 2] {
         [
-            checked_source(&[2, 3], &[CLAIM]),
-            checked_source(&[3], &[OWNED, COMPLETE]),
+            checked_source(&[2, 3], &[CLAIM, EXPIRY_CHECKS, NOW_MS, CLAIM_IN_TIME]),
+            checked_source(&[3], &[NOW_MS, OWNED, COMPLETE]),
         ]
     }
 

@@ -349,7 +349,8 @@ impl PostgresStore {
     }
 
     /// The claim and the completion statements, exactly as the store sends them: the claim
-    /// binds `$1` storage key, `$2` fingerprint, `$3` lease in microseconds; the completion
+    /// binds `$1` storage key, `$2` fingerprint, `$3` lease and `$4` TTL in microseconds and
+    /// `$5` a claimant number; the completion
     /// `$1` storage key, `$2` token, `$3` payload, `$4` TTL in microseconds. For measuring
     /// what the database itself does with them (the benchmark's `pgbench` rows); not a stable
     /// API.
