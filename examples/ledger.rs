@@ -384,7 +384,7 @@ impl Failure {
             {
                 Failure::Invalid(format!(
                     "idempotency: the stored record cannot be decoded: {} ({})",
-                    error_chain(&error),
+                    common::error_chain(&error),
                     error.code()
                 ))
             }
@@ -392,18 +392,6 @@ impl Failure {
             error => Failure::Transient(format!("idempotency: {error} ({})", error.code())),
         }
     }
-}
-
-/// `error` and its sources, `: `-separated.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// Copies an entry to the dead-letter stream and acknowledges it, atomically: only an entry

@@ -211,7 +211,8 @@ pub(crate) async fn idempotency(
         .build())
 }
 
-fn error_chain(error: &dyn std::error::Error) -> String {
+/// `error` and its sources, `: `-separated.
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {
