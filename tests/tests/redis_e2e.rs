@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use http::StatusCode;
 use idempotent_core::conformance::backend_url;
+use support::private::free_port;
 use support::{Client, Protocol, Server};
 use tokio::process::{Child, Command};
 
@@ -144,14 +145,6 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

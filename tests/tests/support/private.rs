@@ -60,7 +60,8 @@ fn private_dir(name: &str) -> PathBuf {
     dir
 }
 
-fn free_port() -> u16 {
+/// A port free on loopback right now.
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
