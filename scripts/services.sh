@@ -1,12 +1,13 @@
 # Starting and stopping the real backend servers the tests use. Sourced by scripts/test.sh and
 # scripts/bench.sh; usable by hand:
 #
-#   source scripts/services.sh && start_redis && start_postgres
+#   source scripts/services.sh && start_redis && start_postgres && start_nats && start_rabbitmq
 #   ... run tests ...
 #   stop_services
 #
 # Each server runs on a free loopback port in its own temporary directory; its URL is exported
-# as IDEMPOTENT_TEST_REDIS_URL / IDEMPOTENT_TEST_POSTGRES_URL.
+# as IDEMPOTENT_TEST_REDIS_URL / IDEMPOTENT_TEST_POSTGRES_URL / IDEMPOTENT_TEST_NATS_URL /
+# IDEMPOTENT_TEST_AMQP_URL.
 
 SERVICES_DIR="${SERVICES_DIR:-$(mktemp -d -t idempotent-services.XXXXXX)}"
 chmod 755 "$SERVICES_DIR"
@@ -175,6 +176,185 @@ start_postgres() {
     echo "postgres $("$bin/postgres" --version | awk '{print $3}') on $IDEMPOTENT_TEST_POSTGRES_URL"
 }
 
+# The nats-server binary: on PATH, or in /usr/sbin (the Debian package's place, often not on a
+# user's PATH).
+nats_bin() {
+    if command -v nats-server 2>/dev/null; then
+        return 0
+    fi
+    if [ -x /usr/sbin/nats-server ]; then
+        echo /usr/sbin/nats-server
+        return 0
+    fi
+    return 1
+}
+
+# A nats-server with JetStream (file store in its directory), on a free loopback port. Exports
+# IDEMPOTENT_TEST_NATS_URL.
+start_nats() {
+    local bin
+    if ! bin="$(nats_bin)"; then
+        apt_install nats-server
+        bin="$(nats_bin)" || {
+            echo "nats-server is not installed" >&2
+            return 1
+        }
+    fi
+    local port dir line
+    port="$(free_port)"
+    dir="$SERVICES_DIR/nats"
+    mkdir -p "$dir/store"
+    # Its own session (setsid): a Ctrl-C in the terminal that sourced this does not reach it.
+    setsid "$bin" -a 127.0.0.1 -p "$port" -js -sd "$dir/store" -P "$dir/nats.pid" \
+        -l "$dir/nats.log" </dev/null >>"$dir/nats.log" 2>&1 &
+    disown  # no "Terminated" notice from this shell when stop_services stops it
+    # Ready when it greets a client with an INFO line announcing JetStream (enabled before the
+    # client listener opens, so also after a restart that recovers streams).
+    for _ in $(seq 1 200); do
+        if line="$(timeout 2 bash -c 'exec 3<>"/dev/tcp/127.0.0.1/$1" && read -r -t 1 line <&3 && echo "$line"' _ "$port" 2>/dev/null)" &&
+            [[ "$line" == INFO*'"jetstream":true'* ]]; then
+            export IDEMPOTENT_TEST_NATS_URL="nats://127.0.0.1:$port"
+            echo "nats-server $("$bin" --version | awk '{print $2}') (JetStream) on $IDEMPOTENT_TEST_NATS_URL"
+            return 0
+        fi
+        sleep 0.05
+    done
+    echo "nats-server did not start on port $port within 10 s; log:" >&2
+    cat "$dir/nats.log" >&2
+    return 1
+}
+
+# The directory of RabbitMQ's own scripts (rabbitmq-server, rabbitmqctl). Debian's /usr/sbin
+# ones are wrappers that, run as root, switch to the rabbitmq user (its home, its Erlang
+# cookie) and refuse any other user: the real scripts are in /usr/lib/rabbitmq/bin. Elsewhere
+# (a generic-unix install), the ones on PATH.
+rabbitmq_scripts() {
+    local dir
+    for dir in /usr/lib/rabbitmq/bin "$(dirname "$(command -v rabbitmq-server 2>/dev/null || echo /nonexistent/x)")"; do
+        if [ -x "$dir/rabbitmq-server" ] && [ -x "$dir/rabbitmqctl" ]; then
+            echo "$dir"
+            return 0
+        fi
+    done
+    return 1
+}
+
+# Whether process `pid` is still running (not a zombie).
+pid_alive() {
+    case "$(ps -o stat= -p "$1" 2>/dev/null)" in
+    "" | Z*) return 1 ;;
+    *) return 0 ;;
+    esac
+}
+
+# Whether a thread of process group `pgid` still runs. Zombies do not count (this machine's
+# init may never reap orphans), but a killed Erlang VM whose main thread is already a zombie
+# holds its ports and files until its other threads are gone: threads are what is looked at.
+group_alive() {
+    ps -e -L -o pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ { found = 1 } END { exit !found }'
+}
+
+# A RabbitMQ node of its own on a free loopback port (AMQP; its distribution port is another
+# free one), with its own node name (rabbit-PORT@localhost), data and log directories, config
+# and Erlang cookie (HOME is its directory: the tests' and the user's home are not touched), no
+# plugins. Exports IDEMPOTENT_TEST_AMQP_URL. `$SERVICES_DIR/rabbitmq/rabbitmqctl ARGS` runs
+# rabbitmqctl against it.
+start_rabbitmq() {
+    local scripts
+    if ! scripts="$(rabbitmq_scripts)"; then
+        apt_install rabbitmq-server
+        scripts="$(rabbitmq_scripts)" || {
+            echo "rabbitmq-server is not installed" >&2
+            return 1
+        }
+    fi
+    local port dist dir node started started_ns
+    port="$(free_port)"
+    dist="$(free_port)"
+    dir="$SERVICES_DIR/rabbitmq"
+    node="rabbit-$port@localhost"
+    mkdir -p "$dir/mnesia" "$dir/log"
+    # The cookie the node and the CLI share, written before either starts (both would create
+    # one if missing, racing).
+    python3 -c 'import secrets, string; print("".join(secrets.choice(string.ascii_uppercase) for _ in range(20)), end="")' \
+        >"$dir/.erlang.cookie"
+    chmod 400 "$dir/.erlang.cookie"
+    echo '[].' >"$dir/enabled_plugins"
+    : >"$dir/rabbitmq-env.conf"
+    printf '# written by scripts/services.sh; listener, node name and ports come from the environment\nloopback_users.guest = true\n' \
+        >"$dir/rabbitmq.conf"
+    # The environment of both the node and the CLI, kept in a file that `rabbitmqctl` below and
+    # a restart source. ERL_EPMD_ADDRESS: epmd, if this node starts it, listens on loopback.
+    # The CLI's own distribution port is left to the system (0), not 35672-35682.
+    cat >"$dir/env.sh" <<EOF
+for v in \$(compgen -e | grep '^RABBITMQ_'); do unset "\$v"; done
+export HOME=$(printf %q "$dir")
+export RABBITMQ_NODENAME=$node
+export RABBITMQ_NODE_IP_ADDRESS=127.0.0.1
+export RABBITMQ_NODE_PORT=$port
+export RABBITMQ_DIST_PORT=$dist
+export RABBITMQ_MNESIA_BASE=$(printf %q "$dir/mnesia")
+export RABBITMQ_LOG_BASE=$(printf %q "$dir/log")
+export RABBITMQ_LOGS=$(printf %q "$dir/log/rabbit.log")
+export RABBITMQ_PID_FILE=$(printf %q "$dir/rabbit.pid")
+export RABBITMQ_CONFIG_FILE=$(printf %q "$dir/rabbitmq.conf")
+export RABBITMQ_ADVANCED_CONFIG_FILE=$(printf %q "$dir/advanced.config")
+export RABBITMQ_CONF_ENV_FILE=$(printf %q "$dir/rabbitmq-env.conf")
+export RABBITMQ_ENABLED_PLUGINS_FILE=$(printf %q "$dir/enabled_plugins")
+export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS='-kernel inet_dist_use_interface {127,0,0,1}'
+export RABBITMQ_CTL_DIST_PORT_MIN=0 RABBITMQ_CTL_DIST_PORT_MAX=0
+export ERL_EPMD_ADDRESS=127.0.0.1
+EOF
+    printf '#!/usr/bin/env bash\nsource %q\nexec %q -n %q "$@"\n' "$dir/env.sh" "$scripts/rabbitmqctl" "$node" \
+        >"$dir/rabbitmqctl"
+    chmod +x "$dir/rabbitmqctl"
+    # In a session of its own, whose id (the process group that `stop_services` kills: the
+    # rabbitmq-server script and the Erlang VM it starts) is written first.
+    started=$SECONDS
+    started_ns=$(date +%s%N)
+    setsid bash -c 'source "$1/env.sh" && echo $$ >"$1/pgid" && exec "$2/rabbitmq-server"' \
+        _ "$dir" "$scripts" </dev/null >"$dir/stdout.log" 2>&1 &
+    disown  # no "Killed" notice from this shell when stop_services kills it
+    # Ready when the AMQP port accepts connections and the node says it has booted
+    # (`await_startup` fails at once while the node is not yet registered with epmd, so it
+    # comes after the port).
+    local up=
+    while [ $((SECONDS - started)) -lt 90 ]; do
+        if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+            up=1
+            break
+        fi
+        if [ -s "$dir/pgid" ] && ! group_alive "$(cat "$dir/pgid")"; then
+            break
+        fi
+        sleep 0.1
+    done
+    if [ -n "$up" ] && timeout 60 "$dir/rabbitmqctl" -q await_startup --timeout 50 >"$dir/await.log" 2>&1; then
+        export IDEMPOTENT_TEST_AMQP_URL="amqp://guest:guest@127.0.0.1:$port/%2f"
+        local version
+        version="$(grep -aom1 'Starting RabbitMQ [0-9.]*' "$dir/log/rabbit.log" | awk '{print $3}')" || true
+        echo "rabbitmq-server ${version:-?} (node $node) on $IDEMPOTENT_TEST_AMQP_URL, ready in $((($(date +%s%N) - started_ns) / 1000000)) ms"
+        return 0
+    fi
+    echo "rabbitmq-server did not start on port $port; its output, await_startup's and its log:" >&2
+    cat "$dir/stdout.log" "$dir/await.log" >&2 2>/dev/null
+    tail -n 100 "$dir/log/rabbit.log" >&2 2>/dev/null
+    return 1
+}
+
+# Kills RabbitMQ's process group (if it was started) and waits, bounded, until it is gone.
+stop_rabbitmq_group() {
+    local pgid
+    pgid="$(cat "$1/pgid" 2>/dev/null)" || return 0
+    [ -n "$pgid" ] || return 0
+    kill -KILL -- "-$pgid" 2>/dev/null || true
+    for _ in $(seq 1 100); do
+        group_alive "$pgid" || return 0
+        sleep 0.1
+    done
+    echo "RabbitMQ (process group $pgid) is still running after SIGKILL" >&2
+}
+
 stop_services() {
     local dir="$SERVICES_DIR" pidfile
     if [ -f "$dir/redis/redis.pid" ]; then
@@ -190,6 +370,21 @@ stop_services() {
         bin="$(pg_bin)"
         [ "$(id -u)" = 0 ] && run=(runuser -u postgres --)
         "${run[@]}" "$bin/pg_ctl" -D "$dir/postgres/data" -m immediate stop >/dev/null 2>&1 || true
+    fi
+    if [ -f "$dir/nats/nats.pid" ]; then
+        local nats
+        nats="$(cat "$dir/nats/nats.pid")"
+        kill "$nats" 2>/dev/null || true
+        for _ in $(seq 1 50); do
+            pid_alive "$nats" || break
+            sleep 0.1
+        done
+        if pid_alive "$nats"; then
+            kill -KILL "$nats" 2>/dev/null || true
+        fi
+    fi
+    if [ -d "$dir/rabbitmq" ]; then
+        stop_rabbitmq_group "$dir/rabbitmq"
     fi
     rm -rf "$dir"
 }

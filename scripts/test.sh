@@ -6,12 +6,14 @@
 #
 #   bash scripts/test.sh
 #
-# It installs redis-server and PostgreSQL from Debian packages when they are missing, starts
-# one of each on a free loopback port in a temporary directory, and a Redis Cluster of three
-# primaries and three replicas, exports their URLs to the tests (IDEMPOTENT_TEST_REDIS_URL,
-# IDEMPOTENT_TEST_REDIS_CLUSTER_URLS, IDEMPOTENT_TEST_POSTGRES_URL), and stops them on exit,
-# also when a step fails. Backend tests fail (rather than skip) when a server is missing, because this
-# script sets IDEMPOTENT_REQUIRE_BACKENDS=1. CARGO_TARGET_DIR is respected.
+# It installs redis-server, PostgreSQL, nats-server and rabbitmq-server from Debian packages
+# when they are missing, starts one of each on a free loopback port in a temporary directory
+# (NATS with JetStream; a RabbitMQ node of its own), and a Redis Cluster of three primaries and
+# three replicas, exports their URLs to the tests (IDEMPOTENT_TEST_REDIS_URL,
+# IDEMPOTENT_TEST_REDIS_CLUSTER_URLS, IDEMPOTENT_TEST_POSTGRES_URL, IDEMPOTENT_TEST_NATS_URL,
+# IDEMPOTENT_TEST_AMQP_URL), and stops them on exit, also when a step fails. Backend tests fail
+# (rather than skip) when a server is missing, because this script sets
+# IDEMPOTENT_REQUIRE_BACKENDS=1. CARGO_TARGET_DIR is respected.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/services.sh
@@ -29,6 +31,8 @@ trap stop_services EXIT
 start_redis
 start_redis_cluster
 start_postgres
+start_nats
+start_rabbitmq
 export IDEMPOTENT_REQUIRE_BACKENDS=1
 
 step "cargo build --examples (end-to-end tests run them as real processes)"

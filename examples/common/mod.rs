@@ -105,6 +105,19 @@ pub(crate) fn parse_duration(name: &str, value: &str) -> Result<Duration, String
     Ok(Duration::from_millis(millis))
 }
 
+/// Parses `value`, the variable `name`'s, as a whole number greater than zero.
+pub(crate) fn positive<T: std::str::FromStr + Default + PartialOrd>(
+    name: &str,
+    value: &str,
+) -> Result<T, String> {
+    match value.parse() {
+        Ok(n) if n > T::default() => Ok(n),
+        _ => Err(format!(
+            "{name}={value:?} is not a whole number greater than zero"
+        )),
+    }
+}
+
 /// Parses `value`, the variable `name`'s, as a duration that `check` accepts.
 fn checked_duration(
     name: &str,

@@ -34,15 +34,7 @@ pub(crate) fn relay_settings() -> Result<Option<RelaySettings>, String> {
     };
     let var =
         |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
-    let attempts = var("RELAY_MAX_ATTEMPTS", "10");
-    let max_attempts = match attempts.parse() {
-        Ok(n) if n > 0 => n,
-        _ => {
-            return Err(format!(
-                "RELAY_MAX_ATTEMPTS={attempts:?} is not a whole number greater than zero"
-            ));
-        }
-    };
+    let max_attempts = super::positive("RELAY_MAX_ATTEMPTS", &var("RELAY_MAX_ATTEMPTS", "10"))?;
     let backoff = super::parse_duration("RELAY_BACKOFF", &var("RELAY_BACKOFF", "1s"))?;
     let poll = super::parse_duration("RELAY_POLL", &var("RELAY_POLL", "1s"))?;
     let delivery_timeout = super::parse_duration(

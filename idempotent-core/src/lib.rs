@@ -245,6 +245,9 @@ mod store;
 mod to_key;
 
 pub mod clock;
+#[cfg(feature = "consumer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
+pub mod consumer;
 pub mod limits;
 pub mod metrics;
 

@@ -100,10 +100,17 @@ pub enum Protocol {
     Http,
     /// The gRPC layer: `grpc`.
     Grpc,
+    /// The consumer runtime ([`consumer`](crate::consumer)): one message: `message`.
+    Message,
 }
 
 impl Protocol {
-    const ALL: [Protocol; 3] = [Protocol::Call, Protocol::Http, Protocol::Grpc];
+    const ALL: [Protocol; 4] = [
+        Protocol::Call,
+        Protocol::Http,
+        Protocol::Grpc,
+        Protocol::Message,
+    ];
 
     /// The label value.
     pub const fn as_str(self) -> &'static str {
@@ -111,6 +118,7 @@ impl Protocol {
             Protocol::Call => "call",
             Protocol::Http => "http",
             Protocol::Grpc => "grpc",
+            Protocol::Message => "message",
         }
     }
 
@@ -241,7 +249,7 @@ fn result_index(error: Option<&StoreError>) -> usize {
 /// The handles of one runtime's metrics, registered with the recorder installed when it was
 /// created. With none installed, every handle is a no-op.
 pub(crate) struct Metrics {
-    requests: [[Counter; OUTCOMES]; 3],
+    requests: [[Counter; OUTCOMES]; 4],
     store: [[Histogram; RESULTS.len()]; 4],
     pub(crate) work: Histogram,
     pub(crate) in_flight: Gauge,

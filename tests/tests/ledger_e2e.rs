@@ -913,7 +913,7 @@ async fn poison_entries_are_dead_lettered_and_the_entries_around_them_applied_on
     assert_dead_letter(
         &reused,
         1,
-        "id already used for a different account or amount",
+        "fingerprint mismatch: the key was already used for a message with other content",
     );
     assert_dead_letter(&overflow, MAX_DELIVERIES, "(SQLSTATE 22003)");
     assert_dead_letter(&overdraft, MAX_DELIVERIES, "(SQLSTATE 23514)");

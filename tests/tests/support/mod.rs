@@ -1,8 +1,10 @@
 //! Running the example servers as real processes, and an HTTP client for both protocols;
-//! store servers of a test's own in [`private`].
+//! store servers of a test's own in [`private`], message brokers of a test's own in
+//! [`brokers`].
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod brokers;
 pub mod private;
 
 use std::future::Future;

@@ -198,9 +198,19 @@ impl Transactional {
         call: &Call,
         connection: &mut PgConnection,
     ) -> Result<RawClaim, Error> {
+        self.claim_counted(call, connection, Protocol::Call).await
+    }
+
+    /// Claims, and counts the call by how the claim ended under `protocol`.
+    pub(crate) async fn claim_counted(
+        &self,
+        call: &Call,
+        connection: &mut PgConnection,
+        protocol: Protocol,
+    ) -> Result<RawClaim, Error> {
         let claim = self.claim_uncounted(call, connection).await;
         self.metrics.request(
-            Protocol::Call,
+            protocol,
             match &claim {
                 Ok(RawClaim::Run(_)) => RequestOutcome::Fresh,
                 Ok(RawClaim::Replay(_)) => RequestOutcome::Replayed,

@@ -1,0 +1,237 @@
+//! The two ways a message's effect is made once: under a claim in any store, or inside the
+//! PostgreSQL transaction that records it.
+
+use std::future::Future;
+
+use bytes::Bytes;
+
+use super::{Decode, Failure, Handler, Message};
+use crate::metrics::{Protocol, RequestOutcome};
+use crate::{Call, ClaimHandle, Error, Execution, Idempotency, Retain};
+
+/// How one message's handling ended, before the broker is answered.
+#[derive(Debug)]
+pub(crate) enum Processed {
+    /// The handler ran and its record is durable.
+    Applied,
+    /// The key was recorded already: nothing ran.
+    Duplicate,
+    /// Not applied.
+    Failed(Failure),
+}
+
+/// A decoded message, ready to be applied.
+pub(crate) struct Prepared<I> {
+    pub(crate) input: I,
+    pub(crate) call: Call,
+    pub(crate) ordering: Option<String>,
+}
+
+/// What the runner needs of a mode.
+pub(crate) trait Effect: Send + Sync + 'static {
+    type Input: Send + Sync + 'static;
+
+    fn prepare(&self, message: &Message) -> Result<Prepared<Self::Input>, Failure>;
+
+    fn apply(&self, prepared: &Prepared<Self::Input>) -> impl Future<Output = Processed> + Send;
+}
+
+fn prepare<D: Decode + ?Sized>(
+    decoder: &D,
+    message: &Message,
+) -> Result<Prepared<D::Input>, Failure> {
+    let input = decoder.decode(message)?;
+    let key = decoder.key(message, &input)?;
+    let fingerprint = decoder.fingerprint(message, &input)?;
+    let ordering = decoder.ordering_key(message, &input);
+    Ok(Prepared {
+        input,
+        call: Call::new(key).fingerprint(fingerprint),
+        ordering,
+    })
+}
+
+/// The runtime's error, as a failure of the message or of the system.
+fn sort(error: Error) -> Processed {
+    match error {
+        Error::FingerprintMismatch => Processed::Failed(Failure::Malformed(
+            "fingerprint mismatch: the key was already used for a message with other content".into(),
+        )),
+        // The work ran once; its result was not kept. Running it again is what the record
+        // forbids: the message is done.
+        Error::ResultNotRetained => Processed::Duplicate,
+        // The record is there and cannot be read: the runtime never takes it for absent, so
+        // every delivery would meet it again. An operator can repair it; a retry cannot.
+        error @ (Error::CorruptRecord(_) | Error::Payload(_)) => {
+            let code = error.code();
+            Processed::Failed(Failure::Malformed(format!(
+                "the stored record cannot be decoded: {} ({code})",
+                chain(&error)
+            )))
+        }
+        error @ (Error::InvalidKey(_) | Error::Fingerprint(_)) => {
+            Processed::Failed(Failure::Malformed(chain(&error)))
+        }
+        // In flight elsewhere, a lost claim, a shutdown, the store: not the message's fault.
+        error => {
+            let code = error.code();
+            Processed::Failed(Failure::Transient(format!("{} ({code})", chain(&error))))
+        }
+    }
+}
+
+/// `error` and its sources, `: `-separated.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// [`Consumer::run`](super::Consumer::run)'s mode.
+pub(crate) struct Claimed<H> {
+    pub(crate) idempotency: Idempotency,
+    pub(crate) handler: H,
+}
+
+impl<H: Handler> Effect for Claimed<H> {
+    type Input = H::Input;
+
+    fn prepare(&self, message: &Message) -> Result<Prepared<H::Input>, Failure> {
+        prepare(&self.handler, message)
+    }
+
+    async fn apply(&self, prepared: &Prepared<H::Input>) -> Processed {
+        let work = async {
+            match ClaimHandle::current() {
+                Some(claim) => self.handler.handle(&prepared.input, &claim).await,
+                // The runtime runs the work inside its claim's scope: never here.
+                None => Err(Failure::Transient("the work ran without its claim".into())),
+            }
+        };
+        let execution = self
+            .idempotency
+            .execute(
+                &prepared.call,
+                work,
+                |result| match result {
+                    Ok(_) => Retain::Keep,
+                    Err(_) => Retain::Release,
+                },
+                |result| {
+                    // An output that cannot be encoded is recorded as done without a result:
+                    // it ran, and must not run again.
+                    let output = result.as_ref().ok()?;
+                    serde_json::to_vec(output).ok().map(Bytes::from)
+                },
+            )
+            .await;
+        self.idempotency.count(
+            Protocol::Message,
+            match &execution {
+                Ok(Execution::Fresh(_)) => RequestOutcome::Fresh,
+                Ok(Execution::Replayed(_)) => RequestOutcome::Replayed,
+                Err(error) => RequestOutcome::of_error(error),
+            },
+        );
+        match execution {
+            Ok(Execution::Fresh(Ok(_))) => Processed::Applied,
+            Ok(Execution::Fresh(Err(failure))) => Processed::Failed(failure),
+            Ok(Execution::Replayed(_)) => Processed::Duplicate,
+            Err(error) => sort(error),
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+pub(crate) use self::transactional::InTransaction;
+#[cfg(feature = "postgres")]
+pub use self::transactional::sql_failure;
+
+#[cfg(feature = "postgres")]
+pub(crate) mod transactional {
+    use super::{Effect, Prepared, Processed, prepare, sort};
+    use crate::consumer::{Failure, Message, TxHandler};
+    use crate::metrics::Protocol;
+    use crate::postgres::Transactional;
+    use crate::store::postgres::RawClaim;
+
+    /// Sorts a failed statement: SQLSTATE classes `22` (data exception), `23` (integrity
+    /// constraint violation) and `54` (program limit exceeded) blame the message's data
+    /// ([`Failure::Rejected`]); anything else (a lost connection, a timeout, a serialization
+    /// failure, a deadlock, a shutdown) is [`Failure::Transient`].
+    pub fn sql_failure(context: &str, error: &sqlx::Error) -> Failure {
+        if let sqlx::Error::Database(db) = error {
+            if let Some(code) = db.code() {
+                let reason = format!("{context}: {} (SQLSTATE {code})", db.message());
+                return match code.get(..2) {
+                    Some("22" | "23" | "54") => Failure::Rejected(reason),
+                    _ => Failure::Transient(reason),
+                };
+            }
+        }
+        Failure::Transient(format!("{context}: {error}"))
+    }
+
+    /// [`Consumer::run_transactional`](crate::consumer::Consumer::run_transactional)'s mode.
+    pub(crate) struct InTransaction<H> {
+        pub(crate) pool: sqlx::PgPool,
+        pub(crate) transactional: Transactional,
+        pub(crate) handler: H,
+    }
+
+    impl<H: TxHandler> Effect for InTransaction<H> {
+        type Input = H::Input;
+
+        fn prepare(&self, message: &Message) -> Result<Prepared<H::Input>, Failure> {
+            prepare(&self.handler, message)
+        }
+
+        async fn apply(&self, prepared: &Prepared<H::Input>) -> Processed {
+            match self.attempt(prepared).await {
+                Ok(processed) => processed,
+                Err(failure) => Processed::Failed(failure),
+            }
+        }
+    }
+
+    impl<H: TxHandler> InTransaction<H> {
+        /// One transaction: claim, handle, complete, commit. Any early return drops the
+        /// transaction, which rolls it back, claim and all.
+        async fn attempt(&self, prepared: &Prepared<H::Input>) -> Result<Processed, Failure> {
+            let mut tx = self
+                .pool
+                .begin()
+                .await
+                .map_err(|e| sql_failure("begin", &e))?;
+            self.handler.begin(&mut tx).await?;
+            let pending = match self
+                .transactional
+                .claim_counted(&prepared.call, &mut tx, Protocol::Message)
+                .await
+            {
+                Ok(RawClaim::Run(pending)) => pending,
+                Ok(RawClaim::Replay(_)) => return Ok(Processed::Duplicate),
+                Err(error) => return Ok(sort(error)),
+            };
+            let claim = pending.claim();
+            // In the claim's scope, as a call's work: `ClaimHandle::current()` answers, and
+            // outbox messages take their default key from it.
+            let output = claim
+                .clone()
+                .scope(self.handler.handle(&mut tx, &prepared.input, &claim))
+                .await?;
+            if let Err(error) = pending.complete(&mut tx, &output).await {
+                return Ok(sort(error));
+            }
+            tx.commit()
+                .await
+                .map_err(|e| sql_failure("commit", &e))?;
+            Ok(Processed::Applied)
+        }
+    }
+}

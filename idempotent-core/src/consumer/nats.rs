@@ -1,0 +1,552 @@
+//! The NATS JetStream source (feature `nats`): a durable pull consumer of one stream.
+//!
+//! [`JetStream::builder`]`(url, STREAM, DURABLE)` connects with an `async-nats` client, which
+//! reconnects by itself, without bound, whenever the server goes away. Connecting fails when
+//! the server cannot be reached or has no JetStream; once connected, the source outlives any
+//! restart of the server: an operation fails with a [`SourceError`] while the server is away,
+//! and [`receive`](Source::receive) sets the stream and the consumer up again (below) after
+//! the consumer went missing.
+//!
+//! - **Stream** `STREAM`, subjects `STREAM.entries` (the messages) and `STREAM.dead` (the dead
+//!   letters), file storage: created if missing, used as it is when it exists (a publisher may
+//!   have created it with its name, subjects and storage alone). The dead letters need a
+//!   duplicate window, which every stream has (the server's default is two minutes).
+//! - **Consumer** `DURABLE`: a durable pull consumer, explicit ack, filter subject
+//!   `STREAM.entries`, the [ack wait](JetStreamBuilder::ack_wait); created if missing, used as
+//!   it is when it exists. Leave its `max_deliver` unlimited: the runtime's
+//!   [`max_deliveries`](super::Consumer::max_deliveries) dead-letters, the server's would only
+//!   stop delivering.
+//! - **Receive**: one fetch of up to `max` messages that waits about a second when there are
+//!   none. A [`Message`] is the stream sequence as its [position](Message::position)
+//!   (decimal), the `Nats-Msg-Id` header as its [id](Message::id), the payload as its body,
+//!   the headers as its [fields](Message::fields) (sorted by name, at most [`MAX_FIELDS`]: a
+//!   header map has no order, and an empty body's fingerprint is its fields), and
+//!   `info.delivered` (from the reply subject) as its deliveries.
+//! - **Answers**: [`ack`](Source::ack) is `+ACK`, [`retry`](Source::retry) `-NAK` with the
+//!   delay, [`keep_alive`](Source::keep_alive) `+WPI` (progress: the ack wait starts over),
+//!   every third of the consumer's ack wait. They are published without waiting for the
+//!   server: one that is lost leaves the message to be delivered again after the ack wait.
+//! - **Dead letters**: the body unchanged on `STREAM.dead`, published through JetStream and
+//!   stored before the entry is terminated (`+TERM`), with the entry's headers but the
+//!   server's `Nats-*` directives (`Nats-Expected-*`, `Nats-Rollup`, `Nats-TTL`, … would act
+//!   on the copy), plus `original-id` (the entry's `Nats-Msg-Id`), `reason` (one line, at most
+//!   [`MAX_REASON`] bytes), `deliveries` and `Nats-Msg-Id: dead-STREAM-SEQ` (`SEQ` the entry's
+//!   stream sequence): a dead letter repeated within the stream's duplicate window (after a
+//!   crash between the copy and the `+TERM`) is dropped by the stream and answers
+//!   [`DeadLettered::Already`].
+
+use std::fmt;
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
+use async_nats::jetstream::stream::{self, StorageType};
+use async_nats::jetstream::{self, AckKind};
+use async_nats::{HeaderMap, Subject, header};
+use bytes::Bytes;
+use futures_util::StreamExt;
+
+use super::{DeadLettered, MAX_FIELDS, Message, Received, Source, SourceError};
+
+/// The default [ack wait](JetStreamBuilder::ack_wait): 30 seconds.
+pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
+
+/// The longest a dead letter's `reason` header is, in bytes; a longer reason is cut.
+pub const MAX_REASON: usize = 1024;
+
+/// How long a fetch waits for a first message.
+const FETCH_WAIT: Duration = Duration::from_secs(1);
+/// How much longer than [`FETCH_WAIT`] a fetch may take before it is given up (the server's
+/// answer that ends it was lost, with the connection say).
+const FETCH_GRACE: Duration = Duration::from_secs(1);
+/// How long an ack, a nak, a progress or a term may wait for room in the client's outgoing
+/// queue (full while the server is away).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// The shortest and the longest ack wait the builder accepts.
+const ACK_WAIT_BOUNDS: (Duration, Duration) = (
+    Duration::from_millis(100),
+    Duration::from_secs(24 * 60 * 60),
+);
+/// The longest retry delay sent with a `-NAK` (the server reads it as an `i64` of nanoseconds).
+const MAX_NAK_DELAY: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
+/// Configures a [`JetStream`] source. Created by [`JetStream::builder`].
+#[derive(Clone)]
+#[must_use]
+pub struct JetStreamBuilder {
+    url: String,
+    stream: String,
+    durable: String,
+    ack_wait: Duration,
+}
+
+impl fmt::Debug for JetStreamBuilder {
+    /// Leaves the URL out: it may hold credentials.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JetStreamBuilder")
+            .field("stream", &self.stream)
+            .field("durable", &self.durable)
+            .field("ack_wait", &self.ack_wait)
+            .finish_non_exhaustive()
+    }
+}
+
+impl JetStreamBuilder {
+    /// How long the server waits for an answer to a delivered message before it delivers it
+    /// again (default [`DEFAULT_ACK_WAIT`]; between 100 ms and a day), set on the consumer
+    /// when this source creates it. A message in hand is kept alive every third of the
+    /// consumer's actual ack wait.
+    pub fn ack_wait(mut self, ack_wait: Duration) -> Self {
+        self.ack_wait = ack_wait.clamp(ACK_WAIT_BOUNDS.0, ACK_WAIT_BOUNDS.1);
+        self
+    }
+
+    /// Connects, then creates the stream and the consumer if they are missing. Fails when the
+    /// server cannot be reached, has no JetStream, or refuses the stream or the consumer (a
+    /// name it does not accept, a push consumer under the durable name).
+    pub async fn connect(self) -> Result<JetStream, SourceError> {
+        let client = async_nats::ConnectOptions::new()
+            .name("idempotent")
+            .connect(self.url.as_str())
+            .await
+            .map_err(|e| SourceError::new("connecting to the NATS server", e))?;
+        let context = jetstream::new(client.clone());
+        let source = JetStream {
+            client,
+            context,
+            entries: format!("{}.entries", self.stream),
+            dead: format!("{}.dead", self.stream),
+            stream: self.stream,
+            durable: self.durable,
+            ack_wait: self.ack_wait,
+            consumer: Mutex::new(None),
+        };
+        source.consumer().await?;
+        Ok(source)
+    }
+}
+
+/// A durable pull consumer of a JetStream stream's `STREAM.entries`, dead letters on
+/// `STREAM.dead`. See the [module documentation](self).
+pub struct JetStream {
+    client: async_nats::Client,
+    context: jetstream::Context,
+    stream: String,
+    durable: String,
+    entries: String,
+    dead: String,
+    ack_wait: Duration,
+    /// The consumer's handle and its actual ack wait; `None` after a receive failed, until
+    /// the next one sets the stream and the consumer up again.
+    consumer: Mutex<Option<(PullConsumer, Duration)>>,
+}
+
+impl fmt::Debug for JetStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JetStream")
+            .field("stream", &self.stream)
+            .field("durable", &self.durable)
+            .field("ack_wait", &self.ack_wait())
+            .finish_non_exhaustive()
+    }
+}
+
+/// [`JetStream`]'s handle on one delivered message: its ack subject, stream sequence and
+/// headers.
+#[derive(Debug)]
+pub struct Delivery {
+    reply: Subject,
+    sequence: Option<u64>,
+    headers: Option<HeaderMap>,
+}
+
+impl Delivery {
+    /// The stream sequence of the message, when the server said it.
+    pub fn sequence(&self) -> Option<u64> {
+        self.sequence
+    }
+}
+
+impl JetStream {
+    /// Configures a source on `url` (`nats://HOST:PORT`, several comma-separated for a
+    /// cluster) that consumes the stream `stream` through the durable consumer `durable`.
+    ///
+    /// ```no_run
+    /// # async fn example() -> Result<(), idempotent_core::consumer::SourceError> {
+    /// use idempotent_core::consumer::nats::JetStream;
+    /// use std::time::Duration;
+    ///
+    /// let source = JetStream::builder("nats://127.0.0.1:4222", "ORDERS", "billing")
+    ///     .ack_wait(Duration::from_secs(60))
+    ///     .connect()
+    ///     .await?;
+    /// assert_eq!(source.entries_subject(), "ORDERS.entries");
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn builder(
+        url: impl Into<String>,
+        stream: impl Into<String>,
+        durable: impl Into<String>,
+    ) -> JetStreamBuilder {
+        JetStreamBuilder {
+            url: url.into(),
+            stream: stream.into(),
+            durable: durable.into(),
+            ack_wait: DEFAULT_ACK_WAIT,
+        }
+    }
+
+    /// The stream's name.
+    pub fn stream(&self) -> &str {
+        &self.stream
+    }
+
+    /// The durable consumer's name.
+    pub fn durable(&self) -> &str {
+        &self.durable
+    }
+
+    /// The subject of the messages: `STREAM.entries`.
+    pub fn entries_subject(&self) -> &str {
+        &self.entries
+    }
+
+    /// The subject of the dead letters: `STREAM.dead`.
+    pub fn dead_subject(&self) -> &str {
+        &self.dead
+    }
+
+    /// The consumer's ack wait, as the server last told it (the configured one until then).
+    pub fn ack_wait(&self) -> Duration {
+        self.lock()
+            .as_ref()
+            .map_or(self.ack_wait, |(_, wait)| *wait)
+    }
+
+    /// The client, to publish with or to inspect the stream.
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(PullConsumer, Duration)>> {
+        self.consumer.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The consumer's handle, setting the stream and the consumer up first when there is none.
+    async fn consumer(&self) -> Result<PullConsumer, SourceError> {
+        if let Some((consumer, _)) = self.lock().as_ref() {
+            return Ok(consumer.clone());
+        }
+        let config = stream::Config {
+            name: self.stream.clone(),
+            subjects: vec![self.entries.clone(), self.dead.clone()],
+            storage: StorageType::File,
+            ..Default::default()
+        };
+        let stream = self
+            .context
+            .get_or_create_stream(config)
+            .await
+            .map_err(|e| SourceError::new(format!("setting up the stream {}", self.stream), e))?;
+        let config = pull::Config {
+            durable_name: Some(self.durable.clone()),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: self.ack_wait,
+            filter_subject: self.entries.clone(),
+            ..Default::default()
+        };
+        let consumer: PullConsumer = stream
+            .get_or_create_consumer(&self.durable, config)
+            .await
+            .map_err(|e| {
+                SourceError::new(
+                    format!(
+                        "setting up the consumer {} of {}",
+                        self.durable, self.stream
+                    ),
+                    e,
+                )
+            })?;
+        let wait = consumer.cached_info().config.ack_wait;
+        let wait = if wait.is_zero() {
+            DEFAULT_ACK_WAIT
+        } else {
+            wait
+        };
+        *self.lock() = Some((consumer.clone(), wait));
+        Ok(consumer)
+    }
+
+    /// Forgets the consumer's handle: the next receive sets the stream and the consumer up.
+    fn forget(&self) {
+        *self.lock() = None;
+    }
+
+    fn connected(&self, context: &str) -> Result<(), SourceError> {
+        match self.client.connection_state() {
+            async_nats::connection::State::Connected => Ok(()),
+            state => Err(SourceError::new(
+                context,
+                format!("not connected to the NATS server ({state})"),
+            )),
+        }
+    }
+
+    /// A fetched message as the runtime sees it; `None` for one without a reply subject,
+    /// which cannot be answered (not a JetStream delivery).
+    fn received(&self, message: jetstream::Message) -> Option<Received<Delivery>> {
+        let (sequence, delivered) = match message.info() {
+            Ok(info) => (Some(info.stream_sequence), info.delivered),
+            Err(error) => {
+                tracing::warn!(source = "nats", stream = %self.stream, %error, "a message's reply subject has no delivery info");
+                (None, 1)
+            }
+        };
+        let message = message.message;
+        let Some(reply) = message.reply else {
+            tracing::warn!(source = "nats", stream = %self.stream, subject = %message.subject, "a fetched message has no reply subject; skipped");
+            return None;
+        };
+        let position = sequence.map_or_else(|| reply.to_string(), |s| s.to_string());
+        let mut out = Message::new(position, message.payload)
+            .with_deliveries(u64::try_from(delivered).unwrap_or(1));
+        if let Some(headers) = &message.headers {
+            if let Some(id) = headers.get(header::NATS_MESSAGE_ID) {
+                out = out.with_id(id.as_str());
+            }
+            let mut fields: Vec<(&str, &str)> = headers
+                .iter()
+                .flat_map(|(name, values)| {
+                    let name: &str = name.as_ref();
+                    values.iter().map(move |value| (name, value.as_str()))
+                })
+                .collect();
+            // Stable: a name's values keep their order.
+            fields.sort_by(|a, b| a.0.cmp(b.0));
+            for (name, value) in fields.into_iter().take(MAX_FIELDS) {
+                out = out.with_field(name, Bytes::copy_from_slice(value.as_bytes()));
+            }
+        }
+        Some(Received {
+            message: out,
+            delivery: Delivery {
+                reply,
+                sequence,
+                headers: message.headers,
+            },
+        })
+    }
+
+    /// Publishes `kind` to the message's ack subject, without waiting for the server.
+    async fn answer(
+        &self,
+        delivery: &Delivery,
+        kind: AckKind,
+        context: &str,
+    ) -> Result<(), SourceError> {
+        let publish = self.client.publish(delivery.reply.clone(), kind.into());
+        match tokio::time::timeout(ANSWER_TIMEOUT, publish).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(SourceError::new(context, e)),
+            Err(_) => Err(SourceError::new(
+                context,
+                format!("not sent within {ANSWER_TIMEOUT:?}: the NATS server is away"),
+            )),
+        }
+    }
+
+    /// The dead letter's headers: the entry's but the server's directives, and ours.
+    fn dead_headers(
+        &self,
+        message: &Message,
+        delivery: &Delivery,
+        reason: &str,
+        sequence: u64,
+    ) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        if let Some(original) = &delivery.headers {
+            for (name, values) in original.iter() {
+                let text: &str = name.as_ref();
+                if text
+                    .get(..5)
+                    .is_some_and(|prefix| prefix.eq_ignore_ascii_case("nats-"))
+                {
+                    continue;
+                }
+                for value in values {
+                    headers.append(name.clone(), value.clone());
+                }
+            }
+        }
+        if let Some(id) = message.id() {
+            headers.insert("original-id", id);
+        }
+        headers.insert("reason", one_line(reason));
+        headers.insert("deliveries", message.deliveries().to_string());
+        headers.insert(
+            header::NATS_MESSAGE_ID,
+            format!("dead-{}-{sequence}", self.stream),
+        );
+        headers
+    }
+}
+
+/// `reason` on one line (line breaks become spaces, other control characters are dropped), at
+/// most [`MAX_REASON`] bytes.
+fn one_line(reason: &str) -> String {
+    let mut line = String::with_capacity(reason.len().min(MAX_REASON));
+    for c in reason.chars() {
+        let c = match c {
+            '\r' | '\n' => ' ',
+            c if c.is_control() => continue,
+            c => c,
+        };
+        if line.len() + c.len_utf8() > MAX_REASON {
+            break;
+        }
+        line.push(c);
+    }
+    line
+}
+
+/// About the size of `headers` on the wire.
+fn headers_len(headers: &HeaderMap) -> usize {
+    let fields: usize = headers
+        .iter()
+        .map(|(name, values)| {
+            let name: &str = name.as_ref();
+            values
+                .iter()
+                .map(|v| name.len() + v.as_str().len() + 4)
+                .sum::<usize>()
+        })
+        .sum();
+    fields + 12
+}
+
+impl Source for JetStream {
+    type Delivery = Delivery;
+
+    fn name(&self) -> &'static str {
+        "nats"
+    }
+
+    async fn receive(&self, max: usize) -> Result<Vec<Received<Delivery>>, SourceError> {
+        const CONTEXT: &str = "fetching messages";
+        let started = tokio::time::Instant::now();
+        self.connected(CONTEXT)?;
+        let consumer = self.consumer().await?;
+        let mut batch = match consumer
+            .fetch()
+            .max_messages(max.max(1))
+            .expires(FETCH_WAIT)
+            .messages()
+            .await
+        {
+            Ok(batch) => batch,
+            Err(e) => {
+                self.forget();
+                return Err(SourceError::new(CONTEXT, e));
+            }
+        };
+        let deadline = tokio::time::sleep_until(started + FETCH_WAIT + FETCH_GRACE);
+        let mut deadline = std::pin::pin!(deadline);
+        let mut received = Vec::new();
+        loop {
+            tokio::select! {
+                next = batch.next() => match next {
+                    // The server ended the fetch: all asked for, no more messages, expired.
+                    None => break,
+                    Some(Ok(message)) => received.extend(self.received(message)),
+                    // A status that ends the fetch (the consumer deleted, a leader change):
+                    // the consumer is set up again on the next receive.
+                    Some(Err(e)) => {
+                        self.forget();
+                        if received.is_empty() {
+                            return Err(SourceError::new(CONTEXT, e));
+                        }
+                        break;
+                    }
+                },
+                // No answer: the server went away meanwhile, or the consumer is gone (a fetch
+                // for a missing consumer is dropped without a word). Set up again next time.
+                () = &mut deadline => {
+                    self.forget();
+                    if received.is_empty() {
+                        return Err(SourceError::new(
+                            CONTEXT,
+                            format!(
+                                "no answer from the server within {:?} (the consumer is set up again)",
+                                FETCH_WAIT + FETCH_GRACE
+                            ),
+                        ));
+                    }
+                    break;
+                }
+            }
+        }
+        if received.is_empty() {
+            // A fetch the server ended at once (other requests waiting): no busy loop.
+            tokio::time::sleep_until(started + FETCH_WAIT).await;
+        }
+        Ok(received)
+    }
+
+    async fn ack(&self, delivery: &Delivery) -> Result<(), SourceError> {
+        self.answer(delivery, AckKind::Ack, "acknowledging a message")
+            .await
+    }
+
+    async fn retry(&self, delivery: &Delivery, delay: Duration) -> Result<(), SourceError> {
+        let kind = AckKind::Nak(Some(delay.min(MAX_NAK_DELAY)));
+        self.answer(delivery, kind, "asking for a message again")
+            .await
+    }
+
+    async fn dead_letter(
+        &self,
+        message: &Message,
+        delivery: &Delivery,
+        reason: &str,
+    ) -> Result<DeadLettered, SourceError> {
+        const CONTEXT: &str = "dead-lettering a message";
+        let Some(sequence) = delivery.sequence else {
+            return Err(SourceError::new(
+                CONTEXT,
+                "the message's stream sequence is unknown (no JetStream delivery info)",
+            ));
+        };
+        let headers = self.dead_headers(message, delivery, reason, sequence);
+        let size = headers_len(&headers) + self.dead.len() + message.body().len();
+        let max = self.client.server_info().max_payload;
+        if max > 0 && size > max {
+            return Err(SourceError::new(
+                CONTEXT,
+                format!("the dead letter ({size} bytes) exceeds the server's max_payload ({max})"),
+            ));
+        }
+        let ack = self
+            .context
+            .publish_with_headers(self.dead.clone(), headers, message.body().clone())
+            .await
+            .map_err(|e| SourceError::new(CONTEXT, e))?
+            .await
+            .map_err(|e| SourceError::new(CONTEXT, e))?;
+        self.answer(delivery, AckKind::Term, CONTEXT).await?;
+        Ok(if ack.duplicate {
+            DeadLettered::Already
+        } else {
+            DeadLettered::Now
+        })
+    }
+
+    async fn keep_alive(&self, delivery: &Delivery) -> Result<(), SourceError> {
+        self.answer(delivery, AckKind::Progress, "keeping a message alive")
+            .await
+    }
+
+    fn keep_alive_every(&self) -> Option<Duration> {
+        Some(self.ack_wait() / 3)
+    }
+}

@@ -1,0 +1,384 @@
+//! The loop: receive, dispatch within the concurrency bound and per ordering key, apply,
+//! answer the broker, drain.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+
+use super::effect::{Effect, Prepared, Processed};
+use super::{
+    DeadLettered, Failure, MESSAGE_DEAD_LETTERS, Outcome, MESSAGE_DURATION, MESSAGE_REDELIVERIES,
+    MESSAGES, Received, SOURCE_ERRORS, Settings, Source, backoff_delay,
+};
+
+/// What a consumer did, from its start to its drain: returned by
+/// [`Consumer::run`](super::Consumer::run).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Report {
+    /// Messages applied now and acknowledged.
+    pub applied: u64,
+    /// Messages found recorded already, acknowledged without running the handler.
+    pub duplicates: u64,
+    /// Messages left for the broker to deliver again.
+    pub retried: u64,
+    /// Messages dead-lettered by this consumer.
+    pub dead_lettered: u64,
+    /// Broker operations that failed (and were left to the broker's redelivery).
+    pub source_errors: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    applied: AtomicU64,
+    duplicates: AtomicU64,
+    retried: AtomicU64,
+    dead_lettered: AtomicU64,
+    source_errors: AtomicU64,
+}
+
+impl Counters {
+    fn report(&self) -> Report {
+        Report {
+            applied: self.applied.load(Ordering::Relaxed),
+            duplicates: self.duplicates.load(Ordering::Relaxed),
+            retried: self.retried.load(Ordering::Relaxed),
+            dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
+            source_errors: self.source_errors.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// The first pause after the broker failed to deliver, doubled per failure in a row.
+const RECEIVE_BACKOFF: (Duration, Duration) =
+    (Duration::from_millis(100), Duration::from_secs(5));
+
+/// Everything a message's task shares with the others.
+struct Shared<S: Source, E: Effect> {
+    source: Arc<S>,
+    effect: Arc<E>,
+    settings: Settings,
+    counters: Counters,
+    /// Ordering keys with a message being handled, and the messages waiting behind it.
+    ordered: Mutex<HashMap<String, VecDeque<Job<S, E>>>>,
+}
+
+/// One received message on its way through.
+struct Job<S: Source, E: Effect> {
+    received: Received<S::Delivery>,
+    prepared: Result<Arc<Prepared<E::Input>>, Failure>,
+    started: Instant,
+    _permit: OwnedSemaphorePermit,
+}
+
+pub(crate) async fn run<S: Source, E: Effect>(
+    source: Arc<S>,
+    settings: Settings,
+    effect: Arc<E>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Report {
+    describe();
+    let slots = Arc::new(Semaphore::new(settings.concurrency));
+    let shared = Arc::new(Shared {
+        source,
+        effect,
+        settings,
+        counters: Counters::default(),
+        ordered: Mutex::new(HashMap::new()),
+    });
+    let name = shared.source.name();
+    let mut tasks = JoinSet::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut stopping = false;
+    let mut failures: u32 = 0;
+    while !stopping {
+        // A free slot first, then as many more as are free, up to a batch.
+        let first = tokio::select! {
+            biased;
+            () = &mut shutdown => break,
+            permit = Arc::clone(&slots).acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => break,
+            },
+        };
+        let mut permits = vec![first];
+        while permits.len() < shared.settings.batch {
+            match Arc::clone(&slots).try_acquire_owned() {
+                Ok(permit) => permits.push(permit),
+                Err(_) => break,
+            }
+        }
+        // The receive is never abandoned halfway (what the broker handed over would wait for
+        // its redelivery): a shutdown during it is noticed when it returns, within about a
+        // second.
+        let received = {
+            let mut receive = std::pin::pin!(shared.source.receive(permits.len()));
+            loop {
+                tokio::select! {
+                    biased;
+                    received = &mut receive => break received,
+                    () = &mut shutdown, if !stopping => stopping = true,
+                }
+            }
+        };
+        let batch = match received {
+            Ok(batch) => {
+                failures = 0;
+                batch
+            }
+            Err(error) => {
+                shared.source_error("receive", &error);
+                let pause = backoff_delay(RECEIVE_BACKOFF, u64::from(failures) + 1);
+                failures = failures.saturating_add(1);
+                tracing::warn!(source = name, %error, "cannot receive messages; trying again in {pause:?}");
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => break,
+                    () = tokio::time::sleep(pause) => {}
+                }
+                continue;
+            }
+        };
+        for received in batch {
+            // A source that returned more than it was asked for still gets every message
+            // handled: the extra ones wait for a slot.
+            let permit = match permits.pop() {
+                Some(permit) => permit,
+                None => match Arc::clone(&slots).acquire_owned().await {
+                    Ok(permit) => permit,
+                    Err(_) => break,
+                },
+            };
+            if received.message.deliveries() > 1 {
+                metrics::counter!(MESSAGE_REDELIVERIES, "source" => name).increment(1);
+            }
+            let prepared = shared
+                .effect
+                .prepare(&received.message)
+                .map(Arc::new);
+            let ordering = prepared.as_ref().ok().and_then(|p| p.ordering.clone());
+            let job = Job {
+                received,
+                prepared,
+                started: Instant::now(),
+                _permit: permit,
+            };
+            match ordering {
+                None => {
+                    let shared = Arc::clone(&shared);
+                    tasks.spawn(async move { shared.finish(job).await });
+                }
+                Some(key) => {
+                    let mut ordered = shared.ordered.lock().unwrap_or_else(PoisonError::into_inner);
+                    if let Some(waiting) = ordered.get_mut(&key) {
+                        waiting.push_back(job);
+                        continue;
+                    }
+                    ordered.insert(key.clone(), VecDeque::new());
+                    drop(ordered);
+                    let shared = Arc::clone(&shared);
+                    tasks.spawn(async move { shared.finish_in_order(key, job).await });
+                }
+            }
+        }
+        // Finished tasks' results are not needed: reap them so the set stays small.
+        while tasks.try_join_next().is_some() {}
+    }
+    // Drain: every message received is finished, handled and answered.
+    while tasks.join_next().await.is_some() {}
+    shared.counters.report()
+}
+
+impl<S: Source, E: Effect> Shared<S, E> {
+    /// Finishes `job`, then every message that arrived behind it with the same ordering key.
+    async fn finish_in_order(self: Arc<Self>, key: String, job: Job<S, E>) {
+        let mut next = Some(job);
+        while let Some(job) = next.take() {
+            self.finish(job).await;
+            let mut ordered = self.ordered.lock().unwrap_or_else(PoisonError::into_inner);
+            match ordered.get_mut(&key).and_then(VecDeque::pop_front) {
+                Some(job) => next = Some(job),
+                None => {
+                    ordered.remove(&key);
+                }
+            }
+        }
+    }
+
+    /// Applies one message and answers the broker.
+    async fn finish(self: &Arc<Self>, job: Job<S, E>) {
+        let Job {
+            received,
+            prepared,
+            started,
+            _permit,
+        } = job;
+        let processed = match prepared {
+            Err(failure) => Processed::Failed(failure),
+            Ok(prepared) => self.apply(&received.delivery, prepared).await,
+        };
+        let outcome = self.answer(&received, processed).await;
+        let name = self.source.name();
+        metrics::counter!(MESSAGES, "source" => name, "outcome" => outcome).increment(1);
+        metrics::histogram!(MESSAGE_DURATION, "source" => name, "outcome" => outcome)
+            .record(started.elapsed());
+    }
+
+    /// Runs the effect on a task of its own (a handler that panics fails its message, not the
+    /// consumer), keeping the message alive at the broker while it runs.
+    async fn apply(&self, delivery: &S::Delivery, prepared: Arc<Prepared<E::Input>>) -> Processed {
+        let effect = Arc::clone(&self.effect);
+        let mut work =
+            std::pin::pin!(tokio::spawn(async move { effect.apply(&prepared).await }));
+        let joined = match self.source.keep_alive_every() {
+            None => work.await,
+            Some(every) => {
+                let mut ticks = tokio::time::interval_at(
+                    tokio::time::Instant::now() + every,
+                    every,
+                );
+                loop {
+                    tokio::select! {
+                        joined = &mut work => break joined,
+                        _ = ticks.tick() => {
+                            if let Err(error) = self.source.keep_alive(delivery).await {
+                                self.source_error("keep_alive", &error);
+                            }
+                        }
+                    }
+                }
+            }
+        };
+        match joined {
+            Ok(processed) => processed,
+            // Dead-lettered after max_deliveries, like data the handler cannot take: a handler
+            // that panics on a message will panic on it again.
+            Err(error) if error.is_panic() => {
+                Processed::Failed(Failure::Rejected("the handler panicked".into()))
+            }
+            Err(_) => Processed::Failed(Failure::Transient("the handler was cancelled".into())),
+        }
+    }
+
+    /// Acknowledges, retries or dead-letters; the outcome's label.
+    async fn answer(&self, received: &Received<S::Delivery>, processed: Processed) -> &'static str {
+        let Received { message, delivery } = received;
+        let name = self.source.name();
+        let counters = &self.counters;
+        match processed {
+            Processed::Applied | Processed::Duplicate => {
+                let duplicate = matches!(processed, Processed::Duplicate);
+                if let Err(error) = self.source.ack(delivery).await {
+                    // Applied and recorded: its redelivery is a duplicate.
+                    self.source_error("ack", &error);
+                }
+                self.observe(message, if duplicate { Outcome::Duplicate } else { Outcome::Applied });
+                if duplicate {
+                    counters.duplicates.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(source = name, position = message.position(), "duplicate acknowledged");
+                    "duplicate"
+                } else {
+                    counters.applied.fetch_add(1, Ordering::Relaxed);
+                    "applied"
+                }
+            }
+            Processed::Failed(failure) => {
+                let kind = match &failure {
+                    Failure::Malformed(_) => Some("malformed"),
+                    Failure::Rejected(_)
+                        if message.deliveries() >= self.settings.max_deliveries =>
+                    {
+                        Some("rejected")
+                    }
+                    _ => None,
+                };
+                if let Some(kind) = kind {
+                    return match self.source.dead_letter(message, delivery, failure.reason()).await {
+                        Ok(written) => {
+                            if written == DeadLettered::Now {
+                                counters.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                                metrics::counter!(MESSAGE_DEAD_LETTERS, "source" => name, "kind" => kind)
+                                    .increment(1);
+                                tracing::warn!(
+                                    source = name,
+                                    position = message.position(),
+                                    deliveries = message.deliveries(),
+                                    reason = failure.reason(),
+                                    "message dead-lettered"
+                                );
+                                self.observe(message, Outcome::DeadLettered { failure: &failure });
+                            }
+                            "dead_lettered"
+                        }
+                        Err(error) => {
+                            // Still the broker's: delivered again, and dead-lettered then.
+                            self.source_error("dead_letter", &error);
+                            self.observe(message, Outcome::Retried { failure: &failure, delay: Duration::ZERO });
+                            counters.retried.fetch_add(1, Ordering::Relaxed);
+                            "retried"
+                        }
+                    };
+                }
+                let delay = backoff_delay(self.settings.backoff, message.deliveries());
+                tracing::info!(
+                    source = name,
+                    position = message.position(),
+                    deliveries = message.deliveries(),
+                    max_deliveries = self.settings.max_deliveries,
+                    %failure,
+                    "message not applied; retried in {delay:?}"
+                );
+                if let Err(error) = self.source.retry(delivery, delay).await {
+                    self.source_error("retry", &error);
+                }
+                self.observe(message, Outcome::Retried { failure: &failure, delay });
+                counters.retried.fetch_add(1, Ordering::Relaxed);
+                "retried"
+            }
+        }
+    }
+
+    fn observe(&self, message: &super::Message, outcome: Outcome<'_>) {
+        if let Some(observer) = &self.settings.observer {
+            observer(message, outcome);
+        }
+    }
+
+    fn source_error(&self, operation: &'static str, error: &super::SourceError) {
+        self.counters.source_errors.fetch_add(1, Ordering::Relaxed);
+        let name = self.source.name();
+        metrics::counter!(SOURCE_ERRORS, "source" => name, "operation" => operation)
+            .increment(1);
+        tracing::warn!(source = name, operation, %error, "broker operation failed");
+    }
+}
+
+fn describe() {
+    use metrics::Unit;
+    metrics::describe_counter!(MESSAGES, Unit::Count, "Messages consumed, by source and outcome.");
+    metrics::describe_histogram!(
+        MESSAGE_DURATION,
+        Unit::Seconds,
+        "Messages from receipt to the broker's answer, by source and outcome."
+    );
+    metrics::describe_counter!(
+        MESSAGE_REDELIVERIES,
+        Unit::Count,
+        "Messages received that the broker had delivered before."
+    );
+    metrics::describe_counter!(
+        MESSAGE_DEAD_LETTERS,
+        Unit::Count,
+        "Messages dead-lettered, by source and kind (malformed, rejected)."
+    );
+    metrics::describe_counter!(
+        SOURCE_ERRORS,
+        Unit::Count,
+        "Broker operations that failed, by source and operation."
+    );
+}

@@ -1,0 +1,684 @@
+//! The RabbitMQ source against a real RabbitMQ node (`IDEMPOTENT_TEST_AMQP_URL`, started by
+//! `scripts/test.sh`): duplicates applied once, malformed messages dead-lettered unchanged,
+//! the delivery count bounding rejected messages, delayed retries, reconnection after the
+//! broker closes the consumer's connection, and queues a publisher declared first.
+//!
+//! The reconnection test closes the connection with `rabbitmqctl close_connection`: the command
+//! is `IDEMPOTENT_TEST_RABBITMQCTL` (split on spaces, e.g. `rabbitmqctl -n rabbit@localhost`),
+//! else `$SERVICES_DIR/rabbitmq/rabbitmqctl` (what `scripts/services.sh` writes), else
+//! `rabbitmqctl`.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idempotent_core::consumer::rabbitmq::RabbitMq;
+use idempotent_core::consumer::{Consumer, Decode, Failure, Handler, Message, Report};
+use idempotent_core::memory::MemoryStore;
+use idempotent_core::{ClaimHandle, Idempotency};
+use lapin::options::{
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::publisher_confirm::Confirmation;
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+
+const URL_VAR: &str = "IDEMPOTENT_TEST_AMQP_URL";
+
+fn amqp_url() -> Option<String> {
+    idempotent_core::conformance::backend_url(URL_VAR)
+}
+
+/// A queue name no other test (in this process or another) uses.
+fn unique_queue(test: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    format!("idempotent-test-{test}-{}-{nanos}", std::process::id())
+}
+
+fn quorum() -> FieldTable {
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    arguments
+}
+
+fn durable() -> QueueDeclareOptions {
+    QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    }
+}
+
+/// The test's own connection: publishes with confirms, inspects and deletes queues.
+struct Broker {
+    _connection: Connection,
+    channel: Channel,
+}
+
+impl Broker {
+    async fn connect(url: &str) -> Broker {
+        let properties = ConnectionProperties::default()
+            .with_executor(tokio_executor_trait::Tokio::current())
+            .with_reactor(tokio_reactor_trait::Tokio::current());
+        let connection = Connection::connect(url, properties)
+            .await
+            .unwrap_or_else(|e| {
+                panic!("cannot connect to {url}: {e}; is rabbitmq-server running?")
+            });
+        let channel = connection.create_channel().await.unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        Broker {
+            _connection: connection,
+            channel,
+        }
+    }
+
+    /// Publishes each `(id, body)` to `queue`, persistent, and waits for every confirm.
+    async fn publish(&self, queue: &str, messages: &[(String, Vec<u8>)]) {
+        let mut confirms = Vec::new();
+        for (id, body) in messages {
+            let properties = BasicProperties::default()
+                .with_message_id(id.as_str().into())
+                .with_content_type("text/plain".into())
+                .with_delivery_mode(2)
+                .with_headers({
+                    let mut headers = FieldTable::default();
+                    headers.insert("origin".into(), AMQPValue::LongString("test".into()));
+                    headers
+                });
+            confirms.push(
+                self.channel
+                    .basic_publish("", queue, BasicPublishOptions::default(), body, properties)
+                    .await
+                    .unwrap(),
+            );
+        }
+        for confirm in confirms {
+            assert_eq!(confirm.await.unwrap(), Confirmation::Ack(None));
+        }
+    }
+
+    /// `(ready messages, consumers)` of `queue`.
+    async fn counts(&self, queue: &str) -> (u32, u32) {
+        let declared = self
+            .channel
+            .queue_declare(
+                queue,
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        (declared.message_count(), declared.consumer_count())
+    }
+
+    /// Every message on `queue`, taken off it.
+    async fn take_all(&self, queue: &str) -> Vec<lapin::message::BasicGetMessage> {
+        let mut taken = Vec::new();
+        while let Some(message) = self
+            .channel
+            .basic_get(queue, BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+        {
+            taken.push(message);
+        }
+        taken
+    }
+
+    async fn delete(&self, queues: &[&str]) {
+        for queue in queues {
+            let _ = self
+                .channel
+                .queue_delete(queue, QueueDeleteOptions::default())
+                .await;
+        }
+    }
+}
+
+/// Waits until `done` holds, at most `within`.
+async fn eventually<F: Future<Output = bool>>(
+    within: Duration,
+    what: &str,
+    mut done: impl FnMut() -> F,
+) {
+    let deadline = Instant::now() + within;
+    while !done().await {
+        assert!(Instant::now() < deadline, "not within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// What the handler does with a message, by its id and the attempt (1, 2, …).
+type Behaviour = fn(&str, usize) -> Result<(), Failure>;
+
+/// A handler whose bodies must read `ok:…`; it records every attempt and counts effects.
+#[derive(Clone)]
+struct Counting {
+    /// Effects applied, by message id.
+    effects: Arc<Mutex<HashMap<String, u32>>>,
+    /// Each attempt: the delivery count it came with, and when.
+    attempts: Arc<Mutex<HashMap<String, Vec<(u64, Instant)>>>>,
+    behaviour: Behaviour,
+    work: Duration,
+    /// Attempts wait while this many ids or more are applied.
+    hold: Arc<AtomicUsize>,
+}
+
+impl Counting {
+    fn new(behaviour: Behaviour, work: Duration) -> Self {
+        Counting {
+            effects: Arc::default(),
+            attempts: Arc::default(),
+            behaviour,
+            work,
+            hold: Arc::new(AtomicUsize::new(usize::MAX)),
+        }
+    }
+
+    fn applied(&self) -> usize {
+        self.effects.lock().unwrap().len()
+    }
+
+    fn attempts(&self, id: &str) -> Vec<(u64, Instant)> {
+        self.attempts
+            .lock()
+            .unwrap()
+            .get(id)
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+struct Input {
+    id: String,
+    deliveries: u64,
+}
+
+impl Decode for Counting {
+    type Input = Input;
+
+    fn decode(&self, message: &Message) -> Result<Input, Failure> {
+        let body = std::str::from_utf8(message.body())
+            .map_err(|_| Failure::Malformed("the body is not UTF-8".into()))?;
+        if !body.starts_with("ok:") {
+            return Err(Failure::Malformed(
+                "the body does not start with ok:".into(),
+            ));
+        }
+        Ok(Input {
+            id: message.id().unwrap_or_default().to_owned(),
+            deliveries: message.deliveries(),
+        })
+    }
+}
+
+impl Handler for Counting {
+    type Output = ();
+
+    async fn handle(&self, input: &Input, _claim: &ClaimHandle) -> Result<(), Failure> {
+        let attempt = {
+            let mut attempts = self.attempts.lock().unwrap();
+            let list = attempts.entry(input.id.clone()).or_default();
+            list.push((input.deliveries, Instant::now()));
+            list.len()
+        };
+        while self.applied() >= self.hold.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(self.work).await;
+        (self.behaviour)(&input.id, attempt)?;
+        *self
+            .effects
+            .lock()
+            .unwrap()
+            .entry(input.id.clone())
+            .or_default() += 1;
+        Ok(())
+    }
+}
+
+fn always_ok(_: &str, _: usize) -> Result<(), Failure> {
+    Ok(())
+}
+
+/// A consumer of `queue` running `handler` on a task; send on the sender to stop it.
+fn start(
+    consumer: Consumer<RabbitMq>,
+    handler: Counting,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Report>,
+) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run =
+        tokio::spawn(
+            consumer.run(Idempotency::new(MemoryStore::new()), handler, async move {
+                let _ = stopped.await;
+            }),
+        );
+    (stop, run)
+}
+
+async fn source(url: &str, queue: &str) -> RabbitMq {
+    RabbitMq::builder(url, queue)
+        .prefetch(32)
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("cannot start the RabbitMQ source: {e}"))
+}
+
+fn header(message: &lapin::message::BasicGetMessage, name: &str) -> Option<String> {
+    let headers = message.delivery.properties.headers().as_ref()?;
+    match headers.inner().get(name)? {
+        AMQPValue::LongString(text) => Some(String::from_utf8_lossy(text.as_bytes()).into_owned()),
+        other => panic!("header {name} is {other:?}, not a string"),
+    }
+}
+
+fn id_of(message: &lapin::message::BasicGetMessage) -> String {
+    message
+        .delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|id| id.as_str().to_owned())
+        .unwrap_or_default()
+}
+
+/// 200 messages: 140 valid ids, 50 of them published twice (25 right after the first copy,
+/// 25 at the end), and 10 malformed. Each valid id is applied once, the queue drains, and each
+/// malformed message is on `QUEUE.dead` with its body unchanged and a reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_applied_once_and_malformed_dead_lettered() {
+    let Some(url) = amqp_url() else { return };
+    let queue = unique_queue("dedup");
+    let dead = format!("{queue}.dead");
+    let broker = Broker::connect(&url).await;
+    let source = source(&url, &queue).await;
+    assert_eq!(source.dead_letter_queue(), dead);
+
+    let valid = |i: usize| (format!("m-{i}"), format!("ok:{i}").into_bytes());
+    let mut messages = Vec::new();
+    let mut malformed = Vec::new();
+    for i in 0..140 {
+        messages.push(valid(i));
+        if i < 25 {
+            messages.push(valid(i));
+        }
+        if i % 14 == 0 {
+            let bad = (
+                format!("bad-{i}"),
+                format!("garbage {i}\n\u{0}").into_bytes(),
+            );
+            malformed.push(bad.clone());
+            messages.push(bad);
+        }
+    }
+    for i in 25..50 {
+        messages.push(valid(i));
+    }
+    assert_eq!(messages.len(), 200);
+    assert_eq!(malformed.len(), 10);
+    broker.publish(&queue, &messages).await;
+
+    let handler = Counting::new(always_ok, Duration::from_millis(2));
+    let started = Instant::now();
+    let (stop, run) = start(Consumer::new(source).concurrency(8), handler.clone());
+    eventually(
+        Duration::from_secs(20),
+        "140 ids applied, 10 dead letters",
+        || async {
+            handler.applied() == 140
+                && broker.counts(&dead).await.0 == 10
+                && broker.counts(&queue).await.0 == 0
+        },
+    )
+    .await;
+    let elapsed = started.elapsed();
+    stop.send(()).unwrap();
+    let report = run.await.unwrap();
+    eprintln!("200 messages consumed in {elapsed:?}: {report:?}");
+
+    for (id, count) in handler.effects.lock().unwrap().iter() {
+        assert_eq!(*count, 1, "{id} applied {count} times");
+    }
+    assert_eq!(report.applied, 140, "{report:?}");
+    assert_eq!(report.duplicates, 50, "{report:?}");
+    assert_eq!(report.dead_lettered, 10, "{report:?}");
+    // Once the consumer's connection is closed, whatever it held unacknowledged would be back
+    // on the queue: nothing is.
+    eventually(
+        Duration::from_secs(5),
+        "the consumer's connection closed",
+        || async { broker.counts(&queue).await.1 == 0 },
+    )
+    .await;
+    assert_eq!(
+        broker.counts(&queue).await,
+        (0, 0),
+        "messages left on {queue}"
+    );
+
+    let mut dead_letters = broker.take_all(&dead).await;
+    dead_letters.sort_by_key(id_of);
+    malformed.sort();
+    assert_eq!(dead_letters.len(), malformed.len());
+    for (letter, (id, body)) in dead_letters.iter().zip(&malformed) {
+        assert_eq!(&id_of(letter), id);
+        assert_eq!(&letter.delivery.data, body, "{id}: body changed");
+        let reason = header(letter, "reason").unwrap_or_default();
+        assert!(reason.contains("ok:"), "{id}: reason {reason:?}");
+        assert_eq!(header(letter, "deliveries").as_deref(), Some("1"));
+        assert_eq!(
+            header(letter, "origin").as_deref(),
+            Some("test"),
+            "{id}: headers lost"
+        );
+        let properties = &letter.delivery.properties;
+        assert_eq!(*properties.delivery_mode(), Some(2));
+        assert_eq!(
+            properties.content_type().as_ref().map(|t| t.as_str()),
+            Some("text/plain")
+        );
+    }
+    broker.delete(&[&queue, &dead]).await;
+}
+
+fn always_rejected(_: &str, _: usize) -> Result<(), Failure> {
+    Err(Failure::Rejected("refused by a constraint".into()))
+}
+
+/// A message the data always rejects is delivered `max_deliveries` times, as the quorum
+/// queue counts them, and dead-lettered at the last, not before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rejected_dead_lettered_at_max_deliveries() {
+    let Some(url) = amqp_url() else { return };
+    let queue = unique_queue("rejected");
+    let dead = format!("{queue}.dead");
+    let broker = Broker::connect(&url).await;
+    let source = source(&url, &queue).await;
+    broker
+        .publish(&queue, &[("poison".to_owned(), b"ok:poison".to_vec())])
+        .await;
+
+    let handler = Counting::new(always_rejected, Duration::ZERO);
+    let consumer = Consumer::new(source)
+        .max_deliveries(3)
+        .backoff(Duration::from_millis(50), Duration::from_millis(100));
+    let (stop, run) = start(consumer, handler.clone());
+    eventually(
+        Duration::from_secs(15),
+        "the poison message dead-lettered",
+        || async { broker.counts(&dead).await.0 == 1 },
+    )
+    .await;
+    // Nothing more comes after it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.send(()).unwrap();
+    let report = run.await.unwrap();
+
+    let deliveries: Vec<u64> = handler.attempts("poison").iter().map(|(d, _)| *d).collect();
+    assert_eq!(deliveries, [1, 2, 3], "the deliveries the handler saw");
+    assert_eq!(report.dead_lettered, 1, "{report:?}");
+    assert_eq!(report.retried, 2, "{report:?}");
+    assert_eq!(report.applied, 0, "{report:?}");
+    let letters = broker.take_all(&dead).await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(header(&letters[0], "deliveries").as_deref(), Some("3"));
+    assert_eq!(
+        header(&letters[0], "reason").as_deref(),
+        Some("refused by a constraint")
+    );
+    assert_eq!(letters[0].delivery.data, b"ok:poison");
+    assert_eq!(broker.counts(&queue).await.0, 0);
+    broker.delete(&[&queue, &dead]).await;
+}
+
+fn transient_once(_: &str, attempt: usize) -> Result<(), Failure> {
+    if attempt == 1 {
+        Err(Failure::Transient("the database is down".into()))
+    } else {
+        Ok(())
+    }
+}
+
+/// A transient failure is retried after the backoff's first delay (the message stays
+/// unacknowledged meanwhile) and then applied, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transient_failure_retried_after_backoff() {
+    let Some(url) = amqp_url() else { return };
+    let queue = unique_queue("transient");
+    let dead = format!("{queue}.dead");
+    let broker = Broker::connect(&url).await;
+    let source = source(&url, &queue).await;
+    broker
+        .publish(&queue, &[("flaky".to_owned(), b"ok:flaky".to_vec())])
+        .await;
+
+    let first_delay = Duration::from_millis(400);
+    let handler = Counting::new(transient_once, Duration::ZERO);
+    let consumer = Consumer::new(source).backoff(first_delay, Duration::from_secs(2));
+    let (stop, run) = start(consumer, handler.clone());
+    eventually(
+        Duration::from_secs(10),
+        "the flaky message applied",
+        || async { handler.applied() == 1 },
+    )
+    .await;
+    stop.send(()).unwrap();
+    let report = run.await.unwrap();
+
+    let attempts = handler.attempts("flaky");
+    let deliveries: Vec<u64> = attempts.iter().map(|(d, _)| *d).collect();
+    assert_eq!(deliveries, [1, 2], "the deliveries the handler saw");
+    let waited = attempts[1].1 - attempts[0].1;
+    assert!(
+        waited >= first_delay,
+        "retried after {waited:?}, before {first_delay:?}"
+    );
+    assert_eq!(handler.effects.lock().unwrap()["flaky"], 1);
+    assert_eq!(report.applied, 1, "{report:?}");
+    assert_eq!(report.retried, 1, "{report:?}");
+    assert_eq!(report.dead_lettered, 0, "{report:?}");
+    assert_eq!(broker.counts(&dead).await.0, 0);
+    broker.delete(&[&queue, &dead]).await;
+}
+
+/// `rabbitmqctl` against the test node.
+fn rabbitmqctl(args: &[&str]) -> String {
+    let command = std::env::var("IDEMPOTENT_TEST_RABBITMQCTL")
+        .ok()
+        .filter(|c| !c.trim().is_empty())
+        .or_else(|| {
+            let dir = std::env::var("SERVICES_DIR").ok()?;
+            let path = format!("{dir}/rabbitmq/rabbitmqctl");
+            std::path::Path::new(&path).exists().then_some(path)
+        })
+        .unwrap_or_else(|| "rabbitmqctl".to_owned());
+    let mut words = command.split_whitespace();
+    let program = words.next().unwrap_or("rabbitmqctl");
+    let output = std::process::Command::new(program)
+        .args(words)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run `{command}`: {e}; set IDEMPOTENT_TEST_RABBITMQCTL to a rabbitmqctl command for the test node")
+        });
+    assert!(
+        output.status.success(),
+        "`{command} {}` failed ({}): {}{}; set IDEMPOTENT_TEST_RABBITMQCTL to a rabbitmqctl command for the test node",
+        args.join(" "),
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// The Erlang pids of the connections named `name` (the source names its connections
+/// `idempotent:QUEUE`), as `close_connection` takes them.
+fn connections_named(name: &str) -> Vec<String> {
+    let listed = rabbitmqctl(&[
+        "-q",
+        "list_connections",
+        "--no-table-headers",
+        "pid",
+        "client_properties",
+    ]);
+    // One line per connection: `<node.1.2.3>\t[…,{"connection_name","NAME"},…]`.
+    let property = format!("{{\"connection_name\",\"{name}\"}}");
+    listed
+        .lines()
+        .filter(|line| line.contains(&property))
+        .filter_map(|line| line.split_whitespace().next())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The broker closes the consumer's connection twice while messages flow: the source
+/// reconnects each time, and every message is applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reconnects_after_the_broker_closes_the_connection() {
+    let Some(url) = amqp_url() else { return };
+    let queue = unique_queue("reconnect");
+    let dead = format!("{queue}.dead");
+    let name = format!("idempotent:{queue}");
+    let broker = Broker::connect(&url).await;
+    let source = source(&url, &queue).await;
+    let messages: Vec<(String, Vec<u8>)> = (0..300)
+        .map(|i| (format!("r-{i}"), format!("ok:{i}").into_bytes()))
+        .collect();
+    broker.publish(&queue, &messages).await;
+
+    let handler = Counting::new(always_ok, Duration::from_millis(2));
+    handler.hold.store(60, Ordering::SeqCst);
+    let (stop, run) = start(Consumer::new(source).concurrency(4), handler.clone());
+    let mut closed = Vec::new();
+    for (at, next) in [(60, 160), (160, usize::MAX)] {
+        // The consumer's handlers wait, each with a message in hand, while the broker closes
+        // the connection: their acks fail, and the broker delivers those messages again.
+        eventually(Duration::from_secs(15), "messages flowing", || async {
+            handler.applied() >= at
+        })
+        .await;
+        let pids = tokio::task::spawn_blocking({
+            let name = name.clone();
+            move || connections_named(&name)
+        })
+        .await
+        .unwrap();
+        assert_eq!(pids.len(), 1, "the consumer's connections: {pids:?}");
+        assert!(!closed.contains(&pids[0]), "{} was closed already", pids[0]);
+        let pid = pids[0].clone();
+        tokio::task::spawn_blocking({
+            let pid = pid.clone();
+            move || rabbitmqctl(&["close_connection", &pid, "test: closed by the broker"])
+        })
+        .await
+        .unwrap();
+        closed.push(pid);
+        assert!(
+            handler.applied() < 300,
+            "the messages were all applied before the close"
+        );
+        handler.hold.store(next, Ordering::SeqCst);
+    }
+    eventually(
+        Duration::from_secs(20),
+        "all 300 messages applied",
+        || async { handler.applied() == 300 },
+    )
+    .await;
+    let reconnected = tokio::task::spawn_blocking(move || connections_named(&name))
+        .await
+        .unwrap();
+    assert_eq!(reconnected.len(), 1, "{reconnected:?}");
+    assert!(
+        !closed.contains(&reconnected[0]),
+        "not reconnected: {reconnected:?}"
+    );
+    stop.send(()).unwrap();
+    let report = run.await.unwrap();
+    eprintln!("300 messages across two broker-closed connections: {report:?}");
+
+    for (id, count) in handler.effects.lock().unwrap().iter() {
+        assert_eq!(*count, 1, "{id} applied {count} times");
+    }
+    assert_eq!(report.applied, 300, "{report:?}");
+    // At least the acks of the messages in hand at each close failed, and those messages
+    // came back as duplicates.
+    assert!(report.source_errors >= 2, "{report:?}");
+    assert!(report.duplicates >= 2, "{report:?}");
+    eventually(
+        Duration::from_secs(5),
+        "the consumer's connection closed",
+        || async { broker.counts(&queue).await.1 == 0 },
+    )
+    .await;
+    assert_eq!(broker.counts(&queue).await, (0, 0));
+    assert_eq!(broker.counts(&dead).await.0, 0);
+    broker.delete(&[&queue, &dead]).await;
+}
+
+/// A publisher that declared both queues first, durable with exactly
+/// `{"x-queue-type": "quorum"}`, does not stop the source; a queue declared otherwise does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn queues_declared_by_a_publisher_first() {
+    let Some(url) = amqp_url() else { return };
+    let queue = unique_queue("predeclared");
+    let dead = format!("{queue}.dead");
+    let broker = Broker::connect(&url).await;
+    for name in [&queue, &dead] {
+        broker
+            .channel
+            .queue_declare(name, durable(), quorum())
+            .await
+            .unwrap();
+    }
+    broker
+        .publish(&queue, &[("early".to_owned(), b"ok:early".to_vec())])
+        .await;
+    let source = source(&url, &queue).await;
+    let handler = Counting::new(always_ok, Duration::ZERO);
+    let (stop, run) = start(Consumer::new(source), handler.clone());
+    eventually(
+        Duration::from_secs(10),
+        "the early message applied",
+        || async { handler.applied() == 1 },
+    )
+    .await;
+    stop.send(()).unwrap();
+    assert_eq!(run.await.unwrap().applied, 1);
+    broker.delete(&[&queue, &dead]).await;
+
+    // A classic queue of the same name: the source's declaration is refused.
+    let classic = unique_queue("classic");
+    broker
+        .channel
+        .queue_declare(&classic, durable(), FieldTable::default())
+        .await
+        .unwrap();
+    let refused = RabbitMq::builder(&url, &classic).connect().await;
+    let error = refused.expect_err("a classic queue was taken for a quorum queue");
+    assert!(
+        error.to_string().contains(&classic),
+        "the error does not name the queue: {error}"
+    );
+    // The refused declaration closed the test's channel's sibling only: clean up from here.
+    broker.delete(&[&classic, &format!("{classic}.dead")]).await;
+}
