@@ -26,7 +26,7 @@ cargo fmt --all -- --check
 step "cargo clippy (all targets, all features, warnings denied)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
-step "starting Redis, a Redis Cluster and PostgreSQL on loopback"
+step "starting Redis, a Redis Cluster, PostgreSQL, NATS (JetStream) and RabbitMQ on loopback"
 trap stop_services EXIT
 start_redis
 start_redis_cluster
