@@ -101,13 +101,11 @@ impl Decode for Ledger {
     }
 
     fn key(&self, _: &Message, posting: &Posting) -> Result<Key, Failure> {
-        Key::new(posting.id.as_str())
-            .map_err(|e| Failure::Malformed(format!("field `id` is not a valid key: {e}")))
+        Ok(Key::new(posting.id.as_str())?)
     }
 
     fn fingerprint(&self, _: &Message, posting: &Posting) -> Result<Fingerprint, Failure> {
-        Fingerprint::of(&(&posting.account, posting.amount))
-            .map_err(|e| Failure::Malformed(e.to_string()))
+        Ok(Fingerprint::of(&(&posting.account, posting.amount))?)
     }
 }
 
@@ -158,20 +156,14 @@ impl TxHandler for Ledger {
 /// The posting a message carries: a Redis entry's fields, or a JSON object body.
 fn posting(message: &Message) -> Result<Posting, Failure> {
     let fields = Fields::of(message)?;
-    let (id, account, amount) = (
-        fields.text("id")?,
-        fields.text("account")?,
-        fields.text("amount")?,
+    let (id, account) = (
+        fields.text("id")?.to_owned(),
+        fields.text("account")?.to_owned(),
     );
-    let amount = amount.parse().map_err(|_| {
-        Failure::Malformed(format!(
-            "field `amount` is not a 64-bit integer: {amount:?}"
-        ))
-    })?;
     Ok(Posting {
-        id: id.to_owned(),
-        account: account.to_owned(),
-        amount,
+        id,
+        account,
+        amount: fields.parse("amount")?,
     })
 }
 

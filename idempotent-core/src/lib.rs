@@ -81,6 +81,7 @@
 //! | `redis` (feature `redis`) | `RedisStore` and its builder |
 //! | `postgres` (feature `postgres`) | `PostgresStore`, the transactional mode (`Transactional`), `Fence`, the transactional outbox (`Outbox`, `Message`) and its `Relay` with `Sink`s (`RedisStreamSink` with feature `redis`) |
 //! | `conformance` (feature `test-util`) | the store conformance suite and `FaultyStore` |
+//! | `consumer` (feature `consumer`) | the consumer runtime (`Consumer`, `Source`, `Decode`, `Handler`, `TxHandler` with `postgres`, `Failure`, `Message`, `Fields`, `AnySource`) and its sources: `consumer::redis_streams` (feature `redis-streams`), `consumer::nats` (feature `nats`), `consumer::rabbitmq` (feature `rabbitmq`) |
 //!
 //! Where the code lives, for readers of the source: `runtime.rs` (the runtime and its call
 //! flow), `call.rs` (calls, options, defaults), `outcome.rs`, `claim.rs` (the running claim),
@@ -88,7 +89,8 @@
 //! means under the in-flight policy, shared with the transactional mode), `record.rs`
 //! (recording an outcome, with retries), `shutdown.rs`, `metrics.rs`, `problem.rs`, `error.rs`, `key.rs`,
 //! `fingerprint/`, `envelope.rs` (the stored record format), `store/` (the trait and each
-//! backend), `attribute.rs`, `to_key.rs` and `default_runtime.rs` (the attribute's public side)
+//! backend), `consumer/` (the consumer runtime: `runner.rs` the loop, `effect.rs` the claim
+//! and transactional modes, one file per source, `any.rs`), `attribute.rs`, `to_key.rs` and `default_runtime.rs` (the attribute's public side)
 //! and `expansion.rs` (the hidden module the attribute expands into, `__private`).
 //!
 //! # The `#[idempotent]` attribute
@@ -125,32 +127,34 @@
 //!   transaction as your database writes.
 //! - `test-util`: the store conformance suite (`conformance`) and `clock::ManualClock`, for
 //!   testing any store.
+//! - `consumer`: the consumer runtime (`consumer`); its transactional mode with `postgres`.
+//! - `redis-streams`, `nats`, `rabbitmq`: the consumer's sources on Redis Streams, NATS
+//!   JetStream (`async-nats`) and RabbitMQ quorum queues (`lapin`).
 //!
 //! # Message consumers
 //!
 //! Brokers deliver at least once: a consumer that crashes after applying a message but before
 //! acknowledging it receives the message again, and a producer that retries publishes it twice.
-//! Give every message an idempotency key that is stable across those retries (the producer's
-//! message id, not the broker's delivery id), and apply it with `#[idempotent(key = .., tx = ..)]`
-//! over the PostgreSQL store's transactional mode:
+//! The `consumer` runtime (feature `consumer`) makes each message's effect
+//! happen once over Redis Streams, NATS JetStream or RabbitMQ: you write a handler; it keys each
+//! message (the publisher's message id, not the broker's delivery id), claims the key, runs the
+//! handler — in the PostgreSQL transaction that records it, with `postgres` — acknowledges
+//! after the record is durable, and retries, dead-letters, bounds and drains:
 //!
 //! - **What the transaction covers**: the claim, your writes, and the completed record commit
 //!   together or not at all. A crash before the commit leaves no effect and no record, so the
 //!   redelivery applies the message; a crash after the commit leaves both, so the redelivery
-//!   replays it and changes nothing.
+//!   is a duplicate and changes nothing.
 //! - **Acknowledge after the commit**, never before: acknowledging first and crashing before the
-//!   commit loses the message. Acknowledging after means a crash in between only causes a
-//!   redelivery, which the record turns into a no-op.
+//!   commit loses the message.
 //! - **What it cannot cover**: an effect outside the database — an e-mail, an HTTP call to a
-//!   provider without idempotency keys. No record can say whether such an effect happened before
-//!   a crash. Write the intent as a row of an outbox table inside the same transaction, and have
-//!   a separate relay deliver outbox rows (at least once, to a receiver that is itself
-//!   idempotent, or with the provider's own idempotency key).
+//!   provider without idempotency keys. Enqueue it in the outbox (`postgres::Outbox`) in the
+//!   same transaction; the relay delivers it at least once with a key.
 //!
-//! `examples/ledger.rs` is a complete Redis Streams consumer built this way (`XREADGROUP`,
-//! `XAUTOCLAIM` for entries abandoned by dead consumers, a dead-letter stream for malformed
-//! entries, `XACK` after commit), and `tests/tests/ledger_e2e.rs` kills its consumers with SIGKILL
-//! while 1,000 entries with 20% duplicates flow through, then checks every balance to the unit.
+//! `examples/ledger.rs` is a consumer on all three brokers built this way, and
+//! `tests/tests/consumer_chaos_e2e.rs` kills its consumers — and the broker — with SIGKILL
+//! while 1,000 entries with duplicates and malformed ones flow through, then checks every
+//! balance to the unit.
 //!
 //! # Failure model
 //!

@@ -351,6 +351,20 @@ impl fmt::Display for Failure {
 
 impl std::error::Error for Failure {}
 
+/// An invalid key is the message's fault: [`Failure::Malformed`].
+impl From<crate::KeyError> for Failure {
+    fn from(error: crate::KeyError) -> Self {
+        Failure::Malformed(format!("the key is not valid: {error}"))
+    }
+}
+
+/// A fingerprint that cannot be computed is the message's fault: [`Failure::Malformed`].
+impl From<crate::CanonicalError> for Failure {
+    fn from(error: crate::CanonicalError) -> Self {
+        Failure::Malformed(format!("cannot fingerprint the message: {error}"))
+    }
+}
+
 /// How a message becomes the handler's input, its key, its fingerprint and its ordering key.
 pub trait Decode: Send + Sync + 'static {
     /// What the handler works on.
@@ -654,6 +668,18 @@ impl<'a> Fields<'a> {
             }),
             Err(_) => Err(Failure::Malformed("the body is not a JSON object".into())),
         }
+    }
+
+    /// The value of `name` parsed as a `T` (an integer, say); else why the message is
+    /// malformed.
+    pub fn parse<T: std::str::FromStr>(&self, name: &str) -> Result<T, Failure> {
+        let value = self.text(name)?;
+        value.parse().map_err(|_| {
+            Failure::Malformed(format!(
+                "field `{name}` is not a valid {}: {value:?}",
+                std::any::type_name::<T>()
+            ))
+        })
     }
 
     /// The value of `name`: present once, text, not empty; else why the message is malformed.

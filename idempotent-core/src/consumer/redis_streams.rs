@@ -24,7 +24,7 @@
 //!   the original is still pending: an entry is dead-lettered exactly once, even when two
 //!   consumers give up on it at once. The original stays in `STREAM` until it is trimmed.
 //! - **Reconnecting.** The connection is a
-//!   [`ConnectionManager`](redis::aio::ConnectionManager): after Redis restarts, the next
+//!   [`ConnectionManager`]: after Redis restarts, the next
 //!   command reconnects. A group lost with the stream (Redis restarted without persistence)
 //!   is created again.
 //!
