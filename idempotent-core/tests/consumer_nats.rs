@@ -579,7 +579,8 @@ async fn publishers_stream_used_as_it_is() {
         .context
         .create_stream(stream::Config {
             name: stream.clone(),
-            subjects: vec![format!("{stream}.entries"), format!("{stream}.dead")],
+            // Not in the order the source would list them.
+            subjects: vec![format!("{stream}.dead"), format!("{stream}.entries")],
             storage: stream::StorageType::File,
             ..Default::default()
         })
@@ -633,31 +634,47 @@ async fn stream_deleted_under_the_source_set_up_again() {
     admin.context.delete_stream(&stream).await.unwrap();
 
     let mut failures = 0;
+    let mut published = false;
     let mut messages = Vec::new();
     let start = Instant::now();
     while messages.is_empty() {
         assert!(start.elapsed() < PATIENCE, "the source never recovered");
-        let r = source.receive(10).await;
-        eprintln!(
-            "DEBUG {:?} {:?}",
-            start.elapsed(),
-            r.as_ref().map(|v| v.len())
-        );
-        match r {
+        match source.receive(10).await {
             Err(_) => failures += 1,
             Ok(received) => messages.extend(received),
         }
-        // Published once the stream is back.
-        if let Ok(back) = admin.context.get_stream(&stream).await {
-            if failures > 0 && back.cached_info().state.messages == 0 {
-                admin
-                    .publish(source.entries_subject(), HeaderMap::new(), "a1:after")
-                    .await;
-            }
+        // Published once the source has set the stream up again.
+        if !published && admin.context.get_stream(&stream).await.is_ok() {
+            assert!(
+                failures > 0,
+                "the stream is back before the source noticed its loss"
+            );
+            admin
+                .publish(source.entries_subject(), HeaderMap::new(), "a1:after")
+                .await;
+            published = true;
         }
     }
     assert!(failures >= 1, "the receive right after the deletion fails");
     assert_eq!(&messages[0].message.body()[..], b"a1:after");
     assert_eq!(messages[0].message.position(), "1");
     source.ack(&messages[0].delivery).await.unwrap();
+}
+
+/// Names that are not subject tokens are refused before any connection is tried.
+#[tokio::test]
+async fn names_that_are_not_subject_tokens_refused() {
+    for (stream, durable) in [
+        ("A.B", "worker"),
+        ("", "worker"),
+        ("ORDERS", "w*"),
+        ("ORDERS", "a b"),
+    ] {
+        let refused = JetStream::builder("nats://127.0.0.1:1", stream, durable)
+            .connect()
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(refused.contains("holding whitespace"), "{refused}");
+    }
 }

@@ -54,9 +54,9 @@ pub enum AnyDelivery {
     /// From [`AnySource::Nats`].
     #[cfg(feature = "nats")]
     Nats(<JetStream as Source>::Delivery),
-    /// From [`AnySource::RabbitMq`].
+    /// From [`AnySource::RabbitMq`] (boxed: a delivery carries its properties).
     #[cfg(feature = "rabbitmq")]
-    RabbitMq(<RabbitMq as Source>::Delivery),
+    RabbitMq(Box<<RabbitMq as Source>::Delivery>),
 }
 
 impl AnySource {
@@ -166,9 +166,9 @@ impl Source for AnySource {
             #[cfg(feature = "nats")]
             AnySource::Nats(source) => Ok(wrap(source.receive(max).await?, AnyDelivery::Nats)),
             #[cfg(feature = "rabbitmq")]
-            AnySource::RabbitMq(source) => {
-                Ok(wrap(source.receive(max).await?, AnyDelivery::RabbitMq))
-            }
+            AnySource::RabbitMq(source) => Ok(wrap(source.receive(max).await?, |d| {
+                AnyDelivery::RabbitMq(Box::new(d))
+            })),
         }
     }
 
@@ -193,6 +193,17 @@ impl Source for AnySource {
 
     async fn keep_alive(&self, delivery: &AnyDelivery) -> Result<(), SourceError> {
         each!(self, delivery, |source, d| source.keep_alive(d).await)
+    }
+
+    fn handling_limit(&self) -> Option<Duration> {
+        match self {
+            #[cfg(feature = "redis-streams")]
+            AnySource::Redis(source) => source.handling_limit(),
+            #[cfg(feature = "nats")]
+            AnySource::Nats(source) => source.handling_limit(),
+            #[cfg(feature = "rabbitmq")]
+            AnySource::RabbitMq(source) => source.handling_limit(),
+        }
     }
 
     fn keep_alive_every(&self) -> Option<Duration> {

@@ -277,8 +277,10 @@ pub trait Source: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<Received<Self::Delivery>>, SourceError>> + Send;
 
     /// Acknowledges the message: the broker will not deliver it again.
-    fn ack(&self, delivery: &Self::Delivery)
-    -> impl Future<Output = Result<(), SourceError>> + Send;
+    fn ack(
+        &self,
+        delivery: &Self::Delivery,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send;
 
     /// Asks for the message again, not before `delay` where the broker can wait.
     fn retry(
@@ -309,6 +311,14 @@ pub trait Source: Send + Sync + 'static {
     /// How often to [`keep_alive`](Self::keep_alive) a message in hand; `None` (the default)
     /// when the broker needs no such thing.
     fn keep_alive_every(&self) -> Option<Duration> {
+        None
+    }
+
+    /// The longest a message may stay in hand before the broker takes it back whatever the
+    /// consumer does (RabbitMQ's `consumer_timeout`); `None` (the default) when keep-alives
+    /// hold it as long as needed. The runtime stops a handler that reaches it, and retries
+    /// the message.
+    fn handling_limit(&self) -> Option<Duration> {
         None
     }
 }
@@ -402,7 +412,8 @@ pub trait Decode: Send + Sync + 'static {
 
 /// A valid key from `text`, or [`Failure::Malformed`] saying why not.
 pub fn key(text: &str) -> Result<Key, Failure> {
-    Key::new(text).map_err(|e| Failure::Malformed(format!("the message id is not a valid key: {e}")))
+    Key::new(text)
+        .map_err(|e| Failure::Malformed(format!("the message id is not a valid key: {e}")))
 }
 
 /// The handler of [`Consumer::run`]: runs under a claim of the message's key in the
@@ -477,6 +488,7 @@ pub(crate) struct Settings {
     pub(crate) batch: usize,
     pub(crate) max_deliveries: u64,
     pub(crate) backoff: (Duration, Duration),
+    pub(crate) handler_timeout: Option<Duration>,
     pub(crate) observer: Option<Observer>,
 }
 
@@ -489,6 +501,7 @@ impl fmt::Debug for Settings {
             .field("batch", &self.batch)
             .field("max_deliveries", &self.max_deliveries)
             .field("backoff", &self.backoff)
+            .field("handler_timeout", &self.handler_timeout)
             .field("observer", &self.observer.is_some())
             .finish()
     }
@@ -537,6 +550,7 @@ impl<S: Source> Consumer<S> {
                 batch: DEFAULT_BATCH,
                 max_deliveries: DEFAULT_MAX_DELIVERIES,
                 backoff: DEFAULT_BACKOFF,
+                handler_timeout: None,
                 observer: None,
             },
         }
@@ -571,6 +585,16 @@ impl<S: Source> Consumer<S> {
     #[must_use]
     pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
         self.settings.backoff = (first, max.max(first));
+        self
+    }
+
+    /// Stops a handler that runs longer than `timeout` (its claim released, or its transaction
+    /// rolled back) and retries its message as [`Failure::Transient`]. Default: none, except
+    /// the source's [`handling_limit`](Source::handling_limit) (RabbitMQ's consumer timeout),
+    /// which always applies.
+    #[must_use]
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.settings.handler_timeout = Some(timeout);
         self
     }
 
@@ -631,7 +655,9 @@ impl<S: Source> Consumer<S> {
 /// The delay before retrying a message on its `deliveries`-th delivery: `first` doubled per
 /// earlier delivery, at most `max`.
 pub(crate) fn backoff_delay((first, max): (Duration, Duration), deliveries: u64) -> Duration {
-    let doublings = u32::try_from(deliveries.saturating_sub(1)).unwrap_or(u32::MAX).min(30);
+    let doublings = u32::try_from(deliveries.saturating_sub(1))
+        .unwrap_or(u32::MAX)
+        .min(30);
     first.saturating_mul(1 << doublings).min(max)
 }
 
@@ -687,9 +713,7 @@ impl<'a> Fields<'a> {
         let malformed = |what: &str| Failure::Malformed(format!("field `{name}` {what}"));
         let value = match &self.object {
             None => match self.message.field(name) {
-                Some(value) => {
-                    std::str::from_utf8(value).map_err(|_| malformed("is not UTF-8"))?
-                }
+                Some(value) => std::str::from_utf8(value).map_err(|_| malformed("is not UTF-8"))?,
                 None if self.message.fields().iter().any(|(k, _)| k == name) => {
                     return Err(malformed("is repeated"));
                 }

@@ -2,41 +2,45 @@
 //!
 //! [`JetStream::builder`]`(url, STREAM, DURABLE)` connects with an `async-nats` client, which
 //! reconnects by itself, without bound, whenever the server goes away. Connecting fails when
-//! the server cannot be reached or has no JetStream; once connected, the source outlives any
-//! restart of the server: an operation fails with a [`SourceError`] while the server is away,
-//! and [`receive`](Source::receive) sets the stream and the consumer up again (below) after
-//! the consumer went missing.
+//! the server cannot be reached or has no JetStream; once connected, no restart of the server
+//! makes the source unusable: operations fail with a [`SourceError`] while it is away, and
+//! after a fetch that failed or went unanswered (the server drops a fetch for a missing
+//! consumer without a word) the next [`receive`](Source::receive) sets the stream and the
+//! consumer up again, as below.
 //!
 //! - **Stream** `STREAM`, subjects `STREAM.entries` (the messages) and `STREAM.dead` (the dead
 //!   letters), file storage: created if missing, used as it is when it exists (a publisher may
-//!   have created it with its name, subjects and storage alone). The dead letters need a
-//!   duplicate window, which every stream has (the server's default is two minutes).
-//! - **Consumer** `DURABLE`: a durable pull consumer, explicit ack, filter subject
-//!   `STREAM.entries`, the [ack wait](JetStreamBuilder::ack_wait); created if missing, used as
-//!   it is when it exists. Leave its `max_deliver` unlimited: the runtime's
-//!   [`max_deliveries`](super::Consumer::max_deliveries) dead-letters, the server's would only
-//!   stop delivering.
-//! - **Receive**: one fetch of up to `max` messages that waits about a second when there are
-//!   none. A [`Message`] is the stream sequence as its [position](Message::position)
-//!   (decimal), the `Nats-Msg-Id` header as its [id](Message::id), the payload as its body,
-//!   the headers as its [fields](Message::fields) (sorted by name, at most [`MAX_FIELDS`]: a
-//!   header map has no order, and an empty body's fingerprint is its fields), and
-//!   `info.delivered` (from the reply subject) as its deliveries.
+//!   have created it with its name, subjects and storage alone; without `STREAM.dead` among
+//!   its subjects every dead letter fails). Dead letters rely on its duplicate window, which
+//!   every stream has (two minutes by default).
+//! - **Consumer** `DURABLE`: durable, pull, explicit ack, filter subject `STREAM.entries`, the
+//!   [ack wait](JetStreamBuilder::ack_wait); created if missing, used as it is when it exists.
+//!   Leave its `max_deliver` unlimited: the runtime dead-letters after
+//!   [`max_deliveries`](super::Consumer::max_deliveries), the server would only stop
+//!   delivering.
+//! - **Receive**: one fetch of up to `max` messages, which waits about a second when there are
+//!   none. A [`Message`] has the stream sequence (decimal) as its
+//!   [position](Message::position), the `Nats-Msg-Id` header as its [id](Message::id), the
+//!   payload as its body, the headers as its [fields](Message::fields) (sorted by name, at
+//!   most [`MAX_FIELDS`]: a header map has no order, and an empty body's fingerprint is its
+//!   fields), and `info.delivered` from the reply subject as its deliveries (1 when the reply
+//!   subject has no delivery info; a message without a reply subject cannot be answered and is
+//!   skipped).
 //! - **Answers**: [`ack`](Source::ack) is `+ACK`, [`retry`](Source::retry) `-NAK` with the
-//!   delay, [`keep_alive`](Source::keep_alive) `+WPI` (progress: the ack wait starts over),
-//!   every third of the consumer's ack wait. They are published without waiting for the
-//!   server: one that is lost leaves the message to be delivered again after the ack wait.
+//!   delay, [`keep_alive`](Source::keep_alive) `+WPI` (the ack wait starts over), sent every
+//!   third of the consumer's ack wait. They are published without waiting for the server: one
+//!   that is lost leaves the message to be delivered again after the ack wait.
 //! - **Dead letters**: the body unchanged on `STREAM.dead`, published through JetStream and
-//!   stored before the entry is terminated (`+TERM`), with the entry's headers but the
+//!   stored before the entry is terminated (`+TERM`), with the entry's headers except the
 //!   server's `Nats-*` directives (`Nats-Expected-*`, `Nats-Rollup`, `Nats-TTL`, … would act
 //!   on the copy), plus `original-id` (the entry's `Nats-Msg-Id`), `reason` (one line, at most
-//!   [`MAX_REASON`] bytes), `deliveries` and `Nats-Msg-Id: dead-STREAM-SEQ` (`SEQ` the entry's
-//!   stream sequence): a dead letter repeated within the stream's duplicate window (after a
+//!   [`MAX_REASON`] bytes), `deliveries`, and `Nats-Msg-Id: dead-STREAM-SEQ` (`SEQ` the
+//!   entry's stream sequence): a dead letter repeated within the duplicate window (after a
 //!   crash between the copy and the `+TERM`) is dropped by the stream and answers
 //!   [`DeadLettered::Already`].
 
 use std::fmt;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
@@ -101,10 +105,22 @@ impl JetStreamBuilder {
         self
     }
 
-    /// Connects, then creates the stream and the consumer if they are missing. Fails when the
-    /// server cannot be reached, has no JetStream, or refuses the stream or the consumer (a
-    /// name it does not accept, a push consumer under the durable name).
+    /// Connects, then creates the stream and the consumer if they are missing. Fails when a
+    /// name is not a subject token (empty, or holding whitespace, `.`, `*` or `>`), when the
+    /// server cannot be reached or has no JetStream, or when it refuses the stream or the
+    /// consumer (a push consumer under the durable name, say).
     pub async fn connect(self) -> Result<JetStream, SourceError> {
+        for (what, name) in [("stream", &self.stream), ("durable", &self.durable)] {
+            // Subject tokens: the API's subjects carry both names.
+            let valid = !name.is_empty()
+                && !name.contains(|c: char| c.is_whitespace() || matches!(c, '.' | '*' | '>'));
+            if !valid {
+                return Err(SourceError::new(
+                    format!("the {what} name {name:?}"),
+                    "empty, or holding whitespace, '.', '*' or '>'",
+                ));
+            }
+        }
         let client = async_nats::ConnectOptions::new()
             .name("idempotent")
             .connect(self.url.as_str())
@@ -112,14 +128,17 @@ impl JetStreamBuilder {
             .map_err(|e| SourceError::new("connecting to the NATS server", e))?;
         let context = jetstream::new(client.clone());
         let source = JetStream {
-            client,
-            context,
+            client: Box::new(client),
+            context: Box::new(context),
             entries: format!("{}.entries", self.stream),
             dead: format!("{}.dead", self.stream),
             stream: self.stream,
             durable: self.durable,
             ack_wait: self.ack_wait,
-            consumer: Mutex::new(None),
+            state: Mutex::new(State {
+                consumer: None,
+                ack_wait: self.ack_wait,
+            }),
         };
         source.consumer().await?;
         Ok(source)
@@ -129,16 +148,23 @@ impl JetStreamBuilder {
 /// A durable pull consumer of a JetStream stream's `STREAM.entries`, dead letters on
 /// `STREAM.dead`. See the [module documentation](self).
 pub struct JetStream {
-    client: async_nats::Client,
-    context: jetstream::Context,
+    // Boxed: a source is small enough to sit in an enum beside others.
+    client: Box<async_nats::Client>,
+    context: Box<jetstream::Context>,
     stream: String,
     durable: String,
     entries: String,
     dead: String,
     ack_wait: Duration,
-    /// The consumer's handle and its actual ack wait; `None` after a receive failed, until
-    /// the next one sets the stream and the consumer up again.
-    consumer: Mutex<Option<(PullConsumer, Duration)>>,
+    state: Mutex<State>,
+}
+
+struct State {
+    /// The consumer's handle; `None` after a receive failed, until the next one sets the
+    /// stream and the consumer up again.
+    consumer: Option<Arc<PullConsumer>>,
+    /// The consumer's ack wait, as the server last told it.
+    ack_wait: Duration,
 }
 
 impl fmt::Debug for JetStream {
@@ -217,26 +243,19 @@ impl JetStream {
         &self.dead
     }
 
-    /// The consumer's ack wait, as the server last told it (the configured one until then).
+    /// The consumer's ack wait, as the server told it (an existing consumer keeps its own).
     pub fn ack_wait(&self) -> Duration {
-        self.lock()
-            .as_ref()
-            .map_or(self.ack_wait, |(_, wait)| *wait)
+        self.lock().ack_wait
     }
 
-    /// The client, to publish with or to inspect the stream.
-    pub fn client(&self) -> &async_nats::Client {
-        &self.client
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(PullConsumer, Duration)>> {
-        self.consumer.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The consumer's handle, setting the stream and the consumer up first when there is none.
-    async fn consumer(&self) -> Result<PullConsumer, SourceError> {
-        if let Some((consumer, _)) = self.lock().as_ref() {
-            return Ok(consumer.clone());
+    async fn consumer(&self) -> Result<Arc<PullConsumer>, SourceError> {
+        if let Some(consumer) = &self.lock().consumer {
+            return Ok(Arc::clone(consumer));
         }
         let config = stream::Config {
             name: self.stream.clone(),
@@ -269,18 +288,21 @@ impl JetStream {
                 )
             })?;
         let wait = consumer.cached_info().config.ack_wait;
-        let wait = if wait.is_zero() {
+        let consumer = Arc::new(consumer);
+        let mut state = self.lock();
+        state.consumer = Some(Arc::clone(&consumer));
+        // Zero: the server's default.
+        state.ack_wait = if wait.is_zero() {
             DEFAULT_ACK_WAIT
         } else {
             wait
         };
-        *self.lock() = Some((consumer.clone(), wait));
         Ok(consumer)
     }
 
     /// Forgets the consumer's handle: the next receive sets the stream and the consumer up.
     fn forget(&self) {
-        *self.lock() = None;
+        self.lock().consumer = None;
     }
 
     fn connected(&self, context: &str) -> Result<(), SourceError> {
@@ -392,13 +414,13 @@ impl JetStream {
     }
 }
 
-/// `reason` on one line (line breaks become spaces, other control characters are dropped), at
-/// most [`MAX_REASON`] bytes.
+/// `reason` on one line (line breaks and tabs become spaces, other control characters are
+/// dropped), at most [`MAX_REASON`] bytes.
 fn one_line(reason: &str) -> String {
     let mut line = String::with_capacity(reason.len().min(MAX_REASON));
     for c in reason.chars() {
         let c = match c {
-            '\r' | '\n' => ' ',
+            '\r' | '\n' | '\t' => ' ',
             c if c.is_control() => continue,
             c => c,
         };
@@ -410,7 +432,7 @@ fn one_line(reason: &str) -> String {
     line
 }
 
-/// About the size of `headers` on the wire.
+/// About the size of `headers` on the wire (`max_payload` bounds headers and body together).
 fn headers_len(headers: &HeaderMap) -> usize {
     let fields: usize = headers
         .iter()
@@ -437,21 +459,34 @@ impl Source for JetStream {
         let started = tokio::time::Instant::now();
         self.connected(CONTEXT)?;
         let consumer = self.consumer().await?;
-        let mut batch = match consumer
+        let deadline = started + FETCH_WAIT + FETCH_GRACE;
+        let unanswered = || {
+            SourceError::new(
+                CONTEXT,
+                format!(
+                    "no answer from the server within {:?} (the consumer is set up again)",
+                    FETCH_WAIT + FETCH_GRACE
+                ),
+            )
+        };
+        let fetch = consumer
             .fetch()
             .max_messages(max.max(1))
             .expires(FETCH_WAIT)
-            .messages()
-            .await
-        {
-            Ok(batch) => batch,
-            Err(e) => {
+            .messages();
+        // Bounded: the client's outgoing queue fills while the server is away.
+        let mut batch = match tokio::time::timeout_at(deadline, fetch).await {
+            Ok(Ok(batch)) => batch,
+            Ok(Err(e)) => {
                 self.forget();
                 return Err(SourceError::new(CONTEXT, e));
             }
+            Err(_) => {
+                self.forget();
+                return Err(unanswered());
+            }
         };
-        let deadline = tokio::time::sleep_until(started + FETCH_WAIT + FETCH_GRACE);
-        let mut deadline = std::pin::pin!(deadline);
+        let mut deadline = std::pin::pin!(tokio::time::sleep_until(deadline));
         let mut received = Vec::new();
         loop {
             tokio::select! {
@@ -474,13 +509,7 @@ impl Source for JetStream {
                 () = &mut deadline => {
                     self.forget();
                     if received.is_empty() {
-                        return Err(SourceError::new(
-                            CONTEXT,
-                            format!(
-                                "no answer from the server within {:?} (the consumer is set up again)",
-                                FETCH_WAIT + FETCH_GRACE
-                            ),
-                        ));
+                        return Err(unanswered());
                     }
                     break;
                 }
@@ -518,7 +547,7 @@ impl Source for JetStream {
             ));
         };
         let headers = self.dead_headers(message, delivery, reason, sequence);
-        let size = headers_len(&headers) + self.dead.len() + message.body().len();
+        let size = headers_len(&headers) + message.body().len();
         let max = self.client.server_info().max_payload;
         if max > 0 && size > max {
             return Err(SourceError::new(

@@ -7,13 +7,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use metrics::{Counter, Histogram};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use super::effect::{Effect, Prepared, Processed};
 use super::{
-    DeadLettered, Failure, MESSAGE_DEAD_LETTERS, Outcome, MESSAGE_DURATION, MESSAGE_REDELIVERIES,
-    MESSAGES, Received, SOURCE_ERRORS, Settings, Source, backoff_delay,
+    DeadLettered, Failure, MESSAGE_DEAD_LETTERS, MESSAGE_DURATION, MESSAGE_REDELIVERIES, MESSAGES,
+    Outcome, Received, SOURCE_ERRORS, Settings, Source, backoff_delay,
 };
 
 /// What a consumer did, from its start to its drain: returned by
@@ -54,9 +55,44 @@ impl Counters {
     }
 }
 
+/// The consumer's metrics, registered once with the recorder installed when it starts.
+struct Metrics {
+    /// By outcome, in [`OUTCOMES`]' order.
+    messages: [Counter; 4],
+    durations: [Histogram; 4],
+    redeliveries: Counter,
+    /// `malformed`, `rejected`.
+    dead_letters: [Counter; 2],
+    /// By operation, in [`OPERATIONS`]' order.
+    source_errors: [Counter; 5],
+}
+
+const OUTCOMES: [&str; 4] = ["applied", "duplicate", "retried", "dead_lettered"];
+const OPERATIONS: [&str; 5] = ["receive", "ack", "retry", "dead_letter", "keep_alive"];
+
+impl Metrics {
+    fn register(source: &'static str) -> Metrics {
+        describe();
+        Metrics {
+            messages: OUTCOMES.map(|outcome| {
+                metrics::counter!(MESSAGES, "source" => source, "outcome" => outcome)
+            }),
+            durations: OUTCOMES.map(|outcome| {
+                metrics::histogram!(MESSAGE_DURATION, "source" => source, "outcome" => outcome)
+            }),
+            redeliveries: metrics::counter!(MESSAGE_REDELIVERIES, "source" => source),
+            dead_letters: ["malformed", "rejected"].map(|kind| {
+                metrics::counter!(MESSAGE_DEAD_LETTERS, "source" => source, "kind" => kind)
+            }),
+            source_errors: OPERATIONS.map(|operation| {
+                metrics::counter!(SOURCE_ERRORS, "source" => source, "operation" => operation)
+            }),
+        }
+    }
+}
+
 /// The first pause after the broker failed to deliver, doubled per failure in a row.
-const RECEIVE_BACKOFF: (Duration, Duration) =
-    (Duration::from_millis(100), Duration::from_secs(5));
+const RECEIVE_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
 
 /// Everything a message's task shares with the others.
 struct Shared<S: Source, E: Effect> {
@@ -64,13 +100,14 @@ struct Shared<S: Source, E: Effect> {
     effect: Arc<E>,
     settings: Settings,
     counters: Counters,
+    metrics: Metrics,
     /// Ordering keys with a message being handled, and the messages waiting behind it.
     ordered: Mutex<HashMap<String, VecDeque<Job<S, E>>>>,
 }
 
 /// One received message on its way through.
 struct Job<S: Source, E: Effect> {
-    received: Received<S::Delivery>,
+    received: Arc<Received<S::Delivery>>,
     prepared: Result<Arc<Prepared<E::Input>>, Failure>,
     started: Instant,
     _permit: OwnedSemaphorePermit,
@@ -82,9 +119,9 @@ pub(crate) async fn run<S: Source, E: Effect>(
     effect: Arc<E>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Report {
-    describe();
     let slots = Arc::new(Semaphore::new(settings.concurrency));
     let shared = Arc::new(Shared {
+        metrics: Metrics::register(source.name()),
         source,
         effect,
         settings,
@@ -132,7 +169,7 @@ pub(crate) async fn run<S: Source, E: Effect>(
                 batch
             }
             Err(error) => {
-                shared.source_error("receive", &error);
+                shared.source_error(0, &error);
                 let pause = backoff_delay(RECEIVE_BACKOFF, u64::from(failures) + 1);
                 failures = failures.saturating_add(1);
                 tracing::warn!(source = name, %error, "cannot receive messages; trying again in {pause:?}");
@@ -155,15 +192,18 @@ pub(crate) async fn run<S: Source, E: Effect>(
                 },
             };
             if received.message.deliveries() > 1 {
-                metrics::counter!(MESSAGE_REDELIVERIES, "source" => name).increment(1);
+                shared.metrics.redeliveries.increment(1);
             }
-            let prepared = shared
-                .effect
-                .prepare(&received.message)
-                .map(Arc::new);
+            // A decoder that panics fails its message (as data the handler cannot take:
+            // dead-lettered after max_deliveries), not the consumer.
+            let prepared = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                shared.effect.prepare(&received.message)
+            }))
+            .unwrap_or_else(|_| Err(Failure::Rejected("the decoder panicked".into())))
+            .map(Arc::new);
             let ordering = prepared.as_ref().ok().and_then(|p| p.ordering.clone());
             let job = Job {
-                received,
+                received: Arc::new(received),
                 prepared,
                 started: Instant::now(),
                 _permit: permit,
@@ -171,10 +211,13 @@ pub(crate) async fn run<S: Source, E: Effect>(
             match ordering {
                 None => {
                     let shared = Arc::clone(&shared);
-                    tasks.spawn(async move { shared.finish(job).await });
+                    tasks.spawn(async move { shared.finish(job, None).await });
                 }
                 Some(key) => {
-                    let mut ordered = shared.ordered.lock().unwrap_or_else(PoisonError::into_inner);
+                    let mut ordered = shared
+                        .ordered
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner);
                     if let Some(waiting) = ordered.get_mut(&key) {
                         waiting.push_back(job);
                         continue;
@@ -199,7 +242,7 @@ impl<S: Source, E: Effect> Shared<S, E> {
     async fn finish_in_order(self: Arc<Self>, key: String, job: Job<S, E>) {
         let mut next = Some(job);
         while let Some(job) = next.take() {
-            self.finish(job).await;
+            self.finish(job, Some(&key)).await;
             let mut ordered = self.ordered.lock().unwrap_or_else(PoisonError::into_inner);
             match ordered.get_mut(&key).and_then(VecDeque::pop_front) {
                 Some(job) => next = Some(job),
@@ -210,8 +253,9 @@ impl<S: Source, E: Effect> Shared<S, E> {
         }
     }
 
-    /// Applies one message and answers the broker.
-    async fn finish(self: &Arc<Self>, job: Job<S, E>) {
+    /// Applies one message and answers the broker. Messages waiting behind it on its
+    /// ordering key are kept alive with it.
+    async fn finish(self: &Arc<Self>, job: Job<S, E>, ordering: Option<&str>) {
         let Job {
             received,
             prepared,
@@ -220,37 +264,63 @@ impl<S: Source, E: Effect> Shared<S, E> {
         } = job;
         let processed = match prepared {
             Err(failure) => Processed::Failed(failure),
-            Ok(prepared) => self.apply(&received.delivery, prepared).await,
+            Ok(prepared) => self.apply(&received.delivery, prepared, ordering).await,
         };
         let outcome = self.answer(&received, processed).await;
-        let name = self.source.name();
-        metrics::counter!(MESSAGES, "source" => name, "outcome" => outcome).increment(1);
-        metrics::histogram!(MESSAGE_DURATION, "source" => name, "outcome" => outcome)
-            .record(started.elapsed());
+        self.metrics.messages[outcome].increment(1);
+        self.metrics.durations[outcome].record(started.elapsed());
+    }
+
+    /// Keeps `delivery` alive, and the messages waiting behind it on `ordering`.
+    async fn keep_alive(&self, delivery: &S::Delivery, ordering: Option<&str>) {
+        let waiting: Vec<Arc<Received<S::Delivery>>> = match ordering {
+            None => Vec::new(),
+            Some(key) => self
+                .ordered
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(key)
+                .map(|queue| queue.iter().map(|job| Arc::clone(&job.received)).collect())
+                .unwrap_or_default(),
+        };
+        let deliveries = std::iter::once(delivery).chain(waiting.iter().map(|r| &r.delivery));
+        for delivery in deliveries {
+            if let Err(error) = self.source.keep_alive(delivery).await {
+                self.source_error(4, &error);
+            }
+        }
     }
 
     /// Runs the effect on a task of its own (a handler that panics fails its message, not the
     /// consumer), keeping the message alive at the broker while it runs.
-    async fn apply(&self, delivery: &S::Delivery, prepared: Arc<Prepared<E::Input>>) -> Processed {
+    async fn apply(
+        &self,
+        delivery: &S::Delivery,
+        prepared: Arc<Prepared<E::Input>>,
+        ordering: Option<&str>,
+    ) -> Processed {
         let effect = Arc::clone(&self.effect);
-        let mut work =
-            std::pin::pin!(tokio::spawn(async move { effect.apply(&prepared).await }));
-        let joined = match self.source.keep_alive_every() {
-            None => work.await,
-            Some(every) => {
-                let mut ticks = tokio::time::interval_at(
-                    tokio::time::Instant::now() + every,
-                    every,
-                );
-                loop {
-                    tokio::select! {
-                        joined = &mut work => break joined,
-                        _ = ticks.tick() => {
-                            if let Err(error) = self.source.keep_alive(delivery).await {
-                                self.source_error("keep_alive", &error);
-                            }
-                        }
-                    }
+        let mut work = tokio::spawn(async move { effect.apply(&prepared).await });
+        let limit = self.limit();
+        let deadline = tokio::time::sleep(limit.unwrap_or(Duration::from_secs(365 * 86_400)));
+        let mut deadline = std::pin::pin!(deadline);
+        let every = self.source.keep_alive_every();
+        let mut ticks = tokio::time::interval_at(
+            tokio::time::Instant::now() + every.unwrap_or(Duration::from_secs(3600)),
+            every.unwrap_or(Duration::from_secs(3600)),
+        );
+        let joined = loop {
+            tokio::select! {
+                joined = &mut work => break joined,
+                _ = ticks.tick(), if every.is_some() => self.keep_alive(delivery, ordering).await,
+                () = &mut deadline, if limit.is_some() => {
+                    // Stopped before the broker takes the message back on its own: its claim
+                    // is released (or its transaction rolled back) and it is retried.
+                    work.abort();
+                    let limit = limit.unwrap_or_default();
+                    return Processed::Failed(Failure::Transient(format!(
+                        "the handler ran longer than {limit:?} and was stopped"
+                    )));
                 }
             }
         };
@@ -265,8 +335,17 @@ impl<S: Source, E: Effect> Shared<S, E> {
         }
     }
 
-    /// Acknowledges, retries or dead-letters; the outcome's label.
-    async fn answer(&self, received: &Received<S::Delivery>, processed: Processed) -> &'static str {
+    /// The longest a message's effect may run: the consumer's handler timeout or the source's
+    /// handling limit, whichever is shorter.
+    fn limit(&self) -> Option<Duration> {
+        match (self.settings.handler_timeout, self.source.handling_limit()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Acknowledges, retries or dead-letters; the outcome's index in [`OUTCOMES`].
+    async fn answer(&self, received: &Received<S::Delivery>, processed: Processed) -> usize {
         let Received { message, delivery } = received;
         let name = self.source.name();
         let counters = &self.counters;
@@ -275,35 +354,55 @@ impl<S: Source, E: Effect> Shared<S, E> {
                 let duplicate = matches!(processed, Processed::Duplicate);
                 if let Err(error) = self.source.ack(delivery).await {
                     // Applied and recorded: its redelivery is a duplicate.
-                    self.source_error("ack", &error);
+                    self.source_error(1, &error);
                 }
-                self.observe(message, if duplicate { Outcome::Duplicate } else { Outcome::Applied });
+                self.observe(
+                    message,
+                    if duplicate {
+                        Outcome::Duplicate
+                    } else {
+                        Outcome::Applied
+                    },
+                );
                 if duplicate {
                     counters.duplicates.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(source = name, position = message.position(), "duplicate acknowledged");
-                    "duplicate"
+                    tracing::debug!(
+                        source = name,
+                        position = message.position(),
+                        "duplicate acknowledged"
+                    );
+                    1
                 } else {
                     counters.applied.fetch_add(1, Ordering::Relaxed);
-                    "applied"
+                    0
                 }
             }
             Processed::Failed(failure) => {
                 let kind = match &failure {
-                    Failure::Malformed(_) => Some("malformed"),
+                    Failure::Malformed(_) => Some(0),
                     Failure::Rejected(_)
                         if message.deliveries() >= self.settings.max_deliveries =>
                     {
-                        Some("rejected")
+                        Some(1)
                     }
                     _ => None,
                 };
                 if let Some(kind) = kind {
-                    return match self.source.dead_letter(message, delivery, failure.reason()).await {
-                        Ok(written) => {
-                            if written == DeadLettered::Now {
+                    return match self
+                        .source
+                        .dead_letter(message, delivery, failure.reason())
+                        .await
+                    {
+                        // Another consumer answered it meanwhile: nothing was written here.
+                        Ok(DeadLettered::Already) => {
+                            counters.duplicates.fetch_add(1, Ordering::Relaxed);
+                            self.observe(message, Outcome::Duplicate);
+                            1
+                        }
+                        Ok(DeadLettered::Now) => {
+                            {
                                 counters.dead_lettered.fetch_add(1, Ordering::Relaxed);
-                                metrics::counter!(MESSAGE_DEAD_LETTERS, "source" => name, "kind" => kind)
-                                    .increment(1);
+                                self.metrics.dead_letters[kind].increment(1);
                                 tracing::warn!(
                                     source = name,
                                     position = message.position(),
@@ -313,14 +412,20 @@ impl<S: Source, E: Effect> Shared<S, E> {
                                 );
                                 self.observe(message, Outcome::DeadLettered { failure: &failure });
                             }
-                            "dead_lettered"
+                            3
                         }
                         Err(error) => {
                             // Still the broker's: delivered again, and dead-lettered then.
-                            self.source_error("dead_letter", &error);
-                            self.observe(message, Outcome::Retried { failure: &failure, delay: Duration::ZERO });
+                            self.source_error(3, &error);
+                            self.observe(
+                                message,
+                                Outcome::Retried {
+                                    failure: &failure,
+                                    delay: Duration::ZERO,
+                                },
+                            );
                             counters.retried.fetch_add(1, Ordering::Relaxed);
-                            "retried"
+                            2
                         }
                     };
                 }
@@ -334,33 +439,52 @@ impl<S: Source, E: Effect> Shared<S, E> {
                     "message not applied; retried in {delay:?}"
                 );
                 if let Err(error) = self.source.retry(delivery, delay).await {
-                    self.source_error("retry", &error);
+                    self.source_error(2, &error);
                 }
-                self.observe(message, Outcome::Retried { failure: &failure, delay });
+                self.observe(
+                    message,
+                    Outcome::Retried {
+                        failure: &failure,
+                        delay,
+                    },
+                );
                 counters.retried.fetch_add(1, Ordering::Relaxed);
-                "retried"
+                2
             }
         }
     }
 
+    /// Tells the observer; one that panics is logged, and harms nothing else.
     fn observe(&self, message: &super::Message, outcome: Outcome<'_>) {
         if let Some(observer) = &self.settings.observer {
-            observer(message, outcome);
+            let observed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                observer(message, outcome)
+            }));
+            if observed.is_err() {
+                tracing::error!(
+                    position = message.position(),
+                    "the consumer's observer panicked"
+                );
+            }
         }
     }
 
-    fn source_error(&self, operation: &'static str, error: &super::SourceError) {
+    /// Counts and logs a failed broker operation, `OPERATIONS[operation]`.
+    fn source_error(&self, operation: usize, error: &super::SourceError) {
         self.counters.source_errors.fetch_add(1, Ordering::Relaxed);
+        self.metrics.source_errors[operation].increment(1);
         let name = self.source.name();
-        metrics::counter!(SOURCE_ERRORS, "source" => name, "operation" => operation)
-            .increment(1);
-        tracing::warn!(source = name, operation, %error, "broker operation failed");
+        tracing::warn!(source = name, operation = OPERATIONS[operation], %error, "broker operation failed");
     }
 }
 
 fn describe() {
     use metrics::Unit;
-    metrics::describe_counter!(MESSAGES, Unit::Count, "Messages consumed, by source and outcome.");
+    metrics::describe_counter!(
+        MESSAGES,
+        Unit::Count,
+        "Messages consumed, by source and outcome."
+    );
     metrics::describe_histogram!(
         MESSAGE_DURATION,
         Unit::Seconds,
