@@ -55,7 +55,8 @@ fn prepare<D: Decode + ?Sized>(
 fn sort(error: Error) -> Processed {
     match error {
         Error::FingerprintMismatch => Processed::Failed(Failure::Malformed(
-            "fingerprint mismatch: the key was already used for a message with other content".into(),
+            "fingerprint mismatch: the key was already used for a message with other content"
+                .into(),
         )),
         // The work ran once; its result was not kept. Running it again is what the record
         // forbids: the message is done.
@@ -228,9 +229,7 @@ pub(crate) mod transactional {
             if let Err(error) = pending.complete(&mut tx, &output).await {
                 return Ok(sort(error));
             }
-            tx.commit()
-                .await
-                .map_err(|e| sql_failure("commit", &e))?;
+            tx.commit().await.map_err(|e| sql_failure("commit", &e))?;
             Ok(Processed::Applied)
         }
     }

@@ -428,7 +428,10 @@ fn entries(value: Value) -> Vec<Received<EntryId>> {
                 }
                 _ => {}
             }
-            if let Some(id) = message.field("id").and_then(|id| std::str::from_utf8(id).ok()) {
+            if let Some(id) = message
+                .field("id")
+                .and_then(|id| std::str::from_utf8(id).ok())
+            {
                 message.id = Some(id.to_owned());
             }
             Some(Received {
