@@ -2,8 +2,8 @@
 //! (its port then refuses connections), starts again on the same port with the same data, and
 //! accepts connections again.
 //!
-//! - NATS: a JetStream stream (file storage), created before the kill, is there after the
-//!   restart (spoken to in the NATS protocol directly: no client library).
+//! - NATS: a JetStream stream (file storage) and a message it acknowledged just before the kill
+//!   are there after the restart (spoken to in the NATS protocol directly: no client library).
 //! - RabbitMQ: a quorum queue, declared before the kill (`rabbitmqctl eval`), is listed by
 //!   `rabbitmqctl list_queues` after the restart.
 //!
@@ -90,6 +90,9 @@ async fn nats_survives_sigkill_with_its_jetstream_store() {
     )
     .await;
     assert!(created.get("error").is_none(), "stream create: {created}");
+    // Acknowledged by JetStream, then killed at once.
+    let ack = nats_request(port, "smoke.one", "hello").await;
+    assert_eq!(ack["seq"], 1, "publish: {ack}");
 
     nats.kill().await;
     assert!(nats.pid().is_none());
@@ -108,6 +111,10 @@ async fn nats_survives_sigkill_with_its_jetstream_store() {
     assert_eq!(
         info["config"]["name"], "SMOKE",
         "the stream is gone after the restart: {info}"
+    );
+    assert_eq!(
+        info["state"]["messages"], 1,
+        "the acknowledged message is gone after the restart: {info}"
     );
 }
 

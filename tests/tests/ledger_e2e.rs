@@ -32,7 +32,6 @@
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::process::Stdio;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -42,8 +41,8 @@ use idempotent_core::postgres::{Message, Outbox};
 use redis::Value;
 use redis::aio::MultiplexedConnection;
 use sqlx::PgPool;
-use tokio::io::{AsyncBufReadExt, BufReader, Lines};
-use tokio::process::{Child, ChildStdout, Command};
+use support::ledger::{Consumer, Database, Deadline, Rng};
+use tokio::process::Command;
 
 /// The consumer group the example creates.
 const GROUP: &str = "ledger";
@@ -52,51 +51,9 @@ const GROUP: &str = "ledger";
 const ACCOUNTS_TABLE: &str =
     "CREATE TABLE IF NOT EXISTS accounts (account text PRIMARY KEY, balance bigint NOT NULL)";
 
-/// A small deterministic generator, so a failing run can be repeated from its printed seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-/// Fails the test with `what` once `within` has passed; waits between checks.
-struct Deadline {
-    at: tokio::time::Instant,
-    what: String,
-}
-
-impl Deadline {
-    fn after(within: Duration, what: impl Into<String>) -> Deadline {
-        Deadline {
-            at: tokio::time::Instant::now() + within,
-            what: what.into(),
-        }
-    }
-
-    async fn tick(&self) {
-        assert!(
-            tokio::time::Instant::now() < self.at,
-            "timed out: {}",
-            self.what
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// A PostgreSQL database and a Redis stream of one test's own.
 struct Fixture {
-    admin: PgPool,
-    database: String,
-    database_url: String,
+    db: Database,
     redis_url: String,
     stream: String,
     redis: MultiplexedConnection,
@@ -106,19 +63,8 @@ impl Fixture {
     /// `None` when the backends are not configured (and not required).
     async fn new(name: &str) -> Option<Fixture> {
         let redis_url = backend_url("IDEMPOTENT_TEST_REDIS_URL")?;
-        let postgres_url = backend_url("IDEMPOTENT_TEST_POSTGRES_URL")?;
-        let database = format!("ledger_{name}_{}", std::process::id());
-        let admin = PgPool::connect(&postgres_url).await.unwrap();
-        sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
-            .execute(&admin)
-            .await
-            .unwrap();
-        sqlx::query(&format!("CREATE DATABASE {database}"))
-            .execute(&admin)
-            .await
-            .unwrap();
-        let database_url = format!("{}/{database}", postgres_url.rsplit_once('/').unwrap().0);
-        let stream = database.clone();
+        let db = Database::create(&format!("ledger_{name}_{}", std::process::id())).await?;
+        let stream = db.name.clone();
         let client = redis::Client::open(redis_url.as_str()).unwrap();
         let mut redis = client.get_multiplexed_async_connection().await.unwrap();
         let _: () = redis::cmd("DEL")
@@ -128,9 +74,7 @@ impl Fixture {
             .await
             .unwrap();
         Some(Fixture {
-            admin,
-            database,
-            database_url,
+            db,
             redis_url,
             stream,
             redis,
@@ -141,7 +85,7 @@ impl Fixture {
     fn env(&self, settings: &[(&'static str, &str)]) -> Vec<(&'static str, String)> {
         let mut env = vec![
             ("REDIS_URL", self.redis_url.clone()),
-            ("DATABASE_URL", self.database_url.clone()),
+            ("DATABASE_URL", self.db.url.clone()),
             ("STREAM", self.stream.clone()),
         ];
         env.extend(settings.iter().map(|(k, v)| (*k, (*v).to_owned())));
@@ -149,7 +93,7 @@ impl Fixture {
     }
 
     async fn db(&self) -> PgPool {
-        PgPool::connect(&self.database_url).await.unwrap()
+        self.db.pool().await
     }
 
     /// Adds an entry with `fields` to the stream; its id.
@@ -299,13 +243,7 @@ impl Fixture {
     }
 
     async fn drop_database(self) {
-        sqlx::query(&format!(
-            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-            self.database
-        ))
-        .execute(&self.admin)
-        .await
-        .unwrap();
+        self.db.drop_database().await;
     }
 }
 
@@ -338,137 +276,6 @@ impl DeadLetter {
             .collect();
         assert_eq!(names, ["reason", "entry", "deliveries"]);
         &self.fields[3..]
-    }
-}
-
-/// A running `ledger` (or `relay`) process; killed when dropped, and its stderr printed if the
-/// test fails.
-struct Consumer {
-    child: Child,
-    name: String,
-    stdout: Option<Lines<BufReader<ChildStdout>>>,
-    log: Arc<Mutex<String>>,
-    /// How the line the process prints once it works starts.
-    ready_line: &'static str,
-}
-
-impl Consumer {
-    /// Starts the process without waiting for it to be ready.
-    fn spawn(env: &[(&str, String)], name: impl Into<String>) -> Consumer {
-        Consumer::spawn_example("ledger", "consuming ", env, name.into())
-    }
-
-    /// Starts a `relay` process and waits until it relays.
-    async fn relay(env: &[(&str, String)], name: impl Into<String>) -> Consumer {
-        let mut relay = Consumer::spawn_example("relay", "relaying to ", env, name.into());
-        relay.ready().await;
-        relay
-    }
-
-    fn spawn_example(
-        example: &str,
-        ready_line: &'static str,
-        env: &[(&str, String)],
-        name: String,
-    ) -> Consumer {
-        let mut child = Command::new(support::example_binary(example))
-            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-            .env("CONSUMER", &name)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start the ledger example");
-        let log = Arc::new(Mutex::new(String::new()));
-        let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
-        let sink = Arc::clone(&log);
-        tokio::spawn(async move {
-            while let Ok(Some(line)) = stderr.next_line().await {
-                let mut log = sink.lock().unwrap_or_else(PoisonError::into_inner);
-                log.push_str(&line);
-                log.push('\n');
-            }
-        });
-        let stdout = BufReader::new(child.stdout.take().unwrap()).lines();
-        Consumer {
-            child,
-            name,
-            stdout: Some(stdout),
-            log,
-            ready_line,
-        }
-    }
-
-    async fn start(env: &[(&str, String)], name: impl Into<String>) -> Consumer {
-        let mut consumer = Consumer::spawn(env, name);
-        consumer.ready().await;
-        consumer
-    }
-
-    /// Waits for the line the consumer prints once it consumes.
-    async fn ready(&mut self) {
-        let mut lines = self.stdout.take().expect("not waited for yet");
-        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-            .await
-            .expect("the consumer did not start within 30 s")
-            .unwrap();
-        let Some(line) = line else {
-            let status = self.child.wait().await.unwrap();
-            panic!("{} exited before it was ready: {status}", self.name);
-        };
-        let ready = match self.ready_line {
-            "consuming " => line.ends_with(&format!(" as {}", self.name)),
-            _ => true,
-        };
-        assert!(line.starts_with(self.ready_line) && ready, "{line}");
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    }
-
-    fn log(&self) -> String {
-        self.log
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-
-    async fn wait_for_log(&self, needle: &str, within: Duration) {
-        let deadline = Deadline::after(within, format!("{} never logged {needle:?}", self.name));
-        while !self.log().contains(needle) {
-            deadline.tick().await;
-        }
-    }
-
-    fn signal(&self, signal: &str) {
-        let pid = self.child.id().expect("running consumer");
-        assert!(support::signal(pid, signal), "kill -{signal} {pid}");
-    }
-
-    async fn kill(&mut self) {
-        self.signal("KILL");
-        let _ = self.child.wait().await;
-    }
-
-    /// SIGTERM: the consumer finishes the entry in hand and exits 0.
-    async fn stop(&mut self) {
-        self.signal("TERM");
-        let status = tokio::time::timeout(Duration::from_secs(10), self.child.wait())
-            .await
-            .expect("the consumer did not stop on SIGTERM")
-            .unwrap();
-        assert!(status.success(), "{}: {status}", self.name);
-    }
-}
-
-impl Drop for Consumer {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!(
-                "----- {} stderr -----\n{}----- end of {} stderr -----",
-                self.name,
-                self.log(),
-                self.name
-            );
-        }
     }
 }
 
@@ -1146,8 +953,8 @@ async fn blocked_entry(
         Unblock::Timeout | Unblock::TerminateBackend => None,
     };
     if let Some(setting) = database_setting {
-        sqlx::query(&format!("ALTER DATABASE {} SET {setting}", fx.database))
-            .execute(&fx.admin)
+        sqlx::query(&format!("ALTER DATABASE {} SET {setting}", fx.db.name))
+            .execute(&fx.db.admin)
             .await
             .unwrap();
     }

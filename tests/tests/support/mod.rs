@@ -1,10 +1,11 @@
 //! Running the example servers as real processes, and an HTTP client for both protocols;
 //! store servers of a test's own in [`private`], message brokers of a test's own in
-//! [`brokers`].
+//! [`brokers`], the `ledger` example's processes and database in [`ledger`].
 
 #![allow(dead_code, unreachable_pub)]
 
 pub mod brokers;
+pub mod ledger;
 pub mod private;
 
 use std::future::Future;

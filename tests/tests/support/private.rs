@@ -1,6 +1,7 @@
 //! Store servers of a test's own, for tests that disturb them: a private `redis-server` or
 //! PostgreSQL server in a temporary directory, frozen with `SIGSTOP` / `SIGCONT` or (Redis)
-//! reconfigured while the app uses it, and removed when dropped.
+//! reconfigured, or killed with `SIGKILL` and restarted, while the app uses it, and removed
+//! when dropped.
 //!
 //! Starting one assumes its binaries are installed: whether a test runs without them (it says
 //! so loudly) or fails (backends required) is the test's decision, made before it starts one.
@@ -83,20 +84,52 @@ pub struct PrivateRedis {
     child: Child,
     port: u16,
     dir: PathBuf,
+    durable: bool,
 }
 
 impl PrivateRedis {
     /// Starts `redis-server` (which must be on `PATH`) in a directory named after `name`, and
-    /// waits until it answers.
+    /// waits until it answers. No persistence.
     pub async fn start(name: &str) -> PrivateRedis {
+        PrivateRedis::launch(name, false).await
+    }
+
+    /// Like [`start`](Self::start), with the append-only file on and fsynced before each
+    /// reply (`appendfsync always`): whatever it acknowledged survives a `SIGKILL` and a
+    /// [`restart`](Self::restart).
+    pub async fn start_durable(name: &str) -> PrivateRedis {
+        PrivateRedis::launch(name, true).await
+    }
+
+    async fn launch(name: &str, durable: bool) -> PrivateRedis {
         let dir = private_dir(&format!("redis-{name}"));
         let port = free_port();
-        let child = Command::new("redis-server")
+        let child = PrivateRedis::spawn(&dir, port, durable);
+        let redis = PrivateRedis {
+            child,
+            port,
+            dir,
+            durable,
+        };
+        redis.wait_ready().await;
+        redis
+    }
+
+    fn spawn(dir: &Path, port: u16, durable: bool) -> Child {
+        // A pid file left by a killed server would pass for the new one's.
+        let _ = std::fs::remove_file(dir.join("redis.pid"));
+        let persistence: &[&str] = if durable {
+            &["--appendonly", "yes", "--appendfsync", "always"]
+        } else {
+            &["--appendonly", "no"]
+        };
+        Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
+            .args(["--save", ""])
+            .args(persistence)
             .args(["--maxmemory-policy", "noeviction", "--daemonize", "no"])
             .arg("--dir")
-            .arg(&dir)
+            .arg(dir)
             .arg("--pidfile")
             .arg(dir.join("redis.pid"))
             .arg("--logfile")
@@ -104,17 +137,41 @@ impl PrivateRedis {
             .stdout(Stdio::null())
             .kill_on_drop(true)
             .spawn()
-            .expect("start redis-server: it must be on PATH (scripts/test.sh installs it)");
-        let redis = PrivateRedis { child, port, dir };
+            .expect("start redis-server: it must be on PATH (scripts/test.sh installs it)")
+    }
+
+    async fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !(redis.ping().await && redis.dir.join("redis.pid").exists()) {
+        while !(self.ping().await && self.dir.join("redis.pid").exists()) {
             assert!(
                 Instant::now() < deadline,
-                "redis-server did not start on port {port} within 10 s"
+                "redis-server did not start on port {} within 10 s",
+                self.port
             );
             sleep(Duration::from_millis(50)).await;
         }
-        redis
+    }
+
+    /// `SIGKILL`s the server and waits until it has exited (its port then refuses
+    /// connections).
+    pub async fn kill(&mut self) {
+        let _ = self.child.start_kill();
+        within(
+            "redis-server to exit after SIGKILL",
+            Duration::from_secs(10),
+            self.child.wait(),
+        )
+        .await
+        .expect("wait for redis-server");
+    }
+
+    /// Starts the server again on the same port, with the same directory and settings
+    /// (killing it first if it runs), and waits until it answers: a durable one has loaded
+    /// its append-only file by then.
+    pub async fn restart(&mut self) {
+        self.kill().await;
+        self.child = PrivateRedis::spawn(&self.dir, self.port, self.durable);
+        self.wait_ready().await;
     }
 
     pub fn url(&self) -> String {
