@@ -257,8 +257,8 @@ group_alive() {
 # A RabbitMQ node of its own on a free loopback port (AMQP; its distribution port is another
 # free one), with its own node name (rabbit-PORT@localhost), data and log directories, config
 # and Erlang cookie (HOME is its directory: the tests' and the user's home are not touched), no
-# plugins. Exports IDEMPOTENT_TEST_AMQP_URL. `$SERVICES_DIR/rabbitmq/rabbitmqctl ARGS` runs
-# rabbitmqctl against it.
+# plugins. Exports IDEMPOTENT_TEST_AMQP_URL, and IDEMPOTENT_TEST_RABBITMQCTL: a rabbitmqctl
+# bound to this node (`$SERVICES_DIR/rabbitmq/rabbitmqctl ARGS`).
 start_rabbitmq() {
     local scripts
     if ! scripts="$(rabbitmq_scripts)"; then
@@ -331,6 +331,7 @@ EOF
     done
     if [ -n "$up" ] && timeout 60 "$dir/rabbitmqctl" -q await_startup --timeout 50 >"$dir/await.log" 2>&1; then
         export IDEMPOTENT_TEST_AMQP_URL="amqp://guest:guest@127.0.0.1:$port/%2f"
+        export IDEMPOTENT_TEST_RABBITMQCTL="$dir/rabbitmqctl"
         local version
         version="$(grep -aom1 'Starting RabbitMQ [0-9.]*' "$dir/log/rabbit.log" | awk '{print $3}')" || true
         echo "rabbitmq-server ${version:-?} (node $node) on $IDEMPOTENT_TEST_AMQP_URL, ready in $((($(date +%s%N) - started_ns) / 1000000)) ms"

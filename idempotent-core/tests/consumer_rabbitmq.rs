@@ -15,7 +15,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotent_core::consumer::rabbitmq::RabbitMq;
-use idempotent_core::consumer::{Consumer, Decode, Failure, Handler, Message, Report};
+use idempotent_core::consumer::{
+    Consumer, DeadLettered, Decode, Failure, Handler, Message, Received, Report, Source,
+    SourceError,
+};
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::{ClaimHandle, Idempotency};
 use lapin::options::{
@@ -163,6 +166,9 @@ async fn eventually<F: Future<Output = bool>>(
     }
 }
 
+/// An attempt to handle a message: the delivery count it came with, and when it began.
+type Attempt = (u64, Instant);
+
 /// What the handler does with a message, by its id and the attempt (1, 2, …).
 type Behaviour = fn(&str, usize) -> Result<(), Failure>;
 
@@ -172,11 +178,38 @@ struct Counting {
     /// Effects applied, by message id.
     effects: Arc<Mutex<HashMap<String, u32>>>,
     /// Each attempt: the delivery count it came with, and when.
-    attempts: Arc<Mutex<HashMap<String, Vec<(u64, Instant)>>>>,
+    attempts: Arc<Mutex<HashMap<String, Vec<Attempt>>>>,
     behaviour: Behaviour,
     work: Duration,
-    /// Attempts wait while this many ids or more are applied.
-    hold: Arc<AtomicUsize>,
+    /// The highest delivery count each id was received with (duplicates included).
+    received: Arc<Mutex<HashMap<String, u64>>>,
+    /// Holds attempts back, for the reconnection test.
+    gate: Arc<Mutex<Gate>>,
+}
+
+/// Once `from` ids are applied and until `open`, the first `stall` attempts wait (each with
+/// its message in hand) and the others take `slow` each.
+struct Gate {
+    from: usize,
+    stall: usize,
+    stalled: usize,
+    /// Attempts waiting now.
+    waiting: usize,
+    slow: Duration,
+    open: bool,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Gate {
+            from: 0,
+            stall: 0,
+            stalled: 0,
+            waiting: 0,
+            slow: Duration::ZERO,
+            open: true,
+        }
+    }
 }
 
 impl Counting {
@@ -184,9 +217,10 @@ impl Counting {
         Counting {
             effects: Arc::default(),
             attempts: Arc::default(),
+            received: Arc::default(),
             behaviour,
             work,
-            hold: Arc::new(AtomicUsize::new(usize::MAX)),
+            gate: Arc::default(),
         }
     }
 
@@ -194,7 +228,7 @@ impl Counting {
         self.effects.lock().unwrap().len()
     }
 
-    fn attempts(&self, id: &str) -> Vec<(u64, Instant)> {
+    fn attempts(&self, id: &str) -> Vec<Attempt> {
         self.attempts
             .lock()
             .unwrap()
@@ -213,6 +247,11 @@ impl Decode for Counting {
     type Input = Input;
 
     fn decode(&self, message: &Message) -> Result<Input, Failure> {
+        let id = message.id().unwrap_or_default().to_owned();
+        let mut received = self.received.lock().unwrap();
+        let highest = received.entry(id.clone()).or_default();
+        *highest = (*highest).max(message.deliveries());
+        drop(received);
         let body = std::str::from_utf8(message.body())
             .map_err(|_| Failure::Malformed("the body is not UTF-8".into()))?;
         if !body.starts_with("ok:") {
@@ -221,7 +260,7 @@ impl Decode for Counting {
             ));
         }
         Ok(Input {
-            id: message.id().unwrap_or_default().to_owned(),
+            id,
             deliveries: message.deliveries(),
         })
     }
@@ -237,10 +276,29 @@ impl Handler for Counting {
             list.push((input.deliveries, Instant::now()));
             list.len()
         };
-        while self.applied() >= self.hold.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        let applied = self.applied();
+        let held = {
+            let mut gate = self.gate.lock().unwrap();
+            if gate.open || applied < gate.from {
+                None
+            } else if gate.stalled < gate.stall {
+                gate.stalled += 1;
+                gate.waiting += 1;
+                Some(None)
+            } else {
+                Some(Some(gate.slow))
+            }
+        };
+        match held {
+            None => tokio::time::sleep(self.work).await,
+            Some(Some(slow)) => tokio::time::sleep(slow).await,
+            Some(None) => {
+                while !self.gate.lock().unwrap().open {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                self.gate.lock().unwrap().waiting -= 1;
+            }
         }
-        tokio::time::sleep(self.work).await;
         (self.behaviour)(&input.id, attempt)?;
         *self
             .effects
@@ -257,8 +315,8 @@ fn always_ok(_: &str, _: usize) -> Result<(), Failure> {
 }
 
 /// A consumer of `queue` running `handler` on a task; send on the sender to stop it.
-fn start(
-    consumer: Consumer<RabbitMq>,
+fn start<S: Source>(
+    consumer: Consumer<S>,
     handler: Counting,
 ) -> (
     tokio::sync::oneshot::Sender<()>,
@@ -272,6 +330,45 @@ fn start(
             }),
         );
     (stop, run)
+}
+
+/// A source that counts the messages it answered for good: acknowledged or dead-lettered.
+struct Answered<S> {
+    source: S,
+    answered: Arc<AtomicUsize>,
+}
+
+impl<S: Source> Source for Answered<S> {
+    type Delivery = S::Delivery;
+
+    fn name(&self) -> &'static str {
+        self.source.name()
+    }
+
+    async fn receive(&self, max: usize) -> Result<Vec<Received<S::Delivery>>, SourceError> {
+        self.source.receive(max).await
+    }
+
+    async fn ack(&self, delivery: &S::Delivery) -> Result<(), SourceError> {
+        self.source.ack(delivery).await?;
+        self.answered.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    async fn retry(&self, delivery: &S::Delivery, delay: Duration) -> Result<(), SourceError> {
+        self.source.retry(delivery, delay).await
+    }
+
+    async fn dead_letter(
+        &self,
+        message: &Message,
+        delivery: &S::Delivery,
+        reason: &str,
+    ) -> Result<DeadLettered, SourceError> {
+        let written = self.source.dead_letter(message, delivery, reason).await?;
+        self.answered.fetch_add(1, Ordering::SeqCst);
+        Ok(written)
+    }
 }
 
 async fn source(url: &str, queue: &str) -> RabbitMq {
@@ -337,13 +434,19 @@ async fn duplicates_applied_once_and_malformed_dead_lettered() {
     broker.publish(&queue, &messages).await;
 
     let handler = Counting::new(always_ok, Duration::from_millis(2));
+    let answered = Arc::new(AtomicUsize::new(0));
+    let source = Answered {
+        source,
+        answered: Arc::clone(&answered),
+    };
     let started = Instant::now();
     let (stop, run) = start(Consumer::new(source).concurrency(8), handler.clone());
     eventually(
         Duration::from_secs(20),
-        "140 ids applied, 10 dead letters",
+        "200 messages answered, 140 ids applied, 10 dead letters",
         || async {
-            handler.applied() == 140
+            answered.load(Ordering::SeqCst) >= 200
+                && handler.applied() == 140
                 && broker.counts(&dead).await.0 == 10
                 && broker.counts(&queue).await.0 == 0
         },
@@ -360,6 +463,11 @@ async fn duplicates_applied_once_and_malformed_dead_lettered() {
     assert_eq!(report.applied, 140, "{report:?}");
     assert_eq!(report.duplicates, 50, "{report:?}");
     assert_eq!(report.dead_lettered, 10, "{report:?}");
+    assert_eq!(
+        answered.load(Ordering::SeqCst),
+        200,
+        "each message answered once"
+    );
     // Once the consumer's connection is closed, whatever it held unacknowledged would be back
     // on the queue: nothing is.
     eventually(
@@ -550,8 +658,18 @@ fn connections_named(name: &str) -> Vec<String> {
         .collect()
 }
 
+/// The consumer's connections, listed by `rabbitmqctl`.
+async fn connections(name: &str) -> Vec<String> {
+    let name = name.to_owned();
+    tokio::task::spawn_blocking(move || connections_named(&name))
+        .await
+        .unwrap()
+}
+
 /// The broker closes the consumer's connection twice while messages flow: the source
-/// reconnects each time, and every message is applied once.
+/// reconnects each time, every message is applied once, and the messages in hand at a close,
+/// answered only once the source is on its next connection, are not acknowledged there with
+/// their old delivery tags (which would close that connection's channel too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn reconnects_after_the_broker_closes_the_connection() {
     let Some(url) = amqp_url() else { return };
@@ -566,22 +684,25 @@ async fn reconnects_after_the_broker_closes_the_connection() {
     broker.publish(&queue, &messages).await;
 
     let handler = Counting::new(always_ok, Duration::from_millis(2));
-    handler.hold.store(60, Ordering::SeqCst);
-    let (stop, run) = start(Consumer::new(source).concurrency(4), handler.clone());
+    let (stop, run) = start(Consumer::new(source).concurrency(5), handler.clone());
     let mut closed = Vec::new();
-    for (at, next) in [(60, 160), (160, usize::MAX)] {
-        // The consumer's handlers wait, each with a message in hand, while the broker closes
-        // the connection: their acks fail, and the broker delivers those messages again.
-        eventually(Duration::from_secs(15), "messages flowing", || async {
-            handler.applied() >= at
+    let mut current = String::new();
+    for at in [60, 160] {
+        // From `at` applied on, four handlers wait with a message in hand; the fifth goes on,
+        // slowly, through the close and the reconnect.
+        *handler.gate.lock().unwrap() = Gate {
+            from: at,
+            stall: 4,
+            stalled: 0,
+            waiting: 0,
+            slow: Duration::from_millis(200),
+            open: false,
+        };
+        eventually(Duration::from_secs(15), "four messages in hand", || async {
+            handler.gate.lock().unwrap().stalled == 4
         })
         .await;
-        let pids = tokio::task::spawn_blocking({
-            let name = name.clone();
-            move || connections_named(&name)
-        })
-        .await
-        .unwrap();
+        let pids = connections(&name).await;
         assert_eq!(pids.len(), 1, "the consumer's connections: {pids:?}");
         assert!(!closed.contains(&pids[0]), "{} was closed already", pids[0]);
         let pid = pids[0].clone();
@@ -592,11 +713,25 @@ async fn reconnects_after_the_broker_closes_the_connection() {
         .await
         .unwrap();
         closed.push(pid);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        current = loop {
+            let pids = connections(&name).await;
+            match pids.as_slice() {
+                [pid] if !closed.contains(pid) => break pid.clone(),
+                _ => assert!(Instant::now() < deadline, "not reconnected: {pids:?}"),
+            }
+        };
         assert!(
             handler.applied() < 300,
             "the messages were all applied before the close"
         );
-        handler.hold.store(next, Ordering::SeqCst);
+        handler.gate.lock().unwrap().open = true;
+        eventually(
+            Duration::from_secs(5),
+            "the messages in hand released",
+            || async { handler.gate.lock().unwrap().waiting == 0 },
+        )
+        .await;
     }
     eventually(
         Duration::from_secs(20),
@@ -604,13 +739,11 @@ async fn reconnects_after_the_broker_closes_the_connection() {
         || async { handler.applied() == 300 },
     )
     .await;
-    let reconnected = tokio::task::spawn_blocking(move || connections_named(&name))
-        .await
-        .unwrap();
-    assert_eq!(reconnected.len(), 1, "{reconnected:?}");
-    assert!(
-        !closed.contains(&reconnected[0]),
-        "not reconnected: {reconnected:?}"
+    let last = connections(&name).await;
+    assert_eq!(
+        last,
+        [current],
+        "the connection opened after the last close was closed too"
     );
     stop.send(()).unwrap();
     let report = run.await.unwrap();
@@ -622,8 +755,21 @@ async fn reconnects_after_the_broker_closes_the_connection() {
     assert_eq!(report.applied, 300, "{report:?}");
     // At least the acks of the messages in hand at each close failed, and those messages
     // came back as duplicates.
-    assert!(report.source_errors >= 2, "{report:?}");
-    assert!(report.duplicates >= 2, "{report:?}");
+    assert!(report.source_errors >= 8, "{report:?}");
+    assert!(report.duplicates >= 8, "{report:?}");
+    // The quorum queue counted the deliveries each close returned to it: those in hand and
+    // those prefetched.
+    let redelivered = handler
+        .received
+        .lock()
+        .unwrap()
+        .values()
+        .filter(|deliveries| **deliveries > 1)
+        .count();
+    assert!(
+        redelivered >= 8,
+        "{redelivered} messages came with a delivery count"
+    );
     eventually(
         Duration::from_secs(5),
         "the consumer's connection closed",
@@ -653,7 +799,13 @@ async fn queues_declared_by_a_publisher_first() {
     broker
         .publish(&queue, &[("early".to_owned(), b"ok:early".to_vec())])
         .await;
-    let source = source(&url, &queue).await;
+    let source = RabbitMq::builder(&url, &queue)
+        .consumer_timeout(Duration::from_secs(60))
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("queues declared first were refused: {e}"));
+    // Handlers stop at three quarters of the broker's consumer timeout.
+    assert_eq!(source.handling_limit(), Some(Duration::from_secs(45)));
     let handler = Counting::new(always_ok, Duration::ZERO);
     let (stop, run) = start(Consumer::new(source), handler.clone());
     eventually(
@@ -666,7 +818,7 @@ async fn queues_declared_by_a_publisher_first() {
     assert_eq!(run.await.unwrap().applied, 1);
     broker.delete(&[&queue, &dead]).await;
 
-    // A classic queue of the same name: the source's declaration is refused.
+    // A queue a publisher declared classic: the source refuses to start on it.
     let classic = unique_queue("classic");
     broker
         .channel
@@ -675,10 +827,10 @@ async fn queues_declared_by_a_publisher_first() {
         .unwrap();
     let refused = RabbitMq::builder(&url, &classic).connect().await;
     let error = refused.expect_err("a classic queue was taken for a quorum queue");
+    eprintln!("a classic queue: {error}");
     assert!(
         error.to_string().contains(&classic),
         "the error does not name the queue: {error}"
     );
-    // The refused declaration closed the test's channel's sibling only: clean up from here.
     broker.delete(&[&classic, &format!("{classic}.dead")]).await;
 }

@@ -6,11 +6,12 @@
 //! Every connect declares, durable, the queue `QUEUE` and the dead-letter queue `QUEUE.dead`,
 //! each with the arguments exactly `{"x-queue-type": "quorum"}`. A publisher may declare them
 //! first with those same arguments; a queue that exists with other arguments (a classic queue,
-//! a `x-delivery-limit`) fails the declaration (`PRECONDITION_FAILED`), and so the connect.
+//! an `x-delivery-limit`) fails the declaration (`PRECONDITION_FAILED`), and so the connect.
 //! Quorum queues are replicated and count deliveries (`x-delivery-count`), which the
 //! runtime's [`max_deliveries`](super::Consumer::max_deliveries) relies on. The consumer then
 //! sets `basic.qos` to the [prefetch](RabbitMqBuilder::prefetch) and consumes `QUEUE` with
-//! manual acknowledgements; a second channel, in confirm mode, publishes dead letters.
+//! manual acknowledgements; a second channel, in confirm mode, publishes dead letters. The
+//! connection is named `idempotent:QUEUE` (client property `connection_name`).
 //!
 //! # Messages
 //!
@@ -22,9 +23,11 @@
 //! | [`fields`](Message::fields) | the headers whose value is a string or a byte array, in name order, at most [`MAX_FIELDS`] |
 //! | [`deliveries`](Message::deliveries) | the `x-delivery-count` header plus 1 (any integer type; absent: 1) |
 //!
-//! On RabbitMQ 3.10 to 3.13 a quorum queue sets `x-delivery-count` on each redelivery to the
-//! number of earlier deliveries that were returned (`nack` with requeue, or a channel or
-//! connection closed with the message unacknowledged).
+//! A quorum queue (RabbitMQ 3.10) sets `x-delivery-count` on a redelivery to the number of
+//! earlier deliveries that came back to it: by `nack` with requeue, or by a channel or
+//! connection closed with the message unacknowledged — prefetched messages no handler saw
+//! included. So each connection lost spends one of
+//! [`max_deliveries`](super::Consumer::max_deliveries) of up to the prefetch's messages.
 //!
 //! # Answers
 //!
@@ -38,13 +41,18 @@
 //!   `x-delivery-count`) with `reason` (the reason on one line, at most 4 KiB) and
 //!   `deliveries` (the delivery count, in decimal) set, as strings; waits for the publisher
 //!   confirm (a `nack`, a return or no answer within 30 s is an error and the message is left
-//!   to be delivered again); then `basic.ack`s the original. At least once: a consumer that
-//!   dies between the confirm and the ack dead-letters the message again on its next
-//!   delivery.
+//!   to be delivered again; a return, `QUEUE.dead` gone, also makes the next `receive`
+//!   reconnect, which declares it again); then `basic.ack`s the original. At least once: a
+//!   consumer that dies between the confirm and the ack dead-letters the message again on its
+//!   next delivery.
 //! - No keep-alive: RabbitMQ never redelivers a message while the channel that holds it is
 //!   open, except once `consumer_timeout` (30 minutes by default) passed without an ack, when
 //!   the broker closes the channel and the message goes back to the queue. Keep handlers,
-//!   and backoff delays, well below it.
+//!   and backoff delays, well below it. The source's
+//!   [`handling_limit`](Source::handling_limit) is three quarters of the
+//!   [`consumer_timeout`](RabbitMqBuilder::consumer_timeout) it is told the broker has: the
+//!   runtime stops a handler there and retries its message; the last quarter is left for the
+//!   time a message waits in the prefetch and for a retry's delay.
 //!
 //! # Prefetch
 //!
@@ -87,6 +95,8 @@ use super::{DeadLettered, MAX_FIELDS, Message, Received, Source, SourceError};
 
 /// Unacknowledged messages the broker sends at most, by default.
 pub const DEFAULT_PREFETCH: u16 = 64;
+/// RabbitMQ's default `consumer_timeout`: 30 minutes.
+pub const DEFAULT_CONSUMER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 /// How long [`receive`](Source::receive) waits for a first message.
 const RECEIVE_WAIT: Duration = Duration::from_secs(1);
@@ -115,12 +125,25 @@ impl fmt::Debug for RabbitMq {
 }
 
 /// Builds a [`RabbitMq`]: [`RabbitMq::builder`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct RabbitMqBuilder {
     url: String,
     queue: String,
     prefetch: u16,
     consumer_tag: String,
+    consumer_timeout: Duration,
+}
+
+impl fmt::Debug for RabbitMqBuilder {
+    // Not the URL: it may hold a password.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitMqBuilder")
+            .field("queue", &self.queue)
+            .field("prefetch", &self.prefetch)
+            .field("consumer_tag", &self.consumer_tag)
+            .field("consumer_timeout", &self.consumer_timeout)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The source's handle on one delivery: its tag, the connection it came on, and the
@@ -137,11 +160,6 @@ impl RabbitMqDelivery {
     pub fn delivery_tag(&self) -> u64 {
         self.tag
     }
-
-    /// The message's AMQP properties, headers included.
-    pub fn properties(&self) -> &BasicProperties {
-        &self.properties
-    }
 }
 
 struct Inner {
@@ -150,6 +168,7 @@ struct Inner {
     dead_queue: String,
     prefetch: u16,
     consumer_tag: String,
+    consumer_timeout: Duration,
     /// The last generation opened; each connect takes the next one.
     generation: AtomicU64,
     /// The connection answers go to, while it is healthy as far as `receive` knows.
@@ -194,6 +213,7 @@ impl RabbitMq {
             queue: queue.into(),
             prefetch: DEFAULT_PREFETCH,
             consumer_tag: String::new(),
+            consumer_timeout: DEFAULT_CONSUMER_TIMEOUT,
         }
     }
 
@@ -227,6 +247,16 @@ impl RabbitMqBuilder {
         self
     }
 
+    /// The broker's `consumer_timeout` (default [`DEFAULT_CONSUMER_TIMEOUT`], RabbitMQ's own):
+    /// the runtime stops a handler at three quarters of it
+    /// ([`handling_limit`](Source::handling_limit)). Tell it the broker's setting when that
+    /// was changed.
+    #[must_use]
+    pub fn consumer_timeout(mut self, timeout: Duration) -> Self {
+        self.consumer_timeout = timeout;
+        self
+    }
+
     /// Connects, declares both queues and starts consuming. Fails when the broker cannot be
     /// reached or refuses a declaration (a queue exists with other arguments).
     pub async fn connect(self) -> Result<RabbitMq, SourceError> {
@@ -237,6 +267,7 @@ impl RabbitMqBuilder {
             dead_queue,
             prefetch: self.prefetch,
             consumer_tag: self.consumer_tag,
+            consumer_timeout: self.consumer_timeout,
             generation: AtomicU64::new(0),
             current: Mutex::new(None),
             receiving: tokio::sync::Mutex::new(None),
@@ -456,6 +487,11 @@ fn delivery_count(value: &AMQPValue) -> Option<u64> {
     Some(u64::try_from(count).unwrap_or(0))
 }
 
+/// The longest a handler may run under a broker whose `consumer_timeout` is `timeout`.
+fn handling_limit(timeout: Duration) -> Duration {
+    timeout - timeout / 4
+}
+
 /// `reason` on one line (control characters become spaces), at most [`MAX_REASON`] bytes.
 fn one_line(reason: &str) -> String {
     let mut line = String::with_capacity(reason.len().min(MAX_REASON));
@@ -474,6 +510,10 @@ impl Source for RabbitMq {
 
     fn name(&self) -> &'static str {
         "rabbitmq"
+    }
+
+    fn handling_limit(&self) -> Option<Duration> {
+        Some(handling_limit(self.inner.consumer_timeout))
     }
 
     async fn receive(&self, max: usize) -> Result<Vec<Received<RabbitMqDelivery>>, SourceError> {
@@ -663,6 +703,16 @@ mod tests {
         assert_eq!(delivery_count(&AMQPValue::LongInt(-3)), Some(0));
         assert_eq!(delivery_count(&AMQPValue::ShortShortUInt(7)), Some(7));
         assert_eq!(delivery_count(&AMQPValue::LongString("1".into())), None);
+    }
+
+    #[test]
+    fn handlers_stop_at_three_quarters_of_the_consumer_timeout() {
+        assert_eq!(
+            handling_limit(DEFAULT_CONSUMER_TIMEOUT),
+            Duration::from_secs(22 * 60 + 30)
+        );
+        assert!(handling_limit(Duration::MAX) < Duration::MAX);
+        assert_eq!(handling_limit(Duration::ZERO), Duration::ZERO);
     }
 
     #[test]

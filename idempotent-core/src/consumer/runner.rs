@@ -170,6 +170,10 @@ pub(crate) async fn run<S: Source, E: Effect>(
             }
             Err(error) => {
                 shared.source_error(0, &error);
+                if stopping {
+                    // The shutdown future has completed: it must not be polled again.
+                    break;
+                }
                 let pause = backoff_delay(RECEIVE_BACKOFF, u64::from(failures) + 1);
                 failures = failures.saturating_add(1);
                 tracing::warn!(source = name, %error, "cannot receive messages; trying again in {pause:?}");
