@@ -336,6 +336,8 @@ enum Action {
     TransientUntil(u64),
     /// `panic`: panics. (`boom`: the decoder panics.)
     Panic,
+    /// `slow N MS PAYLOAD`: sleeps MS milliseconds on deliveries before the N-th, then applies.
+    SlowUntil(u64, u64),
 }
 
 #[derive(Debug)]
@@ -477,6 +479,9 @@ impl Decode for Probe {
             Some("reject") => Action::Reject,
             Some("transient") => Action::TransientUntil(number(words.next(), body)?),
             Some("panic") => Action::Panic,
+            Some("slow") => {
+                Action::SlowUntil(number(words.next(), body)?, number(words.next(), body)?)
+            }
             Some("boom") => panic!("the test decoder panics on purpose"),
             _ => return Err(Failure::Malformed(format!("cannot decode {body:?}"))),
         };
@@ -513,6 +518,10 @@ impl Handler for Probe {
             }
             Action::TransientUntil(_) => {}
             Action::Panic => panic!("the test handler panics on purpose"),
+            Action::SlowUntil(n, ms) if input.deliveries < n => {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            Action::SlowUntil(..) => {}
         }
         self.seen
             .effects
@@ -1671,4 +1680,38 @@ fn the_metrics_are_captured_on_a_multi_thread_runtime_too() {
         1
     );
     assert_eq!(recorded.counter(MESSAGE_REDELIVERIES, &[source_label]), 2);
+}
+
+/// A handler stopped at the handler timeout has its claim released and its message retried:
+/// the next delivery runs it at once (not held off as in flight until the lease ends), and
+/// its effect happens once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_past_its_timeout_is_stopped_its_claim_released_and_its_message_retried() {
+    let source = TestSource::new();
+    let position = source.publish("slow-1", "slow 2 60000 once");
+    let quick = source.publish("quick-1", "ok fast");
+    let probe = Probe::default();
+    let consumer = consumer(&source, &probe)
+        .handler_timeout(Duration::from_millis(200))
+        .backoff(Duration::from_millis(5), Duration::from_millis(5));
+    let started = Instant::now();
+    let report = run_until_settled(consumer, memory(), &probe).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the stopped handler's claim held the key: {:?}",
+        started.elapsed()
+    );
+    assert_every_delivery_answered_once(&source, &probe.seen, &report);
+    assert_eq!(report.applied, 2, "{report:?}");
+    assert_eq!(report.retried, 1, "{report:?}");
+    let answers = answers_of(&source, &position);
+    assert_eq!(answers.len(), 2, "{answers:?}");
+    assert_eq!(answers[0], (1, Answer::Retry(Duration::from_millis(5))));
+    assert_eq!(answers[1], (2, Answer::Ack));
+    assert_eq!(answers_of(&source, &quick), [(1, Answer::Ack)]);
+    assert_eq!(probe.seen.effects()["slow-1"].len(), 1);
+    assert!(probe.seen.observed().iter().any(|(_, o)| matches!(
+        o,
+        Observed::Retried(Failure::Transient(reason), _) if reason.contains("ran longer than 200ms")
+    )));
 }
