@@ -172,34 +172,36 @@ struct Config {
     database_url: String,
     max_deliveries: u64,
     ledger: Ledger,
-    notify: Option<RelaySettings>,
-    run_relay: bool,
+    /// With `NOTIFY_URL`: the relay's settings, and whether it runs in this process.
+    relay: Option<(RelaySettings, bool)>,
 }
 
 fn config() -> Result<Config, String> {
     let var =
         |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
+    let duration = |name: &str, default: &str| common::parse_duration(name, &var(name, default));
     let url = var("LEDGER_SOURCE", &var("REDIS_URL", "redis://127.0.0.1:6379"));
     if !AnySource::supports(&url) {
         return Err(format!(
             "LEDGER_SOURCE={url:?} is not a redis://, nats:// or amqp:// URL"
         ));
     }
-    let host =
-        std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "host".into());
-    let timeout =
-        |name: &str, default: &str| match common::parse_duration(name, &var(name, default))?
-            .as_millis()
-        {
-            // PostgreSQL takes both settings in milliseconds, as a 32-bit integer.
-            ms if ms > i32::MAX as u128 => Err(format!(
-                "{name}={:?} is longer than PostgreSQL accepts",
-                var(name, default)
-            )),
-            ms => Ok(format!("{ms}ms")),
-        };
+    // PostgreSQL takes both timeouts in milliseconds, as a 32-bit integer.
+    let timeout = |name: &str, default: &str| match duration(name, default)?.as_millis() {
+        ms if ms > i32::MAX as u128 => Err(format!(
+            "{name}={:?} is longer than PostgreSQL accepts",
+            var(name, default)
+        )),
+        ms => Ok(format!("{ms}ms")),
+    };
     let delay = var("EFFECT_DELAY_MS", "0");
-    let notify = common::relay::relay_settings()?;
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let run_relay = match var("RELAY", "1").as_str() {
+        "1" => true,
+        "0" => false,
+        other => return Err(format!("RELAY={other:?} is neither 0 nor 1")),
+    };
+    let relay = common::relay::relay_settings()?.map(|settings| (settings, run_relay));
     Ok(Config {
         endpoint: Endpoint {
             url,
@@ -209,7 +211,7 @@ fn config() -> Result<Config, String> {
                 "CONSUMER",
                 &format!("{}-{}", host.trim(), std::process::id()),
             ),
-            redelivery: common::parse_duration("CLAIM_IDLE", &var("CLAIM_IDLE", "5s"))?,
+            redelivery: duration("CLAIM_IDLE", "5s")?,
         },
         database_url: var(
             "DATABASE_URL",
@@ -224,14 +226,9 @@ fn config() -> Result<Config, String> {
             effect_delay: Duration::from_millis(delay.parse().map_err(|_| {
                 format!("EFFECT_DELAY_MS={delay:?} is not a number of milliseconds")
             })?),
-            outbox: notify.as_ref().map(|_| Outbox::new()),
+            outbox: relay.as_ref().map(|_| Outbox::new()),
         },
-        run_relay: match var("RELAY", "1").as_str() {
-            "1" => true,
-            "0" => false,
-            other => return Err(format!("RELAY={other:?} is neither 0 nor 1")),
-        },
-        notify,
+        relay,
     })
 }
 
@@ -251,8 +248,8 @@ async fn main() -> ExitCode {
         return ExitCode::FAILURE;
     };
     // The in-process relay, stopped after the consumer.
-    let relay = match (&config.notify, &config.ledger.outbox) {
-        (Some(settings), Some(outbox)) if config.run_relay => {
+    let relay = match (&config.relay, &config.ledger.outbox) {
+        (Some((settings, true)), Some(outbox)) => {
             Some(common::relay::relay(store.pool().clone(), outbox.clone(), settings).spawn())
         }
         _ => None,
@@ -320,21 +317,16 @@ async fn setup(config: &Config) -> Result<PostgresStore, String> {
         .migrate()
         .await
         .map_err(|e| format!("cannot create the idempotency table: {e:?}"))?;
-    let mut tx = store
-        .pool()
-        .begin()
-        .await
-        .map_err(|e| format!("cannot create the accounts table: {e}"))?;
-    for statement in [
-        "SELECT pg_advisory_xact_lock(hashtextextended('ledger: accounts table', 0))",
-        "CREATE TABLE IF NOT EXISTS accounts (account text PRIMARY KEY, balance bigint NOT NULL)",
-    ] {
-        sqlx::query(statement)
+    let accounts = async {
+        let mut tx = store.pool().begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('ledger: accounts table', 0))")
             .execute(&mut *tx)
-            .await
-            .map_err(|e| format!("cannot create the accounts table: {e}"))?;
-    }
-    tx.commit()
+            .await?;
+        let create = "CREATE TABLE IF NOT EXISTS accounts (account text PRIMARY KEY, balance bigint NOT NULL)";
+        sqlx::query(create).execute(&mut *tx).await?;
+        tx.commit().await
+    };
+    accounts
         .await
         .map_err(|e| format!("cannot create the accounts table: {e}"))?;
     if let Some(outbox) = &config.ledger.outbox {
