@@ -844,9 +844,11 @@ async fn most_running_at_once(n: usize, messages: usize) -> usize {
         run_until_settled(consumer(&source, &probe).concurrency(n), memory(), &probe).await;
     assert_eq!(report.applied, messages as u64);
     assert_every_delivery_answered_once(&source, &probe.seen, &report);
+    // Never more asked for than a batch (the default, 32), nor than there is room for in
+    // hand (the concurrency plus a batch).
     let asked = source.lock().asked.clone();
     assert!(
-        asked.iter().all(|&max| max >= 1 && max <= n),
+        asked.iter().all(|&max| max >= 1 && max <= 32),
         "asked for {asked:?}"
     );
     probe.seen.max_running()
@@ -1134,7 +1136,7 @@ async fn a_slow_handlers_message_is_kept_alive_and_quick_ones_are_not() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn shutdown_drains_every_message_in_hand_and_receives_no_more() {
     let source = TestSource::new();
-    for i in 0..80 {
+    for i in 0..200 {
         source.publish(&format!("d-{i}"), &format!("sleep 400 {i}"));
     }
     let probe = Probe::default();
@@ -1144,7 +1146,8 @@ async fn shutdown_drains_every_message_in_hand_and_receives_no_more() {
     let report = started.stop().await;
     let returned = Instant::now();
 
-    // It waited for the handlers, then answered each message it had received.
+    // It waited for the handlers, then for those of the messages waiting in hand for a slot,
+    // and answered each message it had received: at most the concurrency plus a batch.
     assert!(
         returned - stopping >= Duration::from_millis(300),
         "{:?}",
@@ -1152,7 +1155,11 @@ async fn shutdown_drains_every_message_in_hand_and_receives_no_more() {
     );
     assert_eq!(probe.seen.running(), 0);
     let deliveries = source.deliveries();
-    assert_eq!(deliveries.len(), 50, "received nothing after the shutdown");
+    let received = deliveries.len();
+    assert!(
+        (50..=50 + 32).contains(&received),
+        "received {received}: more than the concurrency plus a batch"
+    );
     assert!(deliveries.iter().all(|d| d.answers
         == [Answered {
             answer: Answer::Ack,
@@ -1160,18 +1167,18 @@ async fn shutdown_drains_every_message_in_hand_and_receives_no_more() {
         }]));
     assert_eq!(
         source.lock().ready.len(),
-        30,
+        200 - received,
         "the rest is still the broker's"
     );
-    assert_eq!(report.applied, 50, "{report:?}");
+    assert_eq!(report.applied, received as u64, "{report:?}");
     assert_every_delivery_answered_once(&source, &probe.seen, &report);
     let runs = probe.seen.runs();
-    assert_eq!(runs.len(), 50);
+    assert_eq!(runs.len(), received);
     assert!(runs.iter().all(|r| r.ended.is_some_and(|e| e <= returned)));
     let mut ids: Vec<_> = runs.iter().map(|r| r.id.clone()).collect();
     ids.sort();
     ids.dedup();
-    assert_eq!(ids.len(), 50, "nothing handled twice");
+    assert_eq!(ids.len(), received, "nothing handled twice");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1714,4 +1721,44 @@ async fn a_handler_past_its_timeout_is_stopped_its_claim_released_and_its_messag
         o,
         Observed::Retried(Failure::Transient(reason), _) if reason.contains("ran longer than 200ms")
     )));
+}
+
+/// Messages received beyond the free handler slots wait in hand for one, kept alive meanwhile,
+/// and are then handled: one slot, three messages of 200 ms received in one batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn messages_waiting_for_a_handler_slot_are_kept_alive_until_their_turn() {
+    let source = TestSource::with_keep_alive(Some(Duration::from_millis(20)));
+    let positions: Vec<_> = (0..3)
+        .map(|i| source.publish(&format!("s-{i}"), &format!("sleep 200 {i}")))
+        .collect();
+    let probe = Probe::default();
+    let report =
+        run_until_settled(consumer(&source, &probe).concurrency(1), memory(), &probe).await;
+    assert_every_delivery_answered_once(&source, &probe.seen, &report);
+    assert_eq!(report.applied, 3, "{report:?}");
+    assert_eq!(probe.seen.max_running(), 1);
+    let deliveries = source.deliveries();
+    assert_eq!(deliveries.len(), 3, "each delivered once");
+    let last = &positions[2];
+    let started = probe
+        .seen
+        .runs()
+        .into_iter()
+        .find(|r| r.position == *last)
+        .unwrap()
+        .started;
+    let delivery = deliveries
+        .iter()
+        .find(|d| d.message.position() == last)
+        .unwrap();
+    let waiting = delivery
+        .keep_alives
+        .iter()
+        .filter(|&&at| at < started)
+        .count();
+    // It waited for two handlers of 200 ms: about 20 ticks of 20 ms.
+    assert!(
+        waiting >= 10,
+        "kept alive {waiting} times while it waited for a slot"
+    );
 }

@@ -564,7 +564,9 @@ impl<S: Source> Consumer<S> {
     }
 
     /// The most messages asked of the broker at once (default [`DEFAULT_BATCH`]; at least 1).
-    /// Never more than the free handler slots are asked for.
+    /// At most `concurrency + batch` messages are in hand; a batch is asked for once there is
+    /// room for half of one. Messages waiting for a handler slot are kept alive meanwhile.
+    /// RabbitMQ's prefetch should exceed `concurrency + batch`.
     #[must_use]
     pub fn batch(mut self, batch: usize) -> Self {
         self.settings.batch = batch.max(1);

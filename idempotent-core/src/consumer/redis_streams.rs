@@ -23,9 +23,10 @@
 //!   [`MAX_FIELDS`]). It is added and the original acknowledged in one script, only while
 //!   the original is still pending: an entry is dead-lettered exactly once, even when two
 //!   consumers give up on it at once. The original stays in `STREAM` until it is trimmed.
-//! - **Reconnecting.** The connection is a
-//!   [`ConnectionManager`]: after Redis restarts, the next
-//!   command reconnects. A group lost with the stream (Redis restarted without persistence)
+//! - **Reconnecting.** Two [`ConnectionManager`]s, one for the blocking reads and one for
+//!   everything else (Redis answers nothing else on a connection blocked in `XREADGROUP`):
+//!   after Redis restarts, the next command reconnects. A group lost with the stream (Redis
+//!   restarted without persistence)
 //!   is created again.
 //!
 //! The consumer group is created (with the stream) when missing, reading from the start.
@@ -97,11 +98,18 @@ impl RedisStreamsBuilder {
             .set_connection_timeout(Some(Duration::from_secs(5)))
             .set_response_timeout(Some(Duration::from_secs(10)))
             .set_max_delay(Duration::from_secs(2));
-        let redis = client
-            .get_connection_manager_with_config(config)
-            .await
-            .map_err(|e| SourceError::new(format!("connecting to Redis at {}", self.url), e))?;
+        let connect = || async {
+            client
+                .get_connection_manager_with_config(config.clone())
+                .await
+                .map_err(|e| SourceError::new(format!("connecting to Redis at {}", self.url), e))
+        };
+        // Two connections: Redis answers nothing else on a connection blocked in
+        // `XREADGROUP … BLOCK`, so acknowledgements on the reading connection would wait for
+        // the next entry or the end of the block.
+        let (reader, redis) = (connect().await?, connect().await?);
         let source = RedisStreams {
+            reader,
             redis,
             dead: format!("{}:dead", self.stream),
             stream: self.stream,
@@ -129,6 +137,9 @@ struct Sweep {
 
 /// A Redis Streams consumer group member as a [`Source`]; see the [module](self).
 pub struct RedisStreams {
+    /// Blocking reads only.
+    reader: ConnectionManager,
+    /// Everything else.
     redis: ConnectionManager,
     stream: String,
     dead: String,
@@ -212,7 +223,7 @@ impl RedisStreams {
             .arg("STREAMS")
             .arg(&self.stream)
             .arg(">")
-            .query_async(&mut self.redis.clone())
+            .query_async(&mut self.reader.clone())
             .await?;
         // [[stream, [entries...]]] (a map in RESP3), or nil on timeout.
         Ok(match reply {

@@ -101,6 +101,8 @@ struct Shared<S: Source, E: Effect> {
     settings: Settings,
     counters: Counters,
     metrics: Metrics,
+    /// Handler slots: the concurrency.
+    slots: Arc<Semaphore>,
     /// Ordering keys with a message being handled, and the messages waiting behind it.
     ordered: Mutex<HashMap<String, VecDeque<Job<S, E>>>>,
 }
@@ -110,7 +112,8 @@ struct Job<S: Source, E: Effect> {
     received: Arc<Received<S::Delivery>>,
     prepared: Result<Arc<Prepared<E::Input>>, Failure>,
     started: Instant,
-    _permit: OwnedSemaphorePermit,
+    /// Its place among the messages in hand.
+    _hand: OwnedSemaphorePermit,
 }
 
 pub(crate) async fn run<S: Source, E: Effect>(
@@ -119,9 +122,12 @@ pub(crate) async fn run<S: Source, E: Effect>(
     effect: Arc<E>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Report {
-    let slots = Arc::new(Semaphore::new(settings.concurrency));
+    // Messages in hand (received and not yet answered) are at most a batch more than the
+    // concurrency; those waiting for a handler slot are kept alive meanwhile.
+    let hand = Arc::new(Semaphore::new(settings.concurrency + settings.batch));
     let shared = Arc::new(Shared {
         metrics: Metrics::register(source.name()),
+        slots: Arc::new(Semaphore::new(settings.concurrency)),
         source,
         effect,
         settings,
@@ -134,21 +140,30 @@ pub(crate) async fn run<S: Source, E: Effect>(
     let mut stopping = false;
     let mut failures: u32 = 0;
     while !stopping {
-        // A free slot first, then as many more as are free, up to a batch.
-        let first = tokio::select! {
-            biased;
-            () = &mut shutdown => break,
-            permit = Arc::clone(&slots).acquire_owned() => match permit {
-                Ok(permit) => permit,
-                Err(_) => break,
-            },
-        };
-        let mut permits = vec![first];
-        while permits.len() < shared.settings.batch {
-            match Arc::clone(&slots).try_acquire_owned() {
+        // Room for half a batch in hand, then as much as there is room for, up to a batch:
+        // asking for whatever happens to be free makes batches small and round trips many.
+        let batch = shared.settings.batch;
+        let wanted = batch.div_ceil(2);
+        let mut permits = Vec::with_capacity(batch);
+        while permits.len() < wanted {
+            let permit = tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                permit = Arc::clone(&hand).acquire_owned() => permit,
+            };
+            match permit {
                 Ok(permit) => permits.push(permit),
                 Err(_) => break,
             }
+            while permits.len() < batch {
+                match Arc::clone(&hand).try_acquire_owned() {
+                    Ok(permit) => permits.push(permit),
+                    Err(_) => break,
+                }
+            }
+        }
+        if permits.len() < wanted {
+            break;
         }
         // The receive is never abandoned halfway (what the broker handed over would wait for
         // its redelivery): a shutdown during it is noticed when it returns, within about a
@@ -190,7 +205,7 @@ pub(crate) async fn run<S: Source, E: Effect>(
             // handled: the extra ones wait for a slot.
             let permit = match permits.pop() {
                 Some(permit) => permit,
-                None => match Arc::clone(&slots).acquire_owned().await {
+                None => match Arc::clone(&hand).acquire_owned().await {
                     Ok(permit) => permit,
                     Err(_) => break,
                 },
@@ -210,7 +225,7 @@ pub(crate) async fn run<S: Source, E: Effect>(
                 received: Arc::new(received),
                 prepared,
                 started: Instant::now(),
-                _permit: permit,
+                _hand: permit,
             };
             match ordering {
                 None => {
@@ -264,15 +279,38 @@ impl<S: Source, E: Effect> Shared<S, E> {
             received,
             prepared,
             started,
-            _permit,
+            _hand,
         } = job;
         let processed = match prepared {
             Err(failure) => Processed::Failed(failure),
-            Ok(prepared) => self.apply(&received.delivery, prepared, ordering).await,
+            Ok(prepared) => {
+                let _slot = self.slot(&received.delivery, ordering).await;
+                self.apply(&received.delivery, prepared, ordering).await
+            }
         };
         let outcome = self.answer(&received, processed).await;
         self.metrics.messages[outcome].increment(1);
         self.metrics.durations[outcome].record(started.elapsed());
+    }
+
+    /// A handler slot, `delivery` (and the messages waiting behind it on `ordering`) kept
+    /// alive while it waits for one.
+    async fn slot(
+        &self,
+        delivery: &S::Delivery,
+        ordering: Option<&str>,
+    ) -> Option<OwnedSemaphorePermit> {
+        let mut acquire = std::pin::pin!(Arc::clone(&self.slots).acquire_owned());
+        let Some(every) = self.source.keep_alive_every() else {
+            return acquire.await.ok();
+        };
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        loop {
+            tokio::select! {
+                slot = &mut acquire => return slot.ok(),
+                _ = ticks.tick() => self.keep_alive(delivery, ordering).await,
+            }
+        }
     }
 
     /// Keeps `delivery` alive, and the messages waiting behind it on `ordering`.
