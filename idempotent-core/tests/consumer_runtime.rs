@@ -848,7 +848,7 @@ async fn most_running_at_once(n: usize, messages: usize) -> usize {
     // hand (the concurrency plus a batch).
     let asked = source.lock().asked.clone();
     assert!(
-        asked.iter().all(|&max| max >= 1 && max <= 32),
+        asked.iter().all(|&max| (1..=32).contains(&max)),
         "asked for {asked:?}"
     );
     probe.seen.max_running()
