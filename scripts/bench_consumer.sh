@@ -6,7 +6,7 @@
 # rows and how to read them.
 #
 #   bash scripts/bench_consumer.sh                      # every row once, 20,000 messages each,
-#                                                       # then the paced rows (about 3 minutes
+#                                                       # then the paced rows (about 2 minutes
 #                                                       # on 2 vCPUs, the build not counted)
 #   bash scripts/bench_consumer.sh --rounds 3           # each row's median of three rounds
 #   bash scripts/bench_consumer.sh --only redis,runtime # any option of the binary (--help)

@@ -101,6 +101,7 @@ struct Inner {
     state: Mutex<State>,
     arrived: Notify,
     keep_alive_every: Option<Duration>,
+    handling_limit: Option<Duration>,
 }
 
 /// The in-process broker: a handle the test keeps while the consumer owns a clone.
@@ -115,11 +116,16 @@ impl TestSource {
     }
 
     fn with_keep_alive(keep_alive_every: Option<Duration>) -> Self {
+        Self::with_limits(keep_alive_every, None)
+    }
+
+    fn with_limits(keep_alive_every: Option<Duration>, handling_limit: Option<Duration>) -> Self {
         TestSource {
             inner: Arc::new(Inner {
                 state: Mutex::default(),
                 arrived: Notify::new(),
                 keep_alive_every,
+                handling_limit,
             }),
         }
     }
@@ -316,6 +322,10 @@ impl Source for TestSource {
 
     fn keep_alive_every(&self) -> Option<Duration> {
         self.inner.keep_alive_every
+    }
+
+    fn handling_limit(&self) -> Option<Duration> {
+        self.inner.handling_limit
     }
 }
 
@@ -1739,17 +1749,14 @@ async fn messages_waiting_for_a_handler_slot_are_kept_alive_until_their_turn() {
     assert_eq!(probe.seen.max_running(), 1);
     let deliveries = source.deliveries();
     assert_eq!(deliveries.len(), 3, "each delivered once");
-    let last = &positions[2];
-    let started = probe
-        .seen
-        .runs()
-        .into_iter()
-        .find(|r| r.position == *last)
-        .unwrap()
-        .started;
+    // The one whose turn came last (without an ordering key, any of the three).
+    let runs = probe.seen.runs();
+    let last = runs.iter().max_by_key(|r| r.started).unwrap();
+    assert!(positions.contains(&last.position));
+    let started = last.started;
     let delivery = deliveries
         .iter()
-        .find(|d| d.message.position() == last)
+        .find(|d| d.message.position() == last.position)
         .unwrap();
     let waiting = delivery
         .keep_alives
@@ -1761,4 +1768,46 @@ async fn messages_waiting_for_a_handler_slot_are_kept_alive_until_their_turn() {
         waiting >= 10,
         "kept alive {waiting} times while it waited for a slot"
     );
+}
+
+/// The source's handling limit (RabbitMQ's consumer timeout) counts from receipt, not from the
+/// handler's start: with a limit of 300 ms, the first message's handler (400 ms on its first
+/// delivery) is stopped at the limit, and the second, which waited those 300 ms behind it, is
+/// not given a fresh 300 ms: both are retried, then applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_brokers_handling_limit_counts_from_receipt() {
+    let source = TestSource::with_limits(None, Some(Duration::from_millis(300)));
+    // One ordering key, so that they run in this order.
+    let first = source.publish_with("h-0", "slow 2 400 a", Some("K"));
+    let second = source.publish_with("h-1", "sleep 20 b", Some("K"));
+    let probe = Probe::default();
+    let consumer = consumer(&source, &probe)
+        .concurrency(1)
+        .backoff(Duration::from_millis(5), Duration::from_millis(5));
+    let report = run_until_settled(consumer, memory(), &probe).await;
+    assert_every_delivery_answered_once(&source, &probe.seen, &report);
+    assert_eq!(report.applied, 2, "{report:?}");
+    for position in [&first, &second] {
+        let answers = answers_of(&source, position);
+        assert_eq!(answers.len(), 2, "{position}: {answers:?}");
+        assert_eq!(
+            answers[0],
+            (1, Answer::Retry(Duration::from_millis(5))),
+            "{position}"
+        );
+        assert_eq!(answers[1], (2, Answer::Ack), "{position}");
+    }
+    let limited = probe
+        .seen
+        .observed()
+        .iter()
+        .filter(|(_, o)| matches!(
+            o,
+            Observed::Retried(Failure::Transient(reason), _) if reason.contains("the broker's limit")
+        ))
+        .count();
+    assert_eq!(limited, 2);
+    for id in ["h-0", "h-1"] {
+        assert_eq!(probe.seen.effects()[id].len(), 1, "{id}");
+    }
 }

@@ -316,8 +316,9 @@ pub trait Source: Send + Sync + 'static {
 
     /// The longest a message may stay in hand before the broker takes it back whatever the
     /// consumer does (RabbitMQ's `consumer_timeout`); `None` (the default) when keep-alives
-    /// hold it as long as needed. The runtime stops a handler that reaches it, and retries
-    /// the message.
+    /// hold it as long as needed. Counted from the message's receipt: the runtime stops a
+    /// handler that reaches it, does not start one for a message that waited in hand that
+    /// long, and retries the message.
     fn handling_limit(&self) -> Option<Duration> {
         None
     }

@@ -285,7 +285,8 @@ impl<S: Source, E: Effect> Shared<S, E> {
             Err(failure) => Processed::Failed(failure),
             Ok(prepared) => {
                 let _slot = self.slot(&received.delivery, ordering).await;
-                self.apply(&received.delivery, prepared, ordering).await
+                self.apply(&received.delivery, prepared, ordering, started)
+                    .await
             }
         };
         let outcome = self.answer(&received, processed).await;
@@ -334,17 +335,43 @@ impl<S: Source, E: Effect> Shared<S, E> {
     }
 
     /// Runs the effect on a task of its own (a handler that panics fails its message, not the
-    /// consumer), keeping the message alive at the broker while it runs.
+    /// consumer), keeping the message alive at the broker while it runs, and stopping it at the
+    /// handler timeout (from its start) or the source's handling limit (from `received`),
+    /// whichever comes first.
     async fn apply(
         &self,
         delivery: &S::Delivery,
         prepared: Arc<Prepared<E::Input>>,
         ordering: Option<&str>,
+        received: Instant,
     ) -> Processed {
+        let now = tokio::time::Instant::now();
+        // Each limit: when it ends, and what to say when it does.
+        let handler = self.settings.handler_timeout.map(|timeout| {
+            let reason = format!("the handler ran longer than {timeout:?} and was stopped");
+            (now + timeout, reason)
+        });
+        let broker = self.source.handling_limit().map(|limit| {
+            let reason = format!("the message was in hand for {limit:?}, the broker's limit");
+            (tokio::time::Instant::from_std(received) + limit, reason)
+        });
+        let limit = match (handler, broker) {
+            (Some(h), Some(b)) => Some(if h.0 <= b.0 { h } else { b }),
+            (h, b) => h.or(b),
+        };
+        if let Some((at, reason)) = &limit {
+            if *at <= now {
+                // It waited in hand until the broker is about to take it back: not started.
+                return Processed::Failed(Failure::Transient(reason.clone()));
+            }
+        }
         let effect = Arc::clone(&self.effect);
         let mut work = tokio::spawn(async move { effect.apply(&prepared).await });
-        let limit = self.limit();
-        let deadline = tokio::time::sleep(limit.unwrap_or(Duration::from_secs(365 * 86_400)));
+        let deadline = tokio::time::sleep_until(
+            limit
+                .as_ref()
+                .map_or(now + Duration::from_secs(365 * 86_400), |(at, _)| *at),
+        );
         let mut deadline = std::pin::pin!(deadline);
         let every = self.source.keep_alive_every();
         let mut ticks = tokio::time::interval_at(
@@ -359,10 +386,8 @@ impl<S: Source, E: Effect> Shared<S, E> {
                     // Stopped before the broker takes the message back on its own: its claim
                     // is released (or its transaction rolled back) and it is retried.
                     work.abort();
-                    let limit = limit.unwrap_or_default();
-                    return Processed::Failed(Failure::Transient(format!(
-                        "the handler ran longer than {limit:?} and was stopped"
-                    )));
+                    let reason = limit.map_or_else(String::new, |(_, reason)| reason);
+                    return Processed::Failed(Failure::Transient(reason));
                 }
             }
         };
@@ -374,15 +399,6 @@ impl<S: Source, E: Effect> Shared<S, E> {
                 Processed::Failed(Failure::Rejected("the handler panicked".into()))
             }
             Err(_) => Processed::Failed(Failure::Transient("the handler was cancelled".into())),
-        }
-    }
-
-    /// The longest a message's effect may run: the consumer's handler timeout or the source's
-    /// handling limit, whichever is shorter.
-    fn limit(&self) -> Option<Duration> {
-        match (self.settings.handler_timeout, self.source.handling_limit()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
         }
     }
 
