@@ -1811,3 +1811,96 @@ async fn the_brokers_handling_limit_counts_from_receipt() {
         assert_eq!(probe.seen.effects()[id].len(), 1, "{id}");
     }
 }
+
+/// Keys from the content, scoped by a field: counts each (scope, body) effect.
+#[derive(Default, Clone)]
+struct Scoped {
+    effects: Arc<Mutex<BTreeMap<(String, String), usize>>>,
+}
+
+impl Decode for Scoped {
+    type Input = (String, String);
+
+    fn decode(&self, message: &Message) -> Result<(String, String), Failure> {
+        let scope = message
+            .field("order")
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .unwrap_or_default();
+        let body = String::from_utf8_lossy(message.body()).into_owned();
+        Ok((scope, body))
+    }
+
+    fn key(
+        &self,
+        message: &Message,
+        _: &(String, String),
+    ) -> Result<idempotent_core::Key, Failure> {
+        Ok(message.content_key())
+    }
+
+    fn scope(&self, _: &Message, (scope, _): &(String, String)) -> Option<idempotent_core::Scope> {
+        (!scope.is_empty()).then(|| idempotent_core::Scope::new().tenant(scope))
+    }
+}
+
+impl Handler for Scoped {
+    type Output = ();
+
+    async fn handle(&self, input: &(String, String), _: &ClaimHandle) -> Result<(), Failure> {
+        *self
+            .effects
+            .lock()
+            .unwrap()
+            .entry(input.clone())
+            .or_default() += 1;
+        Ok(())
+    }
+}
+
+/// A content-based key makes the same content one message, whatever its message id; a scope
+/// makes the same key in two tenants two messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn content_keys_and_scopes_decide_what_is_the_same_message() {
+    let source = TestSource::new();
+    for (id, body, tenant) in [
+        ("a", "pay 5", Some("t1")),
+        ("b", "pay 5", Some("t1")), // same content, another id: a duplicate
+        ("c", "pay 5", Some("t2")), // same content in another tenant: applied
+        ("d", "pay 7", Some("t1")),
+        ("e", "pay 7", None),
+        ("f", "pay 7", None),
+    ] {
+        source.publish_with(id, body, tenant);
+    }
+    let handler = Scoped::default();
+    let (stop, done) = oneshot::channel::<()>();
+    let run =
+        tokio::spawn(
+            Consumer::new(source.clone()).run(memory(), handler.clone(), async move {
+                let _ = done.await;
+            }),
+        );
+    wait_until("six answered", || {
+        source
+            .deliveries()
+            .iter()
+            .filter(|d| !d.answers.is_empty())
+            .count()
+            == 6
+    })
+    .await;
+    let _ = stop.send(());
+    let report = run.await.unwrap();
+    assert_eq!((report.applied, report.duplicates), (4, 2), "{report:?}");
+    let effects = handler.effects.lock().unwrap().clone();
+    let expected: BTreeMap<(String, String), usize> = [
+        (("t1", "pay 5"), 1),
+        (("t2", "pay 5"), 1),
+        (("t1", "pay 7"), 1),
+        (("", "pay 7"), 1),
+    ]
+    .into_iter()
+    .map(|((s, b), n)| ((s.to_owned(), b.to_owned()), n))
+    .collect();
+    assert_eq!(effects, expected);
+}

@@ -44,9 +44,13 @@ fn prepare<D: Decode + ?Sized>(
     let key = decoder.key(message, &input)?;
     let fingerprint = decoder.fingerprint(message, &input)?;
     let ordering = decoder.ordering_key(message, &input);
+    let mut call = Call::new(key).fingerprint(fingerprint);
+    if let Some(scope) = decoder.scope(message, &input) {
+        call = call.scope(scope);
+    }
     Ok(Prepared {
         input,
-        call: Call::new(key).fingerprint(fingerprint),
+        call,
         ordering,
     })
 }

@@ -201,6 +201,18 @@ impl Message {
         self.deliveries
     }
 
+    /// A key derived from the content (`content-` and the hex digest of its
+    /// [fingerprint](Self::content_fingerprint)): for messages whose publishers give no id,
+    /// where the same content twice means the same message. Return it from [`Decode::key`].
+    pub fn content_key(&self) -> Key {
+        let mut text = String::with_capacity(8 + 64);
+        text.push_str("content-");
+        for byte in self.content_fingerprint().as_bytes() {
+            text.push_str(&format!("{byte:02x}"));
+        }
+        Key::new(text).expect("a hex digest with a prefix is a valid key")
+    }
+
     /// A fingerprint of the content: the body and, for a Redis Streams entry, its fields in
     /// order. The default [`Decode::fingerprint`].
     pub fn content_fingerprint(&self) -> Fingerprint {
@@ -400,6 +412,14 @@ pub trait Decode: Send + Sync + 'static {
     fn fingerprint(&self, message: &Message, input: &Self::Input) -> Result<Fingerprint, Failure> {
         let _ = input;
         Ok(message.content_fingerprint())
+    }
+
+    /// The scope the key is claimed in (a tenant, a principal), as a call's
+    /// [`scope`](crate::Call::scope): the same key in two scopes is two records. `None` (the
+    /// default): unscoped.
+    fn scope(&self, message: &Message, input: &Self::Input) -> Option<crate::Scope> {
+        let _ = (message, input);
+        None
     }
 
     /// Messages with the same ordering key are handled one at a time, in the order received;
