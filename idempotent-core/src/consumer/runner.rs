@@ -284,7 +284,9 @@ impl<S: Source, E: Effect> Shared<S, E> {
         let processed = match prepared {
             Err(failure) => Processed::Failed(failure),
             Ok(prepared) => {
-                let _slot = self.slot(&received.delivery, ordering).await;
+                // Waiting for a handler slot, kept alive.
+                let slot = Arc::clone(&self.slots).acquire_owned();
+                let _slot = self.kept_alive(&received.delivery, ordering, slot).await;
                 self.apply(&received.delivery, prepared, ordering, started)
                     .await
             }
@@ -294,21 +296,22 @@ impl<S: Source, E: Effect> Shared<S, E> {
         self.metrics.durations[outcome].record(started.elapsed());
     }
 
-    /// A handler slot, `delivery` (and the messages waiting behind it on `ordering`) kept
-    /// alive while it waits for one.
-    async fn slot(
+    /// Runs `work`, keeping `delivery` (and the messages waiting behind it on `ordering`)
+    /// alive at the broker meanwhile, every [`Source::keep_alive_every`].
+    async fn kept_alive<F: Future>(
         &self,
         delivery: &S::Delivery,
         ordering: Option<&str>,
-    ) -> Option<OwnedSemaphorePermit> {
-        let mut acquire = std::pin::pin!(Arc::clone(&self.slots).acquire_owned());
+        work: F,
+    ) -> F::Output {
         let Some(every) = self.source.keep_alive_every() else {
-            return acquire.await.ok();
+            return work.await;
         };
+        let mut work = std::pin::pin!(work);
         let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         loop {
             tokio::select! {
-                slot = &mut acquire => return slot.ok(),
+                output = &mut work => return output,
                 _ = ticks.tick() => self.keep_alive(delivery, ordering).await,
             }
         }
@@ -372,24 +375,20 @@ impl<S: Source, E: Effect> Shared<S, E> {
                 .as_ref()
                 .map_or(now + Duration::from_secs(365 * 86_400), |(at, _)| *at),
         );
-        let mut deadline = std::pin::pin!(deadline);
-        let every = self.source.keep_alive_every();
-        let mut ticks = tokio::time::interval_at(
-            tokio::time::Instant::now() + every.unwrap_or(Duration::from_secs(3600)),
-            every.unwrap_or(Duration::from_secs(3600)),
-        );
-        let joined = loop {
-            tokio::select! {
-                joined = &mut work => break joined,
-                _ = ticks.tick(), if every.is_some() => self.keep_alive(delivery, ordering).await,
-                () = &mut deadline, if limit.is_some() => {
-                    // Stopped before the broker takes the message back on its own: its claim
-                    // is released (or its transaction rolled back) and it is retried.
-                    work.abort();
-                    let reason = limit.map_or_else(String::new, |(_, reason)| reason);
-                    return Processed::Failed(Failure::Transient(reason));
+        let ended = self
+            .kept_alive(delivery, ordering, async {
+                tokio::select! {
+                    joined = &mut work => Some(joined),
+                    () = deadline, if limit.is_some() => None,
                 }
-            }
+            })
+            .await;
+        let Some(joined) = ended else {
+            // Stopped before the broker takes the message back on its own: its claim is
+            // released (or its transaction rolled back) and it is retried.
+            work.abort();
+            let reason = limit.map_or_else(String::new, |(_, reason)| reason);
+            return Processed::Failed(Failure::Transient(reason));
         };
         match joined {
             Ok(processed) => processed,
