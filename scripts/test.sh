@@ -20,6 +20,17 @@ source scripts/services.sh
 
 step() { printf '\n==> %s\n' "$*"; }
 
+# Disk: a cold run builds the workspace several times over (all features, each crate alone,
+# trybuild's own target). With full debug info and incremental caches that came to 23 GB,
+# more than a CI machine may have free. Line tables keep file:line in panics and backtraces;
+# incremental caches only pay off on a second build, which a run never makes. Set either
+# variable yourself to override.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+export CARGO_PROFILE_DEV_DEBUG="${CARGO_PROFILE_DEV_DEBUG:-line-tables-only}"
+export CARGO_PROFILE_TEST_DEBUG="${CARGO_PROFILE_TEST_DEBUG:-line-tables-only}"
+target_dir="${CARGO_TARGET_DIR:-target}"
+df -h . | tail -1 | awk '{print "disk free before the run: " $4}'
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
@@ -66,4 +77,5 @@ step "examples run"
 cargo run --locked --example quickstart >/dev/null
 cargo run --locked --example macro >/dev/null
 
+du -sh "$target_dir" 2>/dev/null | awk '{print "target directory after the run: " $1}'
 printf '\nall checks passed\n'
