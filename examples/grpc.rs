@@ -1,4 +1,4 @@
-//! A gRPC payments service on tonic behind `IdempotencyLayer::new_for_grpc`: the contract the
+//! A gRPC payments service on tonic behind `IdempotencyLayer::grpc`: the contract the
 //! end-to-end tests drive.
 //!
 //! ```sh
@@ -182,8 +182,8 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let layer = IdempotencyLayer::new_for_grpc(idempotency.clone())
-        .methods(["/payments.v1.Payments/Charge"]);
+    let layer =
+        IdempotencyLayer::grpc(idempotency.clone()).methods(["/payments.v1.Payments/Charge"]);
 
     let address = SocketAddr::from((Ipv4Addr::LOCALHOST, settings.port));
     let listener = match tokio::net::TcpListener::bind(address).await {

@@ -55,8 +55,9 @@
 //! | `RELAY` | `1` | `0`: enqueue notifications but leave their delivery to other processes |
 //! | `RELAY_MAX_ATTEMPTS`, `RELAY_BACKOFF`, `RELAY_POLL`, `RELAY_DELIVERY_TIMEOUT` | `10`, `1s`, `1s`, `30s` | the relay's settings (see the `relay` example) |
 //!
-//! Durations are a number followed by `ms`, `s`, `m`, `h` or `d`, greater than zero; the two
-//! timeouts at most 2,147,483,647 ms. A bad value exits with status 2 naming the variable.
+//! Durations are read by `idempotent_core::limits::parse_duration` (`500ms`, `30s`, `1h 30m`),
+//! greater than zero; the two timeouts at most 2,147,483,647 ms. A bad value exits with
+//! status 2 naming the variable.
 //!
 //! With `NOTIFY_URL`, each applied posting also enqueues, in its transaction, a notification
 //! `{"id", "account", "amount"}` keyed by the posting's operation key
@@ -74,8 +75,9 @@ use idempotent_core::consumer::{
     AnySource, Consumer, Decode, Endpoint, Failure, Fields, Message, Outcome, TxHandler,
     sql_failure,
 };
-use idempotent_core::postgres::{self as pg, Outbox, PostgresStore};
-use idempotent_core::{ClaimHandle, Fingerprint, Key};
+use idempotent_core::outbox::{Outbox, Outgoing};
+use idempotent_core::postgres::PostgresStore;
+use idempotent_core::{ClaimHandle, Fingerprint, Idempotency, Key};
 use sqlx::PgConnection;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -131,7 +133,7 @@ impl TxHandler for Ledger {
         if let Some(outbox) = &self.outbox {
             // Keyed by the claim's operation key: the same for every attempt of this posting.
             let body = serde_json::json!({"id": p.id, "account": p.account, "amount": p.amount});
-            let message = pg::Message::new(NOTIFICATIONS, body.to_string())
+            let message = Outgoing::new(NOTIFICATIONS, body.to_string())
                 .header("content-type", "application/json");
             outbox
                 .enqueue(&mut *tx, &message)
@@ -289,7 +291,11 @@ async fn main() -> ExitCode {
             })
             .run_transactional(
                 store.pool().clone(),
-                store.transactional().namespace("ledger"),
+                Idempotency::builder(store.clone())
+                    .namespace("ledger")
+                    .build()
+                    .transactional()
+                    .expect("a runtime over a PostgresStore"),
                 config.ledger,
                 async move {
                     stop.recv().await;

@@ -1,5 +1,5 @@
-//! A payments API on axum behind `IdempotencyLayer::new_for_http`: the contract the end-to-end tests drive,
-//! and the *downstream key* pattern that makes a payment's effect exactly-once.
+//! A payments API on axum behind `IdempotencyLayer::http`: the contract the end-to-end tests
+//! drive, and the *downstream key* pattern that makes a payment's effect exactly-once.
 //!
 //! ```sh
 //! cargo run --release --example payments
@@ -72,8 +72,9 @@
 //! | `IDEMPOTENCY_REDIS_REPLICAS` | `0` | on Redis, replicas that must acknowledge every claim and record before it counts (`WAIT`; see `RedisStoreBuilder::replicas`) |
 //! | `RUST_LOG` | `warn,idempotent_tower=info` | log filter (logs go to stderr) |
 //!
-//! Durations are a number followed by `ms`, `s`, `m`, `h` or `d`. A bad value, or one out of
-//! its range, makes the server exit with status 2 and a message naming the variable.
+//! Durations are read by `idempotent_core::limits::parse_duration` (`500ms`, `30s`, `15m`,
+//! `24h`, `7d`, `1h 30m`). A bad value, or one out of its range, makes the server exit with
+//! status 2 and a message naming the variable.
 //!
 //! Test hooks: `?delay_ms=N` sleeps before doing the work; an amount of 0 is declined by the
 //! provider (402, recorded); the currency `err` makes the provider fail (500, released, so a
@@ -346,7 +347,7 @@ async fn main() -> ExitCode {
         .route("/payments/count", get(count))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", common::metrics_route(metrics))
-        .layer(IdempotencyLayer::new_for_http(idempotency.clone()))
+        .layer(IdempotencyLayer::http(idempotency.clone()))
         .layer(middleware::from_fn(authenticate))
         .with_state(Arc::new(App::default()));
 

@@ -26,7 +26,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use idempotent_core::postgres::{DEFAULT_TABLE, PostgresStore, Transactional};
-use idempotent_core::{Error, idempotent};
+use idempotent_core::{Error, Idempotency, idempotent};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Postgres, Transaction};
 
@@ -94,7 +94,11 @@ async fn run() -> Result<i64, Box<dyn std::error::Error>> {
         .execute(&pool)
         .await?;
     let ledger = Ledger {
-        transactional: store.transactional().namespace("pg_effect"),
+        transactional: Idempotency::builder(store.clone())
+            .namespace("pg_effect")
+            .build()
+            .transactional()
+            .expect("a runtime over a PostgresStore"),
         pause: std::env::var_os("PG_EFFECT_PAUSE").is_some(),
         hold,
     };

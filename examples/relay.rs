@@ -28,7 +28,7 @@ mod common;
 
 use std::process::ExitCode;
 
-use idempotent_core::postgres::Outbox;
+use idempotent_core::outbox::Outbox;
 use sqlx::postgres::PgPoolOptions;
 
 #[tokio::main]

@@ -37,6 +37,13 @@ cargo fmt --all -- --check
 step "cargo clippy (all targets, all features, warnings denied)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
+# The rust-version in Cargo.toml, as far as it can be checked here: the clippy step above
+# refuses standard-library APIs newer than it (`incompatible_msrv`); this refuses dependencies
+# that declare a newer one. Language features newer than it are not checked (only 1.95 runs
+# here); see the comment on rust-version in Cargo.toml.
+step "rust-version: no dependency declares a newer one"
+python3 scripts/check_msrv.py
+
 step "starting Redis, a Redis Cluster, PostgreSQL, NATS (JetStream) and RabbitMQ on loopback"
 trap stop_services EXIT
 start_redis
@@ -70,8 +77,33 @@ for crate in idempotent-core idempotent-macros idempotent-tower; do
     echo "$crate alone: $((SECONDS - started)) s"
 done
 
+# A store URL whose feature is off is refused by name (`AnyStore`), which only a build
+# without those features can show: idempotent-core with `memory` alone.
+step "AnyStore without the redis and postgres features"
+cargo test -p idempotent-core --no-default-features --features memory,test-util --locked --test any_store
+
 step "cargo doc (warnings denied)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps --locked
+
+# Each published crate packages and its package builds. Packaged together, the three are
+# verified in dependency order, each against the others' fresh packages (a local registry
+# overlay in target/package/tmp-registry), since they depend on one another at `=0.1.0` and
+# are not on crates.io yet; works offline. Verification builds each crate's default features
+# (the steps above test all of them). `--allow-dirty`: so it runs before a commit too. Each
+# package must ship both license files (symlinks to the root's, packaged as files).
+# docs.rs builds every feature with `--cfg docsrs` ([package.metadata.docs.rs]); a nightly
+# feature, so checked by hand rather than here:
+#   RUSTC_BOOTSTRAP=1 RUSTDOCFLAGS="--cfg docsrs" cargo doc -p CRATE --all-features --no-deps
+step "cargo package (the published crates, verified against each other's packages)"
+started=$SECONDS
+cargo package -p idempotent-macros -p idempotent-core -p idempotent-tower --locked --allow-dirty
+for crate in idempotent-macros idempotent-core idempotent-tower; do
+    files=$(cargo package -p "$crate" --list --locked --allow-dirty)
+    for license in LICENSE-MIT LICENSE-APACHE; do
+        grep -qx "$license" <<<"$files" || { echo "$crate does not package $license" >&2; exit 1; }
+    done
+done
+echo "cargo package: $((SECONDS - started)) s"
 
 step "examples run"
 cargo run --locked --example quickstart >/dev/null

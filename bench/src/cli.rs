@@ -1,9 +1,7 @@
-//! Command-line options.
+//! Command-line options, and where the shared stores are.
 
 use std::path::PathBuf;
 use std::time::Duration;
-
-use crate::app::Backends;
 
 pub(crate) const USAGE: &str = "\
 usage: idempotent-bench [all|http|memory] [options]
@@ -39,6 +37,16 @@ options:
   --out PATH          JSON output (default target/bench/http.json); objects of the mode
                       not run are kept
 ";
+
+/// Where the shared stores are.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Backends {
+    pub(crate) redis_url: Option<String>,
+    pub(crate) postgres_url: Option<String>,
+    /// Replicas that must acknowledge each claim and record on Redis
+    /// (`RedisStoreBuilder::replicas`).
+    pub(crate) redis_replicas: usize,
+}
 
 /// What to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

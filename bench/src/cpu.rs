@@ -1,15 +1,21 @@
-//! CPU time of this process's threads by name, from `/proc/self/task/*/stat`: the server's and
-//! the load generator's cost per request, which other load on the machine does not change the
-//! way it changes throughput.
+//! CPU time from `/proc/*/stat`: of this process's threads by name (the HTTP server's and the
+//! load generator's cost per request, which other load on the machine does not change the way
+//! it changes throughput), of this process as a whole, and of every process (the brokers' and
+//! databases' servers, with their children and process groups).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-/// Clock ticks per second of `utime`/`stime` (`USER_HZ`, 100 on Linux).
-const TICKS_PER_SECOND: u64 = 100;
+/// Clock ticks per second of `utime`/`stime` and `/proc/stat` (`USER_HZ`, 100 on Linux).
+pub const TICKS_PER_SECOND: u64 = 100;
+
+/// `ticks` clock ticks as a duration.
+pub fn ticks_to_duration(ticks: u64) -> Duration {
+    Duration::from_millis(ticks * 1000 / TICKS_PER_SECOND)
+}
 
 /// User plus system time of every thread of this process named `name`, by thread id.
-pub(crate) fn threads_cpu(name: &str) -> Threads {
+pub fn threads_cpu(name: &str) -> Threads {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return Threads::default();
     };
@@ -19,8 +25,8 @@ pub(crate) fn threads_cpu(name: &str) -> Threads {
             .filter_map(|task| {
                 let tid = task.file_name().to_str()?.parse().ok()?;
                 let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
-                let (comm, ticks) = parse_stat(&stat)?;
-                (comm == name).then_some((tid, ticks))
+                let stat = Stat::parse(&stat)?;
+                (stat.comm == name).then_some((tid, stat.ticks))
             })
             .collect(),
     )
@@ -28,32 +34,75 @@ pub(crate) fn threads_cpu(name: &str) -> Threads {
 
 /// CPU ticks of some threads, by thread id.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Threads(BTreeMap<u32, u64>);
+pub struct Threads(BTreeMap<u32, u64>);
 
 impl Threads {
     /// CPU time spent since `earlier` by the threads alive now. A thread that ended in between
     /// (a runtime's idle blocking thread) takes its time with it, and would otherwise make the
     /// sum go down.
-    pub(crate) fn since(&self, earlier: &Threads) -> Duration {
+    pub fn since(&self, earlier: &Threads) -> Duration {
         let ticks: u64 = self
             .0
             .iter()
             .map(|(tid, ticks)| ticks.saturating_sub(earlier.0.get(tid).copied().unwrap_or(0)))
             .sum();
-        Duration::from_millis(ticks * 1000 / TICKS_PER_SECOND)
+        ticks_to_duration(ticks)
     }
 }
 
-/// The thread name and `utime + stime` of a `stat` line. The name is in parentheses and may
-/// itself contain spaces and parentheses, so the fields are counted after the last `)`.
-fn parse_stat(stat: &str) -> Option<(String, u64)> {
-    let open = stat.find('(')?;
-    let close = stat.rfind(')')?;
-    let comm = stat.get(open + 1..close)?.to_owned();
-    let mut fields = stat.get(close + 1..)?.split_whitespace().skip(11);
-    let utime: u64 = fields.next()?.parse().ok()?;
-    let stime: u64 = fields.next()?.parse().ok()?;
-    Some((comm, utime + stime))
+/// User plus system ticks of this process (its threads, ended ones too); 0 where
+/// `/proc/self/stat` cannot be read.
+pub fn process_ticks() -> u64 {
+    std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|stat| Stat::parse(&stat))
+        .map_or(0, |stat| stat.ticks)
+}
+
+/// Every process on the machine, by process id.
+pub fn processes() -> Vec<(u32, Stat)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            Some((pid, Stat::parse(&stat)?))
+        })
+        .collect()
+}
+
+/// What the benchmarks read of a process's or thread's `stat` line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stat {
+    /// The process or thread name.
+    pub comm: String,
+    /// The parent process.
+    pub ppid: u32,
+    /// The process group.
+    pub pgrp: u32,
+    /// `utime + stime`, in clock ticks.
+    pub ticks: u64,
+}
+
+impl Stat {
+    /// Parses a `stat` line. The name is in parentheses and may itself contain spaces and
+    /// parentheses, so the fields are counted after the last `)`.
+    pub fn parse(stat: &str) -> Option<Stat> {
+        let open = stat.find('(')?;
+        let close = stat.rfind(')')?;
+        let comm = stat.get(open + 1..close)?.to_owned();
+        let fields: Vec<&str> = stat.get(close + 1..)?.split_whitespace().collect();
+        let number = |i: usize| fields.get(i)?.parse::<u64>().ok();
+        Some(Stat {
+            comm,
+            ppid: u32::try_from(number(1)?).ok()?,
+            pgrp: u32::try_from(number(2)?).ok()?,
+            ticks: number(11)? + number(12)?,
+        })
+    }
 }
 
 #[cfg(test)]
@@ -63,10 +112,13 @@ mod tests {
     #[test]
     fn stat_lines() {
         let stat = "4242 (bench-server) S 1 4242 4242 0 -1 4194368 120 0 0 0 250 31 0 0 20 0 3 0";
-        assert_eq!(parse_stat(stat), Some(("bench-server".into(), 281)));
+        let parsed = Stat::parse(stat).unwrap();
+        assert_eq!((parsed.comm.as_str(), parsed.ticks), ("bench-server", 281));
+        assert_eq!((parsed.ppid, parsed.pgrp), (1, 4242));
         let odd = "7 (a) b (c)) R 1 7 7 0 -1 0 0 0 0 0 5 6 0 0";
-        assert_eq!(parse_stat(odd), Some(("a) b (c)".into(), 11)));
-        assert_eq!(parse_stat("7 (x) R 1"), None);
+        let parsed = Stat::parse(odd).unwrap();
+        assert_eq!((parsed.comm.as_str(), parsed.ticks), ("a) b (c)", 11));
+        assert_eq!(Stat::parse("7 (x) R 1"), None);
     }
 
     #[test]
@@ -91,5 +143,8 @@ mod tests {
         if let Some(name) = name {
             assert!(threads_cpu(&name).since(&Threads::default()) > Duration::ZERO);
         }
+        assert!(process_ticks() > 0);
+        let me = std::process::id();
+        assert!(processes().iter().any(|(pid, _)| *pid == me));
     }
 }

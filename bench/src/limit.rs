@@ -94,7 +94,7 @@ impl Limits {
     /// Prepares the tools `rows` use.
     pub(crate) fn prepare(
         rows: &[LimitRow],
-        backends: &crate::app::Backends,
+        backends: &crate::cli::Backends,
         runtime: &tokio::runtime::Runtime,
     ) -> Result<Limits, String> {
         let uses = |tool| rows.iter().any(|row| row.tool == tool);

@@ -11,12 +11,14 @@ use http::{HeaderValue, Method, Request};
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
+use idempotent_bench::cpu::threads_cpu;
+use idempotent_bench::machine;
 use tokio::sync::Barrier;
 use tokio::task::JoinSet;
 
-use crate::app::{KeyId, PAYMENTS, REQUEST_BODY, SERVER_THREAD, SESSION};
-use crate::cpu::threads_cpu;
-use crate::report::Traffic;
+use crate::app::SERVER_THREAD;
+use crate::fixture::{KeyId, PAYMENTS, REQUEST_BODY, SESSION};
+use crate::measure::Traffic;
 use crate::rows::Scenario;
 
 /// The response headers that mark a replay: `Idempotent-Replayed` (idempotent-tower and
@@ -159,10 +161,10 @@ pub(crate) async fn run(plan: &Plan) -> Result<Traffic, String> {
     let begin = *start.get_or_init(Instant::now);
     tokio::time::sleep_until((begin + plan.warmup).into()).await;
     let cpu_before = (threads_cpu(SERVER_THREAD), threads_cpu(CLIENT_THREAD));
-    let machine_before = crate::machine::Reading::now();
+    let machine_before = machine::Reading::now();
     tokio::time::sleep_until((begin + plan.warmup + plan.measure).into()).await;
     let cpu_after = (threads_cpu(SERVER_THREAD), threads_cpu(CLIENT_THREAD));
-    let machine_after = crate::machine::Reading::now();
+    let machine_after = machine::Reading::now();
 
     let mut total = Traffic::new();
     while let Some(lane) = lanes.join_next().await {
@@ -266,7 +268,7 @@ async fn seed(
 }
 
 /// The exactly-once probe: `keys` new keys, each sent by `duplicates` connections at once
-/// (the handler holds a probe key for [`PROBE_HOLD`](crate::app::PROBE_HOLD), so they overlap),
+/// (the handler holds a probe key for [`PROBE_HOLD`](crate::fixture::PROBE_HOLD), so they overlap),
 /// then once more after all answered, as a client's retry. One client: the connections share
 /// its session when the row needs one. The server's tally says how often each key ran.
 pub(crate) async fn probe(

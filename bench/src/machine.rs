@@ -1,33 +1,32 @@
 //! Busy CPU time of the whole machine, from the first line of `/proc/stat`: what a row costs
 //! everything running on the two vCPUs together (the server, the load generator or limit tool,
-//! Redis or PostgreSQL, the kernel's network work), so that a row that cannot go faster
-//! because the machine is full shows it.
+//! the brokers, Redis or PostgreSQL, the kernel's network work), so that a row that cannot go
+//! faster because the machine is full shows it.
 
 use std::time::Duration;
 
-/// Clock ticks per second of `/proc/stat` (`USER_HZ`, 100 on Linux).
-const TICKS_PER_SECOND: u64 = 100;
+use crate::cpu::ticks_to_duration;
 
-/// A reading of the machine's CPU counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Reading {
+/// A reading of the machine's CPU counters, in clock ticks; all zero by default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Reading {
     busy: u64,
     total: u64,
 }
 
 impl Reading {
     /// Now; `None` where `/proc/stat` cannot be read.
-    pub(crate) fn now() -> Option<Reading> {
+    pub fn now() -> Option<Reading> {
         parse(&std::fs::read_to_string("/proc/stat").ok()?)
     }
 
     /// Busy CPU time since `earlier`, summed over every CPU.
-    pub(crate) fn busy_since(self, earlier: Reading) -> Duration {
-        Duration::from_millis(self.busy.saturating_sub(earlier.busy) * 1000 / TICKS_PER_SECOND)
+    pub fn busy_since(self, earlier: Reading) -> Duration {
+        ticks_to_duration(self.busy.saturating_sub(earlier.busy))
     }
 
     /// The share of all CPUs' time that was busy since `earlier`, from 0 to 1.
-    pub(crate) fn utilization_since(self, earlier: Reading) -> f64 {
+    pub fn utilization_since(self, earlier: Reading) -> f64 {
         let total = self.total.saturating_sub(earlier.total);
         if total == 0 {
             return 0.0;

@@ -37,10 +37,10 @@
 
 mod app;
 mod cli;
-mod cpu;
+mod fixture;
 mod limit;
 mod load;
-mod machine;
+mod measure;
 mod memory;
 #[cfg(idempotent_bench_peers)]
 mod peers;
@@ -51,7 +51,9 @@ mod scale;
 use std::process::ExitCode;
 
 use cli::{Mode, Options};
-use report::{Audit, HttpRecord, LimitRecord, Record, Traffic};
+use idempotent_bench::machine;
+use measure::{Audit, Traffic};
+use report::{HttpRecord, LimitRecord, Record};
 use rows::{Implementation, Row, StoreKind};
 
 fn main() -> ExitCode {
@@ -153,15 +155,7 @@ fn http(options: &Options) -> Result<bool, String> {
     let mut failed = Vec::new();
     let mut failed_limits = Vec::new();
     for round in 1..=options.rounds {
-        for (row, rounds) in rows.iter().zip(&mut results) {
-            if failed.iter().any(|(r, _)| r == row) {
-                continue;
-            }
-            match run_logged(*row, round, options, &client) {
-                Ok(outcome) => rounds.push(outcome),
-                Err(message) => failed.push((*row, message)),
-            }
-        }
+        run_round(&rows, &mut results, &mut failed, round, options, &client);
         for (row, rounds) in limit_rows.iter().zip(&mut limit_results) {
             if failed_limits.iter().any(|(r, _)| r == row) {
                 continue;
@@ -226,15 +220,7 @@ fn http(options: &Options) -> Result<bool, String> {
         }
         let mut results: Vec<Vec<(Traffic, Audit)>> = vec![Vec::new(); rows.len()];
         for round in 1..=options.rounds {
-            for (row, rounds) in rows.iter().zip(&mut results) {
-                if failed.iter().any(|(r, _)| r == row) {
-                    continue;
-                }
-                match run_logged(*row, round, options, &client) {
-                    Ok(outcome) => rounds.push(outcome),
-                    Err(message) => failed.push((*row, message)),
-                }
-            }
+            run_round(&rows, &mut results, &mut failed, round, options, &client);
         }
         prefilled_results.extend(rows.into_iter().zip(results));
     }
@@ -302,6 +288,27 @@ fn http(options: &Options) -> Result<bool, String> {
         eprintln!("FAILED: {}: {message}", row.label());
     }
     Ok(problems.is_empty() && failed.is_empty() && failed_limits.is_empty())
+}
+
+/// Round `round` of every row of `rows` that has not failed: its outcome goes to `results`
+/// (one list per row), or the row to `failed`.
+fn run_round(
+    rows: &[Row],
+    results: &mut [Vec<(Traffic, Audit)>],
+    failed: &mut Vec<(Row, String)>,
+    round: usize,
+    options: &Options,
+    client: &tokio::runtime::Runtime,
+) {
+    for (row, rounds) in rows.iter().zip(results) {
+        if failed.iter().any(|(r, _)| r == row) {
+            continue;
+        }
+        match run_logged(*row, round, options, client) {
+            Ok(outcome) => rounds.push(outcome),
+            Err(message) => failed.push((*row, message)),
+        }
+    }
 }
 
 /// [`run_row`], with a line on standard error for the round.

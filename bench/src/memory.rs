@@ -5,19 +5,15 @@ use std::convert::Infallible;
 use std::process::Command;
 
 use bytes::Bytes;
-use http::header::CONTENT_TYPE;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use idempotent_core::Idempotency;
 use idempotent_core::memory::{MemoryStore, RECORD_OVERHEAD};
-use idempotent_tower::{IdempotencyLayer, RequestBody};
-use tower::{Layer, ServiceExt, service_fn};
+use idempotent_tower::IdempotencyLayer;
+use tower::{Layer, ServiceExt};
 
-use crate::app::{PAYMENTS, REQUEST_BODY};
+use crate::fixture::{BODY_BYTES, payment_request, stand_in};
 use crate::report::MemoryRecord;
-
-/// The size of every response body retained.
-pub(crate) const BODY_BYTES: usize = 200;
 
 /// Records created, and kept, before the baseline is read: the runtime, the layer's code paths
 /// and the allocator's first arenas are then not charged to the measured records.
@@ -48,17 +44,6 @@ pub(crate) fn run(counts: &[u64]) -> Result<Vec<MemoryRecord>, String> {
         .collect()
 }
 
-/// The response every request gets: 201, `Content-Type: application/json`, a
-/// [`BODY_BYTES`]-byte JSON body.
-pub(crate) fn response_body() -> Bytes {
-    let prefix = r#"{"id":"pay_"#;
-    let suffix = r#"","status":"captured"}"#;
-    let filler = BODY_BYTES - prefix.len() - suffix.len();
-    let body = format!("{prefix}{}{suffix}", "x".repeat(filler));
-    debug_assert_eq!(body.len(), BODY_BYTES);
-    Bytes::from(body)
-}
-
 /// Fills a store with `records` records through the layer and reports the resident growth.
 pub(crate) fn child(records: u64) -> Result<MemoryRecord, String> {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -66,15 +51,7 @@ pub(crate) fn child(records: u64) -> Result<MemoryRecord, String> {
         .build()
         .map_err(|e| format!("runtime: {e}"))?;
     runtime.block_on(async {
-        let body = response_body();
-        let handler = service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
-            let response = Response::builder()
-                .status(StatusCode::CREATED)
-                .header(CONTENT_TYPE, "application/json")
-                .body(Full::new(body.clone()))
-                .expect("a valid response");
-            async move { Ok::<_, Infallible>(response) }
-        });
+        let handler = stand_in();
         let store = |records: u64| {
             let records = usize::try_from(records).unwrap_or(usize::MAX);
             // Bounded to what is measured: every record fits, the sweep is off.
@@ -87,14 +64,14 @@ pub(crate) fn child(records: u64) -> Result<MemoryRecord, String> {
 
         let warm = store(WARM_RECORDS);
         // Requests carry no principal: one shared scope.
-        let warm_service = IdempotencyLayer::new_for_http(Idempotency::new(warm.clone()))
+        let warm_service = IdempotencyLayer::http(Idempotency::new(warm.clone()))
             .allow_anonymous(true)
             .layer(handler.clone());
         fill(&warm_service, "w", WARM_RECORDS).await?;
 
         let before = rss_bytes()?;
         let measured = store(records);
-        let service = IdempotencyLayer::new_for_http(Idempotency::new(measured.clone()))
+        let service = IdempotencyLayer::http(Idempotency::new(measured.clone()))
             .allow_anonymous(true)
             .layer(handler);
         fill(&service, "m", records).await?;
@@ -132,12 +109,10 @@ where
         > + Clone,
 {
     for i in 0..records {
-        let request = Request::post(PAYMENTS)
-            .header("idempotency-key", format!("{prefix}{i}"))
-            .header(CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from_static(REQUEST_BODY)))
-            .expect("a valid request");
-        let Ok(response) = service.clone().oneshot(request).await;
+        let Ok(response) = service
+            .clone()
+            .oneshot(payment_request(format!("{prefix}{i}")))
+            .await;
         if response.status() != StatusCode::CREATED {
             return Err(format!(
                 "record {i}: the layer answered {}",
@@ -180,13 +155,6 @@ fn auxv_value(auxv: &[u8], key: u64) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn body_has_the_stated_size_and_is_json() {
-        let body = response_body();
-        assert_eq!(body.len(), BODY_BYTES);
-        serde_json::from_slice::<serde_json::Value>(&body).unwrap();
-    }
 
     #[test]
     fn statm_and_auxv() {

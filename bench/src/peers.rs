@@ -12,7 +12,7 @@ use ruts::store::moka::MokaStore;
 use ruts::{CookieOptions, Session, SessionLayer};
 use tower_cookies::CookieManagerLayer;
 
-use crate::app::{SESSION, Tally, payments};
+use crate::fixture::{SESSION, Tally, payments};
 
 const DAY_SECS: i64 = 24 * 3600;
 

@@ -1,209 +1,14 @@
-//! What a run produces: latency histograms, the exactly-once audit, the per-row results, the
-//! markdown table and the JSON file.
+//! What a run produces: the records of the HTTP rows, the limit rows, the prefills and the
+//! memory mode, their markdown tables and the JSON file.
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::Duration;
 
-use hdrhistogram::Histogram;
+use idempotent_bench::table::thousands;
 use serde::{Deserialize, Serialize};
 
+use crate::measure::{Audit, Traffic, round1};
 use crate::rows::Row;
-
-/// Response latencies in microseconds, 1 µs to 60 s at three significant digits.
-#[derive(Clone)]
-pub(crate) struct Latencies {
-    histogram: Histogram<u64>,
-}
-
-impl Latencies {
-    const MAX_US: u64 = 60_000_000;
-
-    pub(crate) fn new() -> Self {
-        Latencies {
-            histogram: Histogram::new_with_bounds(1, Self::MAX_US, 3)
-                .expect("static histogram bounds are valid"),
-        }
-    }
-
-    /// Records one response; sub-microsecond times count as 1 µs, over 60 s as 60 s.
-    pub(crate) fn record(&mut self, latency: Duration) {
-        let us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
-        self.histogram.saturating_record(us.clamp(1, Self::MAX_US));
-    }
-
-    pub(crate) fn merge(&mut self, other: &Latencies) {
-        self.histogram
-            .add(&other.histogram)
-            .expect("histograms with the same bounds merge");
-    }
-
-    #[cfg(test)]
-    pub(crate) fn count(&self) -> u64 {
-        self.histogram.len()
-    }
-
-    /// The latency at `quantile` (0.0 to 1.0) in microseconds: the smallest recorded value
-    /// that at least that share of the responses did not exceed; 0 when nothing was recorded.
-    pub(crate) fn quantile_us(&self, quantile: f64) -> u64 {
-        if self.histogram.is_empty() {
-            return 0;
-        }
-        self.histogram.value_at_quantile(quantile)
-    }
-}
-
-/// How many times the handler ran per distinct key during one row, as counted by the server.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Executions {
-    /// Per load-generator connection: executions of the key with that index.
-    pub(crate) lanes: Vec<Vec<u32>>,
-    /// Executions of each probe key (sent as concurrent duplicates, then retried).
-    pub(crate) probes: Vec<u32>,
-    /// Executions of requests whose key the handler could not attribute.
-    pub(crate) unattributed: u64,
-}
-
-/// The exactly-once verdict over one row's executions.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Audit {
-    /// Handler executions in the row (warm-up, timed phase and probes).
-    pub(crate) executions: u64,
-    /// Keys that ran at least once.
-    pub(crate) distinct_keys: u64,
-    /// Keys that ran more than once.
-    pub(crate) duplicated_keys: u64,
-    /// Probe keys sent, and how many of them ran exactly once.
-    pub(crate) probe_keys: u64,
-    pub(crate) probe_keys_once: u64,
-    /// Executions the handler could not attribute to a key.
-    pub(crate) unattributed: u64,
-}
-
-impl Audit {
-    pub(crate) fn of(executions: &Executions) -> Audit {
-        let mut audit = Audit {
-            unattributed: executions.unattributed,
-            executions: executions.unattributed,
-            ..Audit::default()
-        };
-        let counts = executions.lanes.iter().flatten().chain(&executions.probes);
-        for &count in counts {
-            audit.executions += u64::from(count);
-            audit.distinct_keys += u64::from(count > 0);
-            audit.duplicated_keys += u64::from(count > 1);
-        }
-        audit.probe_keys = executions.probes.len() as u64;
-        audit.probe_keys_once = executions.probes.iter().filter(|&&n| n == 1).count() as u64;
-        audit
-    }
-
-    /// Every key ran at most once, every probe key exactly once, and every execution had a key.
-    pub(crate) fn exactly_once(&self) -> bool {
-        self.duplicated_keys == 0
-            && self.unattributed == 0
-            && self.probe_keys > 0
-            && self.probe_keys_once == self.probe_keys
-    }
-}
-
-/// What the load generator saw in one timed phase.
-#[derive(Clone)]
-pub(crate) struct Traffic {
-    pub(crate) latencies: Latencies,
-    /// Responses by status code.
-    pub(crate) statuses: BTreeMap<u16, u64>,
-    /// Requests that got no response (connection errors).
-    pub(crate) transport_errors: u64,
-    /// Responses marked as replays (`Idempotent-Replayed` or `Idempotency-Replayed: true`).
-    pub(crate) replayed: u64,
-    pub(crate) elapsed: Duration,
-    /// CPU time of the server's and of the load generator's threads during the timed phase.
-    pub(crate) server_cpu: Duration,
-    pub(crate) client_cpu: Duration,
-    /// Busy time of all the machine's CPUs during the timed phase, and its share of their
-    /// time (`machine.rs`).
-    pub(crate) machine_cpu: Duration,
-    pub(crate) machine_busy: f64,
-}
-
-impl Traffic {
-    pub(crate) fn new() -> Self {
-        Traffic {
-            latencies: Latencies::new(),
-            statuses: BTreeMap::new(),
-            transport_errors: 0,
-            replayed: 0,
-            elapsed: Duration::ZERO,
-            server_cpu: Duration::ZERO,
-            client_cpu: Duration::ZERO,
-            machine_cpu: Duration::ZERO,
-            machine_busy: 0.0,
-        }
-    }
-
-    pub(crate) fn merge(&mut self, other: &Traffic) {
-        self.latencies.merge(&other.latencies);
-        for (status, n) in &other.statuses {
-            *self.statuses.entry(*status).or_default() += n;
-        }
-        self.transport_errors += other.transport_errors;
-        self.replayed += other.replayed;
-        self.elapsed = self.elapsed.max(other.elapsed);
-        self.server_cpu += other.server_cpu;
-        self.client_cpu += other.client_cpu;
-        self.machine_cpu += other.machine_cpu;
-        self.machine_busy = self.machine_busy.max(other.machine_busy);
-    }
-
-    /// Responses of any status, plus requests without one.
-    pub(crate) fn requests(&self) -> u64 {
-        self.statuses.values().sum::<u64>() + self.transport_errors
-    }
-
-    /// Server CPU time per request in the timed phase, in microseconds.
-    pub(crate) fn server_us_per_request(&self) -> f64 {
-        per_request_us(self.server_cpu, self.requests())
-    }
-
-    /// Load-generator CPU time per request in the timed phase, in microseconds.
-    pub(crate) fn client_us_per_request(&self) -> f64 {
-        per_request_us(self.client_cpu, self.requests())
-    }
-
-    /// Busy time of the whole machine per request in the timed phase, in microseconds.
-    pub(crate) fn machine_us_per_request(&self) -> f64 {
-        per_request_us(self.machine_cpu, self.requests())
-    }
-
-    pub(crate) fn successes(&self) -> u64 {
-        self.statuses
-            .iter()
-            .filter(|(status, _)| (200..300).contains(*status))
-            .map(|(_, n)| n)
-            .sum()
-    }
-
-    /// Responses that were not 2xx, plus requests without a response.
-    pub(crate) fn failures(&self) -> u64 {
-        self.requests() - self.successes()
-    }
-
-    /// Successful responses per second; failures do not count.
-    pub(crate) fn rps(&self) -> f64 {
-        if self.elapsed.is_zero() {
-            return 0.0;
-        }
-        self.successes() as f64 / self.elapsed.as_secs_f64()
-    }
-}
-
-fn per_request_us(cpu: Duration, requests: u64) -> f64 {
-    if requests == 0 {
-        return 0.0;
-    }
-    round1(cpu.as_secs_f64() * 1e6 / requests as f64)
-}
 
 /// One object of `http.json`: a row of the HTTP benchmark or a memory measurement.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -213,7 +18,7 @@ pub(crate) enum Record {
     Limit(LimitRecord),
     Memory(MemoryRecord),
     /// How a shared store was prefilled for the prefilled rows, and its size then.
-    Prefill(crate::scale::FillRecord),
+    Prefill(FillRecord),
 }
 
 /// A limit row: what the backend's own benchmark tool does with the store's statements
@@ -358,6 +163,23 @@ pub(crate) struct MemoryRecord {
     pub(crate) charged_bytes_per_record: u64,
 }
 
+/// How a store was prefilled, and what it then held.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct FillRecord {
+    pub(crate) store: String,
+    /// Prefilled records in the store after this fill.
+    pub(crate) records: u64,
+    /// Seconds this fill took (the records it added).
+    pub(crate) fill_seconds: f64,
+    /// PostgreSQL: the table with its indexes and TOAST (`pg_total_relation_size`); Redis:
+    /// `used_memory` of `INFO memory`. Everything in the store, the rows' own records too.
+    pub(crate) store_bytes: u64,
+    /// PostgreSQL: the indexes alone (`pg_indexes_size`).
+    pub(crate) index_bytes: Option<u64>,
+    /// Rows of the table, or keys of the Redis database, counted after the fill.
+    pub(crate) entries: u64,
+}
+
 /// The median round of one row, by rps, and the row's verdict over all its rounds.
 pub(crate) fn summarize(row: Row, rounds: &[(Traffic, Audit)]) -> HttpRecord {
     assert!(!rounds.is_empty(), "a row has at least one round");
@@ -389,10 +211,6 @@ pub(crate) fn summarize(row: Row, rounds: &[(Traffic, Audit)]) -> HttpRecord {
         seconds: round1(traffic.elapsed.as_secs_f64()),
         rounds_rps: rounds.iter().map(|(t, _)| round1(t.rps())).collect(),
     }
-}
-
-fn round1(x: f64) -> f64 {
-    (x * 10.0).round() / 10.0
 }
 
 /// Why a row's numbers cannot be trusted, if they cannot.
@@ -483,10 +301,7 @@ pub(crate) fn memory_table(records: &[MemoryRecord]) -> String {
 
 /// The prefilled rows as a markdown table, each beside the same row on a store without
 /// prefilled records, and the sizes of the shared stores after each fill.
-pub(crate) fn prefilled_table(
-    records: &[HttpRecord],
-    fills: &[crate::scale::FillRecord],
-) -> String {
+pub(crate) fn prefilled_table(records: &[HttpRecord], fills: &[FillRecord]) -> String {
     let mut out = String::from(
         "| scenario | store | records before | rps | rps, no records before | ratio | within 20 % | server CPU µs/req | p99 µs |\n\
          |---|---|---:|---:|---:|---:|:---:|---:|---:|\n",
@@ -543,18 +358,6 @@ pub(crate) fn prefilled_table(
     out
 }
 
-fn thousands(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
-}
-
 /// Writes `records` to `path`, keeping the objects of the other mode already there (so the
 /// HTTP and memory modes can run separately and still share one file). The limit rows belong
 /// and the prefill records belong to the HTTP mode.
@@ -583,94 +386,8 @@ pub(crate) fn write_json(path: &Path, records: Vec<Record>) -> std::io::Result<(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fixture::Executions;
     use crate::rows::{Implementation, Scenario, StoreKind};
-
-    fn traffic(ok: u64, conflicts: u64, seconds: u64, latency_us: u64) -> Traffic {
-        let mut t = Traffic::new();
-        for _ in 0..ok {
-            t.latencies.record(Duration::from_micros(latency_us));
-        }
-        t.statuses.insert(201, ok);
-        if conflicts > 0 {
-            t.statuses.insert(409, conflicts);
-        }
-        t.elapsed = Duration::from_secs(seconds);
-        t
-    }
-
-    #[test]
-    fn quantiles_of_a_known_distribution() {
-        let mut l = Latencies::new();
-        for us in 1..=1000 {
-            l.record(Duration::from_micros(us));
-        }
-        assert_eq!(l.count(), 1000);
-        // Three significant digits: exact below 2048 µs.
-        assert_eq!(l.quantile_us(0.5), 500);
-        assert_eq!(l.quantile_us(0.99), 990);
-        assert_eq!(l.quantile_us(1.0), 1000);
-    }
-
-    #[test]
-    fn quantiles_clamp_and_merge() {
-        let mut a = Latencies::new();
-        a.record(Duration::from_nanos(10)); // below 1 µs counts as 1 µs
-        let mut b = Latencies::new();
-        b.record(Duration::from_secs(3600)); // beyond the range counts as its top
-        a.merge(&b);
-        assert_eq!(a.count(), 2);
-        assert_eq!(a.quantile_us(0.0), 1);
-        assert!(a.quantile_us(1.0) >= 59_900_000);
-        assert_eq!(Latencies::new().quantile_us(0.5), 0);
-    }
-
-    #[test]
-    fn failures_do_not_count_as_throughput() {
-        let mut t = traffic(1000, 9000, 2, 100);
-        t.transport_errors = 5;
-        assert_eq!(t.successes(), 1000);
-        assert_eq!(t.failures(), 9005);
-        assert_eq!(t.rps(), 500.0);
-    }
-
-    #[test]
-    fn audit_counts_keys_and_duplicates() {
-        let once = Executions {
-            lanes: vec![vec![1, 1, 0], vec![1]],
-            probes: vec![1, 1],
-            unattributed: 0,
-        };
-        let audit = Audit::of(&once);
-        assert_eq!(audit.executions, 5);
-        assert_eq!(audit.distinct_keys, 5);
-        assert_eq!(audit.duplicated_keys, 0);
-        assert!(audit.exactly_once());
-
-        let replayed_twice = Executions {
-            lanes: vec![vec![1, 3]],
-            ..once.clone()
-        };
-        let audit = Audit::of(&replayed_twice);
-        assert_eq!((audit.executions, audit.duplicated_keys), (6, 1));
-        assert!(!audit.exactly_once());
-
-        let duplicate_probe = Executions {
-            probes: vec![1, 2],
-            ..once.clone()
-        };
-        assert!(!Audit::of(&duplicate_probe).exactly_once());
-        let lost_probe = Executions {
-            probes: vec![1, 0],
-            ..once.clone()
-        };
-        assert!(!Audit::of(&lost_probe).exactly_once());
-        let unattributed = Executions {
-            unattributed: 1,
-            ..once
-        };
-        assert!(!Audit::of(&unattributed).exactly_once());
-        assert!(!Audit::default().exactly_once(), "no probe, no verdict");
-    }
 
     fn row() -> Row {
         Row {
@@ -691,11 +408,11 @@ mod tests {
 
     #[test]
     fn summary_takes_the_median_round_and_all_verdicts() {
-        let mut slow = traffic(100, 0, 1, 900);
+        let mut slow = Traffic::sample(100, 0, 1, 900);
         slow.replayed = 100;
-        let mut median = traffic(200, 0, 1, 500);
+        let mut median = Traffic::sample(200, 0, 1, 500);
         median.replayed = 200;
-        let mut fast = traffic(300, 0, 1, 300);
+        let mut fast = Traffic::sample(300, 0, 1, 300);
         fast.replayed = 300;
         let bad = Audit {
             duplicated_keys: 1,
@@ -714,7 +431,7 @@ mod tests {
 
     #[test]
     fn problems_flag_errors_and_rows_that_did_not_replay() {
-        let record = summarize(row(), &[(traffic(10, 990, 1, 100), good_audit())]);
+        let record = summarize(row(), &[(Traffic::sample(10, 990, 1, 100), good_audit())]);
         assert_eq!(record.rps, 10.0, "409s are not throughput");
         let problems = problems(&record);
         assert_eq!(problems.len(), 2, "{problems:?}");
@@ -724,7 +441,7 @@ mod tests {
 
     #[test]
     fn json_shape() {
-        let mut t = traffic(2000, 0, 2, 250);
+        let mut t = Traffic::sample(2000, 0, 2, 250);
         t.replayed = 2000;
         let http = summarize(row(), &[(t, good_audit())]);
         let memory = MemoryRecord {
@@ -774,7 +491,7 @@ mod tests {
         assert_eq!(json[0]["rps"], 2000.0);
         assert_eq!(json[0]["connections"], 16);
         // The layer's replay row does 1,000 rps: half of the limit.
-        let http = summarize(row(), &[(traffic(1000, 0, 1, 250), good_audit())]);
+        let http = summarize(row(), &[(Traffic::sample(1000, 0, 1, 250), good_audit())]);
         let table = limit_table(&[limit], &[http]);
         let last = table.lines().last().unwrap();
         assert!(
@@ -788,7 +505,7 @@ mod tests {
         let dir =
             std::env::temp_dir().join(format!("idempotent-bench-test-{}", std::process::id()));
         let path = dir.join("http.json");
-        let http = summarize(row(), &[(traffic(1, 0, 1, 1), good_audit())]);
+        let http = summarize(row(), &[(Traffic::sample(1, 0, 1, 1), good_audit())]);
         let memory = MemoryRecord {
             implementation: "idempotent-tower".into(),
             store: "memory".into(),
@@ -815,9 +532,15 @@ mod tests {
             scenario: "none".into(),
             store: "none".into(),
             correct: false,
-            ..summarize(row(), &[(traffic(40_000, 0, 1, 1500), good_audit())])
+            ..summarize(
+                row(),
+                &[(Traffic::sample(40_000, 0, 1, 1500), good_audit())],
+            )
         };
-        let ours = summarize(row(), &[(traffic(38_000, 0, 1, 1600), good_audit())]);
+        let ours = summarize(
+            row(),
+            &[(Traffic::sample(38_000, 0, 1, 1600), good_audit())],
+        );
         let table = markdown_table(&[bare, ours]);
         assert!(table.contains("| bare | none | none | 40,000 | 100 % | 1,500 |"));
         assert!(table.contains("| **no** |"));

@@ -20,22 +20,19 @@
 //! first rows: PostgreSQL's `VACUUM (ANALYZE)` and `CHECKPOINT`, and Redis's rewrite of its
 //! append-only file (`BGREWRITEAOF`, waited for).
 
-use std::convert::Infallible;
 use std::time::Instant;
 
-use bytes::Bytes;
-use http::header::CONTENT_TYPE;
-use http::{Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http::StatusCode;
+use http_body_util::BodyExt;
 use idempotent_core::postgres::{DEFAULT_TABLE, PostgresStore};
 use idempotent_core::redis::RedisStore;
 use idempotent_core::{Idempotency, Key, Scope, StorageKey, Store};
-use idempotent_tower::{IdempotencyLayer, RequestBody};
-use serde::{Deserialize, Serialize};
-use tower::{Layer, ServiceExt, service_fn};
+use idempotent_tower::IdempotencyLayer;
+use tower::{Layer, ServiceExt};
 
-use crate::app::{Backends, PAYMENTS, REQUEST_BODY};
-use crate::memory::response_body;
+use crate::cli::Backends;
+use crate::fixture::{payment_request, response_body, stand_in};
+use crate::report::FillRecord;
 
 /// The namespace of every prefilled record: apart from the rows' own namespaces.
 pub(crate) const NAMESPACE: &str = "idempotent-bench-prefill";
@@ -50,42 +47,6 @@ const EXPIRY_SPREAD_SECONDS: u64 = 600;
 /// The TTL of the other prefilled records: the layer's default.
 const TTL_MS: u64 = 24 * 3600 * 1000;
 
-/// How a store was prefilled, and what it then held.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub(crate) struct FillRecord {
-    pub(crate) store: String,
-    /// Prefilled records in the store after this fill.
-    pub(crate) records: u64,
-    /// Seconds this fill took (the records it added).
-    pub(crate) fill_seconds: f64,
-    /// PostgreSQL: the table with its indexes and TOAST (`pg_total_relation_size`); Redis:
-    /// `used_memory` of `INFO memory`. Everything in the store, the rows' own records too.
-    pub(crate) store_bytes: u64,
-    /// PostgreSQL: the indexes alone (`pg_indexes_size`).
-    pub(crate) index_bytes: Option<u64>,
-    /// Rows of the table, or keys of the Redis database, counted after the fill.
-    pub(crate) entries: u64,
-}
-
-type Answer = Response<Full<Bytes>>;
-
-/// The handler of the prefill: the payments handler's answer without the payments handler.
-fn handler() -> impl tower::Service<
-    Request<RequestBody<Full<Bytes>>>,
-    Response = Answer,
-    Error = Infallible,
-    Future = std::future::Ready<Result<Answer, Infallible>>,
-> + Clone {
-    let body = response_body();
-    service_fn(move |_: Request<RequestBody<Full<Bytes>>>| {
-        std::future::ready(Ok(Response::builder()
-            .status(StatusCode::CREATED)
-            .header(CONTENT_TYPE, "application/json")
-            .body(Full::new(body.clone()))
-            .expect("a valid response")))
-    })
-}
-
 fn prefill_key(i: u64) -> String {
     format!("prefill-{i}")
 }
@@ -97,16 +58,14 @@ async fn through_layer(
     range: std::ops::Range<u64>,
     fresh: bool,
 ) -> Result<(), String> {
-    let service = IdempotencyLayer::new_for_http(idempotency)
+    let service = IdempotencyLayer::http(idempotency)
         .allow_anonymous(true)
-        .layer(handler());
+        .layer(stand_in());
     for i in range {
-        let request = Request::post(PAYMENTS)
-            .header("idempotency-key", prefill_key(i))
-            .header(CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from_static(REQUEST_BODY)))
-            .expect("a valid request");
-        let Ok(response) = service.clone().oneshot(request).await;
+        let Ok(response) = service
+            .clone()
+            .oneshot(payment_request(prefill_key(i)))
+            .await;
         let replayed = response.headers().contains_key("idempotent-replayed");
         if response.status() != StatusCode::CREATED || replayed == fresh {
             return Err(format!(

@@ -9,8 +9,8 @@
 //! | `IDEMPOTENCY_IN_FLIGHT` | `reject` | `reject` or `wait` (up to one lease, then replay) |
 //! | `IDEMPOTENCY_REDIS_REPLICAS` | `0` | on Redis, replicas that must acknowledge every claim and record (`WAIT`) |
 //!
-//! Durations are a number followed by `ms`, `s`, `m`, `h` or `d`; the ranges are those of
-//! `idempotent_core::limits`. A bad value, or one out of its range, makes the example exit with
+//! Durations are read by `idempotent_core::limits::parse_duration` (`500ms`, `30s`, `15m`,
+//! `24h`, `7d`, `1h 30m`); the ranges are those of `idempotent_core::limits`. A bad value, or one out of its range, makes the example exit with
 //! status 2 and a message naming the variable (and the range).
 
 #![allow(dead_code)]
@@ -21,10 +21,7 @@ pub(crate) mod shutdown;
 use std::time::Duration;
 
 use idempotent_core::limits::{self, DurationError};
-use idempotent_core::memory::MemoryStore;
-use idempotent_core::postgres::PostgresStore;
-use idempotent_core::redis::RedisStore;
-use idempotent_core::{Defaults, Idempotency, InFlightPolicy};
+use idempotent_core::{AnyStore, Defaults, Idempotency, InFlightPolicy};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 /// Logs to stderr, `RUST_LOG` overriding the default filter.
@@ -41,13 +38,13 @@ pub(crate) fn init_logging() {
 
 pub(crate) struct Settings {
     pub(crate) port: u16,
-    pub(crate) store: String,
     pub(crate) ttl: Duration,
     pub(crate) lease: Duration,
     pub(crate) in_flight: InFlightPolicy,
 }
 
-/// Reads `PORT` (default `default_port`) and the `IDEMPOTENCY_*` variables.
+/// Reads `PORT` (default `default_port`) and the `IDEMPOTENCY_*` variables but the store's
+/// (which [`idempotency`] reads).
 pub(crate) fn settings(default_port: u16) -> Result<Settings, String> {
     let var =
         |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
@@ -76,33 +73,22 @@ pub(crate) fn settings(default_port: u16) -> Result<Settings, String> {
     };
     Ok(Settings {
         port,
-        store: var("IDEMPOTENCY_STORE", "memory"),
         ttl,
         lease,
         in_flight,
     })
 }
 
-/// Parses `value`, the variable `name`'s, as a duration: a number followed by `ms`, `s`, `m`,
-/// `h` or `d`, greater than zero.
+/// Parses `value`, the variable `name`'s, as a duration greater than zero, with
+/// [`limits::parse_duration`]: `500ms`, `30s`, `15m`, `24h`, `7d`, `1h 30m`.
 pub(crate) fn parse_duration(name: &str, value: &str) -> Result<Duration, String> {
-    let bad = || format!("{name}={value:?} is not a duration like 500ms, 30s, 15m, 24h or 7d");
-    let split = value.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
-    let (number, unit) = value.split_at(split);
-    let number: u64 = number.parse().map_err(|_| bad())?;
-    let millis = match unit {
-        "ms" => Some(number),
-        "s" => number.checked_mul(1000),
-        "m" => number.checked_mul(60_000),
-        "h" => number.checked_mul(3_600_000),
-        "d" => number.checked_mul(86_400_000),
-        _ => None,
-    }
-    .ok_or_else(bad)?;
-    if millis == 0 {
+    let duration = limits::parse_duration(value).map_err(|_| {
+        format!("{name}={value:?} is not a duration like 500ms, 30s, 15m, 24h or 7d")
+    })?;
+    if duration.is_zero() {
         return Err(format!("{name}={value:?} must be greater than zero"));
     }
-    Ok(Duration::from_millis(millis))
+    Ok(duration)
 }
 
 /// Parses `value`, the variable `name`'s, as a whole number greater than zero.
@@ -169,51 +155,18 @@ pub(crate) fn metrics_route<S: Clone + Send + Sync + 'static>(
     })
 }
 
-/// The runtime over the store `IDEMPOTENCY_STORE` names.
+/// The runtime over the store `IDEMPOTENCY_STORE` names ([`AnyStore::from_env`], which reads
+/// `IDEMPOTENCY_REDIS_REPLICAS` too; on PostgreSQL it creates the table and reaps expired rows
+/// every minute).
 pub(crate) async fn idempotency(
     settings: &Settings,
     namespace: &str,
 ) -> Result<Idempotency, String> {
-    let store = settings.store.as_str();
-    let builder = if store == "memory" {
-        Idempotency::builder(MemoryStore::new())
-    } else if store.starts_with("redis://") {
-        let replicas = match std::env::var("IDEMPOTENCY_REDIS_REPLICAS") {
-            Ok(n) => n.parse().map_err(|_| {
-                format!("IDEMPOTENCY_REDIS_REPLICAS={n:?} is not a number of replicas")
-            })?,
-            Err(_) => 0,
-        };
-        let redis = RedisStore::builder(store)
-            .replicas(replicas)
-            .connect()
-            .await
-            .map_err(|e| format!("cannot connect to Redis at {store}: {}", error_chain(&e)))?;
-        Idempotency::builder(redis)
-    } else if store.starts_with("postgres://") || store.starts_with("postgresql://") {
-        // The URL may hold a password: errors name the variable, not its value.
-        let postgres = PostgresStore::connect(store).await.map_err(|e| {
-            format!(
-                "cannot connect to PostgreSQL (IDEMPOTENCY_STORE): {}",
-                error_chain(&e)
-            )
-        })?;
-        postgres.migrate().await.map_err(|e| {
-            format!(
-                "cannot create the idempotency table in PostgreSQL: {}",
-                error_chain(&e)
-            )
-        })?;
-        postgres.spawn_reaper(Duration::from_secs(60));
-        Idempotency::builder(postgres)
-    } else {
-        return Err(format!(
-            "IDEMPOTENCY_STORE={store:?} is not supported; use `memory`, `redis://HOST:PORT[/DB]` \
-             (comma-separated URLs for a Redis Cluster) \
-             or `postgres://USER@HOST:PORT/DB`"
-        ));
-    };
-    Ok(builder
+    // Its errors name the variable and never print a password.
+    let store = AnyStore::from_env()
+        .await
+        .map_err(|error| error_chain(&error))?;
+    Ok(Idempotency::builder(store)
         .namespace(namespace)
         .defaults(
             Defaults::new()

@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use idempotent_core::postgres::{Outbox, Relay};
+use idempotent_core::outbox::{Outbox, Relay};
 use idempotent_tower::client::HttpSink;
 use sqlx::PgPool;
 

@@ -87,12 +87,15 @@
 /// | `tx` | the name of the transaction parameter (feature `postgres`) | none: the runtime's store |
 /// | `crate` | a path to this crate | `::idempotent_core` |
 ///
-/// A duration is a string of digits and one unit — `"500ms"`, `"90s"`, `"15m"`, `"24h"`,
-/// `"7d"` — or an integer number of seconds (`ttl = 3600`). Zero, a missing unit, several
-/// units (`"1h30m"`) and anything else are compile errors on the literal, and so are a `ttl`
-/// or `lease` outside the ranges of [`limits`](crate::limits): a TTL from 1 ms to 365 days, a
-/// lease from 100 ms to 365 days. An unknown or repeated argument is a compile error on that
-/// argument.
+/// A duration is a string in the syntax of [`limits::parse_duration`](crate::limits::parse_duration)
+/// — `"500ms"`, `"90s"`, `"15m"`, `"24h"`, `"7d"`, `"1h 30m"`, `"1.5s"` — or an integer number
+/// of seconds (`ttl = 3600`). A malformed duration, a missing unit and a zero `wait` are
+/// compile errors on the literal, and so are a `ttl` or `lease` outside the ranges of
+/// [`limits`](crate::limits) (a TTL from 1 ms to 365 days, a lease from 100 ms to 365 days):
+/// the expansion evaluates each in a constant that checks it against those ranges, and the
+/// error names the bound it crosses: "ttl must be at most 365d
+/// (`idempotent_core::limits::MAX_TTL`): write a duration from 1ms to 365d". An unknown or
+/// repeated argument is a compile error on that argument.
 ///
 /// ## `key = <expr>`
 ///
@@ -289,7 +292,7 @@
 /// details and requirements.
 ///
 /// `runtime = ...` then names a [`Transactional`](crate::postgres::Transactional) (from
-/// [`PostgresStore::transactional`](crate::postgres::PostgresStore::transactional)), for its table,
+/// [`Idempotency::transactional`](crate::Idempotency::transactional)), for its table,
 /// namespace and defaults; without it, `Transactional::default()` (table
 /// `idempotent_records`, the empty namespace). No lease renewal runs: nobody else can see an
 /// uncommitted claim.
@@ -384,10 +387,10 @@
 /// `E`); on the whole return type when an alias hides the type (`-> Charged` with
 /// `type Charged = Result<u64, Declined>`).
 ///
-/// ```compile_fail
+/// ```compile_fail,E0080
 /// use idempotent_core::{Error, idempotent};
 ///
-/// // error: ttl must be between 1ms and 365d
+/// // error: ttl must be at least 1ms (`idempotent_core::limits::MIN_TTL`)
 /// #[idempotent(key = id, ttl = "0s")]
 /// async fn charge(id: u64) -> Result<u64, Error> {
 ///     Ok(id)

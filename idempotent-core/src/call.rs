@@ -201,7 +201,8 @@ impl CallOptions {
 
 /// What a runtime uses for every setting a call leaves unset. One type shared by the
 /// standalone runtime ([`IdempotencyBuilder::defaults`](crate::IdempotencyBuilder::defaults))
-/// and the PostgreSQL transactional mode (`postgres::Transactional::defaults`).
+/// and the PostgreSQL transactional mode, which takes its runtime's
+/// ([`Idempotency::transactional`](crate::Idempotency::transactional)).
 ///
 /// ```
 /// use idempotent_core::{Defaults, Idempotency, InFlightPolicy};

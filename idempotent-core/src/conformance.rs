@@ -1,5 +1,8 @@
 //! The store conformance suite: the contract of [`Store`] as executable checks.
 //!
+//! (Longer than most files here, on purpose: the suite is one list of the contract's rules,
+//! each a short test, and reads best in one place.)
+//!
 //! Every store in this workspace runs it, and so should yours. Implement [`Harness`] for your
 //! store and invoke [`store_conformance_tests!`](crate::store_conformance_tests) in a test file;
 //! it expands to one `#[test]` per rule, each on a fresh multi-threaded tokio runtime:
@@ -94,10 +97,10 @@ where
     F: FnOnce(Arc<H>) -> Fut,
     Fut: Future<Output = ()>,
 {
-    if let Some(var) = H::backend_env() {
-        if backend_url(var).is_none() {
-            return;
-        }
+    if let Some(var) = H::backend_env()
+        && backend_url(var).is_none()
+    {
+        return;
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -153,10 +156,10 @@ macro_rules! store_conformance_tests {
 /// (`IDEMPOTENT_REQUIRE_BACKENDS=1` or `CI` set) this panics; otherwise it prints a loud notice
 /// on stderr and returns `None`, and the caller returns early.
 pub fn backend_url(var: &str) -> Option<String> {
-    if let Ok(url) = std::env::var(var) {
-        if !url.is_empty() {
-            return Some(url);
-        }
+    if let Ok(url) = std::env::var(var)
+        && !url.is_empty()
+    {
+        return Some(url);
     }
     let required = std::env::var_os("IDEMPOTENT_REQUIRE_BACKENDS").is_some_and(|v| v != "0")
         || std::env::var_os("CI").is_some_and(|v| !v.is_empty() && v != "false");

@@ -6,7 +6,7 @@
 //! ```text
 //! let invocation = __private::Invocation::new(runtime, name, __private::key(&key))
 //!     .scope(..).fingerprint(..)
-//!     .options(__private::CallOptions::new().ttl(..).lease(..).in_flight(..));
+//!     .options(__private::CallOptions::new().ttl(TTL).lease(LEASE).in_flight(..));
 //! let returns = __private::returns::<R>(
 //!     __private::value::<<R as __private::IdempotentResult>::Value>(),
 //!     __private::refused::<<R as __private::IdempotentResult>::Error>(),
@@ -15,7 +15,10 @@
 //! ```
 //!
 //! where `R` is the declared return type, so every behaviour lives here, in plain Rust, and is
-//! tested without the macro. With
+//! tested without the macro. `TTL` is a block that evaluates the literal in a constant,
+//! `{ const __IDEMPOTENT_TTL: __private::Duration = __private::ttl(secs, nanos); __IDEMPOTENT_TTL }`,
+//! so that a literal outside [`limits`](crate::limits) is a compile error; `LEASE` is the same
+//! with [`lease`]. With
 //! `tx = <parameter>` (transactional mode, feature `postgres`), the body is three steps instead,
 //! see [`postgres`].
 
@@ -30,7 +33,7 @@ pub use crate::{CallOptions, InFlightPolicy};
 pub use core::{concat, module_path};
 pub use std::time::Duration;
 
-use crate::metrics::{Protocol, RequestOutcome};
+use crate::metrics::{ProtocolLabel, RequestOutcome};
 use crate::{
     Call, CanonicalError, Error, Execution, Fingerprint, Idempotency, Key, KeyError, Retain, Scope,
     ToKey,
@@ -100,6 +103,20 @@ impl<R> Invocation<R> {
         })();
         (self.runtime, call)
     }
+}
+
+/// `ttl = "..."`: the literal's duration, `Duration::new(secs, nanos)`. The expansion calls it in
+/// a constant, spanned at the literal, so a TTL outside [`limits`](crate::limits) is a compile
+/// error there that names the bound it crosses.
+#[track_caller]
+pub const fn ttl(secs: u64, nanos: u32) -> Duration {
+    crate::limits::require_const(crate::limits::Setting::Ttl, Duration::new(secs, nanos))
+}
+
+/// `lease = "..."`: like [`ttl`], for the lease's range.
+#[track_caller]
+pub const fn lease(secs: u64, nanos: u32) -> Duration {
+    crate::limits::require_const(crate::limits::Setting::Lease, Duration::new(secs, nanos))
 }
 
 /// `key = expr`.
@@ -389,7 +406,7 @@ where
     let into_result = returns.into_result;
     let (runtime, call) = invocation.into_call();
     let call = call.map_err(|error| {
-        runtime.count(Protocol::Call, RequestOutcome::of_error(&error));
+        runtime.count(ProtocolLabel::Call, RequestOutcome::of_error(&error));
         refused(error)
     })?;
     let work = async move { into_result(work.await) };
@@ -473,7 +490,7 @@ pub mod postgres {
         message = "`{Self}` is not a transactional idempotency runtime",
         label = "expected `&idempotent_core::postgres::Transactional`",
         note = "with `tx = ...`, the runtime is a `Transactional`: \
-                `PostgresStore::transactional()` makes one"
+                `Idempotency::transactional()` makes one"
     )]
     pub trait AsTransactional {
         /// The runtime.

@@ -73,10 +73,11 @@
 //! | the root: identity | [`Key`], [`KeyError`], [`MAX_KEY_LEN`], [`ToKey`], [`Scope`], [`StorageKey`], [`Fingerprint`], [`FingerprintBuilder`], [`CanonicalError`] |
 //! | the root: errors | [`Error`], [`StoreError`], [`BoxError`], [`ProblemCode`], [`GrpcCode`], [`MAX_IN_FLIGHT_RETRY_HINT`] |
 //! | the root: the store contract | [`Store`], [`Claim`], [`FencingToken`] |
+//! | the root: a store chosen by URL or `IDEMPOTENCY_STORE` | `AnyStore`, `AnyStoreBuilder`, `AnyStoreError` (with any store's feature) |
 //! | the root: the attribute | [`idempotent`](macro@idempotent) (feature `macros`), [`default_runtime`], [`set_default_runtime`] |
 //! | [`limits`] | the accepted range of every duration, and checks for values read at run time |
 //! | [`clock`] | the memory store's time source; `ManualClock` with feature `test-util` |
-//! | [`metrics`] | the metric names, their labels ([`metrics::Protocol`], [`metrics::RequestOutcome`]) and [`metrics::describe`] |
+//! | [`metrics`] | the metric names, their labels ([`metrics::ProtocolLabel`], [`metrics::RequestOutcome`]) and [`metrics::describe`] |
 //! | `memory` (feature `memory`) | `MemoryStore`, its builder, statistics and bounds |
 //! | `redis` (feature `redis`) | `RedisStore` and its builder |
 //! | `postgres` (feature `postgres`) | `PostgresStore`, the transactional mode (`Transactional`), `Fence`, the transactional outbox (`Outbox`, `Message`) and its `Relay` with `Sink`s (`RedisStreamSink` with feature `redis`) |
@@ -148,7 +149,7 @@
 //! - **Acknowledge after the commit**, never before: acknowledging first and crashing before the
 //!   commit loses the message.
 //! - **What it cannot cover**: an effect outside the database — an e-mail, an HTTP call to a
-//!   provider without idempotency keys. Enqueue it in the outbox (`postgres::Outbox`) in the
+//!   provider without idempotency keys. Enqueue it in the outbox (`outbox::Outbox`) in the
 //!   same transaction; the relay delivers it at least once with a key.
 //!
 //! `examples/ledger.rs` is a consumer on all three brokers built this way, and
@@ -169,7 +170,7 @@
 //! | a write to the PostgreSQL database that holds the record | **same transaction** | the transactional mode (`postgres::Transactional`): claim, writes and record commit together or not at all |
 //! | a call to a system that accepts an idempotency key (a payment provider, a service behind this library, a deduplicating consumer, the outbox relay) | **downstream key** | pass [`ClaimHandle::operation_key`]: the same for every owner and attempt of one operation (one *record lifetime*: from the claim that finds no live record, through every takeover and retry after a release, until the record expires), so a stalled owner and its successor cause one effect, and a key reused after its record expired is a new operation downstream too |
 //! | a write to a resource that can compare numbers (a row in another database, storage with conditional writes) | **fencing token** | the resource refuses a [`ClaimHandle::token`] below the highest it has seen (`postgres::Fence` does it in one statement of your transaction) |
-//! | a call to another system that must follow a database change if and only if it commits | **transactional outbox** | `postgres::Outbox` writes the message in the change's transaction; `postgres::Relay` delivers it after the commit, at least once, with its key (by default the claim's operation key) |
+//! | a call to another system that must follow a database change if and only if it commits | **transactional outbox** | `outbox::Outbox` writes the message in the change's transaction; `outbox::Relay` delivers it after the commit, at least once, with its key (by default the claim's operation key) |
 //! | a call that takes no key, shares no transaction and compares nothing (an SMTP send) | none | at least once, through the outbox; see *What it cannot do* |
 //!
 //! What each fault does, and what is guaranteed:
@@ -222,13 +223,15 @@
 //! (sending an e-mail, calling a third-party API without keys) cannot be made exactly-once: a
 //! crash between the effect and the completion record leaves no way to know whether it
 //! happened. Record the intent in your database in the same transaction as the state change and
-//! deliver it from there: `postgres::Outbox` and `postgres::Relay` (at least once, with a key
+//! deliver it from there: `outbox::Outbox` and `outbox::Relay` (at least once, with a key
 //! the receiver can deduplicate on). Effects that *are* writes to a PostgreSQL
 //! database close the gap with the transactional mode (`postgres::Transactional`): the record
 //! commits in the same transaction as the writes.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(any(feature = "memory", feature = "redis", feature = "postgres"))]
+mod any_store;
 mod attribute;
 mod call;
 mod claim;
@@ -236,13 +239,15 @@ mod claim_answer;
 mod default_runtime;
 mod envelope;
 mod error;
+mod execute;
 mod expansion;
 mod fingerprint;
 mod key;
 mod lease;
 mod outcome;
 mod problem;
-mod record;
+mod recording;
+mod run_to_end;
 mod runtime;
 mod shutdown;
 mod store;
@@ -258,7 +263,16 @@ pub mod metrics;
 #[cfg(feature = "test-util")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub mod conformance;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod outbox;
 
+#[cfg(any(feature = "memory", feature = "redis", feature = "postgres"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "memory", feature = "redis", feature = "postgres")))
+)]
+pub use any_store::{AnyStore, AnyStoreBuilder, AnyStoreError};
 #[cfg(feature = "macros")]
 #[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
 pub use attribute::idempotent;
@@ -274,6 +288,7 @@ pub use fingerprint::{CanonicalError, Fingerprint, FingerprintBuilder};
 pub use key::{Key, KeyError, MAX_KEY_LEN, Scope, StorageKey};
 pub use outcome::{Execution, Outcome, Retain};
 pub use problem::{GrpcCode, ProblemCode};
+pub use run_to_end::RunToEnd;
 pub use runtime::{CLAIM_TIMEOUT, DEFAULT_RECORD_RETRY, Idempotency, IdempotencyBuilder};
 pub use shutdown::Drained;
 pub use store::{Claim, FencingToken, Store};
@@ -306,19 +321,13 @@ pub mod redis {
     };
 }
 
-/// The PostgreSQL store, its transactional mode, the fence, and the transactional outbox with
-/// its relay (feature `postgres`).
+/// The PostgreSQL store, its transactional mode and the fence (feature `postgres`).
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres {
-    #[cfg(feature = "redis")]
-    pub use crate::store::postgres::RedisStreamSink;
     pub use crate::store::postgres::{
-        Backlog, Batch, BoxFuture, DEFAULT_FENCE_TABLE, DEFAULT_OUTBOX_TABLE, DEFAULT_REAP_BATCH,
-        DEFAULT_REAP_GRACE, DEFAULT_TABLE, DeadLetter, Fence, FenceError, InvalidTableName,
-        MAX_OUTBOX_PAYLOAD, Message, OUTBOX_DEAD, OUTBOX_DELIVERIES, OUTBOX_OLDEST_PENDING_AGE,
-        OUTBOX_PENDING, Outbox, OutboxError, OutboxMessage, PendingRecord, PostgresStore,
-        PostgresStoreBuilder, Relay, RelayBuilder, RunningRelay, Sink, SinkError, Transactional,
-        TransactionalClaim,
+        DEFAULT_FENCE_TABLE, DEFAULT_REAP_BATCH, DEFAULT_REAP_GRACE, DEFAULT_TABLE, Fence,
+        FenceError, InvalidTableName, PendingRecord, PostgresStore, PostgresStoreBuilder,
+        Transactional, TransactionalClaim,
     };
 }

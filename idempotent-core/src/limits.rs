@@ -32,7 +32,9 @@
 //! tower layer) is a programming error when it is out of range, so those setters panic with
 //! the message of a [`DurationError`], as tokio's runtime builder does for a zero thread count;
 //! each documents it under `# Panics`. The `#[idempotent]` attribute checks its literals
-//! against the same ranges at compile time. A duration that comes from outside the program (an
+//! against the same ranges at compile time: its expansion evaluates each `ttl` and `lease` in a
+//! constant that calls this module, so a literal out of range is a compile error that names
+//! the bound it crosses. A duration that comes from outside the program (an
 //! environment variable, a configuration file, a request) should go through [`check_ttl`],
 //! [`check_lease`] or [`check_record_retry`] first, which return the error instead:
 //!
@@ -43,6 +45,24 @@
 //! let lease = limits::check_lease(Duration::from_millis(50)).unwrap_err();
 //! assert_eq!(lease.to_string(), "lease must be between 100ms and 365d, got 50ms");
 //! assert_eq!(limits::check_ttl(Duration::from_secs(3600)), Ok(Duration::from_secs(3600)));
+//! ```
+//!
+//! # Parsing
+//!
+//! [`parse_duration`] reads a duration as people write it (`"500ms"`, `"90s"`, `"24h"`,
+//! `"1h 30m"`): the syntax of the `#[idempotent]` attribute's string literals, for values read
+//! from an environment variable or a configuration file. It checks only the syntax; the range
+//! is the setting's, checked by the function of that setting:
+//!
+//! ```
+//! use std::time::Duration;
+//! use idempotent_core::limits;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let ttl = limits::check_ttl(limits::parse_duration("36h")?)?;
+//! assert_eq!(ttl, Duration::from_secs(36 * 3600));
+//! # Ok(())
+//! # }
 //! ```
 //!
 //! # Stores
@@ -62,6 +82,10 @@
 use std::fmt;
 use std::ops::RangeInclusive;
 use std::time::Duration;
+
+mod parse;
+
+pub use parse::{ParseDurationError, parse_duration};
 
 const DAY: u64 = 24 * 60 * 60;
 
@@ -93,10 +117,33 @@ pub enum Setting {
 impl Setting {
     /// The durations this setting accepts, both ends included.
     pub fn range(self) -> RangeInclusive<Duration> {
+        let (min, max) = self.bounds();
+        min..=max
+    }
+
+    /// The ends of [`range`](Self::range).
+    const fn bounds(self) -> (Duration, Duration) {
         match self {
-            Setting::Ttl => MIN_TTL..=MAX_TTL,
-            Setting::Lease => MIN_LEASE..=MAX_LEASE,
-            Setting::RecordRetry => Duration::ZERO..=MAX_RECORD_RETRY,
+            Setting::Ttl => (MIN_TTL, MAX_TTL),
+            Setting::Lease => (MIN_LEASE, MAX_LEASE),
+            Setting::RecordRetry => (Duration::ZERO, MAX_RECORD_RETRY),
+        }
+    }
+
+    /// The names of [`bounds`](Self::bounds), for messages.
+    const fn bound_names(self) -> (&'static str, &'static str) {
+        match self {
+            Setting::Ttl => ("MIN_TTL", "MAX_TTL"),
+            Setting::Lease => ("MIN_LEASE", "MAX_LEASE"),
+            Setting::RecordRetry => ("Duration::ZERO", "MAX_RECORD_RETRY"),
+        }
+    }
+
+    const fn name(self) -> &'static str {
+        match self {
+            Setting::Ttl => "ttl",
+            Setting::Lease => "lease",
+            Setting::RecordRetry => "record_retry",
         }
     }
 
@@ -115,11 +162,7 @@ impl Setting {
 
 impl fmt::Display for Setting {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Setting::Ttl => "ttl",
-            Setting::Lease => "lease",
-            Setting::RecordRetry => "record_retry",
-        })
+        f.write_str(self.name())
     }
 }
 
@@ -183,35 +226,194 @@ pub(crate) fn require(setting: Setting, value: Duration) -> Duration {
     }
 }
 
+/// `value` for `setting`, or a panic that names the bound it crosses: evaluated in a constant,
+/// the panic is a compile error at the caller. The `#[idempotent]` attribute checks its `ttl`
+/// and `lease` literals with it, so the ranges are written once, above.
+#[track_caller]
+pub(crate) const fn require_const(setting: Setting, value: Duration) -> Duration {
+    let (min, max) = setting.bounds();
+    if value.as_nanos() < min.as_nanos() {
+        panic!("{}", out_of_range(setting, false).as_str());
+    }
+    if value.as_nanos() > max.as_nanos() {
+        panic!("{}", out_of_range(setting, true).as_str());
+    }
+    value
+}
+
+/// What [`require_const`] says about a value below (or, with `above`, over) the range:
+/// `ttl must be at most 365d (`idempotent_core::limits::MAX_TTL`): write a duration from 1ms to
+/// 365d`.
+const fn out_of_range(setting: Setting, above: bool) -> ConstText {
+    let (min, max) = setting.bounds();
+    let (min_name, max_name) = setting.bound_names();
+    let (side, bound, name) = match above {
+        false => (" must be at least ", min, min_name),
+        true => (" must be at most ", max, max_name),
+    };
+    ConstText::new()
+        .push(setting.name())
+        .push(side)
+        .duration(bound)
+        .push(" (`idempotent_core::limits::")
+        .push(name)
+        .push("`): write a duration from ")
+        .duration(min)
+        .push(" to ")
+        .duration(max)
+}
+
+/// Text built in a `const fn`, where `format!` is not available.
+struct ConstText {
+    bytes: [u8; 160],
+    len: usize,
+}
+
+impl ConstText {
+    const fn new() -> Self {
+        ConstText {
+            bytes: [0; 160],
+            len: 0,
+        }
+    }
+
+    const fn push(mut self, text: &str) -> Self {
+        let text = text.as_bytes();
+        let mut i = 0;
+        while i < text.len() {
+            self.bytes[self.len] = text[i];
+            self.len += 1;
+            i += 1;
+        }
+        self
+    }
+
+    const fn number(mut self, n: u128) -> Self {
+        let mut digits = [0u8; 39];
+        let (mut n, mut count) = (n, 0);
+        loop {
+            digits[count] = b'0' + (n % 10) as u8;
+            count += 1;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        while count > 0 {
+            count -= 1;
+            self.bytes[self.len] = digits[count];
+            self.len += 1;
+        }
+        self
+    }
+
+    /// `d` as [`Human`] writes it; below millisecond resolution, in nanoseconds.
+    const fn duration(self, d: Duration) -> Self {
+        match in_largest_unit(d) {
+            Some((count, unit)) => self.number(count).push(unit),
+            None => self.number(d.as_nanos()).push("ns"),
+        }
+    }
+
+    const fn as_str(&self) -> &str {
+        match std::str::from_utf8(self.bytes.split_at(self.len).0) {
+            Ok(text) => text,
+            // Only whole `&str`s and ASCII digits are pushed.
+            Err(_) => panic!("ConstText holds UTF-8"),
+        }
+    }
+}
+
+/// `d` as a count of the largest unit that divides it exactly (`(365, "d")`, `(90, "s")`,
+/// `(1500, "ms")`; zero is `(0, "s")`), or `None` below millisecond resolution.
+const fn in_largest_unit(d: Duration) -> Option<(u128, &'static str)> {
+    if d.is_zero() {
+        return Some((0, "s"));
+    }
+    if !d.subsec_nanos().is_multiple_of(1_000_000) {
+        return None;
+    }
+    if d.subsec_nanos() != 0 {
+        return Some((d.as_millis(), "ms"));
+    }
+    let secs = d.as_secs();
+    let (count, unit) = if secs.is_multiple_of(DAY) {
+        (secs / DAY, "d")
+    } else if secs.is_multiple_of(3600) {
+        (secs / 3600, "h")
+    } else if secs.is_multiple_of(60) {
+        (secs / 60, "m")
+    } else {
+        (secs, "s")
+    };
+    Some((count as u128, unit))
+}
+
 /// A duration as people write it: the largest unit that divides it exactly (`365d`, `90s`,
 /// `100ms`), or `Duration`'s own notation (`1.5ms`, `500µs`).
 struct Human(Duration);
 
 impl fmt::Display for Human {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let d = self.0;
-        if d.is_zero() {
-            return f.write_str("0s");
+        match in_largest_unit(self.0) {
+            Some((count, unit)) => write!(f, "{count}{unit}"),
+            None => write!(f, "{:?}", self.0),
         }
-        if d.subsec_nanos() % 1_000_000 != 0 {
-            return write!(f, "{d:?}");
-        }
-        let secs = d.as_secs();
-        if d.subsec_nanos() != 0 {
-            return write!(f, "{}ms", d.as_millis());
-        }
-        for (unit, per) in [("d", DAY), ("h", 3600), ("m", 60)] {
-            if secs % per == 0 {
-                return write!(f, "{}{unit}", secs / per);
-            }
-        }
-        write!(f, "{secs}s")
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_compile_time_messages_name_the_bound_and_the_range() {
+        for (setting, above, message) in [
+            (
+                Setting::Ttl,
+                false,
+                "ttl must be at least 1ms (`idempotent_core::limits::MIN_TTL`): write a \
+                 duration from 1ms to 365d",
+            ),
+            (
+                Setting::Ttl,
+                true,
+                "ttl must be at most 365d (`idempotent_core::limits::MAX_TTL`): write a \
+                 duration from 1ms to 365d",
+            ),
+            (
+                Setting::Lease,
+                false,
+                "lease must be at least 100ms (`idempotent_core::limits::MIN_LEASE`): write a \
+                 duration from 100ms to 365d",
+            ),
+            (
+                Setting::Lease,
+                true,
+                "lease must be at most 365d (`idempotent_core::limits::MAX_LEASE`): write a \
+                 duration from 100ms to 365d",
+            ),
+        ] {
+            assert_eq!(out_of_range(setting, above).as_str(), message);
+        }
+    }
+
+    #[test]
+    fn the_compile_time_check_takes_both_ends_and_panics_past_them() {
+        for setting in [Setting::Ttl, Setting::Lease, Setting::RecordRetry] {
+            let (min, max) = setting.bounds();
+            assert_eq!(require_const(setting, min), min);
+            assert_eq!(require_const(setting, max), max);
+            let over =
+                std::panic::catch_unwind(|| require_const(setting, max + Duration::from_nanos(1)));
+            assert!(over.is_err(), "{setting}");
+            if let Some(under) = min.checked_sub(Duration::from_nanos(1)) {
+                assert!(std::panic::catch_unwind(|| require_const(setting, under)).is_err());
+            }
+        }
+        const CHECKED: Duration = require_const(Setting::Lease, Duration::from_secs(30));
+        assert_eq!(CHECKED, Duration::from_secs(30));
+    }
 
     #[test]
     fn durations_read_as_written() {

@@ -93,7 +93,7 @@ pub const COMPLETION_RETRIES: &str = "idempotency.completion.retries";
 /// [`REQUESTS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum Protocol {
+pub enum ProtocolLabel {
     /// The runtime's `run`/`run_with`, the attribute, the transactional mode: `call`.
     Call,
     /// The HTTP layer: `http`.
@@ -104,21 +104,21 @@ pub enum Protocol {
     Message,
 }
 
-impl Protocol {
-    const ALL: [Protocol; 4] = [
-        Protocol::Call,
-        Protocol::Http,
-        Protocol::Grpc,
-        Protocol::Message,
+impl ProtocolLabel {
+    const ALL: [ProtocolLabel; 4] = [
+        ProtocolLabel::Call,
+        ProtocolLabel::Http,
+        ProtocolLabel::Grpc,
+        ProtocolLabel::Message,
     ];
 
     /// The label value.
     pub const fn as_str(self) -> &'static str {
         match self {
-            Protocol::Call => "call",
-            Protocol::Http => "http",
-            Protocol::Grpc => "grpc",
-            Protocol::Message => "message",
+            ProtocolLabel::Call => "call",
+            ProtocolLabel::Http => "http",
+            ProtocolLabel::Grpc => "grpc",
+            ProtocolLabel::Message => "message",
         }
     }
 
@@ -262,7 +262,7 @@ impl Metrics {
     /// `store`.
     pub(crate) fn register(store: &'static str) -> Metrics {
         describe();
-        let requests = Protocol::ALL.map(|protocol| {
+        let requests = ProtocolLabel::ALL.map(|protocol| {
             let mut counters = RequestOutcome::all().map(|outcome| {
                 metrics::counter!(
                     REQUESTS,
@@ -292,14 +292,14 @@ impl Metrics {
         }
     }
 
-    pub(crate) fn request(&self, protocol: Protocol, outcome: RequestOutcome) {
+    pub(crate) fn request(&self, protocol: ProtocolLabel, outcome: RequestOutcome) {
         self.requests[protocol.index()][outcome.index()].increment(1);
     }
 
     /// Counts a call of the runtime's own API that ended with `result`.
     pub(crate) fn call<T>(&self, result: &Result<crate::Execution<T>, crate::Error>) {
         self.request(
-            Protocol::Call,
+            ProtocolLabel::Call,
             match result {
                 Ok(crate::Execution::Fresh(_)) => RequestOutcome::Fresh,
                 Ok(crate::Execution::Replayed(_)) => RequestOutcome::Replayed,

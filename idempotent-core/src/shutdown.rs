@@ -157,13 +157,13 @@ impl Active<'_> {
     }
 
     /// The same count, owned, for a task that outlives the call.
-    pub(crate) fn detach(mut self) -> Detached {
-        let detached = Detached {
+    pub(crate) fn into_owned(mut self) -> ActiveOwned {
+        let owned = ActiveOwned {
             drain: Arc::clone(self.drain),
             owner: self.owner.take(),
         };
         std::mem::forget(self);
-        detached
+        owned
     }
 }
 
@@ -190,20 +190,20 @@ impl fmt::Debug for Active<'_> {
 }
 
 /// A call's count in flight, owned by a task that finishes its outcome; ends when dropped.
-pub(crate) struct Detached {
+pub(crate) struct ActiveOwned {
     drain: Arc<Drain>,
     owner: Option<Gauge>,
 }
 
-impl Drop for Detached {
+impl Drop for ActiveOwned {
     fn drop(&mut self) {
         end_call(&self.drain, self.owner.as_ref());
     }
 }
 
-impl fmt::Debug for Detached {
+impl fmt::Debug for ActiveOwned {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Detached")
+        f.write_str("ActiveOwned")
     }
 }
 
@@ -282,7 +282,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_call_that_never_ends_is_reported_as_remaining() {
         let drain = Arc::new(Drain::default());
-        let _stuck = drain.enter().expect("open").detach();
+        let _stuck = drain.enter().expect("open").into_owned();
         let drained = drain.drain(Duration::from_secs(1)).await;
         assert_eq!(
             drained,

@@ -2,6 +2,11 @@
 //! the work holds (token, operation key, loss signal, check), renewal that survives failed and
 //! hung attempts and cannot be starved, and a result that ran and is never lost to a transient
 //! store error.
+//!
+//! Longer than most test files: every test drives the same faulty-store harness through one
+//! claim's life, and reads best in that order.
+
+mod support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,10 +19,7 @@ use idempotent_core::{
     Call, CallOptions, Claim, ClaimHandle, Defaults, Error, FencingToken, Fingerprint, Idempotency,
     InFlightPolicy, Key, Outcome, Retain, Scope, Store,
 };
-
-fn call(key: &str) -> Call {
-    Call::new(Key::new(key).unwrap())
-}
+use support::{call, slow};
 
 fn faulty(lease: Duration) -> (Idempotency, Faults) {
     let store = FaultyStore::new(MemoryStore::new());
@@ -28,16 +30,6 @@ fn faulty(lease: Duration) -> (Idempotency, Faults) {
             .build(),
         faults,
     )
-}
-
-/// Work that counts its executions, takes `delay`, and returns the count it saw.
-fn slow(runs: &Arc<AtomicUsize>, delay: Duration) -> impl Future<Output = usize> + use<> {
-    let runs = Arc::clone(runs);
-    async move {
-        let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
-        tokio::time::sleep(delay).await;
-        n
-    }
 }
 
 /// A call on key `k` whose work counts its run and finishes at once.

@@ -4,10 +4,11 @@
 //! `max_deliveries`-th delivery, a transient failure retried after its delay, keep-alive of a
 //! handler slower than the ack wait, a repeated dead letter stored once, a publisher's stream
 //! used as it is, and a stream deleted under a live source set up again.
+//!
+//! Longer than most test files: the JetStream helpers (publishing, pending counts, the dead
+//! subject) serve every test here and nowhere else.
 
 use std::collections::HashMap;
-use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -16,28 +17,17 @@ use async_nats::jetstream::{self, stream};
 use async_nats::{HeaderMap, HeaderName};
 use bytes::Bytes;
 use futures_util::StreamExt;
-use idempotent_core::conformance::backend_url;
 use idempotent_core::consumer::nats::JetStream;
 use idempotent_core::consumer::{
     Consumer, DeadLettered, Decode, Failure, Handler, Message, Report, Source,
 };
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::{ClaimHandle, Idempotency, Key};
+use idempotent_test_kit::backend::nats_url;
+use idempotent_test_kit::names::unique;
 
-const URL_VAR: &str = "IDEMPOTENT_TEST_NATS_URL";
 /// The longest any test waits for the state it expects.
 const PATIENCE: Duration = Duration::from_secs(20);
-
-static STREAMS: AtomicU64 = AtomicU64::new(0);
-
-/// A stream name no other test (in this run or an earlier one) uses.
-fn unique(name: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let n = STREAMS.fetch_add(1, Ordering::Relaxed);
-    format!("T_{name}_{}_{nanos}_{n}", std::process::id())
-}
 
 async fn connect(url: &str, stream: &str, durable: &str, ack_wait: Duration) -> JetStream {
     JetStream::builder(url, stream, durable)
@@ -117,16 +107,8 @@ fn header<'a>(message: &'a async_nats::Message, name: &str) -> Option<&'a str> {
 }
 
 /// Polls `check` until it holds, panicking with `what` after [`PATIENCE`].
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let start = Instant::now();
-    while !check().await {
-        assert!(start.elapsed() < PATIENCE, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+async fn eventually<F: Future<Output = bool>>(what: &str, check: impl FnMut() -> F) {
+    idempotent_test_kit::process::eventually(what, PATIENCE, check).await;
 }
 
 /// A consumer running on a task of its own, stopped by [`Running::stop`].
@@ -265,7 +247,7 @@ impl Handler for Counting {
 /// malformed messages among them: 200 messages, 140 effects, 10 dead letters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn each_key_applied_once_and_malformed_dead_lettered_once() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = nats_url() else {
         return;
     };
     let stream = unique("once");
@@ -352,7 +334,7 @@ async fn each_key_applied_once_and_malformed_dead_lettered_once() {
 /// not before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rejected_message_dead_lettered_on_its_last_delivery() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = nats_url() else {
         return;
     };
     let stream = unique("rejected");
@@ -396,7 +378,7 @@ async fn rejected_message_dead_lettered_on_its_last_delivery() {
 /// once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn transient_failure_retried_after_its_delay_then_applied_once() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = nats_url() else {
         return;
     };
     let stream = unique("transient");
@@ -440,7 +422,7 @@ async fn transient_failure_retried_after_its_delay_then_applied_once() {
 /// delivered once, neither to its own consumer again nor to another one on the same durable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn slow_handler_kept_alive_past_the_ack_wait() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = nats_url() else {
         return;
     };
     let stream = unique("slow");
@@ -490,7 +472,7 @@ async fn slow_handler_kept_alive_past_the_ack_wait() {
 /// an empty receive that waits about a second.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn repeated_dead_letter_stored_once() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = nats_url() else {
         return;
     };
     let stream = unique("repeat");
@@ -570,7 +552,7 @@ async fn repeated_dead_letter_stored_once() {
 /// already: used as it is, not replaced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn publishers_stream_used_as_it_is() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = nats_url() else {
         return;
     };
     let stream = unique("existing");
@@ -625,7 +607,7 @@ async fn publishers_stream_used_as_it_is() {
 /// source fails, then sets the stream and the consumer up again by itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn stream_deleted_under_the_source_set_up_again() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = nats_url() else {
         return;
     };
     let stream = unique("deleted");

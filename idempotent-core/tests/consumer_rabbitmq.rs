@@ -3,13 +3,13 @@
 //! the delivery count bounding rejected messages, delayed retries, reconnection after the
 //! broker closes the consumer's connection, and queues a publisher declared first.
 //!
-//! The reconnection test closes the connection with `rabbitmqctl close_connection`: the command
-//! is `IDEMPOTENT_TEST_RABBITMQCTL` (split on spaces, e.g. `rabbitmqctl -n rabbit@localhost`),
-//! else `$SERVICES_DIR/rabbitmq/rabbitmqctl` (what `scripts/services.sh` writes), else
-//! `rabbitmqctl`.
+//! The reconnection test closes the connection with `rabbitmqctl close_connection`, through the
+//! test kit's `shared_rabbitmqctl` (`IDEMPOTENT_TEST_RABBITMQCTL`).
+//!
+//! Longer than most test files: the broker-side helpers (publishing with confirms, queue
+//! counts, `rabbitmqctl`) serve every test here and nowhere else.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -21,6 +21,9 @@ use idempotent_core::consumer::{
 };
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::{ClaimHandle, Idempotency};
+use idempotent_test_kit::backend::amqp_url;
+use idempotent_test_kit::brokers::shared_rabbitmqctl;
+use idempotent_test_kit::names::unique;
 use lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
     QueueDeleteOptions,
@@ -28,21 +31,6 @@ use lapin::options::{
 use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-
-const URL_VAR: &str = "IDEMPOTENT_TEST_AMQP_URL";
-
-fn amqp_url() -> Option<String> {
-    idempotent_core::conformance::backend_url(URL_VAR)
-}
-
-/// A queue name no other test (in this process or another) uses.
-fn unique_queue(test: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    format!("idempotent-test-{test}-{}-{nanos}", std::process::id())
-}
 
 fn quorum() -> FieldTable {
     let mut arguments = FieldTable::default();
@@ -157,13 +145,9 @@ impl Broker {
 async fn eventually<F: Future<Output = bool>>(
     within: Duration,
     what: &str,
-    mut done: impl FnMut() -> F,
+    done: impl FnMut() -> F,
 ) {
-    let deadline = Instant::now() + within;
-    while !done().await {
-        assert!(Instant::now() < deadline, "not within {within:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    idempotent_test_kit::process::eventually(what, within, done).await;
 }
 
 /// An attempt to handle a message: the delivery count it came with, and when it began.
@@ -403,7 +387,7 @@ fn id_of(message: &lapin::message::BasicGetMessage) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicates_applied_once_and_malformed_dead_lettered() {
     let Some(url) = amqp_url() else { return };
-    let queue = unique_queue("dedup");
+    let queue = unique("dedup");
     let dead = format!("{queue}.dead");
     let broker = Broker::connect(&url).await;
     let source = source(&url, &queue).await;
@@ -516,7 +500,7 @@ fn always_rejected(_: &str, _: usize) -> Result<(), Failure> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rejected_dead_lettered_at_max_deliveries() {
     let Some(url) = amqp_url() else { return };
-    let queue = unique_queue("rejected");
+    let queue = unique("rejected");
     let dead = format!("{queue}.dead");
     let broker = Broker::connect(&url).await;
     let source = source(&url, &queue).await;
@@ -570,7 +554,7 @@ fn transient_once(_: &str, attempt: usize) -> Result<(), Failure> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn transient_failure_retried_after_backoff() {
     let Some(url) = amqp_url() else { return };
-    let queue = unique_queue("transient");
+    let queue = unique("transient");
     let dead = format!("{queue}.dead");
     let broker = Broker::connect(&url).await;
     let source = source(&url, &queue).await;
@@ -607,41 +591,10 @@ async fn transient_failure_retried_after_backoff() {
     broker.delete(&[&queue, &dead]).await;
 }
 
-/// `rabbitmqctl` against the test node.
-fn rabbitmqctl(args: &[&str]) -> String {
-    let command = std::env::var("IDEMPOTENT_TEST_RABBITMQCTL")
-        .ok()
-        .filter(|c| !c.trim().is_empty())
-        .or_else(|| {
-            let dir = std::env::var("SERVICES_DIR").ok()?;
-            let path = format!("{dir}/rabbitmq/rabbitmqctl");
-            std::path::Path::new(&path).exists().then_some(path)
-        })
-        .unwrap_or_else(|| "rabbitmqctl".to_owned());
-    let mut words = command.split_whitespace();
-    let program = words.next().unwrap_or("rabbitmqctl");
-    let output = std::process::Command::new(program)
-        .args(words)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run `{command}`: {e}; set IDEMPOTENT_TEST_RABBITMQCTL to a rabbitmqctl command for the test node")
-        });
-    assert!(
-        output.status.success(),
-        "`{command} {}` failed ({}): {}{}; set IDEMPOTENT_TEST_RABBITMQCTL to a rabbitmqctl command for the test node",
-        args.join(" "),
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr),
-    );
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
 /// The Erlang pids of the connections named `name` (the source names its connections
 /// `idempotent:QUEUE`), as `close_connection` takes them.
 fn connections_named(name: &str) -> Vec<String> {
-    let listed = rabbitmqctl(&[
+    let listed = shared_rabbitmqctl(&[
         "-q",
         "list_connections",
         "--no-table-headers",
@@ -673,7 +626,7 @@ async fn connections(name: &str) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn reconnects_after_the_broker_closes_the_connection() {
     let Some(url) = amqp_url() else { return };
-    let queue = unique_queue("reconnect");
+    let queue = unique("reconnect");
     let dead = format!("{queue}.dead");
     let name = format!("idempotent:{queue}");
     let broker = Broker::connect(&url).await;
@@ -708,7 +661,7 @@ async fn reconnects_after_the_broker_closes_the_connection() {
         let pid = pids[0].clone();
         tokio::task::spawn_blocking({
             let pid = pid.clone();
-            move || rabbitmqctl(&["close_connection", &pid, "test: closed by the broker"])
+            move || shared_rabbitmqctl(&["close_connection", &pid, "test: closed by the broker"])
         })
         .await
         .unwrap();
@@ -786,7 +739,7 @@ async fn reconnects_after_the_broker_closes_the_connection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn queues_declared_by_a_publisher_first() {
     let Some(url) = amqp_url() else { return };
-    let queue = unique_queue("predeclared");
+    let queue = unique("predeclared");
     let dead = format!("{queue}.dead");
     let broker = Broker::connect(&url).await;
     for name in [&queue, &dead] {
@@ -819,7 +772,7 @@ async fn queues_declared_by_a_publisher_first() {
     broker.delete(&[&queue, &dead]).await;
 
     // A queue a publisher declared classic: the source refuses to start on it.
-    let classic = unique_queue("classic");
+    let classic = unique("classic");
     broker
         .channel
         .queue_declare(&classic, durable(), FieldTable::default())

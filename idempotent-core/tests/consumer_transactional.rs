@@ -6,165 +6,28 @@
 //! timeout as transient (retried past it), concurrent duplicates leave one row per key, and
 //! the claim is `ClaimHandle::current()` inside the handler.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+mod support;
 
-use idempotent_core::ClaimHandle;
-use idempotent_core::conformance::{backend_url, fresh_key};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
 use idempotent_core::consumer::{
-    Consumer, DeadLettered, Decode, Failure, Message, Outcome, Received, Report, Source,
-    SourceError, TxHandler, sql_failure,
+    Consumer, Decode, Failure, Message, Outcome, Report, TxHandler, sql_failure,
 };
 use idempotent_core::metrics::{REQUESTS, Recorded};
 use idempotent_core::postgres::{PostgresStore, Transactional};
+use idempotent_core::{ClaimHandle, Idempotency};
+use idempotent_test_kit::names::unique;
+use idempotent_test_kit::postgres::shared_pool;
 use sqlx::PgConnection;
-use sqlx::postgres::{PgPool, PgPoolOptions};
-use tokio::sync::{Notify, oneshot};
+use sqlx::postgres::PgPool;
+use support::source::{Answer, PATIENCE, TestSource, answers_of, wait_until};
+use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-const URL_VAR: &str = "IDEMPOTENT_TEST_POSTGRES_URL";
-/// The longest any test waits for the state it expects.
-const PATIENCE: Duration = Duration::from_secs(15);
 /// The lock timeout every handler transaction sets in `begin`.
 const LOCK_TIMEOUT: &str = "100ms";
-
-// ---------------------------------------------------------------------------------------------
-// The source: a queue that records every answer and redelivers what is retried.
-// ---------------------------------------------------------------------------------------------
-
-#[derive(Debug, Clone, PartialEq)]
-enum Answer {
-    Ack,
-    Retry(Duration),
-    DeadLetter(String),
-}
-
-#[derive(Debug, Clone)]
-struct Delivered {
-    message: Message,
-    answers: Vec<Answer>,
-}
-
-#[derive(Debug, Default)]
-struct State {
-    ready: VecDeque<Message>,
-    delayed: usize,
-    deliveries: Vec<Delivered>,
-    published: usize,
-}
-
-#[derive(Clone, Default)]
-struct TestSource {
-    state: Arc<Mutex<State>>,
-    arrived: Arc<Notify>,
-}
-
-impl TestSource {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn publish(&self, id: &str, body: &str) -> String {
-        let mut state = self.lock();
-        let position = format!("{:05}", state.published);
-        state.published += 1;
-        state
-            .ready
-            .push_back(Message::new(position.clone(), body.to_owned()).with_id(id));
-        drop(state);
-        self.arrived.notify_one();
-        position
-    }
-
-    fn deliveries(&self) -> Vec<Delivered> {
-        self.lock().deliveries.clone()
-    }
-
-    /// The answers to the deliveries of the message at `position`, in delivery order.
-    fn answers_of(&self, position: &str) -> Vec<(u64, Answer)> {
-        self.deliveries()
-            .into_iter()
-            .filter(|d| d.message.position() == position)
-            .filter_map(|d| Some((d.message.deliveries(), d.answers.first()?.clone())))
-            .collect()
-    }
-
-    fn is_settled(&self) -> bool {
-        let state = self.lock();
-        state.ready.is_empty()
-            && state.delayed == 0
-            && state.deliveries.iter().all(|d| !d.answers.is_empty())
-    }
-
-    fn record(&self, delivery: usize, answer: Answer) {
-        self.lock().deliveries[delivery].answers.push(answer);
-    }
-}
-
-impl Source for TestSource {
-    type Delivery = usize;
-
-    fn name(&self) -> &'static str {
-        "test"
-    }
-
-    async fn receive(&self, max: usize) -> Result<Vec<Received<usize>>, SourceError> {
-        for attempt in 0..2 {
-            {
-                let mut state = self.lock();
-                if !state.ready.is_empty() || attempt == 1 {
-                    let n = max.min(state.ready.len());
-                    let mut batch = Vec::with_capacity(n);
-                    for message in state.ready.drain(..n).collect::<Vec<_>>() {
-                        let delivery = state.deliveries.len();
-                        state.deliveries.push(Delivered {
-                            message: message.clone(),
-                            answers: Vec::new(),
-                        });
-                        batch.push(Received { message, delivery });
-                    }
-                    return Ok(batch);
-                }
-            }
-            let _ = tokio::time::timeout(Duration::from_millis(10), self.arrived.notified()).await;
-        }
-        unreachable!("the second attempt returns")
-    }
-
-    async fn ack(&self, delivery: &usize) -> Result<(), SourceError> {
-        self.record(*delivery, Answer::Ack);
-        Ok(())
-    }
-
-    async fn retry(&self, delivery: &usize, delay: Duration) -> Result<(), SourceError> {
-        let delivery = *delivery;
-        self.record(delivery, Answer::Retry(delay));
-        self.lock().delayed += 1;
-        let source = self.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(delay).await;
-            let mut state = source.lock();
-            state.delayed -= 1;
-            let message = state.deliveries[delivery].message.clone();
-            let deliveries = message.deliveries() + 1;
-            state.ready.push_back(message.with_deliveries(deliveries));
-            drop(state);
-            source.arrived.notify_one();
-        });
-        Ok(())
-    }
-
-    async fn dead_letter(
-        &self,
-        _message: &Message,
-        delivery: &usize,
-        reason: &str,
-    ) -> Result<DeadLettered, SourceError> {
-        self.record(*delivery, Answer::DeadLetter(reason.to_owned()));
-        Ok(DeadLettered::Now)
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // The database and the handler
@@ -182,14 +45,8 @@ struct Db {
 
 impl Db {
     async fn open() -> Option<Db> {
-        let url = backend_url(URL_VAR)?;
-        let pool = PgPoolOptions::new()
-            .max_connections(24)
-            .acquire_timeout(Duration::from_secs(30))
-            .connect(&url)
-            .await
-            .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}"));
-        let suffix = &fresh_key().to_hex()[..16];
+        let pool = shared_pool(24).await?;
+        let suffix = unique("t");
         let store = PostgresStore::builder(pool.clone())
             .table(format!("records_{suffix}"))
             .build()
@@ -439,17 +296,14 @@ impl Started {
     }
 }
 
-async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + PATIENCE;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 async fn run_until_settled(consumer: Consumer<TestSource>, db: &Db, ledger: &Ledger) -> Report {
     let source = consumer.source().clone();
-    let started = start(consumer, db, db.store.transactional(), ledger);
+    let started = start(
+        consumer,
+        db,
+        Idempotency::new(db.store.clone()).transactional().unwrap(),
+        ledger,
+    );
     wait_until("the source to settle", || source.is_settled()).await;
     started.stop().await
 }
@@ -468,7 +322,7 @@ fn assert_every_delivery_answered_once(source: &TestSource, observed: &Observati
             delivery.answers
         );
         let outcome = &observed[&(message.position().to_owned(), message.deliveries())];
-        match (&delivery.answers[0], outcome) {
+        match (&delivery.answers[0].answer, outcome) {
             (Answer::Ack, Observed::Applied | Observed::Duplicate)
             | (Answer::Retry(_), Observed::Retried(_)) => {}
             (Answer::DeadLetter(reason), Observed::DeadLettered(failure)) => {
@@ -488,7 +342,7 @@ async fn a_duplicate_inserts_nothing_and_the_claim_is_current_in_the_handler() {
     let Some(db) = Db::open().await else {
         return;
     };
-    let source = TestSource::default();
+    let source = TestSource::new();
     let observed = Observations::default();
     let ledger = db.ledger();
     let mut positions = HashMap::new();
@@ -513,7 +367,7 @@ async fn a_duplicate_inserts_nothing_and_the_claim_is_current_in_the_handler() {
             "the handler ran once for e-{i}"
         );
         for copy in 0..3 {
-            let answers = source.answers_of(&positions[&(i, copy)]);
+            let answers = answers_of(&source, &positions[&(i, copy)]);
             assert_eq!(answers.last().unwrap().1, Answer::Ack, "e-{i} copy {copy}");
         }
     }
@@ -534,7 +388,7 @@ async fn a_handler_error_rolls_back_its_insert_and_the_claim_then_applies_once()
     let Some(db) = Db::open().await else {
         return;
     };
-    let source = TestSource::default();
+    let source = TestSource::new();
     let observed = Observations::default();
     let ledger = db.ledger();
     // Inserts, then fails, on its first two deliveries.
@@ -546,14 +400,14 @@ async fn a_handler_error_rolls_back_its_insert_and_the_claim_then_applies_once()
     let report = run_until_settled(consumer, &db, &ledger).await;
     assert_every_delivery_answered_once(&source, &observed);
     assert_eq!(
-        source.answers_of(&failing),
+        answers_of(&source, &failing),
         [
             (1, Answer::Retry(Duration::from_millis(5))),
             (2, Answer::Retry(Duration::from_millis(10))),
             (3, Answer::Ack),
         ]
     );
-    assert_eq!(source.answers_of(&fine), [(1, Answer::Ack)]);
+    assert_eq!(answers_of(&source, &fine), [(1, Answer::Ack)]);
     // Each delivery ran the handler: the claim was rolled back with the insert.
     assert_eq!(ledger.attempts_of("f"), [1, 2, 3]);
     assert_eq!(
@@ -577,7 +431,7 @@ async fn a_constraint_violation_is_rejected_and_dead_lettered_on_the_max_deliver
     let Some(db) = Db::open().await else {
         return;
     };
-    let source = TestSource::default();
+    let source = TestSource::new();
     let observed = Observations::default();
     let ledger = db.ledger();
     let negative = source.publish("neg", "-5");
@@ -587,7 +441,7 @@ async fn a_constraint_violation_is_rejected_and_dead_lettered_on_the_max_deliver
         .backoff(Duration::from_millis(5), Duration::from_millis(50));
     let report = run_until_settled(consumer, &db, &ledger).await;
     assert_every_delivery_answered_once(&source, &observed);
-    let answers = source.answers_of(&negative);
+    let answers = answers_of(&source, &negative);
     assert_eq!(answers.len(), 3, "{answers:?}");
     assert_eq!(answers[0], (1, Answer::Retry(Duration::from_millis(5))));
     assert_eq!(answers[1], (2, Answer::Retry(Duration::from_millis(10))));
@@ -605,7 +459,7 @@ async fn a_constraint_violation_is_rejected_and_dead_lettered_on_the_max_deliver
             other => panic!("delivery {n}: {other:?}"),
         }
     }
-    assert_eq!(source.answers_of(&fine), [(1, Answer::Ack)]);
+    assert_eq!(answers_of(&source, &fine), [(1, Answer::Ack)]);
     assert_eq!(ledger.attempts_of("neg"), [1, 2, 3]);
     assert_eq!(db.rows().await, HashMap::from([("pos".to_owned(), 1)]));
     assert_eq!(
@@ -625,7 +479,7 @@ async fn a_lock_timeout_is_transient_and_retried_past_max_deliveries_until_the_l
     let Some(db) = Db::open().await else {
         return;
     };
-    let source = TestSource::default();
+    let source = TestSource::new();
     let observed = Observations::default();
     let ledger = db.ledger();
     // Another transaction holds the row the handler updates.
@@ -641,10 +495,14 @@ async fn a_lock_timeout_is_transient_and_retried_past_max_deliveries_until_the_l
     let consumer = consumer(&source, &observed)
         .max_deliveries(2)
         .backoff(Duration::from_millis(10), Duration::from_millis(20));
-    let started = start(consumer, &db, db.store.transactional(), &ledger);
+    let started = start(
+        consumer,
+        &db,
+        Idempotency::new(db.store.clone()).transactional().unwrap(),
+        &ledger,
+    );
     wait_until("four deliveries to time out", || {
-        source
-            .answers_of(&locked)
+        answers_of(&source, &locked)
             .iter()
             .filter(|(_, a)| matches!(a, Answer::Retry(_)))
             .count()
@@ -657,7 +515,7 @@ async fn a_lock_timeout_is_transient_and_retried_past_max_deliveries_until_the_l
     let report = started.stop().await;
     assert_every_delivery_answered_once(&source, &observed);
 
-    let answers = source.answers_of(&locked);
+    let answers = answers_of(&source, &locked);
     let (last, retries) = answers.split_last().unwrap();
     assert_eq!(last.1, Answer::Ack, "{answers:?}");
     assert!(retries.len() >= 4, "{answers:?}");
@@ -689,7 +547,7 @@ async fn two_hundred_concurrent_messages_over_twenty_ids_leave_twenty_rows() {
     let Some(db) = Db::open().await else {
         return;
     };
-    let source = TestSource::default();
+    let source = TestSource::new();
     let observed = Observations::default();
     let ledger = db.ledger();
     // Ten copies of each of twenty ids, published in turns: copies of one id meet in flight.
@@ -698,7 +556,8 @@ async fn two_hundred_concurrent_messages_over_twenty_ids_leave_twenty_rows() {
             source.publish(&format!("c-{i}"), &format!("{i}"));
         }
     }
-    let (transactional, recorded) = Recorded::capture(|| db.store.transactional());
+    let (transactional, recorded) =
+        Recorded::capture(|| Idempotency::new(db.store.clone()).transactional().unwrap());
     let consumer = consumer(&source, &observed)
         .concurrency(16)
         .backoff(Duration::from_millis(5), Duration::from_millis(20));

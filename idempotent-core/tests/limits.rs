@@ -5,6 +5,8 @@
 
 #![cfg(all(feature = "memory", feature = "test-util"))]
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -15,21 +17,10 @@ use idempotent_core::conformance::{Fault, FaultyStore, Op};
 use idempotent_core::limits::{self, Setting};
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
-    Call, CallOptions, Claim, Defaults, Error, Fingerprint, Idempotency, InFlightPolicy, Key,
-    StorageKey, Store,
+    CallOptions, Claim, Defaults, Error, Fingerprint, Idempotency, InFlightPolicy, StorageKey,
+    Store,
 };
-
-fn call(key: &str) -> Call {
-    Call::new(Key::new(key).unwrap())
-}
-
-fn slow(runs: &Arc<AtomicUsize>, delay: Duration) -> impl Future<Output = usize> + use<> {
-    let runs = Arc::clone(runs);
-    async move {
-        tokio::time::sleep(delay).await;
-        runs.fetch_add(1, Ordering::SeqCst) + 1
-    }
-}
+use support::{call, slow};
 
 const NANO: Duration = Duration::from_nanos(1);
 

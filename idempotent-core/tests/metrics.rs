@@ -2,6 +2,8 @@
 //! outcome, store operations and work timed, claims in flight, lost claims and completion
 //! retries; under real concurrency and under store faults.
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -12,11 +14,8 @@ use idempotent_core::metrics::{
     CLAIMS_IN_FLIGHT, CLAIMS_LOST, COMPLETION_RETRIES, REQUESTS, Recorded,
     STORE_OPERATION_DURATION, WORK_DURATION,
 };
-use idempotent_core::{Call, Defaults, Error, Fingerprint, Idempotency, Key, idempotent};
-
-fn call(key: &str) -> Call {
-    Call::new(Key::new(key).unwrap())
-}
+use idempotent_core::{Defaults, Error, Fingerprint, Idempotency, idempotent};
+use support::call;
 
 fn requests(recorded: &Recorded, outcome: &str) -> u64 {
     recorded.counter(REQUESTS, &[("protocol", "call"), ("outcome", outcome)])

@@ -1,44 +1,31 @@
 //! `postgres::Fence` against a real PostgreSQL server (started by `scripts/test.sh`): stale
 //! owners of one key refused by the resource, in every order, concurrently, after a rollback,
 //! and under a stampede of writers.
+//!
+//! Longer than most test files: every test runs on the same fence-and-resource fixture, and
+//! the orders of stale writers are one subject.
 // Built only with the features it needs (like a `required-features` entry in Cargo.toml).
 #![cfg(all(feature = "postgres", feature = "test-util"))]
 
 use std::collections::BTreeSet;
-use std::str::FromStr as _;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotent_core::conformance::{backend_url, fresh_key};
+use idempotent_core::conformance::fresh_key;
 use idempotent_core::postgres::{DEFAULT_FENCE_TABLE, Fence, FenceError, PostgresStore};
 use idempotent_core::{
     Call, CallOptions, Claim, ClaimHandle, FencingToken, Fingerprint, Idempotency, ProblemCode,
     StorageKey, Store, StoreError,
 };
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use idempotent_test_kit::backend::postgres_url;
+use idempotent_test_kit::names::unique;
+use idempotent_test_kit::postgres::pool_bounding_locks as pool;
+use sqlx::postgres::PgPool;
 use sqlx::{Postgres, Transaction};
 use tokio::time::{Instant, timeout};
 
-const URL_VAR: &str = "IDEMPOTENT_TEST_POSTGRES_URL";
 /// The bound on every wait in these tests; a test that reaches it has failed.
 const BOUND: Duration = Duration::from_secs(30);
-
-async fn pool(url: &str, connections: u32) -> PgPool {
-    // Every lock wait is bounded on the server too.
-    let options = PgConnectOptions::from_str(url)
-        .unwrap()
-        .options([("lock_timeout", "30s")]);
-    PgPoolOptions::new()
-        .max_connections(connections)
-        .acquire_timeout(BOUND)
-        .connect_with(options)
-        .await
-        .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}; is PostgreSQL running?"))
-}
-
-fn fresh_name(prefix: &str) -> String {
-    format!("{prefix}_{}", &fresh_key().to_hex()[..16])
-}
 
 /// A migrated fence on a fresh table, and a fresh table for the resource it guards: one row
 /// per resource, with the value and the token of the last write.
@@ -50,9 +37,9 @@ struct Fixture {
 
 async fn fixture(url: &str, connections: u32) -> Fixture {
     let pool = pool(url, connections).await;
-    let fence = Fence::with_table(fresh_name("fence")).unwrap();
+    let fence = Fence::with_table(unique("fence")).unwrap();
     fence.migrate(&pool).await.unwrap();
-    let data = fresh_name("data");
+    let data = unique("data");
     sqlx::query(&format!(
         "CREATE TABLE \"{data}\" (id text PRIMARY KEY, value text NOT NULL, \
          writes bigint NOT NULL, last_token bigint NOT NULL)"
@@ -143,7 +130,7 @@ fn assert_stale(result: Result<(), FenceError>, token: FencingToken, highest: Fe
 
 async fn store_on_fresh_table(pool: &PgPool) -> PostgresStore {
     let store = PostgresStore::builder(pool.clone())
-        .table(fresh_name("records"))
+        .table(unique("records"))
         .build()
         .unwrap();
     store.migrate().await.unwrap();
@@ -247,7 +234,7 @@ async fn spawn_advance(
 
 #[tokio::test]
 async fn stale_owner_after_a_takeover_is_refused_and_its_write_does_not_happen() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let f = fixture(&url, 4).await;
@@ -309,7 +296,7 @@ async fn stale_owner_after_a_takeover_is_refused_and_its_write_does_not_happen()
 
 #[tokio::test]
 async fn stale_owner_writing_first_is_accepted_then_refused_after_the_newer_owner() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let f = fixture(&url, 4).await;
@@ -334,7 +321,7 @@ async fn stale_owner_writing_first_is_accepted_then_refused_after_the_newer_owne
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn newer_owner_waits_for_the_older_transaction_then_wins() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let f = Arc::new(fixture(&url, 4).await);
@@ -364,7 +351,7 @@ async fn newer_owner_waits_for_the_older_transaction_then_wins() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_owner_waiting_on_the_newer_transaction_is_refused_when_it_commits() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let f = Arc::new(fixture(&url, 4).await);
@@ -397,7 +384,7 @@ async fn stale_owner_waiting_on_the_newer_transaction_is_refused_when_it_commits
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rollback_of_the_newer_owner_leaves_the_older_token_highest() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let f = Arc::new(fixture(&url, 4).await);
@@ -432,7 +419,7 @@ async fn rollback_of_the_newer_owner_leaves_the_older_token_highest() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn repeatable_read_owner_gets_a_serialization_failure_after_a_concurrent_commit() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let f = Arc::new(fixture(&url, 4).await);
@@ -478,7 +465,7 @@ async fn repeatable_read_owner_gets_a_serialization_failure_after_a_concurrent_c
 
 #[tokio::test]
 async fn equal_tokens_are_accepted_and_resources_are_independent() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let f = fixture(&url, 2).await;
@@ -523,7 +510,7 @@ async fn equal_tokens_are_accepted_and_resources_are_independent() {
 
 #[tokio::test]
 async fn advance_outside_a_transaction_or_before_migrate_fails() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let f = fixture(&url, 2).await;
@@ -539,7 +526,7 @@ async fn advance_outside_a_transaction_or_before_migrate_fails() {
     );
     assert_eq!(f.highest("r").await, None);
 
-    let unmigrated = Fence::with_table(fresh_name("never_migrated")).unwrap();
+    let unmigrated = Fence::with_table(unique("never_migrated")).unwrap();
     let mut tx = f.begin().await;
     let result = unmigrated.advance(&mut tx, "r", FencingToken::new(1)).await;
     assert!(matches!(result, Err(FenceError::Database(_))), "{result:?}");
@@ -562,11 +549,11 @@ async fn table_name_is_validated_configurable_and_schema_qualified() {
         let error = Fence::with_table(bad).unwrap_err();
         assert!(error.to_string().contains("invalid table name"), "{error}");
     }
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let pool = pool(&url, 2).await;
-    let schema = fresh_name("s");
+    let schema = unique("s");
     sqlx::query(&format!("CREATE SCHEMA \"{schema}\""))
         .execute(&pool)
         .await
@@ -598,7 +585,7 @@ async fn table_name_is_validated_configurable_and_schema_qualified() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_migrations_of_one_table_all_succeed() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     const MIGRATIONS: usize = 8;
@@ -606,7 +593,7 @@ async fn concurrent_migrations_of_one_table_all_succeed() {
     // Several rounds: without the advisory lock, concurrent `CREATE TABLE IF NOT EXISTS` fails
     // (a duplicate key in `pg_type`) in some of them, not in every one.
     for _ in 0..5 {
-        let fence = Fence::with_table(fresh_name("fence")).unwrap();
+        let fence = Fence::with_table(unique("fence")).unwrap();
         let barrier = Arc::new(tokio::sync::Barrier::new(MIGRATIONS));
         let migrations: Vec<_> = (0..MIGRATIONS)
             .map(|_| {
@@ -634,7 +621,7 @@ async fn concurrent_migrations_of_one_table_all_succeed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_writers_leave_the_highest_token_and_refuse_only_stale_ones() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     const WRITERS: u64 = 50;

@@ -7,22 +7,18 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use idempotent_core::conformance::{backend_url, fresh_key};
-use idempotent_core::postgres::{PostgresStore, Transactional};
-use idempotent_core::{Call, CallOptions, Claim, Defaults, Fingerprint, StorageKey, Store, limits};
+use idempotent_core::conformance::fresh_key;
+use idempotent_core::postgres::PostgresStore;
+use idempotent_core::{
+    Call, CallOptions, Claim, Defaults, Fingerprint, Idempotency, StorageKey, Store, limits,
+};
+use idempotent_test_kit::names::unique;
+use idempotent_test_kit::postgres::shared_pool;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
-const URL_VAR: &str = "IDEMPOTENT_TEST_POSTGRES_URL";
-
 async fn postgres() -> Option<(PostgresStore, PgPool)> {
-    let url = backend_url(URL_VAR)?;
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect(&url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}; is PostgreSQL running?"));
-    let table = format!("limits_{}", &fresh_key().to_hex()[..16]);
+    let pool = shared_pool(2).await?;
+    let table = unique("limits");
     let store = PostgresStore::builder(pool.clone())
         .table(table)
         .build()
@@ -115,10 +111,20 @@ async fn a_huge_ttl_is_recorded_as_the_longest_ttl() {
 }
 
 /// The transactional mode's settings take the same ranges as the runtime's.
-#[test]
+/// A runtime over a pool that never connects: the transactional mode needs none to be built.
+fn lazy_runtime(defaults: Defaults) -> Idempotency {
+    let pool = PgPoolOptions::new()
+        .connect_lazy("postgres://nobody@127.0.0.1:1/none")
+        .unwrap();
+    Idempotency::builder(PostgresStore::new(pool))
+        .defaults(defaults)
+        .build()
+}
+
+#[tokio::test]
 #[should_panic(expected = "lease must be between 100ms and 365d, got 0s")]
-fn the_transactional_modes_lease_is_checked() {
-    let _ = Transactional::default().defaults(Defaults::new().lease(Duration::ZERO));
+async fn the_transactional_modes_lease_is_checked() {
+    let _ = lazy_runtime(Defaults::new().lease(Duration::ZERO)).transactional();
 }
 
 #[test]
@@ -128,13 +134,15 @@ fn a_transactional_calls_ttl_is_checked() {
         .options(CallOptions::new().ttl(Duration::from_secs(366 * 24 * 3600)));
 }
 
-#[test]
-fn the_transactional_modes_bounds_are_accepted() {
-    let transactional = Transactional::default().defaults(
+#[tokio::test]
+async fn the_transactional_modes_bounds_are_accepted() {
+    let transactional = lazy_runtime(
         Defaults::new()
             .ttl(limits::MAX_TTL)
             .lease(limits::MIN_LEASE),
-    );
+    )
+    .transactional()
+    .expect("a runtime over a PostgresStore");
     let call = Call::new("k".parse().unwrap()).options(
         CallOptions::new()
             .ttl(limits::MIN_TTL)

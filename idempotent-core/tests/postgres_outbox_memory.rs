@@ -9,11 +9,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idempotent_core::conformance::{backend_url, fresh_key};
-use idempotent_core::postgres::{BoxFuture, Outbox, OutboxMessage, Relay, Sink, SinkError};
+use idempotent_core::outbox::{BoxFuture, Outbox, Relay, Relayed, Sink, SinkError};
+use idempotent_test_kit::backend::postgres_url;
+use idempotent_test_kit::names::unique;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-const URL_VAR: &str = "IDEMPOTENT_TEST_POSTGRES_URL";
 /// Set in the child process that measures.
 const CHILD_VAR: &str = "IDEMPOTENT_TEST_OUTBOX_MEMORY_CHILD";
 /// Payloads in the batch, and the size of each.
@@ -35,7 +35,7 @@ struct Measure {
 }
 
 impl Sink for Measure {
-    fn deliver<'a>(&'a self, message: &'a OutboxMessage) -> BoxFuture<'a, Result<(), SinkError>> {
+    fn deliver<'a>(&'a self, message: &'a Relayed) -> BoxFuture<'a, Result<(), SinkError>> {
         Box::pin(async move {
             assert_eq!(message.payload.len(), PAYLOAD_SIZE);
             self.arrived.wait().await;
@@ -50,7 +50,7 @@ impl Sink for Measure {
 // them. A batch of 32 messages of 16 MiB held 1 GiB instead of 512 MiB.
 #[test]
 fn a_batch_of_large_payloads_holds_each_payload_once() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     if !cfg!(all(target_os = "linux", target_env = "gnu")) {
@@ -118,8 +118,7 @@ fn measure(url: &str) {
             .connect_with(options)
             .await
             .unwrap();
-        let outbox =
-            Outbox::with_table(&format!("outbox_{}", &fresh_key().to_hex()[..16])).unwrap();
+        let outbox = Outbox::with_table(unique("outbox")).unwrap();
         outbox.migrate(&pool).await.unwrap();
         // Written by the server, so that this process never held the payloads before.
         sqlx::query(&format!(

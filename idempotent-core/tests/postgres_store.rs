@@ -5,23 +5,15 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use idempotent_core::conformance::{Harness, backend_url, fresh_key};
+use idempotent_core::conformance::{Harness, fresh_key};
 use idempotent_core::postgres::PostgresStore;
 use idempotent_core::{
     Call, Claim, Error, Fingerprint, Idempotency, ProblemCode, StorageKey, Store, StoreError,
 };
+use idempotent_test_kit::backend::{POSTGRES_URL, postgres_url};
+use idempotent_test_kit::names::unique;
+use idempotent_test_kit::postgres::pool;
 use sqlx::postgres::{PgPool, PgPoolOptions};
-
-const URL_VAR: &str = "IDEMPOTENT_TEST_POSTGRES_URL";
-
-async fn pool(url: &str, connections: u32) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(connections)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect(url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}; is PostgreSQL running?"))
-}
 
 struct Postgres {
     store: PostgresStore,
@@ -31,7 +23,7 @@ impl Harness for Postgres {
     type Store = PostgresStore;
 
     async fn setup() -> Self {
-        let url = backend_url(URL_VAR).unwrap_or_else(|| "postgres://127.0.0.1:1/x".into());
+        let url = postgres_url().unwrap_or_else(|| "postgres://127.0.0.1:1/x".into());
         let store = PostgresStore::new(pool(&url, 8).await);
         store.migrate().await.expect("migrate");
         Postgres { store }
@@ -50,7 +42,7 @@ impl Harness for Postgres {
     }
 
     fn backend_env() -> Option<&'static str> {
-        Some(URL_VAR)
+        Some(POSTGRES_URL)
     }
 }
 
@@ -63,7 +55,7 @@ async fn store_on_fresh_table(
         idempotent_core::postgres::PostgresStoreBuilder,
     ) -> idempotent_core::postgres::PostgresStoreBuilder,
 ) -> PostgresStore {
-    let table = format!("test_{}", &fresh_key().to_hex()[..16]);
+    let table = unique("test");
     let store = configure(PostgresStore::builder(pool(url, 4).await).table(table))
         .build()
         .unwrap();
@@ -80,7 +72,7 @@ async fn count_rows(store: &PostgresStore) -> i64 {
 
 #[tokio::test]
 async fn garbage_in_the_table_is_a_corrupt_error_never_absent() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let store = store_on_fresh_table(&url, |b| b).await;
@@ -154,7 +146,7 @@ async fn garbage_in_the_table_is_a_corrupt_error_never_absent() {
 
 #[tokio::test]
 async fn expired_garbage_is_absent_and_taken_over() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let store = store_on_fresh_table(&url, |b| b).await;
@@ -194,10 +186,10 @@ async fn table_name_is_validated_configurable_and_schema_qualified() {
             .unwrap_err();
         assert!(error.to_string().contains("invalid table name"), "{error}");
     }
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
-    let schema = format!("s_{}", &fresh_key().to_hex()[..12]);
+    let schema = unique("s");
     let pool = pool(&url, 2).await;
     sqlx::query(&format!("CREATE SCHEMA \"{schema}\""))
         .execute(&pool)
@@ -238,10 +230,10 @@ async fn table_name_is_validated_configurable_and_schema_qualified() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_migrations_of_one_table_all_succeed() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
-    let table = format!("test_{}", &fresh_key().to_hex()[..16]);
+    let table = unique("test");
     let pool = pool(&url, 8).await;
     let store = PostgresStore::builder(pool).table(table).build().unwrap();
     let migrations: Vec<_> = (0..8)
@@ -258,11 +250,11 @@ async fn concurrent_migrations_of_one_table_all_succeed() {
 
 #[tokio::test]
 async fn operations_before_migrate_are_errors() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let store = PostgresStore::builder(pool(&url, 1).await)
-        .table(format!("never_migrated_{}", &fresh_key().to_hex()[..8]))
+        .table(unique("never_migrated"))
         .build()
         .unwrap();
     let result = store
@@ -312,7 +304,7 @@ async fn fill_with_expired_and_live(store: &PostgresStore, expired: usize) -> Ve
 
 #[tokio::test]
 async fn reaper_deletes_expired_rows_in_batches_and_keeps_live_ones() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let store = store_on_fresh_table(&url, |b| b.reap_batch(4).reap_grace(Duration::ZERO)).await;
@@ -338,7 +330,7 @@ async fn reaper_deletes_expired_rows_in_batches_and_keeps_live_ones() {
 
 #[tokio::test]
 async fn reaper_leaves_recently_expired_rows_for_the_grace_period() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let store = store_on_fresh_table(&url, |b| b.reap_grace(Duration::from_millis(500))).await;
@@ -354,7 +346,7 @@ async fn reaper_leaves_recently_expired_rows_for_the_grace_period() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spawned_reaper_keeps_the_table_clean() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let store = store_on_fresh_table(&url, |b| b.reap_grace(Duration::ZERO)).await;
@@ -373,7 +365,7 @@ async fn spawned_reaper_keeps_the_table_clean() {
 
 #[tokio::test]
 async fn released_token_stays_dead_and_the_row_waits_for_its_ttl_and_the_reaper() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let store = store_on_fresh_table(&url, |b| b.reap_grace(Duration::ZERO)).await;
@@ -437,12 +429,12 @@ async fn unreachable_server_is_unavailable() {
 /// connection, and service resumes on new connections without a new store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broken_connections_fail_one_operation_each_then_are_replaced() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     // A database of its own, so that terminating its backends touches no other test.
     let admin = pool(&url, 1).await;
-    let database = format!("idempotent_broken_{}", &fresh_key().to_hex()[..16]);
+    let database = unique("idempotent_broken");
     sqlx::query(&format!("CREATE DATABASE \"{database}\""))
         .execute(&admin)
         .await

@@ -5,14 +5,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotent_core::conformance::{backend_url, fresh_key};
 use idempotent_core::postgres::{PostgresStore, Transactional, TransactionalClaim};
 use idempotent_core::{
     BoxError, Call, CallOptions, Defaults, Error, Fingerprint, Idempotency, InFlightPolicy, Outcome,
 };
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
-
-const URL_VAR: &str = "IDEMPOTENT_TEST_POSTGRES_URL";
+use idempotent_test_kit::names::unique;
+use idempotent_test_kit::postgres::shared_pool;
+use sqlx::postgres::{PgConnection, PgPool};
 
 /// A fresh records table and a fresh `accounts` table with one account at balance 0.
 struct Bank {
@@ -24,14 +23,8 @@ struct Bank {
 
 impl Bank {
     async fn open() -> Option<Bank> {
-        let url = backend_url(URL_VAR)?;
-        let pool = PgPoolOptions::new()
-            .max_connections(24)
-            .acquire_timeout(Duration::from_secs(30))
-            .connect(&url)
-            .await
-            .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}"));
-        let suffix = &fresh_key().to_hex()[..16];
+        let pool = shared_pool(24).await?;
+        let suffix = unique("t");
         let store = PostgresStore::builder(pool.clone())
             .table(format!("records_{suffix}"))
             .build()
@@ -48,7 +41,9 @@ impl Bank {
             .execute(&pool)
             .await
             .unwrap();
-        let transactional = store.transactional();
+        let transactional = Idempotency::new(store.clone())
+            .transactional()
+            .expect("a runtime over a PostgresStore");
         Some(Bank {
             pool,
             store,
@@ -313,10 +308,11 @@ async fn a_result_too_large_to_retain_is_recorded_without_it() {
     let Some(bank) = Bank::open().await else {
         return;
     };
-    let transactional = bank
-        .transactional
-        .clone()
-        .defaults(Defaults::new().max_result_bytes(2));
+    let transactional = Idempotency::builder(bank.store.clone())
+        .defaults(Defaults::new().max_result_bytes(2))
+        .build()
+        .transactional()
+        .expect("a runtime over a PostgresStore");
     let call = Call::new("deposit-11".parse().unwrap());
     bank.assert_not_retained(&transactional, &call, &call).await;
 }
@@ -497,7 +493,9 @@ async fn standalone_and_transactional_calls_share_records() {
     let standalone = Idempotency::builder(bank.store.clone())
         .namespace("bank")
         .build();
-    let transactional = bank.transactional.clone().namespace("bank");
+    let transactional = standalone
+        .transactional()
+        .expect("a runtime over a PostgresStore");
     let fingerprint = Fingerprint::of(&100).unwrap();
 
     let mut tx = bank.pool.begin().await.unwrap();

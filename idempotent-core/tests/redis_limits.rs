@@ -8,11 +8,10 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use idempotent_core::conformance::{backend_url, fresh_key};
+use idempotent_core::conformance::fresh_key;
 use idempotent_core::redis::RedisStore;
 use idempotent_core::{Claim, Fingerprint, StorageKey, Store, limits};
-
-const URL_VAR: &str = "IDEMPOTENT_TEST_REDIS_URL";
+use idempotent_test_kit::backend::redis_url;
 
 struct Redis {
     store: RedisStore,
@@ -20,15 +19,11 @@ struct Redis {
 }
 
 async fn redis() -> Option<Redis> {
-    let url = backend_url(URL_VAR)?;
+    let url = redis_url()?;
     let store = RedisStore::connect(&url)
         .await
         .unwrap_or_else(|e| panic!("cannot connect to {url}: {e:?}; is redis-server running?"));
-    let raw = redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let raw = idempotent_test_kit::redis::connect(&url).await;
     Some(Redis { store, raw })
 }
 

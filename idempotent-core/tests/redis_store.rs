@@ -4,13 +4,10 @@
 
 use std::time::Duration;
 
-use idempotent_core::conformance::{Harness, backend_url, fresh_key};
+use idempotent_core::conformance::{Harness, fresh_key};
 use idempotent_core::redis::RedisStore;
 use idempotent_core::{Claim, Fingerprint, Store, StoreError};
-
-const URL_VAR: &str = "IDEMPOTENT_TEST_REDIS_URL";
-/// A Redis Cluster of three primaries and three replicas, its nodes' URLs comma-separated.
-const CLUSTER_URLS_VAR: &str = "IDEMPOTENT_TEST_REDIS_CLUSTER_URLS";
+use idempotent_test_kit::backend::{REDIS_CLUSTER_URLS, REDIS_URL, backend_url, redis_url};
 
 /// Where a harness's Redis is: the variable holding its URL.
 trait Deployment: Send + Sync + 'static {
@@ -22,19 +19,19 @@ trait Deployment: Send + Sync + 'static {
 /// One `redis-server`.
 struct Node;
 impl Deployment for Node {
-    const VAR: &'static str = URL_VAR;
+    const VAR: &'static str = REDIS_URL;
 }
 
 /// The test cluster.
 struct Cluster;
 impl Deployment for Cluster {
-    const VAR: &'static str = CLUSTER_URLS_VAR;
+    const VAR: &'static str = REDIS_CLUSTER_URLS;
 }
 
 /// The test cluster, each claim and record acknowledged by its primary's replica.
 struct AcknowledgedCluster;
 impl Deployment for AcknowledgedCluster {
-    const VAR: &'static str = CLUSTER_URLS_VAR;
+    const VAR: &'static str = REDIS_CLUSTER_URLS;
     const REPLICAS: usize = 1;
 }
 
@@ -83,11 +80,12 @@ mod cluster {
     use std::collections::BTreeSet;
     use std::time::Duration;
 
-    use idempotent_core::conformance::{backend_url, fresh_key};
+    use idempotent_core::conformance::fresh_key;
     use idempotent_core::redis::RedisStore;
     use idempotent_core::{Claim, Fingerprint, Store};
+    use idempotent_test_kit::backend::redis_cluster_urls;
 
-    use super::{CLUSTER_URLS_VAR, Cluster, Redis};
+    use super::{Cluster, Redis};
 
     idempotent_core::store_conformance_tests!(Redis<Cluster>);
 
@@ -101,8 +99,7 @@ mod cluster {
     /// The ports of the primaries serving `keys`, from the cluster's slot map.
     async fn primaries_of(urls: &str, keys: &[String]) -> BTreeSet<i64> {
         let first = urls.split(',').next().unwrap();
-        let client = redis::Client::open(first).unwrap();
-        let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+        let mut connection = idempotent_test_kit::redis::connect(first).await;
         let shards: Vec<redis::Value> = redis::cmd("CLUSTER")
             .arg("SLOTS")
             .query_async(&mut connection)
@@ -126,12 +123,10 @@ mod cluster {
                     redis::Value::Array(primary),
                     ..,
                 ] = parts.as_slice()
+                    && (*start..=*end).contains(&slot)
+                    && let Some(redis::Value::Int(port)) = primary.get(1)
                 {
-                    if (*start..=*end).contains(&slot) {
-                        if let Some(redis::Value::Int(port)) = primary.get(1) {
-                            primaries.insert(*port);
-                        }
-                    }
+                    primaries.insert(*port);
                 }
             }
         }
@@ -140,7 +135,7 @@ mod cluster {
 
     #[tokio::test]
     async fn records_spread_over_every_primary_and_each_is_one_key() {
-        let Some(urls) = backend_url(CLUSTER_URLS_VAR) else {
+        let Some(urls) = redis_cluster_urls() else {
             return;
         };
         let store = RedisStore::connect(&urls).await.unwrap();
@@ -177,9 +172,7 @@ mod cluster {
 }
 
 async fn raw_connection() -> Option<redis::aio::MultiplexedConnection> {
-    let url = backend_url(URL_VAR)?;
-    let client = redis::Client::open(url).unwrap();
-    Some(client.get_multiplexed_async_connection().await.unwrap())
+    Some(idempotent_test_kit::redis::connect(&redis_url()?).await)
 }
 
 #[tokio::test]
@@ -187,9 +180,7 @@ async fn garbage_in_the_store_is_a_corrupt_error_never_absent() {
     let Some(mut raw) = raw_connection().await else {
         return;
     };
-    let store = RedisStore::connect(&backend_url(URL_VAR).unwrap())
-        .await
-        .unwrap();
+    let store = RedisStore::connect(&redis_url().unwrap()).await.unwrap();
     let f = Fingerprint::from_bytes(b"x");
     let cases: [&[(&str, &[u8])]; 4] = [
         &[("s", b"c"), ("f", b"short"), ("p", b"payload")],
@@ -269,9 +260,7 @@ async fn scripts_the_server_forgot_are_loaded_again() {
     let Some(mut raw) = raw_connection().await else {
         return;
     };
-    let store = RedisStore::connect(&backend_url(URL_VAR).unwrap())
-        .await
-        .unwrap();
+    let store = RedisStore::connect(&redis_url().unwrap()).await.unwrap();
     let flush = || redis::cmd("SCRIPT").arg("FLUSH").to_owned();
     let lease = Duration::from_secs(30);
     let f = Fingerprint::from_bytes(b"x");
@@ -311,7 +300,7 @@ async fn scripts_the_server_forgot_are_loaded_again() {
 
 #[tokio::test]
 async fn without_the_replicas_required_a_claim_fails_closed_and_is_given_back() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = redis_url() else {
         return;
     };
     // One server, no replicas: `WAIT 1` never gets its acknowledgement.

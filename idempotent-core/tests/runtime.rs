@@ -1,6 +1,11 @@
 //! The runtime's rules, one test each: replay, mismatch, in-flight reject and wait, lease
 //! renewal, takeover, release on panic and on drop, outcome classification, limits, corrupt
 //! records, scopes, store failures and real concurrency.
+//!
+//! Longer than most test files: one short test per rule of one type (`Idempotency`), with
+//! nothing to share but `support`; split by rule, the files would repeat their setup.
+
+mod support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -9,27 +14,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
-    Call, CallOptions, Claim, Defaults, Error, Execution, FencingToken, Fingerprint, Idempotency,
-    InFlightPolicy, Key, ProblemCode, Retain, Scope, StorageKey, Store, StoreError,
+    CallOptions, Claim, Defaults, Error, Execution, FencingToken, Fingerprint, Idempotency,
+    InFlightPolicy, ProblemCode, Retain, Scope, StorageKey, Store, StoreError,
 };
-
-fn call(key: &str) -> Call {
-    Call::new(Key::new(key).unwrap())
-}
-
-/// Work that counts its executions and returns the count it saw.
-fn counted(counter: &Arc<AtomicUsize>) -> impl Future<Output = usize> + use<> {
-    let counter = Arc::clone(counter);
-    async move { counter.fetch_add(1, Ordering::SeqCst) + 1 }
-}
-
-fn slow(counter: &Arc<AtomicUsize>, delay: Duration) -> impl Future<Output = usize> + use<> {
-    let counter = Arc::clone(counter);
-    async move {
-        tokio::time::sleep(delay).await;
-        counter.fetch_add(1, Ordering::SeqCst) + 1
-    }
-}
+use support::{call, counted, slow};
 
 #[tokio::test]
 async fn retry_replays_the_first_result_without_running_again() {
@@ -186,7 +174,8 @@ async fn waiting_is_bounded_then_reports_in_flight() {
         waited >= Duration::from_secs(2) && waited < Duration::from_secs(3),
         "{waited:?}"
     );
-    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    // The first run began (and still sleeps); the waiting duplicate ran nothing.
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -324,7 +313,8 @@ async fn dropped_call_releases_its_claim() {
     )
     .await;
     assert!(abandoned.is_err(), "the call should have timed out");
-    assert_eq!(eventually_fresh(&idem, "k", &runs).await, 1);
+    // The abandoned run began (the first); the retry runs afresh as the second.
+    assert_eq!(eventually_fresh(&idem, "k", &runs).await, 2);
 }
 
 /// Retries until the key is free (the release happens on a spawned task) and returns the fresh
@@ -349,7 +339,7 @@ async fn classifier_release_lets_the_retry_run_again() {
     let runs = Arc::new(AtomicUsize::new(0));
     // An odd count is a "transient failure": released, not stored.
     let transient = |n: &usize| {
-        if n % 2 == 0 {
+        if n.is_multiple_of(2) {
             Retain::Keep
         } else {
             Retain::Release

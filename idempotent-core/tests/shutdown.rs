@@ -2,32 +2,21 @@
 //! (so their retries replay on another instance), and work still running at the deadline is
 //! stopped with its claim released (so its retry runs at once instead of after the lease).
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use idempotent_core::conformance::{Fault, FaultyStore, Op};
 use idempotent_core::memory::MemoryStore;
-use idempotent_core::{Call, CallOptions, Error, Idempotency, Key, Outcome, ProblemCode};
-
-fn call(key: &str) -> Call {
-    Call::new(Key::new(key).unwrap())
-}
+use idempotent_core::{CallOptions, Error, Idempotency, Outcome, ProblemCode};
+use support::{call, slow};
 
 /// Two instances of one service sharing a store.
 fn two_instances() -> (Idempotency, Idempotency) {
     let store = MemoryStore::new();
     (Idempotency::new(store.clone()), Idempotency::new(store))
-}
-
-/// Work that counts its runs, sleeps `delay` and returns its run number.
-fn work(runs: &Arc<AtomicUsize>, delay: Duration) -> impl Future<Output = usize> + use<> {
-    let runs = Arc::clone(runs);
-    async move {
-        let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
-        tokio::time::sleep(delay).await;
-        n
-    }
 }
 
 /// A call on `key` through `idempotency`, on a task of its own.
@@ -58,7 +47,7 @@ async fn calls_after_shutdown_began_are_refused_without_touching_the_store() {
     assert!(drained.is_clean(), "{drained:?}");
     assert!(clone.is_shutting_down(), "clones share the shutdown");
     let runs = Arc::new(AtomicUsize::new(0));
-    let refused = clone.run(&call("k"), work(&runs, Duration::ZERO)).await;
+    let refused = clone.run(&call("k"), slow(&runs, Duration::ZERO)).await;
     assert!(matches!(refused, Err(Error::ShuttingDown)), "{refused:?}");
     let error = refused.unwrap_err();
     assert_eq!(error.code(), ProblemCode::ShuttingDown);
@@ -75,7 +64,7 @@ async fn calls_after_shutdown_began_are_refused_without_touching_the_store() {
 async fn work_in_flight_finishes_and_records_before_shutdown_returns() {
     let (a, b) = two_instances();
     let runs = Arc::new(AtomicUsize::new(0));
-    let running = spawn_run(&a, "pay-1", work(&runs, Duration::from_millis(400)));
+    let running = spawn_run(&a, "pay-1", slow(&runs, Duration::from_millis(400)));
     started(&runs).await;
     let shutdown = {
         let a = a.clone();
@@ -83,7 +72,7 @@ async fn work_in_flight_finishes_and_records_before_shutdown_returns() {
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
     // Meanwhile, a new call on the instance shutting down is refused at once.
-    let late = a.run(&call("pay-2"), work(&runs, Duration::ZERO)).await;
+    let late = a.run(&call("pay-2"), slow(&runs, Duration::ZERO)).await;
     assert!(matches!(late, Err(Error::ShuttingDown)), "{late:?}");
     assert!(
         !shutdown.is_finished(),
@@ -95,7 +84,7 @@ async fn work_in_flight_finishes_and_records_before_shutdown_returns() {
     // By the time shutdown returns the result is recorded: its retry, sent to the other
     // instance, replays it.
     let retry = b
-        .run(&call("pay-1"), work(&runs, Duration::ZERO))
+        .run(&call("pay-1"), slow(&runs, Duration::ZERO))
         .await
         .unwrap();
     assert_eq!(retry, Outcome::Replayed(1));
@@ -107,7 +96,7 @@ async fn work_in_flight_finishes_and_records_before_shutdown_returns() {
 async fn work_still_running_at_the_deadline_is_stopped_and_its_key_released() {
     let (a, b) = two_instances();
     let runs = Arc::new(AtomicUsize::new(0));
-    let stuck = spawn_run(&a, "hung", work(&runs, Duration::from_secs(3600)));
+    let stuck = spawn_run(&a, "hung", slow(&runs, Duration::from_secs(3600)));
     started(&runs).await;
     let started = Instant::now();
     let drained = a.shutdown(Duration::from_millis(200)).await;
@@ -117,7 +106,7 @@ async fn work_still_running_at_the_deadline_is_stopped_and_its_key_released() {
     assert!(matches!(stopped, Err(Error::ShuttingDown)), "{stopped:?}");
     // The key is free now, not locked for the 30 s lease: the retry runs at once.
     let retry = b
-        .run(&call("hung"), work(&runs, Duration::ZERO))
+        .run(&call("hung"), slow(&runs, Duration::ZERO))
         .await
         .unwrap();
     assert_eq!(retry, Outcome::Fresh(2));
@@ -133,7 +122,7 @@ async fn a_result_the_store_refused_at_first_is_recorded_before_shutdown_returns
     faults.fail_next(Op::Complete, 4, Fault::Unavailable);
     let runs = Arc::new(AtomicUsize::new(0));
     let fresh = a
-        .run(&call("k"), work(&runs, Duration::ZERO))
+        .run(&call("k"), slow(&runs, Duration::ZERO))
         .await
         .unwrap();
     assert_eq!(fresh, Outcome::Fresh(1));
@@ -141,7 +130,7 @@ async fn a_result_the_store_refused_at_first_is_recorded_before_shutdown_returns
     assert!(drained.is_clean(), "{drained:?}");
     assert!(faults.calls(Op::Complete) >= 5, "the write was retried");
     let retry = b
-        .run(&call("k"), work(&runs, Duration::ZERO))
+        .run(&call("k"), slow(&runs, Duration::ZERO))
         .await
         .unwrap();
     assert_eq!(
@@ -158,7 +147,7 @@ async fn a_result_the_store_keeps_refusing_is_reported_as_remaining() {
     let a = Idempotency::new(store);
     faults.fail(Op::Complete, Fault::Unavailable);
     let runs = Arc::new(AtomicUsize::new(0));
-    a.run(&call("k"), work(&runs, Duration::ZERO))
+    a.run(&call("k"), slow(&runs, Duration::ZERO))
         .await
         .unwrap();
     let drained = a.shutdown(Duration::from_millis(300)).await;
@@ -186,7 +175,7 @@ async fn hundreds_of_calls_across_a_shutdown_each_run_once_or_not_at_all() {
     let mut tasks = Vec::new();
     for (i, runs) in runs.iter().enumerate() {
         let (a, mut gate) = (a.clone(), gate.clone());
-        let work = work(runs, Duration::from_millis((i % 7) as u64 * 15));
+        let work = slow(runs, Duration::from_millis((i % 7) as u64 * 15));
         tasks.push(tokio::spawn(async move {
             match when(i) {
                 When::Before => {}
@@ -221,7 +210,7 @@ async fn hundreds_of_calls_across_a_shutdown_each_run_once_or_not_at_all() {
         let key = call(&format!("k-{i}"));
         let retry_runs = Arc::new(AtomicUsize::new(0));
         let retry = b
-            .run(&key, work(&retry_runs, Duration::ZERO))
+            .run(&key, slow(&retry_runs, Duration::ZERO))
             .await
             .unwrap();
         match task.await.unwrap() {
@@ -258,11 +247,11 @@ async fn hundreds_of_calls_across_a_shutdown_each_run_once_or_not_at_all() {
 async fn a_duplicate_waiting_for_another_owner_gives_up_when_shutdown_begins() {
     let (a, b) = two_instances();
     let runs = Arc::new(AtomicUsize::new(0));
-    let owner = spawn_run(&b, "k", work(&runs, Duration::from_secs(2)));
+    let owner = spawn_run(&b, "k", slow(&runs, Duration::from_secs(2)));
     started(&runs).await;
     let waiter = {
         let a = a.clone();
-        let work = work(&runs, Duration::ZERO);
+        let work = slow(&runs, Duration::ZERO);
         tokio::spawn(async move {
             let patient = call("k").options(CallOptions::new().in_flight(
                 idempotent_core::InFlightPolicy::Wait {
@@ -297,7 +286,7 @@ async fn a_claim_still_on_its_way_to_the_store_is_waited_for() {
     faults.fail_next(Op::Claim, 1, Fault::Delay(Duration::from_millis(300)));
     let runs = Arc::new(AtomicUsize::new(0));
     let slow_claim = {
-        let (a, work) = (a.clone(), work(&runs, Duration::ZERO));
+        let (a, work) = (a.clone(), slow(&runs, Duration::ZERO));
         tokio::spawn(async move { a.run(&call("k"), work).await })
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -309,7 +298,7 @@ async fn a_claim_still_on_its_way_to_the_store_is_waited_for() {
         "shutdown waited for the call"
     );
     let retry = b
-        .run(&call("k"), work(&runs, Duration::ZERO))
+        .run(&call("k"), slow(&runs, Duration::ZERO))
         .await
         .unwrap();
     assert_eq!(
@@ -346,7 +335,7 @@ async fn work_that_asked_to_finish_is_not_stopped_at_the_deadline() {
     assert_eq!((drained.stopped, drained.remaining), (0, 0), "{drained:?}");
     assert_eq!(finishing.await.unwrap().unwrap(), Outcome::Fresh(1));
     let retry = b
-        .run(&call("k"), work(&runs, Duration::ZERO))
+        .run(&call("k"), slow(&runs, Duration::ZERO))
         .await
         .unwrap();
     assert_eq!(retry, Outcome::Replayed(1));

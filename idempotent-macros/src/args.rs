@@ -1,9 +1,12 @@
 //! What the user wrote inside `#[idempotent(...)]`.
 
+use std::time::Duration;
+
 use proc_macro2::{Span, TokenStream};
 use quote::ToTokens;
 use syn::ext::IdentExt as _;
 use syn::parse::{Parse, ParseStream};
+use syn::spanned::Spanned as _;
 use syn::{Expr, Ident, Lit, LitStr, Path, Token};
 
 mod kw {
@@ -28,14 +31,14 @@ const EXPECTED: &str = "`key`, `ttl`, `lease`, `scope`, `fingerprint`, `name`, `
 #[derive(Default)]
 pub(crate) struct Args {
     pub(crate) key: Option<(kw::key, Expr)>,
-    pub(crate) ttl: Option<(kw::ttl, Millis)>,
-    pub(crate) lease: Option<(kw::lease, Millis)>,
+    pub(crate) ttl: Option<(kw::ttl, DurationLit)>,
+    pub(crate) lease: Option<(kw::lease, DurationLit)>,
     pub(crate) scope: Option<(kw::scope, Expr)>,
     pub(crate) fingerprint: Option<(kw::fingerprint, Expr)>,
     pub(crate) name: Option<(kw::name, Name)>,
     pub(crate) on_error: Option<(kw::on_error, OnError)>,
     pub(crate) in_flight: Option<(kw::in_flight, Reject)>,
-    pub(crate) wait: Option<(kw::wait, Millis)>,
+    pub(crate) wait: Option<(kw::wait, DurationLit)>,
     pub(crate) runtime: Option<(kw::runtime, Expr)>,
     pub(crate) tx: Option<(kw::tx, Ident)>,
     pub(crate) claim: Option<(kw::claim, Ident)>,
@@ -71,13 +74,9 @@ impl Parse for Args {
             if lookahead.peek(kw::key) {
                 assign(input, &mut args.key, Expr::parse)?;
             } else if lookahead.peek(kw::ttl) {
-                assign(input, &mut args.ttl, |input| {
-                    Millis::parse(input, Some(TTL))
-                })?;
+                assign(input, &mut args.ttl, DurationLit::parse)?;
             } else if lookahead.peek(kw::lease) {
-                assign(input, &mut args.lease, |input| {
-                    Millis::parse(input, Some(LEASE))
-                })?;
+                assign(input, &mut args.lease, DurationLit::parse)?;
             } else if lookahead.peek(kw::scope) {
                 assign(input, &mut args.scope, Expr::parse)?;
             } else if lookahead.peek(kw::fingerprint) {
@@ -89,7 +88,7 @@ impl Parse for Args {
             } else if lookahead.peek(kw::in_flight) {
                 assign(input, &mut args.in_flight, Reject::parse)?;
             } else if lookahead.peek(kw::wait) {
-                assign(input, &mut args.wait, |input| Millis::parse(input, None))?;
+                assign(input, &mut args.wait, DurationLit::parse_above_zero)?;
             } else if lookahead.peek(kw::runtime) {
                 assign(input, &mut args.runtime, Expr::parse)?;
             } else if lookahead.peek(kw::tx) {
@@ -146,125 +145,81 @@ where
     Ok(())
 }
 
-/// A duration checked at compile time, in milliseconds.
-pub(crate) struct Millis(pub(crate) u64);
-
-const DURATION_EXPECTED: &str = "expected a duration: a string such as \"500ms\", \"90s\", \
-                                 \"15m\", \"24h\" or \"7d\", or an integer number of seconds";
-
-/// The range a duration argument accepts, in milliseconds, both ends included.
-#[derive(Clone, Copy)]
-struct Bounds {
-    argument: &'static str,
-    min: u64,
-    max: u64,
+/// A duration literal, read at compile time. A `ttl` or `lease` is checked against the ranges
+/// of `idempotent_core::limits` by the expansion, in a constant that calls the core crate (this
+/// crate cannot depend on it, since the core crate depends on this one).
+pub(crate) struct DurationLit {
+    pub(crate) value: Duration,
+    /// The literal's span, where a duration out of its range is reported.
+    pub(crate) span: Span,
 }
 
-// The ranges of `idempotent_core::limits`, which this crate cannot depend on (the core crate
-// depends on it). `tests/tests/duration_limits.rs` reads these four lines and checks that they
-// agree with `limits`: keep each a plain literal.
-/// `limits::MIN_TTL`: 1 ms.
-const MIN_TTL_MS: u64 = 1;
-/// `limits::MAX_TTL`: 365 days.
-const MAX_TTL_MS: u64 = 31_536_000_000;
-/// `limits::MIN_LEASE`: 100 ms.
-const MIN_LEASE_MS: u64 = 100;
-/// `limits::MAX_LEASE`: 365 days.
-const MAX_LEASE_MS: u64 = 31_536_000_000;
+/// What a duration argument takes, after "expected".
+const DURATION_FORMS: &str = "a string such as \"500ms\", \"90s\", \"15m\", \"24h\", \"7d\" or \
+                              \"1h 30m\", or an integer number of seconds";
 
-const DAY_MS: u64 = 24 * 60 * 60 * 1000;
+/// Why a number in a duration cannot be a `Duration`.
+const TOO_LARGE: &str = "longer than `Duration::MAX`, or finer than 1ns";
 
-const TTL: Bounds = Bounds {
-    argument: "ttl",
-    min: MIN_TTL_MS,
-    max: MAX_TTL_MS,
-};
-const LEASE: Bounds = Bounds {
-    argument: "lease",
-    min: MIN_LEASE_MS,
-    max: MAX_LEASE_MS,
-};
-
-impl Bounds {
-    fn error(self, lit: &TokenStream) -> syn::Error {
-        syn::Error::new_spanned(
-            lit,
-            format!(
-                "{} must be between {} and {}",
-                self.argument,
-                human(self.min),
-                human(self.max)
-            ),
-        )
-    }
-}
-
-/// `ms` in the largest unit that divides it exactly: `100ms`, `90s`, `365d`.
-fn human(ms: u64) -> String {
-    for (unit, per) in [("d", DAY_MS), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
-        if ms != 0 && ms % per == 0 {
-            return format!("{}{unit}", ms / per);
-        }
-    }
-    format!("{ms}ms")
-}
-
-impl Millis {
-    /// A duration literal; with `bounds`, one inside them (a TTL, a lease), otherwise any
-    /// duration above zero (a wait).
-    fn parse(input: ParseStream<'_>, bounds: Option<Bounds>) -> syn::Result<Self> {
+impl DurationLit {
+    /// A string in the syntax of `idempotent_core::limits::parse_duration`, or an integer
+    /// number of seconds.
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
         let expr: Expr = input.parse()?;
-        let (digits, unit, lit) = match &expr {
+        let value = match &expr {
             Expr::Lit(syn::ExprLit {
                 lit: Lit::Str(s), ..
-            }) => {
-                let text = s.value();
-                let split = text
-                    .find(|c: char| !c.is_ascii_digit())
-                    .unwrap_or(text.len());
-                let (digits, unit) = text.split_at(split);
-                (digits.to_owned(), unit.to_owned(), s.to_token_stream())
-            }
+            }) => parse_duration(&s.value()).map_err(|error| match error {
+                humantime::DurationError::NumberOverflow => TOO_LARGE.to_owned(),
+                other => other.to_string(),
+            }),
             Expr::Lit(syn::ExprLit {
                 lit: Lit::Int(i), ..
-            }) if i.suffix().is_empty() => (
-                i.base10_digits().to_owned(),
-                "s".to_owned(),
-                i.to_token_stream(),
-            ),
-            other => return Err(syn::Error::new_spanned(other, DURATION_EXPECTED)),
-        };
-        let per_unit: u64 = match unit.as_str() {
-            "ms" => 1,
-            "s" => 1_000,
-            "m" => 60_000,
-            "h" => 3_600_000,
-            "d" => 86_400_000,
-            _ => return Err(syn::Error::new_spanned(lit, DURATION_EXPECTED)),
-        };
-        if digits.is_empty() {
-            return Err(syn::Error::new_spanned(lit, DURATION_EXPECTED));
-        }
-        let millis = digits
-            .parse::<u64>()
-            .ok()
-            .and_then(|n| n.checked_mul(per_unit));
-        match (millis, bounds) {
-            (Some(millis), Some(bounds)) if (bounds.min..=bounds.max).contains(&millis) => {
-                Ok(Millis(millis))
+            }) if i.suffix().is_empty() => i
+                .base10_parse()
+                .map(Duration::from_secs)
+                .map_err(|_| TOO_LARGE.to_owned()),
+            other => {
+                return Err(syn::Error::new_spanned(
+                    other,
+                    format!("expected a duration: {DURATION_FORMS}"),
+                ));
             }
-            (_, Some(bounds)) => Err(bounds.error(&lit)),
-            (Some(0), None) => Err(syn::Error::new_spanned(
-                lit,
-                "duration is zero: expected a duration greater than zero",
-            )),
-            (Some(millis), None) => Ok(Millis(millis)),
-            (None, None) => Err(syn::Error::new_spanned(
-                lit,
-                "duration too large: expected at most 584 million years",
+        };
+        match value {
+            Ok(value) => Ok(DurationLit {
+                value,
+                span: expr.span(),
+            }),
+            Err(reason) => Err(syn::Error::new_spanned(
+                expr,
+                format!("invalid duration ({reason}): expected {DURATION_FORMS}"),
             )),
         }
     }
+
+    /// A duration above zero (a `wait`, which has no range in the core crate).
+    fn parse_above_zero(input: ParseStream<'_>) -> syn::Result<Self> {
+        let duration = Self::parse(input)?;
+        if duration.value.is_zero() {
+            return Err(syn::Error::new(
+                duration.span,
+                "duration is zero: expected a duration greater than zero",
+            ));
+        }
+        Ok(duration)
+    }
+}
+
+/// `idempotent_core::limits::parse_duration`, which this crate cannot call: humantime, and a
+/// count of milliseconds up to `u64::MAX` (humantime counts them in nanoseconds).
+fn parse_duration(text: &str) -> Result<Duration, humantime::DurationError> {
+    humantime::parse_duration(text).or_else(|error| match text.strip_suffix("ms") {
+        Some(digits) if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) => {
+            digits.parse().map(Duration::from_millis).map_err(|_| error)
+        }
+        _ => Err(error),
+    })
 }
 
 /// The `name` of the function's key space: a non-empty string literal.
@@ -368,87 +323,71 @@ fn string_literal(expr: &Expr) -> Option<String> {
 mod tests {
     use super::*;
 
-    fn millis(value: &str) -> syn::Result<u64> {
-        syn::parse::Parser::parse_str(|input: ParseStream<'_>| Millis::parse(input, None), value)
-            .map(|m| m.0)
+    fn duration(value: &str) -> syn::Result<Duration> {
+        syn::parse::Parser::parse_str(DurationLit::parse, value).map(|d| d.value)
     }
 
-    fn within(bounds: Bounds, value: &str) -> syn::Result<u64> {
-        syn::parse::Parser::parse_str(
-            |input: ParseStream<'_>| Millis::parse(input, Some(bounds)),
-            value,
-        )
-        .map(|m| m.0)
+    fn wait(value: &str) -> syn::Result<Duration> {
+        syn::parse::Parser::parse_str(DurationLit::parse_above_zero, value).map(|d| d.value)
     }
 
     #[test]
     fn durations_in_every_unit() {
-        assert_eq!(millis(r#""500ms""#).unwrap(), 500);
-        assert_eq!(millis(r#""90s""#).unwrap(), 90_000);
-        assert_eq!(millis(r#""15m""#).unwrap(), 900_000);
-        assert_eq!(millis(r#""24h""#).unwrap(), 86_400_000);
-        assert_eq!(millis(r#""7d""#).unwrap(), 604_800_000);
-        assert_eq!(millis("45").unwrap(), 45_000);
+        for (text, expected) in [
+            (r#""500ms""#, Duration::from_millis(500)),
+            (r#""90s""#, Duration::from_secs(90)),
+            (r#""15m""#, Duration::from_secs(900)),
+            (r#""24h""#, Duration::from_secs(86_400)),
+            (r#""7d""#, Duration::from_secs(604_800)),
+            ("45", Duration::from_secs(45)),
+            (r#""1h 30m""#, Duration::from_secs(5_400)),
+            (r#""1.5h""#, Duration::from_secs(5_400)),
+            (r#""250us""#, Duration::from_micros(250)),
+            (r#""0s""#, Duration::ZERO),
+            (
+                r#""18446744073709551615ms""#,
+                Duration::from_millis(u64::MAX),
+            ),
+            ("18446744073709551615", Duration::from_secs(u64::MAX)),
+        ] {
+            assert_eq!(duration(text).unwrap(), expected, "{text}");
+        }
     }
 
     #[test]
-    fn rejects_zero_garbage_and_overflow() {
+    fn rejects_garbage_and_overflow() {
         for bad in [
-            r#""0s""#,
-            "0",
             r#""""#,
             r#""s""#,
             r#""1""#,
-            r#""1 h""#,
-            r#""1h30m""#,
             r#""-1s""#,
-            r#""1.5h""#,
+            r#""+1ms""#,
+            r#""one day""#,
             "1u64",
             "1.5",
             "DAY",
-            r#""18446744073709551615d""#,
+            "18446744073709551616",
+            r#""18446744073709551616ms""#,
+            r#""99999999999999999999d""#,
         ] {
-            assert!(millis(bad).is_err(), "{bad} was accepted");
+            let error = duration(bad).expect_err(bad).to_string();
+            assert!(error.ends_with(DURATION_FORMS), "{bad}: {error}");
         }
     }
 
     #[test]
-    fn ttl_and_lease_are_checked_against_their_ranges() {
-        assert_eq!(within(LEASE, r#""100ms""#).unwrap(), 100);
-        assert_eq!(within(LEASE, r#""365d""#).unwrap(), 365 * DAY_MS);
-        assert_eq!(within(TTL, r#""1ms""#).unwrap(), 1);
-        assert_eq!(within(TTL, r#""8760h""#).unwrap(), 365 * DAY_MS);
-        for (bounds, bad, message) in [
-            (LEASE, r#""99ms""#, "lease must be between 100ms and 365d"),
-            (LEASE, r#""0s""#, "lease must be between 100ms and 365d"),
-            (LEASE, r#""366d""#, "lease must be between 100ms and 365d"),
-            (
-                LEASE,
-                r#""18446744073709551615d""#,
-                "lease must be between 100ms and 365d",
-            ),
-            (TTL, r#""0ms""#, "ttl must be between 1ms and 365d"),
-            (TTL, "31536001", "ttl must be between 1ms and 365d"),
-        ] {
-            let error = within(bounds, bad).expect_err(bad);
-            assert_eq!(error.to_string(), message, "{bad}");
+    fn a_wait_is_above_zero() {
+        assert_eq!(
+            wait(r#""400d""#).unwrap(),
+            Duration::from_secs(400 * 86_400)
+        );
+        assert_eq!(wait(r#""1ns""#).unwrap(), Duration::from_nanos(1));
+        for zero in [r#""0s""#, r#""0""#, "0"] {
+            let error = wait(zero).expect_err(zero).to_string();
+            assert_eq!(
+                error,
+                "duration is zero: expected a duration greater than zero"
+            );
         }
-    }
-
-    #[test]
-    fn waits_take_any_duration_above_zero() {
-        assert_eq!(millis(r#""400d""#).unwrap(), 400 * DAY_MS);
-        assert_eq!(millis(r#""1ms""#).unwrap(), 1);
-    }
-
-    #[test]
-    fn ranges_read_as_written() {
-        assert_eq!(human(1), "1ms");
-        assert_eq!(human(100), "100ms");
-        assert_eq!(human(1_500), "1500ms");
-        assert_eq!(human(90_000), "90s");
-        assert_eq!(human(900_000), "15m");
-        assert_eq!(human(36 * 3_600_000), "36h");
-        assert_eq!(human(365 * DAY_MS), "365d");
     }
 }

@@ -12,7 +12,7 @@ use syn::Expr;
 use syn::ext::IdentExt as _;
 use syn::spanned::Spanned as _;
 
-use crate::args::{Args, OnError};
+use crate::args::{Args, DurationLit, OnError};
 use crate::item::Function;
 
 /// Parses, validates and expands; every user error comes back as one `syn::Error`.
@@ -120,18 +120,18 @@ fn expand(args: Args, function: Function, transaction: Option<Transaction>) -> T
         let fingerprint = by_reference(&private, "fingerprint", expr);
         invocation.extend(quote!(.fingerprint(#fingerprint)));
     }
-    let duration = |millis: u64| quote!(#private::Duration::from_millis(#millis));
     let mut options = TokenStream::new();
     if let Some((_, ttl)) = &args.ttl {
-        let ttl = duration(ttl.0);
+        let ttl = checked_duration(&private, "ttl", ttl);
         options.extend(quote!(.ttl(#ttl)));
     }
     if let Some((_, lease)) = &args.lease {
-        let lease = duration(lease.0);
+        let lease = checked_duration(&private, "lease", lease);
         options.extend(quote!(.lease(#lease)));
     }
     if let Some((_, wait)) = &args.wait {
-        let wait = duration(wait.0);
+        let (secs, nanos) = (wait.value.as_secs(), wait.value.subsec_nanos());
+        let wait = quote!(#private::Duration::new(#secs, #nanos));
         options.extend(quote!(.in_flight(#private::InFlightPolicy::Wait { max: #wait })));
     }
     if args.in_flight.is_some() {
@@ -226,6 +226,24 @@ fn expand(args: Args, function: Function, transaction: Option<Transaction>) -> T
             #statements
         }
     }
+}
+
+/// `{ const __IDEMPOTENT_TTL: Duration = private::ttl(secs, nanos); __IDEMPOTENT_TTL }` for
+/// `setting` `"ttl"` (or `"lease"`): the duration, checked against the core crate's range for
+/// the setting while the constant is evaluated, at compile time. The call is spanned at the
+/// literal, so a duration out of range is reported there, with the core crate's message.
+fn checked_duration(private: &TokenStream, setting: &str, duration: &DurationLit) -> TokenStream {
+    let span = duration.span;
+    let function = Ident::new(setting, span);
+    let name = Ident::new(&format!("__IDEMPOTENT_{}", setting.to_uppercase()), span);
+    let (secs, nanos) = (duration.value.as_secs(), duration.value.subsec_nanos());
+    let mut arguments = Group::new(Delimiter::Parenthesis, quote!(#secs, #nanos));
+    arguments.set_span(span);
+    let call = respan(quote!(#private::#function), span);
+    quote!({
+        const #name: #private::Duration = #call #arguments;
+        #name
+    })
 }
 
 /// `path` (no groups) with every token at `span`.

@@ -23,11 +23,6 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 pub const IDEMPOTENT_BYPASSED: HeaderName = HeaderName::from_static("idempotent-bypassed");
 /// Default limit on a protected request's body: 1 MiB.
 pub const DEFAULT_MAX_REQUEST_BODY: usize = 1 << 20;
-/// Default limit on a response retained for replay: 1 MiB.
-pub const DEFAULT_MAX_RESPONSE_BODY: usize = 1 << 20;
-/// The default for [`IdempotencyLayer::max_discarded_body`](crate::IdempotencyLayer::max_discarded_body):
-/// 4 MiB.
-pub(crate) const DEFAULT_MAX_DISCARDED_BODY: usize = 4 << 20;
 
 type ScopeFn = dyn Fn(&Parts) -> Option<Scope> + Send + Sync;
 
@@ -66,7 +61,6 @@ pub(crate) struct Config<P: Protocol> {
     pub(crate) call_options: CallOptions,
     pub(crate) not_replayed: Vec<HeaderName>,
     pub(crate) max_request_body: usize,
-    pub(crate) max_response_body: usize,
     pub(crate) fail_open: bool,
     pub(crate) on_claim_lost: OnClaimLost,
     /// What only this protocol has.
@@ -76,8 +70,9 @@ pub(crate) struct Config<P: Protocol> {
 impl<P: Protocol> Config<P> {
     /// The defaults: key header `Idempotency-Key` (bare tokens accepted) and required, scope
     /// by the [`Principal`](crate::Principal) extension (requests without one refused), the
-    /// runtime's call settings, 1 MiB request and response limits, fail closed, let a handler
-    /// that lost its claim finish, and the protocol's own defaults.
+    /// runtime's call settings (its result limit bounds retained responses), a 1 MiB request
+    /// limit, fail closed, let a handler that lost its claim finish, and the protocol's own
+    /// defaults.
     pub(crate) fn new(idempotency: Idempotency) -> Self {
         Config {
             idempotency,
@@ -104,7 +99,6 @@ impl<P: Protocol> Config<P> {
                 IDEMPOTENT_BYPASSED,
             ],
             max_request_body: DEFAULT_MAX_REQUEST_BODY,
-            max_response_body: DEFAULT_MAX_RESPONSE_BODY,
             fail_open: false,
             on_claim_lost: OnClaimLost::Finish,
             protocol: P::Settings::default(),
@@ -143,7 +137,6 @@ impl<P: Protocol> fmt::Debug for Config<P> {
             .field("allow_anonymous", &self.allow_anonymous)
             .field("call_options", &self.call_options)
             .field("max_request_body", &self.max_request_body)
-            .field("max_response_body", &self.max_response_body)
             .field("fail_open", &self.fail_open)
             .finish_non_exhaustive()
     }

@@ -89,6 +89,10 @@ pub(crate) async fn over_limit<B: Body>(
     discard(body, allowance as u64).await
 }
 
+/// The default for [`IdempotencyLayer::max_discarded_body`](crate::IdempotencyLayer::max_discarded_body):
+/// 4 MiB.
+pub(crate) const DEFAULT_MAX_DISCARDED_BODY: usize = 4 << 20;
+
 /// How long the layer goes on reading a body it refused: a client that stalls half-way
 /// through its body cannot hold the refusal (or a graceful shutdown waiting for it) open.
 pub(crate) const DISCARD_TIME_LIMIT: Duration = Duration::from_secs(10);

@@ -7,19 +7,21 @@ use std::task::{Context, Poll, ready};
 
 use http::Response;
 use http_body::Body;
+use idempotent_core::RunToEnd;
 use pin_project_lite::pin_project;
 
 use crate::body::ResponseBody;
 
 type Output<B, E> = Result<Response<ResponseBody<B>>, E>;
-type Protected<B, E> = Pin<Box<dyn Future<Output = Output<B, E>> + Send>>;
 
 pin_project! {
     /// The response future of [`IdempotencyService`](crate::IdempotencyService).
     ///
     /// Dropping it does not stop a protected request: if the client goes away before the
     /// response is ready, the rest of the request (the handler and the recording of its
-    /// response) moves to a task of its own and runs to completion, so a retry gets the replay.
+    /// response) moves to a task of its own and runs to completion, so a retry gets the replay
+    /// ([`RunToEnd`]). Without a tokio runtime, or while a panic unwinds, it is dropped
+    /// instead: its claim is released (or ends with its lease) and the retry runs it.
     pub struct ResponseFuture<F, B, E>
     where
         B: Body,
@@ -41,35 +43,9 @@ pin_project! {
     {
         PassThrough { #[pin] future: F },
         Ready { response: Option<Response<ResponseBody<B>>> },
-        Protected { request: Detached<Output<B, E>> },
-    }
-}
-
-/// A protected request, polled in place; if dropped unfinished, finished on a spawned task.
-///
-/// Polling in place costs nothing extra in the common case (the client waits for its
-/// response); only an abandoned request pays for a task.
-struct Detached<T: 'static>(Option<Pin<Box<dyn Future<Output = T> + Send>>>);
-
-impl<T: 'static> Drop for Detached<T> {
-    fn drop(&mut self) {
-        let Some(request) = self.0.take() else { return };
-        // A panic unwinding through the request leaves it unusable; dropping it releases the
-        // claim it holds.
-        if std::thread::panicking() {
-            return;
-        }
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                tracing::debug!("client went away; finishing the request in the background");
-                runtime.spawn(async move {
-                    let _ = request.await;
-                });
-            }
-            // Without a runtime the request is dropped: its claim is released (or ends with
-            // its lease) and the retry runs it.
-            Err(_) => drop(request),
-        }
+        // Polled in place, which costs nothing extra when the client waits for its response;
+        // only an abandoned request pays for a task of its own.
+        Protected { #[pin] request: RunToEnd<Output<B, E>> },
     }
 }
 
@@ -94,10 +70,10 @@ where
     B: Body + Send + 'static,
     E: Send + 'static,
 {
-    pub(crate) fn protected(request: Protected<B, E>) -> Self {
+    pub(crate) fn protected(request: impl Future<Output = Output<B, E>> + Send + 'static) -> Self {
         ResponseFuture {
             kind: Kind::Protected {
-                request: Detached(Some(request)),
+                request: RunToEnd::new(request),
             },
         }
     }
@@ -120,15 +96,7 @@ where
             KindProj::Ready { response } => Poll::Ready(Ok(response
                 .take()
                 .expect("ResponseFuture polled after completion"))),
-            KindProj::Protected { request } => {
-                let future = request
-                    .0
-                    .as_mut()
-                    .expect("ResponseFuture polled after completion");
-                let output = ready!(future.as_mut().poll(cx));
-                request.0 = None;
-                Poll::Ready(output)
-            }
+            KindProj::Protected { request } => request.poll(cx),
         }
     }
 }

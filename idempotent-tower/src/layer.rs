@@ -17,9 +17,8 @@ use crate::service::IdempotencyService;
 /// Applies idempotency to requests: see the [crate docs](crate) for the semantics and every
 /// response it produces.
 ///
-/// Built for one protocol, [`new_for_http`](IdempotencyLayer::new_for_http) or
-/// [`new_for_grpc`](IdempotencyLayer::new_for_grpc), and configured with consuming builder
-/// methods:
+/// Built for one protocol, [`http`](IdempotencyLayer::http) or
+/// [`grpc`](IdempotencyLayer::grpc), and configured with consuming builder methods:
 ///
 /// ```
 /// use std::time::Duration;
@@ -27,7 +26,7 @@ use crate::service::IdempotencyService;
 /// use idempotent_core::{CallOptions, Idempotency, InFlightPolicy};
 /// use idempotent_tower::IdempotencyLayer;
 ///
-/// let layer = IdempotencyLayer::new_for_http(Idempotency::new(MemoryStore::new()))
+/// let layer = IdempotencyLayer::http(Idempotency::new(MemoryStore::new()))
 ///     .call_options(
 ///         CallOptions::new()
 ///             .ttl(Duration::from_secs(24 * 3600))
@@ -43,7 +42,7 @@ use crate::service::IdempotencyService;
 /// use idempotent_core::Idempotency;
 /// use idempotent_tower::IdempotencyLayer;
 ///
-/// let layer = IdempotencyLayer::new_for_grpc(Idempotency::new(MemoryStore::new()))
+/// let layer = IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new()))
 ///     .max_discarded_body(0); // error: no method `max_discarded_body` on `IdempotencyLayer<Grpc>`
 /// ```
 ///
@@ -55,7 +54,7 @@ use crate::service::IdempotencyService;
 /// use idempotent_core::{Idempotency, Retain};
 /// use idempotent_tower::IdempotencyLayer;
 ///
-/// let layer = IdempotencyLayer::new_for_grpc(Idempotency::new(MemoryStore::new()))
+/// let layer = IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new()))
 ///     .retain(|status: StatusCode| Retain::Keep); // error: a gRPC policy takes a `GrpcCode`
 /// ```
 pub struct IdempotencyLayer<P: Protocol = Http> {
@@ -65,10 +64,10 @@ pub struct IdempotencyLayer<P: Protocol = Http> {
 impl IdempotencyLayer<Http> {
     /// A layer for plain HTTP over `idempotency`, with the defaults: key header
     /// `Idempotency-Key` (bare tokens accepted), required on POST and PATCH, scope by the
-    /// [`Principal`](crate::Principal) extension (requests without one refused), 1 MiB request
-    /// and response limits, the runtime's TTL, lease and in-flight policy, outcomes kept by
-    /// [`Http::default_retain`], fail closed.
-    pub fn new_for_http(idempotency: Idempotency) -> Self {
+    /// [`Principal`](crate::Principal) extension (requests without one refused), a 1 MiB
+    /// request limit, the runtime's TTL, lease, in-flight policy and result limit, outcomes
+    /// kept by [`Http::default_retain`], fail closed.
+    pub fn http(idempotency: Idempotency) -> Self {
         IdempotencyLayer {
             config: Arc::new(Config::new(idempotency)),
         }
@@ -107,9 +106,8 @@ impl IdempotencyLayer<Http> {
 impl IdempotencyLayer<Grpc> {
     /// A layer for a gRPC server (tonic), protecting the unary methods named with its
     /// `methods` (below); every other call, streaming ones included, passes through
-    /// untouched. The other defaults are those of
-    /// [`new_for_http`](IdempotencyLayer::new_for_http), and outcomes are kept by
-    /// [`Grpc::default_retain`].
+    /// untouched. The other defaults are those of [`http`](IdempotencyLayer::http), and
+    /// outcomes are kept by [`Grpc::default_retain`].
     ///
     /// The key comes from the `idempotency-key` metadata entry (the same header), the scope
     /// from the [`Principal`](crate::Principal) in the request extensions (as over HTTP).
@@ -117,7 +115,7 @@ impl IdempotencyLayer<Grpc> {
     /// `ABORTED` with `grpc-retry-pushback-ms`, `RESOURCE_EXHAUSTED`, `UNAVAILABLE`, …) with
     /// the stable code in the `idempotent-error` metadata entry; outcomes are classified by
     /// `grpc-status`. See the crate docs.
-    pub fn new_for_grpc(idempotency: Idempotency) -> Self {
+    pub fn grpc(idempotency: Idempotency) -> Self {
         IdempotencyLayer {
             config: Arc::new(Config::new(idempotency)),
         }
@@ -197,12 +195,26 @@ impl<P: Protocol> IdempotencyLayer<P> {
         self
     }
 
-    /// The TTL, lease and in-flight policy of every protected request, over the runtime's
-    /// [`Defaults`](idempotent_core::Defaults) (default: none set, so the runtime's apply).
+    /// The TTL, lease, in-flight policy and result limit of every protected request, over the
+    /// runtime's [`Defaults`](idempotent_core::Defaults) (default: none set, so the runtime's
+    /// apply). Durations are checked where the options are built (see [`CallOptions`]).
     ///
-    /// Its [`max_result_bytes`](CallOptions::max_result_bytes) is not used:
-    /// [`max_response_body`](Self::max_response_body) is the layer's one limit on what it
-    /// retains. Durations are checked where the options are built (see [`CallOptions`]).
+    /// The result limit ([`CallOptions::max_result_bytes`], else the runtime's
+    /// [`Defaults::max_result_bytes`](idempotent_core::Defaults::max_result_bytes), 1 MiB by
+    /// default) is the largest response body retained for replay. A larger response still
+    /// streams to the client, and the key is recorded so that a retry gets 410
+    /// `result_not_retained` instead of a second execution. Every body up to the limit is
+    /// replayed: the stored record adds the status, headers and trailers to it.
+    ///
+    /// ```
+    /// use idempotent_core::memory::MemoryStore;
+    /// use idempotent_core::{CallOptions, Idempotency};
+    /// use idempotent_tower::IdempotencyLayer;
+    ///
+    /// // Responses up to 64 KiB are kept for replay behind this layer.
+    /// let layer = IdempotencyLayer::http(Idempotency::new(MemoryStore::new()))
+    ///     .call_options(CallOptions::new().max_result_bytes(64 * 1024));
+    /// ```
     pub fn call_options(mut self, options: CallOptions) -> Self {
         self.config().call_options = options;
         self
@@ -241,19 +253,6 @@ impl<P: Protocol> IdempotencyLayer<P> {
         self
     }
 
-    /// The largest response body retained for replay (default
-    /// [`DEFAULT_MAX_RESPONSE_BODY`](crate::DEFAULT_MAX_RESPONSE_BODY)). A larger response
-    /// still streams to the client, and the key is recorded so that a retry gets 410
-    /// `result_not_retained` instead of a second execution. This is the only limit on what
-    /// the layer retains: the runtime's
-    /// [`max_result_bytes`](idempotent_core::Defaults::max_result_bytes) does not apply to
-    /// requests behind the layer, so every body up to this size is replayed (the stored
-    /// record adds the status, headers and trailers to it).
-    pub fn max_response_body(mut self, bytes: usize) -> Self {
-        self.config().max_response_body = bytes;
-        self
-    }
-
     /// When the store is unavailable, run requests unprotected instead of answering 503
     /// (default `false`: fail closed). Each such response carries
     /// `Idempotent-Bypassed: store-unavailable` and a warning is logged.
@@ -275,7 +274,7 @@ impl<S, P: Protocol> Layer<S> for IdempotencyLayer<P> {
     type Service = IdempotencyService<S, P>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        IdempotencyService::new(inner, self.clone())
+        IdempotencyService::new(inner, Arc::clone(&self.config))
     }
 }
 
@@ -301,12 +300,12 @@ mod tests {
 
     #[test]
     fn a_grpc_layer_protects_only_the_listed_paths_over_post() {
-        let layer = IdempotencyLayer::new_for_grpc(Idempotency::new(MemoryStore::new()))
+        let layer = IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new()))
             .methods(["/p.v1.S/Charge"]);
         assert!(layer.config.protects(&Method::POST, "/p.v1.S/Charge"));
         assert!(!layer.config.protects(&Method::POST, "/p.v1.S/Stream"));
         assert!(!layer.config.protects(&Method::GET, "/p.v1.S/Charge"));
-        let http = IdempotencyLayer::new_for_http(Idempotency::new(MemoryStore::new()));
+        let http = IdempotencyLayer::http(Idempotency::new(MemoryStore::new()));
         assert!(http.config.protects(&Method::PATCH, "/anything"));
         assert!(!http.config.protects(&Method::GET, "/anything"));
     }

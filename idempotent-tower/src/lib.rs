@@ -23,7 +23,7 @@
 //!     let idempotency = Idempotency::new(MemoryStore::new());
 //!     let app = Router::new()
 //!         .route("/payments", post(charge))
-//!         .layer(IdempotencyLayer::new_for_http(idempotency));
+//!         .layer(IdempotencyLayer::http(idempotency));
 //!     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
 //!     axum::serve(listener, app).await.unwrap();
 //! }
@@ -64,7 +64,7 @@
 //! - **In flight**: 409 with `Retry-After`; or [`call_options`](IdempotencyLayer::call_options)
 //!   with an [`in_flight`](idempotent_core::CallOptions::in_flight) policy of
 //!   [`InFlightPolicy::Wait`](idempotent_core::InFlightPolicy::Wait) to wait (bounded) and
-//!   replay. The same options set the TTL and the lease; the runtime's
+//!   replay. The same options set the TTL, the lease and the result limit; the runtime's
 //!   [`Defaults`](idempotent_core::Defaults) apply to what they leave unset.
 //! - **Outcome policy**: 2xx, 3xx and 4xx are stored, except 408, 409, 425 and 429, which are
 //!   released like every 5xx: the retry runs the handler again
@@ -86,12 +86,14 @@
 //!   `missing_key`/`invalid_key`, 403 `missing_scope`, 503 `shutting_down`) reads what is left
 //!   of the body the same way, up to the limit plus that allowance. Reading a refused body
 //!   stops after 10 seconds, and the answer then closes the connection: a client that stalls
-//!   half-way cannot hold it open. A response over 1 MiB
-//!   ([`max_response_body`](IdempotencyLayer::max_response_body)) still streams to the client,
-//!   and the key is recorded as done without a result: retries get 410 `result_not_retained`
-//!   instead of a second execution. A response with more than 4,096 header fields or 4,096
-//!   trailer fields (after the headers that are never stored), or a body of 4 GiB or more, is
-//!   recorded the same way. Idempotent endpoints should return small bodies.
+//!   half-way cannot hold it open. A response body over the result limit (the runtime's
+//!   [`Defaults::max_result_bytes`](idempotent_core::Defaults::max_result_bytes), 1 MiB by
+//!   default, or the one in the layer's [`call_options`](IdempotencyLayer::call_options))
+//!   still streams to the client, and the key is recorded as done without a result: retries
+//!   get 410 `result_not_retained` instead of a second execution. A response with more than
+//!   4,096 header fields or 4,096 trailer fields (after the headers that are never stored), or
+//!   a body of 4 GiB or more, is recorded the same way. Idempotent endpoints should return
+//!   small bodies.
 //! - **Client disconnect**: the handler keeps running on its own task until it completes, and
 //!   its response is recorded; the client's retry gets the replay.
 //! - **Handler panics and service errors** release the key (the next retry runs) and propagate
@@ -161,7 +163,7 @@
 //!
 //! # gRPC (tonic)
 //!
-//! [`IdempotencyLayer::new_for_grpc`] speaks gRPC over the same machinery: the key is the
+//! [`IdempotencyLayer::grpc`] speaks gRPC over the same machinery: the key is the
 //! `idempotency-key` metadata entry, the scope the [`Principal`] a tower layer in front of the
 //! server put in the request extensions (the same rules as HTTP), and only the unary
 //! methods named with the gRPC layer's `methods` are protected — streaming calls and every
@@ -174,7 +176,7 @@
 //! use idempotent_tower::IdempotencyLayer;
 //!
 //! # async fn run(service: tonic::service::Routes) -> Result<(), tonic::transport::Error> {
-//! let idempotency = IdempotencyLayer::new_for_grpc(Idempotency::new(MemoryStore::new()))
+//! let idempotency = IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new()))
 //!     .methods(["/payments.v1.Payments/Charge"]);
 //! tonic::transport::Server::builder()
 //!     .layer(idempotency)
@@ -232,7 +234,7 @@
 //! let idempotency = Idempotency::new(MemoryStore::new());
 //! let app: Router = Router::new()
 //!     .route("/payments", post(|| async { "charged" }))
-//!     .layer(IdempotencyLayer::new_for_http(idempotency.clone()));
+//!     .layer(IdempotencyLayer::http(idempotency.clone()));
 //! axum::serve(listener, app)
 //!     .with_graceful_shutdown(async move {
 //!         sigterm().await;
@@ -246,7 +248,7 @@
 //!
 //! - **Authentication** before (outside) it, so that the [`Principal`] it puts in the request
 //!   extensions scopes the keys, and unauthenticated requests never reach the store:
-//!   `Router::new().route(..).layer(IdempotencyLayer::new_for_http(..)).layer(auth)`.
+//!   `Router::new().route(..).layer(IdempotencyLayer::http(..)).layer(auth)`.
 //! - **Body limits** (`DefaultBodyLimit`, `RequestBodyLimitLayer`) before it are fine; the
 //!   layer's own limit applies to protected requests in any case.
 //! - **Compression** outside it, so the stored response is the uncompressed one and each replay
@@ -267,7 +269,7 @@
 //!     next.run(request).await
 //! }
 //!
-//! let idempotency = IdempotencyLayer::new_for_http(Idempotency::new(MemoryStore::new()));
+//! let idempotency = IdempotencyLayer::http(Idempotency::new(MemoryStore::new()));
 //! let app: Router = Router::new()
 //!     .route("/orders", post(|| async { "created" }))
 //!     .layer(idempotency)
@@ -277,18 +279,17 @@
 //! # Public API
 //!
 //! - [`IdempotencyLayer`]`<P = Http>`, for one [`Protocol`]:
-//!   - built with [`IdempotencyLayer::new_for_http`] or [`IdempotencyLayer::new_for_grpc`];
+//!   - built with [`IdempotencyLayer::http`] or [`IdempotencyLayer::grpc`];
 //!   - for every protocol: [`header_name`](IdempotencyLayer::header_name),
 //!     [`strict`](IdempotencyLayer::strict), [`require_key`](IdempotencyLayer::require_key),
 //!     [`fingerprint_headers`](IdempotencyLayer::fingerprint_headers),
 //!     [`scope`](IdempotencyLayer::scope),
 //!     [`allow_anonymous`](IdempotencyLayer::allow_anonymous),
 //!     [`call_options`](IdempotencyLayer::call_options) (an
-//!     [`idempotent_core::CallOptions`]: TTL, lease, in-flight policy),
+//!     [`idempotent_core::CallOptions`]: TTL, lease, in-flight policy, result limit),
 //!     [`exclude_header`](IdempotencyLayer::exclude_header),
 //!     [`replay_header`](IdempotencyLayer::replay_header),
 //!     [`max_request_body`](IdempotencyLayer::max_request_body),
-//!     [`max_response_body`](IdempotencyLayer::max_response_body),
 //!     [`fail_open`](IdempotencyLayer::fail_open),
 //!     [`on_claim_lost`](IdempotencyLayer::on_claim_lost) (an [`OnClaimLost`]);
 //!   - HTTP only: `methods` (of [`http::Method`]), `retain` (a function of the status),
@@ -299,14 +300,21 @@
 //!   with their default outcome policies [`Http::default_retain`] and
 //!   [`Grpc::default_retain`]. Every outcome policy returns an [`idempotent_core::Retain`].
 //! - [`IdempotencyService`]`<S, P = Http>`, what the layer wraps around the inner service
-//!   ([`new`](IdempotencyService::new), [`get_ref`](IdempotencyService::get_ref),
-//!   [`get_mut`](IdempotencyService::get_mut), [`into_inner`](IdempotencyService::into_inner)),
+//!   ([`get_ref`](IdempotencyService::get_ref), [`get_mut`](IdempotencyService::get_mut),
+//!   [`into_inner`](IdempotencyService::into_inner)),
 //!   its [`ResponseFuture`], the [`RequestBody`] the inner service receives and the
 //!   [`ResponseBody`] it answers with.
 //! - Scopes: [`Principal`], [`scope_by_principal`] (the default) and
 //!   [`scope_by_authorization`].
 //! - Header names: [`IDEMPOTENCY_KEY`], [`IDEMPOTENT_REPLAYED`], [`IDEMPOTENT_BYPASSED`].
-//! - Limits: [`DEFAULT_MAX_REQUEST_BODY`], [`DEFAULT_MAX_RESPONSE_BODY`].
+//! - Limits: [`DEFAULT_MAX_REQUEST_BODY`] (the result limit is the runtime's:
+//!   [`idempotent_core::DEFAULT_MAX_RESULT_BYTES`]).
+//! - [`BoxError`], the boxed error of the client's errors (the core's, re-exported).
+//! - [`client`]: the client side, [`client::ClientLayer`]`<P = Http>` (built with
+//!   [`client::ClientLayer::http`] or [`client::ClientLayer::grpc`]) and the
+//!   [`client::ClientService`] it wraps around a client, with its retry policy, keys, errors
+//!   and metrics; the reqwest middleware (feature `reqwest`) and the outbox relay's HTTP sink
+//!   (feature `outbox`).
 //!
 //! Every refusal carries an [`idempotent_core::ProblemCode`], which gives its HTTP status,
 //! title, gRPC status and string.
@@ -325,15 +333,16 @@ mod layer;
 mod principal;
 mod problem;
 mod protocol;
-mod record;
 mod service;
+mod stored;
 
 pub use body::{RequestBody, ResponseBody};
 pub use config::{
-    DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_RESPONSE_BODY, IDEMPOTENCY_KEY, IDEMPOTENT_BYPASSED,
-    IDEMPOTENT_REPLAYED, OnClaimLost,
+    DEFAULT_MAX_REQUEST_BODY, IDEMPOTENCY_KEY, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED,
+    OnClaimLost,
 };
 pub use future::ResponseFuture;
+pub use idempotent_core::BoxError;
 pub use layer::IdempotencyLayer;
 pub use principal::{Principal, scope_by_authorization, scope_by_principal};
 pub use protocol::{Grpc, Http, Protocol};

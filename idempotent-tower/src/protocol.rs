@@ -13,7 +13,7 @@ use idempotent_core::{GrpcCode, Retain};
 
 use crate::body::ResponseBody;
 use crate::capture::Captured;
-use crate::config::DEFAULT_MAX_DISCARDED_BODY;
+use crate::discard::DEFAULT_MAX_DISCARDED_BODY;
 use crate::problem::Problem;
 
 /// A protocol the layer speaks: [`Http`] or [`Grpc`]. Sealed: no other type implements it.
@@ -22,14 +22,16 @@ use crate::problem::Problem;
 /// refusal is answered (a problem document, or a gRPC status).
 pub trait Protocol: sealed::Sealed + Clone + Copy + fmt::Debug + Send + Sync + 'static {}
 
-/// Plain HTTP: [`IdempotencyLayer::new_for_http`](crate::IdempotencyLayer::new_for_http).
+/// Plain HTTP: [`IdempotencyLayer::http`](crate::IdempotencyLayer::http) and
+/// [`ClientLayer::http`](crate::client::ClientLayer::http).
 ///
 /// Protects requests by method (POST and PATCH by default), keeps outcomes by status
 /// ([`Http::default_retain`]) and answers refusals with `application/problem+json`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Http {}
 
-/// gRPC (tonic): [`IdempotencyLayer::new_for_grpc`](crate::IdempotencyLayer::new_for_grpc).
+/// gRPC (tonic): [`IdempotencyLayer::grpc`](crate::IdempotencyLayer::grpc) and
+/// [`ClientLayer::grpc`](crate::client::ClientLayer::grpc).
 ///
 /// Protects the unary methods named by their full paths, keeps outcomes by `grpc-status`
 /// ([`Grpc::default_retain`]) and answers refusals as trailers-only gRPC statuses.
@@ -157,13 +159,13 @@ pub(crate) mod sealed {
         fn answer<B: Body>(problem: Problem) -> Response<ResponseBody<B>>;
 
         /// The `protocol` label of this protocol's requests in the metrics.
-        const METRICS: idempotent_core::metrics::Protocol;
+        const METRICS: idempotent_core::metrics::ProtocolLabel;
     }
 
     impl Sealed for Http {
         type Settings = HttpSettings;
-        const METRICS: idempotent_core::metrics::Protocol =
-            idempotent_core::metrics::Protocol::Http;
+        const METRICS: idempotent_core::metrics::ProtocolLabel =
+            idempotent_core::metrics::ProtocolLabel::Http;
 
         fn protects(settings: &HttpSettings, method: &Method, _path: &str) -> bool {
             settings.methods.iter().any(|m| m == method)
@@ -183,8 +185,8 @@ pub(crate) mod sealed {
     }
 
     impl Sealed for Grpc {
-        const METRICS: idempotent_core::metrics::Protocol =
-            idempotent_core::metrics::Protocol::Grpc;
+        const METRICS: idempotent_core::metrics::ProtocolLabel =
+            idempotent_core::metrics::ProtocolLabel::Grpc;
         type Settings = GrpcSettings;
 
         fn protects(settings: &GrpcSettings, method: &Method, path: &str) -> bool {

@@ -12,7 +12,8 @@ use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotent_core::metrics::RequestOutcome;
 use idempotent_core::{
-    Call, ClaimHandle, Error, Execution, Idempotency, Key, ProblemCode, Retain, Scope, StoreError,
+    BoxError, Call, ClaimHandle, Error, Execution, Idempotency, Key, ProblemCode, Retain, Scope,
+    StoreError,
 };
 use tower_service::Service;
 
@@ -23,26 +24,20 @@ use crate::discard::{self, Declared};
 use crate::fingerprint::fingerprint;
 use crate::future::ResponseFuture;
 use crate::key::{KeyProblem, key_from_headers};
-use crate::layer::IdempotencyLayer;
 use crate::problem::Problem;
 use crate::protocol::{Http, Protocol};
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// The middleware created by [`IdempotencyLayer`].
+/// The middleware an [`IdempotencyLayer`](crate::IdempotencyLayer) wraps around a service
+/// ([`Layer::layer`](tower_layer::Layer::layer)).
 pub struct IdempotencyService<S, P: Protocol = Http> {
     inner: S,
     config: Arc<Config<P>>,
 }
 
 impl<S, P: Protocol> IdempotencyService<S, P> {
-    /// `inner` behind `layer`'s idempotency: what [`Layer::layer`](tower_layer::Layer::layer)
-    /// returns.
-    pub fn new(inner: S, layer: IdempotencyLayer<P>) -> Self {
-        IdempotencyService {
-            inner,
-            config: layer.config,
-        }
+    /// `inner` behind the idempotency configured by `config`.
+    pub(crate) fn new(inner: S, config: Arc<Config<P>>) -> Self {
+        IdempotencyService { inner, config }
     }
 
     /// The inner service.
@@ -155,13 +150,7 @@ where
         // Polled in place; if the client goes away first, the response future hands the rest
         // to a task, so the handler runs to completion and its response is recorded: the retry
         // then gets a replay, not a second execution.
-        ResponseFuture::protected(Box::pin(handle(
-            Arc::clone(config),
-            inner,
-            request,
-            key,
-            scope,
-        )))
+        ResponseFuture::protected(handle(Arc::clone(config), inner, request, key, scope))
     }
 }
 
@@ -219,10 +208,10 @@ where
         config.max_discarded_body(),
     ) {
         Declared::AnswerNow(connection) => ResponseFuture::ready(connection.mark(refused)),
-        Declared::Discard(up_to) => ResponseFuture::protected(Box::pin(async move {
+        Declared::Discard(up_to) => ResponseFuture::protected(async move {
             let body = std::pin::pin!(request.into_body());
             Ok(discard::discard(body, up_to).await.mark(refused))
-        })),
+        }),
     }
 }
 
@@ -282,20 +271,21 @@ where
         }
     };
 
-    // The layer bounds the response body itself (`max_response_body`); the record around it
-    // (status, headers, trailers) adds what the server's header limits allow, so the runtime's
-    // own result limit must not refuse a body within the layer's.
     let call = Call::new(key)
         .scope(scope)
         .fingerprint(fingerprint(&parts, &body, &config.fingerprint_headers))
-        .options(config.call_options.max_result_bytes(usize::MAX));
+        .options(config.call_options);
+    // The result limit bounds the response body, which the layer reads itself; the record
+    // around it (status, headers, trailers) adds what the server's header limits allow, so the
+    // runtime must not refuse again, by the record's size, a body within the limit.
+    let max_response = config.idempotency.max_result_bytes(&call);
+    let call = call.options(config.call_options.max_result_bytes(usize::MAX));
     let storage_key = LoggedKey(&config.idempotency, &call);
     let fallback = config
         .fail_open
         .then(|| (inner.clone(), parts.clone(), body.clone()));
 
     let request = Request::from_parts(parts, RequestBody::buffered(body));
-    let max_response = config.max_response_body;
     let cancel_on_loss = config.on_claim_lost == OnClaimLost::Cancel;
     let work = async move {
         let mut inner = inner;
@@ -347,7 +337,7 @@ where
             parts,
             body,
             trailers,
-        })) => match crate::record::encode(
+        })) => match crate::stored::encode(
             parts.status,
             &parts.headers,
             body,
@@ -455,7 +445,7 @@ fn replay<P: Protocol, B: Body>(
     stored: Bytes,
     storage_key: LoggedKey<'_>,
 ) -> (Response<ResponseBody<B>>, RequestOutcome) {
-    match crate::record::decode(stored) {
+    match crate::stored::decode(stored) {
         Ok(stored) => {
             tracing::debug!(outcome = "replayed", %storage_key, status = stored.status.as_u16(), "idempotent response replayed");
             let mut response = Response::new(ResponseBody::full(stored.body, stored.trailers));

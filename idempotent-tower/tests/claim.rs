@@ -2,27 +2,22 @@
 //! gRPC), what a stale owner's client receives under each `OnClaimLost` policy, and a response
 //! whose record could not be written at first is still replayed, never run again.
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
-use http::{Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http::{Response, StatusCode};
+use http_body_util::Full;
 use idempotent_core::conformance::{Fault, Faults, FaultyStore, Op};
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::{Call, ClaimHandle, Defaults, FencingToken, Idempotency, Key};
-use idempotent_tower::{
-    IdempotencyLayer, OnClaimLost, Principal, Protocol, RequestBody, ResponseBody,
-};
-use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
-
-type Svc = tower::util::BoxCloneSyncService<
-    Request<Full<Bytes>>,
-    Response<ResponseBody<Full<Bytes>>>,
-    BoxError,
->;
+use idempotent_tower::{IdempotencyLayer, OnClaimLost, Principal, Protocol};
+use support::{Req, Svc, grpc, post, send, stack};
+use tower::{BoxError, service_fn};
 
 /// A handler that answers with what it saw of its claim, after `delay`; counts runs and
 /// handlers that were stopped before they finished.
@@ -33,10 +28,11 @@ struct Handler {
 }
 
 impl Handler {
-    fn stack<P: Protocol>(&self, layer: IdempotencyLayer<P>, delay: Duration) -> Svc {
+    fn stack<P: Protocol>(&self, layer: IdempotencyLayer<P>, delay: Duration) -> Svc<Full<Bytes>> {
         let this = self.clone();
-        let svc = ServiceBuilder::new().layer(layer).service(service_fn(
-            move |req: Request<RequestBody<Full<Bytes>>>| {
+        stack(
+            layer,
+            service_fn(move |req: Req| {
                 let this = this.clone();
                 async move {
                     this.runs.fetch_add(1, Ordering::SeqCst);
@@ -61,9 +57,8 @@ impl Handler {
                             .unwrap(),
                     )
                 }
-            },
-        ));
-        tower::util::BoxCloneSyncService::new(svc)
+            }),
+        )
     }
 
     fn runs(&self) -> usize {
@@ -82,42 +77,14 @@ fn faulty(lease: Duration) -> (Idempotency, Faults) {
     )
 }
 
-fn post(path: &str, key: &str) -> Request<Full<Bytes>> {
-    Request::post(path)
-        .header("idempotency-key", key)
-        .extension(Principal::new("client"))
-        .body(Full::new(Bytes::from_static(b"{}")))
-        .unwrap()
-}
-
-async fn send(svc: &Svc, req: Request<Full<Bytes>>) -> (Response<()>, String) {
-    let response = svc.clone().oneshot(req).await.unwrap();
-    let (parts, body) = response.into_parts();
-    let body = body.collect().await.unwrap().to_bytes();
-    (
-        Response::from_parts(parts, ()),
-        String::from_utf8_lossy(&body).into_owned(),
-    )
-}
-
-fn code(response: &Response<()>, body: &str) -> String {
-    if let Some(code) = response.headers().get("idempotent-error") {
-        return code.to_str().unwrap().to_owned();
-    }
-    let doc: serde_json::Value = serde_json::from_str(body).unwrap();
-    doc["code"].as_str().unwrap().to_owned()
-}
-
 #[tokio::test]
 async fn the_handler_reads_the_claim_as_a_request_extension() {
     let handler = Handler::default();
     let idempotency = Idempotency::new(MemoryStore::new());
-    let svc = handler.stack(
-        IdempotencyLayer::new_for_http(idempotency.clone()),
-        Duration::ZERO,
-    );
-    let (response, body) = send(&svc, post("/pay", "order-1")).await;
-    assert_eq!(response.status(), StatusCode::CREATED);
+    let svc = handler.stack(IdempotencyLayer::http(idempotency.clone()), Duration::ZERO);
+    let response = send(&svc, post("/pay", Some("order-1"), "{}")).await;
+    let body = response.text();
+    assert_eq!(response.status, StatusCode::CREATED);
     // The layer's storage key for this request: its scope is the request's principal.
     let scope = Principal::new("client").scope();
     let key = idempotency.storage_key(&Call::new(Key::new("order-1").unwrap()).scope(scope));
@@ -137,16 +104,12 @@ async fn the_handler_reads_the_claim_as_a_request_extension() {
 #[tokio::test]
 async fn a_grpc_handler_reads_the_claim_too() {
     let handler = Handler::default();
-    let layer = IdempotencyLayer::new_for_grpc(Idempotency::new(MemoryStore::new()))
+    let layer = IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new()))
         .methods(["/payments.v1.Payments/Charge"]);
     let svc = handler.stack(layer, Duration::ZERO);
-    let request = Request::post("/payments.v1.Payments/Charge")
-        .header(CONTENT_TYPE, "application/grpc")
-        .header("idempotency-key", "order-1")
-        .extension(Principal::new("client"))
-        .body(Full::new(Bytes::from_static(b"\0\0\0\0\0")))
-        .unwrap();
-    let (_, body) = send(&svc, request).await;
+    let request = grpc("/payments.v1.Payments/Charge", "order-1");
+    let answer = send(&svc, request).await;
+    let body = answer.text();
     assert!(
         body.contains("lost=false") && body.contains("op="),
         "{body}"
@@ -160,9 +123,10 @@ async fn by_default_a_stale_owner_finishes_and_its_client_gets_its_response() {
     // The store stalls for every renewal: the claim ends with its lease while the handler runs.
     faults.fail(Op::Renew, Fault::Hang);
     let handler = Handler::default();
-    let svc = handler.stack(IdempotencyLayer::new_for_http(idempotency), lease * 2);
-    let (response, body) = send(&svc, post("/pay", "order-1")).await;
-    assert_eq!(response.status(), StatusCode::CREATED);
+    let svc = handler.stack(IdempotencyLayer::http(idempotency), lease * 2);
+    let response = send(&svc, post("/pay", Some("order-1"), "{}")).await;
+    let body = response.text();
+    assert_eq!(response.status, StatusCode::CREATED);
     assert!(
         body.contains("lost=true"),
         "the handler saw the loss: {body}"
@@ -171,14 +135,16 @@ async fn by_default_a_stale_owner_finishes_and_its_client_gets_its_response() {
     // Its record was refused (the lease had ended), so the retry is a new owner: without a
     // downstream key, the handler runs again, and both runs passed the same operation key.
     faults.heal_all();
-    let (retry, retry_body) = send(&svc, post("/pay", "order-1")).await;
-    assert_eq!(retry.status(), StatusCode::CREATED);
-    assert!(!retry.headers().contains_key("idempotent-replayed"));
+    let retry = send(&svc, post("/pay", Some("order-1"), "{}")).await;
+    let retry_body = retry.text();
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.headers.contains_key("idempotent-replayed"));
     assert_eq!(handler.runs(), 2);
     let op = |body: &str| body.split(' ').nth(1).unwrap().to_owned();
-    assert_eq!(op(&body), op(&retry_body));
-    let (replay, replay_body) = send(&svc, post("/pay", "order-1")).await;
-    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(op(body), op(retry_body));
+    let replay = send(&svc, post("/pay", Some("order-1"), "{}")).await;
+    let replay_body = replay.text();
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
     assert_eq!(replay_body, retry_body);
 }
 
@@ -190,19 +156,18 @@ async fn with_cancel_a_stale_owner_is_stopped_and_its_client_told_to_retry() {
     faults.fail(Op::Renew, Fault::Hang);
     faults.fail(Op::Release, Fault::Hang);
     let handler = Handler::default();
-    let layer =
-        IdempotencyLayer::new_for_http(idempotency.clone()).on_claim_lost(OnClaimLost::Cancel);
+    let layer = IdempotencyLayer::http(idempotency.clone()).on_claim_lost(OnClaimLost::Cancel);
     let svc = handler.stack(layer, lease * 10);
     let started = tokio::time::Instant::now();
-    let (response, body) = send(&svc, post("/pay", "order-1")).await;
+    let response = send(&svc, post("/pay", Some("order-1"), "{}")).await;
     assert!(
         started.elapsed() <= lease + lease / 6,
         "stopped when the lease ended: {:?}",
         started.elapsed()
     );
-    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(code(&response, &body), "claim_lost");
-    assert!(response.headers().contains_key(RETRY_AFTER));
+    assert_eq!(response.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.code(), "claim_lost");
+    assert!(response.headers.contains_key(RETRY_AFTER));
     assert_eq!(
         handler.finished.load(Ordering::SeqCst),
         0,
@@ -212,13 +177,15 @@ async fn with_cancel_a_stale_owner_is_stopped_and_its_client_told_to_retry() {
     // lease ended), so it runs, once, and is then replayed.
     faults.heal_all();
     let fast = handler.stack(
-        IdempotencyLayer::new_for_http(idempotency).on_claim_lost(OnClaimLost::Cancel),
+        IdempotencyLayer::http(idempotency).on_claim_lost(OnClaimLost::Cancel),
         Duration::ZERO,
     );
-    let (retry, retry_body) = send(&fast, post("/pay", "order-1")).await;
-    assert_eq!(retry.status(), StatusCode::CREATED);
-    let (replay, replay_body) = send(&fast, post("/pay", "order-1")).await;
-    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    let retry = send(&fast, post("/pay", Some("order-1"), "{}")).await;
+    let retry_body = retry.text();
+    assert_eq!(retry.status, StatusCode::CREATED);
+    let replay = send(&fast, post("/pay", Some("order-1"), "{}")).await;
+    let replay_body = replay.text();
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
     assert_eq!(replay_body, retry_body);
     assert_eq!(handler.runs(), 2);
     assert_eq!(handler.finished.load(Ordering::SeqCst), 1);
@@ -230,19 +197,14 @@ async fn grpc_clients_of_a_cancelled_stale_owner_get_unavailable() {
     let (idempotency, faults) = faulty(lease);
     faults.fail(Op::Renew, Fault::Hang);
     let handler = Handler::default();
-    let layer = IdempotencyLayer::new_for_grpc(idempotency)
+    let layer = IdempotencyLayer::grpc(idempotency)
         .methods(["/payments.v1.Payments/Charge"])
         .on_claim_lost(OnClaimLost::Cancel);
     let svc = handler.stack(layer, lease * 10);
-    let request = Request::post("/payments.v1.Payments/Charge")
-        .header(CONTENT_TYPE, "application/grpc")
-        .header("idempotency-key", "order-1")
-        .extension(Principal::new("client"))
-        .body(Full::new(Bytes::from_static(b"\0\0\0\0\0")))
-        .unwrap();
-    let (response, body) = send(&svc, request).await;
-    assert_eq!(response.headers()["grpc-status"], "14");
-    assert_eq!(code(&response, &body), "claim_lost");
+    let request = grpc("/payments.v1.Payments/Charge", "order-1");
+    let response = send(&svc, request).await;
+    assert_eq!(response.headers["grpc-status"], "14");
+    assert_eq!(response.code(), "claim_lost");
 }
 
 #[tokio::test(start_paused = true)]
@@ -251,20 +213,23 @@ async fn a_response_whose_record_failed_at_first_is_replayed_not_run_again() {
     let (idempotency, faults) = faulty(lease);
     faults.fail(Op::Complete, Fault::Unavailable);
     let handler = Handler::default();
-    let svc = handler.stack(IdempotencyLayer::new_for_http(idempotency), Duration::ZERO);
-    let (first, first_body) = send(&svc, post("/pay", "order-1")).await;
-    assert_eq!(first.status(), StatusCode::CREATED);
+    let svc = handler.stack(IdempotencyLayer::http(idempotency), Duration::ZERO);
+    let first = send(&svc, post("/pay", Some("order-1"), "{}")).await;
+    let first_body = first.text();
+    assert_eq!(first.status, StatusCode::CREATED);
     for _ in 0..6 {
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let (retry, body) = send(&svc, post("/pay", "order-1")).await;
-        assert_eq!(retry.status(), StatusCode::CONFLICT, "{body}");
-        assert_eq!(code(&retry, &body), "in_flight");
+        let retry = send(&svc, post("/pay", Some("order-1"), "{}")).await;
+        let body = retry.text();
+        assert_eq!(retry.status, StatusCode::CONFLICT, "{body}");
+        assert_eq!(retry.code(), "in_flight");
     }
     faults.heal(Op::Complete);
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let (retry, body) = send(&svc, post("/pay", "order-1")).await;
-    assert_eq!(retry.status(), StatusCode::CREATED);
-    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    let retry = send(&svc, post("/pay", Some("order-1"), "{}")).await;
+    let body = retry.text();
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
     assert_eq!(body, first_body);
     assert_eq!(handler.runs(), 1);
 }

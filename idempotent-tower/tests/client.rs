@@ -9,13 +9,12 @@ use bytes::Bytes;
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use idempotent_core::metrics::Recorded;
+use idempotent_tower::BoxError;
 use idempotent_tower::client::{
-    CLIENT_ATTEMPTS, CLIENT_CALLS, CLIENT_RETRIES, ClientError, ClientLayer, Delivery, GiveUp,
-    IdempotencyKey, RetryPolicy,
+    CLIENT_ATTEMPTS, CLIENT_CALLS, CLIENT_RETRIES, ClientError, ClientLayer, ClientProtocol,
+    Delivery, GiveUp, IdempotencyKey, RetryPolicy,
 };
 use tower::{Layer, Service, ServiceExt};
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// What the scripted client does for one attempt.
 enum Step {
@@ -116,8 +115,8 @@ fn policy() -> RetryPolicy {
     RetryPolicy::new().backoff(Duration::from_millis(10), Duration::from_millis(50))
 }
 
-async fn send(
-    layer: ClientLayer,
+async fn send<P: ClientProtocol>(
+    layer: ClientLayer<P>,
     steps: Vec<Step>,
     request: Request<Full<Bytes>>,
 ) -> (Result<Response<Full<Bytes>>, ClientError>, Vec<Seen>) {

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use axum::extract::State;
 use axum::routing::post;
-use idempotent_core::postgres::{OutboxMessage, Sink};
+use idempotent_core::outbox::{Relayed, Sink};
 use idempotent_tower::client::{HttpSink, RetryPolicy};
 
 /// What the server received: headers of interest and the body.
@@ -47,8 +47,8 @@ async fn server() -> (String, Arc<Mutex<Vec<Received>>>) {
     (url, received)
 }
 
-fn message(key: &str, body: &str) -> OutboxMessage {
-    let mut message = OutboxMessage::default();
+fn message(key: &str, body: &str) -> Relayed {
+    let mut message = Relayed::default();
     message.id = 1;
     message.destination = "notifications".into();
     message.key = key.into();

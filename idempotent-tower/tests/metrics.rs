@@ -1,29 +1,28 @@
 //! The layer's metrics: each protected request counted once, by protocol and outcome, for
 //! every way it can end (read back through a recorder).
 
+mod support;
+
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
 use http::{Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use idempotent_core::Idempotency;
 use idempotent_core::conformance::{Fault, FaultyStore, Op};
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::metrics::{REQUESTS, Recorded};
-use idempotent_tower::{IdempotencyLayer, Principal, Protocol, RequestBody, ResponseBody};
-use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
+use idempotent_tower::{IdempotencyLayer, Protocol};
+use support::{Req, Svc, grpc, post, send, stack};
+use tower::{BoxError, service_fn};
 
-type Svc = tower::util::BoxCloneSyncService<
-    Request<Full<Bytes>>,
-    Response<ResponseBody<Full<Bytes>>>,
-    BoxError,
->;
-
-/// A handler that answers 201 (gRPC: 200 with `grpc-status: 0`) after `?delay_ms=N`.
-fn stack<P: Protocol>(layer: IdempotencyLayer<P>) -> Svc {
-    let svc = ServiceBuilder::new().layer(layer).service(service_fn(
-        |req: Request<RequestBody<Full<Bytes>>>| async move {
+/// A handler that answers 201 (gRPC: 200 with `grpc-status: 0`) after `?delay_ms=N`, behind
+/// `layer`.
+fn delayed<P: Protocol>(layer: IdempotencyLayer<P>) -> Svc<Full<Bytes>> {
+    stack(
+        layer,
+        service_fn(|req: Req| async move {
             let grpc = req
                 .headers()
                 .get(CONTENT_TYPE)
@@ -43,26 +42,8 @@ fn stack<P: Protocol>(layer: IdempotencyLayer<P>) -> Svc {
                     .body(Full::new(Bytes::from_static(b"done")))
                     .unwrap(),
             )
-        },
-    ));
-    tower::util::BoxCloneSyncService::new(svc)
-}
-
-fn post(path: &str, key: Option<&str>, body: &'static str) -> Request<Full<Bytes>> {
-    let mut request = Request::post(path).extension(Principal::new("client"));
-    if let Some(key) = key {
-        request = request.header("idempotency-key", key);
-    }
-    request
-        .body(Full::new(Bytes::from_static(body.as_bytes())))
-        .unwrap()
-}
-
-async fn status(svc: &Svc, request: Request<Full<Bytes>>) -> StatusCode {
-    let response = svc.clone().oneshot(request).await.unwrap();
-    let status = response.status();
-    response.into_body().collect().await.unwrap();
-    status
+        }),
+    )
 }
 
 fn http(recorded: &Recorded, outcome: &str) -> u64 {
@@ -72,51 +53,61 @@ fn http(recorded: &Recorded, outcome: &str) -> u64 {
 #[tokio::test]
 async fn every_way_a_protected_request_ends_is_counted_once() {
     let (idempotency, recorded) = Recorded::capture(|| Idempotency::new(MemoryStore::new()));
-    let svc = stack(IdempotencyLayer::new_for_http(idempotency).max_request_body(16));
+    let svc = delayed(IdempotencyLayer::http(idempotency).max_request_body(16));
 
     assert_eq!(
-        status(&svc, post("/pay", Some("a"), "{}")).await,
+        send(&svc, post("/pay", Some("a"), "{}")).await.status,
         StatusCode::CREATED
     );
     assert_eq!(
-        status(&svc, post("/pay", Some("a"), "{}")).await,
+        send(&svc, post("/pay", Some("a"), "{}")).await.status,
         StatusCode::CREATED
     );
     assert_eq!(
-        status(&svc, post("/pay", Some("a"), "{\"other\":1}")).await,
+        send(&svc, post("/pay", Some("a"), "{\"other\":1}"))
+            .await
+            .status,
         StatusCode::UNPROCESSABLE_ENTITY
     );
-    let slow = tokio::spawn(status_owned(
-        svc.clone(),
-        post("/pay?delay_ms=300", Some("b"), "{}"),
-    ));
+    let slow = tokio::spawn({
+        let svc = svc.clone();
+        async move {
+            send(&svc, post("/pay?delay_ms=300", Some("b"), "{}"))
+                .await
+                .status
+        }
+    });
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(
-        status(&svc, post("/pay?delay_ms=300", Some("b"), "{}")).await,
+        send(&svc, post("/pay?delay_ms=300", Some("b"), "{}"))
+            .await
+            .status,
         StatusCode::CONFLICT
     );
     assert_eq!(slow.await.unwrap(), StatusCode::CREATED);
     assert_eq!(
-        status(&svc, post("/pay", None, "{}")).await,
+        send(&svc, post("/pay", None, "{}")).await.status,
         StatusCode::BAD_REQUEST
     );
     let too_long = "k".repeat(300);
     assert_eq!(
-        status(&svc, post("/pay", Some(&too_long), "{}")).await,
+        send(&svc, post("/pay", Some(&too_long), "{}")).await.status,
         StatusCode::BAD_REQUEST
     );
     let anonymous = Request::post("/pay")
         .header("idempotency-key", "c")
         .body(Full::new(Bytes::from_static(b"{}")))
         .unwrap();
-    assert_eq!(status(&svc, anonymous).await, StatusCode::FORBIDDEN);
+    assert_eq!(send(&svc, anonymous).await.status, StatusCode::FORBIDDEN);
     assert_eq!(
-        status(&svc, post("/pay", Some("d"), "a body over sixteen bytes")).await,
+        send(&svc, post("/pay", Some("d"), "a body over sixteen bytes"))
+            .await
+            .status,
         StatusCode::PAYLOAD_TOO_LARGE
     );
     // Not protected: not counted.
     let get = Request::get("/pay").body(Full::new(Bytes::new())).unwrap();
-    assert_eq!(status(&svc, get).await, StatusCode::CREATED);
+    assert_eq!(send(&svc, get).await.status, StatusCode::CREATED);
 
     assert_eq!(http(&recorded, "fresh"), 2);
     assert_eq!(http(&recorded, "replayed"), 1);
@@ -138,24 +129,20 @@ async fn every_way_a_protected_request_ends_is_counted_once() {
     );
 }
 
-async fn status_owned(svc: Svc, request: Request<Full<Bytes>>) -> StatusCode {
-    status(&svc, request).await
-}
-
 #[tokio::test]
 async fn a_store_outage_is_counted_as_a_store_error_or_as_bypassed_under_fail_open() {
     let store = FaultyStore::new(MemoryStore::new());
     let faults = store.faults();
     let (idempotency, recorded) = Recorded::capture(|| Idempotency::new(store));
     faults.fail(Op::Claim, Fault::Unavailable);
-    let closed = stack(IdempotencyLayer::new_for_http(idempotency.clone()));
+    let closed = delayed(IdempotencyLayer::http(idempotency.clone()));
     assert_eq!(
-        status(&closed, post("/pay", Some("a"), "{}")).await,
+        send(&closed, post("/pay", Some("a"), "{}")).await.status,
         StatusCode::SERVICE_UNAVAILABLE
     );
-    let open = stack(IdempotencyLayer::new_for_http(idempotency.clone()).fail_open(true));
+    let open = delayed(IdempotencyLayer::http(idempotency.clone()).fail_open(true));
     assert_eq!(
-        status(&open, post("/pay", Some("a"), "{}")).await,
+        send(&open, post("/pay", Some("a"), "{}")).await.status,
         StatusCode::CREATED
     );
     assert_eq!(http(&recorded, "store_error"), 1);
@@ -164,7 +151,7 @@ async fn a_store_outage_is_counted_as_a_store_error_or_as_bypassed_under_fail_op
 
     idempotency.shutdown(Duration::from_secs(1)).await;
     assert_eq!(
-        status(&closed, post("/pay", Some("b"), "{}")).await,
+        send(&closed, post("/pay", Some("b"), "{}")).await.status,
         StatusCode::SERVICE_UNAVAILABLE
     );
     assert_eq!(http(&recorded, "shutting_down"), 1);
@@ -173,21 +160,13 @@ async fn a_store_outage_is_counted_as_a_store_error_or_as_bypassed_under_fail_op
 #[tokio::test]
 async fn grpc_requests_are_counted_under_their_own_protocol() {
     let (idempotency, recorded) = Recorded::capture(|| Idempotency::new(MemoryStore::new()));
-    let layer =
-        IdempotencyLayer::new_for_grpc(idempotency).methods(["/payments.v1.Payments/Charge"]);
-    let svc = stack(layer);
-    let request = || {
-        Request::post("/payments.v1.Payments/Charge")
-            .header(CONTENT_TYPE, "application/grpc")
-            .header("idempotency-key", "order-1")
-            .extension(Principal::new("client"))
-            .body(Full::new(Bytes::from_static(b"\0\0\0\0\0")))
-            .unwrap()
-    };
-    status(&svc, request()).await;
-    status(&svc, request()).await;
-    let grpc = |outcome| recorded.counter(REQUESTS, &[("protocol", "grpc"), ("outcome", outcome)]);
-    assert_eq!(grpc("fresh"), 1);
-    assert_eq!(grpc("replayed"), 1);
+    let layer = IdempotencyLayer::grpc(idempotency).methods(["/payments.v1.Payments/Charge"]);
+    let svc = delayed(layer);
+    send(&svc, grpc("/payments.v1.Payments/Charge", "order-1")).await;
+    send(&svc, grpc("/payments.v1.Payments/Charge", "order-1")).await;
+    let counted =
+        |outcome| recorded.counter(REQUESTS, &[("protocol", "grpc"), ("outcome", outcome)]);
+    assert_eq!(counted("fresh"), 1);
+    assert_eq!(counted("replayed"), 1);
     assert_eq!(recorded.counter(REQUESTS, &[("protocol", "http")]), 0);
 }

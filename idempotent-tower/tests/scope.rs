@@ -2,6 +2,8 @@
 //! middleware puts in the request extensions, never from the credential, and a request
 //! without one is refused rather than pooled with every other anonymous caller.
 
+mod support;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,12 +14,14 @@ use axum::extract::Request;
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::post;
+use bytes::Bytes;
+use http::StatusCode;
 use http::header::{AUTHORIZATION, CONTENT_TYPE, COOKIE};
-use http::{HeaderMap, StatusCode};
-use http_body_util::BodyExt;
+use http_body_util::Full;
 use idempotent_core::Idempotency;
 use idempotent_core::memory::MemoryStore;
 use idempotent_tower::{IdempotencyLayer, Principal};
+use support::{Answer, memory, send};
 use tower::ServiceExt;
 
 /// Sessions and tokens the test's authentication middleware knows: two cookie sessions, and
@@ -67,22 +71,7 @@ fn app(layer: IdempotencyLayer, runs: &Arc<AtomicUsize>) -> Router {
         .layer(middleware::from_fn(authenticate))
 }
 
-fn layer() -> IdempotencyLayer {
-    IdempotencyLayer::new_for_http(Idempotency::new(MemoryStore::new()))
-}
-
-struct Answer {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: String,
-}
-
-impl Answer {
-    fn replayed(&self) -> bool {
-        self.headers.contains_key("idempotent-replayed")
-    }
-}
-
+/// An order from whoever `credential` (a header) authenticates, with `key`.
 async fn order(app: &Router, credential: Option<(&str, &str)>, key: &str) -> Answer {
     let mut request = http::Request::post("/orders")
         .header("idempotency-key", key)
@@ -90,22 +79,8 @@ async fn order(app: &Router, credential: Option<(&str, &str)>, key: &str) -> Ans
     if let Some((name, value)) = credential {
         request = request.header(name, value);
     }
-    let response = app
-        .clone()
-        .oneshot(
-            request
-                .body(Body::from(r#"{"sku":"A-1","qty":1}"#))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    let (parts, body) = response.into_parts();
-    let body = body.collect().await.unwrap().to_bytes();
-    Answer {
-        status: parts.status,
-        headers: parts.headers,
-        body: String::from_utf8(body.to_vec()).unwrap(),
-    }
+    let body = Full::new(Bytes::from_static(br#"{"sku":"A-1","qty":1}"#));
+    send(app, request.body(body).unwrap()).await
 }
 
 const ALICE: (&str, &str) = ("cookie", "session=s-alice");
@@ -114,7 +89,7 @@ const BOB: (&str, &str) = ("cookie", "session=s-bob");
 #[tokio::test]
 async fn two_cookie_users_with_the_same_key_and_body_each_run_once_and_never_see_the_other() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let app = app(layer(), &runs);
+    let app = app(memory(), &runs);
     let alice = order(&app, Some(ALICE), "order-1").await;
     let bob = order(&app, Some(BOB), "order-1").await;
     assert_eq!(alice.status, StatusCode::CREATED);
@@ -123,8 +98,8 @@ async fn two_cookie_users_with_the_same_key_and_body_each_run_once_and_never_see
         !bob.replayed(),
         "bob must not receive alice's stored response"
     );
-    assert!(alice.body.ends_with("for alice"), "{}", alice.body);
-    assert!(bob.body.ends_with("for bob"), "{}", bob.body);
+    assert!(alice.text().ends_with("for alice"), "{}", alice.text());
+    assert!(bob.text().ends_with("for bob"), "{}", bob.text());
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 
     // Each one's retry replays their own response.
@@ -139,7 +114,7 @@ async fn two_cookie_users_with_the_same_key_and_body_each_run_once_and_never_see
 #[tokio::test]
 async fn a_refreshed_bearer_token_keeps_the_principals_key() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let app = app(layer(), &runs);
+    let app = app(memory(), &runs);
     let first = order(
         &app,
         Some(("authorization", "Bearer token-1-of-carol")),
@@ -165,7 +140,7 @@ async fn a_refreshed_bearer_token_keeps_the_principals_key() {
 async fn scoped_by_the_credential_a_refreshed_token_runs_again() {
     let runs = Arc::new(AtomicUsize::new(0));
     let app = app(
-        layer().scope(idempotent_tower::scope_by_authorization),
+        memory().scope(idempotent_tower::scope_by_authorization),
         &runs,
     );
     order(
@@ -187,16 +162,17 @@ async fn scoped_by_the_credential_a_refreshed_token_runs_again() {
 #[tokio::test]
 async fn a_request_without_a_principal_is_refused_before_the_handler_runs() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let app = app(layer(), &runs);
+    let app = app(memory(), &runs);
     for credential in [None, Some(("cookie", "session=forged"))] {
         let refused = order(&app, credential, "order-1").await;
         assert_eq!(refused.status, StatusCode::FORBIDDEN);
         assert_eq!(
-            refused.headers[CONTENT_TYPE], "application/problem+json",
+            refused.headers[CONTENT_TYPE],
+            "application/problem+json",
             "{}",
-            refused.body
+            refused.text()
         );
-        let problem: serde_json::Value = serde_json::from_str(&refused.body).unwrap();
+        let problem: serde_json::Value = serde_json::from_str(refused.text()).unwrap();
         assert_eq!(problem["code"], "missing_scope");
         assert_eq!(problem["status"], 403);
     }
@@ -210,10 +186,10 @@ async fn a_request_without_a_principal_is_refused_before_the_handler_runs() {
 #[tokio::test]
 async fn anonymous_requests_share_one_scope_only_when_explicitly_allowed() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let app = app(layer().allow_anonymous(true), &runs);
+    let app = app(memory().allow_anonymous(true), &runs);
     let first = order(&app, None, "guest-1").await;
     assert_eq!(first.status, StatusCode::CREATED);
-    assert!(first.body.ends_with("for nobody"));
+    assert!(first.text().ends_with("for nobody"));
     // Any other anonymous caller with the key gets the stored response: that is the risk
     // `allow_anonymous` accepts.
     assert!(order(&app, None, "guest-1").await.replayed());
@@ -235,7 +211,7 @@ fn a_principals_tenant_is_part_of_its_scope() {
 #[tokio::test]
 async fn grpc_calls_without_a_principal_get_permission_denied() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let layer = IdempotencyLayer::new_for_grpc(Idempotency::new(MemoryStore::new()))
+    let layer = IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new()))
         .methods(["/orders.v1.Orders/Create"]);
     let counter = Arc::clone(&runs);
     let app = Router::new()

@@ -2,53 +2,35 @@
 //! `503 shutting_down` with `Retry-After`, requests in flight get their responses and have
 //! them recorded, unprotected routes keep working.
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::routing::{get, post};
-use http::header::{CONTENT_TYPE, RETRY_AFTER};
-use http::{Request, Response, StatusCode};
-use http_body_util::BodyExt;
+use axum::routing;
+use http::header::RETRY_AFTER;
+use http::{Method, Response, StatusCode};
+use idempotent_core::Idempotency;
 use idempotent_core::memory::MemoryStore;
-use idempotent_core::{
-    Claim, FencingToken, Fingerprint, Idempotency, StorageKey, Store, StoreError,
-};
-use idempotent_tower::{IdempotencyLayer, Principal};
-use tower::ServiceExt;
+use idempotent_tower::IdempotencyLayer;
+use support::{DownStore, post, request, send};
 
 fn app(idempotency: Idempotency, runs: &Arc<AtomicUsize>) -> Router {
     let runs = Arc::clone(runs);
     Router::new()
         .route(
             "/slow",
-            post(move || async move {
+            routing::post(move || async move {
                 let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
                 tokio::time::sleep(Duration::from_millis(400)).await;
                 (StatusCode::CREATED, format!("run {n}"))
             }),
         )
-        .route("/health", get(|| async { "ok" }))
-        .layer(IdempotencyLayer::new_for_http(idempotency))
-}
-
-async fn send(app: &Router, method: &str, path: &str, key: &str) -> (Response<()>, String) {
-    let request = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("idempotency-key", key)
-        .extension(Principal::new("client"))
-        .body(Body::from("{}"))
-        .unwrap();
-    let response = app.clone().oneshot(request).await.unwrap();
-    let (parts, body) = response.into_parts();
-    let body = body.collect().await.unwrap().to_bytes();
-    (
-        Response::from_parts(parts, ()),
-        String::from_utf8(body.to_vec()).unwrap(),
-    )
+        .route("/health", routing::get(|| async { "ok" }))
+        .layer(IdempotencyLayer::http(idempotency))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -63,7 +45,7 @@ async fn a_shutdown_refuses_new_requests_and_records_the_one_in_flight() {
 
     let in_flight = {
         let app = app.clone();
-        tokio::spawn(async move { send(&app, "POST", "/slow", "long").await })
+        tokio::spawn(async move { send(&app, post("/slow", Some("long"), "{}")).await })
     };
     while runs.load(Ordering::SeqCst) == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -71,31 +53,32 @@ async fn a_shutdown_refuses_new_requests_and_records_the_one_in_flight() {
     let shutdown = tokio::spawn(async move { this.shutdown(Duration::from_secs(10)).await });
     tokio::time::sleep(Duration::from_millis(50)).await;
 
-    let (refused, body) = send(&app, "POST", "/slow", "new").await;
-    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(refused.headers()[CONTENT_TYPE], "application/problem+json");
-    assert_eq!(refused.headers()[RETRY_AFTER], "1");
-    let problem: serde_json::Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(problem["code"], "shutting_down");
-    let (health, _) = send(&app, "GET", "/health", "unused").await;
+    let refused = send(&app, post("/slow", Some("new"), "{}")).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.headers[RETRY_AFTER], "1");
+    assert_eq!(refused.code(), "shutting_down", "a problem document");
+    let health = send(&app, request(Method::GET, "/health", Some("unused"), "{}")).await;
     assert_eq!(
-        health.status(),
+        health.status,
         StatusCode::OK,
         "unprotected routes are served"
     );
 
-    let (first, first_body) = in_flight.await.unwrap();
-    assert_eq!(first.status(), StatusCode::CREATED);
+    let first = in_flight.await.unwrap();
+
+    let first_body = first.text();
+    assert_eq!(first.status, StatusCode::CREATED);
     assert!(shutdown.await.unwrap().is_clean());
 
     // The client retries on another instance and gets the recorded response.
-    let (retry, retry_body) = send(&other_app, "POST", "/slow", "long").await;
-    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    let retry = send(&other_app, post("/slow", Some("long"), "{}")).await;
+    let retry_body = retry.text();
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
     assert_eq!(retry_body, first_body);
     // The refused request was never claimed: it runs on the other instance.
-    let (fresh, _) = send(&other_app, "POST", "/slow", "new").await;
-    assert_eq!(fresh.status(), StatusCode::CREATED);
-    assert!(!fresh.headers().contains_key("idempotent-replayed"));
+    let fresh = send(&other_app, post("/slow", Some("new"), "{}")).await;
+    assert_eq!(fresh.status, StatusCode::CREATED);
+    assert!(!fresh.headers.contains_key("idempotent-replayed"));
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
@@ -107,19 +90,20 @@ async fn a_handler_still_running_at_the_deadline_is_stopped_and_its_key_released
     let (app, other_app) = (app(this.clone(), &runs), app(other, &runs));
     let in_flight = {
         let app = app.clone();
-        tokio::spawn(async move { send(&app, "POST", "/slow", "long").await })
+        tokio::spawn(async move { send(&app, post("/slow", Some("long"), "{}")).await })
     };
     while runs.load(Ordering::SeqCst) == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let drained = this.shutdown(Duration::from_millis(100)).await;
     assert_eq!(drained.stopped, 1, "{drained:?}");
-    let (stopped, body) = in_flight.await.unwrap();
-    assert_eq!(stopped.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let stopped = in_flight.await.unwrap();
+    let body = stopped.text();
+    assert_eq!(stopped.status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(body.contains("shutting_down"), "{body}");
-    let (retry, _) = send(&other_app, "POST", "/slow", "long").await;
+    let retry = send(&other_app, post("/slow", Some("long"), "{}")).await;
     assert_eq!(
-        retry.status(),
+        retry.status,
         StatusCode::CREATED,
         "the key was released: no 409"
     );
@@ -164,7 +148,7 @@ async fn a_handler_that_has_answered_is_not_stopped_while_its_body_is_read() {
         Router::new()
             .route(
                 "/stream",
-                post(move || async move {
+                routing::post(move || async move {
                     runs.fetch_add(1, Ordering::SeqCst);
                     Response::new(Body::new(SlowBody {
                         sleep: Box::pin(tokio::time::sleep(Duration::from_millis(600))),
@@ -172,63 +156,27 @@ async fn a_handler_that_has_answered_is_not_stopped_while_its_body_is_read() {
                     }))
                 }),
             )
-            .layer(IdempotencyLayer::new_for_http(idempotency))
+            .layer(IdempotencyLayer::http(idempotency))
     };
     let (app, other_app) = (app(this.clone()), app(other));
     let in_flight = {
         let app = app.clone();
-        tokio::spawn(async move { send(&app, "POST", "/stream", "k").await })
+        tokio::spawn(async move { send(&app, post("/stream", Some("k"), "{}")).await })
     };
     while runs.load(Ordering::SeqCst) == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let drained = this.shutdown(Duration::from_millis(100)).await;
     assert_eq!((drained.stopped, drained.remaining), (0, 0), "{drained:?}");
-    let (first, body) = in_flight.await.unwrap();
-    assert_eq!(first.status(), StatusCode::OK);
+    let first = in_flight.await.unwrap();
+    let body = first.text();
+    assert_eq!(first.status, StatusCode::OK);
     assert_eq!(body, "receipt");
-    let (retry, retry_body) = send(&other_app, "POST", "/stream", "k").await;
-    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    let retry = send(&other_app, post("/stream", Some("k"), "{}")).await;
+    let retry_body = retry.text();
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
     assert_eq!(retry_body, "receipt");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
-}
-
-/// A store that answers every operation "unavailable", 300 ms after it was asked.
-#[derive(Clone)]
-struct SlowlyDown;
-
-impl SlowlyDown {
-    async fn fail<T>() -> Result<T, StoreError> {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        Err(StoreError::Unavailable("connection refused".into()))
-    }
-}
-
-impl Store for SlowlyDown {
-    async fn claim(
-        &self,
-        _: &StorageKey,
-        _: &Fingerprint,
-        _: Duration,
-        _: Duration,
-    ) -> Result<Claim, StoreError> {
-        Self::fail().await
-    }
-    async fn complete(
-        &self,
-        _: &StorageKey,
-        _: FencingToken,
-        _: bytes::Bytes,
-        _: Duration,
-    ) -> Result<(), StoreError> {
-        Self::fail().await
-    }
-    async fn release(&self, _: &StorageKey, _: FencingToken) -> Result<(), StoreError> {
-        Self::fail().await
-    }
-    async fn renew(&self, _: &StorageKey, _: FencingToken, _: Duration) -> Result<(), StoreError> {
-        Self::fail().await
-    }
 }
 
 /// In fail-open mode a store failure runs the handler unprotected, but never once shutdown has
@@ -236,35 +184,35 @@ impl Store for SlowlyDown {
 /// handler ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_open_does_not_bypass_the_store_during_shutdown() {
-    let idempotency = Idempotency::new(SlowlyDown);
+    let idempotency = Idempotency::new(DownStore {
+        delay: Duration::from_millis(300),
+    });
     let runs = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&runs);
     let app = Router::new()
         .route(
             "/p",
-            post(move || async move {
+            routing::post(move || async move {
                 counter.fetch_add(1, Ordering::SeqCst);
                 StatusCode::CREATED
             }),
         )
-        .layer(IdempotencyLayer::new_for_http(idempotency.clone()).fail_open(true));
+        .layer(IdempotencyLayer::http(idempotency.clone()).fail_open(true));
     // Before shutdown, the store being down means "run unprotected".
-    let (bypassed, _) = send(&app, "POST", "/p", "before").await;
-    assert_eq!(
-        bypassed.headers()["idempotent-bypassed"],
-        "store-unavailable"
-    );
+    let bypassed = send(&app, post("/p", Some("before"), "{}")).await;
+    assert_eq!(bypassed.headers["idempotent-bypassed"], "store-unavailable");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     // A request whose claim fails after shutdown began is refused instead.
     let request = {
         let app = app.clone();
-        tokio::spawn(async move { send(&app, "POST", "/p", "during").await })
+        tokio::spawn(async move { send(&app, post("/p", Some("during"), "{}")).await })
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
     idempotency.shutdown(Duration::from_secs(5)).await;
-    let (response, body) = request.await.unwrap();
-    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE, "{body}");
-    assert!(!response.headers().contains_key("idempotent-bypassed"));
+    let response = request.await.unwrap();
+    let body = response.text();
+    assert_eq!(response.status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(!response.headers.contains_key("idempotent-bypassed"));
     assert_eq!(
         runs.load(Ordering::SeqCst),
         1,

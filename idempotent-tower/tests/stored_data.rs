@@ -9,25 +9,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use http::header::CONTENT_TYPE;
-use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
     Claim, FencingToken, Fingerprint, Idempotency, StorageKey, Store, StoreError,
 };
-use idempotent_tower::{IdempotencyLayer, Principal, RequestBody, ResponseBody};
-use support::TestBody;
-use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
+use idempotent_tower::IdempotencyLayer;
+use support::{Answer, Req, TestBody, memory, post, send, stack};
+use tower::{BoxError, Service, service_fn};
 
 /// The most header fields, and separately trailer fields, the layer keeps for replay.
 const MAX_FIELDS: usize = 4096;
-
-type Svc = tower::util::BoxCloneSyncService<
-    Request<Full<Bytes>>,
-    Response<ResponseBody<TestBody>>,
-    BoxError,
->;
 
 /// `n` fields: all named `x-field` (`distinct == false`) or `x-field-0`, `x-field-1`, …
 fn fields(n: usize, distinct: bool) -> HeaderMap {
@@ -45,104 +37,63 @@ fn fields(n: usize, distinct: bool) -> HeaderMap {
 
 /// Answers `/headers/<n>`, `/distinct-headers/<n>` and `/trailers/<n>` with `n` fields in that
 /// place (201, body `run <count>`); anything else with no extra fields.
-fn stack(layer: IdempotencyLayer, runs: &Arc<AtomicUsize>) -> Svc {
+fn handler(
+    runs: &Arc<AtomicUsize>,
+) -> impl Service<Req, Response = Response<TestBody>, Error = BoxError, Future: Send + 'static>
++ Clone
++ Send
++ Sync
++ 'static {
     let runs = Arc::clone(runs);
-    let svc = ServiceBuilder::new().layer(layer).service(service_fn(
-        move |req: Request<RequestBody<Full<Bytes>>>| {
-            let runs = Arc::clone(&runs);
-            async move {
-                let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
-                let mut parts = req.uri().path().trim_start_matches('/').split('/');
-                let place = parts.next().unwrap_or_default().to_owned();
-                let count: usize = parts.next().and_then(|c| c.parse().ok()).unwrap_or(0);
-                let mut response = Response::new(TestBody {
-                    data: Some(Bytes::from(format!("run {n}"))),
-                    trailers: None,
-                });
-                *response.status_mut() = StatusCode::CREATED;
-                match place.as_str() {
-                    "headers" => *response.headers_mut() = fields(count, false),
-                    "distinct-headers" => *response.headers_mut() = fields(count, true),
-                    "trailers" => response.body_mut().trailers = Some(fields(count, false)),
-                    _ => {}
-                }
-                Ok::<_, BoxError>(response)
+    service_fn(move |req: Req| {
+        let runs = Arc::clone(&runs);
+        async move {
+            let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            let mut parts = req.uri().path().trim_start_matches('/').split('/');
+            let place = parts.next().unwrap_or_default().to_owned();
+            let count: usize = parts.next().and_then(|c| c.parse().ok()).unwrap_or(0);
+            let mut response = Response::new(TestBody::new(format!("run {n}")));
+            *response.status_mut() = StatusCode::CREATED;
+            match place.as_str() {
+                "headers" => *response.headers_mut() = fields(count, false),
+                "distinct-headers" => *response.headers_mut() = fields(count, true),
+                "trailers" => response.body_mut().trailers = Some(fields(count, false)),
+                _ => {}
             }
-        },
-    ));
-    tower::util::BoxCloneSyncService::new(svc)
+            Ok::<_, BoxError>(response)
+        }
+    })
 }
 
-fn post(path: &str, key: &str) -> Request<Full<Bytes>> {
-    Request::post(path)
-        .header("idempotency-key", key)
-        .extension(Principal::new("client"))
-        .body(Full::new(Bytes::from_static(b"{}")))
-        .unwrap()
-}
-
-struct Answer {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-    trailers: Option<HeaderMap>,
-}
-
-impl Answer {
-    fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
-    }
-
-    fn problem(&self) -> serde_json::Value {
-        assert_eq!(self.headers[CONTENT_TYPE], "application/problem+json");
-        serde_json::from_slice(&self.body).unwrap()
-    }
-
-    /// The answer's fields named like `fields` names them, in order.
-    fn fields(&self, place: &str) -> Vec<(String, String)> {
-        let map = match place {
-            "trailers" => self.trailers.clone().unwrap_or_default(),
-            _ => self.headers.clone(),
-        };
-        map.iter()
-            .filter(|(name, _)| name.as_str().starts_with("x-field"))
-            .map(|(name, value)| (name.to_string(), value.to_str().unwrap().to_owned()))
-            .collect()
-    }
-}
-
-async fn send(svc: &Svc, req: Request<Full<Bytes>>) -> Answer {
-    let response = svc.clone().oneshot(req).await.unwrap();
-    let (parts, body) = response.into_parts();
-    let collected = body.collect().await.unwrap();
-    let trailers = collected.trailers().cloned();
-    Answer {
-        status: parts.status,
-        headers: parts.headers,
-        body: collected.to_bytes(),
-        trailers,
-    }
-}
-
-fn memory() -> IdempotencyLayer {
-    IdempotencyLayer::new_for_http(Idempotency::new(MemoryStore::new()))
+/// The answer's fields named like `fields` names them, in order.
+fn fields_of(answer: &Answer, place: &str) -> Vec<(String, String)> {
+    let map = match place {
+        "trailers" => answer.trailers.clone().unwrap_or_default(),
+        _ => answer.headers.clone(),
+    };
+    map.iter()
+        .filter(|(name, _)| name.as_str().starts_with("x-field"))
+        .map(|(name, value)| (name.to_string(), value.to_str().unwrap().to_owned()))
+        .collect()
 }
 
 #[tokio::test]
 async fn responses_with_up_to_the_field_limit_replay_whole() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let svc = stack(memory(), &runs);
+    let svc = stack(memory(), handler(&runs));
     for place in ["headers", "distinct-headers", "trailers"] {
         let path = format!("/{place}/{MAX_FIELDS}");
-        let first = send(&svc, post(&path, place)).await;
-        assert_eq!(first.fields(place).len(), MAX_FIELDS, "{place}");
-        let retry = send(&svc, post(&path, place)).await;
+        let first = send(&svc, post(&path, Some(place), "{}")).await;
+        assert_eq!(fields_of(&first, place).len(), MAX_FIELDS, "{place}");
+        let retry = send(&svc, post(&path, Some(place), "{}")).await;
         assert!(retry.replayed(), "{place}");
         assert_eq!(retry.status, StatusCode::CREATED);
         assert_eq!(retry.body, first.body);
-        assert_eq!(retry.fields(place), first.fields(place), "{place}");
+        assert_eq!(
+            fields_of(&retry, place),
+            fields_of(&first, place),
+            "{place}"
+        );
     }
     assert_eq!(runs.load(Ordering::SeqCst), 3);
 }
@@ -152,7 +103,7 @@ async fn responses_with_up_to_the_field_limit_replay_whole() {
 #[tokio::test]
 async fn responses_with_more_fields_run_once_and_are_not_retained() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let svc = stack(memory(), &runs);
+    let svc = stack(memory(), handler(&runs));
     for place in ["headers", "distinct-headers", "trailers"] {
         for count in [MAX_FIELDS + 1, 70_000] {
             if place == "distinct-headers" && count > 24_576 {
@@ -160,14 +111,14 @@ async fn responses_with_more_fields_run_once_and_are_not_retained() {
             }
             let path = format!("/{place}/{count}");
             let key = format!("{place}-{count}");
-            let first = send(&svc, post(&path, &key)).await;
+            let first = send(&svc, post(&path, Some(&key), "{}")).await;
             assert_eq!(first.status, StatusCode::CREATED);
             assert_eq!(
-                first.fields(place).len(),
+                fields_of(&first, place).len(),
                 count,
                 "the client gets the whole response ({place}, {count})"
             );
-            let retry = send(&svc, post(&path, &key)).await;
+            let retry = send(&svc, post(&path, Some(&key), "{}")).await;
             assert_eq!(retry.status, StatusCode::GONE, "{place}, {count}");
             assert_eq!(retry.problem()["code"], "result_not_retained");
         }
@@ -271,12 +222,12 @@ async fn records_claiming_more_fields_than_a_header_map_holds_are_corrupt_record
                 record: planted,
             };
             let svc = stack(
-                IdempotencyLayer::new_for_http(Idempotency::new(store)),
-                &runs,
+                IdempotencyLayer::http(Idempotency::new(store)),
+                handler(&runs),
             );
-            let first = send(&svc, post("/p", "k")).await;
+            let first = send(&svc, post("/p", Some("k"), "{}")).await;
             assert_eq!(first.status, StatusCode::CREATED, "{claimed}, {what}");
-            let retry = send(&svc, post("/p", "k")).await;
+            let retry = send(&svc, post("/p", Some("k"), "{}")).await;
             assert_eq!(
                 retry.status,
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -293,11 +244,11 @@ async fn records_claiming_more_fields_than_a_header_map_holds_are_corrupt_record
         record: record(65_534, 65_534, |_| "x-field".into()),
     };
     let svc = stack(
-        IdempotencyLayer::new_for_http(Idempotency::new(store)),
-        &runs,
+        IdempotencyLayer::http(Idempotency::new(store)),
+        handler(&runs),
     );
-    send(&svc, post("/p", "k")).await;
-    let retry = send(&svc, post("/p", "k")).await;
+    send(&svc, post("/p", Some("k"), "{}")).await;
+    let retry = send(&svc, post("/p", Some("k"), "{}")).await;
     assert!(retry.replayed());
     assert_eq!(retry.status, StatusCode::OK);
     assert_eq!(retry.headers.get_all("x-field").iter().count(), 65_534);
@@ -308,9 +259,9 @@ async fn records_claiming_more_fields_than_a_header_map_holds_are_corrupt_record
 #[tokio::test]
 async fn unquoted_keys_with_a_semicolon_are_refused_and_quoted_ones_stay_apart() {
     let runs = Arc::new(AtomicUsize::new(0));
-    let svc = stack(memory(), &runs);
+    let svc = stack(memory(), handler(&runs));
     for bare in ["abc;x", "abc;y", "abc ;x", "abc;v=1"] {
-        let answer = send(&svc, post("/p", bare)).await;
+        let answer = send(&svc, post("/p", Some(bare), "{}")).await;
         assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{bare:?}");
         let problem = answer.problem();
         assert_eq!(problem["code"], "invalid_key", "{bare:?}");
@@ -320,27 +271,39 @@ async fn unquoted_keys_with_a_semicolon_are_refused_and_quoted_ones_stay_apart()
     assert_eq!(runs.load(Ordering::SeqCst), 0);
 
     // Quoted, `;` belongs to the key: two keys, two runs.
-    let x = send(&svc, post("/p", "\"abc;x\"")).await;
-    let y = send(&svc, post("/p", "\"abc;y\"")).await;
+    let x = send(&svc, post("/p", Some("\"abc;x\""), "{}")).await;
+    let y = send(&svc, post("/p", Some("\"abc;y\""), "{}")).await;
     assert!(!x.replayed() && !y.replayed());
     assert_ne!(x.body, y.body);
     assert_eq!(runs.load(Ordering::SeqCst), 2);
-    assert!(send(&svc, post("/p", "\"abc;x\"")).await.replayed());
+    assert!(
+        send(&svc, post("/p", Some("\"abc;x\""), "{}"))
+            .await
+            .replayed()
+    );
 
     // Parameters after a quoted key are still ignored.
-    let first = send(&svc, post("/p", "\"abc\";x=1")).await;
-    let other_parameters = send(&svc, post("/p", "\"abc\";y=2")).await;
+    let first = send(&svc, post("/p", Some("\"abc\";x=1"), "{}")).await;
+    let other_parameters = send(&svc, post("/p", Some("\"abc\";y=2"), "{}")).await;
     assert!(!first.replayed());
     assert!(other_parameters.replayed());
     assert_eq!(other_parameters.body, first.body);
     assert_eq!(runs.load(Ordering::SeqCst), 3);
 
     // Strict mode refuses the unquoted form too, and keeps the quoted forms apart.
-    let strict = stack(memory().strict(true), &runs);
+    let strict = stack(memory().strict(true), handler(&runs));
     assert_eq!(
-        send(&strict, post("/p", "abc;x")).await.status,
+        send(&strict, post("/p", Some("abc;x"), "{}")).await.status,
         StatusCode::BAD_REQUEST
     );
-    assert!(!send(&strict, post("/p", "\"abc;x\"")).await.replayed());
-    assert!(!send(&strict, post("/p", "\"abc;y\"")).await.replayed());
+    assert!(
+        !send(&strict, post("/p", Some("\"abc;x\""), "{}"))
+            .await
+            .replayed()
+    );
+    assert!(
+        !send(&strict, post("/p", Some("\"abc;y\""), "{}"))
+            .await
+            .replayed()
+    );
 }

@@ -3,6 +3,8 @@
 //! reset it and the client's next write failed. Here, over real connections, clients still
 //! sending read the whole problem document; HTTP/2 and gRPC refusals leave the connection be.
 
+mod support;
+
 use std::convert::Infallible;
 use std::io;
 use std::pin::Pin;
@@ -23,7 +25,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idempotent_core::Idempotency;
 use idempotent_core::memory::MemoryStore;
+use idempotent_test_kit::names::unique;
 use idempotent_tower::{DEFAULT_MAX_REQUEST_BODY, IdempotencyLayer, Principal, Protocol};
+use support::memory;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::task::JoinHandle;
@@ -107,10 +111,6 @@ async fn serve<P: Protocol>(layer: IdempotencyLayer<P>) -> Server {
         connections,
         task,
     }
-}
-
-fn layer() -> IdempotencyLayer {
-    IdempotencyLayer::new_for_http(Idempotency::new(MemoryStore::new()))
 }
 
 /// How the body is framed on the wire.
@@ -304,7 +304,7 @@ async fn repeat(server: &Server, framing: Framing, n: usize) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_declared_over_limit_body_gets_a_readable_413() {
-    let server = serve(layer()).await;
+    let server = serve(memory()).await;
     let failures = repeat(&server, Framing::Length, 50).await;
     assert!(
         failures.is_empty(),
@@ -316,7 +316,7 @@ async fn a_declared_over_limit_body_gets_a_readable_413() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chunked_over_limit_body_gets_a_readable_413() {
-    let server = serve(layer()).await;
+    let server = serve(memory()).await;
     let failures = repeat(&server, Framing::Chunked, 50).await;
     assert!(
         failures.is_empty(),
@@ -328,7 +328,7 @@ async fn a_chunked_over_limit_body_gets_a_readable_413() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_limit_bodies_get_a_readable_413_under_load() {
-    let server = Arc::new(serve(layer()).await);
+    let server = Arc::new(serve(memory()).await);
     let clients: Vec<_> = (0..8)
         .map(|client| {
             let server = Arc::clone(&server);
@@ -384,7 +384,7 @@ async fn assert_reusable(stream: &mut TcpStream, key: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_at_the_limit_still_runs_the_handler() {
-    let server = serve(layer()).await;
+    let server = serve(memory()).await;
     for framing in [Framing::Length, Framing::Chunked] {
         let mut stream = connect(&server).await;
         let (answer, sent) = exchange(
@@ -412,7 +412,7 @@ async fn a_body_at_the_limit_still_runs_the_handler() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_body_within_the_bound_leaves_the_connection_open() {
-    let server = serve(layer()).await;
+    let server = serve(memory()).await;
     let mut stream = connect(&server).await;
     for framing in [Framing::Length, Framing::Chunked] {
         let (answer, sent) = exchange(
@@ -435,7 +435,7 @@ async fn a_refused_body_within_the_bound_leaves_the_connection_open() {
 async fn the_allowance_bounds_what_is_read_of_a_refused_body() {
     let (limit, allowance, piece) = (1024, 4096, 512);
     let server = serve(
-        layer()
+        memory()
             .max_request_body(limit)
             .max_discarded_body(allowance),
     )
@@ -496,7 +496,7 @@ async fn the_allowance_bounds_what_is_read_of_a_refused_body() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_waiting_for_100_continue_gets_the_413_instead() {
-    let server = serve(layer()).await;
+    let server = serve(memory()).await;
     let mut stream = connect(&server).await;
     let expecting = head(
         Framing::Length,
@@ -592,7 +592,7 @@ async fn send_h2(
     body: Upload,
 ) -> (http::response::Parts, Bytes) {
     let mut request = Request::post(format!("http://127.0.0.1:{}{path}", server.port))
-        .header("idempotency-key", format!("h2-{}", unique()));
+        .header("idempotency-key", unique("h2"));
     for (name, value) in headers {
         request = request.header(*name, *value);
     }
@@ -605,15 +605,9 @@ async fn send_h2(
     (parts, body)
 }
 
-/// A key no other request of the test uses.
-fn unique() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    NEXT.fetch_add(1, Ordering::SeqCst)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_http2_a_refusal_ends_only_its_stream() {
-    let server = serve(layer()).await;
+    let server = serve(memory()).await;
     let client = h2_client();
     for i in 0..20 {
         let exact = i % 2 == 0;
@@ -641,8 +635,7 @@ async fn over_http2_a_refusal_ends_only_its_stream() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_over_limit_grpc_message_is_resource_exhausted_and_the_connection_carries_on() {
-    let layer =
-        IdempotencyLayer::new_for_grpc(Idempotency::new(MemoryStore::new())).methods([GRPC_METHOD]);
+    let layer = IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new())).methods([GRPC_METHOD]);
     let server = serve(layer).await;
     let client = h2_client();
     let grpc = [("content-type", "application/grpc"), ("te", "trailers")];
@@ -663,7 +656,7 @@ async fn an_over_limit_grpc_message_is_resource_exhausted_and_the_connection_car
 /// a client still sending a sizeable body reads the answer, and the connection stays usable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_early_refusal_of_a_large_body_is_readable_too() {
-    let server = serve(layer()).await;
+    let server = serve(memory()).await;
     let len = LIMIT - 1;
     let mut failures = Vec::new();
     for (i, framing) in [Framing::Length, Framing::Chunked]

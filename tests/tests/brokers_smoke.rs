@@ -1,4 +1,4 @@
-//! The private brokers of `support::brokers` themselves: each starts, is killed with `SIGKILL`
+//! The test kit's private brokers (`idempotent_test_kit::brokers`) themselves: each starts, is killed with `SIGKILL`
 //! (its port then refuses connections), starts again on the same port with the same data, and
 //! accepts connections again.
 //!
@@ -15,8 +15,8 @@ mod support;
 
 use std::time::Duration;
 
-use support::brokers::{PrivateNats, PrivateRabbit, accepts};
-use support::within;
+use idempotent_test_kit::brokers::{PrivateNats, PrivateRabbit, accepts};
+use idempotent_test_kit::process::within;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, sleep};

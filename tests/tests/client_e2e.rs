@@ -16,7 +16,7 @@ use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idempotent_tower::client::{
-    ClientError, ClientLayer, Delivery, IdempotencyKey, IdempotencyMiddleware, IdempotentClient,
+    ClientError, ClientLayer, ClientService, Delivery, IdempotencyKey, IdempotencyMiddleware,
     RetryPolicy,
 };
 use support::{Client, Protocol, Server};
@@ -281,7 +281,7 @@ fn lossy() -> RetryPolicy {
 }
 
 /// The client layer on hyper-util's client, as an application would use it.
-fn client(policy: RetryPolicy) -> IdempotentClient<HyperClient<HttpConnector, Full<Bytes>>> {
+fn client(policy: RetryPolicy) -> ClientService<HyperClient<HttpConnector, Full<Bytes>>> {
     let http = HyperClient::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     ClientLayer::http().policy(policy).layer(http)
 }

@@ -27,6 +27,9 @@
 //! The seed is printed (`IDEMPOTENT_CHAOS_SEED=N` repeats a run's workload and kill
 //! schedule), with each test's timings. Without a broker installed a test says loudly that it
 //! did not run, or fails where backends are required (`IDEMPOTENT_REQUIRE_BACKENDS=1`, CI).
+//!
+//! Longer than most test files: one scenario, and for each of the three brokers the adapter
+//! that publishes, kills, restarts and drains it; apart they would say less.
 
 mod support;
 
@@ -38,7 +41,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream::StorageType};
-use idempotent_core::conformance::backend_url;
+use idempotent_test_kit::brokers::{PrivateNats, PrivateRabbit};
+use idempotent_test_kit::postgres::Database;
+use idempotent_test_kit::redis::PrivateRedis;
 use lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
@@ -47,9 +52,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use redis::Value;
 use redis::aio::MultiplexedConnection;
-use support::brokers::{PrivateNats, PrivateRabbit};
-use support::ledger::{Consumer, Database, Deadline, Rng};
-use support::private::PrivateRedis;
+use support::ledger::{Consumer, Deadline, Posting, Rng, expected_balances, postings};
 use tokio::time::{Instant, sleep, timeout};
 
 /// The consumer group (Redis), durable consumer (NATS).
@@ -72,13 +75,11 @@ const DRAIN_PATIENCE: Duration = Duration::from_secs(120);
 
 #[derive(Clone, Debug)]
 enum Entry {
-    Posting {
-        id: String,
-        account: String,
-        amount: i64,
-    },
+    Posting(Posting),
     /// The `n`-th malformed entry, of kind `n % kinds`, carrying `MARKER-nnn`.
-    Malformed { n: usize },
+    Malformed {
+        n: usize,
+    },
 }
 
 fn marker(n: usize) -> String {
@@ -107,55 +108,18 @@ struct Workload {
 /// [`DISTINCT`] postings with their duplicates, and [`MALFORMED`] malformed entries at random
 /// places, in publication order.
 fn workload(rng: &mut Rng) -> Workload {
-    let posting = |i: u64| Entry::Posting {
-        id: format!("pay-{i}"),
-        account: format!("acct-{}", i % ACCOUNTS),
-        amount: ((i * 7919) % 2001) as i64 - 1000,
-    };
-    let mut entries = Vec::new();
-    let mut far = Vec::new();
-    for i in 0..DISTINCT {
-        entries.push(posting(i));
-        if i % 8 == 0 {
-            entries.push(posting(i)); // a producer's retry, adjacent
-        }
-        if i % 8 == 4 {
-            far.push(i);
-        }
-    }
-    for i in far {
-        // A redelivery at least 100 entries after the original (or last).
-        let id = format!("pay-{i}");
-        let first = entries
-            .iter()
-            .position(|e| matches!(e, Entry::Posting { id: other, .. } if *other == id))
-            .unwrap();
-        let from = (first + 100).min(entries.len());
-        let at = from + rng.below((entries.len() - from + 1) as u64) as usize;
-        entries.insert(at, posting(i));
-    }
+    let postings = postings(DISTINCT, ACCOUNTS, rng);
+    let (expected, distinct) = expected_balances(&postings);
+    let distinct = distinct.len();
+    let mut entries: Vec<Entry> = postings.into_iter().map(Entry::Posting).collect();
     for n in 0..MALFORMED {
         let at = rng.below(entries.len() as u64 + 1) as usize;
         entries.insert(at, Entry::Malformed { n });
     }
-    let mut expected = BTreeMap::new();
-    let mut seen = BTreeSet::new();
-    for entry in &entries {
-        if let Entry::Posting {
-            id,
-            account,
-            amount,
-        } = entry
-        {
-            if seen.insert(id.clone()) {
-                *expected.entry(account.clone()).or_default() += amount;
-            }
-        }
-    }
     Workload {
         entries,
         expected,
-        distinct: seen.len(),
+        distinct,
         markers: (0..MALFORMED).map(marker).collect(),
     }
 }
@@ -165,11 +129,11 @@ fn workload(rng: &mut Rng) -> Workload {
 /// ignores, and the dead letter keeps).
 fn redis_fields(entry: &Entry) -> Vec<(&'static str, String)> {
     let (n, kind) = match entry {
-        Entry::Posting {
+        Entry::Posting(Posting {
             id,
             account,
             amount,
-        } => {
+        }) => {
             return vec![
                 ("id", id.clone()),
                 ("account", account.clone()),
@@ -213,11 +177,11 @@ fn redis_fields(entry: &Entry) -> Vec<(&'static str, String)> {
 /// a number; each with its marker in the body.
 fn json_body(entry: &Entry) -> Vec<u8> {
     let n = match entry {
-        Entry::Posting {
+        Entry::Posting(Posting {
             id,
             account,
             amount,
-        } => {
+        }) => {
             let body =
                 serde_json::json!({"id": id, "account": account, "amount": amount.to_string()});
             return body.to_string().into_bytes();
@@ -1082,27 +1046,7 @@ async fn chaos<B: Broker>(mut broker: B, db: Database, started: Instant) {
     db.drop_database().await;
 }
 
-/// Whether the test can run: `found`, or else a failure where backends are required, and a
-/// loud notice otherwise.
-fn have(what: &str, found: bool) -> bool {
-    let required = std::env::var_os("IDEMPOTENT_REQUIRE_BACKENDS").is_some_and(|v| v != "0")
-        || std::env::var_os("CI").is_some_and(|v| !v.is_empty() && v != "false");
-    if found {
-        return true;
-    }
-    assert!(
-        !required,
-        "{what} is missing but backend tests are required here"
-    );
-    let _ = writeln!(
-        std::io::stderr(),
-        "\n*** NOT RUN: {what} is missing, so this chaos test did not run. ***\n"
-    );
-    false
-}
-
 async fn database(broker: &str) -> Option<Database> {
-    backend_url("IDEMPOTENT_TEST_POSTGRES_URL")?;
     Database::create(&format!("chaos_{broker}_{}", std::process::id())).await
 }
 
@@ -1112,15 +1056,9 @@ async fn redis_streams_ledger_survives_consumer_and_broker_kills() {
     let Some(db) = database("redis").await else {
         return;
     };
-    let installed = std::process::Command::new("redis-server")
-        .arg("--version")
-        .stdout(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !have("redis-server", installed) {
+    let Some(server) = PrivateRedis::start_durable("chaos").await else {
         return;
-    }
-    let server = PrivateRedis::start_durable("chaos").await;
+    };
     // Nothing acknowledged may be lost to the SIGKILL.
     let mut connection = redis_connect(&redis::Client::open(server.url()).unwrap())
         .await

@@ -1,43 +1,15 @@
-//! The attribute's duration ranges are the runtime's: `#[idempotent]` checks its `ttl` and
-//! `lease` literals at compile time against copies of `idempotent_core::limits` (the macro
-//! crate cannot depend on the core crate), so a copy that drifted would either refuse a
-//! duration the runtime accepts or expand to a setter that panics at run time. The longest
-//! `wait` used to panic on `Instant + max`.
+//! The attribute's duration ranges are the runtime's: the ends of the ranges that
+//! `#[idempotent]` checks at compile time (through `idempotent_core::limits`, see
+//! `ui/fail/*_too_*.rs`) run and replay, and the longest `wait` the attribute can write, which
+//! used to panic on `Instant + max`, gets the replay.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idempotent_core::memory::MemoryStore;
-use idempotent_core::{Error, Idempotency, idempotent, limits};
+use idempotent_core::{Error, Idempotency, idempotent};
 use tokio::sync::Semaphore;
-
-/// The macro crate's copies of the ranges, read from its source.
-const MACRO_ARGS: &str = include_str!("../../idempotent-macros/src/args.rs");
-
-fn macro_constant(name: &str) -> Duration {
-    let prefix = format!("const {name}: u64 = ");
-    let line = MACRO_ARGS
-        .lines()
-        .find_map(|line| line.trim().strip_prefix(&prefix))
-        .unwrap_or_else(|| panic!("idempotent-macros/src/args.rs has no `{prefix}...;`"));
-    let literal = line
-        .strip_suffix(';')
-        .unwrap_or_else(|| panic!("`{name}` is not a plain literal: {line}"))
-        .replace('_', "");
-    let millis = literal
-        .parse()
-        .unwrap_or_else(|_| panic!("`{name}` is not a plain literal: {line}"));
-    Duration::from_millis(millis)
-}
-
-#[test]
-fn the_attribute_checks_the_ranges_of_limits() {
-    assert_eq!(macro_constant("MIN_TTL_MS"), limits::MIN_TTL);
-    assert_eq!(macro_constant("MAX_TTL_MS"), limits::MAX_TTL);
-    assert_eq!(macro_constant("MIN_LEASE_MS"), limits::MIN_LEASE);
-    assert_eq!(macro_constant("MAX_LEASE_MS"), limits::MAX_LEASE);
-}
 
 struct App {
     idempotency: Idempotency,
@@ -75,8 +47,13 @@ impl App {
         Ok(self.ran())
     }
 
-    /// Waits as long as the attribute can write, for a call of `held`.
-    #[idempotent(key = key, name = "held", wait = "213503982334d", runtime = &self.idempotency)]
+    /// Waits as long as the attribute can write (`Duration::MAX`), for a call of `held`.
+    #[idempotent(
+        key = key,
+        name = "held",
+        wait = "18446744073709551615s 999999999ns",
+        runtime = &self.idempotency
+    )]
     async fn patient(&self, key: &str) -> Result<usize, Error> {
         Ok(self.ran())
     }

@@ -17,18 +17,19 @@
 //! (`IDEMPOTENT_TEST_PG_BIN` or `/usr/lib/postgresql/*/bin`), and the `payments` example built
 //! (`cargo build -p examples --examples --all-features`). Without the server binary a test says
 //! loudly that it did not run, or fails where backends are required
-//! (`IDEMPOTENT_REQUIRE_BACKENDS=1`, CI). The example's log is captured and printed when a test
+//! (`IDEMPOTENT_REQUIRE_BACKENDS=1`, CI), as the test kit's `backend::installed` decides. The example's log is captured and printed when a test
 //! fails.
 
 mod support;
 
-use std::io::Write as _;
-use std::process::Stdio;
 use std::time::Duration;
 
 use http::StatusCode;
-use support::private::{Frozen, PrivatePostgres, PrivateRedis, postgres_bin};
-use support::{Answer, Client, Protocol, Server, payment_id, within};
+use idempotent_test_kit::postgres::PrivatePostgres;
+use idempotent_test_kit::process::Frozen;
+use idempotent_test_kit::process::within;
+use idempotent_test_kit::redis::PrivateRedis;
+use support::{Answer, Client, Protocol, Server, payment_id};
 use tokio::time::{Instant, sleep};
 
 const PAYMENT: &str = r#"{"amount":1999,"currency":"EUR"}"#;
@@ -98,61 +99,6 @@ async fn retry_until_answered(
         );
         sleep(Duration::from_millis(200)).await;
     }
-}
-
-// ----- private servers (support::private), when installed -----
-
-/// Whether backend tests must run here (scripts/test.sh, CI), as `conformance::backend_url`
-/// decides.
-fn backends_required() -> bool {
-    std::env::var_os("IDEMPOTENT_REQUIRE_BACKENDS").is_some_and(|v| v != "0")
-        || std::env::var_os("CI").is_some_and(|v| !v.is_empty() && v != "false")
-}
-
-/// `false` (loudly) when the server binary `what` is missing, or a failure where backend
-/// tests are required.
-fn have_server(what: &str, found: bool) -> bool {
-    if found {
-        return true;
-    }
-    let how = "install it (scripts/test.sh installs Redis and PostgreSQL from Debian packages)";
-    assert!(
-        !backends_required(),
-        "{what} is missing but backend tests are required here; {how}"
-    );
-    // Written to the stderr handle, which the harness does not capture: a test that did not
-    // run must not look green.
-    let _ = writeln!(
-        std::io::stderr(),
-        "\n*** NOT RUN: {what} is missing, so this test did not talk to a real server; {how}. ***\n"
-    );
-    false
-}
-
-/// A private `redis-server`, or `None` when it is not installed (see [`have_server`]).
-async fn private_redis(name: &str) -> Option<PrivateRedis> {
-    let found = std::process::Command::new("redis-server")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !have_server("redis-server", found) {
-        return None;
-    }
-    Some(PrivateRedis::start(name).await)
-}
-
-/// A private PostgreSQL server, or `None` when its binaries are not installed (see
-/// [`have_server`]).
-async fn private_postgres() -> Option<PrivatePostgres> {
-    let bin = postgres_bin();
-    if !have_server(
-        "PostgreSQL (initdb, pg_ctl)",
-        bin.as_ref().is_some_and(|b| b.join("pg_ctl").exists()),
-    ) {
-        return None;
-    }
-    Some(PrivatePostgres::start(bin.expect("checked")).await)
 }
 
 // ----- the tests -----
@@ -234,7 +180,7 @@ async fn store_frozen_past_the_lease(server: &Server, freeze: impl FnOnce() -> F
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_frozen_past_the_lease_runs_the_handler_twice_but_charges_once() {
-    let Some(redis) = private_redis("past-lease").await else {
+    let Some(redis) = PrivateRedis::start("past-lease").await else {
         return;
     };
     let url = redis.url();
@@ -248,7 +194,7 @@ async fn redis_frozen_past_the_lease_runs_the_handler_twice_but_charges_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_frozen_past_the_lease_runs_the_handler_twice_but_charges_once() {
-    let Some(postgres) = private_postgres().await else {
+    let Some(postgres) = PrivatePostgres::start().await else {
         return;
     };
     let url = postgres.url();
@@ -262,7 +208,7 @@ async fn postgres_frozen_past_the_lease_runs_the_handler_twice_but_charges_once(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_short_redis_freezes_inside_the_lease_keep_the_claim_and_run_once() {
-    let Some(redis) = private_redis("short-freezes").await else {
+    let Some(redis) = PrivateRedis::start("short-freezes").await else {
         return;
     };
     let url = redis.url();
@@ -309,7 +255,7 @@ async fn two_short_redis_freezes_inside_the_lease_keep_the_claim_and_run_once() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_refusing_the_result_write_answers_409_then_replays_without_a_second_run() {
-    let Some(redis) = private_redis("maxmemory").await else {
+    let Some(redis) = PrivateRedis::start("maxmemory").await else {
         return;
     };
     let url = redis.url();
@@ -378,7 +324,7 @@ async fn a_completion_repeated_while_redis_is_full_recognises_its_own_record() {
     use idempotent_core::redis::RedisStore;
     use idempotent_core::{Claim, FencingToken, Fingerprint, Store, StoreError};
 
-    let Some(redis) = private_redis("full-repeat").await else {
+    let Some(redis) = PrivateRedis::start("full-repeat").await else {
         return;
     };
     let plain = RedisStore::connect(&redis.url()).await.unwrap();

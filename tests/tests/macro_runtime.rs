@@ -1,5 +1,8 @@
 //! What `#[idempotent]` functions do when they run: replay, concurrency, independence of keys,
 //! error handling, fingerprints, TTL, cancellation, and the key space a `name` defines.
+//!
+//! Longer than most test files: one short test per behaviour of the expansion, over a few
+//! shared example services.
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::pending;

@@ -5,42 +5,28 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::StatusCode;
-use idempotent_core::conformance::{backend_url, fresh_key};
 use idempotent_core::postgres::{PostgresStore, Transactional};
-use idempotent_core::{Call, ClaimHandle, Error, Key, Scope, idempotent};
+use idempotent_core::{Call, ClaimHandle, Error, Idempotency, Key, Scope, idempotent};
+use idempotent_test_kit::backend::postgres_url;
+use idempotent_test_kit::names::unique;
+use idempotent_test_kit::postgres::{PrivatePostgres, pool};
 use serde::{Deserialize, Serialize};
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::PgPool;
 use sqlx::{Postgres, Transaction};
 use support::{Client, Protocol, Server, example_binary};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
-const URL_VAR: &str = "IDEMPOTENT_TEST_POSTGRES_URL";
 const PAYMENT: &str = r#"{"amount":1999,"currency":"EUR"}"#;
-
-/// A name no other test run uses: the database outlives a run when iterating by hand.
-fn unique(prefix: &str) -> String {
-    format!("{prefix}_{}", &fresh_key().to_hex()[..12])
-}
-
-async fn pool(url: &str) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(24)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect(url)
-        .await
-        .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}"))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_payments_servers_sharing_one_database_run_40_duplicates_once() {
-    let Some(url) = backend_url(URL_VAR) else {
+    let Some(url) = postgres_url() else {
         return;
     };
     let env = [("IDEMPOTENCY_STORE", url.as_str())];
@@ -109,8 +95,8 @@ struct Bank {
 
 impl Bank {
     async fn open() -> Option<Bank> {
-        let url = backend_url(URL_VAR)?;
-        let pool = pool(&url).await;
+        let url = postgres_url()?;
+        let pool = pool(&url, 24).await;
         // Tests open banks concurrently: `CREATE TABLE IF NOT EXISTS` alone races on a fresh
         // database, so creation is serialised by an advisory lock.
         let mut tx = pool.begin().await.unwrap();
@@ -357,7 +343,11 @@ async fn the_attribute_in_transactional_mode_binds_the_claim() {
         .build()
         .unwrap();
     let accounts = Accounts {
-        transactional: store.transactional().namespace("attribute-claim"),
+        transactional: Idempotency::builder(store.clone())
+            .namespace("attribute-claim")
+            .build()
+            .transactional()
+            .expect("a runtime over a PostgresStore"),
         account: bank.account.clone(),
     };
     let key = unique("k");
@@ -391,7 +381,11 @@ async fn the_attribute_in_transactional_mode_records_oks_and_undoes_errs() {
         .build()
         .unwrap();
     let accounts = Accounts {
-        transactional: store.transactional().namespace("attribute"),
+        transactional: Idempotency::builder(store.clone())
+            .namespace("attribute")
+            .build()
+            .transactional()
+            .expect("a runtime over a PostgresStore"),
         account: bank.account.clone(),
     };
     let key = unique("k");
@@ -446,129 +440,6 @@ async fn the_attribute_in_transactional_mode_records_oks_and_undoes_errs() {
     );
 }
 
-/// A PostgreSQL server of this test's own, in a temporary directory, so that restarting it
-/// disturbs no other test. Stopped and removed when dropped.
-struct PrivatePostgres {
-    bin: PathBuf,
-    dir: PathBuf,
-    port: u16,
-    as_postgres_user: bool,
-}
-
-impl PrivatePostgres {
-    async fn start() -> Option<PrivatePostgres> {
-        backend_url(URL_VAR)?;
-        let bin = std::env::var_os("IDEMPOTENT_TEST_PG_BIN")
-            .map(PathBuf::from)
-            .expect("IDEMPOTENT_TEST_PG_BIN is not set: scripts/services.sh exports it");
-        let dir = std::env::temp_dir().join(unique("idempotent-pg"));
-        std::fs::create_dir_all(&dir).unwrap();
-        // PostgreSQL refuses to run as root: run it as the postgres user, in a directory it owns.
-        let as_postgres_user = Command::new("id")
-            .arg("-u")
-            .output()
-            .await
-            .is_ok_and(|out| out.stdout.starts_with(b"0\n"));
-        if as_postgres_user {
-            run(Command::new("chown").arg("postgres:postgres").arg(&dir)).await;
-        }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let server = PrivatePostgres {
-            bin,
-            dir,
-            port,
-            as_postgres_user,
-        };
-        let data = server.dir.join("data");
-        run(server.command("initdb").arg("-D").arg(&data).args([
-            "-U",
-            "postgres",
-            "--auth=trust",
-            "-E",
-            "UTF8",
-        ]))
-        .await;
-        server.pg_ctl_start().await;
-        Some(server)
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-
-    fn command(&self, program: &str) -> Command {
-        let program = self.bin.join(program);
-        let mut command = if self.as_postgres_user {
-            let mut command = Command::new("runuser");
-            command.args(["-u", "postgres", "--"]).arg(program);
-            command
-        } else {
-            Command::new(program)
-        };
-        command.stdout(Stdio::null());
-        command
-    }
-
-    fn data(&self) -> PathBuf {
-        self.dir.join("data")
-    }
-
-    async fn pg_ctl_start(&self) {
-        let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
-            self.port,
-            self.dir.display()
-        );
-        run(self
-            .command("pg_ctl")
-            .arg("-D")
-            .arg(self.data())
-            .arg("-l")
-            .arg(self.dir.join("postgres.log"))
-            .args(["-w", "-t", "60", "-o", &options, "start"]))
-        .await;
-    }
-
-    async fn stop(&self) {
-        run(self
-            .command("pg_ctl")
-            .arg("-D")
-            .arg(self.data())
-            .args(["-m", "fast", "-w", "stop"]))
-        .await;
-    }
-}
-
-impl Drop for PrivatePostgres {
-    fn drop(&mut self) {
-        let pg_ctl = self.bin.join("pg_ctl");
-        let mut stop = if self.as_postgres_user {
-            let mut stop = std::process::Command::new("runuser");
-            stop.args(["-u", "postgres", "--"]).arg(&pg_ctl);
-            stop
-        } else {
-            std::process::Command::new(&pg_ctl)
-        };
-        let _ = stop
-            .arg("-D")
-            .arg(self.data())
-            .args(["-m", "immediate", "stop"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-async fn run(command: &mut Command) {
-    let output = command.output().await.expect("run a PostgreSQL tool");
-    assert!(output.status.success(), "{command:?} failed: {output:?}");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_restart_gives_clean_503s_then_service_resumes_without_an_app_restart() {
     let Some(database) = PrivatePostgres::start().await else {
@@ -604,7 +475,7 @@ async fn a_database_restart_gives_clean_503s_then_service_resumes_without_an_app
         "a request ran without its store"
     );
 
-    database.pg_ctl_start().await;
+    database.start_again().await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let after = loop {
         let answer = client

@@ -11,187 +11,27 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
-use idempotent_core::conformance::backend_url;
 use idempotent_core::redis::RedisStore;
 use idempotent_core::{Claim, Fingerprint, Store};
+use idempotent_test_kit::cluster::Cluster;
+use idempotent_test_kit::names::unique;
+use idempotent_test_kit::process::Frozen;
 use support::{Client, Protocol, Server};
 
-const URLS_VAR: &str = "IDEMPOTENT_TEST_REDIS_CLUSTER_URLS";
 const PAYMENT: &str = r#"{"amount":1999,"currency":"EUR"}"#;
-
-/// One cluster test at a time: a failover moves primaries under the others' feet.
-static CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// Makes the replica on `replica` take over from its primary (`CLUSTER FAILOVER`, a
-/// coordinated switchover) and waits until it has. Redis gives a switchover five seconds and
-/// then abandons it (a primary still busy with a replica's resync, say): asked again until it
-/// happens.
-async fn failover_to(replica: u16) {
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let _: String = redis::cmd("CLUSTER")
-            .arg("FAILOVER")
-            .query_async(&mut redis(replica).await)
-            .await
-            .unwrap();
-        let attempt = Instant::now() + Duration::from_secs(10);
-        while role(replica).await != "master" && Instant::now() < attempt {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        if role(replica).await == "master" {
-            return;
-        }
-        assert!(Instant::now() < deadline, "the replica did not take over");
-    }
-}
-
-/// The port of the primary serving `slot` (nodes that are down are passed over).
-async fn primary_of_slot(slot: u16, ports: &[u16]) -> u16 {
-    for &port in ports {
-        let Some(mut connection) = try_redis(port).await else {
-            continue;
-        };
-        let nodes: String = redis::cmd("CLUSTER")
-            .arg("NODES")
-            .query_async(&mut connection)
-            .await
-            .unwrap();
-        let myself = nodes.lines().find(|line| line.contains("myself")).unwrap();
-        let serves = myself.contains("master")
-            && myself.split(' ').skip(8).any(|range| {
-                let (start, end) = range.split_once('-').unwrap_or((range, range));
-                match (start.parse::<u16>(), end.parse::<u16>()) {
-                    (Ok(start), Ok(end)) => (start..=end).contains(&slot),
-                    _ => false,
-                }
-            });
-        if serves {
-            return port;
-        }
-    }
-    panic!("no primary serves slot {slot}");
-}
-
-/// A prefix for this run's keys: records outlive a test run in the cluster.
-fn run_id() -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("{}-{nanos}", std::process::id())
-}
-
-/// The ports of the cluster's nodes, from the URLs.
-fn ports(urls: &str) -> Vec<u16> {
-    urls.split(',')
-        .map(|url| url.rsplit(':').next().unwrap().parse().unwrap())
-        .collect()
-}
-
-async fn redis(port: u16) -> redis::aio::MultiplexedConnection {
-    try_redis(port)
-        .await
-        .unwrap_or_else(|| panic!("the node on {port} cannot be reached"))
-}
-
-/// A connection to the node on `port`, or `None` when it is down.
-async fn try_redis(port: u16) -> Option<redis::aio::MultiplexedConnection> {
-    redis::Client::open(format!("redis://127.0.0.1:{port}"))
-        .ok()?
-        .get_multiplexed_async_connection()
-        .await
-        .ok()
-}
-
-/// What a node says of itself (`ROLE`).
-struct Role {
-    /// `master` or `slave`.
-    kind: String,
-    /// A replica's primary's port, and whether its link to it is up.
-    primary: Option<(u16, bool)>,
-}
-
-/// `ROLE` of the node on `port`, or `None` when it cannot be asked (it is down).
-async fn ask_role(port: u16) -> Option<Role> {
-    let mut connection = try_redis(port).await?;
-    let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut connection).await.ok()?;
-    let text = |value: &redis::Value| match value {
-        redis::Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
-        _ => None,
-    };
-    let kind = text(role.first()?)?;
-    let primary = match role.as_slice() {
-        [_, _, redis::Value::Int(port), state, ..] if kind == "slave" => Some((
-            u16::try_from(*port).ok()?,
-            text(state).as_deref() == Some("connected"),
-        )),
-        _ => None,
-    };
-    Some(Role { kind, primary })
-}
-
-/// Those of `ports` whose nodes are up with the role `kind` (`master` or `slave`).
-async fn with_role(ports: &[u16], kind: &str) -> Vec<u16> {
-    let mut found = Vec::new();
-    for &port in ports {
-        if ask_role(port).await.is_some_and(|role| role.kind == kind) {
-            found.push(port);
-        }
-    }
-    found
-}
-
-/// `ROLE` of the node on `port`: `master` or `slave`.
-async fn role(port: u16) -> String {
-    ask_role(port)
-        .await
-        .unwrap_or_else(|| panic!("the node on {port} does not answer ROLE"))
-        .kind
-}
-
-/// Waits until every node sees all slots served and every replica is in sync with its
-/// primary (a replica that never synced cannot take over).
-async fn wait_for_cluster_ok(ports: &[u16]) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    // A node that is down or still loading its data (just restarted) is waited for.
-    async fn settled(port: u16) -> Option<bool> {
-        let mut connection = try_redis(port).await?;
-        let info: String = redis::cmd("CLUSTER")
-            .arg("INFO")
-            .query_async(&mut connection)
-            .await
-            .ok()?;
-        let replication: String = redis::cmd("INFO")
-            .arg("replication")
-            .query_async(&mut connection)
-            .await
-            .ok()?;
-        let in_sync =
-            replication.contains("role:master") || replication.contains("master_link_status:up");
-        Some(info.contains("cluster_state:ok") && in_sync)
-    }
-    for &port in ports {
-        loop {
-            if settled(port).await == Some(true) {
-                break;
-            }
-            assert!(Instant::now() < deadline, "the cluster did not settle");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_across_two_instances_on_a_cluster_execute_once_per_key() {
-    let Some(urls) = backend_url(URLS_VAR) else {
+    let Some(cluster) = Cluster::from_env() else {
         return;
     };
-    let _turn = CLUSTER.lock().await;
-    let env = [("IDEMPOTENCY_STORE", urls.as_str())];
+    let _turn = cluster.turn().await;
+    let urls = cluster.urls();
+    let env = [("IDEMPOTENCY_STORE", urls)];
     let a = Server::payments(&env).await;
     let b = Server::payments(&env).await;
     let client = Client::new(Protocol::Http1);
-    let run = run_id();
+    let run = unique("cluster");
     let keys: Vec<&'static str> = ["a", "b", "c"]
         .iter()
         .map(|k| &*format!("cluster-{run}-{k}").leak())
@@ -227,13 +67,13 @@ async fn duplicates_across_two_instances_on_a_cluster_execute_once_per_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_failover_under_load_loses_no_answered_key_and_needs_no_restart() {
-    let Some(urls) = backend_url(URLS_VAR) else {
+    let Some(cluster) = Cluster::from_env() else {
         return;
     };
-    let _turn = CLUSTER.lock().await;
-    let ports = ports(&urls);
-    wait_for_cluster_ok(&ports).await;
-    let server = Server::payments(&[("IDEMPOTENCY_STORE", urls.as_str())]).await;
+    let _turn = cluster.turn().await;
+    let urls = cluster.urls();
+    cluster.wait_until_ok().await;
+    let server = Server::payments(&[("IDEMPOTENCY_STORE", urls)]).await;
     let client = Client::new(Protocol::Http1);
     let pay = |key: String| {
         let (client, url) = (client.clone(), server.url("/payments"));
@@ -241,7 +81,7 @@ async fn a_primary_failover_under_load_loses_no_answered_key_and_needs_no_restar
     };
 
     // Before: fresh payments, each answered with its id.
-    let run = run_id();
+    let run = unique("cluster");
     let mut answered = BTreeMap::new();
     for n in 0..60 {
         let key = format!("{run}-before-{n}");
@@ -251,11 +91,12 @@ async fn a_primary_failover_under_load_loses_no_answered_key_and_needs_no_restar
     }
 
     // A replica takes over its primary (a coordinated failover: it first catches up).
-    let replica = *with_role(&ports, "slave")
+    let replica = *cluster
+        .with_role("slave")
         .await
         .first()
         .expect("the cluster has replicas");
-    let failover = tokio::spawn(failover_to(replica));
+    let failover = tokio::spawn(Cluster::failover_to(replica));
 
     // During and after: new payments and replays of the old ones, until the replica is a
     // primary and twenty requests in a row have succeeded. Only 201 or a clean 503 (the
@@ -263,7 +104,7 @@ async fn a_primary_failover_under_load_loses_no_answered_key_and_needs_no_restar
     let deadline = Instant::now() + Duration::from_secs(60);
     let (mut in_a_row, mut unavailable, mut n) = (0, 0, 0);
     let keys: Vec<String> = answered.keys().cloned().collect();
-    while in_a_row < 20 || role(replica).await != "master" {
+    while in_a_row < 20 || Cluster::role(replica).await != "master" {
         assert!(Instant::now() < deadline, "the app did not recover");
         n += 1;
         let (key, fresh) = if n % 2 == 0 {
@@ -323,101 +164,20 @@ async fn a_primary_failover_under_load_loses_no_answered_key_and_needs_no_restar
     );
 }
 
-/// The pid of the cluster node on `port`, from its pid file.
-fn node_pid(port: u16) -> u32 {
-    let dir = std::env::var("IDEMPOTENT_TEST_REDIS_CLUSTER_DIR").expect("set by scripts/test.sh");
-    std::fs::read_to_string(format!("{dir}/{port}/redis.pid"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap()
-}
-
-/// The port of the replica of the primary on `primary`, as the replica itself reports it
-/// (`ROLE`: its primary's port, and a connected link), waiting for one to be in sync.
-async fn replica_of(primary: u16, ports: &[u16]) -> u16 {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        for &port in ports.iter().filter(|&&port| port != primary) {
-            if let Some(Role {
-                primary: Some((of, true)),
-                ..
-            }) = ask_role(port).await
-            {
-                if of == primary {
-                    return port;
-                }
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the primary on {primary} has no replica in sync"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// The start script of the cluster node on `port`, written by `scripts/services.sh`.
-fn start_script(port: u16) -> String {
-    let dir = std::env::var("IDEMPOTENT_TEST_REDIS_CLUSTER_DIR").expect("set by scripts/test.sh");
-    format!("{dir}/{port}/start.sh")
-}
-
-/// A node killed by the test: started again when dropped, so a test that fails midway
-/// still leaves the whole cluster to the next one.
-struct Killed(Option<u16>);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        if let Some(port) = self.0.take() {
-            let _ = std::process::Command::new("bash")
-                .arg(start_script(port))
-                .status();
-        }
-    }
-}
-
-/// A node stopped by the test (SIGSTOP): continued when dropped.
-struct Frozen(u32);
-
-impl Drop for Frozen {
-    fn drop(&mut self) {
-        support::signal(self.0, "CONT");
-    }
-}
-
-/// Starts the killed node again and waits until it has rejoined, as a replica, and the
-/// cluster is whole.
-async fn restart_node(mut killed: Killed, ports: &[u16]) {
-    let port = killed.0.take().expect("a killed node");
-    let status = tokio::process::Command::new("bash")
-        .arg(start_script(port))
-        .status()
-        .await
-        .unwrap();
-    assert!(status.success(), "restart the killed node");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while with_role(ports, "slave").await.len() != 3 {
-        assert!(Instant::now() < deadline, "the killed node did not rejoin");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    wait_for_cluster_ok(ports).await;
-}
-
 /// Payments answered before a primary is killed with SIGKILL, its replica a second behind,
 /// with `replicas` replicas required to acknowledge each claim and record: the app recovers by
 /// itself, and returns how many payments were answered and how many of them ran again after
 /// the failover.
-async fn kill_a_primary_under_load(urls: &str, replicas: &str) -> (usize, u64) {
-    let ports = ports(urls);
-    wait_for_cluster_ok(&ports).await;
+async fn kill_a_primary_under_load(cluster: &Cluster, replicas: &str) -> (usize, u64) {
+    let urls = cluster.urls();
+    cluster.wait_until_ok().await;
     let server = Server::payments(&[
         ("IDEMPOTENCY_STORE", urls),
         ("IDEMPOTENCY_REDIS_REPLICAS", replicas),
     ])
     .await;
     let client = Client::new(Protocol::Http1);
-    let run = run_id();
+    let run = unique("cluster");
     // Load: four clients paying new keys as fast as they can; the primary dies among them.
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut load = Vec::new();
@@ -449,30 +209,28 @@ async fn kill_a_primary_under_load(urls: &str, replicas: &str) -> (usize, u64) {
         }));
     }
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let primary = with_role(&ports, "master").await[0];
-    let replica = replica_of(primary, &ports).await;
+    let primary = cluster.with_role("master").await[0];
+    let replica = cluster.replica_of(primary).await;
     // The replica falls behind: frozen, its link to the primary cut (what the primary had
     // sent it already sits in its socket), then a second of load that reaches only the
     // primary, which then dies with those writes.
-    let frozen = Frozen(node_pid(replica));
-    assert!(support::signal(frozen.0, "STOP"));
+    let mut frozen = Frozen::new();
+    frozen.stop(Cluster::node_pid(replica));
     let _: redis::Value = redis::cmd("CLIENT")
         .arg("KILL")
         .arg("TYPE")
         .arg("replica")
-        .query_async(&mut redis(primary).await)
+        .query_async(&mut Cluster::node(primary).await)
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let pid = node_pid(primary);
-    let killed = Killed(Some(primary));
-    assert!(support::signal(pid, "KILL"));
+    let killed = Cluster::kill(primary);
     drop(frozen);
     // The cluster promotes the dead primary's replica after its node timeout (2 s); the load
     // goes on meanwhile, then for a while on the new primary.
     let deadline = Instant::now() + Duration::from_secs(60);
     // The dead node does not answer, so three primaries means its replica took over.
-    while with_role(&ports, "master").await.len() != 3 {
+    while cluster.with_role("master").await.len() != 3 {
         assert!(Instant::now() < deadline, "no replica was promoted");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -531,13 +289,8 @@ async fn kill_a_primary_under_load(urls: &str, replicas: &str) -> (usize, u64) {
             .unwrap();
         let key = loop {
             let key = idempotent_core::conformance::fresh_key();
-            let slot: u16 = redis::cmd("CLUSTER")
-                .arg("KEYSLOT")
-                .arg(store.redis_key(&key))
-                .query_async(&mut redis(replica).await)
-                .await
-                .unwrap();
-            if primary_of_slot(slot, &ports).await == replica {
+            let slot = Cluster::slot_of(replica, &store.redis_key(&key)).await;
+            if cluster.primary_of_slot(slot).await == replica {
                 break key;
             }
         };
@@ -551,7 +304,7 @@ async fn kill_a_primary_under_load(urls: &str, replicas: &str) -> (usize, u64) {
             }
             other => panic!("a new key on the shard without a replica: {other:?}"),
         }
-        restart_node(killed, &ports).await;
+        cluster.restart(killed).await;
         // With the node back as its replica, the shard takes new keys again (this one
         // continues the lifetime of the claim that was given back).
         assert!(matches!(
@@ -561,18 +314,18 @@ async fn kill_a_primary_under_load(urls: &str, replicas: &str) -> (usize, u64) {
             Ok(Claim::Claimed(_) | Claim::TakenOver { .. })
         ));
     } else {
-        restart_node(killed, &ports).await;
+        cluster.restart(killed).await;
     }
     (answered.len(), ran_again)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_replica_acknowledgement_a_killed_primary_loses_no_answered_key() {
-    let Some(urls) = backend_url(URLS_VAR) else {
+    let Some(cluster) = Cluster::from_env() else {
         return;
     };
-    let _turn = CLUSTER.lock().await;
-    let (answered, ran_again) = kill_a_primary_under_load(&urls, "1").await;
+    let _turn = cluster.turn().await;
+    let (answered, ran_again) = kill_a_primary_under_load(&cluster, "1").await;
     eprintln!("SIGKILL with WAIT 1: {answered} payments answered, {ran_again} ran again");
     assert!(answered > 20, "the load ran: {answered} payments");
     assert_eq!(
@@ -584,14 +337,14 @@ async fn with_replica_acknowledgement_a_killed_primary_loses_no_answered_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_replica_acknowledgement_a_primary_that_dies_ahead_of_its_replica_loses_answered_keys()
  {
-    let Some(urls) = backend_url(URLS_VAR) else {
+    let Some(cluster) = Cluster::from_env() else {
         return;
     };
-    let _turn = CLUSTER.lock().await;
+    let _turn = cluster.turn().await;
     // Replication is asynchronous: payments the dead primary answered and had not replicated
     // run again, the documented risk the option closes. The app still recovers by itself
     // and every payment is answered.
-    let (answered, ran_again) = kill_a_primary_under_load(&urls, "0").await;
+    let (answered, ran_again) = kill_a_primary_under_load(&cluster, "0").await;
     eprintln!("SIGKILL without WAIT: {answered} payments answered, {ran_again} ran again");
     assert!(answered > 20, "the load ran: {answered} payments");
     assert!(
@@ -602,13 +355,13 @@ async fn without_replica_acknowledgement_a_primary_that_dies_ahead_of_its_replic
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fencing_tokens_keep_increasing_across_a_failover() {
-    let Some(urls) = backend_url(URLS_VAR) else {
+    let Some(cluster) = Cluster::from_env() else {
         return;
     };
-    let _turn = CLUSTER.lock().await;
-    let ports = ports(&urls);
-    wait_for_cluster_ok(&ports).await;
-    let store = RedisStore::connect(&urls).await.unwrap();
+    let _turn = cluster.turn().await;
+    let urls = cluster.urls();
+    cluster.wait_until_ok().await;
+    let store = RedisStore::connect(urls).await.unwrap();
     let f = Fingerprint::from_bytes(b"fence");
     let key = idempotent_core::conformance::fresh_key();
     let lease = Duration::from_millis(500);
@@ -616,14 +369,9 @@ async fn fencing_tokens_keep_increasing_across_a_failover() {
         panic!("a fresh key is claimed");
     };
     // The replica of the key's primary takes over, then the lease lapses there.
-    let slot: u16 = redis::cmd("CLUSTER")
-        .arg("KEYSLOT")
-        .arg(store.redis_key(&key))
-        .query_async(&mut redis(ports[0]).await)
-        .await
-        .unwrap();
-    let primary = primary_of_slot(slot, &ports).await;
-    failover_to(replica_of(primary, &ports).await).await;
+    let slot = Cluster::slot_of(cluster.ports()[0], &store.redis_key(&key)).await;
+    let primary = cluster.primary_of_slot(slot).await;
+    Cluster::failover_to(cluster.replica_of(primary).await).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     tokio::time::sleep(lease * 2).await;
     let second = loop {

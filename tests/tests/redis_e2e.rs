@@ -4,132 +4,40 @@
 
 mod support;
 
-use std::path::PathBuf;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::StatusCode;
-use idempotent_core::conformance::backend_url;
-use support::private::free_port;
+use idempotent_test_kit::redis::PrivateRedis;
 use support::{Client, Protocol, Server};
-use tokio::process::{Child, Command};
 
 const PAYMENT: &str = r#"{"amount":1999,"currency":"EUR"}"#;
 
-/// A private `redis-server` (AOF on, as in production), so a test can stop it, start it again
-/// and count its commands without disturbing other tests.
-struct RedisServer {
-    child: Option<Child>,
-    port: u16,
-    dir: PathBuf,
-}
-
-impl RedisServer {
-    /// Starts one, or returns `None` (loudly, or failing under scripts/test.sh and CI) when the
-    /// test environment has no Redis.
-    async fn start(name: &str) -> Option<RedisServer> {
-        backend_url("IDEMPOTENT_TEST_REDIS_URL")?;
-        let dir =
-            std::env::temp_dir().join(format!("idempotent-redis-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let port = free_port();
-        let mut server = RedisServer {
-            child: None,
-            port,
-            dir,
-        };
-        server.launch().await;
-        Some(server)
-    }
-
-    async fn launch(&mut self) {
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-            ])
-            .args(["--appendonly", "yes", "--appendfsync", "always"])
-            .args(["--maxmemory-policy", "noeviction"])
-            .arg("--dir")
-            .arg(&self.dir)
-            .stdout(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("redis-server on PATH (scripts/test.sh installs it)");
-        self.child = Some(child);
-        for _ in 0..100 {
-            if self.ping().await {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("redis-server did not start on port {}", self.port);
-    }
-
-    async fn ping(&self) -> bool {
-        let Ok(client) = redis::Client::open(self.url()) else {
-            return false;
-        };
-        match client.get_multiplexed_async_connection().await {
-            Ok(mut c) => redis::cmd("PING")
-                .query_async::<String>(&mut c)
-                .await
-                .is_ok(),
-            Err(_) => false,
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// Stops the server cleanly (SIGTERM: the AOF is flushed) and waits for it to exit.
-    async fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let pid = child.id().expect("running redis-server");
-            assert!(support::signal(pid, "TERM"), "kill -TERM {pid}");
-            let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
-        }
-    }
-
-    async fn connection(&self) -> redis::aio::MultiplexedConnection {
-        let client = redis::Client::open(self.url()).unwrap();
-        client.get_multiplexed_async_connection().await.unwrap()
-    }
-
-    /// Commands clients sent to the server, by name, read over `c`. Redis also counts the
-    /// commands a script runs inside the server; those are not round trips and are left out.
-    async fn client_commands(
-        c: &mut redis::aio::MultiplexedConnection,
-    ) -> std::collections::BTreeMap<String, u64> {
-        const INSIDE_SCRIPTS: [&str; 7] =
-            ["hmget", "hset", "pexpire", "pttl", "time", "del", "hdel"];
-        let info: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query_async(c)
-            .await
-            .unwrap();
-        info.lines()
-            .filter_map(|l| l.strip_prefix("cmdstat_"))
-            .filter_map(|l| {
-                let (name, rest) = l.split_once(':')?;
-                let calls = rest
-                    .strip_prefix("calls=")?
-                    .split(',')
-                    .next()?
-                    .parse()
-                    .ok()?;
-                Some((name.to_owned(), calls))
-            })
-            .filter(|(name, _)| !INSIDE_SCRIPTS.contains(&name.as_str()))
-            .collect()
-    }
+/// Commands clients sent to the server, by name, read over `c`. Redis also counts the
+/// commands a script runs inside the server; those are not round trips and are left out.
+async fn client_commands(
+    c: &mut redis::aio::MultiplexedConnection,
+) -> std::collections::BTreeMap<String, u64> {
+    const INSIDE_SCRIPTS: [&str; 7] = ["hmget", "hset", "pexpire", "pttl", "time", "del", "hdel"];
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(c)
+        .await
+        .unwrap();
+    info.lines()
+        .filter_map(|l| l.strip_prefix("cmdstat_"))
+        .filter_map(|l| {
+            let (name, rest) = l.split_once(':')?;
+            let calls = rest
+                .strip_prefix("calls=")?
+                .split(',')
+                .next()?
+                .parse()
+                .ok()?;
+            Some((name.to_owned(), calls))
+        })
+        .filter(|(name, _)| !INSIDE_SCRIPTS.contains(&name.as_str()))
+        .collect()
 }
 
 /// Commands sent between two snapshots, leaving out the `INFO` that took the second one.
@@ -141,15 +49,9 @@ fn sent(
     total(after) - total(before) - 1
 }
 
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forty_duplicates_across_two_instances_execute_once() {
-    let Some(redis) = RedisServer::start("two-instances").await else {
+    let Some(redis) = PrivateRedis::start_durable("two-instances").await else {
         return;
     };
     let env = [("IDEMPOTENCY_STORE", redis.url())];
@@ -213,7 +115,7 @@ async fn forty_duplicates_across_two_instances_execute_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_instance_keeps_the_key_until_its_lease_ends_then_the_retry_runs_once() {
-    let Some(redis) = RedisServer::start("kill").await else {
+    let Some(redis) = PrivateRedis::start_durable("kill").await else {
         return;
     };
     let env = [
@@ -293,7 +195,7 @@ async fn killed_instance_keeps_the_key_until_its_lease_ends_then_the_retry_runs_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_outage_fails_closed_and_service_resumes_without_a_restart() {
-    let Some(mut redis) = RedisServer::start("outage").await else {
+    let Some(mut redis) = PrivateRedis::start_durable("outage").await else {
         return;
     };
     let env = [("IDEMPOTENCY_STORE", redis.url())];
@@ -321,7 +223,7 @@ async fn redis_outage_fails_closed_and_service_resumes_without_a_restart() {
         "nothing ran while the store was down"
     );
 
-    redis.launch().await;
+    redis.restart().await;
     let mut recovered = None;
     for _ in 0..50 {
         let answer = client
@@ -351,7 +253,7 @@ async fn redis_outage_fails_closed_and_service_resumes_without_a_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fresh_costs_two_round_trips_and_replay_one() {
-    let Some(redis) = RedisServer::start("round-trips").await else {
+    let Some(redis) = PrivateRedis::start_durable("round-trips").await else {
         return;
     };
     let env = [("IDEMPOTENCY_STORE", redis.url())];
@@ -369,21 +271,21 @@ async fn fresh_costs_two_round_trips_and_replay_one() {
 
     // One open connection for the snapshots, so no handshake commands are counted.
     let mut stats = redis.connection().await;
-    let t0 = RedisServer::client_commands(&mut stats).await;
+    let t0 = client_commands(&mut stats).await;
     assert!(
         !client
             .post(&url, Some("counted"), Some("alice"), PAYMENT)
             .await
             .replayed()
     );
-    let t1 = RedisServer::client_commands(&mut stats).await;
+    let t1 = client_commands(&mut stats).await;
     assert!(
         client
             .post(&url, Some("counted"), Some("alice"), PAYMENT)
             .await
             .replayed()
     );
-    let t2 = RedisServer::client_commands(&mut stats).await;
+    let t2 = client_commands(&mut stats).await;
     assert_eq!(
         sent(&t0, &t1),
         2,

@@ -7,14 +7,15 @@ mod support;
 use std::time::Duration;
 
 use http::StatusCode;
-use idempotent_core::conformance::backend_url;
+use idempotent_test_kit::backend::redis_url;
+use idempotent_test_kit::names::unique;
 use support::{Client, Protocol, Server};
 
 const PAYMENT: &str = r#"{"amount":1999,"currency":"EUR"}"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_during_a_long_request_records_it_and_the_other_instance_replays_it() {
-    let Some(redis) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
+    let Some(redis) = redis_url() else {
         return;
     };
     let env = [("IDEMPOTENCY_STORE", redis.as_str())];
@@ -22,7 +23,7 @@ async fn sigterm_during_a_long_request_records_it_and_the_other_instance_replays
     let other = Server::payments(&env).await;
     let client = Client::new(Protocol::Http1);
     // Unique per run: the shared Redis outlives the test.
-    let run = format!("{}-{}", std::process::id(), rand_suffix());
+    let run = unique("run");
     let (long, late) = (format!("sigterm-long-{run}"), format!("sigterm-late-{run}"));
 
     let in_flight = tokio::spawn({
@@ -86,10 +87,4 @@ async fn sigterm_during_a_long_request_records_it_and_the_other_instance_replays
     assert_eq!(late_retry.status, StatusCode::CREATED);
     assert!(!late_retry.replayed());
     assert_eq!(client.count(&other).await, 1);
-}
-
-fn rand_suffix() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos())
 }

@@ -12,8 +12,8 @@
 //!
 //! Each test needs the `payments` example built (`cargo build -p examples --examples
 //! --all-features`) and, for Redis and PostgreSQL, the servers' URLs in
-//! `IDEMPOTENT_TEST_REDIS_URL` / `IDEMPOTENT_TEST_POSTGRES_URL` (scripts/services.sh), as
-//! `conformance::backend_url` decides: without them a test says loudly that it did not run, or
+//! `IDEMPOTENT_TEST_REDIS_URL` / `IDEMPOTENT_TEST_POSTGRES_URL` (scripts/services.sh), as the
+//! test kit's `backend` decides: without them a test says loudly that it did not run, or
 //! fails where backends are required (`IDEMPOTENT_REQUIRE_BACKENDS=1`, CI). The frozen-store
 //! tests start private servers (`redis-server` on `PATH`; PostgreSQL's binaries from
 //! `IDEMPOTENT_TEST_PG_BIN` or `/usr/lib/postgresql/*/bin`) so that freezing them disturbs no
@@ -21,13 +21,16 @@
 
 mod support;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use http::StatusCode;
-use idempotent_core::conformance::backend_url;
-use support::private::{Frozen, PrivatePostgres, PrivateRedis, postgres_bin};
-use support::{Answer, Client, Protocol, Server, payment_id, within};
+use idempotent_test_kit::backend::{postgres_url, redis_url};
+use idempotent_test_kit::names::unique;
+use idempotent_test_kit::postgres::PrivatePostgres;
+use idempotent_test_kit::process::Frozen;
+use idempotent_test_kit::process::within;
+use idempotent_test_kit::redis::PrivateRedis;
+use support::{Answer, Client, Protocol, Server, payment_id};
 use tokio::time::{Instant, sleep};
 
 const PAYMENT: &str = r#"{"amount":1999,"currency":"EUR"}"#;
@@ -94,40 +97,6 @@ fn describe(answer: &Answer) -> String {
     } else {
         answer.status.as_u16().to_string()
     }
-}
-
-static NAMES: AtomicU64 = AtomicU64::new(0);
-
-/// A client key no other run of this test (on a shared server) has used.
-fn unique_key(name: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!(
-        "{name}-{}-{nanos}-{}",
-        std::process::id(),
-        NAMES.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
-// ----- private servers (support::private), where the test environment has the store -----
-
-/// A private `redis-server`, or `None` (loudly, or failing where backends are required) when
-/// the test environment has no Redis.
-async fn private_redis(name: &str) -> Option<PrivateRedis> {
-    backend_url("IDEMPOTENT_TEST_REDIS_URL")?;
-    Some(PrivateRedis::start(name).await)
-}
-
-/// A private PostgreSQL server, or `None` (loudly, or failing where backends are required)
-/// when the test environment has no PostgreSQL.
-async fn private_postgres() -> Option<PrivatePostgres> {
-    backend_url("IDEMPOTENT_TEST_POSTGRES_URL")?;
-    let bin = postgres_bin().expect(
-        "PostgreSQL's server binaries (IDEMPOTENT_TEST_PG_BIN or /usr/lib/postgresql/*/bin)",
-    );
-    Some(PrivatePostgres::start(bin).await)
 }
 
 // ----- a store frozen before the claim -----
@@ -289,7 +258,7 @@ async fn key_reused_after_its_record_expired(store: &str) {
     let server =
         Server::payments_logged(&[("IDEMPOTENCY_STORE", store), ("IDEMPOTENCY_TTL", "2s")]).await;
     let client = Client::new(Protocol::Http1);
-    let key = unique_key("expired");
+    let key = unique("expired");
     let limit = Duration::from_secs(10);
 
     let first = pay(&client, &server, &key, limit).await;
@@ -348,7 +317,7 @@ mod on_redis {
     async fn a_store_frozen_before_the_claim_answers_503_and_the_key_works_after_the_thaw() {
         // Broke: a claim sent to a frozen Redis timed out (503), but Redis ran it when it was
         // continued, so the key stayed claimed by nobody, 409 in_flight, for the whole lease.
-        let Some(redis) = private_redis("frozen-before-claim").await else {
+        let Some(redis) = PrivateRedis::start("frozen-before-claim").await else {
             return;
         };
         let url = redis.url();
@@ -365,7 +334,7 @@ mod on_redis {
         // Broke: the downstream operation key was the same for every lifetime of a key's
         // record, so a key reused after its record expired got the first payment back from the
         // provider (no charge) instead of a new one.
-        let Some(url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
+        let Some(url) = redis_url() else {
             return;
         };
         key_reused_after_its_record_expired(&url).await;
@@ -380,7 +349,7 @@ mod on_postgres {
         // Broke: a claim sent to a frozen PostgreSQL on an open connection waited for it with
         // no bound (no 503), and a claim that timed out could be committed once the database
         // was continued, holding the key for the whole lease.
-        let Some(postgres) = private_postgres().await else {
+        let Some(postgres) = PrivatePostgres::start().await else {
             return;
         };
         let url = postgres.url();
@@ -397,7 +366,7 @@ mod on_postgres {
         // Broke: the downstream operation key was the same for every lifetime of a key's
         // record, so a key reused after its record expired got the first payment back from the
         // provider (no charge) instead of a new one.
-        let Some(url) = backend_url("IDEMPOTENT_TEST_POSTGRES_URL") else {
+        let Some(url) = postgres_url() else {
             return;
         };
         key_reused_after_its_record_expired(&url).await;

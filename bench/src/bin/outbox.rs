@@ -19,11 +19,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use idempotent_core::postgres::{
-    BoxFuture, Message, Outbox, OutboxMessage, PostgresStore, Relay, Sink, SinkError,
-    TransactionalClaim,
-};
-use idempotent_core::{Call, Key};
+use idempotent_core::outbox::{BoxFuture, Outbox, Outgoing, Relay, Relayed, Sink, SinkError};
+use idempotent_core::postgres::{PostgresStore, TransactionalClaim};
+use idempotent_core::{Call, Idempotency, Key};
 use idempotent_tower::client::HttpSink;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -68,7 +66,7 @@ fn options() -> Result<Options, String> {
 struct Discard;
 
 impl Sink for Discard {
-    fn deliver<'a>(&'a self, _: &'a OutboxMessage) -> BoxFuture<'a, Result<(), SinkError>> {
+    fn deliver<'a>(&'a self, _: &'a Relayed) -> BoxFuture<'a, Result<(), SinkError>> {
         Box::pin(async { Ok(()) })
     }
 }
@@ -76,7 +74,11 @@ impl Sink for Discard {
 /// Transactions per second of the transactional mode, with `enqueue` messages each.
 async fn enqueue_row(pool: &PgPool, options: &Options, outbox: &Outbox, with_message: bool) {
     let store = PostgresStore::new(pool.clone());
-    let transactional = store.transactional().namespace("outbox-bench");
+    let transactional = Idempotency::builder(store.clone())
+        .namespace("outbox-bench")
+        .build()
+        .transactional()
+        .expect("a runtime over a PostgresStore");
     let counted = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let timing = Arc::new(AtomicBool::new(false));
@@ -110,9 +112,10 @@ async fn enqueue_row(pool: &PgPool, options: &Options, outbox: &Outbox, with_mes
                     .await
                     .unwrap();
                     if with_message {
-                        let message = Message::new("notifications", r#"{"id":"pay-1","amount":1}"#)
-                            .claim(&pending.claim())
-                            .header("content-type", "application/json");
+                        let message =
+                            Outgoing::new("notifications", r#"{"id":"pay-1","amount":1}"#)
+                                .claim(&pending.claim())
+                                .header("content-type", "application/json");
                         outbox.enqueue(&mut tx, &message).await.unwrap();
                     }
                     pending.complete(&mut tx, &1i64).await.unwrap();
@@ -152,7 +155,7 @@ async fn relay_row<S: Sink + Clone>(
     label: &str,
     sink: S,
 ) {
-    let outbox = Outbox::with_table(&format!("outbox_bench_{}", std::process::id())).unwrap();
+    let outbox = Outbox::with_table(format!("outbox_bench_{}", std::process::id())).unwrap();
     outbox.migrate(pool).await.unwrap();
     sqlx::query(&format!("TRUNCATE \"{}\"", outbox.table()))
         .execute(pool)
@@ -162,7 +165,7 @@ async fn relay_row<S: Sink + Clone>(
     for chunk in 0..options.messages.div_ceil(1000) {
         let mut tx = pool.begin().await.unwrap();
         for n in chunk * 1000..((chunk + 1) * 1000).min(options.messages) {
-            let message = Message::new("notifications", r#"{"id":"pay-1","amount":1}"#)
+            let message = Outgoing::new("notifications", r#"{"id":"pay-1","amount":1}"#)
                 .key(Key::new(format!("m-{n}")).unwrap())
                 .header("content-type", "application/json");
             outbox.enqueue(&mut tx, &message).await.unwrap();
@@ -230,7 +233,7 @@ async fn receiver() -> String {
 struct Http(Arc<HttpSink>);
 
 impl Sink for Http {
-    fn deliver<'a>(&'a self, message: &'a OutboxMessage) -> BoxFuture<'a, Result<(), SinkError>> {
+    fn deliver<'a>(&'a self, message: &'a Relayed) -> BoxFuture<'a, Result<(), SinkError>> {
         self.0.deliver(message)
     }
 }
@@ -239,7 +242,7 @@ impl Sink for Http {
 struct Nothing(Arc<Discard>);
 
 impl Sink for Nothing {
-    fn deliver<'a>(&'a self, message: &'a OutboxMessage) -> BoxFuture<'a, Result<(), SinkError>> {
+    fn deliver<'a>(&'a self, message: &'a Relayed) -> BoxFuture<'a, Result<(), SinkError>> {
         self.0.deliver(message)
     }
 }
@@ -268,7 +271,7 @@ async fn main() {
         .await
         .unwrap();
     let outbox =
-        Outbox::with_table(&format!("outbox_bench_enqueue_{}", std::process::id())).unwrap();
+        Outbox::with_table(format!("outbox_bench_enqueue_{}", std::process::id())).unwrap();
     outbox.migrate(&pool).await.unwrap();
     enqueue_row(&pool, &options, &outbox, false).await;
     enqueue_row(&pool, &options, &outbox, true).await;

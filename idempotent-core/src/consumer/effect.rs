@@ -6,7 +6,7 @@ use std::future::Future;
 use bytes::Bytes;
 
 use super::{Decode, Failure, Handler, Message};
-use crate::metrics::{Protocol, RequestOutcome};
+use crate::metrics::{ProtocolLabel, RequestOutcome};
 use crate::{Call, ClaimHandle, Error, Execution, Idempotency, Retain};
 
 /// How one message's handling ended, before the broker is answered.
@@ -136,7 +136,7 @@ impl<H: Handler> Effect for Claimed<H> {
             )
             .await;
         self.idempotency.count(
-            Protocol::Message,
+            ProtocolLabel::Message,
             match &execution {
                 Ok(Execution::Fresh(_)) => RequestOutcome::Fresh,
                 Ok(Execution::Replayed(_)) => RequestOutcome::Replayed,
@@ -161,7 +161,7 @@ pub use self::transactional::sql_failure;
 pub(crate) mod transactional {
     use super::{Effect, Prepared, Processed, prepare, sort};
     use crate::consumer::{Failure, Message, TxHandler};
-    use crate::metrics::Protocol;
+    use crate::metrics::ProtocolLabel;
     use crate::postgres::Transactional;
     use crate::store::postgres::RawClaim;
 
@@ -170,14 +170,14 @@ pub(crate) mod transactional {
     /// ([`Failure::Rejected`]); anything else (a lost connection, a timeout, a serialization
     /// failure, a deadlock, a shutdown) is [`Failure::Transient`].
     pub fn sql_failure(context: &str, error: &sqlx::Error) -> Failure {
-        if let sqlx::Error::Database(db) = error {
-            if let Some(code) = db.code() {
-                let reason = format!("{context}: {} (SQLSTATE {code})", db.message());
-                return match code.get(..2) {
-                    Some("22" | "23" | "54") => Failure::Rejected(reason),
-                    _ => Failure::Transient(reason),
-                };
-            }
+        if let sqlx::Error::Database(db) = error
+            && let Some(code) = db.code()
+        {
+            let reason = format!("{context}: {} (SQLSTATE {code})", db.message());
+            return match code.get(..2) {
+                Some("22" | "23" | "54") => Failure::Rejected(reason),
+                _ => Failure::Transient(reason),
+            };
         }
         Failure::Transient(format!("{context}: {error}"))
     }
@@ -216,7 +216,7 @@ pub(crate) mod transactional {
             self.handler.begin(&mut tx).await?;
             let pending = match self
                 .transactional
-                .claim_counted(&prepared.call, &mut tx, Protocol::Message)
+                .claim_counted(&prepared.call, &mut tx, ProtocolLabel::Message)
                 .await
             {
                 Ok(RawClaim::Run(pending)) => pending,

@@ -1,6 +1,10 @@
 //! The RabbitMQ source (feature `rabbitmq`): a quorum queue consumed with manual
 //! acknowledgements, over [`lapin`] on tokio.
 //!
+//! (Longer than most files here, on purpose: the connection, its reconnection with a
+//! generation number, acknowledgements and publisher-confirmed dead letters are one state
+//! machine around one channel; about 120 lines are documentation and 60 unit tests.)
+//!
 //! # Queues
 //!
 //! Every connect declares, durable, the queue `QUEUE` and the dead-letter queue `QUEUE.dead`,

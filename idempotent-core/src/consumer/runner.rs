@@ -362,11 +362,11 @@ impl<S: Source, E: Effect> Shared<S, E> {
             (Some(h), Some(b)) => Some(if h.0 <= b.0 { h } else { b }),
             (h, b) => h.or(b),
         };
-        if let Some((at, reason)) = &limit {
-            if *at <= now {
-                // It waited in hand until the broker is about to take it back: not started.
-                return Processed::Failed(Failure::Transient(reason.clone()));
-            }
+        if let Some((at, reason)) = &limit
+            && *at <= now
+        {
+            // It waited in hand until the broker is about to take it back: not started.
+            return Processed::Failed(Failure::Transient(reason.clone()));
         }
         let effect = Arc::clone(&self.effect);
         let mut work = tokio::spawn(async move { effect.apply(&prepared).await });

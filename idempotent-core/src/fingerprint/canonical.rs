@@ -1,6 +1,9 @@
 //! Canonical, self-delimiting encoding of [`serde::Serialize`] values, fed
 //! straight into a BLAKE3 hasher to compute request fingerprints.
 //!
+//! (Longer than most files here, on purpose: one `serde::Serializer` implementation, whose
+//! trait asks for a method per data model type.)
+//!
 //! # Format (frozen — version 1)
 //!
 //! This byte format is part of the fingerprint contract: the same logical
@@ -581,10 +584,10 @@ impl<'a, S: Sink> MapState<'a, S> {
         // Items are prefix-free, so entries sharing a key encoding are
         // contiguous after sorting: checking neighbours finds every duplicate.
         for pair in self.entries.windows(2) {
-            if let [(a, a_key), (b, b_key)] = pair {
-                if a.get(..*a_key) == b.get(..*b_key) {
-                    return Err(CanonicalError::DuplicateMapKey);
-                }
+            if let [(a, a_key), (b, b_key)] = pair
+                && a.get(..*a_key) == b.get(..*b_key)
+            {
+                return Err(CanonicalError::DuplicateMapKey);
             }
         }
         self.out.put(&[tag::MAP]);

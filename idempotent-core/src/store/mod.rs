@@ -1,21 +1,26 @@
 //! The store contract ([`Store`]) and the built-in stores.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::metrics::{Metrics, Operation};
 use crate::{Fingerprint, StorageKey, StoreError};
 
+#[cfg(any(feature = "redis", feature = "postgres"))]
+mod give_back;
+mod measured;
 #[cfg(feature = "memory")]
 pub(crate) mod memory;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
+
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) use self::give_back::*;
+pub(crate) use self::measured::{BoxFuture, DynStore, Measured};
 
 /// Identifies one claim of one storage key. Strictly increasing per storage key: every claim
 /// gets a token greater than all tokens issued before it for that key, so a caller whose lease
@@ -406,240 +411,4 @@ impl<S: Store> Store for Arc<S> {
     ) -> impl Future<Output = ()> + Send {
         S::wait_for_change(self, key, max_wait)
     }
-}
-
-pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// The object-safe face of [`Store`], so one runtime type serves every store.
-pub(crate) trait DynStore: Send + Sync + 'static {
-    fn claim<'a>(
-        &'a self,
-        key: &'a StorageKey,
-        fingerprint: &'a Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<Claim, StoreError>>;
-    fn complete<'a>(
-        &'a self,
-        key: &'a StorageKey,
-        token: FencingToken,
-        payload: Bytes,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<(), StoreError>>;
-    fn release<'a>(
-        &'a self,
-        key: &'a StorageKey,
-        token: FencingToken,
-    ) -> BoxFuture<'a, Result<(), StoreError>>;
-    fn renew<'a>(
-        &'a self,
-        key: &'a StorageKey,
-        token: FencingToken,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<(), StoreError>>;
-    fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()>;
-    fn keeps_records_in_process(&self) -> bool;
-    /// The metrics of the runtime this store serves.
-    fn metrics(&self) -> &Metrics;
-}
-
-/// A store as a runtime holds it: type-erased, every operation timed into the runtime's
-/// [`Metrics`]. The timing lives in the one future each operation is boxed into anyway.
-pub(crate) struct Measured<S> {
-    store: S,
-    metrics: Metrics,
-}
-
-impl<S: Store> Measured<S> {
-    /// `store`, with the runtime's metrics registered with the current recorder.
-    pub(crate) fn new(store: S) -> Self {
-        let metrics = Metrics::register(store.name());
-        Measured { store, metrics }
-    }
-
-    async fn timed<T>(
-        &self,
-        operation: Operation,
-        answer: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        let started = Instant::now();
-        let answer = answer.await;
-        self.metrics
-            .store_operation(operation, answer.as_ref().err(), started.elapsed());
-        answer
-    }
-}
-
-impl<S: Store> DynStore for Measured<S> {
-    fn claim<'a>(
-        &'a self,
-        key: &'a StorageKey,
-        fingerprint: &'a Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        Box::pin(self.timed(
-            Operation::Claim,
-            self.store.claim(key, fingerprint, lease, ttl),
-        ))
-    }
-    fn complete<'a>(
-        &'a self,
-        key: &'a StorageKey,
-        token: FencingToken,
-        payload: Bytes,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(self.timed(
-            Operation::Complete,
-            self.store.complete(key, token, payload, ttl),
-        ))
-    }
-    fn release<'a>(
-        &'a self,
-        key: &'a StorageKey,
-        token: FencingToken,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(self.timed(Operation::Release, self.store.release(key, token)))
-    }
-    fn renew<'a>(
-        &'a self,
-        key: &'a StorageKey,
-        token: FencingToken,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(self.timed(Operation::Renew, self.store.renew(key, token, lease)))
-    }
-    fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()> {
-        Box::pin(self.store.wait_for_change(key, max_wait))
-    }
-    fn keeps_records_in_process(&self) -> bool {
-        self.store.keeps_records_in_process()
-    }
-    fn metrics(&self) -> &Metrics {
-        &self.metrics
-    }
-}
-
-/// A claim sent to a shared store whose answer did not come back: the store may have
-/// received it, and will then make it when it next runs (a store frozen, then thawed). Its
-/// caller has already been told the store is unavailable and will retry; a claim landing
-/// after that must not hold the key for a whole lease. Each such claim carries a random
-/// *claimant* number, written into the record it makes; dropped before [`answered`], this
-/// guard gives back, in the background, the in-flight record that carries that number.
-///
-/// [`answered`]: Unanswered::answered
-#[cfg(any(feature = "redis", feature = "postgres"))]
-pub(crate) struct Unanswered {
-    give_back: Option<GiveBack>,
-}
-
-/// One attempt to give back a claim: `Ok(true)` if the store held it and has given it up,
-/// `Ok(false)` if it holds no such claim.
-#[cfg(any(feature = "redis", feature = "postgres"))]
-pub(crate) type GiveBack =
-    Box<dyn FnMut() -> BoxFuture<'static, Result<bool, StoreError>> + Send + 'static>;
-
-/// How long a claim that may still land is given back for once the store answers again and
-/// does not hold it: the claim may be queued behind the give-back on another connection.
-#[cfg(any(feature = "redis", feature = "postgres"))]
-const GIVE_BACK_SETTLE: Duration = Duration::from_secs(5);
-/// How long a claim that may land is tried to be given back at most. A store frozen longer
-/// than this makes the claim at its thaw, and it holds the key until its lease ends.
-#[cfg(any(feature = "redis", feature = "postgres"))]
-pub(crate) const GIVE_BACK_MAX: Duration = Duration::from_secs(600);
-/// Each give-back attempt is abandoned after this long.
-#[cfg(any(feature = "redis", feature = "postgres"))]
-const GIVE_BACK_ATTEMPT: Duration = Duration::from_secs(2);
-
-#[cfg(any(feature = "redis", feature = "postgres"))]
-impl Unanswered {
-    /// Armed with what gives the claim back.
-    pub(crate) fn new(give_back: GiveBack) -> Self {
-        Unanswered {
-            give_back: Some(give_back),
-        }
-    }
-
-    /// The store answered: the caller knows what the claim did.
-    pub(crate) fn answered(&mut self) {
-        self.give_back = None;
-    }
-}
-
-/// At most this many claims are being given back at once; past it (a long outage under heavy
-/// load), a claim the store may still make ends with its lease.
-#[cfg(any(feature = "redis", feature = "postgres"))]
-const GIVE_BACK_TASKS: usize = 10_000;
-
-#[cfg(any(feature = "redis", feature = "postgres"))]
-static GIVING_BACK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-#[cfg(any(feature = "redis", feature = "postgres"))]
-impl Drop for Unanswered {
-    fn drop(&mut self) {
-        use std::sync::atomic::Ordering;
-        let Some(give_back) = self.give_back.take() else {
-            return;
-        };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        if GIVING_BACK.fetch_add(1, Ordering::AcqRel) >= GIVE_BACK_TASKS {
-            GIVING_BACK.fetch_sub(1, Ordering::AcqRel);
-            return;
-        }
-        runtime.spawn(async move {
-            give_back_until_settled(give_back).await;
-            GIVING_BACK.fetch_sub(1, Ordering::AcqRel);
-        });
-    }
-}
-
-/// Tries to give an unanswered claim back, with backoff, until the store gives it up, or has
-/// answered for [`GIVE_BACK_SETTLE`] without holding it, or [`GIVE_BACK_MAX`] has passed.
-#[cfg(any(feature = "redis", feature = "postgres"))]
-async fn give_back_until_settled(mut give_back: GiveBack) {
-    let started = tokio::time::Instant::now();
-    let mut first_answer = None;
-    let mut delay = Duration::from_millis(200);
-    loop {
-        let now = tokio::time::Instant::now();
-        match tokio::time::timeout(GIVE_BACK_ATTEMPT, give_back()).await {
-            Ok(Ok(true)) => {
-                tracing::info!(
-                    "a claim the store made after its caller stopped waiting was given back"
-                );
-                return;
-            }
-            Ok(Ok(false)) => {
-                let answered = *first_answer.get_or_insert(now);
-                if now.duration_since(answered) >= GIVE_BACK_SETTLE {
-                    return;
-                }
-            }
-            Ok(Err(_)) | Err(_) => {
-                if now.duration_since(started) >= GIVE_BACK_MAX {
-                    tracing::warn!(
-                        "the store stayed unreachable; a claim it may still make ends with its lease"
-                    );
-                    return;
-                }
-            }
-        }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_secs(1));
-    }
-}
-
-/// A random number naming one claim attempt (see [`Unanswered`]): never zero.
-#[cfg(any(feature = "redis", feature = "postgres"))]
-pub(crate) fn claimant() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut hasher = std::hash::RandomState::new().build_hasher();
-    hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    // Non-negative as an i64 (PostgreSQL's bigint) and never zero.
-    (hasher.finish() >> 1).max(1)
 }

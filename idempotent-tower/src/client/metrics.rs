@@ -3,8 +3,8 @@
 
 use ::metrics::{Counter, Unit};
 
-use super::policy::{Ended, RetryReason};
-use super::{ClientError, GiveUp};
+use super::error::{ClientError, GiveUp};
+use super::verdict::{Ended, RetryReason};
 
 /// `idempotency.client.calls` (counter; labels `protocol`, `outcome`): logical calls, once
 /// each, by how they ended.

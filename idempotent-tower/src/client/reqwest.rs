@@ -4,9 +4,15 @@ use std::sync::Arc;
 
 use ::reqwest::{Request, Response};
 use http::Extensions;
+use idempotent_core::BoxError;
 use reqwest_middleware::{Middleware, Next};
 
-use super::{ClientError, ClientLayer, Config, IdempotencyKey};
+use super::config::Config;
+use super::error::ClientError;
+use super::key::IdempotencyKey;
+use super::layer::ClientLayer;
+use super::policy::RetryPolicy;
+use crate::protocol::Http;
 
 /// The client layer's behaviour for [`reqwest`](::reqwest), as a
 /// [`reqwest_middleware::Middleware`] (feature `reqwest`): the same keys, retries, policy,
@@ -46,7 +52,7 @@ use super::{ClientError, ClientLayer, Config, IdempotencyKey};
 ///   (`reqwest-retry`): retries multiply, and that one does not keep the key.
 #[derive(Debug, Clone)]
 pub struct IdempotencyMiddleware {
-    config: Arc<Config>,
+    config: Arc<Config<Http>>,
 }
 
 impl IdempotencyMiddleware {
@@ -55,7 +61,7 @@ impl IdempotencyMiddleware {
         ClientLayer::http().into()
     }
 
-    fn layer(self, change: impl FnOnce(ClientLayer) -> ClientLayer) -> Self {
+    fn layer(self, change: impl FnOnce(ClientLayer<Http>) -> ClientLayer<Http>) -> Self {
         change(ClientLayer {
             config: self.config,
         })
@@ -63,7 +69,7 @@ impl IdempotencyMiddleware {
     }
 
     /// The retry policy (see [`ClientLayer::policy`]).
-    pub fn policy(self, policy: super::RetryPolicy) -> Self {
+    pub fn policy(self, policy: RetryPolicy) -> Self {
         self.layer(|layer| layer.policy(policy))
     }
 
@@ -85,8 +91,8 @@ impl Default for IdempotencyMiddleware {
 }
 
 /// A layer's configuration as a middleware: `ClientLayer::http().policy(…).into()`.
-impl From<ClientLayer> for IdempotencyMiddleware {
-    fn from(layer: ClientLayer) -> Self {
+impl From<ClientLayer<Http>> for IdempotencyMiddleware {
+    fn from(layer: ClientLayer<Http>) -> Self {
         IdempotencyMiddleware {
             config: layer.config,
         }
@@ -135,7 +141,7 @@ impl Middleware for IdempotencyMiddleware {
                 let request = request.ok_or("the request could not be copied for an attempt")?;
                 next.run(request, &mut extensions)
                     .await
-                    .map_err(|error| Box::new(error) as super::BoxError)
+                    .map_err(|error| Box::new(error) as BoxError)
             }
         };
         let verdict = |response: &Response| config.verdict(response.status(), response.headers());

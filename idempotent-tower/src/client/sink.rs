@@ -9,20 +9,26 @@ use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idempotent_core::postgres::{BoxFuture, OutboxMessage, Sink, SinkError};
+use idempotent_core::outbox::{BoxFuture, Relayed, Sink, SinkError};
+use tower_layer::Layer as _;
 use tower_service::Service as _;
 
-use super::{ClientError, ClientLayer, IdempotencyKey, IdempotentClient, RetryPolicy};
-use tower_layer::Layer as _;
+use super::error::ClientError;
+use super::key::IdempotencyKey;
+use super::layer::ClientLayer;
+use super::policy::RetryPolicy;
+use super::service::ClientService;
+use crate::config::IDEMPOTENCY_KEY;
 
 /// An outbox [`Sink`] that POSTs each message to one URL (feature `outbox`): the payload as
 /// the body, the message's headers, and its key as `Idempotency-Key`, through the client layer
 /// ([`ClientLayer::http`]), whose retries are those of one delivery attempt; the
-/// [`Relay`](idempotent_core::postgres::Relay) retries failed attempts later with its own
+/// [`Relay`](idempotent_core::outbox::Relay) retries failed attempts later with its own
 /// backoff, with the same key.
 ///
 /// ```no_run
-/// use idempotent_core::postgres::{Outbox, PostgresStore, Relay};
+/// use idempotent_core::outbox::{Outbox, Relay};
+/// use idempotent_core::postgres::PostgresStore;
 /// use idempotent_tower::client::HttpSink;
 ///
 /// # async fn example() -> Result<(), Box<dyn std::error::Error>> {
@@ -50,7 +56,7 @@ use tower_layer::Layer as _;
 pub struct HttpSink {
     url: Uri,
     headers: Vec<(HeaderName, HeaderValue)>,
-    client: IdempotentClient<Client<HttpConnector, Full<Bytes>>>,
+    client: ClientService<Client<HttpConnector, Full<Bytes>>>,
 }
 
 impl fmt::Debug for HttpSink {
@@ -88,7 +94,7 @@ impl HttpSink {
             .deadline(Duration::from_secs(20))
             .attempt_timeout(Duration::from_secs(5))
             .backoff(Duration::from_millis(100), Duration::from_secs(2))
-            .max_request_body(idempotent_core::postgres::MAX_OUTBOX_PAYLOAD);
+            .max_request_body(idempotent_core::outbox::MAX_OUTBOX_PAYLOAD);
         Ok(HttpSink {
             url: uri,
             headers: Vec::new(),
@@ -96,19 +102,19 @@ impl HttpSink {
         })
     }
 
-    fn client(policy: RetryPolicy) -> IdempotentClient<Client<HttpConnector, Full<Bytes>>> {
+    fn client(policy: RetryPolicy) -> ClientService<Client<HttpConnector, Full<Bytes>>> {
         let http = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
         ClientLayer::http().policy(policy).layer(http)
     }
 
     /// The client's policy for one delivery attempt (see [`RetryPolicy`]). Keep its deadline
-    /// below the relay's [`delivery_timeout`](idempotent_core::postgres::RelayBuilder::delivery_timeout).
+    /// below the relay's [`delivery_timeout`](idempotent_core::outbox::RelayBuilder::delivery_timeout).
     #[must_use]
     pub fn policy(mut self, mut policy: RetryPolicy) -> Self {
         // Every payload the outbox accepts can be sent.
         policy.max_request_body = policy
             .max_request_body
-            .max(idempotent_core::postgres::MAX_OUTBOX_PAYLOAD);
+            .max(idempotent_core::outbox::MAX_OUTBOX_PAYLOAD);
         self.client = Self::client(policy);
         self
     }
@@ -118,7 +124,7 @@ impl HttpSink {
     pub fn header(mut self, name: &str, value: &str) -> Result<Self, HttpSinkError> {
         let name = HeaderName::from_bytes(name.as_bytes())
             .ok()
-            .filter(|name| *name != crate::IDEMPOTENCY_KEY)
+            .filter(|name| *name != IDEMPOTENCY_KEY)
             .ok_or_else(|| HttpSinkError::Header(name.to_owned()))?;
         let value = HeaderValue::from_str(value)
             .map_err(|_| HttpSinkError::Header(format!("value of {name}")))?;
@@ -126,7 +132,7 @@ impl HttpSink {
         Ok(self)
     }
 
-    fn request(&self, message: &OutboxMessage) -> Result<Request<Full<Bytes>>, SinkError> {
+    fn request(&self, message: &Relayed) -> Result<Request<Full<Bytes>>, SinkError> {
         let key = IdempotencyKey::new(message.key.as_str())
             .map_err(|e| SinkError::permanent(format!("the message key is not valid: {e}")))?;
         let mut request = Request::new(Full::new(message.payload.clone()));
@@ -144,7 +150,7 @@ impl HttpSink {
                     "a header of the message is not valid HTTP",
                 ));
             };
-            if name == crate::IDEMPOTENCY_KEY {
+            if name == IDEMPOTENCY_KEY {
                 return Err(SinkError::permanent(
                     "the message carries its own Idempotency-Key header",
                 ));
@@ -157,7 +163,7 @@ impl HttpSink {
 }
 
 impl Sink for HttpSink {
-    fn deliver<'a>(&'a self, message: &'a OutboxMessage) -> BoxFuture<'a, Result<(), SinkError>> {
+    fn deliver<'a>(&'a self, message: &'a Relayed) -> BoxFuture<'a, Result<(), SinkError>> {
         Box::pin(async move {
             let request = self.request(message)?;
             let mut client = self.client.clone();

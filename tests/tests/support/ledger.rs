@@ -1,14 +1,14 @@
 //! Running the `ledger` (and `relay`) examples as real processes, for the ledger's end-to-end
 //! tests: a process wrapper that waits for the ready line, keeps the process's stderr (printed
-//! if the test fails) and kills it with `SIGKILL` or stops it with `SIGTERM`; a PostgreSQL
-//! database of a test's own; a seeded generator and a polling deadline.
+//! if the test fails) and kills it with `SIGKILL` or stops it with `SIGTERM`; the postings a
+//! workload publishes and the balances they must leave; a seeded generator and a polling
+//! deadline.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use idempotent_core::conformance::backend_url;
-use sqlx::PgPool;
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout, Command};
 
@@ -37,6 +37,66 @@ impl Rng {
     }
 }
 
+/// One posting of a workload: `amount` to `account`, under the idempotency key `id`.
+#[derive(Clone, Debug)]
+pub struct Posting {
+    pub id: String,
+    pub account: String,
+    pub amount: i64,
+}
+
+impl Posting {
+    /// The `i`-th distinct posting over `accounts` accounts: id `pay-i`, an amount between
+    /// -1000 and 1000.
+    pub fn nth(i: u64, accounts: u64) -> Posting {
+        Posting {
+            id: format!("pay-{i}"),
+            account: format!("acct-{}", i % accounts),
+            amount: ((i * 7919) % 2001) as i64 - 1000,
+        }
+    }
+}
+
+/// `distinct` postings over `accounts` accounts with duplicates, in publication order: every
+/// eighth published again right after itself (a producer's retry), another eighth again at
+/// least 100 entries after its original (a redelivery far from it), at a place `rng` picks.
+pub fn postings(distinct: u64, accounts: u64, rng: &mut Rng) -> Vec<Posting> {
+    let mut postings = Vec::new();
+    let mut far = Vec::new();
+    for i in 0..distinct {
+        postings.push(Posting::nth(i, accounts));
+        if i % 8 == 0 {
+            postings.push(Posting::nth(i, accounts));
+        }
+        if i % 8 == 4 {
+            far.push(i);
+        }
+    }
+    for i in far {
+        let id = format!("pay-{i}");
+        let first = postings.iter().position(|p| p.id == id).unwrap();
+        let from = (first + 100).min(postings.len());
+        let at = from + rng.below((postings.len() - from + 1) as u64) as usize;
+        postings.insert(at, Posting::nth(i, accounts));
+    }
+    postings
+}
+
+/// What a ledger that applies each id once must hold after `postings`: each account's balance,
+/// the sum of its postings over distinct ids; and those ids.
+pub fn expected_balances<'a>(
+    postings: impl IntoIterator<Item = &'a Posting>,
+) -> (BTreeMap<String, i64>, BTreeSet<String>) {
+    let mut balances = BTreeMap::new();
+    let mut seen = BTreeSet::new();
+    for posting in postings {
+        if seen.insert(posting.id.clone()) {
+            *balances.entry(posting.account.clone()).or_default() += posting.amount;
+        }
+    }
+    (balances, seen)
+}
+
 /// Fails the test with `what` once `within` has passed; waits between checks.
 pub struct Deadline {
     at: tokio::time::Instant,
@@ -58,52 +118,6 @@ impl Deadline {
             self.what
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// A PostgreSQL database of one test's own, on the server of `IDEMPOTENT_TEST_POSTGRES_URL`.
-pub struct Database {
-    /// A pool on the server's own database, which created this one.
-    pub admin: PgPool,
-    pub name: String,
-    pub url: String,
-}
-
-impl Database {
-    /// Creates the database `name` afresh (dropping one left by an earlier run); `None` when
-    /// PostgreSQL is not configured (and not required).
-    pub async fn create(name: &str) -> Option<Database> {
-        let postgres_url = backend_url("IDEMPOTENT_TEST_POSTGRES_URL")?;
-        let admin = PgPool::connect(&postgres_url).await.unwrap();
-        sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-            .execute(&admin)
-            .await
-            .unwrap();
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&admin)
-            .await
-            .unwrap();
-        let url = format!("{}/{name}", postgres_url.rsplit_once('/').unwrap().0);
-        Some(Database {
-            admin,
-            name: name.to_owned(),
-            url,
-        })
-    }
-
-    /// A new pool on the database.
-    pub async fn pool(&self) -> PgPool {
-        PgPool::connect(&self.url).await.unwrap()
-    }
-
-    pub async fn drop_database(self) {
-        sqlx::query(&format!(
-            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-            self.name
-        ))
-        .execute(&self.admin)
-        .await
-        .unwrap();
     }
 }
 
@@ -212,7 +226,10 @@ impl Consumer {
 
     pub fn signal(&self, signal: &str) {
         let pid = self.child.id().expect("running consumer");
-        assert!(super::signal(pid, signal), "kill -{signal} {pid}");
+        assert!(
+            idempotent_test_kit::process::signal(pid, signal),
+            "kill -{signal} {pid}"
+        );
     }
 
     pub async fn kill(&mut self) {

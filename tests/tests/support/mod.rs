@@ -1,14 +1,14 @@
-//! Running the example servers as real processes, and an HTTP client for both protocols;
-//! store servers of a test's own in [`private`], message brokers of a test's own in
-//! [`brokers`], the `ledger` example's processes and database in [`ledger`].
+//! Running the example servers as real processes, and an HTTP client for both protocols; the
+//! `ledger` example's processes and workload in [`ledger`], its database and stream in
+//! [`ledger_stream`], the receiver of its notifications in [`notifier`]. Servers and brokers of a test's
+//! own, and the environment's, come from the test kit (`idempotent_test_kit`).
 
 #![allow(dead_code, unreachable_pub)]
 
-pub mod brokers;
 pub mod ledger;
-pub mod private;
+pub mod ledger_stream;
+pub mod notifier;
 
-use std::future::Future;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -23,12 +23,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-/// `future`, or a test failure naming `what` if it takes longer than `limit`.
-pub async fn within<F: Future>(what: &str, limit: Duration, future: F) -> F::Output {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not finish within {limit:?}"))
-}
+use idempotent_test_kit::process::signal;
 
 /// The path of an example binary built by `cargo test --workspace --all-targets` (or `cargo
 /// build --example NAME`), next to this test's own binary.
@@ -195,16 +190,6 @@ impl Server {
         let pid = self.pid();
         assert!(signal(pid, name), "kill -{name} {pid}");
     }
-}
-
-/// Sends process `pid` the signal `name` (`TERM`, `KILL`, `STOP`, `CONT`, …) with `kill`;
-/// whether it was delivered.
-pub fn signal(pid: u32, name: &str) -> bool {
-    std::process::Command::new("kill")
-        .args([&format!("-{name}"), &pid.to_string()])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|status| status.success())
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,5 +1,5 @@
 //! Durations at both ends of their ranges: the shortest and longest TTL and lease, and the
-//! longest wait the attribute can write.
+//! longest wait the attribute can write (`Duration::MAX`).
 
 use idempotent_core::{Error, idempotent};
 
@@ -8,7 +8,7 @@ async fn shortest(id: u64) -> Result<(), Error> {
     Ok(())
 }
 
-#[idempotent(key = id, ttl = "365d", lease = "8760h", wait = "213503982334d")]
+#[idempotent(key = id, ttl = "365d", lease = "8760h", wait = "18446744073709551615s 999999999ns")]
 async fn longest(id: u64) -> Result<(), Error> {
     Ok(())
 }

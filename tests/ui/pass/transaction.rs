@@ -4,7 +4,7 @@
 #![deny(warnings)]
 
 use idempotent_core::postgres::{PostgresStore, Transactional};
-use idempotent_core::{Error, idempotent};
+use idempotent_core::{Error, Idempotency, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
@@ -107,6 +107,8 @@ fn calls(pool: PgPool, ledger: Ledger) {
 fn main() {
     let _: fn(PgPool, Ledger) = calls;
     let _ = |store: PostgresStore| Ledger {
-        transactional: store.transactional(),
+        transactional: Idempotency::new(store.clone())
+            .transactional()
+            .expect("a runtime over a PostgresStore"),
     };
 }

@@ -9,7 +9,7 @@ use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{Connection as _, Executor as _, Row as _};
 
 use super::{InvalidTableName, TableName, token_param};
-use crate::FencingToken;
+use crate::{FencingToken, StoreError};
 
 /// The table [`Fence::new`] uses.
 pub const DEFAULT_FENCE_TABLE: &str = "idempotent_fences";
@@ -222,13 +222,14 @@ impl Fence {
     /// one table are serialized by a transaction-scoped advisory lock (the same lock
     /// [`PostgresStore::migrate`](crate::postgres::PostgresStore::migrate) takes for a table of that
     /// name). Needs the privilege to create tables in the schema.
-    pub async fn migrate(&self, pool: &PgPool) -> Result<(), sqlx::Error> {
+    pub async fn migrate(&self, pool: &PgPool) -> Result<(), StoreError> {
         super::migrate(
             pool,
             &self.sql.table,
             std::slice::from_ref(&self.sql.migrate),
         )
         .await
+        .map_err(super::store_error)
     }
 
     /// Records that the owner of `token` writes `resource`, or refuses it: succeeds if `token`

@@ -2,9 +2,10 @@
 //! transactional mode that commits the record in the caller's own transaction.
 
 mod connections;
+mod error;
 mod fence;
-mod outbox;
-mod relay;
+mod sql;
+mod table;
 mod transactional;
 
 use std::fmt;
@@ -12,27 +13,23 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgPool, PgPoolOptions};
 // Statements run through the executor's own methods, which return boxed `Send` futures: the
 // `Query` methods are generic `async fn`s whose futures rustc cannot prove `Send` for every
 // lifetime of a `&mut PgConnection` parameter ("implementation of `Executor` is not general
 // enough"), which would make every caller's future non-`Send`.
-use sqlx::{Executor as _, Row as _};
+use sqlx::Executor as _;
 
 use self::connections::Connections;
 use super::Unanswered;
 use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, limits};
 
+pub(crate) use self::error::store_error;
 pub use self::fence::{DEFAULT_FENCE_TABLE, Fence, FenceError};
-pub use self::outbox::{
-    Backlog, DEFAULT_OUTBOX_TABLE, DeadLetter, MAX_OUTBOX_PAYLOAD, Message, Outbox, OutboxError,
-};
-#[cfg(feature = "redis")]
-pub use self::relay::RedisStreamSink;
-pub use self::relay::{
-    Batch, BoxFuture, OUTBOX_DEAD, OUTBOX_DELIVERIES, OUTBOX_OLDEST_PENDING_AGE, OUTBOX_PENDING,
-    OutboxMessage, Relay, RelayBuilder, RunningRelay, Sink, SinkError,
-};
+use self::sql::token_param;
+pub(crate) use self::sql::{Sql, micros, migrate};
+pub use self::table::InvalidTableName;
+pub(crate) use self::table::TableName;
 pub(crate) use self::transactional::RawClaim;
 pub use self::transactional::{PendingRecord, Transactional, TransactionalClaim};
 
@@ -43,23 +40,6 @@ pub const DEFAULT_REAP_BATCH: u32 = 1000;
 /// How long after expiring a row is left for the reaper: see [`PostgresStore`]'s "Fencing
 /// tokens".
 pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
-
-/// The longest table name part accepted, so that the derived index and sequence names fit
-/// PostgreSQL's 63-byte identifiers.
-const MAX_TABLE_NAME: usize = 48;
-/// Durations are bound as microseconds and capped at the longest TTL or lease (365 days), so
-/// that `now + duration` is always a valid timestamp and no record outlives the ceilings in
-/// [`limits`].
-const MAX_MICROS: i64 = {
-    let max = if limits::MAX_TTL.as_micros() > limits::MAX_LEASE.as_micros() {
-        limits::MAX_TTL.as_micros()
-    } else {
-        limits::MAX_LEASE.as_micros()
-    };
-    max as i64
-};
-/// How often a claim is re-run when it lost a race it cannot see (see `claim_on`).
-const CLAIM_ATTEMPTS: usize = 8;
 
 /// A [`Store`] on PostgreSQL: one row per record in one table, shared by every app instance
 /// that points at the same database.
@@ -294,16 +274,6 @@ impl PostgresStoreBuilder {
     }
 }
 
-/// A table name that is not a lowercase identifier, optionally schema-qualified.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "invalid table name {name:?}: expected a lowercase identifier ([a-z_][a-z0-9_]*, at most \
-     48 bytes), optionally qualified by a schema, e.g. \"billing.idempotency\""
-)]
-pub struct InvalidTableName {
-    name: String,
-}
-
 impl PostgresStore {
     /// Connects to `url` (`postgres://USER[:PASSWORD]@HOST[:PORT]/DATABASE`) with a pool of at
     /// most 16 connections and a 2-second acquire timeout, using [`DEFAULT_TABLE`]; fails if
@@ -357,12 +327,6 @@ impl PostgresStore {
     #[doc(hidden)]
     pub fn claim_and_complete_sql(&self) -> [&str; 2] {
         [&self.sql.claim, &self.sql.complete]
-    }
-
-    /// The transactional mode over this store's table: the claim and the completed record are
-    /// written in the caller's transaction. See [`Transactional`].
-    pub fn transactional(&self) -> Transactional {
-        Transactional::with_sql(Arc::clone(&self.sql))
     }
 
     /// Creates the table, its `expires_at` index and its token sequence if they do not exist.
@@ -424,348 +388,6 @@ impl PostgresStore {
                 }
             }
         })
-    }
-}
-
-/// The SQL of one table, built once per store from its validated name.
-pub(crate) struct Sql {
-    table: String,
-    migrate: [String; 4],
-    claim: String,
-    complete: String,
-    complete_in_transaction: String,
-    release: String,
-    release_in_transaction: String,
-    renew: String,
-    give_back: String,
-    reap: String,
-}
-
-/// A table name validated as the store accepts them: a lowercase identifier, optionally
-/// qualified by a schema.
-pub(crate) struct TableName<'a> {
-    schema: Option<&'a str>,
-    name: &'a str,
-}
-
-impl<'a> TableName<'a> {
-    pub(crate) fn parse(table: &'a str) -> Result<Self, InvalidTableName> {
-        let (schema, name) = match table.split_once('.') {
-            Some((schema, name)) => (Some(schema), name),
-            None => (None, table),
-        };
-        if !schema.is_none_or(is_identifier) || !is_identifier(name) {
-            return Err(InvalidTableName {
-                name: table.to_owned(),
-            });
-        }
-        Ok(TableName { schema, name })
-    }
-
-    /// `part` in the table's schema, quoted: a reserved word is then a valid name, and since
-    /// only lowercase is accepted, the quoted name is the same table as the unquoted one in
-    /// hand-written SQL.
-    pub(crate) fn qualify(&self, part: &str) -> String {
-        match self.schema {
-            Some(schema) => format!("\"{schema}\".\"{part}\""),
-            None => format!("\"{part}\""),
-        }
-    }
-
-    /// The table itself, quoted.
-    pub(crate) fn quoted(&self) -> String {
-        self.qualify(self.name)
-    }
-}
-
-impl Sql {
-    pub(crate) fn new(table: &str) -> Result<Self, InvalidTableName> {
-        let table_name = TableName::parse(table)?;
-        let name = table_name.name;
-        let qualify = |part: &str| table_name.qualify(part);
-        let t = table_name.quoted();
-        let seq = qualify(&format!("{name}_token_seq"));
-        let index = format!("\"{name}_expires_at_idx\"");
-        let kept_index = format!("\"{name}_kept_until_idx\"");
-        let kept_index_qualified = qualify(&format!("{name}_kept_until_idx"));
-        let until = |param: &str| format!("clock_timestamp() + {param} * interval '1 microsecond'");
-        let owned = "storage_key = $1 AND token = $2 AND state = 'in_flight'";
-        let live = "expires_at > clock_timestamp()";
-        // Until when a row is kept: the later of its lease or TTL and the TTL an abandoned
-        // claim is kept for (`greatest` skips a NULL `kept_until`: rows written before it).
-        let kept = "greatest(kept_until, expires_at)";
-        Ok(Sql {
-            table: table.to_owned(),
-            migrate: [
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {t} (\
-                     storage_key bytea PRIMARY KEY, \
-                     state text NOT NULL, \
-                     fingerprint bytea NOT NULL, \
-                     token bigint NOT NULL, \
-                     payload bytea, \
-                     expires_at timestamptz NOT NULL)"
-                ),
-                format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at)"),
-                format!("CREATE SEQUENCE IF NOT EXISTS {seq}"),
-                // The columns added in 0.3, checked first: `ALTER TABLE` and `CREATE INDEX`
-                // lock the table even when there is nothing to do, and every instance
-                // migrates at startup while others hold open transactions on the table.
-                format!(
-                    "DO $$ BEGIN \
-                     IF NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = '{t}'::regclass \
-                         AND attname = 'claimant' AND NOT attisdropped) THEN \
-                         ALTER TABLE {t} ADD COLUMN IF NOT EXISTS lifetime bigint, \
-                         ADD COLUMN IF NOT EXISTS kept_until timestamptz, \
-                         ADD COLUMN IF NOT EXISTS claimant bigint; \
-                     END IF; \
-                     IF to_regclass('{kept_index_qualified}') IS NULL THEN \
-                         CREATE INDEX IF NOT EXISTS {kept_index} ON {t} (({kept})); \
-                     END IF; \
-                     END $$"
-                ),
-            ],
-            claim: format!(
-                "WITH live AS (\
-                     SELECT state, fingerprint, payload, \
-                     (EXTRACT(EPOCH FROM expires_at - clock_timestamp()) * 1000000)::int8 AS remaining_us \
-                     FROM {t} WHERE storage_key = $1 AND {live}\
-                 ), claimed AS (\
-                     INSERT INTO {t} AS r (storage_key, state, fingerprint, token, lifetime, payload, \
-                     expires_at, kept_until, claimant) \
-                     SELECT $1, 'in_flight', $2, nextval('{seq}'), NULL, NULL, {lease}, {kept_for}, $5 \
-                     WHERE NOT EXISTS (SELECT FROM live) \
-                     ON CONFLICT (storage_key) DO UPDATE \
-                     SET state = 'in_flight', fingerprint = excluded.fingerprint, \
-                     token = greatest(nextval('{seq}'), r.token + 1), \
-                     lifetime = CASE WHEN r.state = 'in_flight' AND r.fingerprint = excluded.fingerprint \
-                         AND coalesce(r.kept_until, r.expires_at) > clock_timestamp() \
-                         THEN coalesce(r.lifetime, r.token) END, \
-                     payload = NULL, expires_at = {lease}, kept_until = {kept_for}, \
-                     claimant = excluded.claimant \
-                     WHERE r.expires_at <= clock_timestamp() \
-                     RETURNING r.token, coalesce(r.lifetime, r.token) AS lifetime\
-                 ) \
-                 SELECT 'claimed'::text AS state, token, lifetime, NULL::bytea AS fingerprint, \
-                 NULL::bytea AS payload, NULL::int8 AS remaining_us FROM claimed \
-                 UNION ALL \
-                 SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live",
-                lease = until("$3"),
-                kept_for = until("greatest($3, $4)"),
-            ),
-            // The owner's completion repeated after the first one landed (its answer was
-            // lost, or the runtime retries with the "not retained" record) changes nothing
-            // and succeeds.
-            complete: format!(
-                "UPDATE {t} SET state = 'completed', \
-                 payload = CASE WHEN state = 'in_flight' THEN $3 ELSE payload END, \
-                 expires_at = CASE WHEN state = 'in_flight' THEN {ttl} ELSE expires_at END, \
-                 kept_until = CASE WHEN state = 'in_flight' THEN {ttl} ELSE kept_until END, \
-                 claimant = NULL \
-                 WHERE storage_key = $1 AND token = $2 AND state IN ('in_flight', 'completed') \
-                 AND {live}",
-                ttl = until("$4"),
-            ),
-            // In the claimer's own transaction the row is locked until commit, so nobody can
-            // take it over, however long the work took.
-            complete_in_transaction: format!(
-                "UPDATE {t} SET state = 'completed', payload = $3, expires_at = {ttl}, \
-                 kept_until = {ttl}, claimant = NULL \
-                 WHERE {owned}",
-                ttl = until("$4"),
-            ),
-            release: format!(
-                "UPDATE {t} SET expires_at = clock_timestamp() WHERE {owned} AND {live}"
-            ),
-            release_in_transaction: format!(
-                "UPDATE {t} SET expires_at = clock_timestamp() WHERE {owned}"
-            ),
-            renew: format!(
-                "UPDATE {t} SET expires_at = {lease}, kept_until = greatest(kept_until, {lease}) \
-                 WHERE {owned} AND {live}",
-                lease = until("$3"),
-            ),
-            give_back: format!(
-                "UPDATE {t} SET expires_at = clock_timestamp() \
-                 WHERE storage_key = $1 AND claimant = $2 AND state = 'in_flight' AND {live}"
-            ),
-            // `statement_timestamp()`, not `clock_timestamp()`: a volatile function cannot be
-            // an index condition, and the grace dwarfs the difference.
-            reap: format!(
-                "DELETE FROM {t} WHERE storage_key IN (\
-                     SELECT storage_key FROM {t} \
-                     WHERE {kept} < statement_timestamp() - $1 * interval '1 microsecond' \
-                     LIMIT $2 FOR UPDATE SKIP LOCKED)"
-            ),
-        })
-    }
-
-    /// The claim statement on `connection`, run again while it loses races it cannot see.
-    /// `claimant` (see `Unanswered`) is written into the row it makes, if any.
-    pub(crate) async fn claim_on(
-        &self,
-        connection: &mut PgConnection,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        (lease, ttl): (Duration, Duration),
-        claimant: Option<i64>,
-    ) -> Result<Claim, StoreError> {
-        for _ in 0..CLAIM_ATTEMPTS {
-            let claim = sqlx::query(&self.claim)
-                .bind(key.as_bytes().as_slice())
-                .bind(fingerprint.as_bytes().as_slice())
-                .bind(micros(limits::clamp_lease(lease)))
-                .bind(micros(limits::clamp_ttl(ttl)))
-                .bind(claimant);
-            let row = (&mut *connection)
-                .fetch_optional(claim)
-                .await
-                .map_err(store_error)?;
-            // No row: a concurrent claim committed a live record after this statement's
-            // snapshot was taken. The next attempt's snapshot sees it.
-            if let Some(row) = row {
-                return decode_claim(&row);
-            }
-        }
-        Err(StoreError::Backend(
-            format!("claim lost {CLAIM_ATTEMPTS} races in a row; giving up").into(),
-        ))
-    }
-
-    /// Runs a token-guarded update; one row changed means the caller held the claim.
-    pub(crate) async fn guarded<'q>(
-        &self,
-        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
-        connection: &mut PgConnection,
-    ) -> Result<(), StoreError> {
-        let changed = connection
-            .execute(query)
-            .await
-            .map_err(store_error)?
-            .rows_affected();
-        if changed == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::TokenRejected)
-        }
-    }
-}
-
-/// Runs `statements` (`CREATE … IF NOT EXISTS`) in one transaction under an advisory lock
-/// named after `table`: concurrent `CREATE TABLE IF NOT EXISTS` can fail in PostgreSQL's
-/// catalog, so instances starting at once take turns.
-pub(crate) async fn migrate(
-    pool: &PgPool,
-    table: &str,
-    statements: &[String],
-) -> Result<(), sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    let lock = sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
-        .bind(format!("idempotent-core migrate {table}"));
-    (&mut *tx).execute(lock).await?;
-    for statement in statements {
-        (&mut *tx).execute(statement.as_str()).await?;
-    }
-    tx.commit().await
-}
-
-fn is_identifier(part: &str) -> bool {
-    let mut bytes = part.bytes();
-    matches!(bytes.next(), Some(b'a'..=b'z' | b'_'))
-        && bytes.all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
-        && part.len() <= MAX_TABLE_NAME
-}
-
-/// A duration bound as microseconds, at most [`MAX_MICROS`].
-pub(crate) fn micros(duration: Duration) -> i64 {
-    i64::try_from(duration.as_micros()).map_or(MAX_MICROS, |us| us.min(MAX_MICROS))
-}
-
-/// A token as stored: `bigint`, so above `i64::MAX` no row can hold it.
-fn token_param(token: FencingToken) -> Option<i64> {
-    i64::try_from(token.get()).ok()
-}
-
-pub(crate) fn store_error(error: sqlx::Error) -> StoreError {
-    match &error {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => StoreError::Unavailable(Box::new(error)),
-        sqlx::Error::Database(db) => match db.code().as_deref() {
-            // Disk full: nothing can be written until an operator makes room.
-            Some("53100") => StoreError::Capacity {
-                what: "postgres disk full",
-            },
-            // Connection failures (08), shutdown and crash recovery (57P01-57P03), too many
-            // connections and out of memory (53), a statement or lock timeout, serialization
-            // failures and deadlocks: all pass, so a retry can succeed.
-            Some(code)
-                if code.starts_with("08")
-                    || code.starts_with("53")
-                    || matches!(
-                        code,
-                        "57P01" | "57P02" | "57P03" | "57014" | "55P03" | "40001" | "40P01"
-                    ) =>
-            {
-                StoreError::Unavailable(Box::new(error))
-            }
-            _ => StoreError::Backend(Box::new(error)),
-        },
-        sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) => {
-            StoreError::Corrupt(Box::new(error))
-        }
-        _ => StoreError::Backend(Box::new(error)),
-    }
-}
-
-fn corrupt(what: &str) -> StoreError {
-    StoreError::Corrupt(format!("unexpected record data from postgres: {what}").into())
-}
-
-fn decode_claim(row: &PgRow) -> Result<Claim, StoreError> {
-    let state: String = row.try_get("state").map_err(store_error)?;
-    let fingerprint = || -> Result<Fingerprint, StoreError> {
-        let bytes: Option<Vec<u8>> = row.try_get("fingerprint").map_err(store_error)?;
-        let bytes = bytes.ok_or_else(|| corrupt("missing fingerprint"))?;
-        <[u8; 32]>::try_from(bytes.as_slice())
-            .map(Fingerprint::from_digest)
-            .map_err(|_| corrupt("fingerprint is not 32 bytes"))
-    };
-    match state.as_str() {
-        "claimed" => {
-            let number = |column: &str| -> Result<FencingToken, StoreError> {
-                let value: Option<i64> = row.try_get(column).map_err(store_error)?;
-                value
-                    .and_then(|t| u64::try_from(t).ok())
-                    .map(FencingToken::new)
-                    .ok_or_else(|| corrupt(column))
-            };
-            let (token, lifetime) = (number("token")?, number("lifetime")?);
-            Ok(if lifetime == token {
-                Claim::Claimed(token)
-            } else {
-                Claim::TakenOver { token, lifetime }
-            })
-        }
-        "in_flight" => {
-            let remaining: Option<i64> = row.try_get("remaining_us").map_err(store_error)?;
-            let remaining = remaining.ok_or_else(|| corrupt("lease"))?;
-            Ok(Claim::InFlight {
-                fingerprint: fingerprint()?,
-                retry_after: Duration::from_micros(u64::try_from(remaining).unwrap_or(0)),
-            })
-        }
-        "completed" => {
-            let payload: Option<Vec<u8>> = row.try_get("payload").map_err(store_error)?;
-            let payload = payload.ok_or_else(|| corrupt("completed record without a payload"))?;
-            Ok(Claim::Completed {
-                fingerprint: fingerprint()?,
-                payload: Bytes::from(payload),
-            })
-        }
-        _ => Err(corrupt("unknown record state")),
     }
 }
 
@@ -867,6 +489,8 @@ impl Store for PostgresStore {
 
 #[cfg(test)]
 mod tests {
+    use super::sql::MAX_MICROS;
+    use super::table::MAX_TABLE_NAME;
     use super::*;
 
     #[test]

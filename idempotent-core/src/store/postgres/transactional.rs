@@ -11,13 +11,15 @@ use serde::de::DeserializeOwned;
 use sqlx::Executor as _;
 use sqlx::postgres::PgConnection;
 
-use super::{DEFAULT_TABLE, Sql, micros, store_error, token_param};
+use super::{DEFAULT_TABLE, PostgresStore, Sql, micros, store_error, token_param};
 use crate::call::Settings;
 use crate::claim_answer::{ClaimAnswer, Step};
 use crate::envelope::Integrity;
-use crate::metrics::{Metrics, Operation, Protocol, RequestOutcome};
-use crate::record::Payload;
-use crate::{Call, ClaimHandle, Defaults, Error, FencingToken, Retain, StorageKey, StoreError};
+use crate::metrics::{Metrics, Operation, ProtocolLabel, RequestOutcome};
+use crate::recording::Payload;
+use crate::{
+    Call, ClaimHandle, Defaults, Error, FencingToken, Idempotency, Retain, StorageKey, StoreError,
+};
 
 /// The savepoint the work runs under, so that a failed call can undo its own writes. Sent
 /// without parameters, so in one round trip each.
@@ -37,13 +39,14 @@ const ROLLBACK_TO_SAVEPOINT: &str =
 ///
 /// ```no_run
 /// use idempotent_core::postgres::{PostgresStore, TransactionalClaim};
-/// use idempotent_core::{Call, Fingerprint};
+/// use idempotent_core::{Call, Fingerprint, Idempotency};
 /// use sqlx::PgPool;
 ///
 /// # async fn example(pool: PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// let store = PostgresStore::new(pool.clone());
 /// store.migrate().await?;
-/// let transactional = store.transactional().namespace("billing");
+/// let runtime = Idempotency::builder(store).namespace("billing").build();
+/// let transactional = runtime.transactional().expect("the runtime is over a PostgresStore");
 ///
 /// let mut tx = pool.begin().await?;
 /// let call = Call::new("deposit-7f3a".parse()?).fingerprint(Fingerprint::of(&("acct-1", 100))?);
@@ -133,35 +136,41 @@ impl Default for Transactional {
     }
 }
 
+impl Idempotency {
+    /// The transactional mode of this runtime: over its [`PostgresStore`]'s table, with its
+    /// namespace and [defaults](crate::IdempotencyBuilder::defaults), so that it and the
+    /// runtime replay each other's records. `None` if the runtime's store is not a
+    /// `PostgresStore` (or an [`AnyStore`](crate::AnyStore) on one). See [`Transactional`].
+    ///
+    /// The defaults' lease is only written with a claim here: an uncommitted claim needs none
+    /// (nobody else can see it), so it matters only if a transaction commits a claim it
+    /// neither completed nor released. The in-flight policy answers a live in-flight record
+    /// committed by a standalone caller; duplicates in other transactions are not affected:
+    /// they wait on the row.
+    pub fn transactional(&self) -> Option<Transactional> {
+        let store = self.inner.store.as_any();
+        let store = store.downcast_ref::<PostgresStore>().or_else(|| {
+            store
+                .downcast_ref::<crate::AnyStore>()
+                .and_then(crate::AnyStore::postgres)
+        })?;
+        Some(Transactional {
+            sql: Arc::clone(&store.sql),
+            namespace: Arc::from(&*self.inner.namespace),
+            defaults: self.inner.defaults,
+            metrics: Arc::new(Metrics::register("postgres")),
+        })
+    }
+}
+
 impl Transactional {
-    pub(super) fn with_sql(sql: Arc<Sql>) -> Self {
+    fn with_sql(sql: Arc<Sql>) -> Self {
         Transactional {
             sql,
             namespace: Arc::from(&[][..]),
             defaults: Defaults::new(),
             metrics: Arc::new(Metrics::register("postgres")),
         }
-    }
-
-    /// Separates this application's records from others' in the same table (default: empty),
-    /// as [`IdempotencyBuilder::namespace`](crate::IdempotencyBuilder::namespace) does.
-    #[must_use]
-    pub fn namespace(mut self, namespace: impl AsRef<[u8]>) -> Self {
-        self.namespace = Arc::from(namespace.as_ref());
-        self
-    }
-
-    /// The settings of every call that does not override them with its
-    /// [`CallOptions`](crate::CallOptions) (default [`Defaults::new`]), as
-    /// [`IdempotencyBuilder::defaults`](crate::IdempotencyBuilder::defaults). Here the lease
-    /// is only written with a claim: an uncommitted claim needs none (nobody else can see it),
-    /// so it matters only if a transaction commits a claim it neither completed nor released.
-    /// The in-flight policy answers a live in-flight record committed by a standalone caller;
-    /// duplicates in other transactions are not affected: they wait on the row.
-    #[must_use]
-    pub fn defaults(mut self, defaults: Defaults) -> Self {
-        self.defaults = defaults;
-        self
     }
 
     /// The table this mode writes to.
@@ -198,7 +207,8 @@ impl Transactional {
         call: &Call,
         connection: &mut PgConnection,
     ) -> Result<RawClaim, Error> {
-        self.claim_counted(call, connection, Protocol::Call).await
+        self.claim_counted(call, connection, ProtocolLabel::Call)
+            .await
     }
 
     /// Claims, and counts the call by how the claim ended under `protocol`.
@@ -206,7 +216,7 @@ impl Transactional {
         &self,
         call: &Call,
         connection: &mut PgConnection,
-        protocol: Protocol,
+        protocol: ProtocolLabel,
     ) -> Result<RawClaim, Error> {
         let claim = self.claim_uncounted(call, connection).await;
         self.metrics.request(
@@ -223,7 +233,7 @@ impl Transactional {
     /// Counts a call refused before its claim (a malformed key or fingerprint).
     pub(crate) fn count_refused(&self, error: &Error) {
         self.metrics
-            .request(Protocol::Call, RequestOutcome::of_error(error));
+            .request(ProtocolLabel::Call, RequestOutcome::of_error(error));
     }
 
     async fn claim_uncounted(
@@ -341,7 +351,7 @@ impl PendingRecord {
     /// begins with the claim that finds no live record. A rolled-back transaction leaves no
     /// record, so its retry begins a new lifetime with a new operation key: what the work
     /// writes in the transaction is undone with it (messages of the
-    /// [`Outbox`](crate::postgres::Outbox) included), but a call already made to another
+    /// [`Outbox`](crate::outbox::Outbox) included), but a call already made to another
     /// system is not, and the retry's key does not deduplicate it. Make such calls through
     /// the outbox, which sends them only once the transaction commits, or with the leased
     /// runtime, whose released and lapsed claims keep their lifetime.

@@ -4,21 +4,19 @@
 //! the node's whole process group); [`restart`](PrivateNats::restart) starts the broker again
 //! on the same port with the same data; dropping one kills it and removes its directory.
 //!
-//! The constructors return `None` when the broker is not installed, saying so loudly, or panic
-//! where backend tests are required (`IDEMPOTENT_REQUIRE_BACKENDS=1`, `CI`), as
-//! `conformance::backend_url` decides for the shared servers (scripts/services.sh installs both
-//! from Debian packages). No client library is used: a broker is ready when its port answers
+//! The constructors return `None` when the broker is not installed, as
+//! [`installed`](crate::backend::installed) decides (scripts/services.sh installs both from
+//! Debian packages). No client library is used: a broker is ready when its port answers
 //! with the protocol's greeting (NATS: an `INFO` announcing JetStream; RabbitMQ: a
 //! `connection.start` frame, and the node's log saying its boot is complete, or else
 //! `rabbitmqctl await_startup`). [`PrivateRabbit::rabbitmqctl`] runs the broker's own CLI
-//! against the node.
+//! against the node, [`shared_rabbitmqctl`] against the shared node.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -26,8 +24,12 @@ use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
 use tokio::time::{Instant, sleep, timeout};
 
-use super::private::free_port;
-use super::within;
+use crate::backend::{RABBITMQCTL, installed};
+use crate::names::free_port;
+use crate::process::{
+    find_program, has_programs, kill_and_reap, kill_group, print_logs_on_panic, scratch_dir, tail,
+    within,
+};
 
 /// How long a broker may take to start (RabbitMQ takes seconds; more on a loaded machine).
 const START_LIMIT: Duration = Duration::from_secs(90);
@@ -35,49 +37,6 @@ const START_LIMIT: Duration = Duration::from_secs(90);
 const EXIT_LIMIT: Duration = Duration::from_secs(10);
 
 // ----- installed or not -----
-
-/// Whether backend tests must run here (scripts/test.sh, CI), as `conformance::backend_url`
-/// decides.
-fn backends_required() -> bool {
-    std::env::var_os("IDEMPOTENT_REQUIRE_BACKENDS").is_some_and(|v| v != "0")
-        || std::env::var_os("CI").is_some_and(|v| !v.is_empty() && v != "false")
-}
-
-/// `found`, or `None` (loudly) when the broker `what` is missing; a failure where backend
-/// tests are required.
-fn installed<T>(what: &str, found: Option<T>) -> Option<T> {
-    if found.is_some() {
-        return found;
-    }
-    let how = "install it (scripts/test.sh installs the Debian packages nats-server and \
-               rabbitmq-server)";
-    assert!(
-        !backends_required(),
-        "{what} is missing but backend tests are required here; {how}"
-    );
-    // Written to the stderr handle, which the harness does not capture: a test that did not
-    // run must not look green.
-    let _ = writeln!(
-        std::io::stderr(),
-        "\n*** NOT RUN: {what} is missing, so this test did not talk to a real broker; {how}. ***\n"
-    );
-    None
-}
-
-fn executable(path: &Path) -> bool {
-    path.metadata()
-        .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-}
-
-/// `name` on `PATH`, or in `/usr/sbin` (where Debian installs servers; often not on a user's
-/// `PATH`).
-fn find_program(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin")])
-        .map(|dir| dir.join(name))
-        .find(|candidate| executable(candidate))
-}
 
 /// The directory of RabbitMQ's own scripts (`rabbitmq-server`, `rabbitmqctl`). Debian's
 /// `/usr/sbin` ones are wrappers that, run as root, switch to the rabbitmq user (its home, its
@@ -88,26 +47,10 @@ fn rabbitmq_scripts() -> Option<PathBuf> {
     [Some(PathBuf::from("/usr/lib/rabbitmq/bin")), on_path]
         .into_iter()
         .flatten()
-        .find(|dir| {
-            executable(&dir.join("rabbitmq-server")) && executable(&dir.join("rabbitmqctl"))
-        })
+        .find(|dir| has_programs(dir, &["rabbitmq-server", "rabbitmqctl"]))
 }
 
 // ----- shared pieces -----
-
-static NAMES: AtomicU64 = AtomicU64::new(0);
-
-/// A directory of this broker's own, removed by its owner's `Drop`.
-fn broker_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "idempotent-broker-{name}-{}-{}",
-        std::process::id(),
-        NAMES.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 /// `path` opened for appending (a log that a restart continues), for a child's stdout/stderr.
 fn append(path: &Path) -> (Stdio, Stdio) {
@@ -118,38 +61,6 @@ fn append(path: &Path) -> (Stdio, Stdio) {
         .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
     let clone = file.try_clone().expect("clone a file handle");
     (Stdio::from(file), Stdio::from(clone))
-}
-
-/// The end of `path` (a broker's log), at most `max` bytes of it.
-fn tail(path: &Path, max: usize) -> String {
-    let text = std::fs::read(path).unwrap_or_default();
-    String::from_utf8_lossy(&text[text.len().saturating_sub(max)..]).into_owned()
-}
-
-/// Prints the logs `paths` when a test fails.
-fn print_logs_on_panic(label: &str, paths: &[PathBuf]) {
-    if std::thread::panicking() {
-        for path in paths {
-            eprintln!(
-                "----- {label}: {} -----\n{}\n----- end of {label}: {} -----",
-                path.display(),
-                tail(path, 64 * 1024),
-                path.display()
-            );
-        }
-    }
-}
-
-/// Kills `child` and reaps it, bounded, without a runtime (for `Drop`: the runtime that would
-/// reap it may be gone).
-fn kill_and_reap(child: &mut Child) {
-    let _ = child.start_kill();
-    for _ in 0..500 {
-        if !matches!(child.try_wait(), Ok(None)) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// Whether a thread of process group `pgid` still runs. Zombies do not count (this machine's
@@ -238,7 +149,7 @@ impl PrivateNats {
         let bin = installed("nats-server", find_program("nats-server"))?;
         let mut nats = PrivateNats {
             bin,
-            dir: broker_dir("nats"),
+            dir: scratch_dir("nats"),
             port: free_port(),
             child: None,
         };
@@ -251,6 +162,7 @@ impl PrivateNats {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
+    /// The client port on loopback.
     pub fn port(&self) -> u16 {
         self.port
     }
@@ -382,7 +294,7 @@ impl PrivateRabbit {
         let port = free_port();
         let mut rabbit = PrivateRabbit {
             scripts,
-            dir: broker_dir("rabbitmq"),
+            dir: scratch_dir("rabbitmq"),
             port,
             dist_port: free_port(),
             node: format!("rabbit-{port}@localhost"),
@@ -399,6 +311,7 @@ impl PrivateRabbit {
         format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
     }
 
+    /// The client port on loopback.
     pub fn port(&self) -> u16 {
         self.port
     }
@@ -622,14 +535,6 @@ impl Drop for PrivateRabbit {
     }
 }
 
-/// `SIGKILL` to every process of process group `pgid`.
-fn kill_group(pgid: u32) {
-    let _ = std::process::Command::new("kill")
-        .args(["-KILL", "--", &format!("-{pgid}")])
-        .stderr(Stdio::null())
-        .status();
-}
-
 /// Whether RabbitMQ's AMQP listener on loopback `port` answers a protocol header with a
 /// `connection.start` method frame (type 1).
 async fn amqp_greets(port: u16) -> bool {
@@ -641,4 +546,37 @@ async fn amqp_greets(port: u16) -> bool {
         Some(frame_type[0])
     };
     timeout(Duration::from_secs(2), greeting).await == Ok(Some(1))
+}
+
+/// Runs `rabbitmqctl args...` against the shared RabbitMQ node; its output. The command is
+/// `IDEMPOTENT_TEST_RABBITMQCTL` (split on spaces, e.g. `rabbitmqctl -n rabbit@localhost`),
+/// else `$SERVICES_DIR/rabbitmq/rabbitmqctl` (what `scripts/services.sh` writes), else
+/// `rabbitmqctl`.
+pub fn shared_rabbitmqctl(args: &[&str]) -> String {
+    let command = std::env::var(RABBITMQCTL)
+        .ok()
+        .filter(|c| !c.trim().is_empty())
+        .or_else(|| {
+            let dir = std::env::var("SERVICES_DIR").ok()?;
+            let path = format!("{dir}/rabbitmq/rabbitmqctl");
+            Path::new(&path).exists().then_some(path)
+        })
+        .unwrap_or_else(|| "rabbitmqctl".to_owned());
+    let mut words = command.split_whitespace();
+    let program = words.next().unwrap_or("rabbitmqctl");
+    let how = format!("set {RABBITMQCTL} to a rabbitmqctl command for the test node");
+    let output = std::process::Command::new(program)
+        .args(words)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run `{command}`: {e}; {how}"));
+    assert!(
+        output.status.success(),
+        "`{command} {}` failed ({}): {}{}; {how}",
+        args.join(" "),
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }

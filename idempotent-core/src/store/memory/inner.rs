@@ -1,8 +1,8 @@
-//! The in-memory store: one process, bounded, on dashmap.
+//! The memory store's state: the map of records, the byte and entry bounds, the sweeper and
+//! the waiters, and every operation as one step on one map entry.
 
-use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -10,15 +10,8 @@ use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 use tokio::sync::Notify;
 
-use crate::clock::{Clock, SystemClock};
-use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, limits};
-
-/// Default bound on the number of records: one million.
-pub const DEFAULT_MAX_ENTRIES: usize = 1_000_000;
-/// Default bound on the bytes held by records: 256 MiB.
-pub const DEFAULT_MAX_BYTES: usize = 256 << 20;
-/// Default period of the background sweep that deletes expired records: 10 s.
-pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
+use crate::clock::Clock;
+use crate::{Claim, FencingToken, Fingerprint, StorageKey, StoreError, limits};
 
 /// What one record is charged against the byte bound besides its payload: the map slot, the
 /// key, the record, the payload's allocation and the map's spare capacity. Measured resident
@@ -26,68 +19,28 @@ pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 /// byte bound is an upper bound on what records really use.
 pub const RECORD_OVERHEAD: usize = 256;
 
-const NEVER: u64 = u64::MAX;
+pub(super) const NEVER: u64 = u64::MAX;
 
 /// Completions with payloads this small are accepted even when the byte bound is reached, so
 /// the byte bound can be exceeded by at most this much per in-flight record.
 const ALWAYS_FITS: usize = 64;
 
-/// A [`Store`] in this process's memory, the embedded default.
-///
-/// It protects one process: use a shared store (Redis, PostgreSQL) when several instances serve
-/// the same clients. Cloning is cheap; clones share the records.
-///
-/// - **Atomic**: `claim` runs under the map shard's lock, so of any number of concurrent claims
-///   on one key exactly one wins.
-/// - **Bounded** by a number of records and a number of bytes (payload plus
-///   [`RECORD_OVERHEAD`] per record); defaults [`DEFAULT_MAX_ENTRIES`] and
-///   [`DEFAULT_MAX_BYTES`]. Completions of at most 64 bytes (the runtime's "done, result not
-///   retained" record) are accepted even at the byte bound, so a call that ran can always be
-///   recorded; the bound may be exceeded by that much per in-flight record. When full of live records it refuses new claims with
-///   [`StoreError::Capacity`] — it never evicts a live record, because an evicted claim is a
-///   second execution. Replays of existing records keep working when full.
-/// - **Reclaimed**: an expired record is replaced in place by the next claim on its key; a
-///   background task deletes expired records every [`DEFAULT_SWEEP_INTERVAL`] (when the store
-///   is built inside a tokio runtime; the task ends when the last clone is dropped); and a claim
-///   that finds the store full sweeps once before refusing. An abandoned claim (its lease
-///   ended, or it was released) is kept until the TTL it was claimed with, so that the next
-///   owner continues its lifetime and [operation key](crate::ClaimHandle::operation_key); a
-///   full store's sweep deletes abandoned claims too, and the next owner of such a key then
-///   begins a new lifetime.
-/// - **Fenced**: tokens come from one counter per store, so they increase per key even across
-///   deletions.
-/// - **Expiring**: every record expires; a lease above [`limits::MAX_LEASE`] or a TTL above
-///   [`limits::MAX_TTL`] is recorded as that ceiling, and the clock's arithmetic saturates
-///   rather than overflows.
-///
-/// ```
-/// use idempotent_core::memory::MemoryStore;
-/// use idempotent_core::Idempotency;
-///
-/// let store = MemoryStore::builder().max_entries(10_000).max_bytes(64 << 20).build();
-/// let idempotency = Idempotency::new(store);
-/// ```
-#[derive(Clone)]
-pub struct MemoryStore {
-    inner: Arc<Inner>,
+pub(super) struct Inner {
+    pub(super) records: DashMap<StorageKey, Record>,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) max_entries: usize,
+    pub(super) max_bytes: usize,
+    pub(super) entries: AtomicUsize,
+    pub(super) bytes: AtomicUsize,
+    pub(super) last_token: AtomicU64,
+    pub(super) changed: Notify,
+    pub(super) waiters: AtomicUsize,
+    pub(super) capacity_sweep_gap: u64,
+    pub(super) last_capacity_sweep: AtomicU64,
+    pub(super) sweeper: OnceLock<tokio::task::AbortHandle>,
 }
 
-struct Inner {
-    records: DashMap<StorageKey, Record>,
-    clock: Arc<dyn Clock>,
-    max_entries: usize,
-    max_bytes: usize,
-    entries: AtomicUsize,
-    bytes: AtomicUsize,
-    last_token: AtomicU64,
-    changed: Notify,
-    waiters: AtomicUsize,
-    capacity_sweep_gap: u64,
-    last_capacity_sweep: AtomicU64,
-    sweeper: OnceLock<tokio::task::AbortHandle>,
-}
-
-enum Record {
+pub(super) enum Record {
     InFlight {
         token: u64,
         /// The token that began the record's lifetime.
@@ -167,152 +120,8 @@ impl Record {
     }
 }
 
-fn nanos(d: Duration) -> u64 {
+pub(super) fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
-}
-
-/// How full a [`MemoryStore`] is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct MemoryStats {
-    /// Records held, live or expired but not yet reclaimed.
-    pub records: usize,
-    /// Bytes charged against the byte bound.
-    pub bytes: usize,
-}
-
-impl MemoryStore {
-    /// A store with the default bounds and the system clock.
-    pub fn new() -> Self {
-        Self::builder().build()
-    }
-
-    /// Configures a store.
-    pub fn builder() -> MemoryStoreBuilder {
-        MemoryStoreBuilder {
-            max_entries: DEFAULT_MAX_ENTRIES,
-            max_bytes: DEFAULT_MAX_BYTES,
-            sweep_interval: Some(DEFAULT_SWEEP_INTERVAL),
-            clock: None,
-        }
-    }
-
-    /// How full the store is.
-    pub fn stats(&self) -> MemoryStats {
-        MemoryStats {
-            records: self.inner.entries.load(Ordering::Acquire),
-            bytes: self.inner.bytes.load(Ordering::Acquire),
-        }
-    }
-
-    /// Deletes every expired record now (completed records past their TTL, abandoned claims
-    /// past the TTL they were claimed with); returns how many were deleted.
-    pub fn sweep(&self) -> usize {
-        self.inner.sweep(false)
-    }
-}
-
-impl Default for MemoryStore {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl fmt::Debug for MemoryStore {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MemoryStore")
-            .field("stats", &self.stats())
-            .field("max_entries", &self.inner.max_entries)
-            .field("max_bytes", &self.inner.max_bytes)
-            .finish_non_exhaustive()
-    }
-}
-
-/// Configures a [`MemoryStore`]. Created by [`MemoryStore::builder`].
-#[must_use]
-pub struct MemoryStoreBuilder {
-    max_entries: usize,
-    max_bytes: usize,
-    sweep_interval: Option<Duration>,
-    clock: Option<Arc<dyn Clock>>,
-}
-
-impl MemoryStoreBuilder {
-    /// The most records held at once (default [`DEFAULT_MAX_ENTRIES`]).
-    pub fn max_entries(mut self, max: usize) -> Self {
-        self.max_entries = max;
-        self
-    }
-
-    /// The most bytes held at once, payloads plus [`RECORD_OVERHEAD`] per record (default
-    /// [`DEFAULT_MAX_BYTES`]).
-    pub fn max_bytes(mut self, max: usize) -> Self {
-        self.max_bytes = max;
-        self
-    }
-
-    /// How often the background sweep deletes expired records (default
-    /// [`DEFAULT_SWEEP_INTERVAL`]); `None` turns it off.
-    pub fn sweep_interval(mut self, every: Option<Duration>) -> Self {
-        self.sweep_interval = every.filter(|d| !d.is_zero());
-        self
-    }
-
-    /// The time source (default [`SystemClock`]). Tests pass a `clock::ManualClock` (feature `test-util`).
-    pub fn clock(mut self, clock: impl Clock) -> Self {
-        self.clock = Some(Arc::new(clock));
-        self
-    }
-
-    /// Builds the store. The background sweep starts only when called inside a tokio runtime.
-    pub fn build(self) -> MemoryStore {
-        let sweep_every = self.sweep_interval.unwrap_or(DEFAULT_SWEEP_INTERVAL);
-        let inner = Arc::new(Inner {
-            records: DashMap::new(),
-            clock: self.clock.unwrap_or_else(|| Arc::new(SystemClock::new())),
-            max_entries: self.max_entries,
-            max_bytes: self.max_bytes,
-            entries: AtomicUsize::new(0),
-            bytes: AtomicUsize::new(0),
-            last_token: AtomicU64::new(0),
-            changed: Notify::new(),
-            waiters: AtomicUsize::new(0),
-            // A full store sweeps at most ten times per sweep interval, so a flood of claims
-            // against a full store does not turn into a flood of full scans.
-            capacity_sweep_gap: nanos(sweep_every / 10),
-            last_capacity_sweep: AtomicU64::new(NEVER),
-            sweeper: OnceLock::new(),
-        });
-        if let (Some(every), Ok(runtime)) =
-            (self.sweep_interval, tokio::runtime::Handle::try_current())
-        {
-            let weak = Arc::downgrade(&inner);
-            let task = runtime.spawn(sweep_periodically(weak, every));
-            let _ = inner.sweeper.set(task.abort_handle());
-        }
-        MemoryStore { inner }
-    }
-}
-
-impl fmt::Debug for MemoryStoreBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MemoryStoreBuilder")
-            .field("max_entries", &self.max_entries)
-            .field("max_bytes", &self.max_bytes)
-            .field("sweep_interval", &self.sweep_interval)
-            .finish_non_exhaustive()
-    }
-}
-
-async fn sweep_periodically(store: Weak<Inner>, every: Duration) {
-    loop {
-        tokio::time::sleep(every).await;
-        let Some(inner) = store.upgrade() else { return };
-        let removed = inner.sweep(false);
-        if removed > 0 {
-            tracing::trace!(removed, "idempotency memory store swept expired records");
-        }
-    }
 }
 
 impl Drop for Inner {
@@ -385,7 +194,7 @@ impl Inner {
         self.sweep(true)
     }
 
-    fn sweep(&self, pressed: bool) -> usize {
+    pub(super) fn sweep(&self, pressed: bool) -> usize {
         let now = self.now();
         let (mut removed, mut freed) = (0, 0);
         self.records.retain(|_, record| {
@@ -406,7 +215,7 @@ impl Inner {
         }
     }
 
-    fn claim(
+    pub(super) fn claim(
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
@@ -474,7 +283,7 @@ impl Inner {
         }
     }
 
-    fn complete(
+    pub(super) fn complete(
         &self,
         key: &StorageKey,
         token: FencingToken,
@@ -533,7 +342,7 @@ impl Inner {
     }
 
     /// Ends the lease at once; the record is kept as an abandoned claim (see `is_kept`).
-    fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
+    pub(super) fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
         let now = self.now();
         let released = match self.records.get_mut(key).as_deref_mut() {
             Some(Record::InFlight {
@@ -554,7 +363,7 @@ impl Inner {
         }
     }
 
-    fn renew(
+    pub(super) fn renew(
         &self,
         key: &StorageKey,
         token: FencingToken,
@@ -586,61 +395,10 @@ enum Completion {
     Rejected,
 }
 
-struct Waiting<'a>(&'a AtomicUsize);
+pub(super) struct Waiting<'a>(pub(super) &'a AtomicUsize);
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-impl Store for MemoryStore {
-    fn name(&self) -> &'static str {
-        "memory"
-    }
-
-    async fn claim(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Claim, StoreError> {
-        self.inner.claim(key, fingerprint, lease, ttl)
-    }
-
-    async fn complete(
-        &self,
-        key: &StorageKey,
-        token: FencingToken,
-        payload: Bytes,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        self.inner.complete(key, token, payload, ttl)
-    }
-
-    async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
-        self.inner.release(key, token)
-    }
-
-    async fn renew(
-        &self,
-        key: &StorageKey,
-        token: FencingToken,
-        lease: Duration,
-    ) -> Result<(), StoreError> {
-        self.inner.renew(key, token, lease)
-    }
-
-    async fn wait_for_change(&self, _key: &StorageKey, max_wait: Duration) {
-        self.inner.waiters.fetch_add(1, Ordering::AcqRel);
-        let _waiting = Waiting(&self.inner.waiters);
-        let _ = tokio::time::timeout(max_wait, self.inner.changed.notified()).await;
-    }
-
-    /// `true`: records are `Bytes` in this process, handed back as they were given, so the
-    /// runtime does not checksum them.
-    fn keeps_records_in_process(&self) -> bool {
-        true
     }
 }

@@ -1,193 +1,27 @@
-//! The transactional outbox: messages written in the caller's transaction, next to the effect
-//! and the idempotency record, and delivered afterwards by a [`Relay`](super::Relay).
+//! The outbox table: enqueue in the caller's transaction, dead letters, the backlog, requeue,
+//! and the SQL the relay runs on it.
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use sqlx::postgres::{PgConnection, PgPool};
 // The executor's own methods, for `Send` futures: see the note in the parent module.
 use sqlx::{Executor as _, Row as _};
 
-use super::{InvalidTableName, TableName, micros, store_error};
-use crate::{ClaimHandle, Key, KeyError, StoreError};
+use super::message::{MAX_OUTBOX_PAYLOAD, OutboxError, Outgoing};
+use crate::StoreError;
+use crate::store::postgres::{InvalidTableName, TableName, micros, migrate, store_error};
 
 /// The table [`Outbox::new`] uses.
 pub const DEFAULT_OUTBOX_TABLE: &str = "idempotent_outbox";
 
-/// The largest payload [`Outbox::enqueue`] accepts: 16 MiB.
-pub const MAX_OUTBOX_PAYLOAD: usize = 16 << 20;
-
-/// The longest wait the outbox writes into its table: 365 days. A [`Message::delay`], a
+/// The longest wait the outbox writes into its table: 365 days. A [`Outgoing::delay`], a
 /// relay's [backoff](super::RelayBuilder::backoff) and its
 /// [`retain_delivered`](super::RelayBuilder::retain_delivered) longer than this (up to
 /// [`Duration::MAX`]) are this, so that `now ± wait` is always a valid timestamp. (The same
 /// ceiling as the parent module's `micros`, which binds every duration.)
 pub(crate) const MAX_OUTBOX_DELAY: Duration = Duration::from_secs(365 * 24 * 3600);
-
-/// A message to send to another system, once the transaction that enqueues it commits.
-///
-/// ```
-/// use idempotent_core::postgres::Message;
-///
-/// let message = Message::new("notifications", r#"{"id":"pay-1","amount":250}"#)
-///     .header("content-type", "application/json")
-///     .ordering_key("account:alice");
-/// ```
-#[derive(Debug, Clone)]
-pub struct Message {
-    destination: String,
-    payload: Bytes,
-    key: Option<Key>,
-    operation: Option<Key>,
-    part: Option<String>,
-    headers: Vec<(String, String)>,
-    ordering_key: Option<String>,
-    delay: Duration,
-}
-
-impl Message {
-    /// A message for `destination` (the name a [`Relay`](super::Relay) routes to one of its
-    /// sinks) carrying `payload`.
-    pub fn new(destination: impl Into<String>, payload: impl Into<Bytes>) -> Self {
-        Message {
-            destination: destination.into(),
-            payload: payload.into(),
-            key: None,
-            operation: None,
-            part: None,
-            headers: Vec::new(),
-            ordering_key: None,
-            delay: Duration::ZERO,
-        }
-    }
-
-    /// The message's idempotency key: what the receiver deduplicates on (the HTTP sink sends
-    /// it as `Idempotency-Key`, the Redis Streams sink as the `key` field). By default it is
-    /// the [operation key](ClaimHandle::operation_key) of the claim given with
-    /// [`claim`](Self::claim), else of the running claim ([`ClaimHandle::current`]: inside an
-    /// `#[idempotent]` function, the runtime's `run`, a layer's handler): the same for every
-    /// owner and attempt of the operation that enqueues it.
-    #[must_use]
-    pub fn key(mut self, key: Key) -> Self {
-        self.key = Some(key);
-        self
-    }
-
-    /// Takes its default key from `claim` (its [operation
-    /// key](ClaimHandle::operation_key)) instead of the running claim: for the transactional
-    /// mode's [`PendingRecord::claim`](super::PendingRecord::claim), where no claim is
-    /// running as [`ClaimHandle::current`].
-    #[must_use]
-    pub fn claim(mut self, claim: &ClaimHandle) -> Self {
-        self.operation = Some(claim.operation_key());
-        self
-    }
-
-    /// Names this message among several an operation sends to the same receiver: the default
-    /// key becomes `<operation key>.<part>`, so each message has its own key and every
-    /// attempt of the operation still gives each the same one. Ignored with [`key`](Self::key).
-    #[must_use]
-    pub fn part(mut self, part: impl Into<String>) -> Self {
-        self.part = Some(part.into());
-        self
-    }
-
-    /// A header sent with the message (the HTTP sink sends it as an HTTP header, the Redis
-    /// Streams sink as a field). `Idempotency-Key` is refused at the enqueue: the key is
-    /// [`key`](Self::key).
-    #[must_use]
-    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
-        self.headers.push((name.into(), value.into()));
-        self
-    }
-
-    /// Messages with the same ordering key are delivered one at a time, in the order their
-    /// transactions committed: a message waits until every earlier one with its ordering key
-    /// was delivered or dead-lettered. Transactions that enqueue messages with the same
-    /// ordering key take turns (the enqueue takes an advisory lock held until the commit), so
-    /// enqueue order and commit order agree. Without one, messages are delivered in any order,
-    /// several at once.
-    ///
-    /// That lock lasts as long as the transaction, so a message with an ordering key must be
-    /// enqueued in an explicit transaction (`pool.begin()`): on a connection in autocommit
-    /// mode [`Outbox::enqueue`] refuses it with [`OutboxError::NotInTransaction`].
-    #[must_use]
-    pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
-        self.ordering_key = Some(key.into());
-        self
-    }
-
-    /// Deliver no sooner than `delay` after the enqueue. A delay longer than 365 days,
-    /// [`Duration::MAX`] included, is 365 days.
-    #[must_use]
-    pub fn delay(mut self, delay: Duration) -> Self {
-        self.delay = delay;
-        self
-    }
-
-    /// The key the message is sent with: its own, else the running claim's operation key
-    /// (with its part).
-    fn resolved_key(&self) -> Result<Key, OutboxError> {
-        if let Some(key) = &self.key {
-            return Ok(key.clone());
-        }
-        let operation = match &self.operation {
-            Some(operation) => operation.clone(),
-            None => ClaimHandle::current()
-                .ok_or(OutboxError::NoKey)?
-                .operation_key(),
-        };
-        match &self.part {
-            None => Ok(operation),
-            Some(part) => Ok(Key::new(format!("{}.{part}", operation.as_str()))?),
-        }
-    }
-}
-
-/// Why a message was not enqueued. The transaction is untouched: roll it back, or go on
-/// without the message.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum OutboxError {
-    /// No key or claim was given and no claim is running (outside an `#[idempotent]`
-    /// function or the runtime's work): there is no operation key to default to.
-    #[error(
-        "the message has no key and no claim is running: give it one with Message::key or \
-         Message::claim, or enqueue it from the work of an idempotent call"
-    )]
-    NoKey,
-    /// The key (or the operation key with its part) is not a valid key.
-    #[error("the message key is not valid: {0}")]
-    InvalidKey(#[from] KeyError),
-    /// The destination is empty or longer than 255 bytes.
-    #[error("the destination must be 1 to 255 bytes")]
-    InvalidDestination,
-    /// A header name or value is not valid in HTTP (a control character, a space in a name),
-    /// a header is named `Idempotency-Key` (the key is [`Message::key`]), or a destination or
-    /// ordering key holds a NUL byte (PostgreSQL text cannot).
-    #[error("a header name or value is not valid HTTP, or a text holds a NUL byte")]
-    InvalidHeader,
-    /// The payload is over [`MAX_OUTBOX_PAYLOAD`].
-    #[error("the payload is {size} bytes, over the outbox's limit of {MAX_OUTBOX_PAYLOAD}")]
-    PayloadTooLarge {
-        /// The payload's size.
-        size: usize,
-    },
-    /// The message has an [ordering key](Message::ordering_key) and the connection is not in
-    /// a transaction (autocommit mode). Its turn on the ordering key would end with the
-    /// statement instead of the commit, so the message could be delivered out of order:
-    /// enqueue it in a transaction (`pool.begin()`). Nothing was written.
-    #[error(
-        "a message with an ordering key must be enqueued in a transaction: begin one on the \
-         connection (pool.begin()) and commit it after the enqueue"
-    )]
-    NotInTransaction,
-    /// The statement failed; the transaction is aborted: roll it back.
-    #[error("the outbox could not be written")]
-    Store(#[source] StoreError),
-}
 
 /// What [`Outbox::backlog`] found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -222,7 +56,7 @@ pub struct DeadLetter {
 /// all; a [`Relay`](super::Relay) delivers it afterwards, at least once, with its key.
 ///
 /// ```no_run
-/// use idempotent_core::postgres::{Message, Outbox};
+/// use idempotent_core::outbox::{Outbox, Outgoing};
 /// use sqlx::PgPool;
 ///
 /// # async fn example(pool: PgPool) -> Result<(), Box<dyn std::error::Error>> {
@@ -231,7 +65,7 @@ pub struct DeadLetter {
 ///
 /// let mut tx = pool.begin().await?;
 /// // ... the business change, in `tx` ...
-/// let message = Message::new("notifications", r#"{"order":7}"#)
+/// let message = Outgoing::new("notifications", r#"{"order":7}"#)
 ///     .key("order-7-confirmation".parse()?);
 /// outbox.enqueue(&mut tx, &message).await?;
 /// tx.commit().await?; // the change and the message, together
@@ -241,8 +75,8 @@ pub struct DeadLetter {
 ///
 /// Inside the work of an idempotent call (`#[idempotent(tx = ..)]`, or the runtime's `run`), a
 /// message without a key gets the running claim's [operation
-/// key](ClaimHandle::operation_key); with the transactional mode's API, give it the claim:
-/// `Message::new(..).claim(&pending.claim())`. That key is the same for every attempt of the
+/// key](crate::ClaimHandle::operation_key); with the transactional mode's API, give it the claim:
+/// `Outgoing::new(..).claim(&pending.claim())`. That key is the same for every attempt of the
 /// operation, so however often the operation is retried, the receiver sees one key.
 /// With the transactional mode, a retried operation either replays (its transaction, message
 /// included, committed) or runs again from nothing (it rolled back, message included).
@@ -312,9 +146,9 @@ impl Outbox {
     }
 
     /// The outbox in `table`: a lowercase identifier, optionally qualified by a schema.
-    pub fn with_table(table: &str) -> Result<Self, InvalidTableName> {
+    pub fn with_table(table: impl AsRef<str>) -> Result<Self, InvalidTableName> {
         Ok(Outbox {
-            sql: Arc::new(OutboxSql::new(table)?),
+            sql: Arc::new(OutboxSql::new(table.as_ref())?),
         })
     }
 
@@ -335,24 +169,24 @@ impl Outbox {
 
     /// Creates the table and its indexes if missing. Safe to run from every instance at once.
     pub async fn migrate(&self, pool: &PgPool) -> Result<(), StoreError> {
-        super::migrate(pool, &self.sql.table, &self.sql.migrate)
+        migrate(pool, &self.sql.table, &self.sql.migrate)
             .await
             .map_err(store_error)
     }
 
     /// Writes `message` in `connection`'s transaction and returns its id. It is delivered once
     /// the transaction commits; a rollback discards it. The key is the message's own, else the
-    /// running claim's operation key (see [`Message::key`]).
+    /// running claim's operation key (see [`Outgoing::key`]).
     ///
     /// In autocommit mode (a connection not in a transaction) the message is committed at
     /// once, which is only right for a message that does not depend on other writes; a
-    /// message with an [ordering key](Message::ordering_key) is refused there with
+    /// message with an [ordering key](Outgoing::ordering_key) is refused there with
     /// [`OutboxError::NotInTransaction`] before anything is written (one extra round trip,
     /// only for messages with an ordering key, asks the server).
     pub async fn enqueue(
         &self,
         connection: &mut PgConnection,
-        message: &Message,
+        message: &Outgoing,
     ) -> Result<i64, OutboxError> {
         let key = message.resolved_key()?;
         if message.destination.is_empty() || message.destination.len() > 255 {
@@ -481,8 +315,13 @@ impl Outbox {
 
     /// Deletes delivered messages delivered more than `older_than` ago, in batches of 1,000;
     /// returns how many. Pending messages and dead letters are kept. An `older_than` above 365
-    /// days, [`Duration::MAX`] included, is 365 days.
-    pub async fn reap(&self, pool: &PgPool, older_than: Duration) -> Result<u64, StoreError> {
+    /// days, [`Duration::MAX`] included, is 365 days. The relay runs it: see
+    /// [`Relay::reap`](super::Relay::reap).
+    pub(super) async fn reap(
+        &self,
+        pool: &PgPool,
+        older_than: Duration,
+    ) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
             let deleted = pool

@@ -1,4 +1,8 @@
 //! The relay: delivers the outbox's committed messages, at least once, with their keys.
+//!
+//! (Longer than most files here, on purpose: the relay's builder, its loop and its SQL
+//! share one set of settings, and about 150 lines are the documentation of its delivery
+//! guarantees.)
 
 use std::collections::HashMap;
 use std::fmt;
@@ -12,90 +16,11 @@ use sqlx::postgres::{PgListener, PgPool};
 // The executor's own methods, for `Send` futures: see the note in the parent module.
 use sqlx::{Executor as _, Row as _};
 
-use super::outbox::{MAX_OUTBOX_DELAY, Outbox, RELAY_CRASHED, TAKEN_HOLD};
-use super::{micros, store_error};
+use super::sink::{Relayed, Sink, SinkError};
+use super::table::{MAX_OUTBOX_DELAY, Outbox, RELAY_CRASHED, TAKEN_HOLD};
+use super::{OUTBOX_DEAD, OUTBOX_DELIVERIES, OUTBOX_OLDEST_PENDING_AGE, OUTBOX_PENDING};
 use crate::StoreError;
-
-/// A boxed future, as [`Sink::deliver`] returns.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// `idempotency.outbox.deliveries` (counter; label `result`: `delivered`, `retried`, `dead`):
-/// delivery attempts of outbox messages, by how each ended.
-pub const OUTBOX_DELIVERIES: &str = "idempotency.outbox.deliveries";
-/// `idempotency.outbox.pending` (gauge): messages not delivered yet, as a relay last read it.
-pub const OUTBOX_PENDING: &str = "idempotency.outbox.pending";
-/// `idempotency.outbox.dead` (gauge): dead letters, as a relay last read it.
-pub const OUTBOX_DEAD: &str = "idempotency.outbox.dead";
-/// `idempotency.outbox.oldest_pending_age` (gauge, seconds): how long the oldest pending
-/// message has waited (0 with none pending), as a relay last read it.
-pub const OUTBOX_OLDEST_PENDING_AGE: &str = "idempotency.outbox.oldest_pending_age";
-
-/// One committed message, as the relay hands it to a sink. (To test a sink of your own, start
-/// from `OutboxMessage::default()` and set the fields.)
-#[derive(Debug, Clone, Default)]
-#[non_exhaustive]
-pub struct OutboxMessage {
-    /// The message's row id (its enqueue order).
-    pub id: i64,
-    /// Its destination.
-    pub destination: String,
-    /// Its key: what the receiver deduplicates on.
-    pub key: String,
-    /// Its payload.
-    pub payload: Bytes,
-    /// Its headers, in the order given.
-    pub headers: Vec<(String, String)>,
-    /// Which attempt this is, from 1. Attempts during which a relay died count too.
-    pub attempt: u32,
-}
-
-/// Why a sink did not deliver a message.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SinkError {
-    message: String,
-    permanent: bool,
-}
-
-impl SinkError {
-    /// A failure that may pass (the receiver down, a timeout): the message is tried again
-    /// after a backoff, up to the relay's [`max_attempts`](RelayBuilder::max_attempts).
-    pub fn retry(error: impl fmt::Display) -> Self {
-        SinkError {
-            message: error.to_string(),
-            permanent: false,
-        }
-    }
-
-    /// A failure that retrying cannot change (the receiver refused the message as
-    /// malformed): the message is dead-lettered at once.
-    pub fn permanent(error: impl fmt::Display) -> Self {
-        SinkError {
-            message: error.to_string(),
-            permanent: true,
-        }
-    }
-
-    /// Whether retrying cannot help.
-    pub fn is_permanent(&self) -> bool {
-        self.permanent
-    }
-}
-
-impl fmt::Display for SinkError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl std::error::Error for SinkError {}
-
-/// Where a [`Relay`] delivers the messages of one destination. Delivery must carry the
-/// message's [`key`](OutboxMessage::key) to the receiver, which deduplicates on it: the relay
-/// delivers at least once.
-pub trait Sink: Send + Sync + 'static {
-    /// Delivers `message`; `Ok` once the receiver has it.
-    fn deliver<'a>(&'a self, message: &'a OutboxMessage) -> BoxFuture<'a, Result<(), SinkError>>;
-}
+use crate::store::postgres::{micros, store_error};
 
 /// What one [`Relay::run_once`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -128,11 +53,11 @@ struct Settings {
 /// Delivers an [`Outbox`]'s committed messages to [`Sink`]s, at least once.
 ///
 /// ```no_run
-/// use idempotent_core::postgres::{Outbox, Relay};
-/// # use idempotent_core::postgres::{BoxFuture, OutboxMessage, Sink, SinkError};
+/// use idempotent_core::outbox::{Outbox, Relay};
+/// # use idempotent_core::outbox::{BoxFuture, Relayed, Sink, SinkError};
 /// # struct Notifier;
 /// # impl Sink for Notifier {
-/// #     fn deliver<'a>(&'a self, _: &'a OutboxMessage) -> BoxFuture<'a, Result<(), SinkError>> {
+/// #     fn deliver<'a>(&'a self, _: &'a Relayed) -> BoxFuture<'a, Result<(), SinkError>> {
 /// #         Box::pin(async { Ok(()) })
 /// #     }
 /// # }
@@ -367,7 +292,7 @@ enum Delivered {
 /// A row the batch statement took, read.
 enum Taken {
     /// To deliver.
-    Message(OutboxMessage),
+    Outgoing(Relayed),
     /// To dead-letter without delivering: the row cannot be read (its id, attempt and why).
     Unreadable(i64, u32, sqlx::Error),
 }
@@ -390,6 +315,17 @@ impl Relay {
                 reap_every: Duration::from_secs(60),
             },
         }
+    }
+
+    /// Deletes the messages delivered more than
+    /// [`retain_delivered`](RelayBuilder::retain_delivered) ago, in batches of 1,000; returns
+    /// how many. Pending messages and dead letters are kept. A running relay does this every
+    /// [`reap_every`](RelayBuilder::reap_every); call it yourself to reap at a time of your
+    /// choosing (from a scheduled job, say).
+    pub async fn reap(&self) -> Result<u64, StoreError> {
+        self.outbox
+            .reap(&self.pool, self.settings.retain_delivered)
+            .await
     }
 
     /// Delivers one batch: see "How it delivers".
@@ -438,7 +374,7 @@ impl Relay {
                 tracing::warn!(outbox = %self.outbox.table(), id, attempt, "outbox message taken again: its relay died while delivering it");
             }
             taken.push(match message(row) {
-                Ok(message) => Taken::Message(message),
+                Ok(message) => Taken::Outgoing(message),
                 Err(error) => Taken::Unreadable(id, attempt, error),
             });
         }
@@ -466,7 +402,7 @@ impl Relay {
         let (ids, attempts): (Vec<i64>, Vec<i32>) = taken
             .iter()
             .map(|taken| match taken {
-                Taken::Message(message) => (message.id, message.attempt),
+                Taken::Outgoing(message) => (message.id, message.attempt),
                 Taken::Unreadable(id, attempt, _) => (*id, *attempt),
             })
             .map(|(id, attempt)| (id, i32::try_from(attempt).unwrap_or(i32::MAX)))
@@ -486,7 +422,7 @@ impl Relay {
         let mut messages = Vec::with_capacity(taken.len());
         for taken in taken {
             let id = match &taken {
-                Taken::Message(message) => message.id,
+                Taken::Outgoing(message) => message.id,
                 Taken::Unreadable(id, ..) => *id,
             };
             if !locked.contains(&id) {
@@ -497,7 +433,7 @@ impl Relay {
             }
             batch.taken += 1;
             match taken {
-                Taken::Message(message) => messages.push(message),
+                Taken::Outgoing(message) => messages.push(message),
                 Taken::Unreadable(id, _, error) => failed.push((
                     id,
                     u32::MAX,
@@ -647,11 +583,7 @@ impl Relay {
             };
             if last_reap.elapsed() >= self.settings.reap_every {
                 last_reap = tokio::time::Instant::now();
-                if let Err(error) = self
-                    .outbox
-                    .reap(&self.pool, self.settings.retain_delivered)
-                    .await
-                {
+                if let Err(error) = self.reap().await {
                     tracing::warn!(outbox = %self.outbox.table(), error = &error as &dyn std::error::Error, "could not reap delivered outbox messages");
                 }
                 match self.outbox.backlog(&self.pool).await {
@@ -778,7 +710,7 @@ fn attempt(attempts: i32) -> u32 {
 
 /// The message in a row of the batch statement, which is dropped here: its payload is copied
 /// out of the row once, into the message, and the row's copy freed at once.
-fn message(row: sqlx::postgres::PgRow) -> Result<OutboxMessage, sqlx::Error> {
+fn message(row: sqlx::postgres::PgRow) -> Result<Relayed, sqlx::Error> {
     let names: Vec<String> = row.try_get(4)?;
     let values: Vec<String> = row.try_get(5)?;
     if names.len() != values.len() {
@@ -786,7 +718,7 @@ fn message(row: sqlx::postgres::PgRow) -> Result<OutboxMessage, sqlx::Error> {
             "header_names and header_values differ in length".into(),
         ));
     }
-    Ok(OutboxMessage {
+    Ok(Relayed {
         id: row.try_get(0)?,
         destination: row.try_get(1)?,
         key: row.try_get(2)?,
@@ -794,80 +726,4 @@ fn message(row: sqlx::postgres::PgRow) -> Result<OutboxMessage, sqlx::Error> {
         headers: names.into_iter().zip(values).collect(),
         attempt: attempt(row.try_get(6)?),
     })
-}
-
-/// A [`Sink`] that adds each message to a Redis stream (feature `redis`): `XADD` with the
-/// fields `key` (the message key, which the stream's consumers deduplicate on), `payload`,
-/// and each header as a field of its own, in order. A message with a header named `key` or
-/// `payload` is dead-lettered (it would shadow those fields).
-#[cfg(feature = "redis")]
-#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
-#[derive(Clone)]
-pub struct RedisStreamSink {
-    connection: redis::aio::ConnectionManager,
-    stream: String,
-    max_len: Option<usize>,
-}
-
-#[cfg(feature = "redis")]
-impl fmt::Debug for RedisStreamSink {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisStreamSink")
-            .field("stream", &self.stream)
-            .field("max_len", &self.max_len)
-            .finish_non_exhaustive()
-    }
-}
-
-#[cfg(feature = "redis")]
-impl RedisStreamSink {
-    /// A sink adding to `stream` through `connection` (which reconnects by itself).
-    pub fn new(connection: redis::aio::ConnectionManager, stream: impl Into<String>) -> Self {
-        RedisStreamSink {
-            connection,
-            stream: stream.into(),
-            max_len: None,
-        }
-    }
-
-    /// Trims the stream to about `len` entries on each add (`MAXLEN ~`).
-    pub fn max_len(mut self, len: usize) -> Self {
-        self.max_len = Some(len);
-        self
-    }
-}
-
-#[cfg(feature = "redis")]
-impl Sink for RedisStreamSink {
-    fn deliver<'a>(&'a self, message: &'a OutboxMessage) -> BoxFuture<'a, Result<(), SinkError>> {
-        Box::pin(async move {
-            if message
-                .headers
-                .iter()
-                .any(|(name, _)| name == "key" || name == "payload")
-            {
-                return Err(SinkError::permanent(
-                    "a header named `key` or `payload` would shadow the entry's own field",
-                ));
-            }
-            let mut add = redis::cmd("XADD");
-            add.arg(&self.stream);
-            if let Some(len) = self.max_len {
-                add.arg("MAXLEN").arg("~").arg(len);
-            }
-            add.arg("*")
-                .arg("key")
-                .arg(&message.key)
-                .arg("payload")
-                .arg(message.payload.as_ref());
-            for (name, value) in &message.headers {
-                add.arg(name).arg(value);
-            }
-            let mut connection = self.connection.clone();
-            add.query_async::<redis::Value>(&mut connection)
-                .await
-                .map(drop)
-                .map_err(|error| SinkError::retry(format!("XADD to {}: {error}", self.stream)))
-        })
-    }
 }

@@ -3,8 +3,6 @@
 
 use std::fmt;
 use std::future::Future;
-use std::pin::Pin;
-use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,8 +10,9 @@ use bytes::Bytes;
 use crate::claim::ClaimHandle;
 use crate::envelope;
 use crate::lease::{Renewal, attempt_limit, bounded, later};
+use crate::run_to_end::RunToEnd;
 use crate::runtime::ClaimedAt;
-use crate::shutdown::Detached;
+use crate::shutdown::ActiveOwned;
 use crate::store::BoxFuture;
 use crate::{Idempotency, StorageKey, StoreError};
 
@@ -24,7 +23,7 @@ impl Idempotency {
     /// value now) while the lease is kept alive, so duplicates are answered "in flight" and
     /// then replayed, never run again. It gives up when the store rejects the token (the claim
     /// is provably lost) or after the runtime's record retry bound. Runs inside
-    /// [`FinishOnDrop`]: once the work has run, abandoning the write would leave the claim to
+    /// [`RunToEnd`](crate::RunToEnd): once the work has run, abandoning the write would leave the claim to
     /// lapse and a retry to run the work again.
     pub(crate) async fn record(&self, recording: Recording, first: First) {
         let Recording {
@@ -206,7 +205,7 @@ pub(crate) struct Recording {
     pub(crate) payload: Payload,
     pub(crate) ttl: Duration,
     /// Counts the call in flight until its outcome is recorded (see graceful shutdown).
-    pub(crate) active: Detached,
+    pub(crate) active: ActiveOwned,
 }
 
 /// The first write of a record that did not succeed at once.
@@ -291,41 +290,14 @@ fn first_record_limit(lease: Duration) -> Duration {
 const FIRST_RECORD_BACKOFF: Duration = Duration::from_millis(20);
 const LAST_RECORD_BACKOFF: Duration = Duration::from_secs(2);
 
-/// A store write polled in place, finished on a spawned task if dropped before it completes.
-pub(crate) struct FinishOnDrop(pub(crate) Option<BoxFuture<'static, ()>>);
-
-impl FinishOnDrop {
-    /// `write`, with the call counted in flight until it is done.
-    pub(crate) fn with(write: impl Future<Output = ()> + Send + 'static, active: Detached) -> Self {
-        FinishOnDrop(Some(Box::pin(async move {
-            write.await;
-            drop(active);
-        })))
-    }
-}
-
-impl Future for FinishOnDrop {
-    type Output = ();
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let Some(write) = self.0.as_mut() else {
-            return Poll::Ready(());
-        };
-        ready!(write.as_mut().poll(cx));
-        self.0 = None;
-        Poll::Ready(())
-    }
-}
-
-impl Drop for FinishOnDrop {
-    fn drop(&mut self) {
-        let Some(write) = self.0.take() else { return };
-        if std::thread::panicking() {
-            return;
-        }
-        // Without a runtime the write is lost; the claim then ends with its lease.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(write);
-        }
-    }
+/// `write`, with the call counted in flight until it is done, run to its end even if the caller
+/// stops waiting for it.
+pub(crate) fn finish(
+    write: impl Future<Output = ()> + Send + 'static,
+    active: ActiveOwned,
+) -> RunToEnd<()> {
+    RunToEnd::new(async move {
+        write.await;
+        drop(active);
+    })
 }

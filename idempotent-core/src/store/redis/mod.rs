@@ -1,18 +1,22 @@
 //! The Redis store: one shared record per key for many app instances.
 
+mod builder;
+mod scripts;
+
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::cluster::ClusterClientBuilder;
+use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use redis::{
     Cmd, ErrorKind, FromRedisValue, Pipeline, RedisError, RedisFuture, Script, ServerErrorKind,
     Value,
 };
 
+pub use self::builder::{DEFAULT_TIMEOUT, RedisStoreBuilder};
+use self::scripts::{MAX_EXPIRY_MS, scripts};
 use super::Unanswered;
 use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, limits};
 
@@ -80,17 +84,17 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 ///   reconnects by itself when the server is back.
 #[derive(Clone)]
 pub struct RedisStore {
-    connection: Connection,
-    prefix: Arc<str>,
+    pub(super) connection: Connection,
+    pub(super) prefix: Arc<str>,
     /// Replicas that must acknowledge each claim and completion (`WAIT`), and how long
     /// to wait for them; none by default.
-    replicas: Option<(usize, Duration)>,
+    pub(super) replicas: Option<(usize, Duration)>,
 }
 
 /// One server, or a Redis Cluster. Both pipeline whatever is concurrent over their
 /// connections and reconnect by themselves.
 #[derive(Clone)]
-enum Connection {
+pub(super) enum Connection {
     Node(ConnectionManager),
     /// Routes each script by its one key's slot, follows `MOVED` and `ASK` redirections, and
     /// refreshes its view of the slots after a failover.
@@ -136,306 +140,6 @@ impl fmt::Debug for RedisStore {
     }
 }
 
-// Every script that sets an expiry checks it before it writes anything: a Lua error does not
-// undo the writes before it, so a `PEXPIRE` that failed after the `HSET` would leave a claim
-// with no expiry, or a completed record with the lease's. `EXPIRY_MS` is replaced by the
-// argument that holds the expiry, `MAX_MS` by the longest one (`limits`).
-const CHECK_EXPIRY: &str = r"
-local ms = tonumber(EXPIRY_MS)
-if not ms or ms < 1 or ms > MAX_MS or ms ~= math.floor(ms) then
-  return redis.error_reply('ERR idempotent: expiry out of range: ' .. tostring(EXPIRY_MS))
-end
-";
-
-// The server's time in milliseconds, as `ms`.
-const NOW_MS: &str = r"
-local now = redis.call('TIME')
-local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-";
-
-// `ARGV[1]` fingerprint, `ARGV[2]` lease and `ARGV[3]` TTL in milliseconds, `ARGV[4]` the
-// claimant. A record in flight whose lease (`l`, server milliseconds) ended is kept until the
-// TTL it was claimed with: the same request takes it over and keeps its lifetime (`o`).
-const CLAIM: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 's', 'f', 'p')
-if rec[1] == 'c' then return {'c', rec[2], rec[3]} end
-if rec[1] and rec[1] ~= 'i' then return {'?', rec[1]} end
-if rec[1] then
-  local more = redis.call('HMGET', KEYS[1], 'l', 'o', 't', 'n')
-  rec[4], rec[5], rec[6], rec[7] = more[1], more[2], more[3], more[4]
-end
-";
-
-// The rest of the claim, once the server's time is read (a replay above does not need it).
-const CLAIM_IN_TIME: &str = r"
-if rec[1] == 'i' then
-  local left
-  if rec[4] then left = tonumber(rec[4]) - ms else left = redis.call('PTTL', KEYS[1]) end
-  if left > 0 then
-    -- The same claim sent again (the client resent it after a dropped connection): its own.
-    if rec[7] == ARGV[4] then return {'claimed', rec[6], rec[5] or rec[6]} end
-    return {'i', rec[2], left}
-  end
-end
--- From the server's clock, and above the record's last token even if the clock stepped back.
-local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
-if rec[6] and tonumber(rec[6]) and tonumber(rec[6]) >= micros then micros = tonumber(rec[6]) + 1 end
-local token = string.format('%.0f', micros)
-local lifetime = token
-if rec[1] == 'i' and rec[2] == ARGV[1] and rec[5] then lifetime = rec[5] end
-redis.call('HSET', KEYS[1], 's', 'i', 'f', ARGV[1], 't', token, 'o', lifetime,
-  'l', string.format('%.0f', ms + tonumber(ARGV[2])), 'n', ARGV[4])
-redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[2]), tonumber(ARGV[3])))
-return {'claimed', token, lifetime}
-";
-
-// Whether the record is in flight with token `ARGV[1]` and a lease that has not ended, as
-// `owned`.
-const OWNED: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 's', 't', 'l')
-local owned = rec[1] == 'i' and rec[2] == ARGV[1] and (not rec[3] or tonumber(rec[3]) > ms)
-";
-
-// A completion repeated by the owner whose completion landed (its reply was lost, or it
-// retries with the 'not retained' record) finds its own token on the completed record and
-// succeeds, changing nothing; with `ARGV[4]` set (replicas required) it writes the token
-// again for `WAIT` to cover.
-const COMPLETE: &str = r"
-if owned then
-  redis.call('HSET', KEYS[1], 's', 'c', 'p', ARGV[2])
-  redis.call('HDEL', KEYS[1], 'l', 'n')
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return 1
-end
-if rec[1] == 'c' and rec[2] == ARGV[1] then
-  if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 't', ARGV[1]) end
-  return 1
-end
-return 0
-";
-
-// Ends the lease; the record is kept for the next claim of the same request to take over.
-const RELEASE: &str = r"
-if not owned then return 0 end
-redis.call('HSET', KEYS[1], 'l', '0')
-return 1
-";
-
-// Whether the record is still claimed with token `ARGV[1]`; if so, writes the token again
-// (changing nothing), a write for `WAIT` to cover that reaches the replicas after the claim.
-const CONFIRM: &str = r"
-if not owned then return 0 end
-redis.call('HSET', KEYS[1], 't', ARGV[1])
-return 1
-";
-
-const RENEW: &str = r"
-if not owned then return 0 end
-redis.call('HSET', KEYS[1], 'l', string.format('%.0f', ms + tonumber(ARGV[2])))
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 1
-";
-
-// Whether the record is completed with token `ARGV[1]` (the owner's completion landed and its
-// retry was refused for want of memory); with `ARGV[2]` set (replicas required), writes the
-// token again for `WAIT` to cover.
-const COMPLETED: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 's', 't')
-if rec[1] ~= 'c' or rec[2] ~= ARGV[1] then return 0 end
-if ARGV[2] == '1' then redis.call('HSET', KEYS[1], 't', ARGV[1]) end
-return 1
-";
-
-// Ends the lease of the claim made by claimant `ARGV[1]` after its caller stopped waiting
-// for the reply (see `Unanswered`).
-const GIVE_BACK: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 's', 'n', 'l')
-if rec[1] ~= 'i' or rec[2] ~= ARGV[1] or not rec[3] or tonumber(rec[3]) <= ms then
-  return 0
-end
-redis.call('HSET', KEYS[1], 'l', '0')
-return 1
-";
-
-/// `parts` (with [`NOW_MS`] before the first part that reads the server's time), with the
-/// expiries in `expiries` (argument numbers) checked before anything.
-fn checked(expiries: &[usize], parts: &[&str]) -> Script {
-    Script::new(&checked_source(expiries, parts))
-}
-
-/// Like [`checked`], for a script that must run when Redis is out of memory (`maxmemory`
-/// reached, policy `noeviction`): it only rewrites a field in place (a lease's end, its
-/// token) or ends a lease, so a running claim keeps its lease, can be given up, and
-/// recognises its own completed record while the store refuses new data. Redis 7 runs
-/// flagged scripts only; earlier versions refuse them.
-fn checked_in_oom(expiries: &[usize], parts: &[&str]) -> Script {
-    Script::new(&format!(
-        "#!lua flags=allow-oom\n{}",
-        checked_source(expiries, parts)
-    ))
-}
-
-/// Where in a script's parts its expiry checks go, when not first: after parts that only
-/// read (a replay returns before it, and pays for no check).
-const EXPIRY_CHECKS: &str = "--[[ the expiry checks ]]";
-
-/// The source of [`checked`]'s script.
-fn checked_source(expiries: &[usize], parts: &[&str]) -> String {
-    let checks: String = expiries
-        .iter()
-        .map(|arg| {
-            CHECK_EXPIRY
-                .replace("EXPIRY_MS", &format!("ARGV[{arg}]"))
-                .replace("MAX_MS", &MAX_EXPIRY_MS.to_string())
-        })
-        .collect();
-    let placed = parts.contains(&EXPIRY_CHECKS);
-    let mut source = if placed {
-        String::new()
-    } else {
-        checks.clone()
-    };
-    for part in parts {
-        if *part == EXPIRY_CHECKS {
-            source.push_str(&checks);
-        } else {
-            source.push_str(part);
-        }
-    }
-    source
-}
-
-/// The longest expiry sent to Redis, in milliseconds: the longest TTL or lease.
-const MAX_EXPIRY_MS: u64 = {
-    let max = if limits::MAX_TTL.as_millis() > limits::MAX_LEASE.as_millis() {
-        limits::MAX_TTL
-    } else {
-        limits::MAX_LEASE
-    };
-    max.as_secs() * 1000 + max.subsec_millis() as u64
-};
-
-struct Scripts {
-    claim: Script,
-    complete: Script,
-    release: Script,
-    renew: Script,
-    confirm: Script,
-    give_back: Script,
-    completed: Script,
-}
-
-fn scripts() -> &'static Scripts {
-    static SCRIPTS: std::sync::OnceLock<Scripts> = std::sync::OnceLock::new();
-    SCRIPTS.get_or_init(|| Scripts {
-        claim: checked(&[2, 3], &[CLAIM, EXPIRY_CHECKS, NOW_MS, CLAIM_IN_TIME]),
-        complete: checked(&[3], &[NOW_MS, OWNED, COMPLETE]),
-        release: checked_in_oom(&[], &[NOW_MS, OWNED, RELEASE]),
-        renew: checked_in_oom(&[2], &[NOW_MS, OWNED, RENEW]),
-        confirm: checked(&[], &[NOW_MS, OWNED, CONFIRM]),
-        give_back: checked_in_oom(&[], &[NOW_MS, GIVE_BACK]),
-        completed: checked_in_oom(&[], &[COMPLETED]),
-    })
-}
-
-/// The default connection and response timeout of a [`RedisStore`]: 2 seconds.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// Configures a [`RedisStore`]. Created by [`RedisStore::builder`].
-#[derive(Clone)]
-#[must_use]
-pub struct RedisStoreBuilder {
-    url: String,
-    prefix: String,
-    timeout: Duration,
-    replicas: usize,
-}
-
-impl fmt::Debug for RedisStoreBuilder {
-    /// Leaves the URL out: it may hold a password.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisStoreBuilder")
-            .field("prefix", &self.prefix)
-            .field("timeout", &self.timeout)
-            .finish_non_exhaustive()
-    }
-}
-
-impl RedisStoreBuilder {
-    /// The prefix of every Redis key the store writes (default [`DEFAULT_KEY_PREFIX`]), to
-    /// separate applications sharing one Redis.
-    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into();
-        self
-    }
-
-    /// Makes every claim and every completion wait until at least `replicas` replicas of the
-    /// record's primary have acknowledged it (`WAIT`), for at most half the
-    /// [`timeout`](Self::timeout); default 0, none.
-    ///
-    /// An acknowledged claim or record survives its primary's death: the replica promoted in
-    /// its place has it, so no request answered before a failover runs again after it. The
-    /// cost is a second round trip per claim (a confirmation with its `WAIT`), a completion
-    /// that waits with its `WAIT`, and the replicas' own delay, which every operation
-    /// pipelined behind a `WAIT` on the same connection shares (see BENCHMARKS.md). Fails
-    /// closed: when fewer replicas acknowledge in time, a claim is given back (released) and
-    /// fails with [`StoreError::Unavailable`] (HTTP 503; nothing ran), and a completion fails with [`StoreError::Unavailable`]: the result is on the
-    /// primary, not yet safe, and the runtime retries the write while it keeps the claim; a
-    /// completion repeated with the token and the payload of the record it completed only
-    /// waits for the replicas again (it changes nothing; any other completion of a completed
-    /// record is refused, as the contract says). With more replicas required than exist,
-    /// every claim fails.
-    ///
-    /// Each `WAIT` travels in one pipeline with the write it confirms, so it counts the
-    /// replicas of the node that made that write and no other: a claim whose primary died
-    /// before a replica had it is not confirmed by another node, and fails.
-    pub fn replicas(mut self, replicas: usize) -> Self {
-        self.replicas = replicas;
-        self
-    }
-
-    /// How long connecting, and each operation, may take before it fails with
-    /// [`StoreError::Unavailable`] (default [`DEFAULT_TIMEOUT`]).
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-
-    /// Connects: to one server, or, when the URL is several comma-separated URLs, to the
-    /// Redis Cluster they are nodes of. Fails with [`StoreError::Backend`] for a malformed URL
-    /// and [`StoreError::Unavailable`] when no server can be reached.
-    pub async fn connect(self) -> Result<RedisStore, StoreError> {
-        let malformed = |e: RedisError| StoreError::Backend(Box::new(e));
-        let nodes: Vec<&str> = self.url.split(',').map(str::trim).collect();
-        let connection = if nodes.len() > 1 {
-            let client = ClusterClientBuilder::new(nodes)
-                .connection_timeout(self.timeout)
-                .response_timeout(self.timeout)
-                .build()
-                .map_err(malformed)?;
-            Connection::Cluster(client.get_async_connection().await.map_err(store_error)?)
-        } else {
-            let client = redis::Client::open(self.url.as_str()).map_err(malformed)?;
-            let config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(self.timeout))
-                .set_response_timeout(Some(self.timeout))
-                .set_number_of_retries(1);
-            Connection::Node(
-                ConnectionManager::new_with_config(client, config)
-                    .await
-                    .map_err(store_error)?,
-            )
-        };
-        Ok(RedisStore {
-            connection,
-            prefix: self.prefix.into(),
-            replicas: (self.replicas > 0).then_some((self.replicas, self.timeout / 2)),
-        })
-    }
-}
-
 impl RedisStore {
     /// Connects to `url` (`redis://HOST:PORT[/DB]`, or a Redis Cluster's nodes as
     /// `redis://HOST1:PORT1,redis://HOST2:PORT2,…`) with the default key prefix and timeouts:
@@ -477,10 +181,7 @@ impl RedisStore {
     /// does with them (the benchmark's `redis-benchmark` rows); not a stable API.
     #[doc(hidden)]
     pub fn claim_and_complete_scripts() -> [String; 2] {
-        [
-            checked_source(&[2, 3], &[CLAIM, EXPIRY_CHECKS, NOW_MS, CLAIM_IN_TIME]),
-            checked_source(&[3], &[NOW_MS, OWNED, COMPLETE]),
-        ]
+        scripts::claim_and_complete_sources()
     }
 
     /// The Redis key of a record.
@@ -492,7 +193,7 @@ impl RedisStore {
     }
 }
 
-fn store_error(error: RedisError) -> StoreError {
+pub(super) fn store_error(error: RedisError) -> StoreError {
     let message = error.to_string();
     if error.is_io_error()
         || error.is_timeout()
@@ -884,163 +585,4 @@ impl Store for RedisStore {
 }
 
 #[cfg(all(test, feature = "test-util"))]
-mod tests {
-    use super::*;
-    use crate::conformance::{backend_url, fresh_key};
-
-    #[test]
-    fn expiries_are_whole_milliseconds_up_to_the_ceiling() {
-        assert_eq!(MAX_EXPIRY_MS, 365 * 24 * 3600 * 1000);
-        assert_eq!(millis(Duration::ZERO), 1);
-        assert_eq!(millis(Duration::from_micros(1500)), 1);
-        assert_eq!(millis(Duration::from_secs(2)), 2000);
-        assert_eq!(millis(Duration::MAX), MAX_EXPIRY_MS);
-    }
-
-    /// An expiry a script cannot use is refused before the script writes anything: no claim
-    /// without an expiry, no completed record with the lease's expiry, no lease changed.
-    // A claim the client sent twice (it resends a command after a dropped connection) found
-    // its own first copy in flight and answered "in flight": its caller waited out a lease
-    // that was its own.
-    #[tokio::test]
-    async fn a_claim_sent_twice_is_its_own() {
-        let Some(url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
-            return;
-        };
-        let store = RedisStore::connect(&url).await.unwrap();
-        let mut connection = store.connection.clone();
-        let redis_key = store.redis_key(&fresh_key());
-        let mut claim = async |claimant: &str| -> Vec<Value> {
-            scripts()
-                .claim
-                .key(&redis_key)
-                .arg(Fingerprint::empty().as_bytes().as_slice())
-                .arg(30_000)
-                .arg(60_000)
-                .arg(claimant)
-                .invoke_async(&mut connection)
-                .await
-                .unwrap()
-        };
-        let first = claim("41").await;
-        let again = claim("41").await;
-        assert_eq!(text(&first[0]), Some(&b"claimed"[..]));
-        assert_eq!(first, again, "the same claim, answered again");
-        let other = claim("42").await;
-        assert_eq!(text(&other[0]), Some(&b"i"[..]), "another claimant waits");
-    }
-
-    // Tokens came from the server's clock alone: after the clock stepped back, a takeover of
-    // a kept record could get a token below the record's own.
-    #[tokio::test]
-    async fn a_takeover_token_is_above_the_kept_record_even_if_the_clock_stepped_back() {
-        let Some(url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
-            return;
-        };
-        let store = RedisStore::connect(&url).await.unwrap();
-        let mut connection = store.connection.clone();
-        let key = fresh_key();
-        let f = Fingerprint::empty();
-        let lease = Duration::from_millis(50);
-        store
-            .claim(&key, &f, lease, Duration::from_secs(60))
-            .await
-            .unwrap();
-        // A token from a clock far ahead of the server's current one.
-        let ahead: u64 = 9_000_000_000_000_000;
-        let _: () = redis::cmd("HSET")
-            .arg(store.redis_key(&key))
-            .arg("t")
-            .arg(ahead)
-            .query_async(&mut connection)
-            .await
-            .unwrap();
-        tokio::time::sleep(lease * 2).await;
-        match store.claim(&key, &f, lease, Duration::from_secs(60)).await {
-            Ok(Claim::TakenOver { token, .. }) => assert!(token.get() > ahead, "{token:?}"),
-            other => panic!("a takeover: {other:?}"),
-        }
-    }
-
-    #[tokio::test]
-    async fn scripts_check_the_expiry_before_they_write() {
-        let Some(url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
-            return;
-        };
-        let store = RedisStore::connect(&url).await.unwrap();
-        let mut connection = store.connection.clone();
-        let too_long = (MAX_EXPIRY_MS + 1).to_string();
-        for bad in ["0", "-5", "1.5", "soon", "18446744073709551615", &too_long] {
-            let key = fresh_key();
-            let redis_key = store.redis_key(&key);
-
-            let claimed: Result<Vec<Value>, _> = scripts()
-                .claim
-                .key(&redis_key)
-                .arg(Fingerprint::empty().as_bytes().as_slice())
-                .arg(bad)
-                .arg(1000)
-                .arg(1)
-                .invoke_async(&mut connection)
-                .await;
-            assert!(claimed.is_err(), "claim with {bad}: {claimed:?}");
-            let exists: i64 = redis::cmd("EXISTS")
-                .arg(&redis_key)
-                .query_async(&mut connection)
-                .await
-                .unwrap();
-            assert_eq!(exists, 0, "claim with {bad} wrote a record");
-
-            let Ok(Claim::Claimed(token)) = store
-                .claim(
-                    &key,
-                    &Fingerprint::empty(),
-                    Duration::from_secs(5),
-                    Duration::from_secs(5),
-                )
-                .await
-            else {
-                panic!("a fresh key is claimed");
-            };
-            let token = token.get().to_string();
-            let completed: Result<i64, _> = scripts()
-                .complete
-                .key(&redis_key)
-                .arg(&token)
-                .arg(b"result".as_slice())
-                .arg(bad)
-                .invoke_async(&mut connection)
-                .await;
-            assert!(completed.is_err(), "complete with {bad}: {completed:?}");
-            let renewed: Result<i64, _> = scripts()
-                .renew
-                .key(&redis_key)
-                .arg(&token)
-                .arg(bad)
-                .invoke_async(&mut connection)
-                .await;
-            assert!(renewed.is_err(), "renew with {bad}: {renewed:?}");
-
-            let state: Option<String> = redis::cmd("HGET")
-                .arg(&redis_key)
-                .arg("s")
-                .query_async(&mut connection)
-                .await
-                .unwrap();
-            assert_eq!(
-                state.as_deref(),
-                Some("i"),
-                "{bad}: the claim stays in flight"
-            );
-            let pttl: i64 = redis::cmd("PTTL")
-                .arg(&redis_key)
-                .query_async(&mut connection)
-                .await
-                .unwrap();
-            assert!(
-                (1..=5_000).contains(&pttl),
-                "{bad}: the lease stays: {pttl}"
-            );
-        }
-    }
-}
+mod tests;

@@ -1,0 +1,133 @@
+//! A store as the runtime holds it: type-erased ([`DynStore`]) and timed into the runtime's
+//! metrics ([`Measured`]).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use super::{Claim, FencingToken, Store};
+use crate::metrics::{Metrics, Operation};
+use crate::{Fingerprint, StorageKey, StoreError};
+
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The object-safe face of [`Store`], so one runtime type serves every store.
+pub(crate) trait DynStore: Send + Sync + 'static {
+    fn claim<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        fingerprint: &'a Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>>;
+    fn complete<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: FencingToken,
+        payload: Bytes,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+    fn release<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: FencingToken,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+    fn renew<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+    fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()>;
+    fn keeps_records_in_process(&self) -> bool;
+    /// The metrics of the runtime this store serves.
+    fn metrics(&self) -> &Metrics;
+    /// The store itself, for the runtime's companions that work only on one kind of store (the
+    /// transactional mode on a [`PostgresStore`](crate::postgres::PostgresStore)).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// A store as a runtime holds it: type-erased, every operation timed into the runtime's
+/// [`Metrics`]. The timing lives in the one future each operation is boxed into anyway.
+pub(crate) struct Measured<S> {
+    store: S,
+    metrics: Metrics,
+}
+
+impl<S: Store> Measured<S> {
+    /// `store`, with the runtime's metrics registered with the current recorder.
+    pub(crate) fn new(store: S) -> Self {
+        let metrics = Metrics::register(store.name());
+        Measured { store, metrics }
+    }
+
+    async fn timed<T>(
+        &self,
+        operation: Operation,
+        answer: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let started = Instant::now();
+        let answer = answer.await;
+        self.metrics
+            .store_operation(operation, answer.as_ref().err(), started.elapsed());
+        answer
+    }
+}
+
+impl<S: Store> DynStore for Measured<S> {
+    fn claim<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        fingerprint: &'a Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Box::pin(self.timed(
+            Operation::Claim,
+            self.store.claim(key, fingerprint, lease, ttl),
+        ))
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: FencingToken,
+        payload: Bytes,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(self.timed(
+            Operation::Complete,
+            self.store.complete(key, token, payload, ttl),
+        ))
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: FencingToken,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(self.timed(Operation::Release, self.store.release(key, token)))
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(self.timed(Operation::Renew, self.store.renew(key, token, lease)))
+    }
+    fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()> {
+        Box::pin(self.store.wait_for_change(key, max_wait))
+    }
+    fn keeps_records_in_process(&self) -> bool {
+        self.store.keeps_records_in_process()
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        &self.store
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+}

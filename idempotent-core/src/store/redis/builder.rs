@@ -1,0 +1,108 @@
+//! [`RedisStoreBuilder`]: key prefix, replicas to wait for, timeouts, and connecting to one
+//! server or a Redis Cluster.
+
+use std::fmt;
+use std::time::Duration;
+
+use redis::RedisError;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+
+use super::{Connection, RedisStore, store_error};
+use crate::StoreError;
+
+/// The default connection and response timeout of a [`RedisStore`]: 2 seconds.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Configures a [`RedisStore`]. Created by [`RedisStore::builder`].
+#[derive(Clone)]
+#[must_use]
+pub struct RedisStoreBuilder {
+    pub(super) url: String,
+    pub(super) prefix: String,
+    pub(super) timeout: Duration,
+    pub(super) replicas: usize,
+}
+
+impl fmt::Debug for RedisStoreBuilder {
+    /// Leaves the URL out: it may hold a password.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStoreBuilder")
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStoreBuilder {
+    /// The prefix of every Redis key the store writes (default [`DEFAULT_KEY_PREFIX`](super::DEFAULT_KEY_PREFIX)), to
+    /// separate applications sharing one Redis.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Makes every claim and every completion wait until at least `replicas` replicas of the
+    /// record's primary have acknowledged it (`WAIT`), for at most half the
+    /// [`timeout`](Self::timeout); default 0, none.
+    ///
+    /// An acknowledged claim or record survives its primary's death: the replica promoted in
+    /// its place has it, so no request answered before a failover runs again after it. The
+    /// cost is a second round trip per claim (a confirmation with its `WAIT`), a completion
+    /// that waits with its `WAIT`, and the replicas' own delay, which every operation
+    /// pipelined behind a `WAIT` on the same connection shares (see BENCHMARKS.md). Fails
+    /// closed: when fewer replicas acknowledge in time, a claim is given back (released) and
+    /// fails with [`StoreError::Unavailable`] (HTTP 503; nothing ran), and a completion fails with [`StoreError::Unavailable`]: the result is on the
+    /// primary, not yet safe, and the runtime retries the write while it keeps the claim; a
+    /// completion repeated with the token and the payload of the record it completed only
+    /// waits for the replicas again (it changes nothing; any other completion of a completed
+    /// record is refused, as the contract says). With more replicas required than exist,
+    /// every claim fails.
+    ///
+    /// Each `WAIT` travels in one pipeline with the write it confirms, so it counts the
+    /// replicas of the node that made that write and no other: a claim whose primary died
+    /// before a replica had it is not confirmed by another node, and fails.
+    pub fn replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
+    /// How long connecting, and each operation, may take before it fails with
+    /// [`StoreError::Unavailable`] (default [`DEFAULT_TIMEOUT`]).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Connects: to one server, or, when the URL is several comma-separated URLs, to the
+    /// Redis Cluster they are nodes of. Fails with [`StoreError::Backend`] for a malformed URL
+    /// and [`StoreError::Unavailable`] when no server can be reached.
+    pub async fn connect(self) -> Result<RedisStore, StoreError> {
+        let malformed = |e: RedisError| StoreError::Backend(Box::new(e));
+        let nodes: Vec<&str> = self.url.split(',').map(str::trim).collect();
+        let connection = if nodes.len() > 1 {
+            let client = ClusterClientBuilder::new(nodes)
+                .connection_timeout(self.timeout)
+                .response_timeout(self.timeout)
+                .build()
+                .map_err(malformed)?;
+            Connection::Cluster(client.get_async_connection().await.map_err(store_error)?)
+        } else {
+            let client = redis::Client::open(self.url.as_str()).map_err(malformed)?;
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(self.timeout))
+                .set_response_timeout(Some(self.timeout))
+                .set_number_of_retries(1);
+            Connection::Node(
+                ConnectionManager::new_with_config(client, config)
+                    .await
+                    .map_err(store_error)?,
+            )
+        };
+        Ok(RedisStore {
+            connection,
+            prefix: self.prefix.into(),
+            replicas: (self.replicas > 0).then_some((self.replicas, self.timeout / 2)),
+        })
+    }
+}

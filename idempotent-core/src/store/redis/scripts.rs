@@ -1,0 +1,219 @@
+//! The Lua scripts the Redis store runs: each operation is one script, so that its checks and
+//! writes happen atomically on the server; every script that sets an expiry checks it first.
+
+use redis::Script;
+
+use crate::limits;
+
+// Every script that sets an expiry checks it before it writes anything: a Lua error does not
+// undo the writes before it, so a `PEXPIRE` that failed after the `HSET` would leave a claim
+// with no expiry, or a completed record with the lease's. `EXPIRY_MS` is replaced by the
+// argument that holds the expiry, `MAX_MS` by the longest one (`limits`).
+const CHECK_EXPIRY: &str = r"
+local ms = tonumber(EXPIRY_MS)
+if not ms or ms < 1 or ms > MAX_MS or ms ~= math.floor(ms) then
+  return redis.error_reply('ERR idempotent: expiry out of range: ' .. tostring(EXPIRY_MS))
+end
+";
+
+// The server's time in milliseconds, as `ms`.
+const NOW_MS: &str = r"
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+";
+
+// `ARGV[1]` fingerprint, `ARGV[2]` lease and `ARGV[3]` TTL in milliseconds, `ARGV[4]` the
+// claimant. A record in flight whose lease (`l`, server milliseconds) ended is kept until the
+// TTL it was claimed with: the same request takes it over and keeps its lifetime (`o`).
+const CLAIM: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 's', 'f', 'p')
+if rec[1] == 'c' then return {'c', rec[2], rec[3]} end
+if rec[1] and rec[1] ~= 'i' then return {'?', rec[1]} end
+if rec[1] then
+  local more = redis.call('HMGET', KEYS[1], 'l', 'o', 't', 'n')
+  rec[4], rec[5], rec[6], rec[7] = more[1], more[2], more[3], more[4]
+end
+";
+
+// The rest of the claim, once the server's time is read (a replay above does not need it).
+const CLAIM_IN_TIME: &str = r"
+if rec[1] == 'i' then
+  local left
+  if rec[4] then left = tonumber(rec[4]) - ms else left = redis.call('PTTL', KEYS[1]) end
+  if left > 0 then
+    -- The same claim sent again (the client resent it after a dropped connection): its own.
+    if rec[7] == ARGV[4] then return {'claimed', rec[6], rec[5] or rec[6]} end
+    return {'i', rec[2], left}
+  end
+end
+-- From the server's clock, and above the record's last token even if the clock stepped back.
+local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
+if rec[6] and tonumber(rec[6]) and tonumber(rec[6]) >= micros then micros = tonumber(rec[6]) + 1 end
+local token = string.format('%.0f', micros)
+local lifetime = token
+if rec[1] == 'i' and rec[2] == ARGV[1] and rec[5] then lifetime = rec[5] end
+redis.call('HSET', KEYS[1], 's', 'i', 'f', ARGV[1], 't', token, 'o', lifetime,
+  'l', string.format('%.0f', ms + tonumber(ARGV[2])), 'n', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[2]), tonumber(ARGV[3])))
+return {'claimed', token, lifetime}
+";
+
+// Whether the record is in flight with token `ARGV[1]` and a lease that has not ended, as
+// `owned`.
+const OWNED: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 's', 't', 'l')
+local owned = rec[1] == 'i' and rec[2] == ARGV[1] and (not rec[3] or tonumber(rec[3]) > ms)
+";
+
+// A completion repeated by the owner whose completion landed (its reply was lost, or it
+// retries with the 'not retained' record) finds its own token on the completed record and
+// succeeds, changing nothing; with `ARGV[4]` set (replicas required) it writes the token
+// again for `WAIT` to cover.
+const COMPLETE: &str = r"
+if owned then
+  redis.call('HSET', KEYS[1], 's', 'c', 'p', ARGV[2])
+  redis.call('HDEL', KEYS[1], 'l', 'n')
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return 1
+end
+if rec[1] == 'c' and rec[2] == ARGV[1] then
+  if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 't', ARGV[1]) end
+  return 1
+end
+return 0
+";
+
+// Ends the lease; the record is kept for the next claim of the same request to take over.
+const RELEASE: &str = r"
+if not owned then return 0 end
+redis.call('HSET', KEYS[1], 'l', '0')
+return 1
+";
+
+// Whether the record is still claimed with token `ARGV[1]`; if so, writes the token again
+// (changing nothing), a write for `WAIT` to cover that reaches the replicas after the claim.
+const CONFIRM: &str = r"
+if not owned then return 0 end
+redis.call('HSET', KEYS[1], 't', ARGV[1])
+return 1
+";
+
+const RENEW: &str = r"
+if not owned then return 0 end
+redis.call('HSET', KEYS[1], 'l', string.format('%.0f', ms + tonumber(ARGV[2])))
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 1
+";
+
+// Whether the record is completed with token `ARGV[1]` (the owner's completion landed and its
+// retry was refused for want of memory); with `ARGV[2]` set (replicas required), writes the
+// token again for `WAIT` to cover.
+const COMPLETED: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 's', 't')
+if rec[1] ~= 'c' or rec[2] ~= ARGV[1] then return 0 end
+if ARGV[2] == '1' then redis.call('HSET', KEYS[1], 't', ARGV[1]) end
+return 1
+";
+
+// Ends the lease of the claim made by claimant `ARGV[1]` after its caller stopped waiting
+// for the reply (see `Unanswered`).
+const GIVE_BACK: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 's', 'n', 'l')
+if rec[1] ~= 'i' or rec[2] ~= ARGV[1] or not rec[3] or tonumber(rec[3]) <= ms then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'l', '0')
+return 1
+";
+
+/// `parts` (with [`NOW_MS`] before the first part that reads the server's time), with the
+/// expiries in `expiries` (argument numbers) checked before anything.
+fn checked(expiries: &[usize], parts: &[&str]) -> Script {
+    Script::new(&checked_source(expiries, parts))
+}
+
+/// Like [`checked`], for a script that must run when Redis is out of memory (`maxmemory`
+/// reached, policy `noeviction`): it only rewrites a field in place (a lease's end, its
+/// token) or ends a lease, so a running claim keeps its lease, can be given up, and
+/// recognises its own completed record while the store refuses new data. Redis 7 runs
+/// flagged scripts only; earlier versions refuse them.
+fn checked_in_oom(expiries: &[usize], parts: &[&str]) -> Script {
+    Script::new(&format!(
+        "#!lua flags=allow-oom\n{}",
+        checked_source(expiries, parts)
+    ))
+}
+
+/// Where in a script's parts its expiry checks go, when not first: after parts that only
+/// read (a replay returns before it, and pays for no check).
+const EXPIRY_CHECKS: &str = "--[[ the expiry checks ]]";
+
+/// The source of [`checked`]'s script.
+fn checked_source(expiries: &[usize], parts: &[&str]) -> String {
+    let checks: String = expiries
+        .iter()
+        .map(|arg| {
+            CHECK_EXPIRY
+                .replace("EXPIRY_MS", &format!("ARGV[{arg}]"))
+                .replace("MAX_MS", &MAX_EXPIRY_MS.to_string())
+        })
+        .collect();
+    let placed = parts.contains(&EXPIRY_CHECKS);
+    let mut source = if placed {
+        String::new()
+    } else {
+        checks.clone()
+    };
+    for part in parts {
+        if *part == EXPIRY_CHECKS {
+            source.push_str(&checks);
+        } else {
+            source.push_str(part);
+        }
+    }
+    source
+}
+
+/// The longest expiry sent to Redis, in milliseconds: the longest TTL or lease.
+pub(super) const MAX_EXPIRY_MS: u64 = {
+    let max = if limits::MAX_TTL.as_millis() > limits::MAX_LEASE.as_millis() {
+        limits::MAX_TTL
+    } else {
+        limits::MAX_LEASE
+    };
+    max.as_secs() * 1000 + max.subsec_millis() as u64
+};
+
+pub(super) struct Scripts {
+    pub(super) claim: Script,
+    pub(super) complete: Script,
+    pub(super) release: Script,
+    pub(super) renew: Script,
+    pub(super) confirm: Script,
+    pub(super) give_back: Script,
+    pub(super) completed: Script,
+}
+
+pub(super) fn scripts() -> &'static Scripts {
+    static SCRIPTS: std::sync::OnceLock<Scripts> = std::sync::OnceLock::new();
+    SCRIPTS.get_or_init(|| Scripts {
+        claim: checked(&[2, 3], &[CLAIM, EXPIRY_CHECKS, NOW_MS, CLAIM_IN_TIME]),
+        complete: checked(&[3], &[NOW_MS, OWNED, COMPLETE]),
+        release: checked_in_oom(&[], &[NOW_MS, OWNED, RELEASE]),
+        renew: checked_in_oom(&[2], &[NOW_MS, OWNED, RENEW]),
+        confirm: checked(&[], &[NOW_MS, OWNED, CONFIRM]),
+        give_back: checked_in_oom(&[], &[NOW_MS, GIVE_BACK]),
+        completed: checked_in_oom(&[], &[COMPLETED]),
+    })
+}
+
+/// The claim and completion scripts' source, as sent (see
+/// `RedisStore::claim_and_complete_scripts`).
+pub(super) fn claim_and_complete_sources() -> [String; 2] {
+    [
+        checked_source(&[2, 3], &[CLAIM, EXPIRY_CHECKS, NOW_MS, CLAIM_IN_TIME]),
+        checked_source(&[3], &[NOW_MS, OWNED, COMPLETE]),
+    ]
+}

@@ -1,0 +1,161 @@
+//! The Redis store's own tests against a real server: expiry checks, resent claims, the
+//! scripts' answers to garbage (feature `test-util`).
+
+use super::*;
+use crate::conformance::{backend_url, fresh_key};
+
+#[test]
+fn expiries_are_whole_milliseconds_up_to_the_ceiling() {
+    assert_eq!(MAX_EXPIRY_MS, 365 * 24 * 3600 * 1000);
+    assert_eq!(millis(Duration::ZERO), 1);
+    assert_eq!(millis(Duration::from_micros(1500)), 1);
+    assert_eq!(millis(Duration::from_secs(2)), 2000);
+    assert_eq!(millis(Duration::MAX), MAX_EXPIRY_MS);
+}
+
+/// An expiry a script cannot use is refused before the script writes anything: no claim
+/// without an expiry, no completed record with the lease's expiry, no lease changed.
+// A claim the client sent twice (it resends a command after a dropped connection) found
+// its own first copy in flight and answered "in flight": its caller waited out a lease
+// that was its own.
+#[tokio::test]
+async fn a_claim_sent_twice_is_its_own() {
+    let Some(url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
+        return;
+    };
+    let store = RedisStore::connect(&url).await.unwrap();
+    let mut connection = store.connection.clone();
+    let redis_key = store.redis_key(&fresh_key());
+    let mut claim = async |claimant: &str| -> Vec<Value> {
+        scripts()
+            .claim
+            .key(&redis_key)
+            .arg(Fingerprint::empty().as_bytes().as_slice())
+            .arg(30_000)
+            .arg(60_000)
+            .arg(claimant)
+            .invoke_async(&mut connection)
+            .await
+            .unwrap()
+    };
+    let first = claim("41").await;
+    let again = claim("41").await;
+    assert_eq!(text(&first[0]), Some(&b"claimed"[..]));
+    assert_eq!(first, again, "the same claim, answered again");
+    let other = claim("42").await;
+    assert_eq!(text(&other[0]), Some(&b"i"[..]), "another claimant waits");
+}
+
+// Tokens came from the server's clock alone: after the clock stepped back, a takeover of
+// a kept record could get a token below the record's own.
+#[tokio::test]
+async fn a_takeover_token_is_above_the_kept_record_even_if_the_clock_stepped_back() {
+    let Some(url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
+        return;
+    };
+    let store = RedisStore::connect(&url).await.unwrap();
+    let mut connection = store.connection.clone();
+    let key = fresh_key();
+    let f = Fingerprint::empty();
+    let lease = Duration::from_millis(50);
+    store
+        .claim(&key, &f, lease, Duration::from_secs(60))
+        .await
+        .unwrap();
+    // A token from a clock far ahead of the server's current one.
+    let ahead: u64 = 9_000_000_000_000_000;
+    let _: () = redis::cmd("HSET")
+        .arg(store.redis_key(&key))
+        .arg("t")
+        .arg(ahead)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    tokio::time::sleep(lease * 2).await;
+    match store.claim(&key, &f, lease, Duration::from_secs(60)).await {
+        Ok(Claim::TakenOver { token, .. }) => assert!(token.get() > ahead, "{token:?}"),
+        other => panic!("a takeover: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn scripts_check_the_expiry_before_they_write() {
+    let Some(url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
+        return;
+    };
+    let store = RedisStore::connect(&url).await.unwrap();
+    let mut connection = store.connection.clone();
+    let too_long = (MAX_EXPIRY_MS + 1).to_string();
+    for bad in ["0", "-5", "1.5", "soon", "18446744073709551615", &too_long] {
+        let key = fresh_key();
+        let redis_key = store.redis_key(&key);
+
+        let claimed: Result<Vec<Value>, _> = scripts()
+            .claim
+            .key(&redis_key)
+            .arg(Fingerprint::empty().as_bytes().as_slice())
+            .arg(bad)
+            .arg(1000)
+            .arg(1)
+            .invoke_async(&mut connection)
+            .await;
+        assert!(claimed.is_err(), "claim with {bad}: {claimed:?}");
+        let exists: i64 = redis::cmd("EXISTS")
+            .arg(&redis_key)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        assert_eq!(exists, 0, "claim with {bad} wrote a record");
+
+        let Ok(Claim::Claimed(token)) = store
+            .claim(
+                &key,
+                &Fingerprint::empty(),
+                Duration::from_secs(5),
+                Duration::from_secs(5),
+            )
+            .await
+        else {
+            panic!("a fresh key is claimed");
+        };
+        let token = token.get().to_string();
+        let completed: Result<i64, _> = scripts()
+            .complete
+            .key(&redis_key)
+            .arg(&token)
+            .arg(b"result".as_slice())
+            .arg(bad)
+            .invoke_async(&mut connection)
+            .await;
+        assert!(completed.is_err(), "complete with {bad}: {completed:?}");
+        let renewed: Result<i64, _> = scripts()
+            .renew
+            .key(&redis_key)
+            .arg(&token)
+            .arg(bad)
+            .invoke_async(&mut connection)
+            .await;
+        assert!(renewed.is_err(), "renew with {bad}: {renewed:?}");
+
+        let state: Option<String> = redis::cmd("HGET")
+            .arg(&redis_key)
+            .arg("s")
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        assert_eq!(
+            state.as_deref(),
+            Some("i"),
+            "{bad}: the claim stays in flight"
+        );
+        let pttl: i64 = redis::cmd("PTTL")
+            .arg(&redis_key)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        assert!(
+            (1..=5_000).contains(&pttl),
+            "{bad}: the lease stays: {pttl}"
+        );
+    }
+}

@@ -1,0 +1,8 @@
+use idempotent_core::{Error, idempotent};
+
+#[idempotent(key = id, lease = 0)]
+async fn charge(id: u64) -> Result<u64, Error> {
+    Ok(id)
+}
+
+fn main() {}
