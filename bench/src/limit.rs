@@ -2,6 +2,9 @@
 //! its own benchmark tool in the same run as the layer's rows, so that each shared-store row
 //! can be read as a fraction of what its backend allows.
 //!
+//! (Longer than most files here, on purpose: each limit row drives its own tool, pgbench or
+//! redis-benchmark, and the rows share their setup; splitting them would scatter one method.)
+//!
 //! - `pgbench/fresh/postgres`: `pgbench -M prepared` running the PostgreSQL store's claim on a
 //!   new key and its completion with the token the claim returned, per transaction: one
 //!   transaction is what a fresh request asks of the database.

@@ -1,5 +1,8 @@
 //! The client layer against a scripted inner client: which answers are retried, with which
 //! key and body, how long it waits, and when it gives up.
+//!
+//! (Longer than most files here, on purpose: one scripted client and one case per retry rule
+//! of the layer, which read best side by side.)
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};

@@ -1,4 +1,7 @@
 //! Every rule of the layer, at the tower level: `ServiceBuilder` + `service_fn` + `oneshot`.
+//!
+//! (Longer than most files here, on purpose: one case per rule of the layer, on one shared
+//! stack.)
 
 mod support;
 

@@ -2,6 +2,9 @@
 //! client was still sending it and the connection closed with the body unread, so the kernel
 //! reset it and the client's next write failed. Here, over real connections, clients still
 //! sending read the whole problem document; HTTP/2 and gRPC refusals leave the connection be.
+//!
+//! (Longer than most files here, on purpose: the raw HTTP/1.1, HTTP/2 and gRPC clients the
+//! cases need are written here, next to the one behaviour they exercise.)
 
 mod support;
 

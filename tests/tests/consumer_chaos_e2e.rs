@@ -2,6 +2,9 @@
 //! and RabbitMQ, each a private broker the test kills, with PostgreSQL from
 //! `IDEMPOTENT_TEST_POSTGRES_URL` (a fresh database per test).
 //!
+//! (Longer than most files here, on purpose: the chaos driver — publishing, killing,
+//! restarting and auditing — is one procedure run on three brokers.)
+//!
 //! Each test publishes about 1,000 entries — 760 distinct postings over 200 accounts, 190
 //! duplicates of them (95 right after their original, 95 at least 100 entries later) and 50
 //! malformed entries of every kind the ledger refuses, each carrying a unique marker — while

@@ -1,4 +1,7 @@
 //! Tests for the canonical encoding (`super::canonical`).
+//!
+//! (Longer than most files here, on purpose: one case per type of the serde data model, and
+//! the property tests over all of them.)
 
 use super::canonical::{CanonicalError, MAX_DEPTH, hash_canonical};
 use proptest::prelude::*;
