@@ -5,7 +5,7 @@
 //! on the same port with the same data; dropping one kills it and removes its directory.
 //!
 //! The constructors return `None` when the broker is not installed, as
-//! [`installed`](crate::backend::installed) decides (scripts/services.sh installs both from
+//! [`installed`] decides (scripts/services.sh installs both from
 //! Debian packages). No client library is used: a broker is ready when its port answers
 //! with the protocol's greeting (NATS: an `INFO` announcing JetStream; RabbitMQ: a
 //! `connection.start` frame, and the node's log saying its boot is complete, or else

@@ -50,7 +50,7 @@ pub struct PrivateRedis {
 impl PrivateRedis {
     /// Starts `redis-server` in a directory named after `name`, and waits until it answers. No
     /// persistence. `None` when `redis-server` is not installed (see
-    /// [`installed`](crate::backend::installed)).
+    /// [`installed`]).
     pub async fn start(name: &str) -> Option<PrivateRedis> {
         PrivateRedis::launch(name, false).await
     }
