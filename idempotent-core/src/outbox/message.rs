@@ -186,3 +186,45 @@ pub enum OutboxError {
     #[error("the outbox could not be written")]
     Store(#[source] StoreError),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(text: &str) -> Key {
+        Key::new(text.to_owned()).unwrap()
+    }
+
+    #[test]
+    fn a_key_of_its_own_is_the_key() {
+        let message = Outgoing::new("mail", "x").key(key("order-7"));
+        assert_eq!(message.resolved_key().unwrap().as_str(), "order-7");
+    }
+
+    #[test]
+    fn a_key_with_a_part_or_a_claim_is_refused() {
+        let with_part = Outgoing::new("mail", "x")
+            .key(key("order-7"))
+            .part("ledger");
+        assert!(matches!(
+            with_part.resolved_key(),
+            Err(OutboxError::KeyConflict)
+        ));
+        let mut with_claim = Outgoing::new("mail", "x").key(key("order-7"));
+        with_claim.operation = Some(key("operation-1"));
+        assert!(matches!(
+            with_claim.resolved_key(),
+            Err(OutboxError::KeyConflict)
+        ));
+    }
+
+    #[test]
+    fn a_claims_key_takes_its_part() {
+        let mut message = Outgoing::new("mail", "x").part("ledger");
+        message.operation = Some(key("operation-1"));
+        assert_eq!(
+            message.resolved_key().unwrap().as_str(),
+            "operation-1.ledger"
+        );
+    }
+}
