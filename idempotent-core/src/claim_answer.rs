@@ -71,6 +71,7 @@ impl ClaimAnswer {
             Claim::Completed {
                 fingerprint,
                 payload,
+                ..
             } => (fingerprint, Ok(payload)),
             Claim::InFlight {
                 fingerprint,

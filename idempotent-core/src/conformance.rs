@@ -132,6 +132,7 @@ macro_rules! store_conformance_tests {
             lease_expiry_allows_takeover_and_fences_the_old_owner,
             renew_extends_the_lease,
             ttl_expiry_frees_the_key,
+            completed_record_tells_the_time_left,
             tokens_increase_across_expiry_and_release,
             keys_are_isolated,
         );
@@ -281,6 +282,7 @@ async fn assert_completed<S: Store>(
         Ok(Claim::Completed {
             fingerprint,
             payload,
+            ..
         }) => {
             assert_eq!(
                 fingerprint, *expected_fp,
@@ -656,6 +658,36 @@ pub async fn ttl_expiry_frees_the_key<H: Harness>(h: &H) {
     h.advance(2 * unit).await;
     let next = claimed(store, &key, &fp("after ttl"), 2 * unit).await;
     assert!(next > token);
+}
+
+/// A completed record tells how long it has left (what a cache tier keeps a copy for): more
+/// than nothing, no more than its TTL, and less as time passes. A store that tells more than
+/// is left would let a cached answer outlive its record.
+pub async fn completed_record_tells_the_time_left<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let f = fp("request");
+    let token = claimed(store, &key, &f, 2 * unit).await;
+    let ttl = 6 * unit;
+    store
+        .complete(&key, token, Bytes::from_static(b"result"), ttl)
+        .await
+        .expect("complete");
+    let left = |claim: Result<Claim, StoreError>| match claim {
+        Ok(Claim::Completed { expires_in, .. }) => expires_in,
+        other => panic!("expected Completed, got {other:?}"),
+    };
+    let first = left(store.claim(&key, &f, 2 * unit, ttl).await);
+    assert!(
+        first > Duration::ZERO && first <= ttl,
+        "time left {first:?} right after completing with a TTL of {ttl:?}"
+    );
+    h.advance(3 * unit).await;
+    let later = left(store.claim(&key, &f, 2 * unit, ttl).await);
+    assert!(
+        later <= ttl - 3 * unit,
+        "time left {later:?} after {:?} of a {ttl:?} TTL",
+        3 * unit
+    );
 }
 
 /// Tokens keep increasing per key after the record expired or was released, so an owner from

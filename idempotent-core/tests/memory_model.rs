@@ -240,6 +240,7 @@ impl Model {
             }) if *expires > self.now => Answer::Found(Claim::Completed {
                 fingerprint: fingerprint(*fp),
                 payload: Bytes::from(payload.clone()),
+                expires_in: Duration::from_millis(expires - self.now),
             }),
             // Abandoned by the same request: taken over in place, in the same lifetime.
             Some(Rec::InFlight {

@@ -769,12 +769,14 @@ impl Store for Damaging {
             Claim::Completed {
                 fingerprint,
                 payload,
+                expires_in,
             } => {
                 let mut damaged = payload.to_vec();
                 *damaged.last_mut().unwrap() ^= 0x01;
                 Ok(Claim::Completed {
                     fingerprint,
                     payload: Bytes::from(damaged),
+                    expires_in,
                 })
             }
             other => Ok(other),

@@ -97,6 +97,7 @@ impl Store for MutexStore {
                 return Ok(Claim::Completed {
                     fingerprint: *fingerprint,
                     payload: payload.clone(),
+                    expires_in: *until - now,
                 });
             }
             Some(Record::InFlight {

@@ -72,6 +72,11 @@ pub enum Claim {
         fingerprint: Fingerprint,
         /// The stored payload, byte for byte as given to [`Store::complete`].
         payload: Bytes,
+        /// Time left before the record expires, by the store's clock, as of this answer; at
+        /// most the TTL it was completed with. A [cache tier](crate::cache) keeps a copy no
+        /// longer than this, so a cached answer never outlives its record: a store that
+        /// cannot tell may answer [`Duration::ZERO`], and its records are then not cached.
+        expires_in: Duration,
     },
 }
 
@@ -161,7 +166,8 @@ pub enum Claim {
 ///                 return Ok(Claim::InFlight { fingerprint: *f, retry_after: *lease_until - now });
 ///             }
 ///             Some(Record::Completed { fingerprint, payload, until, .. }) if *until > now => {
-///                 return Ok(Claim::Completed { fingerprint: *fingerprint, payload: payload.clone() });
+///                 let (fingerprint, payload) = (*fingerprint, payload.clone());
+///                 return Ok(Claim::Completed { fingerprint, payload, expires_in: *until - now });
 ///             }
 ///             // Abandoned (lease ended or released) by the same request: its lifetime goes on.
 ///             Some(Record::InFlight { lifetime, fingerprint: f, kept_until, .. })
@@ -256,8 +262,8 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// - A live in-flight record (its lease has not ended): returns [`Claim::InFlight`] with
     ///   its fingerprint and the time left on its lease. Nothing is changed.
-    /// - A live completed record: returns [`Claim::Completed`] with its fingerprint and payload.
-    ///   Nothing is changed.
+    /// - A live completed record: returns [`Claim::Completed`] with its fingerprint, payload and
+    ///   the time left before it expires. Nothing is changed.
     /// - An in-flight record whose lease ended or that was released, with the same
     ///   `fingerprint`, kept less than its TTL ago: the caller takes it over, with a new token
     ///   greater than every token issued before for `key` and a lease ending `lease` from now;

@@ -80,6 +80,7 @@ impl Record {
             } if *expires > now => Some(Claim::Completed {
                 fingerprint: *fingerprint,
                 payload: payload.clone(),
+                expires_in: Duration::from_nanos(expires - now),
             }),
             _ => None,
         }

@@ -281,9 +281,12 @@ pub(super) fn decode_claim(row: &PgRow) -> Result<Claim, StoreError> {
         "completed" => {
             let payload: Option<Vec<u8>> = row.try_get("payload").map_err(store_error)?;
             let payload = payload.ok_or_else(|| corrupt("completed record without a payload"))?;
+            let remaining: Option<i64> = row.try_get("remaining_us").map_err(store_error)?;
+            let remaining = remaining.ok_or_else(|| corrupt("expiry"))?;
             Ok(Claim::Completed {
                 fingerprint: fingerprint()?,
                 payload: Bytes::from(payload),
+                expires_in: Duration::from_micros(u64::try_from(remaining).unwrap_or(0)),
             })
         }
         _ => Err(corrupt("unknown record state")),

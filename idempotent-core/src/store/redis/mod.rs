@@ -84,7 +84,7 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 ///   reconnects by itself when the server is back.
 #[derive(Clone)]
 pub struct RedisStore {
-    pub(super) connection: Connection,
+    pub(crate) connection: Connection,
     pub(super) prefix: Arc<str>,
     /// Replicas that must acknowledge each claim and completion (`WAIT`), and how long
     /// to wait for them; none by default.
@@ -94,7 +94,7 @@ pub struct RedisStore {
 /// One server, or a Redis Cluster. Both pipeline whatever is concurrent over their
 /// connections and reconnect by themselves.
 #[derive(Clone)]
-pub(super) enum Connection {
+pub(crate) enum Connection {
     Node(ConnectionManager),
     /// Routes each script by its one key's slot, follows `MOVED` and `ASK` redirections, and
     /// refreshes its view of the slots after a failover.
@@ -513,11 +513,13 @@ impl Store for RedisStore {
                     retry_after: Duration::from_millis(ttl),
                 })
             }
-            [state, f, payload] if text(state) == Some(b"c") => match payload {
-                // Taken, not copied: the reply is dropped right after.
-                Value::BulkString(p) => Ok(Claim::Completed {
+            [state, f, payload, ttl] if text(state) == Some(b"c") => match (payload, ttl) {
+                // Taken, not copied: the reply is dropped right after. A record without an
+                // expiry (`PTTL` -1, written by hand) is never cached: zero time left.
+                (Value::BulkString(p), Value::Int(ms)) => Ok(Claim::Completed {
                     fingerprint: fingerprint(f)?,
                     payload: Bytes::from(std::mem::take(p)),
+                    expires_in: Duration::from_millis(u64::try_from(*ms).unwrap_or(0)),
                 }),
                 _ => Err(corrupt("completed record without a payload")),
             },

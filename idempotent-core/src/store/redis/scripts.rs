@@ -27,7 +27,7 @@ local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 // TTL it was claimed with: the same request takes it over and keeps its lifetime (`o`).
 const CLAIM: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 's', 'f', 'p')
-if rec[1] == 'c' then return {'c', rec[2], rec[3]} end
+if rec[1] == 'c' then return {'c', rec[2], rec[3], redis.call('PTTL', KEYS[1])} end
 if rec[1] and rec[1] ~= 'i' then return {'?', rec[1]} end
 if rec[1] then
   local more = redis.call('HMGET', KEYS[1], 'l', 'o', 't', 'n')

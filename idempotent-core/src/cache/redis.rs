@@ -1,0 +1,341 @@
+//! The Redis tier: finished records every instance shares, in front of a slower store. Only a
+//! hint: an entry is read to replay and for nothing else, checked whole before it is, and a
+//! failing Redis is skipped for a while.
+//!
+//! An entry is one Redis string at `PREFIX + hex(storage key)` (one key: one Redis Cluster
+//! slot), expiring with its record (`PX`):
+//!
+//! ```text
+//! offset  size  field
+//! 0       2     magic "IC"
+//! 2       1     format version (1)
+//! 3       8     first 8 bytes of blake3(fingerprint ‖ payload)
+//! 11      32    the record's fingerprint
+//! 43      n     the record's payload (its envelope), byte for byte
+//! ```
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use redis::{AsyncCommands as _, Value};
+
+use super::{CacheTier, Finished, Kind, TierMetrics};
+use crate::redis::RedisStore;
+use crate::store::redis::Connection;
+use crate::{Fingerprint, StorageKey, StoreError};
+
+/// The default prefix of the Redis tier's keys.
+pub const DEFAULT_CACHE_PREFIX: &str = "idempotent:cache:";
+/// The default connection and response timeout of the Redis tier: 100 ms. A hint that takes
+/// longer than a round trip to the store is worth nothing.
+pub const DEFAULT_CACHE_TIMEOUT: Duration = Duration::from_millis(100);
+/// How long the tier is skipped after a failure, by default.
+const DEFAULT_REST: Duration = Duration::from_secs(1);
+/// Writes in the background at once, at most; more are dropped (a hint can be).
+const MAX_PENDING_WRITES: usize = 256;
+
+const MAGIC: &[u8; 2] = b"IC";
+const VERSION: u8 = 1;
+const HEADER: usize = 2 + 1 + 8 + 32;
+
+/// Configures the Redis tier. Created by [`CacheTier::redis`].
+#[derive(Clone)]
+#[must_use]
+pub struct RedisCacheBuilder {
+    url: String,
+    prefix: String,
+    timeout: Duration,
+    rest: Duration,
+}
+
+impl fmt::Debug for RedisCacheBuilder {
+    /// Leaves the URL out: it may hold a password.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisCacheBuilder")
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .field("rest", &self.rest)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisCacheBuilder {
+    pub(super) fn new(url: String) -> Self {
+        RedisCacheBuilder {
+            url,
+            prefix: DEFAULT_CACHE_PREFIX.to_owned(),
+            timeout: DEFAULT_CACHE_TIMEOUT,
+            rest: DEFAULT_REST,
+        }
+    }
+
+    /// The prefix of every key the tier writes (default [`DEFAULT_CACHE_PREFIX`]); give each
+    /// namespace sharing one Redis its own if their storage keys could meet.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The connection and response timeout (default [`DEFAULT_CACHE_TIMEOUT`]). A lookup
+    /// that takes longer counts as a failure: the request goes to the store.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// How long the tier is skipped after a failure (default 1 s): while Redis is down or
+    /// stalled, only one lookup per period waits for it.
+    pub fn rest(mut self, rest: Duration) -> Self {
+        self.rest = rest;
+        self
+    }
+
+    /// The tier. Connecting does not wait for Redis: when it cannot be reached, the tier starts
+    /// resting and connects in the background, and every request goes to the store meanwhile.
+    /// Fails only with a malformed URL ([`StoreError::Backend`]).
+    pub async fn connect(self) -> Result<CacheTier, StoreError> {
+        let tier = RedisTier {
+            shared: Arc::new(Shared {
+                connection: Mutex::new(None),
+                builder: self.clone(),
+                epoch: Instant::now(),
+                resting_until: AtomicU64::new(0),
+                connecting: std::sync::atomic::AtomicBool::new(false),
+                writes: Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_WRITES)),
+            }),
+        };
+        match tier.shared.open().await {
+            Ok(()) => {}
+            Err(error @ StoreError::Backend(_)) => return Err(error),
+            Err(error) => {
+                tracing::warn!(%error, "the Redis cache tier cannot be reached; requests go to the store until it can");
+                tier.shared.rest();
+            }
+        }
+        Ok(CacheTier::new(Kind::Redis(tier)))
+    }
+}
+
+pub(super) struct RedisTier {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    connection: Mutex<Option<Connection>>,
+    builder: RedisCacheBuilder,
+    epoch: Instant,
+    /// Until when (milliseconds after `epoch`) the tier is skipped after a failure.
+    resting_until: AtomicU64,
+    connecting: std::sync::atomic::AtomicBool,
+    writes: Arc<tokio::sync::Semaphore>,
+}
+
+impl Shared {
+    async fn open(&self) -> Result<(), StoreError> {
+        let store = RedisStore::builder(&self.builder.url)
+            .timeout(self.builder.timeout)
+            .connect()
+            .await?;
+        *self.connection.lock().unwrap_or_else(|e| e.into_inner()) = Some(store.connection);
+        Ok(())
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn rest(&self) {
+        let until = self
+            .now_ms()
+            .saturating_add(u64::try_from(self.builder.rest.as_millis()).unwrap_or(u64::MAX));
+        self.resting_until.fetch_max(until, Ordering::Relaxed);
+    }
+
+    /// The connection, unless the tier is resting after a failure or has none yet (then a
+    /// connection is opened in the background).
+    fn connection(self: &Arc<Self>) -> Option<Connection> {
+        if self.now_ms() < self.resting_until.load(Ordering::Relaxed) {
+            return None;
+        }
+        let connection = self
+            .connection
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if connection.is_none() && !self.connecting.swap(true, Ordering::AcqRel) {
+            let shared = Arc::clone(self);
+            tokio::spawn(async move {
+                if shared.open().await.is_err() {
+                    shared.rest();
+                }
+                shared.connecting.store(false, Ordering::Release);
+            });
+        }
+        connection
+    }
+
+    fn redis_key(&self, key: &StorageKey) -> String {
+        let mut out = String::with_capacity(self.builder.prefix.len() + 64);
+        out.push_str(&self.builder.prefix);
+        out.push_str(&key.to_hex());
+        out
+    }
+
+    fn failed(&self, error: &redis::RedisError) {
+        tracing::warn!(%error, rest = ?self.builder.rest, "the Redis cache tier failed; requests go to the store meanwhile");
+        self.rest();
+    }
+}
+
+fn checksum(fingerprint: &Fingerprint, payload: &[u8]) -> [u8; 8] {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(fingerprint.as_bytes());
+    hasher.update(payload);
+    let mut out = [0; 8];
+    out.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
+    out
+}
+
+fn encode(finished: &Finished) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER + finished.payload.len());
+    out.extend_from_slice(MAGIC);
+    out.push(VERSION);
+    out.extend_from_slice(&checksum(&finished.fingerprint, &finished.payload));
+    out.extend_from_slice(finished.fingerprint.as_bytes());
+    out.extend_from_slice(&finished.payload);
+    out
+}
+
+impl RedisTier {
+    /// The entry of `key`; `Err` when Redis failed (or the tier rests).
+    pub(super) async fn get(&self, key: &StorageKey) -> Result<Option<Finished>, ()> {
+        let Some(mut connection) = self.shared.connection() else {
+            return Err(());
+        };
+        let redis_key = self.shared.redis_key(key);
+        // Asked before the question is sent: the time left counts from later.
+        let asked_at = Instant::now();
+        let reply: Result<(Value, i64), _> = redis::pipe()
+            .get(&redis_key)
+            .pttl(&redis_key)
+            .query_async(&mut connection)
+            .await;
+        match reply {
+            Ok((Value::BulkString(bytes), ms)) if ms > 0 => {
+                let expires_in = Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+                let entry = decode_entry(bytes, expires_in, asked_at);
+                if entry.is_none() {
+                    tracing::warn!(storage_key = %key, "ignoring a Redis cache entry that is not whole");
+                }
+                Ok(entry)
+            }
+            Ok(_) => Ok(None),
+            Err(error) => {
+                self.shared.failed(&error);
+                Err(())
+            }
+        }
+    }
+
+    /// Writes `finished` in the background, expiring with its record.
+    pub(super) fn insert(&self, key: StorageKey, finished: Finished, metrics: &Arc<TierMetrics>) {
+        let Some(mut connection) = self.shared.connection() else {
+            metrics.write_error.increment(1);
+            return;
+        };
+        let Ok(permit) = Arc::clone(&self.shared.writes).try_acquire_owned() else {
+            metrics.dropped.increment(1);
+            return;
+        };
+        let shared = Arc::clone(&self.shared);
+        let metrics = Arc::clone(metrics);
+        tokio::spawn(async move {
+            let _permit = permit;
+            // Whole milliseconds left, rounded down: the entry expires no later than its
+            // record (a copy with under a millisecond left is not worth writing).
+            let left = finished
+                .expires_at
+                .saturating_duration_since(Instant::now());
+            let ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX);
+            if ms == 0 {
+                return;
+            }
+            let written: Result<(), _> = connection
+                .pset_ex(shared.redis_key(&key), encode(&finished), ms)
+                .await;
+            match written {
+                Ok(()) => metrics.written.increment(1),
+                Err(error) => {
+                    metrics.write_error.increment(1);
+                    shared.failed(&error);
+                }
+            }
+        });
+    }
+}
+
+/// The entry `bytes` hold, if they are one whole; anything else (written by something else,
+/// damaged, of another version) is no entry.
+fn decode_entry(bytes: Vec<u8>, expires_in: Duration, asked_at: Instant) -> Option<Finished> {
+    if bytes.len() < HEADER || &bytes[..2] != MAGIC || bytes[2] != VERSION {
+        return None;
+    }
+    let stored: [u8; 8] = bytes[3..11].try_into().ok()?;
+    let fingerprint = Fingerprint::from_digest(bytes[11..HEADER].try_into().ok()?);
+    let payload = Bytes::from(bytes).slice(HEADER..);
+    (checksum(&fingerprint, &payload) == stored).then(|| Finished {
+        fingerprint,
+        payload,
+        expires_at: asked_at + expires_in,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn finished(payload: &'static [u8]) -> Finished {
+        Finished {
+            fingerprint: Fingerprint::from_bytes(b"request"),
+            payload: Bytes::from_static(payload),
+            expires_at: Instant::now() + Duration::from_secs(60),
+        }
+    }
+
+    #[test]
+    fn an_entry_reads_back_whole() {
+        let entry = finished(b"the envelope");
+        let now = Instant::now();
+        let back = decode_entry(encode(&entry), Duration::from_secs(5), now).expect("whole");
+        assert_eq!(back.fingerprint, entry.fingerprint);
+        assert_eq!(back.payload, entry.payload);
+        assert_eq!(back.expires_at, now + Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_damaged_or_foreign_entry_is_no_entry() {
+        let bytes = encode(&finished(b"the envelope"));
+        for at in 0..bytes.len() {
+            let mut damaged = bytes.clone();
+            damaged[at] ^= 0x01;
+            assert!(
+                decode_entry(damaged, Duration::from_secs(5), Instant::now()).is_none(),
+                "a flipped bit at {at} went unnoticed"
+            );
+        }
+        for foreign in [Vec::new(), b"IC".to_vec(), b"{\"status\":200}".to_vec()] {
+            assert!(decode_entry(foreign, Duration::from_secs(5), Instant::now()).is_none());
+        }
+        assert!(
+            decode_entry(
+                bytes[..HEADER - 1].to_vec(),
+                Duration::from_secs(5),
+                Instant::now()
+            )
+            .is_none()
+        );
+    }
+}
