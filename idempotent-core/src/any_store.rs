@@ -16,6 +16,8 @@ use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
 
 /// The variable [`AnyStore::from_env`] reads the store's URL from.
 const STORE_VAR: &str = "IDEMPOTENCY_STORE";
+/// The variable [`AnyStore::from_env`] reads the cache tier from.
+const CACHE_VAR: &str = "IDEMPOTENCY_CACHE";
 /// The variable [`AnyStore::from_env`] reads the Redis replica count from.
 const REPLICAS_VAR: &str = "IDEMPOTENCY_REDIS_REPLICAS";
 /// How often a PostgreSQL store's expired rows are reaped unless told otherwise.
@@ -32,9 +34,24 @@ const REAP_EVERY: Duration = Duration::from_secs(60);
 /// | `redis://HOST1:PORT1,redis://HOST2:PORT2,…` | `RedisStore`: a Redis Cluster, any of its nodes |
 /// | `postgres://USER[:PASSWORD]@HOST[:PORT]/DB` (`postgresql://`) | `PostgresStore` with its default table |
 ///
-/// [`from_env`](Self::from_env) reads the URL from `IDEMPOTENCY_STORE` (default `memory`) and,
-/// on Redis, the replicas that must acknowledge every claim and record from
-/// `IDEMPOTENCY_REDIS_REPLICAS` (default 0), the names every example service reads.
+/// [`from_env`](Self::from_env) reads the URL from `IDEMPOTENCY_STORE` (default `memory`),
+/// on Redis the replicas that must acknowledge every claim and record from
+/// `IDEMPOTENCY_REDIS_REPLICAS` (default 0), and the cache tier in front of the store from
+/// `IDEMPOTENCY_CACHE` (unset: none), the names every example service reads.
+///
+/// # A cache tier in front
+///
+/// [`cache`](AnyStoreBuilder::cache) (or `IDEMPOTENCY_CACHE`) puts a
+/// [`CacheTier`](crate::cache::CacheTier) in front of the store (feature `cache`), as
+/// [`Cached`](crate::cache::Cached) does:
+///
+/// | value | tier |
+/// |---|---|
+/// | `memory:N` | in this process, at most `N` finished records (and 64 MiB of them) |
+/// | `redis://HOST:PORT[/DB]` (several, comma-separated: a Redis Cluster's nodes) | in a Redis every instance shares, in front of the store (PostgreSQL, say) |
+///
+/// A runtime over it keeps the transactional mode of the store behind it, and that mode
+/// answers duplicates from the tier too.
 ///
 /// # What is done for you
 ///
@@ -74,6 +91,8 @@ const REAP_EVERY: Duration = Duration::from_secs(60);
 #[derive(Debug, Clone)]
 pub struct AnyStore {
     backend: Backend,
+    #[cfg(feature = "cache")]
+    cache: Option<crate::cache::CacheTier>,
     /// Stops the PostgreSQL reaper when the last clone is dropped.
     _reaper: Option<Arc<Reaper>>,
 }
@@ -146,6 +165,7 @@ impl AnyStore {
             replicas: 0,
             migrate: true,
             reaper: Some(REAP_EVERY),
+            cache: None,
         }
     }
 
@@ -199,6 +219,13 @@ impl AnyStore {
             _ => None,
         }
     }
+
+    /// The cache tier in front of the store, if one was configured.
+    #[cfg(feature = "cache")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cache")))]
+    pub fn cache(&self) -> Option<&crate::cache::CacheTier> {
+        self.cache.as_ref()
+    }
 }
 
 /// Configures an [`AnyStore`]. Created by [`AnyStore::builder`] or
@@ -212,6 +239,8 @@ pub struct AnyStoreBuilder {
     replicas: usize,
     migrate: bool,
     reaper: Option<Duration>,
+    /// The cache tier's value (`memory:N`, `redis://…`), and the variable it came from.
+    cache: Option<(String, Option<&'static str>)>,
 }
 
 impl fmt::Debug for AnyStoreBuilder {
@@ -242,6 +271,11 @@ impl AnyStoreBuilder {
         };
         let mut builder = AnyStore::builder(url).replicas(replicas);
         builder.variable = Some(STORE_VAR);
+        if let Ok(cache) = std::env::var(CACHE_VAR)
+            && !cache.is_empty()
+        {
+            builder.cache = Some((cache, Some(CACHE_VAR)));
+        }
         Ok(builder)
     }
 
@@ -256,6 +290,14 @@ impl AnyStoreBuilder {
     /// exist; default `true`.
     pub fn migrate(mut self, migrate: bool) -> Self {
         self.migrate = migrate;
+        self
+    }
+
+    /// A cache tier in front of the store: `memory:N` (in this process, `N` finished records)
+    /// or a Redis URL (see [`AnyStore`]); checked and connected by
+    /// [`connect`](Self::connect). Needs the feature `cache` (and `redis` for a Redis tier).
+    pub fn cache(mut self, tier: impl Into<String>) -> Self {
+        self.cache = Some((tier.into(), None));
         self
     }
 
@@ -322,10 +364,61 @@ impl AnyStoreBuilder {
         };
         // Settings of the stores this build has not are unused.
         let _ = (self.replicas, self.migrate, self.reaper);
+        #[cfg(feature = "cache")]
+        let cache = match &self.cache {
+            Some((value, variable)) => Some(tier(value, *variable).await?),
+            None => None,
+        };
+        #[cfg(not(feature = "cache"))]
+        if let Some((_, variable)) = self.cache {
+            return Err(AnyStoreError::FeatureDisabled {
+                store: "a cache tier",
+                feature: "cache",
+                variable,
+            });
+        }
         Ok(AnyStore {
             backend,
+            #[cfg(feature = "cache")]
+            cache,
             _reaper: reaper,
         })
+    }
+}
+
+/// The tier `value` names: `memory:N` or a Redis URL.
+#[cfg(feature = "cache")]
+async fn tier(
+    value: &str,
+    variable: Option<&'static str>,
+) -> Result<crate::cache::CacheTier, AnyStoreError> {
+    let invalid = || AnyStoreError::InvalidCache {
+        value: redacted(value),
+        variable,
+    };
+    if let Some(entries) = value.strip_prefix("memory:") {
+        let entries: u64 = entries.parse().map_err(|_| invalid())?;
+        if entries == 0 {
+            return Err(invalid());
+        }
+        return Ok(crate::cache::CacheTier::memory(entries));
+    }
+    match Kind::of(value) {
+        #[cfg(feature = "redis")]
+        Some(Kind::Redis) => crate::cache::CacheTier::redis(value)
+            .connect()
+            .await
+            .map_err(|source| AnyStoreError::ConnectRedis {
+                url: redacted(value),
+                source,
+            }),
+        #[cfg(not(feature = "redis"))]
+        Some(Kind::Redis) => Err(AnyStoreError::FeatureDisabled {
+            store: "a Redis cache tier",
+            feature: "redis",
+            variable,
+        }),
+        _ => Err(invalid()),
     }
 }
 
@@ -366,6 +459,19 @@ pub enum AnyStoreError {
     InvalidReplicas {
         /// The variable's value.
         value: String,
+    },
+
+    /// The cache tier's value is neither `memory:N` (`N` ≥ 1) nor a Redis URL.
+    #[error(
+        "{} is not a cache tier; use `memory:N` (N finished records in this process) or \
+         `redis://HOST:PORT[/DB]`",
+        Named(*.variable, value)
+    )]
+    InvalidCache {
+        /// The value, its password replaced by `***`.
+        value: String,
+        /// The environment variable it came from, if any.
+        variable: Option<&'static str>,
     },
 
     /// Redis could not be reached, or the URL is malformed.
@@ -489,6 +595,12 @@ impl Store for AnyStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Claim, StoreError> {
+        #[cfg(feature = "cache")]
+        if let Some(tier) = &self.cache {
+            return each!(self, |store| tier
+                .claim_through(store, key, fingerprint, lease, ttl)
+                .await);
+        }
         each!(self, |store| store
             .claim(key, fingerprint, lease, ttl)
             .await)

@@ -246,6 +246,25 @@ impl CacheTier {
         Ok(answer)
     }
 
+    /// Keeps the record a claim of the PostgreSQL transactional mode found, sent at
+    /// `asked_at` by a request with `fingerprint`, when it may be cached (see
+    /// [`claim_through`](Self::claim_through)). A completed record another transaction
+    /// committed is durable whatever this one does next.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn remember(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        answer: &Claim,
+        asked_at: Instant,
+    ) {
+        if let Some(finished) =
+            Finished::from_answer(answer, fingerprint, asked_at, Integrity::Checksummed)
+        {
+            self.put(*key, finished);
+        }
+    }
+
     /// The finished record of `key` as the store would answer it now, if the tier has it.
     pub(crate) async fn lookup(&self, key: &StorageKey) -> Option<Claim> {
         let found = match &*self.kind {
@@ -284,6 +303,7 @@ impl CacheTier {
     /// a request with `fingerprint`, completed with `ttl` no earlier than `completed_from`.
     /// The caller calls this only after the commit.
     #[cfg(feature = "postgres")]
+    #[cfg_attr(not(feature = "consumer"), allow(dead_code))]
     pub(crate) fn put_committed(
         &self,
         key: StorageKey,

@@ -208,17 +208,35 @@ pub(crate) mod transactional {
         /// One transaction: claim, handle, complete, commit. Any early return drops the
         /// transaction, which rolls it back, claim and all.
         async fn attempt(&self, prepared: &Prepared<H::Input>) -> Result<Processed, Failure> {
+            // A duplicate the cache tier knows is acknowledged without a transaction.
+            #[cfg(feature = "cache")]
+            if let Some(cached) = self
+                .transactional
+                .cached(&prepared.call, ProtocolLabel::Message)
+                .await
+            {
+                return Ok(match cached {
+                    Ok(_) => Processed::Duplicate,
+                    Err(error) => sort(error),
+                });
+            }
             let mut tx = self
                 .pool
                 .begin()
                 .await
                 .map_err(|e| sql_failure("begin", &e))?;
             self.handler.begin(&mut tx).await?;
-            let pending = match self
+            #[cfg(feature = "cache")]
+            let claim = self
+                .transactional
+                .claim_counted_uncached(&prepared.call, &mut tx, ProtocolLabel::Message)
+                .await;
+            #[cfg(not(feature = "cache"))]
+            let claim = self
                 .transactional
                 .claim_counted(&prepared.call, &mut tx, ProtocolLabel::Message)
-                .await
-            {
+                .await;
+            let pending = match claim {
                 Ok(RawClaim::Run(pending)) => pending,
                 Ok(RawClaim::Replay(_)) => return Ok(Processed::Duplicate),
                 Err(error) => return Ok(sort(error)),
@@ -230,10 +248,18 @@ pub(crate) mod transactional {
                 .clone()
                 .scope(self.handler.handle(&mut tx, &prepared.input, &claim))
                 .await?;
-            if let Err(error) = pending.complete(&mut tx, &output).await {
-                return Ok(sort(error));
-            }
+            let completed = match pending.complete_recorded(&mut tx, &output).await {
+                Ok(completed) => completed,
+                Err(error) => return Ok(sort(error)),
+            };
             tx.commit().await.map_err(|e| sql_failure("commit", &e))?;
+            // Committed: the record is durable, and the tier may keep it.
+            #[cfg(feature = "cache")]
+            if let Some(completed) = completed {
+                self.transactional.committed(completed);
+            }
+            #[cfg(not(feature = "cache"))]
+            let _ = completed;
             Ok(Processed::Applied)
         }
     }

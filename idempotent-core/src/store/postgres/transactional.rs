@@ -115,6 +115,9 @@ pub struct Transactional {
     namespace: Arc<[u8]>,
     defaults: Defaults,
     metrics: Arc<Metrics>,
+    /// The runtime's cache tier: duplicates are answered from it without a query.
+    #[cfg(feature = "cache")]
+    tier: Option<crate::cache::CacheTier>,
 }
 
 impl fmt::Debug for Transactional {
@@ -140,7 +143,9 @@ impl Idempotency {
     /// The transactional mode of this runtime: over its [`PostgresStore`]'s table, with its
     /// namespace and [defaults](crate::IdempotencyBuilder::defaults), so that it and the
     /// runtime replay each other's records. `None` if the runtime's store is not a
-    /// `PostgresStore` (or an [`AnyStore`](crate::AnyStore) on one). See [`Transactional`].
+    /// `PostgresStore` (or an [`AnyStore`](crate::AnyStore) on one, or either behind a
+    /// [`Cached`](crate::cache::Cached) tier, which this mode then answers duplicates from).
+    /// See [`Transactional`].
     ///
     /// The defaults' lease is only written with a claim here: an uncommitted claim needs none
     /// (nobody else can see it), so it matters only if a transaction commits a claim it
@@ -149,18 +154,54 @@ impl Idempotency {
     /// they wait on the row.
     pub fn transactional(&self) -> Option<Transactional> {
         let store = self.inner.store.as_any();
-        let store = store.downcast_ref::<PostgresStore>().or_else(|| {
-            store
-                .downcast_ref::<crate::AnyStore>()
-                .and_then(crate::AnyStore::postgres)
-        })?;
+        let (store, tier) = postgres_of(store)?;
+        #[cfg(not(feature = "cache"))]
+        let () = tier;
         Some(Transactional {
             sql: Arc::clone(&store.sql),
             namespace: Arc::from(&*self.inner.namespace),
             defaults: self.inner.defaults,
             metrics: Arc::new(Metrics::register("postgres")),
+            #[cfg(feature = "cache")]
+            tier,
         })
     }
+}
+
+/// The PostgreSQL store a runtime's store is, or stands for, and the cache tier in front.
+#[cfg(feature = "cache")]
+fn postgres_of(
+    store: &dyn std::any::Any,
+) -> Option<(&PostgresStore, Option<crate::cache::CacheTier>)> {
+    use crate::cache::{CacheTier, Cached};
+    fn any_store(store: &crate::AnyStore) -> Option<(&PostgresStore, Option<CacheTier>)> {
+        store
+            .postgres()
+            .map(|postgres| (postgres, store.cache().cloned()))
+    }
+    if let Some(store) = store.downcast_ref::<PostgresStore>() {
+        Some((store, None))
+    } else if let Some(store) = store.downcast_ref::<crate::AnyStore>() {
+        any_store(store)
+    } else if let Some(cached) = store.downcast_ref::<Cached<PostgresStore>>() {
+        Some((cached.store(), Some(cached.tier().clone())))
+    } else if let Some(cached) = store.downcast_ref::<Cached<crate::AnyStore>>() {
+        // The outer tier answers first; an inner one is asked only by the store itself.
+        any_store(cached.store()).map(|(postgres, _)| (postgres, Some(cached.tier().clone())))
+    } else {
+        None
+    }
+}
+
+/// The PostgreSQL store a runtime's store is, or stands for.
+#[cfg(not(feature = "cache"))]
+fn postgres_of(store: &dyn std::any::Any) -> Option<(&PostgresStore, ())> {
+    let store = store.downcast_ref::<PostgresStore>().or_else(|| {
+        store
+            .downcast_ref::<crate::AnyStore>()
+            .and_then(crate::AnyStore::postgres)
+    })?;
+    Some((store, ()))
 }
 
 impl Transactional {
@@ -170,6 +211,8 @@ impl Transactional {
             namespace: Arc::from(&[][..]),
             defaults: Defaults::new(),
             metrics: Arc::new(Metrics::register("postgres")),
+            #[cfg(feature = "cache")]
+            tier: None,
         }
     }
 
@@ -218,16 +261,79 @@ impl Transactional {
         connection: &mut PgConnection,
         protocol: ProtocolLabel,
     ) -> Result<RawClaim, Error> {
-        let claim = self.claim_uncounted(call, connection).await;
+        let claim = self.claim_uncounted(call, connection, true).await;
+        self.count(protocol, &claim);
+        claim
+    }
+
+    /// Claims after [`cached`](Self::cached) missed (the tier is not asked again), and counts
+    /// the call by how the claim ended under `protocol`.
+    #[cfg_attr(not(feature = "consumer"), allow(dead_code))]
+    #[cfg(feature = "cache")]
+    pub(crate) async fn claim_counted_uncached(
+        &self,
+        call: &Call,
+        connection: &mut PgConnection,
+        protocol: ProtocolLabel,
+    ) -> Result<RawClaim, Error> {
+        let claim = self.claim_uncounted(call, connection, false).await;
+        self.count(protocol, &claim);
+        claim
+    }
+
+    /// The answer of the cache tier to `call`, counted under `protocol` when there is one: the
+    /// recorded result, or the error a replay of it meets (another request's record, a
+    /// result not kept). `None` when there is no tier or it does not hold the key: claim.
+    #[cfg_attr(not(feature = "consumer"), allow(dead_code))]
+    #[cfg(feature = "cache")]
+    pub(crate) async fn cached(
+        &self,
+        call: &Call,
+        protocol: ProtocolLabel,
+    ) -> Option<Result<Bytes, Error>> {
+        let key = self.storage_key(call);
+        let claim = self.tier.as_ref()?.lookup(&key).await?;
+        let in_flight = call.settings(&self.defaults).in_flight;
+        let replay = match ClaimAnswer::new(in_flight, Integrity::Checksummed).step(
+            &key,
+            call.fingerprint_ref(),
+            claim,
+        ) {
+            Ok(Step::Replay(bytes)) => Ok(RawClaim::Replay(bytes)),
+            Ok(_) => unreachable!("a cache tier holds finished records only"),
+            Err(error) => Err(error),
+        };
+        self.count(protocol, &replay);
+        Some(replay.map(|claim| match claim {
+            RawClaim::Replay(bytes) => bytes,
+            RawClaim::Run(_) => unreachable!("a replay"),
+        }))
+    }
+
+    /// Keeps the record `completed` in the cache tier: called once its transaction committed.
+    #[cfg_attr(not(feature = "consumer"), allow(dead_code))]
+    #[cfg(feature = "cache")]
+    pub(crate) fn committed(&self, completed: Completed) {
+        if let Some(tier) = &self.tier {
+            tier.put_committed(
+                completed.key,
+                completed.fingerprint,
+                completed.payload,
+                completed.ttl,
+                completed.from,
+            );
+        }
+    }
+
+    fn count(&self, protocol: ProtocolLabel, claim: &Result<RawClaim, Error>) {
         self.metrics.request(
             protocol,
-            match &claim {
+            match claim {
                 Ok(RawClaim::Run(_)) => RequestOutcome::Fresh,
                 Ok(RawClaim::Replay(_)) => RequestOutcome::Replayed,
                 Err(error) => RequestOutcome::of_error(error),
             },
         );
-        claim
     }
 
     /// Counts a call refused before its claim (a malformed key or fingerprint).
@@ -236,10 +342,12 @@ impl Transactional {
             .request(ProtocolLabel::Call, RequestOutcome::of_error(error));
     }
 
+    /// Claims; with `ask_tier`, the cache tier answers first when it holds the key.
     async fn claim_uncounted(
         &self,
         call: &Call,
         connection: &mut PgConnection,
+        ask_tier: bool,
     ) -> Result<RawClaim, Error> {
         let key = self.storage_key(call);
         let fingerprint = call.fingerprint_ref();
@@ -250,6 +358,17 @@ impl Transactional {
             max_result_bytes,
         } = call.settings(&self.defaults);
         let mut answer = ClaimAnswer::new(in_flight, Integrity::Checksummed);
+        #[cfg(feature = "cache")]
+        if ask_tier
+            && let Some(tier) = &self.tier
+            && let Some(claim) = tier.lookup(&key).await
+        {
+            if let Step::Replay(bytes) = answer.step(&key, fingerprint, claim)? {
+                return Ok(RawClaim::Replay(bytes));
+            }
+        }
+        #[cfg(not(feature = "cache"))]
+        let _ = ask_tier;
         loop {
             let started = Instant::now();
             let claim = self
@@ -259,11 +378,16 @@ impl Transactional {
             self.metrics
                 .store_operation(Operation::Claim, claim.as_ref().err(), started.elapsed());
             let claim = claim?;
+            #[cfg(feature = "cache")]
+            if let Some(tier) = &self.tier {
+                tier.remember(&key, fingerprint, &claim, started);
+            }
             match answer.step(&key, fingerprint, claim)? {
                 Step::Owner(token, lifetime) => {
                     let pending = PendingRecord {
                         sql: Arc::clone(&self.sql),
                         key,
+                        fingerprint: *fingerprint,
                         token,
                         lifetime,
                         ttl,
@@ -305,6 +429,7 @@ pub enum TransactionalClaim<T> {
 pub struct PendingRecord {
     sql: Arc<Sql>,
     key: StorageKey,
+    fingerprint: crate::Fingerprint,
     token: FencingToken,
     /// The token that began the record's lifetime.
     lifetime: FencingToken,
@@ -321,6 +446,18 @@ impl fmt::Debug for PendingRecord {
             .field("token", &self.token)
             .finish_non_exhaustive()
     }
+}
+
+/// A record completed in a transaction not yet committed: what the cache tier keeps once it
+/// is.
+#[cfg_attr(not(all(feature = "cache", feature = "consumer")), allow(dead_code))]
+pub(crate) struct Completed {
+    key: StorageKey,
+    fingerprint: crate::Fingerprint,
+    payload: Bytes,
+    ttl: Duration,
+    /// Before the completion was sent: the record expires `ttl` after a later moment.
+    from: Instant,
 }
 
 /// A claim before results are decoded: the byte-level face of [`TransactionalClaim`].
@@ -406,8 +543,40 @@ impl PendingRecord {
         retain: Retain,
         result: Option<Bytes>,
     ) -> Result<(), Error> {
+        self.finish_recorded(connection, retain, result)
+            .await
+            .map(drop)
+    }
+
+    /// Completes with the encoded `result` as [`complete`](Self::complete) does, and returns
+    /// the record for the cache tier to keep after the commit.
+    #[cfg_attr(not(feature = "consumer"), allow(dead_code))]
+    pub(crate) async fn complete_recorded<T: Serialize + ?Sized>(
+        self,
+        connection: &mut PgConnection,
+        value: &T,
+    ) -> Result<Option<Completed>, Error> {
+        match serde_json::to_vec(value) {
+            Ok(bytes) => {
+                self.finish_recorded(connection, Retain::Keep, Some(bytes.into()))
+                    .await
+            }
+            Err(error) => {
+                self.release_logged(connection).await;
+                Err(Error::Payload(error.into()))
+            }
+        }
+    }
+
+    async fn finish_recorded(
+        self,
+        connection: &mut PgConnection,
+        retain: Retain,
+        result: Option<Bytes>,
+    ) -> Result<Option<Completed>, Error> {
+        let started = Instant::now();
         let payload = match retain {
-            Retain::Release => return self.release(connection).await,
+            Retain::Release => return self.release(connection).await.map(|()| None),
             Retain::Keep => Payload::new(&self.key, result, self.max_result_bytes)
                 .envelope(Integrity::Checksummed),
         };
@@ -427,7 +596,13 @@ impl PendingRecord {
         match completed {
             Ok(()) => {
                 tracing::debug!(storage_key = %self.key, "transactional call completed");
-                Ok(())
+                Ok(Some(Completed {
+                    key: self.key,
+                    fingerprint: self.fingerprint,
+                    payload,
+                    ttl: self.ttl,
+                    from: started,
+                }))
             }
             Err(error) => {
                 tracing::warn!(
