@@ -44,6 +44,7 @@
 //! | `LEDGER_SOURCE` | `REDIS_URL` | the broker: `redis://…`, `nats://HOST:PORT` or `amqp://USER:PASS@HOST:PORT/%2f` |
 //! | `REDIS_URL` | `redis://127.0.0.1:6379` | the Redis broker, when `LEDGER_SOURCE` is unset |
 //! | `DATABASE_URL` | `postgres://postgres@127.0.0.1:5432/postgres` | balances and idempotency records |
+//! | `IDEMPOTENCY_CACHE` | unset: no cache | finished records cached in front of PostgreSQL, so a duplicate is acknowledged without a transaction: `memory:N` (in this process, `N` records) or `redis://HOST:PORT[/DB]` (a Redis the consumers share); see `idempotent_core::cache` |
 //! | `STREAM` | `payments` | the stream (Redis, NATS) or queue (RabbitMQ) to consume |
 //! | `GROUP` | `ledger` | the consumer group (Redis) or durable consumer (NATS) |
 //! | `CONSUMER` | `HOST-PID` | this consumer's name in the group (Redis), its consumer tag (RabbitMQ) |
@@ -71,6 +72,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use common::relay::{NOTIFICATIONS, RelaySettings};
+use idempotent_core::cache::{CacheTier, Cached};
 use idempotent_core::consumer::{
     AnySource, Consumer, Decode, Endpoint, Failure, Fields, Message, Outcome, TxHandler,
     sql_failure,
@@ -249,6 +251,13 @@ async fn main() -> ExitCode {
     ) else {
         return ExitCode::FAILURE;
     };
+    let tier = match CacheTier::from_env().await {
+        Ok(tier) => tier,
+        Err(error) => {
+            eprintln!("ledger: {}", common::error_chain(&error));
+            return ExitCode::from(2);
+        }
+    };
     // The in-process relay, stopped after the consumer.
     let relay = match (&config.relay, &config.ledger.outbox) {
         (Some((settings, true)), Some(outbox)) => {
@@ -291,11 +300,14 @@ async fn main() -> ExitCode {
             })
             .run_transactional(
                 store.pool().clone(),
-                Idempotency::builder(store.clone())
-                    .namespace("ledger")
-                    .build()
-                    .transactional()
-                    .expect("a runtime over a PostgresStore"),
+                match tier {
+                    Some(tier) => Idempotency::builder(Cached::new(store.clone(), tier)),
+                    None => Idempotency::builder(store.clone()),
+                }
+                .namespace("ledger")
+                .build()
+                .transactional()
+                .expect("a runtime over a PostgresStore"),
                 config.ledger,
                 async move {
                     stop.recv().await;

@@ -70,6 +70,7 @@
 //! | `IDEMPOTENCY_LEASE` | `30s` | how long a crashed request keeps its key locked: `100ms` to `365d` |
 //! | `IDEMPOTENCY_IN_FLIGHT` | `reject` | `reject` (409) or `wait` (up to one lease, then replay) |
 //! | `IDEMPOTENCY_REDIS_REPLICAS` | `0` | on Redis, replicas that must acknowledge every claim and record before it counts (`WAIT`; see `RedisStoreBuilder::replicas`) |
+//! | `IDEMPOTENCY_CACHE` | unset: no cache | finished records cached in front of the store: `memory:N` (in this process, at most `N` records) or `redis://HOST:PORT[/DB]` (a Redis every instance shares, in front of the store `IDEMPOTENCY_STORE` names); see `idempotent_core::cache` |
 //! | `RUST_LOG` | `warn,idempotent_tower=info` | log filter (logs go to stderr) |
 //!
 //! Durations are read by `idempotent_core::limits::parse_duration` (`500ms`, `30s`, `15m`,

@@ -8,6 +8,7 @@
 //! | `IDEMPOTENCY_LEASE` | `30s` | how long a crashed request keeps its key locked: `100ms` to `365d` |
 //! | `IDEMPOTENCY_IN_FLIGHT` | `reject` | `reject` or `wait` (up to one lease, then replay) |
 //! | `IDEMPOTENCY_REDIS_REPLICAS` | `0` | on Redis, replicas that must acknowledge every claim and record (`WAIT`) |
+//! | `IDEMPOTENCY_CACHE` | unset: none | a cache tier of finished records in front of the store: `memory:N` (in this process, `N` records) or `redis://HOST:PORT[/DB]` (a Redis every instance shares, in front of the store) |
 //!
 //! Durations are read by `idempotent_core::limits::parse_duration` (`500ms`, `30s`, `15m`,
 //! `24h`, `7d`, `1h 30m`); the ranges are those of `idempotent_core::limits`. A bad value, or one out of its range, makes the example exit with
@@ -156,8 +157,8 @@ pub(crate) fn metrics_route<S: Clone + Send + Sync + 'static>(
 }
 
 /// The runtime over the store `IDEMPOTENCY_STORE` names ([`AnyStore::from_env`], which reads
-/// `IDEMPOTENCY_REDIS_REPLICAS` too; on PostgreSQL it creates the table and reaps expired rows
-/// every minute).
+/// `IDEMPOTENCY_REDIS_REPLICAS` and `IDEMPOTENCY_CACHE` too; on PostgreSQL it creates the table
+/// and reaps expired rows every minute).
 pub(crate) async fn idempotency(
     settings: &Settings,
     namespace: &str,

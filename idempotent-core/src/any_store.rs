@@ -17,7 +17,7 @@ use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
 /// The variable [`AnyStore::from_env`] reads the store's URL from.
 const STORE_VAR: &str = "IDEMPOTENCY_STORE";
 /// The variable [`AnyStore::from_env`] reads the cache tier from.
-const CACHE_VAR: &str = "IDEMPOTENCY_CACHE";
+pub(crate) const CACHE_VAR: &str = "IDEMPOTENCY_CACHE";
 /// The variable [`AnyStore::from_env`] reads the Redis replica count from.
 const REPLICAS_VAR: &str = "IDEMPOTENCY_REDIS_REPLICAS";
 /// How often a PostgreSQL store's expired rows are reaped unless told otherwise.
@@ -119,14 +119,14 @@ impl Drop for Reaper {
 
 /// The stores a URL can name, by scheme.
 #[derive(Clone, Copy)]
-enum Kind {
+pub(crate) enum Kind {
     Memory,
     Redis,
     Postgres,
 }
 
 impl Kind {
-    fn of(url: &str) -> Option<Kind> {
+    pub(crate) fn of(url: &str) -> Option<Kind> {
         if url == "memory" {
             Some(Kind::Memory)
         } else if url.starts_with("redis://") || url.starts_with("rediss://") {
@@ -366,7 +366,9 @@ impl AnyStoreBuilder {
         let _ = (self.replicas, self.migrate, self.reaper);
         #[cfg(feature = "cache")]
         let cache = match &self.cache {
-            Some((value, variable)) => Some(tier(value, *variable).await?),
+            Some((value, variable)) => {
+                Some(crate::cache::CacheTier::named(value, *variable).await?)
+            }
             None => None,
         };
         #[cfg(not(feature = "cache"))]
@@ -383,42 +385,6 @@ impl AnyStoreBuilder {
             cache,
             _reaper: reaper,
         })
-    }
-}
-
-/// The tier `value` names: `memory:N` or a Redis URL.
-#[cfg(feature = "cache")]
-async fn tier(
-    value: &str,
-    variable: Option<&'static str>,
-) -> Result<crate::cache::CacheTier, AnyStoreError> {
-    let invalid = || AnyStoreError::InvalidCache {
-        value: redacted(value),
-        variable,
-    };
-    if let Some(entries) = value.strip_prefix("memory:") {
-        let entries: u64 = entries.parse().map_err(|_| invalid())?;
-        if entries == 0 {
-            return Err(invalid());
-        }
-        return Ok(crate::cache::CacheTier::memory(entries));
-    }
-    match Kind::of(value) {
-        #[cfg(feature = "redis")]
-        Some(Kind::Redis) => crate::cache::CacheTier::redis(value)
-            .connect()
-            .await
-            .map_err(|source| AnyStoreError::ConnectRedis {
-                url: redacted(value),
-                source,
-            }),
-        #[cfg(not(feature = "redis"))]
-        Some(Kind::Redis) => Err(AnyStoreError::FeatureDisabled {
-            store: "a Redis cache tier",
-            feature: "redis",
-            variable,
-        }),
-        _ => Err(invalid()),
     }
 }
 
@@ -524,7 +490,7 @@ impl fmt::Display for Named<'_> {
 /// `url` (or several, comma-separated) with every password replaced by `***`: the one in
 /// each URL's user information (`scheme://user:PASSWORD@host`) and the value of any query
 /// parameter whose name ends in `password`.
-fn redacted(url: &str) -> String {
+pub(crate) fn redacted(url: &str) -> String {
     let mut out = String::with_capacity(url.len());
     let mut rest = url;
     while let Some(start) = rest.find("://") {
