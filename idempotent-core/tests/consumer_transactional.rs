@@ -9,13 +9,15 @@
 mod support;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use idempotent_core::cache::{CACHE_LOOKUPS, CacheTier, Cached};
 use idempotent_core::consumer::{
     Consumer, Decode, Failure, Message, Outcome, Report, TxHandler, sql_failure,
 };
-use idempotent_core::metrics::{REQUESTS, Recorded};
+use idempotent_core::metrics::{REQUESTS, Recorded, STORE_OPERATION_DURATION};
 use idempotent_core::postgres::{PostgresStore, Transactional};
 use idempotent_core::{ClaimHandle, Idempotency};
 use idempotent_test_kit::names::unique;
@@ -98,6 +100,7 @@ impl Db {
             entries: self.entries.clone(),
             locks: self.locks.clone(),
             attempts: Arc::default(),
+            begins: Arc::default(),
         }
     }
 }
@@ -128,6 +131,8 @@ struct Ledger {
     entries: String,
     locks: String,
     attempts: Arc<Mutex<Vec<Attempt>>>,
+    /// Transactions begun.
+    begins: Arc<AtomicUsize>,
 }
 
 impl Ledger {
@@ -182,6 +187,7 @@ impl TxHandler for Ledger {
     type Output = i64;
 
     async fn begin(&self, tx: &mut PgConnection) -> Result<(), Failure> {
+        self.begins.fetch_add(1, Ordering::SeqCst);
         sqlx::query(&format!("SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"))
             .execute(tx)
             .await
@@ -381,6 +387,66 @@ async fn a_duplicate_inserts_nothing_and_the_claim_is_current_in_the_handler() {
     .await
     .unwrap();
     assert_eq!(keys, 10);
+}
+
+/// With a cache tier in front of the store, a duplicate of a committed message is acknowledged
+/// from the tier: no transaction begins, no claim reaches PostgreSQL. A message reusing an id
+/// with other content is dead-lettered as malformed from the tier too, as the store would have
+/// it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_a_cache_tier_a_duplicate_is_acknowledged_without_a_transaction() {
+    let Some(db) = Db::open().await else {
+        return;
+    };
+    let source = TestSource::new();
+    let observed = Observations::default();
+    let ledger = db.ledger();
+    let (transactional, recorded) = Recorded::capture(|| {
+        Idempotency::new(Cached::new(db.store.clone(), CacheTier::memory(100)))
+            .transactional()
+            .expect("the transactional mode of the store behind the tier")
+    });
+    let started = start(consumer(&source, &observed), &db, transactional, &ledger);
+    for i in 0..5 {
+        source.publish(&format!("c-{i}"), &format!("{i}"));
+    }
+    wait_until("the first copies to settle", || source.is_settled()).await;
+    let begins = ledger.begins.load(Ordering::SeqCst);
+    let claims = || {
+        recorded
+            .histogram(STORE_OPERATION_DURATION, &[("operation", "claim")])
+            .0
+    };
+    let claimed = claims();
+    assert_eq!((begins, claimed), (5, 5));
+    for i in 0..5 {
+        for _ in 0..3 {
+            source.publish(&format!("c-{i}"), &format!("{i}"));
+        }
+    }
+    source.publish("c-0", "99");
+    wait_until("the duplicates to settle", || source.is_settled()).await;
+    let report = started.stop().await;
+    assert_every_delivery_answered_once(&source, &observed);
+    assert_eq!(
+        (report.applied, report.duplicates, report.dead_lettered),
+        (5, 15, 1),
+        "{report:?}"
+    );
+    assert_eq!(
+        ledger.begins.load(Ordering::SeqCst),
+        begins,
+        "no transaction began for a duplicate"
+    );
+    assert_eq!(claims(), claimed, "no claim reached PostgreSQL");
+    assert_eq!(
+        recorded.counter(CACHE_LOOKUPS, &[("outcome", "hit")]),
+        16,
+        "the duplicates and the reuse were answered by the tier"
+    );
+    let rows = db.rows().await;
+    assert_eq!(rows.len(), 5);
+    assert!(rows.values().all(|&n| n == 1), "{rows:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
