@@ -81,6 +81,7 @@
 //! | `memory` (feature `memory`) | `MemoryStore`, its builder, statistics and bounds |
 //! | `redis` (feature `redis`) | `RedisStore` and its builder |
 //! | `postgres` (feature `postgres`) | `PostgresStore`, the transactional mode (`Transactional`), `Fence`, the transactional outbox (`Outbox`, `Message`) and its `Relay` with `Sink`s (`RedisStreamSink` with feature `redis`) |
+//! | `cache` (feature `cache`) | a cache tier of finished records in front of any store: `Cached`, `CacheTier` (in process; Redis with `redis`) |
 //! | `conformance` (feature `test-util`) | the store conformance suite and `FaultyStore` |
 //! | `consumer` (feature `consumer`) | the consumer runtime (`Consumer`, `Source`, `Decode`, `Handler`, `TxHandler` with `postgres`, `Failure`, `Message`, `Fields`, `AnySource`) and its sources: `consumer::redis_streams` (feature `redis-streams`), `consumer::nats` (feature `nats`), `consumer::rabbitmq` (feature `rabbitmq`) |
 //!
@@ -128,6 +129,8 @@
 //!   transaction as your database writes.
 //! - `test-util`: the store conformance suite (`conformance`) and `clock::ManualClock`, for
 //!   testing any store.
+//! - `cache`: a cache tier of finished records in front of any store (`cache`, with `moka`); a
+//!   Redis tier with `redis`.
 //! - `consumer`: the consumer runtime (`consumer`); its transactional mode with `postgres`.
 //! - `redis-streams`, `nats`, `rabbitmq`: the consumer's sources on Redis Streams, NATS
 //!   JetStream (`async-nats`) and RabbitMQ quorum queues (`lapin`).
