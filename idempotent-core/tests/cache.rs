@@ -865,3 +865,50 @@ mod memory_on_postgres {
 mod redis_on_postgres {
     idempotent_core::store_conformance_tests!(super::RedisOnPostgres);
 }
+
+/// The transactional mode of a runtime over a cached PostgreSQL store answers a duplicate from
+/// the tier once it has seen the record: no statement reaches PostgreSQL for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_transactional_mode_replays_from_the_tier() {
+    use idempotent_core::metrics::STORE_OPERATION_DURATION;
+    use idempotent_core::postgres::TransactionalClaim;
+    let Some(postgres) = postgres_store().await else {
+        return;
+    };
+    let pool = postgres.pool().clone();
+    let (transactional, recorded) = Recorded::capture(|| {
+        Idempotency::new(Cached::new(postgres, CacheTier::memory(10)))
+            .transactional()
+            .expect("the transactional mode of the store behind the tier")
+    });
+    let claims = || {
+        recorded
+            .histogram(STORE_OPERATION_DURATION, &[("operation", "claim")])
+            .0
+    };
+    let call = Call::new("deposit-1".parse().unwrap()).fingerprint(fp("100 to alice"));
+    let mut tx = pool.begin().await.unwrap();
+    match transactional.claim::<u32>(&call, &mut tx).await.unwrap() {
+        TransactionalClaim::Run(pending) => pending.complete(&mut tx, &100u32).await.unwrap(),
+        TransactionalClaim::Replay(_) => panic!("a new key replayed"),
+    }
+    tx.commit().await.unwrap();
+    for (n, from_store) in [(1, true), (2, false), (3, false)] {
+        let before = claims();
+        let mut tx = pool.begin().await.unwrap();
+        match transactional.claim::<u32>(&call, &mut tx).await.unwrap() {
+            TransactionalClaim::Replay(value) => assert_eq!(value, 100, "replay {n}"),
+            TransactionalClaim::Run(_) => panic!("replay {n} ran"),
+        }
+        assert_eq!(claims() - before, usize::from(from_store), "replay {n}");
+    }
+    let other = Call::new("deposit-1".parse().unwrap()).fingerprint(fp("999 to mallory"));
+    let before = claims();
+    let mut tx = pool.begin().await.unwrap();
+    let refused = transactional.claim::<u32>(&other, &mut tx).await;
+    assert!(
+        matches!(refused, Err(Error::FingerprintMismatch)),
+        "{refused:?}"
+    );
+    assert_eq!(claims(), before, "the mismatch was answered by the tier");
+}

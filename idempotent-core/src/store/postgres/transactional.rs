@@ -362,10 +362,9 @@ impl Transactional {
         if ask_tier
             && let Some(tier) = &self.tier
             && let Some(claim) = tier.lookup(&key).await
+            && let Step::Replay(bytes) = answer.step(&key, fingerprint, claim)?
         {
-            if let Step::Replay(bytes) = answer.step(&key, fingerprint, claim)? {
-                return Ok(RawClaim::Replay(bytes));
-            }
+            return Ok(RawClaim::Replay(bytes));
         }
         #[cfg(not(feature = "cache"))]
         let _ = ask_tier;
