@@ -427,10 +427,10 @@ pub enum AnyStoreError {
         value: String,
     },
 
-    /// The cache tier's value is neither `memory:N` (`N` ≥ 1) nor a Redis URL.
+    /// The cache tier's value is neither `memory:N` (`N` ≥ 1) nor a well-formed Redis URL.
     #[error(
         "{} is not a cache tier; use `memory:N` (N finished records in this process) or \
-         `redis://HOST:PORT[/DB]`",
+         a well-formed `redis://HOST:PORT[/DB]`",
         Named(*.variable, value)
     )]
     InvalidCache {

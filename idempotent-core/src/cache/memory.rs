@@ -42,9 +42,7 @@ impl MemoryTier {
     /// At most `entries` entries and `max_bytes` bytes: every entry weighs at least an even
     /// share of the bytes, so the byte bound also bounds the entries.
     pub(super) fn new(entries: u64, max_bytes: u64) -> Self {
-        let entries = entries.max(1);
-        let max_bytes = max_bytes.max(entries);
-        let share = max_bytes / entries;
+        let share = (max_bytes / entries.max(1)).max(1);
         let cache = Cache::builder()
             .max_capacity(max_bytes)
             .weigher(move |_key, value: &Finished| {

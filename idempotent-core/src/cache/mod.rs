@@ -187,7 +187,7 @@ impl CacheTier {
 
     /// An in-process tier of at most `entries` finished records and `max_bytes` bytes of them
     /// (payloads and about 100 bytes each of what comes with them). A record larger than an
-    /// even share (`max_bytes / entries`) counts as that many bytes; a smaller one counts as
+    /// even share (`max_bytes / entries`) counts as its own size; a smaller one counts as
     /// the share, so neither bound can be passed.
     pub fn memory_bounded(entries: u64, max_bytes: u64) -> CacheTier {
         CacheTier::new(Kind::Memory(memory::MemoryTier::new(entries, max_bytes)))
@@ -248,12 +248,11 @@ impl CacheTier {
         }
         match StoreKind::of(value) {
             #[cfg(feature = "redis")]
-            Some(StoreKind::Redis) => CacheTier::redis(value).connect().await.map_err(|source| {
-                AnyStoreError::ConnectRedis {
-                    url: redacted(value),
-                    source,
-                }
-            }),
+            // Connecting does not wait for Redis: it fails only on a malformed URL.
+            Some(StoreKind::Redis) => CacheTier::redis(value)
+                .connect()
+                .await
+                .map_err(|_| invalid()),
             #[cfg(not(feature = "redis"))]
             Some(StoreKind::Redis) => Err(AnyStoreError::FeatureDisabled {
                 store: "a Redis cache tier",
