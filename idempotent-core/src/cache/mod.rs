@@ -52,6 +52,10 @@
 //!   never wrong: after a failure the tier is skipped for a second
 //!   ([`RedisCacheBuilder::rest`]), and every request goes to the store meanwhile.
 //!
+//! With the store down, a tier still answers the replays it holds: each is its record's answer
+//! until the record expires, as the store would give it; everything else meets the store's
+//! error, as without a tier.
+//!
 //! What the tier does not see: a record deleted or changed by hand in the store stays cached
 //! until the copy's expiry (restart the instances, or flush the Redis tier, to forget it).
 //!
