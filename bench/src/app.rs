@@ -7,15 +7,17 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::serve::ListenerExt;
-use idempotent_core::Idempotency;
+use idempotent_core::cache::Cached;
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::postgres::PostgresStore;
 use idempotent_core::redis::RedisStore;
+use idempotent_core::{Idempotency, IdempotencyBuilder, Store};
 use idempotent_tower::IdempotencyLayer;
 
+use crate::cache::RowTier;
 use crate::cli::Backends;
 use crate::fixture::{Tally, payments};
-use crate::rows::{Implementation, Row, StoreKind};
+use crate::rows::{Cache, Implementation, Row, StoreKind};
 
 /// The name of the server's runtime threads.
 pub(crate) const SERVER_THREAD: &str = "bench-server";
@@ -28,11 +30,23 @@ const MEMORY_MAX_BYTES: usize = 64 << 30;
 /// How often the PostgreSQL rows' reaper runs: often enough to work during a row.
 const REAP_EVERY: Duration = Duration::from_secs(1);
 
-/// The runtime of an `idempotent-tower` row: its store, a namespace of its own (so that runs
-/// against the same Redis or PostgreSQL never see each other's keys), default TTL and lease.
-/// A prefilled memory row's store is filled here (`scale.rs`); the shared stores are filled
-/// before the row. PostgreSQL rows run the reaper, as a deployment does.
-async fn idempotency(row: Row, backends: &Backends) -> Result<Idempotency, String> {
+/// The runtime of an `idempotent-tower` row: its store (behind the row's cache tier, if it
+/// has one: `Cached::new(store, tier)`), a namespace of its own (so that runs against the
+/// same Redis or PostgreSQL never see each other's keys), default TTL and lease. A prefilled
+/// memory row's store is filled here (`scale.rs`); the shared stores are filled before the
+/// row. PostgreSQL rows run the reaper, as a deployment does. The in-process tier holds
+/// `cache_entries` records.
+async fn idempotency(
+    row: Row,
+    backends: &Backends,
+    cache_entries: u64,
+) -> Result<(Idempotency, Option<Arc<RowTier>>), String> {
+    let tier = match row.cache {
+        Cache::None => None,
+        cache => Some(Arc::new(
+            RowTier::create(cache, cache_entries, backends).await?,
+        )),
+    };
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()
@@ -47,7 +61,7 @@ async fn idempotency(row: Row, backends: &Backends) -> Result<Idempotency, Strin
             if row.prefilled > 0 {
                 crate::scale::fill_memory(store.clone(), row.prefilled).await?;
             }
-            Idempotency::builder(store)
+            cached(store, tier.as_deref())
         }
         StoreKind::Redis => {
             let url = backends.redis_url.as_deref().ok_or("no Redis URL")?;
@@ -56,7 +70,7 @@ async fn idempotency(row: Row, backends: &Backends) -> Result<Idempotency, Strin
                 .connect()
                 .await
                 .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?;
-            Idempotency::builder(redis)
+            cached(redis, tier.as_deref())
         }
         StoreKind::Postgres => {
             let url = backends
@@ -72,19 +86,35 @@ async fn idempotency(row: Row, backends: &Backends) -> Result<Idempotency, Strin
                 .map_err(|e| format!("cannot migrate PostgreSQL at {url}: {e}"))?;
             // Stopped with the row's runtime.
             postgres.spawn_reaper(REAP_EVERY);
-            Idempotency::builder(postgres)
+            cached(postgres, tier.as_deref())
         }
         StoreKind::None => return Err("idempotent-tower needs a store".into()),
     };
-    Ok(builder.namespace(namespace).build())
+    Ok((builder.namespace(namespace).build(), tier))
 }
 
-/// The router of `row`; called inside the server's runtime (stores spawn background tasks).
-async fn router(row: Row, tally: Arc<Tally>, backends: &Backends) -> Result<Router, String> {
+/// The builder of a runtime over `store`, behind `tier` when there is one.
+fn cached<S: Store>(store: S, tier: Option<&RowTier>) -> IdempotencyBuilder {
+    match tier {
+        Some(tier) => Idempotency::builder(Cached::new(store, tier.tier.clone())),
+        None => Idempotency::builder(store),
+    }
+}
+
+/// The router of `row`, and its cache tier; called inside the server's runtime (stores spawn
+/// background tasks).
+async fn router(
+    row: Row,
+    tally: Arc<Tally>,
+    backends: &Backends,
+    cache_entries: u64,
+) -> Result<(Router, Option<Arc<RowTier>>), String> {
+    let mut tier = None;
     let router = match row.implementation {
         Implementation::Bare => payments(),
         Implementation::Tower => {
-            let idempotency = idempotency(row, backends).await?;
+            let (idempotency, cache) = idempotency(row, backends, cache_entries).await?;
+            tier = cache;
             // The load carries no credentials (the bare handler and the peers scope nothing):
             // one shared scope, as `allow_anonymous` documents.
             payments().route_layer(IdempotencyLayer::http(idempotency).allow_anonymous(true))
@@ -102,22 +132,26 @@ async fn router(row: Row, tally: Arc<Tally>, backends: &Backends) -> Result<Rout
             ));
         }
     };
-    Ok(router.with_state(tally))
+    Ok((router.with_state(tally), tier))
 }
 
 /// A row's server on a loopback port, on a runtime of its own.
 pub(crate) struct Server {
     pub(crate) addr: SocketAddr,
     pub(crate) tally: Arc<Tally>,
+    /// The row's cache tier, if it has one.
+    pub(crate) cache: Option<Arc<RowTier>>,
     runtime: tokio::runtime::Runtime,
 }
 
 impl Server {
+    /// `cache_entries`: the size of the in-process cache tier of a row that has one.
     pub(crate) fn start(
         row: Row,
         lanes: usize,
         threads: usize,
         backends: &Backends,
+        cache_entries: u64,
     ) -> Result<Server, String> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
@@ -126,12 +160,12 @@ impl Server {
             .build()
             .map_err(|e| format!("cannot start the server runtime: {e}"))?;
         let tally = Arc::new(Tally::new(lanes));
-        let (router, listener) = runtime.block_on(async {
-            let router = router(row, Arc::clone(&tally), backends).await?;
+        let (router, cache, listener) = runtime.block_on(async {
+            let (router, cache) = router(row, Arc::clone(&tally), backends, cache_entries).await?;
             let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
                 .await
                 .map_err(|e| format!("cannot bind a loopback port: {e}"))?;
-            Ok::<_, String>((router, listener))
+            Ok::<_, String>((router, cache, listener))
         })?;
         let addr = listener
             .local_addr()
@@ -143,6 +177,7 @@ impl Server {
         Ok(Server {
             addr,
             tally,
+            cache,
             runtime,
         })
     }

@@ -8,6 +8,7 @@ usage: idempotent-bench [all|http|memory] [options]
 
   all (default)       the HTTP rows, then the memory mode
   http                the HTTP rows: bare, idempotent-tower, the peers, Redis/PostgreSQL rows
+                      (also behind a cache tier)
   memory              resident bytes per record of MemoryStore (100k, 1M and 10M records;
                       100k and 1M with --quick)
 
@@ -23,7 +24,9 @@ options:
   --client-threads N  tokio worker threads of the load generator (default 2)
   --only LIST         rows to run, comma-separated: an implementation (or `pgbench`,
                       `redis-benchmark` for the limit rows), scenario or store name, or a
-                      label prefix such as idempotent-tower/replay
+                      label prefix such as idempotent-tower/replay; `cache`, `memcache`,
+                      `rediscache` or a store with its tier (`postgres+rediscache`) for
+                      the rows with a cache tier in front of the store
   --redis-url URL     add idempotent-tower rows on Redis, and the redis-benchmark limit rows
                       (default $IDEMPOTENT_TEST_REDIS_URL)
   --redis-replicas N  replicas that must acknowledge each claim and record on Redis

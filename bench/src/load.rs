@@ -17,6 +17,7 @@ use tokio::sync::Barrier;
 use tokio::task::JoinSet;
 
 use crate::app::SERVER_THREAD;
+use crate::cache::RowTier;
 use crate::fixture::{KeyId, PAYMENTS, REQUEST_BODY, SESSION};
 use crate::measure::Traffic;
 use crate::rows::Scenario;
@@ -40,6 +41,8 @@ pub(crate) struct Plan {
     pub(crate) replay_keys: usize,
     /// Whether each client must open a session first (axum-idempotent).
     pub(crate) session: bool,
+    /// The server's cache tier, whose lookups are read at the edges of the timed phase.
+    pub(crate) cache: Option<Arc<RowTier>>,
 }
 
 /// One response, as far as the load generator cares.
@@ -162,9 +165,11 @@ pub(crate) async fn run(plan: &Plan) -> Result<Traffic, String> {
     tokio::time::sleep_until((begin + plan.warmup).into()).await;
     let cpu_before = (threads_cpu(SERVER_THREAD), threads_cpu(CLIENT_THREAD));
     let machine_before = machine::Reading::now();
+    let lookups_before = plan.cache.as_ref().map(|tier| tier.lookups());
     tokio::time::sleep_until((begin + plan.warmup + plan.measure).into()).await;
     let cpu_after = (threads_cpu(SERVER_THREAD), threads_cpu(CLIENT_THREAD));
     let machine_after = machine::Reading::now();
+    let lookups_after = plan.cache.as_ref().map(|tier| tier.lookups());
 
     let mut total = Traffic::new();
     while let Some(lane) = lanes.join_next().await {
@@ -177,6 +182,9 @@ pub(crate) async fn run(plan: &Plan) -> Result<Traffic, String> {
     if let (Some(before), Some(after)) = (machine_before, machine_after) {
         total.machine_cpu = after.busy_since(before);
         total.machine_busy = after.utilization_since(before);
+    }
+    if let (Some(tier), Some(before), Some(after)) = (&plan.cache, lookups_before, lookups_after) {
+        total.cache = Some(tier.window(before, after));
     }
     Ok(total)
 }

@@ -27,6 +27,13 @@
 //!   Redis store's own scripts with `EVALSHA` on random keys; in the same rounds as the layer's
 //!   rows. The table shows each `idempotent-tower` row on a shared store as a fraction of its
 //!   limit (see `limit.rs`).
+//! - **Cache tiers**: the `idempotent-tower` rows again with a cache tier in front of the
+//!   store (`Cached::new(store, tier)`): the in-process tier in front of Redis and of
+//!   PostgreSQL (`redis+memcache`, `postgres+memcache`), sized to hold every key a row
+//!   replays (connections x replay keys, plus the probe keys), and Redis in front of
+//!   PostgreSQL (`postgres+rediscache`, on the Redis rows' server under a key prefix of its
+//!   own). Each reports the tier's hit rate: `hit / (hit + miss + error)` of its lookups in the
+//!   timed phase (`cache.rs`).
 //! - **Memory**: resident bytes per record of a `MemoryStore` filled through
 //!   `IdempotencyLayer` with 200-byte responses, from `/proc/self/statm`, one child process
 //!   per record count.
@@ -36,6 +43,7 @@
 //! 2.0 declares rust-version 1.98); without them their rows are skipped.
 
 mod app;
+mod cache;
 mod cli;
 mod fixture;
 mod limit;
@@ -320,10 +328,24 @@ fn run_logged(
 ) -> Result<(Traffic, Audit), String> {
     match run_row(row, options, client) {
         Ok((traffic, audit)) => {
+            let cache = match &traffic.cache {
+                Some(cache) => format!(
+                    "  cache {}: {} hits {} misses {} errors{}",
+                    cache.tier,
+                    cache.lookups.hit,
+                    cache.lookups.miss,
+                    cache.lookups.error,
+                    cache
+                        .entries
+                        .map(|n| format!(", {n} entries"))
+                        .unwrap_or_default(),
+                ),
+                None => String::new(),
+            };
             eprintln!(
-                "round {round}/{}: {:<40} {:>9.0} rps  p50 {:>6} µs  p99 {:>6} µs  \
+                "round {round}/{}: {:<44} {:>9.0} rps  p50 {:>6} µs  p99 {:>6} µs  \
                  server {:>5.1} µs/req  client {:>5.1} µs/req  machine {:>5.1} µs/req \
-                 ({:>3.0} % busy)  executions {} keys {} duplicated {}",
+                 ({:>3.0} % busy)  executions {} keys {} duplicated {}{cache}",
                 options.rounds,
                 row.label(),
                 traffic.rps(),
@@ -352,11 +374,14 @@ fn run_row(
     options: &Options,
     client: &tokio::runtime::Runtime,
 ) -> Result<(Traffic, Audit), String> {
+    let cache_entries =
+        cache::memory_entries(options.connections, options.replay_keys, options.probe_keys);
     let server = app::Server::start(
         row,
         options.connections,
         options.server_threads,
         &options.backends,
+        cache_entries,
     )?;
     let session = row.implementation == Implementation::AxumIdempotent;
     let plan = load::Plan {
@@ -367,6 +392,7 @@ fn run_row(
         scenario: row.scenario,
         replay_keys: options.replay_keys,
         session,
+        cache: server.cache.clone(),
     };
     let outcome = client.block_on(async {
         let traffic = load::run(&plan).await?;
@@ -399,7 +425,7 @@ fn memory_mode(options: &Options) -> Result<bool, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rows::{Scenario, StoreKind};
+    use rows::{Cache, Scenario, StoreKind};
 
     /// One short round of two rows through the real server and load generator: our layer
     /// replays and runs each key once; the bare handler runs the probe's duplicates.
@@ -427,9 +453,11 @@ mod tests {
             implementation: Implementation::Tower,
             scenario: Scenario::Replay,
             store: StoreKind::Memory,
+            cache: Cache::None,
             prefilled: 0,
         };
         let (traffic, audit) = run_row(replay, &options, &client).unwrap();
+        assert!(traffic.cache.is_none());
         assert!(traffic.successes() > 0);
         assert_eq!(traffic.failures(), 0);
         assert_eq!(
@@ -445,6 +473,7 @@ mod tests {
             implementation: Implementation::Bare,
             scenario: Scenario::None,
             store: StoreKind::None,
+            cache: Cache::None,
             prefilled: 0,
         };
         let (traffic, audit) = run_row(bare, &options, &client).unwrap();
@@ -455,5 +484,63 @@ mod tests {
         );
         assert_eq!(audit.executions - audit.distinct_keys, 2 * 3);
         assert!(!audit.exactly_once());
+    }
+
+    /// The in-process tier in front of a store (the memory store here, to need no server):
+    /// fresh requests only miss; after the first replay of each key, replays hit; the tier
+    /// ends up holding each connection's replay keys.
+    #[test]
+    fn a_cached_row_counts_its_tier() {
+        let args = [
+            "http",
+            "--warmup",
+            "0.1",
+            "--duration",
+            "0.2",
+            "--connections",
+            "4",
+        ];
+        let mut options = cli::parse(args.map(String::from), |_| None).unwrap();
+        options.probe_keys = 2;
+        options.probe_duplicates = 3;
+        let client = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let row = |scenario| Row {
+            implementation: Implementation::Tower,
+            scenario,
+            store: StoreKind::Memory,
+            cache: Cache::Memory,
+            prefilled: 0,
+        };
+
+        let (traffic, audit) = run_row(row(Scenario::Replay), &options, &client).unwrap();
+        assert_eq!(traffic.failures(), 0);
+        assert_eq!(traffic.replayed, traffic.successes());
+        assert!(audit.exactly_once(), "{audit:?}");
+        let cache = traffic.cache.expect("the row's tier");
+        assert_eq!(cache.tier, "memory");
+        assert_eq!(cache.capacity, Some(4 * 4 + 2));
+        assert_eq!(cache.entries, Some(4 * 4), "each connection's replay keys");
+        assert_eq!(cache.lookups.error, 0);
+        assert!(cache.lookups.hit > 0, "{cache:?}");
+        assert!(
+            cache.lookups.miss <= 4 * 4,
+            "at most the first replay of each key misses: {cache:?}"
+        );
+
+        let (traffic, audit) = run_row(row(Scenario::Fresh), &options, &client).unwrap();
+        assert_eq!(traffic.failures(), 0);
+        assert!(audit.exactly_once(), "{audit:?}");
+        let cache = traffic.cache.expect("the row's tier");
+        assert_eq!(cache.lookups.hit, 0, "a new key is never in the tier");
+        assert!(cache.lookups.miss > 0, "{cache:?}");
+        assert_eq!(
+            cache.entries,
+            Some(0),
+            "claims and completions do not fill it"
+        );
     }
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
+use crate::cache::CacheWindow;
 use crate::fixture::Executions;
 
 /// Response latencies in microseconds, 1 µs to 60 s at three significant digits.
@@ -113,6 +114,8 @@ pub(crate) struct Traffic {
     /// time (`machine.rs`).
     pub(crate) machine_cpu: Duration,
     pub(crate) machine_busy: f64,
+    /// The row's cache tier during the timed phase, if it has one (`cache.rs`).
+    pub(crate) cache: Option<CacheWindow>,
 }
 
 impl Traffic {
@@ -127,6 +130,7 @@ impl Traffic {
             client_cpu: Duration::ZERO,
             machine_cpu: Duration::ZERO,
             machine_busy: 0.0,
+            cache: None,
         }
     }
 
@@ -142,6 +146,11 @@ impl Traffic {
         self.client_cpu += other.client_cpu;
         self.machine_cpu += other.machine_cpu;
         self.machine_busy = self.machine_busy.max(other.machine_busy);
+        match (&mut self.cache, &other.cache) {
+            (Some(cache), Some(other)) => cache.merge(other),
+            (cache @ None, Some(other)) => *cache = Some(other.clone()),
+            (_, None) => {}
+        }
     }
 
     /// Responses of any status, plus requests without one.

@@ -7,6 +7,7 @@ use std::path::Path;
 use idempotent_bench::table::thousands;
 use serde::{Deserialize, Serialize};
 
+use crate::cache::CacheWindow;
 use crate::measure::{Audit, Traffic, round1};
 use crate::rows::Row;
 
@@ -143,6 +144,32 @@ pub(crate) struct HttpRecord {
     /// Timed seconds per round, and the rps of every round.
     pub(crate) seconds: f64,
     pub(crate) rounds_rps: Vec<f64>,
+    /// Rows with a cache tier (`store` is then `redis+memcache` and so on): the tier, its
+    /// lookups in the median round's timed phase, and their hit rate,
+    /// `hit / (hit + miss + error)`. Absent for the other rows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) cache: Option<Box<CacheRecord>>,
+}
+
+/// The cache tier of a row, in the median round's timed phase.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct CacheRecord {
+    #[serde(flatten)]
+    pub(crate) window: CacheWindow,
+    /// `hit / (hit + miss + error)` of `lookups`; `None` without lookups.
+    pub(crate) hit_rate: Option<f64>,
+}
+
+impl CacheRecord {
+    fn of(window: &CacheWindow) -> Box<CacheRecord> {
+        Box::new(CacheRecord {
+            window: window.clone(),
+            hit_rate: window
+                .lookups
+                .hit_rate()
+                .map(|rate| (rate * 10_000.0).round() / 10_000.0),
+        })
+    }
 }
 
 /// Resident memory per record of a `MemoryStore` filled through `IdempotencyLayer`.
@@ -189,7 +216,7 @@ pub(crate) fn summarize(row: Row, rounds: &[(Traffic, Audit)]) -> HttpRecord {
     HttpRecord {
         implementation: row.implementation.name().to_owned(),
         scenario: row.scenario.name().to_owned(),
-        store: row.store.name().to_owned(),
+        store: row.store_name(),
         rps: round1(traffic.rps()),
         p50_us: traffic.latencies.quantile_us(0.50),
         p99_us: traffic.latencies.quantile_us(0.99),
@@ -210,6 +237,7 @@ pub(crate) fn summarize(row: Row, rounds: &[(Traffic, Audit)]) -> HttpRecord {
         audit: *audit,
         seconds: round1(traffic.elapsed.as_secs_f64()),
         rounds_rps: rounds.iter().map(|(t, _)| round1(t.rps())).collect(),
+        cache: traffic.cache.as_ref().map(CacheRecord::of),
     }
 }
 
@@ -240,15 +268,16 @@ pub(crate) fn problems(record: &HttpRecord) -> Vec<String> {
     problems
 }
 
-/// The HTTP rows as a markdown table; `vs bare` is each row's rps over the `bare` row's.
+/// The HTTP rows as a markdown table; `vs bare` is each row's rps over the `bare` row's;
+/// `cache hits` is the hit rate of a row's cache tier in the timed phase (`–` without one).
 pub(crate) fn markdown_table(records: &[HttpRecord]) -> String {
     let bare = records
         .iter()
         .find(|r| r.implementation == "bare")
         .map(|r| r.rps);
     let mut out = String::from(
-        "| implementation | scenario | store | rps | vs bare | p50 µs | p99 µs | correct | non-2xx | replayed | server CPU µs/req |\n\
-         |---|---|---|---:|---:|---:|---:|:---:|---:|---:|---:|\n",
+        "| implementation | scenario | store | rps | vs bare | p50 µs | p99 µs | correct | non-2xx | replayed | server CPU µs/req | cache hits |\n\
+         |---|---|---|---:|---:|---:|---:|:---:|---:|---:|---:|---:|\n",
     );
     for r in records {
         let versus = match bare {
@@ -260,8 +289,12 @@ pub(crate) fn markdown_table(records: &[HttpRecord]) -> String {
         } else {
             format!("{:.0} %", 100.0 * r.replayed as f64 / r.requests as f64)
         };
+        let cache_hits = match r.cache.as_ref().and_then(|cache| cache.hit_rate) {
+            Some(rate) => format!("{:.1} %", 100.0 * rate),
+            None => "–".to_owned(),
+        };
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {cache_hits} |\n",
             r.implementation,
             r.scenario,
             r.store,
@@ -386,14 +419,16 @@ pub(crate) fn write_json(path: &Path, records: Vec<Record>) -> std::io::Result<(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::Lookups;
     use crate::fixture::Executions;
-    use crate::rows::{Implementation, Scenario, StoreKind};
+    use crate::rows::{Cache, Implementation, Scenario, StoreKind};
 
     fn row() -> Row {
         Row {
             implementation: Implementation::Tower,
             scenario: Scenario::Replay,
             store: StoreKind::Memory,
+            cache: Cache::None,
             prefilled: 0,
         }
     }
@@ -466,6 +501,7 @@ mod tests {
         assert_eq!(http["p99_us"], 250);
         assert_eq!(http["correct"], true);
         assert_eq!(http["statuses"]["201"], 2000);
+        assert!(http.get("cache").is_none(), "only rows with a cache tier");
         let memory = &json[1];
         assert_eq!(memory["mode"], "memory");
         assert_eq!(memory["records"], 100_000);
@@ -545,5 +581,51 @@ mod tests {
         assert!(table.contains("| bare | none | none | 40,000 | 100 % | 1,500 |"));
         assert!(table.contains("| **no** |"));
         assert!(table.contains("| idempotent-tower | replay | memory | 38,000 | 95 % |"));
+    }
+
+    #[test]
+    fn cached_rows_report_their_hit_rate() {
+        let cached = Row {
+            store: StoreKind::Postgres,
+            cache: Cache::Memory,
+            ..row()
+        };
+        let mut t = Traffic::sample(2000, 0, 2, 250);
+        t.replayed = 2000;
+        t.cache = Some(CacheWindow {
+            tier: "memory".into(),
+            capacity: Some(272),
+            entries: Some(256),
+            lookups: Lookups {
+                hit: 1998,
+                miss: 1,
+                error: 1,
+            },
+        });
+        let record = summarize(cached, &[(t, good_audit())]);
+        assert_eq!(record.store, "postgres+memcache");
+        assert!(problems(&record).is_empty());
+        let json = serde_json::to_value(vec![Record::Http(record.clone())]).unwrap();
+        let cache = &json[0]["cache"];
+        assert_eq!(cache["tier"], "memory");
+        assert_eq!(cache["capacity"], 272);
+        assert_eq!(cache["entries"], 256);
+        assert_eq!(cache["lookups"]["hit"], 1998);
+        assert_eq!(cache["lookups"]["miss"], 1);
+        assert_eq!(cache["lookups"]["error"], 1);
+        assert_eq!(cache["hit_rate"], 0.999);
+        let back: Vec<Record> = serde_json::from_value(json).unwrap();
+        assert_eq!(back, vec![Record::Http(record.clone())]);
+
+        let plain = summarize(row(), &[(Traffic::sample(1000, 0, 1, 250), good_audit())]);
+        let table = markdown_table(&[plain, record]);
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[0].ends_with("| cache hits |"), "{table}");
+        assert!(lines[2].ends_with("| – |"), "{table}");
+        assert!(
+            lines[3].starts_with("| idempotent-tower | replay | postgres+memcache | 1,000 |")
+                && lines[3].ends_with("| 99.9 % |"),
+            "{table}"
+        );
     }
 }

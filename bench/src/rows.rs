@@ -75,23 +75,55 @@ impl StoreKind {
     }
 }
 
+/// The cache tier in front of the store (`idempotent_core::cache`), if any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cache {
+    None,
+    /// `CacheTier::memory`: finished records in the server's process.
+    Memory,
+    /// `CacheTier::redis`: finished records in Redis (the Redis rows' server, a key prefix of
+    /// its own), in front of a slower store.
+    Redis,
+}
+
+impl Cache {
+    /// What the row's store name gets after a `+`: `memcache`, `rediscache`; empty for none.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Cache::None => "",
+            Cache::Memory => "memcache",
+            Cache::Redis => "rediscache",
+        }
+    }
+}
+
 /// One row of the table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Row {
     pub(crate) implementation: Implementation,
     pub(crate) scenario: Scenario,
     pub(crate) store: StoreKind,
+    /// The cache tier in front of the store; `Cache::None` for the usual rows.
+    pub(crate) cache: Cache,
     /// Records in the store before the row starts (`scale.rs`); 0 for the usual rows.
     pub(crate) prefilled: u64,
 }
 
 impl Row {
+    /// The store as the table names it: `redis`, or with its cache tier, `redis+memcache`.
+    pub(crate) fn store_name(&self) -> String {
+        match self.cache {
+            Cache::None => self.store.name().to_owned(),
+            cache => format!("{}+{}", self.store.name(), cache.name()),
+        }
+    }
+
     pub(crate) fn label(&self) -> String {
         let label = format!(
             "{}/{}/{}",
             self.implementation.name(),
             self.scenario.name(),
-            self.store.name()
+            self.store_name()
         );
         match self.prefilled {
             0 => label,
@@ -102,9 +134,21 @@ impl Row {
     /// Whether `filter` (comma-separated) selects this row: an item matches a row when it
     /// equals the implementation, the scenario or the store, or when it contains a `/` and
     /// starts the label `implementation/scenario/store`. An empty filter selects every row.
+    /// A row with a cache tier is also selected by its store with the tier
+    /// (`postgres+rediscache`), by the tier's name (`memcache`, `rediscache`), by `cache`, and
+    /// by a prefix of its whole label (`idempotent-tower/replay/redis+memcache`).
     pub(crate) fn selected_by(&self, filter: &[String]) -> bool {
         if self.prefilled > 0 && filter.iter().any(|item| item == "prefilled") {
             return true;
+        }
+        if self.cache != Cache::None {
+            let (store, label) = (self.store_name(), self.label());
+            if filter.iter().any(|item| {
+                [store.as_str(), self.cache.name(), "cache"].contains(&item.as_str())
+                    || (item.contains('/') && label.starts_with(item.as_str()))
+            }) {
+                return true;
+            }
         }
         selects(
             filter,
@@ -128,31 +172,53 @@ pub(crate) fn selects(filter: &[String], parts: [&str; 3]) -> bool {
         })
 }
 
-/// Every row, in table order: `bare`, ours on memory, the peers, ours on the shared stores
-/// (those only when their URL is known).
+/// Every row, in table order: `bare`, ours on memory, the peers, ours on the shared stores,
+/// then ours on the shared stores behind a cache tier: the in-process tier in front of Redis
+/// and of PostgreSQL, and Redis in front of PostgreSQL (each only when the URLs it needs are
+/// known).
 pub(crate) fn all_rows(redis: bool, postgres: bool) -> Vec<Row> {
     let mut rows = vec![Row {
         implementation: Implementation::Bare,
         scenario: Scenario::None,
         store: StoreKind::None,
+        cache: Cache::None,
         prefilled: 0,
     }];
-    let both = |implementation, store| {
+    let both = |implementation, store, cache| {
         [Scenario::Fresh, Scenario::Replay].map(|scenario| Row {
             implementation,
             scenario,
             store,
+            cache,
             prefilled: 0,
         })
     };
-    rows.extend(both(Implementation::Tower, StoreKind::Memory));
-    rows.extend(both(Implementation::Idempotent2, StoreKind::Memory));
-    rows.extend(both(Implementation::AxumIdempotent, StoreKind::Memory));
+    rows.extend(both(Implementation::Tower, StoreKind::Memory, Cache::None));
+    rows.extend(both(
+        Implementation::Idempotent2,
+        StoreKind::Memory,
+        Cache::None,
+    ));
+    rows.extend(both(
+        Implementation::AxumIdempotent,
+        StoreKind::Memory,
+        Cache::None,
+    ));
+    let tower = |store, cache| both(Implementation::Tower, store, cache);
     if redis {
-        rows.extend(both(Implementation::Tower, StoreKind::Redis));
+        rows.extend(tower(StoreKind::Redis, Cache::None));
     }
     if postgres {
-        rows.extend(both(Implementation::Tower, StoreKind::Postgres));
+        rows.extend(tower(StoreKind::Postgres, Cache::None));
+    }
+    if redis {
+        rows.extend(tower(StoreKind::Redis, Cache::Memory));
+    }
+    if postgres {
+        rows.extend(tower(StoreKind::Postgres, Cache::Memory));
+    }
+    if redis && postgres {
+        rows.extend(tower(StoreKind::Postgres, Cache::Redis));
     }
     rows
 }
@@ -173,6 +239,7 @@ pub(crate) fn prefilled_rows(records: u64, redis: bool, postgres: bool) -> Vec<R
                 implementation: Implementation::Tower,
                 scenario,
                 store,
+                cache: Cache::None,
                 prefilled: records,
             })
         })
@@ -207,9 +274,40 @@ mod tests {
                 "axum-idempotent-0.6/replay/memory",
                 "idempotent-tower/fresh/redis",
                 "idempotent-tower/replay/redis",
+                "idempotent-tower/fresh/redis+memcache",
+                "idempotent-tower/replay/redis+memcache",
             ]
         );
-        assert_eq!(all_rows(true, true).len(), 11);
+        let labels: Vec<String> = all_rows(true, true).iter().map(Row::label).collect();
+        assert_eq!(
+            labels[7..],
+            [
+                "idempotent-tower/fresh/redis",
+                "idempotent-tower/replay/redis",
+                "idempotent-tower/fresh/postgres",
+                "idempotent-tower/replay/postgres",
+                "idempotent-tower/fresh/redis+memcache",
+                "idempotent-tower/replay/redis+memcache",
+                "idempotent-tower/fresh/postgres+memcache",
+                "idempotent-tower/replay/postgres+memcache",
+                "idempotent-tower/fresh/postgres+rediscache",
+                "idempotent-tower/replay/postgres+rediscache",
+            ]
+        );
+        assert_eq!(all_rows(true, true).len(), 17);
+        let postgres_only: Vec<String> =
+            all_rows(false, true)[7..].iter().map(Row::label).collect();
+        assert_eq!(
+            postgres_only,
+            [
+                "idempotent-tower/fresh/postgres",
+                "idempotent-tower/replay/postgres",
+                "idempotent-tower/fresh/postgres+memcache",
+                "idempotent-tower/replay/postgres+memcache",
+            ],
+            "Redis in front of PostgreSQL needs both"
+        );
+        assert_eq!(all_rows(false, false).len(), 7);
     }
 
     #[test]
@@ -222,17 +320,64 @@ mod tests {
                 .map(Row::label)
                 .collect()
         };
-        assert_eq!(pick(&[]).len(), 11);
-        assert_eq!(pick(&["bare", "postgres"]).len(), 3);
+        assert_eq!(pick(&[]).len(), 17);
+        assert_eq!(
+            pick(&["bare", "postgres"]).len(),
+            7,
+            "bare and every row on PostgreSQL, with or without a cache tier"
+        );
         assert_eq!(
             pick(&["idempotent-tower/replay"]),
             [
                 "idempotent-tower/replay/memory",
                 "idempotent-tower/replay/redis",
-                "idempotent-tower/replay/postgres"
+                "idempotent-tower/replay/postgres",
+                "idempotent-tower/replay/redis+memcache",
+                "idempotent-tower/replay/postgres+memcache",
+                "idempotent-tower/replay/postgres+rediscache",
             ]
         );
         assert_eq!(pick(&["idempotent"]).len(), 0, "no partial names");
+        assert_eq!(pick(&["idempotent-tower"]).len(), 12);
+        assert_eq!(
+            pick(&["redis"]),
+            [
+                "idempotent-tower/fresh/redis",
+                "idempotent-tower/replay/redis",
+                "idempotent-tower/fresh/redis+memcache",
+                "idempotent-tower/replay/redis+memcache",
+            ],
+            "the store, not the tier"
+        );
+        let cached = [
+            "idempotent-tower/fresh/redis+memcache",
+            "idempotent-tower/replay/redis+memcache",
+            "idempotent-tower/fresh/postgres+memcache",
+            "idempotent-tower/replay/postgres+memcache",
+            "idempotent-tower/fresh/postgres+rediscache",
+            "idempotent-tower/replay/postgres+rediscache",
+        ];
+        assert_eq!(pick(&["cache"]), cached);
+        assert_eq!(pick(&["memcache"]), cached[..4]);
+        assert_eq!(pick(&["rediscache"]), cached[4..]);
+        assert_eq!(pick(&["postgres+rediscache"]), cached[4..]);
+        assert_eq!(
+            pick(&["postgres+memcache", "replay"]).len(),
+            1 + 8,
+            "its fresh row, and the 8 replay rows"
+        );
+        assert_eq!(
+            pick(&["idempotent-tower/replay/postgres+memcache"]),
+            ["idempotent-tower/replay/postgres+memcache"]
+        );
+        assert_eq!(
+            pick(&["idempotent-tower/fresh/postgres+"]),
+            [
+                "idempotent-tower/fresh/postgres+memcache",
+                "idempotent-tower/fresh/postgres+rediscache",
+            ]
+        );
+        assert_eq!(pick(&["redis+"]).len(), 0, "no partial names");
     }
 
     #[test]
