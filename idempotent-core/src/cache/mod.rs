@@ -330,12 +330,12 @@ impl CacheTier {
     /// The finished record of `key` as the store would answer it now, if the tier has it.
     pub(crate) async fn lookup(&self, key: &StorageKey) -> Option<Claim> {
         let found = match &*self.kind {
-            Kind::Memory(tier) => Ok(tier.get(key)),
+            Kind::Memory(tier) => Ok(tier.get(key).and_then(|entry| entry.answer(Instant::now()))),
             #[cfg(feature = "redis")]
             Kind::Redis(tier) => tier.get(key).await,
         };
         let answer = match found {
-            Ok(entry) => entry.and_then(|entry| entry.answer(Instant::now())),
+            Ok(answer) => answer,
             Err(()) => {
                 self.metrics.lookup_error.increment(1);
                 return None;

@@ -16,7 +16,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -25,7 +25,7 @@ use redis::{AsyncCommands as _, Value};
 use super::{CacheTier, Finished, Kind, TierMetrics};
 use crate::redis::RedisStore;
 use crate::store::redis::Connection;
-use crate::{Fingerprint, StorageKey, StoreError};
+use crate::{Claim, Fingerprint, StorageKey, StoreError};
 
 /// The default prefix of the Redis tier's keys.
 pub const DEFAULT_CACHE_PREFIX: &str = "idempotent:cache:";
@@ -99,7 +99,7 @@ impl RedisCacheBuilder {
     pub async fn connect(self) -> Result<CacheTier, StoreError> {
         let tier = RedisTier {
             shared: Arc::new(Shared {
-                connection: Mutex::new(None),
+                connection: OnceLock::new(),
                 builder: self.clone(),
                 epoch: Instant::now(),
                 resting_until: AtomicU64::new(0),
@@ -124,7 +124,8 @@ pub(super) struct RedisTier {
 }
 
 struct Shared {
-    connection: Mutex<Option<Connection>>,
+    /// Set once connected: the connection reconnects by itself after that.
+    connection: OnceLock<Connection>,
     builder: RedisCacheBuilder,
     epoch: Instant,
     /// Until when (milliseconds after `epoch`) the tier is skipped after a failure.
@@ -139,7 +140,7 @@ impl Shared {
             .timeout(self.builder.timeout)
             .connect()
             .await?;
-        *self.connection.lock().unwrap_or_else(|e| e.into_inner()) = Some(store.connection);
+        let _ = self.connection.set(store.connection);
         Ok(())
     }
 
@@ -160,11 +161,7 @@ impl Shared {
         if self.now_ms() < self.resting_until.load(Ordering::Relaxed) {
             return None;
         }
-        let connection = self
-            .connection
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let connection = self.connection.get().cloned();
         if connection.is_none() && !self.connecting.swap(true, Ordering::AcqRel) {
             let shared = Arc::clone(self);
             tokio::spawn(async move {
@@ -210,27 +207,26 @@ fn encode(finished: &Finished) -> Vec<u8> {
 }
 
 impl RedisTier {
-    /// The entry of `key`; `Err` when Redis failed (or the tier rests).
-    pub(super) async fn get(&self, key: &StorageKey) -> Result<Option<Finished>, ()> {
+    /// The store's answer the entry of `key` stands for; `Err` when Redis failed (or the tier
+    /// rests). One `GET`: Redis expires the entry with its record, so an entry it returns is
+    /// live; the time it has left is not read (the answer says zero: "not told"), so a tier
+    /// stacked in front of this one does not keep it.
+    pub(super) async fn get(&self, key: &StorageKey) -> Result<Option<Claim>, ()> {
         let Some(mut connection) = self.shared.connection() else {
             return Err(());
         };
-        let redis_key = self.shared.redis_key(key);
-        // Asked before the question is sent: the time left counts from later.
-        let asked_at = Instant::now();
-        let reply: Result<(Value, i64), _> = redis::pipe()
-            .get(&redis_key)
-            .pttl(&redis_key)
-            .query_async(&mut connection)
-            .await;
+        let reply: Result<Value, _> = connection.get(self.shared.redis_key(key)).await;
         match reply {
-            Ok((Value::BulkString(bytes), ms)) if ms > 0 => {
-                let expires_in = Duration::from_millis(u64::try_from(ms).unwrap_or(0));
-                let entry = decode_entry(bytes, expires_in, asked_at);
+            Ok(Value::BulkString(bytes)) => {
+                let entry = decode_entry(bytes);
                 if entry.is_none() {
                     tracing::warn!(storage_key = %key, "ignoring a Redis cache entry that is not whole");
                 }
-                Ok(entry)
+                Ok(entry.map(|(fingerprint, payload)| Claim::Completed {
+                    fingerprint,
+                    payload,
+                    expires_in: Duration::ZERO,
+                }))
             }
             Ok(_) => Ok(None),
             Err(error) => {
@@ -277,20 +273,16 @@ impl RedisTier {
     }
 }
 
-/// The entry `bytes` hold, if they are one whole; anything else (written by something else,
-/// damaged, of another version) is no entry.
-fn decode_entry(bytes: Vec<u8>, expires_in: Duration, asked_at: Instant) -> Option<Finished> {
+/// The fingerprint and payload `bytes` hold, if they are one whole entry; anything else
+/// (written by something else, damaged, of another version) is no entry.
+fn decode_entry(bytes: Vec<u8>) -> Option<(Fingerprint, Bytes)> {
     if bytes.len() < HEADER || &bytes[..2] != MAGIC || bytes[2] != VERSION {
         return None;
     }
     let stored: [u8; 8] = bytes[3..11].try_into().ok()?;
     let fingerprint = Fingerprint::from_digest(bytes[11..HEADER].try_into().ok()?);
     let payload = Bytes::from(bytes).slice(HEADER..);
-    (checksum(&fingerprint, &payload) == stored).then(|| Finished {
-        fingerprint,
-        payload,
-        expires_at: asked_at + expires_in,
-    })
+    (checksum(&fingerprint, &payload) == stored).then_some((fingerprint, payload))
 }
 
 #[cfg(test)]
@@ -308,11 +300,9 @@ mod tests {
     #[test]
     fn an_entry_reads_back_whole() {
         let entry = finished(b"the envelope");
-        let now = Instant::now();
-        let back = decode_entry(encode(&entry), Duration::from_secs(5), now).expect("whole");
-        assert_eq!(back.fingerprint, entry.fingerprint);
-        assert_eq!(back.payload, entry.payload);
-        assert_eq!(back.expires_at, now + Duration::from_secs(5));
+        let (fingerprint, payload) = decode_entry(encode(&entry)).expect("whole");
+        assert_eq!(fingerprint, entry.fingerprint);
+        assert_eq!(payload, entry.payload);
     }
 
     #[test]
@@ -322,20 +312,13 @@ mod tests {
             let mut damaged = bytes.clone();
             damaged[at] ^= 0x01;
             assert!(
-                decode_entry(damaged, Duration::from_secs(5), Instant::now()).is_none(),
+                decode_entry(damaged).is_none(),
                 "a flipped bit at {at} went unnoticed"
             );
         }
         for foreign in [Vec::new(), b"IC".to_vec(), b"{\"status\":200}".to_vec()] {
-            assert!(decode_entry(foreign, Duration::from_secs(5), Instant::now()).is_none());
+            assert!(decode_entry(foreign).is_none());
         }
-        assert!(
-            decode_entry(
-                bytes[..HEADER - 1].to_vec(),
-                Duration::from_secs(5),
-                Instant::now()
-            )
-            .is_none()
-        );
+        assert!(decode_entry(bytes[..HEADER - 1].to_vec()).is_none());
     }
 }
