@@ -754,19 +754,25 @@ async fn a_dead_redis_tier_means_slower_never_wrong() {
 // The store contract, with a tier in front
 // ---------------------------------------------------------------------------------------------
 
-/// The in-process tier on Redis.
-struct MemoryOnRedis {
-    store: Cached<RedisStore>,
+/// A store with a tier in front, as one conformance harness runs it: on real servers, in real
+/// time.
+trait Tiered: Send + Sync + 'static {
+    type Behind: Store + Clone;
+    /// The variable whose server the store needs.
+    const SERVER: &'static str;
+    fn setup() -> impl Future<Output = Cached<Self::Behind>> + Send;
 }
 
-impl Harness for MemoryOnRedis {
-    type Store = Cached<RedisStore>;
+struct Cache<T: Tiered> {
+    store: Cached<T::Behind>,
+}
+
+impl<T: Tiered> Harness for Cache<T> {
+    type Store = Cached<T::Behind>;
 
     async fn setup() -> Self {
-        let url = backend_url(REDIS_URL).unwrap_or_else(|| "redis://127.0.0.1:1".into());
-        let store = RedisStore::connect(&url).await.expect("Redis");
-        MemoryOnRedis {
-            store: Cached::new(store, CacheTier::memory(10_000)),
+        Cache {
+            store: T::setup().await,
         }
     }
 
@@ -783,87 +789,63 @@ impl Harness for MemoryOnRedis {
     }
 
     fn backend_env() -> Option<&'static str> {
-        Some(REDIS_URL)
+        Some(T::SERVER)
+    }
+}
+
+/// The in-process tier on Redis.
+struct MemoryOnRedis;
+
+impl Tiered for MemoryOnRedis {
+    type Behind = RedisStore;
+    const SERVER: &'static str = REDIS_URL;
+
+    async fn setup() -> Cached<RedisStore> {
+        let url = backend_url(REDIS_URL).unwrap_or_else(|| "redis://127.0.0.1:1".into());
+        let store = RedisStore::connect(&url).await.expect("Redis");
+        Cached::new(store, CacheTier::memory(10_000))
     }
 }
 
 /// The in-process tier on PostgreSQL.
-struct MemoryOnPostgres {
-    store: Cached<PostgresStore>,
-}
+struct MemoryOnPostgres;
 
-impl Harness for MemoryOnPostgres {
-    type Store = Cached<PostgresStore>;
+impl Tiered for MemoryOnPostgres {
+    type Behind = PostgresStore;
+    const SERVER: &'static str = POSTGRES_URL;
 
-    async fn setup() -> Self {
+    async fn setup() -> Cached<PostgresStore> {
         let store = postgres_store().await.expect("PostgreSQL");
-        MemoryOnPostgres {
-            store: Cached::new(store, CacheTier::memory(10_000)),
-        }
-    }
-
-    fn store(&self) -> &Self::Store {
-        &self.store
-    }
-
-    async fn advance(&self, by: Duration) {
-        tokio::time::sleep(by).await;
-    }
-
-    fn time_unit(&self) -> Duration {
-        Duration::from_millis(150)
-    }
-
-    fn backend_env() -> Option<&'static str> {
-        Some(POSTGRES_URL)
+        Cached::new(store, CacheTier::memory(10_000))
     }
 }
 
 /// Redis in front of PostgreSQL.
-struct RedisOnPostgres {
-    store: Cached<PostgresStore>,
-}
+struct RedisOnPostgres;
 
-impl Harness for RedisOnPostgres {
-    type Store = Cached<PostgresStore>;
+impl Tiered for RedisOnPostgres {
+    type Behind = PostgresStore;
+    const SERVER: &'static str = POSTGRES_URL;
 
-    async fn setup() -> Self {
+    async fn setup() -> Cached<PostgresStore> {
         let store = postgres_store().await.expect("PostgreSQL");
         let tier = redis_tier(&format!("{}:", unique("tier")))
             .await
             .expect("Redis");
-        RedisOnPostgres {
-            store: Cached::new(store, tier),
-        }
-    }
-
-    fn store(&self) -> &Self::Store {
-        &self.store
-    }
-
-    async fn advance(&self, by: Duration) {
-        tokio::time::sleep(by).await;
-    }
-
-    fn time_unit(&self) -> Duration {
-        Duration::from_millis(150)
-    }
-
-    fn backend_env() -> Option<&'static str> {
-        Some(POSTGRES_URL)
+        Cached::new(store, tier)
     }
 }
 
 mod memory_on_redis {
-    idempotent_core::store_conformance_tests!(super::MemoryOnRedis);
+    idempotent_core::store_conformance_tests!(super::Cache<super::MemoryOnRedis>);
 }
 
 mod memory_on_postgres {
-    idempotent_core::store_conformance_tests!(super::MemoryOnPostgres);
+    idempotent_core::store_conformance_tests!(super::Cache<super::MemoryOnPostgres>);
 }
 
 mod redis_on_postgres {
-    idempotent_core::store_conformance_tests!(super::RedisOnPostgres);
+    idempotent_core::store_conformance_tests!(super::Cache<super::RedisOnPostgres>);
 }
 
 /// The transactional mode of a runtime over a cached PostgreSQL store answers a duplicate from
