@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+#[cfg(feature = "cache")]
+use crate::cache::CacheTier;
 #[cfg(feature = "memory")]
 use crate::memory::MemoryStore;
 #[cfg(feature = "postgres")]
@@ -17,7 +19,7 @@ use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
 /// The variable [`AnyStore::from_env`] reads the store's URL from.
 const STORE_VAR: &str = "IDEMPOTENCY_STORE";
 /// The variable [`AnyStore::from_env`] reads the cache tier from.
-pub(crate) const CACHE_VAR: &str = "IDEMPOTENCY_CACHE";
+const CACHE_VAR: &str = "IDEMPOTENCY_CACHE";
 /// The variable [`AnyStore::from_env`] reads the Redis replica count from.
 const REPLICAS_VAR: &str = "IDEMPOTENCY_REDIS_REPLICAS";
 /// How often a PostgreSQL store's expired rows are reaped unless told otherwise.
@@ -119,14 +121,14 @@ impl Drop for Reaper {
 
 /// The stores a URL can name, by scheme.
 #[derive(Clone, Copy)]
-pub(crate) enum Kind {
+enum Kind {
     Memory,
     Redis,
     Postgres,
 }
 
 impl Kind {
-    pub(crate) fn of(url: &str) -> Option<Kind> {
+    fn of(url: &str) -> Option<Kind> {
         if url == "memory" {
             Some(Kind::Memory)
         } else if url.starts_with("redis://") || url.starts_with("rediss://") {
@@ -366,9 +368,7 @@ impl AnyStoreBuilder {
         let _ = (self.replicas, self.migrate, self.reaper);
         #[cfg(feature = "cache")]
         let cache = match &self.cache {
-            Some((value, variable)) => {
-                Some(crate::cache::CacheTier::named(value, *variable).await?)
-            }
+            Some((value, variable)) => Some(CacheTier::named(value, *variable).await?),
             None => None,
         };
         #[cfg(not(feature = "cache"))]
@@ -385,6 +385,61 @@ impl AnyStoreBuilder {
             cache,
             _reaper: reaper,
         })
+    }
+}
+
+/// A tier named by a value (`memory:N`, a Redis URL), as `IDEMPOTENCY_CACHE` holds it.
+#[cfg(feature = "cache")]
+impl CacheTier {
+    /// The tier `value` names: `memory:N` (in this process, at most `N` finished records and
+    /// [`DEFAULT_MEMORY_BYTES`](crate::cache::DEFAULT_MEMORY_BYTES) of them) or a Redis URL (one server, or a Redis Cluster's nodes
+    /// comma-separated; with the defaults of `RedisCacheBuilder`): what
+    /// `IDEMPOTENCY_CACHE` holds. A Redis URL needs the feature `redis`.
+    pub async fn connect(value: &str) -> Result<CacheTier, AnyStoreError> {
+        CacheTier::named(value, None).await
+    }
+
+    /// The tier `IDEMPOTENCY_CACHE` names (see [`connect`](Self::connect)), or `None` when it
+    /// is unset or empty. Errors name the variable.
+    pub async fn from_env() -> Result<Option<CacheTier>, AnyStoreError> {
+        match std::env::var(CACHE_VAR) {
+            Ok(value) if !value.is_empty() => {
+                CacheTier::named(&value, Some(CACHE_VAR)).await.map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    pub(crate) async fn named(
+        value: &str,
+        variable: Option<&'static str>,
+    ) -> Result<CacheTier, AnyStoreError> {
+        let invalid = || AnyStoreError::InvalidCache {
+            value: redacted(value),
+            variable,
+        };
+        if let Some(entries) = value.strip_prefix("memory:") {
+            let entries: u64 = entries.parse().map_err(|_| invalid())?;
+            if entries == 0 {
+                return Err(invalid());
+            }
+            return Ok(CacheTier::memory(entries));
+        }
+        match Kind::of(value) {
+            #[cfg(feature = "redis")]
+            // Connecting does not wait for Redis: it fails only on a malformed URL.
+            Some(Kind::Redis) => CacheTier::redis(value)
+                .connect()
+                .await
+                .map_err(|_| invalid()),
+            #[cfg(not(feature = "redis"))]
+            Some(Kind::Redis) => Err(AnyStoreError::FeatureDisabled {
+                store: "a Redis cache tier",
+                feature: "redis",
+                variable,
+            }),
+            _ => Err(invalid()),
+        }
     }
 }
 
@@ -490,7 +545,7 @@ impl fmt::Display for Named<'_> {
 /// `url` (or several, comma-separated) with every password replaced by `***`: the one in
 /// each URL's user information (`scheme://user:PASSWORD@host`) and the value of any query
 /// parameter whose name ends in `password`.
-pub(crate) fn redacted(url: &str) -> String {
+fn redacted(url: &str) -> String {
     let mut out = String::with_capacity(url.len());
     let mut rest = url;
     while let Some(start) = rest.find("://") {

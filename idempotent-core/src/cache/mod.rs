@@ -75,10 +75,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use metrics::{Counter, Unit};
 
-#[cfg(any(feature = "memory", feature = "redis", feature = "postgres"))]
-use crate::AnyStoreError;
-#[cfg(any(feature = "memory", feature = "redis", feature = "postgres"))]
-use crate::any_store::{CACHE_VAR, Kind as StoreKind, redacted};
 use crate::envelope::{self, Integrity};
 use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
 
@@ -210,60 +206,6 @@ impl CacheTier {
         CacheTier {
             kind: Arc::new(kind),
             metrics,
-        }
-    }
-
-    #[cfg(any(feature = "memory", feature = "redis", feature = "postgres"))]
-    /// The tier `value` names: `memory:N` (in this process, at most `N` finished records and
-    /// [`DEFAULT_MEMORY_BYTES`] of them) or a Redis URL (one server, or a Redis Cluster's nodes
-    /// comma-separated; with the defaults of [`RedisCacheBuilder`]): what
-    /// `IDEMPOTENCY_CACHE` holds. A Redis URL needs the feature `redis`.
-    pub async fn connect(value: &str) -> Result<CacheTier, AnyStoreError> {
-        CacheTier::named(value, None).await
-    }
-
-    #[cfg(any(feature = "memory", feature = "redis", feature = "postgres"))]
-    /// The tier `IDEMPOTENCY_CACHE` names (see [`connect`](Self::connect)), or `None` when it
-    /// is unset or empty. Errors name the variable.
-    pub async fn from_env() -> Result<Option<CacheTier>, AnyStoreError> {
-        match std::env::var(CACHE_VAR) {
-            Ok(value) if !value.is_empty() => {
-                CacheTier::named(&value, Some(CACHE_VAR)).await.map(Some)
-            }
-            _ => Ok(None),
-        }
-    }
-
-    #[cfg(any(feature = "memory", feature = "redis", feature = "postgres"))]
-    pub(crate) async fn named(
-        value: &str,
-        variable: Option<&'static str>,
-    ) -> Result<CacheTier, AnyStoreError> {
-        let invalid = || AnyStoreError::InvalidCache {
-            value: redacted(value),
-            variable,
-        };
-        if let Some(entries) = value.strip_prefix("memory:") {
-            let entries: u64 = entries.parse().map_err(|_| invalid())?;
-            if entries == 0 {
-                return Err(invalid());
-            }
-            return Ok(CacheTier::memory(entries));
-        }
-        match StoreKind::of(value) {
-            #[cfg(feature = "redis")]
-            // Connecting does not wait for Redis: it fails only on a malformed URL.
-            Some(StoreKind::Redis) => CacheTier::redis(value)
-                .connect()
-                .await
-                .map_err(|_| invalid()),
-            #[cfg(not(feature = "redis"))]
-            Some(StoreKind::Redis) => Err(AnyStoreError::FeatureDisabled {
-                store: "a Redis cache tier",
-                feature: "redis",
-                variable,
-            }),
-            _ => Err(invalid()),
         }
     }
 
