@@ -445,7 +445,8 @@ fn from_env(env: &[(&str, &str)]) -> String {
         .args([CHILD, "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD_VAR, "1")
         .env_remove("IDEMPOTENCY_STORE")
-        .env_remove("IDEMPOTENCY_REDIS_REPLICAS");
+        .env_remove("IDEMPOTENCY_REDIS_REPLICAS")
+        .env_remove("IDEMPOTENCY_CACHE");
     for (name, value) in env {
         command.env(name, value);
     }
@@ -523,4 +524,63 @@ fn from_env_names_the_variable_not_the_postgres_url() {
         "{outcome}"
     );
     assert!(!outcome.contains(SECRET), "{outcome}");
+}
+
+/// A cache tier in front, by the builder and by `IDEMPOTENCY_CACHE`: `memory:N` is an in-process
+/// tier that answers replays; a value that is not a tier is refused, naming its variable and
+/// never showing a password.
+#[cfg(feature = "cache")]
+mod cache {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_tier_in_front_answers_replays() {
+        let store = AnyStore::builder("memory")
+            .cache("memory:5")
+            .connect()
+            .await
+            .unwrap();
+        let tier = store.cache().expect("a tier").clone();
+        assert_eq!(tier.name(), "memory");
+        serves_calls(store.clone()).await;
+        assert_eq!(tier.entries(), Some(1), "the replay filled the tier");
+        assert!(AnyStore::connect("memory").await.unwrap().cache().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_value_that_is_not_a_tier_is_refused() {
+        for value in [
+            "memory:0".to_owned(),
+            "memory:many".to_owned(),
+            "lru:5".to_owned(),
+            format!("redis://:{SECRET}@127.0.0.1:notaport"),
+        ] {
+            let error = AnyStore::builder("memory")
+                .cache(value.as_str())
+                .connect()
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(error, AnyStoreError::InvalidCache { .. }),
+                "{value}: {error:?}"
+            );
+            let text = chain(&error);
+            assert!(text.contains("is not a cache tier"), "{text}");
+            assert!(!text.contains(SECRET), "{text}");
+        }
+    }
+
+    #[test]
+    fn from_env_reads_the_cache_tier() {
+        assert_eq!(
+            from_env(&[("IDEMPOTENCY_CACHE", "memory:100")]),
+            "memory ran=true"
+        );
+        assert_eq!(from_env(&[("IDEMPOTENCY_CACHE", "")]), "memory ran=true");
+        let outcome = from_env(&[("IDEMPOTENCY_CACHE", "memory:x")]);
+        assert!(
+            outcome.starts_with("error IDEMPOTENCY_CACHE=\"memory:x\" is not a cache tier; use"),
+            "{outcome}"
+        );
+    }
 }
