@@ -45,6 +45,10 @@
 //! - **A mismatch is answered from the cache as from the store.** A hit hands back the record's
 //!   own fingerprint; the runtime compares it with the request's, exactly as with the store's
 //!   answer (`422 fingerprint_mismatch` over HTTP).
+//! - **Only committed records.** A store's answer outside a transaction is committed. The
+//!   PostgreSQL transactional mode reads the tier but never fills it from a row seen inside the
+//!   caller's transaction (it could be the caller's own, not committed yet); the consumer
+//!   runtime fills it with what it committed, after the commit.
 //! - **The Redis tier is only a hint.** It is written after the store answered with the
 //!   finished (so committed) record, and read only to replay: a claim never trusts it, a miss
 //!   goes to the store, and an entry that does not decode whole (its own checksum covers the
@@ -248,25 +252,6 @@ impl CacheTier {
             self.put(*key, finished);
         }
         Ok(answer)
-    }
-
-    /// Keeps the record a claim of the PostgreSQL transactional mode found, sent at
-    /// `asked_at` by a request with `fingerprint`, when it may be cached (see
-    /// [`claim_through`](Self::claim_through)). A completed record another transaction
-    /// committed is durable whatever this one does next.
-    #[cfg(feature = "postgres")]
-    pub(crate) fn remember(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        answer: &Claim,
-        asked_at: Instant,
-    ) {
-        if let Some(finished) =
-            Finished::from_answer(answer, fingerprint, asked_at, Integrity::Checksummed)
-        {
-            self.put(*key, finished);
-        }
     }
 
     /// The finished record of `key` as the store would answer it now, if the tier has it.

@@ -144,7 +144,9 @@ impl Idempotency {
     /// namespace and [defaults](crate::IdempotencyBuilder::defaults), so that it and the
     /// runtime replay each other's records. `None` if the runtime's store is not a
     /// `PostgresStore` (or an [`AnyStore`](crate::AnyStore) on one, or either behind a
-    /// [`Cached`](crate::cache::Cached) tier, which this mode then answers duplicates from).
+    /// [`Cached`](crate::cache::Cached) tier, which this mode then answers duplicates from: the
+    /// records the tier holds, which it takes only from what is known committed, never from a
+    /// row seen inside a caller's transaction).
     /// See [`Transactional`].
     ///
     /// The defaults' lease is only written with a claim here: an uncommitted claim needs none
@@ -377,10 +379,9 @@ impl Transactional {
             self.metrics
                 .store_operation(Operation::Claim, claim.as_ref().err(), started.elapsed());
             let claim = claim?;
-            #[cfg(feature = "cache")]
-            if let Some(tier) = &self.tier {
-                tier.remember(&key, fingerprint, &claim, started);
-            }
+            // The tier is not filled from here: a completed row seen inside the caller's
+            // transaction may be the caller's own, not committed yet (a key claimed twice in
+            // one transaction), and a rollback would leave the tier answering for nothing.
             match answer.step(&key, fingerprint, claim)? {
                 Step::Owner(token, lifetime) => {
                     let pending = PendingRecord {
