@@ -251,7 +251,7 @@ async fn main() -> ExitCode {
     ) else {
         return ExitCode::FAILURE;
     };
-    let tier = match CacheTier::from_env().await {
+    let tier = match CacheTier::from_env(&config.database_url).await {
         Ok(tier) => tier,
         Err(error) => {
             eprintln!("ledger: {}", common::error_chain(&error));

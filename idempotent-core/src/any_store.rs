@@ -368,7 +368,7 @@ impl AnyStoreBuilder {
         let _ = (self.replicas, self.migrate, self.reaper);
         #[cfg(feature = "cache")]
         let cache = match &self.cache {
-            Some((value, variable)) => Some(CacheTier::named(value, *variable).await?),
+            Some((value, variable)) => Some(CacheTier::named(value, *variable, &self.url).await?),
             None => None,
         };
         #[cfg(not(feature = "cache"))]
@@ -391,21 +391,29 @@ impl AnyStoreBuilder {
 /// A tier named by a value (`memory:N`, a Redis URL), as `IDEMPOTENCY_CACHE` holds it.
 #[cfg(feature = "cache")]
 impl CacheTier {
-    /// The tier `value` names: `memory:N` (in this process, at most `N` finished records and
-    /// [`DEFAULT_MEMORY_BYTES`](crate::cache::DEFAULT_MEMORY_BYTES) of them) or a Redis URL (one server, or a Redis Cluster's nodes
-    /// comma-separated; with the defaults of `RedisCacheBuilder`): what
-    /// `IDEMPOTENCY_CACHE` holds. A Redis URL needs the feature `redis`.
-    pub async fn connect(value: &str) -> Result<CacheTier, AnyStoreError> {
-        CacheTier::named(value, None).await
+    /// The tier `value` names, in front of the store `store` names (its URL): `memory:N` (in
+    /// this process, at most `N` finished records and
+    /// [`DEFAULT_MEMORY_BYTES`](crate::cache::DEFAULT_MEMORY_BYTES) of them) or a Redis URL
+    /// (one server, or a Redis Cluster's nodes comma-separated; with the defaults of
+    /// `RedisCacheBuilder`): what `IDEMPOTENCY_CACHE` holds. A Redis URL needs the feature
+    /// `redis`.
+    ///
+    /// A Redis tier's keys carry a digest of `store` (its password left out), so stores that
+    /// share one Redis tier never answer for each other. A Redis tier in front of the memory
+    /// store is refused ([`AnyStoreError::RedisCacheOnMemory`]): it would outlive the records
+    /// it stands for.
+    pub async fn connect(value: &str, store: &str) -> Result<CacheTier, AnyStoreError> {
+        CacheTier::named(value, None, store).await
     }
 
-    /// The tier `IDEMPOTENCY_CACHE` names (see [`connect`](Self::connect)), or `None` when it
-    /// is unset or empty. Errors name the variable.
-    pub async fn from_env() -> Result<Option<CacheTier>, AnyStoreError> {
+    /// The tier `IDEMPOTENCY_CACHE` names in front of the store `store` names (see
+    /// [`connect`](Self::connect)), or `None` when it is unset or empty. Errors name the
+    /// variable.
+    pub async fn from_env(store: &str) -> Result<Option<CacheTier>, AnyStoreError> {
         match std::env::var(CACHE_VAR) {
-            Ok(value) if !value.is_empty() => {
-                CacheTier::named(&value, Some(CACHE_VAR)).await.map(Some)
-            }
+            Ok(value) if !value.is_empty() => CacheTier::named(&value, Some(CACHE_VAR), store)
+                .await
+                .map(Some),
             _ => Ok(None),
         }
     }
@@ -413,7 +421,10 @@ impl CacheTier {
     pub(crate) async fn named(
         value: &str,
         variable: Option<&'static str>,
+        store: &str,
     ) -> Result<CacheTier, AnyStoreError> {
+        #[cfg(not(feature = "redis"))]
+        let _ = store;
         let invalid = || AnyStoreError::InvalidCache {
             value: redacted(value),
             variable,
@@ -427,11 +438,22 @@ impl CacheTier {
         }
         match Kind::of(value) {
             #[cfg(feature = "redis")]
-            // Connecting does not wait for Redis: it fails only on a malformed URL.
-            Some(Kind::Redis) => CacheTier::redis(value)
-                .connect()
-                .await
-                .map_err(|_| invalid()),
+            Some(Kind::Redis) => {
+                if matches!(Kind::of(store), Some(Kind::Memory)) {
+                    return Err(AnyStoreError::RedisCacheOnMemory { variable });
+                }
+                let digest = blake3::hash(redacted(store).as_bytes()).to_hex();
+                // Connecting does not wait for Redis: it fails only on a malformed URL.
+                CacheTier::redis(value)
+                    .key_prefix(format!(
+                        "{}{}:",
+                        crate::cache::DEFAULT_CACHE_PREFIX,
+                        &digest[..16]
+                    ))
+                    .connect()
+                    .await
+                    .map_err(|_| invalid())
+            }
             #[cfg(not(feature = "redis"))]
             Some(Kind::Redis) => Err(AnyStoreError::FeatureDisabled {
                 store: "a Redis cache tier",
@@ -492,6 +514,18 @@ pub enum AnyStoreError {
         /// The value, its password replaced by `***`.
         value: String,
         /// The environment variable it came from, if any.
+        variable: Option<&'static str>,
+    },
+
+    /// A Redis cache tier was asked for in front of the memory store, whose records live and
+    /// die with the process: the tier would go on answering for records the store forgot.
+    #[error(
+        "{}: a Redis cache tier in front of the memory store would outlive its records; use \
+         `memory:N`, or a Redis or PostgreSQL store",
+        Origin(*.variable)
+    )]
+    RedisCacheOnMemory {
+        /// The environment variable the tier came from, if any.
         variable: Option<&'static str>,
     },
 

@@ -553,7 +553,6 @@ mod cache {
             "memory:0".to_owned(),
             "memory:many".to_owned(),
             "lru:5".to_owned(),
-            format!("redis://:{SECRET}@127.0.0.1:notaport"),
         ] {
             let error = AnyStore::builder("memory")
                 .cache(value.as_str())
@@ -568,6 +567,39 @@ mod cache {
             assert!(text.contains("is not a cache tier"), "{text}");
             assert!(!text.contains(SECRET), "{text}");
         }
+    }
+
+    /// A malformed Redis tier URL is refused without its password; a Redis tier in front of
+    /// the memory store is refused.
+    #[cfg(feature = "redis")]
+    #[tokio::test]
+    async fn a_redis_tier_needs_a_well_formed_url_and_a_shared_store() {
+        use idempotent_core::cache::CacheTier;
+        let malformed = format!("redis://:{SECRET}@127.0.0.1:notaport");
+        let error = CacheTier::connect(&malformed, "postgres://app@db/app")
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(error, AnyStoreError::InvalidCache { .. }),
+            "{error:?}"
+        );
+        let text = chain(&error);
+        assert!(text.contains("is not a cache tier"), "{text}");
+        assert!(!text.contains(SECRET), "{text}");
+        let error = AnyStore::builder("memory")
+            .cache("redis://127.0.0.1:1")
+            .connect()
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(error, AnyStoreError::RedisCacheOnMemory { .. }),
+            "{error:?}"
+        );
+        // Nothing listens there: the tier is made all the same, and connects later.
+        let tier = CacheTier::connect("redis://127.0.0.1:1", "postgres://app@db/app")
+            .await
+            .expect("connecting does not wait for Redis");
+        assert_eq!(tier.name(), "redis");
     }
 
     #[test]

@@ -693,6 +693,53 @@ async fn redis_in_front_of_postgres_is_a_hint() {
     }
     assert!(repaired, "the store's answer replaced the garbage");
 
+    // A write Redis ran late (after a stall), with a long `PX`: its deadline has passed, so it
+    // is no entry, whatever Redis still holds.
+    let whole: Vec<u8> = redis::cmd("GET")
+        .arg(&redis_key)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let mut late = whole.clone();
+    let past = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+        - 1_000;
+    late[11..19].copy_from_slice(&past.to_be_bytes());
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(&late[11..19]);
+    hasher.update(&late[19..]);
+    late[3..11].copy_from_slice(&hasher.finalize().as_bytes()[..8]);
+    let _: () = redis::cmd("SET")
+        .arg(&redis_key)
+        .arg(late)
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let claims = store_b.claims();
+    let replay = b.run(&call, async { 0u32 }).await.unwrap();
+    assert_eq!((replay.is_replayed(), replay.into_inner()), (true, 11));
+    assert_eq!(
+        store_b.claims(),
+        claims + 1,
+        "a late entry sent B to PostgreSQL"
+    );
+    // Its answer is written over the late entry; wait for it, then flush.
+    for _ in 0..200 {
+        let value: Vec<u8> = redis::cmd("GET")
+            .arg(&redis_key)
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        if value[11..19] != past.to_be_bytes() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
     // Flushed: slower, never wrong.
     let _: () = redis::cmd("DEL")
         .arg(&redis_key)
@@ -701,7 +748,7 @@ async fn redis_in_front_of_postgres_is_a_hint() {
         .unwrap();
     let replay = b.run(&call, async { 0u32 }).await.unwrap();
     assert_eq!((replay.is_replayed(), replay.into_inner()), (true, 11));
-    assert_eq!(store_b.claims(), before + 2);
+    assert_eq!(store_b.claims(), before + 3);
 
     // The record expires; so does its entry, and the work runs again.
     tokio::time::sleep(Duration::from_millis(3_100)).await;

@@ -729,7 +729,6 @@ async fn a_malformed_cache_setting_exits_with_status_2_naming_the_variable() {
         "memory",
         "ftp://x",
         "100",
-        "redis://:badport:x",
     ] {
         let output = within(
             &format!("payments with IDEMPOTENCY_CACHE={value:?}"),
@@ -754,4 +753,28 @@ async fn a_malformed_cache_setting_exits_with_status_2_naming_the_variable() {
             "{value:?}: it listened"
         );
     }
+}
+
+/// A Redis tier in front of the memory store is refused: it would go on answering for records
+/// the store forgets with its process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_tier_in_front_of_the_memory_store_is_refused() {
+    let output = within(
+        "payments with a Redis tier on the memory store",
+        Duration::from_secs(30),
+        tokio::process::Command::new(support::example_binary("payments"))
+            .env("PORT", "0")
+            .env_remove("IDEMPOTENCY_STORE")
+            .env("IDEMPOTENCY_CACHE", "redis://127.0.0.1:1")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("IDEMPOTENCY_CACHE: a Redis cache tier in front of the memory store"),
+        "{stderr}"
+    );
 }

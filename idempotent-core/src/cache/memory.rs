@@ -24,7 +24,12 @@ impl Expiry<StorageKey, Finished> for UntilTheRecordExpires {
         value: &Finished,
         created_at: Instant,
     ) -> Option<Duration> {
-        Some(value.expires_at.saturating_duration_since(created_at))
+        Some(
+            value
+                .expires_at
+                .into_std()
+                .saturating_duration_since(created_at),
+        )
     }
 
     fn expire_after_update(
@@ -34,7 +39,12 @@ impl Expiry<StorageKey, Finished> for UntilTheRecordExpires {
         updated_at: Instant,
         _duration_until_expiry: Option<Duration>,
     ) -> Option<Duration> {
-        Some(value.expires_at.saturating_duration_since(updated_at))
+        Some(
+            value
+                .expires_at
+                .into_std()
+                .saturating_duration_since(updated_at),
+        )
     }
 }
 
@@ -42,7 +52,7 @@ impl MemoryTier {
     /// At most `entries` entries and `max_bytes` bytes: every entry weighs at least an even
     /// share of the bytes, so the byte bound also bounds the entries.
     pub(super) fn new(entries: u64, max_bytes: u64) -> Self {
-        let share = (max_bytes / entries.max(1)).max(1);
+        let share = max_bytes.div_ceil(entries.max(1)).max(1);
         let cache = Cache::builder()
             .max_capacity(max_bytes)
             .weigher(move |_key, value: &Finished| {

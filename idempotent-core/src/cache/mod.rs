@@ -29,8 +29,9 @@
 //! a copy served after its record was gone. These rules make each impossible, by construction:
 //!
 //! - **Only finished records are cached, and only after their fingerprint was checked.** The
-//!   one way into a tier is a [`Claim::Completed`] answer of the authoritative store to a
-//!   request with the record's own fingerprint, whose envelope (format and checksum) was read
+//!   ways into a tier are a [`Claim::Completed`] answer of the authoritative store to a
+//!   request with the record's own fingerprint, and the record a consumer's transaction
+//!   committed (after the commit); either only when its envelope (format and checksum) reads
 //!   back whole. An in-flight record, a claim, a lease, a renewal, a fencing token or a
 //!   completion never enter it: [`Cached`] sends `complete`, `release` and `renew` to the store,
 //!   and a claim that does not find a finished record in the tier goes to the store too. A
@@ -60,6 +61,12 @@
 //! until the record expires, as the store would give it; everything else meets the store's
 //! error, as without a tier.
 //!
+//! Time: an in-process tier keeps its copies on this process's (Tokio's) monotonic clock, for
+//! the time left the store reported; a store whose clock is stepped forward ends its records
+//! early, and their copies live on until their own end. The Redis tier's entries also carry a
+//! wall-clock deadline, checked by whichever instance reads them: the app servers' clocks must
+//! agree (NTP) to within what a replay at the very end of a record's life may be off by.
+//!
 //! What the tier does not see: a record deleted or changed by hand in the store stays cached
 //! until the copy's expiry (restart the instances, or flush the Redis tier, to forget it).
 //!
@@ -70,11 +77,20 @@
 //! | `idempotency.cache.lookups` | counter | `tier`, `outcome` | claims the tier was asked about first: `hit` (answered from it), `miss` (sent to the store), `error` (the tier failed or rests after a failure; sent to the store) |
 //! | `idempotency.cache.writes` | counter | `tier`, `result` | finished records put in the tier: `ok`, `error`, `dropped` (the Redis tier had too many writes pending) |
 //!
+//! A runtime times each claim of its store as a whole
+//! (`idempotency.store.operation.duration{operation="claim"}`): behind a tier, a claim the tier
+//! answered is one of them, in microseconds. Read the store's own latency from the claims'
+//! upper percentiles and from `operation="complete"`, and the share of answers from the tier
+//! from `idempotency.cache.lookups`.
+//!
 //! `tier` is `memory` or `redis`. The hit rate is `hit / (hit + miss + error)`.
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// Tokio's clock, as the memory store's: paused in a test, it holds both still.
+use tokio::time::Instant;
 
 use bytes::Bytes;
 use metrics::{Counter, Unit};
@@ -85,8 +101,6 @@ use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
-#[cfg(test)]
-mod tests;
 
 #[cfg(feature = "redis")]
 pub use self::redis::{DEFAULT_CACHE_PREFIX, DEFAULT_CACHE_TIMEOUT, RedisCacheBuilder};
@@ -181,8 +195,9 @@ impl fmt::Debug for CacheTier {
 
 impl CacheTier {
     /// An in-process tier of at most `entries` finished records and
-    /// [`DEFAULT_MEMORY_BYTES`] of them, the least recently used evicted first (`moka`). Each
-    /// instance has its own: nothing is shared, nothing goes over the network.
+    /// [`DEFAULT_MEMORY_BYTES`] of them (`moka`, whose policy admits and evicts by how often
+    /// and how recently each key was asked for). Each instance has its own: nothing is shared,
+    /// nothing goes over the network.
     ///
     /// `entries` of 0 is taken as 1.
     pub fn memory(entries: u64) -> CacheTier {
@@ -299,7 +314,7 @@ impl CacheTier {
         fingerprint: Fingerprint,
         payload: Bytes,
         ttl: Duration,
-        completed_from: Instant,
+        completed_from: std::time::Instant,
     ) {
         let answer = Claim::Completed {
             fingerprint,
@@ -309,7 +324,7 @@ impl CacheTier {
         if let Some(finished) = Finished::from_answer(
             &answer,
             &fingerprint,
-            completed_from,
+            Instant::from_std(completed_from),
             Integrity::Checksummed,
         ) {
             self.put(key, finished);

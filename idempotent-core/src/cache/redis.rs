@@ -3,15 +3,20 @@
 //! failing Redis is skipped for a while.
 //!
 //! An entry is one Redis string at `PREFIX + hex(storage key)` (one key: one Redis Cluster
-//! slot), expiring with its record (`PX`):
+//! slot), expiring with its record twice over: Redis drops it (`PX`, the time the record has
+//! left, rounded down), and a reader ignores it once the wall-clock deadline it carries has
+//! passed. The second guards against a write Redis runs late (a stalled Redis works through
+//! its backlog with the `PX` it was sent, counted from then); it trusts the app servers' clocks
+//! to agree within what a replay near the end of a record's life may be off by.
 //!
 //! ```text
 //! offset  size  field
 //! 0       2     magic "IC"
 //! 2       1     format version (1)
-//! 3       8     first 8 bytes of blake3(fingerprint ‖ payload)
-//! 11      32    the record's fingerprint
-//! 43      n     the record's payload (its envelope), byte for byte
+//! 3       8     first 8 bytes of blake3(deadline ‖ fingerprint ‖ payload)
+//! 11      8     deadline: Unix time in milliseconds, big-endian, when the record expires
+//! 19      32    the record's fingerprint
+//! 51      n     the record's payload (its envelope), byte for byte
 //! ```
 
 use std::fmt;
@@ -39,7 +44,7 @@ const MAX_PENDING_WRITES: usize = 256;
 
 const MAGIC: &[u8; 2] = b"IC";
 const VERSION: u8 = 1;
-const HEADER: usize = 2 + 1 + 8 + 32;
+const HEADER: usize = 2 + 1 + 8 + 8 + 32;
 
 /// Configures the Redis tier. Created by [`CacheTier::redis`].
 #[derive(Clone)]
@@ -93,10 +98,14 @@ impl RedisCacheBuilder {
         self
     }
 
-    /// The tier. Connecting does not wait for Redis: when it cannot be reached, the tier starts
-    /// resting and connects in the background, and every request goes to the store meanwhile.
-    /// Fails only with a malformed URL ([`StoreError::Backend`]).
+    /// The tier. Connecting does not wait for Redis: when it cannot be reached (or refuses
+    /// the connection: a wrong password, say), the tier starts resting and connects in the
+    /// background, logging why, and every request goes to the store meanwhile. Fails only with
+    /// a malformed URL ([`StoreError::Backend`]).
     pub async fn connect(self) -> Result<CacheTier, StoreError> {
+        for node in self.url.split(',').map(str::trim) {
+            redis::Client::open(node).map_err(|e| StoreError::Backend(Box::new(e)))?;
+        }
         let tier = RedisTier {
             shared: Arc::new(Shared {
                 connection: OnceLock::new(),
@@ -107,13 +116,9 @@ impl RedisCacheBuilder {
                 writes: Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_WRITES)),
             }),
         };
-        match tier.shared.open().await {
-            Ok(()) => {}
-            Err(error @ StoreError::Backend(_)) => return Err(error),
-            Err(error) => {
-                tracing::warn!(%error, "the Redis cache tier cannot be reached; requests go to the store until it can");
-                tier.shared.rest();
-            }
+        if let Err(error) = tier.shared.open().await {
+            tracing::warn!(%error, "the Redis cache tier cannot be reached; requests go to the store until it can");
+            tier.shared.rest();
         }
         Ok(CacheTier::new(Kind::Redis(tier)))
     }
@@ -165,7 +170,8 @@ impl Shared {
         if connection.is_none() && !self.connecting.swap(true, Ordering::AcqRel) {
             let shared = Arc::clone(self);
             tokio::spawn(async move {
-                if shared.open().await.is_err() {
+                if let Err(error) = shared.open().await {
+                    tracing::warn!(%error, "the Redis cache tier still cannot be reached");
                     shared.rest();
                 }
                 shared.connecting.store(false, Ordering::Release);
@@ -181,14 +187,38 @@ impl Shared {
         out
     }
 
+    /// After a failed command: the tier rests when Redis is away or slow (logged once, as it
+    /// begins to rest); an answer Redis gave (a key of another type at the entry's name, say)
+    /// is only this command's failure.
     fn failed(&self, error: &redis::RedisError) {
-        tracing::warn!(%error, rest = ?self.builder.rest, "the Redis cache tier failed; requests go to the store meanwhile");
+        let away = error.is_io_error()
+            || error.is_timeout()
+            || error.is_connection_dropped()
+            || error.is_connection_refusal()
+            || error.is_unrecoverable_error();
+        if !away {
+            tracing::debug!(%error, "a Redis cache tier command failed");
+            return;
+        }
+        if self.now_ms() >= self.resting_until.load(Ordering::Relaxed) {
+            tracing::warn!(%error, rest = ?self.builder.rest, "the Redis cache tier failed; requests go to the store meanwhile");
+        }
         self.rest();
     }
 }
 
-fn checksum(fingerprint: &Fingerprint, payload: &[u8]) -> [u8; 8] {
+/// Milliseconds since the Unix epoch, now.
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        })
+}
+
+fn checksum(deadline: u64, fingerprint: &Fingerprint, payload: &[u8]) -> [u8; 8] {
     let mut hasher = blake3::Hasher::new();
+    hasher.update(&deadline.to_be_bytes());
     hasher.update(fingerprint.as_bytes());
     hasher.update(payload);
     let mut out = [0; 8];
@@ -196,11 +226,17 @@ fn checksum(fingerprint: &Fingerprint, payload: &[u8]) -> [u8; 8] {
     out
 }
 
-fn encode(finished: &Finished) -> Vec<u8> {
+/// The entry of `finished`, whose record expires at `deadline` (Unix milliseconds).
+fn encode(finished: &Finished, deadline: u64) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER + finished.payload.len());
     out.extend_from_slice(MAGIC);
     out.push(VERSION);
-    out.extend_from_slice(&checksum(&finished.fingerprint, &finished.payload));
+    out.extend_from_slice(&checksum(
+        deadline,
+        &finished.fingerprint,
+        &finished.payload,
+    ));
+    out.extend_from_slice(&deadline.to_be_bytes());
     out.extend_from_slice(finished.fingerprint.as_bytes());
     out.extend_from_slice(&finished.payload);
     out
@@ -218,10 +254,16 @@ impl RedisTier {
         let reply: Result<Value, _> = connection.get(self.shared.redis_key(key)).await;
         match reply {
             Ok(Value::BulkString(bytes)) => {
-                let entry = decode_entry(bytes);
-                if entry.is_none() {
-                    tracing::warn!(storage_key = %key, "ignoring a Redis cache entry that is not whole");
-                }
+                let entry = match decode_entry(bytes) {
+                    // Past its deadline: a write Redis ran late. No entry.
+                    Some((deadline, fingerprint, payload)) => {
+                        (deadline > wall_ms()).then_some((fingerprint, payload))
+                    }
+                    None => {
+                        tracing::warn!(storage_key = %key, "ignoring a Redis cache entry that is not whole");
+                        None
+                    }
+                };
                 Ok(entry.map(|(fingerprint, payload)| Claim::Completed {
                     fingerprint,
                     payload,
@@ -254,13 +296,14 @@ impl RedisTier {
             // record (a copy with under a millisecond left is not worth writing).
             let left = finished
                 .expires_at
-                .saturating_duration_since(Instant::now());
+                .saturating_duration_since(tokio::time::Instant::now());
             let ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX);
             if ms == 0 {
                 return;
             }
+            let deadline = wall_ms().saturating_add(ms);
             let written: Result<(), _> = connection
-                .pset_ex(shared.redis_key(&key), encode(&finished), ms)
+                .pset_ex(shared.redis_key(&key), encode(&finished, deadline), ms)
                 .await;
             match written {
                 Ok(()) => metrics.written.increment(1),
@@ -273,16 +316,21 @@ impl RedisTier {
     }
 }
 
-/// The fingerprint and payload `bytes` hold, if they are one whole entry; anything else
-/// (written by something else, damaged, of another version) is no entry.
-fn decode_entry(bytes: Vec<u8>) -> Option<(Fingerprint, Bytes)> {
+/// The deadline, fingerprint and payload `bytes` hold, if they are one whole entry; anything
+/// else (written by something else, damaged, of another version) is no entry.
+fn decode_entry(bytes: Vec<u8>) -> Option<(u64, Fingerprint, Bytes)> {
     if bytes.len() < HEADER || &bytes[..2] != MAGIC || bytes[2] != VERSION {
         return None;
     }
     let stored: [u8; 8] = bytes[3..11].try_into().ok()?;
-    let fingerprint = Fingerprint::from_digest(bytes[11..HEADER].try_into().ok()?);
+    let deadline = u64::from_be_bytes(bytes[11..19].try_into().ok()?);
+    let fingerprint = Fingerprint::from_digest(bytes[19..HEADER].try_into().ok()?);
     let payload = Bytes::from(bytes).slice(HEADER..);
-    (checksum(&fingerprint, &payload) == stored).then_some((fingerprint, payload))
+    (checksum(deadline, &fingerprint, &payload) == stored).then_some((
+        deadline,
+        fingerprint,
+        payload,
+    ))
 }
 
 #[cfg(test)]
@@ -293,21 +341,23 @@ mod tests {
         Finished {
             fingerprint: Fingerprint::from_bytes(b"request"),
             payload: Bytes::from_static(payload),
-            expires_at: Instant::now() + Duration::from_secs(60),
+            expires_at: tokio::time::Instant::now() + Duration::from_secs(60),
         }
     }
 
     #[test]
     fn an_entry_reads_back_whole() {
         let entry = finished(b"the envelope");
-        let (fingerprint, payload) = decode_entry(encode(&entry)).expect("whole");
+        let (deadline, fingerprint, payload) =
+            decode_entry(encode(&entry, 1_700_000_000_123)).expect("whole");
+        assert_eq!(deadline, 1_700_000_000_123);
         assert_eq!(fingerprint, entry.fingerprint);
         assert_eq!(payload, entry.payload);
     }
 
     #[test]
     fn a_damaged_or_foreign_entry_is_no_entry() {
-        let bytes = encode(&finished(b"the envelope"));
+        let bytes = encode(&finished(b"the envelope"), 1_700_000_000_123);
         for at in 0..bytes.len() {
             let mut damaged = bytes.clone();
             damaged[at] ^= 0x01;
