@@ -133,16 +133,26 @@ mod tests {
         let name = std::thread::current()
             .name()
             .map(|n| n.chars().take(15).collect::<String>());
-        // Spin a little so that the thread has at least one tick.
+        // Spin until the thread has a tick of its own: on a busy machine 30 ms of wall time
+        // may hold less than one tick of this thread's CPU, so spin on (for at most 10 s).
         let start = std::time::Instant::now();
         let mut x = 0u64;
-        while start.elapsed() < Duration::from_millis(30) {
-            x = x.wrapping_add(std::hint::black_box(1));
+        let counted = || {
+            name.as_ref()
+                .is_none_or(|name| threads_cpu(name).since(&Threads::default()) > Duration::ZERO)
+        };
+        while start.elapsed() < Duration::from_millis(30)
+            || (!counted() && start.elapsed() < Duration::from_secs(10))
+        {
+            for _ in 0..10_000 {
+                x = x.wrapping_add(std::hint::black_box(1));
+            }
         }
         assert!(x > 0);
-        if let Some(name) = name {
-            assert!(threads_cpu(&name).since(&Threads::default()) > Duration::ZERO);
-        }
+        assert!(
+            counted(),
+            "no CPU tick counted for this thread in 10 s of spinning"
+        );
         assert!(process_ticks() > 0);
         let me = std::process::id();
         assert!(processes().iter().any(|(pid, _)| *pid == me));
