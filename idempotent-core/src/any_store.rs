@@ -694,6 +694,14 @@ impl Store for AnyStore {
         each!(self, |store| store.keeps_records_in_process())
     }
 
+    async fn open_session(
+        &self,
+        session: &crate::SessionKey,
+        request: crate::SessionRequest,
+    ) -> Result<crate::SessionGate, StoreError> {
+        each!(self, |store| store.open_session(session, request).await)
+    }
+
     async fn wait_for_change(&self, key: &StorageKey, max_wait: Duration) {
         each!(self, |store| store.wait_for_change(key, max_wait).await)
     }

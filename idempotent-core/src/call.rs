@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::limits::{Setting, require};
+use crate::session::{DEFAULT_SESSION_IDLE, DEFAULT_SESSION_WINDOW, InSession};
 use crate::{Fingerprint, Key, Scope};
 
 /// Default time a completed record is kept: 24 hours.
@@ -60,6 +61,7 @@ pub struct Call {
     scope: Scope,
     fingerprint: Fingerprint,
     options: CallOptions,
+    session: Option<InSession>,
 }
 
 impl Call {
@@ -70,6 +72,40 @@ impl Call {
             scope: Scope::new(),
             fingerprint: Fingerprint::empty(),
             options: CallOptions::new(),
+            session: None,
+        }
+    }
+
+    /// A call numbered `place` in the [client session](crate::session) named `id` (a
+    /// session id follows the rules of a [`Key`]), with the empty scope, the empty fingerprint
+    /// and no overrides. The session is scoped like a key: the same id in two scopes names
+    /// two sessions. Its records live as long as the session
+    /// ([`Defaults::session_idle`]): the call's TTL is not used.
+    ///
+    /// ```
+    /// use idempotent_core::session::InSession;
+    /// use idempotent_core::{Call, Idempotency};
+    /// use idempotent_core::memory::MemoryStore;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let idempotency = Idempotency::new(MemoryStore::new());
+    /// let first = Call::in_session("device-7".parse()?, InSession::new(1, 0)?);
+    /// assert_eq!(idempotency.run(&first, async { 10u32 }).await?.into_inner(), 10);
+    /// // Lost answer: the same number again is a replay, whatever its ack.
+    /// assert!(idempotency.run(&first, async { 11u32 }).await?.is_replayed());
+    /// // The client holds answer 1 and says so: request 1 is gone for good.
+    /// let next = Call::in_session("device-7".parse()?, InSession::new(2, 1)?);
+    /// idempotency.run(&next, async { 20u32 }).await?;
+    /// let late = idempotency.run(&first, async { 12u32 }).await;
+    /// assert!(matches!(late, Err(idempotent_core::Error::SequenceAcknowledged { .. })));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn in_session(id: Key, place: InSession) -> Self {
+        Call {
+            session: Some(place),
+            ..Call::new(id)
         }
     }
 
@@ -93,9 +129,14 @@ impl Call {
         self
     }
 
-    /// The key.
+    /// The key; for a call in a session, the session id.
     pub fn key(&self) -> &Key {
         &self.key
+    }
+
+    /// The call's place in its session, if it is in one ([`Call::in_session`]).
+    pub fn session(&self) -> Option<InSession> {
+        self.session
     }
 
     pub(crate) fn scope_ref(&self) -> &Scope {
@@ -116,6 +157,8 @@ impl Call {
             max_result_bytes: options
                 .max_result_bytes
                 .unwrap_or(defaults.max_result_bytes),
+            session_window: defaults.session_window,
+            session_idle: defaults.session_idle,
         }
     }
 }
@@ -224,6 +267,8 @@ pub struct Defaults {
     lease: Duration,
     in_flight: InFlightPolicy,
     max_result_bytes: usize,
+    session_window: u64,
+    session_idle: Duration,
 }
 
 impl Default for Defaults {
@@ -241,6 +286,8 @@ impl Defaults {
             lease: DEFAULT_LEASE,
             in_flight: InFlightPolicy::Reject,
             max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
+            session_window: DEFAULT_SESSION_WINDOW,
+            session_idle: DEFAULT_SESSION_IDLE,
         }
     }
 
@@ -277,6 +324,36 @@ impl Defaults {
         self.max_result_bytes = max;
         self
     }
+
+    /// How far past its acknowledged mark a [client session](crate::session) may number a
+    /// request (default [`DEFAULT_SESSION_WINDOW`]): a session keeps at most this many
+    /// answers, plus the one being made.
+    ///
+    /// # Panics
+    ///
+    /// If `window` is 0 or above [`MAX_SESSION_WINDOW`]; check a value read from outside the
+    /// program with [`limits::check_session_window`](crate::limits::check_session_window).
+    #[track_caller]
+    pub fn session_window(mut self, window: u64) -> Self {
+        if let Err(e) = crate::limits::check_session_window(window) {
+            panic!("{e}");
+        }
+        self.session_window = window;
+        self
+    }
+
+    /// How long a [client session](crate::session) nobody sends to lives, with the answers
+    /// it holds (default [`DEFAULT_SESSION_IDLE`]); every request of the session starts it
+    /// again.
+    ///
+    /// # Panics
+    ///
+    /// As [`CallOptions::ttl`]: outside 1 ms to 365 days.
+    #[track_caller]
+    pub fn session_idle(mut self, idle: Duration) -> Self {
+        self.session_idle = require(Setting::Ttl, idle);
+        self
+    }
 }
 
 /// A call's settings once its options are applied over a runtime's defaults.
@@ -286,4 +363,6 @@ pub(crate) struct Settings {
     pub(crate) lease: Duration,
     pub(crate) in_flight: InFlightPolicy,
     pub(crate) max_result_bytes: usize,
+    pub(crate) session_window: u64,
+    pub(crate) session_idle: Duration,
 }

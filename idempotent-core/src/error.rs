@@ -70,6 +70,38 @@ pub enum Error {
     /// The store failed; see the source. The work was not run (fail closed).
     #[error("idempotency store failed")]
     Store(#[from] StoreError),
+
+    /// A call in a [client session](crate::session) is numbered at or below the session's
+    /// acknowledged mark: the client said it holds that answer, and it was dropped. Nothing
+    /// ran. Client: this is a bug in the client (it reused a number it had acknowledged); never
+    /// retry it as new work.
+    #[error("session request {seq} is at or below the acknowledged mark {ack}; its answer was dropped")]
+    SequenceAcknowledged {
+        /// The call's sequence number.
+        seq: u64,
+        /// The session's acknowledged mark.
+        ack: u64,
+    },
+
+    /// A call in a [client session](crate::session) is numbered more than the window past
+    /// the acknowledged mark. Nothing ran. Client: wait for earlier answers, acknowledge them,
+    /// and send this one again.
+    #[error("session request {seq} is more than the window {window} past the acknowledged mark {ack}")]
+    SessionWindowFull {
+        /// The call's sequence number.
+        seq: u64,
+        /// The session's acknowledged mark.
+        ack: u64,
+        /// The session window.
+        window: u64,
+    },
+
+    /// A call says its [client session](crate::session) holds answers (`ack > 0`), but the
+    /// server knows no such session: it was forgotten after its idle time, and what ran in it
+    /// cannot be told. Nothing ran. Client: find out what the session's unanswered requests
+    /// did by other means, then start a new session.
+    #[error("the idempotency session is unknown or expired")]
+    SessionExpired,
 }
 
 impl Error {
@@ -77,7 +109,9 @@ impl Error {
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             Error::InFlight { retry_after } => Some(*retry_after),
-            Error::ClaimLost | Error::ShuttingDown => Some(crate::MAX_IN_FLIGHT_RETRY_HINT),
+            Error::ClaimLost | Error::ShuttingDown | Error::SessionWindowFull { .. } => {
+                Some(crate::MAX_IN_FLIGHT_RETRY_HINT)
+            }
             Error::Store(e) => e.retry_after(),
             _ => None,
         }
@@ -101,6 +135,9 @@ impl Error {
             Error::Payload(_) => ProblemCode::PayloadError,
             Error::Store(StoreError::Capacity { .. }) => ProblemCode::StoreCapacity,
             Error::Store(_) => ProblemCode::StoreUnavailable,
+            Error::SequenceAcknowledged { .. } => ProblemCode::SequenceAcknowledged,
+            Error::SessionWindowFull { .. } => ProblemCode::SessionWindowFull,
+            Error::SessionExpired => ProblemCode::SessionExpired,
         }
     }
 }

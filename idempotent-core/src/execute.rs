@@ -22,7 +22,7 @@ use crate::shutdown::Active;
 use crate::store::BoxFuture;
 use crate::{
     Call, Error, Execution, FencingToken, Fingerprint, Idempotency, InFlightPolicy, Outcome,
-    Retain, StorageKey, StoreError,
+    Retain, SessionGate, SessionRequest, StorageKey, StoreError,
 };
 
 impl Idempotency {
@@ -104,13 +104,52 @@ impl Idempotency {
         let Some(mut active) = inner.drain.enter() else {
             return Err(Error::ShuttingDown);
         };
-        let key = self.storage_key(call);
         let Settings {
             ttl,
             lease,
             in_flight,
             max_result_bytes,
+            session_window,
+            session_idle,
         } = call.settings(&inner.defaults);
+        // A call in a session passes its session's gate first; admitted, it is an ordinary
+        // claim of its `(session, seq)` record, kept as long as the session.
+        let (key, ttl) = match call.session() {
+            None => (self.storage_key(call), ttl),
+            Some(place) => {
+                let session = self.session_key(call);
+                let request =
+                    SessionRequest::new(place.seq(), place.ack(), session_window, session_idle);
+                let limit = claim_limit(lease);
+                let gate = bounded(inner.store.open_session(&session, request), limit)
+                    .await
+                    .unwrap_or_else(|| {
+                        Err(StoreError::Unavailable(
+                            format!("the store did not answer the session gate within {limit:?}")
+                                .into(),
+                        ))
+                    })?;
+                match gate {
+                    SessionGate::Open { epoch } => {
+                        (session.seq_key(epoch, place.seq()), session_idle)
+                    }
+                    SessionGate::Acknowledged { ack } => {
+                        return Err(Error::SequenceAcknowledged {
+                            seq: place.seq(),
+                            ack,
+                        });
+                    }
+                    SessionGate::WindowFull { ack } => {
+                        return Err(Error::SessionWindowFull {
+                            seq: place.seq(),
+                            ack,
+                            window: session_window,
+                        });
+                    }
+                    SessionGate::Expired => return Err(Error::SessionExpired),
+                }
+            }
+        };
         let (token, lifetime, claimed_at) = match self
             .acquire(&key, call.fingerprint_ref(), (lease, ttl), in_flight)
             .await?

@@ -195,8 +195,59 @@ impl fmt::Debug for Scope {
 ///
 /// Storage keys have bounded size, contain no client bytes (so no injection into a backend's key
 /// syntax), and map to exactly one backend key (so one Redis Cluster slot per record).
+///
+/// The records of a [client session](crate::session) have storage keys too: the session's own
+/// record ([`SessionKey::record_key`](crate::SessionKey::record_key)) and one per request of
+/// the session ([`SessionKey::seq_key`](crate::SessionKey::seq_key)). Such a key is the
+/// session's digest plus its place in the session ([`session_place`](Self::session_place)),
+/// so that a store can keep a session's records together (one Redis Cluster slot) and drop a
+/// range of them at once.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct StorageKey([u8; 32]);
+pub struct StorageKey {
+    digest: [u8; 32],
+    place: Place,
+}
+
+/// Where a storage key sits: a record of its own, or in a client session.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+enum Place {
+    /// A key of its own (an idempotency key).
+    Own,
+    /// A session's own record: its acknowledged mark and its epoch.
+    Session,
+    /// The record of request `seq` in the session's incarnation `epoch`.
+    Seq { epoch: u64, seq: u64 },
+}
+
+/// Where a storage key sits in a client session, as [`StorageKey::session_place`] tells it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum SessionPlace {
+    /// The session's own record.
+    Session,
+    /// The record of request `seq` in the session's incarnation `epoch`.
+    Seq {
+        /// The session's incarnation (see [`SessionGate::Open`](crate::SessionGate::Open)).
+        epoch: u64,
+        /// The request's sequence number.
+        seq: u64,
+    },
+}
+
+/// A storage key as bytes a backend keeps (the PostgreSQL store's `storage_key` column): the
+/// 32-byte digest of a key of its own, or the session's digest followed by the epoch and the
+/// sequence number, big-endian (zero for the session's own record), so that the records of
+/// one session sort together and in order.
+#[derive(Clone, Copy)]
+pub struct RecordBytes {
+    bytes: [u8; 48],
+    len: usize,
+}
+
+impl AsRef<[u8]> for RecordBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
 
 /// Feeds only the first 8 bytes to the hasher: the key is already a uniform digest, so they
 /// identify it as well as all 32 (finding two keys that share them takes about 2^32 digests
@@ -205,8 +256,16 @@ pub struct StorageKey([u8; 32]);
 impl std::hash::Hash for StorageKey {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
         let mut first = [0u8; 8];
-        first.copy_from_slice(&self.0[..8]);
-        state.write_u64(u64::from_le_bytes(first));
+        first.copy_from_slice(&self.digest[..8]);
+        let first = u64::from_le_bytes(first);
+        match self.place {
+            Place::Own => state.write_u64(first),
+            // The records of one session share the digest: their place tells them apart.
+            Place::Session => state.write_u64(!first),
+            Place::Seq { epoch, seq } => {
+                state.write_u64(first ^ seq.rotate_left(17) ^ epoch.rotate_left(41))
+            }
+        }
     }
 }
 
@@ -262,17 +321,61 @@ impl StorageKey {
             }
         }
         hasher.update(buf);
-        StorageKey(*hasher.finalize().as_bytes())
+        StorageKey::from_bytes(*hasher.finalize().as_bytes())
     }
 
-    /// Wraps raw digest bytes, e.g. read back from a backend.
+    /// Wraps raw digest bytes, e.g. read back from a backend: a key of its own.
     pub const fn from_bytes(bytes: [u8; 32]) -> Self {
-        StorageKey(bytes)
+        StorageKey {
+            digest: bytes,
+            place: Place::Own,
+        }
     }
 
-    /// The digest bytes.
+    /// The session's own record.
+    pub(crate) const fn session(digest: [u8; 32]) -> Self {
+        StorageKey {
+            digest,
+            place: Place::Session,
+        }
+    }
+
+    /// The record of request `seq` in the session incarnation `epoch`.
+    pub(crate) const fn seq(digest: [u8; 32], epoch: u64, seq: u64) -> Self {
+        StorageKey {
+            digest,
+            place: Place::Seq { epoch, seq },
+        }
+    }
+
+    /// The digest bytes: of the key, or for a key in a client session, of the session.
     pub const fn as_bytes(&self) -> &[u8; 32] {
-        &self.0
+        &self.digest
+    }
+
+    /// Where this key sits in a client session, or `None` for a key of its own.
+    pub const fn session_place(&self) -> Option<SessionPlace> {
+        match self.place {
+            Place::Own => None,
+            Place::Session => Some(SessionPlace::Session),
+            Place::Seq { epoch, seq } => Some(SessionPlace::Seq { epoch, seq }),
+        }
+    }
+
+    /// The key as the bytes a backend keeps (see [`RecordBytes`]).
+    pub fn record_bytes(&self) -> RecordBytes {
+        let mut bytes = [0u8; 48];
+        bytes[..32].copy_from_slice(&self.digest);
+        let len = match self.place {
+            Place::Own => 32,
+            Place::Session => 48,
+            Place::Seq { epoch, seq } => {
+                bytes[32..40].copy_from_slice(&epoch.to_be_bytes());
+                bytes[40..].copy_from_slice(&seq.to_be_bytes());
+                48
+            }
+        };
+        RecordBytes { bytes, len }
     }
 
     /// The key to hand to a downstream system for the operation of this storage key whose
@@ -292,17 +395,39 @@ impl StorageKey {
     ///
     /// The derivation is stable across processes and platforms. It changed once, in 0.3, when
     /// the lifetime became part of it (see the CHANGELOG).
+    ///
+    /// In a client session, each request's operation key is its own: the session's digest,
+    /// the request's place in the session and the lifetime go into it.
     pub fn operation_key(&self, lifetime: crate::FencingToken) -> Key {
-        let mut input = [0u8; 40];
-        input[..32].copy_from_slice(&self.0);
-        input[32..].copy_from_slice(&lifetime.get().to_be_bytes());
-        let digest = blake3::derive_key(OPERATION_KEY_CONTEXT, &input);
+        let mut input = [0u8; 56];
+        input[..32].copy_from_slice(&self.digest);
+        input[32..40].copy_from_slice(&lifetime.get().to_be_bytes());
+        let len = match self.place {
+            Place::Own => 40,
+            Place::Session => 41,
+            Place::Seq { epoch, seq } => {
+                input[40..48].copy_from_slice(&epoch.to_be_bytes());
+                input[48..].copy_from_slice(&seq.to_be_bytes());
+                56
+            }
+        };
+        let digest = blake3::derive_key(OPERATION_KEY_CONTEXT, &input[..len]);
         Key(hex(&digest).into_boxed_str())
     }
 
-    /// The digest as 64 lowercase hex characters, suitable as a backend key.
+    /// The digest as 64 lowercase hex characters, suitable as a backend key; for a key in a
+    /// client session, followed by `:s` (the session's own record) or `:<epoch>:<seq>`.
     pub fn to_hex(&self) -> String {
-        hex(&self.0)
+        let mut out = hex(&self.digest);
+        match self.place {
+            Place::Own => {}
+            Place::Session => out.push_str(":s"),
+            Place::Seq { epoch, seq } => {
+                use std::fmt::Write as _;
+                let _ = write!(out, ":{epoch}:{seq}");
+            }
+        }
+        out
     }
 }
 
@@ -453,7 +578,7 @@ mod tests {
                 hasher.update(v);
             }
         }
-        StorageKey(*hasher.finalize().as_bytes())
+        StorageKey::from_bytes(*hasher.finalize().as_bytes())
     }
 
     #[test]

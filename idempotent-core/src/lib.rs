@@ -265,6 +265,7 @@ pub mod clock;
 pub mod consumer;
 pub mod limits;
 pub mod metrics;
+pub mod session;
 
 #[cfg(feature = "test-util")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
@@ -291,7 +292,8 @@ pub use claim_answer::MAX_IN_FLIGHT_RETRY_HINT;
 pub use default_runtime::{default_runtime, set_default_runtime};
 pub use error::{BoxError, Error, StoreError};
 pub use fingerprint::{CanonicalError, Fingerprint, FingerprintBuilder};
-pub use key::{Key, KeyError, MAX_KEY_LEN, Scope, StorageKey};
+pub use key::{Key, KeyError, MAX_KEY_LEN, RecordBytes, Scope, SessionPlace, StorageKey};
+pub use session::{SessionGate, SessionKey, SessionRequest};
 pub use outcome::{Execution, Outcome, Retain};
 pub use problem::{GrpcCode, ProblemCode};
 pub use run_to_end::RunToEnd;

@@ -207,6 +207,24 @@ pub fn check_record_retry(bound: Duration) -> Result<Duration, DurationError> {
     Setting::RecordRetry.check(bound)
 }
 
+/// A [client session](crate::session)'s window outside 1 to
+/// [`MAX_SESSION_WINDOW`](crate::session::MAX_SESSION_WINDOW).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "session window {0} is out of range; it must be 1 to {max}",
+    max = crate::session::MAX_SESSION_WINDOW
+)]
+pub struct WindowError(pub u64);
+
+/// `window`, if it is between 1 and [`MAX_SESSION_WINDOW`](crate::session::MAX_SESSION_WINDOW).
+pub fn check_session_window(window: u64) -> Result<u64, WindowError> {
+    if (1..=crate::session::MAX_SESSION_WINDOW).contains(&window) {
+        Ok(window)
+    } else {
+        Err(WindowError(window))
+    }
+}
+
 /// `ttl`, or [`MAX_TTL`] if it is longer: what a store records.
 pub fn clamp_ttl(ttl: Duration) -> Duration {
     ttl.min(MAX_TTL)

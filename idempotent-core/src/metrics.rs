@@ -38,6 +38,10 @@
 //! | `claim_lost` | the claim was lost while the work ran, and the layer stopped it (HTTP 503) |
 //! | `shutting_down` | refused: the runtime is draining (HTTP 503) |
 //! | `payload_error` / `invalid_fingerprint` | a result or fingerprint that cannot be encoded (HTTP 500) |
+//! | `sequence_acknowledged` | refused: a [session](crate::session) request at or below its acknowledged mark (HTTP 410) |
+//! | `session_expired` | refused: an unknown session whose request says it held answers (HTTP 410) |
+//! | `session_window_full` | refused: a session request numbered past its window (HTTP 429) |
+//! | `invalid_session` / `conflicting_headers` | refused: a malformed session header / both a key and a session (HTTP 400) |
 //!
 //! Each call or request is counted once, by the API it came through: a request the HTTP layer
 //! passes to the runtime is counted with `protocol = "http"`, not again as `call`. Requests
@@ -46,7 +50,8 @@
 //! the byte-level primitive, counts nothing: an integration of one's own built on it counts its
 //! outcomes with [`Idempotency::count`](crate::Idempotency::count).
 //!
-//! `operation` is `claim`, `complete`, `release` or `renew`; `store` is the store's
+//! `operation` is `claim`, `complete`, `release`, `renew` or `open_session` (the
+//! [session gate](crate::Store::open_session)); `store` is the store's
 //! [`Store::name`](crate::Store::name) (`memory`, `redis`, `postgres`, or a custom store's);
 //! `result` is `ok`, `token_rejected` (the claim was no longer held), `capacity`,
 //! `unavailable`, `corrupt` or `backend` (see [`StoreError`]).
@@ -173,6 +178,11 @@ impl RequestOutcome {
                 ProblemCode::ShuttingDown => "shutting_down",
                 ProblemCode::StoreUnavailable => "store_error",
                 ProblemCode::StoreCapacity => "store_full",
+                ProblemCode::InvalidSession => "invalid_session",
+                ProblemCode::ConflictingIdempotencyHeaders => "conflicting_headers",
+                ProblemCode::SequenceAcknowledged => "sequence_acknowledged",
+                ProblemCode::SessionExpired => "session_expired",
+                ProblemCode::SessionWindowFull => "session_window_full",
             },
         }
     }
@@ -205,14 +215,16 @@ pub(crate) enum Operation {
     Complete,
     Release,
     Renew,
+    OpenSession,
 }
 
 impl Operation {
-    const ALL: [Operation; 4] = [
+    const ALL: [Operation; 5] = [
         Operation::Claim,
         Operation::Complete,
         Operation::Release,
         Operation::Renew,
+        Operation::OpenSession,
     ];
 
     const fn as_str(self) -> &'static str {
@@ -221,6 +233,7 @@ impl Operation {
             Operation::Complete => "complete",
             Operation::Release => "release",
             Operation::Renew => "renew",
+            Operation::OpenSession => "open_session",
         }
     }
 }
@@ -250,7 +263,7 @@ fn result_index(error: Option<&StoreError>) -> usize {
 /// created. With none installed, every handle is a no-op.
 pub(crate) struct Metrics {
     requests: [[Counter; OUTCOMES]; 4],
-    store: [[Histogram; RESULTS.len()]; 4],
+    store: [[Histogram; RESULTS.len()]; Operation::ALL.len()],
     pub(crate) work: Histogram,
     pub(crate) in_flight: Gauge,
     pub(crate) lost: Counter,

@@ -29,6 +29,11 @@ use http::StatusCode;
 /// | `shutting_down` | 503 | `UNAVAILABLE` | [`Error::ShuttingDown`](crate::Error::ShuttingDown) |
 /// | `store_unavailable` | 503 | `UNAVAILABLE` | [`Error::Store`](crate::Error::Store) |
 /// | `store_capacity` | 503 | `UNAVAILABLE` | [`StoreError::Capacity`](crate::StoreError::Capacity) |
+/// | `invalid_session` | 400 | `INVALID_ARGUMENT` | the layer: the session header is malformed |
+/// | `conflicting_idempotency_headers` | 400 | `INVALID_ARGUMENT` | the layer: a request carries both a key and a session |
+/// | `sequence_acknowledged` | 410 | `OUT_OF_RANGE` | [`Error::SequenceAcknowledged`](crate::Error::SequenceAcknowledged) |
+/// | `session_expired` | 410 | `NOT_FOUND` | [`Error::SessionExpired`](crate::Error::SessionExpired) |
+/// | `session_window_full` | 429 | `RESOURCE_EXHAUSTED` | [`Error::SessionWindowFull`](crate::Error::SessionWindowFull) |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ProblemCode {
@@ -62,11 +67,21 @@ pub enum ProblemCode {
     StoreUnavailable,
     /// `store_capacity`: the store is full of live records.
     StoreCapacity,
+    /// `invalid_session`: the session header is malformed.
+    InvalidSession,
+    /// `conflicting_idempotency_headers`: a request carries both a key and a session.
+    ConflictingIdempotencyHeaders,
+    /// `sequence_acknowledged`: the session request is at or below its acknowledged mark.
+    SequenceAcknowledged,
+    /// `session_expired`: the session is unknown, and the request says it held answers.
+    SessionExpired,
+    /// `session_window_full`: the session request is numbered past its window.
+    SessionWindowFull,
 }
 
 impl ProblemCode {
     /// Every code, in the order of the table above.
-    pub const ALL: [ProblemCode; 15] = [
+    pub const ALL: [ProblemCode; 20] = [
         ProblemCode::MissingKey,
         ProblemCode::InvalidKey,
         ProblemCode::RequestBodyUnreadable,
@@ -82,6 +97,11 @@ impl ProblemCode {
         ProblemCode::ShuttingDown,
         ProblemCode::StoreUnavailable,
         ProblemCode::StoreCapacity,
+        ProblemCode::InvalidSession,
+        ProblemCode::ConflictingIdempotencyHeaders,
+        ProblemCode::SequenceAcknowledged,
+        ProblemCode::SessionExpired,
+        ProblemCode::SessionWindowFull,
     ];
 
     /// The code's place in [`ProblemCode::ALL`] (its declaration order, which `ALL` follows).
@@ -184,6 +204,36 @@ impl ProblemCode {
                 H::SERVICE_UNAVAILABLE,
                 G::Unavailable,
                 "Idempotency store full",
+            ),
+            ProblemCode::InvalidSession => (
+                "invalid_session",
+                H::BAD_REQUEST,
+                G::InvalidArgument,
+                "Invalid idempotency session",
+            ),
+            ProblemCode::ConflictingIdempotencyHeaders => (
+                "conflicting_idempotency_headers",
+                H::BAD_REQUEST,
+                G::InvalidArgument,
+                "Both an idempotency key and a session",
+            ),
+            ProblemCode::SequenceAcknowledged => (
+                "sequence_acknowledged",
+                H::GONE,
+                G::OutOfRange,
+                "Session request already acknowledged",
+            ),
+            ProblemCode::SessionExpired => (
+                "session_expired",
+                H::GONE,
+                G::NotFound,
+                "Idempotency session expired",
+            ),
+            ProblemCode::SessionWindowFull => (
+                "session_window_full",
+                H::TOO_MANY_REQUESTS,
+                G::ResourceExhausted,
+                "Session window full",
             ),
         }
     }

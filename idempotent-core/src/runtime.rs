@@ -263,9 +263,20 @@ impl Idempotency {
         self.inner.metrics().request(protocol, outcome);
     }
 
-    /// The storage key `call` maps to in this runtime's namespace.
+    /// The storage key `call` maps to in this runtime's namespace; for a call in a
+    /// [session](crate::session), the session's own record (its request's record is known
+    /// once the session's gate admits it).
     pub fn storage_key(&self, call: &Call) -> StorageKey {
-        StorageKey::derive(&self.inner.namespace, call.scope_ref(), call.key())
+        match call.session() {
+            None => StorageKey::derive(&self.inner.namespace, call.scope_ref(), call.key()),
+            Some(_) => self.session_key(call).record_key(),
+        }
+    }
+
+    /// The session key of `call`'s session in this runtime's namespace (whether or not the
+    /// call is in a session, its key read as a session id).
+    pub fn session_key(&self, call: &Call) -> crate::SessionKey {
+        crate::SessionKey::derive(&self.inner.namespace, call.scope_ref(), call.key())
     }
 
     /// The largest result `call` retains in this runtime: its options'

@@ -460,6 +460,15 @@ impl<S: Store> Store for Cached<S> {
         self.store.keeps_records_in_process()
     }
 
+    /// Always the store's: a session's gate decides what may run.
+    async fn open_session(
+        &self,
+        session: &crate::SessionKey,
+        request: crate::SessionRequest,
+    ) -> Result<crate::SessionGate, StoreError> {
+        self.store.open_session(session, request).await
+    }
+
     async fn wait_for_change(&self, key: &StorageKey, max_wait: Duration) {
         self.store.wait_for_change(key, max_wait).await;
     }

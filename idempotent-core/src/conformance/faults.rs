@@ -10,7 +10,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
+use crate::{
+    Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionRequest, StorageKey, Store,
+    StoreError,
+};
 
 /// A store operation, as named by [`Faults`] rules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -24,6 +27,8 @@ pub enum Op {
     Release,
     /// [`Store::renew`].
     Renew,
+    /// [`Store::open_session`].
+    OpenSession,
 }
 
 /// What an operation under a fault does instead of (or besides) its normal work.
@@ -54,8 +59,8 @@ struct Rule {
 #[derive(Default)]
 struct State {
     rules: Mutex<HashMap<Op, Rule>>,
-    calls: [AtomicUsize; 4],
-    faulted: [AtomicUsize; 4],
+    calls: [AtomicUsize; 5],
+    faulted: [AtomicUsize; 5],
 }
 
 /// Controls the faults of a [`FaultyStore`]. Cheap to clone; clones control the same store.
@@ -76,6 +81,7 @@ fn index(op: Op) -> usize {
         Op::Complete => 1,
         Op::Release => 2,
         Op::Renew => 3,
+        Op::OpenSession => 4,
     }
 }
 
@@ -276,6 +282,15 @@ impl<S: Store> Store for FaultyStore<S> {
         lease: Duration,
     ) -> Result<(), StoreError> {
         self.apply(Op::Renew, self.inner.renew(key, token, lease))
+            .await
+    }
+
+    async fn open_session(
+        &self,
+        session: &SessionKey,
+        request: SessionRequest,
+    ) -> Result<SessionGate, StoreError> {
+        self.apply(Op::OpenSession, self.inner.open_session(session, request))
             .await
     }
 

@@ -9,7 +9,7 @@ use bytes::Bytes;
 
 use super::{Claim, FencingToken, Store};
 use crate::metrics::{Metrics, Operation};
-use crate::{Fingerprint, StorageKey, StoreError};
+use crate::{Fingerprint, SessionGate, SessionKey, SessionRequest, StorageKey, StoreError};
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -40,6 +40,11 @@ pub(crate) trait DynStore: Send + Sync + 'static {
         token: FencingToken,
         lease: Duration,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
+    fn open_session<'a>(
+        &'a self,
+        session: &'a SessionKey,
+        request: SessionRequest,
+    ) -> BoxFuture<'a, Result<SessionGate, StoreError>>;
     fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()>;
     fn keeps_records_in_process(&self) -> bool;
     /// The metrics of the runtime this store serves.
@@ -116,6 +121,16 @@ impl<S: Store> DynStore for Measured<S> {
         lease: Duration,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(self.timed(Operation::Renew, self.store.renew(key, token, lease)))
+    }
+    fn open_session<'a>(
+        &'a self,
+        session: &'a SessionKey,
+        request: SessionRequest,
+    ) -> BoxFuture<'a, Result<SessionGate, StoreError>> {
+        Box::pin(self.timed(
+            Operation::OpenSession,
+            self.store.open_session(session, request),
+        ))
     }
     fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()> {
         Box::pin(self.store.wait_for_change(key, max_wait))

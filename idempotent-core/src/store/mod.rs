@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::{Fingerprint, StorageKey, StoreError};
+use crate::{Fingerprint, SessionGate, SessionKey, SessionRequest, StorageKey, StoreError};
 
 #[cfg(any(feature = "redis", feature = "postgres"))]
 mod give_back;
@@ -354,6 +354,41 @@ pub trait Store: Send + Sync + 'static {
         false
     }
 
+    /// The gate of a [client session](crate::session): decides, as one atomic step on the
+    /// session, whether request `request.seq` may be claimed, and applies the request's `ack`.
+    ///
+    /// The session's state is its *epoch* (chosen when it starts), its acknowledged mark `ack`
+    /// and `high`, the highest `seq` it admitted. With `m = max(ack, request.ack)`:
+    ///
+    /// - no live session and `request.ack > 0`: returns [`SessionGate::Expired`], changing
+    ///   nothing;
+    /// - no live session and `request.ack == 0`: starts one with a new epoch (different from
+    ///   every epoch this session id had before), `ack = 0` and `high = 0`, then goes on as
+    ///   below;
+    /// - sets `ack = m`, drops the records [`SessionKey::seq_key`]`(epoch, s)` for `s` in
+    ///   `old ack + 1 ..= min(m, high)`, keeps the records for `s` in `m + 1 ..= high` (and
+    ///   the session) until at least `request.idle` from now, then:
+    ///   - `request.seq <= m`: returns [`SessionGate::Acknowledged`];
+    ///   - `request.seq > m + request.window`: returns [`SessionGate::WindowFull`];
+    ///   - otherwise: sets `high = max(high, request.seq)` and returns
+    ///     [`SessionGate::Open`] with the epoch. The caller then claims the request's record,
+    ///     `seq_key(epoch, seq)`, with [`claim`](Self::claim), with `request.idle` as its TTL.
+    ///
+    /// The session's records are the store's ordinary records under storage keys that say
+    /// where they sit ([`StorageKey::session_place`]). The default refuses every session with
+    /// [`StoreError::Backend`]: a store must implement it to serve sessions. The conformance
+    /// suite checks it.
+    fn open_session(
+        &self,
+        session: &SessionKey,
+        request: SessionRequest,
+    ) -> impl Future<Output = Result<SessionGate, StoreError>> + Send {
+        let _ = (session, request);
+        std::future::ready(Err(StoreError::Backend(
+            "this store does not keep client sessions (Store::open_session)".into(),
+        )))
+    }
+
     /// Waits until `key` may have changed, or `max_wait` has passed, whichever is first.
     ///
     /// Callers waiting for an in-flight record to complete call this between claims. The
@@ -403,6 +438,13 @@ impl<S: Store> Store for Arc<S> {
         lease: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
         S::renew(self, key, token, lease)
+    }
+    fn open_session(
+        &self,
+        session: &SessionKey,
+        request: SessionRequest,
+    ) -> impl Future<Output = Result<SessionGate, StoreError>> + Send {
+        S::open_session(self, session, request)
     }
     fn name(&self) -> &'static str {
         S::name(self)

@@ -11,7 +11,11 @@ use dashmap::mapref::entry::Entry;
 use tokio::sync::Notify;
 
 use crate::clock::Clock;
-use crate::{Claim, FencingToken, Fingerprint, StorageKey, StoreError, limits};
+use crate::session::SessionState;
+use crate::{
+    Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionRequest, StorageKey,
+    StoreError, limits,
+};
 
 /// What one record is charged against the byte bound besides its payload: the map slot, the
 /// key, the record, the payload's allocation and the map's spare capacity. Measured resident
@@ -57,6 +61,8 @@ pub(super) enum Record {
         payload: Bytes,
         expires: u64,
     },
+    /// A client session's own record: its state, live until `expires`.
+    Session { state: SessionState, expires: u64 },
 }
 
 impl Record {
@@ -82,6 +88,7 @@ impl Record {
                 payload: payload.clone(),
                 expires_in: Duration::from_nanos(expires - now),
             }),
+            // A session's own record is never claimed: its storage key is no request's.
             _ => None,
         }
     }
@@ -95,7 +102,7 @@ impl Record {
                 kept_until,
                 ..
             } => *lease_until > now || (!pressed && *kept_until > now),
-            Record::Completed { expires, .. } => *expires > now,
+            Record::Completed { expires, .. } | Record::Session { expires, .. } => *expires > now,
         }
     }
 
@@ -115,7 +122,7 @@ impl Record {
 
     fn cost(&self) -> usize {
         match self {
-            Record::InFlight { .. } => RECORD_OVERHEAD,
+            Record::InFlight { .. } | Record::Session { .. } => RECORD_OVERHEAD,
             Record::Completed { payload, .. } => RECORD_OVERHEAD + payload.len(),
         }
     }
@@ -384,6 +391,92 @@ impl Inner {
             }
             _ => Err(StoreError::TokenRejected),
         }
+    }
+}
+
+impl Inner {
+    /// The session gate (see [`Store::open_session`](crate::Store::open_session)): one step on
+    /// the session's own record under its shard's lock; then the records its mark now covers
+    /// are dropped and the ones above it kept as long as the session. Those follow the step
+    /// rather than share it (a shard lock cannot be held across shards): a request admitted
+    /// before the mark rose may still claim a record the mark covers, which is never claimed
+    /// or replayed again (the gate refuses its number) and goes with the sweep.
+    pub(super) fn open_session(
+        &self,
+        session: &SessionKey,
+        request: SessionRequest,
+    ) -> Result<SessionGate, StoreError> {
+        let now = self.now();
+        let until = now.saturating_add(nanos(limits::clamp_ttl(request.idle)));
+        let key = session.record_key();
+        let live = |record: &Record| match record {
+            Record::Session { state, expires } if *expires > now => Some(*state),
+            _ => None,
+        };
+        let mut reserved = false;
+        let step = loop {
+            match self.records.entry(key) {
+                Entry::Occupied(mut slot) => {
+                    if reserved {
+                        self.unreserve(1, RECORD_OVERHEAD);
+                    }
+                    let state = live(slot.get());
+                    let epoch = if state.is_none() { self.next_token().get() } else { 0 };
+                    let step = SessionState::gate(state, request, epoch);
+                    if let Some(state) = step.state {
+                        slot.insert(Record::Session {
+                            state,
+                            expires: until,
+                        });
+                    }
+                    break step;
+                }
+                Entry::Vacant(slot) => {
+                    let step = SessionState::gate(None, request, self.next_token().get());
+                    let Some(state) = step.state else {
+                        if reserved {
+                            self.unreserve(1, RECORD_OVERHEAD);
+                        }
+                        break step;
+                    };
+                    if reserved {
+                        slot.insert(Record::Session {
+                            state,
+                            expires: until,
+                        });
+                        break step;
+                    }
+                    // Reserve outside the shard lock, then look again (as a claim does).
+                    drop(slot);
+                    self.reserve(1, RECORD_OVERHEAD, now)?;
+                    reserved = true;
+                }
+            }
+        };
+        if let Some(state) = step.state {
+            let mut dropped = false;
+            for seq in step.dropped.clone() {
+                if let Some((_, record)) = self.records.remove(&session.seq_key(state.epoch, seq)) {
+                    self.unreserve(1, record.cost());
+                    dropped = true;
+                }
+            }
+            for seq in step.kept.clone() {
+                if let Some(mut record) = self.records.get_mut(&session.seq_key(state.epoch, seq)) {
+                    match &mut *record {
+                        Record::InFlight { kept_until, .. } => *kept_until = (*kept_until).max(until),
+                        Record::Completed { expires, .. } if *expires > now => {
+                            *expires = (*expires).max(until);
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            if dropped {
+                self.notify_changed();
+            }
+        }
+        Ok(step.gate)
     }
 }
 

@@ -246,6 +246,14 @@ impl Store for MemoryStore {
         self.inner.renew(key, token, lease)
     }
 
+    async fn open_session(
+        &self,
+        session: &crate::SessionKey,
+        request: crate::SessionRequest,
+    ) -> Result<crate::SessionGate, StoreError> {
+        self.inner.open_session(session, request)
+    }
+
     async fn wait_for_change(&self, _key: &StorageKey, max_wait: Duration) {
         self.inner.waiters.fetch_add(1, Ordering::AcqRel);
         let _waiting = Waiting(&self.inner.waiters);

@@ -351,6 +351,11 @@ impl Transactional {
         connection: &mut PgConnection,
         ask_tier: bool,
     ) -> Result<RawClaim, Error> {
+        if call.session().is_some() {
+            return Err(Error::Store(StoreError::Backend(
+                "the transactional mode does not serve client sessions; use the runtime".into(),
+            )));
+        }
         let key = self.storage_key(call);
         let fingerprint = call.fingerprint_ref();
         let Settings {
@@ -358,6 +363,7 @@ impl Transactional {
             lease,
             in_flight,
             max_result_bytes,
+            ..
         } = call.settings(&self.defaults);
         let mut answer = ClaimAnswer::new(in_flight, Integrity::Checksummed);
         #[cfg(feature = "cache")]
