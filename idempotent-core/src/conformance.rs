@@ -40,6 +40,10 @@
 //! # fn main() {}
 //! ```
 //!
+//! A store that keeps no [client sessions](crate::session) (it leaves
+//! [`Store::open_session`] to its default) invokes `store_conformance_tests!(MyHarness; keys
+//! only)` instead, which leaves the session checks out.
+//!
 //! Stores whose time cannot be moved (a real server's clock) implement
 //! [`advance`](Harness::advance) by sleeping and choose a short
 //! [`time_unit`](Harness::time_unit). Every check uses fresh random storage keys, so the checks
@@ -49,8 +53,10 @@
 //! lost reply) into chosen operations, to test what happens around a store that misbehaves.
 
 mod faults;
+mod sessions;
 
 pub use faults::{Fault, Faults, FaultyStore, Op};
+pub use sessions::*;
 
 use std::future::Future;
 use std::io::Write;
@@ -117,6 +123,14 @@ where
 #[macro_export]
 macro_rules! store_conformance_tests {
     ($harness:ty) => {
+        $crate::store_conformance_tests!(@keys $harness);
+        $crate::store_conformance_tests!(@sessions $harness);
+    };
+    // A store that keeps no client sessions (`Store::open_session` left to its default).
+    ($harness:ty; keys only) => {
+        $crate::store_conformance_tests!(@keys $harness);
+    };
+    (@keys $harness:ty) => {
         $crate::store_conformance_tests!(@tests $harness;
             claim_on_absent_key_wins,
             exactly_one_of_1000_concurrent_claims_wins,
@@ -135,6 +149,18 @@ macro_rules! store_conformance_tests {
             completed_record_tells_the_time_left,
             tokens_increase_across_expiry_and_release,
             keys_are_isolated,
+        );
+    };
+    (@sessions $harness:ty) => {
+        $crate::store_conformance_tests!(@tests $harness;
+            session_starts_only_without_an_ack,
+            session_requests_are_records_of_their_own,
+            session_ack_drops_answers_and_refuses_below_the_mark,
+            session_window_bounds_the_numbers,
+            session_expires_after_its_idle_time,
+            session_requests_keep_its_answers_alive,
+            session_gate_is_atomic,
+            sessions_are_isolated,
         );
     };
     (@tests $harness:ty; $($check:ident),* $(,)?) => {

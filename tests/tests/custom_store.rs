@@ -214,7 +214,7 @@ impl Harness for Custom {
     }
 }
 
-idempotent_core::store_conformance_tests!(Custom);
+idempotent_core::store_conformance_tests!(Custom; keys only);
 
 #[tokio::test]
 async fn the_runtime_runs_on_a_custom_store() {
