@@ -184,6 +184,7 @@ pub enum SessionGate {
 /// built-in store follows (the Redis and PostgreSQL stores spell the same steps in Lua and
 /// SQL; the conformance suite checks all of them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "memory"), allow(dead_code))]
 pub(crate) struct SessionState {
     pub(crate) epoch: u64,
     /// The highest acknowledged mark seen.
@@ -194,6 +195,7 @@ pub(crate) struct SessionState {
 
 /// What the gate does to a session for one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(not(feature = "memory"), allow(dead_code))]
 pub(crate) struct GateStep {
     pub(crate) gate: SessionGate,
     /// The session's state after the request, or `None` to leave it absent.
@@ -204,6 +206,7 @@ pub(crate) struct GateStep {
     pub(crate) kept: std::ops::RangeInclusive<u64>,
 }
 
+#[cfg_attr(not(feature = "memory"), allow(dead_code))]
 impl SessionState {
     /// The gate's decision on `request` for a session in `state` (`None`: unknown), with
     /// `new_epoch` the epoch to start it with.
@@ -257,6 +260,7 @@ impl SessionState {
 }
 
 #[allow(clippy::reversed_empty_ranges)]
+#[cfg_attr(not(feature = "memory"), allow(dead_code))]
 fn empty() -> std::ops::RangeInclusive<u64> {
     1..=0
 }
@@ -375,7 +379,10 @@ mod tests {
         let (a, b) = (session.seq_key(1, 1), session.seq_key(1, 2));
         assert_ne!(a, b);
         assert_ne!(session.seq_key(2, 1), a);
-        assert_ne!(a.operation_key(crate::FencingToken::new(5)), b.operation_key(crate::FencingToken::new(5)));
+        assert_ne!(
+            a.operation_key(crate::FencingToken::new(5)),
+            b.operation_key(crate::FencingToken::new(5))
+        );
         assert!(a.record_bytes().as_ref() < b.record_bytes().as_ref());
         assert!(session.record_key().record_bytes().as_ref() < a.record_bytes().as_ref());
     }

@@ -53,6 +53,8 @@ pub enum OnClaimLost {
 pub(crate) struct Config<P: Protocol> {
     pub(crate) idempotency: Idempotency,
     pub(crate) header: HeaderName,
+    /// The header carrying a client session, or `None` when sessions are not accepted.
+    pub(crate) session_header: Option<HeaderName>,
     pub(crate) strict: bool,
     pub(crate) require_key: bool,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
@@ -77,6 +79,7 @@ impl<P: Protocol> Config<P> {
         Config {
             idempotency,
             header: IDEMPOTENCY_KEY,
+            session_header: Some(crate::session::IDEMPOTENCY_SESSION),
             strict: false,
             require_key: true,
             fingerprint_headers: Vec::new(),

@@ -91,7 +91,7 @@ pub(crate) fn parse_value(value: &[u8], strict: bool) -> Result<String, KeyProbl
     }
 }
 
-fn trim_ows(mut v: &[u8]) -> &[u8] {
+pub(crate) fn trim_ows(mut v: &[u8]) -> &[u8] {
     while let [b' ' | b'\t', rest @ ..] = v {
         v = rest;
     }
@@ -101,30 +101,30 @@ fn trim_ows(mut v: &[u8]) -> &[u8] {
     v
 }
 
-struct Parser<'a> {
-    input: &'a [u8],
-    pos: usize,
+pub(crate) struct Parser<'a> {
+    pub(crate) input: &'a [u8],
+    pub(crate) pos: usize,
 }
 
 impl Parser<'_> {
-    fn peek(&self) -> Option<u8> {
+    pub(crate) fn peek(&self) -> Option<u8> {
         self.input.get(self.pos).copied()
     }
 
-    fn bump(&mut self) -> Option<u8> {
+    pub(crate) fn bump(&mut self) -> Option<u8> {
         let b = self.peek()?;
         self.pos += 1;
         Some(b)
     }
 
-    fn skip_spaces(&mut self) {
+    pub(crate) fn skip_spaces(&mut self) {
         while self.peek() == Some(b' ') {
             self.pos += 1;
         }
     }
 
     /// RFC 8941 §4.2.5: `"` then printable ASCII with `\"` and `\\` escapes, then `"`.
-    fn sf_string(&mut self) -> Result<String, KeyProblem> {
+    pub(crate) fn sf_string(&mut self) -> Result<String, KeyProblem> {
         self.bump(); // opening quote
         let mut out = String::new();
         loop {
@@ -191,7 +191,7 @@ impl Parser<'_> {
     }
 
     /// RFC 8941 §3.1.2 parameters, parsed for well-formedness and ignored.
-    fn parameters(&mut self) -> Result<(), KeyProblem> {
+    pub(crate) fn parameters(&mut self) -> Result<(), KeyProblem> {
         while self.peek() == Some(b';') {
             self.pos += 1;
             self.skip_spaces();
@@ -216,7 +216,7 @@ impl Parser<'_> {
         Ok(())
     }
 
-    fn bare_item(&mut self) -> Result<(), KeyProblem> {
+    pub(crate) fn bare_item(&mut self) -> Result<(), KeyProblem> {
         match self.peek() {
             Some(b'"') => self.sf_string().map(drop),
             Some(b'-' | b'0'..=b'9') => {

@@ -148,6 +148,26 @@ impl<P: Protocol> IdempotencyLayer<P> {
         self
     }
 
+    /// The request header carrying a [client session](crate::SessionHeader) (default
+    /// `Idempotency-Session`; the gRPC layer reads the `idempotency-session` metadata entry).
+    pub fn session_header_name(mut self, name: HeaderName) -> Self {
+        self.config().session_header = Some(name);
+        self
+    }
+
+    /// Whether requests may name a [client session](crate::SessionHeader) instead of a key
+    /// (default `true`). With `false`, the session header is not read: a request with only a
+    /// session is a request without a key.
+    pub fn sessions(mut self, accept: bool) -> Self {
+        let config = self.config();
+        config.session_header = match (accept, config.session_header.take()) {
+            (true, None) => Some(crate::session::IDEMPOTENCY_SESSION),
+            (true, Some(name)) => Some(name),
+            (false, _) => None,
+        };
+        self
+    }
+
     /// Refuses keys that are not quoted RFC 8941 strings (default: bare keys are accepted as
     /// the same key; a bare key containing `;` is refused either way, since `abc;x` would
     /// otherwise read as the key `abc` with a parameter).

@@ -334,6 +334,7 @@ mod principal;
 mod problem;
 mod protocol;
 mod service;
+mod session;
 mod stored;
 
 pub use body::{RequestBody, ResponseBody};
@@ -347,3 +348,4 @@ pub use layer::IdempotencyLayer;
 pub use principal::{Principal, scope_by_authorization, scope_by_principal};
 pub use protocol::{Grpc, Http, Protocol};
 pub use service::IdempotencyService;
+pub use session::{IDEMPOTENCY_SESSION, SessionHeader, SessionProblem};

@@ -43,6 +43,13 @@ impl Problem {
         let code = error.code();
         let detail = match error {
             Error::InvalidKey(e) => e.to_string(),
+            Error::SequenceAcknowledged { seq, ack } => format!(
+                "request {seq} of this idempotency session is at or below its acknowledged mark {ack}: the client said it holds that response, which was then dropped; the request was not processed, and a new request needs a new sequence number"
+            ),
+            Error::SessionWindowFull { seq, ack, window } => format!(
+                "request {seq} of this idempotency session is more than {window} past its acknowledged mark {ack}; it was not processed; acknowledge earlier responses (ack=) and retry"
+            ),
+            Error::SessionExpired => "this idempotency session is unknown or expired after its idle time, and the request says it holds responses (ack > 0); what ran in it cannot be told, so the request was not processed; start a new session".to_owned(),
             _ => runtime_detail(code).to_owned(),
         };
         let retry_after = match code {
@@ -60,6 +67,21 @@ impl Problem {
             _ => ProblemCode::InvalidKey,
         };
         Problem::new(code, problem.detail(header))
+    }
+
+    /// A request whose session header is unusable.
+    pub(crate) fn session(problem: &crate::session::SessionProblem, header: &HeaderName) -> Self {
+        Problem::new(ProblemCode::InvalidSession, problem.detail(header))
+    }
+
+    /// A request with both a key and a session.
+    pub(crate) fn conflicting_headers(key: &HeaderName, session: &HeaderName) -> Self {
+        Problem::new(
+            ProblemCode::ConflictingIdempotencyHeaders,
+            format!(
+                "this request carries both an {key} and an {session} header; send one of them (a key per request, or a session and a sequence number)"
+            ),
+        )
     }
 
     /// A protected request without a scope.

@@ -26,6 +26,7 @@ use crate::future::ResponseFuture;
 use crate::key::{KeyProblem, key_from_headers};
 use crate::problem::Problem;
 use crate::protocol::{Http, Protocol};
+use crate::session::{SessionHeader, session_from_headers};
 
 /// The middleware an [`IdempotencyLayer`](crate::IdempotencyLayer) wraps around a service
 /// ([`Layer::layer`](tower_layer::Layer::layer)).
@@ -107,20 +108,43 @@ where
             );
             return refuse(config, request, Problem::from_error(&Error::ShuttingDown));
         }
-        let key = match key_from_headers(request.headers(), &config.header, config.strict) {
-            Ok(key) => key,
-            Err(KeyProblem::Missing) if !config.require_key => {
-                return self.pass_through(request, "no key");
-            }
-            Err(problem) => {
-                let problem = Problem::key(&problem, &config.header);
+        let session = config
+            .session_header
+            .as_ref()
+            .and_then(|name| Some((name, session_from_headers(request.headers(), name)?)));
+        let target = match session {
+            Some((name, _)) if request.headers().contains_key(&config.header) => {
+                let problem = Problem::conflicting_headers(&config.header, name);
                 tracing::info!(
-                    outcome = ProblemCode::InvalidKey.as_str(),
-                    code = problem.code.as_str(),
-                    "idempotency key refused"
+                    outcome = problem.code.as_str(),
+                    "protected request refused: it has both a key and a session"
                 );
                 return refuse(config, request, problem);
             }
+            Some((_, Ok(session))) => Target::Session(session),
+            Some((name, Err(problem))) => {
+                let problem = Problem::session(&problem, name);
+                tracing::info!(
+                    outcome = problem.code.as_str(),
+                    "idempotency session header refused"
+                );
+                return refuse(config, request, problem);
+            }
+            None => match key_from_headers(request.headers(), &config.header, config.strict) {
+                Ok(key) => Target::Key(key),
+                Err(KeyProblem::Missing) if !config.require_key => {
+                    return self.pass_through(request, "no key");
+                }
+                Err(problem) => {
+                    let problem = Problem::key(&problem, &config.header);
+                    tracing::info!(
+                        outcome = ProblemCode::InvalidKey.as_str(),
+                        code = problem.code.as_str(),
+                        "idempotency key refused"
+                    );
+                    return refuse(config, request, problem);
+                }
+            },
         };
         if let Some(declared) =
             declared_length(request.headers()).filter(|&len| len > config.max_request_body as u64)
@@ -150,7 +174,7 @@ where
         // Polled in place; if the client goes away first, the response future hands the rest
         // to a task, so the handler runs to completion and its response is recorded: the retry
         // then gets a replay, not a second execution.
-        ResponseFuture::protected(handle(Arc::clone(config), inner, request, key, scope))
+        ResponseFuture::protected(handle(Arc::clone(config), inner, request, target, scope))
     }
 }
 
@@ -223,7 +247,7 @@ async fn handle<S, P, B, ResBody>(
     config: Arc<Config<P>>,
     inner: S,
     request: Request<B>,
-    key: Key,
+    target: Target,
     scope: Scope,
 ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
@@ -271,10 +295,13 @@ where
         }
     };
 
-    let call = Call::new(key)
-        .scope(scope)
-        .fingerprint(fingerprint(&parts, &body, &config.fingerprint_headers))
-        .options(config.call_options);
+    let call = match target {
+        Target::Key(key) => Call::new(key),
+        Target::Session(session) => Call::in_session(session.id().clone(), session.place()),
+    }
+    .scope(scope)
+    .fingerprint(fingerprint(&parts, &body, &config.fingerprint_headers))
+    .options(config.call_options);
     // The result limit bounds the response body, which the layer reads itself; the record
     // around it (status, headers, trailers) adds what the server's header limits allow, so the
     // runtime must not refuse again, by the record's size, a body within the limit.
@@ -426,6 +453,12 @@ where
             Ok(P::answer(Problem::from_error(&error)))
         }
     }
+}
+
+/// What names a protected request's record: its key, or its place in a client session.
+enum Target {
+    Key(Key),
+    Session(SessionHeader),
 }
 
 /// A call's storage key as a log field: derived only when an event is actually recorded, so

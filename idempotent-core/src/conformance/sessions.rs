@@ -133,7 +133,9 @@ pub async fn session_ack_drops_answers_and_refuses_below_the_mark<H: Harness>(h:
             .await
         {
             Ok(Claim::Claimed(_)) => {}
-            other => panic!("request {seq} acknowledged: expected its record dropped, got {other:?}"),
+            other => {
+                panic!("request {seq} acknowledged: expected its record dropped, got {other:?}")
+            }
         }
     }
     assert_completed(store, &session.seq_key(epoch, 3), &fp("3"), b"3").await;
