@@ -54,6 +54,14 @@
 //! gets `403 missing_scope` from the layer. A real service verifies a session cookie, a signed
 //! token or a client certificate there instead.
 //!
+//! # Sessions instead of keys
+//!
+//! A client may send `Idempotency-Session: id="…", seq=N, ack=M` instead of an
+//! `Idempotency-Key` on the protected routes (the layer reads it by default): request `N` of
+//! its session, holding every answer up to `M`. Its record is scoped by the user like a key,
+//! and the operation key the provider gets is the request's own. See the README's "Sessions
+//! instead of keys" and `payments_client --session`.
+//!
 //! # Shutdown
 //!
 //! On SIGTERM (or Ctrl-C) the server shuts the runtime down gracefully: new payments get
@@ -70,6 +78,8 @@
 //! | `IDEMPOTENCY_LEASE` | `30s` | how long a crashed request keeps its key locked: `100ms` to `365d` |
 //! | `IDEMPOTENCY_IN_FLIGHT` | `reject` | `reject` (409) or `wait` (up to one lease, then replay) |
 //! | `IDEMPOTENCY_REDIS_REPLICAS` | `0` | on Redis, replicas that must acknowledge every claim and record before it counts (`WAIT`; see `RedisStoreBuilder::replicas`) |
+//! | `IDEMPOTENCY_SESSION_IDLE` | `24h` | how long a client session nobody sends to is kept, with its answers: `1ms` to `365d` |
+//! | `IDEMPOTENCY_SESSION_WINDOW` | `64` | how far past its acknowledged mark a session may number requests: `1` to `4096` |
 //! | `IDEMPOTENCY_CACHE` | unset: no cache | finished records cached in front of the store: `memory:N` (in this process, at most `N` records) or `redis://HOST:PORT[/DB]` (a Redis every instance shares, in front of the store `IDEMPOTENCY_STORE` names); see `idempotent_core::cache` |
 //! | `RUST_LOG` | `warn,idempotent_tower=info` | log filter (logs go to stderr) |
 //!

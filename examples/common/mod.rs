@@ -8,6 +8,8 @@
 //! | `IDEMPOTENCY_LEASE` | `30s` | how long a crashed request keeps its key locked: `100ms` to `365d` |
 //! | `IDEMPOTENCY_IN_FLIGHT` | `reject` | `reject` or `wait` (up to one lease, then replay) |
 //! | `IDEMPOTENCY_REDIS_REPLICAS` | `0` | on Redis, replicas that must acknowledge every claim and record (`WAIT`) |
+//! | `IDEMPOTENCY_SESSION_IDLE` | `24h` | how long a client session nobody sends to is kept, with its answers: `1ms` to `365d` |
+//! | `IDEMPOTENCY_SESSION_WINDOW` | `64` | how far past its acknowledged mark a session may number requests: `1` to `4096` |
 //! | `IDEMPOTENCY_CACHE` | unset: none | a cache tier of finished records in front of the store: `memory:N` (in this process, `N` records) or `redis://HOST:PORT[/DB]` (a Redis every instance shares, in front of the store) |
 //!
 //! Durations are read by `idempotent_core::limits::parse_duration` (`500ms`, `30s`, `15m`,
@@ -42,6 +44,8 @@ pub(crate) struct Settings {
     pub(crate) ttl: Duration,
     pub(crate) lease: Duration,
     pub(crate) in_flight: InFlightPolicy,
+    pub(crate) session_idle: Duration,
+    pub(crate) session_window: u64,
 }
 
 /// Reads `PORT` (default `default_port`) and the `IDEMPOTENCY_*` variables but the store's
@@ -72,11 +76,22 @@ pub(crate) fn settings(default_port: u16) -> Result<Settings, String> {
             ));
         }
     };
+    let session_idle = checked_duration(
+        "IDEMPOTENCY_SESSION_IDLE",
+        &var("IDEMPOTENCY_SESSION_IDLE", "24h"),
+        limits::check_ttl,
+    )?;
+    let window = var("IDEMPOTENCY_SESSION_WINDOW", "64");
+    let session_window =
+        limits::check_session_window(positive("IDEMPOTENCY_SESSION_WINDOW", &window)?)
+            .map_err(|error| format!("IDEMPOTENCY_SESSION_WINDOW={window:?}: {error}"))?;
     Ok(Settings {
         port,
         ttl,
         lease,
         in_flight,
+        session_idle,
+        session_window,
     })
 }
 
@@ -173,7 +188,9 @@ pub(crate) async fn idempotency(
             Defaults::new()
                 .ttl(settings.ttl)
                 .lease(settings.lease)
-                .in_flight(settings.in_flight),
+                .in_flight(settings.in_flight)
+                .session_idle(settings.session_idle)
+                .session_window(settings.session_window),
         )
         .build())
 }
