@@ -396,3 +396,42 @@ async fn postgres_grpc() {
     every_outcome(store.clone(), Wire::Grpc).await;
     expiry(store, Wire::Grpc).await;
 }
+
+/// With sessions turned off the header is not read: a request with only a session has no key.
+/// Another header name can carry sessions instead.
+#[tokio::test]
+async fn sessions_can_be_turned_off_or_renamed() {
+    let handler = service_fn(|_: Request<RequestBody<Full<Bytes>>>| async {
+        Ok::<_, BoxError>(Response::new(Full::new(Bytes::from_static(b"ran"))))
+    });
+    let session = header(&unique("off"), 1, 0);
+    let send = |layer: IdempotencyLayer, name: &'static str| {
+        let service = ServiceBuilder::new().layer(layer).service(handler);
+        let request = Request::post("/payments")
+            .extension(Principal::new("alice"))
+            .header(name, session.as_str())
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        async move {
+            let response = service.oneshot(request).await.unwrap();
+            let status = response.status();
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            (status, body)
+        }
+    };
+    let idempotency = Idempotency::new(MemoryStore::new());
+    let (status, body) = send(
+        IdempotencyLayer::http(idempotency.clone()).sessions(false),
+        "idempotency-session",
+    )
+    .await;
+    assert_eq!(status, 400);
+    let doc: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(doc["code"], "missing_key");
+    let renamed = IdempotencyLayer::http(idempotency.clone())
+        .session_header_name(http::HeaderName::from_static("x-session"));
+    let (status, body) = send(renamed.clone(), "x-session").await;
+    assert_eq!((status, &body[..]), (StatusCode::OK, &b"ran"[..]));
+    let (status, _) = send(renamed, "idempotency-session").await;
+    assert_eq!(status, 400, "the default name is not read once renamed");
+}
