@@ -45,6 +45,13 @@
 //!   `;x` as parameters would make `abc;x` and `abc;y` the same key. Send `"abc;x"` for a key
 //!   holding `;`, or `"abc";x` for the key `abc` with a parameter. Empty, too long, non-ASCII,
 //!   unparsable, or given twice (two fields or a list) → 400.
+//! - **Or a session**: a request may carry `Idempotency-Session: id="…", seq=N, ack=M`
+//!   ([`SessionHeader`]; gRPC: the `idempotency-session` metadata entry) instead of a key:
+//!   request `N` of a client session that holds every answer up to `M` (see
+//!   [`idempotent_core::session`]). Both headers on one request → 400
+//!   `conflicting_idempotency_headers`; a malformed session → 400 `invalid_session`.
+//!   [`sessions(false)`](IdempotencyLayer::sessions) stops reading it;
+//!   [`session_header_name`](IdempotencyLayer::session_header_name) renames it.
 //! - **Protected methods**: POST and PATCH ([`methods`](IdempotencyLayer::<Http>::methods)).
 //!   Other methods pass through untouched, even with a key. A protected request without a key
 //!   → 400 ([`require_key(false)`](IdempotencyLayer::require_key) lets it through unprotected).
@@ -120,11 +127,16 @@
 //! | 400 | `missing_key` | a protected request has no key | add a key |
 //! | 400 | `invalid_key` | the key is empty, too long, not ASCII, unparsable, unquoted with a `;`, or given twice | send one valid key, quoted if it holds a `;` |
 //! | 400 | `request_body_unreadable` | the request body could not be read | retry |
+//! | 400 | `invalid_session` | the session header is not a dictionary with an `id` string, a `seq` from 1 and an `ack` from 0 | send a valid session |
+//! | 400 | `conflicting_idempotency_headers` | the request has both a key and a session | send one of them |
 //! | 409 | `in_flight` | the same key is still being processed (with `Retry-After`) | retry after the delay |
 //! | 403 | `missing_scope` | a protected request carries no [`Principal`] (or the custom scope found none); nothing ran | authenticate |
 //! | 410 | `result_not_retained` | the key was processed but its response was too large to keep | not retry; look the result up |
+//! | 410 | `sequence_acknowledged` | the session request is at or below the session's acknowledged mark: its answer was dropped; nothing ran | not retry: a new request needs a new number |
+//! | 410 | `session_expired` | the session is unknown (forgotten after its idle time) and the request says it holds answers; nothing ran | find out what its unanswered requests did, then start a new session |
 //! | 413 | `request_too_large` | the body exceeds the limit; nothing ran. Over HTTP/1.1, sent once the rest of the body is read (up to 4 MiB past the limit), with `Connection: close` when it was not read to its end | send a smaller body |
 //! | 422 | `fingerprint_mismatch` | the key was used for a different request | use a new key |
+//! | 429 | `session_window_full` | the session request is numbered more than the window past the acknowledged mark (with `Retry-After`); nothing ran | acknowledge earlier answers, then retry |
 //! | 500 | `corrupt_record` | the stored record cannot be read; nothing ran | contact the operator |
 //! | 503 | `store_unavailable` | the store cannot be reached (with `Retry-After`); nothing ran | retry after the delay |
 //! | 503 | `claim_lost` | only with [`OnClaimLost::Cancel`]: the request's claim was lost while its handler ran, and the handler was stopped (with `Retry-After`) | retry with the same key: the owner that holds it now answers |
@@ -201,7 +213,10 @@
 //!
 //! | `idempotent-error` | gRPC status | notes |
 //! |---|---|---|
-//! | `missing_key`, `invalid_key`, `request_body_unreadable` | `INVALID_ARGUMENT` | |
+//! | `missing_key`, `invalid_key`, `request_body_unreadable`, `invalid_session`, `conflicting_idempotency_headers` | `INVALID_ARGUMENT` | |
+//! | `sequence_acknowledged` | `OUT_OF_RANGE` | a session number at or below its acknowledged mark |
+//! | `session_expired` | `NOT_FOUND` | an unknown session whose request holds answers |
+//! | `session_window_full` | `RESOURCE_EXHAUSTED` | `grpc-retry-pushback-ms` says when to retry |
 //! | `missing_scope` | `PERMISSION_DENIED` | no principal in the request extensions |
 //! | `fingerprint_mismatch` | `FAILED_PRECONDITION` | same key, different request message |
 //! | `in_flight` | `ABORTED` | `grpc-retry-pushback-ms` says when to retry |
