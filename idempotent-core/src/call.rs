@@ -331,7 +331,7 @@ impl Defaults {
     ///
     /// # Panics
     ///
-    /// If `window` is 0 or above [`MAX_SESSION_WINDOW`]; check a value read from outside the
+    /// If `window` is 0 or above [`MAX_SESSION_WINDOW`](crate::session::MAX_SESSION_WINDOW); check a value read from outside the
     /// program with [`limits::check_session_window`](crate::limits::check_session_window).
     #[track_caller]
     pub fn session_window(mut self, window: u64) -> Self {

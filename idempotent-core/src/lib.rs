@@ -70,12 +70,13 @@
 //! | the root: the runtime | [`Idempotency`], [`IdempotencyBuilder`], [`Drained`], [`DEFAULT_RECORD_RETRY`], [`CLAIM_TIMEOUT`] |
 //! | the root: one call | [`Call`], [`CallOptions`], [`Defaults`], [`InFlightPolicy`], [`DEFAULT_TTL`], [`DEFAULT_LEASE`], [`DEFAULT_MAX_RESULT_BYTES`] |
 //! | the root: outcomes | [`Retain`], [`Outcome`], [`Execution`], [`ClaimHandle`] |
-//! | the root: identity | [`Key`], [`KeyError`], [`MAX_KEY_LEN`], [`ToKey`], [`Scope`], [`StorageKey`], [`Fingerprint`], [`FingerprintBuilder`], [`CanonicalError`] |
+//! | the root: identity | [`Key`], [`KeyError`], [`MAX_KEY_LEN`], [`ToKey`], [`Scope`], [`StorageKey`], [`SessionPlace`], [`RecordBytes`], [`Fingerprint`], [`FingerprintBuilder`], [`CanonicalError`] |
 //! | the root: errors | [`Error`], [`StoreError`], [`BoxError`], [`ProblemCode`], [`GrpcCode`], [`MAX_IN_FLIGHT_RETRY_HINT`] |
-//! | the root: the store contract | [`Store`], [`Claim`], [`FencingToken`] |
+//! | the root: the store contract | [`Store`], [`Claim`], [`FencingToken`], [`SessionKey`], [`SessionRequest`], [`SessionGate`] |
 //! | the root: a store chosen by URL or `IDEMPOTENCY_STORE` | `AnyStore`, `AnyStoreBuilder`, `AnyStoreError` (with any store's feature) |
 //! | the root: the attribute | [`idempotent`](macro@idempotent) (feature `macros`), [`default_runtime`], [`set_default_runtime`] |
 //! | [`limits`] | the accepted range of every duration, and checks for values read at run time |
+//! | [`session`] | client sessions: the protocol, [`session::InSession`] (a call's place), the window and idle defaults |
 //! | [`clock`] | the memory store's time source; `ManualClock` with feature `test-util` |
 //! | [`metrics`] | the metric names, their labels ([`metrics::ProtocolLabel`], [`metrics::RequestOutcome`]) and [`metrics::describe`] |
 //! | `memory` (feature `memory`) | `MemoryStore`, its builder, statistics and bounds |
@@ -88,7 +89,8 @@
 //! Where the code lives, for readers of the source: `runtime.rs` (the runtime and its call
 //! flow), `call.rs` (calls, options, defaults), `outcome.rs`, `claim.rs` (the running claim),
 //! `lease.rs` (renewal and per-operation bounds), `claim_answer.rs` (what a claim's answer
-//! means under the in-flight policy, shared with the transactional mode), `record.rs`
+//! means under the in-flight policy, shared with the transactional mode), `session.rs` (client
+//! sessions and the gate's rules), `record.rs`
 //! (recording an outcome, with retries), `shutdown.rs`, `metrics.rs`, `problem.rs`, `error.rs`, `key.rs`,
 //! `fingerprint/`, `envelope.rs` (the stored record format), `store/` (the trait and each
 //! backend), `consumer/` (the consumer runtime: `runner.rs` the loop, `effect.rs` the claim
