@@ -1,0 +1,258 @@
+//! Client sessions through the runtime: concurrency, a failing or frozen gate, what each
+//! request's record is (its own claim, token and operation key), and the metrics.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use idempotent_core::conformance::{Fault, FaultyStore, Op};
+use idempotent_core::memory::MemoryStore;
+use idempotent_core::metrics::{self, Recorded};
+use idempotent_core::session::InSession;
+use idempotent_core::{Call, ClaimHandle, Defaults, Error, Idempotency, Key, StoreError};
+
+fn in_session(id: &str, seq: u64, ack: u64) -> Call {
+    Call::in_session(Key::new(id).unwrap(), InSession::new(seq, ack).unwrap())
+}
+
+fn runtime(window: u64) -> Idempotency {
+    Idempotency::builder(MemoryStore::new())
+        .defaults(Defaults::new().session_window(window))
+        .build()
+}
+
+/// 300 concurrent duplicates of one request of a session: the work runs once, and every
+/// duplicate gets its answer or is told it is in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_duplicates_of_one_seq_run_once() {
+    let idempotency = runtime(64);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..300 {
+        let (idempotency, runs) = (idempotency.clone(), Arc::clone(&runs));
+        tasks.spawn(async move {
+            let call = in_session("dup", 1, 0);
+            idempotency
+                .run(&call, async {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    runs.fetch_add(1, Ordering::SeqCst)
+                })
+                .await
+        });
+    }
+    let mut answered = 0;
+    while let Some(result) = tasks.join_next().await {
+        match result.unwrap() {
+            Ok(outcome) => {
+                assert_eq!(outcome.into_inner(), 0);
+                answered += 1;
+            }
+            Err(Error::InFlight { .. }) => {}
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert!(answered >= 1);
+}
+
+/// 256 requests of one session at once, within its window: each runs once, each with a
+/// claim of its own (its own operation key), and their acks never lose an answer that a
+/// later duplicate needs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_seqs_each_run_once_with_their_own_operation_key() {
+    let idempotency = runtime(256);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for seq in 1..=256u64 {
+        let (idempotency, runs) = (idempotency.clone(), Arc::clone(&runs));
+        tasks.spawn(async move {
+            let call = in_session("many", seq, 0);
+            let first = idempotency
+                .run(&call, async {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    let claim = ClaimHandle::current().expect("the running claim");
+                    (seq, claim.operation_key().as_str().to_owned())
+                })
+                .await
+                .unwrap();
+            let again = idempotency
+                .run(&call, async { (0, String::new()) })
+                .await
+                .unwrap();
+            assert!(again.is_replayed());
+            let (first, again) = (first.into_inner(), again.into_inner());
+            assert_eq!(first, again);
+            first
+        });
+    }
+    let mut keys = HashSet::new();
+    while let Some(result) = tasks.join_next().await {
+        let (seq, key) = result.unwrap();
+        assert!(keys.insert(key), "request {seq} shares an operation key");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 256);
+    assert_eq!(keys.len(), 256);
+}
+
+/// A gate that fails or never answers fails the call closed: nothing runs, and the store
+/// error says to retry.
+#[tokio::test]
+async fn a_failing_or_frozen_gate_runs_nothing() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    let idempotency = Idempotency::builder(store)
+        .defaults(Defaults::new().lease(Duration::from_millis(600)))
+        .build();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let work = |runs: &Arc<AtomicUsize>| {
+        let runs = Arc::clone(runs);
+        async move { runs.fetch_add(1, Ordering::SeqCst) }
+    };
+    faults.fail_next(Op::OpenSession, 1, Fault::Unavailable);
+    let failed = idempotency.run(&in_session("g", 1, 0), work(&runs)).await;
+    assert!(
+        matches!(failed, Err(Error::Store(StoreError::Unavailable(_)))),
+        "{failed:?}"
+    );
+    faults.fail_next(Op::OpenSession, 1, Fault::Hang);
+    let frozen = idempotency.run(&in_session("g", 1, 0), work(&runs)).await;
+    assert!(
+        matches!(frozen, Err(Error::Store(StoreError::Unavailable(_)))),
+        "{frozen:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(faults.calls(Op::Claim), 0, "no claim without the gate");
+    // Healed, the same request runs once.
+    idempotency
+        .run(&in_session("g", 1, 0), work(&runs))
+        .await
+        .unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Each refusal has its error and its metric outcome, and the gate is timed as a store
+/// operation.
+#[tokio::test]
+async fn refusals_are_counted_by_outcome_and_the_gate_is_timed() {
+    let (idempotency, recorded) = Recorded::capture(|| runtime(4));
+    let run = |call: Call| {
+        let idempotency = idempotency.clone();
+        async move { idempotency.run(&call, async { 1u8 }).await }
+    };
+    run(in_session("m", 1, 0)).await.unwrap();
+    assert!(matches!(
+        run(in_session("m", 1, 1)).await,
+        Err(Error::SequenceAcknowledged { seq: 1, ack: 1 })
+    ));
+    assert!(matches!(
+        run(in_session("m", 9, 1)).await,
+        Err(Error::SessionWindowFull {
+            seq: 9,
+            ack: 1,
+            window: 4
+        })
+    ));
+    assert!(matches!(
+        run(in_session("gone", 2, 1)).await,
+        Err(Error::SessionExpired)
+    ));
+    for (outcome, n) in [
+        ("fresh", 1),
+        ("sequence_acknowledged", 1),
+        ("session_window_full", 1),
+        ("session_expired", 1),
+    ] {
+        assert_eq!(
+            recorded.counter(metrics::REQUESTS, &[("outcome", outcome)]),
+            n,
+            "{outcome}"
+        );
+    }
+    let (gates, _) = recorded.histogram(
+        metrics::STORE_OPERATION_DURATION,
+        &[("operation", "open_session"), ("result", "ok")],
+    );
+    assert_eq!(gates, 4);
+}
+
+/// A session's records live as long as the session, not the call's TTL: an answer is
+/// replayed long after the TTL while the session is in use.
+#[tokio::test(start_paused = true)]
+async fn a_sessions_answers_outlive_the_ttl() {
+    let idempotency = Idempotency::builder(MemoryStore::new())
+        .defaults(
+            Defaults::new()
+                .ttl(Duration::from_secs(1))
+                .session_idle(Duration::from_secs(3600)),
+        )
+        .build();
+    idempotency
+        .run(&in_session("ttl", 1, 0), async { 7u8 })
+        .await
+        .unwrap();
+    tokio::time::advance(Duration::from_secs(600)).await;
+    let again = idempotency
+        .run(&in_session("ttl", 1, 0), async { 8u8 })
+        .await
+        .unwrap();
+    assert!(again.is_replayed());
+    assert_eq!(again.into_inner(), 7);
+}
+
+/// A custom store that keeps no sessions refuses them with a store error, and serves keys.
+#[tokio::test]
+async fn a_store_without_sessions_refuses_them() {
+    #[derive(Clone, Default)]
+    struct KeysOnly(MemoryStore);
+    impl idempotent_core::Store for KeysOnly {
+        async fn claim(
+            &self,
+            key: &idempotent_core::StorageKey,
+            fingerprint: &idempotent_core::Fingerprint,
+            lease: Duration,
+            ttl: Duration,
+        ) -> Result<idempotent_core::Claim, StoreError> {
+            self.0.claim(key, fingerprint, lease, ttl).await
+        }
+        async fn complete(
+            &self,
+            key: &idempotent_core::StorageKey,
+            token: idempotent_core::FencingToken,
+            payload: bytes::Bytes,
+            ttl: Duration,
+        ) -> Result<(), StoreError> {
+            self.0.complete(key, token, payload, ttl).await
+        }
+        async fn release(
+            &self,
+            key: &idempotent_core::StorageKey,
+            token: idempotent_core::FencingToken,
+        ) -> Result<(), StoreError> {
+            self.0.release(key, token).await
+        }
+        async fn renew(
+            &self,
+            key: &idempotent_core::StorageKey,
+            token: idempotent_core::FencingToken,
+            lease: Duration,
+        ) -> Result<(), StoreError> {
+            self.0.renew(key, token, lease).await
+        }
+    }
+    let idempotency = Idempotency::new(KeysOnly::default());
+    let refused = idempotency.run(&in_session("s", 1, 0), async { 1u8 }).await;
+    assert!(
+        matches!(refused, Err(Error::Store(StoreError::Backend(_)))),
+        "{refused:?}"
+    );
+    let key = Call::new(Key::new("k").unwrap());
+    assert_eq!(
+        idempotency
+            .run(&key, async { 2u8 })
+            .await
+            .unwrap()
+            .into_inner(),
+        2
+    );
+}
