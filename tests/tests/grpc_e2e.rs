@@ -466,3 +466,74 @@ async fn metrics_on_their_own_port_count_grpc_calls_by_outcome() {
     assert_eq!(requests("mismatch"), Some(1.0));
     assert_eq!(requests("in_flight"), Some(1.0));
 }
+
+/// A client session over gRPC (`idempotency-session` metadata) against the real example:
+/// a retry replays, an acknowledged number is `OUT_OF_RANGE`, a number past the window
+/// `RESOURCE_EXHAUSTED`, an unknown session holding answers `NOT_FOUND`, a key and a session
+/// together `INVALID_ARGUMENT`; each with its code in `idempotent-error`, and one charge per
+/// number.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_over_grpc_runs_each_number_once() {
+    let server = Server::start(
+        "grpc",
+        &[("IDEMPOTENCY_SESSION_WINDOW", "4")],
+        "listening on 127.0.0.1:",
+    )
+    .await;
+    let mut client = PaymentsClient::connect(format!("http://127.0.0.1:{}", server.port))
+        .await
+        .unwrap();
+    let in_session = |seq: u64, ack: u64, amount: u64, id: &str| {
+        let mut request = charge(amount, "EUR", None, Some("alice"));
+        let value = format!(r#"id="{id}", seq={seq}, ack={ack}"#);
+        request.metadata_mut().insert(
+            "idempotency-session",
+            MetadataValue::try_from(value).unwrap(),
+        );
+        request
+    };
+    let first = client.charge(in_session(1, 0, 100, "g-1")).await.unwrap();
+    assert!(!replayed(first.metadata()));
+    let payment = first.into_inner();
+    let retry = client.charge(in_session(1, 0, 100, "g-1")).await.unwrap();
+    assert!(replayed(retry.metadata()));
+    assert_eq!(retry.into_inner(), payment);
+    client.charge(in_session(2, 1, 200, "g-1")).await.unwrap();
+    let refused = |status: tonic::Status, code: Code, error: &str| {
+        assert_eq!(status.code(), code, "{status:?}");
+        assert_eq!(status.metadata().get("idempotent-error").unwrap(), error);
+    };
+    refused(
+        client
+            .charge(in_session(1, 1, 100, "g-1"))
+            .await
+            .unwrap_err(),
+        Code::OutOfRange,
+        "sequence_acknowledged",
+    );
+    refused(
+        client
+            .charge(in_session(6, 1, 600, "g-1"))
+            .await
+            .unwrap_err(),
+        Code::ResourceExhausted,
+        "session_window_full",
+    );
+    refused(
+        client
+            .charge(in_session(3, 2, 300, "g-unknown"))
+            .await
+            .unwrap_err(),
+        Code::NotFound,
+        "session_expired",
+    );
+    let mut both = in_session(3, 2, 300, "g-1");
+    both.metadata_mut()
+        .insert("idempotency-key", MetadataValue::from_static("k"));
+    refused(
+        client.charge(both).await.unwrap_err(),
+        Code::InvalidArgument,
+        "conflicting_idempotency_headers",
+    );
+    assert_eq!(count(&mut client).await, 2);
+}
