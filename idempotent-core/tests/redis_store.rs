@@ -1,12 +1,14 @@
 //! `RedisStore` against a real `redis-server` and a real Redis Cluster (three primaries, three
 //! replicas; both started by `scripts/test.sh`): the conformance suite on each, records spread
-//! over the cluster's primaries, garbage in the store, and an unreachable server.
+//! over the cluster's primaries, a session's records in one slot and no more of them than its
+//! window, garbage in the store, and an unreachable server.
 
 use std::time::Duration;
 
-use idempotent_core::conformance::{Harness, fresh_key};
+use idempotent_core::conformance::{Harness, fresh_key, fresh_session};
 use idempotent_core::redis::RedisStore;
-use idempotent_core::{Claim, Fingerprint, Store, StoreError};
+use idempotent_core::session::{MAX_SEQ, MAX_SESSION_WINDOW};
+use idempotent_core::{Claim, Fingerprint, SessionGate, SessionRequest, Store, StoreError};
 use idempotent_test_kit::backend::{REDIS_CLUSTER_URLS, REDIS_URL, backend_url, redis_url};
 
 /// Where a harness's Redis is: the variable holding its URL.
@@ -82,7 +84,9 @@ mod cluster {
 
     use idempotent_core::conformance::fresh_key;
     use idempotent_core::redis::RedisStore;
-    use idempotent_core::{Claim, Fingerprint, Store};
+    use idempotent_core::{
+        Claim, Fingerprint, SessionGate, SessionKey, SessionRequest, Store, StoreError,
+    };
     use idempotent_test_kit::backend::redis_cluster_urls;
 
     use super::{Cluster, Redis};
@@ -131,6 +135,105 @@ mod cluster {
             }
         }
         primaries
+    }
+
+    /// A session's own record and its requests' records are named as documented and sit in
+    /// one Cluster slot, the slot of the session's digest (its hash tag); keys keep their names.
+    #[tokio::test]
+    async fn a_sessions_records_share_one_slot() {
+        let Some(urls) = redis_cluster_urls() else {
+            return;
+        };
+        let store = RedisStore::connect(&urls).await.unwrap();
+        let key = fresh_key();
+        let hex = key.to_hex();
+        let session = SessionKey::from_bytes(*key.as_bytes());
+        assert_eq!(store.redis_key(&key), format!("idempotent:{hex}"));
+        assert_eq!(
+            store.redis_key(&session.record_key()),
+            format!("idempotent:{{{hex}}}")
+        );
+        assert_eq!(
+            store.redis_key(&session.seq_key(1_764_000_000_000_000, 42)),
+            format!("idempotent:{{{hex}}}:1764000000000000:42")
+        );
+
+        // Three requests through the gate, each claimed and answered: the names the store
+        // wrote are the ones above.
+        let idle = Duration::from_secs(60);
+        let f = Fingerprint::from_bytes(b"session");
+        let mut names = vec![store.redis_key(&session.record_key())];
+        for seq in 1..=3 {
+            let SessionGate::Open { epoch } = store
+                .open_session(&session, SessionRequest::new(seq, 0, 8, idle))
+                .await
+                .unwrap()
+            else {
+                panic!("request {seq} is admitted");
+            };
+            let record = session.seq_key(epoch, seq);
+            let Claim::Claimed(token) = store
+                .claim(&record, &f, Duration::from_secs(30), idle)
+                .await
+                .unwrap()
+            else {
+                panic!("request {seq}'s record is claimed");
+            };
+            store
+                .complete(&record, token, "done".into(), idle)
+                .await
+                .unwrap();
+            names.push(store.redis_key(&record));
+        }
+        let mut cluster = redis::cluster::ClusterClient::new(urls.split(',').collect::<Vec<_>>())
+            .unwrap()
+            .get_async_connection()
+            .await
+            .unwrap();
+        let first = urls.split(',').next().unwrap();
+        let mut node = idempotent_test_kit::redis::connect(first).await;
+        let slot_of = async |node: &mut redis::aio::MultiplexedConnection, name: &str| -> i64 {
+            redis::cmd("CLUSTER")
+                .arg("KEYSLOT")
+                .arg(name)
+                .query_async(node)
+                .await
+                .unwrap()
+        };
+        let slot = slot_of(&mut node, &hex).await;
+        for name in &names {
+            assert_eq!(slot_of(&mut node, name).await, slot, "{name}");
+            let exists: i64 = redis::cmd("EXISTS")
+                .arg(name)
+                .query_async(&mut cluster)
+                .await
+                .unwrap();
+            assert_eq!(exists, 1, "{name} was written");
+        }
+    }
+
+    /// On a cluster, a key prefix that begins an empty hash tag (which would spread a
+    /// session's records over slots) is refused.
+    #[tokio::test]
+    async fn a_prefix_with_an_empty_hash_tag_is_refused_on_a_cluster() {
+        let Some(urls) = redis_cluster_urls() else {
+            return;
+        };
+        match RedisStore::builder(&urls)
+            .key_prefix("app{}:")
+            .connect()
+            .await
+        {
+            Err(StoreError::Backend(error)) => {
+                assert!(error.to_string().contains("empty hash tag"), "{error}")
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        RedisStore::builder(&urls)
+            .key_prefix("app{tenant}:")
+            .connect()
+            .await
+            .expect("a prefix with a hash tag of its own");
     }
 
     #[tokio::test]
@@ -372,4 +475,239 @@ async fn without_the_replicas_required_a_claim_fails_closed_and_is_given_back() 
         complete(idempotent_core::FencingToken::new(token.get() + 1), "other").await,
         Err(StoreError::TokenRejected)
     ));
+}
+
+/// The names of Redis keys under `pattern` (`SCAN MATCH`), measured in Redis.
+async fn keys_matching(
+    connection: &mut redis::aio::MultiplexedConnection,
+    pattern: &str,
+) -> Vec<String> {
+    let mut cursor = 0u64;
+    let mut keys = Vec::new();
+    loop {
+        let (next, found): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(connection)
+            .await
+            .unwrap();
+        keys.extend(found);
+        if next == 0 {
+            return keys;
+        }
+        cursor = next;
+    }
+}
+
+/// A session of 1,000 requests, each acknowledging the one before, holds no more than its
+/// window of records (and its own) in Redis, however many requests it made.
+#[tokio::test]
+async fn a_long_session_keeps_at_most_its_window_of_records() {
+    let Some(mut raw) = raw_connection().await else {
+        return;
+    };
+    let store = RedisStore::connect(&redis_url().unwrap()).await.unwrap();
+    let session = fresh_session();
+    let (window, idle, lease) = (8, Duration::from_secs(60), Duration::from_secs(30));
+    let mut epochs = std::collections::BTreeSet::new();
+    for seq in 1..=1_000u64 {
+        let SessionGate::Open { epoch } = store
+            .open_session(&session, SessionRequest::new(seq, seq - 1, window, idle))
+            .await
+            .unwrap()
+        else {
+            panic!("request {seq} is admitted");
+        };
+        epochs.insert(epoch);
+        let record = session.seq_key(epoch, seq);
+        let f = Fingerprint::from_bytes(seq.to_string().as_bytes());
+        let Claim::Claimed(token) = store.claim(&record, &f, lease, idle).await.unwrap() else {
+            panic!("request {seq}'s record is claimed");
+        };
+        store
+            .complete(&record, token, seq.to_string().into(), idle)
+            .await
+            .unwrap();
+    }
+    assert_eq!(epochs.len(), 1, "one incarnation: {epochs:?}");
+    let epoch = epochs.pop_first().unwrap();
+    let own = store.redis_key(&session.record_key());
+    let keys = keys_matching(&mut raw, &format!("{own}*")).await;
+    assert!(
+        keys.len() as u64 <= window + 1,
+        "{} keys for a window of {window}: {keys:?}",
+        keys.len()
+    );
+    // What is left is the session and the last answer, which the client has not acknowledged.
+    let last = store.redis_key(&session.seq_key(epoch, 1_000));
+    assert!(keys.contains(&own) && keys.contains(&last), "{keys:?}");
+}
+
+/// Garbage in a session's own record is a corrupt store, never a new session or a panic; the
+/// garbage is left for someone to look at.
+#[tokio::test]
+async fn garbage_in_a_session_is_a_corrupt_error() {
+    let Some(mut raw) = raw_connection().await else {
+        return;
+    };
+    let store = RedisStore::connect(&redis_url().unwrap()).await.unwrap();
+    let idle = Duration::from_secs(60);
+    let request = |seq: u64, ack: u64| SessionRequest::new(seq, ack, 8, idle);
+    let cases: [(&str, &str); 6] = [
+        ("a", "x"),
+        ("e", "x"),
+        ("h", "-1"),
+        ("a", "1.5"),
+        ("e", "99999999999999999999"),
+        // A highest number far past the mark and any window.
+        ("h", "100000"),
+    ];
+    for (field, value) in cases {
+        let session = fresh_session();
+        assert!(matches!(
+            store.open_session(&session, request(1, 0)).await,
+            Ok(SessionGate::Open { .. })
+        ));
+        let name = store.redis_key(&session.record_key());
+        let _: () = redis::cmd("HSET")
+            .arg(&name)
+            .arg(field)
+            .arg(value)
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        for (seq, ack) in [(2, 0), (2, 1), (1, 0)] {
+            let result = store.open_session(&session, request(seq, ack)).await;
+            assert!(
+                matches!(result, Err(StoreError::Corrupt(_))),
+                "{field} = {value}, request ({seq}, {ack}): {result:?}"
+            );
+        }
+        let still: Option<String> = redis::cmd("HGET")
+            .arg(&name)
+            .arg(field)
+            .query_async(&mut raw)
+            .await
+            .unwrap();
+        assert_eq!(
+            still.as_deref(),
+            Some(value),
+            "the garbage is left as it was"
+        );
+    }
+    // A hash without the session's fields, and a key of another type, are errors too, never
+    // an unknown session.
+    let session = fresh_session();
+    let name = store.redis_key(&session.record_key());
+    let _: () = redis::cmd("HSET")
+        .arg(&name)
+        .arg("zz")
+        .arg("1")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let result = store.open_session(&session, request(1, 0)).await;
+    assert!(matches!(result, Err(StoreError::Corrupt(_))), "{result:?}");
+    let session = fresh_session();
+    let _: () = redis::cmd("SET")
+        .arg(store.redis_key(&session.record_key()))
+        .arg("x")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    for ack in [0, 1] {
+        let result = store.open_session(&session, request(1, ack)).await;
+        assert!(matches!(result, Err(StoreError::Backend(_))), "{result:?}");
+    }
+}
+
+/// A request outside the ranges the runtime sends is refused before it reaches Redis.
+#[tokio::test]
+async fn a_session_request_out_of_range_is_refused() {
+    let Some(url) = redis_url() else {
+        return;
+    };
+    let store = RedisStore::connect(&url).await.unwrap();
+    let idle = Duration::from_secs(60);
+    for (seq, ack, window) in [
+        (MAX_SEQ + 1, 0, 8),
+        (1, MAX_SEQ + 1, 8),
+        (1, 0, MAX_SESSION_WINDOW + 1),
+    ] {
+        let session = fresh_session();
+        let result = store
+            .open_session(&session, SessionRequest::new(seq, ack, window, idle))
+            .await;
+        assert!(
+            matches!(result, Err(StoreError::Backend(_))),
+            "({seq}, {ack}, {window}): {result:?}"
+        );
+    }
+    // The largest numbers are kept exactly.
+    let session = fresh_session();
+    assert!(matches!(
+        store
+            .open_session(
+                &session,
+                SessionRequest::new(MAX_SEQ, 0, MAX_SESSION_WINDOW, idle)
+            )
+            .await,
+        Ok(SessionGate::WindowFull { ack: 0 })
+    ));
+    let gate = |seq, ack| store.open_session(&session, SessionRequest::new(seq, ack, 1, idle));
+    let SessionGate::Open { epoch } = gate(MAX_SEQ, MAX_SEQ - 1).await.unwrap() else {
+        panic!("the largest number is admitted");
+    };
+    assert_eq!(
+        gate(MAX_SEQ, MAX_SEQ - 1).await.unwrap(),
+        SessionGate::Open { epoch }
+    );
+    assert_eq!(
+        gate(MAX_SEQ - 1, 0).await.unwrap(),
+        SessionGate::Acknowledged { ack: MAX_SEQ - 1 }
+    );
+    assert_eq!(
+        gate(MAX_SEQ, MAX_SEQ).await.unwrap(),
+        SessionGate::Acknowledged { ack: MAX_SEQ }
+    );
+}
+
+/// With replicas required, the gate counts only once they have its writes: on a server with
+/// none, a session is never started (its retry is refused the same way), and a refusal as
+/// expired, which writes nothing, needs none.
+#[tokio::test]
+async fn without_the_replicas_required_the_session_gate_fails_closed() {
+    let Some(url) = redis_url() else {
+        return;
+    };
+    let waiting = RedisStore::builder(&url)
+        .replicas(1)
+        .timeout(Duration::from_millis(400))
+        .connect()
+        .await
+        .unwrap();
+    let session = fresh_session();
+    let idle = Duration::from_secs(60);
+    assert_eq!(
+        waiting
+            .open_session(&session, SessionRequest::new(2, 1, 8, idle))
+            .await
+            .unwrap(),
+        SessionGate::Expired
+    );
+    for _ in 0..2 {
+        match waiting
+            .open_session(&session, SessionRequest::new(1, 0, 8, idle))
+            .await
+        {
+            Err(StoreError::Unavailable(error)) => assert!(
+                error.to_string().contains("acknowledged by 0 of the 1"),
+                "{error}"
+            ),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
 }

@@ -37,6 +37,11 @@ impl fmt::Debug for RedisStoreBuilder {
 impl RedisStoreBuilder {
     /// The prefix of every Redis key the store writes (default [`DEFAULT_KEY_PREFIX`](super::DEFAULT_KEY_PREFIX)), to
     /// separate applications sharing one Redis.
+    ///
+    /// A prefix holding a Redis Cluster hash tag (`{…}`) puts every record in that tag's one
+    /// slot. On a cluster, a prefix whose first `{` is followed by `}` is refused by
+    /// [`connect`](Self::connect): it would spread a client session's records over slots
+    /// (see [Sessions](RedisStore#sessions)).
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -81,6 +86,20 @@ impl RedisStoreBuilder {
         let malformed = |e: RedisError| StoreError::Backend(Box::new(e));
         let nodes: Vec<&str> = self.url.split(',').map(str::trim).collect();
         let connection = if nodes.len() > 1 {
+            if self
+                .prefix
+                .find('{')
+                .is_some_and(|at| self.prefix[at + 1..].starts_with('}'))
+            {
+                return Err(StoreError::Backend(
+                    format!(
+                        "the key prefix {:?} begins an empty hash tag: a Redis Cluster would \
+                         spread a session's records over slots",
+                        self.prefix
+                    )
+                    .into(),
+                ));
+            }
             let client = ClusterClientBuilder::new(nodes)
                 .connection_timeout(self.timeout)
                 .response_timeout(self.timeout)

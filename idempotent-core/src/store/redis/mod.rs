@@ -1,4 +1,5 @@
-//! The Redis store: one shared record per key for many app instances.
+//! The Redis store: one shared record per key for many app instances, and client sessions
+//! whose records share one Cluster slot.
 
 mod builder;
 mod scripts;
@@ -18,7 +19,11 @@ use redis::{
 pub use self::builder::{DEFAULT_TIMEOUT, RedisStoreBuilder};
 use self::scripts::{MAX_EXPIRY_MS, scripts};
 use super::Unanswered;
-use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, limits};
+use crate::session::{MAX_SEQ, MAX_SESSION_WINDOW};
+use crate::{
+    Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionPlace, SessionRequest,
+    StorageKey, Store, StoreError, limits,
+};
 
 /// The default prefix of every Redis key this store writes.
 pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
@@ -33,25 +38,42 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 /// # Data layout
 ///
 /// One Redis hash per record at `PREFIX + hex(storage key)` (one key, so one Redis Cluster
-/// slot): field `s` (state: `i` in flight, `c` completed), `f` (the 32-byte fingerprint), `t`
-/// (the fencing token), `o` (the token that began the record's lifetime) and, in flight, `l`
-/// (when the lease ends, in the server's milliseconds) and `n` (the claimant number that
-/// gives back a claim whose caller stopped waiting) or, once completed, `p` (the payload).
-/// The key's Redis expiry is the TTL (at least the lease) while in flight and the TTL once
-/// completed, so Redis deletes records itself: a claim whose lease ended, or which was
-/// released, stays until the TTL it was claimed with, for the next owner of the same request
-/// to continue its lifetime. Expiries are whole milliseconds, at least one;
-/// a lease above [`limits::MAX_LEASE`] or a TTL above [`limits::MAX_TTL`] is recorded as that
-/// ceiling, and each script checks its expiry before it writes, so no record is ever left
-/// without one. Times are the server's: leases and expiry run on its
-/// clock, and tokens are derived from `TIME` (microseconds since the epoch), so they increase
-/// per key across deletions as long as the server's clock does not go backwards (a claim that
-/// finds a kept record takes a token above the record's even then).
+/// slot; a session's records are named as [Sessions](#sessions) says): field `s` (state: `i` in
+/// flight, `c` completed), `f` (the 32-byte fingerprint), `t` (the fencing token), `o` (the
+/// token that began the record's lifetime) and, in flight, `l` (when the lease ends, in the
+/// server's milliseconds) and `n` (the claimant number that gives back a claim whose caller
+/// stopped waiting) or, once completed, `p` (the payload). The key's Redis expiry is the TTL
+/// (at least the lease) while in flight and the TTL once completed, so Redis deletes records
+/// itself: a claim whose lease ended, or which was released, stays until the TTL it was claimed
+/// with, for the next owner of the same request to continue its lifetime. Expiries are whole
+/// milliseconds, at least one; a lease above [`limits::MAX_LEASE`] or a TTL above
+/// [`limits::MAX_TTL`] is recorded as that ceiling, and each script checks its expiry before it
+/// writes, so no record is ever left without one. Times are the server's: leases and expiry run
+/// on its clock, and tokens are derived from `TIME` (microseconds since the epoch), so they
+/// increase per key across deletions as long as the server's clock does not go backwards (a
+/// claim that finds a kept record takes a token above the record's even then).
 ///
 /// A claim whose reply does not come back (the server is frozen, the response timeout
 /// passed) may still be made when the server runs again; the store then gives it back in the
 /// background (ends its lease) as soon as the server answers, so the retry of the caller that
 /// was told "unavailable" does not wait for a lease.
+///
+/// # Sessions
+///
+/// The records of a [client session](crate::session) share one Redis Cluster hash tag, the
+/// session's digest, so they sit in one slot and its gate ([`Store::open_session`]) is one
+/// script on one primary, as every other operation is. The session's own record is a hash at
+/// `PREFIX + "{" + hex(session) + "}"`: field `e` (its epoch), `a` (the acknowledged mark) and
+/// `h` (the highest number admitted), decimal; each request's record is an ordinary record (as
+/// above) at that name plus `":<epoch>:<seq>"`. The gate's script raises the mark, deletes the
+/// request records it covers and extends the expiry of those above it to at least the session's
+/// idle time, all in one step; the session's own record expires the idle time after its last
+/// request (refused ones included), so a session nobody sends to is forgotten with its records,
+/// and one in use holds about its window of them however many requests it makes. A session's
+/// epoch is the server's `TIME` in microseconds when it starts, as a claim's token: a session
+/// started again after it expired gets a new one as long as the server's clock does not go
+/// backwards. With [`RedisStoreBuilder::replicas`], the gate's writes count only once that many
+/// replicas have them, as a claim's.
 ///
 /// # Deployment
 ///
@@ -65,10 +87,11 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 ///   everysec`) at most about a second of records is lost in a crash; `appendfsync always`
 ///   loses none at a write-latency cost.
 /// - **Redis Cluster**: give [`RedisStore::connect`] (or [`RedisStore::builder`]) the URLs of
-///   some of its nodes, comma-separated. Every record is one key, so each operation is one
-///   script on one slot's primary; the client follows `MOVED` and `ASK` redirections and
-///   learns the new primaries after a failover, so the app rides a failover out without a
-///   restart (operations meanwhile fail with [`StoreError::Unavailable`]: HTTP 503).
+///   some of its nodes, comma-separated. Every record is one key, and a session's records share
+///   one slot, so each operation is one script on one slot's primary; the client follows
+///   `MOVED` and `ASK` redirections and learns the new primaries after a failover, so the app
+///   rides a failover out without a restart (operations meanwhile fail with
+///   [`StoreError::Unavailable`]: HTTP 503).
 /// - **Replication and failover**: replication is asynchronous. A coordinated failover
 ///   (`CLUSTER FAILOVER`, a switchover) waits for the replica to catch up and loses nothing.
 ///   A primary that dies takes with it what it acknowledged and had not replicated yet: a claim
@@ -184,11 +207,30 @@ impl RedisStore {
         scripts::claim_and_complete_sources()
     }
 
-    /// The Redis key of a record.
+    /// The Redis key of a record: `PREFIX` and the key's 64 hex digits; for a record of a
+    /// [client session](crate::session), the session's digits in braces (its hash tag, so
+    /// one Cluster slot for all of its records), followed by `:<epoch>:<seq>` for a request's
+    /// record (see [Sessions](RedisStore#sessions)).
     pub fn redis_key(&self, key: &StorageKey) -> String {
-        let mut out = String::with_capacity(self.prefix.len() + 64);
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut out = String::with_capacity(self.prefix.len() + 64 + 36);
         out.push_str(&self.prefix);
-        out.push_str(&key.to_hex());
+        let place = key.session_place();
+        if place.is_some() {
+            out.push('{');
+        }
+        for byte in key.as_bytes() {
+            out.push(char::from(HEX[usize::from(byte >> 4)]));
+            out.push(char::from(HEX[usize::from(byte & 0x0f)]));
+        }
+        match place {
+            None => {}
+            Some(SessionPlace::Session) => out.push('}'),
+            Some(SessionPlace::Seq { epoch, seq }) => {
+                use std::fmt::Write as _;
+                let _ = write!(out, "}}:{epoch}:{seq}");
+            }
+        }
         out
     }
 }
@@ -268,15 +310,10 @@ impl RedisStore {
     /// directly rather than through `Script::key(..).arg(..)`, which copies every argument
     /// (the payload included) once more and allocates for each.
     fn evalsha(&self, script: &Script, key: &StorageKey) -> Cmd {
-        const HEX: &[u8; 16] = b"0123456789abcdef";
-        let mut redis_key = Vec::with_capacity(self.prefix.len() + 64);
-        redis_key.extend_from_slice(self.prefix.as_bytes());
-        for byte in key.as_bytes() {
-            redis_key.push(HEX[usize::from(byte >> 4)]);
-            redis_key.push(HEX[usize::from(byte & 0x0f)]);
-        }
         let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(script.get_hash()).arg(1).arg(redis_key.as_slice());
+        cmd.arg(script.get_hash())
+            .arg(1)
+            .arg(self.redis_key(key).as_bytes());
         cmd
     }
 
@@ -583,6 +620,71 @@ impl Store for RedisStore {
         let mut cmd = self.evalsha(script, key);
         cmd.arg(token.get()).arg(millis(limits::clamp_lease(lease)));
         self.run_flag(script, cmd).await
+    }
+
+    async fn open_session(
+        &self,
+        session: &SessionKey,
+        request: SessionRequest,
+    ) -> Result<SessionGate, StoreError> {
+        // The script keeps numbers exactly (below 2^53) and walks at most a window of records
+        // per request: a request outside the ranges the runtime sends is refused here.
+        if request.seq > MAX_SEQ || request.ack > MAX_SEQ || request.window > MAX_SESSION_WINDOW {
+            return Err(StoreError::Backend(
+                format!(
+                    "session request out of range: seq {}, ack {} (at most {MAX_SEQ}), \
+                     window {} (at most {MAX_SESSION_WINDOW})",
+                    request.seq, request.ack, request.window
+                )
+                .into(),
+            ));
+        }
+        let script = &scripts().session;
+        let mut cmd = self.evalsha(script, &session.record_key());
+        cmd.arg(request.seq)
+            .arg(request.ack)
+            .arg(request.window)
+            .arg(millis(limits::clamp_ttl(request.idle)));
+        let Some(required) = self.replicas else {
+            return session_gate(&self.query::<Value>(script, cmd).await?);
+        };
+        // A session start, a raised mark or a dropped record a failover loses would let a
+        // retry start the session anew (a new epoch: the request runs again) or find answers
+        // the client was told are gone: the gate counts once the replicas have its writes.
+        // A refusal as expired wrote nothing.
+        let (reply, acknowledged): (Value, usize) =
+            self.query_then_wait(script, cmd, required).await?;
+        let gate = session_gate(&reply)?;
+        if gate != SessionGate::Expired {
+            enough(acknowledged, required)?;
+        }
+        Ok(gate)
+    }
+}
+
+/// The session script's reply as the gate's decision.
+fn session_gate(reply: &Value) -> Result<SessionGate, StoreError> {
+    let number = |value: &Value| {
+        text(value)
+            .and_then(|t| std::str::from_utf8(t).ok())
+            .and_then(|t| t.parse::<u64>().ok())
+    };
+    let Value::Array(parts) = reply else {
+        return Err(corrupt("unexpected session gate reply"));
+    };
+    match parts.as_slice() {
+        [gate] if text(gate) == Some(b"expired") => Ok(SessionGate::Expired),
+        [gate, field] if text(gate) == Some(b"?") => Err(corrupt(&format!(
+            "session record field {}",
+            text(field).map_or("?".into(), String::from_utf8_lossy)
+        ))),
+        [gate, n] => match (text(gate), number(n)) {
+            (Some(b"open"), Some(epoch)) => Ok(SessionGate::Open { epoch }),
+            (Some(b"ack"), Some(ack)) => Ok(SessionGate::Acknowledged { ack }),
+            (Some(b"window"), Some(ack)) => Ok(SessionGate::WindowFull { ack }),
+            _ => Err(corrupt("unexpected session gate reply")),
+        },
+        _ => Err(corrupt("unexpected session gate reply")),
     }
 }
 

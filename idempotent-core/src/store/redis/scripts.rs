@@ -4,6 +4,7 @@
 use redis::Script;
 
 use crate::limits;
+use crate::session::MAX_SESSION_WINDOW;
 
 // Every script that sets an expiry checks it before it writes anything: a Lua error does not
 // undo the writes before it, so a `PEXPIRE` that failed after the `HSET` would leave a claim
@@ -128,6 +129,72 @@ redis.call('HSET', KEYS[1], 'l', '0')
 return 1
 ";
 
+// The session gate (`Store::open_session`) on the session's record `KEYS[1]`, a hash of `e`
+// (the epoch), `a` (the acknowledged mark) and `h` (the highest number admitted): `ARGV[1]`
+// seq, `ARGV[2]` ack, `ARGV[3]` window, `ARGV[4]` idle in milliseconds. The rules are
+// `SessionState::gate`'s. Request `s`'s record is `KEYS[1] .. ':' .. epoch .. ':' .. s`: the
+// same hash tag, so the same Cluster slot. A new session's epoch is the server's `TIME` in
+// microseconds, as a claim's token. Numbers are decimal strings below 2^53, exact in Lua.
+//
+// Under `maxmemory` a script's first write decides whether it may write at all: a start's
+// first write is the `HSET` (refused, nothing written); a known session's is the `PEXPIRE` of
+// its record, which is allowed, so a session in use keeps acknowledging (and freeing) while
+// the store refuses new sessions and new claims.
+const SESSION: &str = r"
+local function count(s)
+  if type(s) ~= 'string' or #s > 16 or not string.match(s, '^%d+$') then return nil end
+  local n = tonumber(s)
+  if n > 9007199254740991 then return nil end
+  return n
+end
+local function decimal(n) return string.format('%.0f', n) end
+local seq, ack, window, idle = count(ARGV[1]), count(ARGV[2]), count(ARGV[3]), tonumber(ARGV[4])
+if not seq or not ack or not window then
+  return redis.error_reply('ERR idempotent: session request out of range')
+end
+local rec = redis.call('HMGET', KEYS[1], 'e', 'a', 'h')
+local known = rec[1] or rec[2] or rec[3]
+local epoch, mark, high
+if known then
+  epoch, mark, high = count(rec[1]), count(rec[2]), count(rec[3])
+  if not epoch then return {'?', 'epoch'} end
+  if not mark then return {'?', 'ack'} end
+  -- The window keeps `high` within MAX_WINDOW of the mark: the loops below are that short.
+  if not high or high > mark + MAX_WINDOW then return {'?', 'high'} end
+  redis.call('PEXPIRE', KEYS[1], idle)
+else
+  if redis.call('EXISTS', KEYS[1]) == 1 then return {'?', 'fields'} end
+  if ack > 0 then return {'expired'} end
+  local now = redis.call('TIME')
+  epoch, mark, high = tonumber(now[1]) * 1000000 + tonumber(now[2]), 0, 0
+end
+local old_high, to = high, math.max(mark, ack)
+local reply
+if seq <= to then
+  reply = {'ack', decimal(to)}
+elseif seq > to + window then
+  reply = {'window', decimal(to)}
+else
+  reply = {'open', decimal(epoch)}
+  high = math.max(high, seq)
+end
+if not known or to ~= mark or high ~= old_high then
+  redis.call('HSET', KEYS[1], 'e', decimal(epoch), 'a', decimal(to), 'h', decimal(high))
+end
+if not known then redis.call('PEXPIRE', KEYS[1], idle) end
+-- After the mark: a step cut short (a record moved away in a resharding) has refused the
+-- numbers whose records it did not get to drop, which expire by themselves.
+local base = KEYS[1] .. ':' .. decimal(epoch) .. ':'
+for s = mark + 1, math.min(to, old_high) do
+  redis.call('DEL', base .. decimal(s))
+end
+for s = to + 1, old_high do
+  local left = redis.call('PTTL', base .. decimal(s))
+  if left >= 0 and left < idle then redis.call('PEXPIRE', base .. decimal(s), idle) end
+end
+return reply
+";
+
 /// `parts` (with [`NOW_MS`] before the first part that reads the server's time), with the
 /// expiries in `expiries` (argument numbers) checked before anything.
 fn checked(expiries: &[usize], parts: &[&str]) -> Script {
@@ -194,6 +261,7 @@ pub(super) struct Scripts {
     pub(super) confirm: Script,
     pub(super) give_back: Script,
     pub(super) completed: Script,
+    pub(super) session: Script,
 }
 
 pub(super) fn scripts() -> &'static Scripts {
@@ -206,6 +274,10 @@ pub(super) fn scripts() -> &'static Scripts {
         confirm: checked(&[], &[NOW_MS, OWNED, CONFIRM]),
         give_back: checked_in_oom(&[], &[NOW_MS, GIVE_BACK]),
         completed: checked_in_oom(&[], &[COMPLETED]),
+        session: checked(
+            &[4],
+            &[&SESSION.replace("MAX_WINDOW", &MAX_SESSION_WINDOW.to_string())],
+        ),
     })
 }
 

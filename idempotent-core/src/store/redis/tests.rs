@@ -13,8 +13,6 @@ fn expiries_are_whole_milliseconds_up_to_the_ceiling() {
     assert_eq!(millis(Duration::MAX), MAX_EXPIRY_MS);
 }
 
-/// An expiry a script cannot use is refused before the script writes anything: no claim
-/// without an expiry, no completed record with the lease's expiry, no lease changed.
 // A claim the client sent twice (it resends a command after a dropped connection) found
 // its own first copy in flight and answered "in flight": its caller waited out a lease
 // that was its own.
@@ -78,6 +76,9 @@ async fn a_takeover_token_is_above_the_kept_record_even_if_the_clock_stepped_bac
     }
 }
 
+/// An expiry a script cannot use is refused before the script writes anything: no claim
+/// without an expiry, no completed record with the lease's expiry, no lease changed, no
+/// session started or refreshed.
 #[tokio::test]
 async fn scripts_check_the_expiry_before_they_write() {
     let Some(url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
@@ -156,6 +157,83 @@ async fn scripts_check_the_expiry_before_they_write() {
         assert!(
             (1..=5_000).contains(&pttl),
             "{bad}: the lease stays: {pttl}"
+        );
+
+        let session = crate::conformance::fresh_session();
+        let session_key = store.redis_key(&session.record_key());
+        let gate = async |connection: &mut Connection, idle: &str| -> Result<Value, _> {
+            scripts()
+                .session
+                .key(&session_key)
+                .arg(1)
+                .arg(0)
+                .arg(8)
+                .arg(idle)
+                .invoke_async(connection)
+                .await
+        };
+        let started = gate(&mut connection, bad).await;
+        assert!(started.is_err(), "session with {bad}: {started:?}");
+        let exists: i64 = redis::cmd("EXISTS")
+            .arg(&session_key)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        assert_eq!(exists, 0, "a session started with {bad}");
+        session_gate(&gate(&mut connection, "5000").await.unwrap()).unwrap();
+        let refreshed = gate(&mut connection, bad).await;
+        assert!(refreshed.is_err(), "session with {bad}: {refreshed:?}");
+        let pttl: i64 = redis::cmd("PTTL")
+            .arg(&session_key)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        assert!(
+            (1..=5_000).contains(&pttl),
+            "{bad}: the session's expiry stays: {pttl}"
+        );
+    }
+}
+
+/// The session script's replies, and anything else, as the gate's decision or a corrupt store.
+#[test]
+fn session_gate_replies_decode_or_are_corrupt() {
+    let text = |s: &str| Value::BulkString(s.as_bytes().to_vec());
+    let reply = |parts: &[&str]| Value::Array(parts.iter().map(|p| text(p)).collect());
+    assert_eq!(
+        session_gate(&reply(&["open", "1764000000000000"])).unwrap(),
+        SessionGate::Open {
+            epoch: 1_764_000_000_000_000
+        }
+    );
+    assert_eq!(
+        session_gate(&reply(&["ack", "7"])).unwrap(),
+        SessionGate::Acknowledged { ack: 7 }
+    );
+    assert_eq!(
+        session_gate(&reply(&["window", "0"])).unwrap(),
+        SessionGate::WindowFull { ack: 0 }
+    );
+    assert_eq!(
+        session_gate(&reply(&["expired"])).unwrap(),
+        SessionGate::Expired
+    );
+    for garbage in [
+        reply(&["?", "ack"]),
+        reply(&["open", "x"]),
+        reply(&["open", "-1"]),
+        reply(&["open"]),
+        reply(&["ack", "1", "2"]),
+        reply(&["closed", "1"]),
+        reply(&[]),
+        text("open"),
+        Value::Int(1),
+        Value::Nil,
+        Value::Array(vec![text("open"), Value::Int(5)]),
+    ] {
+        assert!(
+            matches!(session_gate(&garbage), Err(StoreError::Corrupt(_))),
+            "{garbage:?}"
         );
     }
 }
