@@ -10,6 +10,13 @@
 //! Payments are made as the user `--user` (default `alice`; the `payments` example scopes keys
 //! by user).
 //!
+//! With `--session` (no value), every payment goes through one client session
+//! (`idempotent_tower::client::ClientSession`) instead of a key each: payment `n` is call `n`
+//! of the session, sent as `Idempotency-Session: id="…", seq=n, ack=…`, and every retry of it
+//! carries the same number and the newest acknowledged mark. The session's id is printed to
+//! stderr at the start (`session <id>`). The `payments` server accepts sessions on its
+//! protected routes.
+//!
 //! The last line printed is one JSON object:
 //! `{"sent": N, "succeeded": S, "replayed": R, "failed": F, "attempts": A}`: `succeeded` counts
 //! payments answered 201, `replayed` those whose answer was a replay (an earlier attempt ran
@@ -29,7 +36,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use idempotent_tower::client::{ClientLayer, Delivery, RetryPolicy};
+use idempotent_tower::client::{ClientLayer, ClientSession, Delivery, RetryPolicy};
 use tower::{Layer, Service, ServiceExt};
 
 struct Args {
@@ -37,6 +44,7 @@ struct Args {
     user: String,
     payments: u64,
     concurrency: u64,
+    session: bool,
 }
 
 fn args() -> Result<Args, String> {
@@ -45,6 +53,7 @@ fn args() -> Result<Args, String> {
         user: "alice".into(),
         payments: 100,
         concurrency: 8,
+        session: false,
     };
     let mut given = std::env::args().skip(1);
     while let Some(flag) = given.next() {
@@ -63,9 +72,10 @@ fn args() -> Result<Args, String> {
                     .map_err(|_| "--concurrency takes a number".to_owned())?
                     .max(1);
             }
+            "--session" => args.session = true,
             other => {
                 return Err(format!(
-                    "unknown argument {other}; usage: payments_client --url URL --payments N --concurrency C [--user NAME]"
+                    "unknown argument {other}; usage: payments_client --url URL --payments N --concurrency C [--user NAME] [--session]"
                 ));
             }
         }
@@ -103,7 +113,13 @@ async fn main() {
         .backoff(Duration::from_millis(50), Duration::from_secs(2))
         .budget(Duration::from_secs(10), 50, 1.0);
     let http = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    let client = ClientLayer::http().policy(policy).layer(http);
+    let mut layer = ClientLayer::http().policy(policy);
+    if args.session {
+        let session = ClientSession::new();
+        eprintln!("session {}", session.id().as_str());
+        layer = layer.session(session);
+    }
+    let client = layer.layer(http);
     let url = format!("{}/payments", args.url);
     let authorization = format!("Bearer {}", args.user);
     let tally = Arc::new(Tally::default());

@@ -321,10 +321,11 @@ fn inner_list(p: &mut Parser<'_>) -> Result<(), KeyProblem> {
             None => return Err(KeyProblem::Unparsable("unterminated inner list")),
             Some(_) => {
                 p.bare_item()?;
+                // Parameters, then the spaces after them (skipped by `parameters`): items are
+                // separated by at least one space.
                 p.parameters()?;
-                match p.peek() {
-                    Some(b' ' | b')') => {}
-                    _ => return Err(KeyProblem::Unparsable("malformed inner list")),
+                if p.peek() != Some(b')') && p.input.get(p.pos.wrapping_sub(1)) != Some(&b' ') {
+                    return Err(KeyProblem::Unparsable("malformed inner list"));
                 }
             }
         }
@@ -347,7 +348,7 @@ mod tests {
             r#"id="dev-1", seq=7, ack=5"#,
             r#"seq=7,ack=5,id="dev-1""#,
             r#"  ack=5 ,	seq=7, id="dev-1"  "#,
-            r#"id="dev-1";x=1, seq=7;y, ack=5, extra=(1 2 "a"), flag, dec=1.5, tok=abc"#,
+            r#"id="dev-1";x=1, seq=7;y, ack=5, extra=(1 2;p "a"), flag, dec=1.5, tok=abc"#,
             r#"id="other", seq=7, ack=5, id="dev-1""#,
         ] {
             assert_eq!(parse(value), expected, "{value}");
@@ -407,6 +408,10 @@ mod tests {
             (
                 r#"Id="a", seq=1, ack=0"#,
                 SessionProblem::Unparsable("malformed member name"),
+            ),
+            (
+                r#"id="a", seq=1, ack=0, x=(1"2")"#,
+                SessionProblem::Unparsable("malformed inner list"),
             ),
         ] {
             assert_eq!(

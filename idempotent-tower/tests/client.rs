@@ -283,6 +283,7 @@ async fn attempts_run_out_with_the_last_answer_or_a_clear_error() {
     match answer {
         Err(ClientError::GaveUp {
             key,
+            seq: None,
             attempts: 2,
             reason: GiveUp::Attempts,
             last,

@@ -1,6 +1,6 @@
 //! What a client layer is configured with, shared by its services and the reqwest middleware,
-//! and the decisions read from it: which requests are keyed, which key they carry, what an
-//! answer means, and the count of each call.
+//! and the decisions read from it: which requests are keyed, which key or session number they
+//! carry, what an answer means, and the count of each call.
 
 use std::fmt;
 use std::future::Future;
@@ -13,8 +13,14 @@ use super::key::{Delivery, IdempotencyKey};
 use super::metrics::ClientMetrics;
 use super::policy::{Delivered, RetryPolicy, deliver};
 use super::protocol::ClientProtocol;
-use super::verdict::Verdict;
+use super::session::{ClientSession, SessionSeq, Ticket};
+use super::verdict::{Ended, Refusal, Verdict, is_problem_document};
 use crate::config::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use crate::session::IDEMPOTENCY_SESSION;
+
+/// The largest problem document read from a `410` answer in a session, to learn its `code`;
+/// the layer's own are under 1 KiB.
+pub(crate) const MAX_PROBLEM_DOCUMENT: usize = 64 * 1024;
 
 /// Everything a client layer is configured with; its services share it behind an `Arc`.
 #[derive(Clone)]
@@ -22,8 +28,51 @@ pub(crate) struct Config<P: ClientProtocol> {
     pub(crate) header: HeaderName,
     pub(crate) policy: RetryPolicy,
     pub(crate) metrics: ClientMetrics,
+    /// The session every protected request is sent in, instead of a key of its own.
+    pub(crate) session: Option<ClientSession>,
     /// What only this protocol has.
     pub(crate) protocol: P::ClientSettings,
+}
+
+/// What names one logical call to the server: its key, or its number in the session.
+pub(crate) enum Name {
+    Key(String),
+    Session(Ticket),
+}
+
+impl Name {
+    /// The key, or the session's id: for logs, [`Delivery::key`] and [`ClientError::GaveUp`].
+    pub(crate) fn label(&self) -> &str {
+        match self {
+            Name::Key(key) => key,
+            Name::Session(ticket) => ticket.session().id().as_str(),
+        }
+    }
+
+    /// The call's number in its session.
+    pub(crate) fn seq(&self) -> Option<u64> {
+        match self {
+            Name::Key(_) => None,
+            Name::Session(ticket) => Some(ticket.seq()),
+        }
+    }
+
+    /// Names one attempt: a call in a session gets its `Idempotency-Session` header now, with
+    /// the newest acknowledged mark; a key is in the headers already.
+    pub(crate) fn apply(&self, headers: &mut HeaderMap) {
+        if let Name::Session(ticket) = self {
+            headers.insert(IDEMPOTENCY_SESSION, ticket.header_value());
+        }
+    }
+
+    /// Whether an answer with this head is to be read, to tell a session's refusal by the
+    /// `code` of its problem document (HTTP `410` in a session).
+    pub(crate) fn reads<P: ClientProtocol>(&self, status: StatusCode, headers: &HeaderMap) -> bool {
+        matches!(self, Name::Session(_))
+            && P::READS_PROBLEMS
+            && status == StatusCode::GONE
+            && is_problem_document(headers)
+    }
 }
 
 impl<P: ClientProtocol> Config<P> {
@@ -34,6 +83,7 @@ impl<P: ClientProtocol> Config<P> {
             header: IDEMPOTENCY_KEY,
             policy: RetryPolicy::default(),
             metrics: ClientMetrics::register(P::LABEL),
+            session: None,
             protocol: P::ClientSettings::default(),
         }
     }
@@ -43,28 +93,53 @@ impl<P: ClientProtocol> Config<P> {
         P::keyed(&self.protocol, method)
     }
 
-    /// The request's key: the one its headers already carry, else the caller's `chosen` key
-    /// or a fresh one, added to the headers.
-    pub(crate) fn key(&self, headers: &mut HeaderMap, chosen: Option<IdempotencyKey>) -> String {
-        match headers.get(&self.header) {
-            Some(given) => String::from_utf8_lossy(given.as_bytes()).into_owned(),
-            None => {
-                let key = chosen.unwrap_or_else(IdempotencyKey::random);
-                headers.insert(self.header.clone(), key.header_value());
-                key.as_str().to_owned()
-            }
+    /// What names the request: the key its headers already carry; else, with a session, a
+    /// number in it (`resend`'s, or the next); else the caller's `chosen` key or a fresh one,
+    /// added to the headers. Fails, counted, for a session that is expired or never gave
+    /// `resend`'s number.
+    pub(crate) fn name(
+        &self,
+        headers: &mut HeaderMap,
+        chosen: Option<IdempotencyKey>,
+        resend: Option<SessionSeq>,
+    ) -> Result<Name, ClientError> {
+        if let Some(given) = headers.get(&self.header) {
+            return Ok(Name::Key(
+                String::from_utf8_lossy(given.as_bytes()).into_owned(),
+            ));
+        }
+        if let Some(session) = &self.session {
+            return match session.ticket(resend) {
+                Ok(ticket) => Ok(Name::Session(ticket)),
+                Err(error) => {
+                    self.metrics.failed(&error);
+                    Err(error)
+                }
+            };
+        }
+        let key = chosen.unwrap_or_else(IdempotencyKey::random);
+        headers.insert(self.header.clone(), key.header_value());
+        Ok(Name::Key(key.as_str().to_owned()))
+    }
+
+    /// What an answer with this head means for the call; a session's refusal only for a call
+    /// in a session.
+    pub(crate) fn verdict(&self, name: &Name, status: StatusCode, headers: &HeaderMap) -> Verdict {
+        match P::verdict(status, headers) {
+            Verdict::Refused(_) if name.seq().is_none() => Verdict::Done,
+            verdict => verdict,
         }
     }
 
-    /// What an answer with this head means for the call.
-    pub(crate) fn verdict(&self, status: StatusCode, headers: &HeaderMap) -> Verdict {
-        P::verdict(status, headers)
+    /// What a `410` problem document read whole (see [`Name::reads`]) means for the call.
+    pub(crate) fn document_verdict(document: &[u8]) -> Verdict {
+        Refusal::from_document(document).map_or(Verdict::Done, Verdict::Refused)
     }
 
-    /// Sends one logical call by the policy, counting it.
+    /// Sends one logical call by the policy, counting it if it fails.
     pub(crate) async fn deliver<R, F, Fut>(
         &self,
-        key: &str,
+        name: &Name,
         send: F,
         verdict: impl Fn(&R) -> Verdict,
     ) -> Result<Delivered<R>, ClientError>
@@ -72,29 +147,67 @@ impl<P: ClientProtocol> Config<P> {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<R, BoxError>>,
     {
-        let delivered = deliver(&self.policy, &self.metrics, key, send, verdict).await;
+        let delivered = deliver(
+            &self.policy,
+            &self.metrics,
+            name.label(),
+            name.seq(),
+            send,
+            verdict,
+        )
+        .await;
         if let Err(error) = &delivered {
             self.metrics.failed(error);
         }
         delivered
     }
 
-    /// The [`Delivery`] of a call that got an answer with `headers`, counted.
-    pub(crate) fn delivery<R>(
+    /// The end of a call: its answer and [`Delivery`] (counted), or the error it ended with;
+    /// in a session, the call's number marked answered (or left unanswered when the call
+    /// gave up), and a refusal as its typed error.
+    pub(crate) fn conclude<R>(
         &self,
-        key: String,
-        delivered: &Delivered<R>,
-        headers: &HeaderMap,
-    ) -> Delivery {
-        let replayed = headers
+        name: Name,
+        delivered: Result<Delivered<R>, ClientError>,
+        headers: impl FnOnce(&R) -> &HeaderMap,
+    ) -> Result<(R, Delivery), ClientError> {
+        let delivered = match delivered {
+            Ok(delivered) => delivered,
+            Err(error) => {
+                if let Name::Session(ticket) = name {
+                    ticket.unanswered();
+                }
+                return Err(error);
+            }
+        };
+        let replayed = headers(&delivered.answer)
             .get(IDEMPOTENT_REPLAYED)
             .is_some_and(|v| v == "true");
         self.metrics.answered(delivered.ended, replayed);
-        Delivery {
-            key,
+        let delivery = Delivery {
+            key: name.label().to_owned(),
+            session_seq: name.seq(),
             attempts: delivered.attempts,
             replayed,
+        };
+        if let Name::Session(ticket) = name {
+            let seq = ticket.seq();
+            match delivered.ended {
+                Ended::Answered | Ended::KeyReused => ticket.answered(),
+                // A retryable answer is not the call's outcome: it may be sent again.
+                Ended::GaveUp(_) => ticket.unanswered(),
+                Ended::Refused(Refusal::SequenceAcknowledged) => {
+                    // The server's mark is past it already: the client's may pass it too.
+                    ticket.settled();
+                    return Err(ClientError::SequenceAcknowledged { seq });
+                }
+                Ended::Refused(Refusal::SessionExpired) => {
+                    ticket.expire();
+                    return Err(ClientError::SessionExpired { seq });
+                }
+            }
         }
+        Ok((delivered.answer, delivery))
     }
 }
 
@@ -105,6 +218,7 @@ impl<P: ClientProtocol> fmt::Debug for Config<P> {
             .field("settings", &self.protocol)
             .field("header", &self.header)
             .field("policy", &self.policy)
+            .field("session", &self.session)
             .finish_non_exhaustive()
     }
 }

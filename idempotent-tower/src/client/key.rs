@@ -55,14 +55,22 @@ impl fmt::Display for IdempotencyKey {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Delivery {
     pub(crate) key: String,
+    pub(crate) session_seq: Option<u64>,
     pub(crate) attempts: u32,
     pub(crate) replayed: bool,
 }
 
 impl Delivery {
-    /// The key the call was sent with (as sent, for a key the request already carried).
+    /// The key the call was sent with (as sent, for a key the request already carried); in a
+    /// session, the session's id.
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// The call's number in its client session, if it was sent in one
+    /// ([`ClientLayer::session`](super::ClientLayer::session)): every attempt carried it.
+    pub fn session_seq(&self) -> Option<u64> {
+        self.session_seq
     }
 
     /// Requests sent for the call, retries included.

@@ -11,6 +11,7 @@ use super::config::Config;
 use super::policy::RetryPolicy;
 use super::protocol::ClientProtocol;
 use super::service::ClientService;
+use super::session::ClientSession;
 use crate::protocol::{Grpc, Http};
 
 /// The client-side layer: see the [module docs](super).
@@ -73,6 +74,15 @@ impl<P: ClientProtocol> ClientLayer<P> {
     /// with another.
     pub fn header_name(mut self, name: HeaderName) -> Self {
         self.config().header = name;
+        self
+    }
+
+    /// Sends every protected request in `session` (HTTP: the `Idempotency-Session` header;
+    /// gRPC: the `idempotency-session` metadata entry) instead of with a key of its own: see
+    /// the [module docs](super)'s "Sessions". Every clone of the layer, and every service
+    /// built with it, shares the session.
+    pub fn session(mut self, session: ClientSession) -> Self {
+        self.config().session = Some(session);
         self
     }
 }

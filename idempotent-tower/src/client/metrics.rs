@@ -4,7 +4,7 @@
 use ::metrics::{Counter, Unit};
 
 use super::error::{ClientError, GiveUp};
-use super::verdict::{Ended, RetryReason};
+use super::verdict::{Ended, Refusal, RetryReason};
 
 /// `idempotency.client.calls` (counter; labels `protocol`, `outcome`): logical calls, once
 /// each, by how they ended.
@@ -26,10 +26,12 @@ enum Outcome {
     DeadlineReached,
     BudgetSpent,
     NotSent,
+    SequenceAcknowledged,
+    SessionExpired,
 }
 
 impl Outcome {
-    const ALL: [Outcome; 7] = [
+    const ALL: [Outcome; 9] = [
         Outcome::Answered,
         Outcome::Replayed,
         Outcome::KeyReused,
@@ -37,6 +39,8 @@ impl Outcome {
         Outcome::DeadlineReached,
         Outcome::BudgetSpent,
         Outcome::NotSent,
+        Outcome::SequenceAcknowledged,
+        Outcome::SessionExpired,
     ];
 
     const fn as_str(self) -> &'static str {
@@ -48,6 +52,8 @@ impl Outcome {
             Outcome::DeadlineReached => "deadline_reached",
             Outcome::BudgetSpent => "budget_spent",
             Outcome::NotSent => "not_sent",
+            Outcome::SequenceAcknowledged => "sequence_acknowledged",
+            Outcome::SessionExpired => "session_expired",
         }
     }
 
@@ -56,6 +62,13 @@ impl Outcome {
             GiveUp::Attempts => Outcome::AttemptsExhausted,
             GiveUp::Deadline => Outcome::DeadlineReached,
             GiveUp::Budget => Outcome::BudgetSpent,
+        }
+    }
+
+    fn refused(refusal: Refusal) -> Self {
+        match refusal {
+            Refusal::SequenceAcknowledged => Outcome::SequenceAcknowledged,
+            Refusal::SessionExpired => Outcome::SessionExpired,
         }
     }
 }
@@ -75,7 +88,7 @@ impl ClientMetrics {
         ::metrics::describe_counter!(
             CLIENT_CALLS,
             Unit::Count,
-            "Logical calls sent with an idempotency key, by how they ended"
+            "Logical calls sent with an idempotency key or in a client session, by how they ended"
         );
         ::metrics::describe_counter!(
             CLIENT_ATTEMPTS,
@@ -115,6 +128,7 @@ impl ClientMetrics {
             Ended::Answered => Outcome::Answered,
             Ended::KeyReused => Outcome::KeyReused,
             Ended::GaveUp(reason) => Outcome::gave_up(reason),
+            Ended::Refused(refusal) => Outcome::refused(refusal),
         };
         self.count(outcome);
     }
@@ -123,6 +137,8 @@ impl ClientMetrics {
     pub(crate) fn failed(&self, error: &ClientError) {
         let outcome = match error {
             ClientError::GaveUp { reason, .. } => Outcome::gave_up(*reason),
+            ClientError::SequenceAcknowledged { .. } => Outcome::SequenceAcknowledged,
+            ClientError::SessionExpired { .. } => Outcome::SessionExpired,
             _ => Outcome::NotSent,
         };
         self.count(outcome);

@@ -11,7 +11,8 @@
 //!   the `Idempotency-Key` header (gRPC: the `idempotency-key` metadata entry): the key in
 //!   its [`IdempotencyKey`] extension if the caller put one there, else a fresh UUIDv4. A
 //!   request that already carries the header keeps it. The key is sent as an RFC 8941
-//!   string (`"…"`), which the server layer accepts in every mode.
+//!   string (`"…"`), which the server layer accepts in every mode. With a
+//!   [session](#sessions), a number in it instead.
 //! - **Retried, with the same key and body**: connection errors and attempts that time out;
 //!   HTTP `409` with `Retry-After` (a duplicate still in flight: waited out), `429` and `503`
 //!   (after their `Retry-After` when given), `502`, `504`; gRPC `UNAVAILABLE` and `ABORTED`
@@ -28,14 +29,15 @@
 //!   `Retry-After` is read as a number of seconds (ASCII digits; too many for a `u64` is the
 //!   largest); a date or anything else is ignored, and the backoff applies. No answer and no
 //!   setting (`Duration::MAX` anywhere) makes the client panic.
-//! - **Reported**: the answer carries a [`Delivery`] extension (the key, the attempts, whether
-//!   the answer was a replay). When the attempts, the deadline or the budget run out, the
-//!   last answer is returned if it had one (a `503` is an answer), and
-//!   [`ClientError::GaveUp`] if the last attempt got none; either way the key is known, and
-//!   sending the same request with it later learns the call's outcome without running it
-//!   twice.
+//! - **Reported**: the answer carries a [`Delivery`] extension (the key or session number,
+//!   the attempts, whether the answer was a replay). When the attempts, the deadline or the
+//!   budget run out, the last answer is returned if it had one (a `503` is an answer), and
+//!   [`ClientError::GaveUp`] if the last attempt got none; either way the key (or session
+//!   number) is known, and sending the same request with it later learns the call's outcome
+//!   without running it twice.
 //! - **Counted**: [`CLIENT_CALLS`] (by outcome: `answered`, `replayed`, `key_reused`,
-//!   `attempts_exhausted`, `deadline_reached`, `budget_spent`, `not_sent`),
+//!   `attempts_exhausted`, `deadline_reached`, `budget_spent`, `not_sent`, and for
+//!   [sessions](#sessions) `sequence_acknowledged` and `session_expired`),
 //!   [`CLIENT_ATTEMPTS`] and [`CLIENT_RETRIES`] (by reason: `error`, `timeout`, `in_flight`,
 //!   `throttled`, `unavailable`, `aborted`, `bad_gateway`), each labelled with `protocol`
 //!   (`http` or `grpc`), through the [`metrics`](https://docs.rs/metrics) facade. A layer
@@ -74,6 +76,91 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Sessions
+//!
+//! Instead of a key per call, a layer given a [`ClientSession`]
+//! ([`ClientLayer::session`]) sends every protected request in that session, as the server
+//! layer accepts it (see [`SessionHeader`](crate::SessionHeader)):
+//!
+//! ```text
+//! Idempotency-Session: id="<session id>", seq=<n>, ack=<mark>
+//! ```
+//!
+//! (gRPC: the `idempotency-session` metadata entry, same value.)
+//!
+//! - **Numbers**: each logical call takes the session's next number, `1, 2, 3, …`, once its
+//!   body is buffered (a request refused before it is sent spends none). Every attempt of the
+//!   call carries that same `seq`, and the session's `ack` at the time of the attempt: the
+//!   highest `n` such that every call numbered `n` or lower has its answer
+//!   ([`ClientSession::ack`]). The server drops the answers at or below it. A retry carrying a
+//!   newer `ack` still replays (the header is not part of the request's fingerprint).
+//! - **When the mark advances**: a call's number counts as answered when the call ends with
+//!   an answer it returns: fresh or replayed, with any status that is not retried (a `400`,
+//!   a `422` too). The answer carries its number ([`Delivery::session_seq`]).
+//! - **Giving up**: a call that ends without its answer, [`ClientError::GaveUp`] (or with
+//!   a retryable answer such as a `503` once its retries ran out), leaves its number
+//!   unanswered: the mark stays below it, so the server keeps what it may hold for it. Send
+//!   the same request again later with a [`SessionSeq`]`(seq)` in its extensions (the `seq`
+//!   of the error, or of the answer's `Delivery`): it goes out with that number, not a new
+//!   one, and gets the replay if the call ran, or runs it once if it did not. A number left
+//!   unanswered holds the mark back: after the server's window (64 by default) of further
+//!   calls, it refuses new ones with `429 session_window_full`, retried like any `429` until
+//!   the call is sent again or [abandoned](ClientSession::abandon). A call whose future is
+//!   dropped before its end (its caller never learns its number) is abandoned.
+//! - **Refusals**, never retried: `410 sequence_acknowledged` (gRPC `OUT_OF_RANGE`) is
+//!   [`ClientError::SequenceAcknowledged`]: the number is at or below the session's mark (a
+//!   `SessionSeq` sent again after it was acknowledged, or another client using the same
+//!   id); nothing ran. `410 session_expired` (gRPC `NOT_FOUND`) is
+//!   [`ClientError::SessionExpired`]: the server forgot the session after its idle time, and
+//!   nothing ran; the session is then expired ([`ClientSession::is_expired`]), and every later
+//!   call through it fails at once with the same error, unsent: open a new session. Over
+//!   HTTP the client reads the body of a `410 application/problem+json` answer (up to 64 KiB)
+//!   to learn its `code`, and of no other answer; one with another code is returned as the
+//!   answer, its body rebuilt from the bytes read (or [`ClientError::Gone`] for a response
+//!   body type that cannot be rebuilt, such as hyper's `Incoming`). gRPC reads the
+//!   `idempotent-error` entry.
+//! - A request that carries its own `Idempotency-Key` header is sent with that key, outside
+//!   the session; an [`IdempotencyKey`] extension is ignored.
+//!
+//! ```no_run
+//! use bytes::Bytes;
+//! use http_body_util::Full;
+//! use hyper_util::client::legacy::Client;
+//! use hyper_util::rt::TokioExecutor;
+//! use idempotent_tower::client::{ClientError, ClientLayer, ClientSession, Delivery, SessionSeq};
+//! use tower::{Service, ServiceBuilder, ServiceExt};
+//!
+//! # async fn example() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let session = ClientSession::new(); // keep it for the life of the process
+//! let http = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+//! let mut client = ServiceBuilder::new()
+//!     .layer(ClientLayer::http().session(session.clone()))
+//!     .service(http);
+//! let pay = || {
+//!     http::Request::post("http://127.0.0.1:3000/payments")
+//!         .header("content-type", "application/json")
+//!         .body(Full::new(Bytes::from_static(br#"{"amount":1999,"currency":"EUR"}"#)))
+//! };
+//! match client.ready().await?.call(pay()?).await {
+//!     Ok(response) => {
+//!         let seq = response.extensions().get::<Delivery>().unwrap().session_seq();
+//!         let id = session.id().as_str();
+//!         println!("{} as call {seq:?} of session {id}", response.status());
+//!     }
+//!     Err(ClientError::GaveUp { seq: Some(seq), .. }) => {
+//!         // Later: the same request with the same number learns what became of it.
+//!         let mut again = pay()?;
+//!         again.extensions_mut().insert(SessionSeq(seq));
+//!         let response = client.ready().await?.call(again).await?;
+//!         println!("call {seq}: {}", response.status());
+//!     }
+//!     Err(ClientError::SessionExpired { .. }) => { /* open a new ClientSession */ }
+//!     Err(error) => return Err(error.into()),
+//! }
+//! # Ok(())
+//! # }
+//! ```
 
 mod body;
 mod config;
@@ -86,6 +173,7 @@ mod protocol;
 #[cfg(feature = "reqwest")]
 mod reqwest;
 mod service;
+mod session;
 #[cfg(feature = "outbox")]
 mod sink;
 mod verdict;
@@ -103,5 +191,6 @@ pub use protocol::ClientProtocol;
 #[cfg(feature = "reqwest")]
 pub use reqwest::IdempotencyMiddleware;
 pub use service::{ClientFuture, ClientService};
+pub use session::{ClientSession, SessionSeq};
 #[cfg(feature = "outbox")]
 pub use sink::{HttpSink, HttpSinkError};

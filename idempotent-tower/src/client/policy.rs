@@ -188,14 +188,16 @@ fn after(now: Instant, duration: Duration) -> Instant {
         .unwrap_or(now)
 }
 
-/// Sends one logical call: `send` makes one attempt (the same request, the same key), and
-/// `verdict` judges each answer. Ends with the first answer that is not to be retried, or,
+/// Sends one logical call: `send` makes one attempt (the same request, the same key or
+/// session number `seq`), and `verdict` judges each answer. Ends with the first answer that
+/// is not to be retried (a session's refusal included), or,
 /// when the attempts, the deadline or the budget run out, with the last answer (a retryable
 /// status is still an answer) or [`ClientError::GaveUp`] if the last attempt got none.
 pub(crate) async fn deliver<R, F, Fut>(
     policy: &RetryPolicy,
     metrics: &ClientMetrics,
     key: &str,
+    seq: Option<u64>,
     mut send: F,
     verdict: impl Fn(&R) -> Verdict,
 ) -> Result<Delivered<R>, ClientError>
@@ -213,7 +215,7 @@ where
         let timeout = policy
             .attempt_timeout
             .min(deadline.saturating_duration_since(now));
-        tracing::debug!(key, attempt = attempts, "sending idempotent request");
+        tracing::debug!(key, seq, attempt = attempts, "sending idempotent request");
         let (server_delay, why, failure) = match tokio::time::timeout(timeout, send()).await {
             Ok(Ok(answer)) => match verdict(&answer) {
                 Verdict::Done => {
@@ -235,6 +237,20 @@ where
                         ended: Ended::KeyReused,
                     });
                 }
+                Verdict::Refused(refusal) => {
+                    tracing::warn!(
+                        key,
+                        seq,
+                        attempts,
+                        ?refusal,
+                        "the server refused the session's call; not retried"
+                    );
+                    return Ok(Delivered {
+                        answer,
+                        attempts,
+                        ended: Ended::Refused(refusal),
+                    });
+                }
                 Verdict::Retry(after, why) => (after, why, Last::Answer(answer)),
             },
             Ok(Err(error)) => (None, RetryReason::Error, Last::Failed(error)),
@@ -246,7 +262,7 @@ where
         };
         let give_up = |reason: GiveUp, failure: Last<R>| match failure {
             Last::Answer(answer) => {
-                tracing::warn!(key, attempts, %reason, "idempotent request not retried again; returning its last answer");
+                tracing::warn!(key, seq, attempts, %reason, "idempotent request not retried again; returning its last answer");
                 Ok(Delivered {
                     answer,
                     attempts,
@@ -254,9 +270,10 @@ where
                 })
             }
             Last::Failed(last) => {
-                tracing::warn!(key, attempts, %reason, error = %last, "idempotent request failed; gave up");
+                tracing::warn!(key, seq, attempts, %reason, error = %last, "idempotent request failed; gave up");
                 Err(ClientError::GaveUp {
                     key: key.to_owned(),
+                    seq,
                     attempts,
                     reason,
                     last,
@@ -278,11 +295,12 @@ where
         metrics.retry(why);
         match &failure {
             Last::Failed(error) => {
-                tracing::info!(key, attempt = attempts, ?wait, error = %error, "idempotent request failed; retrying with the same key")
+                tracing::info!(key, seq, attempt = attempts, ?wait, error = %error, "idempotent request failed; retrying with the same key")
             }
             Last::Answer(_) => {
                 tracing::info!(
                     key,
+                    seq,
                     attempt = attempts,
                     ?wait,
                     "idempotent request answered with a retryable status; retrying with the same key"

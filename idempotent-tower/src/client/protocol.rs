@@ -31,6 +31,10 @@ pub(crate) mod sealed {
         /// The `protocol` label of this protocol's calls in the client's metrics.
         const LABEL: &'static str;
 
+        /// Whether a session's refusals come as problem documents, to be read (HTTP), rather
+        /// than in the head (gRPC's `idempotent-error`).
+        const READS_PROBLEMS: bool;
+
         /// Whether a request of `method` is keyed: gets a key and retries.
         fn keyed(settings: &Self::ClientSettings, method: &Method) -> bool;
 
@@ -55,6 +59,7 @@ pub(crate) mod sealed {
     impl Sealed for Http {
         type ClientSettings = HttpClientSettings;
         const LABEL: &'static str = "http";
+        const READS_PROBLEMS: bool = true;
 
         fn keyed(settings: &HttpClientSettings, method: &Method) -> bool {
             settings.methods.contains(method)
@@ -69,6 +74,7 @@ pub(crate) mod sealed {
         /// Every call is protected: gRPC calls are POSTs.
         type ClientSettings = ();
         const LABEL: &'static str = "grpc";
+        const READS_PROBLEMS: bool = false;
 
         fn keyed((): &(), _method: &Method) -> bool {
             true

@@ -4,14 +4,17 @@ use std::sync::Arc;
 
 use ::reqwest::{Request, Response};
 use http::Extensions;
+use http_body_util::{BodyExt, Limited};
 use idempotent_core::BoxError;
 use reqwest_middleware::{Middleware, Next};
 
-use super::config::Config;
+use super::config::{Config, MAX_PROBLEM_DOCUMENT};
 use super::error::ClientError;
 use super::key::IdempotencyKey;
 use super::layer::ClientLayer;
 use super::policy::RetryPolicy;
+use super::session::{ClientSession, SessionSeq};
+use super::verdict::Verdict;
 use crate::protocol::Http;
 
 /// The client layer's behaviour for [`reqwest`](::reqwest), as a
@@ -39,7 +42,8 @@ use crate::protocol::Http;
 /// ```
 ///
 /// - The caller's own key goes in the request's middleware extensions
-///   (`RequestBuilder::with_extension`); a request that already has the header keeps it.
+///   (`RequestBuilder::with_extension`); a request that already has the header keeps it. So
+///   does a [`SessionSeq`] to send a call of the [`session`](Self::session) again.
 /// - The body must be bytes (a string, a `Vec<u8>`, JSON, a form): a streamed body cannot be
 ///   sent twice, and is refused with [`ClientError::Body`] before anything is sent; a body
 ///   over [`RetryPolicy::max_request_body`](super::RetryPolicy::max_request_body) with
@@ -81,6 +85,13 @@ impl IdempotencyMiddleware {
     /// The header carrying the key (see [`ClientLayer::header_name`]).
     pub fn header_name(self, name: http::HeaderName) -> Self {
         self.layer(|layer| layer.header_name(name))
+    }
+
+    /// Sends every protected request in `session` (see [`ClientLayer::session`]). A `410`
+    /// problem document that is not a session refusal is returned with the body read, and
+    /// without the URL (`Response::url` is a placeholder).
+    pub fn session(self, session: ClientSession) -> Self {
+        self.layer(|layer| layer.session(session))
     }
 }
 
@@ -130,7 +141,11 @@ impl Middleware for IdempotencyMiddleware {
             }
         }
         let chosen = extensions.remove::<IdempotencyKey>();
-        let key = config.key(request.headers_mut(), chosen);
+        let resend = extensions.remove::<SessionSeq>();
+        let name = config
+            .name(request.headers_mut(), chosen, resend)
+            .map_err(reqwest_middleware::Error::middleware)?;
+        let named = &name;
         let send = || {
             // Each attempt gets a copy of the request and of the extensions; a body of bytes
             // always clones.
@@ -138,20 +153,50 @@ impl Middleware for IdempotencyMiddleware {
             let mut extensions = extensions.clone();
             let next = next.clone();
             async move {
-                let request = request.ok_or("the request could not be copied for an attempt")?;
-                next.run(request, &mut extensions)
+                let mut request =
+                    request.ok_or("the request could not be copied for an attempt")?;
+                named.apply(request.headers_mut());
+                let response = next
+                    .run(request, &mut extensions)
                     .await
-                    .map_err(|error| Box::new(error) as BoxError)
+                    .map_err(|error| Box::new(error) as BoxError)?;
+                if named.reads::<Http>(response.status(), response.headers()) {
+                    return read_document(response).await;
+                }
+                Ok(response)
             }
         };
-        let verdict = |response: &Response| config.verdict(response.status(), response.headers());
-        let delivered = config
-            .deliver(&key, send, verdict)
-            .await
+        let verdict = |response: &Response| match response.extensions().get::<Document>() {
+            Some(Document(verdict)) => *verdict,
+            None => config.verdict(&name, response.status(), response.headers()),
+        };
+        let delivered = config.deliver(&name, send, verdict).await;
+        let (mut response, delivery) = config
+            .conclude(name, delivered, Response::headers)
             .map_err(reqwest_middleware::Error::middleware)?;
-        let delivery = config.delivery(key, &delivered, delivered.answer.headers());
-        let mut response = delivered.answer;
+        response.extensions_mut().remove::<Document>();
         response.extensions_mut().insert(delivery);
         Ok(response)
     }
+}
+
+/// The verdict on a problem document read whole, kept with the answer rebuilt from it.
+#[derive(Clone, Copy)]
+struct Document(Verdict);
+
+/// A `410` problem document in a session, read whole (up to [`MAX_PROBLEM_DOCUMENT`]) to
+/// learn its `code`, and made an answer again with the bytes read.
+async fn read_document(response: Response) -> Result<Response, BoxError> {
+    let (mut parts, body) = http::Response::<::reqwest::Body>::from(response).into_parts();
+    let document = Limited::new(body, MAX_PROBLEM_DOCUMENT)
+        .collect()
+        .await?
+        .to_bytes();
+    parts
+        .extensions
+        .insert(Document(Config::<Http>::document_verdict(&document)));
+    Ok(Response::from(http::Response::from_parts(
+        parts,
+        ::reqwest::Body::from(document),
+    )))
 }

@@ -1,5 +1,6 @@
 //! [`ClientService`]: the service a [`ClientLayer`](super::ClientLayer) wraps around a client,
-//! and the flow of one logical call: key, buffered body, attempts, [`Delivery`](super::Delivery).
+//! and the flow of one logical call: buffered body, key or session number, attempts,
+//! [`Delivery`](super::Delivery).
 
 use std::fmt;
 use std::future::Future;
@@ -7,16 +8,19 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use http::{Request, Response};
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response};
+use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotent_core::BoxError;
 use tower_service::Service;
 
-use super::body::ResendBody;
-use super::config::Config;
+use super::body::{ResendBody, rebuild};
+use super::config::{Config, MAX_PROBLEM_DOCUMENT};
 use super::error::ClientError;
 use super::key::IdempotencyKey;
 use super::protocol::ClientProtocol;
+use super::session::SessionSeq;
 use crate::protocol::Http;
 
 /// The service a [`ClientLayer`](super::ClientLayer) wraps around a client
@@ -68,7 +72,9 @@ where
     B: ResendBody + Send + 'static,
     B::Data: Send,
     B::Error: Into<BoxError>,
-    RB: Send + 'static,
+    RB: Body + Send + 'static,
+    RB::Data: Send,
+    RB::Error: Into<BoxError>,
 {
     type Response = Response<RB>;
     type Error = ClientError;
@@ -98,6 +104,35 @@ where
     inner.call(request).await.map_err(Into::into)
 }
 
+/// One attempt's answer: as it came or, when it is a `410` problem document in a session,
+/// its head and its body, read to learn its `code`.
+enum Attempted<RB> {
+    Response(Response<RB>),
+    Read(http::response::Parts, Bytes),
+}
+
+impl<RB> Attempted<RB> {
+    fn headers(&self) -> &HeaderMap {
+        match self {
+            Attempted::Response(response) => response.headers(),
+            Attempted::Read(parts, _) => &parts.headers,
+        }
+    }
+}
+
+/// The body of a problem document, read whole; an error (the attempt's) if it fails or is
+/// over [`MAX_PROBLEM_DOCUMENT`].
+async fn read_document<RB>(body: RB) -> Result<Bytes, BoxError>
+where
+    RB: Body,
+    RB::Error: Into<BoxError>,
+{
+    Limited::new(body, MAX_PROBLEM_DOCUMENT)
+        .collect()
+        .await
+        .map(|body| body.to_bytes())
+}
+
 async fn call<S, P, B, RB>(
     inner: S,
     config: Arc<Config<P>>,
@@ -109,6 +144,8 @@ where
     P: ClientProtocol,
     B: ResendBody,
     B::Error: Into<BoxError>,
+    RB: Body + 'static,
+    RB::Error: Into<BoxError>,
 {
     if !config.protects(request.method()) {
         return attempt(inner, request)
@@ -117,7 +154,7 @@ where
     }
     let (mut parts, body) = request.into_parts();
     let chosen = parts.extensions.remove::<IdempotencyKey>();
-    let key = config.key(&mut parts.headers, chosen);
+    let resend = parts.extensions.remove::<SessionSeq>();
     let limit = config.policy.max_request_body;
     let body = match Limited::new(body, limit).collect().await {
         Ok(body) => body.to_bytes(),
@@ -131,7 +168,16 @@ where
             return Err(error);
         }
     };
-    let verdict = |response: &Response<RB>| config.verdict(response.status(), response.headers());
+    // Named once the request can be sent: a session's number is not spent on a request that
+    // never leaves.
+    let name = config.name(&mut parts.headers, chosen, resend)?;
+    let verdict = |answer: &Attempted<RB>| match answer {
+        Attempted::Response(response) => {
+            config.verdict(&name, response.status(), response.headers())
+        }
+        Attempted::Read(_, document) => Config::<P>::document_verdict(document),
+    };
+    let named = &name;
     let send = move || {
         let mut request = Request::new(B::from_bytes(body.clone()));
         *request.method_mut() = parts.method.clone();
@@ -139,11 +185,34 @@ where
         *request.version_mut() = parts.version;
         *request.headers_mut() = parts.headers.clone();
         *request.extensions_mut() = parts.extensions.clone();
-        attempt(inner.clone(), request)
+        named.apply(request.headers_mut());
+        let answer = attempt(inner.clone(), request);
+        async move {
+            let response = answer.await?;
+            let small = response.body().size_hint().lower() <= MAX_PROBLEM_DOCUMENT as u64;
+            if small && named.reads::<P>(response.status(), response.headers()) {
+                let (parts, body) = response.into_parts();
+                return Ok(Attempted::Read(parts, read_document(body).await?));
+            }
+            Ok(Attempted::Response(response))
+        }
     };
-    let delivered = config.deliver(&key, send, verdict).await?;
-    let delivery = config.delivery(key, &delivered, delivered.answer.headers());
-    let mut response = delivered.answer;
+    let delivered = config.deliver(&name, send, verdict).await;
+    let (answer, delivery) = config.conclude(name, delivered, Attempted::headers)?;
+    let mut response = match answer {
+        Attempted::Response(response) => response,
+        Attempted::Read(parts, document) => match rebuild::<RB>(document.clone()) {
+            Some(body) => Response::from_parts(parts, body),
+            None => {
+                let mut answer = Response::from_parts(parts, document);
+                answer.extensions_mut().insert(delivery.clone());
+                return Err(ClientError::Gone {
+                    seq: delivery.session_seq().unwrap_or_default(),
+                    answer: Box::new(answer),
+                });
+            }
+        },
+    };
     response.extensions_mut().insert(delivery);
     Ok(response)
 }

@@ -1,10 +1,11 @@
 //! What an answer means for a call ([`Verdict`]): retry it with the same key (and why, the
-//! [`RetryReason`]), or take it as the call's answer; and how a call that got an answer ended
-//! ([`Ended`]).
+//! [`RetryReason`]), take it as the call's answer, or as a session's [`Refusal`]; and how a
+//! call that got an answer ended ([`Ended`]).
 
 use std::time::Duration;
 
 use http::{HeaderMap, StatusCode};
+use idempotent_core::ProblemCode;
 
 use super::error::GiveUp;
 
@@ -21,6 +22,52 @@ pub enum Verdict {
     KeyReused,
     /// Worth another attempt with the same key, after the server's delay if it gave one.
     Retry(Option<Duration>, RetryReason),
+    /// A session's call refused for good: the call ends with a typed error.
+    Refused(Refusal),
+}
+
+/// Why the server refused a call of a client session for good (HTTP `410`, with this `code`
+/// in its problem document; gRPC with it in `idempotent-error`).
+///
+/// `pub` only as part of [`Verdict`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// `sequence_acknowledged`: the number is at or below the session's mark.
+    SequenceAcknowledged,
+    /// `session_expired`: the server knows the session no more.
+    SessionExpired,
+}
+
+impl Refusal {
+    /// The refusal a problem `code` names, if it is one.
+    pub(crate) fn from_code(code: &str) -> Option<Self> {
+        if code == ProblemCode::SequenceAcknowledged.as_str() {
+            Some(Refusal::SequenceAcknowledged)
+        } else if code == ProblemCode::SessionExpired.as_str() {
+            Some(Refusal::SessionExpired)
+        } else {
+            None
+        }
+    }
+
+    /// The refusal of a problem document (`application/problem+json`), by its `code`.
+    pub(crate) fn from_document(document: &[u8]) -> Option<Self> {
+        let document: serde_json::Value = serde_json::from_slice(document).ok()?;
+        Self::from_code(document.get("code")?.as_str()?)
+    }
+}
+
+/// Whether an answer is a problem document (`application/problem+json`, parameters aside).
+pub(crate) fn is_problem_document(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|media| {
+            media
+                .trim()
+                .eq_ignore_ascii_case("application/problem+json")
+        })
 }
 
 /// Why an attempt is retried: the `reason` label of the client's retries metric.
@@ -111,9 +158,11 @@ fn retry_after(headers: &HeaderMap) -> Option<Duration> {
 /// The verdict on a gRPC answer, from its head: a status in the headers (a trailers-only
 /// answer, which is how servers refuse and fail unary calls) `UNAVAILABLE` or `ABORTED` is
 /// retried after its `grpc-retry-pushback-ms` (a negative or unreadable pushback means "do
-/// not retry"); `FAILED_PRECONDITION` with `idempotent-error: fingerprint_mismatch` is a
-/// reused key; HTTP 502, 503 and 504 from a proxy are retried. An answer whose status comes
-/// in trailers carries messages, and is the answer.
+/// not retry"), and so is `RESOURCE_EXHAUSTED` with `idempotent-error: session_window_full`;
+/// `FAILED_PRECONDITION` with `idempotent-error: fingerprint_mismatch` is a reused key;
+/// `OUT_OF_RANGE` with `sequence_acknowledged` and `NOT_FOUND` with `session_expired` are a
+/// session's refusals; HTTP 502, 503 and 504 from a proxy are retried. An answer whose status
+/// comes in trailers carries messages, and is the answer.
 pub(crate) fn grpc_verdict(status: StatusCode, headers: &HeaderMap) -> Verdict {
     match status.as_u16() {
         502 | 504 => return Verdict::Retry(None, RetryReason::BadGateway),
@@ -124,32 +173,35 @@ pub(crate) fn grpc_verdict(status: StatusCode, headers: &HeaderMap) -> Verdict {
         .get("grpc-status")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u8>().ok());
-    match code {
-        // ABORTED, UNAVAILABLE
-        Some(code @ (10 | 14)) => {
-            let reason = if code == 10 {
-                RetryReason::Aborted
-            } else {
-                RetryReason::Unavailable
-            };
-            match headers.get("grpc-retry-pushback-ms") {
-                None => Verdict::Retry(None, reason),
-                Some(value) => match value.to_str().ok().and_then(|v| v.parse::<i64>().ok()) {
-                    Some(ms) if ms >= 0 => {
-                        Verdict::Retry(Some(Duration::from_millis(ms.unsigned_abs())), reason)
-                    }
-                    _ => Verdict::Done,
-                },
+    let error = |code: ProblemCode| {
+        headers
+            .get("idempotent-error")
+            .is_some_and(|v| v == code.as_str())
+    };
+    let retry = |reason| match headers.get("grpc-retry-pushback-ms") {
+        None => Verdict::Retry(None, reason),
+        Some(value) => match value.to_str().ok().and_then(|v| v.parse::<i64>().ok()) {
+            Some(ms) if ms >= 0 => {
+                Verdict::Retry(Some(Duration::from_millis(ms.unsigned_abs())), reason)
             }
-        }
+            _ => Verdict::Done,
+        },
+    };
+    match code {
+        // ABORTED
+        Some(10) => retry(RetryReason::Aborted),
+        // UNAVAILABLE
+        Some(14) => retry(RetryReason::Unavailable),
+        // RESOURCE_EXHAUSTED
+        Some(8) if error(ProblemCode::SessionWindowFull) => retry(RetryReason::Throttled),
         // FAILED_PRECONDITION
-        Some(9)
-            if headers
-                .get("idempotent-error")
-                .is_some_and(|v| v == "fingerprint_mismatch") =>
-        {
-            Verdict::KeyReused
+        Some(9) if error(ProblemCode::FingerprintMismatch) => Verdict::KeyReused,
+        // OUT_OF_RANGE
+        Some(11) if error(ProblemCode::SequenceAcknowledged) => {
+            Verdict::Refused(Refusal::SequenceAcknowledged)
         }
+        // NOT_FOUND
+        Some(5) if error(ProblemCode::SessionExpired) => Verdict::Refused(Refusal::SessionExpired),
         _ => Verdict::Done,
     }
 }
@@ -163,6 +215,8 @@ pub(crate) enum Ended {
     KeyReused,
     /// A retryable answer, with no retry left.
     GaveUp(GiveUp),
+    /// A session's refusal.
+    Refused(Refusal),
 }
 
 #[cfg(test)]
@@ -260,7 +314,35 @@ mod tests {
             ),
             Verdict::KeyReused
         );
-        for done in ["3", "9", "13", "2", "4"] {
+        for (status, error, verdict) in [
+            (
+                "8",
+                "session_window_full",
+                Verdict::Retry(Some(Duration::from_millis(250)), Throttled),
+            ),
+            (
+                "11",
+                "sequence_acknowledged",
+                Verdict::Refused(Refusal::SequenceAcknowledged),
+            ),
+            (
+                "5",
+                "session_expired",
+                Verdict::Refused(Refusal::SessionExpired),
+            ),
+        ] {
+            let with = |error| {
+                headers(&[
+                    ("grpc-status", status),
+                    ("idempotent-error", error),
+                    ("grpc-retry-pushback-ms", "250"),
+                ])
+            };
+            assert_eq!(grpc_verdict(ok, &with(error)), verdict, "{error}");
+            // Another code with the same status is the answer.
+            assert_eq!(grpc_verdict(ok, &with("other")), Verdict::Done, "{status}");
+        }
+        for done in ["3", "9", "13", "2", "4", "5", "8", "11"] {
             assert_eq!(
                 grpc_verdict(ok, &headers(&[("grpc-status", done)])),
                 Verdict::Done,
@@ -273,6 +355,42 @@ mod tests {
                 Verdict::Retry(None, why)
             );
         }
+    }
+
+    #[test]
+    fn session_refusals_are_read_from_problem_documents() {
+        let problem = |code: &str| {
+            format!(r#"{{"type":"urn:idempotent:problem:{code}","status":410,"code":"{code}"}}"#)
+        };
+        assert_eq!(
+            Refusal::from_document(problem("sequence_acknowledged").as_bytes()),
+            Some(Refusal::SequenceAcknowledged)
+        );
+        assert_eq!(
+            Refusal::from_document(problem("session_expired").as_bytes()),
+            Some(Refusal::SessionExpired)
+        );
+        for other in [
+            problem("gone_for_good"),
+            r#"{"code": 410}"#.to_owned(),
+            "not json".to_owned(),
+            String::new(),
+        ] {
+            assert_eq!(Refusal::from_document(other.as_bytes()), None, "{other}");
+        }
+        for (value, problem) in [
+            ("application/problem+json", true),
+            ("Application/Problem+JSON; charset=utf-8", true),
+            ("application/json", false),
+            ("text/plain", false),
+        ] {
+            assert_eq!(
+                is_problem_document(&headers(&[("content-type", value)])),
+                problem,
+                "{value}"
+            );
+        }
+        assert!(!is_problem_document(&HeaderMap::new()));
     }
 
     // A `Retry-After` too large for the clock ends the call rather than being waited, and
