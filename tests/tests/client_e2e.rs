@@ -152,6 +152,16 @@ fn upstream(server: &Server) -> SocketAddr {
 
 /// Runs the `payments_client` example to its end (killed if the test is dropped first).
 async fn run_payments_client(url: &str, payments: u32, concurrency: u32) -> std::process::Output {
+    run_payments_client_with(url, payments, concurrency, &[]).await
+}
+
+/// Like [`run_payments_client`], with `extra` arguments.
+async fn run_payments_client_with(
+    url: &str,
+    payments: u32,
+    concurrency: u32,
+    extra: &[&str],
+) -> std::process::Output {
     tokio::process::Command::new(support::example_binary("payments_client"))
         .args([
             "--url",
@@ -161,6 +171,7 @@ async fn run_payments_client(url: &str, payments: u32, concurrency: u32) -> std:
             "--concurrency",
             &concurrency.to_string(),
         ])
+        .args(extra)
         .kill_on_drop(true)
         .output()
         .await
@@ -212,6 +223,43 @@ async fn with_a_third_of_the_answers_lost_every_payment_is_charged_once() {
         "{summary}: {lost} answers lost, {} connections reset",
         proxy.reset.load(Ordering::SeqCst)
     );
+}
+
+/// 1,000 payments in one client session (`payments_client --session`) through the proxy that
+/// loses a third of the answers, on each store: every payment is charged exactly once, and the
+/// store keeps the session's answers within its window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_one_session_with_a_third_of_the_answers_lost_every_payment_is_charged_once() {
+    let mut stores = vec!["memory".to_owned()];
+    stores.extend(idempotent_test_kit::backend::redis_url());
+    stores.extend(idempotent_test_kit::backend::postgres_url());
+    for store in stores {
+        let server = Server::payments(&[("IDEMPOTENCY_STORE", store.as_str())]).await;
+        let proxy = FaultProxy::start(upstream(&server), A_THIRD_LOST).await;
+        let output = run_payments_client_with(&proxy.url(""), 1_000, 8, &["--session"]).await;
+        let summary = summary(&output);
+        assert!(
+            output.status.success(),
+            "{store}: {summary}; stderr: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert_eq!(summary["sent"], 1_000, "{store}");
+        assert_eq!(summary["succeeded"], 1_000, "{store}: {summary}");
+        let lost = proxy.lost.load(Ordering::SeqCst);
+        assert!(lost >= 150, "{store}: the proxy lost only {lost} answers");
+        assert!(
+            summary["replayed"].as_u64().unwrap() > 0,
+            "{store}: {summary}"
+        );
+        let client = Client::new(Protocol::Http1);
+        assert_eq!(
+            client.charges(&server).await,
+            1_000,
+            "{store}: one charge each"
+        );
+        assert_eq!(client.count(&server).await, 1_000, "{store}: one run each");
+        eprintln!("{store}: {summary}, {lost} answers lost");
+    }
 }
 
 // Regression: a server answering `503` with `Retry-After: 18446744073709551615` made the
