@@ -5,10 +5,11 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use idempotent_core::conformance::{Harness, fresh_key};
+use idempotent_core::conformance::{Harness, fresh_key, fresh_session};
 use idempotent_core::postgres::PostgresStore;
 use idempotent_core::{
-    Call, Claim, Error, Fingerprint, Idempotency, ProblemCode, StorageKey, Store, StoreError,
+    Call, Claim, Error, Fingerprint, Idempotency, ProblemCode, SessionGate, SessionKey,
+    SessionRequest, StorageKey, Store, StoreError,
 };
 use idempotent_test_kit::backend::{POSTGRES_URL, postgres_url};
 use idempotent_test_kit::names::unique;
@@ -387,6 +388,270 @@ async fn released_token_stays_dead_and_the_row_waits_for_its_ttl_and_the_reaper(
     tokio::time::sleep(kept + Duration::from_millis(50)).await;
     assert_eq!(store.reap().await.unwrap(), 1);
     assert_eq!(count_rows(&store).await, 0);
+}
+
+/// The rows of `session` in the store's table: its own and its requests'.
+async fn session_rows(store: &PostgresStore, session: &SessionKey) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM \"{}\" WHERE substring(storage_key from 1 for 32) = $1",
+        store.table()
+    ))
+    .bind(session.as_bytes().as_slice())
+    .fetch_one(store.pool())
+    .await
+    .unwrap()
+}
+
+/// Opens request `seq` acknowledging `ack`, claims its record and completes it.
+async fn answer_in_session(
+    store: &PostgresStore,
+    session: &SessionKey,
+    (seq, ack): (u64, u64),
+    window: u64,
+    idle: Duration,
+) {
+    let epoch = match store
+        .open_session(session, SessionRequest::new(seq, ack, window, idle))
+        .await
+    {
+        Ok(SessionGate::Open { epoch }) => epoch,
+        other => panic!("request {seq} (ack {ack}): expected Open, got {other:?}"),
+    };
+    let key = session.seq_key(epoch, seq);
+    let fingerprint = Fingerprint::from_bytes(seq.to_string().as_bytes());
+    let token = match store
+        .claim(&key, &fingerprint, Duration::from_secs(30), idle)
+        .await
+    {
+        Ok(Claim::Claimed(token)) => token,
+        other => panic!("request {seq}: expected a fresh claim, got {other:?}"),
+    };
+    store
+        .complete(&key, token, Bytes::from(seq.to_string()), idle)
+        .await
+        .unwrap();
+}
+
+/// However many requests a session makes, its acknowledgements keep its rows within its
+/// window: the session's own row and at most `window` answers, counted in the table.
+#[tokio::test]
+async fn a_session_of_a_thousand_requests_keeps_at_most_its_window_of_rows() {
+    let Some(url) = postgres_url() else {
+        return;
+    };
+    let store = store_on_fresh_table(&url, |b| b).await;
+    let session = fresh_session();
+    let (window, idle) = (8, Duration::from_secs(60));
+    let mut most = 0;
+    for seq in 1..=1000u64 {
+        answer_in_session(&store, &session, (seq, seq - 1), window, idle).await;
+        if seq % 100 == 0 {
+            most = most.max(session_rows(&store, &session).await);
+        }
+    }
+    let rows = session_rows(&store, &session).await;
+    assert!(
+        rows <= i64::try_from(window).unwrap() + 1 && most <= rows,
+        "{rows} rows of the session after 1000 requests (at most {most} on the way)"
+    );
+    // Each request acknowledged the one before it: the session's row and the last answer.
+    assert_eq!(rows, 2);
+    assert_eq!(count_rows(&store).await, 2, "rows outside the session");
+    // Answers the client does not acknowledge yet are kept: the window's worth (1000 to 1007
+    // above the mark 999), and a request past it is refused but still acknowledges.
+    for seq in 1001..=1007u64 {
+        answer_in_session(&store, &session, (seq, 999), window, idle).await;
+    }
+    assert_eq!(session_rows(&store, &session).await, 9);
+    assert_eq!(
+        store
+            .open_session(&session, SessionRequest::new(1009, 1000, window, idle))
+            .await
+            .unwrap(),
+        SessionGate::WindowFull { ack: 1000 }
+    );
+    assert_eq!(session_rows(&store, &session).await, 8);
+}
+
+/// A session row the store cannot interpret is reported as corrupt, never taken for an
+/// absent session nor overwritten while it is live; an expired one is absent.
+#[tokio::test]
+async fn a_garbled_session_row_is_corrupt_never_absent() {
+    let Some(url) = postgres_url() else {
+        return;
+    };
+    let store = store_on_fresh_table(&url, |b| b).await;
+    let insert = format!(
+        "INSERT INTO \"{}\" (storage_key, state, fingerprint, token, lifetime, claimant, \
+         expires_at) VALUES ($1, $2, '\\x', $3, $4, $5, now() + $6 * interval '1 second')",
+        store.table()
+    );
+    let idle = Duration::from_secs(60);
+    // (state, mark, high, epoch)
+    let cases: [(&str, i64, Option<i64>, Option<i64>); 7] = [
+        ("session", -1, Some(3), Some(7)),
+        ("session", 2, None, Some(7)),
+        ("session", 2, Some(-3), Some(7)),
+        ("session", 2, Some(3), None),
+        ("session", 2, Some(3), Some(0)),
+        ("session", i64::MAX, Some(3), Some(7)),
+        ("completed", 2, Some(3), Some(7)),
+    ];
+    for (state, mark, high, epoch) in cases {
+        let session = fresh_session();
+        let record = session.record_key().record_bytes();
+        sqlx::query(&insert)
+            .bind(record.as_ref())
+            .bind(state)
+            .bind(mark)
+            .bind(high)
+            .bind(epoch)
+            .bind(60.0)
+            .execute(store.pool())
+            .await
+            .unwrap();
+        for (seq, ack) in [(1, 0), (4, 3), (3, 3)] {
+            let gate = store
+                .open_session(&session, SessionRequest::new(seq, ack, 64, idle))
+                .await;
+            assert!(
+                matches!(gate, Err(StoreError::Corrupt(_))),
+                "{state} {mark} {high:?} {epoch:?}, request ({seq}, {ack}): {gate:?}"
+            );
+        }
+        let still: (String, i64, Option<i64>, Option<i64>) = sqlx::query_as(&format!(
+            "SELECT state, token, lifetime, claimant FROM \"{}\" WHERE storage_key = $1",
+            store.table()
+        ))
+        .bind(record.as_ref())
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+        assert_eq!(still, (state.to_owned(), mark, high, epoch), "overwritten");
+    }
+    // Expired garbage is no session: refused as expired with an ack, started without one.
+    let session = fresh_session();
+    let record = session.record_key().record_bytes();
+    sqlx::query(&insert)
+        .bind(record.as_ref())
+        .bind("session")
+        .bind(-1_i64)
+        .bind(None::<i64>)
+        .bind(None::<i64>)
+        .bind(-1.0)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let request = |seq, ack| SessionRequest::new(seq, ack, 64, idle);
+    assert_eq!(
+        store.open_session(&session, request(2, 1)).await.unwrap(),
+        SessionGate::Expired
+    );
+    assert!(matches!(
+        store.open_session(&session, request(1, 0)).await,
+        Ok(SessionGate::Open { .. })
+    ));
+}
+
+/// A first request that meets a session started after its statement began (a concurrent
+/// first request, not committed yet when it looked) waits for it, then joins it: same epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_request_joins_a_session_started_concurrently() {
+    let Some(url) = postgres_url() else {
+        return;
+    };
+    let store = store_on_fresh_table(&url, |b| b).await;
+    let session = fresh_session();
+    let record = session.record_key().record_bytes();
+    let mut tx = store.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO \"{}\" (storage_key, state, fingerprint, token, lifetime, claimant, \
+         expires_at) VALUES ($1, 'session', '\\x', 0, 1, 424242, now() + interval '1 minute')",
+        store.table()
+    ))
+    .bind(record.as_ref())
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let gate = tokio::spawn({
+        let (store, session) = (store.clone(), session);
+        async move {
+            store
+                .open_session(
+                    &session,
+                    SessionRequest::new(2, 0, 64, Duration::from_secs(60)),
+                )
+                .await
+        }
+    });
+    // Commit once the gate waits on the uncommitted row.
+    let marker = format!("WITH locked AS (SELECT % FROM \"{}\" %", store.table());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND query LIKE $1",
+        )
+        .bind(&marker)
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            !gate.is_finished(),
+            "the gate did not wait: {:?}",
+            gate.await
+        );
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the gate is not seen waiting"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tx.commit().await.unwrap();
+    assert_eq!(
+        gate.await.unwrap().unwrap(),
+        SessionGate::Open { epoch: 424242 }
+    );
+    let high: i64 = sqlx::query_scalar(&format!(
+        "SELECT lifetime FROM \"{}\" WHERE storage_key = $1",
+        store.table()
+    ))
+    .bind(record.as_ref())
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(high, 2);
+}
+
+/// The reaper deletes a session nobody sent to for its idle time, with its answers; the
+/// session is then unknown.
+#[tokio::test]
+async fn the_reaper_deletes_expired_sessions() {
+    let Some(url) = postgres_url() else {
+        return;
+    };
+    let store = store_on_fresh_table(&url, |b| b.reap_grace(Duration::ZERO)).await;
+    let (session, live) = (fresh_session(), fresh_session());
+    let idle = Duration::from_millis(100);
+    answer_in_session(&store, &session, (1, 0), 64, idle).await;
+    answer_in_session(&store, &session, (2, 0), 64, idle).await;
+    answer_in_session(&store, &live, (1, 0), 64, Duration::from_secs(60)).await;
+    assert_eq!(session_rows(&store, &session).await, 3);
+    assert_eq!(store.reap().await.unwrap(), 0, "reaped a live session");
+    tokio::time::sleep(idle + Duration::from_millis(50)).await;
+    assert_eq!(store.reap().await.unwrap(), 3);
+    assert_eq!(session_rows(&store, &session).await, 0);
+    assert_eq!(session_rows(&store, &live).await, 2);
+    assert_eq!(
+        store
+            .open_session(&session, SessionRequest::new(3, 2, 64, idle))
+            .await
+            .unwrap(),
+        SessionGate::Expired
+    );
 }
 
 #[tokio::test]

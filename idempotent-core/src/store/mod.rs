@@ -374,6 +374,11 @@ pub trait Store: Send + Sync + 'static {
     ///     [`SessionGate::Open`] with the epoch. The caller then claims the request's record,
     ///     `seq_key(epoch, seq)`, with [`claim`](Self::claim), with `request.idle` as its TTL.
     ///
+    /// The runtime sends `seq` from 1 and `ack` from 0, both at most
+    /// [`MAX_SEQ`](crate::session::MAX_SEQ), and a `window` from 1 to
+    /// [`MAX_SESSION_WINDOW`](crate::session::MAX_SESSION_WINDOW); a store may refuse anything
+    /// else with [`StoreError::Backend`] (the Redis and PostgreSQL stores do).
+    ///
     /// The session's records are the store's ordinary records under storage keys that say
     /// where they sit ([`StorageKey::session_place`]). The default refuses every session with
     /// [`StoreError::Backend`]: a store must implement it to serve sessions. The conformance

@@ -22,11 +22,14 @@ use sqlx::Executor as _;
 
 use self::connections::Connections;
 use super::Unanswered;
-use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, limits};
+use crate::{
+    Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionRequest, StorageKey, Store,
+    StoreError, limits,
+};
 
 pub(crate) use self::error::store_error;
 pub use self::fence::{DEFAULT_FENCE_TABLE, Fence, FenceError};
-use self::sql::token_param;
+use self::sql::{SessionParams, token_param};
 pub(crate) use self::sql::{Sql, micros, migrate};
 pub use self::table::InvalidTableName;
 pub(crate) use self::table::TableName;
@@ -68,9 +71,9 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 ///
 /// ```sql
 /// CREATE TABLE IF NOT EXISTS "idempotent_records" (
-///     storage_key bytea PRIMARY KEY,   -- the 32-byte StorageKey
-///     state text NOT NULL,             -- 'in_flight' or 'completed'
-///     fingerprint bytea NOT NULL,      -- 32 bytes
+///     storage_key bytea PRIMARY KEY,   -- the StorageKey's record bytes (32, or 48 in a session)
+///     state text NOT NULL,             -- 'in_flight', 'completed' or 'session'
+///     fingerprint bytea NOT NULL,      -- 32 bytes (empty for a session)
 ///     token bigint NOT NULL,           -- the fencing token
 ///     payload bytea,                   -- the completed result
 ///     expires_at timestamptz NOT NULL, -- end of the lease (in flight) or of the TTL (completed)
@@ -141,6 +144,26 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 /// store then runs it again with a fresh snapshot (this is the only case with a second round
 /// trip).
 ///
+/// # Client sessions
+///
+/// A [client session](crate::session) is rows of the same table. Its own row is at the
+/// session's digest followed by 16 zero bytes, with `state = 'session'`, `token` its
+/// acknowledged mark, `lifetime` the highest sequence number it admitted, `claimant` its
+/// epoch (drawn from the token sequence, so never reused), `expires_at` the end of its idle
+/// time, an empty `fingerprint` and no `payload` or `kept_until`. Each request's record is an
+/// ordinary record at the session's digest followed by the epoch and the sequence number
+/// (big-endian, [`StorageKey::record_bytes`]), so one epoch's requests sort together, in
+/// order. [`open_session`](Store::open_session) is one statement: it locks the session's row
+/// (`FOR UPDATE`), applies the gate's rules to it, writes it back, deletes the request rows
+/// the new mark covers and extends the life of those above it to the idle time, both by a
+/// range of the primary key at most the window long; under the lock, so one session's gates
+/// run one at a time. (A first request that meets a session row committed after its
+/// statement began runs the statement once more.) So a session holds its row and at most its
+/// window of answers, and the reaper deletes a session nobody sent to for its idle time like
+/// any expired row, with its answers. A session row that is not one (a negative mark, a
+/// missing epoch) is [`StoreError::Corrupt`] while it is live, and never overwritten. The
+/// [`Transactional`] mode does not serve sessions.
+///
 /// # Fencing tokens
 ///
 /// Tokens come from one sequence per table, so no token is ever issued twice, for any key. A
@@ -156,7 +179,8 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 /// - **Reaping.** Nothing deletes rows by itself: run [`spawn_reaper`](Self::spawn_reaper) in
 ///   one or more instances (concurrent reapers skip each other's rows), or call
 ///   [`reap`](Self::reap) from a scheduled job. It deletes rows past their `kept_until`
-///   (completed rows past their TTL, abandoned claims past the TTL they were claimed with) in
+///   (completed rows past their TTL, abandoned claims past the TTL they were claimed with,
+///   client sessions past their idle time) in
 ///   batches of [`DEFAULT_REAP_BATCH`], one short statement each, using the `kept_until` index.
 /// - **Durability.** A record is as durable as any committed row: with `synchronous_commit =
 ///   on` (the default) an acknowledged claim or completion survives a crash, and with
@@ -412,8 +436,9 @@ impl Store for PostgresStore {
                 let store = store.clone();
                 Box::pin(async move {
                     let mut connection = store.connections.get().await?;
+                    let record = key.record_bytes();
                     let query = sqlx::query(&store.sql.give_back)
-                        .bind(key.as_bytes().as_slice())
+                        .bind(record.as_ref())
                         .bind(claimant);
                     let given = connection
                         .execute(query)
@@ -451,8 +476,9 @@ impl Store for PostgresStore {
     ) -> Result<(), StoreError> {
         let token = token_param(token).ok_or(StoreError::TokenRejected)?;
         let mut connection = self.connections.get().await?;
+        let record = key.record_bytes();
         let query = sqlx::query(&self.sql.complete)
-            .bind(key.as_bytes().as_slice())
+            .bind(record.as_ref())
             .bind(token)
             .bind(payload.as_ref())
             .bind(micros(limits::clamp_ttl(ttl)));
@@ -463,8 +489,9 @@ impl Store for PostgresStore {
     async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
         let token = token_param(token).ok_or(StoreError::TokenRejected)?;
         let mut connection = self.connections.get().await?;
+        let record = key.record_bytes();
         let query = sqlx::query(&self.sql.release)
-            .bind(key.as_bytes().as_slice())
+            .bind(record.as_ref())
             .bind(token);
         let result = self.sql.guarded(query, &mut connection).await;
         Connections::settle(connection, result)
@@ -478,11 +505,23 @@ impl Store for PostgresStore {
     ) -> Result<(), StoreError> {
         let token = token_param(token).ok_or(StoreError::TokenRejected)?;
         let mut connection = self.connections.get().await?;
+        let record = key.record_bytes();
         let query = sqlx::query(&self.sql.renew)
-            .bind(key.as_bytes().as_slice())
+            .bind(record.as_ref())
             .bind(token)
             .bind(micros(limits::clamp_lease(lease)));
         let result = self.sql.guarded(query, &mut connection).await;
+        Connections::settle(connection, result)
+    }
+
+    async fn open_session(
+        &self,
+        session: &SessionKey,
+        request: SessionRequest,
+    ) -> Result<SessionGate, StoreError> {
+        let params = SessionParams::new(session, request)?;
+        let mut connection = self.connections.get().await?;
+        let result = self.sql.open_session_on(&mut connection, &params).await;
         Connections::settle(connection, result)
     }
 }
@@ -533,6 +572,33 @@ mod tests {
         assert!(sql.migrate[2].contains("\"billing\".\"records_token_seq\""));
         assert!(
             sql.claim
+                .contains("nextval('\"billing\".\"records_token_seq\"')")
+        );
+    }
+
+    #[test]
+    fn session_numbers_beyond_the_largest_are_refused_before_any_statement() {
+        use crate::session::MAX_SEQ;
+        let session = SessionKey::from_bytes([7; 32]);
+        let idle = Duration::from_secs(1);
+        for (seq, ack) in [(MAX_SEQ + 1, 0), (1, MAX_SEQ + 1), (u64::MAX, u64::MAX)] {
+            assert!(matches!(
+                SessionParams::new(&session, SessionRequest::new(seq, ack, 64, idle)),
+                Err(StoreError::Backend(_))
+            ));
+        }
+        for window in [0, 64, MAX_SEQ, u64::MAX] {
+            assert!(
+                SessionParams::new(
+                    &session,
+                    SessionRequest::new(MAX_SEQ, MAX_SEQ, window, idle)
+                )
+                .is_ok()
+            );
+        }
+        let sql = Sql::new("billing.records").unwrap();
+        assert!(
+            sql.open_session
                 .contains("nextval('\"billing\".\"records_token_seq\"')")
         );
     }

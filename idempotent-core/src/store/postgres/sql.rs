@@ -13,10 +13,17 @@ use sqlx::Row as _;
 use sqlx::postgres::PgRow;
 
 use super::error::corrupt;
-use crate::{Claim, FencingToken, Fingerprint, StorageKey, StoreError, limits};
+use crate::session::SessionError;
+use crate::{
+    Claim, FencingToken, Fingerprint, RecordBytes, SessionGate, SessionKey, SessionRequest,
+    StorageKey, StoreError, limits,
+};
 
 /// How often a claim is re-run when it lost a race it cannot see (see `claim_on`).
 const CLAIM_ATTEMPTS: usize = 8;
+
+/// The largest `seq` or `ack` the session gate binds.
+const MAX_SEQ_PARAM: i64 = crate::session::MAX_SEQ as i64;
 
 /// Durations are bound as microseconds and capped at the longest TTL or lease (365 days), so
 /// that `now + duration` is always a valid timestamp and no record outlives the ceilings in
@@ -42,6 +49,7 @@ pub(crate) struct Sql {
     pub(crate) renew: String,
     pub(crate) give_back: String,
     pub(crate) reap: String,
+    pub(crate) open_session: String,
 }
 
 impl Sql {
@@ -163,6 +171,7 @@ impl Sql {
                      WHERE {kept} < statement_timestamp() - $1 * interval '1 microsecond' \
                      LIMIT $2 FOR UPDATE SKIP LOCKED)"
             ),
+            open_session: open_session(&t, &seq),
         })
     }
 
@@ -176,9 +185,10 @@ impl Sql {
         (lease, ttl): (Duration, Duration),
         claimant: Option<i64>,
     ) -> Result<Claim, StoreError> {
+        let record = key.record_bytes();
         for _ in 0..CLAIM_ATTEMPTS {
             let claim = sqlx::query(&self.claim)
-                .bind(key.as_bytes().as_slice())
+                .bind(record.as_ref())
                 .bind(fingerprint.as_bytes().as_slice())
                 .bind(micros(limits::clamp_lease(lease)))
                 .bind(micros(limits::clamp_ttl(ttl)))
@@ -195,6 +205,34 @@ impl Sql {
         }
         Err(StoreError::Backend(
             format!("claim lost {CLAIM_ATTEMPTS} races in a row; giving up").into(),
+        ))
+    }
+
+    /// The session gate statement on `connection` (see [`open_session`]), run again while it
+    /// answers `retry`: it met a session started after its snapshot was taken, which the next
+    /// attempt's snapshot sees.
+    pub(crate) async fn open_session_on(
+        &self,
+        connection: &mut PgConnection,
+        params: &SessionParams,
+    ) -> Result<SessionGate, StoreError> {
+        for _ in 0..CLAIM_ATTEMPTS {
+            let query = sqlx::query(&self.open_session)
+                .bind(params.record.as_ref())
+                .bind(params.seq)
+                .bind(params.ack)
+                .bind(params.window)
+                .bind(params.idle);
+            let row = (&mut *connection)
+                .fetch_one(query)
+                .await
+                .map_err(store_error)?;
+            if let Some(gate) = decode_gate(&row)? {
+                return Ok(gate);
+            }
+        }
+        Err(StoreError::Backend(
+            format!("session gate lost {CLAIM_ATTEMPTS} races in a row; giving up").into(),
         ))
     }
 
@@ -215,6 +253,102 @@ impl Sql {
             Err(StoreError::TokenRejected)
         }
     }
+}
+
+/// The session gate ([`Store::open_session`](crate::Store::open_session)) on table `t` with
+/// token sequence `seq`, as one statement: `$1` the session's own storage key (its record
+/// bytes), `$2` the request's `seq`, `$3` its `ack`, `$4` the window, `$5` the idle time in
+/// microseconds. It answers one row: `gate` (`open`, `acknowledged`, `window_full`,
+/// `expired`, `corrupt`, or `retry`: run it again), `epoch` and `mark`.
+///
+/// The session is a row of the table at its own key: `state = 'session'`, `token` its
+/// acknowledged mark, `lifetime` the highest `seq` admitted, `claimant` its epoch, `expires_at`
+/// the end of its idle time, an empty `fingerprint`, no `payload` and no `kept_until` (so the
+/// reaper deletes it once it expired like any row). Its requests' rows are at
+/// `digest ‖ epoch ‖ seq` (big-endian), so one epoch's requests are a range of the primary key.
+///
+/// Step by step:
+///
+/// - `locked` reads the session's row `FOR UPDATE`: the gate holds its lock from there to the
+///   end of the transaction, so the steps of one session never interleave, and a gate that
+///   waited for the lock reads the row as the one before it left it (`FOR UPDATE` follows a
+///   row's updates under `READ COMMITTED`).
+/// - `known` and `step` apply the rules of `SessionState::gate` to it: a live row that is not
+///   a valid session is corrupt (nothing is written); no live row and `ack > 0` is expired
+///   (nothing is written); no live row and `ack = 0` starts a session with an epoch drawn
+///   from the token sequence, so no epoch of any session is ever drawn twice.
+/// - `saved` writes the session's new state: an update of the locked row, or the insert of a
+///   new one. If there was no row to lock but a concurrent gate inserted one after this
+///   statement's snapshot, the insert meets that row unlocked: `saved` then writes nothing
+///   and the statement answers `retry`, to be run again with a snapshot that sees the row.
+/// - `dropped` deletes the requests' rows the mark now covers (`old mark + 1 ..= min(mark,
+///   high)`) and `kept` keeps the ones above it (`mark + 1 ..= high`) at least the idle time
+///   from now: a completed row's `expires_at`, an in-flight row's `kept_until` (how long an
+///   abandoned claim is kept to be taken over). Both are ranges of the primary key, at most
+///   the window long, and follow `saved` (they read its output), under the session's lock.
+fn open_session(t: &str, seq: &str) -> String {
+    let max = crate::session::MAX_SEQ;
+    format!(
+        "WITH locked AS (\
+             SELECT state, token, lifetime, claimant, expires_at FROM {t} \
+             WHERE storage_key = $1 FOR UPDATE\
+         ), known AS (\
+             SELECT l.state IS NOT NULL AS present, \
+             coalesce(l.expires_at > clock_timestamp(), false) AS live, \
+             coalesce(l.state = 'session' AND l.token BETWEEN 0 AND {max} \
+                 AND l.lifetime BETWEEN 0 AND {max} AND l.claimant > 0, false) AS valid, \
+             l.token AS mark, l.lifetime AS high, l.claimant AS epoch, \
+             clock_timestamp() + $5 * interval '1 microsecond' AS until \
+             FROM (SELECT) AS one LEFT JOIN locked AS l ON true\
+         ), step AS (\
+             SELECT present, until, \
+             CASE WHEN live THEN epoch ELSE nextval('{seq}') END AS epoch, \
+             CASE WHEN live THEN mark ELSE 0 END AS old_mark, \
+             CASE WHEN live THEN high ELSE 0 END AS old_high, \
+             greatest(CASE WHEN live THEN mark ELSE 0 END, $3) AS mark \
+             FROM known WHERE CASE WHEN live THEN valid ELSE $3 = 0 END\
+         ), decided AS (\
+             SELECT *, CASE WHEN $2 <= mark THEN 'acknowledged' \
+                 WHEN $2 > mark + $4 THEN 'window_full' ELSE 'open' END AS gate \
+             FROM step\
+         ), saved AS (\
+             INSERT INTO {t} AS r (storage_key, state, fingerprint, token, lifetime, payload, \
+             expires_at, kept_until, claimant) \
+             SELECT $1, 'session', ''::bytea, mark, \
+             CASE WHEN gate = 'open' THEN greatest(old_high, $2) ELSE old_high END, \
+             NULL, until, NULL, epoch FROM decided \
+             ON CONFLICT (storage_key) DO UPDATE \
+             SET state = excluded.state, fingerprint = excluded.fingerprint, \
+             token = excluded.token, lifetime = excluded.lifetime, payload = NULL, \
+             expires_at = excluded.expires_at, kept_until = NULL, claimant = excluded.claimant \
+             WHERE (SELECT present FROM decided) \
+             RETURNING 1\
+         ), ranges AS (\
+             SELECT p || int8send(old_mark) AS drop_after, \
+             p || int8send(least(mark, old_high)) AS drop_to, \
+             p || int8send(mark) AS keep_after, p || int8send(old_high) AS keep_to, until \
+             FROM (SELECT substring($1 from 1 for 32) || int8send(epoch) AS p, * FROM decided) AS d \
+             WHERE EXISTS (SELECT FROM saved)\
+         ), dropped AS (\
+             DELETE FROM {t} \
+             WHERE storage_key > (SELECT drop_after FROM ranges) \
+             AND storage_key <= (SELECT drop_to FROM ranges)\
+         ), kept AS (\
+             UPDATE {t} SET \
+             expires_at = CASE WHEN state = 'completed' \
+                 THEN greatest(expires_at, (SELECT until FROM ranges)) ELSE expires_at END, \
+             kept_until = greatest(kept_until, (SELECT until FROM ranges)) \
+             WHERE storage_key > (SELECT keep_after FROM ranges) \
+             AND storage_key <= (SELECT keep_to FROM ranges) \
+             AND (state = 'in_flight' OR (state = 'completed' AND expires_at > clock_timestamp()))\
+         ) \
+         SELECT CASE WHEN k.live AND NOT k.valid THEN 'corrupt' \
+             WHEN d.gate IS NULL THEN 'expired' \
+             WHEN NOT EXISTS (SELECT FROM saved) THEN 'retry' \
+             ELSE d.gate END AS gate, \
+         d.epoch, d.mark \
+         FROM known AS k LEFT JOIN decided AS d ON true"
+    )
 }
 
 /// Runs `statements` (`CREATE … IF NOT EXISTS`) in one transaction under an advisory lock
@@ -243,6 +377,63 @@ pub(crate) fn micros(duration: Duration) -> i64 {
 /// A token as stored: `bigint`, so above `i64::MAX` no row can hold it.
 pub(crate) fn token_param(token: FencingToken) -> Option<i64> {
     i64::try_from(token.get()).ok()
+}
+
+/// What the session gate statement binds: the session's own storage key, then `seq`, `ack`,
+/// the window and the idle time in microseconds.
+pub(crate) struct SessionParams {
+    record: RecordBytes,
+    seq: i64,
+    ack: i64,
+    window: i64,
+    idle: i64,
+}
+
+impl SessionParams {
+    /// Refuses a `seq` or `ack` above [`MAX_SEQ`](crate::session::MAX_SEQ), which the runtime
+    /// never sends; a window that large admits the same requests as any larger one.
+    pub(crate) fn new(session: &SessionKey, request: SessionRequest) -> Result<Self, StoreError> {
+        let number = |value: u64, error: fn(u64) -> SessionError| {
+            i64::try_from(value)
+                .ok()
+                .filter(|&n| n <= MAX_SEQ_PARAM)
+                .ok_or_else(|| StoreError::Backend(Box::new(error(value))))
+        };
+        Ok(SessionParams {
+            record: session.record_key().record_bytes(),
+            seq: number(request.seq, SessionError::SeqOutOfRange)?,
+            ack: number(request.ack, SessionError::AckOutOfRange)?,
+            window: i64::try_from(request.window).map_or(MAX_SEQ_PARAM, |w| w.min(MAX_SEQ_PARAM)),
+            idle: micros(limits::clamp_ttl(request.idle)),
+        })
+    }
+}
+
+/// The session gate's answer, or `None` for `retry`.
+fn decode_gate(row: &PgRow) -> Result<Option<SessionGate>, StoreError> {
+    let gate: Option<String> = row.try_get("gate").map_err(store_error)?;
+    let number = |column: &str| -> Result<u64, StoreError> {
+        let value: Option<i64> = row.try_get(column).map_err(store_error)?;
+        value
+            .and_then(|n| u64::try_from(n).ok())
+            .ok_or_else(|| corrupt(&format!("session {column}")))
+    };
+    Ok(Some(match gate.as_deref() {
+        Some("open") => match number("epoch")? {
+            0 => return Err(corrupt("session epoch")),
+            epoch => SessionGate::Open { epoch },
+        },
+        Some("acknowledged") => SessionGate::Acknowledged {
+            ack: number("mark")?,
+        },
+        Some("window_full") => SessionGate::WindowFull {
+            ack: number("mark")?,
+        },
+        Some("expired") => SessionGate::Expired,
+        Some("retry") => return Ok(None),
+        Some("corrupt") => return Err(corrupt("a session row that is not a valid session")),
+        _ => return Err(corrupt("unknown session gate")),
+    }))
 }
 
 pub(super) fn decode_claim(row: &PgRow) -> Result<Claim, StoreError> {

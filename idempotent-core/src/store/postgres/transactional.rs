@@ -532,8 +532,9 @@ impl PendingRecord {
             .execute(ROLLBACK_TO_SAVEPOINT)
             .await
             .map_err(store_error)?;
+        let record = self.key.record_bytes();
         let query = sqlx::query(&self.sql.release_in_transaction)
-            .bind(self.key.as_bytes().as_slice())
+            .bind(record.as_ref())
             .bind(token_param(self.token));
         self.sql.guarded(query, connection).await?;
         tracing::debug!(storage_key = %self.key, "transactional call released");
@@ -586,8 +587,9 @@ impl PendingRecord {
             Retain::Keep => Payload::new(&self.key, result, self.max_result_bytes)
                 .envelope(Integrity::Checksummed),
         };
+        let record = self.key.record_bytes();
         let query = sqlx::query(&self.sql.complete_in_transaction)
-            .bind(self.key.as_bytes().as_slice())
+            .bind(record.as_ref())
             .bind(token_param(self.token))
             .bind(payload.as_ref())
             .bind(micros(self.ttl));
@@ -648,8 +650,9 @@ impl PendingRecord {
         if !outside_transaction {
             return Err(Error::Store(store_error(error)));
         }
+        let record = self.key.record_bytes();
         let query = sqlx::query(&self.sql.release)
-            .bind(self.key.as_bytes().as_slice())
+            .bind(record.as_ref())
             .bind(token_param(self.token));
         if let Err(error) = self.sql.guarded(query, connection).await {
             tracing::warn!(
