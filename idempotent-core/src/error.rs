@@ -75,7 +75,9 @@ pub enum Error {
     /// acknowledged mark: the client said it holds that answer, and it was dropped. Nothing
     /// ran. Client: this is a bug in the client (it reused a number it had acknowledged); never
     /// retry it as new work.
-    #[error("session request {seq} is at or below the acknowledged mark {ack}; its answer was dropped")]
+    #[error(
+        "session request {seq} is at or below the acknowledged mark {ack}; its answer was dropped"
+    )]
     SequenceAcknowledged {
         /// The call's sequence number.
         seq: u64,
@@ -86,7 +88,9 @@ pub enum Error {
     /// A call in a [client session](crate::session) is numbered more than the window past
     /// the acknowledged mark. Nothing ran. Client: wait for earlier answers, acknowledge them,
     /// and send this one again.
-    #[error("session request {seq} is more than the window {window} past the acknowledged mark {ack}")]
+    #[error(
+        "session request {seq} is more than the window {window} past the acknowledged mark {ack}"
+    )]
     SessionWindowFull {
         /// The call's sequence number.
         seq: u64,

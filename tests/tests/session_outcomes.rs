@@ -101,7 +101,7 @@ impl Stack {
             (Wire::Grpc, "slow") => "/pay.Payments/slow".to_owned(),
             (Wire::Grpc, _) => "/pay.Payments/Charge".to_owned(),
         };
-        let mut builder = Request::post(uri).extension(Principal::new(principal.to_owned()));
+        let mut builder = Request::post(uri).extension(Principal::new(principal));
         if self.wire == Wire::Grpc {
             builder = builder.header(CONTENT_TYPE, "application/grpc");
         }

@@ -421,7 +421,11 @@ impl Inner {
                         self.unreserve(1, RECORD_OVERHEAD);
                     }
                     let state = live(slot.get());
-                    let epoch = if state.is_none() { self.next_token().get() } else { 0 };
+                    let epoch = if state.is_none() {
+                        self.next_token().get()
+                    } else {
+                        0
+                    };
                     let step = SessionState::gate(state, request, epoch);
                     if let Some(state) = step.state {
                         slot.insert(Record::Session {
@@ -464,7 +468,9 @@ impl Inner {
             for seq in step.kept.clone() {
                 if let Some(mut record) = self.records.get_mut(&session.seq_key(state.epoch, seq)) {
                     match &mut *record {
-                        Record::InFlight { kept_until, .. } => *kept_until = (*kept_until).max(until),
+                        Record::InFlight { kept_until, .. } => {
+                            *kept_until = (*kept_until).max(until)
+                        }
                         Record::Completed { expires, .. } if *expires > now => {
                             *expires = (*expires).max(until);
                         }
