@@ -1,7 +1,8 @@
 //! The example servers read their durations from the environment and check them against
 //! `idempotent_core::limits`: a lease of a millisecond used to start a server whose
 //! concurrent duplicates both ran. Out of range, the server exits with status 2 and a
-//! message naming the variable and the range; at the ends of the ranges it starts.
+//! message naming the variable and the range (the session idle time and window too); at the
+//! ends of the ranges it starts.
 
 mod support;
 
@@ -27,6 +28,26 @@ async fn durations_out_of_range_exit_with_the_variable_and_the_range() {
             "IDEMPOTENCY_TTL",
             "8761h",
             "IDEMPOTENCY_TTL=\"8761h\": ttl must be between 1ms and 365d, got 8761h",
+        ),
+        (
+            "IDEMPOTENCY_SESSION_IDLE",
+            "366d",
+            "IDEMPOTENCY_SESSION_IDLE=\"366d\": ttl must be between 1ms and 365d, got 366d",
+        ),
+        (
+            "IDEMPOTENCY_SESSION_IDLE",
+            "soon",
+            "IDEMPOTENCY_SESSION_IDLE=\"soon\" is not a duration",
+        ),
+        (
+            "IDEMPOTENCY_SESSION_WINDOW",
+            "4097",
+            "IDEMPOTENCY_SESSION_WINDOW=\"4097\": session window 4097 is out of range; it must be 1 to 4096",
+        ),
+        (
+            "IDEMPOTENCY_SESSION_WINDOW",
+            "0",
+            "IDEMPOTENCY_SESSION_WINDOW=\"0\" is not a whole number greater than zero",
         ),
     ] {
         let output = tokio::process::Command::new(support::example_binary("payments"))
