@@ -114,41 +114,19 @@ impl Idempotency {
         } = call.settings(&inner.defaults);
         // A call in a session passes its session's gate first; admitted, it is an ordinary
         // claim of its `(session, seq)` record, kept as long as the session.
-        let (key, ttl) = match call.session() {
-            None => (self.storage_key(call), ttl),
+        let gate = match call.session() {
+            None => None,
             Some(place) => {
                 let session = self.session_key(call);
                 let request =
                     SessionRequest::new(place.seq(), place.ack(), session_window, session_idle);
-                let limit = claim_limit(lease);
-                let gate = bounded(inner.store.open_session(&session, request), limit)
-                    .await
-                    .unwrap_or_else(|| {
-                        Err(StoreError::Unavailable(
-                            format!("the store did not answer the session gate within {limit:?}")
-                                .into(),
-                        ))
-                    })?;
-                match gate {
-                    SessionGate::Open { epoch } => {
-                        (session.seq_key(epoch, place.seq()), session_idle)
-                    }
-                    SessionGate::Acknowledged { ack } => {
-                        return Err(Error::SequenceAcknowledged {
-                            seq: place.seq(),
-                            ack,
-                        });
-                    }
-                    SessionGate::WindowFull { ack } => {
-                        return Err(Error::SessionWindowFull {
-                            seq: place.seq(),
-                            ack,
-                            window: session_window,
-                        });
-                    }
-                    SessionGate::Expired => return Err(Error::SessionExpired),
-                }
+                let epoch = self.open_session(&session, request, lease).await?;
+                Some((session, request, epoch))
             }
+        };
+        let (key, ttl) = match gate {
+            None => (self.storage_key(call), ttl),
+            Some((session, request, epoch)) => (session.seq_key(epoch, request.seq), session_idle),
         };
         let (token, lifetime, claimed_at) = match self
             .acquire(&key, call.fingerprint_ref(), (lease, ttl), in_flight)
@@ -160,6 +138,27 @@ impl Idempotency {
                 return Ok(Execution::Replayed(bytes));
             }
         };
+        // The gate and the claim are two steps: between them a later request's `ack` may have
+        // covered this number and dropped its answer (a duplicate that waited, or whose claim
+        // was slow), and the claim then found nothing to replay. Every store raises the mark
+        // before it drops anything, so asking the gate again now tells: still open in the same
+        // epoch, or this call must not run.
+        if let Some((session, request, epoch)) = gate {
+            let again = self.open_session(&session, request, lease).await;
+            if !matches!(again, Ok(current) if current == epoch) {
+                let limit = claim_limit(lease);
+                if bounded(inner.store.release(&key, token), limit)
+                    .await
+                    .is_none()
+                {
+                    tracing::warn!(storage_key = %key, "releasing a session claim that may not run timed out; its lease ends it");
+                }
+                return Err(match again {
+                    Err(error) => error,
+                    Ok(_) => Error::SessionExpired,
+                });
+            }
+        }
         tracing::debug!(storage_key = %key, token = token.get(), "idempotent call claimed");
         active.own(&inner.metrics().in_flight);
         let started = std::time::Instant::now();
@@ -367,6 +366,39 @@ impl Idempotency {
                 }
                 Step::Wait(wait) => store.wait_for_change(key, wait).await,
             }
+        }
+    }
+}
+
+impl Idempotency {
+    /// Asks `session`'s gate about `request`: the epoch to claim in, or why the call must not
+    /// run. Bounded like a claim.
+    async fn open_session(
+        &self,
+        session: &crate::SessionKey,
+        request: SessionRequest,
+        lease: Duration,
+    ) -> Result<u64, Error> {
+        let limit = claim_limit(lease);
+        let gate = bounded(self.inner.store.open_session(session, request), limit)
+            .await
+            .unwrap_or_else(|| {
+                Err(StoreError::Unavailable(
+                    format!("the store did not answer the session gate within {limit:?}").into(),
+                ))
+            })?;
+        match gate {
+            SessionGate::Open { epoch } => Ok(epoch),
+            SessionGate::Acknowledged { ack } => Err(Error::SequenceAcknowledged {
+                seq: request.seq,
+                ack,
+            }),
+            SessionGate::WindowFull { ack } => Err(Error::SessionWindowFull {
+                seq: request.seq,
+                ack,
+                window: request.window,
+            }),
+            SessionGate::Expired => Err(Error::SessionExpired),
         }
     }
 }

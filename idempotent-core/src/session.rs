@@ -11,7 +11,10 @@
 //! A call in a session ([`Call::in_session`](crate::Call::in_session)) goes through its store's
 //! [session gate](crate::Store::open_session) and then, if admitted, through the ordinary claim
 //! of its `(session, seq)` record: a lease, a fencing token and an operation key like any key,
-//! so every fault guarantee of keys holds for it. The gate decides, atomically per session:
+//! so the fault guarantees of keys hold for it while its session lives. Once it holds the
+//! claim, the runtime asks the gate again before it runs anything: a later request's `ack` may
+//! have covered the number meanwhile and dropped its answer, which the claim then did not
+//! find. The gate decides, atomically per session:
 //!
 //! | the request | the gate | the call |
 //! |---|---|---|
@@ -27,7 +30,10 @@
 //! holds. A session nobody sends to for `idle` is forgotten with its answers; a request that
 //! then says it has answers (`ack > 0`) is refused as expired rather than run, since the
 //! server can no longer tell what ran. One that says it has none (`ack = 0`) starts the session
-//! anew, in a new incarnation (*epoch*) whose records share nothing with the old one's.
+//! anew, in a new incarnation (*epoch*) whose records share nothing with the old one's: a
+//! request sent again after its session was forgotten, by a client that never got an answer
+//! in it (so its `ack` is still 0), runs again, as a key reused after its TTL would. Keep the
+//! idle time longer than any client goes on retrying.
 
 use std::time::Duration;
 

@@ -173,7 +173,8 @@ async fn refusals_are_counted_by_outcome_and_the_gate_is_timed() {
         metrics::STORE_OPERATION_DURATION,
         &[("operation", "open_session"), ("result", "ok")],
     );
-    assert_eq!(gates, 4);
+    // Four requests at the gate, and the fresh one asked again once it held its claim.
+    assert_eq!(gates, 5);
 }
 
 /// A session's records live as long as the session, not the call's TTL: an answer is
@@ -255,4 +256,130 @@ async fn a_store_without_sessions_refuses_them() {
             .into_inner(),
         2
     );
+}
+
+/// A duplicate that passed the gate before a later request's `ack` covered its number, and
+/// whose claim came after that `ack` dropped the answer, finds no record: it must not run.
+#[tokio::test(start_paused = true)]
+async fn a_duplicate_claimed_after_its_answer_was_dropped_does_not_run() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    let idempotency = Idempotency::new(store);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let work = |runs: &Arc<AtomicUsize>| {
+        let runs = Arc::clone(runs);
+        async move { runs.fetch_add(1, Ordering::SeqCst) }
+    };
+    idempotency
+        .run(&in_session("race", 1, 0), work(&runs))
+        .await
+        .unwrap();
+    // The duplicate's claim is slow: it passes the gate, then waits 200 ms to claim.
+    faults.fail_next(Op::Claim, 1, Fault::Delay(Duration::from_millis(200)));
+    let duplicate = tokio::spawn({
+        let (idempotency, work) = (idempotency.clone(), work(&runs));
+        async move { idempotency.run(&in_session("race", 1, 0), work).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Meanwhile the client, holding answer 1, goes on and acknowledges it.
+    idempotency
+        .run(&in_session("race", 2, 1), work(&runs))
+        .await
+        .unwrap();
+    let late = duplicate.await.unwrap();
+    assert!(
+        matches!(late, Err(Error::SequenceAcknowledged { seq: 1, ack: 1 })),
+        "{late:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "request 1 ran once");
+}
+
+/// The same race through the wait policy, on a store that polls (as Redis and PostgreSQL
+/// do): a duplicate waiting for a running request, whose answer is acknowledged and dropped
+/// before the duplicate looks again, must not run it a second time.
+#[tokio::test(start_paused = true)]
+async fn a_waiting_duplicate_whose_answer_was_dropped_does_not_run() {
+    /// The memory store without change notifications: waiters poll.
+    #[derive(Clone, Default)]
+    struct Polling(MemoryStore);
+    impl idempotent_core::Store for Polling {
+        async fn claim(
+            &self,
+            key: &idempotent_core::StorageKey,
+            fingerprint: &idempotent_core::Fingerprint,
+            lease: Duration,
+            ttl: Duration,
+        ) -> Result<idempotent_core::Claim, StoreError> {
+            self.0.claim(key, fingerprint, lease, ttl).await
+        }
+        async fn complete(
+            &self,
+            key: &idempotent_core::StorageKey,
+            token: idempotent_core::FencingToken,
+            payload: bytes::Bytes,
+            ttl: Duration,
+        ) -> Result<(), StoreError> {
+            self.0.complete(key, token, payload, ttl).await
+        }
+        async fn release(
+            &self,
+            key: &idempotent_core::StorageKey,
+            token: idempotent_core::FencingToken,
+        ) -> Result<(), StoreError> {
+            self.0.release(key, token).await
+        }
+        async fn renew(
+            &self,
+            key: &idempotent_core::StorageKey,
+            token: idempotent_core::FencingToken,
+            lease: Duration,
+        ) -> Result<(), StoreError> {
+            self.0.renew(key, token, lease).await
+        }
+        async fn open_session(
+            &self,
+            session: &idempotent_core::SessionKey,
+            request: idempotent_core::SessionRequest,
+        ) -> Result<idempotent_core::SessionGate, StoreError> {
+            self.0.open_session(session, request).await
+        }
+    }
+    let idempotency = Idempotency::builder(Polling::default())
+        .defaults(
+            Defaults::new().in_flight(idempotent_core::InFlightPolicy::Wait {
+                max: Duration::from_secs(30),
+            }),
+        )
+        .build();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let slow = |runs: &Arc<AtomicUsize>, ms: u64| {
+        let runs = Arc::clone(runs);
+        async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            runs.fetch_add(1, Ordering::SeqCst)
+        }
+    };
+    let first = tokio::spawn({
+        let (idempotency, work) = (idempotency.clone(), slow(&runs, 300));
+        async move { idempotency.run(&in_session("wait", 1, 0), work).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let duplicate = tokio::spawn({
+        let (idempotency, work) = (idempotency.clone(), slow(&runs, 0));
+        async move { idempotency.run(&in_session("wait", 1, 0), work).await }
+    });
+    // Request 1 answers; the client acknowledges it before the duplicate looks again.
+    first.await.unwrap().unwrap();
+    idempotency
+        .run(&in_session("wait", 2, 1), slow(&runs, 0))
+        .await
+        .unwrap();
+    let late = duplicate.await.unwrap();
+    match late {
+        // Replayed if it looked before the answer was dropped; refused after. Never run.
+        Ok(outcome) => assert!(outcome.is_replayed()),
+        Err(Error::SequenceAcknowledged { seq: 1, .. }) => {}
+        Err(other) => panic!("{other:?}"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "request 1 ran once");
 }

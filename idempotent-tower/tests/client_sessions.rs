@@ -469,6 +469,13 @@ async fn a_call_given_up_on_holds_the_mark_until_it_is_sent_again() {
     assert_eq!(session.ack(), 1);
 
     losing.store(false, Ordering::SeqCst);
+    // Sent again with another body, the number is refused with 422 (it ran for call 2's
+    // body): the answer of call 2 is still to be had, so the mark does not pass it.
+    let other = send(&client, resend(payment("/payments", 9), 2))
+        .await
+        .unwrap();
+    assert_eq!(other.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(session.ack(), 1, "a 422 leaves the number unanswered");
     let again = send(&client, resend(payment("/payments", 2), 2))
         .await
         .unwrap();

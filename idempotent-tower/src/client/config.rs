@@ -193,7 +193,11 @@ impl<P: ClientProtocol> Config<P> {
         if let Name::Session(ticket) = name {
             let seq = ticket.seq();
             match delivered.ended {
-                Ended::Answered | Ended::KeyReused => ticket.answered(),
+                Ended::Answered => ticket.answered(),
+                // The number was used for another request (a resend that changed its body):
+                // the answer of the request it was first used for is still the server's to
+                // give, so the ack must not pass it.
+                Ended::KeyReused => ticket.unanswered(),
                 // A retryable answer is not the call's outcome: it may be sent again.
                 Ended::GaveUp(_) => ticket.unanswered(),
                 Ended::Refused(Refusal::SequenceAcknowledged) => {

@@ -96,8 +96,10 @@
 //!   ([`ClientSession::ack`]). The server drops the answers at or below it. A retry carrying a
 //!   newer `ack` still replays (the header is not part of the request's fingerprint).
 //! - **When the mark advances**: a call's number counts as answered when the call ends with
-//!   an answer it returns: fresh or replayed, with any status that is not retried (a `400`,
-//!   a `422` too). The answer carries its number ([`Delivery::session_seq`]).
+//!   an answer it returns: fresh or replayed, with any status that is not retried (a `400`
+//!   too), except a `422`: the number was used for another request (a resend whose body
+//!   changed), and the answer of the first stays the server's to give, so the number stays
+//!   unanswered, as below. The answer carries its number ([`Delivery::session_seq`]).
 //! - **Giving up**: a call that ends without its answer, [`ClientError::GaveUp`] (or with
 //!   a retryable answer such as a `503` once its retries ran out), leaves its number
 //!   unanswered: the mark stays below it, so the server keeps what it may hold for it. Send

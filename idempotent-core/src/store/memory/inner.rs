@@ -11,7 +11,7 @@ use dashmap::mapref::entry::Entry;
 use tokio::sync::Notify;
 
 use crate::clock::Clock;
-use crate::session::SessionState;
+use crate::session::{MAX_SEQ, MAX_SESSION_WINDOW, SessionState};
 use crate::{
     Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionRequest, StorageKey,
     StoreError, limits,
@@ -398,14 +398,19 @@ impl Inner {
     /// The session gate (see [`Store::open_session`](crate::Store::open_session)): one step on
     /// the session's own record under its shard's lock; then the records its mark now covers
     /// are dropped and the ones above it kept as long as the session. Those follow the step
-    /// rather than share it (a shard lock cannot be held across shards): a request admitted
-    /// before the mark rose may still claim a record the mark covers, which is never claimed
-    /// or replayed again (the gate refuses its number) and goes with the sweep.
+    /// rather than share it (a shard lock cannot be held across shards); the mark is raised
+    /// first, so a claim that still lands on a covered record is refused by the runtime, which
+    /// asks the gate again before it runs anything, and the record goes with the sweep.
     pub(super) fn open_session(
         &self,
         session: &SessionKey,
         request: SessionRequest,
     ) -> Result<SessionGate, StoreError> {
+        if request.seq > MAX_SEQ || request.ack > MAX_SEQ || request.window > MAX_SESSION_WINDOW {
+            return Err(StoreError::Backend(
+                format!("session request out of range: {request:?}").into(),
+            ));
+        }
         let now = self.now();
         let until = now.saturating_add(nanos(limits::clamp_ttl(request.idle)));
         let key = session.record_key();
