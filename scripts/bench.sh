@@ -2,11 +2,14 @@
 # The HTTP benchmark (idempotent-tower against a bare handler and the peer crates, on the memory
 # store and, when available, Redis and PostgreSQL, with pgbench and redis-benchmark running the
 # stores' own statements and scripts as the limits their rows are compared with; the same rows
-# again with 1M and 10M records already in each store) and the memory store's footprint per
-# record. BENCHMARKS.md explains the rows and how to read them.
+# again with 1M and 10M records already in each store; client sessions, each connection numbering
+# its requests in an Idempotency-Session, beside the fresh-key rows), the memory store's footprint
+# per record, and the bytes each store holds for one client session of 100 to 100,000 requests
+# against as many requests with a key each (the `sessions` mode). BENCHMARKS.md explains the rows
+# and how to read them.
 #
 #   bash scripts/bench.sh                  # full run: 3 rounds of 3 s warm-up + 10 s timed per row
-#                                          # (about 35 minutes with Redis and PostgreSQL)
+#                                          # (about 40 minutes with Redis and PostgreSQL)
 #   bash scripts/bench.sh --quick          # 1 round of 1 s + 3 s per row, 1M prefilled records
 #                                          # only (about 3 minutes)
 #   bash scripts/bench.sh --no-backends    # without the Redis and PostgreSQL rows

@@ -4,13 +4,16 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub(crate) const USAGE: &str = "\
-usage: idempotent-bench [all|http|memory] [options]
+usage: idempotent-bench [all|http|memory|sessions] [options]
 
-  all (default)       the HTTP rows, then the memory mode
+  all (default)       the HTTP rows, then the memory mode, then the sessions mode
   http                the HTTP rows: bare, idempotent-tower, the peers, Redis/PostgreSQL rows
-                      (also behind a cache tier)
+                      (also behind a cache tier; the session rows send Idempotency-Session)
   memory              resident bytes per record of MemoryStore (100k, 1M and 10M records;
                       100k and 1M with --quick)
+  sessions            bytes each store holds for N requests in one client session against N
+                      requests with a key each, in process (N = 100, 1k, 10k, 100k; up to 10k
+                      with --quick); --only memory,redis,postgres picks stores
 
 options:
   --quick             short run: 1 round, 1 s warm-up, 3 s timed per row, prefill 1M only,
@@ -37,6 +40,10 @@ options:
   --prefill LIST      the idempotent-tower rows again with this many records already in
                       each store, comma-separated (default 1000000,10000000; `none` for none)
   --records LIST      memory mode record counts (default 100000,1000000,10000000)
+  --requests LIST     sessions mode request counts (default 100,1000,10000,100000)
+  --in-flight N       sessions mode: requests in flight at once, at most 64 (default 16)
+  --ack POLICY        sessions mode: `trailing` (default), request seq acknowledges
+                      seq - in-flight; `lowest`, every answer held (lowest unanswered - 1)
   --out PATH          JSON output (default target/bench/http.json); objects of the mode
                       not run are kept
 ";
@@ -57,6 +64,8 @@ pub(crate) enum Mode {
     All,
     Http,
     Memory,
+    /// The bytes a store holds for one client session against keys (`sessions.rs`).
+    Sessions,
     /// One memory measurement, printed as JSON (run by the memory mode in a child process).
     MemoryChild {
         records: u64,
@@ -83,6 +92,10 @@ pub(crate) struct Options {
     /// Records put in each store before the prefilled rows (`scale.rs`), one set of rows per
     /// count.
     pub(crate) prefill: Vec<u64>,
+    /// The sessions mode: requests per run, requests in flight, and which ack they carry.
+    pub(crate) requests: Vec<u64>,
+    pub(crate) in_flight: usize,
+    pub(crate) ack: crate::sessions::AckPolicy,
     pub(crate) out: PathBuf,
 }
 
@@ -111,10 +124,13 @@ pub(crate) fn parse(
         },
         records: vec![100_000, 1_000_000, 10_000_000],
         prefill: vec![1_000_000, 10_000_000],
+        requests: crate::sessions::REQUESTS.to_vec(),
+        in_flight: crate::sessions::IN_FLIGHT,
+        ack: crate::sessions::AckPolicy::Trailing,
         out: PathBuf::from("target/bench/http.json"),
     };
     let (mut rounds, mut warmup, mut measure) = (None, None, None);
-    let (mut records, mut prefill) = (None, None);
+    let (mut records, mut prefill, mut requests) = (None, None, None);
     let mut quick = false;
     let mut child_records = None;
     let mut args = args.into_iter();
@@ -125,11 +141,12 @@ pub(crate) fn parse(
                 .ok_or_else(|| format!("{name} needs a value\n\n{USAGE}"))
         };
         match arg.as_str() {
-            "all" | "http" | "memory" | "memory-child" if first => {
+            "all" | "http" | "memory" | "sessions" | "memory-child" if first => {
                 options.mode = match arg.as_str() {
                     "all" => Mode::All,
                     "http" => Mode::Http,
                     "memory" => Mode::Memory,
+                    "sessions" => Mode::Sessions,
                     _ => Mode::MemoryChild { records: 0 },
                 }
             }
@@ -171,6 +188,14 @@ pub(crate) fn parse(
                     counts(&arg, &list)?
                 });
             }
+            "--requests" => requests = Some(counts(&arg, &value(&arg)?)?),
+            "--in-flight" => options.in_flight = number(&arg, &value(&arg)?)?,
+            "--ack" => {
+                let name = value(&arg)?;
+                options.ack = crate::sessions::AckPolicy::parse(&name).ok_or_else(|| {
+                    format!("--ack takes `trailing` or `lowest`, not {name:?}\n\n{USAGE}")
+                })?;
+            }
             "--out" => options.out = PathBuf::from(value(&arg)?),
             other => return Err(format!("unknown argument {other:?}\n\n{USAGE}")),
         }
@@ -182,7 +207,9 @@ pub(crate) fn parse(
         options.measure = Duration::from_secs(3);
         options.records = vec![100_000, 1_000_000];
         options.prefill = vec![1_000_000];
+        options.requests = crate::sessions::QUICK_REQUESTS.to_vec();
     }
+    options.requests = requests.unwrap_or(options.requests);
     options.records = records.unwrap_or(options.records);
     options.prefill = prefill.unwrap_or(options.prefill);
     options.rounds = rounds.unwrap_or(options.rounds);
@@ -228,6 +255,7 @@ fn seconds(name: &str, value: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sessions::AckPolicy;
 
     fn parse_args(args: &[&str]) -> Result<Options, String> {
         parse(args.iter().map(|s| s.to_string()), |name| match name {
@@ -253,6 +281,32 @@ mod tests {
         );
         assert_eq!(o.records, [100_000, 1_000_000, 10_000_000]);
         assert_eq!(o.prefill, [1_000_000, 10_000_000]);
+        assert_eq!(o.requests, [100, 1_000, 10_000, 100_000]);
+        assert_eq!(o.in_flight, 16);
+        assert_eq!(o.ack, AckPolicy::Trailing);
+    }
+
+    #[test]
+    fn sessions_mode() {
+        let o = parse_args(&["sessions", "--quick"]).unwrap();
+        assert_eq!(o.mode, Mode::Sessions);
+        assert_eq!(o.requests, [100, 1_000, 10_000]);
+        let o = parse_args(&[
+            "sessions",
+            "--requests",
+            "50,5000",
+            "--quick",
+            "--in-flight",
+            "4",
+            "--ack",
+            "lowest",
+        ])
+        .unwrap();
+        assert_eq!(o.requests, [50, 5_000], "an explicit list beats --quick");
+        assert_eq!((o.in_flight, o.ack), (4, AckPolicy::Lowest));
+        assert!(parse_args(&["--ack", "prompt"]).is_err());
+        assert!(parse_args(&["--in-flight", "0"]).is_err());
+        assert!(parse_args(&["--requests", "0"]).is_err());
     }
 
     #[test]

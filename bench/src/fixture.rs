@@ -16,7 +16,7 @@ use bytes::Bytes;
 use http::header::CONTENT_TYPE;
 use http::{Request, Response};
 use http_body_util::Full;
-use idempotent_tower::RequestBody;
+use idempotent_tower::{IDEMPOTENCY_SESSION, RequestBody, SessionHeader};
 use serde::{Deserialize, Serialize};
 use tower::service_fn;
 
@@ -58,6 +58,39 @@ impl KeyId {
             KeyId::Probe(n) => format!("p{n}"),
         }
     }
+
+    /// The request numbered `seq` of a client session as the load generator names them:
+    /// session `c<lane>` for connection `lane`, session `p` for the probe; the key of index
+    /// `seq - 1`.
+    pub(crate) fn of_session(id: &str, seq: u64) -> Option<KeyId> {
+        let index = usize::try_from(seq.checked_sub(1)?).ok()?;
+        match id {
+            "p" => Some(KeyId::Probe(index)),
+            _ => Some(KeyId::Load {
+                lane: id.strip_prefix('c')?.parse().ok()?,
+                index,
+            }),
+        }
+    }
+
+    /// The session id and sequence number of this key's request in a client session (the
+    /// inverse of [`KeyId::of_session`]).
+    pub(crate) fn to_session(self) -> (String, u64) {
+        match self {
+            KeyId::Load { lane, index } => (format!("c{lane}"), index as u64 + 1),
+            KeyId::Probe(n) => ("p".to_owned(), n as u64 + 1),
+        }
+    }
+}
+
+/// Which key a request names: its `Idempotency-Key`, else the place its
+/// `Idempotency-Session` gives.
+fn key_of(headers: &HeaderMap) -> Option<KeyId> {
+    if let Some(key) = headers.get("idempotency-key") {
+        return key.to_str().ok().and_then(KeyId::parse);
+    }
+    let session = SessionHeader::parse(headers.get(IDEMPOTENCY_SESSION)?.as_bytes()).ok()?;
+    KeyId::of_session(session.id().as_str(), session.seq())
 }
 
 /// How many times the handler ran per distinct key during one row, as counted by the server.
@@ -146,10 +179,7 @@ async fn pay(
     headers: HeaderMap,
     Json(payment): Json<Payment>,
 ) -> (StatusCode, Json<Receipt>) {
-    let key = headers
-        .get("idempotency-key")
-        .and_then(|value| value.to_str().ok())
-        .and_then(KeyId::parse);
+    let key = key_of(&headers);
     if let Some(KeyId::Probe(_)) = key {
         tokio::time::sleep(PROBE_HOLD).await;
     }
@@ -234,6 +264,38 @@ mod tests {
         ] {
             assert_eq!(KeyId::parse(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn sessions_name_keys() {
+        for key in [
+            KeyId::Load { lane: 0, index: 0 },
+            KeyId::Load {
+                lane: 63,
+                index: 99,
+            },
+            KeyId::Probe(7),
+        ] {
+            let (id, seq) = key.to_session();
+            assert_eq!(KeyId::of_session(&id, seq), Some(key));
+        }
+        assert_eq!(
+            KeyId::Load { lane: 3, index: 0 }.to_session(),
+            ("c3".to_owned(), 1)
+        );
+        assert_eq!(KeyId::of_session("c3", 0), None, "seq starts at 1");
+        assert_eq!(KeyId::of_session("x3", 1), None);
+        assert_eq!(KeyId::of_session("c", 1), None);
+
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            IDEMPOTENCY_SESSION,
+            http::HeaderValue::from_static(r#"id="c2", seq=5, ack=4"#),
+        );
+        assert_eq!(key_of(&headers), Some(KeyId::Load { lane: 2, index: 4 }));
+        headers.insert("idempotency-key", http::HeaderValue::from_static("p1"));
+        assert_eq!(key_of(&headers), Some(KeyId::Probe(1)), "a key first");
+        assert_eq!(key_of(&HeaderMap::new()), None);
     }
 
     #[test]

@@ -214,7 +214,8 @@ impl Redis {
                 let rate = claim(REDIS_REPLAY_KEY, REPLAY_KEYS, 20_000)?;
                 claim(REDIS_REPLAY_KEY, REPLAY_KEYS, (rate * seconds) as u64)
             }
-            Scenario::Fresh | Scenario::None => {
+            // Limit rows are fresh or replay (`rows`); the others would be fresh.
+            Scenario::Fresh | Scenario::None | Scenario::Session => {
                 let fresh_keys = 100_000_000_000;
                 let rate = claim(REDIS_FRESH_KEY, fresh_keys, 20_000)?;
                 let claims = claim(REDIS_FRESH_KEY, fresh_keys, (rate * seconds) as u64)?;
@@ -454,7 +455,7 @@ pub(crate) fn pgbench_script(claim: &str, complete: &str, scenario: Scenario) ->
         .replace("$1", KEY);
     match scenario {
         Scenario::Replay => format!("\\set k random(1, {REPLAY_KEYS})\n{claim};\n"),
-        Scenario::Fresh | Scenario::None => {
+        Scenario::Fresh | Scenario::None | Scenario::Session => {
             let complete = complete
                 .replace("$4", TTL_US)
                 .replace("$3", PAYLOAD)

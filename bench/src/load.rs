@@ -77,7 +77,7 @@ impl Connection {
     async fn send(
         &mut self,
         path: &str,
-        key: Option<&str>,
+        named: Option<&Named>,
         cookie: Option<&HeaderValue>,
         body: &'static [u8],
     ) -> Result<Answer, String> {
@@ -86,8 +86,9 @@ impl Connection {
             .uri(path)
             .header(HOST, self.host.clone())
             .header(CONTENT_TYPE, "application/json");
-        if let Some(key) = key {
-            request = request.header("idempotency-key", key);
+        if let Some(named) = named {
+            let (name, value) = named.header();
+            request = request.header(name, value);
         }
         if let Some(cookie) = cookie {
             request = request.header(COOKIE, cookie.clone());
@@ -140,13 +141,43 @@ fn session_cookie(set_cookie: &HeaderValue) -> Option<HeaderValue> {
         .flatten()
 }
 
+/// What a request names: an idempotency key, or its place in a client session (the
+/// `Idempotency-Session` value).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Named {
+    Key(String),
+    Session(String),
+}
+
+impl Named {
+    /// `key` as the scenario sends it: its key, or in the `session` scenario its place in
+    /// its session, acknowledging the request before it.
+    pub(crate) fn of(key: KeyId, scenario: Scenario) -> Named {
+        match scenario {
+            Scenario::Session => {
+                let (id, seq) = key.to_session();
+                Named::Session(format!("id=\"{id}\", seq={seq}, ack={}", seq - 1))
+            }
+            Scenario::None | Scenario::Fresh | Scenario::Replay => Named::Key(key.to_key()),
+        }
+    }
+
+    /// The request header that carries it.
+    fn header(&self) -> (&'static str, &str) {
+        match self {
+            Named::Key(key) => ("idempotency-key", key),
+            Named::Session(place) => ("idempotency-session", place),
+        }
+    }
+}
+
 /// The key of request number `n` of connection `lane`.
-pub(crate) fn key_for(scenario: Scenario, replay_keys: usize, lane: usize, n: u64) -> String {
+pub(crate) fn key_for(scenario: Scenario, replay_keys: usize, lane: usize, n: u64) -> KeyId {
     let index = match scenario {
         Scenario::Replay => (n % replay_keys as u64) as usize,
-        Scenario::Fresh | Scenario::None => n as usize,
+        Scenario::Fresh | Scenario::None | Scenario::Session => n as usize,
     };
-    KeyId::Load { lane, index }.to_key()
+    KeyId::Load { lane, index }
 }
 
 /// Runs `plan`: every connection connects (and opens its session, and creates its replay keys),
@@ -227,10 +258,13 @@ async fn drive(
         if sent >= end {
             break;
         }
-        let key = key_for(plan.scenario, plan.replay_keys, lane, n);
+        let named = Named::of(
+            key_for(plan.scenario, plan.replay_keys, lane, n),
+            plan.scenario,
+        );
         n += 1;
         let answer = connection
-            .send(PAYMENTS, Some(&key), cookie.as_ref(), REQUEST_BODY)
+            .send(PAYMENTS, Some(&named), cookie.as_ref(), REQUEST_BODY)
             .await;
         let timed = sent >= timed_from;
         match answer {
@@ -263,7 +297,12 @@ async fn seed(
     for index in 0..plan.replay_keys {
         let key = KeyId::Load { lane, index }.to_key();
         let answer = connection
-            .send(PAYMENTS, Some(&key), cookie, REQUEST_BODY)
+            .send(
+                PAYMENTS,
+                Some(&Named::Key(key.clone())),
+                cookie,
+                REQUEST_BODY,
+            )
             .await?;
         if !(200..300).contains(&answer.status) {
             return Err(format!(
@@ -278,10 +317,13 @@ async fn seed(
 /// The exactly-once probe: `keys` new keys, each sent by `duplicates` connections at once
 /// (the handler holds a probe key for [`PROBE_HOLD`](crate::fixture::PROBE_HOLD), so they overlap),
 /// then once more after all answered, as a client's retry. One client: the connections share
-/// its session when the row needs one. The server's tally says how often each key ran.
+/// its session when the row needs one. In the `session` scenario the keys are the requests
+/// of one client session, each acknowledging the one before. The server's tally says how
+/// often each key ran.
 pub(crate) async fn probe(
     addr: SocketAddr,
     session: bool,
+    scenario: Scenario,
     keys: usize,
     duplicates: usize,
 ) -> Result<Traffic, String> {
@@ -299,7 +341,7 @@ pub(crate) async fn probe(
         traffic.replayed += u64::from(answer.replayed);
     };
     for n in 0..keys {
-        let key = KeyId::Probe(n).to_key();
+        let key = Named::of(KeyId::Probe(n), scenario);
         let mut burst = JoinSet::new();
         for mut connection in connections.drain(..) {
             let (key, cookie) = (key.clone(), cookie.clone());
@@ -329,11 +371,41 @@ mod tests {
 
     #[test]
     fn keys_per_scenario() {
-        assert_eq!(key_for(Scenario::Fresh, 4, 3, 0), "c3-0");
-        assert_eq!(key_for(Scenario::Fresh, 4, 3, 9), "c3-9");
-        assert_eq!(key_for(Scenario::None, 4, 3, 9), "c3-9");
-        assert_eq!(key_for(Scenario::Replay, 4, 3, 9), "c3-1");
-        assert_eq!(key_for(Scenario::Replay, 4, 0, 4), "c0-0");
+        let key = |scenario, lane, n| key_for(scenario, 4, lane, n).to_key();
+        assert_eq!(key(Scenario::Fresh, 3, 0), "c3-0");
+        assert_eq!(key(Scenario::Fresh, 3, 9), "c3-9");
+        assert_eq!(key(Scenario::None, 3, 9), "c3-9");
+        assert_eq!(key(Scenario::Replay, 3, 9), "c3-1");
+        assert_eq!(key(Scenario::Replay, 0, 4), "c0-0");
+        assert_eq!(key(Scenario::Session, 3, 9), "c3-9");
+    }
+
+    #[test]
+    fn sessions_number_and_acknowledge() {
+        let named = |n| Named::of(key_for(Scenario::Session, 4, 3, n), Scenario::Session);
+        assert_eq!(named(0), Named::Session(r#"id="c3", seq=1, ack=0"#.into()));
+        assert_eq!(named(9), Named::Session(r#"id="c3", seq=10, ack=9"#.into()));
+        assert_eq!(
+            Named::of(KeyId::Probe(2), Scenario::Session).header(),
+            ("idempotency-session", r#"id="p", seq=3, ack=2"#)
+        );
+        assert_eq!(
+            Named::of(KeyId::Probe(2), Scenario::Fresh).header(),
+            ("idempotency-key", "p2")
+        );
+        // What the layer reads, and what the handler attributes.
+        let Named::Session(value) = named(41) else {
+            panic!("a session")
+        };
+        let header = idempotent_tower::SessionHeader::parse(value.as_bytes()).unwrap();
+        assert_eq!(
+            (header.id().as_str(), header.seq(), header.ack()),
+            ("c3", 42, 41)
+        );
+        assert_eq!(
+            KeyId::of_session(header.id().as_str(), header.seq()),
+            Some(KeyId::Load { lane: 3, index: 41 })
+        );
     }
 
     #[test]

@@ -34,9 +34,15 @@
 //!   PostgreSQL (`postgres+rediscache`, on the Redis rows' server under a key prefix of its
 //!   own). Each reports the tier's hit rate: `hit / (hit + miss + error)` of its lookups in the
 //!   timed phase (`cache.rs`).
+//! - **Client sessions**: the rows `idempotent-tower/session/{memory,redis,postgres}` send
+//!   `Idempotency-Session` instead of a key: each connection is a session of its own, whose
+//!   requests are numbered 1, 2, 3, … and acknowledge the answer before (`ack = seq − 1`); the
+//!   probe is a session of its own too, each probe request acknowledging the one before.
 //! - **Memory**: resident bytes per record of a `MemoryStore` filled through
 //!   `IdempotencyLayer` with 200-byte responses, from `/proc/self/statm`, one child process
 //!   per record count.
+//! - **Sessions**: the bytes each store holds for N requests in one client session against N
+//!   requests with a key each, in process (`sessions.rs`).
 //!
 //! The peer crates (`idempotent` 2.0, `axum-idempotent` 0.6) are compiled in only with
 //! `RUSTFLAGS="--cfg idempotent_bench_peers"` and `cargo --ignore-rust-version` (`idempotent`
@@ -55,6 +61,7 @@ mod peers;
 mod report;
 mod rows;
 mod scale;
+mod sessions;
 
 use std::process::ExitCode;
 
@@ -91,7 +98,11 @@ fn main() -> ExitCode {
         }
         Mode::Http => http(&options),
         Mode::Memory => memory_mode(&options),
-        Mode::All => http(&options).and_then(|http_ok| Ok(memory_mode(&options)? && http_ok)),
+        Mode::Sessions => sessions_mode(&options),
+        Mode::All => http(&options).and_then(|http_ok| {
+            let memory_ok = memory_mode(&options)?;
+            Ok(sessions_mode(&options)? && memory_ok && http_ok)
+        }),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -399,6 +410,7 @@ fn run_row(
         load::probe(
             server.addr,
             session,
+            row.scenario,
             options.probe_keys,
             options.probe_duplicates,
         )
@@ -416,6 +428,18 @@ fn memory_mode(options: &Options) -> Result<bool, String> {
     report::write_json(
         &options.out,
         records.into_iter().map(Record::Memory).collect(),
+    )
+    .map_err(|e| format!("cannot write {}: {e}", options.out.display()))?;
+    eprintln!("wrote {}", options.out.display());
+    Ok(true)
+}
+
+fn sessions_mode(options: &Options) -> Result<bool, String> {
+    let records = sessions::run(options)?;
+    println!("{}", sessions::table(&records));
+    report::write_json(
+        &options.out,
+        records.into_iter().map(Record::Sessions).collect(),
     )
     .map_err(|e| format!("cannot write {}: {e}", options.out.display()))?;
     eprintln!("wrote {}", options.out.display());
@@ -484,6 +508,44 @@ mod tests {
         );
         assert_eq!(audit.executions - audit.distinct_keys, 2 * 3);
         assert!(!audit.exactly_once());
+    }
+
+    /// A session row: each connection's session numbers its requests and acknowledges each
+    /// answer; every request runs once, none replays, and the probe's session runs each of its
+    /// requests once although they come as concurrent duplicates.
+    #[test]
+    fn a_session_row_runs_each_request_once() {
+        let args = [
+            "http",
+            "--warmup",
+            "0.1",
+            "--duration",
+            "0.2",
+            "--connections",
+            "4",
+        ];
+        let mut options = cli::parse(args.map(String::from), |_| None).unwrap();
+        options.probe_keys = 3;
+        options.probe_duplicates = 3;
+        let client = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let row = Row {
+            implementation: Implementation::Tower,
+            scenario: Scenario::Session,
+            store: StoreKind::Memory,
+            cache: Cache::None,
+            prefilled: 0,
+        };
+        let (traffic, audit) = run_row(row, &options, &client).unwrap();
+        assert!(traffic.successes() > 0);
+        assert_eq!(traffic.failures(), 0, "{:?}", traffic.statuses);
+        assert_eq!(traffic.replayed, 0);
+        assert!(audit.exactly_once(), "{audit:?}");
+        assert_eq!(audit.probe_keys, 3);
+        assert_eq!(audit.executions, audit.distinct_keys);
     }
 
     /// The in-process tier in front of a store (the memory store here, to need no server):

@@ -1,5 +1,5 @@
-//! What a run produces: the records of the HTTP rows, the limit rows, the prefills and the
-//! memory mode, their markdown tables and the JSON file.
+//! What a run produces: the records of the HTTP rows, the limit rows, the prefills, the
+//! memory mode and the sessions mode, their markdown tables and the JSON file.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -10,8 +10,10 @@ use serde::{Deserialize, Serialize};
 use crate::cache::CacheWindow;
 use crate::measure::{Audit, Traffic, round1};
 use crate::rows::Row;
+use crate::sessions::SessionRecord;
 
-/// One object of `http.json`: a row of the HTTP benchmark or a memory measurement.
+/// One object of `http.json`: a row of the HTTP benchmark, a memory measurement or a
+/// sessions measurement.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "mode", rename_all = "lowercase")]
 pub(crate) enum Record {
@@ -20,6 +22,8 @@ pub(crate) enum Record {
     Memory(MemoryRecord),
     /// How a shared store was prefilled for the prefilled rows, and its size then.
     Prefill(FillRecord),
+    /// What a store holds for one client session against keys (`sessions.rs`).
+    Sessions(SessionRecord),
 }
 
 /// A limit row: what the backend's own benchmark tool does with the store's statements
@@ -391,9 +395,9 @@ pub(crate) fn prefilled_table(records: &[HttpRecord], fills: &[FillRecord]) -> S
     out
 }
 
-/// Writes `records` to `path`, keeping the objects of the other mode already there (so the
-/// HTTP and memory modes can run separately and still share one file). The limit rows belong
-/// and the prefill records belong to the HTTP mode.
+/// Writes `records` to `path`, keeping the objects of the other modes already there (so the
+/// HTTP, memory and sessions modes can run separately and still share one file). The limit
+/// rows and the prefill records belong to the HTTP mode.
 pub(crate) fn write_json(path: &Path, records: Vec<Record>) -> std::io::Result<()> {
     let mut all: Vec<Record> = std::fs::read(path)
         .ok()
@@ -403,9 +407,11 @@ pub(crate) fn write_json(path: &Path, records: Vec<Record>) -> std::io::Result<(
         .iter()
         .any(|r| matches!(r, Record::Http(_) | Record::Limit(_) | Record::Prefill(_)));
     let replaces_memory = records.iter().any(|r| matches!(r, Record::Memory(_)));
+    let replaces_sessions = records.iter().any(|r| matches!(r, Record::Sessions(_)));
     all.retain(|r| match r {
         Record::Http(_) | Record::Limit(_) | Record::Prefill(_) => !replaces_http,
         Record::Memory(_) => !replaces_memory,
+        Record::Sessions(_) => !replaces_sessions,
     });
     all.extend(records);
     if let Some(dir) = path.parent() {

@@ -43,6 +43,9 @@ pub(crate) enum Scenario {
     Fresh,
     /// Each connection cycles over its own few keys, created before the timed phase.
     Replay,
+    /// No key: each connection is a client session of its own (`Idempotency-Session`), its
+    /// requests numbered 1, 2, 3, … each acknowledging the answer before it.
+    Session,
 }
 
 impl Scenario {
@@ -51,6 +54,7 @@ impl Scenario {
             Scenario::None => "none",
             Scenario::Fresh => "fresh",
             Scenario::Replay => "replay",
+            Scenario::Session => "session",
         }
     }
 }
@@ -175,7 +179,7 @@ pub(crate) fn selects(filter: &[String], parts: [&str; 3]) -> bool {
 /// Every row, in table order: `bare`, ours on memory, the peers, ours on the shared stores,
 /// then ours on the shared stores behind a cache tier: the in-process tier in front of Redis
 /// and of PostgreSQL, and Redis in front of PostgreSQL (each only when the URLs it needs are
-/// known).
+/// known). Ours on a store without a tier also has a `session` row after its `replay` row.
 pub(crate) fn all_rows(redis: bool, postgres: bool) -> Vec<Row> {
     let mut rows = vec![Row {
         implementation: Implementation::Bare,
@@ -193,7 +197,15 @@ pub(crate) fn all_rows(redis: bool, postgres: bool) -> Vec<Row> {
             prefilled: 0,
         })
     };
+    let session = |store| Row {
+        implementation: Implementation::Tower,
+        scenario: Scenario::Session,
+        store,
+        cache: Cache::None,
+        prefilled: 0,
+    };
     rows.extend(both(Implementation::Tower, StoreKind::Memory, Cache::None));
+    rows.push(session(StoreKind::Memory));
     rows.extend(both(
         Implementation::Idempotent2,
         StoreKind::Memory,
@@ -207,9 +219,11 @@ pub(crate) fn all_rows(redis: bool, postgres: bool) -> Vec<Row> {
     let tower = |store, cache| both(Implementation::Tower, store, cache);
     if redis {
         rows.extend(tower(StoreKind::Redis, Cache::None));
+        rows.push(session(StoreKind::Redis));
     }
     if postgres {
         rows.extend(tower(StoreKind::Postgres, Cache::None));
+        rows.push(session(StoreKind::Postgres));
     }
     if redis {
         rows.extend(tower(StoreKind::Redis, Cache::Memory));
@@ -268,24 +282,28 @@ mod tests {
                 "bare/none/none",
                 "idempotent-tower/fresh/memory",
                 "idempotent-tower/replay/memory",
+                "idempotent-tower/session/memory",
                 "idempotent-2.0/fresh/memory",
                 "idempotent-2.0/replay/memory",
                 "axum-idempotent-0.6/fresh/memory",
                 "axum-idempotent-0.6/replay/memory",
                 "idempotent-tower/fresh/redis",
                 "idempotent-tower/replay/redis",
+                "idempotent-tower/session/redis",
                 "idempotent-tower/fresh/redis+memcache",
                 "idempotent-tower/replay/redis+memcache",
             ]
         );
         let labels: Vec<String> = all_rows(true, true).iter().map(Row::label).collect();
         assert_eq!(
-            labels[7..],
+            labels[8..],
             [
                 "idempotent-tower/fresh/redis",
                 "idempotent-tower/replay/redis",
+                "idempotent-tower/session/redis",
                 "idempotent-tower/fresh/postgres",
                 "idempotent-tower/replay/postgres",
+                "idempotent-tower/session/postgres",
                 "idempotent-tower/fresh/redis+memcache",
                 "idempotent-tower/replay/redis+memcache",
                 "idempotent-tower/fresh/postgres+memcache",
@@ -294,20 +312,21 @@ mod tests {
                 "idempotent-tower/replay/postgres+rediscache",
             ]
         );
-        assert_eq!(all_rows(true, true).len(), 17);
+        assert_eq!(all_rows(true, true).len(), 20);
         let postgres_only: Vec<String> =
-            all_rows(false, true)[7..].iter().map(Row::label).collect();
+            all_rows(false, true)[8..].iter().map(Row::label).collect();
         assert_eq!(
             postgres_only,
             [
                 "idempotent-tower/fresh/postgres",
                 "idempotent-tower/replay/postgres",
+                "idempotent-tower/session/postgres",
                 "idempotent-tower/fresh/postgres+memcache",
                 "idempotent-tower/replay/postgres+memcache",
             ],
             "Redis in front of PostgreSQL needs both"
         );
-        assert_eq!(all_rows(false, false).len(), 7);
+        assert_eq!(all_rows(false, false).len(), 8);
     }
 
     #[test]
@@ -320,10 +339,10 @@ mod tests {
                 .map(Row::label)
                 .collect()
         };
-        assert_eq!(pick(&[]).len(), 17);
+        assert_eq!(pick(&[]).len(), 20);
         assert_eq!(
             pick(&["bare", "postgres"]).len(),
-            7,
+            8,
             "bare and every row on PostgreSQL, with or without a cache tier"
         );
         assert_eq!(
@@ -338,12 +357,21 @@ mod tests {
             ]
         );
         assert_eq!(pick(&["idempotent"]).len(), 0, "no partial names");
-        assert_eq!(pick(&["idempotent-tower"]).len(), 12);
+        assert_eq!(pick(&["idempotent-tower"]).len(), 15);
+        assert_eq!(
+            pick(&["session"]),
+            [
+                "idempotent-tower/session/memory",
+                "idempotent-tower/session/redis",
+                "idempotent-tower/session/postgres",
+            ]
+        );
         assert_eq!(
             pick(&["redis"]),
             [
                 "idempotent-tower/fresh/redis",
                 "idempotent-tower/replay/redis",
+                "idempotent-tower/session/redis",
                 "idempotent-tower/fresh/redis+memcache",
                 "idempotent-tower/replay/redis+memcache",
             ],

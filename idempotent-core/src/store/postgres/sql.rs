@@ -284,10 +284,13 @@ impl Sql {
 /// - `dropped` deletes the requests' rows the mark now covers (`old mark + 1 ..= min(mark,
 ///   high)`) and `kept` keeps the ones above it (`mark + 1 ..= high`) at least the idle time
 ///   from now: a completed row's `expires_at`, an in-flight row's `kept_until` (how long an
-///   abandoned claim is kept to be taken over). Both are ranges of the primary key, at most
+///   abandoned claim is kept to be taken over). A row with less than the idle time left gets
+///   one and a half, so each is rewritten once per half idle time at most rather than on every
+///   request (an update of an indexed column leaves a dead row behind). Both are ranges of the primary key, at most
 ///   the window long, and follow `saved` (they read its output), under the session's lock.
 fn open_session(t: &str, seq: &str) -> String {
     let max = crate::session::MAX_SEQ;
+    let max_us = MAX_MICROS;
     format!(
         "WITH locked AS (\
              SELECT state, token, lifetime, claimant, expires_at FROM {t} \
@@ -298,10 +301,11 @@ fn open_session(t: &str, seq: &str) -> String {
              coalesce(l.state = 'session' AND l.token BETWEEN 0 AND {max} \
                  AND l.lifetime BETWEEN 0 AND {max} AND l.claimant > 0, false) AS valid, \
              l.token AS mark, l.lifetime AS high, l.claimant AS epoch, \
-             clock_timestamp() + $5 * interval '1 microsecond' AS until \
+             clock_timestamp() + $5 * interval '1 microsecond' AS until, \
+             clock_timestamp() + least($5 * 3 / 2, {max_us}) * interval '1 microsecond' AS longer \
              FROM (SELECT) AS one LEFT JOIN locked AS l ON true\
          ), step AS (\
-             SELECT present, until, \
+             SELECT present, until, longer, \
              CASE WHEN live THEN epoch ELSE nextval('{seq}') END AS epoch, \
              CASE WHEN live THEN mark ELSE 0 END AS old_mark, \
              CASE WHEN live THEN high ELSE 0 END AS old_high, \
@@ -326,7 +330,7 @@ fn open_session(t: &str, seq: &str) -> String {
          ), ranges AS (\
              SELECT p || int8send(old_mark) AS drop_after, \
              p || int8send(least(mark, old_high)) AS drop_to, \
-             p || int8send(mark) AS keep_after, p || int8send(old_high) AS keep_to, until \
+             p || int8send(mark) AS keep_after, p || int8send(old_high) AS keep_to, until, longer \
              FROM (SELECT substring($1 from 1 for 32) || int8send(epoch) AS p, * FROM decided) AS d \
              WHERE EXISTS (SELECT FROM saved)\
          ), dropped AS (\
@@ -336,11 +340,13 @@ fn open_session(t: &str, seq: &str) -> String {
          ), kept AS (\
              UPDATE {t} SET \
              expires_at = CASE WHEN state = 'completed' \
-                 THEN greatest(expires_at, (SELECT until FROM ranges)) ELSE expires_at END, \
-             kept_until = greatest(kept_until, (SELECT until FROM ranges)) \
+                 THEN greatest(expires_at, (SELECT longer FROM ranges)) ELSE expires_at END, \
+             kept_until = greatest(kept_until, (SELECT longer FROM ranges)) \
              WHERE storage_key > (SELECT keep_after FROM ranges) \
              AND storage_key <= (SELECT keep_to FROM ranges) \
-             AND (state = 'in_flight' OR (state = 'completed' AND expires_at > clock_timestamp()))\
+             AND ((state = 'in_flight' AND coalesce(kept_until, expires_at) < (SELECT until FROM ranges)) \
+                 OR (state = 'completed' AND expires_at > clock_timestamp() \
+                     AND expires_at < (SELECT until FROM ranges)))\
          ) \
          SELECT CASE WHEN k.live AND NOT k.valid THEN 'corrupt' \
              WHEN d.gate IS NULL THEN 'expired' \

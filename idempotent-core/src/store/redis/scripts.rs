@@ -188,9 +188,12 @@ local base = KEYS[1] .. ':' .. decimal(epoch) .. ':'
 for s = mark + 1, math.min(to, old_high) do
   redis.call('DEL', base .. decimal(s))
 end
+-- An answer with less than the idle time left gets one and a half, so each is rewritten once
+-- per half idle time at most, not on every request, and still outlives its session.
+local longer = math.min(idle + math.floor(idle / 2), MAX_MS)
 for s = to + 1, old_high do
   local left = redis.call('PTTL', base .. decimal(s))
-  if left >= 0 and left < idle then redis.call('PEXPIRE', base .. decimal(s), idle) end
+  if left >= 0 and left < idle then redis.call('PEXPIRE', base .. decimal(s), longer) end
 end
 return reply
 ";
@@ -276,7 +279,9 @@ pub(super) fn scripts() -> &'static Scripts {
         completed: checked_in_oom(&[], &[COMPLETED]),
         session: checked(
             &[4],
-            &[&SESSION.replace("MAX_WINDOW", &MAX_SESSION_WINDOW.to_string())],
+            &[&SESSION
+                .replace("MAX_WINDOW", &MAX_SESSION_WINDOW.to_string())
+                .replace("MAX_MS", &MAX_EXPIRY_MS.to_string())],
         ),
     })
 }
