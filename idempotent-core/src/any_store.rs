@@ -702,6 +702,13 @@ impl Store for AnyStore {
         each!(self, |store| store.open_session(session, request).await)
     }
 
+    async fn session_mark(
+        &self,
+        session: &crate::SessionKey,
+    ) -> Result<Option<crate::SessionMark>, StoreError> {
+        each!(self, |store| store.session_mark(session).await)
+    }
+
     async fn wait_for_change(&self, key: &StorageKey, max_wait: Duration) {
         each!(self, |store| store.wait_for_change(key, max_wait).await)
     }

@@ -161,6 +161,7 @@ macro_rules! store_conformance_tests {
             session_requests_keep_its_answers_alive,
             session_gate_is_atomic,
             sessions_are_isolated,
+            session_mark_reads_what_the_gate_left,
         );
     };
     (@tests $harness:ty; $($check:ident),* $(,)?) => {

@@ -141,22 +141,35 @@ impl Idempotency {
         // The gate and the claim are two steps: between them a later request's `ack` may have
         // covered this number and dropped its answer (a duplicate that waited, or whose claim
         // was slow), and the claim then found nothing to replay. Every store raises the mark
-        // before it drops anything, so asking the gate again now tells: still open in the same
-        // epoch, or this call must not run.
+        // before it drops anything, so reading the session now tells: still live in the same
+        // epoch with its mark below this number, or this call must not run.
         if let Some((session, request, epoch)) = gate {
-            let again = self.open_session(&session, request, lease).await;
-            if !matches!(again, Ok(current) if current == epoch) {
-                let limit = claim_limit(lease);
+            let limit = claim_limit(lease);
+            let read = bounded(inner.store.session_mark(&session), limit)
+                .await
+                .unwrap_or_else(|| {
+                    Err(StoreError::Unavailable(
+                        format!("the store did not answer the session read within {limit:?}")
+                            .into(),
+                    ))
+                });
+            let refused = match read {
+                Ok(Some(mark)) if mark.epoch == epoch && mark.ack < request.seq => None,
+                Ok(Some(mark)) if mark.epoch == epoch => Some(Error::SequenceAcknowledged {
+                    seq: request.seq,
+                    ack: mark.ack,
+                }),
+                Ok(_) => Some(Error::SessionExpired),
+                Err(error) => Some(Error::Store(error)),
+            };
+            if let Some(refused) = refused {
                 if bounded(inner.store.release(&key, token), limit)
                     .await
                     .is_none()
                 {
                     tracing::warn!(storage_key = %key, "releasing a session claim that may not run timed out; its lease ends it");
                 }
-                return Err(match again {
-                    Err(error) => error,
-                    Ok(_) => Error::SessionExpired,
-                });
+                return Err(refused);
             }
         }
         tracing::debug!(storage_key = %key, token = token.get(), "idempotent call claimed");

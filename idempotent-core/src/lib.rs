@@ -72,7 +72,7 @@
 //! | the root: outcomes | [`Retain`], [`Outcome`], [`Execution`], [`ClaimHandle`] |
 //! | the root: identity | [`Key`], [`KeyError`], [`MAX_KEY_LEN`], [`ToKey`], [`Scope`], [`StorageKey`], [`SessionPlace`], [`RecordBytes`], [`Fingerprint`], [`FingerprintBuilder`], [`CanonicalError`] |
 //! | the root: errors | [`Error`], [`StoreError`], [`BoxError`], [`ProblemCode`], [`GrpcCode`], [`MAX_IN_FLIGHT_RETRY_HINT`] |
-//! | the root: the store contract | [`Store`], [`Claim`], [`FencingToken`], [`SessionKey`], [`SessionRequest`], [`SessionGate`] |
+//! | the root: the store contract | [`Store`], [`Claim`], [`FencingToken`], [`SessionKey`], [`SessionRequest`], [`SessionGate`], [`SessionMark`] |
 //! | the root: a store chosen by URL or `IDEMPOTENCY_STORE` | `AnyStore`, `AnyStoreBuilder`, `AnyStoreError` (with any store's feature) |
 //! | the root: the attribute | [`idempotent`](macro@idempotent) (feature `macros`), [`default_runtime`], [`set_default_runtime`] |
 //! | [`limits`] | the accepted range of every duration, and checks for values read at run time |
@@ -299,7 +299,7 @@ pub use outcome::{Execution, Outcome, Retain};
 pub use problem::{GrpcCode, ProblemCode};
 pub use run_to_end::RunToEnd;
 pub use runtime::{CLAIM_TIMEOUT, DEFAULT_RECORD_RETRY, Idempotency, IdempotencyBuilder};
-pub use session::{SessionGate, SessionKey, SessionRequest};
+pub use session::{SessionGate, SessionKey, SessionMark, SessionRequest};
 pub use shutdown::Drained;
 pub use store::{Claim, FencingToken, Store};
 pub use to_key::ToKey;

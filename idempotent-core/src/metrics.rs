@@ -50,8 +50,9 @@
 //! the byte-level primitive, counts nothing: an integration of one's own built on it counts its
 //! outcomes with [`Idempotency::count`](crate::Idempotency::count).
 //!
-//! `operation` is `claim`, `complete`, `release`, `renew` or `open_session` (the
-//! [session gate](crate::Store::open_session)); `store` is the store's
+//! `operation` is `claim`, `complete`, `release`, `renew`, `open_session` (the
+//! [session gate](crate::Store::open_session)) or `session_mark` (its read, before a session
+//! request runs); `store` is the store's
 //! [`Store::name`](crate::Store::name) (`memory`, `redis`, `postgres`, or a custom store's);
 //! `result` is `ok`, `token_rejected` (the claim was no longer held), `capacity`,
 //! `unavailable`, `corrupt` or `backend` (see [`StoreError`]).
@@ -216,15 +217,17 @@ pub(crate) enum Operation {
     Release,
     Renew,
     OpenSession,
+    SessionMark,
 }
 
 impl Operation {
-    const ALL: [Operation; 5] = [
+    const ALL: [Operation; 6] = [
         Operation::Claim,
         Operation::Complete,
         Operation::Release,
         Operation::Renew,
         Operation::OpenSession,
+        Operation::SessionMark,
     ];
 
     const fn as_str(self) -> &'static str {
@@ -234,6 +237,7 @@ impl Operation {
             Operation::Release => "release",
             Operation::Renew => "renew",
             Operation::OpenSession => "open_session",
+            Operation::SessionMark => "session_mark",
         }
     }
 }

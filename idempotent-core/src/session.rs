@@ -161,6 +161,15 @@ impl SessionRequest {
     }
 }
 
+/// A live session's state, as [`Store::session_mark`](crate::Store::session_mark) reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionMark {
+    /// The session's incarnation (see [`SessionGate::Open`]).
+    pub epoch: u64,
+    /// The highest acknowledged mark the session has seen.
+    pub ack: u64,
+}
+
 /// What a store's session gate decided about one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SessionGate {

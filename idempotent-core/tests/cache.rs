@@ -847,7 +847,7 @@ impl<T: Tiered> Harness for Cache<T> {
     }
 
     fn time_unit(&self) -> Duration {
-        Duration::from_millis(150)
+        Duration::from_millis(250)
     }
 
     fn backend_env() -> Option<&'static str> {

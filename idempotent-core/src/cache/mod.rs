@@ -469,6 +469,13 @@ impl<S: Store> Store for Cached<S> {
         self.store.open_session(session, request).await
     }
 
+    async fn session_mark(
+        &self,
+        session: &crate::SessionKey,
+    ) -> Result<Option<crate::SessionMark>, StoreError> {
+        self.store.session_mark(session).await
+    }
+
     async fn wait_for_change(&self, key: &StorageKey, max_wait: Duration) {
         self.store.wait_for_change(key, max_wait).await;
     }

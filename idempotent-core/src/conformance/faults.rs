@@ -29,6 +29,8 @@ pub enum Op {
     Renew,
     /// [`Store::open_session`].
     OpenSession,
+    /// [`Store::session_mark`].
+    SessionMark,
 }
 
 /// What an operation under a fault does instead of (or besides) its normal work.
@@ -59,8 +61,8 @@ struct Rule {
 #[derive(Default)]
 struct State {
     rules: Mutex<HashMap<Op, Rule>>,
-    calls: [AtomicUsize; 5],
-    faulted: [AtomicUsize; 5],
+    calls: [AtomicUsize; 6],
+    faulted: [AtomicUsize; 6],
 }
 
 /// Controls the faults of a [`FaultyStore`]. Cheap to clone; clones control the same store.
@@ -82,6 +84,7 @@ fn index(op: Op) -> usize {
         Op::Release => 2,
         Op::Renew => 3,
         Op::OpenSession => 4,
+        Op::SessionMark => 5,
     }
 }
 
@@ -291,6 +294,14 @@ impl<S: Store> Store for FaultyStore<S> {
         request: SessionRequest,
     ) -> Result<SessionGate, StoreError> {
         self.apply(Op::OpenSession, self.inner.open_session(session, request))
+            .await
+    }
+
+    async fn session_mark(
+        &self,
+        session: &SessionKey,
+    ) -> Result<Option<crate::SessionMark>, StoreError> {
+        self.apply(Op::SessionMark, self.inner.session_mark(session))
             .await
     }
 

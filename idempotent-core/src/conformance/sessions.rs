@@ -281,3 +281,26 @@ pub async fn sessions_are_isolated<H: Harness>(h: &H) {
         .await
         .expect("the key's record is untouched by sessions");
 }
+
+/// `session_mark` reads what the gates left, and changes nothing: nothing for an unknown
+/// session, the epoch and the mark of a live one, nothing once it expired.
+pub async fn session_mark_reads_what_the_gate_left<H: Harness>(h: &H) {
+    let (store, unit) = (h.store(), h.time_unit());
+    let session = fresh_session();
+    let idle = 2 * unit;
+    let read = || async { store.session_mark(&session).await.expect("session_mark") };
+    assert_eq!(read().await, None);
+    let epoch = open(store, &session, (3, 0), 64, idle).await;
+    assert_eq!(read().await, Some(crate::SessionMark { epoch, ack: 0 }));
+    open(store, &session, (5, 2), 64, idle).await;
+    assert!(matches!(
+        gate(store, &session, (1, 0), 64, idle).await,
+        SessionGate::Acknowledged { ack: 2 }
+    ));
+    assert_eq!(read().await, Some(crate::SessionMark { epoch, ack: 2 }));
+    h.advance(unit).await;
+    read().await;
+    // Reading kept nothing alive: the session expires its idle time after its last gate.
+    h.advance(2 * unit).await;
+    assert_eq!(read().await, None);
+}

@@ -9,7 +9,9 @@ use bytes::Bytes;
 
 use super::{Claim, FencingToken, Store};
 use crate::metrics::{Metrics, Operation};
-use crate::{Fingerprint, SessionGate, SessionKey, SessionRequest, StorageKey, StoreError};
+use crate::{
+    Fingerprint, SessionGate, SessionKey, SessionMark, SessionRequest, StorageKey, StoreError,
+};
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -45,6 +47,10 @@ pub(crate) trait DynStore: Send + Sync + 'static {
         session: &'a SessionKey,
         request: SessionRequest,
     ) -> BoxFuture<'a, Result<SessionGate, StoreError>>;
+    fn session_mark<'a>(
+        &'a self,
+        session: &'a SessionKey,
+    ) -> BoxFuture<'a, Result<Option<SessionMark>, StoreError>>;
     fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()>;
     fn keeps_records_in_process(&self) -> bool;
     /// The metrics of the runtime this store serves.
@@ -131,6 +137,12 @@ impl<S: Store> DynStore for Measured<S> {
             Operation::OpenSession,
             self.store.open_session(session, request),
         ))
+    }
+    fn session_mark<'a>(
+        &'a self,
+        session: &'a SessionKey,
+    ) -> BoxFuture<'a, Result<Option<SessionMark>, StoreError>> {
+        Box::pin(self.timed(Operation::SessionMark, self.store.session_mark(session)))
     }
     fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()> {
         Box::pin(self.store.wait_for_change(key, max_wait))

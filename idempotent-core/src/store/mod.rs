@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::{Fingerprint, SessionGate, SessionKey, SessionRequest, StorageKey, StoreError};
+use crate::{
+    Fingerprint, SessionGate, SessionKey, SessionMark, SessionRequest, StorageKey, StoreError,
+};
 
 #[cfg(any(feature = "redis", feature = "postgres"))]
 mod give_back;
@@ -394,6 +396,26 @@ pub trait Store: Send + Sync + 'static {
         )))
     }
 
+    /// The live state of a [client session](crate::session) (its epoch and acknowledged
+    /// mark), or `None` when there is no live session under `session`. A read: it changes
+    /// nothing, and it sees every gate ([`open_session`](Self::open_session)) that answered
+    /// before it was sent.
+    ///
+    /// The runtime asks it once a session request holds its claim, before it runs anything:
+    /// between the gate and the claim a later request's `ack` may have covered the number and
+    /// dropped its answer, which the claim then did not find. A store whose gate raises the
+    /// mark before (or with) dropping answers makes that visible here. The default refuses, as
+    /// [`open_session`](Self::open_session)'s does; the conformance suite checks it.
+    fn session_mark(
+        &self,
+        session: &SessionKey,
+    ) -> impl Future<Output = Result<Option<SessionMark>, StoreError>> + Send {
+        let _ = session;
+        std::future::ready(Err(StoreError::Backend(
+            "this store does not keep client sessions (Store::session_mark)".into(),
+        )))
+    }
+
     /// Waits until `key` may have changed, or `max_wait` has passed, whichever is first.
     ///
     /// Callers waiting for an in-flight record to complete call this between claims. The
@@ -450,6 +472,12 @@ impl<S: Store> Store for Arc<S> {
         request: SessionRequest,
     ) -> impl Future<Output = Result<SessionGate, StoreError>> + Send {
         S::open_session(self, session, request)
+    }
+    fn session_mark(
+        &self,
+        session: &SessionKey,
+    ) -> impl Future<Output = Result<Option<SessionMark>, StoreError>> + Send {
+        S::session_mark(self, session)
     }
     fn name(&self) -> &'static str {
         S::name(self)

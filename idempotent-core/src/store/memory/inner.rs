@@ -491,6 +491,22 @@ impl Inner {
     }
 }
 
+impl Inner {
+    /// The live state of `session`, if any.
+    pub(super) fn session_mark(&self, session: &SessionKey) -> Option<crate::SessionMark> {
+        let now = self.now();
+        match self.records.get(&session.record_key()).as_deref() {
+            Some(Record::Session { state, expires }) if *expires > now => {
+                Some(crate::SessionMark {
+                    epoch: state.epoch,
+                    ack: state.ack,
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
 /// What a completion found.
 #[derive(PartialEq, Eq)]
 enum Completion {

@@ -254,6 +254,13 @@ impl Store for MemoryStore {
         self.inner.open_session(session, request)
     }
 
+    async fn session_mark(
+        &self,
+        session: &crate::SessionKey,
+    ) -> Result<Option<crate::SessionMark>, StoreError> {
+        Ok(self.inner.session_mark(session))
+    }
+
     async fn wait_for_change(&self, _key: &StorageKey, max_wait: Duration) {
         self.inner.waiters.fetch_add(1, Ordering::AcqRel);
         let _waiting = Waiting(&self.inner.waiters);

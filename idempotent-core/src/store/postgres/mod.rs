@@ -524,6 +524,43 @@ impl Store for PostgresStore {
         let result = self.sql.open_session_on(&mut connection, &params).await;
         Connections::settle(connection, result)
     }
+
+    /// One read of the session's row: live, and a valid session, or nothing.
+    async fn session_mark(
+        &self,
+        session: &crate::SessionKey,
+    ) -> Result<Option<crate::SessionMark>, StoreError> {
+        let mut connection = self.connections.get().await?;
+        let query = sqlx::query(&self.sql.session_mark)
+            .bind(session.record_key().record_bytes().as_ref().to_vec());
+        let result = connection
+            .fetch_optional(query)
+            .await
+            .map_err(store_error)
+            .and_then(|row| row.map(|row| session_mark(&row)).transpose());
+        Connections::settle(connection, result)
+    }
+}
+
+/// A live session row as the session's state; anything else at its key is corrupt.
+fn session_mark(row: &sqlx::postgres::PgRow) -> Result<crate::SessionMark, StoreError> {
+    use sqlx::Row as _;
+    let state: Option<String> = row.try_get("state").ok();
+    let ack: Option<i64> = row.try_get("token").ok();
+    let epoch: Option<i64> = row.try_get("claimant").ok().flatten();
+    match (state.as_deref(), ack, epoch) {
+        (Some("session"), Some(ack), Some(epoch))
+            if epoch > 0 && (0..=crate::session::MAX_SEQ as i64).contains(&ack) =>
+        {
+            Ok(crate::SessionMark {
+                epoch: epoch as u64,
+                ack: ack as u64,
+            })
+        }
+        _ => Err(StoreError::Corrupt(
+            "the row at a session's key is not a valid session".into(),
+        )),
+    }
 }
 
 #[cfg(test)]

@@ -50,6 +50,7 @@ pub(crate) struct Sql {
     pub(crate) give_back: String,
     pub(crate) reap: String,
     pub(crate) open_session: String,
+    pub(crate) session_mark: String,
 }
 
 impl Sql {
@@ -172,6 +173,10 @@ impl Sql {
                      LIMIT $2 FOR UPDATE SKIP LOCKED)"
             ),
             open_session: open_session(&t, &seq),
+            session_mark: format!(
+                "SELECT state, token, claimant FROM {t} \
+                 WHERE storage_key = $1 AND expires_at > clock_timestamp()"
+            ),
         })
     }
 

@@ -660,6 +660,45 @@ impl Store for RedisStore {
         }
         Ok(gate)
     }
+
+    /// One `HMGET` of the session's record: Redis forgets it when its idle time ends, so a
+    /// record that is there is live.
+    async fn session_mark(
+        &self,
+        session: &SessionKey,
+    ) -> Result<Option<crate::SessionMark>, StoreError> {
+        let mut connection = self.connection.clone();
+        let fields: Vec<Option<Vec<u8>>> = redis::cmd("HMGET")
+            .arg(self.redis_key(&session.record_key()))
+            .arg("e")
+            .arg("a")
+            .query_async(&mut connection)
+            .await
+            .map_err(store_error)?;
+        session_mark(&fields)
+    }
+}
+
+/// A session record's `e` (epoch) and `a` (mark) fields as its state: `None` when it has
+/// neither (no live session).
+fn session_mark(fields: &[Option<Vec<u8>>]) -> Result<Option<crate::SessionMark>, StoreError> {
+    let number = |field: &Option<Vec<u8>>| {
+        field
+            .as_deref()
+            .and_then(|t| std::str::from_utf8(t).ok())
+            .and_then(|t| t.parse::<u64>().ok())
+            .filter(|n| *n <= MAX_SEQ.max(1 << 53))
+    };
+    match fields {
+        [None, None] => Ok(None),
+        [epoch, ack] => match (number(epoch), number(ack)) {
+            (Some(epoch), Some(ack)) if epoch > 0 && ack <= MAX_SEQ => {
+                Ok(Some(crate::SessionMark { epoch, ack }))
+            }
+            _ => Err(corrupt("session record fields e and a")),
+        },
+        _ => Err(corrupt("unexpected session record reply")),
+    }
 }
 
 /// The session script's reply as the gate's decision.
