@@ -58,6 +58,42 @@ pub(crate) struct Backends {
     pub(crate) redis_replicas: usize,
 }
 
+/// The sessions mode: requests per run, by default and with `--quick`.
+pub(crate) const REQUESTS: [u64; 4] = [100, 1_000, 10_000, 100_000];
+pub(crate) const QUICK_REQUESTS: [u64; 3] = [100, 1_000, 10_000];
+/// Requests in flight at once, by default.
+pub(crate) const IN_FLIGHT: usize = 16;
+
+/// Which `ack` a client's requests carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AckPolicy {
+    /// Request `seq` acknowledges `seq - in_flight`: the answers the client held when it sent
+    /// it (it sends `seq` only once it holds every answer up to `seq - in_flight`). The store
+    /// then holds the last `in_flight` answers, whatever order they came in.
+    Trailing,
+    /// Request `seq` acknowledges every answer the client holds: the lowest unanswered
+    /// number − 1. What the store holds at the end depends on the order the last answers came
+    /// in (1 to `in_flight` of them).
+    Lowest,
+}
+
+impl AckPolicy {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            AckPolicy::Trailing => "trailing",
+            AckPolicy::Lowest => "lowest",
+        }
+    }
+
+    pub(crate) fn parse(name: &str) -> Option<AckPolicy> {
+        match name {
+            "trailing" => Some(AckPolicy::Trailing),
+            "lowest" => Some(AckPolicy::Lowest),
+            _ => None,
+        }
+    }
+}
+
 /// What to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Mode {
@@ -95,7 +131,7 @@ pub(crate) struct Options {
     /// The sessions mode: requests per run, requests in flight, and which ack they carry.
     pub(crate) requests: Vec<u64>,
     pub(crate) in_flight: usize,
-    pub(crate) ack: crate::sessions::AckPolicy,
+    pub(crate) ack: AckPolicy,
     pub(crate) out: PathBuf,
 }
 
@@ -124,9 +160,9 @@ pub(crate) fn parse(
         },
         records: vec![100_000, 1_000_000, 10_000_000],
         prefill: vec![1_000_000, 10_000_000],
-        requests: crate::sessions::REQUESTS.to_vec(),
-        in_flight: crate::sessions::IN_FLIGHT,
-        ack: crate::sessions::AckPolicy::Trailing,
+        requests: REQUESTS.to_vec(),
+        in_flight: IN_FLIGHT,
+        ack: AckPolicy::Trailing,
         out: PathBuf::from("target/bench/http.json"),
     };
     let (mut rounds, mut warmup, mut measure) = (None, None, None);
@@ -192,7 +228,7 @@ pub(crate) fn parse(
             "--in-flight" => options.in_flight = number(&arg, &value(&arg)?)?,
             "--ack" => {
                 let name = value(&arg)?;
-                options.ack = crate::sessions::AckPolicy::parse(&name).ok_or_else(|| {
+                options.ack = AckPolicy::parse(&name).ok_or_else(|| {
                     format!("--ack takes `trailing` or `lowest`, not {name:?}\n\n{USAGE}")
                 })?;
             }
@@ -207,7 +243,7 @@ pub(crate) fn parse(
         options.measure = Duration::from_secs(3);
         options.records = vec![100_000, 1_000_000];
         options.prefill = vec![1_000_000];
-        options.requests = crate::sessions::QUICK_REQUESTS.to_vec();
+        options.requests = QUICK_REQUESTS.to_vec();
     }
     options.requests = requests.unwrap_or(options.requests);
     options.records = records.unwrap_or(options.records);
@@ -255,7 +291,6 @@ fn seconds(name: &str, value: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sessions::AckPolicy;
 
     fn parse_args(args: &[&str]) -> Result<Options, String> {
         parse(args.iter().map(|s| s.to_string()), |name| match name {

@@ -47,15 +47,9 @@ use idempotent_core::{Call, Fingerprint, Idempotency, Key, SessionKey, StorageKe
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinSet;
 
-use crate::cli::{Backends, Options};
+use crate::cli::{AckPolicy, Backends, Options};
 use crate::fixture::REQUEST_BODY;
 use crate::rows::StoreKind;
-
-/// Requests per run, by default and with `--quick`.
-pub(crate) const REQUESTS: [u64; 4] = [100, 1_000, 10_000, 100_000];
-pub(crate) const QUICK_REQUESTS: [u64; 3] = [100, 1_000, 10_000];
-/// Requests in flight at once, by default.
-pub(crate) const IN_FLIGHT: usize = 16;
 
 /// The PostgreSQL table of this mode, apart from the HTTP rows' table.
 const TABLE: &str = "idempotent_bench_sessions";
@@ -66,36 +60,6 @@ const REDIS_BATCH: usize = 1_000;
 /// Bounds of the memory store: far above what a run holds.
 const MEMORY_MAX_ENTRIES: usize = 50_000_000;
 const MEMORY_MAX_BYTES: usize = 64 << 30;
-
-/// Which `ack` a client's requests carry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum AckPolicy {
-    /// Request `seq` acknowledges `seq - in_flight`: the answers the client held when it sent
-    /// it (it sends `seq` only once it holds every answer up to `seq - in_flight`). The store
-    /// then holds the last `in_flight` answers, whatever order they came in.
-    Trailing,
-    /// Request `seq` acknowledges every answer the client holds: the lowest unanswered
-    /// number − 1. What the store holds at the end depends on the order the last answers came
-    /// in (1 to `in_flight` of them).
-    Lowest,
-}
-
-impl AckPolicy {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            AckPolicy::Trailing => "trailing",
-            AckPolicy::Lowest => "lowest",
-        }
-    }
-
-    pub(crate) fn parse(name: &str) -> Option<AckPolicy> {
-        match name {
-            "trailing" => Some(AckPolicy::Trailing),
-            "lowest" => Some(AckPolicy::Lowest),
-            _ => None,
-        }
-    }
-}
 
 /// A client's bookkeeping of one session: the numbers it sent, the answers it holds, and the
 /// `ack` each request carries ([`AckPolicy`]). It keeps at most `in_flight` requests
