@@ -96,6 +96,11 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps --lock
 #   RUSTC_BOOTSTRAP=1 RUSTDOCFLAGS="--cfg docsrs" cargo doc -p CRATE --all-features --no-deps
 step "cargo package (the published crates, verified against each other's packages)"
 started=$SECONDS
+# Cargo unpacks the overlay's packages under $CARGO_HOME/registry/src/-<id>/ and never unpacks
+# a name and version again: a package from an earlier run of the same checkout (same version,
+# other code) would be verified against instead of this one. Local registries' ids begin
+# with `-`; crates.io's never do.
+rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/idempotent-{macros,core,tower}-*
 cargo package -p idempotent-macros -p idempotent-core -p idempotent-tower --locked --allow-dirty
 for crate in idempotent-macros idempotent-core idempotent-tower; do
     files=$(cargo package -p "$crate" --list --locked --allow-dirty)
