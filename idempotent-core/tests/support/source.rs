@@ -256,10 +256,15 @@ impl Source for TestSource {
     }
 
     async fn retry(&self, delivery: &usize, delay: Duration) -> Result<(), SourceError> {
+        // Counted as waiting before the answer is recorded: in between, the source would look
+        // settled (every delivery answered, nothing ready, nothing waiting) and a test would
+        // stop its consumer before the redelivery.
+        self.lock().delayed += 1;
         if self.answer(*delivery, Answer::Retry(delay), |f| &mut f.retry) {
+            // Redelivered at once (ready) rather than after the delay.
+            self.lock().delayed -= 1;
             return Err(injected("retry"));
         }
-        self.lock().delayed += 1;
         let source = self.clone();
         let delivery = *delivery;
         tokio::spawn(async move {
