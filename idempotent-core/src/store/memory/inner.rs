@@ -400,7 +400,8 @@ impl Inner {
     /// are dropped and the ones above it kept as long as the session. Those follow the step
     /// rather than share it (a shard lock cannot be held across shards); the mark is raised
     /// first, so a claim that still lands on a covered record is refused by the runtime, which
-    /// asks the gate again before it runs anything, and the record goes with the sweep.
+    /// reads the mark ([`session_mark`](Self::session_mark)) before it runs anything, and the
+    /// record goes with the sweep.
     pub(super) fn open_session(
         &self,
         session: &SessionKey,
