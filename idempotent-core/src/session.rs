@@ -12,7 +12,8 @@
 //! [session gate](crate::Store::open_session) and then, if admitted, through the ordinary claim
 //! of its `(session, seq)` record: a lease, a fencing token and an operation key like any key,
 //! so the fault guarantees of keys hold for it while its session lives. Once it holds the
-//! claim, the runtime asks the gate again before it runs anything: a later request's `ack` may
+//! claim, the runtime reads the session ([`Store::session_mark`](crate::Store::session_mark))
+//! before it runs anything: a later request's `ack` may
 //! have covered the number meanwhile and dropped its answer, which the claim then did not
 //! find. The gate decides, atomically per session:
 //!
