@@ -709,6 +709,40 @@ impl Store for AnyStore {
         each!(self, |store| store.session_mark(session).await)
     }
 
+    async fn save_step(
+        &self,
+        key: &StorageKey,
+        token: crate::FencingToken,
+        entry: bytes::Bytes,
+    ) -> Result<(), StoreError> {
+        each!(self, |store| store.save_step(key, token, entry).await)
+    }
+
+    async fn load_steps(
+        &self,
+        key: &StorageKey,
+        token: crate::FencingToken,
+    ) -> Result<bytes::Bytes, StoreError> {
+        each!(self, |store| store.load_steps(key, token).await)
+    }
+
+    async fn save_request(
+        &self,
+        key: &StorageKey,
+        token: crate::FencingToken,
+        request: bytes::Bytes,
+    ) -> Result<(), StoreError> {
+        each!(self, |store| store.save_request(key, token, request).await)
+    }
+
+    async fn abandoned(
+        &self,
+        idle: Duration,
+        limit: usize,
+    ) -> Result<Vec<crate::steps::Abandoned>, StoreError> {
+        each!(self, |store| store.abandoned(idle, limit).await)
+    }
+
     async fn wait_for_change(&self, key: &StorageKey, max_wait: Duration) {
         each!(self, |store| store.wait_for_change(key, max_wait).await)
     }

@@ -62,6 +62,7 @@ pub struct Call {
     fingerprint: Fingerprint,
     options: CallOptions,
     session: Option<InSession>,
+    resume_only: bool,
 }
 
 impl Call {
@@ -73,6 +74,7 @@ impl Call {
             fingerprint: Fingerprint::empty(),
             options: CallOptions::new(),
             session: None,
+            resume_only: false,
         }
     }
 
@@ -129,6 +131,20 @@ impl Call {
         self
     }
 
+    /// Makes this a completer's call: it runs only if it takes over an abandoned claim of the
+    /// same request (the operation goes on, with its [checkpoints](crate::steps)). If its
+    /// claim would begin a new operation instead (the abandoned record finished, expired or
+    /// was taken by someone else meanwhile) it gives the claim back and fails with
+    /// [`Error::NothingToResume`](crate::Error::NothingToResume) without running anything.
+    pub fn resume_only(mut self) -> Self {
+        self.resume_only = true;
+        self
+    }
+
+    pub(crate) fn is_resume_only(&self) -> bool {
+        self.resume_only
+    }
+
     /// The key; for a call in a session, the session id.
     pub fn key(&self) -> &Key {
         &self.key
@@ -159,6 +175,7 @@ impl Call {
                 .unwrap_or(defaults.max_result_bytes),
             session_window: defaults.session_window,
             session_idle: defaults.session_idle,
+            max_checkpoint_bytes: defaults.max_checkpoint_bytes,
         }
     }
 }
@@ -269,6 +286,7 @@ pub struct Defaults {
     max_result_bytes: usize,
     session_window: u64,
     session_idle: Duration,
+    max_checkpoint_bytes: usize,
 }
 
 impl Default for Defaults {
@@ -288,6 +306,7 @@ impl Defaults {
             max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
             session_window: DEFAULT_SESSION_WINDOW,
             session_idle: DEFAULT_SESSION_IDLE,
+            max_checkpoint_bytes: crate::steps::DEFAULT_MAX_CHECKPOINT_BYTES,
         }
     }
 
@@ -356,6 +375,18 @@ impl Defaults {
     }
 }
 
+impl Defaults {
+    /// How many bytes of [checkpoints](crate::steps) one operation's record may carry
+    /// (default [`DEFAULT_MAX_CHECKPOINT_BYTES`](crate::steps::DEFAULT_MAX_CHECKPOINT_BYTES)),
+    /// counted as the store keeps them: each step's JSON plus its name and 5 bytes. A step
+    /// whose checkpoint would pass it fails with
+    /// [`CheckpointError::TooLarge`](crate::steps::CheckpointError::TooLarge).
+    pub fn max_checkpoint_bytes(mut self, max: usize) -> Self {
+        self.max_checkpoint_bytes = max;
+        self
+    }
+}
+
 /// A call's settings once its options are applied over a runtime's defaults.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Settings {
@@ -365,4 +396,5 @@ pub(crate) struct Settings {
     pub(crate) max_result_bytes: usize,
     pub(crate) session_window: u64,
     pub(crate) session_idle: Duration,
+    pub(crate) max_checkpoint_bytes: usize,
 }

@@ -8,11 +8,14 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use std::time::Duration;
 
+use bytes::Bytes;
+
 use tokio::sync::Notify;
 use tokio::task::futures::TaskLocalFuture;
 use tokio::time::Instant;
 
 use crate::lease::{Renewal, attempt_limit, bounded};
+use crate::steps::{CheckpointError, Checkpoints, check_name, encode_checkpoint};
 use crate::store::DynStore;
 use crate::{Error, FencingToken, Key, StorageKey, StoreError};
 
@@ -100,6 +103,11 @@ struct ClaimState {
     /// stop the work.
     finish_on_shutdown: AtomicBool,
     notify: Notify,
+    /// The operation's checkpoints as this claim knows them: `None` until the first step
+    /// asks (loaded from the store when the claim took an operation over, empty when it began
+    /// one).
+    steps: tokio::sync::Mutex<Option<Checkpoints>>,
+    max_checkpoint_bytes: usize,
 }
 
 /// The call holds the claim.
@@ -130,6 +138,7 @@ impl ClaimHandle {
             seed.key,
             (seed.token, seed.lifetime),
             seed.lease,
+            seed.max_checkpoint_bytes,
         )
     }
 
@@ -142,7 +151,13 @@ impl ClaimHandle {
         lifetime: FencingToken,
         lease: Duration,
     ) -> Self {
-        Self::with_store(None, key, (token, lifetime), lease)
+        Self::with_store(
+            None,
+            key,
+            (token, lifetime),
+            lease,
+            crate::steps::DEFAULT_MAX_CHECKPOINT_BYTES,
+        )
     }
 
     fn with_store(
@@ -150,6 +165,7 @@ impl ClaimHandle {
         key: StorageKey,
         (token, lifetime): (FencingToken, FencingToken),
         lease: Duration,
+        max_checkpoint_bytes: usize,
     ) -> Self {
         ClaimHandle {
             state: Arc::new(ClaimState {
@@ -162,6 +178,8 @@ impl ClaimHandle {
                 recording: AtomicBool::new(false),
                 finish_on_shutdown: AtomicBool::new(false),
                 notify: Notify::new(),
+                steps: tokio::sync::Mutex::new(None),
+                max_checkpoint_bytes,
             }),
         }
     }
@@ -282,6 +300,193 @@ impl ClaimHandle {
         }
     }
 
+    /// Runs `work` as the operation's step `name`, once per operation: the first attempt runs
+    /// it and saves its result on the in-flight record (a *checkpoint*, see
+    /// [`steps`](crate::steps)); every later attempt of the same operation (after a crash, a
+    /// lapsed lease, a released claim) returns the saved result without running it.
+    ///
+    /// - Before running, the claim must still be held: a lost one fails with
+    ///   [`Error::ClaimLost`] and runs nothing.
+    /// - The checkpoint is written with the claim's fencing token: if another owner took the
+    ///   operation over meanwhile, it is refused and the step fails with
+    ///   [`Error::ClaimLost`] (its effect happened; the new owner runs the step again, so pass
+    ///   [`step_key`](Self::step_key) downstream).
+    /// - A store that fails the write fails the step with [`Error::Store`]; a checkpoint past
+    ///   [`Defaults::max_checkpoint_bytes`](crate::Defaults::max_checkpoint_bytes) fails it
+    ///   with [`CheckpointError::TooLarge`]. Nothing is saved in either case.
+    /// - In the PostgreSQL transactional mode the whole operation is one transaction: the step
+    ///   just runs (a crash undoes all of it, and nothing is saved to resume from).
+    ///
+    /// A step's result is encoded as JSON. For work that can fail, see
+    /// [`try_step`](Self::try_step): a failure is not saved.
+    ///
+    /// ```
+    /// use idempotent_core::memory::MemoryStore;
+    /// use idempotent_core::{Call, ClaimHandle, Idempotency};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), idempotent_core::Error> {
+    /// let idempotency = Idempotency::new(MemoryStore::new());
+    /// let call = Call::new("order-7".parse()?);
+    /// let order = idempotency
+    ///     .run(&call, async {
+    ///         let claim = ClaimHandle::current().expect("inside run");
+    ///         let reservation: String = claim.step("reserve", async { "res-1".to_owned() }).await?;
+    ///         let charge_key = claim.step_key("charge")?; // the provider's idempotency key
+    ///         let charge: String = claim
+    ///             .step("charge", async move { format!("ch-for-{}", &charge_key.as_str()[..8]) })
+    ///             .await?;
+    ///         Ok::<_, idempotent_core::Error>((reservation, charge))
+    ///     })
+    ///     .await?
+    ///     .into_inner()?;
+    /// assert_eq!(order.0, "res-1");
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn step<T, F>(&self, name: &str, work: F) -> Result<T, Error>
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned,
+        F: Future<Output = T>,
+    {
+        let work = async { Ok::<T, std::convert::Infallible>(work.await) };
+        self.try_step(name, work).await.map_err(|e| match e {
+            StepError::Failed(never) => match never {},
+            StepError::Idempotency(error) => error,
+        })
+    }
+
+    /// Like [`step`](Self::step), for work that can fail: an `Ok` is saved and returned to
+    /// every later attempt; an `Err` is not saved (a later attempt runs the step again) and is
+    /// returned as [`StepError::Failed`].
+    pub async fn try_step<T, E, F>(&self, name: &str, work: F) -> Result<T, StepError<E>>
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned,
+        F: Future<Output = Result<T, E>>,
+    {
+        check_name(name).map_err(|e| StepError::Idempotency(e.into()))?;
+        if !self.is_held() {
+            return Err(StepError::Idempotency(Error::ClaimLost));
+        }
+        let Some(store) = self.state.store.clone() else {
+            return work.await.map_err(StepError::Failed);
+        };
+        let decode = |bytes: &[u8]| {
+            serde_json::from_slice::<T>(bytes).map_err(|source| {
+                StepError::Idempotency(Error::Checkpoint(CheckpointError::Value {
+                    step: name.to_owned(),
+                    source,
+                }))
+            })
+        };
+        if let Some(saved) = self.saved(&*store, name).await? {
+            return decode(&saved);
+        }
+        let value = work.await.map_err(StepError::Failed)?;
+        let json = serde_json::to_vec(&value).map_err(|source| {
+            StepError::Idempotency(Error::Checkpoint(CheckpointError::Value {
+                step: name.to_owned(),
+                source,
+            }))
+        })?;
+        let entry = encode_checkpoint(name, &json);
+        let mut steps = self.state.steps.lock().await;
+        let known = steps.get_or_insert_with(Checkpoints::default);
+        if let Some(saved) = known.get(name) {
+            // The same step ran concurrently and saved first: its result is the operation's.
+            let saved = saved.clone();
+            drop(steps);
+            return decode(&saved);
+        }
+        let size = known.encoded_len() + entry.len();
+        let limit = self.state.max_checkpoint_bytes;
+        if size > limit {
+            return Err(StepError::Idempotency(Error::Checkpoint(
+                CheckpointError::TooLarge {
+                    step: name.to_owned(),
+                    size,
+                    limit,
+                },
+            )));
+        }
+        let entry_len = entry.len();
+        self.fenced(store.save_step(&self.state.key, self.state.token, entry))
+            .await
+            .map_err(StepError::Idempotency)?;
+        known.push(name, Bytes::from(json), entry_len);
+        Ok(value)
+    }
+
+    /// The saved result of step `name`, loading the operation's checkpoints on first use: a
+    /// claim that began its operation (its token is the lifetime's) has none to load.
+    async fn saved<E>(
+        &self,
+        store: &dyn DynStore,
+        name: &str,
+    ) -> Result<Option<Bytes>, StepError<E>> {
+        let mut steps = self.state.steps.lock().await;
+        if steps.is_none() {
+            let loaded = if self.state.token == self.state.lifetime {
+                Checkpoints::default()
+            } else {
+                let bytes = self
+                    .fenced(store.load_steps(&self.state.key, self.state.token))
+                    .await
+                    .map_err(StepError::Idempotency)?;
+                Checkpoints::decode(bytes).map_err(|e| StepError::Idempotency(Error::Store(e)))?
+            };
+            *steps = Some(loaded);
+        }
+        Ok(steps.as_ref().and_then(|known| known.get(name)).cloned())
+    }
+
+    /// The key to pass downstream for the operation's step `name`: the
+    /// [`operation_key`](Self::operation_key) and the name, joined by a dot. The same for every
+    /// owner and attempt of this step of this operation, so a step that ran but whose
+    /// checkpoint was not saved (a crash in between) causes one effect downstream.
+    pub fn step_key(&self, name: &str) -> Result<Key, Error> {
+        check_name(name)?;
+        let key = format!("{}.{name}", self.operation_key().as_str());
+        Ok(Key::new(key)?)
+    }
+
+    /// Keeps `request` on the operation's in-flight record, so that a completer can run the
+    /// operation again from it if its client never retries ([`Store::save_request`]). Written
+    /// with the claim's token, bounded like a renewal. The HTTP layer calls it when it runs a
+    /// completer; other callers rarely need it.
+    ///
+    /// [`Store::save_request`]: crate::Store::save_request
+    pub async fn save_request(&self, request: Bytes) -> Result<(), Error> {
+        if !self.is_held() {
+            return Err(Error::ClaimLost);
+        }
+        let Some(store) = &self.state.store else {
+            return Ok(());
+        };
+        self.fenced(store.save_request(&self.state.key, self.state.token, request))
+            .await
+    }
+
+    /// Awaits one fenced write of this claim, bounded like a renewal: a rejected token marks
+    /// the claim lost.
+    async fn fenced<T>(
+        &self,
+        write: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, Error> {
+        let limit = attempt_limit(self.state.lease);
+        match bounded(write, limit).await {
+            Some(Ok(value)) => Ok(value),
+            Some(Err(StoreError::TokenRejected)) => {
+                self.mark_lost("the store rejected its token");
+                Err(Error::ClaimLost)
+            }
+            Some(Err(error)) => Err(Error::Store(error)),
+            None => Err(Error::Store(StoreError::Unavailable(
+                format!("the store did not answer within {limit:?}").into(),
+            ))),
+        }
+    }
+
     /// Asks a graceful shutdown ([`Idempotency::shutdown`](crate::Idempotency::shutdown)) to
     /// let the rest of this work finish instead of stopping it at the shutdown's deadline.
     ///
@@ -357,6 +562,17 @@ impl ClaimHandle {
     }
 }
 
+/// Why a [step](ClaimHandle::try_step) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError<E> {
+    /// The step's own work failed; nothing was saved, and a later attempt runs it again.
+    #[error("the step failed")]
+    Failed(#[source] E),
+    /// The step could not run or keep its checkpoint: see [`ClaimHandle::step`].
+    #[error(transparent)]
+    Idempotency(Error),
+}
+
 /// What a store-backed claim is made of.
 #[derive(Clone)]
 pub(crate) struct Seed {
@@ -365,6 +581,7 @@ pub(crate) struct Seed {
     pub(crate) token: FencingToken,
     pub(crate) lifetime: FencingToken,
     pub(crate) lease: Duration,
+    pub(crate) max_checkpoint_bytes: usize,
 }
 
 /// The claim of the call whose work is running, as the runtime keeps it while the work runs

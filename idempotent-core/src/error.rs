@@ -106,6 +106,19 @@ pub enum Error {
     /// did by other means, then start a new session.
     #[error("the idempotency session is unknown or expired")]
     SessionExpired,
+
+    /// A [step](crate::steps) could not run or keep its checkpoint: its name is invalid, its
+    /// result is too large to keep, or its saved checkpoint does not decode. A programming
+    /// error, answered like [`Payload`](Self::Payload).
+    #[error(transparent)]
+    Checkpoint(#[from] crate::steps::CheckpointError),
+
+    /// A call marked [`Call::resume_only`](crate::Call::resume_only) found no abandoned
+    /// operation to take over (it finished, someone else took it over, or it expired), so
+    /// nothing ran. Only a completer makes such calls; answered like
+    /// [`ClaimLost`](Self::ClaimLost).
+    #[error("there is no abandoned operation under this key to resume")]
+    NothingToResume,
 }
 
 impl Error {
@@ -130,7 +143,8 @@ impl Error {
             Error::FingerprintMismatch => ProblemCode::FingerprintMismatch,
             Error::InFlight { .. } => ProblemCode::InFlight,
             Error::ResultNotRetained => ProblemCode::ResultNotRetained,
-            Error::ClaimLost => ProblemCode::ClaimLost,
+            Error::ClaimLost | Error::NothingToResume => ProblemCode::ClaimLost,
+            Error::Checkpoint(_) => ProblemCode::PayloadError,
             Error::ShuttingDown => ProblemCode::ShuttingDown,
             Error::CorruptRecord(_) | Error::Store(StoreError::Corrupt(_)) => {
                 ProblemCode::CorruptRecord

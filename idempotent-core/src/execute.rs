@@ -111,6 +111,7 @@ impl Idempotency {
             max_result_bytes,
             session_window,
             session_idle,
+            max_checkpoint_bytes,
         } = call.settings(&inner.defaults);
         // A call in a session passes its session's gate first; admitted, it is an ordinary
         // claim of its `(session, seq)` record, kept as long as the session.
@@ -138,6 +139,18 @@ impl Idempotency {
                 return Ok(Execution::Replayed(bytes));
             }
         };
+        // A completer's call goes on with an abandoned operation or does nothing: a claim that
+        // began a new lifetime found no such operation (it finished, expired, or was taken).
+        if call.is_resume_only() && token == lifetime {
+            let limit = claim_limit(lease);
+            if bounded(inner.store.release(&key, token), limit)
+                .await
+                .is_none()
+            {
+                tracing::warn!(storage_key = %key, "releasing a completer's claim with nothing to resume timed out; its lease ends it");
+            }
+            return Err(Error::NothingToResume);
+        }
         // The gate and the claim are two steps: between them a later request's `ack` may have
         // covered this number and dropped its answer (a duplicate that waited, or whose claim
         // was slow), and the claim then found nothing to replay. Every store raises the mark
@@ -182,6 +195,7 @@ impl Idempotency {
             token,
             lifetime,
             lease,
+            max_checkpoint_bytes,
         });
         // The lease is renewed on a task of its own, started only once the work first returns
         // pending: work that finishes at once costs nothing.

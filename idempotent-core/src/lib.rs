@@ -268,6 +268,7 @@ pub mod consumer;
 pub mod limits;
 pub mod metrics;
 pub mod session;
+pub mod steps;
 
 #[cfg(feature = "test-util")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
@@ -289,7 +290,7 @@ pub use call::{
     Call, CallOptions, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Defaults,
     InFlightPolicy,
 };
-pub use claim::ClaimHandle;
+pub use claim::{ClaimHandle, StepError};
 pub use claim_answer::MAX_IN_FLIGHT_RETRY_HINT;
 pub use default_runtime::{default_runtime, set_default_runtime};
 pub use error::{BoxError, Error, StoreError};

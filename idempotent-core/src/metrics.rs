@@ -218,16 +218,24 @@ pub(crate) enum Operation {
     Renew,
     OpenSession,
     SessionMark,
+    SaveStep,
+    LoadSteps,
+    SaveRequest,
+    Abandoned,
 }
 
 impl Operation {
-    const ALL: [Operation; 6] = [
+    const ALL: [Operation; 10] = [
         Operation::Claim,
         Operation::Complete,
         Operation::Release,
         Operation::Renew,
         Operation::OpenSession,
         Operation::SessionMark,
+        Operation::SaveStep,
+        Operation::LoadSteps,
+        Operation::SaveRequest,
+        Operation::Abandoned,
     ];
 
     const fn as_str(self) -> &'static str {
@@ -238,6 +246,10 @@ impl Operation {
             Operation::Renew => "renew",
             Operation::OpenSession => "open_session",
             Operation::SessionMark => "session_mark",
+            Operation::SaveStep => "save_step",
+            Operation::LoadSteps => "load_steps",
+            Operation::SaveRequest => "save_request",
+            Operation::Abandoned => "abandoned",
         }
     }
 }

@@ -263,6 +263,22 @@ impl Idempotency {
         self.inner.metrics().request(protocol, outcome);
     }
 
+    /// Up to `limit` operations abandoned at least `idle` ago that a completer may finish
+    /// ([`Store::abandoned`](crate::Store::abandoned)), bounded like a claim.
+    pub async fn abandoned(
+        &self,
+        idle: std::time::Duration,
+        limit: usize,
+    ) -> Result<Vec<crate::steps::Abandoned>, crate::Error> {
+        let bound = crate::CLAIM_TIMEOUT;
+        match crate::lease::bounded(self.inner.store.abandoned(idle, limit), bound).await {
+            Some(found) => Ok(found?),
+            None => Err(crate::Error::Store(crate::StoreError::Unavailable(
+                format!("the store did not list abandoned operations within {bound:?}").into(),
+            ))),
+        }
+    }
+
     /// The storage key `call` maps to in this runtime's namespace; for a call in a
     /// [session](crate::session), the session's own record (its request's record is known
     /// once the session's gate admits it).

@@ -476,6 +476,37 @@ impl<S: Store> Store for Cached<S> {
         self.store.session_mark(session).await
     }
 
+    /// Always the store's, like everything about a record in flight.
+    async fn save_step(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        entry: Bytes,
+    ) -> Result<(), StoreError> {
+        self.store.save_step(key, token, entry).await
+    }
+
+    async fn load_steps(&self, key: &StorageKey, token: FencingToken) -> Result<Bytes, StoreError> {
+        self.store.load_steps(key, token).await
+    }
+
+    async fn save_request(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        request: Bytes,
+    ) -> Result<(), StoreError> {
+        self.store.save_request(key, token, request).await
+    }
+
+    async fn abandoned(
+        &self,
+        idle: Duration,
+        limit: usize,
+    ) -> Result<Vec<crate::steps::Abandoned>, StoreError> {
+        self.store.abandoned(idle, limit).await
+    }
+
     async fn wait_for_change(&self, key: &StorageKey, max_wait: Duration) {
         self.store.wait_for_change(key, max_wait).await;
     }

@@ -31,6 +31,14 @@ pub enum Op {
     OpenSession,
     /// [`Store::session_mark`].
     SessionMark,
+    /// [`Store::save_step`].
+    SaveStep,
+    /// [`Store::load_steps`].
+    LoadSteps,
+    /// [`Store::save_request`].
+    SaveRequest,
+    /// [`Store::abandoned`].
+    Abandoned,
 }
 
 /// What an operation under a fault does instead of (or besides) its normal work.
@@ -61,8 +69,8 @@ struct Rule {
 #[derive(Default)]
 struct State {
     rules: Mutex<HashMap<Op, Rule>>,
-    calls: [AtomicUsize; 6],
-    faulted: [AtomicUsize; 6],
+    calls: [AtomicUsize; 10],
+    faulted: [AtomicUsize; 10],
 }
 
 /// Controls the faults of a [`FaultyStore`]. Cheap to clone; clones control the same store.
@@ -85,6 +93,10 @@ fn index(op: Op) -> usize {
         Op::Renew => 3,
         Op::OpenSession => 4,
         Op::SessionMark => 5,
+        Op::SaveStep => 6,
+        Op::LoadSteps => 7,
+        Op::SaveRequest => 8,
+        Op::Abandoned => 9,
     }
 }
 
@@ -302,6 +314,43 @@ impl<S: Store> Store for FaultyStore<S> {
         session: &SessionKey,
     ) -> Result<Option<crate::SessionMark>, StoreError> {
         self.apply(Op::SessionMark, self.inner.session_mark(session))
+            .await
+    }
+
+    async fn save_step(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        entry: Bytes,
+    ) -> Result<(), StoreError> {
+        self.apply(Op::SaveStep, self.inner.save_step(key, token, entry))
+            .await
+    }
+
+    async fn load_steps(&self, key: &StorageKey, token: FencingToken) -> Result<Bytes, StoreError> {
+        self.apply(Op::LoadSteps, self.inner.load_steps(key, token))
+            .await
+    }
+
+    async fn save_request(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        request: Bytes,
+    ) -> Result<(), StoreError> {
+        self.apply(
+            Op::SaveRequest,
+            self.inner.save_request(key, token, request),
+        )
+        .await
+    }
+
+    async fn abandoned(
+        &self,
+        idle: Duration,
+        limit: usize,
+    ) -> Result<Vec<crate::steps::Abandoned>, StoreError> {
+        self.apply(Op::Abandoned, self.inner.abandoned(idle, limit))
             .await
     }
 

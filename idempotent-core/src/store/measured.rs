@@ -9,6 +9,7 @@ use bytes::Bytes;
 
 use super::{Claim, FencingToken, Store};
 use crate::metrics::{Metrics, Operation};
+use crate::steps::Abandoned;
 use crate::{
     Fingerprint, SessionGate, SessionKey, SessionMark, SessionRequest, StorageKey, StoreError,
 };
@@ -51,6 +52,28 @@ pub(crate) trait DynStore: Send + Sync + 'static {
         &'a self,
         session: &'a SessionKey,
     ) -> BoxFuture<'a, Result<Option<SessionMark>, StoreError>>;
+    fn save_step<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: FencingToken,
+        entry: Bytes,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+    fn load_steps<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: FencingToken,
+    ) -> BoxFuture<'a, Result<Bytes, StoreError>>;
+    fn save_request<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: FencingToken,
+        request: Bytes,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+    fn abandoned(
+        &self,
+        idle: Duration,
+        limit: usize,
+    ) -> BoxFuture<'_, Result<Vec<Abandoned>, StoreError>>;
     fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()>;
     fn keeps_records_in_process(&self) -> bool;
     /// The metrics of the runtime this store serves.
@@ -143,6 +166,39 @@ impl<S: Store> DynStore for Measured<S> {
         session: &'a SessionKey,
     ) -> BoxFuture<'a, Result<Option<SessionMark>, StoreError>> {
         Box::pin(self.timed(Operation::SessionMark, self.store.session_mark(session)))
+    }
+    fn save_step<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: FencingToken,
+        entry: Bytes,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(self.timed(Operation::SaveStep, self.store.save_step(key, token, entry)))
+    }
+    fn load_steps<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: FencingToken,
+    ) -> BoxFuture<'a, Result<Bytes, StoreError>> {
+        Box::pin(self.timed(Operation::LoadSteps, self.store.load_steps(key, token)))
+    }
+    fn save_request<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        token: FencingToken,
+        request: Bytes,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(self.timed(
+            Operation::SaveRequest,
+            self.store.save_request(key, token, request),
+        ))
+    }
+    fn abandoned(
+        &self,
+        idle: Duration,
+        limit: usize,
+    ) -> BoxFuture<'_, Result<Vec<Abandoned>, StoreError>> {
+        Box::pin(self.timed(Operation::Abandoned, self.store.abandoned(idle, limit)))
     }
     fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()> {
         Box::pin(self.store.wait_for_change(key, max_wait))

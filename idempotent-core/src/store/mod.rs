@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use crate::steps::Abandoned;
 use crate::{
     Fingerprint, SessionGate, SessionKey, SessionMark, SessionRequest, StorageKey, StoreError,
 };
@@ -416,6 +417,89 @@ pub trait Store: Send + Sync + 'static {
         )))
     }
 
+    /// Appends `entry` (one [checkpoint](crate::steps), encoded by
+    /// [`encode_checkpoint`](crate::steps::encode_checkpoint)) to the checkpoints of the
+    /// caller's in-flight record: one step's result, saved so that later attempts of the same
+    /// operation return it instead of running the step.
+    ///
+    /// Succeeds only if `key` holds a live in-flight record with exactly `token`; otherwise
+    /// returns [`StoreError::TokenRejected`] and changes nothing (a stale owner's checkpoint is
+    /// refused). May return [`StoreError::Capacity`] when the store is full. The checkpoints
+    /// are an opaque byte string the store appends to and hands back whole
+    /// ([`load_steps`](Self::load_steps)); it never parses them.
+    ///
+    /// A record keeps its checkpoints while it is in flight, across a release and a takeover
+    /// ([`Claim::TakenOver`]): they belong to the operation. A claim that begins a new lifetime
+    /// ([`Claim::Claimed`]) starts with none, and a completion drops them. The default refuses
+    /// with [`StoreError::Backend`]: a store must implement it to serve steps. The conformance
+    /// suite checks it.
+    fn save_step(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        entry: Bytes,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (key, token, entry);
+        std::future::ready(Err(StoreError::Backend(
+            "this store does not keep checkpoints (Store::save_step)".into(),
+        )))
+    }
+
+    /// The checkpoints of the caller's in-flight record: every entry
+    /// [`save_step`](Self::save_step) appended in this record's lifetime, concatenated in the
+    /// order they were saved (empty when there are none).
+    ///
+    /// Succeeds only if `key` holds a live in-flight record with exactly `token`; otherwise
+    /// returns [`StoreError::TokenRejected`]. A read: it changes nothing. The default refuses
+    /// like [`save_step`](Self::save_step)'s.
+    fn load_steps(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+    ) -> impl Future<Output = Result<Bytes, StoreError>> + Send {
+        let _ = (key, token);
+        std::future::ready(Err(StoreError::Backend(
+            "this store does not keep checkpoints (Store::load_steps)".into(),
+        )))
+    }
+
+    /// Keeps `request` on the caller's in-flight record, replacing any request kept before, so
+    /// that a completer ([`abandoned`](Self::abandoned)) can run the operation again if its
+    /// client never retries. Kept, fenced and dropped like checkpoints (see
+    /// [`save_step`](Self::save_step)).
+    ///
+    /// Succeeds only if `key` holds a live in-flight record with exactly `token`; otherwise
+    /// returns [`StoreError::TokenRejected`] and changes nothing. The default refuses like
+    /// [`save_step`](Self::save_step)'s.
+    fn save_request(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        request: Bytes,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (key, token, request);
+        std::future::ready(Err(StoreError::Backend(
+            "this store does not keep requests (Store::save_request)".into(),
+        )))
+    }
+
+    /// Up to `limit` in-flight records that hold a request
+    /// ([`save_request`](Self::save_request)) and whose lease ended (or which were released)
+    /// at least `idle` ago, still kept (within the TTL they were claimed with), longest idle
+    /// first: operations a completer may finish. A read: it changes nothing, and what it
+    /// lists may be claimed by anyone before the completer gets to it (the completer claims
+    /// it like any caller, and runs it only if it takes the record over).
+    ///
+    /// The default lists nothing: a completer over a store without it has nothing to do.
+    fn abandoned(
+        &self,
+        idle: Duration,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Abandoned>, StoreError>> + Send {
+        let _ = (idle, limit);
+        std::future::ready(Ok(Vec::new()))
+    }
+
     /// Waits until `key` may have changed, or `max_wait` has passed, whichever is first.
     ///
     /// Callers waiting for an in-flight record to complete call this between claims. The
@@ -478,6 +562,36 @@ impl<S: Store> Store for Arc<S> {
         session: &SessionKey,
     ) -> impl Future<Output = Result<Option<SessionMark>, StoreError>> + Send {
         S::session_mark(self, session)
+    }
+    fn save_step(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        entry: Bytes,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        S::save_step(self, key, token, entry)
+    }
+    fn load_steps(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+    ) -> impl Future<Output = Result<Bytes, StoreError>> + Send {
+        S::load_steps(self, key, token)
+    }
+    fn save_request(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        request: Bytes,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        S::save_request(self, key, token, request)
+    }
+    fn abandoned(
+        &self,
+        idle: Duration,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Abandoned>, StoreError>> + Send {
+        S::abandoned(self, idle, limit)
     }
     fn name(&self) -> &'static str {
         S::name(self)

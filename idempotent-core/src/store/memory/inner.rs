@@ -54,6 +54,10 @@ pub(super) enum Record {
         /// Until when the record is kept once its lease ended (or it was released), so that a
         /// takeover of the same request continues its lifetime.
         kept_until: u64,
+        /// The operation's checkpoints, as the runtime encoded them, one after another.
+        steps: Vec<u8>,
+        /// The request a completer may run again.
+        request: Option<Bytes>,
     },
     Completed {
         token: u64,
@@ -120,9 +124,17 @@ impl Record {
         }
     }
 
+    /// What the record holds besides its fixed overhead, in bytes.
+    fn held(&self) -> usize {
+        self.cost() - RECORD_OVERHEAD
+    }
+
     fn cost(&self) -> usize {
         match self {
-            Record::InFlight { .. } | Record::Session { .. } => RECORD_OVERHEAD,
+            Record::InFlight { steps, request, .. } => {
+                RECORD_OVERHEAD + steps.len() + request.as_ref().map_or(0, Bytes::len)
+            }
+            Record::Session { .. } => RECORD_OVERHEAD,
             Record::Completed { payload, .. } => RECORD_OVERHEAD + payload.len(),
         }
     }
@@ -239,13 +251,15 @@ impl Inner {
         let kept_until = now
             .saturating_add(nanos(limits::clamp_ttl(ttl)))
             .max(lease_until);
-        let in_flight = |token: FencingToken, lifetime: Option<u64>| {
+        let in_flight = |token: FencingToken, lifetime: Option<u64>, carried: Carried| {
             let record = Record::InFlight {
                 token: token.get(),
                 lifetime: lifetime.unwrap_or(token.get()),
                 fingerprint: *fingerprint,
                 lease_until,
                 kept_until,
+                steps: carried.0,
+                request: carried.1,
             };
             let claim = match lifetime {
                 Some(lifetime) => Claim::TakenOver {
@@ -267,17 +281,25 @@ impl Inner {
                         return Ok(found);
                     }
                     // Expired or abandoned: reclaimed in place; the slot keeps its entry, the
-                    // payload's bytes are freed.
-                    let freed = slot.get().cost() - RECORD_OVERHEAD;
+                    // payload's bytes are freed. A takeover keeps the operation's checkpoints
+                    // and request; a new lifetime starts without them.
                     let lifetime = slot.get().continued_by(fingerprint, now);
-                    let (record, claim) = in_flight(self.next_token(), lifetime);
+                    let carried = match (lifetime, slot.get_mut()) {
+                        (Some(_), Record::InFlight { steps, request, .. }) => {
+                            (std::mem::take(steps), request.take())
+                        }
+                        _ => (Vec::new(), None),
+                    };
+                    let freed = slot.get().held();
+                    let (record, claim) = in_flight(self.next_token(), lifetime, carried);
                     slot.insert(record);
                     self.bytes.fetch_sub(freed, Ordering::AcqRel);
                     return Ok(claim);
                 }
                 Entry::Vacant(slot) => {
                     if reserved {
-                        let (record, claim) = in_flight(self.next_token(), None);
+                        let (record, claim) =
+                            in_flight(self.next_token(), None, (Vec::new(), None));
                         slot.insert(record);
                         return Ok(claim);
                     }
@@ -311,6 +333,7 @@ impl Inner {
             }
             Err(full) => return Err(full),
         }
+        let mut dropped = 0;
         let completed = match self.records.get_mut(key) {
             Some(mut record) => match &*record {
                 Record::InFlight {
@@ -319,6 +342,8 @@ impl Inner {
                     lease_until,
                     ..
                 } if *current == token.get() && *lease_until > now => {
+                    // The finished record drops the operation's checkpoints and request.
+                    dropped = record.held();
                     *record = Record::Completed {
                         token: token.get(),
                         fingerprint: *fingerprint,
@@ -338,6 +363,7 @@ impl Inner {
             None => Completion::Rejected,
         };
         if completed == Completion::Written {
+            self.bytes.fetch_sub(dropped, Ordering::AcqRel);
             self.notify_changed();
             Ok(())
         } else if completed == Completion::Repeated {
@@ -391,6 +417,118 @@ impl Inner {
             }
             _ => Err(StoreError::TokenRejected),
         }
+    }
+}
+
+/// What a takeover carries over from the abandoned record: its checkpoints and request.
+type Carried = (Vec<u8>, Option<Bytes>);
+
+impl Inner {
+    /// Appends a checkpoint to the in-flight record held with `token` (see
+    /// [`Store::save_step`](crate::Store::save_step)); its bytes count against the byte bound.
+    pub(super) fn save_step(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        entry: &[u8],
+    ) -> Result<(), StoreError> {
+        let now = self.now();
+        self.reserve(0, entry.len(), now)?;
+        match self.records.get_mut(key).as_deref_mut() {
+            Some(Record::InFlight {
+                token: current,
+                lease_until,
+                steps,
+                ..
+            }) if *current == token.get() && *lease_until > now => {
+                steps.extend_from_slice(entry);
+                Ok(())
+            }
+            _ => {
+                self.unreserve(0, entry.len());
+                Err(StoreError::TokenRejected)
+            }
+        }
+    }
+
+    /// The checkpoints of the in-flight record held with `token`.
+    pub(super) fn load_steps(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+    ) -> Result<Bytes, StoreError> {
+        let now = self.now();
+        match self.records.get(key).as_deref() {
+            Some(Record::InFlight {
+                token: current,
+                lease_until,
+                steps,
+                ..
+            }) if *current == token.get() && *lease_until > now => {
+                Ok(Bytes::copy_from_slice(steps))
+            }
+            _ => Err(StoreError::TokenRejected),
+        }
+    }
+
+    /// Keeps `request` on the in-flight record held with `token`, replacing the one before.
+    pub(super) fn save_request(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        request: Bytes,
+    ) -> Result<(), StoreError> {
+        let now = self.now();
+        let size = request.len();
+        self.reserve(0, size, now)?;
+        match self.records.get_mut(key).as_deref_mut() {
+            Some(Record::InFlight {
+                token: current,
+                lease_until,
+                request: kept,
+                ..
+            }) if *current == token.get() && *lease_until > now => {
+                let before = kept.replace(request).map_or(0, |r| r.len());
+                self.unreserve(0, before);
+                Ok(())
+            }
+            _ => {
+                self.unreserve(0, size);
+                Err(StoreError::TokenRejected)
+            }
+        }
+    }
+
+    /// Up to `limit` in-flight records with a request, idle at least `idle`, longest first.
+    /// A walk over every record: the memory store is bounded, and a completer asks rarely.
+    pub(super) fn abandoned(&self, idle: Duration, limit: usize) -> Vec<crate::steps::Abandoned> {
+        let now = self.now();
+        let idle = nanos(idle);
+        let mut found: Vec<(u64, crate::steps::Abandoned)> = Vec::new();
+        for entry in &self.records {
+            if let Record::InFlight {
+                fingerprint,
+                lease_until,
+                kept_until,
+                request: Some(request),
+                ..
+            } = entry.value()
+                && lease_until.saturating_add(idle) <= now
+                && *kept_until > now
+            {
+                found.push((
+                    *lease_until,
+                    crate::steps::Abandoned {
+                        key: *entry.key(),
+                        fingerprint: *fingerprint,
+                        request: request.clone(),
+                        idle: Duration::from_nanos(now - lease_until),
+                    },
+                ));
+            }
+        }
+        found.sort_by_key(|(until, _)| *until);
+        found.into_iter().take(limit).map(|(_, a)| a).collect()
     }
 }
 

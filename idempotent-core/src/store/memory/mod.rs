@@ -261,6 +261,36 @@ impl Store for MemoryStore {
         Ok(self.inner.session_mark(session))
     }
 
+    async fn save_step(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        entry: Bytes,
+    ) -> Result<(), StoreError> {
+        self.inner.save_step(key, token, &entry)
+    }
+
+    async fn load_steps(&self, key: &StorageKey, token: FencingToken) -> Result<Bytes, StoreError> {
+        self.inner.load_steps(key, token)
+    }
+
+    async fn save_request(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        request: Bytes,
+    ) -> Result<(), StoreError> {
+        self.inner.save_request(key, token, request)
+    }
+
+    async fn abandoned(
+        &self,
+        idle: Duration,
+        limit: usize,
+    ) -> Result<Vec<crate::steps::Abandoned>, StoreError> {
+        Ok(self.inner.abandoned(idle, limit))
+    }
+
     async fn wait_for_change(&self, _key: &StorageKey, max_wait: Duration) {
         self.inner.waiters.fetch_add(1, Ordering::AcqRel);
         let _waiting = Waiting(&self.inner.waiters);
