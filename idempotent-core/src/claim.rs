@@ -364,66 +364,95 @@ impl ClaimHandle {
         T: serde::Serialize + serde::de::DeserializeOwned,
         F: Future<Output = Result<T, E>>,
     {
-        check_name(name).map_err(|e| StepError::Idempotency(e.into()))?;
+        let store = match self.restore_step(name).await {
+            Ok(Restored::Saved(value)) => return Ok(value),
+            Ok(Restored::Run(store)) => store,
+            Err(error) => return Err(StepError::Idempotency(error)),
+        };
+        let value = work.await.map_err(StepError::Failed)?;
+        let Some(store) = store else {
+            return Ok(value);
+        };
+        let (key, token) = (self.state.key, self.state.token);
+        self.record_step(name, &value, |entry| async move {
+            store.save_step(&key, token, entry).await
+        })
+        .await
+        .map_err(StepError::Idempotency)?;
+        Ok(value)
+    }
+
+    /// The first half of a step: its saved result if it has one, or leave to run it (with
+    /// the store to save its checkpoint in; `None` for a transactional claim, which saves
+    /// nothing). Checks the name and that the claim is held.
+    pub(crate) async fn restore_step<T: serde::de::DeserializeOwned>(
+        &self,
+        name: &str,
+    ) -> Result<Restored<T>, Error> {
+        check_name(name)?;
         if !self.is_held() {
-            return Err(StepError::Idempotency(Error::ClaimLost));
+            return Err(Error::ClaimLost);
         }
         let Some(store) = self.state.store.clone() else {
-            return work.await.map_err(StepError::Failed);
+            return Ok(Restored::Run(None));
         };
-        let decode = |bytes: &[u8]| {
-            serde_json::from_slice::<T>(bytes).map_err(|source| {
-                StepError::Idempotency(Error::Checkpoint(CheckpointError::Value {
-                    step: name.to_owned(),
-                    source,
-                }))
-            })
-        };
-        if let Some(saved) = self.saved(&*store, name).await? {
-            return decode(&saved);
+        match self.saved(&*store, name).await? {
+            Some(saved) => serde_json::from_slice::<T>(&saved)
+                .map(Restored::Saved)
+                .map_err(|source| {
+                    Error::Checkpoint(CheckpointError::Value {
+                        step: name.to_owned(),
+                        source,
+                    })
+                }),
+            None => Ok(Restored::Run(Some(store))),
         }
-        let value = work.await.map_err(StepError::Failed)?;
-        let json = serde_json::to_vec(&value).map_err(|source| {
-            StepError::Idempotency(Error::Checkpoint(CheckpointError::Value {
+    }
+
+    /// The second half of a step that ran: encodes `value`, checks the limit, and saves the
+    /// checkpoint with `write` (given the encoded entry), fenced like every write of this
+    /// claim. A step of the same name that saved first wins: nothing is written then.
+    pub(crate) async fn record_step<T, W, Fut>(
+        &self,
+        name: &str,
+        value: &T,
+        write: W,
+    ) -> Result<(), Error>
+    where
+        T: serde::Serialize,
+        W: FnOnce(Bytes) -> Fut,
+        Fut: Future<Output = Result<(), StoreError>>,
+    {
+        let json = serde_json::to_vec(value).map_err(|source| {
+            Error::Checkpoint(CheckpointError::Value {
                 step: name.to_owned(),
                 source,
-            }))
+            })
         })?;
         let entry = encode_checkpoint(name, &json);
         let mut steps = self.state.steps.lock().await;
         let known = steps.get_or_insert_with(Checkpoints::default);
-        if let Some(saved) = known.get(name) {
-            // The same step ran concurrently and saved first: its result is the operation's.
-            let saved = saved.clone();
-            drop(steps);
-            return decode(&saved);
+        if known.get(name).is_some() {
+            return Ok(());
         }
         let size = known.encoded_len() + entry.len();
         let limit = self.state.max_checkpoint_bytes;
         if size > limit {
-            return Err(StepError::Idempotency(Error::Checkpoint(
-                CheckpointError::TooLarge {
-                    step: name.to_owned(),
-                    size,
-                    limit,
-                },
-            )));
+            return Err(Error::Checkpoint(CheckpointError::TooLarge {
+                step: name.to_owned(),
+                size,
+                limit,
+            }));
         }
         let entry_len = entry.len();
-        self.fenced(store.save_step(&self.state.key, self.state.token, entry))
-            .await
-            .map_err(StepError::Idempotency)?;
+        self.fenced(write(entry)).await?;
         known.push(name, Bytes::from(json), entry_len);
-        Ok(value)
+        Ok(())
     }
 
     /// The saved result of step `name`, loading the operation's checkpoints on first use: a
     /// claim that began its operation (its token is the lifetime's) has none to load.
-    async fn saved<E>(
-        &self,
-        store: &dyn DynStore,
-        name: &str,
-    ) -> Result<Option<Bytes>, StepError<E>> {
+    async fn saved(&self, store: &dyn DynStore, name: &str) -> Result<Option<Bytes>, Error> {
         let mut steps = self.state.steps.lock().await;
         if steps.is_none() {
             let loaded = if self.state.token == self.state.lifetime {
@@ -431,9 +460,8 @@ impl ClaimHandle {
             } else {
                 let bytes = self
                     .fenced(store.load_steps(&self.state.key, self.state.token))
-                    .await
-                    .map_err(StepError::Idempotency)?;
-                Checkpoints::decode(bytes).map_err(|e| StepError::Idempotency(Error::Store(e)))?
+                    .await?;
+                Checkpoints::decode(bytes).map_err(Error::Store)?
             };
             *steps = Some(loaded);
         }
@@ -571,6 +599,14 @@ pub enum StepError<E> {
     /// The step could not run or keep its checkpoint: see [`ClaimHandle::step`].
     #[error(transparent)]
     Idempotency(Error),
+}
+
+/// What [`ClaimHandle::restore_step`] found.
+pub(crate) enum Restored<T> {
+    /// The step's saved result.
+    Saved(T),
+    /// Nothing saved: run the step, then save its checkpoint in this store (`None`: nowhere).
+    Run(Option<Arc<dyn DynStore>>),
 }
 
 /// What a store-backed claim is made of.
