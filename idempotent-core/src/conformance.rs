@@ -40,9 +40,10 @@
 //! # fn main() {}
 //! ```
 //!
-//! A store that keeps no [client sessions](crate::session) (it leaves
-//! [`Store::open_session`] to its default) invokes `store_conformance_tests!(MyHarness; keys
-//! only)` instead, which leaves the session checks out.
+//! A store that keeps no [client sessions](crate::session) and no [checkpoints](crate::steps)
+//! (it leaves [`Store::open_session`] and [`Store::save_step`] to their defaults) invokes
+//! `store_conformance_tests!(MyHarness; keys only)` instead, which leaves the session and step
+//! checks out.
 //!
 //! Stores whose time cannot be moved (a real server's clock) implement
 //! [`advance`](Harness::advance) by sleeping and choose a short
@@ -54,9 +55,11 @@
 
 mod faults;
 mod sessions;
+mod steps;
 
 pub use faults::{Fault, Faults, FaultyStore, Op};
 pub use sessions::*;
+pub use steps::*;
 
 use std::future::Future;
 use std::io::Write;
@@ -125,6 +128,7 @@ macro_rules! store_conformance_tests {
     ($harness:ty) => {
         $crate::store_conformance_tests!(@keys $harness);
         $crate::store_conformance_tests!(@sessions $harness);
+        $crate::store_conformance_tests!(@steps $harness);
     };
     // A store that keeps no client sessions (`Store::open_session` left to its default).
     ($harness:ty; keys only) => {
@@ -162,6 +166,16 @@ macro_rules! store_conformance_tests {
             session_gate_is_atomic,
             sessions_are_isolated,
             session_mark_reads_what_the_gate_left,
+        );
+    };
+    (@steps $harness:ty) => {
+        $crate::store_conformance_tests!(@tests $harness;
+            checkpoints_round_trip_in_order,
+            checkpoints_are_fenced_by_the_token,
+            checkpoints_last_as_long_as_the_operation,
+            completion_drops_checkpoints_and_request,
+            abandoned_lists_idle_records_with_a_request,
+            concurrent_checkpoints_all_land,
         );
     };
     (@tests $harness:ty; $($check:ident),* $(,)?) => {
