@@ -63,6 +63,8 @@ pub struct Call {
     options: CallOptions,
     session: Option<InSession>,
     resume_only: bool,
+    /// Set by [`Call::resume`]: the record the call is on, named directly.
+    at: Option<crate::StorageKey>,
 }
 
 impl Call {
@@ -75,6 +77,7 @@ impl Call {
             options: CallOptions::new(),
             session: None,
             resume_only: false,
+            at: None,
         }
     }
 
@@ -143,6 +146,24 @@ impl Call {
 
     pub(crate) fn is_resume_only(&self) -> bool {
         self.resume_only
+    }
+
+    /// A completer's call on an [abandoned](crate::steps::Abandoned) operation: on its record
+    /// (named by its storage key, so no key or scope is needed), with the fingerprint it was
+    /// claimed with, [`resume_only`](Self::resume_only), and no overrides. Its work runs only
+    /// if it takes the operation over, and resumes from the operation's checkpoints.
+    pub fn resume(abandoned: &crate::steps::Abandoned) -> Self {
+        Call {
+            at: Some(abandoned.key),
+            fingerprint: abandoned.fingerprint,
+            resume_only: true,
+            ..Call::new(Key::new("resume").expect("a valid key"))
+        }
+    }
+
+    /// The record a [`resume`](Self::resume) call is on.
+    pub(crate) fn at(&self) -> Option<crate::StorageKey> {
+        self.at
     }
 
     /// The key; for a call in a session, the session id.

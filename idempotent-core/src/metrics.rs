@@ -41,6 +41,7 @@
 //! | `sequence_acknowledged` | refused: a [session](crate::session) request at or below its acknowledged mark (HTTP 410) |
 //! | `session_expired` | refused: an unknown session whose request says it held answers (HTTP 410) |
 //! | `session_window_full` | refused: a session request numbered past its window (HTTP 429) |
+//! | `operation_failed` | a completer gave up an abandoned operation and recorded that (HTTP 500) |
 //! | `invalid_session` / `conflicting_headers` | refused: a malformed session header / both a key and a session (HTTP 400) |
 //!
 //! Each call or request is counted once, by the API it came through: a request the HTTP layer
@@ -184,6 +185,7 @@ impl RequestOutcome {
                 ProblemCode::SequenceAcknowledged => "sequence_acknowledged",
                 ProblemCode::SessionExpired => "session_expired",
                 ProblemCode::SessionWindowFull => "session_window_full",
+                ProblemCode::OperationFailed => "operation_failed",
             },
         }
     }

@@ -34,6 +34,7 @@ use http::StatusCode;
 /// | `sequence_acknowledged` | 410 | `OUT_OF_RANGE` | [`Error::SequenceAcknowledged`](crate::Error::SequenceAcknowledged) |
 /// | `session_expired` | 410 | `NOT_FOUND` | [`Error::SessionExpired`](crate::Error::SessionExpired) |
 /// | `session_window_full` | 429 | `RESOURCE_EXHAUSTED` | [`Error::SessionWindowFull`](crate::Error::SessionWindowFull) |
+/// | `operation_failed` | 500 | `INTERNAL` | a completer: it gave up finishing an abandoned operation (recorded, so retries get it) |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ProblemCode {
@@ -77,11 +78,13 @@ pub enum ProblemCode {
     SessionExpired,
     /// `session_window_full`: the session request is numbered past its window.
     SessionWindowFull,
+    /// `operation_failed`: a completer gave up finishing an operation its client abandoned.
+    OperationFailed,
 }
 
 impl ProblemCode {
     /// Every code, in the order of the table above.
-    pub const ALL: [ProblemCode; 20] = [
+    pub const ALL: [ProblemCode; 21] = [
         ProblemCode::MissingKey,
         ProblemCode::InvalidKey,
         ProblemCode::RequestBodyUnreadable,
@@ -102,6 +105,7 @@ impl ProblemCode {
         ProblemCode::SequenceAcknowledged,
         ProblemCode::SessionExpired,
         ProblemCode::SessionWindowFull,
+        ProblemCode::OperationFailed,
     ];
 
     /// The code's place in [`ProblemCode::ALL`] (its declaration order, which `ALL` follows).
@@ -234,6 +238,12 @@ impl ProblemCode {
                 H::TOO_MANY_REQUESTS,
                 G::ResourceExhausted,
                 "Session window full",
+            ),
+            ProblemCode::OperationFailed => (
+                "operation_failed",
+                H::INTERNAL_SERVER_ERROR,
+                G::Internal,
+                "Operation failed",
             ),
         }
     }

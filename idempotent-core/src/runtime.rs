@@ -283,6 +283,9 @@ impl Idempotency {
     /// [session](crate::session), the session's own record (its request's record is known
     /// once the session's gate admits it).
     pub fn storage_key(&self, call: &Call) -> StorageKey {
+        if let Some(at) = call.at() {
+            return at;
+        }
         match call.session() {
             None => StorageKey::derive(&self.inner.namespace, call.scope_ref(), call.key()),
             Some(_) => self.session_key(call).record_key(),

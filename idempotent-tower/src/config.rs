@@ -65,6 +65,8 @@ pub(crate) struct Config<P: Protocol> {
     pub(crate) max_request_body: usize,
     pub(crate) fail_open: bool,
     pub(crate) on_claim_lost: OnClaimLost,
+    /// Whether a protected request is kept on its record for a completer.
+    pub(crate) keep_requests: bool,
     /// What only this protocol has.
     pub(crate) protocol: P::Settings,
 }
@@ -104,6 +106,7 @@ impl<P: Protocol> Config<P> {
             max_request_body: DEFAULT_MAX_REQUEST_BODY,
             fail_open: false,
             on_claim_lost: OnClaimLost::Finish,
+            keep_requests: false,
             protocol: P::Settings::default(),
         }
     }

@@ -73,6 +73,17 @@ impl IdempotencyLayer<Http> {
         }
     }
 
+    /// Keeps every protected request with a key (method, URI, headers but `Authorization`,
+    /// `Proxy-Authorization` and `Cookie`, and the body, which the request limit bounds) on its
+    /// in-flight record, so that a [`Completer`](crate::Completer) can finish the operation if
+    /// its client never retries (default off). Costs one store write per protected request
+    /// that runs its handler; the record drops the request when it completes. Requests in a
+    /// client session are not kept.
+    pub fn keep_requests(mut self, keep: bool) -> Self {
+        self.config().keep_requests = keep;
+        self
+    }
+
     /// The methods the layer protects (default POST and PATCH). Other methods pass through
     /// untouched, key or not.
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {

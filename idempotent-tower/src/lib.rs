@@ -138,6 +138,7 @@
 //! | 422 | `fingerprint_mismatch` | the key was used for a different request | use a new key |
 //! | 429 | `session_window_full` | the session request is numbered more than the window past the acknowledged mark (with `Retry-After`); nothing ran | acknowledge earlier answers, then retry |
 //! | 500 | `corrupt_record` | the stored record cannot be read; nothing ran | contact the operator |
+//! | 500 | `operation_failed` | the client went away, and the [`Completer`] gave up finishing the operation after its attempts; recorded, so every retry gets it | look the operation up; use a new key to try again |
 //! | 503 | `store_unavailable` | the store cannot be reached (with `Retry-After`); nothing ran | retry after the delay |
 //! | 503 | `claim_lost` | only with [`OnClaimLost::Cancel`]: the request's claim was lost while its handler ran, and the handler was stopped (with `Retry-After`) | retry with the same key: the owner that holds it now answers |
 //! | 503 | `store_capacity` | the store is full of live records (with `Retry-After`); nothing ran | retry after the delay |
@@ -339,6 +340,7 @@
 mod body;
 mod capture;
 pub mod client;
+mod completer;
 mod config;
 mod discard;
 mod fingerprint;
@@ -356,6 +358,10 @@ pub use body::{RequestBody, ResponseBody};
 pub use config::{
     DEFAULT_MAX_REQUEST_BODY, IDEMPOTENCY_KEY, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED,
     OnClaimLost,
+};
+pub use completer::{
+    Completer, CompleterHandle, CompleterPass, Completing, DEFAULT_COMPLETER_AFTER,
+    DEFAULT_COMPLETER_ATTEMPTS,
 };
 pub use future::ResponseFuture;
 pub use idempotent_core::BoxError;

@@ -137,6 +137,15 @@ impl Problem {
 
     /// The HTTP answer: an `application/problem+json` document, never cached.
     pub(crate) fn into_http<B: Body>(self) -> Response<ResponseBody<B>> {
+        let (status, headers, body) = self.http_parts();
+        let mut response = Response::new(ResponseBody::full(body, None));
+        *response.status_mut() = status;
+        *response.headers_mut() = headers;
+        response
+    }
+
+    /// The HTTP answer's status, headers and body.
+    pub(crate) fn http_parts(self) -> (http::StatusCode, http::HeaderMap, Bytes) {
         let code = self.code.as_str();
         let document = serde_json::json!({
             "type": format!("urn:idempotent:problem:{code}"),
@@ -146,9 +155,7 @@ impl Problem {
             "code": code,
         });
         let body = Bytes::from(document.to_string());
-        let mut response = Response::new(ResponseBody::full(body, None));
-        *response.status_mut() = self.code.status();
-        let headers = response.headers_mut();
+        let mut headers = http::HeaderMap::new();
         headers.insert(
             CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),
@@ -161,7 +168,7 @@ impl Problem {
                 .saturating_add(u64::from(after.subsec_nanos() > 0));
             headers.insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));
         }
-        response
+        (self.code.status(), headers, body)
     }
 }
 

@@ -295,6 +295,9 @@ where
         }
     };
 
+    // Kept for a completer: only a request with a key (a session's requests are not kept).
+    let kept = (config.keep_requests && matches!(target, Target::Key(_)))
+        .then(|| crate::completer::SavedRequest::of(&parts, &body).encode());
     let call = match target {
         Target::Key(key) => Call::new(key),
         Target::Session(session) => Call::in_session(session.id().clone(), session.place()),
@@ -322,6 +325,16 @@ where
         let claim = ClaimHandle::current();
         if let Some(claim) = &claim {
             request.extensions_mut().insert(claim.clone());
+            if let Some(kept) = kept
+                && let Err(error) = claim.save_request(kept).await
+            {
+                // Not kept, not run: the client's retry runs it.
+                tracing::warn!(
+                    error = &error as &dyn std::error::Error,
+                    "could not keep the request for the completer; it was not run"
+                );
+                return None;
+            }
         }
         let answering = claim.clone();
         let answered = async move {
@@ -359,31 +372,8 @@ where
         // key is released and nothing of this request is recorded.
         _ => Retain::Release,
     };
-    let encode = |output: &Option<Result<Captured<ResBody>, S::Error>>| match output {
-        Some(Ok(Captured::Complete {
-            parts,
-            body,
-            trailers,
-        })) => match crate::stored::encode(
-            parts.status,
-            &parts.headers,
-            body,
-            trailers.as_ref(),
-            |name| config.is_not_replayed(name),
-        ) {
-            Ok(record) => Some(record),
-            // A response the stored form cannot give back exactly is kept like one too large
-            // to buffer: recorded as done, without its result.
-            Err(error) => {
-                tracing::warn!(%storage_key, %error, "response not retained for replay");
-                None
-            }
-        },
-        // The handler ran and answered; without its whole response, the call is recorded as
-        // done so that a retry does not run it again.
-        Some(Ok(Captured::TooLarge { .. } | Captured::Failed { .. })) => None,
-        // Released by `retain`, so never encoded.
-        None | Some(Err(_)) => None,
+    let encode = |output: &Option<Result<Captured<ResBody>, S::Error>>| {
+        record_of(&config, output, storage_key)
     };
 
     match config
@@ -452,6 +442,41 @@ where
             count(&config, RequestOutcome::of_error(&error));
             Ok(P::answer(Problem::from_error(&error)))
         }
+    }
+}
+
+/// The record of a handler's output: its response as stored for replay, or `None` (recorded
+/// as done without a result, or never recorded because `retain` released it).
+pub(crate) fn record_of<P: Protocol, B: Body, E>(
+    config: &Config<P>,
+    output: &Option<Result<Captured<B>, E>>,
+    storage_key: impl fmt::Display,
+) -> Option<Bytes> {
+    match output {
+        Some(Ok(Captured::Complete {
+            parts,
+            body,
+            trailers,
+        })) => match crate::stored::encode(
+            parts.status,
+            &parts.headers,
+            body,
+            trailers.as_ref(),
+            |name| config.is_not_replayed(name),
+        ) {
+            Ok(record) => Some(record),
+            // A response the stored form cannot give back exactly is kept like one too large
+            // to buffer: recorded as done, without its result.
+            Err(error) => {
+                tracing::warn!(%storage_key, %error, "response not retained for replay");
+                None
+            }
+        },
+        // The handler ran and answered; without its whole response, the call is recorded as
+        // done so that a retry does not run it again.
+        Some(Ok(Captured::TooLarge { .. } | Captured::Failed { .. })) => None,
+        // Released by `retain`, so never encoded.
+        None | Some(Err(_)) => None,
     }
 }
 

@@ -1,0 +1,482 @@
+//! The completer: finishes, in the background, operations whose clients went away.
+//!
+//! A client that times out and never retries leaves its operation half-done: its claim lapses
+//! (or was released when the request failed), with some [steps](idempotent_core::steps) saved
+//! and others not. With [`IdempotencyLayer::keep_requests`] the layer keeps every protected
+//! request (method, URI, headers but credentials, body up to the request limit) on its
+//! in-flight record; a [`Completer`] lists the records abandoned for longer than
+//! [`after`](Completer::after), takes each over like a retry would
+//! ([`Call::resume`](idempotent_core::Call::resume): only an operation still abandoned, never
+//! a new one), and runs the kept request through the service under the layer. The handler
+//! resumes from its checkpoints, and its answer is recorded by the layer's rules, so the
+//! client's eventual retry replays it.
+//!
+//! - **Attempts.** Each run is one attempt, counted on the record. A run whose answer the
+//!   layer does not keep (a `5xx`, an error, a lost claim) releases the operation; the next
+//!   pass tries again. The last of [`max_attempts`](Completer::max_attempts) keeps whatever
+//!   the handler answered, so the operation is marked failed with its last answer; if even
+//!   that run gave nothing to keep, the next pass records `500 operation_failed`.
+//! - **Bounds.** A pass lists at most [`batch`](Completer::batch) operations and runs at most
+//!   [`concurrency`](Completer::concurrency) at once.
+//! - **What the handler sees.** The kept request, with the [`ClaimHandle`] and a
+//!   [`Completing`] extension. Extensions that middleware outside the layer adds (an
+//!   authenticated principal, say) are not there, nor are the `Authorization`,
+//!   `Proxy-Authorization` and `Cookie` headers, which are never kept.
+//! - **What it does not finish.** Requests in a [client session](idempotent_core::session),
+//!   and gRPC requests: their records keep no request.
+//!
+//! Metrics: `idempotency.completer.attempts` (runs), `idempotency.completer.completed`
+//! (operations whose answer was recorded), `idempotency.completer.given_up` (operations
+//! recorded as failed), all counters.
+
+mod saved;
+
+use std::fmt;
+use std::future::Future;
+use std::future::poll_fn;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::Body;
+use http_body_util::Empty;
+use idempotent_core::steps::Abandoned;
+use idempotent_core::{Call, ClaimHandle, Error, Execution, InFlightPolicy, ProblemCode, Retain};
+use tokio::sync::watch;
+use tower_service::Service;
+
+use crate::body::RequestBody;
+use crate::capture::{Captured, capture};
+use crate::config::Config;
+use crate::layer::IdempotencyLayer;
+use crate::problem::Problem;
+use crate::protocol::Http;
+
+pub(crate) use saved::SavedRequest;
+
+/// The request extension of a handler the [`Completer`] runs: which attempt this is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completing {
+    attempt: u32,
+}
+
+impl Completing {
+    /// The completer's attempt, from 1.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+}
+
+/// What one [`pass`](Completer::pass) did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CompleterPass {
+    /// Abandoned operations listed.
+    pub found: usize,
+    /// Operations finished: their answer is recorded.
+    pub completed: usize,
+    /// Runs whose answer was not kept: the operation waits for the next pass.
+    pub failed: usize,
+    /// Operations recorded as failed after their last attempt.
+    pub given_up: usize,
+    /// Operations someone else finished or took over first (nothing ran).
+    pub skipped: usize,
+}
+
+/// Finishes abandoned operations in the background; see the [module docs](self).
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use axum::{Router, routing::post};
+/// use idempotent_core::{Idempotency, memory::MemoryStore};
+/// use idempotent_tower::{Completer, IdempotencyLayer};
+///
+/// # async fn orders() -> &'static str { "ok" }
+/// # async fn example() {
+/// let layer = IdempotencyLayer::http(Idempotency::new(MemoryStore::new())).keep_requests(true);
+/// let routes = Router::new().route("/orders", post(orders));
+/// let completer = Completer::new(&layer, routes.clone())
+///     .after(Duration::from_secs(30))
+///     .spawn();
+/// let app = routes.layer(layer);
+/// // serve `app`; at shutdown:
+/// completer.stop().await;
+/// # }
+/// ```
+pub struct Completer<S> {
+    config: Arc<Config<Http>>,
+    inner: S,
+    after: Duration,
+    scan_every: Duration,
+    concurrency: usize,
+    batch: usize,
+    max_attempts: u32,
+    metrics: Arc<CompleterMetrics>,
+}
+
+impl<S: Clone> Clone for Completer<S> {
+    fn clone(&self) -> Self {
+        Completer {
+            config: Arc::clone(&self.config),
+            inner: self.inner.clone(),
+            after: self.after,
+            scan_every: self.scan_every,
+            concurrency: self.concurrency,
+            batch: self.batch,
+            max_attempts: self.max_attempts,
+            metrics: Arc::clone(&self.metrics),
+        }
+    }
+}
+
+impl<S> fmt::Debug for Completer<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Completer")
+            .field("after", &self.after)
+            .field("scan_every", &self.scan_every)
+            .field("concurrency", &self.concurrency)
+            .field("batch", &self.batch)
+            .field("max_attempts", &self.max_attempts)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Default [`Completer::after`]: 60 seconds.
+pub const DEFAULT_COMPLETER_AFTER: Duration = Duration::from_secs(60);
+/// Default [`Completer::max_attempts`]: 5.
+pub const DEFAULT_COMPLETER_ATTEMPTS: u32 = 5;
+
+impl<S, ResBody> Completer<S>
+where
+    S: Service<Request<RequestBody<Empty<Bytes>>>, Response = Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: fmt::Display + Send + 'static,
+    ResBody: Body + Send + 'static,
+    ResBody::Data: Send,
+    ResBody::Error: Send,
+{
+    /// A completer for the operations of `layer` (its runtime, its limits and outcome policy),
+    /// running them through `inner`: the service the layer wraps, without the layer. Build
+    /// the layer with [`keep_requests`](IdempotencyLayer::keep_requests): without kept
+    /// requests there is nothing to finish.
+    ///
+    /// Defaults: [`after`](Self::after) [`DEFAULT_COMPLETER_AFTER`], a pass every quarter of
+    /// it, 4 at once, 64 a pass, [`DEFAULT_COMPLETER_ATTEMPTS`] attempts.
+    pub fn new(layer: &IdempotencyLayer<Http>, inner: S) -> Self {
+        Completer {
+            config: Arc::clone(&layer.config),
+            inner,
+            after: DEFAULT_COMPLETER_AFTER,
+            scan_every: DEFAULT_COMPLETER_AFTER / 4,
+            concurrency: 4,
+            batch: 64,
+            max_attempts: DEFAULT_COMPLETER_ATTEMPTS,
+            metrics: Arc::new(CompleterMetrics::register()),
+        }
+    }
+
+    /// How long an operation stays abandoned (its lease ended, or it was released, and no
+    /// retry took it over) before the completer finishes it; also sets the pass interval to a
+    /// quarter of it (at least 10 ms). Give clients time to retry first: their retry resumes
+    /// the operation just as well, and answers them.
+    pub fn after(mut self, idle: Duration) -> Self {
+        self.after = idle;
+        self.scan_every = (idle / 4).max(Duration::from_millis(10));
+        self
+    }
+
+    /// How often a pass runs (default: a quarter of [`after`](Self::after)).
+    pub fn scan_every(mut self, every: Duration) -> Self {
+        self.scan_every = every.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How many operations run at once (default 4, at least 1).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n.max(1);
+        self
+    }
+
+    /// How many abandoned operations one pass lists (default 64, at least 1).
+    pub fn batch(mut self, n: usize) -> Self {
+        self.batch = n.max(1);
+        self
+    }
+
+    /// How many runs an operation gets before it is recorded as failed (default
+    /// [`DEFAULT_COMPLETER_ATTEMPTS`], at least 1).
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = n.max(1);
+        self
+    }
+
+    /// One pass: lists the operations abandoned for [`after`](Self::after) and finishes what
+    /// it can, [`concurrency`](Self::concurrency) at once.
+    ///
+    /// The future owns what it needs (it does not borrow the completer), so it can be spawned.
+    pub fn pass(&self) -> impl Future<Output = Result<CompleterPass, Error>> + Send + 'static {
+        let this = self.clone();
+        async move { this.pass_owned().await }
+    }
+
+    async fn pass_owned(self) -> Result<CompleterPass, Error> {
+        let idempotency = self.config.idempotency.clone();
+        let found = idempotency.abandoned(self.after, self.batch).await?;
+        let mut pass = CompleterPass {
+            found: found.len(),
+            ..CompleterPass::default()
+        };
+        let concurrency = self.concurrency;
+        for chunk in found.chunks(concurrency) {
+            let mut running = tokio::task::JoinSet::new();
+            for abandoned in chunk {
+                running.spawn(self.clone().finish(abandoned.clone()));
+            }
+            while let Some(done) = running.join_next().await {
+                match done {
+                    Ok(Finished::Completed) => pass.completed += 1,
+                    Ok(Finished::Failed) => pass.failed += 1,
+                    Ok(Finished::GaveUp) => pass.given_up += 1,
+                    Ok(Finished::Skipped) => pass.skipped += 1,
+                    Err(error) => {
+                        tracing::error!(%error, "a completer run panicked or was cancelled");
+                        pass.failed += 1;
+                    }
+                }
+            }
+        }
+        Ok(pass)
+    }
+
+    /// Runs passes every [`scan_every`](Self::scan_every) on a task of its own until the
+    /// handle is stopped or dropped. Needs a tokio runtime.
+    pub fn spawn(self) -> CompleterHandle {
+        let (stop, mut stopped) = watch::channel(false);
+        let task = tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stopped.changed() => return,
+                    () = tokio::time::sleep(self.scan_every) => {}
+                }
+                tokio::select! {
+                    _ = stopped.changed() => return,
+                    passed = self.pass() => match passed {
+                        Ok(pass) if pass.found > 0 => tracing::info!(?pass, "completer pass"),
+                        Ok(_) => {}
+                        Err(error) => tracing::warn!(
+                            error = &error as &dyn std::error::Error,
+                            "completer pass failed; trying again at the next one"
+                        ),
+                    },
+                }
+            }
+        });
+        CompleterHandle {
+            stop,
+            task: Some(task),
+        }
+    }
+
+    /// Finishes one abandoned operation, as far as one attempt goes.
+    async fn finish(self, abandoned: Abandoned) -> Finished {
+        let config = &self.config;
+        let saved = match SavedRequest::decode(abandoned.request.clone()) {
+            Ok(saved) => saved,
+            Err(error) => {
+                tracing::error!(storage_key = %abandoned.key, %error, "kept request unreadable; recording the operation as failed");
+                let why = format!("its kept request is unreadable: {error}");
+                return give_up(config, &self.metrics, &abandoned, why).await;
+            }
+        };
+        if saved.attempts >= self.max_attempts {
+            let why = format!(
+                "the completer ran it {} times without an answer to keep",
+                saved.attempts
+            );
+            return give_up(config, &self.metrics, &abandoned, why).await;
+        }
+        let attempt = saved.attempts + 1;
+        let last = attempt >= self.max_attempts;
+        let options = config.call_options.in_flight(InFlightPolicy::Reject);
+        let call = Call::resume(&abandoned).options(options);
+        let max_response = config.idempotency.max_result_bytes(&call);
+        let call = call.options(options.max_result_bytes(usize::MAX));
+        let mut inner = self.inner.clone();
+        let kept = SavedRequest {
+            attempts: attempt,
+            ..saved.clone()
+        };
+        let work = async move {
+            let claim = ClaimHandle::current()?;
+            // Counted before it runs: a run that crashes the process counts too.
+            if let Err(error) = claim.save_request(kept.encode()).await {
+                tracing::warn!(
+                    error = &error as &dyn std::error::Error,
+                    "the completer could not count its attempt; leaving the operation"
+                );
+                return None;
+            }
+            let mut request = Request::new(RequestBody::buffered(saved.body));
+            *request.method_mut() = saved.method;
+            *request.uri_mut() = saved.uri;
+            *request.headers_mut() = saved.headers;
+            request.extensions_mut().insert(claim.clone());
+            request.extensions_mut().insert(Completing { attempt });
+            if let Err(error) = poll_fn(|cx| inner.poll_ready(cx)).await {
+                return Some(Err(error));
+            }
+            match inner.call(request).await {
+                Ok(response) => {
+                    claim.finish_on_shutdown();
+                    Some(Ok(capture(response, max_response).await))
+                }
+                Err(error) => Some(Err(error)),
+            }
+        };
+        self.metrics.attempts.increment(1);
+        let retain = |output: &Option<Result<Captured<ResBody>, S::Error>>| match output {
+            Some(Ok(captured)) if config.retains(captured) => Retain::Keep,
+            // The last attempt is the operation's answer, whatever it is.
+            Some(Ok(Captured::Complete { .. })) if last => Retain::Keep,
+            _ => Retain::Release,
+        };
+        let encode = |output: &Option<Result<Captured<ResBody>, S::Error>>| {
+            crate::service::record_of(config, output, abandoned.key)
+        };
+        match config
+            .idempotency
+            .execute(&call, work, retain, encode)
+            .await
+        {
+            Ok(Execution::Fresh(Some(Ok(captured)))) => {
+                if config.retains(&captured) {
+                    tracing::info!(storage_key = %abandoned.key, attempt, status = captured.status().as_u16(), "completer finished an abandoned operation");
+                    self.metrics.completed.increment(1);
+                    Finished::Completed
+                } else if last {
+                    tracing::warn!(storage_key = %abandoned.key, attempt, status = captured.status().as_u16(), "completer gave up an abandoned operation; its last answer is recorded");
+                    self.metrics.given_up.increment(1);
+                    Finished::GaveUp
+                } else {
+                    tracing::info!(storage_key = %abandoned.key, attempt, status = captured.status().as_u16(), "completer run not kept; trying again later");
+                    Finished::Failed
+                }
+            }
+            Ok(Execution::Fresh(Some(Err(error)))) => {
+                tracing::warn!(storage_key = %abandoned.key, attempt, %error, "completer run failed; trying again later");
+                Finished::Failed
+            }
+            Ok(Execution::Fresh(None)) => Finished::Failed,
+            Ok(Execution::Replayed(_))
+            | Err(Error::NothingToResume | Error::InFlight { .. } | Error::FingerprintMismatch) => {
+                Finished::Skipped
+            }
+            Err(error) => {
+                tracing::warn!(storage_key = %abandoned.key, error = &error as &dyn std::error::Error, "completer could not resume an operation");
+                Finished::Failed
+            }
+        }
+    }
+}
+
+/// Records `500 operation_failed` as the operation's answer.
+async fn give_up(
+    config: &Config<Http>,
+    metrics: &CompleterMetrics,
+    abandoned: &Abandoned,
+    why: String,
+) -> Finished {
+    let problem = Problem::new(
+        ProblemCode::OperationFailed,
+        format!(
+            "the client went away before this request finished, and finishing it in the background failed: {why}; nothing more will run under this key"
+        ),
+    );
+    let (status, headers, body) = problem.http_parts();
+    let Ok(record) = crate::stored::encode(status, &headers, &body, None, |_| false) else {
+        return Finished::Failed;
+    };
+    let call =
+        Call::resume(abandoned).options(config.call_options.in_flight(InFlightPolicy::Reject));
+    let answered = config
+        .idempotency
+        .execute(&call, async {}, |()| Retain::Keep, |()| Some(record))
+        .await;
+    match answered {
+        Ok(Execution::Fresh(())) => {
+            metrics.given_up.increment(1);
+            Finished::GaveUp
+        }
+        Ok(Execution::Replayed(_)) | Err(Error::NothingToResume | Error::InFlight { .. }) => {
+            Finished::Skipped
+        }
+        Err(_) => Finished::Failed,
+    }
+}
+
+enum Finished {
+    Completed,
+    Failed,
+    GaveUp,
+    Skipped,
+}
+
+/// A running [`Completer`]: [`stop`](Self::stop) it at shutdown. Dropping it stops it too,
+/// without waiting.
+#[derive(Debug)]
+pub struct CompleterHandle {
+    stop: watch::Sender<bool>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl CompleterHandle {
+    /// Stops the completer: a pass under way is stopped at its next await point (an operation
+    /// it was running is released, to be finished later), and this returns once it has.
+    pub async fn stop(mut self) {
+        let _ = self.stop.send(true);
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for CompleterHandle {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+struct CompleterMetrics {
+    attempts: ::metrics::Counter,
+    completed: ::metrics::Counter,
+    given_up: ::metrics::Counter,
+}
+
+impl CompleterMetrics {
+    fn register() -> Self {
+        ::metrics::describe_counter!(
+            "idempotency.completer.attempts",
+            ::metrics::Unit::Count,
+            "Runs of abandoned operations by the completer."
+        );
+        ::metrics::describe_counter!(
+            "idempotency.completer.completed",
+            ::metrics::Unit::Count,
+            "Abandoned operations the completer finished (their answer recorded)."
+        );
+        ::metrics::describe_counter!(
+            "idempotency.completer.given_up",
+            ::metrics::Unit::Count,
+            "Abandoned operations the completer recorded as failed after their last attempt."
+        );
+        CompleterMetrics {
+            attempts: ::metrics::counter!("idempotency.completer.attempts"),
+            completed: ::metrics::counter!("idempotency.completer.completed"),
+            given_up: ::metrics::counter!("idempotency.completer.given_up"),
+        }
+    }
+}

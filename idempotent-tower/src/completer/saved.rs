@@ -1,0 +1,169 @@
+//! The request as the layer keeps it on its record for the completer: method, URI, headers
+//! (credentials left out) and body, with the number of completer attempts so far.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::header::{AUTHORIZATION, COOKIE, PROXY_AUTHORIZATION};
+use http::request::Parts;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
+
+const MAGIC: &[u8; 4] = b"IRQ1";
+
+/// Headers never kept: credentials do not belong in the store. A handler the completer runs
+/// gets the request without them.
+const NOT_KEPT: [HeaderName; 3] = [AUTHORIZATION, PROXY_AUTHORIZATION, COOKIE];
+
+/// A protected request as kept on its record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SavedRequest {
+    pub(crate) method: Method,
+    pub(crate) uri: Uri,
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
+    /// How many times a completer has run it.
+    pub(crate) attempts: u32,
+}
+
+/// Why a kept request could not be read back.
+#[derive(Debug, thiserror::Error)]
+#[error("the kept request cannot be decoded: {0}")]
+pub(crate) struct SavedRequestError(&'static str);
+
+impl SavedRequest {
+    /// The request a client sent, before any completer ran it.
+    pub(crate) fn of(parts: &Parts, body: &Bytes) -> Self {
+        let mut headers = parts.headers.clone();
+        for name in &NOT_KEPT {
+            headers.remove(name);
+        }
+        SavedRequest {
+            method: parts.method.clone(),
+            uri: parts.uri.clone(),
+            headers,
+            body: body.clone(),
+            attempts: 0,
+        }
+    }
+
+    pub(crate) fn encode(&self) -> Bytes {
+        let uri = self.uri.to_string();
+        let mut out = BytesMut::with_capacity(64 + uri.len() + self.body.len());
+        out.put_slice(MAGIC);
+        out.put_u32(self.attempts);
+        put(&mut out, self.method.as_str().as_bytes());
+        put(&mut out, uri.as_bytes());
+        out.put_u32(u32::try_from(self.headers.len()).unwrap_or(u32::MAX));
+        for (name, value) in &self.headers {
+            put(&mut out, name.as_str().as_bytes());
+            put(&mut out, value.as_bytes());
+        }
+        put(&mut out, &self.body);
+        out.freeze()
+    }
+
+    pub(crate) fn decode(mut input: Bytes) -> Result<Self, SavedRequestError> {
+        if input.len() < 8 || &input[..4] != MAGIC {
+            return Err(SavedRequestError("not a kept request"));
+        }
+        input.advance(4);
+        let attempts = input.get_u32();
+        let method = Method::from_bytes(&take(&mut input)?)
+            .map_err(|_| SavedRequestError("invalid method"))?;
+        let uri = Uri::try_from(take(&mut input)?.as_ref())
+            .map_err(|_| SavedRequestError("invalid URI"))?;
+        if input.remaining() < 4 {
+            return Err(SavedRequestError("cut short"));
+        }
+        let count = input.get_u32();
+        let mut headers = HeaderMap::new();
+        for _ in 0..count {
+            let name = HeaderName::from_bytes(&take(&mut input)?)
+                .map_err(|_| SavedRequestError("invalid header name"))?;
+            let value = HeaderValue::from_maybe_shared(take(&mut input)?)
+                .map_err(|_| SavedRequestError("invalid header value"))?;
+            headers.append(name, value);
+        }
+        let body = take(&mut input)?;
+        if input.has_remaining() {
+            return Err(SavedRequestError("trailing bytes"));
+        }
+        Ok(SavedRequest {
+            method,
+            uri,
+            headers,
+            body,
+            attempts,
+        })
+    }
+}
+
+fn put(out: &mut BytesMut, bytes: &[u8]) {
+    out.put_u32(u32::try_from(bytes.len()).unwrap_or(u32::MAX));
+    out.put_slice(bytes);
+}
+
+fn take(input: &mut Bytes) -> Result<Bytes, SavedRequestError> {
+    if input.remaining() < 4 {
+        return Err(SavedRequestError("cut short"));
+    }
+    let len = input.get_u32() as usize;
+    if input.remaining() < len {
+        return Err(SavedRequestError("cut short"));
+    }
+    Ok(input.split_to(len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> SavedRequest {
+        let request = http::Request::builder()
+            .method("POST")
+            .uri("/orders?crash_after=charge")
+            .header("content-type", "application/json")
+            .header("idempotency-key", "order-1")
+            .header("authorization", "Bearer alice")
+            .header("cookie", "session=secret")
+            .header("x-many", "1")
+            .header("x-many", "2")
+            .body(())
+            .unwrap();
+        let (parts, ()) = request.into_parts();
+        SavedRequest::of(&parts, &Bytes::from_static(b"{\"sku\":\"a\"}"))
+    }
+
+    #[test]
+    fn round_trips_without_credentials() {
+        let saved = SavedRequest {
+            attempts: 3,
+            ..sample()
+        };
+        let decoded = SavedRequest::decode(saved.encode()).unwrap();
+        assert_eq!(decoded, saved);
+        assert!(decoded.headers.get("authorization").is_none());
+        assert!(decoded.headers.get("cookie").is_none());
+        assert_eq!(decoded.headers.get_all("x-many").iter().count(), 2);
+        assert_eq!(decoded.uri, "/orders?crash_after=charge");
+    }
+
+    #[test]
+    fn garbage_is_an_error_never_a_panic() {
+        let whole = sample().encode();
+        for cut in 0..whole.len() {
+            assert!(SavedRequest::decode(whole.slice(..cut)).is_err(), "{cut}");
+        }
+        let mut longer = BytesMut::from(&whole[..]);
+        longer.put_u8(0);
+        assert!(SavedRequest::decode(longer.freeze()).is_err());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn decoding_any_bytes_never_panics(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..96)) {
+            let mut with_magic = MAGIC.to_vec();
+            with_magic.extend_from_slice(&bytes);
+            let _ = SavedRequest::decode(Bytes::from(with_magic));
+            let _ = SavedRequest::decode(Bytes::from(bytes));
+        }
+    }
+}

@@ -1,0 +1,312 @@
+//! The completer: operations their clients abandoned, finished in the background from the
+//! kept request and the operation's checkpoints.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::extract::{Extension, State};
+use axum::http::HeaderMap;
+use axum::response::IntoResponse;
+use axum::{Router, routing};
+use bytes::Bytes;
+use http::StatusCode;
+use http_body_util::Full;
+use idempotent_core::memory::MemoryStore;
+use idempotent_core::{CallOptions, ClaimHandle, Idempotency};
+use idempotent_tower::{Completer, CompleterPass, Completing, IdempotencyLayer};
+use support::{post, send};
+
+/// How long an operation waits for its client before a completer takes it.
+const AFTER: Duration = Duration::from_millis(100);
+
+#[derive(Default)]
+struct Shop {
+    runs: AtomicUsize,
+    reserved: AtomicUsize,
+    charged: AtomicUsize,
+    /// While set, every run answers 500 after its first step.
+    failing: AtomicBool,
+}
+
+async fn order(
+    State(shop): State<Arc<Shop>>,
+    Extension(claim): Extension<ClaimHandle>,
+    completing: Option<Extension<Completing>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> axum::response::Response {
+    shop.runs.fetch_add(1, Ordering::SeqCst);
+    let reservation = claim
+        .step("reserve", async {
+            shop.reserved.fetch_add(1, Ordering::SeqCst);
+            format!("res-{}", &claim.step_key("reserve").unwrap().as_str()[..8])
+        })
+        .await;
+    let Ok(reservation) = reservation else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "claim lost").into_response();
+    };
+    if shop.failing.load(Ordering::SeqCst) {
+        return (StatusCode::BAD_GATEWAY, "provider down").into_response();
+    }
+    let charge: usize = match claim
+        .step("charge", async {
+            shop.charged.fetch_add(1, Ordering::SeqCst)
+        })
+        .await
+    {
+        Ok(charge) => charge,
+        Err(_) => return (StatusCode::SERVICE_UNAVAILABLE, "claim lost").into_response(),
+    };
+    let answer = serde_json::json!({
+        "reservation": reservation,
+        "charge": charge,
+        "attempt": completing.map(|c| c.attempt()),
+        "authorization": headers.contains_key("authorization"),
+        "body": String::from_utf8_lossy(&body),
+    });
+    (StatusCode::CREATED, answer.to_string()).into_response()
+}
+
+struct Setup {
+    shop: Arc<Shop>,
+    layer: IdempotencyLayer,
+    routes: Router,
+    app: Router,
+}
+
+fn setup(layer: IdempotencyLayer) -> Setup {
+    let shop = Arc::new(Shop::default());
+    let routes = Router::new()
+        .route("/orders", routing::post(order))
+        .with_state(Arc::clone(&shop));
+    let app = routes.clone().layer(layer.clone());
+    Setup {
+        shop,
+        layer,
+        routes,
+        app,
+    }
+}
+
+fn keeping(idempotency: Idempotency) -> IdempotencyLayer {
+    IdempotencyLayer::http(idempotency).keep_requests(true)
+}
+
+fn order_request(key: &str) -> http::Request<Full<Bytes>> {
+    let mut request = post("/orders", Some(key), "{\"sku\":\"tea\"}");
+    request
+        .headers_mut()
+        .insert("authorization", "Bearer secret".parse().unwrap());
+    request
+}
+
+impl Setup {
+    fn completer(&self) -> Completer<Router> {
+        Completer::new(&self.layer, self.routes.clone()).after(AFTER)
+    }
+
+    fn count(&self) -> (usize, usize, usize) {
+        (
+            self.shop.runs.load(Ordering::SeqCst),
+            self.shop.reserved.load(Ordering::SeqCst),
+            self.shop.charged.load(Ordering::SeqCst),
+        )
+    }
+}
+
+#[tokio::test]
+async fn an_abandoned_operation_is_finished_from_its_checkpoints() {
+    let s = setup(keeping(Idempotency::new(MemoryStore::new())));
+    s.shop.failing.store(true, Ordering::SeqCst);
+    let first = send(&s.app, order_request("o-1")).await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY, "released, not kept");
+    s.shop.failing.store(false, Ordering::SeqCst);
+    let completer = s.completer();
+    // Not abandoned long enough: its client may still retry.
+    assert_eq!(completer.pass().await.unwrap(), CompleterPass::default());
+    tokio::time::sleep(2 * AFTER).await;
+    let pass = completer.pass().await.unwrap();
+    assert_eq!((pass.found, pass.completed), (1, 1), "{pass:?}");
+    assert_eq!(s.count(), (2, 1, 1), "runs, reservations, charges");
+    // Finished: nothing more to do, and the client's retry replays the completer's answer.
+    assert_eq!(completer.pass().await.unwrap().found, 0);
+    let retry = send(&s.app, order_request("o-1")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    let answer: serde_json::Value = serde_json::from_slice(&retry.body).unwrap();
+    assert_eq!(answer["attempt"], 1, "{answer}");
+    assert_eq!(answer["authorization"], false, "credentials are never kept");
+    assert_eq!(answer["body"], "{\"sku\":\"tea\"}");
+    assert_eq!(s.count(), (2, 1, 1));
+}
+
+#[tokio::test]
+async fn a_client_retry_first_leaves_the_completer_nothing() {
+    let s = setup(keeping(Idempotency::new(MemoryStore::new())));
+    s.shop.failing.store(true, Ordering::SeqCst);
+    send(&s.app, order_request("o-2")).await;
+    s.shop.failing.store(false, Ordering::SeqCst);
+    let retry = send(&s.app, order_request("o-2")).await;
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (StatusCode::CREATED, false)
+    );
+    let answer: serde_json::Value = serde_json::from_slice(&retry.body).unwrap();
+    assert_eq!(answer["attempt"], serde_json::Value::Null);
+    assert_eq!(answer["authorization"], true);
+    tokio::time::sleep(2 * AFTER).await;
+    assert_eq!(s.completer().pass().await.unwrap().found, 0);
+    assert_eq!(
+        s.count(),
+        (2, 1, 1),
+        "the retry resumed from the reservation"
+    );
+}
+
+#[tokio::test]
+async fn without_kept_requests_there_is_nothing_to_finish() {
+    let s = setup(IdempotencyLayer::http(Idempotency::new(MemoryStore::new())));
+    s.shop.failing.store(true, Ordering::SeqCst);
+    send(&s.app, order_request("o-3")).await;
+    tokio::time::sleep(2 * AFTER).await;
+    assert_eq!(
+        s.completer().pass().await.unwrap(),
+        CompleterPass::default()
+    );
+    assert_eq!(s.count(), (1, 1, 0));
+}
+
+#[tokio::test]
+async fn the_last_attempt_is_recorded_as_the_operation_failed() {
+    let s = setup(keeping(Idempotency::new(MemoryStore::new())));
+    s.shop.failing.store(true, Ordering::SeqCst);
+    send(&s.app, order_request("o-4")).await;
+    let completer = s.completer().max_attempts(2);
+    tokio::time::sleep(2 * AFTER).await;
+    let pass = completer.pass().await.unwrap();
+    assert_eq!((pass.found, pass.failed), (1, 1), "{pass:?}");
+    tokio::time::sleep(2 * AFTER).await;
+    let pass = completer.pass().await.unwrap();
+    assert_eq!((pass.found, pass.given_up), (1, 1), "{pass:?}");
+    tokio::time::sleep(2 * AFTER).await;
+    assert_eq!(completer.pass().await.unwrap().found, 0, "recorded: done");
+    // The client's retry gets the last answer, replayed; nothing runs again.
+    let retry = send(&s.app, order_request("o-4")).await;
+    assert_eq!(retry.status, StatusCode::BAD_GATEWAY);
+    assert!(retry.replayed());
+    assert_eq!(retry.text(), "provider down");
+    assert_eq!(s.count(), (3, 1, 0), "the client's run and two attempts");
+}
+
+#[tokio::test]
+async fn an_operation_with_an_unreadable_request_is_recorded_as_failed() {
+    let idempotency = Idempotency::new(MemoryStore::new());
+    let s = setup(keeping(idempotency.clone()));
+    // A record whose kept request is garbage, as a damaged store could hold.
+    let call = idempotent_core::Call::new("garbage".parse().unwrap());
+    idempotency
+        .run_with(
+            &call,
+            async {
+                let claim = ClaimHandle::current().unwrap();
+                claim
+                    .save_request(Bytes::from_static(b"not a request"))
+                    .await
+                    .unwrap();
+            },
+            |()| idempotent_core::Retain::Release,
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(2 * AFTER).await;
+    let pass = s.completer().pass().await.unwrap();
+    assert_eq!((pass.found, pass.given_up), (1, 1), "{pass:?}");
+    let replayed = idempotency
+        .execute(
+            &call,
+            async {},
+            |()| idempotent_core::Retain::Keep,
+            |()| None,
+        )
+        .await
+        .unwrap();
+    let idempotent_core::Execution::Replayed(record) = replayed else {
+        panic!("expected the recorded failure");
+    };
+    let text = String::from_utf8_lossy(&record);
+    assert!(text.contains("operation_failed"), "{text}");
+    assert_eq!(s.count(), (0, 0, 0), "nothing of the shop ran");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_completers_finish_each_of_a_hundred_operations_once() {
+    let s = setup(keeping(Idempotency::new(MemoryStore::new())));
+    s.shop.failing.store(true, Ordering::SeqCst);
+    let keys: Vec<String> = (0..100).map(|i| format!("bulk-{i}")).collect();
+    for key in &keys {
+        let answer = send(&s.app, order_request(key)).await;
+        assert_eq!(answer.status, StatusCode::BAD_GATEWAY);
+    }
+    s.shop.failing.store(false, Ordering::SeqCst);
+    tokio::time::sleep(2 * AFTER).await;
+    let one = s.completer().concurrency(8).batch(200);
+    let two = s.completer().concurrency(8).batch(200);
+    let mut completed = 0;
+    for _ in 0..20 {
+        let (a, b) = tokio::join!(one.pass(), two.pass());
+        completed += a.unwrap().completed + b.unwrap().completed;
+        if completed == 100 {
+            break;
+        }
+    }
+    assert_eq!(completed, 100);
+    let (runs, reserved, charged) = s.count();
+    assert_eq!((reserved, charged), (100, 100), "each step once per order");
+    assert_eq!(runs, 200, "one client run and one completer run per order");
+    for key in &keys {
+        let retry = send(&s.app, order_request(key)).await;
+        assert_eq!(
+            (retry.status, retry.replayed()),
+            (StatusCode::CREATED, true)
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_spawned_completer_finishes_in_the_background_until_stopped() {
+    let idempotency = Idempotency::builder(MemoryStore::new())
+        .defaults(idempotent_core::Defaults::new())
+        .build();
+    let layer = IdempotencyLayer::http(idempotency)
+        .keep_requests(true)
+        .call_options(CallOptions::new().lease(Duration::from_secs(5)));
+    let s = setup(layer);
+    let handle = s.completer().spawn();
+    s.shop.failing.store(true, Ordering::SeqCst);
+    send(&s.app, order_request("o-5")).await;
+    s.shop.failing.store(false, Ordering::SeqCst);
+    let mut finished = false;
+    for _ in 0..200 {
+        tokio::time::sleep(AFTER / 4).await;
+        if s.count().2 == 1 {
+            finished = true;
+            break;
+        }
+    }
+    assert!(finished, "the spawned completer finished the order");
+    handle.stop().await;
+    // Stopped: another abandoned operation stays abandoned.
+    s.shop.failing.store(true, Ordering::SeqCst);
+    send(&s.app, order_request("o-6")).await;
+    s.shop.failing.store(false, Ordering::SeqCst);
+    tokio::time::sleep(4 * AFTER).await;
+    assert_eq!(s.count(), (3, 2, 1));
+    let retry = send(&s.app, order_request("o-5")).await;
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (StatusCode::CREATED, true)
+    );
+}
