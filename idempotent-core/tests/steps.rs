@@ -1,0 +1,542 @@
+//! Steps through the runtime: a step runs once per operation and later attempts get its
+//! checkpoint; a stale owner's checkpoint is refused; limits, names, failures and faults.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use idempotent_core::clock::ManualClock;
+use idempotent_core::conformance::{Fault, FaultyStore, Op};
+use idempotent_core::memory::MemoryStore;
+use idempotent_core::metrics::{self, Recorded};
+use idempotent_core::steps::{Abandoned, CheckpointError};
+use idempotent_core::{
+    Call, ClaimHandle, Defaults, Error, Execution, Fingerprint, Idempotency, Retain, StepError,
+    Store, StoreError,
+};
+
+fn call(key: &str) -> Call {
+    Call::new(key.parse().unwrap())
+}
+
+/// Runs `work` on `key` with [`Idempotency::execute`] (its value need not be serializable),
+/// keeping what `keep` says with a placeholder record, and returns a fresh value.
+async fn attempt<V>(
+    idempotency: &Idempotency,
+    key: &str,
+    work: impl std::future::Future<Output = V>,
+    keep: impl FnOnce(&V) -> bool,
+) -> V {
+    match idempotency
+        .execute(
+            &call(key),
+            work,
+            |v| {
+                if keep(v) {
+                    Retain::Keep
+                } else {
+                    Retain::Release
+                }
+            },
+            |_| Some(Bytes::from_static(b"kept")),
+        )
+        .await
+    {
+        Ok(Execution::Fresh(value)) => value,
+        other => panic!("expected a fresh run, got {:?}", other.map(|_| ())),
+    }
+}
+
+fn current() -> ClaimHandle {
+    ClaimHandle::current().expect("inside the work")
+}
+
+/// Counts each step's runs.
+#[derive(Default)]
+struct Effects {
+    reserved: AtomicUsize,
+    charged: AtomicUsize,
+}
+
+impl Effects {
+    fn counts(&self) -> (usize, usize) {
+        (
+            self.reserved.load(Ordering::SeqCst),
+            self.charged.load(Ordering::SeqCst),
+        )
+    }
+}
+
+/// Runs an order of two steps on `key`; `fail_after_reserve` makes the attempt fail (and its
+/// claim be released) between them.
+async fn order(
+    idempotency: &Idempotency,
+    key: &str,
+    effects: &Effects,
+    fail_after_reserve: bool,
+) -> Result<Option<(String, u64)>, Error> {
+    let work = async {
+        let claim = current();
+        let reservation: String = claim
+            .step("reserve", async {
+                effects.reserved.fetch_add(1, Ordering::SeqCst);
+                format!("res-{}", &claim.step_key("reserve").unwrap().as_str()[..12])
+            })
+            .await?;
+        if fail_after_reserve {
+            return Ok(None);
+        }
+        let charge: u64 = claim
+            .step("charge", async {
+                effects.charged.fetch_add(1, Ordering::SeqCst) as u64 + 100
+            })
+            .await?;
+        Ok::<_, Error>(Some((reservation, charge)))
+    };
+    let execution = idempotency
+        .execute(
+            &call(key),
+            work,
+            |result| match result {
+                Ok(Some(_)) => Retain::Keep,
+                _ => Retain::Release,
+            },
+            |result| {
+                let kept = result.as_ref().ok()?.as_ref()?;
+                Some(Bytes::from(serde_json::to_vec(kept).unwrap()))
+            },
+        )
+        .await?;
+    match execution {
+        Execution::Fresh(result) => result,
+        Execution::Replayed(bytes) => Ok(Some(serde_json::from_slice(&bytes).unwrap())),
+    }
+}
+
+#[tokio::test]
+async fn a_retry_resumes_after_the_steps_that_were_saved() {
+    let idempotency = Idempotency::new(MemoryStore::new());
+    let effects = Effects::default();
+    assert_eq!(
+        order(&idempotency, "o-1", &effects, true).await.unwrap(),
+        None
+    );
+    assert_eq!(effects.counts(), (1, 0));
+    let (reservation, charge) = order(&idempotency, "o-1", &effects, false)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        effects.counts(),
+        (1, 1),
+        "the reservation was not made again"
+    );
+    assert!(reservation.starts_with("res-"));
+    assert_eq!(charge, 100);
+    // Completed: a replay, nothing runs.
+    let replayed = order(&idempotency, "o-1", &effects, false).await.unwrap();
+    assert_eq!(replayed, Some((reservation, charge)));
+    assert_eq!(effects.counts(), (1, 1));
+    // A new operation (another key) runs its steps afresh.
+    order(&idempotency, "o-2", &effects, false).await.unwrap();
+    assert_eq!(effects.counts(), (2, 2));
+}
+
+#[tokio::test]
+async fn step_keys_are_stable_across_attempts_and_distinct_per_step_and_operation() {
+    let idempotency = Idempotency::new(MemoryStore::new());
+    let keys = |key: &'static str, release: bool| {
+        let idempotency = idempotency.clone();
+        async move {
+            let work = async {
+                let claim = current();
+                (
+                    claim.step_key("reserve").unwrap(),
+                    claim.step_key("charge").unwrap(),
+                    claim.operation_key(),
+                )
+            };
+            attempt(&idempotency, key, work, move |_| !release).await
+        }
+    };
+    let (reserve, charge, operation) = keys("k", true).await;
+    assert_eq!(
+        reserve.as_str(),
+        format!("{}.reserve", operation.as_str()),
+        "the operation key and the step name"
+    );
+    assert_ne!(reserve, charge);
+    let again = keys("k", false).await;
+    assert_eq!((again.0, again.1), (reserve.clone(), charge), "the retry's");
+    let other = keys("other", false).await;
+    assert_ne!(other.0, reserve);
+}
+
+#[tokio::test]
+async fn a_failed_step_is_not_saved_and_runs_again() {
+    let idempotency = Idempotency::new(MemoryStore::new());
+    let tries = AtomicUsize::new(0);
+    let once = || {
+        let work = async {
+            current()
+                .try_step("charge", async {
+                    let n = tries.fetch_add(1, Ordering::SeqCst);
+                    if n == 0 { Err("declined") } else { Ok(n) }
+                })
+                .await
+        };
+        attempt(&idempotency, "flaky", work, |r| r.is_ok())
+    };
+    let first = once().await;
+    assert!(matches!(first, Err(StepError::Failed("declined"))));
+    assert_eq!(once().await.unwrap(), 1);
+    assert_eq!(tries.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_stale_owners_checkpoint_is_refused_and_the_new_owner_runs_the_step() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let idempotency = Idempotency::builder(store)
+        .defaults(Defaults::new().lease(Duration::from_secs(1)))
+        .build();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (lapsed_tx, lapsed_rx) = tokio::sync::oneshot::channel::<()>();
+    let (taken_tx, taken_rx) = tokio::sync::oneshot::channel::<()>();
+    let stale = {
+        let (idempotency, runs) = (idempotency.clone(), Arc::clone(&runs));
+        tokio::spawn(async move {
+            let work = async move {
+                let claim = current();
+                lapsed_tx.send(()).unwrap();
+                taken_rx.await.unwrap();
+                claim
+                    .step("charge", async { runs.fetch_add(1, Ordering::SeqCst) })
+                    .await
+            };
+            attempt(&idempotency, "stale", work, |_| false).await
+        })
+    };
+    lapsed_rx.await.unwrap();
+    clock.advance(Duration::from_secs(2));
+    let work = async {
+        let claim = current();
+        taken_tx.send(()).unwrap();
+        // Let the stale owner try first.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        claim
+            .step("charge", async {
+                runs.fetch_add(1, Ordering::SeqCst) + 100
+            })
+            .await
+    };
+    let successor = attempt(&idempotency, "stale", work, |_| true)
+        .await
+        .unwrap();
+    let stale = stale.await.unwrap();
+    assert!(
+        matches!(stale, Err(Error::ClaimLost)),
+        "the stale owner's checkpoint is refused: {stale:?}"
+    );
+    assert_eq!(
+        successor, 101,
+        "the new owner ran the step: nothing of the stale one's was saved"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn checkpoints_are_bounded_with_a_clear_error() {
+    let idempotency = Idempotency::builder(MemoryStore::new())
+        .defaults(Defaults::new().max_checkpoint_bytes(64))
+        .build();
+    let runs = AtomicUsize::new(0);
+    let runs = &runs;
+    let once = |size: usize| {
+        let work = async move {
+            let claim = current();
+            claim.step("small", async { 1u8 }).await?;
+            claim
+                .step("document", async {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    "x".repeat(size)
+                })
+                .await
+        };
+        attempt(&idempotency, "big", work, |r| r.is_ok())
+    };
+    match once(100).await {
+        Err(Error::Checkpoint(CheckpointError::TooLarge { step, size, limit })) => {
+            assert_eq!((step.as_str(), limit), ("document", 64));
+            assert!(size > 64, "{size}");
+        }
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    // Nothing was saved: the next attempt runs the step again.
+    assert_eq!(once(10).await.unwrap().len(), 10);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let error = Error::Checkpoint(CheckpointError::TooLarge {
+        step: "document".into(),
+        size: 120,
+        limit: 64,
+    });
+    assert_eq!(error.code().as_str(), "payload_error");
+    assert!(error.to_string().contains("limit is 64"), "{error}");
+}
+
+#[tokio::test]
+async fn invalid_names_and_changed_types_are_errors_not_panics() {
+    let idempotency = Idempotency::new(MemoryStore::new());
+    for (i, bad) in ["", "has space", "colon:", &"n".repeat(65)]
+        .into_iter()
+        .enumerate()
+    {
+        let work = async { current().step(bad, async { 1u8 }).await };
+        let result = attempt(&idempotency, &format!("name-{i}"), work, |_| true).await;
+        assert!(
+            matches!(
+                result,
+                Err(Error::Checkpoint(CheckpointError::InvalidName { .. }))
+            ),
+            "{bad:?}: {result:?}"
+        );
+        let work = async { current().step_key(bad) };
+        let key = attempt(&idempotency, &format!("key-{i}"), work, |_| true).await;
+        assert!(key.is_err(), "{bad:?}");
+    }
+    // Saved as a string, read back as a number (the code changed between attempts).
+    let work = async { current().step("n", async { "text".to_owned() }).await };
+    assert_eq!(
+        attempt(&idempotency, "typed", work, |_| false)
+            .await
+            .unwrap(),
+        "text"
+    );
+    let work = async { current().step("n", async { 1u32 }).await };
+    let second = attempt(&idempotency, "typed", work, |_| true).await;
+    assert!(
+        matches!(
+            second,
+            Err(Error::Checkpoint(CheckpointError::Value { .. }))
+        ),
+        "{second:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_store_that_fails_the_checkpoint_fails_the_step_and_the_retry_runs_it() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    let idempotency = Idempotency::new(store);
+    let runs = AtomicUsize::new(0);
+    let once = || {
+        let work = async {
+            current()
+                .step("charge", async { runs.fetch_add(1, Ordering::SeqCst) })
+                .await
+        };
+        attempt(&idempotency, "faulty", work, |r| r.is_ok())
+    };
+    faults.fail_next(Op::SaveStep, 1, Fault::Unavailable);
+    let first = once().await;
+    assert!(
+        matches!(first, Err(Error::Store(StoreError::Unavailable(_)))),
+        "{first:?}"
+    );
+    assert_eq!(once().await.unwrap(), 1);
+    // The retry took the operation over and read its (empty) checkpoints first.
+    assert_eq!(faults.calls(Op::LoadSteps), 1);
+    assert_eq!(faults.calls(Op::SaveStep), 2);
+}
+
+/// A store that keeps no checkpoints (the trait's defaults) says so instead of running steps
+/// it cannot protect.
+#[tokio::test]
+async fn a_store_without_checkpoints_refuses_steps() {
+    #[derive(Clone)]
+    struct KeysOnly(MemoryStore);
+    impl Store for KeysOnly {
+        async fn claim(
+            &self,
+            key: &idempotent_core::StorageKey,
+            fingerprint: &Fingerprint,
+            lease: Duration,
+            ttl: Duration,
+        ) -> Result<idempotent_core::Claim, StoreError> {
+            self.0.claim(key, fingerprint, lease, ttl).await
+        }
+        async fn complete(
+            &self,
+            key: &idempotent_core::StorageKey,
+            token: idempotent_core::FencingToken,
+            payload: Bytes,
+            ttl: Duration,
+        ) -> Result<(), StoreError> {
+            self.0.complete(key, token, payload, ttl).await
+        }
+        async fn release(
+            &self,
+            key: &idempotent_core::StorageKey,
+            token: idempotent_core::FencingToken,
+        ) -> Result<(), StoreError> {
+            self.0.release(key, token).await
+        }
+        async fn renew(
+            &self,
+            key: &idempotent_core::StorageKey,
+            token: idempotent_core::FencingToken,
+            lease: Duration,
+        ) -> Result<(), StoreError> {
+            self.0.renew(key, token, lease).await
+        }
+    }
+    let idempotency = Idempotency::new(KeysOnly(MemoryStore::new()));
+    let ran = AtomicUsize::new(0);
+    let work = async {
+        current()
+            .step("charge", async { ran.fetch_add(1, Ordering::SeqCst) })
+            .await
+    };
+    match attempt(&idempotency, "keys-only", work, |_| false).await {
+        Err(Error::Store(StoreError::Backend(why))) => {
+            assert!(why.to_string().contains("save_step"), "{why}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        idempotency
+            .abandoned(Duration::ZERO, 10)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a store without checkpoints lists nothing to complete"
+    );
+}
+
+/// 300 concurrent duplicates of a three-step operation: each step runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_duplicates_run_each_step_once() {
+    let idempotency = Idempotency::new(MemoryStore::new());
+    let steps = Arc::new([
+        AtomicUsize::new(0),
+        AtomicUsize::new(0),
+        AtomicUsize::new(0),
+    ]);
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..300 {
+        let (idempotency, steps) = (idempotency.clone(), Arc::clone(&steps));
+        tasks.spawn(async move {
+            idempotency
+                .run(&call("dup"), async move {
+                    let claim = current();
+                    let mut made = Vec::new();
+                    for (i, name) in ["a", "b", "c"].into_iter().enumerate() {
+                        let steps = Arc::clone(&steps);
+                        made.push(
+                            claim
+                                .step(name, async move {
+                                    tokio::time::sleep(Duration::from_millis(5)).await;
+                                    steps[i].fetch_add(1, Ordering::SeqCst)
+                                })
+                                .await
+                                .unwrap(),
+                        );
+                    }
+                    made
+                })
+                .await
+        });
+    }
+    while let Some(result) = tasks.join_next().await {
+        match result.unwrap() {
+            Ok(outcome) => assert_eq!(outcome.into_inner(), vec![0, 0, 0]),
+            Err(Error::InFlight { .. }) => {}
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+    for step in steps.iter() {
+        assert_eq!(step.load(Ordering::SeqCst), 1);
+    }
+}
+
+/// A completer's call resumes an abandoned operation and never starts a new one.
+#[tokio::test]
+async fn a_resume_call_runs_only_on_an_abandoned_operation() {
+    let idempotency = Idempotency::new(MemoryStore::new());
+    let runs = AtomicUsize::new(0);
+    let fingerprint = Fingerprint::from_bytes(b"order");
+    let order = call("abandoned").fingerprint(fingerprint);
+    idempotency
+        .run_with(
+            &order,
+            async {
+                let claim = current();
+                claim
+                    .save_request(Bytes::from_static(b"the request"))
+                    .await
+                    .unwrap();
+                claim.step("reserve", async { 7u8 }).await.unwrap();
+            },
+            |()| Retain::Release,
+        )
+        .await
+        .unwrap();
+    let found = idempotency.abandoned(Duration::ZERO, 10).await.unwrap();
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].request.as_ref(), b"the request");
+    assert_eq!(found[0].fingerprint, fingerprint);
+    assert_eq!(found[0].key, idempotency.storage_key(&order));
+    let resumed = idempotency
+        .run(&Call::resume(&found[0]), async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            current().step("reserve", async { 9u8 }).await.unwrap()
+        })
+        .await
+        .unwrap();
+    assert_eq!(resumed.into_inner(), 7, "resumed from the checkpoint");
+    // The operation is done: resuming it again finds nothing, and replays.
+    let again = idempotency
+        .run(&Call::resume(&found[0]), async { 0u8 })
+        .await
+        .unwrap();
+    assert!(again.is_replayed());
+    // Nothing abandoned under a key: the resume call runs nothing and leaves nothing.
+    let nothing = Abandoned {
+        key: idempotency.storage_key(&call("never")),
+        ..found[0].clone()
+    };
+    let refused = idempotency
+        .run(&Call::resume(&nothing), async {
+            runs.fetch_add(1, Ordering::SeqCst);
+        })
+        .await;
+    assert!(
+        matches!(refused, Err(Error::NothingToResume)),
+        "{refused:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let fresh = idempotency
+        .execute(&call("never"), async { 1u8 }, |_| Retain::Keep, |_| None)
+        .await
+        .unwrap();
+    assert!(
+        matches!(fresh, Execution::Fresh(1)),
+        "the key is free for its client"
+    );
+}
+
+#[tokio::test]
+async fn checkpoint_writes_and_reads_are_timed_as_store_operations() {
+    let (idempotency, recorded) = Recorded::capture(|| Idempotency::new(MemoryStore::new()));
+    let effects = Effects::default();
+    order(&idempotency, "m", &effects, true).await.unwrap();
+    order(&idempotency, "m", &effects, false).await.unwrap();
+    for (operation, n) in [("save_step", 2), ("load_steps", 1)] {
+        let (count, _) = recorded.histogram(
+            metrics::STORE_OPERATION_DURATION,
+            &[("operation", operation), ("result", "ok")],
+        );
+        assert_eq!(count, n, "{operation}");
+    }
+}
