@@ -1,7 +1,8 @@
 //! `RedisStore` against a real `redis-server` and a real Redis Cluster (three primaries, three
 //! replicas; both started by `scripts/test.sh`): the conformance suite on each, records spread
 //! over the cluster's primaries, a session's records in one slot and no more of them than its
-//! window, garbage in the store, and an unreachable server.
+//! window, checkpoints and the index of saved requests, garbage in the store, and an
+//! unreachable server.
 
 use std::time::Duration;
 
@@ -234,6 +235,40 @@ mod cluster {
             .connect()
             .await
             .expect("a prefix with a hash tag of its own");
+    }
+
+    /// Checkpoints, saved requests and `abandoned` on a cluster: the records sit in several
+    /// slots, the index of saved requests in one of its own, and each is written with
+    /// commands of one slot.
+    #[tokio::test]
+    async fn abandoned_records_are_found_across_slots() {
+        let Some(urls) = redis_cluster_urls() else {
+            return;
+        };
+        let store = super::isolated(&urls).await;
+        let mut raw = redis::cluster::ClusterClient::new(urls.split(',').collect::<Vec<_>>())
+            .unwrap()
+            .get_async_connection()
+            .await
+            .unwrap();
+        let names = super::abandoned_scenario(&store, &mut raw).await;
+        let first = urls.split(',').next().unwrap();
+        let mut node = idempotent_test_kit::redis::connect(first).await;
+        let mut slots = BTreeSet::new();
+        for name in &names {
+            let slot: i64 = redis::cmd("CLUSTER")
+                .arg("KEYSLOT")
+                .arg(name)
+                .query_async(&mut node)
+                .await
+                .unwrap();
+            slots.insert(slot);
+        }
+        assert!(slots.len() > 1, "records in several slots: {slots:?}");
+        assert!(
+            primaries_of(&urls, &names).await.len() > 1,
+            "and on several primaries"
+        );
     }
 
     #[tokio::test]
@@ -710,4 +745,551 @@ async fn without_the_replicas_required_the_session_gate_fails_closed() {
             other => panic!("expected a refusal, got {other:?}"),
         }
     }
+}
+
+/// A store with a key prefix of its own, so its index of saved requests holds only what the
+/// test writes.
+async fn isolated(url: &str) -> RedisStore {
+    RedisStore::builder(url)
+        .key_prefix(format!("steps-{}:", &fresh_key().to_hex()[..16]))
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// The score of `key`'s member of the index of saved requests (`PREFIX + "abandoned"`, member
+/// the record's name without the prefix).
+async fn index_score(
+    store: &RedisStore,
+    raw: &mut impl redis::aio::ConnectionLike,
+    key: &idempotent_core::StorageKey,
+) -> Option<u64> {
+    let name = store.redis_key(key);
+    let prefix = name.strip_suffix(&key.to_hex()).unwrap();
+    let score: Option<f64> = redis::cmd("ZSCORE")
+        .arg(format!("{prefix}abandoned"))
+        .arg(key.to_hex())
+        .query_async(raw)
+        .await
+        .unwrap();
+    score.map(|s| s as u64)
+}
+
+/// Where a record's lease ends (`l`), in the server's milliseconds.
+async fn lease_end(
+    store: &RedisStore,
+    raw: &mut impl redis::aio::ConnectionLike,
+    key: &idempotent_core::StorageKey,
+) -> u64 {
+    redis::cmd("HGET")
+        .arg(store.redis_key(key))
+        .arg("l")
+        .query_async(raw)
+        .await
+        .unwrap()
+}
+
+/// `abandoned` on an isolated store (see [`isolated`]): a released record with a request and
+/// one whose lease lapsed are listed once idle long enough, longest idle first; one without
+/// a request, one still leased or renewed, one completed and one whose request a new lifetime
+/// dropped are not, and the index is tidied as it is read. Returns the records' Redis keys.
+async fn abandoned_scenario(
+    store: &RedisStore,
+    raw: &mut impl redis::aio::ConnectionLike,
+) -> Vec<String> {
+    let (long, short, ttl) = (
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        Duration::from_secs(60),
+    );
+    let idle = Duration::from_millis(300);
+    let fp = |label: &str| Fingerprint::from_bytes(label.as_bytes());
+    let claim = async |key, label: &str, lease| match store
+        .claim(key, &fp(label), lease, ttl)
+        .await
+        .unwrap()
+    {
+        Claim::Claimed(token) | Claim::TakenOver { token, .. } => token,
+        other => panic!("{label} is claimed: {other:?}"),
+    };
+    let [
+        released,
+        bare,
+        leased,
+        completed,
+        lapsed,
+        renewed,
+        renewed_again,
+    ] = std::array::from_fn(|_| fresh_key());
+
+    let token = claim(&released, "released", long).await;
+    store
+        .save_step(&released, token, "checkpoint".into())
+        .await
+        .unwrap();
+    store
+        .save_request(&released, token, "released".into())
+        .await
+        .unwrap();
+    store.release(&released, token).await.unwrap();
+
+    let token = claim(&bare, "bare", long).await;
+    store.release(&bare, token).await.unwrap();
+
+    let token = claim(&leased, "leased", long).await;
+    store
+        .save_request(&leased, token, "leased".into())
+        .await
+        .unwrap();
+
+    let token = claim(&completed, "completed", long).await;
+    store
+        .save_request(&completed, token, "completed".into())
+        .await
+        .unwrap();
+    assert!(index_score(store, raw, &completed).await.is_some());
+    store
+        .complete(&completed, token, "done".into(), ttl)
+        .await
+        .unwrap();
+    assert_eq!(
+        index_score(store, raw, &completed).await,
+        None,
+        "a completion removes its member"
+    );
+
+    let token = claim(&lapsed, "lapsed", short).await;
+    store
+        .save_request(&lapsed, token, "lapsed".into())
+        .await
+        .unwrap();
+
+    let token = claim(&renewed, "renewed", short).await;
+    store
+        .save_request(&renewed, token, "renewed".into())
+        .await
+        .unwrap();
+    store.renew(&renewed, token, long).await.unwrap();
+
+    // A request saved, then a new lifetime (another request) that saves none.
+    let token = claim(&renewed_again, "first", long).await;
+    store
+        .save_request(&renewed_again, token, "first".into())
+        .await
+        .unwrap();
+    store.release(&renewed_again, token).await.unwrap();
+    let Claim::Claimed(token) = store
+        .claim(&renewed_again, &fp("second"), long, ttl)
+        .await
+        .unwrap()
+    else {
+        panic!("another request begins a new lifetime");
+    };
+    store.release(&renewed_again, token).await.unwrap();
+
+    assert_eq!(
+        store.abandoned(Duration::from_secs(60), 100).await.unwrap(),
+        [],
+        "nothing idle a minute yet"
+    );
+    tokio::time::sleep(idle + short + Duration::from_millis(200)).await;
+
+    let found = store.abandoned(idle, 100).await.unwrap();
+    let keys: Vec<_> = found.iter().map(|a| a.key).collect();
+    assert_eq!(keys, [released, lapsed], "longest idle first: {found:?}");
+    assert_eq!(&found[0].request[..], b"released");
+    assert_eq!(found[0].fingerprint, fp("released"));
+    assert_eq!(&found[1].request[..], b"lapsed");
+    assert_eq!(found[1].fingerprint, fp("lapsed"));
+    assert!(found.iter().all(|a| a.idle >= idle), "{found:?}");
+    assert!(found[0].idle > found[1].idle, "{found:?}");
+    // A read of the records: they are still there, abandoned.
+    let first = store.abandoned(idle, 1).await.unwrap();
+    assert_eq!(
+        first.iter().map(|a| a.key).collect::<Vec<_>>(),
+        [released],
+        "at most the limit, longest idle first"
+    );
+    assert!(first[0].idle >= found[0].idle, "idle only grows: {first:?}");
+
+    // The index, tidied: the renewed record's score moved to its lease's end, the dropped
+    // request's member removed; the others as they were.
+    assert_eq!(
+        index_score(store, raw, &renewed).await,
+        Some(lease_end(store, raw, &renewed).await)
+    );
+    assert_eq!(index_score(store, raw, &renewed_again).await, None);
+    assert_eq!(index_score(store, raw, &bare).await, None);
+    assert_eq!(
+        index_score(store, raw, &leased).await,
+        Some(lease_end(store, raw, &leased).await)
+    );
+
+    // Taken over by its own request, the released record is leased again, then completed.
+    let token = match store
+        .claim(&released, &fp("released"), long, ttl)
+        .await
+        .unwrap()
+    {
+        Claim::TakenOver { token, .. } => token,
+        other => panic!("the released record is taken over: {other:?}"),
+    };
+    assert_eq!(
+        &store.load_steps(&released, token).await.unwrap()[..],
+        b"checkpoint"
+    );
+    let keys: Vec<_> = store
+        .abandoned(idle, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|a| a.key)
+        .collect();
+    assert_eq!(keys, [lapsed], "a record taken over is leased again");
+    store
+        .complete(&released, token, "done".into(), ttl)
+        .await
+        .unwrap();
+    assert_eq!(index_score(store, raw, &released).await, None);
+    let keys: Vec<_> = store
+        .abandoned(idle, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|a| a.key)
+        .collect();
+    assert_eq!(keys, [lapsed]);
+    [
+        released,
+        bare,
+        leased,
+        completed,
+        lapsed,
+        renewed,
+        renewed_again,
+    ]
+    .iter()
+    .map(|key| store.redis_key(key))
+    .collect()
+}
+
+#[tokio::test]
+async fn abandoned_reads_the_index_of_saved_requests() {
+    let Some(mut raw) = raw_connection().await else {
+        return;
+    };
+    let store = isolated(&redis_url().unwrap()).await;
+    abandoned_scenario(&store, &mut raw).await;
+}
+
+/// Checkpoints come back as the concatenation of the entries saved; only the current owner
+/// of a live claim writes or reads them, or saves a request.
+#[tokio::test]
+async fn checkpoints_round_trip_and_are_fenced() {
+    let Some(url) = redis_url() else {
+        return;
+    };
+    let store = RedisStore::connect(&url).await.unwrap();
+    let f = Fingerprint::from_bytes(b"steps");
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+    let key = fresh_key();
+    let Claim::Claimed(first) = store.claim(&key, &f, lease, ttl).await.unwrap() else {
+        panic!("a fresh key is claimed");
+    };
+    assert!(store.load_steps(&key, first).await.unwrap().is_empty());
+    let one = idempotent_core::steps::encode_checkpoint("reserve", b"\"r-1\"");
+    let two = idempotent_core::steps::encode_checkpoint("charge", &[0, 255, 7]);
+    store.save_step(&key, first, one.clone()).await.unwrap();
+    store.save_step(&key, first, two.clone()).await.unwrap();
+    let both = [one.as_ref(), two.as_ref()].concat();
+    assert_eq!(store.load_steps(&key, first).await.unwrap(), both);
+    store.release(&key, first).await.unwrap();
+    let Claim::TakenOver { token: second, .. } = store.claim(&key, &f, lease, ttl).await.unwrap()
+    else {
+        panic!("taken over");
+    };
+    let stale = |result: Result<(), StoreError>, what: &str| {
+        assert!(
+            matches!(result, Err(StoreError::TokenRejected)),
+            "{what}: {result:?}"
+        )
+    };
+    stale(
+        store.save_step(&key, first, "late".into()).await,
+        "a released owner's checkpoint",
+    );
+    stale(
+        store.save_request(&key, first, "late".into()).await,
+        "a released owner's request",
+    );
+    assert!(matches!(
+        store.load_steps(&key, first).await,
+        Err(StoreError::TokenRejected)
+    ));
+    assert_eq!(
+        store.load_steps(&key, second).await.unwrap(),
+        both,
+        "unchanged"
+    );
+
+    // A lease that lapsed: refused before anyone takes over, and after.
+    let short = Duration::from_millis(150);
+    let lapsing = fresh_key();
+    let Claim::Claimed(token) = store.claim(&lapsing, &f, short, ttl).await.unwrap() else {
+        panic!("a fresh key is claimed");
+    };
+    store.save_step(&lapsing, token, one.clone()).await.unwrap();
+    tokio::time::sleep(short * 2).await;
+    stale(
+        store.save_step(&lapsing, token, "late".into()).await,
+        "a lapsed owner's checkpoint",
+    );
+    stale(
+        store.save_request(&lapsing, token, "late".into()).await,
+        "a lapsed owner's request",
+    );
+    assert!(matches!(
+        store.load_steps(&lapsing, token).await,
+        Err(StoreError::TokenRejected)
+    ));
+    let Claim::TakenOver { token: next, .. } = store.claim(&lapsing, &f, lease, ttl).await.unwrap()
+    else {
+        panic!("taken over");
+    };
+    stale(
+        store.save_step(&lapsing, token, "late".into()).await,
+        "a stale owner's checkpoint",
+    );
+    assert_eq!(store.load_steps(&lapsing, next).await.unwrap(), one);
+    // A record without a claim, or a completed one, takes none.
+    let absent = fresh_key();
+    stale(
+        store.save_step(&absent, next, "x".into()).await,
+        "a checkpoint on an absent record",
+    );
+    store
+        .complete(&lapsing, next, "done".into(), ttl)
+        .await
+        .unwrap();
+    stale(
+        store.save_step(&lapsing, next, "x".into()).await,
+        "a checkpoint on a completed record",
+    );
+    stale(
+        store.save_request(&lapsing, next, "x".into()).await,
+        "a request on a completed record",
+    );
+    assert!(matches!(
+        store.load_steps(&lapsing, next).await,
+        Err(StoreError::TokenRejected)
+    ));
+}
+
+/// Garbage in a record the index names, or in the index itself, is a corrupt store for
+/// `abandoned`, never a panic or a record listed; the garbage is left for someone to look
+/// at. A completed record or one without a request is only removed from the index.
+/// Checkpoints are handed back as stored: garbage in them is the runtime's to refuse.
+#[tokio::test]
+async fn garbage_in_saved_requests_is_a_corrupt_error() {
+    let Some(mut raw) = raw_connection().await else {
+        return;
+    };
+    let url = redis_url().unwrap();
+    let fingerprint = [7u8; 32];
+    let corrupt: [&[(&str, &[u8])]; 6] = [
+        &[
+            ("s", b"i"),
+            ("f", &fingerprint),
+            ("l", b"soon"),
+            ("r", b"x"),
+        ],
+        &[("s", b"i"), ("f", &fingerprint), ("l", b"-5"), ("r", b"x")],
+        &[("s", b"i"), ("f", b"short"), ("l", b"0"), ("r", b"x")],
+        &[("s", b"i"), ("l", b"0"), ("r", b"x")],
+        &[("s", b"zz"), ("f", &fingerprint), ("l", b"0"), ("r", b"x")],
+        &[("f", &fingerprint), ("l", b"0"), ("r", b"x")],
+    ];
+    let dropped: [&[(&str, &[u8])]; 3] = [
+        &[
+            ("s", b"c"),
+            ("f", &fingerprint),
+            ("p", b"done"),
+            ("r", b"x"),
+        ],
+        &[("s", b"i"), ("f", &fingerprint), ("l", b"0")],
+        &[
+            ("s", b"i"),
+            ("f", &fingerprint),
+            ("l", b"0"),
+            ("k", b"\x05ab"),
+        ],
+    ];
+    let write = async |raw: &mut redis::aio::MultiplexedConnection,
+                       store: &RedisStore,
+                       key: &idempotent_core::StorageKey,
+                       fields: &[(&str, &[u8])]| {
+        let name = store.redis_key(key);
+        let _: () = redis::cmd("HSET")
+            .arg(&name)
+            .arg(
+                fields
+                    .iter()
+                    .flat_map(|(k, v)| [k.as_bytes().to_vec(), v.to_vec()])
+                    .collect::<Vec<_>>(),
+            )
+            .query_async(raw)
+            .await
+            .unwrap();
+        let _: () = redis::cmd("PEXPIRE")
+            .arg(&name)
+            .arg(60_000)
+            .query_async(raw)
+            .await
+            .unwrap();
+        let _: () = redis::cmd("ZADD")
+            .arg(name.strip_suffix(&key.to_hex()).unwrap().to_owned() + "abandoned")
+            .arg(0)
+            .arg(key.to_hex())
+            .query_async(raw)
+            .await
+            .unwrap();
+    };
+    for fields in corrupt {
+        let store = isolated(&url).await;
+        let key = fresh_key();
+        write(&mut raw, &store, &key, fields).await;
+        let result = store.abandoned(Duration::ZERO, 10).await;
+        assert!(
+            matches!(result, Err(StoreError::Corrupt(_))),
+            "{fields:?}: {result:?}"
+        );
+        assert_eq!(index_score(&store, &mut raw, &key).await, Some(0), "left");
+    }
+    for fields in dropped {
+        let store = isolated(&url).await;
+        let key = fresh_key();
+        write(&mut raw, &store, &key, fields).await;
+        assert_eq!(store.abandoned(Duration::ZERO, 10).await.unwrap(), []);
+        assert_eq!(
+            index_score(&store, &mut raw, &key).await,
+            None,
+            "{fields:?}"
+        );
+    }
+
+    // A member of the index that names no key, and one whose key is of another type.
+    let store = isolated(&url).await;
+    let key = fresh_key();
+    let index = store
+        .redis_key(&key)
+        .strip_suffix(&key.to_hex())
+        .unwrap()
+        .to_owned()
+        + "abandoned";
+    let _: () = redis::cmd("ZADD")
+        .arg(&index)
+        .arg(0)
+        .arg("not a key")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let result = store.abandoned(Duration::ZERO, 10).await;
+    assert!(matches!(result, Err(StoreError::Corrupt(_))), "{result:?}");
+    let store = isolated(&url).await;
+    let name = store.redis_key(&key);
+    let _: () = redis::cmd("SET")
+        .arg(&name)
+        .arg("x")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("ZADD")
+        .arg(name.strip_suffix(&key.to_hex()).unwrap().to_owned() + "abandoned")
+        .arg(0)
+        .arg(key.to_hex())
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(store.abandoned(Duration::ZERO, 10).await.is_err());
+
+    // Checkpoints that do not decode come back as they are.
+    let store = RedisStore::connect(&url).await.unwrap();
+    let key = fresh_key();
+    let Claim::Claimed(token) = store
+        .claim(
+            &key,
+            &Fingerprint::from_bytes(b"x"),
+            Duration::from_secs(30),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed");
+    };
+    let _: () = redis::cmd("HSET")
+        .arg(store.redis_key(&key))
+        .arg("k")
+        .arg(b"\x05ab".as_slice())
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let steps = store.load_steps(&key, token).await.unwrap();
+    assert_eq!(&steps[..], b"\x05ab");
+    assert!(matches!(
+        idempotent_core::steps::Checkpoints::decode(steps),
+        Err(StoreError::Corrupt(_))
+    ));
+}
+
+/// With replicas required, a checkpoint or a request counts only once they have it: on a
+/// server with none, each fails closed (though written), and a stale token is still refused
+/// as such.
+#[tokio::test]
+async fn without_the_replicas_required_a_checkpoint_fails_closed() {
+    let Some(url) = redis_url() else {
+        return;
+    };
+    let waiting = RedisStore::builder(&url)
+        .replicas(1)
+        .timeout(Duration::from_millis(400))
+        .connect()
+        .await
+        .unwrap();
+    let plain = RedisStore::connect(&url).await.unwrap();
+    let key = fresh_key();
+    let Claim::Claimed(token) = plain
+        .claim(
+            &key,
+            &Fingerprint::from_bytes(b"replicas"),
+            Duration::from_secs(30),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed");
+    };
+    for result in [
+        waiting.save_step(&key, token, "step".into()).await,
+        waiting.save_request(&key, token, "request".into()).await,
+    ] {
+        match result {
+            Err(StoreError::Unavailable(error)) => assert!(
+                error.to_string().contains("acknowledged by 0 of the 1"),
+                "{error}"
+            ),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+    assert_eq!(&plain.load_steps(&key, token).await.unwrap()[..], b"step");
+    let stale = idempotent_core::FencingToken::new(token.get() - 1);
+    assert!(matches!(
+        waiting.save_step(&key, stale, "step".into()).await,
+        Err(StoreError::TokenRejected)
+    ));
+    assert!(matches!(
+        waiting.save_request(&key, stale, "request".into()).await,
+        Err(StoreError::TokenRejected)
+    ));
 }

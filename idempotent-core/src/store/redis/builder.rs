@@ -47,9 +47,10 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Makes every claim and every completion wait until at least `replicas` replicas of the
-    /// record's primary have acknowledged it (`WAIT`), for at most half the
-    /// [`timeout`](Self::timeout); default 0, none.
+    /// Makes every claim and every completion (and every [checkpoint](crate::steps) and saved
+    /// request) wait until at least `replicas` replicas of the record's primary have
+    /// acknowledged it (`WAIT`), for at most half the [`timeout`](Self::timeout); default 0,
+    /// none.
     ///
     /// An acknowledged claim or record survives its primary's death: the replica promoted in
     /// its place has it, so no request answered before a failover runs again after it. The

@@ -5,7 +5,10 @@ mod builder;
 mod scripts;
 
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -20,6 +23,7 @@ pub use self::builder::{DEFAULT_TIMEOUT, RedisStoreBuilder};
 use self::scripts::{MAX_EXPIRY_MS, scripts};
 use super::Unanswered;
 use crate::session::{MAX_SEQ, MAX_SESSION_WINDOW};
+use crate::steps::Abandoned;
 use crate::{
     Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionPlace, SessionRequest,
     StorageKey, Store, StoreError, limits,
@@ -41,8 +45,10 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 /// slot; a session's records are named as [Sessions](#sessions) says): field `s` (state: `i` in
 /// flight, `c` completed), `f` (the 32-byte fingerprint), `t` (the fencing token), `o` (the
 /// token that began the record's lifetime) and, in flight, `l` (when the lease ends, in the
-/// server's milliseconds) and `n` (the claimant number that gives back a claim whose caller
-/// stopped waiting) or, once completed, `p` (the payload). The key's Redis expiry is the TTL
+/// server's milliseconds; the release time once released) and `n` (the claimant number that
+/// gives back a claim whose caller stopped waiting), `k` (the [checkpoints](crate::steps): the
+/// entries saved, one after another) and `r` (the request a completer may run again), or, once
+/// completed, `p` (the payload). The key's Redis expiry is the TTL
 /// (at least the lease) while in flight and the TTL once completed, so Redis deletes records
 /// itself: a claim whose lease ended, or which was released, stays until the TTL it was claimed
 /// with, for the next owner of the same request to continue its lifetime. Expiries are whole
@@ -52,6 +58,22 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 /// on its clock, and tokens are derived from `TIME` (microseconds since the epoch), so they
 /// increase per key across deletions as long as the server's clock does not go backwards (a
 /// claim that finds a kept record takes a token above the record's even then).
+///
+/// Checkpoints and the request belong to the record's lifetime: a takeover keeps them, a claim
+/// that begins a new lifetime and a completion drop them (in the same script). Records that
+/// hold a request are also members of one sorted set, the *index of saved requests* at
+/// `PREFIX + "abandoned"` (member: the record's name without the prefix; score: at most the
+/// end of its lease, in the server's milliseconds), so that [`Store::abandoned`] reads the
+/// records whose lease ended long enough ago rather than scanning every key. On a Redis
+/// Cluster the index is a key of its own, in its own slot: no record's script touches it.
+/// Saving a request adds the record to it and a release moves its score to the release;
+/// [`Store::abandoned`] reads a bounded number of the lowest scores, checks each record, moves
+/// the score of one renewed or taken over since to its lease's end, and removes members whose
+/// record expired, completed or holds no request; a completion removes its record's member.
+/// Those follow the record's own script rather than share it, so a member can be left behind
+/// (the next [`Store::abandoned`] that reads it removes it) or keep a score below its lease's
+/// end (the record is then read early and scored again); a request whose index write failed is
+/// reported as not saved.
 ///
 /// A claim whose reply does not come back (the server is frozen, the response timeout
 /// passed) may still be made when the server runs again; the store then gives it back in the
@@ -96,9 +118,9 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 ///   (`CLUSTER FAILOVER`, a switchover) waits for the replica to catch up and loses nothing.
 ///   A primary that dies takes with it what it acknowledged and had not replicated yet: a claim
 ///   or record lost that way lets a duplicate arriving right after the failover run again.
-///   [`RedisStoreBuilder::replicas`] closes that window: a claim or record counts only once
-///   that many replicas have it, so the replica promoted in a dead primary's place has every
-///   claim and record the store reported (at the cost of a second round trip per claim and
+///   [`RedisStoreBuilder::replicas`] closes that window: a claim or record (or checkpoint, or
+///   saved request) counts only once that many replicas have it, so the replica promoted in a
+///   dead primary's place has every claim and record the store reported (at the cost of a second round trip per claim and
 ///   the replicas' delay on every claim and completion). Without it, or where a replica may
 ///   be promoted that did not acknowledge, use the PostgreSQL store with synchronous
 ///   replication.
@@ -109,8 +131,8 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 pub struct RedisStore {
     pub(crate) connection: Connection,
     pub(super) prefix: Arc<str>,
-    /// Replicas that must acknowledge each claim and completion (`WAIT`), and how long
-    /// to wait for them; none by default.
+    /// Replicas that must acknowledge each claim, completion, checkpoint and saved request
+    /// (`WAIT`), and how long to wait for them; none by default.
     pub(super) replicas: Option<(usize, Duration)>,
 }
 
@@ -212,26 +234,77 @@ impl RedisStore {
     /// one Cluster slot for all of its records), followed by `:<epoch>:<seq>` for a request's
     /// record (see [Sessions](RedisStore#sessions)).
     pub fn redis_key(&self, key: &StorageKey) -> String {
-        const HEX: &[u8; 16] = b"0123456789abcdef";
         let mut out = String::with_capacity(self.prefix.len() + 64 + 36);
         out.push_str(&self.prefix);
-        let place = key.session_place();
-        if place.is_some() {
-            out.push('{');
-        }
-        for byte in key.as_bytes() {
-            out.push(char::from(HEX[usize::from(byte >> 4)]));
-            out.push(char::from(HEX[usize::from(byte & 0x0f)]));
-        }
-        match place {
-            None => {}
-            Some(SessionPlace::Session) => out.push('}'),
-            Some(SessionPlace::Seq { epoch, seq }) => {
-                use std::fmt::Write as _;
-                let _ = write!(out, "}}:{epoch}:{seq}");
-            }
-        }
+        push_name(&mut out, key);
         out
+    }
+
+    /// The Redis key of the index of saved requests (see [Data layout](RedisStore#data-layout)).
+    fn index_key(&self) -> String {
+        format!("{}abandoned", self.prefix)
+    }
+}
+
+/// A record's member of the index of saved requests: its Redis key without the prefix.
+fn member(key: &StorageKey) -> String {
+    let mut out = String::with_capacity(64 + 36);
+    push_name(&mut out, key);
+    out
+}
+
+/// The storage key of a member of the index of saved requests ([`member`]), or `None` when it
+/// is not one.
+fn key_of_member(member: &[u8]) -> Option<StorageKey> {
+    fn digest(hex: &[u8]) -> Option<[u8; 32]> {
+        let mut out = [0u8; 32];
+        if hex.len() != 64 {
+            return None;
+        }
+        for (byte, pair) in out.iter_mut().zip(hex.chunks_exact(2)) {
+            let high = char::from(pair[0]).to_digit(16)?;
+            let low = char::from(pair[1]).to_digit(16)?;
+            *byte = u8::try_from(high * 16 + low).ok()?;
+        }
+        Some(out)
+    }
+    let number = |digits: &str| -> Option<u64> {
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        digits.parse().ok()
+    };
+    let Some(rest) = member.strip_prefix(b"{") else {
+        return digest(member).map(StorageKey::from_bytes);
+    };
+    let session = digest(rest.get(..64)?)?;
+    let place = rest.get(64..)?.strip_prefix(b"}")?;
+    if place.is_empty() {
+        return Some(StorageKey::session(session));
+    }
+    let place = std::str::from_utf8(place.strip_prefix(b":")?).ok()?;
+    let (epoch, seq) = place.split_once(':')?;
+    Some(StorageKey::seq(session, number(epoch)?, number(seq)?))
+}
+
+/// Appends the name of `key`'s record without the prefix (see [`RedisStore::redis_key`]).
+fn push_name(out: &mut String, key: &StorageKey) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let place = key.session_place();
+    if place.is_some() {
+        out.push('{');
+    }
+    for byte in key.as_bytes() {
+        out.push(char::from(HEX[usize::from(byte >> 4)]));
+        out.push(char::from(HEX[usize::from(byte & 0x0f)]));
+    }
+    match place {
+        None => {}
+        Some(SessionPlace::Session) => out.push('}'),
+        Some(SessionPlace::Seq { epoch, seq }) => {
+            use std::fmt::Write as _;
+            let _ = write!(out, "}}:{epoch}:{seq}");
+        }
     }
 }
 
@@ -278,6 +351,52 @@ fn enough(acknowledged: usize, (replicas, wait): (usize, Duration)) -> Result<()
     }
 }
 
+/// `script` on the Redis key `name` as one `EVALSHA` command, its arguments still to be added.
+fn evalsha_on(script: &Script, name: &[u8]) -> Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(script.get_hash()).arg(1).arg(name);
+    cmd
+}
+
+/// A future of [`join_all`], and its output once it is ready.
+type Joined<F> = (Pin<Box<F>>, Option<<F as Future>::Output>);
+
+/// Awaits every future of `futures` at once, and their outputs in the same order.
+async fn join_all<F: Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+    let mut pending: Vec<Joined<F>> = futures
+        .into_iter()
+        .map(|future| (Box::pin(future), None))
+        .collect();
+    std::future::poll_fn(|cx| {
+        let mut done = true;
+        for (future, output) in &mut pending {
+            if output.is_none() {
+                match future.as_mut().poll(cx) {
+                    Poll::Ready(value) => *output = Some(value),
+                    Poll::Pending => done = false,
+                }
+            }
+        }
+        if done { Poll::Ready(()) } else { Poll::Pending }
+    })
+    .await;
+    pending
+        .into_iter()
+        .filter_map(|(_, output)| output)
+        .collect()
+}
+
+/// A decimal number of a script's reply (a bulk string or an integer).
+fn decimal(value: &Value) -> Option<u64> {
+    match value {
+        Value::Int(n) => u64::try_from(*n).ok(),
+        _ => text(value)
+            .filter(|t| !t.is_empty() && t.iter().all(u8::is_ascii_digit))
+            .and_then(|t| std::str::from_utf8(t).ok())
+            .and_then(|t| t.parse().ok()),
+    }
+}
+
 fn corrupt(what: &str) -> StoreError {
     StoreError::Corrupt(format!("unexpected record data from redis: {what}").into())
 }
@@ -310,11 +429,7 @@ impl RedisStore {
     /// directly rather than through `Script::key(..).arg(..)`, which copies every argument
     /// (the payload included) once more and allocates for each.
     fn evalsha(&self, script: &Script, key: &StorageKey) -> Cmd {
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(script.get_hash())
-            .arg(1)
-            .arg(self.redis_key(key).as_bytes());
-        cmd
+        evalsha_on(script, self.redis_key(key).as_bytes())
     }
 
     /// Sends `cmd` (from [`evalsha`](Self::evalsha)); a server that does not have `script`
@@ -448,6 +563,57 @@ impl RedisStore {
             Err(StoreError::TokenRejected)
         }
     }
+
+    /// Runs a token-guarded script that writes (a checkpoint, a request) and replies `0` when
+    /// the caller does not hold the claim; with [`RedisStoreBuilder::replicas`], what it wrote
+    /// counts only once that many replicas have it, as a completion.
+    async fn fenced_write(&self, script: &Script, cmd: Cmd) -> Result<Value, StoreError> {
+        let reply: Value = match self.replicas {
+            None => self.query(script, cmd).await?,
+            Some(required) => {
+                let (reply, acknowledged): (Value, usize) =
+                    self.query_then_wait(script, cmd, required).await?;
+                if reply != Value::Int(0) {
+                    enough(acknowledged, required)?;
+                }
+                reply
+            }
+        };
+        if reply == Value::Int(0) {
+            Err(StoreError::TokenRejected)
+        } else {
+            Ok(reply)
+        }
+    }
+
+    /// Gives `key`'s member of the index of saved requests the score `score` (the end of
+    /// the record's lease), adding it if it is not there; waited for by the replicas as a
+    /// request saved.
+    async fn index(&self, key: &StorageKey, score: u64) -> Result<(), StoreError> {
+        let script = &scripts().index;
+        let mut cmd = evalsha_on(script, self.index_key().as_bytes());
+        cmd.arg(score).arg(member(key));
+        match self.replicas {
+            None => self.query::<Value>(script, cmd).await.map(drop),
+            Some(required) => {
+                let (_, acknowledged): (Value, usize) =
+                    self.query_then_wait(script, cmd, required).await?;
+                enough(acknowledged, required)
+            }
+        }
+    }
+
+    /// Removes `key`'s member from the index of saved requests, after its record completed.
+    /// Best effort: a member left behind is removed by the next [`Store::abandoned`] that
+    /// reads it.
+    async fn forget(&self, key: &StorageKey) {
+        let mut connection = self.connection.clone();
+        let _: Result<Value, _> = redis::cmd("ZREM")
+            .arg(self.index_key())
+            .arg(member(key))
+            .query_async(&mut connection)
+            .await;
+    }
 }
 
 impl Store for RedisStore {
@@ -577,12 +743,22 @@ impl Store for RedisStore {
         cmd.arg(token.get())
             .arg(payload.as_ref())
             .arg(millis(limits::clamp_ttl(ttl)));
+        // `2`: completed now, and the record held a request, whose member of the index of
+        // saved requests goes with it.
         let Some(required) = self.replicas else {
-            return match self.run_flag(script, cmd).await {
+            let written: i64 = match self.query(script, cmd).await {
                 Err(StoreError::Capacity { what }) => {
-                    self.completed_already(key, token, None, what).await
+                    return self.completed_already(key, token, None, what).await;
                 }
-                other => other,
+                other => other?,
+            };
+            return match written {
+                1 => Ok(()),
+                2 => {
+                    self.forget(key).await;
+                    Ok(())
+                }
+                _ => Err(StoreError::TokenRejected),
             };
         };
         // A completion that landed but was not acknowledged in time is retried by the
@@ -597,17 +773,36 @@ impl Store for RedisStore {
                 }
                 other => other?,
             };
-        if written != 1 {
+        if written != 1 && written != 2 {
             return Err(StoreError::TokenRejected);
         }
-        enough(acknowledged, required)
+        enough(acknowledged, required)?;
+        if written == 2 {
+            self.forget(key).await;
+        }
+        Ok(())
     }
 
     async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
         let script = &scripts().release;
         let mut cmd = self.evalsha(script, key);
         cmd.arg(token.get());
-        self.run_flag(script, cmd).await
+        let reply: Value = self.query(script, cmd).await?;
+        let (ended, has_request) = match &reply {
+            Value::Int(0) => return Err(StoreError::TokenRejected),
+            Value::Array(parts) => match parts.as_slice() {
+                [ended, Value::Int(has)] => (decimal(ended), *has == 1),
+                _ => return Err(corrupt("unexpected release reply")),
+            },
+            _ => return Err(corrupt("unexpected release reply")),
+        };
+        // Released: a record that holds a request is abandoned from now on, for
+        // `Store::abandoned`. Best effort (the release is done): a member whose score stays
+        // at its lease's planned end is listed that much later.
+        if let (true, Some(ended)) = (has_request, ended) {
+            let _ = self.index(key, ended).await;
+        }
+        Ok(())
     }
 
     async fn renew(
@@ -677,7 +872,154 @@ impl Store for RedisStore {
             .map_err(store_error)?;
         session_mark(&fields)
     }
+
+    async fn save_step(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        entry: Bytes,
+    ) -> Result<(), StoreError> {
+        let script = &scripts().save_step;
+        let mut cmd = self.evalsha(script, key);
+        cmd.arg(token.get()).arg(entry.as_ref());
+        match self.fenced_write(script, cmd).await? {
+            Value::Int(1) => Ok(()),
+            _ => Err(corrupt("unexpected checkpoint reply")),
+        }
+    }
+
+    async fn load_steps(&self, key: &StorageKey, token: FencingToken) -> Result<Bytes, StoreError> {
+        let script = &scripts().load_steps;
+        let mut cmd = self.evalsha(script, key);
+        cmd.arg(token.get());
+        let mut reply: Value = self.query(script, cmd).await?;
+        match &mut reply {
+            Value::Int(0) => Err(StoreError::TokenRejected),
+            Value::Array(parts) => match parts.as_mut_slice() {
+                [Value::BulkString(steps)] => Ok(Bytes::from(std::mem::take(steps))),
+                _ => Err(corrupt("unexpected checkpoints reply")),
+            },
+            _ => Err(corrupt("unexpected checkpoints reply")),
+        }
+    }
+
+    /// Keeps the request on the record, then adds the record to the index of saved requests
+    /// (see [Data layout](RedisStore#data-layout)) with its lease's end as its score.
+    async fn save_request(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        request: Bytes,
+    ) -> Result<(), StoreError> {
+        let script = &scripts().save_request;
+        let mut cmd = self.evalsha(script, key);
+        cmd.arg(token.get()).arg(request.as_ref());
+        let ends = match self.fenced_write(script, cmd).await? {
+            Value::Array(parts) => match parts.as_slice() {
+                [ends] => decimal(ends).ok_or_else(|| corrupt("lease end"))?,
+                _ => return Err(corrupt("unexpected request reply")),
+            },
+            _ => return Err(corrupt("unexpected request reply")),
+        };
+        self.index(key, ends).await
+    }
+
+    /// Reads up to `4 × limit` (at least 16, at most 4,096) of the index's lowest
+    /// scores that are at least `idle` old, then each of their records; tidies the index as
+    /// it goes (see [Data layout](RedisStore#data-layout)).
+    async fn abandoned(&self, idle: Duration, limit: usize) -> Result<Vec<Abandoned>, StoreError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        // Whole milliseconds, rounded up (at least `idle`), and below 2^53 (exact in Lua).
+        let idle_ms = u64::try_from(idle.as_nanos().div_ceil(1_000_000))
+            .unwrap_or(u64::MAX)
+            .min(1 << 52);
+        let budget = limit.saturating_mul(4).clamp(16, MAX_CANDIDATES);
+        let index = self.index_key();
+        let script = &scripts().candidates;
+        let mut cmd = evalsha_on(script, index.as_bytes());
+        cmd.arg(idle_ms).arg(budget);
+        let reply: Value = self.query(script, cmd).await?;
+        let found = match &reply {
+            Value::Array(parts) => match parts.as_slice() {
+                [Value::Int(_), Value::Array(found)] if found.len() % 2 == 0 => found,
+                _ => return Err(corrupt("unexpected index reply")),
+            },
+            _ => return Err(corrupt("unexpected index reply")),
+        };
+        let mut candidates = Vec::with_capacity(found.len() / 2);
+        for pair in found.chunks_exact(2) {
+            let (Some(name), Some(score)) = (text(&pair[0]), text(&pair[1])) else {
+                return Err(corrupt("unexpected index reply"));
+            };
+            let key = key_of_member(name).ok_or_else(|| corrupt("index member"))?;
+            candidates.push((key, name, score));
+        }
+        let peek = &scripts().peek;
+        let replies = join_all(candidates.iter().map(|(key, _, _)| {
+            let cmd = self.evalsha(peek, key);
+            self.query::<Value>(peek, cmd)
+        }))
+        .await;
+        let mut listed: Vec<(u64, Abandoned)> = Vec::new();
+        // Threes of the tidy script: member, score read, new score ('' to remove).
+        let mut tidy: Vec<Vec<u8>> = Vec::new();
+        for ((key, name, score), reply) in candidates.iter().zip(replies) {
+            let mut reply = reply?;
+            let Value::Array(fields) = &mut reply else {
+                return Err(corrupt("unexpected record reply"));
+            };
+            let [now, state, f, ends, Value::Int(has), request] = fields.as_mut_slice() else {
+                return Err(corrupt("unexpected record reply"));
+            };
+            let now = decimal(now).ok_or_else(|| corrupt("server time"))?;
+            let new_score = match (text(state), *has) {
+                (Some(b"i"), 1) => {
+                    let ends = decimal(ends).ok_or_else(|| corrupt("lease end"))?;
+                    let fingerprint = fingerprint(f)?;
+                    if ends.saturating_add(idle_ms) <= now {
+                        let Value::BulkString(request) = request else {
+                            return Err(corrupt("request"));
+                        };
+                        listed.push((
+                            ends,
+                            Abandoned {
+                                key: *key,
+                                fingerprint,
+                                request: Bytes::from(std::mem::take(request)),
+                                idle: Duration::from_millis(now - ends),
+                            },
+                        ));
+                        continue;
+                    }
+                    // Renewed or taken over since its score was set: read again once its
+                    // lease has ended.
+                    ends.to_string().into_bytes()
+                }
+                // Expired, completed, or a new lifetime that saved no request (yet).
+                (Some(b"i" | b"c"), _) | (Some(b""), 0) => Vec::new(),
+                _ => return Err(corrupt("unknown record state")),
+            };
+            tidy.extend([name.to_vec(), score.to_vec(), new_score]);
+        }
+        if !tidy.is_empty() {
+            // Best effort: a member left as it was is read again by the next call.
+            let script = &scripts().tidy;
+            let mut cmd = evalsha_on(script, index.as_bytes());
+            for arg in &tidy {
+                cmd.arg(arg.as_slice());
+            }
+            let _ = self.query::<Value>(script, cmd).await;
+        }
+        listed.sort_by_key(|(ends, _)| *ends);
+        listed.truncate(limit);
+        Ok(listed.into_iter().map(|(_, abandoned)| abandoned).collect())
+    }
 }
+
+/// The most records one [`Store::abandoned`] reads.
+const MAX_CANDIDATES: usize = 4096;
 
 /// A session record's `e` (epoch) and `a` (mark) fields as its state: `None` when it has
 /// neither (no live session).

@@ -25,7 +25,10 @@ local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 
 // `ARGV[1]` fingerprint, `ARGV[2]` lease and `ARGV[3]` TTL in milliseconds, `ARGV[4]` the
 // claimant. A record in flight whose lease (`l`, server milliseconds) ended is kept until the
-// TTL it was claimed with: the same request takes it over and keeps its lifetime (`o`).
+// TTL it was claimed with: the same request takes it over and keeps its lifetime (`o`), its
+// checkpoints (`k`) and its saved request (`r`); a claim that begins a new lifetime drops
+// those (after its `HSET`, which is the write Redis refuses when it is out of memory, so a
+// refused claim leaves the abandoned record whole).
 const CLAIM: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 's', 'f', 'p')
 if rec[1] == 'c' then return {'c', rec[2], rec[3], redis.call('PTTL', KEYS[1])} end
@@ -55,6 +58,7 @@ local lifetime = token
 if rec[1] == 'i' and rec[2] == ARGV[1] and rec[5] then lifetime = rec[5] end
 redis.call('HSET', KEYS[1], 's', 'i', 'f', ARGV[1], 't', token, 'o', lifetime,
   'l', string.format('%.0f', ms + tonumber(ARGV[2])), 'n', ARGV[4])
+if lifetime == token then redis.call('HDEL', KEYS[1], 'k', 'r') end
 redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[2]), tonumber(ARGV[3])))
 return {'claimed', token, lifetime}
 ";
@@ -69,13 +73,15 @@ local owned = rec[1] == 'i' and rec[2] == ARGV[1] and (not rec[3] or tonumber(re
 // A completion repeated by the owner whose completion landed (its reply was lost, or it
 // retries with the 'not retained' record) finds its own token on the completed record and
 // succeeds, changing nothing; with `ARGV[4]` set (replicas required) it writes the token
-// again for `WAIT` to cover.
+// again for `WAIT` to cover. The completed record drops the operation's checkpoints and
+// request; `2` says it had a request (its member of the index of saved requests can go).
 const COMPLETE: &str = r"
 if owned then
+  local had = redis.call('HEXISTS', KEYS[1], 'r')
   redis.call('HSET', KEYS[1], 's', 'c', 'p', ARGV[2])
-  redis.call('HDEL', KEYS[1], 'l', 'n')
+  redis.call('HDEL', KEYS[1], 'l', 'n', 'k', 'r')
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return 1
+  return 1 + had
 end
 if rec[1] == 'c' and rec[2] == ARGV[1] then
   if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 't', ARGV[1]) end
@@ -84,11 +90,15 @@ end
 return 0
 ";
 
-// Ends the lease; the record is kept for the next claim of the same request to take over.
+// Ends the lease now (`l` is the server's time, so the time since tells how long the record
+// has been abandoned); the record is kept for the next claim of the same request to take
+// over. Replies `0` (not the caller's), or the lease's end and whether the record holds a
+// request (whose member of the index of saved requests then gets that end as its score).
 const RELEASE: &str = r"
 if not owned then return 0 end
-redis.call('HSET', KEYS[1], 'l', '0')
-return 1
+local ended = string.format('%.0f', ms)
+redis.call('HSET', KEYS[1], 'l', ended)
+return {ended, redis.call('HEXISTS', KEYS[1], 'r')}
 ";
 
 // Whether the record is still claimed with token `ARGV[1]`; if so, writes the token again
@@ -125,8 +135,75 @@ local rec = redis.call('HMGET', KEYS[1], 's', 'n', 'l')
 if rec[1] ~= 'i' or rec[2] ~= ARGV[1] or not rec[3] or tonumber(rec[3]) <= ms then
   return 0
 end
-redis.call('HSET', KEYS[1], 'l', '0')
+redis.call('HSET', KEYS[1], 'l', string.format('%.0f', ms))
 return 1
+";
+
+// Appends `ARGV[2]` to the checkpoints (`k`) of the record held with token `ARGV[1]`.
+const SAVE_STEP: &str = r"
+if not owned then return 0 end
+local steps = redis.call('HGET', KEYS[1], 'k')
+if steps then
+  redis.call('HSET', KEYS[1], 'k', steps .. ARGV[2])
+else
+  redis.call('HSET', KEYS[1], 'k', ARGV[2])
+end
+return 1
+";
+
+// The checkpoints of the record held with token `ARGV[1]` (`{bytes}`), or `0`.
+const LOAD_STEPS: &str = r"
+if not owned then return 0 end
+return {redis.call('HGET', KEYS[1], 'k') or ''}
+";
+
+// Keeps `ARGV[2]` as the request (`r`) of the record held with token `ARGV[1]`; replies
+// `{lease end}` (the score of its member in the index of saved requests), or `0`.
+const SAVE_REQUEST: &str = r"
+if not owned then return 0 end
+redis.call('HSET', KEYS[1], 'r', ARGV[2])
+return {rec[3] or string.format('%.0f', ms)}
+";
+
+// What `Store::abandoned` needs of one record, read in one step with the server's time:
+// `{now, state, fingerprint, lease end, has a request (1 or 0), request}`, '' for a field
+// the record lacks.
+const PEEK: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 's', 'f', 'l', 'r')
+local has = 0
+if rec[4] then has = 1 end
+return {ms, rec[1] or '', rec[2] or '', rec[3] or '', has, rec[4] or ''}
+";
+
+// The index of saved requests (`KEYS[1]`, a sorted set: member the record's name without the
+// prefix, score at most its lease's end): `{now, members}`, up to `ARGV[2]` members, lowest
+// score first, whose score is at most the server's time less `ARGV[1]` milliseconds, each
+// followed by its score.
+const CANDIDATES: &str = r"
+local found = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf',
+  string.format('%.0f', ms - tonumber(ARGV[1])), 'WITHSCORES', 'LIMIT', 0, ARGV[2])
+return {ms, found}
+";
+
+// Tidies the index (`KEYS[1]`) after `CANDIDATES`: `ARGV` in threes, a member, the score it
+// was read with and its new score ('' to remove it). A member whose score changed since (a
+// request saved again, a release) is left as it is.
+const TIDY: &str = r"
+for i = 1, #ARGV, 3 do
+  if redis.call('ZSCORE', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    if ARGV[i + 2] == '' then
+      redis.call('ZREM', KEYS[1], ARGV[i])
+    else
+      redis.call('ZADD', KEYS[1], 'XX', ARGV[i + 2], ARGV[i])
+    end
+  end
+end
+return 1
+";
+
+// Adds member `ARGV[2]` to the index of saved requests (`KEYS[1]`) with score `ARGV[1]`.
+const INDEX: &str = r"
+return redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
 ";
 
 // The session gate (`Store::open_session`) on the session's record `KEYS[1]`, a hash of `e`
@@ -265,6 +342,13 @@ pub(super) struct Scripts {
     pub(super) give_back: Script,
     pub(super) completed: Script,
     pub(super) session: Script,
+    pub(super) save_step: Script,
+    pub(super) load_steps: Script,
+    pub(super) save_request: Script,
+    pub(super) peek: Script,
+    pub(super) candidates: Script,
+    pub(super) tidy: Script,
+    pub(super) index: Script,
 }
 
 pub(super) fn scripts() -> &'static Scripts {
@@ -283,6 +367,15 @@ pub(super) fn scripts() -> &'static Scripts {
                 .replace("MAX_WINDOW", &MAX_SESSION_WINDOW.to_string())
                 .replace("MAX_MS", &MAX_EXPIRY_MS.to_string())],
         ),
+        save_step: checked(&[], &[NOW_MS, OWNED, SAVE_STEP]),
+        // Reads: they run when Redis is full too (a resumed attempt finds its checkpoints).
+        load_steps: checked_in_oom(&[], &[NOW_MS, OWNED, LOAD_STEPS]),
+        save_request: checked(&[], &[NOW_MS, OWNED, SAVE_REQUEST]),
+        peek: checked_in_oom(&[], &[NOW_MS, PEEK]),
+        candidates: checked_in_oom(&[], &[NOW_MS, CANDIDATES]),
+        // Only removes members or moves their scores.
+        tidy: checked_in_oom(&[], &[TIDY]),
+        index: checked(&[], &[INDEX]),
     })
 }
 

@@ -1,5 +1,6 @@
 //! The Redis store's own tests against a real server: expiry checks, resent claims, the
-//! scripts' answers to garbage (feature `test-util`).
+//! scripts' answers to garbage, the fields checkpoints and requests keep (feature
+//! `test-util`).
 
 use super::*;
 use crate::conformance::{backend_url, fresh_key};
@@ -236,4 +237,248 @@ fn session_gate_replies_decode_or_are_corrupt() {
             "{garbage:?}"
         );
     }
+}
+
+/// Every kind of storage key is named by its member of the index of saved requests, and
+/// anything else names none.
+#[test]
+fn index_members_name_their_keys() {
+    let key = fresh_key();
+    let session = crate::SessionKey::from_bytes(*key.as_bytes());
+    let seq = session.seq_key(1_764_000_000_000_000, 42);
+    for k in [key, session.record_key(), seq] {
+        let name = member(&k);
+        assert_eq!(key_of_member(name.as_bytes()), Some(k), "{name}");
+    }
+    assert_eq!(member(&key), key.to_hex());
+    let upper = key.to_hex().to_uppercase();
+    assert_eq!(key_of_member(upper.as_bytes()), Some(key));
+    let hex = key.to_hex();
+    for garbage in [
+        String::new(),
+        "abandoned".into(),
+        hex[..63].into(),
+        format!("{hex}0"),
+        format!("{}g", &hex[..63]),
+        format!("{{{hex}"),
+        format!("{{{hex}}}:"),
+        format!("{{{hex}}}:1"),
+        format!("{{{hex}}}:1:"),
+        format!("{{{hex}}}:x:1"),
+        format!("{{{hex}}}:+1:1"),
+        format!("{{{hex}}}:1:2:3"),
+        format!("{{{hex}}}:1:99999999999999999999"),
+        format!("{{{hex}}}x"),
+        format!("{{{}}}", &hex[..62]),
+        "é".repeat(32),
+    ] {
+        assert_eq!(key_of_member(garbage.as_bytes()), None, "{garbage:?}");
+    }
+}
+
+#[test]
+fn decimals_of_replies() {
+    let text = |s: &str| Value::BulkString(s.as_bytes().to_vec());
+    assert_eq!(decimal(&text("1764000000000")), Some(1_764_000_000_000));
+    assert_eq!(decimal(&Value::Int(7)), Some(7));
+    for garbage in [
+        text(""),
+        text("-1"),
+        text("+1"),
+        text("1.5"),
+        text("1e12"),
+        text("99999999999999999999"),
+        Value::Int(-1),
+        Value::Nil,
+    ] {
+        assert_eq!(decimal(&garbage), None, "{garbage:?}");
+    }
+}
+
+/// The fields of a record, as Redis has them.
+async fn fields(connection: &mut Connection, name: &str) -> Vec<Option<Vec<u8>>> {
+    redis::cmd("HMGET")
+        .arg(name)
+        .arg("k")
+        .arg("r")
+        .query_async(connection)
+        .await
+        .unwrap()
+}
+
+/// The score of `key`'s member of the index of saved requests.
+async fn score(store: &RedisStore, key: &StorageKey) -> Option<u64> {
+    let mut connection = store.connection.clone();
+    let score: Option<f64> = redis::cmd("ZSCORE")
+        .arg(store.index_key())
+        .arg(member(key))
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    score.map(|s| s as u64)
+}
+
+/// The checkpoints (`k`) and the request (`r`) are kept by a takeover and dropped, in the
+/// record's own script, by a claim that begins a new lifetime and by a completion; the index
+/// follows.
+#[tokio::test]
+async fn checkpoints_and_request_fields_follow_the_lifetime() {
+    let Some(url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
+        return;
+    };
+    let prefix = format!("fields-{}:", &fresh_key().to_hex()[..16]);
+    let store = RedisStore::builder(&url)
+        .key_prefix(prefix)
+        .connect()
+        .await
+        .unwrap();
+    let mut connection = store.connection.clone();
+    let key = fresh_key();
+    let name = store.redis_key(&key);
+    let (f, other) = (
+        Fingerprint::from_bytes(b"one"),
+        Fingerprint::from_bytes(b"two"),
+    );
+    let terms = (Duration::from_secs(30), Duration::from_secs(60));
+    let claim = async |f: &Fingerprint| store.claim(&key, f, terms.0, terms.1).await.unwrap();
+    let saved = Some(b"step".to_vec());
+    let request = Some(b"request".to_vec());
+
+    let Claim::Claimed(token) = claim(&f).await else {
+        panic!("a fresh key is claimed");
+    };
+    assert_eq!(fields(&mut connection, &name).await, [None, None]);
+    store.save_step(&key, token, "st".into()).await.unwrap();
+    store.save_step(&key, token, "ep".into()).await.unwrap();
+    store
+        .save_request(&key, token, "request".into())
+        .await
+        .unwrap();
+    assert_eq!(
+        fields(&mut connection, &name).await,
+        [saved.clone(), request.clone()]
+    );
+    let lease_end: u64 = redis::cmd("HGET")
+        .arg(&name)
+        .arg("l")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(
+        score(&store, &key).await,
+        Some(lease_end),
+        "scored by its lease"
+    );
+
+    // A release ends the lease now, and moves the score with it.
+    store.release(&key, token).await.unwrap();
+    let released: u64 = redis::cmd("HGET")
+        .arg(&name)
+        .arg("l")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert!(
+        released > 0 && released < lease_end,
+        "{released} {lease_end}"
+    );
+    assert_eq!(score(&store, &key).await, Some(released));
+
+    let Claim::TakenOver { token, .. } = claim(&f).await else {
+        panic!("the same request takes over");
+    };
+    assert_eq!(
+        fields(&mut connection, &name).await,
+        [saved.clone(), request.clone()],
+        "a takeover keeps them"
+    );
+    store.release(&key, token).await.unwrap();
+
+    let Claim::Claimed(token) = claim(&other).await else {
+        panic!("another request begins a new lifetime");
+    };
+    assert_eq!(
+        fields(&mut connection, &name).await,
+        [None, None],
+        "a new lifetime drops them"
+    );
+    assert!(
+        score(&store, &key).await.is_some(),
+        "its member is left for `abandoned` to remove"
+    );
+    assert!(
+        store
+            .abandoned(Duration::ZERO, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(score(&store, &key).await, None, "removed once read");
+
+    store.save_step(&key, token, "step".into()).await.unwrap();
+    store
+        .save_request(&key, token, "request".into())
+        .await
+        .unwrap();
+    assert!(score(&store, &key).await.is_some());
+    store
+        .complete(&key, token, "done".into(), terms.1)
+        .await
+        .unwrap();
+    assert_eq!(
+        fields(&mut connection, &name).await,
+        [None, None],
+        "a completion drops them"
+    );
+    assert_eq!(
+        score(&store, &key).await,
+        None,
+        "and the member of the index"
+    );
+    // A repeated completion changes nothing.
+    store
+        .complete(&key, token, "done".into(), terms.1)
+        .await
+        .unwrap();
+    match claim(&f).await {
+        Claim::Completed { payload, .. } => assert_eq!(&payload[..], b"done"),
+        other => panic!("the record is completed: {other:?}"),
+    }
+}
+
+/// A key of another type is an error for every step operation, never a panic or a
+/// checkpoint written over it.
+#[tokio::test]
+async fn steps_on_a_key_of_another_type_are_errors() {
+    let Some(url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
+        return;
+    };
+    let store = RedisStore::connect(&url).await.unwrap();
+    let mut connection = store.connection.clone();
+    let key = fresh_key();
+    let _: () = redis::cmd("SET")
+        .arg(store.redis_key(&key))
+        .arg("x")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let token = FencingToken::new(1);
+    assert!(matches!(
+        store.save_step(&key, token, "x".into()).await,
+        Err(StoreError::Backend(_))
+    ));
+    assert!(matches!(
+        store.load_steps(&key, token).await,
+        Err(StoreError::Backend(_))
+    ));
+    assert!(matches!(
+        store.save_request(&key, token, "x".into()).await,
+        Err(StoreError::Backend(_))
+    ));
+    let kept: String = redis::cmd("GET")
+        .arg(store.redis_key(&key))
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(kept, "x");
 }
