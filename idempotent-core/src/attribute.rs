@@ -451,3 +451,53 @@
 ///   [crate docs](crate#what-it-cannot-do). For database work, `tx = ...` closes that gap.
 #[cfg(feature = "macros")]
 pub use idempotent_macros::idempotent;
+
+/// Makes an `async fn` a [step](crate::steps) of whatever idempotent operation calls it: its
+/// result becomes a checkpoint of that operation, so a later attempt of the same operation
+/// gets the saved result instead of running the body again.
+///
+/// `#[step]` names the step after the function; `#[step(name = "charge")]` names it
+/// explicitly (1 to 64 bytes of `[A-Za-z0-9_.-]`, checked at compile time). The function must
+/// be `async`, and its return type `T` must be `Serialize + DeserializeOwned`; the attribute
+/// changes it to `Result<T, idempotent_core::Error>`, which is
+/// [`ClaimHandle::step`](crate::ClaimHandle::step)'s: a lost claim, a refused or failed
+/// checkpoint write, or a checkpoint past the limit. Called outside any idempotent call (no
+/// [`ClaimHandle::current`](crate::ClaimHandle::current)), the body just runs.
+///
+/// ```
+/// use idempotent_core::{Call, Idempotency, memory::MemoryStore, step};
+///
+/// struct Shop;
+///
+/// impl Shop {
+///     #[step]
+///     async fn reserve(&self, sku: &str) -> String {
+///         format!("reservation of {sku}")
+///     }
+///
+///     #[step(name = "charge")]
+///     async fn charge_card(&self, cents: u64) -> u64 {
+///         cents // the provider's charge id, say
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), idempotent_core::Error> {
+/// let idempotency = Idempotency::new(MemoryStore::new());
+/// let shop = Shop;
+/// let call = Call::new("order-1".parse()?);
+/// let (reservation, charge) = idempotency
+///     .run(&call, async {
+///         // A step's error (a lost claim, a failed checkpoint) is not a result to keep.
+///         let reservation = shop.reserve("tea").await.expect("checkpointed");
+///         let charge = shop.charge_card(1999).await.expect("checkpointed");
+///         (reservation, charge)
+///     })
+///     .await?
+///     .into_inner();
+/// assert_eq!((reservation.as_str(), charge), ("reservation of tea", 1999));
+/// # Ok(())
+/// # }
+/// ```
+#[cfg(feature = "macros")]
+pub use idempotent_macros::step;

@@ -322,24 +322,33 @@ impl ClaimHandle {
     ///
     /// ```
     /// use idempotent_core::memory::MemoryStore;
-    /// use idempotent_core::{Call, ClaimHandle, Idempotency};
+    /// use idempotent_core::{Call, ClaimHandle, Idempotency, Retain};
     ///
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), idempotent_core::Error> {
     /// let idempotency = Idempotency::new(MemoryStore::new());
     /// let call = Call::new("order-7".parse()?);
     /// let order = idempotency
-    ///     .run(&call, async {
-    ///         let claim = ClaimHandle::current().expect("inside run");
-    ///         let reservation: String = claim.step("reserve", async { "res-1".to_owned() }).await?;
-    ///         let charge_key = claim.step_key("charge")?; // the provider's idempotency key
-    ///         let charge: String = claim
-    ///             .step("charge", async move { format!("ch-for-{}", &charge_key.as_str()[..8]) })
-    ///             .await?;
-    ///         Ok::<_, idempotent_core::Error>((reservation, charge))
-    ///     })
+    ///     .run_with(
+    ///         &call,
+    ///         async {
+    ///             let claim = ClaimHandle::current().expect("inside run");
+    ///             let reservation: String =
+    ///                 claim.step("reserve", async { "res-1".to_owned() }).await.ok()?;
+    ///             // The provider's idempotency key for this step of this operation.
+    ///             let charge_key = claim.step_key("charge").ok()?;
+    ///             let charge: String = claim
+    ///                 .step("charge", async move { format!("ch-{}", &charge_key.as_str()[..8]) })
+    ///                 .await
+    ///                 .ok()?;
+    ///             Some((reservation, charge))
+    ///         },
+    ///         // A failed step is not the operation's result: release, so a retry resumes.
+    ///         |order| if order.is_some() { Retain::Keep } else { Retain::Release },
+    ///     )
     ///     .await?
-    ///     .into_inner()?;
+    ///     .into_inner()
+    ///     .expect("both steps ran");
     /// assert_eq!(order.0, "res-1");
     /// # Ok(())
     /// # }

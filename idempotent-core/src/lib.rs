@@ -285,7 +285,7 @@ pub mod outbox;
 pub use any_store::{AnyStore, AnyStoreBuilder, AnyStoreError};
 #[cfg(feature = "macros")]
 #[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
-pub use attribute::idempotent;
+pub use attribute::{idempotent, step};
 pub use call::{
     Call, CallOptions, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Defaults,
     InFlightPolicy,

@@ -39,6 +39,19 @@ use crate::{
     ToKey,
 };
 
+/// A `#[step]` function's body as step `name` of the operation running on this task; outside
+/// any idempotent call, the body just runs.
+pub async fn step<T, F>(name: &'static str, work: F) -> Result<T, crate::Error>
+where
+    T: Serialize + DeserializeOwned,
+    F: Future<Output = T>,
+{
+    match crate::ClaimHandle::current() {
+        Some(claim) => claim.step(name, work).await,
+        None => Ok(work.await),
+    }
+}
+
 /// The running claim, for `claim = name`: the expansion calls this at the top of the work,
 /// which the runtime (or, with `tx = ...`, [`postgres::with_claim`]) polls with the claim
 /// set, so it is always there.
