@@ -355,13 +355,13 @@ mod session;
 mod stored;
 
 pub use body::{RequestBody, ResponseBody};
-pub use config::{
-    DEFAULT_MAX_REQUEST_BODY, IDEMPOTENCY_KEY, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED,
-    OnClaimLost,
-};
 pub use completer::{
     Completer, CompleterHandle, CompleterPass, Completing, DEFAULT_COMPLETER_AFTER,
     DEFAULT_COMPLETER_ATTEMPTS,
+};
+pub use config::{
+    DEFAULT_MAX_REQUEST_BODY, IDEMPOTENCY_KEY, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED,
+    OnClaimLost,
 };
 pub use future::ResponseFuture;
 pub use idempotent_core::BoxError;
