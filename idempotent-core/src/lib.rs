@@ -74,9 +74,10 @@
 //! | the root: errors | [`Error`], [`StoreError`], [`BoxError`], [`ProblemCode`], [`GrpcCode`], [`MAX_IN_FLIGHT_RETRY_HINT`] |
 //! | the root: the store contract | [`Store`], [`Claim`], [`FencingToken`], [`SessionKey`], [`SessionRequest`], [`SessionGate`], [`SessionMark`] |
 //! | the root: a store chosen by URL or `IDEMPOTENCY_STORE` | `AnyStore`, `AnyStoreBuilder`, `AnyStoreError` (with any store's feature) |
-//! | the root: the attribute | [`idempotent`](macro@idempotent) (feature `macros`), [`default_runtime`], [`set_default_runtime`] |
+//! | the root: the attributes | [`idempotent`](macro@idempotent) and [`step`](macro@step) (feature `macros`), [`default_runtime`], [`set_default_runtime`] |
 //! | [`limits`] | the accepted range of every duration, and checks for values read at run time |
 //! | [`session`] | client sessions: the protocol, [`session::InSession`] (a call's place), the window and idle defaults |
+//! | [`steps`] | recovery points: the checkpoint encoding ([`steps::Checkpoints`]), [`steps::CheckpointError`], [`steps::Abandoned`] and the limits; the steps themselves are [`ClaimHandle::step`], [`ClaimHandle::try_step`] ([`StepError`]) and [`step`](macro@step) (feature `macros`) |
 //! | [`clock`] | the memory store's time source; `ManualClock` with feature `test-util` |
 //! | [`metrics`] | the metric names, their labels ([`metrics::ProtocolLabel`], [`metrics::RequestOutcome`]) and [`metrics::describe`] |
 //! | `memory` (feature `memory`) | `MemoryStore`, its builder, statistics and bounds |
@@ -90,7 +91,7 @@
 //! flow), `call.rs` (calls, options, defaults), `outcome.rs`, `claim.rs` (the running claim),
 //! `lease.rs` (renewal and per-operation bounds), `claim_answer.rs` (what a claim's answer
 //! means under the in-flight policy, shared with the transactional mode), `session.rs` (client
-//! sessions and the gate's rules), `record.rs`
+//! sessions and the gate's rules), `steps.rs` (checkpoints), `record.rs`
 //! (recording an outcome, with retries), `shutdown.rs`, `metrics.rs`, `problem.rs`, `error.rs`, `key.rs`,
 //! `fingerprint/`, `envelope.rs` (the stored record format), `store/` (the trait and each
 //! backend), `consumer/` (the consumer runtime: `runner.rs` the loop, `effect.rs` the claim
@@ -190,6 +191,7 @@
 //! | **store outage** | before the work: the call fails closed ([`Error::Store`], HTTP 503) and nothing runs. After it: the call returns, the record write is retried for up to [`IdempotencyBuilder::record_retry`] (default 60 s) while the lease is renewed; duplicates get 409, then the replay | once if the outage ends within the lease; a longer outage is a stall past the lease |
 //! | **store full** (memory store bounds, Redis `maxmemory` with `noeviction`, PostgreSQL disk full) | new claims fail with `store_capacity` (503). A result that does not fit is recorded as "ran, not retained" (retries get [`Error::ResultNotRetained`]); if even that is refused, the write is retried while the lease is kept alive (a Redis renewal needs no memory), then the result is replayed once there is room | once; a full PostgreSQL disk can refuse renewals too, which makes it a stall past the lease |
 //! | **failover** | Redis replicates asynchronously: a claim or record acknowledged and not yet replicated is lost, and a duplicate right after the failover may run again. PostgreSQL with synchronous replication loses nothing acknowledged | with Redis, once only with a downstream key (or a fencing token whose resource is not on the failed server) |
+//! | **crash between two [`steps`]** of an operation | as an app crash; the retry (or a completer) takes the operation over and gets the saved checkpoints | each step whose checkpoint was saved: once. The step that was running: again, unless protected by its [`ClaimHandle::step_key`] or run with `PostgresStore::step_in_transaction` |
 //! | **clock step** | leases run on the store's clock: a forward step ends leases early (a stall past the lease, above); the app servers' clocks play no part | as for a stall past the lease |
 //!
 //! What a [`FencingToken`] promises, per store:

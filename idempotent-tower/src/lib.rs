@@ -309,7 +309,7 @@
 //!     [`fail_open`](IdempotencyLayer::fail_open),
 //!     [`on_claim_lost`](IdempotencyLayer::on_claim_lost) (an [`OnClaimLost`]);
 //!   - HTTP only: `methods` (of [`http::Method`]), `retain` (a function of the status),
-//!     `max_discarded_body`;
+//!     `max_discarded_body`, `keep_requests` (for a [`Completer`]);
 //!   - gRPC only: `methods` (full paths), `retain` (a function of the
 //!     [`idempotent_core::GrpcCode`]).
 //! - The protocols: the sealed trait [`Protocol`] and its two types, [`Http`] and [`Grpc`],
@@ -320,6 +320,10 @@
 //!   [`into_inner`](IdempotencyService::into_inner)),
 //!   its [`ResponseFuture`], the [`RequestBody`] the inner service receives and the
 //!   [`ResponseBody`] it answers with.
+//! - The completer: [`Completer`] (finishes in the background the operations whose clients
+//!   never retried, from the kept request and their [steps](idempotent_core::steps)), its
+//!   [`CompleterHandle`], [`CompleterPass`], the [`Completing`] request extension,
+//!   [`DEFAULT_COMPLETER_AFTER`] and [`DEFAULT_COMPLETER_ATTEMPTS`].
 //! - Scopes: [`Principal`], [`scope_by_principal`] (the default) and
 //!   [`scope_by_authorization`].
 //! - Header names: [`IDEMPOTENCY_KEY`], [`IDEMPOTENT_REPLAYED`], [`IDEMPOTENT_BYPASSED`].

@@ -1,33 +1,5 @@
-//! The completer: finishes, in the background, operations whose clients went away.
-//!
-//! A client that times out and never retries leaves its operation half-done: its claim lapses
-//! (or was released when the request failed), with some [steps](idempotent_core::steps) saved
-//! and others not. With [`IdempotencyLayer::keep_requests`] the layer keeps every protected
-//! request (method, URI, headers but credentials, body up to the request limit) on its
-//! in-flight record; a [`Completer`] lists the records abandoned for longer than
-//! [`after`](Completer::after), takes each over like a retry would
-//! ([`Call::resume`](idempotent_core::Call::resume): only an operation still abandoned, never
-//! a new one), and runs the kept request through the service under the layer. The handler
-//! resumes from its checkpoints, and its answer is recorded by the layer's rules, so the
-//! client's eventual retry replays it.
-//!
-//! - **Attempts.** Each run is one attempt, counted on the record. A run whose answer the
-//!   layer does not keep (a `5xx`, an error, a lost claim) releases the operation; the next
-//!   pass tries again. The last of [`max_attempts`](Completer::max_attempts) keeps whatever
-//!   the handler answered, so the operation is marked failed with its last answer; if even
-//!   that run gave nothing to keep, the next pass records `500 operation_failed`.
-//! - **Bounds.** A pass lists at most [`batch`](Completer::batch) operations and runs at most
-//!   [`concurrency`](Completer::concurrency) at once.
-//! - **What the handler sees.** The kept request, with the [`ClaimHandle`] and a
-//!   [`Completing`] extension. Extensions that middleware outside the layer adds (an
-//!   authenticated principal, say) are not there, nor are the `Authorization`,
-//!   `Proxy-Authorization` and `Cookie` headers, which are never kept.
-//! - **What it does not finish.** Requests in a [client session](idempotent_core::session),
-//!   and gRPC requests: their records keep no request.
-//!
-//! Metrics: `idempotency.completer.attempts` (runs), `idempotency.completer.completed`
-//! (operations whose answer was recorded), `idempotency.completer.given_up` (operations
-//! recorded as failed), all counters.
+//! The completer: finishes, in the background, operations whose clients went away (see
+//! [`Completer`]).
 
 mod saved;
 
@@ -84,7 +56,36 @@ pub struct CompleterPass {
     pub skipped: usize,
 }
 
-/// Finishes abandoned operations in the background; see the [module docs](self).
+/// Finishes, in the background, operations whose clients went away.
+///
+/// A client that times out and never retries leaves its operation half-done: its claim lapses
+/// (or was released when the request failed), with some [steps](idempotent_core::steps) saved
+/// and others not. With [`IdempotencyLayer::keep_requests`] the layer keeps every protected
+/// request (method, URI, headers but credentials, body up to the request limit) on its
+/// in-flight record; a [`Completer`] lists the records abandoned for longer than
+/// [`after`](Completer::after), takes each over like a retry would
+/// ([`Call::resume`](idempotent_core::Call::resume): only an operation still abandoned, never
+/// a new one), and runs the kept request through the service under the layer. The handler
+/// resumes from its checkpoints, and its answer is recorded by the layer's rules, so the
+/// client's eventual retry replays it.
+///
+/// - **Attempts.** Each run is one attempt, counted on the record. A run whose answer the
+///   layer does not keep (a `5xx`, an error, a lost claim) releases the operation; the next
+///   pass tries again. The last of [`max_attempts`](Completer::max_attempts) keeps whatever
+///   the handler answered, so the operation is marked failed with its last answer; if even
+///   that run gave nothing to keep, the next pass records `500 operation_failed`.
+/// - **Bounds.** A pass lists at most [`batch`](Completer::batch) operations and runs at most
+///   [`concurrency`](Completer::concurrency) at once.
+/// - **What the handler sees.** The kept request, with the [`ClaimHandle`] and a
+///   [`Completing`] extension. Extensions that middleware outside the layer adds (an
+///   authenticated principal, say) are not there, nor are the `Authorization`,
+///   `Proxy-Authorization` and `Cookie` headers, which are never kept.
+/// - **What it does not finish.** Requests in a [client session](idempotent_core::session),
+///   and gRPC requests: their records keep no request.
+///
+/// Metrics: `idempotency.completer.attempts` (runs), `idempotency.completer.completed`
+/// (operations whose answer was recorded), `idempotency.completer.given_up` (operations
+/// recorded as failed), all counters.
 ///
 /// ```no_run
 /// use std::time::Duration;
