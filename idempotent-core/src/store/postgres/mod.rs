@@ -5,6 +5,7 @@ mod connections;
 mod error;
 mod fence;
 mod sql;
+mod steps;
 mod table;
 mod transactional;
 
@@ -22,6 +23,7 @@ use sqlx::Executor as _;
 
 use self::connections::Connections;
 use super::Unanswered;
+use crate::steps::Abandoned;
 use crate::{
     Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionRequest, StorageKey, Store,
     StoreError, limits,
@@ -79,20 +81,25 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 ///     expires_at timestamptz NOT NULL, -- end of the lease (in flight) or of the TTL (completed)
 ///     lifetime bigint,                 -- the token that began the record's lifetime (NULL: token)
 ///     kept_until timestamptz,          -- until when the row is kept (an abandoned claim: its TTL)
-///     claimant bigint                  -- names the claim attempt, to give back one whose caller left
+///     claimant bigint,                 -- names the claim attempt, to give back one whose caller left
+///     steps bytea,                     -- the operation's checkpoints, concatenated (in flight)
+///     request bytea                    -- the request a completer may run again (in flight)
 /// );
 /// CREATE INDEX IF NOT EXISTS "idempotent_records_expires_at_idx"
 ///     ON "idempotent_records" (expires_at);
 /// CREATE INDEX IF NOT EXISTS "idempotent_records_kept_until_idx"
 ///     ON "idempotent_records" ((greatest(kept_until, expires_at)));
+/// CREATE INDEX IF NOT EXISTS "idempotent_records_abandoned_idx"
+///     ON "idempotent_records" (expires_at) WHERE state = 'in_flight' AND request IS NOT NULL;
 /// CREATE SEQUENCE IF NOT EXISTS "idempotent_records_token_seq";
 /// ```
 ///
-/// (A table made by an earlier release gets the last three columns and the second index from
-/// `migrate`, which checks the catalog first and locks the table only when they are missing.
-/// Building the index locks a table that has them missing for as long as the build takes:
-/// on a large table, create it first with `CREATE INDEX CONCURRENTLY` and the definition
-/// above, after adding the columns, and `migrate` finds it there.)
+/// (A table made by an earlier release gets the columns it lacks (the last five, or the last
+/// two) and the indexes on them from `migrate`, which checks the catalog first and locks the
+/// table only when they are missing. Building an index locks a table that has it missing for
+/// as long as the build takes: on a large table, create it first with `CREATE INDEX
+/// CONCURRENTLY` and the definition above, after adding the columns, and `migrate` finds it
+/// there.)
 ///
 /// A row whose `expires_at` has passed is absent as far as `claim` is concerned, except that an
 /// in-flight row kept until `kept_until` is *taken over* by a claim of the same request,
@@ -126,8 +133,9 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 ///     ON CONFLICT (storage_key) DO UPDATE
 ///     SET state = 'in_flight', fingerprint = excluded.fingerprint,
 ///         token = greatest(nextval('t_token_seq'), r.token + 1),
-///         lifetime = CASE WHEN <r is an abandoned claim of the same fingerprint, kept>
-///                    THEN coalesce(r.lifetime, r.token) END,
+///         -- kept by a takeover, NULL (a new lifetime) otherwise
+///         (lifetime, steps, request) = (SELECT coalesce(r.lifetime, r.token), r.steps, r.request
+///                                       WHERE <r is an abandoned claim of the same fingerprint, kept>),
 ///         payload = NULL, expires_at = clock_timestamp() + $3,
 ///         kept_until = clock_timestamp() + greatest($3, $4), claimant = excluded.claimant
 ///     WHERE r.expires_at <= clock_timestamp()
@@ -143,6 +151,17 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 /// commit finds that row neither in `live` nor expired, so the statement returns nothing; the
 /// store then runs it again with a fresh snapshot (this is the only case with a second round
 /// trip).
+///
+/// # Checkpoints and saved requests
+///
+/// A [step](crate::ClaimHandle::step)'s checkpoint is appended to the in-flight row's `steps`
+/// (`steps = coalesce(steps, '') || $3`), and a saved request replaces its `request`, each by
+/// one statement guarded like a renewal (`storage_key`, `token`, in flight, lease not ended).
+/// Both belong to the operation: a takeover keeps them with the `lifetime`, a claim that
+/// begins a new lifetime and both completions set them to `NULL`. The completer's list
+/// ([`abandoned`](Store::abandoned)) is one statement over the partial index of in-flight
+/// rows that hold a request, oldest lease end first. For a step whose database effect must
+/// commit with its checkpoint, see [`step_in_transaction`](Self::step_in_transaction).
 ///
 /// # Client sessions
 ///
@@ -205,7 +224,9 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 ///   [`PostgresStoreBuilder::max_connections`]), opened on first use. They go back to the
 ///   store without the round trip sqlx's pool makes to check every connection it takes back,
 ///   which doubled the round trips of every operation (BENCHMARKS.md). The pool itself serves
-///   [`migrate`](Self::migrate), [`reap`](Self::reap) and your own transactions, so the store
+///   [`migrate`](Self::migrate), [`reap`](Self::reap), the completer's
+///   [`abandoned`](Store::abandoned), the transactions of
+///   [`step_in_transaction`](Self::step_in_transaction) and your own transactions, so the store
 ///   and the pool together can hold up to twice the pool's `max_connections`: size the
 ///   database's `max_connections` for both. `after_connect` hooks of the pool do not run on
 ///   the store's connections: schema-qualify the [table](PostgresStoreBuilder::table) rather
@@ -353,7 +374,8 @@ impl PostgresStore {
         [&self.sql.claim, &self.sql.complete]
     }
 
-    /// Creates the table, its `expires_at` index and its token sequence if they do not exist.
+    /// Creates the table, its indexes and its token sequence if they do not exist, and adds
+    /// the columns and indexes a table made by an earlier release lacks (see "The table").
     ///
     /// Idempotent, and safe to run from every instance at startup: concurrent migrations of one
     /// table are serialized by a transaction-scoped advisory lock. Needs the privilege to
@@ -540,6 +562,81 @@ impl Store for PostgresStore {
             .and_then(|row| row.map(|row| session_mark(&row)).transpose());
         Connections::settle(connection, result)
     }
+
+    async fn save_step(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        entry: Bytes,
+    ) -> Result<(), StoreError> {
+        self.guarded_bytes(&self.sql.save_step, key, token, &entry)
+            .await
+    }
+
+    async fn load_steps(&self, key: &StorageKey, token: FencingToken) -> Result<Bytes, StoreError> {
+        use sqlx::Row as _;
+        let token = token_param(token).ok_or(StoreError::TokenRejected)?;
+        let mut connection = self.connections.get().await?;
+        let record = key.record_bytes();
+        let query = sqlx::query(&self.sql.load_steps)
+            .bind(record.as_ref())
+            .bind(token);
+        let result = match connection.fetch_optional(query).await {
+            Ok(Some(row)) => row
+                .try_get::<Vec<u8>, _>("steps")
+                .map(Bytes::from)
+                .map_err(store_error),
+            Ok(None) => Err(StoreError::TokenRejected),
+            Err(error) => Err(store_error(error)),
+        };
+        Connections::settle(connection, result)
+    }
+
+    async fn save_request(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        request: Bytes,
+    ) -> Result<(), StoreError> {
+        self.guarded_bytes(&self.sql.save_request, key, token, &request)
+            .await
+    }
+
+    /// One statement on the pool, using the partial index of in-flight rows that hold a
+    /// request. Rows whose storage key is not 32 or 48 bytes (no storage key's record bytes)
+    /// are skipped: no claim can reach them. Any other garbage in a listed row (a fingerprint
+    /// that is not 32 bytes) is [`StoreError::Corrupt`].
+    async fn abandoned(&self, idle: Duration, limit: usize) -> Result<Vec<Abandoned>, StoreError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let query = sqlx::query(&self.sql.abandoned)
+            .bind(micros(idle))
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX));
+        let rows = self.pool.fetch_all(query).await.map_err(store_error)?;
+        rows.iter().map(steps::decode_abandoned).collect()
+    }
+}
+
+impl PostgresStore {
+    /// Runs a token-guarded update binding `$1` storage key, `$2` token, `$3` `bytes`.
+    async fn guarded_bytes(
+        &self,
+        statement: &str,
+        key: &StorageKey,
+        token: FencingToken,
+        bytes: &[u8],
+    ) -> Result<(), StoreError> {
+        let token = token_param(token).ok_or(StoreError::TokenRejected)?;
+        let mut connection = self.connections.get().await?;
+        let record = key.record_bytes();
+        let query = sqlx::query(statement)
+            .bind(record.as_ref())
+            .bind(token)
+            .bind(bytes);
+        let result = self.sql.guarded(query, &mut connection).await;
+        Connections::settle(connection, result)
+    }
 }
 
 /// A live session row as the session's state; anything else at its key is corrupt.
@@ -607,6 +704,8 @@ mod tests {
         assert!(sql.migrate[0].contains("\"billing\".\"records\""));
         assert!(sql.migrate[1].contains("\"records_expires_at_idx\" ON \"billing\".\"records\""));
         assert!(sql.migrate[2].contains("\"billing\".\"records_token_seq\""));
+        assert!(sql.migrate[4].contains("to_regclass('\"billing\".\"records_abandoned_idx\"')"));
+        assert!(sql.migrate[4].contains("\"records_abandoned_idx\" ON \"billing\".\"records\""));
         assert!(
             sql.claim
                 .contains("nextval('\"billing\".\"records_token_seq\"')")

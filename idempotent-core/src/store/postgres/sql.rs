@@ -40,7 +40,7 @@ pub(super) const MAX_MICROS: i64 = {
 /// The SQL of one table, built once per store from its validated name.
 pub(crate) struct Sql {
     pub(crate) table: String,
-    pub(crate) migrate: [String; 4],
+    pub(crate) migrate: [String; 5],
     pub(crate) claim: String,
     pub(crate) complete: String,
     pub(crate) complete_in_transaction: String,
@@ -51,6 +51,10 @@ pub(crate) struct Sql {
     pub(crate) reap: String,
     pub(crate) open_session: String,
     pub(crate) session_mark: String,
+    pub(crate) save_step: String,
+    pub(crate) load_steps: String,
+    pub(crate) save_request: String,
+    pub(crate) abandoned: String,
 }
 
 impl Sql {
@@ -63,6 +67,8 @@ impl Sql {
         let index = format!("\"{name}_expires_at_idx\"");
         let kept_index = format!("\"{name}_kept_until_idx\"");
         let kept_index_qualified = qualify(&format!("{name}_kept_until_idx"));
+        let abandoned_index = format!("\"{name}_abandoned_idx\"");
+        let abandoned_index_qualified = qualify(&format!("{name}_abandoned_idx"));
         let until = |param: &str| format!("clock_timestamp() + {param} * interval '1 microsecond'");
         let owned = "storage_key = $1 AND token = $2 AND state = 'in_flight'";
         let live = "expires_at > clock_timestamp()";
@@ -99,6 +105,21 @@ impl Sql {
                      END IF; \
                      END $$"
                 ),
+                // The columns of checkpoints and saved requests, and the index of the
+                // completer's query (`abandoned`): checked first, like the ones above.
+                format!(
+                    "DO $$ BEGIN \
+                     IF NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = '{t}'::regclass \
+                         AND attname = 'request' AND NOT attisdropped) THEN \
+                         ALTER TABLE {t} ADD COLUMN IF NOT EXISTS steps bytea, \
+                         ADD COLUMN IF NOT EXISTS request bytea; \
+                     END IF; \
+                     IF to_regclass('{abandoned_index_qualified}') IS NULL THEN \
+                         CREATE INDEX IF NOT EXISTS {abandoned_index} ON {t} (expires_at) \
+                         WHERE state = 'in_flight' AND request IS NOT NULL; \
+                     END IF; \
+                     END $$"
+                ),
             ],
             claim: format!(
                 "WITH live AS (\
@@ -113,9 +134,10 @@ impl Sql {
                      ON CONFLICT (storage_key) DO UPDATE \
                      SET state = 'in_flight', fingerprint = excluded.fingerprint, \
                      token = greatest(nextval('{seq}'), r.token + 1), \
-                     lifetime = CASE WHEN r.state = 'in_flight' AND r.fingerprint = excluded.fingerprint \
-                         AND coalesce(r.kept_until, r.expires_at) > clock_timestamp() \
-                         THEN coalesce(r.lifetime, r.token) END, \
+                     (lifetime, steps, request) = (\
+                         SELECT coalesce(r.lifetime, r.token), r.steps, r.request \
+                         WHERE r.state = 'in_flight' AND r.fingerprint = excluded.fingerprint \
+                         AND coalesce(r.kept_until, r.expires_at) > clock_timestamp()), \
                      payload = NULL, expires_at = {lease}, kept_until = {kept_for}, \
                      claimant = excluded.claimant \
                      WHERE r.expires_at <= clock_timestamp() \
@@ -136,7 +158,7 @@ impl Sql {
                  payload = CASE WHEN state = 'in_flight' THEN $3 ELSE payload END, \
                  expires_at = CASE WHEN state = 'in_flight' THEN {ttl} ELSE expires_at END, \
                  kept_until = CASE WHEN state = 'in_flight' THEN {ttl} ELSE kept_until END, \
-                 claimant = NULL \
+                 claimant = NULL, steps = NULL, request = NULL \
                  WHERE storage_key = $1 AND token = $2 AND state IN ('in_flight', 'completed') \
                  AND {live}",
                 ttl = until("$4"),
@@ -145,7 +167,7 @@ impl Sql {
             // take it over, however long the work took.
             complete_in_transaction: format!(
                 "UPDATE {t} SET state = 'completed', payload = $3, expires_at = {ttl}, \
-                 kept_until = {ttl}, claimant = NULL \
+                 kept_until = {ttl}, claimant = NULL, steps = NULL, request = NULL \
                  WHERE {owned}",
                 ttl = until("$4"),
             ),
@@ -176,6 +198,25 @@ impl Sql {
             session_mark: format!(
                 "SELECT state, token, claimant FROM {t} \
                  WHERE storage_key = $1 AND expires_at > clock_timestamp()"
+            ),
+            save_step: format!(
+                "UPDATE {t} SET steps = coalesce(steps, ''::bytea) || $3 WHERE {owned} AND {live}"
+            ),
+            load_steps: format!(
+                "SELECT coalesce(steps, ''::bytea) AS steps FROM {t} WHERE {owned} AND {live}"
+            ),
+            save_request: format!("UPDATE {t} SET request = $3 WHERE {owned} AND {live}"),
+            // `statement_timestamp()`, like `reap`, so that the lease bound is an index
+            // condition; kept as a takeover keeps it (see `claim`).
+            abandoned: format!(
+                "SELECT storage_key, fingerprint, request, \
+                 (EXTRACT(EPOCH FROM statement_timestamp() - expires_at) * 1000000)::int8 AS idle_us \
+                 FROM {t} \
+                 WHERE state = 'in_flight' AND request IS NOT NULL \
+                 AND expires_at <= statement_timestamp() - $1 * interval '1 microsecond' \
+                 AND coalesce(kept_until, expires_at) > statement_timestamp() \
+                 AND octet_length(storage_key) IN (32, 48) \
+                 ORDER BY expires_at LIMIT $2"
             ),
         })
     }
