@@ -10,6 +10,17 @@
 //! curl localhost:3000/metrics             # idempotency_requests_total{outcome="fresh",…} 1 …
 //! ```
 //!
+//! and an operation in steps that resumes where it stopped (see "Orders in steps" below):
+//!
+//! ```sh
+//! curl -i -X POST 'localhost:3000/orders?crash_after=charge' -H 'Idempotency-Key: cart-1' \
+//!      -H 'Authorization: Bearer alice' -H 'Content-Type: application/json' \
+//!      -d '{"sku":"tea","quantity":2,"amount":1200,"currency":"EUR"}'   # the server aborts
+//! # restart it on the same store, then retry without crash_after: reserve and charge are
+//! # not run again, the receipt is sent, and the answer names the first attempt's reservation
+//! curl localhost:3000/orders/count   # {"orders":1,"reserved":0,"charged":0,"receipts":1,"runs":1}
+//! ```
+//!
 //! `GET /metrics` serves the runtime's and the layer's metrics (see `idempotent_core::metrics`)
 //! in Prometheus's text format, through `metrics-exporter-prometheus`.
 //!
@@ -62,6 +73,43 @@
 //! and the operation key the provider gets is the request's own. See the README's "Sessions
 //! instead of keys" and `payments_client --session`.
 //!
+//! # Orders in steps
+//!
+//! `POST /orders` takes `{"sku","quantity","amount","currency"}` (any sku, a quantity of at
+//! least 1) behind a layer like theirs (the same runtime and settings) and runs three steps on
+//! the request's [`ClaimHandle`], each a recovery point ([`ClaimHandle::step`], see
+//! `idempotent_core::steps`): `reserve` (a stock reservation), `charge` (the provider above,
+//! given the step's own key, [`step_key`](ClaimHandle::step_key)`("charge")`, as its
+//! idempotency key) and `receipt` (a simulated mailer; on PostgreSQL, a row of the outbox table
+//! `idempotent_outbox`, for destination `receipts`, written in the transaction that saves the
+//! step's checkpoint, `PostgresStore::step_in_transaction`, so the two commit together). A step
+//! that ran saves what it made on the in-flight record; a later attempt of the same operation
+//! (the retry after a crash, a lapsed lease or a `5xx`) gets it back without running the step,
+//! and goes on with the next. It answers `201` with
+//! `{"order_id","reservation_id","charge_id","receipt_id","sku","quantity","amount","currency"}`:
+//! the ids are derived from the steps' keys, so they are the same for every attempt of the
+//! operation and a resumed run names what the first attempt made; replays are byte-identical,
+//! like every recorded answer. Bad bodies are answered like those of `/payments` (415, 400,
+//! 422); the provider's refusals too (an amount of 0 is declined, 402, recorded; the currency
+//! `err` fails, 500, released, and the retry resumes after the reservation).
+//!
+//! `?crash_after=reserve` or `?crash_after=charge` aborts the process right after that
+//! step's effect and checkpoint, if the step ran in this attempt (one restored from its
+//! checkpoint goes on): pulling the plug between two steps. It is taken out of the query
+//! before the layer sees the request, so it is not part of the fingerprint: the retry
+//! without it is the same request. Any other value is answered `400 invalid_crash_after`.
+//!
+//! `GET /orders/count` returns this process's counters: `orders` (answered `201`),
+//! `reserved`, `charged`, `receipts` (each step's effects made in this process) and `runs`
+//! (handler starts, client requests and completer runs alike).
+//!
+//! With `IDEMPOTENCY_COMPLETER_AFTER`, the layer of `/orders` keeps each request on its
+//! record, and an `idempotent_tower::Completer` finishes, in the background, an order whose
+//! claim lapsed (its process died) or was released and that no retry took over for that
+//! long: it runs the kept request through the routes under the layer, the handler resumes
+//! from the checkpoints, and the answer is recorded, so the client's eventual retry replays
+//! it. The completer is stopped at shutdown.
+//!
 //! # Shutdown
 //!
 //! On SIGTERM (or Ctrl-C) the server shuts the runtime down gracefully: new payments get
@@ -81,6 +129,8 @@
 //! | `IDEMPOTENCY_SESSION_IDLE` | `24h` | how long a client session nobody sends to is kept, with its answers: `1ms` to `365d` |
 //! | `IDEMPOTENCY_SESSION_WINDOW` | `64` | how far past its acknowledged mark a session may number requests: `1` to `4096` |
 //! | `IDEMPOTENCY_CACHE` | unset: no cache | finished records cached in front of the store: `memory:N` (in this process, at most `N` records) or `redis://HOST:PORT[/DB]` (a Redis every instance shares, in front of the store `IDEMPOTENCY_STORE` names); see `idempotent_core::cache` |
+//! | `IDEMPOTENCY_COMPLETER_AFTER` | unset: no completer | finish `/orders` operations abandoned for this long (their claim lapsed or released, no retry): `1ms` to `365d`; see "Orders in steps" |
+//! | `IDEMPOTENCY_EFFECTS_LOG` | unset: none | a file each effect of an order's steps is appended to as a line `<step> <step key> <pid>`, before the step's checkpoint is written: `reserve` and `charge`, and `receipt` but on PostgreSQL (where the receipt is its outbox row); a count of effects that outlives the process |
 //! | `RUST_LOG` | `warn,idempotent_tower=info` | log filter (logs go to stderr) |
 //!
 //! Durations are read by `idempotent_core::limits::parse_duration` (`500ms`, `30s`, `15m`,
@@ -89,9 +139,12 @@
 //!
 //! Test hooks: `?delay_ms=N` sleeps before doing the work; an amount of 0 is declined by the
 //! provider (402, recorded); the currency `err` makes the provider fail (500, released, so a
-//! retry runs again).
+//! retry runs again); on `/orders`, `?crash_after=reserve|charge` and
+//! `IDEMPOTENCY_EFFECTS_LOG`.
 
 mod common;
+#[path = "payments/orders.rs"]
+mod orders;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::process::ExitCode;
@@ -107,7 +160,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use idempotent_core::ClaimHandle;
-use idempotent_tower::{IdempotencyLayer, Principal};
+use idempotent_tower::{Completer, IdempotencyLayer, Principal};
 use provider::{Provider, ProviderError};
 use serde::Deserialize;
 use serde_json::json;
@@ -213,11 +266,12 @@ mod provider {
     }
 }
 
-#[derive(Default)]
 struct App {
     /// Handler runs, counted by the handlers themselves.
     executions: AtomicU64,
     provider: Provider,
+    /// `POST /orders`.
+    orders: orders::Orders,
 }
 
 type Shared = State<Arc<App>>;
@@ -330,7 +384,9 @@ async fn count(State(app): Shared) -> Json<serde_json::Value> {
 #[tokio::main]
 async fn main() -> ExitCode {
     common::init_logging();
-    let settings = match common::settings(3000) {
+    let (settings, completer_after) = match common::settings(3000)
+        .and_then(|settings| Ok((settings, common::completer_after()?)))
+    {
         Ok(settings) => settings,
         Err(message) => {
             eprintln!("payments: {message}");
@@ -352,6 +408,29 @@ async fn main() -> ExitCode {
         }
     };
 
+    let orders = match orders::Orders::from_env().await {
+        Ok(orders) => orders,
+        Err(message) => {
+            eprintln!("payments: {message}");
+            return ExitCode::from(2);
+        }
+    };
+    let state = Arc::new(App {
+        executions: AtomicU64::new(0),
+        provider: Provider::default(),
+        orders,
+    });
+
+    // `/orders` keeps its requests for the completer when there is one; the completer runs
+    // them through the same routes without the layer.
+    let orders_layer =
+        IdempotencyLayer::http(idempotency.clone()).keep_requests(completer_after.is_some());
+    let orders = orders::router(Arc::clone(&state));
+    let completer = completer_after.map(|after| {
+        Completer::new(&orders_layer, orders.clone())
+            .after(after)
+            .spawn()
+    });
     let app = Router::new()
         .route("/payments", post(create_payment))
         .route("/refunds", post(create_refund))
@@ -359,8 +438,13 @@ async fn main() -> ExitCode {
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", common::metrics_route(metrics))
         .layer(IdempotencyLayer::http(idempotency.clone()))
-        .layer(middleware::from_fn(authenticate))
-        .with_state(Arc::new(App::default()));
+        .with_state(state)
+        .merge(
+            orders
+                .layer(orders_layer)
+                .layer(middleware::from_fn(orders::crash_hook)),
+        )
+        .layer(middleware::from_fn(authenticate));
 
     let address = SocketAddr::from((Ipv4Addr::LOCALHOST, settings.port));
     let listener = match tokio::net::TcpListener::bind(address).await {
@@ -375,6 +459,9 @@ async fn main() -> ExitCode {
     let served = axum::serve(listener, app)
         .with_graceful_shutdown(common::shutdown::drain(idempotency, "payments"))
         .await;
+    if let Some(completer) = completer {
+        completer.stop().await;
+    }
     if let Err(error) = served {
         eprintln!("payments: server failed: {error}");
         return ExitCode::FAILURE;

@@ -11,6 +11,7 @@
 //! | `IDEMPOTENCY_SESSION_IDLE` | `24h` | how long a client session nobody sends to is kept, with its answers: `1ms` to `365d` |
 //! | `IDEMPOTENCY_SESSION_WINDOW` | `64` | how far past its acknowledged mark a session may number requests: `1` to `4096` |
 //! | `IDEMPOTENCY_CACHE` | unset: none | a cache tier of finished records in front of the store: `memory:N` (in this process, `N` records) or `redis://HOST:PORT[/DB]` (a Redis every instance shares, in front of the store) |
+//! | `IDEMPOTENCY_COMPLETER_AFTER` | unset: none | where an example has a completer (`payments`): how long an abandoned operation waits for its client's retry before the completer finishes it: `1ms` to `365d` |
 //!
 //! Durations are read by `idempotent_core::limits::parse_duration` (`500ms`, `30s`, `15m`,
 //! `24h`, `7d`, `1h 30m`); the ranges are those of `idempotent_core::limits`. A bad value, or one out of its range, makes the example exit with
@@ -93,6 +94,16 @@ pub(crate) fn settings(default_port: u16) -> Result<Settings, String> {
         session_idle,
         session_window,
     })
+}
+
+/// Reads `IDEMPOTENCY_COMPLETER_AFTER`: how long an abandoned operation waits for its client's
+/// retry before a completer finishes it (`1ms` to `365d`); `None` when unset (no completer).
+pub(crate) fn completer_after() -> Result<Option<Duration>, String> {
+    const NAME: &str = "IDEMPOTENCY_COMPLETER_AFTER";
+    match std::env::var(NAME) {
+        Ok(value) => checked_duration(NAME, &value, limits::check_ttl).map(Some),
+        Err(_) => Ok(None),
+    }
 }
 
 /// Parses `value`, the variable `name`'s, as a duration greater than zero, with

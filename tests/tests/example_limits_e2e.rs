@@ -1,8 +1,8 @@
 //! The example servers read their durations from the environment and check them against
 //! `idempotent_core::limits`: a lease of a millisecond used to start a server whose
 //! concurrent duplicates both ran. Out of range, the server exits with status 2 and a
-//! message naming the variable and the range (the session idle time and window too); at the
-//! ends of the ranges it starts.
+//! message naming the variable and the range (the session idle time and window, and the
+//! completer's idle time, too); at the ends of the ranges it starts.
 
 mod support;
 
@@ -48,6 +48,21 @@ async fn durations_out_of_range_exit_with_the_variable_and_the_range() {
             "IDEMPOTENCY_SESSION_WINDOW",
             "0",
             "IDEMPOTENCY_SESSION_WINDOW=\"0\" is not a whole number greater than zero",
+        ),
+        (
+            "IDEMPOTENCY_COMPLETER_AFTER",
+            "later",
+            "IDEMPOTENCY_COMPLETER_AFTER=\"later\" is not a duration",
+        ),
+        (
+            "IDEMPOTENCY_COMPLETER_AFTER",
+            "0s",
+            "IDEMPOTENCY_COMPLETER_AFTER=\"0s\" must be greater than zero",
+        ),
+        (
+            "IDEMPOTENCY_COMPLETER_AFTER",
+            "366d",
+            "IDEMPOTENCY_COMPLETER_AFTER=\"366d\": ttl must be between 1ms and 365d, got 366d",
         ),
     ] {
         let output = tokio::process::Command::new(support::example_binary("payments"))

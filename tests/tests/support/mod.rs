@@ -277,6 +277,38 @@ impl Client {
         }
     }
 
+    /// Like [`Client::send`], but a request that gets no answer (the connection refused or
+    /// cut: the server died) is an `Err` with what failed, not a panic.
+    pub async fn try_send(
+        &self,
+        method: Method,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> Result<Answer, String> {
+        let mut request = Request::builder().method(method).uri(url);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request.body(Full::new(body.into())).expect("request");
+        let response = self
+            .inner
+            .request(request)
+            .await
+            .map_err(|e| format!("request failed: {e:?}"))?;
+        let (parts, body) = response.into_parts();
+        let body = body
+            .collect()
+            .await
+            .map_err(|e| format!("response body failed: {e:?}"))?
+            .to_bytes();
+        Ok(Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        })
+    }
+
     /// `POST url` with a JSON body, an optional key and an optional bearer principal.
     pub async fn post(
         &self,
