@@ -408,7 +408,7 @@ async fn main() -> ExitCode {
         }
     };
 
-    let orders = match orders::Orders::from_env().await {
+    let orders = match orders::Orders::from_env(&idempotency).await {
         Ok(orders) => orders,
         Err(message) => {
             eprintln!("payments: {message}");

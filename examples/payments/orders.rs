@@ -25,7 +25,7 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use idempotent_core::outbox::{Outbox, Outgoing};
 use idempotent_core::postgres::PostgresStore;
-use idempotent_core::{ClaimHandle, Error, Key, StepError};
+use idempotent_core::{ClaimHandle, Error, Idempotency, Key, StepError};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -55,35 +55,27 @@ pub(crate) struct Orders {
 }
 
 impl Orders {
-    /// Reads `IDEMPOTENCY_EFFECTS_LOG` and, when `IDEMPOTENCY_STORE` is a PostgreSQL URL,
-    /// connects to it for the receipts' outbox (creating its table).
-    pub(crate) async fn from_env() -> Result<Orders, String> {
+    /// Reads `IDEMPOTENCY_EFFECTS_LOG` and, when the runtime's store is PostgreSQL, creates
+    /// the receipts' outbox table there.
+    pub(crate) async fn from_env(idempotency: &Idempotency) -> Result<Orders, String> {
         let log = match std::env::var("IDEMPOTENCY_EFFECTS_LOG") {
             Ok(path) => Some(EffectsLog::open(&path).map_err(|error| {
                 format!("IDEMPOTENCY_EFFECTS_LOG={path:?} cannot be opened for appending: {error}")
             })?),
             Err(_) => None,
         };
-        let store = std::env::var("IDEMPOTENCY_STORE").unwrap_or_default();
-        let outbox = if store.starts_with("postgres://") || store.starts_with("postgresql://") {
-            // A small pool of its own on the idempotency table's database: the receipt's
-            // transaction writes the step's checkpoint to the claim's row there.
-            let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(8)
-                .connect(&store)
-                .await
-                .map_err(|_| {
-                    "IDEMPOTENCY_STORE: cannot connect to PostgreSQL for the orders' outbox"
-                        .to_owned()
-                })?;
-            let outbox = Outbox::new();
-            outbox
-                .migrate(&pool)
-                .await
-                .map_err(|e| format!("cannot create the outbox table: {e}"))?;
-            Some((PostgresStore::new(pool), outbox))
-        } else {
-            None
+        // The receipt's transaction writes the step's checkpoint to the claim's row: the same
+        // store, the same pool.
+        let outbox = match idempotency.postgres_store() {
+            Some(store) => {
+                let outbox = Outbox::new();
+                outbox
+                    .migrate(store.pool())
+                    .await
+                    .map_err(|e| format!("cannot create the outbox table: {e}"))?;
+                Some((store, outbox))
+            }
+            None => None,
         };
         Ok(Orders {
             answered: AtomicU64::new(0),

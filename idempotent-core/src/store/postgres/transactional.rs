@@ -170,6 +170,15 @@ impl Idempotency {
     }
 }
 
+impl Idempotency {
+    /// The [`PostgresStore`] this runtime's store is or stands for (directly, in an
+    /// [`AnyStore`](crate::AnyStore), or behind a cache tier), if it is one: its pool, and
+    /// [`PostgresStore::step_in_transaction`] for the steps of this runtime's calls.
+    pub fn postgres_store(&self) -> Option<PostgresStore> {
+        postgres_of(self.inner.store.as_any()).map(|(store, _)| store.clone())
+    }
+}
+
 /// The PostgreSQL store a runtime's store is, or stands for, and the cache tier in front.
 #[cfg(feature = "cache")]
 fn postgres_of(
