@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub(crate) const USAGE: &str = "\
-usage: idempotent-bench [all|http|memory|sessions] [options]
+usage: idempotent-bench [all|http|memory|sessions|steps] [options]
 
   all (default)       the HTTP rows, then the memory mode, then the sessions mode
   http                the HTTP rows: bare, idempotent-tower, the peers, Redis/PostgreSQL rows
@@ -14,6 +14,11 @@ usage: idempotent-bench [all|http|memory|sessions] [options]
   sessions            bytes each store holds for N requests in one client session against N
                       requests with a key each, in process (N = 100, 1k, 10k, 100k; up to 10k
                       with --quick); --only memory,redis,postgres picks stores
+  steps               what a step of an operation costs (one checkpoint written), in process:
+                      operations of 0, 1, 3 and 8 steps on fresh keys, atomic steps on
+                      PostgreSQL, and an operation resumed after 3 steps against a plain
+                      retry (not part of `all`; --in-flight callers, --rounds, --warmup,
+                      --duration; --only memory,redis,postgres picks stores)
 
 options:
   --quick             short run: 1 round, 1 s warm-up, 3 s timed per row, prefill 1M only,
@@ -41,11 +46,13 @@ options:
                       each store, comma-separated (default 1000000,10000000; `none` for none)
   --records LIST      memory mode record counts (default 100000,1000000,10000000)
   --requests LIST     sessions mode request counts (default 100,1000,10000,100000)
-  --in-flight N       sessions mode: requests in flight at once, at most 64 (default 16)
+  --in-flight N       sessions and steps modes: requests in flight at once, at most 64
+                      (default 16)
   --ack POLICY        sessions mode: `trailing` (default), request seq acknowledges
                       seq - in-flight; `lowest`, every answer held (lowest unanswered - 1)
   --out PATH          JSON output (default target/bench/http.json); objects of the mode
-                      not run are kept
+                      not run are kept. The steps mode writes its own file (default
+                      target/bench/steps.json)
 ";
 
 /// Where the shared stores are.
@@ -102,6 +109,8 @@ pub(crate) enum Mode {
     Memory,
     /// The bytes a store holds for one client session against keys (`sessions.rs`).
     Sessions,
+    /// What a step of an operation costs, and resuming from checkpoints (`steps.rs`).
+    Steps,
     /// One memory measurement, printed as JSON (run by the memory mode in a child process).
     MemoryChild {
         records: u64,
@@ -168,6 +177,7 @@ pub(crate) fn parse(
     let (mut rounds, mut warmup, mut measure) = (None, None, None);
     let (mut records, mut prefill, mut requests) = (None, None, None);
     let mut quick = false;
+    let mut out = None;
     let mut child_records = None;
     let mut args = args.into_iter();
     let mut first = true;
@@ -177,12 +187,13 @@ pub(crate) fn parse(
                 .ok_or_else(|| format!("{name} needs a value\n\n{USAGE}"))
         };
         match arg.as_str() {
-            "all" | "http" | "memory" | "sessions" | "memory-child" if first => {
+            "all" | "http" | "memory" | "sessions" | "steps" | "memory-child" if first => {
                 options.mode = match arg.as_str() {
                     "all" => Mode::All,
                     "http" => Mode::Http,
                     "memory" => Mode::Memory,
                     "sessions" => Mode::Sessions,
+                    "steps" => Mode::Steps,
                     _ => Mode::MemoryChild { records: 0 },
                 }
             }
@@ -232,7 +243,7 @@ pub(crate) fn parse(
                     format!("--ack takes `trailing` or `lowest`, not {name:?}\n\n{USAGE}")
                 })?;
             }
-            "--out" => options.out = PathBuf::from(value(&arg)?),
+            "--out" => out = Some(PathBuf::from(value(&arg)?)),
             other => return Err(format!("unknown argument {other:?}\n\n{USAGE}")),
         }
         first = false;
@@ -251,6 +262,10 @@ pub(crate) fn parse(
     options.rounds = rounds.unwrap_or(options.rounds);
     options.warmup = warmup.unwrap_or(options.warmup);
     options.measure = measure.unwrap_or(options.measure);
+    options.out = out.unwrap_or(match options.mode {
+        Mode::Steps => PathBuf::from("target/bench/steps.json"),
+        _ => options.out,
+    });
     if let Mode::MemoryChild { .. } = options.mode {
         let records = child_records.ok_or("memory-child needs --records N")?;
         options.mode = Mode::MemoryChild { records };
@@ -342,6 +357,20 @@ mod tests {
         assert!(parse_args(&["--ack", "prompt"]).is_err());
         assert!(parse_args(&["--in-flight", "0"]).is_err());
         assert!(parse_args(&["--requests", "0"]).is_err());
+    }
+
+    #[test]
+    fn steps_mode() {
+        let o = parse_args(&["steps", "--quick", "--only", "redis"]).unwrap();
+        assert_eq!(o.mode, Mode::Steps);
+        assert_eq!((o.rounds, o.in_flight), (1, 16));
+        assert_eq!(o.out, PathBuf::from("target/bench/steps.json"));
+        let o = parse_args(&["steps", "--out", "x.json", "--in-flight", "4"]).unwrap();
+        assert_eq!((o.out, o.in_flight), (PathBuf::from("x.json"), 4));
+        assert_eq!(
+            parse_args(&["sessions"]).unwrap().out,
+            PathBuf::from("target/bench/http.json")
+        );
     }
 
     #[test]

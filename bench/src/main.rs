@@ -43,6 +43,9 @@
 //!   per record count.
 //! - **Sessions**: the bytes each store holds for N requests in one client session against N
 //!   requests with a key each, in process (`sessions.rs`).
+//! - **Steps**: what a step of an operation costs (one checkpoint written) on each store, and
+//!   what resuming an operation from its checkpoints costs against a plain retry, in process
+//!   (`steps.rs`; not part of `all`).
 //!
 //! The peer crates (`idempotent` 2.0, `axum-idempotent` 0.6) are compiled in only with
 //! `RUSTFLAGS="--cfg idempotent_bench_peers"` and `cargo --ignore-rust-version` (`idempotent`
@@ -62,6 +65,7 @@ mod report;
 mod rows;
 mod scale;
 mod sessions;
+mod steps;
 
 use std::process::ExitCode;
 
@@ -99,6 +103,7 @@ fn main() -> ExitCode {
         Mode::Http => http(&options),
         Mode::Memory => memory_mode(&options),
         Mode::Sessions => sessions_mode(&options),
+        Mode::Steps => steps_mode(&options),
         Mode::All => http(&options).and_then(|http_ok| {
             let memory_ok = memory_mode(&options)?;
             Ok(sessions_mode(&options)? && memory_ok && http_ok)
@@ -442,6 +447,15 @@ fn sessions_mode(options: &Options) -> Result<bool, String> {
         records.into_iter().map(Record::Sessions).collect(),
     )
     .map_err(|e| format!("cannot write {}: {e}", options.out.display()))?;
+    eprintln!("wrote {}", options.out.display());
+    Ok(true)
+}
+
+fn steps_mode(options: &Options) -> Result<bool, String> {
+    let records = steps::run(options)?;
+    println!("{}", steps::table(&records));
+    steps::write_json(&options.out, &records)
+        .map_err(|e| format!("cannot write {}: {e}", options.out.display()))?;
     eprintln!("wrote {}", options.out.display());
     Ok(true)
 }
