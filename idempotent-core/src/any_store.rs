@@ -709,6 +709,18 @@ impl Store for AnyStore {
         each!(self, |store| store.session_mark(session).await)
     }
 
+    async fn resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &crate::Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<crate::Claim>, StoreError> {
+        each!(self, |store| store
+            .resume(key, fingerprint, lease, ttl)
+            .await)
+    }
+
     async fn save_step(
         &self,
         key: &StorageKey,

@@ -135,9 +135,9 @@ impl Call {
     }
 
     /// Makes this a completer's call: it runs only if it takes over an abandoned claim of the
-    /// same request (the operation goes on, with its [checkpoints](crate::steps)). If its
-    /// claim would begin a new operation instead (the abandoned record finished, expired or
-    /// was taken by someone else meanwhile) it gives the claim back and fails with
+    /// same request (the operation goes on, with its [checkpoints](crate::steps)), through
+    /// [`Store::resume`](crate::Store::resume). Where there is no such operation (it finished,
+    /// expired, or the key now holds another request's) it changes nothing and fails with
     /// [`Error::NothingToResume`](crate::Error::NothingToResume) without running anything.
     pub fn resume_only(mut self) -> Self {
         self.resume_only = true;

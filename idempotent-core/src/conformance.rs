@@ -176,6 +176,8 @@ macro_rules! store_conformance_tests {
             completion_drops_checkpoints_and_request,
             abandoned_lists_idle_records_with_a_request,
             concurrent_checkpoints_all_land,
+            resume_takes_over_only_an_abandoned_operation_of_its_request,
+            a_stale_resume_leaves_another_operations_checkpoints,
         );
     };
     (@tests $harness:ty; $($check:ident),* $(,)?) => {

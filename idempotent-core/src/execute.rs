@@ -130,7 +130,12 @@ impl Idempotency {
             Some((session, request, epoch)) => (session.seq_key(epoch, request.seq), session_idle),
         };
         let (token, lifetime, claimed_at) = match self
-            .acquire(&key, call.fingerprint_ref(), (lease, ttl), in_flight)
+            .acquire(
+                &key,
+                call.fingerprint_ref(),
+                (lease, ttl),
+                (in_flight, call.is_resume_only()),
+            )
             .await?
         {
             Acquired::Owner(token, lifetime, claimed_at) => (token, lifetime, claimed_at),
@@ -139,18 +144,6 @@ impl Idempotency {
                 return Ok(Execution::Replayed(bytes));
             }
         };
-        // A completer's call goes on with an abandoned operation or does nothing: a claim that
-        // began a new lifetime found no such operation (it finished, expired, or was taken).
-        if call.is_resume_only() && token == lifetime {
-            let limit = claim_limit(lease);
-            if bounded(inner.store.release(&key, token), limit)
-                .await
-                .is_none()
-            {
-                tracing::warn!(storage_key = %key, "releasing a completer's claim with nothing to resume timed out; its lease ends it");
-            }
-            return Err(Error::NothingToResume);
-        }
         // The gate and the claim are two steps: between them a later request's `ack` may have
         // covered this number and dropped its answer (a duplicate that waited, or whose claim
         // was slow), and the claim then found nothing to replay. Every store raises the mark
@@ -350,7 +343,7 @@ impl Idempotency {
         key: &StorageKey,
         fingerprint: &Fingerprint,
         (lease, ttl): (Duration, Duration),
-        policy: InFlightPolicy,
+        (policy, resume): (InFlightPolicy, bool),
     ) -> Result<Acquired, Error> {
         let store = &*self.inner.store;
         let mut answer = ClaimAnswer::new(policy, self.inner.integrity);
@@ -359,28 +352,23 @@ impl Idempotency {
             // later than the store's. A claim the store answers within its first poll (an
             // in-process store) needs no clock read: it happened now, and the work reads the
             // clock only if it waits (see `ClaimedAt`).
-            let mut claiming = store.claim(key, fingerprint, lease, ttl);
-            let mut sent = ClaimedAt::Now;
+            //
             // Bounded like every other store operation: a store that does not answer (frozen,
             // or its connections hung) fails the call closed instead of hanging it. The store
             // gives back a claim that lands after this (see its docs).
             let limit = claim_limit(lease);
-            let claim = bounded(
-                std::future::poll_fn(|cx| {
-                    let polled = claiming.as_mut().poll(cx);
-                    if polled.is_pending() && matches!(sent, ClaimedAt::Now) {
-                        sent = ClaimedAt::At(tokio::time::Instant::now());
-                    }
-                    polled
-                }),
-                limit,
-            )
-            .await
-            .unwrap_or_else(|| {
-                Err(StoreError::Unavailable(
-                    format!("the store did not answer the claim within {limit:?}").into(),
-                ))
-            })?;
+            // A completer's call only takes an abandoned operation over (`Store::resume`):
+            // it never begins one, so it never drops another operation's checkpoints.
+            let (claim, sent) = if resume {
+                let (found, sent) = sent(store.resume(key, fingerprint, lease, ttl), limit).await;
+                match found? {
+                    Some(claim) => (claim, sent),
+                    None => return Err(Error::NothingToResume),
+                }
+            } else {
+                let (claim, sent) = sent(store.claim(key, fingerprint, lease, ttl), limit).await;
+                (claim?, sent)
+            };
             match answer.step(key, fingerprint, claim)? {
                 Step::Owner(token, lifetime) => {
                     return Ok(Acquired::Owner(token, lifetime, sent));
@@ -428,6 +416,32 @@ impl Idempotency {
             SessionGate::Expired => Err(Error::SessionExpired),
         }
     }
+}
+
+/// Awaits one claim (or resume) of the store, bounded by `limit`, noting when it was sent: at
+/// once if it answers within its first poll, or the moment it first waited.
+async fn sent<T>(
+    mut claiming: BoxFuture<'_, Result<T, StoreError>>,
+    limit: Duration,
+) -> (Result<T, StoreError>, ClaimedAt) {
+    let mut sent = ClaimedAt::Now;
+    let answer = bounded(
+        std::future::poll_fn(|cx| {
+            let polled = claiming.as_mut().poll(cx);
+            if polled.is_pending() && matches!(sent, ClaimedAt::Now) {
+                sent = ClaimedAt::At(tokio::time::Instant::now());
+            }
+            polled
+        }),
+        limit,
+    )
+    .await
+    .unwrap_or_else(|| {
+        Err(StoreError::Unavailable(
+            format!("the store did not answer the claim within {limit:?}").into(),
+        ))
+    });
+    (answer, sent)
 }
 
 /// The longest a claim is waited for: [`CLAIM_TIMEOUT`], or a sixth of a shorter lease (like

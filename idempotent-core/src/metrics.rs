@@ -220,6 +220,7 @@ pub(crate) enum Operation {
     Renew,
     OpenSession,
     SessionMark,
+    Resume,
     SaveStep,
     LoadSteps,
     SaveRequest,
@@ -227,13 +228,14 @@ pub(crate) enum Operation {
 }
 
 impl Operation {
-    const ALL: [Operation; 10] = [
+    const ALL: [Operation; 11] = [
         Operation::Claim,
         Operation::Complete,
         Operation::Release,
         Operation::Renew,
         Operation::OpenSession,
         Operation::SessionMark,
+        Operation::Resume,
         Operation::SaveStep,
         Operation::LoadSteps,
         Operation::SaveRequest,
@@ -248,6 +250,7 @@ impl Operation {
             Operation::Renew => "renew",
             Operation::OpenSession => "open_session",
             Operation::SessionMark => "session_mark",
+            Operation::Resume => "resume",
             Operation::SaveStep => "save_step",
             Operation::LoadSteps => "load_steps",
             Operation::SaveRequest => "save_request",

@@ -476,6 +476,17 @@ impl<S: Store> Store for Cached<S> {
         self.store.session_mark(session).await
     }
 
+    /// Always the store's, like a claim: it decides ownership.
+    async fn resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        self.store.resume(key, fingerprint, lease, ttl).await
+    }
+
     /// Always the store's, like everything about a record in flight.
     async fn save_step(
         &self,

@@ -31,6 +31,8 @@ pub enum Op {
     OpenSession,
     /// [`Store::session_mark`].
     SessionMark,
+    /// [`Store::resume`].
+    Resume,
     /// [`Store::save_step`].
     SaveStep,
     /// [`Store::load_steps`].
@@ -69,8 +71,8 @@ struct Rule {
 #[derive(Default)]
 struct State {
     rules: Mutex<HashMap<Op, Rule>>,
-    calls: [AtomicUsize; 10],
-    faulted: [AtomicUsize; 10],
+    calls: [AtomicUsize; 11],
+    faulted: [AtomicUsize; 11],
 }
 
 /// Controls the faults of a [`FaultyStore`]. Cheap to clone; clones control the same store.
@@ -97,6 +99,7 @@ fn index(op: Op) -> usize {
         Op::LoadSteps => 7,
         Op::SaveRequest => 8,
         Op::Abandoned => 9,
+        Op::Resume => 10,
     }
 }
 
@@ -314,6 +317,17 @@ impl<S: Store> Store for FaultyStore<S> {
         session: &SessionKey,
     ) -> Result<Option<crate::SessionMark>, StoreError> {
         self.apply(Op::SessionMark, self.inner.session_mark(session))
+            .await
+    }
+
+    async fn resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        self.apply(Op::Resume, self.inner.resume(key, fingerprint, lease, ttl))
             .await
     }
 

@@ -330,3 +330,127 @@ pub async fn concurrent_checkpoints_all_land<H: Harness>(h: &H) {
         );
     }
 }
+
+/// `resume` takes over an abandoned operation of its own request and nothing else: it never
+/// begins a lifetime, so another request's abandoned operation keeps its checkpoints; a live
+/// record is reported as a claim reports it; of concurrent resumes, one takes over.
+pub async fn resume_takes_over_only_an_abandoned_operation_of_its_request<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let terms = (20 * unit, 40 * unit);
+    let resume = |f: &'static str| async move {
+        let f = fp(f);
+        store.resume(&key, &f, terms.0, terms.1).await
+    };
+    assert_eq!(resume("order").await.expect("resume"), None, "no record");
+    let (token, lifetime) = owned(store, &key, &fp("order"), terms).await;
+    assert_eq!(token, lifetime, "the resume before created nothing");
+    match resume("order").await.expect("resume") {
+        Some(crate::Claim::InFlight { fingerprint, .. }) => assert_eq!(fingerprint, fp("order")),
+        other => panic!("a live claim is reported, got {other:?}"),
+    }
+    save(store, &key, token, "reserve", "1").await;
+    store.release(&key, token).await.expect("release");
+    // Another request's resume finds nothing of its own and changes nothing.
+    assert_eq!(resume("another order").await.expect("resume"), None);
+    let taken = resume("order").await.expect("resume");
+    let Some(crate::Claim::TakenOver {
+        token: second,
+        lifetime: continued,
+    }) = taken
+    else {
+        panic!("expected the abandoned operation taken over, got {taken:?}");
+    };
+    assert!(second > token);
+    assert_eq!(continued, lifetime, "the operation goes on");
+    assert_eq!(
+        value(&load(store, &key, second).await, "reserve"),
+        Some(&b"1"[..]),
+        "with its checkpoints"
+    );
+    assert_rejected(
+        store.renew(&key, token, terms.0).await,
+        "the first owner after the resume",
+    );
+    store
+        .complete(&key, second, Bytes::from_static(b"done"), 40 * unit)
+        .await
+        .expect("complete");
+    match resume("order").await.expect("resume") {
+        Some(crate::Claim::Completed { payload, .. }) => assert_eq!(payload.as_ref(), b"done"),
+        other => panic!("a completed record is reported, got {other:?}"),
+    }
+
+    // Of many concurrent resumes of one abandoned operation, exactly one takes it over.
+    let contested = fresh_key();
+    let (token, _) = owned(store, &contested, &fp("order"), terms).await;
+    store.release(&contested, token).await.expect("release");
+    let tasks: Vec<_> = (0..50)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .resume(&contested, &fp("order"), 20 * unit, 40 * unit)
+                    .await
+            })
+        })
+        .collect();
+    let mut took = 0;
+    for task in tasks {
+        match task.await.expect("task").expect("resume") {
+            Some(crate::Claim::TakenOver { .. }) => took += 1,
+            // The winner's lease, or (a resume that lost the race) nothing to take over.
+            Some(crate::Claim::InFlight { .. }) | None => {}
+            other => panic!("expected a takeover or the winner's lease, got {other:?}"),
+        }
+    }
+    assert_eq!(took, 1, "exactly one resume takes the operation over");
+
+    // Past its TTL the operation is gone: nothing to resume, and nothing created.
+    let expiring = fresh_key();
+    let (token, _) = owned(store, &expiring, &fp("order"), (2 * unit, 3 * unit)).await;
+    store.release(&expiring, token).await.expect("release");
+    h.advance(5 * unit).await;
+    assert_eq!(
+        store
+            .resume(&expiring, &fp("order"), terms.0, terms.1)
+            .await
+            .expect("resume"),
+        None
+    );
+}
+
+/// The race a completer meets: the operation it listed expired, and the key now holds another
+/// request's abandoned operation. Its resume must leave that one whole.
+pub async fn a_stale_resume_leaves_another_operations_checkpoints<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let (first, _) = owned(store, &key, &fp("first"), (2 * unit, 3 * unit)).await;
+    store.release(&key, first).await.expect("release");
+    h.advance(5 * unit).await;
+    let (second, lifetime) = owned(store, &key, &fp("second"), (20 * unit, 40 * unit)).await;
+    save(store, &key, second, "reserve", "kept").await;
+    store
+        .save_request(&key, second, Bytes::from_static(b"second"))
+        .await
+        .expect("save_request");
+    store.release(&key, second).await.expect("release");
+    assert_eq!(
+        store
+            .resume(&key, &fp("first"), 20 * unit, 40 * unit)
+            .await
+            .expect("resume"),
+        None,
+        "the first operation is gone"
+    );
+    h.advance(unit).await;
+    assert_eq!(
+        listed(store, Duration::ZERO, &key).await.as_deref(),
+        Some(&b"second"[..]),
+        "the second operation is still abandoned, with its request"
+    );
+    let (third, continued) = owned(store, &key, &fp("second"), (20 * unit, 40 * unit)).await;
+    assert_eq!(continued, lifetime);
+    assert_eq!(
+        value(&load(store, &key, third).await, "reserve"),
+        Some(&b"kept"[..])
+    );
+}

@@ -52,6 +52,13 @@ pub(crate) trait DynStore: Send + Sync + 'static {
         &'a self,
         session: &'a SessionKey,
     ) -> BoxFuture<'a, Result<Option<SessionMark>, StoreError>>;
+    fn resume<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        fingerprint: &'a Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Option<Claim>, StoreError>>;
     fn save_step<'a>(
         &'a self,
         key: &'a StorageKey,
@@ -166,6 +173,18 @@ impl<S: Store> DynStore for Measured<S> {
         session: &'a SessionKey,
     ) -> BoxFuture<'a, Result<Option<SessionMark>, StoreError>> {
         Box::pin(self.timed(Operation::SessionMark, self.store.session_mark(session)))
+    }
+    fn resume<'a>(
+        &'a self,
+        key: &'a StorageKey,
+        fingerprint: &'a Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Option<Claim>, StoreError>> {
+        Box::pin(self.timed(
+            Operation::Resume,
+            self.store.resume(key, fingerprint, lease, ttl),
+        ))
     }
     fn save_step<'a>(
         &'a self,

@@ -417,6 +417,32 @@ pub trait Store: Send + Sync + 'static {
         )))
     }
 
+    /// Takes over the abandoned operation of `fingerprint` under `key`, and nothing else: what
+    /// [`claim`](Self::claim) does when it finds an in-flight record of the same `fingerprint`
+    /// whose lease ended (or which was released), kept less than its TTL ago
+    /// ([`Claim::TakenOver`], with a new token and the lease and TTL as `claim` sets them). A
+    /// live record is reported as `claim` reports it ([`Claim::InFlight`],
+    /// [`Claim::Completed`]). Anything else (no record, an expired one, or an abandoned record
+    /// of another request) answers `None` and changes nothing: unlike `claim`, it never begins
+    /// a new lifetime, so it never drops another operation's checkpoints. Of concurrent
+    /// resumes of one operation exactly one takes it over; the others answer the winner's
+    /// [`Claim::InFlight`] or, having lost the race, `None`.
+    ///
+    /// A completer resumes operations with it ([`Call::resume`](crate::Call::resume)). The
+    /// default refuses with [`StoreError::Backend`]; the conformance suite checks it.
+    fn resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Option<Claim>, StoreError>> + Send {
+        let _ = (key, fingerprint, lease, ttl);
+        std::future::ready(Err(StoreError::Backend(
+            "this store does not resume operations (Store::resume)".into(),
+        )))
+    }
+
     /// Appends `entry` (one [checkpoint](crate::steps), encoded by
     /// [`encode_checkpoint`](crate::steps::encode_checkpoint)) to the checkpoints of the
     /// caller's in-flight record: one step's result, saved so that later attempts of the same
@@ -562,6 +588,15 @@ impl<S: Store> Store for Arc<S> {
         session: &SessionKey,
     ) -> impl Future<Output = Result<Option<SessionMark>, StoreError>> + Send {
         S::session_mark(self, session)
+    }
+    fn resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Option<Claim>, StoreError>> + Send {
+        S::resume(self, key, fingerprint, lease, ttl)
     }
     fn save_step(
         &self,

@@ -242,10 +242,35 @@ impl Inner {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Claim, StoreError> {
+        self.claim_or_resume(key, fingerprint, (lease, ttl), false)?
+            .ok_or_else(|| StoreError::Backend("a claim always claims or reports".into()))
+    }
+
+    /// [`Store::resume`](crate::Store::resume): a claim that only takes an abandoned operation
+    /// of the same request over.
+    pub(super) fn resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        self.claim_or_resume(key, fingerprint, (lease, ttl), true)
+    }
+
+    /// A claim, or with `resume` a takeover only (`None`: nothing of this request to take over,
+    /// nothing changed).
+    fn claim_or_resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        (lease, ttl): (Duration, Duration),
+        resume: bool,
+    ) -> Result<Option<Claim>, StoreError> {
         let now = self.now();
         // Replays and in-flight reports need only the shard's read lock.
         if let Some(found) = self.records.get(key).and_then(|r| r.report(now)) {
-            return Ok(found);
+            return Ok(Some(found));
         }
         let lease_until = now.saturating_add(nanos(limits::clamp_lease(lease)));
         let kept_until = now
@@ -278,12 +303,15 @@ impl Inner {
                         self.unreserve(1, RECORD_OVERHEAD);
                     }
                     if let Some(found) = slot.get().report(now) {
-                        return Ok(found);
+                        return Ok(Some(found));
                     }
                     // Expired or abandoned: reclaimed in place; the slot keeps its entry, the
                     // payload's bytes are freed. A takeover keeps the operation's checkpoints
                     // and request; a new lifetime starts without them.
                     let lifetime = slot.get().continued_by(fingerprint, now);
+                    if resume && lifetime.is_none() {
+                        return Ok(None);
+                    }
                     let carried = match (lifetime, slot.get_mut()) {
                         (Some(_), Record::InFlight { steps, request, .. }) => {
                             (std::mem::take(steps), request.take())
@@ -294,14 +322,20 @@ impl Inner {
                     let (record, claim) = in_flight(self.next_token(), lifetime, carried);
                     slot.insert(record);
                     self.bytes.fetch_sub(freed, Ordering::AcqRel);
-                    return Ok(claim);
+                    return Ok(Some(claim));
                 }
                 Entry::Vacant(slot) => {
+                    if resume {
+                        if reserved {
+                            self.unreserve(1, RECORD_OVERHEAD);
+                        }
+                        return Ok(None);
+                    }
                     if reserved {
                         let (record, claim) =
                             in_flight(self.next_token(), None, (Vec::new(), None));
                         slot.insert(record);
-                        return Ok(claim);
+                        return Ok(Some(claim));
                     }
                     // Reserve outside the shard lock (a full store sweeps every shard), then
                     // look again: the key may have been claimed meanwhile.

@@ -261,6 +261,16 @@ impl Store for MemoryStore {
         Ok(self.inner.session_mark(session))
     }
 
+    async fn resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        self.inner.resume(key, fingerprint, lease, ttl)
+    }
+
     async fn save_step(
         &self,
         key: &StorageKey,

@@ -489,6 +489,53 @@ impl Store for PostgresStore {
         Connections::settle(connection, result)
     }
 
+    async fn resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        let mut connection = self.connections.get().await?;
+        // Non-negative, so it fits a bigint.
+        let claimant = i64::try_from(super::claimant()).unwrap_or(i64::MAX);
+        let mut unanswered = Unanswered::new({
+            let (store, key) = (self.clone(), *key);
+            Box::new(move || {
+                let store = store.clone();
+                Box::pin(async move {
+                    let mut connection = store.connections.get().await?;
+                    let record = key.record_bytes();
+                    let query = sqlx::query(&store.sql.give_back)
+                        .bind(record.as_ref())
+                        .bind(claimant);
+                    let given = connection
+                        .execute(query)
+                        .await
+                        .map(|done| done.rows_affected() == 1)
+                        .map_err(store_error);
+                    Connections::settle(connection, given)
+                })
+            })
+        });
+        let result = self
+            .sql
+            .resume_on(
+                &mut connection,
+                key,
+                fingerprint,
+                (lease, ttl),
+                Some(claimant),
+            )
+            .await;
+        // An error from the database itself is an answer; one from the connection may
+        // not be: the claim may be made when the database runs again.
+        if !matches!(result, Err(StoreError::Unavailable(_))) {
+            unanswered.answered();
+        }
+        Connections::settle(connection, result)
+    }
+
     async fn complete(
         &self,
         key: &StorageKey,

@@ -42,6 +42,8 @@ pub(crate) struct Sql {
     pub(crate) table: String,
     pub(crate) migrate: [String; 5],
     pub(crate) claim: String,
+    /// [`Store::resume`](crate::Store::resume): the claim's takeover, and nothing else.
+    pub(crate) resume: String,
     pub(crate) complete: String,
     pub(crate) complete_in_transaction: String,
     pub(crate) release: String,
@@ -150,6 +152,29 @@ impl Sql {
                 lease = until("$3"),
                 kept_for = until("greatest($3, $4)"),
             ),
+            // The claim's takeover of an abandoned claim of the same request, and nothing else:
+            // no row when the key holds no such record (absent, expired, another request's).
+            resume: format!(
+                "WITH live AS (\
+                     SELECT state, fingerprint, payload, \
+                     (EXTRACT(EPOCH FROM expires_at - clock_timestamp()) * 1000000)::int8 AS remaining_us \
+                     FROM {t} WHERE storage_key = $1 AND {live}\
+                 ), taken AS (\
+                     UPDATE {t} AS r SET token = greatest(nextval('{seq}'), r.token + 1), \
+                     lifetime = coalesce(r.lifetime, r.token), \
+                     expires_at = {lease}, kept_until = {kept_for}, claimant = $5 \
+                     WHERE r.storage_key = $1 AND r.state = 'in_flight' AND r.fingerprint = $2 \
+                     AND r.expires_at <= clock_timestamp() \
+                     AND coalesce(r.kept_until, r.expires_at) > clock_timestamp() \
+                     RETURNING r.token, r.lifetime\
+                 ) \
+                 SELECT 'claimed'::text AS state, token, lifetime, NULL::bytea AS fingerprint, \
+                 NULL::bytea AS payload, NULL::int8 AS remaining_us FROM taken \
+                 UNION ALL \
+                 SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live",
+                lease = until("$3"),
+                kept_for = until("greatest($3, $4)"),
+            ),
             // The owner's completion repeated after the first one landed (its answer was
             // lost, or the runtime retries with the "not retained" record) changes nothing
             // and succeeds.
@@ -252,6 +277,37 @@ impl Sql {
         Err(StoreError::Backend(
             format!("claim lost {CLAIM_ATTEMPTS} races in a row; giving up").into(),
         ))
+    }
+
+    /// The resume statement on `connection`: `None` when it found nothing of the request to
+    /// take over.
+    pub(crate) async fn resume_on(
+        &self,
+        connection: &mut PgConnection,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        (lease, ttl): (Duration, Duration),
+        claimant: Option<i64>,
+    ) -> Result<Option<Claim>, StoreError> {
+        let record = key.record_bytes();
+        // No row: nothing to take over, or a concurrent resume or claim took the record after
+        // this statement's snapshot was taken; the second attempt's snapshot sees its lease.
+        for _ in 0..2 {
+            let resume = sqlx::query(&self.resume)
+                .bind(record.as_ref())
+                .bind(fingerprint.as_bytes().as_slice())
+                .bind(micros(limits::clamp_lease(lease)))
+                .bind(micros(limits::clamp_ttl(ttl)))
+                .bind(claimant);
+            let row = (&mut *connection)
+                .fetch_optional(resume)
+                .await
+                .map_err(store_error)?;
+            if let Some(row) = row {
+                return decode_claim(&row).map(Some);
+            }
+        }
+        Ok(None)
     }
 
     /// The session gate statement on `connection` (see [`open_session`]), run again while it

@@ -616,18 +616,16 @@ impl RedisStore {
     }
 }
 
-impl Store for RedisStore {
-    fn name(&self) -> &'static str {
-        "redis"
-    }
-
-    async fn claim(
+impl RedisStore {
+    /// A claim, or with `resume` a takeover only ([`Store::resume`]): `None` when there was
+    /// nothing of the request to take over.
+    async fn claim_or_resume(
         &self,
         key: &StorageKey,
         fingerprint_arg: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Claim, StoreError> {
+        (lease, ttl): (Duration, Duration),
+        resume: bool,
+    ) -> Result<Option<Claim>, StoreError> {
         let script = &scripts().claim;
         let claimant = super::claimant();
         let mut cmd = self.evalsha(script, key);
@@ -635,6 +633,9 @@ impl Store for RedisStore {
             .arg(millis(limits::clamp_lease(lease)))
             .arg(millis(limits::clamp_ttl(ttl)))
             .arg(claimant);
+        if resume {
+            cmd.arg("1");
+        }
         let mut unanswered = Unanswered::new({
             let (store, key) = (self.clone(), *key);
             Box::new(move || {
@@ -700,35 +701,66 @@ impl Store for RedisStore {
                 } else {
                     unanswered.answered();
                 }
-                Ok(if lifetime == token {
+                Ok(Some(if lifetime == token {
                     Claim::Claimed(token)
                 } else {
                     Claim::TakenOver { token, lifetime }
-                })
+                }))
             }
             [state, f, ttl] if text(state) == Some(b"i") => {
                 let ttl = match ttl {
                     Value::Int(ms) => u64::try_from(*ms).unwrap_or(0),
                     _ => return Err(corrupt("lease")),
                 };
-                Ok(Claim::InFlight {
+                Ok(Some(Claim::InFlight {
                     fingerprint: fingerprint(f)?,
                     retry_after: Duration::from_millis(ttl),
-                })
+                }))
             }
             [state, f, payload, ttl] if text(state) == Some(b"c") => match (payload, ttl) {
                 // Taken, not copied: the reply is dropped right after. A record without an
                 // expiry (`PTTL` -1, written by hand) is never cached: zero time left.
-                (Value::BulkString(p), Value::Int(ms)) => Ok(Claim::Completed {
+                (Value::BulkString(p), Value::Int(ms)) => Ok(Some(Claim::Completed {
                     fingerprint: fingerprint(f)?,
                     payload: Bytes::from(std::mem::take(p)),
                     expires_in: Duration::from_millis(u64::try_from(*ms).unwrap_or(0)),
-                }),
+                })),
                 _ => Err(corrupt("completed record without a payload")),
             },
+            // A resume with nothing of its request to take over: nothing changed.
+            [state] if text(state) == Some(b"none") => Ok(None),
             [state, _] if text(state) == Some(b"?") => Err(corrupt("unknown record state")),
             _ => Err(corrupt("unexpected claim reply")),
         }
+    }
+}
+
+impl Store for RedisStore {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    async fn claim(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.claim_or_resume(key, fingerprint, (lease, ttl), false)
+            .await?
+            .ok_or_else(|| corrupt("a claim answered that there was nothing to resume"))
+    }
+
+    async fn resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        self.claim_or_resume(key, fingerprint, (lease, ttl), true)
+            .await
     }
 
     async fn complete(

@@ -50,6 +50,8 @@ if rec[1] == 'i' then
     return {'i', rec[2], left}
   end
 end
+-- `ARGV[5]` set: a resume, which only takes an abandoned claim of the same request over.
+if ARGV[5] == '1' and not (rec[1] == 'i' and rec[2] == ARGV[1] and rec[5]) then return {'none'} end
 -- From the server's clock, and above the record's last token even if the clock stepped back.
 local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
 if rec[6] and tonumber(rec[6]) and tonumber(rec[6]) >= micros then micros = tonumber(rec[6]) + 1 end
