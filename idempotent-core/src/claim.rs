@@ -107,6 +107,10 @@ struct ClaimState {
     /// asks (loaded from the store when the claim took an operation over, empty when it began
     /// one).
     steps: tokio::sync::Mutex<Option<Checkpoints>>,
+    /// Set when a checkpoint write failed in a way that may still have landed (a timeout, a
+    /// dropped connection): the next step reloads the checkpoints from the store, even on a
+    /// claim that began its operation.
+    reload: AtomicBool,
     max_checkpoint_bytes: usize,
 }
 
@@ -179,6 +183,7 @@ impl ClaimHandle {
                 finish_on_shutdown: AtomicBool::new(false),
                 notify: Notify::new(),
                 steps: tokio::sync::Mutex::new(None),
+                reload: AtomicBool::new(false),
                 max_checkpoint_bytes,
             }),
         }
@@ -383,12 +388,17 @@ impl ClaimHandle {
             return Ok(value);
         };
         let (key, token) = (self.state.key, self.state.token);
-        self.record_step(name, &value, |entry| async move {
-            store.save_step(&key, token, entry).await
-        })
-        .await
-        .map_err(StepError::Idempotency)?;
-        Ok(value)
+        let saved_first = self
+            .record_step(name, &value, |entry| async move {
+                store.save_step(&key, token, entry).await
+            })
+            .await
+            .map_err(StepError::Idempotency)?;
+        match saved_first {
+            // The same step ran concurrently and saved first: its result is the operation's.
+            Some(saved) => decode_step(name, &saved).map_err(StepError::Idempotency),
+            None => Ok(value),
+        }
     }
 
     /// The first half of a step: its saved result if it has one, or leave to run it (with
@@ -406,27 +416,21 @@ impl ClaimHandle {
             return Ok(Restored::Run(None));
         };
         match self.saved(&*store, name).await? {
-            Some(saved) => serde_json::from_slice::<T>(&saved)
-                .map(Restored::Saved)
-                .map_err(|source| {
-                    Error::Checkpoint(CheckpointError::Value {
-                        step: name.to_owned(),
-                        source,
-                    })
-                }),
+            Some(saved) => decode_step(name, &saved).map(Restored::Saved),
             None => Ok(Restored::Run(Some(store))),
         }
     }
 
     /// The second half of a step that ran: encodes `value`, checks the limit, and saves the
     /// checkpoint with `write` (given the encoded entry), fenced like every write of this
-    /// claim. A step of the same name that saved first wins: nothing is written then.
+    /// claim. A step of the same name that saved first wins: nothing is written then, and
+    /// its saved result is returned.
     pub(crate) async fn record_step<T, W, Fut>(
         &self,
         name: &str,
         value: &T,
         write: W,
-    ) -> Result<(), Error>
+    ) -> Result<Option<Bytes>, Error>
     where
         T: serde::Serialize,
         W: FnOnce(Bytes) -> Fut,
@@ -441,8 +445,8 @@ impl ClaimHandle {
         let entry = encode_checkpoint(name, &json);
         let mut steps = self.state.steps.lock().await;
         let known = steps.get_or_insert_with(Checkpoints::default);
-        if known.get(name).is_some() {
-            return Ok(());
+        if let Some(saved) = known.get(name) {
+            return Ok(Some(saved.clone()));
         }
         let size = known.encoded_len() + entry.len();
         let limit = self.state.max_checkpoint_bytes;
@@ -454,9 +458,51 @@ impl ClaimHandle {
             }));
         }
         let entry_len = entry.len();
-        self.fenced(write(entry)).await?;
+        match self.fenced(write(entry)).await {
+            Ok(()) => {}
+            Err(Error::Store(error)) => {
+                // It may have landed: forget what this claim knows, and read the store again
+                // before the next step.
+                *steps = None;
+                self.state.reload.store(true, Ordering::Release);
+                return Err(Error::Store(error));
+            }
+            Err(error) => return Err(error),
+        }
         known.push(name, Bytes::from(json), entry_len);
-        Ok(())
+        Ok(None)
+    }
+
+    /// Counts one more attempt at this operation on its record (a checkpoint of the
+    /// runtime's own, written with the claim's token like a step's) and returns how many were
+    /// counted before. A completer counts its runs with it, so the count holds across its
+    /// instances and their crashes. `0` in the PostgreSQL transactional mode, which keeps no
+    /// checkpoints.
+    pub async fn count_attempt(&self) -> Result<u32, Error> {
+        if !self.is_held() {
+            return Err(Error::ClaimLost);
+        }
+        let Some(store) = self.state.store.clone() else {
+            return Ok(0);
+        };
+        self.saved(&*store, ATTEMPT).await?;
+        let before = {
+            let steps = self.state.steps.lock().await;
+            steps.as_ref().map_or(0, |known| {
+                known
+                    .steps()
+                    .filter(|(name, _)| name.starts_with(ATTEMPT))
+                    .count()
+            })
+        };
+        let before = u32::try_from(before).unwrap_or(u32::MAX);
+        let name = format!("{ATTEMPT}{}", before.saturating_add(1));
+        let (key, token) = (self.state.key, self.state.token);
+        self.record_step(&name, &(), |entry| async move {
+            store.save_step(&key, token, entry).await
+        })
+        .await?;
+        Ok(before)
     }
 
     /// The saved result of step `name`, loading the operation's checkpoints on first use: a
@@ -464,7 +510,8 @@ impl ClaimHandle {
     async fn saved(&self, store: &dyn DynStore, name: &str) -> Result<Option<Bytes>, Error> {
         let mut steps = self.state.steps.lock().await;
         if steps.is_none() {
-            let loaded = if self.state.token == self.state.lifetime {
+            let reload = self.state.reload.swap(false, Ordering::AcqRel);
+            let loaded = if self.state.token == self.state.lifetime && !reload {
                 Checkpoints::default()
             } else {
                 let bytes = self
@@ -608,6 +655,20 @@ pub enum StepError<E> {
     /// The step could not run or keep its checkpoint: see [`ClaimHandle::step`].
     #[error(transparent)]
     Idempotency(Error),
+}
+
+/// The names of the attempts [`ClaimHandle::count_attempt`] counts: the runtime's own (a
+/// step's name never starts with `~`).
+const ATTEMPT: &str = "~attempt-";
+
+/// A step's saved result, decoded.
+fn decode_step<T: serde::de::DeserializeOwned>(name: &str, saved: &[u8]) -> Result<T, Error> {
+    serde_json::from_slice(saved).map_err(|source| {
+        Error::Checkpoint(CheckpointError::Value {
+            step: name.to_owned(),
+            source,
+        })
+    })
 }
 
 /// What [`ClaimHandle::restore_step`] found.
