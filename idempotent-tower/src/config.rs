@@ -65,8 +65,9 @@ pub(crate) struct Config<P: Protocol> {
     pub(crate) max_request_body: usize,
     pub(crate) fail_open: bool,
     pub(crate) on_claim_lost: OnClaimLost,
-    /// Whether a protected request is kept on its record for a completer.
-    pub(crate) keep_requests: bool,
+    /// Whether a protected request is kept on its record for a completer, and the owner its
+    /// kept requests carry (see `completer::saved::owner`).
+    pub(crate) keep_requests: Option<[u8; 32]>,
     /// What only this protocol has.
     pub(crate) protocol: P::Settings,
 }
@@ -106,7 +107,7 @@ impl<P: Protocol> Config<P> {
             max_request_body: DEFAULT_MAX_REQUEST_BODY,
             fail_open: false,
             on_claim_lost: OnClaimLost::Finish,
-            keep_requests: false,
+            keep_requests: None,
             protocol: P::Settings::default(),
         }
     }

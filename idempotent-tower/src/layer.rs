@@ -80,7 +80,8 @@ impl IdempotencyLayer<Http> {
     /// that runs its handler; the record drops the request when it completes. Requests in a
     /// client session are not kept.
     pub fn keep_requests(mut self, keep: bool) -> Self {
-        self.config().keep_requests = keep;
+        let owner = keep.then(|| crate::completer::owner(&self.config.idempotency));
+        self.config().keep_requests = owner;
         self
     }
 

@@ -296,8 +296,10 @@ where
     };
 
     // Kept for a completer: only a request with a key (a session's requests are not kept).
-    let kept = (config.keep_requests && matches!(target, Target::Key(_)))
-        .then(|| crate::completer::SavedRequest::of(&parts, &body).encode());
+    let kept = config
+        .keep_requests
+        .filter(|_| matches!(target, Target::Key(_)))
+        .map(|owner| crate::completer::SavedRequest::of(owner, &parts, &body).encode());
     let call = match target {
         Target::Key(key) => Call::new(key),
         Target::Session(session) => Call::in_session(session.id().clone(), session.place()),
@@ -453,11 +455,24 @@ pub(crate) fn record_of<P: Protocol, B: Body, E>(
     storage_key: impl fmt::Display,
 ) -> Option<Bytes> {
     match output {
-        Some(Ok(Captured::Complete {
+        Some(Ok(captured)) => record_of_captured(config, captured, storage_key),
+        // Released by `retain`, so never encoded.
+        None | Some(Err(_)) => None,
+    }
+}
+
+/// The record of a response the handler gave: see [`record_of`].
+pub(crate) fn record_of_captured<P: Protocol, B: Body>(
+    config: &Config<P>,
+    captured: &Captured<B>,
+    storage_key: impl fmt::Display,
+) -> Option<Bytes> {
+    match captured {
+        Captured::Complete {
             parts,
             body,
             trailers,
-        })) => match crate::stored::encode(
+        } => match crate::stored::encode(
             parts.status,
             &parts.headers,
             body,
@@ -474,9 +489,7 @@ pub(crate) fn record_of<P: Protocol, B: Body, E>(
         },
         // The handler ran and answered; without its whole response, the call is recorded as
         // done so that a retry does not run it again.
-        Some(Ok(Captured::TooLarge { .. } | Captured::Failed { .. })) => None,
-        // Released by `retain`, so never encoded.
-        None | Some(Err(_)) => None,
+        Captured::TooLarge { .. } | Captured::Failed { .. } => None,
     }
 }
 

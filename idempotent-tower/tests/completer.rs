@@ -29,6 +29,8 @@ struct Shop {
     charged: AtomicUsize,
     /// While set, every run answers 500 after its first step.
     failing: AtomicBool,
+    /// While set, every run panics after its first step.
+    panicking: AtomicBool,
 }
 
 async fn order(
@@ -48,6 +50,7 @@ async fn order(
     let Ok(reservation) = reservation else {
         return (StatusCode::SERVICE_UNAVAILABLE, "claim lost").into_response();
     };
+    assert!(!shop.panicking.load(Ordering::SeqCst), "the handler panics");
     if shop.failing.load(Ordering::SeqCst) {
         return (StatusCode::BAD_GATEWAY, "provider down").into_response();
     }
@@ -202,43 +205,65 @@ async fn the_last_attempt_is_recorded_as_the_operation_failed() {
 }
 
 #[tokio::test]
-async fn an_operation_with_an_unreadable_request_is_recorded_as_failed() {
-    let idempotency = Idempotency::new(MemoryStore::new());
-    let s = setup(keeping(idempotency.clone()));
+async fn unreadable_requests_and_other_runtimes_requests_are_left_alone() {
+    let store = MemoryStore::new();
+    let ours = Idempotency::new(store.clone());
+    let theirs = Idempotency::builder(store)
+        .namespace("another service")
+        .build();
+    let s = setup(keeping(ours.clone()));
     // A record whose kept request is garbage, as a damaged store could hold.
-    let call = idempotent_core::Call::new("garbage".parse().unwrap());
-    idempotency
-        .run_with(
-            &call,
-            async {
-                let claim = ClaimHandle::current().unwrap();
-                claim
-                    .save_request(Bytes::from_static(b"not a request"))
-                    .await
-                    .unwrap();
-            },
-            |()| idempotent_core::Retain::Release,
-        )
-        .await
-        .unwrap();
+    let garbage = idempotent_core::Call::new("garbage".parse().unwrap());
+    ours.run_with(
+        &garbage,
+        async {
+            let claim = ClaimHandle::current().unwrap();
+            claim
+                .save_request(Bytes::from_static(b"not a request"))
+                .await
+                .unwrap();
+        },
+        |()| idempotent_core::Retain::Release,
+    )
+    .await
+    .unwrap();
+    // Another service's abandoned order on the same store.
+    let other = setup(keeping(theirs));
+    other.shop.failing.store(true, Ordering::SeqCst);
+    send(&other.app, order_request("theirs")).await;
+    other.shop.failing.store(false, Ordering::SeqCst);
     tokio::time::sleep(2 * AFTER).await;
     let pass = s.completer().pass().await.unwrap();
+    assert_eq!((pass.found, pass.skipped), (2, 2), "{pass:?}");
+    assert_eq!(s.count(), (0, 0, 0), "nothing ran here");
+    // Neither was recorded: the garbage is still abandoned, and the other service's
+    // completer finishes its own order.
+    let pass = other.completer().pass().await.unwrap();
+    assert_eq!((pass.completed, pass.skipped), (1, 1), "{pass:?}");
+    assert_eq!(other.count(), (2, 1, 1));
+    assert_eq!(s.completer().pass().await.unwrap().found, 1, "the garbage");
+}
+
+#[tokio::test]
+async fn an_operation_whose_last_run_gave_nothing_is_recorded_as_operation_failed() {
+    let s = setup(keeping(Idempotency::new(MemoryStore::new())));
+    s.shop.failing.store(true, Ordering::SeqCst);
+    send(&s.app, order_request("o-7")).await;
+    s.shop.panicking.store(true, Ordering::SeqCst);
+    let completer = s.completer().max_attempts(1);
+    tokio::time::sleep(2 * AFTER).await;
+    // The one attempt panics: counted, nothing to keep.
+    let pass = completer.pass().await.unwrap();
+    assert_eq!((pass.found, pass.failed), (1, 1), "{pass:?}");
+    tokio::time::sleep(2 * AFTER).await;
+    let pass = completer.pass().await.unwrap();
     assert_eq!((pass.found, pass.given_up), (1, 1), "{pass:?}");
-    let replayed = idempotency
-        .execute(
-            &call,
-            async {},
-            |()| idempotent_core::Retain::Keep,
-            |()| None,
-        )
-        .await
-        .unwrap();
-    let idempotent_core::Execution::Replayed(record) = replayed else {
-        panic!("expected the recorded failure");
-    };
-    let text = String::from_utf8_lossy(&record);
-    assert!(text.contains("operation_failed"), "{text}");
-    assert_eq!(s.count(), (0, 0, 0), "nothing of the shop ran");
+    let retry = send(&s.app, order_request("o-7")).await;
+    assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(retry.replayed());
+    let problem: serde_json::Value = serde_json::from_slice(&retry.body).unwrap();
+    assert_eq!(problem["code"], "operation_failed", "{problem}");
+    assert_eq!(s.count(), (2, 1, 0), "the client's run and the one attempt");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -25,7 +25,7 @@ use crate::layer::IdempotencyLayer;
 use crate::problem::Problem;
 use crate::protocol::Http;
 
-pub(crate) use saved::SavedRequest;
+pub(crate) use saved::{SavedRequest, owner};
 
 /// The request extension of a handler the [`Completer`] runs: which attempt this is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +37,21 @@ impl Completing {
     /// The completer's attempt, from 1.
     pub fn attempt(&self) -> u32 {
         self.attempt
+    }
+}
+
+impl CompleterPass {
+    fn count(&mut self, done: Result<Finished, tokio::task::JoinError>) {
+        match done {
+            Ok(Finished::Completed) => self.completed += 1,
+            Ok(Finished::Failed) => self.failed += 1,
+            Ok(Finished::GaveUp) => self.given_up += 1,
+            Ok(Finished::Skipped) => self.skipped += 1,
+            Err(error) => {
+                tracing::error!(%error, "a completer run panicked or was cancelled");
+                self.failed += 1;
+            }
+        }
     }
 }
 
@@ -52,7 +67,8 @@ pub struct CompleterPass {
     pub failed: usize,
     /// Operations recorded as failed after their last attempt.
     pub given_up: usize,
-    /// Operations someone else finished or took over first (nothing ran).
+    /// Operations someone else finished or took over first, and requests not this
+    /// completer's to run (another runtime's, or unreadable): nothing ran.
     pub skipped: usize,
 }
 
@@ -64,18 +80,27 @@ pub struct CompleterPass {
 /// request (method, URI, headers but credentials, body up to the request limit) on its
 /// in-flight record; a [`Completer`] lists the records abandoned for longer than
 /// [`after`](Completer::after), takes each over like a retry would
-/// ([`Call::resume`](idempotent_core::Call::resume): only an operation still abandoned, never
-/// a new one), and runs the kept request through the service under the layer. The handler
+/// ([`Call::resume`](idempotent_core::Call::resume), [`Store::resume`](idempotent_core::Store::resume):
+/// only the same operation, still abandoned; never a new one), and runs the kept request
+/// through the service under the layer. The handler
 /// resumes from its checkpoints, and its answer is recorded by the layer's rules, so the
 /// client's eventual retry replays it.
 ///
-/// - **Attempts.** Each run is one attempt, counted on the record. A run whose answer the
-///   layer does not keep (a `5xx`, an error, a lost claim) releases the operation; the next
-///   pass tries again. The last of [`max_attempts`](Completer::max_attempts) keeps whatever
-///   the handler answered, so the operation is marked failed with its last answer; if even
-///   that run gave nothing to keep, the next pass records `500 operation_failed`.
-/// - **Bounds.** A pass lists at most [`batch`](Completer::batch) operations and runs at most
-///   [`concurrency`](Completer::concurrency) at once.
+/// - **Attempts.** Each run is one attempt, counted on the record before it runs
+///   ([`ClaimHandle::count_attempt`]), so a run that crashes its process counts, and every
+///   instance's completer counts into the same number. A run whose answer the layer does not
+///   keep (a `5xx`, an error, a lost claim) releases the operation; a later pass tries again.
+///   The last of [`max_attempts`](Completer::max_attempts) keeps whatever the handler
+///   answered, so the operation ends failed with its last answer; if even that run gave
+///   nothing to keep (it crashed, panicked or lost its claim), the next pass records
+///   `500 operation_failed`. A client's own retry in between resumes the operation as usual.
+/// - **Bounds.** A pass lists at most [`batch`](Completer::batch) operations and runs them in
+///   at most [`concurrency`](Completer::concurrency) slots, shared by every pass. A run that
+///   never ends keeps its slot (and its claim, renewed); the passes go on with the others.
+/// - **Whose requests.** Only its own runtime's: a request kept by a runtime with another
+///   namespace (a store shared by several services), or one it cannot read, is skipped, never
+///   run or recorded (it stays until its TTL). One completer per runtime, with a service that
+///   routes every kept request: two layers with kept requests on one runtime share it.
 /// - **What the handler sees.** The kept request, with the [`ClaimHandle`] and a
 ///   [`Completing`] extension. Extensions that middleware outside the layer adds (an
 ///   authenticated principal, say) are not there, nor are the `Authorization`,
@@ -114,6 +139,10 @@ pub struct Completer<S> {
     batch: usize,
     max_attempts: u32,
     metrics: Arc<CompleterMetrics>,
+    /// The runs under way, at most `concurrency`, across passes.
+    running: Arc<tokio::sync::Semaphore>,
+    /// Whose kept requests this completer runs: its runtime's.
+    owner: [u8; 32],
 }
 
 impl<S: Clone> Clone for Completer<S> {
@@ -127,6 +156,8 @@ impl<S: Clone> Clone for Completer<S> {
             batch: self.batch,
             max_attempts: self.max_attempts,
             metrics: Arc::clone(&self.metrics),
+            running: Arc::clone(&self.running),
+            owner: self.owner,
         }
     }
 }
@@ -177,6 +208,8 @@ where
             batch: 64,
             max_attempts: DEFAULT_COMPLETER_ATTEMPTS,
             metrics: Arc::new(CompleterMetrics::register()),
+            running: Arc::new(tokio::sync::Semaphore::new(4)),
+            owner: owner(&layer.config.idempotency),
         }
     }
 
@@ -199,6 +232,7 @@ where
     /// How many operations run at once (default 4, at least 1).
     pub fn concurrency(mut self, n: usize) -> Self {
         self.concurrency = n.max(1);
+        self.running = Arc::new(tokio::sync::Semaphore::new(self.concurrency));
         self
     }
 
@@ -231,24 +265,27 @@ where
             found: found.len(),
             ..CompleterPass::default()
         };
-        let concurrency = self.concurrency;
-        for chunk in found.chunks(concurrency) {
-            let mut running = tokio::task::JoinSet::new();
-            for abandoned in chunk {
-                running.spawn(self.clone().finish(abandoned.clone()));
-            }
-            while let Some(done) = running.join_next().await {
-                match done {
-                    Ok(Finished::Completed) => pass.completed += 1,
-                    Ok(Finished::Failed) => pass.failed += 1,
-                    Ok(Finished::GaveUp) => pass.given_up += 1,
-                    Ok(Finished::Skipped) => pass.skipped += 1,
-                    Err(error) => {
-                        tracing::error!(%error, "a completer run panicked or was cancelled");
-                        pass.failed += 1;
-                    }
+        let mut running = tokio::task::JoinSet::new();
+        for abandoned in found {
+            // A slot of the completer's (shared by every pass): a run that never ends holds
+            // one, and the rest waits for the next pass rather than behind it.
+            let Ok(slot) = Arc::clone(&self.running).try_acquire_owned() else {
+                if running.is_empty() {
+                    tracing::warn!(
+                        concurrency = self.concurrency,
+                        "every completer slot is taken by a run still going; nothing started"
+                    );
                 }
-            }
+                let Some(done) = running.join_next().await else {
+                    break;
+                };
+                pass.count(done);
+                continue;
+            };
+            running.spawn(self.clone().finish(abandoned, slot));
+        }
+        while let Some(done) = running.join_next().await {
+            pass.count(done);
         }
         Ok(pass)
     }
@@ -258,23 +295,30 @@ where
     pub fn spawn(self) -> CompleterHandle {
         let (stop, mut stopped) = watch::channel(false);
         let task = tokio::spawn(async move {
+            // Each pass on a task of its own: a run that does not end holds its slot, not the
+            // passes after it.
+            let mut passes = tokio::task::JoinSet::new();
             loop {
                 tokio::select! {
-                    _ = stopped.changed() => return,
+                    _ = stopped.changed() => break,
                     () = tokio::time::sleep(self.scan_every) => {}
                 }
-                tokio::select! {
-                    _ = stopped.changed() => return,
-                    passed = self.pass() => match passed {
+                while passes.try_join_next().is_some() {}
+                let pass = self.pass();
+                passes.spawn(async move {
+                    match pass.await {
                         Ok(pass) if pass.found > 0 => tracing::info!(?pass, "completer pass"),
                         Ok(_) => {}
                         Err(error) => tracing::warn!(
                             error = &error as &dyn std::error::Error,
                             "completer pass failed; trying again at the next one"
                         ),
-                    },
-                }
+                    }
+                });
             }
+            // Stopped: the runs under way are dropped, which releases their claims.
+            passes.abort_all();
+            while passes.join_next().await.is_some() {}
         });
         CompleterHandle {
             stop,
@@ -282,45 +326,53 @@ where
         }
     }
 
-    /// Finishes one abandoned operation, as far as one attempt goes.
-    async fn finish(self, abandoned: Abandoned) -> Finished {
+    /// Finishes one abandoned operation, as far as one attempt goes, holding one of the
+    /// completer's slots.
+    async fn finish(
+        self,
+        abandoned: Abandoned,
+        slot: tokio::sync::OwnedSemaphorePermit,
+    ) -> Finished {
+        let _slot = slot;
         let config = &self.config;
         let saved = match SavedRequest::decode(abandoned.request.clone()) {
-            Ok(saved) => saved,
+            Ok(saved) if saved.owner == self.owner => saved,
+            Ok(_) => {
+                tracing::debug!(storage_key = %abandoned.key, "kept request of another runtime (namespace) skipped");
+                return Finished::Skipped;
+            }
+            // Not one this completer can tell is its own: left alone, never recorded.
             Err(error) => {
-                tracing::error!(storage_key = %abandoned.key, %error, "kept request unreadable; recording the operation as failed");
-                let why = format!("its kept request is unreadable: {error}");
-                return give_up(config, &self.metrics, &abandoned, why).await;
+                tracing::warn!(storage_key = %abandoned.key, %error, "kept request unreadable; skipped");
+                return Finished::Skipped;
             }
         };
-        if saved.attempts >= self.max_attempts {
-            let why = format!(
-                "the completer ran it {} times without an answer to keep",
-                saved.attempts
-            );
-            return give_up(config, &self.metrics, &abandoned, why).await;
-        }
-        let attempt = saved.attempts + 1;
-        let last = attempt >= self.max_attempts;
+        let max_attempts = self.max_attempts;
         let options = config.call_options.in_flight(InFlightPolicy::Reject);
         let call = Call::resume(&abandoned).options(options);
         let max_response = config.idempotency.max_result_bytes(&call);
         let call = call.options(options.max_result_bytes(usize::MAX));
         let mut inner = self.inner.clone();
-        let kept = SavedRequest {
-            attempts: attempt,
-            ..saved.clone()
-        };
+        let metrics = Arc::clone(&self.metrics);
         let work = async move {
-            let claim = ClaimHandle::current()?;
-            // Counted before it runs: a run that crashes the process counts too.
-            if let Err(error) = claim.save_request(kept.encode()).await {
-                tracing::warn!(
-                    error = &error as &dyn std::error::Error,
-                    "the completer could not count its attempt; leaving the operation"
-                );
-                return None;
+            let claim = ClaimHandle::current().ok_or(Ran::NotRun)?;
+            // Counted on the record before it runs: a run that crashes the process counts
+            // too, and every instance's completer counts into the same number.
+            let before = match claim.count_attempt().await {
+                Ok(before) => before,
+                Err(error) => {
+                    tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "the completer could not count its attempt; leaving the operation"
+                    );
+                    return Err(Ran::NotRun);
+                }
+            };
+            if before >= max_attempts {
+                return Err(Ran::GaveUp(before));
             }
+            let attempt = before + 1;
+            metrics.attempts.increment(1);
             let mut request = Request::new(RequestBody::buffered(saved.body));
             *request.method_mut() = saved.method;
             *request.uri_mut() = saved.uri;
@@ -328,50 +380,62 @@ where
             request.extensions_mut().insert(claim.clone());
             request.extensions_mut().insert(Completing { attempt });
             if let Err(error) = poll_fn(|cx| inner.poll_ready(cx)).await {
-                return Some(Err(error));
+                return Ok((attempt, Err(error)));
             }
             match inner.call(request).await {
                 Ok(response) => {
                     claim.finish_on_shutdown();
-                    Some(Ok(capture(response, max_response).await))
+                    Ok((attempt, Ok(capture(response, max_response).await)))
                 }
-                Err(error) => Some(Err(error)),
+                Err(error) => Ok((attempt, Err(error))),
             }
         };
-        self.metrics.attempts.increment(1);
-        let retain = |output: &Option<Result<Captured<ResBody>, S::Error>>| match output {
-            Some(Ok(captured)) if config.retains(captured) => Retain::Keep,
+        let retain = |output: &Output<ResBody, S::Error>| match output {
+            Ok((_, Ok(captured))) if config.retains(captured) => Retain::Keep,
             // The last attempt is the operation's answer, whatever it is.
-            Some(Ok(Captured::Complete { .. })) if last => Retain::Keep,
+            Ok((attempt, Ok(Captured::Complete { .. }))) if *attempt >= max_attempts => {
+                Retain::Keep
+            }
+            Err(Ran::GaveUp(_)) => Retain::Keep,
             _ => Retain::Release,
         };
-        let encode = |output: &Option<Result<Captured<ResBody>, S::Error>>| {
-            crate::service::record_of(config, output, abandoned.key)
+        let encode = |output: &Output<ResBody, S::Error>| match output {
+            Ok((_, Ok(captured))) => {
+                crate::service::record_of_captured(config, captured, abandoned.key)
+            }
+            Err(Ran::GaveUp(attempts)) => gave_up(*attempts),
+            Ok((_, Err(_))) | Err(Ran::NotRun) => None,
         };
         match config
             .idempotency
             .execute(&call, work, retain, encode)
             .await
         {
-            Ok(Execution::Fresh(Some(Ok(captured)))) => {
+            Ok(Execution::Fresh(Ok((attempt, Ok(captured))))) => {
+                let status = captured.status().as_u16();
                 if config.retains(&captured) {
-                    tracing::info!(storage_key = %abandoned.key, attempt, status = captured.status().as_u16(), "completer finished an abandoned operation");
+                    tracing::info!(storage_key = %abandoned.key, attempt, status, "completer finished an abandoned operation");
                     self.metrics.completed.increment(1);
                     Finished::Completed
-                } else if last {
-                    tracing::warn!(storage_key = %abandoned.key, attempt, status = captured.status().as_u16(), "completer gave up an abandoned operation; its last answer is recorded");
+                } else if attempt >= max_attempts {
+                    tracing::warn!(storage_key = %abandoned.key, attempt, status, "completer gave up an abandoned operation; its last answer is recorded");
                     self.metrics.given_up.increment(1);
                     Finished::GaveUp
                 } else {
-                    tracing::info!(storage_key = %abandoned.key, attempt, status = captured.status().as_u16(), "completer run not kept; trying again later");
+                    tracing::info!(storage_key = %abandoned.key, attempt, status, "completer run not kept; trying again later");
                     Finished::Failed
                 }
             }
-            Ok(Execution::Fresh(Some(Err(error)))) => {
+            Ok(Execution::Fresh(Ok((attempt, Err(error))))) => {
                 tracing::warn!(storage_key = %abandoned.key, attempt, %error, "completer run failed; trying again later");
                 Finished::Failed
             }
-            Ok(Execution::Fresh(None)) => Finished::Failed,
+            Ok(Execution::Fresh(Err(Ran::GaveUp(attempts)))) => {
+                tracing::warn!(storage_key = %abandoned.key, attempts, "completer gave up an abandoned operation after its attempts; operation_failed is recorded");
+                self.metrics.given_up.increment(1);
+                Finished::GaveUp
+            }
+            Ok(Execution::Fresh(Err(Ran::NotRun))) => Finished::Failed,
             Ok(Execution::Replayed(_))
             | Err(Error::NothingToResume | Error::InFlight { .. } | Error::FingerprintMismatch) => {
                 Finished::Skipped
@@ -384,39 +448,28 @@ where
     }
 }
 
-/// Records `500 operation_failed` as the operation's answer.
-async fn give_up(
-    config: &Config<Http>,
-    metrics: &CompleterMetrics,
-    abandoned: &Abandoned,
-    why: String,
-) -> Finished {
+/// What a completer's run made: the attempt and the inner service's answer, or why it did not
+/// call the inner service.
+type Output<B, E> = Result<(u32, Result<Captured<B>, E>), Ran>;
+
+/// Why a completer's run did not call the inner service.
+enum Ran {
+    /// No claim, or the attempt could not be counted: the operation is left for later.
+    NotRun,
+    /// Its attempts are spent (this many): `500 operation_failed` is recorded.
+    GaveUp(u32),
+}
+
+/// The record of `500 operation_failed` after `attempts` runs.
+fn gave_up(attempts: u32) -> Option<Bytes> {
     let problem = Problem::new(
         ProblemCode::OperationFailed,
         format!(
-            "the client went away before this request finished, and finishing it in the background failed: {why}; nothing more will run under this key"
+            "the client went away before this request finished, and finishing it in the background failed {attempts} times; nothing more will run under this key"
         ),
     );
     let (status, headers, body) = problem.http_parts();
-    let Ok(record) = crate::stored::encode(status, &headers, &body, None, |_| false) else {
-        return Finished::Failed;
-    };
-    let call =
-        Call::resume(abandoned).options(config.call_options.in_flight(InFlightPolicy::Reject));
-    let answered = config
-        .idempotency
-        .execute(&call, async {}, |()| Retain::Keep, |()| Some(record))
-        .await;
-    match answered {
-        Ok(Execution::Fresh(())) => {
-            metrics.given_up.increment(1);
-            Finished::GaveUp
-        }
-        Ok(Execution::Replayed(_)) | Err(Error::NothingToResume | Error::InFlight { .. }) => {
-            Finished::Skipped
-        }
-        Err(_) => Finished::Failed,
-    }
+    crate::stored::encode(status, &headers, &body, None, |_| false).ok()
 }
 
 enum Finished {

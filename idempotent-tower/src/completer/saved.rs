@@ -8,6 +8,17 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 
 const MAGIC: &[u8; 4] = b"IRQ1";
 
+/// Whose kept requests these are: a digest of the runtime's namespace, derived like a storage
+/// key (so runtimes with other namespaces sharing a store have other owners). A completer runs
+/// only its own runtime's requests.
+pub(crate) fn owner(idempotency: &idempotent_core::Idempotency) -> [u8; 32] {
+    let call = idempotent_core::Call::new(
+        idempotent_core::Key::new("kept-requests").expect("a valid key"),
+    )
+    .scope(idempotent_core::Scope::new().operation("idempotent-tower completer"));
+    *idempotency.storage_key(&call).as_bytes()
+}
+
 /// Headers never kept: credentials do not belong in the store. A handler the completer runs
 /// gets the request without them.
 const NOT_KEPT: [HeaderName; 3] = [AUTHORIZATION, PROXY_AUTHORIZATION, COOKIE];
@@ -15,12 +26,12 @@ const NOT_KEPT: [HeaderName; 3] = [AUTHORIZATION, PROXY_AUTHORIZATION, COOKIE];
 /// A protected request as kept on its record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SavedRequest {
+    /// The runtime whose request it is ([`owner`]).
+    pub(crate) owner: [u8; 32],
     pub(crate) method: Method,
     pub(crate) uri: Uri,
     pub(crate) headers: HeaderMap,
     pub(crate) body: Bytes,
-    /// How many times a completer has run it.
-    pub(crate) attempts: u32,
 }
 
 /// Why a kept request could not be read back.
@@ -30,17 +41,17 @@ pub(crate) struct SavedRequestError(&'static str);
 
 impl SavedRequest {
     /// The request a client sent, before any completer ran it.
-    pub(crate) fn of(parts: &Parts, body: &Bytes) -> Self {
+    pub(crate) fn of(owner: [u8; 32], parts: &Parts, body: &Bytes) -> Self {
         let mut headers = parts.headers.clone();
         for name in &NOT_KEPT {
             headers.remove(name);
         }
         SavedRequest {
+            owner,
             method: parts.method.clone(),
             uri: parts.uri.clone(),
             headers,
             body: body.clone(),
-            attempts: 0,
         }
     }
 
@@ -48,7 +59,7 @@ impl SavedRequest {
         let uri = self.uri.to_string();
         let mut out = BytesMut::with_capacity(64 + uri.len() + self.body.len());
         out.put_slice(MAGIC);
-        out.put_u32(self.attempts);
+        out.put_slice(&self.owner);
         put(&mut out, self.method.as_str().as_bytes());
         put(&mut out, uri.as_bytes());
         out.put_u32(u32::try_from(self.headers.len()).unwrap_or(u32::MAX));
@@ -61,11 +72,12 @@ impl SavedRequest {
     }
 
     pub(crate) fn decode(mut input: Bytes) -> Result<Self, SavedRequestError> {
-        if input.len() < 8 || &input[..4] != MAGIC {
+        if input.len() < 36 || &input[..4] != MAGIC {
             return Err(SavedRequestError("not a kept request"));
         }
         input.advance(4);
-        let attempts = input.get_u32();
+        let mut owner = [0; 32];
+        input.copy_to_slice(&mut owner);
         let method = Method::from_bytes(&take(&mut input)?)
             .map_err(|_| SavedRequestError("invalid method"))?;
         let uri = Uri::try_from(take(&mut input)?.as_ref())
@@ -87,11 +99,11 @@ impl SavedRequest {
             return Err(SavedRequestError("trailing bytes"));
         }
         Ok(SavedRequest {
+            owner,
             method,
             uri,
             headers,
             body,
-            attempts,
         })
     }
 }
@@ -129,17 +141,15 @@ mod tests {
             .body(())
             .unwrap();
         let (parts, ()) = request.into_parts();
-        SavedRequest::of(&parts, &Bytes::from_static(b"{\"sku\":\"a\"}"))
+        SavedRequest::of([7; 32], &parts, &Bytes::from_static(b"{\"sku\":\"a\"}"))
     }
 
     #[test]
     fn round_trips_without_credentials() {
-        let saved = SavedRequest {
-            attempts: 3,
-            ..sample()
-        };
+        let saved = sample();
         let decoded = SavedRequest::decode(saved.encode()).unwrap();
         assert_eq!(decoded, saved);
+        assert_eq!(decoded.owner, [7; 32]);
         assert!(decoded.headers.get("authorization").is_none());
         assert!(decoded.headers.get("cookie").is_none());
         assert_eq!(decoded.headers.get_all("x-many").iter().count(), 2);
