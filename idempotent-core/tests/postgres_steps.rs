@@ -604,7 +604,7 @@ async fn abandoned_lists_exactly_the_idle_operations_with_a_request_longest_idle
 }
 
 #[tokio::test]
-async fn abandoned_skips_rows_no_key_reaches_and_reports_garbage_as_corrupt() {
+async fn abandoned_skips_rows_no_key_reaches_and_garbage() {
     let Some(store) = fresh_store().await else {
         return;
     };
@@ -640,15 +640,16 @@ async fn abandoned_skips_rows_no_key_reaches_and_reports_garbage_as_corrupt() {
         found[0].key.session_place(),
         Some(idempotent_core::SessionPlace::Seq { epoch: 3, seq: 5 })
     );
-    // A fingerprint that is not 32 bytes: corrupt, never a panic.
+    // A fingerprint that is not 32 bytes: skipped, never a panic, and the rest still listed.
     sqlx::query(&insert)
         .bind(fresh_key().as_bytes().as_slice())
         .bind(b"short".as_slice())
         .execute(store.pool())
         .await
         .unwrap();
-    let result = store.abandoned(Duration::ZERO, 10).await;
-    assert!(matches!(result, Err(StoreError::Corrupt(_))), "{result:?}");
+    let found = store.abandoned(Duration::ZERO, 10).await.unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].key.record_bytes().as_ref(), seq.as_slice());
 }
 
 // The atomic step.
@@ -1121,5 +1122,30 @@ async fn of_two_atomic_steps_of_one_name_in_one_call_the_first_saved_wins() {
         shop.effects().await,
         [first],
         "the other's effect was rolled back"
+    );
+}
+
+/// A completer's call goes through the runtime: the transactional mode refuses it rather than
+/// claim the key it was not given.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_transactional_mode_refuses_resume_calls() {
+    let Some(shop) = Shop::open().await else {
+        return;
+    };
+    let transactional = shop.idempotency.transactional().unwrap();
+    let abandoned = idempotent_core::steps::Abandoned {
+        key: fresh_key(),
+        fingerprint: fp("order"),
+        request: Bytes::new(),
+        idle: Duration::ZERO,
+    };
+    let mut tx = shop.store.pool().begin().await.unwrap();
+    let result = transactional
+        .claim::<u64>(&idempotent_core::Call::resume(&abandoned), &mut tx)
+        .await;
+    assert!(
+        matches!(result, Err(Error::Store(StoreError::Backend(_)))),
+        "{:?}",
+        result.map(|_| ())
     );
 }

@@ -1085,12 +1085,13 @@ async fn checkpoints_round_trip_and_are_fenced() {
     ));
 }
 
-/// Garbage in a record the index names, or in the index itself, is a corrupt store for
-/// `abandoned`, never a panic or a record listed; the garbage is left for someone to look
-/// at. A completed record or one without a request is only removed from the index.
+/// Garbage in a record the index names is skipped by `abandoned`, never a panic or a record
+/// listed, and the other records are still listed; the garbage is left for someone to look
+/// at. A member that names no record, a completed record or one without a request is only
+/// removed from the index.
 /// Checkpoints are handed back as stored: garbage in them is the runtime's to refuse.
 #[tokio::test]
-async fn garbage_in_saved_requests_is_a_corrupt_error() {
+async fn garbage_in_saved_requests_is_skipped_and_the_rest_listed() {
     let Some(mut raw) = raw_connection().await else {
         return;
     };
@@ -1158,10 +1159,30 @@ async fn garbage_in_saved_requests_is_a_corrupt_error() {
         let store = isolated(&url).await;
         let key = fresh_key();
         write(&mut raw, &store, &key, fields).await;
-        let result = store.abandoned(Duration::ZERO, 10).await;
-        assert!(
-            matches!(result, Err(StoreError::Corrupt(_))),
-            "{fields:?}: {result:?}"
+        // A good abandoned record beside it.
+        let good = fresh_key();
+        let Claim::Claimed(token) = store
+            .claim(
+                &good,
+                &Fingerprint::from_bytes(b"good"),
+                Duration::from_secs(60),
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap()
+        else {
+            panic!("claimed");
+        };
+        store
+            .save_request(&good, token, bytes::Bytes::from_static(b"good"))
+            .await
+            .unwrap();
+        store.release(&good, token).await.unwrap();
+        let found = store.abandoned(Duration::ZERO, 10).await.unwrap();
+        assert_eq!(
+            found.iter().map(|a| a.key).collect::<Vec<_>>(),
+            [good],
+            "{fields:?}"
         );
         assert_eq!(index_score(&store, &mut raw, &key).await, Some(0), "left");
     }
@@ -1193,8 +1214,15 @@ async fn garbage_in_saved_requests_is_a_corrupt_error() {
         .query_async(&mut raw)
         .await
         .unwrap();
-    let result = store.abandoned(Duration::ZERO, 10).await;
-    assert!(matches!(result, Err(StoreError::Corrupt(_))), "{result:?}");
+    assert_eq!(store.abandoned(Duration::ZERO, 10).await.unwrap(), []);
+    let members: Vec<String> = redis::cmd("ZRANGE")
+        .arg(&index)
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(members.is_empty(), "removed: {members:?}");
     let store = isolated(&url).await;
     let name = store.redis_key(&key);
     let _: () = redis::cmd("SET")
@@ -1210,7 +1238,11 @@ async fn garbage_in_saved_requests_is_a_corrupt_error() {
         .query_async(&mut raw)
         .await
         .unwrap();
-    assert!(store.abandoned(Duration::ZERO, 10).await.is_err());
+    assert_eq!(
+        store.abandoned(Duration::ZERO, 10).await.unwrap(),
+        [],
+        "a key of another type is skipped"
+    );
 
     // Checkpoints that do not decode come back as they are.
     let store = RedisStore::connect(&url).await.unwrap();

@@ -661,7 +661,21 @@ impl Store for PostgresStore {
             .bind(micros(idle))
             .bind(i64::try_from(limit).unwrap_or(i64::MAX));
         let rows = self.pool.fetch_all(query).await.map_err(store_error)?;
-        rows.iter().map(steps::decode_abandoned).collect()
+        // A row that cannot be read is skipped (and left as it is), not the call: the others
+        // are still listed.
+        Ok(rows
+            .iter()
+            .filter_map(|row| match steps::decode_abandoned(row) {
+                Ok(abandoned) => Some(abandoned),
+                Err(error) => {
+                    tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "a row with a saved request cannot be read; skipped"
+                    );
+                    None
+                }
+            })
+            .collect())
     }
 }
 

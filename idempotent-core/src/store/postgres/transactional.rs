@@ -365,6 +365,12 @@ impl Transactional {
                 "the transactional mode does not serve client sessions; use the runtime".into(),
             )));
         }
+        if call.is_resume_only() {
+            return Err(Error::Store(StoreError::Backend(
+                "the transactional mode does not resume operations (Call::resume); use the runtime"
+                    .into(),
+            )));
+        }
         let key = self.storage_key(call);
         let fingerprint = call.fingerprint_ref();
         let Settings {

@@ -66,14 +66,17 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 /// end of its lease, in the server's milliseconds), so that [`Store::abandoned`] reads the
 /// records whose lease ended long enough ago rather than scanning every key. On a Redis
 /// Cluster the index is a key of its own, in its own slot: no record's script touches it.
-/// Saving a request adds the record to it and a release moves its score to the release;
+/// Saving a request adds the record to it first (score 0: read early, then scored with its
+/// lease's end), so that no request is kept that no member points to; a release moves its
+/// score to the release;
 /// [`Store::abandoned`] reads a bounded number of the lowest scores, checks each record, moves
 /// the score of one renewed or taken over since to its lease's end, and removes members whose
 /// record expired, completed or holds no request; a completion removes its record's member.
 /// Those follow the record's own script rather than share it, so a member can be left behind
 /// (the next [`Store::abandoned`] that reads it removes it) or keep a score below its lease's
 /// end (the record is then read early and scored again); a request whose index write failed is
-/// reported as not saved.
+/// reported as not saved, and not written. A record that cannot be read (garbage) is skipped
+/// by [`Store::abandoned`] and left as it is; the others are still listed.
 ///
 /// A claim whose reply does not come back (the server is frozen, the response timeout
 /// passed) may still be made when the server runs again; the store then gives it back in the
@@ -590,10 +593,20 @@ impl RedisStore {
     /// the record's lease), adding it if it is not there; waited for by the replicas as a
     /// request saved.
     async fn index(&self, key: &StorageKey, score: u64) -> Result<(), StoreError> {
+        self.index_waiting(key, score, self.replicas).await
+    }
+
+    /// [`index`](Self::index), waiting for `replicas` (none: not waiting).
+    async fn index_waiting(
+        &self,
+        key: &StorageKey,
+        score: u64,
+        replicas: Option<(usize, Duration)>,
+    ) -> Result<(), StoreError> {
         let script = &scripts().index;
         let mut cmd = evalsha_on(script, self.index_key().as_bytes());
         cmd.arg(score).arg(member(key));
-        match self.replicas {
+        match replicas {
             None => self.query::<Value>(script, cmd).await.map(drop),
             Some(required) => {
                 let (_, acknowledged): (Value, usize) =
@@ -935,25 +948,31 @@ impl Store for RedisStore {
         }
     }
 
-    /// Keeps the request on the record, then adds the record to the index of saved requests
-    /// (see [Data layout](RedisStore#data-layout)) with its lease's end as its score.
+    /// Adds the record to the index of saved requests (see
+    /// [Data layout](RedisStore#data-layout)), then keeps the request on the record.
     async fn save_request(
         &self,
         key: &StorageKey,
         token: FencingToken,
         request: Bytes,
     ) -> Result<(), StoreError> {
+        // Indexed first, with the lowest score: a process that dies between the two writes
+        // leaves an index member without a request (removed by the next `abandoned`), never
+        // a request no member points to, which no completer would find. The next
+        // `abandoned` that reads the member scores it with the lease's end. Not waited for by
+        // replicas: the request's write is, after it, and a member lost in a failover only
+        // hides a request that a later release or save indexes again.
+        self.index_waiting(key, 0, None).await?;
         let script = &scripts().save_request;
         let mut cmd = self.evalsha(script, key);
         cmd.arg(token.get()).arg(request.as_ref());
-        let ends = match self.fenced_write(script, cmd).await? {
+        match self.fenced_write(script, cmd).await? {
             Value::Array(parts) => match parts.as_slice() {
-                [ends] => decimal(ends).ok_or_else(|| corrupt("lease end"))?,
-                _ => return Err(corrupt("unexpected request reply")),
+                [ends] => decimal(ends).ok_or_else(|| corrupt("lease end")).map(drop),
+                _ => Err(corrupt("unexpected request reply")),
             },
-            _ => return Err(corrupt("unexpected request reply")),
-        };
-        self.index(key, ends).await
+            _ => Err(corrupt("unexpected request reply")),
+        }
     }
 
     /// Reads up to `4 × limit` (at least 16, at most 4,096) of the index's lowest
@@ -981,12 +1000,20 @@ impl Store for RedisStore {
             _ => return Err(corrupt("unexpected index reply")),
         };
         let mut candidates = Vec::with_capacity(found.len() / 2);
+        // Threes of the tidy script: member, score read, new score ('' to remove).
+        let mut tidy: Vec<Vec<u8>> = Vec::new();
         for pair in found.chunks_exact(2) {
             let (Some(name), Some(score)) = (text(&pair[0]), text(&pair[1])) else {
                 return Err(corrupt("unexpected index reply"));
             };
-            let key = key_of_member(name).ok_or_else(|| corrupt("index member"))?;
-            candidates.push((key, name, score));
+            match key_of_member(name) {
+                Some(key) => candidates.push((key, name, score)),
+                // Not a record's name: nothing to list under it, and nothing to keep.
+                None => {
+                    tracing::warn!(member = %String::from_utf8_lossy(name), "the index of saved requests holds a member that names no record; removed");
+                    tidy.extend([name.to_vec(), score.to_vec(), Vec::new()]);
+                }
+            }
         }
         let peek = &scripts().peek;
         let replies = join_all(candidates.iter().map(|(key, _, _)| {
@@ -995,45 +1022,33 @@ impl Store for RedisStore {
         }))
         .await;
         let mut listed: Vec<(u64, Abandoned)> = Vec::new();
-        // Threes of the tidy script: member, score read, new score ('' to remove).
-        let mut tidy: Vec<Vec<u8>> = Vec::new();
         for ((key, name, score), reply) in candidates.iter().zip(replies) {
-            let mut reply = reply?;
-            let Value::Array(fields) = &mut reply else {
-                return Err(corrupt("unexpected record reply"));
-            };
-            let [now, state, f, ends, Value::Int(has), request] = fields.as_mut_slice() else {
-                return Err(corrupt("unexpected record reply"));
-            };
-            let now = decimal(now).ok_or_else(|| corrupt("server time"))?;
-            let new_score = match (text(state), *has) {
-                (Some(b"i"), 1) => {
-                    let ends = decimal(ends).ok_or_else(|| corrupt("lease end"))?;
-                    let fingerprint = fingerprint(f)?;
-                    if ends.saturating_add(idle_ms) <= now {
-                        let Value::BulkString(request) = request else {
-                            return Err(corrupt("request"));
-                        };
-                        listed.push((
-                            ends,
-                            Abandoned {
-                                key: *key,
-                                fingerprint,
-                                request: Bytes::from(std::mem::take(request)),
-                                idle: Duration::from_millis(now - ends),
-                            },
-                        ));
-                        continue;
-                    }
-                    // Renewed or taken over since its score was set: read again once its
-                    // lease has ended.
-                    ends.to_string().into_bytes()
+            // One record that cannot be read is skipped (and left as it is), not the call:
+            // the others are still listed.
+            match examine(reply, idle_ms) {
+                Ok(Examined::Abandoned {
+                    ends,
+                    fingerprint,
+                    request,
+                    idle,
+                }) => listed.push((
+                    ends,
+                    Abandoned {
+                        key: *key,
+                        fingerprint,
+                        request,
+                        idle,
+                    },
+                )),
+                Ok(Examined::Rescore(new_score)) => {
+                    tidy.extend([name.to_vec(), score.to_vec(), new_score]);
                 }
-                // Expired, completed, or a new lifetime that saved no request (yet).
-                (Some(b"i" | b"c"), _) | (Some(b""), 0) => Vec::new(),
-                _ => return Err(corrupt("unknown record state")),
-            };
-            tidy.extend([name.to_vec(), score.to_vec(), new_score]);
+                Err(error) => tracing::warn!(
+                    storage_key = %key,
+                    error = &error as &dyn std::error::Error,
+                    "a record in the index of saved requests cannot be read; skipped"
+                ),
+            }
         }
         if !tidy.is_empty() {
             // Best effort: a member left as it was is read again by the next call.
@@ -1047,6 +1062,54 @@ impl Store for RedisStore {
         listed.sort_by_key(|(ends, _)| *ends);
         listed.truncate(limit);
         Ok(listed.into_iter().map(|(_, abandoned)| abandoned).collect())
+    }
+}
+
+/// What [`Store::abandoned`] makes of one record of the index of saved requests.
+enum Examined {
+    /// Abandoned long enough: listed.
+    Abandoned {
+        ends: u64,
+        fingerprint: Fingerprint,
+        request: Bytes,
+        idle: Duration,
+    },
+    /// Not (yet) abandoned: its member's new score, or `''` to remove it.
+    Rescore(Vec<u8>),
+}
+
+/// Reads the peek script's reply about one record.
+fn examine(reply: Result<Value, StoreError>, idle_ms: u64) -> Result<Examined, StoreError> {
+    let mut reply = reply?;
+    let Value::Array(fields) = &mut reply else {
+        return Err(corrupt("unexpected record reply"));
+    };
+    let [now, state, f, ends, Value::Int(has), request] = fields.as_mut_slice() else {
+        return Err(corrupt("unexpected record reply"));
+    };
+    let now = decimal(now).ok_or_else(|| corrupt("server time"))?;
+    match (text(state), *has) {
+        (Some(b"i"), 1) => {
+            let ends = decimal(ends).ok_or_else(|| corrupt("lease end"))?;
+            let fingerprint = fingerprint(f)?;
+            if ends.saturating_add(idle_ms) <= now {
+                let Value::BulkString(request) = request else {
+                    return Err(corrupt("request"));
+                };
+                return Ok(Examined::Abandoned {
+                    ends,
+                    fingerprint,
+                    request: Bytes::from(std::mem::take(request)),
+                    idle: Duration::from_millis(now - ends),
+                });
+            }
+            // Renewed or taken over since its score was set: read again once its lease has
+            // ended.
+            Ok(Examined::Rescore(ends.to_string().into_bytes()))
+        }
+        // Expired, completed, or a new lifetime that saved no request (yet).
+        (Some(b"i" | b"c"), _) | (Some(b""), 0) => Ok(Examined::Rescore(Vec::new())),
+        _ => Err(corrupt("unknown record state")),
     }
 }
 
