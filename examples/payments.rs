@@ -130,7 +130,7 @@
 //! | `IDEMPOTENCY_SESSION_WINDOW` | `64` | how far past its acknowledged mark a session may number requests: `1` to `4096` |
 //! | `IDEMPOTENCY_CACHE` | unset: no cache | finished records cached in front of the store: `memory:N` (in this process, at most `N` records) or `redis://HOST:PORT[/DB]` (a Redis every instance shares, in front of the store `IDEMPOTENCY_STORE` names); see `idempotent_core::cache` |
 //! | `IDEMPOTENCY_COMPLETER_AFTER` | unset: no completer | finish `/orders` operations abandoned for this long (their claim lapsed or released, no retry): `1ms` to `365d`; see "Orders in steps" |
-//! | `IDEMPOTENCY_EFFECTS_LOG` | unset: none | a file each effect of an order's steps is appended to as a line `<step> <step key> <pid>`, before the step's checkpoint is written: `reserve` and `charge`, and `receipt` but on PostgreSQL (where the receipt is its outbox row); a count of effects that outlives the process |
+//! | `IDEMPOTENCY_EFFECTS_LOG` | unset: none | a file every run of an order's step is appended to as a line `<step> <step key> <pid>` (a step run again under the same key included), before the step's checkpoint is written: `reserve` and `charge`, and `receipt` but on PostgreSQL (where the receipt is its outbox row); a count of step runs that outlives the process |
 //! | `RUST_LOG` | `warn,idempotent_tower=info` | log filter (logs go to stderr) |
 //!
 //! Durations are read by `idempotent_core::limits::parse_duration` (`500ms`, `30s`, `15m`,

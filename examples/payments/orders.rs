@@ -89,13 +89,14 @@ impl Orders {
     }
 
     /// Records the effect of `step` under `key` in this process (once per key, as a downstream
-    /// that deduplicates by key does) and, with `IDEMPOTENCY_EFFECTS_LOG`, in the log.
+    /// that deduplicates by key does) and, with `IDEMPOTENCY_EFFECTS_LOG`, every run of it in
+    /// the log, a repeated key included: the log shows a step that ran twice even where the
+    /// downstream's key kept its effect to one.
     fn effect(&self, downstream: &Downstream, step: &str, key: &Key) {
-        if downstream.apply(key.as_str())
-            && let Some(log) = &self.log
-        {
+        if let Some(log) = &self.log {
             log.append(step, key);
         }
+        downstream.apply(key.as_str());
     }
 }
 

@@ -614,6 +614,17 @@ async fn orders_survive_sigkills(backend: &Backend) {
             "order {ids} ran under one operation: {keys:?}"
         );
     }
+    // A step runs again only in another process, after a kill between its effect and its
+    // checkpoint: never twice in one process.
+    let mut runs_per_process: BTreeMap<(&str, &str, u32), usize> = BTreeMap::new();
+    for effect in &all {
+        *runs_per_process
+            .entry((effect.operation.as_str(), effect.step.as_str(), effect.pid))
+            .or_default() += 1;
+    }
+    for (run, count) in &runs_per_process {
+        assert_eq!(*count, 1, "{run:?} ran {count} times in one process");
+    }
     let repeated = all.len() - ORDERS * expected_steps.len();
     assert!(
         repeated <= KILLS * CLIENTS,
