@@ -464,6 +464,12 @@ pub use idempotent_macros::idempotent;
 /// checkpoint write, or a checkpoint past the limit. Called outside any idempotent call (no
 /// [`ClaimHandle::current`](crate::ClaimHandle::current)), the body just runs.
 ///
+/// Whatever the body returns is saved, an `Err` of a `Result` included (a later attempt gets
+/// that `Err` back): for work whose failure should run again, use
+/// [`ClaimHandle::try_step`](crate::ClaimHandle::try_step). A name is one checkpoint: a
+/// second call of the same `#[step]` function in one operation, whatever its arguments,
+/// returns the first call's result.
+///
 /// ```
 /// use idempotent_core::{Call, Idempotency, memory::MemoryStore, step};
 ///

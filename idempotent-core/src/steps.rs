@@ -156,7 +156,11 @@ impl Checkpoints {
         self.entries.iter().find(|(n, _)| n == name).map(|(_, v)| v)
     }
 
-    /// The steps' names and values, in the order they were saved.
+    /// The checkpoints' names and values, in the order they were saved. Names that start with
+    /// `~` are the runtime's own (the attempts [`ClaimHandle::count_attempt`] counts); a
+    /// step's name never does.
+    ///
+    /// [`ClaimHandle::count_attempt`]: crate::ClaimHandle::count_attempt
     pub fn steps(&self) -> impl Iterator<Item = (&str, &Bytes)> {
         self.entries.iter().map(|(n, v)| (n.as_str(), v))
     }
