@@ -106,11 +106,7 @@ struct ClaimState {
     /// The operation's checkpoints as this claim knows them: `None` until the first step
     /// asks (loaded from the store when the claim took an operation over, empty when it began
     /// one).
-    steps: tokio::sync::Mutex<Option<Checkpoints>>,
-    /// Set when a checkpoint write failed in a way that may still have landed (a timeout, a
-    /// dropped connection): the next step reloads the checkpoints from the store, even on a
-    /// claim that began its operation.
-    reload: AtomicBool,
+    steps: tokio::sync::Mutex<Known>,
     max_checkpoint_bytes: usize,
 }
 
@@ -182,8 +178,7 @@ impl ClaimHandle {
                 recording: AtomicBool::new(false),
                 finish_on_shutdown: AtomicBool::new(false),
                 notify: Notify::new(),
-                steps: tokio::sync::Mutex::new(None),
-                reload: AtomicBool::new(false),
+                steps: tokio::sync::Mutex::new(Known::default()),
                 max_checkpoint_bytes,
             }),
         }
@@ -415,7 +410,7 @@ impl ClaimHandle {
         let Some(store) = self.state.store.clone() else {
             return Ok(Restored::Run(None));
         };
-        match self.saved(&*store, name).await? {
+        match self.saved(name).await? {
             Some(saved) => decode_step(name, &saved).map(Restored::Saved),
             None => Ok(Restored::Run(Some(store))),
         }
@@ -436,6 +431,23 @@ impl ClaimHandle {
         W: FnOnce(Bytes) -> Fut,
         Fut: Future<Output = Result<(), StoreError>>,
     {
+        self.record_entry(name, value, write, true).await
+    }
+
+    /// [`record_step`](Self::record_step), within the checkpoint limit or (the runtime's own
+    /// entries, which must not be refused) past it.
+    async fn record_entry<T, W, Fut>(
+        &self,
+        name: &str,
+        value: &T,
+        write: W,
+        limited: bool,
+    ) -> Result<Option<Bytes>, Error>
+    where
+        T: serde::Serialize,
+        W: FnOnce(Bytes) -> Fut,
+        Fut: Future<Output = Result<(), StoreError>>,
+    {
         let json = serde_json::to_vec(value).map_err(|source| {
             Error::Checkpoint(CheckpointError::Value {
                 step: name.to_owned(),
@@ -444,13 +456,13 @@ impl ClaimHandle {
         })?;
         let entry = encode_checkpoint(name, &json);
         let mut steps = self.state.steps.lock().await;
-        let known = steps.get_or_insert_with(Checkpoints::default);
+        let known = self.loaded(&mut steps).await?;
         if let Some(saved) = known.get(name) {
             return Ok(Some(saved.clone()));
         }
         let size = known.encoded_len() + entry.len();
         let limit = self.state.max_checkpoint_bytes;
-        if size > limit {
+        if limited && size > limit {
             return Err(Error::Checkpoint(CheckpointError::TooLarge {
                 step: name.to_owned(),
                 size,
@@ -463,14 +475,44 @@ impl ClaimHandle {
             Err(Error::Store(error)) => {
                 // It may have landed: forget what this claim knows, and read the store again
                 // before the next step.
-                *steps = None;
-                self.state.reload.store(true, Ordering::Release);
+                *steps = Known {
+                    checkpoints: None,
+                    reload: true,
+                };
                 return Err(Error::Store(error));
             }
             Err(error) => return Err(error),
         }
-        known.push(name, Bytes::from(json), entry_len);
+        if let Some(known) = steps.checkpoints.as_mut() {
+            known.push(name, Bytes::from(json), entry_len);
+        }
         Ok(None)
+    }
+
+    /// The checkpoints this claim knows, loading them first if it has not (or must again):
+    /// a claim that began its operation (its token is the lifetime's) has none to load,
+    /// unless a write of uncertain outcome made it forget them. A load that fails leaves
+    /// that as it was, for the next step to try again.
+    async fn loaded<'a>(
+        &self,
+        steps: &'a mut tokio::sync::MutexGuard<'_, Known>,
+    ) -> Result<&'a mut Checkpoints, Error> {
+        if steps.checkpoints.is_none() {
+            let loaded = match &self.state.store {
+                Some(store) if steps.reload || self.state.token != self.state.lifetime => {
+                    let bytes = self
+                        .fenced(store.load_steps(&self.state.key, self.state.token))
+                        .await?;
+                    Checkpoints::decode(bytes).map_err(Error::Store)?
+                }
+                _ => Checkpoints::default(),
+            };
+            **steps = Known {
+                checkpoints: Some(loaded),
+                reload: false,
+            };
+        }
+        Ok(steps.checkpoints.get_or_insert_with(Checkpoints::default))
     }
 
     /// Counts one more attempt at this operation on its record (a checkpoint of the
@@ -485,43 +527,33 @@ impl ClaimHandle {
         let Some(store) = self.state.store.clone() else {
             return Ok(0);
         };
-        self.saved(&*store, ATTEMPT).await?;
         let before = {
-            let steps = self.state.steps.lock().await;
-            steps.as_ref().map_or(0, |known| {
-                known
-                    .steps()
-                    .filter(|(name, _)| name.starts_with(ATTEMPT))
-                    .count()
-            })
+            let mut steps = self.state.steps.lock().await;
+            let known = self.loaded(&mut steps).await?;
+            known
+                .steps()
+                .filter(|(name, _)| name.starts_with(ATTEMPT))
+                .count()
         };
         let before = u32::try_from(before).unwrap_or(u32::MAX);
         let name = format!("{ATTEMPT}{}", before.saturating_add(1));
         let (key, token) = (self.state.key, self.state.token);
-        self.record_step(&name, &(), |entry| async move {
-            store.save_step(&key, token, entry).await
-        })
+        self.record_entry(
+            &name,
+            &(),
+            |entry| async move { store.save_step(&key, token, entry).await },
+            false,
+        )
         .await?;
         Ok(before)
     }
 
     /// The saved result of step `name`, loading the operation's checkpoints on first use: a
     /// claim that began its operation (its token is the lifetime's) has none to load.
-    async fn saved(&self, store: &dyn DynStore, name: &str) -> Result<Option<Bytes>, Error> {
+    async fn saved(&self, name: &str) -> Result<Option<Bytes>, Error> {
         let mut steps = self.state.steps.lock().await;
-        if steps.is_none() {
-            let reload = self.state.reload.swap(false, Ordering::AcqRel);
-            let loaded = if self.state.token == self.state.lifetime && !reload {
-                Checkpoints::default()
-            } else {
-                let bytes = self
-                    .fenced(store.load_steps(&self.state.key, self.state.token))
-                    .await?;
-                Checkpoints::decode(bytes).map_err(Error::Store)?
-            };
-            *steps = Some(loaded);
-        }
-        Ok(steps.as_ref().and_then(|known| known.get(name)).cloned())
+        let known = self.loaded(&mut steps).await?;
+        Ok(known.get(name).cloned())
     }
 
     /// The key to pass downstream for the operation's step `name`: the
@@ -655,6 +687,17 @@ pub enum StepError<E> {
     /// The step could not run or keep its checkpoint: see [`ClaimHandle::step`].
     #[error(transparent)]
     Idempotency(Error),
+}
+
+/// What a claim knows of its operation's checkpoints.
+#[derive(Default)]
+struct Known {
+    /// `None` until a step asks (or after a write of uncertain outcome).
+    checkpoints: Option<Checkpoints>,
+    /// Set by a checkpoint write that failed in a way that may still have landed (a timeout,
+    /// a dropped connection): the next load reads the store even on a claim that began its
+    /// operation. Cleared only by a load that succeeded.
+    reload: bool,
 }
 
 /// The names of the attempts [`ClaimHandle::count_attempt`] counts: the runtime's own (a

@@ -18,7 +18,9 @@ const PAYMENT: &str = r#"{"amount":1999,"currency":"EUR"}"#;
 async fn client_commands(
     c: &mut redis::aio::MultiplexedConnection,
 ) -> std::collections::BTreeMap<String, u64> {
-    const INSIDE_SCRIPTS: [&str; 7] = ["hmget", "hset", "pexpire", "pttl", "time", "del", "hdel"];
+    const INSIDE_SCRIPTS: [&str; 8] = [
+        "hmget", "hset", "pexpire", "pttl", "time", "del", "hdel", "hexists",
+    ];
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(c)

@@ -14,7 +14,9 @@ use http::{Request, Response};
 use http_body::Body;
 use http_body_util::Empty;
 use idempotent_core::steps::Abandoned;
-use idempotent_core::{Call, ClaimHandle, Error, Execution, InFlightPolicy, ProblemCode, Retain};
+use idempotent_core::{
+    Call, ClaimHandle, Error, Execution, InFlightPolicy, ProblemCode, Retain, StoreError,
+};
 use tokio::sync::watch;
 use tower_service::Service;
 
@@ -100,7 +102,11 @@ pub struct CompleterPass {
 /// - **Whose requests.** Only its own runtime's: a request kept by a runtime with another
 ///   namespace (a store shared by several services), or one it cannot read, is skipped, never
 ///   run or recorded (it stays until its TTL). One completer per runtime, with a service that
-///   routes every kept request: two layers with kept requests on one runtime share it.
+///   routes every kept request: two layers with kept requests on one runtime share it. The
+///   store lists the longest-abandoned operations first, whoever kept them: on a store shared
+///   by runtimes that keep requests, run a completer for each (or give them stores of their
+///   own), or another runtime's operations left unfinished can fill every pass's
+///   [`batch`](Completer::batch) until their TTL ends.
 /// - **What the handler sees.** The kept request, with the [`ClaimHandle`] and a
 ///   [`Completing`] extension. Extensions that middleware outside the layer adds (an
 ///   authenticated principal, say) are not there, nor are the `Authorization`,
@@ -259,66 +265,95 @@ where
     }
 
     async fn pass_owned(self) -> Result<CompleterPass, Error> {
-        let idempotency = self.config.idempotency.clone();
-        let found = idempotency.abandoned(self.after, self.batch).await?;
-        let mut pass = CompleterPass {
-            found: found.len(),
-            ..CompleterPass::default()
-        };
-        let mut running = tokio::task::JoinSet::new();
-        for abandoned in found {
-            // A slot of the completer's (shared by every pass): a run that never ends holds
-            // one, and the rest waits for the next pass rather than behind it.
-            let Ok(slot) = Arc::clone(&self.running).try_acquire_owned() else {
-                if running.is_empty() {
-                    tracing::warn!(
-                        concurrency = self.concurrency,
-                        "every completer slot is taken by a run still going; nothing started"
-                    );
-                }
-                let Some(done) = running.join_next().await else {
-                    break;
-                };
-                pass.count(done);
-                continue;
-            };
-            running.spawn(self.clone().finish(abandoned, slot));
-        }
-        while let Some(done) = running.join_next().await {
+        let mut runs = tokio::task::JoinSet::new();
+        let mut pass = CompleterPass::default();
+        pass.found = self.clone().dispatch(&mut runs, &mut pass).await?;
+        while let Some(done) = runs.join_next().await {
             pass.count(done);
         }
         Ok(pass)
     }
 
-    /// Runs passes every [`scan_every`](Self::scan_every) on a task of its own until the
+    /// Lists the operations abandoned for [`after`](Self::after) and starts a run of each in
+    /// `runs` as a slot frees up (the slots are the completer's, shared by every pass; runs
+    /// that end meanwhile are counted in `pass`). How many were listed.
+    async fn dispatch(
+        self,
+        runs: &mut tokio::task::JoinSet<Finished>,
+        pass: &mut CompleterPass,
+    ) -> Result<usize, Error> {
+        let idempotency = self.config.idempotency.clone();
+        let found = idempotency.abandoned(self.after, self.batch).await?;
+        let listed = found.len();
+        for abandoned in found {
+            let slot = loop {
+                if let Ok(slot) = Arc::clone(&self.running).try_acquire_owned() {
+                    break slot;
+                }
+                // Every slot is taken: by a run of these (wait for one to end), or by runs
+                // this set does not hold (wait for a slot).
+                if runs.is_empty() {
+                    match Arc::clone(&self.running).acquire_owned().await {
+                        Ok(slot) => break slot,
+                        Err(_) => return Ok(listed),
+                    }
+                }
+                tokio::select! {
+                    done = runs.join_next() => {
+                        if let Some(done) = done {
+                            pass.count(done);
+                        }
+                    }
+                    slot = Arc::clone(&self.running).acquire_owned() => match slot {
+                        Ok(slot) => break slot,
+                        Err(_) => return Ok(listed),
+                    },
+                }
+            };
+            runs.spawn(self.clone().finish(abandoned, slot));
+        }
+        Ok(listed)
+    }
+
+    /// Runs a pass every [`scan_every`](Self::scan_every) on a task of its own until the
     /// handle is stopped or dropped. Needs a tokio runtime.
+    ///
+    /// A pass starts its runs and does not wait for them: the next one lists what is
+    /// abandoned then (the operations still running are leased, so not listed again), and a
+    /// run that never ends only holds its slot.
     pub fn spawn(self) -> CompleterHandle {
         let (stop, mut stopped) = watch::channel(false);
         let task = tokio::spawn(async move {
-            // Each pass on a task of its own: a run that does not end holds its slot, not the
-            // passes after it.
-            let mut passes = tokio::task::JoinSet::new();
+            let mut runs = tokio::task::JoinSet::new();
             loop {
                 tokio::select! {
                     _ = stopped.changed() => break,
                     () = tokio::time::sleep(self.scan_every) => {}
                 }
-                while passes.try_join_next().is_some() {}
-                let pass = self.pass();
-                passes.spawn(async move {
-                    match pass.await {
-                        Ok(pass) if pass.found > 0 => tracing::info!(?pass, "completer pass"),
-                        Ok(_) => {}
-                        Err(error) => tracing::warn!(
-                            error = &error as &dyn std::error::Error,
-                            "completer pass failed; trying again at the next one"
-                        ),
+                let mut pass = CompleterPass::default();
+                while let Some(done) = runs.try_join_next() {
+                    pass.count(done);
+                }
+                let dispatched = tokio::select! {
+                    _ = stopped.changed() => break,
+                    listed = self.clone().dispatch(&mut runs, &mut pass) => listed,
+                };
+                match dispatched {
+                    Ok(found) => {
+                        pass.found = found;
+                        if pass != CompleterPass::default() {
+                            tracing::info!(?pass, "completer pass");
+                        }
                     }
-                });
+                    Err(error) => tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "completer pass failed; trying again at the next one"
+                    ),
+                }
             }
             // Stopped: the runs under way are dropped, which releases their claims.
-            passes.abort_all();
-            while passes.join_next().await.is_some() {}
+            runs.abort_all();
+            while runs.join_next().await.is_some() {}
         });
         CompleterHandle {
             stop,
@@ -360,6 +395,13 @@ where
             // too, and every instance's completer counts into the same number.
             let before = match claim.count_attempt().await {
                 Ok(before) => before,
+                // Checkpoints that cannot be read or written make every attempt fail alike:
+                // the operation is given up rather than taken over forever.
+                Err(error @ (Error::Checkpoint(_) | Error::Store(StoreError::Corrupt(_)))) => {
+                    return Err(Ran::GaveUp(format!(
+                        "its checkpoints cannot be used ({error})"
+                    )));
+                }
                 Err(error) => {
                     tracing::warn!(
                         error = &error as &dyn std::error::Error,
@@ -369,7 +411,9 @@ where
                 }
             };
             if before >= max_attempts {
-                return Err(Ran::GaveUp(before));
+                return Err(Ran::GaveUp(format!(
+                    "finishing it in the background failed {before} times"
+                )));
             }
             let attempt = before + 1;
             metrics.attempts.increment(1);
@@ -403,7 +447,7 @@ where
             Ok((_, Ok(captured))) => {
                 crate::service::record_of_captured(config, captured, abandoned.key)
             }
-            Err(Ran::GaveUp(attempts)) => gave_up(*attempts),
+            Err(Ran::GaveUp(why)) => gave_up(why),
             Ok((_, Err(_))) | Err(Ran::NotRun) => None,
         };
         match config
@@ -417,7 +461,7 @@ where
                     tracing::info!(storage_key = %abandoned.key, attempt, status, "completer finished an abandoned operation");
                     self.metrics.completed.increment(1);
                     Finished::Completed
-                } else if attempt >= max_attempts {
+                } else if attempt >= max_attempts && matches!(captured, Captured::Complete { .. }) {
                     tracing::warn!(storage_key = %abandoned.key, attempt, status, "completer gave up an abandoned operation; its last answer is recorded");
                     self.metrics.given_up.increment(1);
                     Finished::GaveUp
@@ -430,8 +474,8 @@ where
                 tracing::warn!(storage_key = %abandoned.key, attempt, %error, "completer run failed; trying again later");
                 Finished::Failed
             }
-            Ok(Execution::Fresh(Err(Ran::GaveUp(attempts)))) => {
-                tracing::warn!(storage_key = %abandoned.key, attempts, "completer gave up an abandoned operation after its attempts; operation_failed is recorded");
+            Ok(Execution::Fresh(Err(Ran::GaveUp(why)))) => {
+                tracing::warn!(storage_key = %abandoned.key, why, "completer gave up an abandoned operation; operation_failed is recorded");
                 self.metrics.given_up.increment(1);
                 Finished::GaveUp
             }
@@ -456,16 +500,17 @@ type Output<B, E> = Result<(u32, Result<Captured<B>, E>), Ran>;
 enum Ran {
     /// No claim, or the attempt could not be counted: the operation is left for later.
     NotRun,
-    /// Its attempts are spent (this many): `500 operation_failed` is recorded.
-    GaveUp(u32),
+    /// Its attempts are spent, or its checkpoints unusable (why): `500 operation_failed` is
+    /// recorded.
+    GaveUp(String),
 }
 
-/// The record of `500 operation_failed` after `attempts` runs.
-fn gave_up(attempts: u32) -> Option<Bytes> {
+/// The record of `500 operation_failed`, saying why.
+fn gave_up(why: &str) -> Option<Bytes> {
     let problem = Problem::new(
         ProblemCode::OperationFailed,
         format!(
-            "the client went away before this request finished, and finishing it in the background failed {attempts} times; nothing more will run under this key"
+            "the client went away before this request finished, and {why}; nothing more will run under this key"
         ),
     );
     let (status, headers, body) = problem.http_parts();
@@ -488,8 +533,9 @@ pub struct CompleterHandle {
 }
 
 impl CompleterHandle {
-    /// Stops the completer: a pass under way is stopped at its next await point (an operation
-    /// it was running is released, to be finished later), and this returns once it has.
+    /// Stops the completer: a pass under way is stopped, and so are the runs it started (at
+    /// their next await point: each operation's claim is released, to be finished later);
+    /// this returns once they are dropped.
     pub async fn stop(mut self) {
         let _ = self.stop.send(true);
         if let Some(task) = self.task.take() {

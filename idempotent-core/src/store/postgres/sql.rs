@@ -166,6 +166,7 @@ impl Sql {
                      WHERE r.storage_key = $1 AND r.state = 'in_flight' AND r.fingerprint = $2 \
                      AND r.expires_at <= clock_timestamp() \
                      AND coalesce(r.kept_until, r.expires_at) > clock_timestamp() \
+                     AND NOT EXISTS (SELECT FROM live) \
                      RETURNING r.token, r.lifetime\
                  ) \
                  SELECT 'claimed'::text AS state, token, lifetime, NULL::bytea AS fingerprint, \

@@ -66,9 +66,9 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 /// end of its lease, in the server's milliseconds), so that [`Store::abandoned`] reads the
 /// records whose lease ended long enough ago rather than scanning every key. On a Redis
 /// Cluster the index is a key of its own, in its own slot: no record's script touches it.
-/// Saving a request adds the record to it first (score 0: read early, then scored with its
-/// lease's end), so that no request is kept that no member points to; a release moves its
-/// score to the release;
+/// Saving a request adds the record to it first (scored with the server's time, then with its
+/// lease's end by the first [`Store::abandoned`] that reads it), so that no request is kept
+/// that no member points to; a release moves its score to the release;
 /// [`Store::abandoned`] reads a bounded number of the lowest scores, checks each record, moves
 /// the score of one renewed or taken over since to its lease's end, and removes members whose
 /// record expired, completed or holds no request; a completion removes its record's member.
@@ -593,19 +593,23 @@ impl RedisStore {
     /// the record's lease), adding it if it is not there; waited for by the replicas as a
     /// request saved.
     async fn index(&self, key: &StorageKey, score: u64) -> Result<(), StoreError> {
-        self.index_waiting(key, score, self.replicas).await
+        self.index_waiting(key, Some(score), self.replicas).await
     }
 
     /// [`index`](Self::index), waiting for `replicas` (none: not waiting).
     async fn index_waiting(
         &self,
         key: &StorageKey,
-        score: u64,
+        score: Option<u64>,
         replicas: Option<(usize, Duration)>,
     ) -> Result<(), StoreError> {
         let script = &scripts().index;
         let mut cmd = evalsha_on(script, self.index_key().as_bytes());
-        cmd.arg(score).arg(member(key));
+        match score {
+            Some(score) => cmd.arg(score),
+            None => cmd.arg(""),
+        };
+        cmd.arg(member(key));
         match replicas {
             None => self.query::<Value>(script, cmd).await.map(drop),
             Some(required) => {
@@ -956,13 +960,14 @@ impl Store for RedisStore {
         token: FencingToken,
         request: Bytes,
     ) -> Result<(), StoreError> {
-        // Indexed first, with the lowest score: a process that dies between the two writes
-        // leaves an index member without a request (removed by the next `abandoned`), never
-        // a request no member points to, which no completer would find. The next
-        // `abandoned` that reads the member scores it with the lease's end. Not waited for by
-        // replicas: the request's write is, after it, and a member lost in a failover only
-        // hides a request that a later release or save indexes again.
-        self.index_waiting(key, 0, None).await?;
+        // Indexed first, scored with the server's time (at most the lease's end): a process
+        // that dies between the two writes leaves a member without a request (removed by an
+        // `abandoned` that reads it once its lease has ended), never a request no member
+        // points to, which no completer would find. An `abandoned` that reads it while its
+        // lease lasts scores it with the lease's end. Not waited for by replicas: the
+        // request's write is, after it, and a member lost in a failover only hides a request
+        // that a later release or save indexes again.
+        self.index_waiting(key, None, None).await?;
         let script = &scripts().save_request;
         let mut cmd = self.evalsha(script, key);
         cmd.arg(token.get()).arg(request.as_ref());
@@ -1107,8 +1112,14 @@ fn examine(reply: Result<Value, StoreError>, idle_ms: u64) -> Result<Examined, S
             // ended.
             Ok(Examined::Rescore(ends.to_string().into_bytes()))
         }
-        // Expired, completed, or a new lifetime that saved no request (yet).
-        (Some(b"i" | b"c"), _) | (Some(b""), 0) => Ok(Examined::Rescore(Vec::new())),
+        // In flight without a request yet (its save is on its way): read again once its
+        // lease has ended.
+        (Some(b"i"), 0) => match decimal(ends) {
+            Some(ends) if ends > now => Ok(Examined::Rescore(ends.to_string().into_bytes())),
+            _ => Ok(Examined::Rescore(Vec::new())),
+        },
+        // Expired, completed, or a new lifetime that saved no request.
+        (Some(b"c"), _) | (Some(b""), 0) => Ok(Examined::Rescore(Vec::new())),
         _ => Err(corrupt("unknown record state")),
     }
 }

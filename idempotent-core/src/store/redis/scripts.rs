@@ -203,9 +203,12 @@ end
 return 1
 ";
 
-// Adds member `ARGV[2]` to the index of saved requests (`KEYS[1]`) with score `ARGV[1]`.
+// Adds member `ARGV[2]` to the index of saved requests (`KEYS[1]`) with score `ARGV[1]`, or,
+// when that is empty, the server's time in milliseconds.
 const INDEX: &str = r"
-return redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+local score = ARGV[1]
+if score == '' then score = string.format('%.0f', ms) end
+return redis.call('ZADD', KEYS[1], score, ARGV[2])
 ";
 
 // The session gate (`Store::open_session`) on the session's record `KEYS[1]`, a hash of `e`
@@ -377,7 +380,7 @@ pub(super) fn scripts() -> &'static Scripts {
         candidates: checked_in_oom(&[], &[NOW_MS, CANDIDATES]),
         // Only removes members or moves their scores.
         tidy: checked_in_oom(&[], &[TIDY]),
-        index: checked(&[], &[INDEX]),
+        index: checked(&[], &[NOW_MS, INDEX]),
     })
 }
 
