@@ -460,7 +460,7 @@ impl ClaimHandle {
         if let Some(saved) = known.get(name) {
             return Ok(Some(saved.clone()));
         }
-        let size = known.encoded_len() + entry.len();
+        let size = known.steps_len() + entry.len();
         let limit = self.state.max_checkpoint_bytes;
         if limited && size > limit {
             return Err(Error::Checkpoint(CheckpointError::TooLarge {

@@ -117,6 +117,9 @@ pub fn encode_checkpoint(name: &str, value: &[u8]) -> Bytes {
 pub struct Checkpoints {
     entries: Vec<(String, Bytes)>,
     encoded_len: usize,
+    /// The bytes of the runtime's own entries (names starting with `~`), which the limit on
+    /// steps does not count.
+    own_len: usize,
 }
 
 impl Checkpoints {
@@ -125,6 +128,7 @@ impl Checkpoints {
     /// [`StoreError::Corrupt`].
     pub fn decode(mut bytes: Bytes) -> Result<Checkpoints, StoreError> {
         let encoded_len = bytes.len();
+        let mut own_len = 0;
         let mut entries: Vec<(String, Bytes)> = Vec::new();
         let corrupt = |why: &'static str| StoreError::Corrupt(why.into());
         while bytes.has_remaining() {
@@ -141,6 +145,9 @@ impl Checkpoints {
                 return Err(corrupt("a checkpoint's value is cut short"));
             }
             let value = bytes.split_to(value_len);
+            if name.starts_with('~') {
+                own_len += 5 + name_len + value_len;
+            }
             if !entries.iter().any(|(n, _)| *n == name) {
                 entries.push((name, value));
             }
@@ -148,6 +155,7 @@ impl Checkpoints {
         Ok(Checkpoints {
             entries,
             encoded_len,
+            own_len,
         })
     }
 
@@ -170,6 +178,12 @@ impl Checkpoints {
         self.encoded_len
     }
 
+    /// How many bytes the steps' checkpoints take (the runtime's own entries left out): what
+    /// [`Defaults::max_checkpoint_bytes`](crate::Defaults::max_checkpoint_bytes) bounds.
+    pub fn steps_len(&self) -> usize {
+        self.encoded_len - self.own_len
+    }
+
     /// Whether there are none.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
@@ -178,6 +192,9 @@ impl Checkpoints {
     /// Adds an entry the store has saved.
     pub(crate) fn push(&mut self, name: &str, value: Bytes, encoded_len: usize) {
         self.encoded_len += encoded_len;
+        if name.starts_with('~') {
+            self.own_len += encoded_len;
+        }
         if self.get(name).is_none() {
             self.entries.push((name.to_owned(), value));
         }

@@ -540,3 +540,56 @@ async fn checkpoint_writes_and_reads_are_timed_as_store_operations() {
         assert_eq!(count, n, "{operation}");
     }
 }
+
+/// A checkpoint whose write landed but whose reply was lost: the step fails, and the same step
+/// asked again in the same attempt reads the store and gets the saved result instead of
+/// running again, even on a claim that began its operation; a failed reload is tried again.
+#[tokio::test]
+async fn a_checkpoint_whose_reply_was_lost_is_found_again_not_run_again() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    let idempotency = Idempotency::new(store);
+    let runs = AtomicUsize::new(0);
+    let work = async {
+        let claim = current();
+        let charge = || async { runs.fetch_add(1, Ordering::SeqCst) };
+        faults.fail_next(Op::SaveStep, 1, Fault::LoseReply);
+        let first = claim.step("charge", charge()).await;
+        assert!(
+            matches!(first, Err(Error::Store(StoreError::Unavailable(_)))),
+            "{first:?}"
+        );
+        // The reload fails once: still nothing is run, and the next ask reads the store.
+        faults.fail_next(Op::LoadSteps, 1, Fault::Unavailable);
+        assert!(claim.step("charge", charge()).await.is_err());
+        claim.step("charge", charge()).await
+    };
+    let charge = attempt(&idempotency, "lost-reply", work, |r| r.is_ok())
+        .await
+        .unwrap();
+    assert_eq!(charge, 0, "the saved result");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the charge ran once");
+}
+
+/// The attempts a completer counts are the runtime's own entries: never refused by the limit,
+/// never in the way of a step, and counted across claims of the operation.
+#[tokio::test]
+async fn attempts_are_counted_on_the_record_past_the_checkpoint_limit() {
+    let idempotency = Idempotency::builder(MemoryStore::new())
+        .defaults(Defaults::new().max_checkpoint_bytes(40))
+        .build();
+    for expected in 0..5u32 {
+        let work = async {
+            let claim = current();
+            let before = claim.count_attempt().await.unwrap();
+            // A 33-byte checkpoint: within the limit whatever the attempts take.
+            claim
+                .step("reserve", async { "r".repeat(20) })
+                .await
+                .unwrap();
+            before
+        };
+        let before = attempt(&idempotency, "counted", work, |_| false).await;
+        assert_eq!(before, expected);
+    }
+}

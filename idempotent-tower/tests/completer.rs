@@ -335,3 +335,18 @@ async fn a_spawned_completer_finishes_in_the_background_until_stopped() {
         (StatusCode::CREATED, true)
     );
 }
+
+/// One slot, eight abandoned operations: one pass runs each of them in turn, dropping none.
+#[tokio::test]
+async fn a_pass_with_one_slot_runs_every_operation_it_lists() {
+    let s = setup(keeping(Idempotency::new(MemoryStore::new())));
+    s.shop.failing.store(true, Ordering::SeqCst);
+    for i in 0..8 {
+        send(&s.app, order_request(&format!("one-slot-{i}"))).await;
+    }
+    s.shop.failing.store(false, Ordering::SeqCst);
+    tokio::time::sleep(2 * AFTER).await;
+    let pass = s.completer().concurrency(1).pass().await.unwrap();
+    assert_eq!((pass.found, pass.completed), (8, 8), "{pass:?}");
+    assert_eq!(s.count(), (16, 8, 8));
+}
