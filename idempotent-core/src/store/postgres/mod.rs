@@ -437,64 +437,17 @@ impl PostgresStore {
     }
 }
 
-impl Store for PostgresStore {
-    fn name(&self) -> &'static str {
-        "postgres"
-    }
-
-    async fn claim(
+impl PostgresStore {
+    /// A claim, or with `resume` a takeover only ([`Store::resume`]: `None` when there was
+    /// nothing of the request to take over). One that does not come back (the connection
+    /// broke, the database froze) may still land: it is given back as soon as the database
+    /// answers.
+    async fn claim_or_resume(
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Claim, StoreError> {
-        let mut connection = self.connections.get().await?;
-        // Non-negative, so it fits a bigint.
-        let claimant = i64::try_from(super::claimant()).unwrap_or(i64::MAX);
-        let mut unanswered = Unanswered::new({
-            let (store, key) = (self.clone(), *key);
-            Box::new(move || {
-                let store = store.clone();
-                Box::pin(async move {
-                    let mut connection = store.connections.get().await?;
-                    let record = key.record_bytes();
-                    let query = sqlx::query(&store.sql.give_back)
-                        .bind(record.as_ref())
-                        .bind(claimant);
-                    let given = connection
-                        .execute(query)
-                        .await
-                        .map(|done| done.rows_affected() == 1)
-                        .map_err(store_error);
-                    Connections::settle(connection, given)
-                })
-            })
-        });
-        let result = self
-            .sql
-            .claim_on(
-                &mut connection,
-                key,
-                fingerprint,
-                (lease, ttl),
-                Some(claimant),
-            )
-            .await;
-        // An error from the database itself is an answer; one from the connection may
-        // not be: the claim may be made when the database runs again.
-        if !matches!(result, Err(StoreError::Unavailable(_))) {
-            unanswered.answered();
-        }
-        Connections::settle(connection, result)
-    }
-
-    async fn resume(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
+        terms: (Duration, Duration),
+        resume: bool,
     ) -> Result<Option<Claim>, StoreError> {
         let mut connection = self.connections.get().await?;
         // Non-negative, so it fits a bigint.
@@ -518,22 +471,54 @@ impl Store for PostgresStore {
                 })
             })
         });
-        let result = self
-            .sql
-            .resume_on(
-                &mut connection,
-                key,
-                fingerprint,
-                (lease, ttl),
-                Some(claimant),
-            )
-            .await;
+        let claimant = Some(claimant);
+        let result = if resume {
+            let sql = &self.sql;
+            sql.resume_on(&mut connection, key, fingerprint, terms, claimant)
+                .await
+        } else {
+            let sql = &self.sql;
+            sql.claim_on(&mut connection, key, fingerprint, terms, claimant)
+                .await
+                .map(Some)
+        };
         // An error from the database itself is an answer; one from the connection may
         // not be: the claim may be made when the database runs again.
         if !matches!(result, Err(StoreError::Unavailable(_))) {
             unanswered.answered();
         }
         Connections::settle(connection, result)
+    }
+}
+
+impl Store for PostgresStore {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn claim(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.claim_or_resume(key, fingerprint, (lease, ttl), false)
+            .await?
+            .ok_or_else(|| {
+                StoreError::Corrupt("a claim answered that there was nothing to resume".into())
+            })
+    }
+
+    async fn resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        self.claim_or_resume(key, fingerprint, (lease, ttl), true)
+            .await
     }
 
     async fn complete(
