@@ -80,7 +80,7 @@ impl IdempotencyLayer<Http> {
     /// that runs its handler; the record drops the request when it completes. Requests in a
     /// client session are not kept.
     pub fn keep_requests(mut self, keep: bool) -> Self {
-        let owner = keep.then(|| crate::completer::owner(&self.config.idempotency));
+        let owner = keep.then(|| crate::kept::owner(&self.config.idempotency));
         self.config().keep_requests = owner;
         self
     }

@@ -349,6 +349,7 @@ mod config;
 mod discard;
 mod fingerprint;
 mod future;
+mod kept;
 mod key;
 mod layer;
 mod principal;

@@ -299,7 +299,7 @@ where
     let kept = config
         .keep_requests
         .filter(|_| matches!(target, Target::Key(_)))
-        .map(|owner| crate::completer::SavedRequest::of(owner, &parts, &body).encode());
+        .map(|owner| crate::kept::SavedRequest::of(owner, &parts, &body).encode());
     let call = match target {
         Target::Key(key) => Call::new(key),
         Target::Session(session) => Call::in_session(session.id().clone(), session.place()),

@@ -1,8 +1,6 @@
 //! The completer: finishes, in the background, operations whose clients went away (see
 //! [`Completer`]).
 
-mod saved;
-
 use std::fmt;
 use std::future::Future;
 use std::future::poll_fn;
@@ -27,7 +25,7 @@ use crate::layer::IdempotencyLayer;
 use crate::problem::Problem;
 use crate::protocol::Http;
 
-pub(crate) use saved::{SavedRequest, owner};
+use crate::kept::{SavedRequest, owner};
 
 /// The request extension of a handler the [`Completer`] runs: which attempt this is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,5 +1,5 @@
-//! The request as the layer keeps it on its record for the completer: method, URI, headers
-//! (credentials left out) and body, with the number of completer attempts so far.
+//! The request as the layer keeps it on its record for the completer (`completer`): whose it
+//! is (the runtime's owner digest), method, URI, headers (credentials left out) and body.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::header::{AUTHORIZATION, COOKIE, PROXY_AUTHORIZATION};
