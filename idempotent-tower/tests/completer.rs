@@ -350,3 +350,36 @@ async fn a_pass_with_one_slot_runs_every_operation_it_lists() {
     assert_eq!((pass.found, pass.completed), (8, 8), "{pass:?}");
     assert_eq!(s.count(), (16, 8, 8));
 }
+
+/// The completer's metrics: its runs, the operations it finished and those it gave up.
+#[tokio::test]
+async fn the_completer_counts_its_attempts_completions_and_give_ups() {
+    let s = setup(keeping(Idempotency::new(MemoryStore::new())));
+    let (completer, recorded) =
+        idempotent_core::metrics::Recorded::capture(|| s.completer().max_attempts(2));
+    s.shop.failing.store(true, Ordering::SeqCst);
+    send(&s.app, order_request("m-given-up")).await;
+    send(&s.app, order_request("m-done")).await;
+    tokio::time::sleep(2 * AFTER).await;
+    // Both runs fail: two attempts.
+    completer.pass().await.unwrap();
+    // `m-done` now succeeds; `m-given-up` fails its last attempt, which is recorded.
+    s.shop.failing.store(false, Ordering::SeqCst);
+    send(&s.app, order_request("m-done")).await;
+    s.shop.failing.store(true, Ordering::SeqCst);
+    tokio::time::sleep(2 * AFTER).await;
+    let pass = completer.pass().await.unwrap();
+    assert_eq!((pass.found, pass.given_up), (1, 1), "{pass:?}");
+    let counter = |name: &str| recorded.counter(name, &[]);
+    assert_eq!(counter("idempotency.completer.attempts"), 3);
+    assert_eq!(counter("idempotency.completer.given_up"), 1);
+    assert_eq!(counter("idempotency.completer.completed"), 0);
+    // A third operation the completer finishes.
+    send(&s.app, order_request("m-finished")).await;
+    s.shop.failing.store(false, Ordering::SeqCst);
+    tokio::time::sleep(2 * AFTER).await;
+    let pass = completer.pass().await.unwrap();
+    assert_eq!((pass.found, pass.completed), (1, 1), "{pass:?}");
+    assert_eq!(counter("idempotency.completer.completed"), 1);
+    assert_eq!(counter("idempotency.completer.attempts"), 4);
+}
