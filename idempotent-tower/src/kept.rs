@@ -92,7 +92,11 @@ impl SavedRequest {
                 .map_err(|_| SavedRequestError("invalid header name"))?;
             let value = HeaderValue::from_maybe_shared(take(&mut input)?)
                 .map_err(|_| SavedRequestError("invalid header value"))?;
-            headers.append(name, value);
+            // Never `append`: it panics past 32,768 distinct names, and these bytes come from
+            // the store (a damaged record is unreadable, not a panicking completer pass).
+            headers.try_append(name, value).map_err(|_| {
+                SavedRequestError("more distinct header names than a header map holds")
+            })?;
         }
         let body = take(&mut input)?;
         if input.has_remaining() {
@@ -165,6 +169,26 @@ mod tests {
         let mut longer = BytesMut::from(&whole[..]);
         longer.put_u8(0);
         assert!(SavedRequest::decode(longer.freeze()).is_err());
+    }
+
+    /// A damaged record can claim any number of headers: more distinct names than a
+    /// `HeaderMap` holds (32,768) is an error, never `HeaderMap::append`'s panic.
+    #[test]
+    fn more_header_names_than_a_map_holds_is_an_error_never_a_panic() {
+        let names = 40_000_u32;
+        let mut bytes = BytesMut::new();
+        bytes.put_slice(MAGIC);
+        bytes.put_slice(&[7; 32]);
+        put(&mut bytes, b"POST");
+        put(&mut bytes, b"/orders");
+        bytes.put_u32(names);
+        for i in 0..names {
+            put(&mut bytes, format!("x-{i}").as_bytes());
+            put(&mut bytes, b"1");
+        }
+        put(&mut bytes, b"{}");
+        let error = SavedRequest::decode(bytes.freeze()).expect_err("too many header names");
+        assert!(error.to_string().contains("header"), "{error}");
     }
 
     proptest::proptest! {
