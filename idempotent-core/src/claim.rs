@@ -105,8 +105,10 @@ struct ClaimState {
     notify: Notify,
     /// The operation's checkpoints as this claim knows them: `None` until the first step
     /// asks (loaded from the store when the claim took an operation over, empty when it began
-    /// one).
-    steps: tokio::sync::Mutex<Known>,
+    /// one). A `std` mutex, never held across a store call: a step costs no lock of tokio's
+    /// (whose acquisition spends the task's cooperative budget and can make a caller yield
+    /// behind every other task on its thread).
+    steps: std::sync::Mutex<Known>,
     max_checkpoint_bytes: usize,
 }
 
@@ -178,7 +180,7 @@ impl ClaimHandle {
                 recording: AtomicBool::new(false),
                 finish_on_shutdown: AtomicBool::new(false),
                 notify: Notify::new(),
-                steps: tokio::sync::Mutex::new(Known::default()),
+                steps: std::sync::Mutex::new(Known::default()),
                 max_checkpoint_bytes,
             }),
         }
@@ -455,64 +457,126 @@ impl ClaimHandle {
             })
         })?;
         let entry = encode_checkpoint(name, &json);
-        let mut steps = self.state.steps.lock().await;
-        let known = self.loaded(&mut steps).await?;
-        if let Some(saved) = known.get(name) {
-            return Ok(Some(saved.clone()));
-        }
-        let size = known.steps_len() + entry.len();
-        let limit = self.state.max_checkpoint_bytes;
-        if limited && size > limit {
-            return Err(Error::Checkpoint(CheckpointError::TooLarge {
-                step: name.to_owned(),
-                size,
-                limit,
-            }));
-        }
         let entry_len = entry.len();
-        match self.fenced(write(entry)).await {
+        let limit = self.state.max_checkpoint_bytes;
+        // Checked, and its bytes reserved against the limit (so steps running side by side
+        // cannot pass it together), before the write; the lock is not held across it.
+        let checked = self
+            .with_known(|known, pending| {
+                if let Some(saved) = known.get(name) {
+                    return Err(Ok(saved.clone()));
+                }
+                let size = known.steps_len() + *pending + entry_len;
+                if limited && size > limit {
+                    return Err(Err(Error::Checkpoint(CheckpointError::TooLarge {
+                        step: name.to_owned(),
+                        size,
+                        limit,
+                    })));
+                }
+                if limited {
+                    *pending += entry_len;
+                }
+                Ok(())
+            })
+            .await?;
+        match checked {
             Ok(()) => {}
-            Err(Error::Store(error)) => {
-                // It may have landed: forget what this claim knows, and read the store again
-                // before the next step.
-                *steps = Known {
-                    checkpoints: None,
-                    reload: true,
-                };
-                return Err(Error::Store(error));
+            Err(Ok(saved)) => return Ok(Some(saved)),
+            Err(Err(error)) => return Err(error),
+        }
+        let written = self.fenced(write(entry)).await;
+        let json = Bytes::from(json);
+        let same_name_first = {
+            let mut steps = self.lock_steps();
+            if limited {
+                steps.pending = steps.pending.saturating_sub(entry_len);
             }
-            Err(error) => return Err(error),
+            match written {
+                Ok(()) => {}
+                Err(Error::Store(error)) => {
+                    // It may have landed: forget what this claim knows, and read the store
+                    // again before the next step.
+                    steps.forget();
+                    return Err(Error::Store(error));
+                }
+                Err(error) => return Err(error),
+            }
+            match steps.checkpoints.as_mut() {
+                Some(known) => match known.get(name) {
+                    None => {
+                        known.push(name, json.clone(), entry_len);
+                        false
+                    }
+                    // This write itself, read back by a load that came after it.
+                    Some(saved) => *saved != json,
+                },
+                // Forgotten meanwhile (another write's outcome is unknown): the next step
+                // reads the store.
+                None => false,
+            }
+        };
+        if !same_name_first {
+            return Ok(None);
         }
-        if let Some(known) = steps.checkpoints.as_mut() {
-            known.push(name, Bytes::from(json), entry_len);
-        }
-        Ok(None)
+        // A step of the same name saved too, and this claim cannot tell whose write the store
+        // has first (the first entry of a name wins): the store says.
+        self.lock_steps().forget();
+        let first = self.with_known(|known, _| known.get(name).cloned()).await?;
+        Ok(first.filter(|saved| *saved != json))
     }
 
-    /// The checkpoints this claim knows, loading them first if it has not (or must again):
-    /// a claim that began its operation (its token is the lifetime's) has none to load,
-    /// unless a write of uncertain outcome made it forget them. A load that fails leaves
-    /// that as it was, for the next step to try again.
-    async fn loaded<'a>(
+    /// The claim's knowledge of its checkpoints, locked (only between store calls).
+    fn lock_steps(&self) -> std::sync::MutexGuard<'_, Known> {
+        self.state
+            .steps
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the checkpoints this claim knows (and the bytes that steps being written
+    /// have reserved), loading them first if it has not (or must again): a claim that began
+    /// its operation (its token is the lifetime's) has none to load, unless a write of
+    /// uncertain outcome made it forget them. A load that fails leaves that as it was, for
+    /// the next step to try again; a load that a write of uncertain outcome overtook is made
+    /// again (it may not have seen that write).
+    async fn with_known<R>(
         &self,
-        steps: &'a mut tokio::sync::MutexGuard<'_, Known>,
-    ) -> Result<&'a mut Checkpoints, Error> {
-        if steps.checkpoints.is_none() {
-            let loaded = match &self.state.store {
-                Some(store) if steps.reload || self.state.token != self.state.lifetime => {
-                    let bytes = self
-                        .fenced(store.load_steps(&self.state.key, self.state.token))
-                        .await?;
-                    Checkpoints::decode(bytes).map_err(Error::Store)?
+        f: impl FnOnce(&mut Checkpoints, &mut usize) -> R,
+    ) -> Result<R, Error> {
+        loop {
+            let (store, generation) = {
+                let mut guard = self.lock_steps();
+                let steps = &mut *guard;
+                let load = match &self.state.store {
+                    Some(store) if steps.checkpoints.is_none() => (steps.reload
+                        || self.state.token != self.state.lifetime)
+                        .then(|| store.clone()),
+                    _ => None,
+                };
+                match load {
+                    Some(store) => (store, steps.generation),
+                    None => {
+                        let known = steps.checkpoints.get_or_insert_with(Checkpoints::default);
+                        return Ok(f(known, &mut steps.pending));
+                    }
                 }
-                _ => Checkpoints::default(),
             };
-            **steps = Known {
-                checkpoints: Some(loaded),
-                reload: false,
-            };
+            let bytes = self
+                .fenced(store.load_steps(&self.state.key, self.state.token))
+                .await?;
+            let loaded = Checkpoints::decode(bytes).map_err(Error::Store)?;
+            let mut guard = self.lock_steps();
+            let steps = &mut *guard;
+            if steps.generation == generation {
+                if steps.checkpoints.is_none() {
+                    steps.checkpoints = Some(loaded);
+                    steps.reload = false;
+                }
+                let known = steps.checkpoints.get_or_insert_with(Checkpoints::default);
+                return Ok(f(known, &mut steps.pending));
+            }
         }
-        Ok(steps.checkpoints.get_or_insert_with(Checkpoints::default))
     }
 
     /// Counts one more attempt at this operation on its record (a checkpoint of the
@@ -527,14 +591,14 @@ impl ClaimHandle {
         let Some(store) = self.state.store.clone() else {
             return Ok(0);
         };
-        let before = {
-            let mut steps = self.state.steps.lock().await;
-            let known = self.loaded(&mut steps).await?;
-            known
-                .steps()
-                .filter(|(name, _)| name.starts_with(ATTEMPT))
-                .count()
-        };
+        let before = self
+            .with_known(|known, _| {
+                known
+                    .steps()
+                    .filter(|(name, _)| name.starts_with(ATTEMPT))
+                    .count()
+            })
+            .await?;
         let before = u32::try_from(before).unwrap_or(u32::MAX);
         let name = format!("{ATTEMPT}{}", before.saturating_add(1));
         let (key, token) = (self.state.key, self.state.token);
@@ -551,9 +615,7 @@ impl ClaimHandle {
     /// The saved result of step `name`, loading the operation's checkpoints on first use: a
     /// claim that began its operation (its token is the lifetime's) has none to load.
     async fn saved(&self, name: &str) -> Result<Option<Bytes>, Error> {
-        let mut steps = self.state.steps.lock().await;
-        let known = self.loaded(&mut steps).await?;
-        Ok(known.get(name).cloned())
+        self.with_known(|known, _| known.get(name).cloned()).await
     }
 
     /// The key to pass downstream for the operation's step `name`: the
@@ -698,6 +760,21 @@ struct Known {
     /// a dropped connection): the next load reads the store even on a claim that began its
     /// operation. Cleared only by a load that succeeded.
     reload: bool,
+    /// Moved on by every [`forget`](Known::forget): a load that began before one is not
+    /// taken (it may have missed the write whose outcome is unknown).
+    generation: u64,
+    /// Bytes of steps being written, reserved against the limit.
+    pending: usize,
+}
+
+impl Known {
+    /// Forgets the checkpoints after a write of uncertain outcome: the next step reads the
+    /// store again.
+    fn forget(&mut self) {
+        self.checkpoints = None;
+        self.reload = true;
+        self.generation = self.generation.wrapping_add(1);
+    }
 }
 
 /// The names of the attempts [`ClaimHandle::count_attempt`] counts: the runtime's own (a

@@ -593,3 +593,100 @@ async fn attempts_are_counted_on_the_record_past_the_checkpoint_limit() {
         assert_eq!(before, expected);
     }
 }
+
+/// Steps of one operation running side by side (the claim's checkpoint state is not locked
+/// across a store write): together they never take the record past the limit, and each one
+/// that saved is found by the next attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steps_side_by_side_stay_within_the_limit() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    let idempotency = Idempotency::builder(store)
+        .defaults(Defaults::new().max_checkpoint_bytes(100))
+        .build();
+    // Every write waits, so all ten are in flight together.
+    faults.fail(Op::SaveStep, Fault::Delay(Duration::from_millis(50)));
+    let work = async {
+        let claim = current();
+        let steps: Vec<_> = (0..10)
+            .map(|i| {
+                let claim = claim.clone();
+                // 1 + 7 + 4 + 20 = 32 bytes each (lengths, name, JSON): three fit in 100, a fourth
+                // does not.
+                tokio::spawn(async move {
+                    claim
+                        .step(&format!("step-0{i}"), async { "s".repeat(18) })
+                        .await
+                })
+            })
+            .collect();
+        let mut results = Vec::new();
+        for step in steps {
+            results.push(step.await.unwrap());
+        }
+        results
+    };
+    let results = attempt(&idempotency, "side-by-side", work, |_| false).await;
+    let saved: Vec<usize> = (0..10).filter(|i| results[*i].is_ok()).collect();
+    assert_eq!(saved.len(), 3, "{results:?}");
+    for (i, result) in results.iter().enumerate() {
+        if !saved.contains(&i) {
+            assert!(
+                matches!(
+                    result,
+                    Err(Error::Checkpoint(CheckpointError::TooLarge { .. }))
+                ),
+                "{result:?}"
+            );
+        }
+    }
+    faults.heal_all();
+    // The next attempt finds the three saved and runs none of them again.
+    let runs = AtomicUsize::new(0);
+    let work = async {
+        let claim = current();
+        for i in &saved {
+            claim
+                .step(&format!("step-0{i}"), async {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    String::new()
+                })
+                .await
+                .unwrap();
+        }
+    };
+    attempt(&idempotency, "side-by-side", work, |_| true).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+/// Two steps of the same name in one attempt, side by side, both saving: both return what
+/// the store kept first, and so does every later attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_named_steps_side_by_side_agree_with_the_store() {
+    for round in 0..20 {
+        let store = FaultyStore::new(MemoryStore::new());
+        let faults = store.faults();
+        let idempotency = Idempotency::new(store);
+        faults.fail(Op::SaveStep, Fault::Delay(Duration::from_millis(5)));
+        let key = format!("same-name-{round}");
+        let work = async {
+            let claim = current();
+            let (a, b) = (claim.clone(), claim.clone());
+            let first = tokio::spawn(async move { a.step("charge", async { 1u32 }).await });
+            let second = tokio::spawn(async move { b.step("charge", async { 2u32 }).await });
+            (
+                first.await.unwrap().unwrap(),
+                second.await.unwrap().unwrap(),
+            )
+        };
+        let (a, b) = attempt(&idempotency, &key, work, |_| false).await;
+        assert_eq!(a, b, "round {round}");
+        faults.heal_all();
+        let work = async { current().step("charge", async { 3u32 }).await.unwrap() };
+        let later = attempt(&idempotency, &key, work, |_| true).await;
+        assert_eq!(
+            later, a,
+            "round {round}: the later attempt gets the same result"
+        );
+    }
+}

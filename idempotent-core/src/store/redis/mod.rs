@@ -946,6 +946,9 @@ impl Store for RedisStore {
             Value::Int(0) => Err(StoreError::TokenRejected),
             Value::Array(parts) => match parts.as_mut_slice() {
                 [Value::BulkString(steps)] => Ok(Bytes::from(std::mem::take(steps))),
+                [Value::BulkString(_), Value::BulkString(_)] => Err(corrupt(
+                    "a checkpoint chunk of the record is missing or its count is not a number",
+                )),
                 _ => Err(corrupt("unexpected checkpoints reply")),
             },
             _ => Err(corrupt("unexpected checkpoints reply")),

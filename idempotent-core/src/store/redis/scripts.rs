@@ -60,7 +60,10 @@ local lifetime = token
 if rec[1] == 'i' and rec[2] == ARGV[1] and rec[5] then lifetime = rec[5] end
 redis.call('HSET', KEYS[1], 's', 'i', 'f', ARGV[1], 't', token, 'o', lifetime,
   'l', string.format('%.0f', ms + tonumber(ARGV[2])), 'n', ARGV[4])
-if lifetime == token then redis.call('HDEL', KEYS[1], 'k', 'r') end
+if lifetime == token then
+  drop_steps()
+  redis.call('HDEL', KEYS[1], 'r')
+end
 redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[2]), tonumber(ARGV[3])))
 return {'claimed', token, lifetime}
 ";
@@ -81,7 +84,8 @@ const COMPLETE: &str = r"
 if owned then
   local had = redis.call('HEXISTS', KEYS[1], 'r')
   redis.call('HSET', KEYS[1], 's', 'c', 'p', ARGV[2])
-  redis.call('HDEL', KEYS[1], 'l', 'n', 'k', 'r')
+  drop_steps()
+  redis.call('HDEL', KEYS[1], 'l', 'n', 'r')
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return 1 + had
 end
@@ -141,22 +145,42 @@ redis.call('HSET', KEYS[1], 'l', string.format('%.0f', ms))
 return 1
 ";
 
-// Appends `ARGV[2]` to the checkpoints (`k`) of the record held with token `ARGV[1]`.
+// The checkpoints of a record are chunks in fields of their own, so that saving one is
+// constant work whatever came before (rewriting one field would copy every earlier step's
+// bytes again, quadratic in an operation's steps): `k` holds the first entry, `kn` how many
+// came after it, in `k1` to `k<kn>` in order (a record written before chunks has everything
+// in `k`, which reads the same). `drop_steps()` removes them all.
+const STEP_CHUNKS: &str = r"
+local function drop_steps()
+  local n = tonumber(redis.call('HGET', KEYS[1], 'kn') or '0') or 0
+  for i = 1, n do redis.call('HDEL', KEYS[1], 'k' .. i) end
+  redis.call('HDEL', KEYS[1], 'k', 'kn')
+end
+";
+
+// Appends `ARGV[2]` to the checkpoints of the record held with token `ARGV[1]`.
 const SAVE_STEP: &str = r"
 if not owned then return 0 end
-local steps = redis.call('HGET', KEYS[1], 'k')
-if steps then
-  redis.call('HSET', KEYS[1], 'k', steps .. ARGV[2])
-else
-  redis.call('HSET', KEYS[1], 'k', ARGV[2])
+if redis.call('HSETNX', KEYS[1], 'k', ARGV[2]) == 0 then
+  local n = redis.call('HINCRBY', KEYS[1], 'kn', 1)
+  redis.call('HSET', KEYS[1], 'k' .. n, ARGV[2])
 end
 return 1
 ";
 
-// The checkpoints of the record held with token `ARGV[1]` (`{bytes}`), or `0`.
+// The checkpoints of the record held with token `ARGV[1]` (`{bytes}`, its chunks in order),
+// or `0`; `{'?', what}` when a chunk is missing or the count is not a number.
 const LOAD_STEPS: &str = r"
 if not owned then return 0 end
-return {redis.call('HGET', KEYS[1], 'k') or ''}
+local parts = {redis.call('HGET', KEYS[1], 'k') or ''}
+local n = tonumber(redis.call('HGET', KEYS[1], 'kn') or '0')
+if not n then return {'?', 'kn'} end
+for i = 1, n do
+  local chunk = redis.call('HGET', KEYS[1], 'k' .. i)
+  if not chunk then return {'?', 'k' .. i} end
+  parts[i + 1] = chunk
+end
+return {table.concat(parts)}
 ";
 
 // Keeps `ARGV[2]` as the request (`r`) of the record held with token `ARGV[1]`; replies
@@ -359,8 +383,11 @@ pub(super) struct Scripts {
 pub(super) fn scripts() -> &'static Scripts {
     static SCRIPTS: std::sync::OnceLock<Scripts> = std::sync::OnceLock::new();
     SCRIPTS.get_or_init(|| Scripts {
-        claim: checked(&[2, 3], &[CLAIM, EXPIRY_CHECKS, NOW_MS, CLAIM_IN_TIME]),
-        complete: checked(&[3], &[NOW_MS, OWNED, COMPLETE]),
+        claim: checked(
+            &[2, 3],
+            &[STEP_CHUNKS, CLAIM, EXPIRY_CHECKS, NOW_MS, CLAIM_IN_TIME],
+        ),
+        complete: checked(&[3], &[STEP_CHUNKS, NOW_MS, OWNED, COMPLETE]),
         release: checked_in_oom(&[], &[NOW_MS, OWNED, RELEASE]),
         renew: checked_in_oom(&[2], &[NOW_MS, OWNED, RENEW]),
         confirm: checked(&[], &[NOW_MS, OWNED, CONFIRM]),
@@ -388,7 +415,10 @@ pub(super) fn scripts() -> &'static Scripts {
 /// `RedisStore::claim_and_complete_scripts`).
 pub(super) fn claim_and_complete_sources() -> [String; 2] {
     [
-        checked_source(&[2, 3], &[CLAIM, EXPIRY_CHECKS, NOW_MS, CLAIM_IN_TIME]),
-        checked_source(&[3], &[NOW_MS, OWNED, COMPLETE]),
+        checked_source(
+            &[2, 3],
+            &[STEP_CHUNKS, CLAIM, EXPIRY_CHECKS, NOW_MS, CLAIM_IN_TIME],
+        ),
+        checked_source(&[3], &[STEP_CHUNKS, NOW_MS, OWNED, COMPLETE]),
     ]
 }

@@ -295,15 +295,31 @@ fn decimals_of_replies() {
     }
 }
 
-/// The fields of a record, as Redis has them.
+/// The checkpoints (its chunks `k`, `k1`.. `k<kn>` joined; `None` when the record has no
+/// field of them at all, `kn` included) and the request (`r`) of a record, as Redis has them.
 async fn fields(connection: &mut Connection, name: &str) -> Vec<Option<Vec<u8>>> {
-    redis::cmd("HMGET")
+    let all: std::collections::HashMap<String, Vec<u8>> = redis::cmd("HGETALL")
         .arg(name)
-        .arg("k")
-        .arg("r")
         .query_async(connection)
         .await
-        .unwrap()
+        .unwrap();
+    let chunked = |field: &str| {
+        field == "k"
+            || field
+                .strip_prefix('k')
+                .is_some_and(|n| n == "n" || n.parse::<u32>().is_ok())
+    };
+    let steps = all.keys().any(|field| chunked(field)).then(|| {
+        let count: u32 = all
+            .get("kn")
+            .map_or(0, |n| std::str::from_utf8(n).unwrap().parse().unwrap());
+        let mut joined = all.get("k").cloned().unwrap_or_default();
+        for i in 1..=count {
+            joined.extend_from_slice(&all[&format!("k{i}")]);
+        }
+        joined
+    });
+    vec![steps, all.get("r").cloned()]
 }
 
 /// The score of `key`'s member of the index of saved requests.
@@ -492,4 +508,112 @@ async fn steps_on_a_key_of_another_type_are_errors() {
         .await
         .unwrap();
     assert_eq!(kept, "x");
+}
+
+/// Saving a checkpoint writes a field of its own (`k`, then `k1`, `k2`, ...), never the
+/// earlier ones again: the work of one save does not grow with the operation's steps. A
+/// record written before chunks (everything in `k`) reads the same and takes more; a damaged
+/// count is a corrupt record, not a panic or a short read.
+#[tokio::test]
+async fn each_checkpoint_is_a_field_of_its_own() {
+    let Some(url) = backend_url("IDEMPOTENT_TEST_REDIS_URL") else {
+        return;
+    };
+    let store = RedisStore::connect(&url).await.unwrap();
+    let mut connection = store.connection.clone();
+    let key = fresh_key();
+    let name = store.redis_key(&key);
+    let f = Fingerprint::from_bytes(b"chunks");
+    let Claim::Claimed(token) = store
+        .claim(&key, &f, Duration::from_secs(30), Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed");
+    };
+    let mut expected = Vec::new();
+    for i in 0..100u32 {
+        let entry = format!("<{i}>");
+        store
+            .save_step(&key, token, entry.clone().into())
+            .await
+            .unwrap();
+        expected.extend_from_slice(entry.as_bytes());
+    }
+    let field = async |connection: &mut Connection, field: &str| -> Option<Vec<u8>> {
+        redis::cmd("HGET")
+            .arg(&name)
+            .arg(field)
+            .query_async(connection)
+            .await
+            .unwrap()
+    };
+    assert_eq!(
+        field(&mut connection, "k").await.as_deref(),
+        Some(&b"<0>"[..])
+    );
+    assert_eq!(
+        field(&mut connection, "k99").await.as_deref(),
+        Some(&b"<99>"[..])
+    );
+    assert_eq!(
+        field(&mut connection, "kn").await.as_deref(),
+        Some(&b"99"[..])
+    );
+    assert_eq!(
+        &store.load_steps(&key, token).await.unwrap()[..],
+        &expected[..]
+    );
+
+    // As 0.3 wrote them: all in `k`; one more save goes to a chunk after it.
+    let _: () = redis::cmd("HDEL")
+        .arg(&name)
+        .arg((1..=99).map(|i| format!("k{i}")).collect::<Vec<_>>())
+        .arg("kn")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(&name)
+        .arg("k")
+        .arg("<a><b>")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    store.save_step(&key, token, "<c>".into()).await.unwrap();
+    assert_eq!(
+        &store.load_steps(&key, token).await.unwrap()[..],
+        b"<a><b><c>"
+    );
+
+    // Garbage in the count, or a chunk gone: corrupt.
+    for (field, value) in [("kn", "x"), ("kn", "5")] {
+        let _: () = redis::cmd("HSET")
+            .arg(&name)
+            .arg(field)
+            .arg(value)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        assert!(
+            matches!(
+                store.load_steps(&key, token).await,
+                Err(StoreError::Corrupt(_))
+            ),
+            "{field}={value}"
+        );
+    }
+    // A completion drops every chunk.
+    let _: () = redis::cmd("HSET")
+        .arg(&name)
+        .arg("kn")
+        .arg("1")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    store
+        .complete(&key, token, "done".into(), Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(fields(&mut connection, &name).await, [None, None]);
 }
