@@ -79,6 +79,11 @@ impl IdempotencyLayer<Http> {
     /// its client never retries (default off). Costs one store write per protected request
     /// that runs its handler; the record drops the request when it completes. Requests in a
     /// client session are not kept.
+    ///
+    /// The request is kept before the handler runs. If that write fails, the handler does not
+    /// run, the claim is released and the client gets the store's failure (`503
+    /// store_unavailable`, or `store_capacity`), counted under that outcome; its retry runs
+    /// the request.
     pub fn keep_requests(mut self, keep: bool) -> Self {
         let owner = keep.then(|| crate::kept::owner(&self.config.idempotency));
         self.config().keep_requests = owner;

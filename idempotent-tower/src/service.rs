@@ -330,12 +330,10 @@ where
             if let Some(kept) = kept
                 && let Err(error) = claim.save_request(kept).await
             {
-                // Not kept, not run: the client's retry runs it.
-                tracing::warn!(
-                    error = &error as &dyn std::error::Error,
-                    "could not keep the request for the completer; it was not run"
-                );
-                return None;
+                // Not kept, not run, the claim released: the client's retry runs it. A store
+                // failure (or a claim lost before the handler began), never "lost while the
+                // handler ran".
+                return Err(error);
             }
         }
         let answering = claim.clone();
@@ -353,7 +351,7 @@ where
                 Err(error) => Err(error),
             }
         };
-        match claim.filter(|_| cancel_on_loss) {
+        Ok(match claim.filter(|_| cancel_on_loss) {
             Some(claim) => {
                 let mut answered = std::pin::pin!(answered);
                 let mut lost = std::pin::pin!(claim.lost());
@@ -366,16 +364,20 @@ where
                 .await
             }
             None => Some(answered.await),
-        }
+        })
     };
-    let retain = |output: &Option<Result<Captured<ResBody>, S::Error>>| match output {
-        Some(Ok(captured)) if config.retains(captured) => Retain::Keep,
-        // Not kept by the outcome policy, failed, or stopped because the claim was lost: the
-        // key is released and nothing of this request is recorded.
+    // The work's output: `Err` if the request could not be kept for a completer (the handler
+    // never ran); `Ok(None)` if the handler was stopped because the claim was lost.
+    type Output<B, E> = Result<Option<Result<Captured<B>, E>>, Error>;
+    let retain = |output: &Output<ResBody, S::Error>| match output {
+        Ok(Some(Ok(captured))) if config.retains(captured) => Retain::Keep,
+        // Not kept by the outcome policy, failed, stopped because the claim was lost, or never
+        // run: the key is released and nothing of this request is recorded.
         _ => Retain::Release,
     };
-    let encode = |output: &Option<Result<Captured<ResBody>, S::Error>>| {
-        record_of(&config, output, storage_key)
+    let encode = |output: &Output<ResBody, S::Error>| match output {
+        Ok(output) => record_of(&config, output, storage_key),
+        Err(_) => None,
     };
 
     match config
@@ -383,20 +385,39 @@ where
         .execute(&call, work, retain, encode)
         .await
     {
-        Ok(Execution::Fresh(Some(Ok(captured)))) => {
+        Ok(Execution::Fresh(Ok(Some(Ok(captured))))) => {
             tracing::debug!(outcome = "fresh", %storage_key, status = captured.status().as_u16(), "idempotent request executed");
             count(&config, RequestOutcome::Fresh);
             Ok(captured.into_response())
         }
         // The handler ran; the inner service's own error is its answer.
-        Ok(Execution::Fresh(Some(Err(error)))) => {
+        Ok(Execution::Fresh(Ok(Some(Err(error))))) => {
             count(&config, RequestOutcome::Fresh);
             Err(error)
         }
-        Ok(Execution::Fresh(None)) => {
+        Ok(Execution::Fresh(Ok(None))) => {
             tracing::warn!(outcome = ProblemCode::ClaimLost.as_str(), %storage_key, "request stopped: its claim was lost while the handler ran");
             count(&config, RequestOutcome::Refused(ProblemCode::ClaimLost));
             Ok(P::answer(Problem::from_error(&Error::ClaimLost)))
+        }
+        // The request could not be kept for a completer: not run, its claim released.
+        Ok(Execution::Fresh(Err(error))) => {
+            let outcome = error.code().as_str();
+            match &error {
+                Error::Store(e) => tracing::error!(
+                    outcome,
+                    %storage_key,
+                    error = e as &dyn std::error::Error,
+                    "could not keep the request for the completer; it was not run (fail closed)"
+                ),
+                _ => tracing::info!(
+                    outcome,
+                    %storage_key,
+                    "could not keep the request for the completer; it was not run"
+                ),
+            }
+            count(&config, RequestOutcome::of_error(&error));
+            Ok(P::answer(Problem::from_error(&error)))
         }
         Ok(Execution::Replayed(stored)) => {
             let (response, outcome) = replay::<P, _>(stored, storage_key);

@@ -170,3 +170,61 @@ async fn grpc_requests_are_counted_under_their_own_protocol() {
     assert_eq!(counted("replayed"), 1);
     assert_eq!(recorded.counter(REQUESTS, &[("protocol", "http")]), 0);
 }
+
+/// A request the layer could not keep for a completer (`save_request` failed) did not run and
+/// its claim was released: a store failure (`503 store_unavailable`, or the store's own code),
+/// counted as one, never `claim_lost` (which says the handler ran and lost its claim). The
+/// retry runs it.
+#[tokio::test]
+async fn a_request_that_could_not_be_kept_is_a_store_failure_not_a_lost_claim() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    let (idempotency, recorded) = Recorded::capture(|| Idempotency::new(store));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let svc = stack(
+        IdempotencyLayer::http(idempotency).keep_requests(true),
+        service_fn({
+            let runs = Arc::clone(&runs);
+            move |_: Req| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                async {
+                    Ok::<_, BoxError>(
+                        Response::builder()
+                            .status(201)
+                            .body(Full::new(Bytes::from_static(b"done")))
+                            .unwrap(),
+                    )
+                }
+            }
+        }),
+    );
+
+    faults.fail_next(Op::SaveRequest, 1, Fault::Unavailable);
+    let refused = send(&svc, post("/pay", Some("a"), "{}")).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.code(), "store_unavailable");
+    assert!(
+        refused.headers.contains_key("retry-after"),
+        "a 503 says when to retry"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler did not run");
+    assert_eq!(http(&recorded, "store_error"), 1);
+    assert_eq!(http(&recorded, "claim_lost"), 0);
+
+    faults.fail_next(Op::SaveRequest, 1, Fault::Full);
+    let full = send(&svc, post("/pay", Some("a"), "{}")).await;
+    assert_eq!(full.code(), "store_capacity", "the store's own code");
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler did not run");
+    assert_eq!(http(&recorded, "store_full"), 1);
+    assert_eq!(http(&recorded, "claim_lost"), 0);
+
+    // The claim was released: the retry runs the request.
+    let retried = send(&svc, post("/pay", Some("a"), "{}")).await;
+    assert_eq!(retried.status, StatusCode::CREATED);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(http(&recorded, "fresh"), 1);
+    assert_eq!(faults.calls(Op::SaveRequest), 3);
+}
