@@ -787,3 +787,43 @@ async fn queues_declared_by_a_publisher_first() {
     );
     broker.delete(&[&classic, &format!("{classic}.dead")]).await;
 }
+
+/// `consumer_timeout(Duration::MAX)`, a natural way to say the broker's timeout is disabled,
+/// used to overflow the clock in every message's task (the handling limit counted from the
+/// message's receipt): each task panicked, no message was ever answered, and the consumer
+/// stopped receiving once its hand was full. Now the limit is simply never reached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumer_timeout_of_duration_max_is_no_limit() {
+    let Some(url) = amqp_url() else { return };
+    let queue = unique("timeout-max");
+    let dead = format!("{queue}.dead");
+    let broker = Broker::connect(&url).await;
+    let source = RabbitMq::builder(&url, &queue)
+        .prefetch(32)
+        .consumer_timeout(Duration::MAX)
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("cannot start the RabbitMQ source: {e}"));
+    let messages: Vec<_> = (0..40)
+        .map(|i| (format!("t-{i}"), format!("ok:{i}").into_bytes()))
+        .collect();
+    broker.publish(&queue, &messages).await;
+    let handler = Counting::new(always_ok, Duration::from_millis(1));
+    let (stop, run) = start(
+        Consumer::new(source)
+            .concurrency(2)
+            .batch(2)
+            .handler_timeout(Duration::MAX),
+        handler.clone(),
+    );
+    eventually(
+        Duration::from_secs(20),
+        "40 messages applied and the queue drained",
+        || async { handler.applied() == 40 && broker.counts(&queue).await.0 == 0 },
+    )
+    .await;
+    stop.send(()).unwrap();
+    let report = run.await.unwrap();
+    assert_eq!(report.applied, 40, "{report:?}");
+    broker.delete(&[&queue, &dead]).await;
+}

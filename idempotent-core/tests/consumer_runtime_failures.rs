@@ -372,3 +372,80 @@ async fn a_handler_past_its_timeout_is_stopped_its_claim_released_and_its_messag
         Observed::Retried(Failure::Transient(reason), _) if reason.contains("ran longer than 200ms")
     )));
 }
+
+/// Every duration setting of the runtime at its largest (a natural way to write "no limit"):
+/// the handler timeout, the backoff, the source's keep-alive period and its handling limit.
+/// Each used to overflow an `Instant` inside the message's task, which panicked there: the
+/// message was never answered and, with an ordering key, every later message of that key
+/// waited behind it for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duration_max_settings_neither_panic_nor_stop_the_consumer() {
+    let source = TestSource::with_limits(Some(Duration::MAX), Some(Duration::MAX));
+    let positions: Vec<_> = (0..6)
+        .map(|i| source.publish_with(&format!("m-{i}"), &format!("ok {i}"), Some("k")))
+        .collect();
+    let probe = Probe::default();
+    let consumer = consumer(&source, &probe)
+        .concurrency(1)
+        .batch(1)
+        .handler_timeout(Duration::MAX)
+        .backoff(Duration::MAX, Duration::MAX);
+    let report = run_until_settled(consumer, memory(), &probe).await;
+    assert_every_delivery_answered_once(&source, &probe.seen, &report);
+    assert_eq!(report.applied, 6, "{report:?}");
+    for position in &positions {
+        assert_eq!(answers_of(&source, position), [(1, Answer::Ack)]);
+    }
+}
+
+/// A panic in the runtime's own per-message code (here the source's acknowledgement, called
+/// after the handler) fails that message by the usual rules (retried, dead-lettered after
+/// `max_deliveries`) and frees its ordering key: the messages behind it on that key are
+/// handled, and the consumer keeps receiving. It used to end the message's task: the message
+/// never answered, its key taken for good, and, once `concurrency + batch` messages waited
+/// behind it, nothing received at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_panic_in_the_runtimes_own_per_message_code_fails_the_message_and_frees_its_ordering_key()
+{
+    let source = TestSource::new();
+    source.inject(|faults| faults.ack_panic = 1);
+    let first = source.publish_with("o-0", "ok 0", Some("k"));
+    let behind: Vec<_> = (1..8)
+        .map(|i| source.publish_with(&format!("o-{i}"), &format!("ok {i}"), Some("k")))
+        .collect();
+    let probe = Probe::default();
+    let consumer = consumer(&source, &probe)
+        .concurrency(1)
+        .batch(2)
+        .max_deliveries(3)
+        .backoff(Duration::from_millis(10), Duration::from_millis(10));
+    let report = run_until_settled(consumer, memory(), &probe).await;
+    let panicked = "the consumer runtime panicked while finishing the message".to_owned();
+    // Its first delivery: the ack panicked, and the message was retried as a failure; its
+    // second: recorded already, a duplicate, acknowledged.
+    assert_eq!(
+        answers_of(&source, &first),
+        [
+            (1, Answer::Retry(Duration::from_millis(10))),
+            (2, Answer::Ack)
+        ]
+    );
+    assert!(probe.seen.observed().iter().any(|((position, _), o)| {
+        *position == first
+            && *o
+                == Observed::Retried(
+                    Failure::Rejected(panicked.clone()),
+                    Duration::from_millis(10),
+                )
+    }));
+    for position in &behind {
+        assert_eq!(answers_of(&source, position), [(1, Answer::Ack)]);
+    }
+    // Applied once: the handler ran on the first delivery only.
+    assert_eq!(probe.seen.runs_of("o-0").len(), 1);
+    // Counted as retried on its first delivery (the broker was answered so) and as a
+    // duplicate on its second; the seven behind it applied.
+    assert_eq!(report.applied, 7, "{report:?}");
+    assert_eq!(report.duplicates, 1, "{report:?}");
+    assert_eq!(report.retried, 1, "{report:?}");
+}

@@ -55,6 +55,8 @@ const BLOCK_MS: u64 = 1000;
 
 /// The default [`RedisStreamsBuilder::claim_idle`].
 pub const DEFAULT_CLAIM_IDLE: Duration = Duration::from_secs(5);
+/// The longest [`RedisStreamsBuilder::claim_idle`]: 365 days (a longer one is taken as this).
+pub const MAX_CLAIM_IDLE: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
 /// Copies an entry to the dead-letter stream and acknowledges it, atomically: only an entry
 /// still pending is copied, so an entry is never dead-lettered twice.
@@ -80,11 +82,12 @@ pub struct RedisStreamsBuilder {
 
 impl RedisStreamsBuilder {
     /// Entries pending this long, with any consumer, are delivered again (default
-    /// [`DEFAULT_CLAIM_IDLE`]). Shorter than any handler's usual run is fine: the entry in hand
-    /// is kept alive.
+    /// [`DEFAULT_CLAIM_IDLE`]; between 1 ms and [`MAX_CLAIM_IDLE`], a value outside taken as
+    /// the nearer end, so `Duration::MAX` means "as late as the source allows"). Shorter than
+    /// any handler's usual run is fine: the entry in hand is kept alive.
     #[must_use]
     pub fn claim_idle(mut self, claim_idle: Duration) -> Self {
-        self.claim_idle = claim_idle.max(Duration::from_millis(1));
+        self.claim_idle = claim_idle.clamp(Duration::from_millis(1), MAX_CLAIM_IDLE);
         self
     }
 
@@ -118,13 +121,20 @@ impl RedisStreamsBuilder {
             claim_idle: self.claim_idle,
             sweep: Mutex::new(Sweep {
                 cursor: SWEEP_START.to_owned(),
-                next: Instant::now() + self.claim_idle / 2,
+                next: next_sweep(self.claim_idle),
             }),
             dead_letter: redis::Script::new(DEAD_LETTER),
         };
         source.create_group().await?;
         Ok(source)
     }
+}
+
+/// When the next sweep is due: `claim_idle / 2` from now (the clock saturating).
+fn next_sweep(claim_idle: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(claim_idle / 2)
+        .unwrap_or_else(|| now + MAX_CLAIM_IDLE)
 }
 
 /// Where the sweep of the pending list stands.
@@ -317,7 +327,7 @@ impl Source for RedisStreams {
                     if sweep.cursor == SWEEP_START {
                         // Timed from the end of the sweep, however long it took: new
                         // entries get their turn before the next one.
-                        sweep.next = Instant::now() + self.claim_idle / 2;
+                        sweep.next = next_sweep(self.claim_idle);
                     }
                     Ok(claimed)
                 }

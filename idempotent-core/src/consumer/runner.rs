@@ -249,10 +249,14 @@ pub(crate) async fn run<S: Source, E: Effect>(
             }
         }
         // Finished tasks' results are not needed: reap them so the set stays small.
-        while tasks.try_join_next().is_some() {}
+        while let Some(joined) = tasks.try_join_next() {
+            log_panic(name, joined);
+        }
     }
     // Drain: every message received is finished, handled and answered.
-    while tasks.join_next().await.is_some() {}
+    while let Some(joined) = tasks.join_next().await {
+        log_panic(name, joined);
+    }
     shared.counters.report()
 }
 
@@ -281,17 +285,59 @@ impl<S: Source, E: Effect> Shared<S, E> {
             started,
             _hand,
         } = job;
+        // The runtime's own code for this message runs under `catch_unwind`: a panic in it
+        // (or in the source's calls it makes) fails this message by the usual rules, and never
+        // ends the task, which would leave the message unanswered and its ordering key taken.
         let processed = match prepared {
             Err(failure) => Processed::Failed(failure),
             Ok(prepared) => {
-                // Waiting for a handler slot, kept alive.
-                let slot = Arc::clone(&self.slots).acquire_owned();
-                let _slot = self.kept_alive(&received.delivery, ordering, slot).await;
-                self.apply(&received.delivery, prepared, ordering, started)
-                    .await
+                let work = async {
+                    // Waiting for a handler slot, kept alive.
+                    let slot = Arc::clone(&self.slots).acquire_owned();
+                    let _slot = self.kept_alive(&received.delivery, ordering, slot).await;
+                    self.apply(&received.delivery, prepared, ordering, started)
+                        .await
+                };
+                caught(work).await.unwrap_or_else(|()| {
+                    tracing::error!(
+                        source = self.source.name(),
+                        position = received.message.position(),
+                        "the consumer runtime panicked while handling a message"
+                    );
+                    Processed::Failed(Failure::Rejected(RUNTIME_PANICKED.into()))
+                })
             }
         };
-        let outcome = self.answer(&received, processed).await;
+        let outcome = match caught(self.answer(&received, processed)).await {
+            Ok(outcome) => outcome,
+            Err(()) => {
+                // Whatever the broker was told before the panic, the message is answered
+                // again as a failure: retried (a redelivery of an applied message is a
+                // duplicate), or dead-lettered from its `max_deliveries`-th delivery.
+                tracing::error!(
+                    source = self.source.name(),
+                    position = received.message.position(),
+                    "the consumer runtime panicked while answering the broker about a message; \
+                     answering it again as failed"
+                );
+                let failed = Processed::Failed(Failure::Rejected(RUNTIME_PANICKED.into()));
+                match caught(self.answer(&received, failed)).await {
+                    Ok(outcome) => outcome,
+                    Err(()) => {
+                        // Left to the broker, which delivers it again.
+                        tracing::error!(
+                            source = self.source.name(),
+                            position = received.message.position(),
+                            "the consumer runtime panicked again; the message is left to the \
+                             broker's redelivery"
+                        );
+                        self.counters.source_errors.fetch_add(1, Ordering::Relaxed);
+                        self.counters.retried.fetch_add(1, Ordering::Relaxed);
+                        2
+                    }
+                }
+            }
+        };
         self.metrics.messages[outcome].increment(1);
         self.metrics.durations[outcome].record(started.elapsed());
     }
@@ -307,8 +353,12 @@ impl<S: Source, E: Effect> Shared<S, E> {
         let Some(every) = self.source.keep_alive_every() else {
             return work.await;
         };
+        // A period too long to add to the clock (`Duration::MAX`): never due.
+        let Some(first) = tokio::time::Instant::now().checked_add(every) else {
+            return work.await;
+        };
         let mut work = std::pin::pin!(work);
-        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        let mut ticks = tokio::time::interval_at(first, every);
         loop {
             tokio::select! {
                 output = &mut work => return output,
@@ -350,13 +400,15 @@ impl<S: Source, E: Effect> Shared<S, E> {
     ) -> Processed {
         let now = tokio::time::Instant::now();
         // Each limit: when it ends, and what to say when it does.
-        let handler = self.settings.handler_timeout.map(|timeout| {
+        // A limit too long to add to the clock (`Duration::MAX`, say) is no limit.
+        let handler = self.settings.handler_timeout.and_then(|timeout| {
             let reason = format!("the handler ran longer than {timeout:?} and was stopped");
-            (now + timeout, reason)
+            Some((now.checked_add(timeout)?, reason))
         });
-        let broker = self.source.handling_limit().map(|limit| {
+        let broker = self.source.handling_limit().and_then(|limit| {
             let reason = format!("the message was in hand for {limit:?}, the broker's limit");
-            (tokio::time::Instant::from_std(received) + limit, reason)
+            let at = tokio::time::Instant::from_std(received).checked_add(limit)?;
+            Some((at, reason))
         });
         let limit = match (handler, broker) {
             (Some(h), Some(b)) => Some(if h.0 <= b.0 { h } else { b }),
@@ -370,11 +422,8 @@ impl<S: Source, E: Effect> Shared<S, E> {
         }
         let effect = Arc::clone(&self.effect);
         let mut work = tokio::spawn(async move { effect.apply(&prepared).await });
-        let deadline = tokio::time::sleep_until(
-            limit
-                .as_ref()
-                .map_or(now + Duration::from_secs(365 * 86_400), |(at, _)| *at),
-        );
+        // Unused without a limit (the `select!` below disables it).
+        let deadline = tokio::time::sleep_until(limit.as_ref().map_or(now, |(at, _)| *at));
         let ended = self
             .kept_alive(delivery, ordering, async {
                 tokio::select! {
@@ -532,6 +581,32 @@ impl<S: Source, E: Effect> Shared<S, E> {
         self.metrics.source_errors[operation].increment(1);
         let name = self.source.name();
         tracing::warn!(source = name, operation = OPERATIONS[operation], %error, "broker operation failed");
+    }
+}
+
+/// The failure of a message whose handling or answer panicked in the runtime's own code.
+const RUNTIME_PANICKED: &str = "the consumer runtime panicked while finishing the message";
+
+/// Runs `future`, catching a panic in any of its polls.
+async fn caught<F: Future>(future: F) -> Result<F::Output, ()> {
+    let mut future = std::pin::pin!(future);
+    std::future::poll_fn(move |cx| {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| future.as_mut().poll(cx))) {
+            Ok(std::task::Poll::Ready(output)) => std::task::Poll::Ready(Ok(output)),
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Err(_) => std::task::Poll::Ready(Err(())),
+        }
+    })
+    .await
+}
+
+/// A message's task never panics (its work is [`caught`]); should one all the same, it is
+/// logged rather than dropped unseen.
+fn log_panic(source: &str, joined: Result<(), tokio::task::JoinError>) {
+    if let Err(error) = joined
+        && error.is_panic()
+    {
+        tracing::error!(source, "a message's task panicked");
     }
 }
 

@@ -51,6 +51,9 @@ pub struct Faults {
     pub retry: u32,
     pub dead_letter: u32,
     pub keep_alive: u32,
+    /// `ack` calls that panic (before anything is recorded): a panic in the runtime's own
+    /// per-message code, after the handler.
+    pub ack_panic: u32,
 }
 
 #[derive(Debug, Default)]
@@ -249,6 +252,10 @@ impl Source for TestSource {
     }
 
     async fn ack(&self, delivery: &usize) -> Result<(), SourceError> {
+        let panics = take_one(&mut self.lock().faults.ack_panic);
+        if panics {
+            panic!("the test source's ack panics on purpose");
+        }
         match self.answer(*delivery, Answer::Ack, |f| &mut f.ack) {
             true => Err(injected("ack")),
             false => Ok(()),
