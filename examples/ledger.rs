@@ -57,8 +57,9 @@
 //! | `RELAY_MAX_ATTEMPTS`, `RELAY_BACKOFF`, `RELAY_POLL`, `RELAY_DELIVERY_TIMEOUT` | `10`, `1s`, `1s`, `30s` | the relay's settings (see the `relay` example) |
 //!
 //! Durations are read by `idempotent_core::limits::parse_duration` (`500ms`, `30s`, `1h 30m`),
-//! greater than zero; the two timeouts at most 2,147,483,647 ms. A bad value exits with
-//! status 2 naming the variable.
+//! greater than zero; the two timeouts at most 2,147,483,647 ms, `CLAIM_IDLE` and the relay's
+//! at most `365d` (on NATS the server's ack wait is further bounded to a day). A bad value
+//! exits with status 2 naming the variable.
 //!
 //! With `NOTIFY_URL`, each applied posting also enqueues, in its transaction, a notification
 //! `{"id", "account", "amount"}` keyed by the posting's operation key
@@ -215,7 +216,7 @@ fn config() -> Result<Config, String> {
                 "CONSUMER",
                 &format!("{}-{}", host.trim(), std::process::id()),
             ),
-            redelivery: duration("CLAIM_IDLE", "5s")?,
+            redelivery: common::bounded_duration("CLAIM_IDLE", &var("CLAIM_IDLE", "5s"))?,
         },
         database_url: var(
             "DATABASE_URL",

@@ -14,8 +14,10 @@
 //! | `IDEMPOTENCY_COMPLETER_AFTER` | unset: none | where an example has a completer (`payments`): how long an abandoned operation waits for its client's retry before the completer finishes it: `1ms` to `365d` |
 //!
 //! Durations are read by `idempotent_core::limits::parse_duration` (`500ms`, `30s`, `15m`,
-//! `24h`, `7d`, `1h 30m`); the ranges are those of `idempotent_core::limits`. A bad value, or one out of its range, makes the example exit with
-//! status 2 and a message naming the variable (and the range).
+//! `24h`, `7d`, `1h 30m`); the ranges are those of `idempotent_core::limits`, and a duration
+//! variable without a range of its own (`CLAIM_IDLE`, `RELAY_BACKOFF`, …) is at most `365d`. A
+//! bad value, or one out of its range, makes the example exit with status 2 and a message
+//! naming the variable (and the range).
 
 #![allow(dead_code)]
 
@@ -114,6 +116,24 @@ pub(crate) fn parse_duration(name: &str, value: &str) -> Result<Duration, String
     })?;
     if duration.is_zero() {
         return Err(format!("{name}={value:?} must be greater than zero"));
+    }
+    Ok(duration)
+}
+
+/// The longest a duration variable without a range of its own may be (`CLAIM_IDLE`,
+/// `RELAY_BACKOFF`, …): 365 days, the library's longest settings'
+/// (`idempotent_core::limits::MAX_TTL`). Longer values are refused, not clamped: someone who
+/// wrote `18446744073709551615s` meant something this process cannot do.
+pub(crate) const MAX_SETTING: Duration = limits::MAX_TTL;
+
+/// Parses `value`, the variable `name`'s, as [`parse_duration`] does, and refuses one longer
+/// than [`MAX_SETTING`] (365 days).
+pub(crate) fn bounded_duration(name: &str, value: &str) -> Result<Duration, String> {
+    let duration = parse_duration(name, value)?;
+    if duration > MAX_SETTING {
+        return Err(format!(
+            "{name}={value:?} is longer than 365d, the longest it may be"
+        ));
     }
     Ok(duration)
 }

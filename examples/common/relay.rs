@@ -8,6 +8,9 @@
 //! | `RELAY_BACKOFF` | `1s` | the wait after a first failed attempt, doubling up to a minute |
 //! | `RELAY_POLL` | `1s` | how often the relay looks for due notifications without a `NOTIFY` |
 //! | `RELAY_DELIVERY_TIMEOUT` | `30s` | how long one delivery may take; a relay frozen mid-batch holds its notifications for twice this plus 5 s |
+//!
+//! The three durations are greater than zero and at most `365d`; a bad value exits with status 2
+//! naming the variable.
 
 use std::time::Duration;
 
@@ -35,9 +38,9 @@ pub(crate) fn relay_settings() -> Result<Option<RelaySettings>, String> {
     let var =
         |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
     let max_attempts = super::positive("RELAY_MAX_ATTEMPTS", &var("RELAY_MAX_ATTEMPTS", "10"))?;
-    let backoff = super::parse_duration("RELAY_BACKOFF", &var("RELAY_BACKOFF", "1s"))?;
-    let poll = super::parse_duration("RELAY_POLL", &var("RELAY_POLL", "1s"))?;
-    let delivery_timeout = super::parse_duration(
+    let backoff = super::bounded_duration("RELAY_BACKOFF", &var("RELAY_BACKOFF", "1s"))?;
+    let poll = super::bounded_duration("RELAY_POLL", &var("RELAY_POLL", "1s"))?;
+    let delivery_timeout = super::bounded_duration(
         "RELAY_DELIVERY_TIMEOUT",
         &var("RELAY_DELIVERY_TIMEOUT", "30s"),
     )?;

@@ -95,3 +95,63 @@ async fn durations_at_the_ends_of_their_ranges_start_the_server() {
         );
     }
 }
+
+/// The ledger's and the relay's own duration variables: an absurd value (one that used to
+/// overflow the clock: `CLAIM_IDLE=18446744073709551615s` made the ledger panic at connect and
+/// exit 101) or one longer than 365 days exits with status 2 naming the variable, before
+/// anything connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ledger_and_relay_durations_out_of_range_exit_with_the_variable() {
+    const ABSURD: &str = "18446744073709551615s";
+    let redis = idempotent_test_kit::backend::redis_url()
+        .unwrap_or_else(|| "redis://127.0.0.1:6379".to_owned());
+    // A NOTIFY_URL turns the relay's settings on; nothing is ever sent to it.
+    let notify = ("NOTIFY_URL", "http://127.0.0.1:9/notify");
+    let mut cases = Vec::new();
+    for value in [ABSURD, "366d"] {
+        cases.push(("ledger", "CLAIM_IDLE", value));
+        for name in ["RELAY_BACKOFF", "RELAY_POLL", "RELAY_DELIVERY_TIMEOUT"] {
+            cases.push(("ledger", name, value));
+            cases.push(("relay", name, value));
+        }
+    }
+    for (example, name, value) in cases {
+        let output = tokio::process::Command::new(support::example_binary(example))
+            .env("LEDGER_SOURCE", &redis)
+            .env("DATABASE_URL", "postgres://nobody@127.0.0.1:9/none")
+            .env(notify.0, notify.1)
+            .env(name, value)
+            .kill_on_drop(true)
+            .output();
+        let output = tokio::time::timeout(std::time::Duration::from_secs(30), output)
+            .await
+            .unwrap_or_else(|_| panic!("{example} with {name}={value} did not exit"))
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(
+            output.status.code(),
+            Some(2),
+            "{example} with {name}={value}: {stderr}"
+        );
+        let expected = format!("{name}={value:?} is longer than 365d");
+        assert!(
+            stderr.contains(&expected),
+            "{example} with {name}={value}: {stderr}"
+        );
+    }
+    // At the end of the range, the settings are taken (the ledger then fails to reach the
+    // database, later: not with status 2).
+    let output = tokio::process::Command::new(support::example_binary("ledger"))
+        .env("LEDGER_SOURCE", &redis)
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:9/none")
+        .env("CLAIM_IDLE", "365d")
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(std::time::Duration::from_secs(60), output)
+        .await
+        .expect("the ledger exits when the database cannot be reached")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_ne!(output.status.code(), Some(2), "{stderr}");
+    assert!(!stderr.contains("CLAIM_IDLE"), "{stderr}");
+}
