@@ -80,7 +80,9 @@ struct Settings {
 ///   key (if they have one), with `SELECT … FOR UPDATE SKIP LOCKED`, and **counts the attempt
 ///   before anything is sent**: `attempts` goes up, `delivering_since` is set, and the message
 ///   is not due for 5 s. The cost does not grow with the messages waiting behind an ordering
-///   key's oldest one (see [`Outbox`]'s table).
+///   key's oldest one (see [`Outbox`]'s table). A message whose last relay died while
+///   delivering it is a *suspect*, and is **taken alone**: a batch of one (see "A relay that
+///   dies").
 /// - **Delivering under row locks.** The batch's transaction then locks the messages it took
 ///   (`FOR UPDATE`, each only if it still has the attempt count it took), delivers them
 ///   concurrently, each within [`delivery_timeout`](RelayBuilder::delivery_timeout), records
@@ -93,10 +95,19 @@ struct Settings {
 ///   counted: 5 s after it took them its messages are taken again by the next batch, which
 ///   is why delivery is *at least once* and the receiver must deduplicate on the key. Their
 ///   `last_error` then reads `relay_crashed: a relay died while delivering it (attempt N) …`.
-///   A message that makes its relay die each time it is delivered (a sink that aborts on it,
-///   a payload that exhausts memory) is therefore dead-lettered, with that error, once its
-///   attempts reach [`max_attempts`](RelayBuilder::max_attempts): it does not take every
-///   relay down forever, and the messages behind it on its ordering key flow again.
+///   **Crashes are charged per message, not per batch**: every message of the dead relay's
+///   batch had its attempt counted, but none is known to be the one that killed it, so each
+///   is taken again *alone*, in a batch of one, and only a crash during a delivery of that
+///   message alone can be its last attempt. A message that makes its relay die each time it is
+///   delivered (a sink that aborts on it, a payload that exhausts memory) is therefore
+///   dead-lettered, with that error, once its attempts reach
+///   [`max_attempts`](RelayBuilder::max_attempts) and its last one was made alone: it does not
+///   take every relay down forever, the messages behind it on its ordering key flow again, and
+///   the innocent messages of its batches are delivered (again, if the dead relay had sent
+///   them: at least once), never dead-lettered for its crashes. A message whose attempts
+///   reached the limit in a crashed batch of several gets one more attempt, alone (so with
+///   `max_attempts(1)` such a message is tried twice). The batches of one go on at once, one
+///   after the other, until no suspect is due; many relays take suspects in parallel.
 ///   A relay frozen with its connection open holds its rows until PostgreSQL ends its
 ///   transaction after `idle_in_transaction_session_timeout`, set for the batch to twice the
 ///   delivery timeout plus 5 s; if it then wakes in the middle of a delivery, that delivery
@@ -330,6 +341,12 @@ impl Relay {
 
     /// Delivers one batch: see "How it delivers".
     pub async fn run_once(&self) -> Result<Batch, StoreError> {
+        self.run_batch().await.map(|(batch, _)| batch)
+    }
+
+    /// Delivers one batch, and says whether it was a message taken alone because its last
+    /// relay died delivering it (see "How it delivers"): then the next batch is taken at once.
+    async fn run_batch(&self) -> Result<(Batch, bool), StoreError> {
         let settings = &self.settings;
         let mut connection = self.pool.acquire().await.map_err(store_error)?;
         let cursor = self
@@ -348,8 +365,11 @@ impl Relay {
             .map_err(store_error)?;
         let mut batch = Batch::default();
         if rows.is_empty() {
-            return Ok(batch);
+            return Ok((batch, false));
         }
+        // Whether the batch statement took a suspect: a message whose last relay died while
+        // delivering it, taken alone so that another crash charges it and nothing else.
+        let mut alone = false;
         // Every row is read before anything is sent: a row that cannot be read (stored data
         // edited by hand) is dead-lettered on its own instead of failing the batch. Each row
         // is dropped once read, so that each payload is held once.
@@ -371,7 +391,8 @@ impl Relay {
                 continue;
             }
             if row.try_get::<bool, _>(8).unwrap_or(false) {
-                tracing::warn!(outbox = %self.outbox.table(), id, attempt, "outbox message taken again: its relay died while delivering it");
+                alone = true;
+                tracing::warn!(outbox = %self.outbox.table(), id, attempt, "outbox message taken again, alone: its relay died while delivering it");
             }
             taken.push(match message(row) {
                 Ok(message) => Taken::Outgoing(message),
@@ -381,7 +402,7 @@ impl Relay {
         self.advance_cursor(&cursor, keys);
         if taken.is_empty() {
             self.metrics.dead.increment(batch.dead as u64);
-            return Ok(batch);
+            return Ok((batch, alone));
         }
 
         // The batch's transaction, with its timeouts, in one round trip (integers in ms).
@@ -507,7 +528,7 @@ impl Relay {
         self.metrics.delivered.increment(batch.delivered as u64);
         self.metrics.retried.increment(batch.retried as u64);
         self.metrics.dead.increment(batch.dead as u64);
-        Ok(batch)
+        Ok((batch, alone))
     }
 
     /// Moves the cursor past the ordering keys the batch took: the next batch looks for
@@ -574,8 +595,9 @@ impl Relay {
             if !drain(&mut listener).await {
                 listener = None;
             }
-            let more = match self.run_once().await {
-                Ok(batch) => batch.taken >= self.settings.batch_size as usize,
+            let more = match self.run_batch().await {
+                // A suspect taken alone: the messages it kept out of the batch are due now.
+                Ok((batch, alone)) => alone || batch.taken >= self.settings.batch_size as usize,
                 Err(error) => {
                     tracing::warn!(outbox = %self.outbox.table(), error = &error as &dyn std::error::Error, "outbox batch failed; retrying after the poll interval");
                     false

@@ -101,20 +101,23 @@ pub struct DeadLetter {
 ///     created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
 ///     delivered_at timestamptz,
 ///     last_error text,
-///     delivering_since timestamptz    -- set while an attempt runs (or its relay died)
+///     delivering_since timestamptz,   -- set while an attempt runs (or its relay died)
+///     delivering_alone boolean        -- whether that attempt's batch had it alone
 /// );
 /// ```
 ///
 /// with partial indexes on the pending messages (by `available_at`; by `available_at` for
 /// those without an ordering key; by `ordering_key, id` for the others), on the delivered ones
 /// (by `delivered_at`, for reaping) and on the dead letters. A table created by an earlier
-/// version gets `delivering_since` and the new index from `migrate`. Enqueuing also sends
+/// version gets `delivering_since`, `delivering_alone` and the new index from `migrate`.
+/// Enqueuing also sends
 /// `NOTIFY` on the outbox's [`channel`](Self::channel), which PostgreSQL delivers at the
 /// commit: a listening relay wakes up at once.
 ///
 /// `attempts` counts every attempt, committed before the message is handed to a sink, so an
-/// attempt during which the relay died (SIGKILL, out of memory, an abort) counts too: see
-/// "How it delivers" on [`Relay`](super::Relay).
+/// attempt during which the relay died (SIGKILL, out of memory, an abort) counts too; a message
+/// found so is taken again alone, and its relays' deaths dead-letter it only once it was alone
+/// (`delivering_alone`): see "How it delivers" on [`Relay`](super::Relay).
 ///
 /// A relay's batch costs at most one index probe per ordering key with pending messages (it
 /// stops as soon as it has a batch of them), plus the batch itself: the messages waiting
@@ -362,7 +365,7 @@ pub(crate) const RELAY_CRASHED: &str = "relay_crashed";
 pub(crate) struct OutboxSql {
     pub(crate) table: String,
     channel: String,
-    migrate: [String; 7],
+    migrate: [String; 8],
     backlog: String,
     enqueue: String,
     dead_letters: String,
@@ -411,10 +414,14 @@ impl OutboxSql {
     /// - **Taking.** Each taken message's `attempts` is counted and committed *before* it is
     ///   delivered, `delivering_since` is set, and it is not due for [`TAKEN_HOLD`]: by then
     ///   the relay holds it under a row lock in the batch's transaction (`lock`).
-    /// - **Crashes.** A taken message whose `delivering_since` was already set was left by a
-    ///   relay that died while delivering it: its `last_error` says so ([`RELAY_CRASHED`]),
-    ///   and if its attempts already reached `$2` it is dead-lettered here instead of being
-    ///   delivered again (its payload is not returned).
+    /// - **Crashes.** A candidate whose `delivering_since` was already set was left by a
+    ///   relay that died while delivering it: its `last_error` says so ([`RELAY_CRASHED`]).
+    ///   If its attempts already reached `$2` and that attempt was made alone
+    ///   (`delivering_alone`), it is dead-lettered here instead of being delivered again (its
+    ///   payload is not returned). Otherwise it is a *suspect*: it, the oldest suspect among
+    ///   the candidates, is taken **alone** (with only the messages dead-lettered here beside
+    ///   it), so that if it kills this relay too, no other message is charged. Each taken
+    ///   message's `delivering_alone` records whether it was the only one to deliver.
     ///
     /// Returns `id, destination, message_key, payload, header_names, header_values, attempts,
     /// exhausted (dead-lettered here), crashed, ordering_key, last_error`.
@@ -472,10 +479,12 @@ impl OutboxSql {
                      created_at timestamptz NOT NULL DEFAULT clock_timestamp(), \
                      delivered_at timestamptz, \
                      last_error text, \
-                     delivering_since timestamptz)"
+                     delivering_since timestamptz, \
+                     delivering_alone boolean)"
                 ),
-                // Tables created before the column existed.
+                // Tables created before the columns existed.
                 format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS delivering_since timestamptz"),
+                format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS delivering_alone boolean"),
                 format!(
                     "CREATE INDEX IF NOT EXISTS {} ON {t} (available_at, id) \
                      WHERE state = 'pending'",
@@ -520,7 +529,8 @@ impl OutboxSql {
             ),
             requeue: format!(
                 "UPDATE {t} SET state = 'pending', attempts = 0, delivering_since = NULL, \
-                 available_at = clock_timestamp() WHERE id = $1 AND state = 'dead'"
+                 delivering_alone = NULL, available_at = clock_timestamp() \
+                 WHERE id = $1 AND state = 'dead'"
             ),
             reap: format!(
                 "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} WHERE state = 'delivered' \
@@ -529,20 +539,31 @@ impl OutboxSql {
             ),
             take: format!(
                 "WITH RECURSIVE {after_cursor}, {up_to_cursor}, \
-                 heads AS (SELECT o.id, o.available_at, o.attempts, o.delivering_since \
+                 heads AS (SELECT o.id, o.available_at, o.attempts, o.delivering_since, \
+                   o.delivering_alone \
                    FROM (SELECT id FROM after_cursor UNION ALL SELECT id FROM up_to_cursor) h \
                    JOIN {t} o ON o.id = h.id \
                    WHERE o.state = 'pending' AND o.available_at <= clock_timestamp() \
                    AND o.destination = ANY($1) \
                    LIMIT {{batch}} FOR UPDATE OF o SKIP LOCKED), \
-                 unordered AS (SELECT id, available_at, attempts, delivering_since FROM {t} \
+                 unordered AS (SELECT id, available_at, attempts, delivering_since, \
+                   delivering_alone FROM {t} \
                    WHERE state = 'pending' AND ordering_key IS NULL \
                    AND available_at <= clock_timestamp() AND destination = ANY($1) \
                    ORDER BY available_at, id LIMIT {{batch}} FOR UPDATE SKIP LOCKED), \
-                 chosen AS (SELECT id, delivering_since IS NOT NULL AS crashed, \
-                   delivering_since IS NOT NULL AND attempts >= $2 AS exhausted \
+                 candidates AS (SELECT id, available_at, \
+                   delivering_since IS NOT NULL AS crashed, \
+                   delivering_since IS NOT NULL AND attempts >= $2 \
+                     AND delivering_alone IS TRUE AS exhausted \
                    FROM (SELECT * FROM heads UNION ALL SELECT * FROM unordered) c \
-                   ORDER BY available_at, id LIMIT {{batch}}) \
+                   ORDER BY available_at, id LIMIT {{batch}}), \
+                 suspect AS (SELECT id FROM candidates WHERE crashed AND NOT exhausted \
+                   ORDER BY available_at, id LIMIT 1), \
+                 chosen AS (SELECT c.id, c.crashed, c.exhausted FROM candidates c \
+                   WHERE c.exhausted OR NOT EXISTS (SELECT 1 FROM suspect) \
+                   OR c.id = (SELECT id FROM suspect)), \
+                 size AS (SELECT count(*) FILTER (WHERE NOT exhausted) = 1 AS alone \
+                   FROM chosen) \
                  UPDATE {t} o SET \
                    state = CASE WHEN c.exhausted THEN 'dead' ELSE o.state END, \
                    attempts = CASE WHEN c.exhausted THEN o.attempts \
@@ -551,8 +572,9 @@ impl OutboxSql {
                    available_at = CASE WHEN c.exhausted THEN o.available_at \
                      ELSE clock_timestamp() + interval '{hold_ms} milliseconds' END, \
                    delivering_since = CASE WHEN c.exhausted THEN NULL \
-                     ELSE clock_timestamp() END \
-                 FROM chosen c WHERE o.id = c.id \
+                     ELSE clock_timestamp() END, \
+                   delivering_alone = CASE WHEN c.exhausted THEN NULL ELSE s.alone END \
+                 FROM chosen c, size s WHERE o.id = c.id \
                  RETURNING o.id, o.destination, o.message_key, \
                    CASE WHEN c.exhausted THEN NULL ELSE o.payload END, \
                    o.header_names, o.header_values, o.attempts, c.exhausted, c.crashed, \
@@ -568,16 +590,17 @@ impl OutboxSql {
             ),
             delivered: format!(
                 "UPDATE {t} SET state = 'delivered', delivered_at = clock_timestamp(), \
-                 last_error = NULL, delivering_since = NULL WHERE id = ANY($1)"
+                 last_error = NULL, delivering_since = NULL, delivering_alone = NULL \
+                 WHERE id = ANY($1)"
             ),
             failed: format!(
                 "UPDATE {t} SET last_error = $2, delivering_since = NULL, \
-                 available_at = clock_timestamp() + $3 * interval '1 microsecond' \
+                 delivering_alone = NULL, available_at = clock_timestamp() + $3 * interval '1 microsecond' \
                  WHERE id = $1"
             ),
             dead: format!(
-                "UPDATE {t} SET state = 'dead', last_error = $2, delivering_since = NULL \
-                 WHERE id = $1"
+                "UPDATE {t} SET state = 'dead', last_error = $2, delivering_since = NULL, \
+                 delivering_alone = NULL WHERE id = $1"
             ),
         })
     }
