@@ -1,6 +1,7 @@
 //! The fixtures the workspace's test suites share, in one copy: the test environment's servers
 //! and the rule for one that is missing ([`backend`]), free ports and unique names ([`names`]),
-//! processes, signals and bounded waits ([`process`]), PostgreSQL pools, databases and private
+//! processes, signals and bounded waits ([`process`]), network namespaces to partition
+//! servers from the host ([`netns`]), PostgreSQL pools, databases and private
 //! servers ([`postgres`]), shared and private Redis servers ([`redis`]), the Redis Cluster
 //! ([`cluster`]), and private NATS and RabbitMQ brokers ([`brokers`]).
 //!
@@ -13,6 +14,7 @@ pub mod brokers;
 #[cfg(feature = "redis")]
 pub mod cluster;
 pub mod names;
+pub mod netns;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 pub mod process;

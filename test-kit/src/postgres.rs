@@ -2,6 +2,7 @@
 //! database of a test's own on it, and private servers in a directory of their own, for tests
 //! that freeze, stop or restart them.
 
+use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::str::FromStr as _;
@@ -12,6 +13,7 @@ use tokio::process::Command;
 
 use crate::backend::{PG_BIN, installed, postgres_url};
 use crate::names::free_port;
+use crate::netns::Netns;
 use crate::process::{
     Frozen, children, has_programs, print_logs_on_panic, scratch_dir, signal, within,
 };
@@ -119,6 +121,10 @@ pub struct PrivatePostgres {
     dir: PathBuf,
     port: u16,
     as_postgres_user: bool,
+    /// The address it listens on.
+    host: Ipv4Addr,
+    /// The network namespace it runs in, if not the host's.
+    netns: Option<String>,
 }
 
 impl PrivatePostgres {
@@ -126,6 +132,16 @@ impl PrivatePostgres {
     /// PostgreSQL's server binaries are not installed (see [`postgres_bin`] and
     /// [`installed`]).
     pub async fn start() -> Option<PrivatePostgres> {
+        PrivatePostgres::launch(None).await
+    }
+
+    /// Like [`start`](Self::start), in the network namespace `netns`, listening on its
+    /// address ([`Netns::address`]): [`Netns::cut`] partitions it from the host.
+    pub async fn start_in(netns: &Netns) -> Option<PrivatePostgres> {
+        PrivatePostgres::launch(Some(netns)).await
+    }
+
+    async fn launch(netns: Option<&Netns>) -> Option<PrivatePostgres> {
         let bin = installed(
             "PostgreSQL's server binaries (initdb, pg_ctl; IDEMPOTENT_TEST_PG_BIN or \
              /usr/lib/postgresql/*/bin)",
@@ -141,6 +157,8 @@ impl PrivatePostgres {
             dir: scratch_dir("postgres"),
             port: free_port(),
             as_postgres_user,
+            host: netns.map_or(Ipv4Addr::LOCALHOST, Netns::address),
+            netns: netns.map(|netns| netns.name().to_owned()),
         };
         // PostgreSQL refuses to run as root: it runs as the postgres user, in a directory it
         // owns.
@@ -158,13 +176,21 @@ impl PrivatePostgres {
             "UTF8",
         ]))
         .await;
+        if netns.is_some() {
+            // The host reaches a server in a namespace over the veth pair, not loopback.
+            let hba = server.data().join("pg_hba.conf");
+            let mut rules = std::fs::read_to_string(&hba).expect("read pg_hba.conf");
+            rules.push_str("\nhost all all 10.200.0.0/16 trust\n");
+            std::fs::write(&hba, rules).expect("write pg_hba.conf");
+        }
         server.start_again().await;
         Some(server)
     }
 
-    /// `postgres://postgres@127.0.0.1:PORT/postgres`.
+    /// `postgres://postgres@127.0.0.1:PORT/postgres` (in a namespace, its address instead of
+    /// 127.0.0.1).
     pub fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+        format!("postgres://postgres@{}:{}/postgres", self.host, self.port)
     }
 
     /// Stops the server (`pg_ctl stop -m fast`: sessions are ended, committed data kept) and
@@ -182,12 +208,15 @@ impl PrivatePostgres {
     /// accepts connections.
     pub async fn start_again(&self) {
         let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
+            "-p {} -k {} -c listen_addresses={} -c fsync=off",
             self.port,
-            self.dir.display()
+            self.dir.display(),
+            self.host
         );
-        run(self
-            .command("pg_ctl")
+        // In the namespace: the server listens on its address, and `pg_ctl -w` checks it there.
+        let mut start = Command::from(self.std_command_in(self.netns.as_deref(), "pg_ctl"));
+        start.stdout(Stdio::null()).kill_on_drop(true);
+        run(start
             .arg("-D")
             .arg(self.data())
             .arg("-l")
@@ -225,15 +254,32 @@ impl PrivatePostgres {
     }
 
     /// `program` of the server's binaries, as the postgres user when the tests run as root.
+    /// In the host's network namespace: stopping the server needs none (signals by pid).
     fn std_command(&self, program: &str) -> std::process::Command {
+        self.std_command_in(None, program)
+    }
+
+    /// [`std_command`](Self::std_command) in the network namespace `netns` if given.
+    fn std_command_in(&self, netns: Option<&str>, program: &str) -> std::process::Command {
         let program = self.bin.join(program);
+        let mut command = match netns {
+            None if self.as_postgres_user => std::process::Command::new("runuser"),
+            None => std::process::Command::new(&program),
+            Some(netns) => {
+                let mut command = std::process::Command::new("ip");
+                command.args(["netns", "exec", netns]);
+                if self.as_postgres_user {
+                    command.arg("runuser");
+                } else {
+                    command.arg(&program);
+                }
+                command
+            }
+        };
         if self.as_postgres_user {
-            let mut command = std::process::Command::new("runuser");
             command.args(["-u", "postgres", "--"]).arg(program);
-            command
-        } else {
-            std::process::Command::new(program)
         }
+        command
     }
 
     /// The postmaster's pid, the first line of `postmaster.pid`.

@@ -2,6 +2,7 @@
 //! [`redis_url`](crate::backend::redis_url)), and private `redis-server`s in a directory of
 //! their own, for tests that freeze, reconfigure, kill or restart them.
 
+use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
@@ -12,6 +13,7 @@ use tokio::time::{Instant, sleep};
 
 use crate::backend::installed;
 use crate::names::free_port;
+use crate::netns::Netns;
 use crate::process::{
     Frozen, find_program, kill_and_reap, print_logs_on_panic, scratch_dir, signal, within,
 };
@@ -45,6 +47,10 @@ pub struct PrivateRedis {
     port: u16,
     dir: PathBuf,
     durable: bool,
+    /// The address it listens on.
+    host: Ipv4Addr,
+    /// The network namespace it runs in, if not the host's.
+    netns: Option<String>,
 }
 
 impl PrivateRedis {
@@ -52,23 +58,31 @@ impl PrivateRedis {
     /// persistence. `None` when `redis-server` is not installed (see
     /// [`installed`]).
     pub async fn start(name: &str) -> Option<PrivateRedis> {
-        PrivateRedis::launch(name, false).await
+        PrivateRedis::launch(name, false, None).await
+    }
+
+    /// Like [`start`](Self::start), in the network namespace `netns`, listening on its
+    /// address ([`Netns::address`]): [`Netns::cut`] partitions it from the host.
+    pub async fn start_in(name: &str, netns: &Netns) -> Option<PrivateRedis> {
+        PrivateRedis::launch(name, false, Some(netns)).await
     }
 
     /// Like [`start`](Self::start), with the append-only file on and fsynced before each
     /// reply (`appendfsync always`): whatever it acknowledged survives a `SIGKILL` and a
     /// [`restart`](Self::restart).
     pub async fn start_durable(name: &str) -> Option<PrivateRedis> {
-        PrivateRedis::launch(name, true).await
+        PrivateRedis::launch(name, true, None).await
     }
 
-    async fn launch(name: &str, durable: bool) -> Option<PrivateRedis> {
+    async fn launch(name: &str, durable: bool, netns: Option<&Netns>) -> Option<PrivateRedis> {
         installed("redis-server", find_program("redis-server"))?;
         let mut redis = PrivateRedis {
             child: None,
             port: free_port(),
             dir: scratch_dir(&format!("redis-{name}")),
             durable,
+            host: netns.map_or(Ipv4Addr::LOCALHOST, Netns::address),
+            netns: netns.map(|netns| netns.name().to_owned()),
         };
         redis.spawn().await;
         Some(redis)
@@ -82,8 +96,20 @@ impl PrivateRedis {
         } else {
             &["--appendonly", "no"]
         };
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+        // `ip netns exec` executes the server in place: the child's pid is the server's.
+        let mut command = match &self.netns {
+            None => Command::new("redis-server"),
+            Some(netns) => {
+                let mut command = Command::new("ip");
+                command.args(["netns", "exec", netns, "redis-server"]);
+                command
+            }
+        };
+        let child = command
+            .args(["--port", &self.port.to_string()])
+            .args(["--bind", &self.host.to_string()])
+            // On a namespace's address the host is not a loopback client.
+            .args(["--protected-mode", "no"])
             .args(["--save", ""])
             .args(persistence)
             .args(["--maxmemory-policy", "noeviction", "--daemonize", "no"])
@@ -150,9 +176,9 @@ impl PrivateRedis {
         self.spawn().await;
     }
 
-    /// `redis://127.0.0.1:PORT`.
+    /// `redis://127.0.0.1:PORT` (in a namespace, its address instead of 127.0.0.1).
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        format!("redis://{}:{}", self.host, self.port)
     }
 
     /// A new connection to the server.
