@@ -51,7 +51,12 @@
 //!   [`idempotent_core::session`]). Both headers on one request → 400
 //!   `conflicting_idempotency_headers`; a malformed session → 400 `invalid_session`.
 //!   [`sessions(false)`](IdempotencyLayer::sessions) stops reading it;
-//!   [`session_header_name`](IdempotencyLayer::session_header_name) renames it.
+//!   [`session_header_name`](IdempotencyLayer::session_header_name) renames it. The
+//!   handler's answer to a session request, fresh or replayed, carries
+//!   `Idempotency-Session-Seq: N` ([`IDEMPOTENCY_SESSION_SEQ`]; gRPC: the
+//!   `idempotency-session-seq` metadata entry), never stored: the client acknowledges `N`
+//!   only with an answer so marked, never with one a proxy gave. The layer's own refusals
+//!   carry no mark.
 //! - **Protected methods**: POST and PATCH ([`methods`](IdempotencyLayer::<Http>::methods)).
 //!   Other methods pass through untouched, even with a key. A protected request without a key
 //!   → 400 ([`require_key(false)`](IdempotencyLayer::require_key) lets it through unprotected).
@@ -374,4 +379,4 @@ pub use layer::IdempotencyLayer;
 pub use principal::{Principal, scope_by_authorization, scope_by_principal};
 pub use protocol::{Grpc, Http, Protocol};
 pub use service::IdempotencyService;
-pub use session::{IDEMPOTENCY_SESSION, SessionHeader, SessionProblem};
+pub use session::{IDEMPOTENCY_SESSION, IDEMPOTENCY_SESSION_SEQ, SessionHeader, SessionProblem};

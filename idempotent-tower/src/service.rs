@@ -295,6 +295,12 @@ where
         }
     };
 
+    // A session's answers name their number, so that its client acknowledges only answers
+    // the server gave (never, say, a proxy's 500).
+    let session_seq = match &target {
+        Target::Session(session) => Some(session.seq()),
+        Target::Key(_) => None,
+    };
     // Kept for a completer: only a request with a key (a session's requests are not kept).
     let kept = config
         .keep_requests
@@ -388,7 +394,7 @@ where
         Ok(Execution::Fresh(Ok(Some(Ok(captured))))) => {
             tracing::debug!(outcome = "fresh", %storage_key, status = captured.status().as_u16(), "idempotent request executed");
             count(&config, RequestOutcome::Fresh);
-            Ok(captured.into_response())
+            Ok(mark_session_answer(captured.into_response(), session_seq))
         }
         // The handler ran; the inner service's own error is its answer.
         Ok(Execution::Fresh(Ok(Some(Err(error))))) => {
@@ -422,6 +428,10 @@ where
         Ok(Execution::Replayed(stored)) => {
             let (response, outcome) = replay::<P, _>(stored, storage_key);
             count(&config, outcome);
+            let response = match outcome {
+                RequestOutcome::Replayed => mark_session_answer(response, session_seq),
+                _ => response,
+            };
             Ok(response)
         }
         // Only an unreachable store is bypassed: a record that exists but cannot be read is a
@@ -512,6 +522,19 @@ pub(crate) fn record_of_captured<P: Protocol, B: Body>(
         // done so that a retry does not run it again.
         Captured::TooLarge { .. } | Captured::Failed { .. } => None,
     }
+}
+
+/// Marks `response` as the server's answer to number `seq` of a client session
+/// ([`IDEMPOTENCY_SESSION_SEQ`](crate::IDEMPOTENCY_SESSION_SEQ)): its handler's answer, fresh
+/// or replayed. Never stored with the record (added after capture, and again on each replay);
+/// a handler's own field of that name is replaced.
+fn mark_session_answer<B>(mut response: Response<B>, seq: Option<u64>) -> Response<B> {
+    if let Some(seq) = seq {
+        response
+            .headers_mut()
+            .insert(crate::IDEMPOTENCY_SESSION_SEQ, HeaderValue::from(seq));
+    }
+    response
 }
 
 /// What names a protected request's record: its key, or its place in a client session.

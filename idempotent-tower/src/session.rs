@@ -23,6 +23,17 @@ use crate::key::{KeyProblem, Parser, trim_ows};
 /// The default header (and gRPC metadata entry) carrying a request's session.
 pub const IDEMPOTENCY_SESSION: HeaderName = HeaderName::from_static("idempotency-session");
 
+/// The response header (and gRPC metadata entry) by which the server marks an answer to a
+/// request in a client session as its own: `Idempotency-Session-Seq: 42`, the request's
+/// `seq` as an RFC 8941 integer. The layer puts it on the handler's answer, fresh or replayed,
+/// and on nothing else (its own refusals, such as `409 in_flight` or `503`, have none).
+///
+/// The client layer acknowledges a session number only with an answer that carries this
+/// field naming that number: any other answer (a proxy's `500`, a load balancer's `502`, a
+/// server without sessions' marker) is returned to the caller, but the number stays
+/// unanswered. Not stored with the record; a handler's own field of this name is replaced.
+pub const IDEMPOTENCY_SESSION_SEQ: HeaderName = HeaderName::from_static("idempotency-session-seq");
+
 /// One request's place in a client session, as the `Idempotency-Session` header carries it.
 ///
 /// ```

@@ -106,6 +106,11 @@ enum Fault {
     Lose,
     /// The server answers, and the answer is lost.
     Drop,
+    /// A proxy on the way answers `500` itself; the server never sees the request.
+    Proxy500,
+    /// The server answers without marking its answer (`Idempotency-Session-Seq`), as a server
+    /// from before the marker does.
+    Unmarked,
 }
 
 /// One attempt as the network carried it.
@@ -230,6 +235,13 @@ impl Service<Request<Full<Bytes>>> for Network {
             if fault == Fault::Lose {
                 return Err("connection refused".into());
             }
+            if fault == Fault::Proxy500 {
+                this.log.lock().unwrap()[index].status = Some("500".to_owned());
+                return Ok(Response::builder()
+                    .status(StatusCode::INTERNAL_SERVER_ERROR)
+                    .body(Full::new(Bytes::from_static(b"proxy error")))
+                    .unwrap());
+            }
             let server = this.server.lock().unwrap().clone();
             let (parts, body) = server.oneshot(request).await?.into_parts();
             let body = body.collect().await?.to_bytes();
@@ -240,6 +252,10 @@ impl Service<Request<Full<Bytes>>> for Network {
             this.log.lock().unwrap()[index].status = Some(status);
             if fault == Fault::Drop {
                 return Err("connection reset".into());
+            }
+            let mut parts = parts;
+            if fault == Fault::Unmarked {
+                parts.headers.remove("idempotency-session-seq");
             }
             Ok(Response::from_parts(parts, Full::new(body)))
         })
@@ -878,4 +894,110 @@ mod over_reqwest {
         assert_eq!(app.total(), 3);
         server.abort();
     }
+}
+
+// A proxy answers `500` for call 1 without the server seeing it: the client returns that
+// answer (a 500 is not retried) but does not acknowledge the number, since the server never
+// marked an answer for it (`Idempotency-Session-Seq`). Later calls carry ack=0; sent again,
+// call 1 runs, and then the mark passes it. The server marks its answers, replays too.
+#[tokio::test(start_paused = true)]
+async fn an_answer_the_server_never_gave_is_not_acknowledged() {
+    for wire in [Wire::Http, Wire::Grpc] {
+        let app = App::default();
+        let network = Network::new(app.server(wire, 64), |a| {
+            if a.seq == 1 && a.of_seq == 1 {
+                Fault::Proxy500
+            } else if a.seq == 2 && a.of_seq == 1 {
+                Fault::Drop
+            } else {
+                Fault::None
+            }
+        });
+        let session = ClientSession::new();
+        let call = |n: u64| match wire {
+            Wire::Http => payment("/payments", n),
+            Wire::Grpc => grpc_call("/pay.Payments/Charge", u8::try_from(n).unwrap()),
+        };
+        let (first, second) = match wire {
+            Wire::Http => {
+                let client = ClientLayer::http()
+                    .policy(patient())
+                    .session(session.clone())
+                    .layer(network.clone());
+                let first = send(&client, call(1)).await.unwrap();
+                let second = send(&client, call(2)).await.unwrap();
+                assert!(delivery(&second).replayed(), "the replay is marked too");
+                assert!(delivery(&second).session_answered());
+                assert_eq!(second.headers()["idempotency-session-seq"], "2");
+                let ack_before = session.ack();
+                let again = send(&client, resend(call(1), 1)).await.unwrap();
+                assert!(delivery(&again).session_answered());
+                assert_eq!(again.status(), StatusCode::CREATED);
+                assert!(!delivery(&again).replayed(), "call 1 runs now");
+                (first, ack_before)
+            }
+            Wire::Grpc => {
+                let client = ClientLayer::grpc()
+                    .policy(patient())
+                    .session(session.clone())
+                    .layer(network.clone());
+                let first = send(&client, call(1)).await.unwrap();
+                let second = send(&client, call(2)).await.unwrap();
+                assert!(delivery(&second).replayed(), "the replay is marked too");
+                assert!(delivery(&second).session_answered());
+                assert_eq!(second.headers()["idempotency-session-seq"], "2");
+                let ack_before = session.ack();
+                let again = send(&client, resend(call(1), 1)).await.unwrap();
+                assert!(delivery(&again).session_answered());
+                assert_eq!(again.headers()["grpc-status"], "0");
+                assert!(!delivery(&again).replayed(), "call 1 runs now");
+                (first, ack_before)
+            }
+        };
+        assert_eq!(
+            first.status(),
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "{wire:?}"
+        );
+        assert_eq!(delivery(&first).session_seq(), Some(1));
+        assert!(!delivery(&first).session_answered());
+        assert_eq!(second, 0, "{wire:?}: the proxy's 500 is not acknowledged");
+        let attempts = network.of(2);
+        assert_eq!(attempts.len(), 2, "{wire:?}: {attempts:?}");
+        assert!(
+            attempts.iter().all(|s| s.ack() == 0),
+            "{wire:?}: {attempts:?}"
+        );
+        assert_eq!(network.of(1).len(), 2, "{wire:?}");
+        assert_eq!(app.total(), 2, "{wire:?}: each call ran once");
+        assert!(app.runs().values().all(|&n| n == 1), "{wire:?}");
+        assert_eq!(session.ack(), 2, "{wire:?}");
+    }
+}
+
+// A server from before the marker: its answers carry no `Idempotency-Session-Seq`, so the
+// client acknowledges none of them (it cannot tell them from a proxy's); the mark advances
+// only as the caller abandons numbers whose answers it holds.
+#[tokio::test(start_paused = true)]
+async fn without_the_servers_marker_nothing_is_acknowledged() {
+    let app = App::default();
+    let network = Network::new(app.server(Wire::Http, 64), |_| Fault::Unmarked);
+    let session = ClientSession::new();
+    let client = ClientLayer::http()
+        .policy(patient())
+        .session(session.clone())
+        .layer(network.clone());
+    for n in 1..=3 {
+        let answer = send(&client, payment("/payments", n)).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::CREATED);
+        assert!(!delivery(&answer).session_answered());
+    }
+    assert_eq!(session.ack(), 0);
+    assert!(network.log().iter().all(|s| s.ack() == 0));
+    session.abandon(1);
+    session.abandon(2);
+    assert_eq!(session.ack(), 2);
+    send(&client, payment("/payments", 4)).await.unwrap();
+    assert_eq!((network.last().seq(), network.last().ack()), (4, 2));
+    assert_eq!(app.total(), 4);
 }

@@ -16,7 +16,7 @@ use super::protocol::ClientProtocol;
 use super::session::{ClientSession, SessionSeq, Ticket};
 use super::verdict::{Ended, Refusal, Verdict, is_problem_document};
 use crate::config::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
-use crate::session::IDEMPOTENCY_SESSION;
+use crate::session::{IDEMPOTENCY_SESSION, IDEMPOTENCY_SESSION_SEQ};
 
 /// The largest problem document read from a `410` answer in a session, to learn its `code`;
 /// the layer's own are under 1 KiB.
@@ -180,20 +180,27 @@ impl<P: ClientProtocol> Config<P> {
                 return Err(error);
             }
         };
-        let replayed = headers(&delivered.answer)
-            .get(IDEMPOTENT_REPLAYED)
-            .is_some_and(|v| v == "true");
+        let head = headers(&delivered.answer);
+        let replayed = head.get(IDEMPOTENT_REPLAYED).is_some_and(|v| v == "true");
+        // Only the server's own answer to this number settles it: never a proxy's.
+        let session_answered = matches!(delivered.ended, Ended::Answered)
+            && name.seq().is_some_and(|seq| marks(head, seq));
         self.metrics.answered(delivered.ended, replayed);
         let delivery = Delivery {
             key: name.label().to_owned(),
             session_seq: name.seq(),
             attempts: delivered.attempts,
             replayed,
+            session_answered,
         };
         if let Name::Session(ticket) = name {
             let seq = ticket.seq();
             match delivered.ended {
-                Ended::Answered => ticket.answered(),
+                Ended::Answered if session_answered => ticket.answered(),
+                // An answer the server did not mark as its own for this number (a proxy's
+                // 500, a server without the marker): it may never have run, so the mark must
+                // not pass it. The caller sends it again or abandons it.
+                Ended::Answered => ticket.unanswered(),
                 // The number was used for another request (a resend that changed its body):
                 // the answer of the request it was first used for is still the server's to
                 // give, so the ack must not pass it.
@@ -213,6 +220,23 @@ impl<P: ClientProtocol> Config<P> {
         }
         Ok((delivered.answer, delivery))
     }
+}
+
+/// Whether `headers` mark the answer as the server's own to session number `seq`
+/// ([`IDEMPOTENCY_SESSION_SEQ`]: one field, an integer, that number).
+fn marks(headers: &HeaderMap, seq: u64) -> bool {
+    let mut fields = headers.get_all(IDEMPOTENCY_SESSION_SEQ).iter();
+    let (Some(field), None) = (fields.next(), fields.next()) else {
+        return false;
+    };
+    let value = crate::key::trim_ows(field.as_bytes());
+    !value.is_empty()
+        && value.len() <= 15
+        && value.iter().all(u8::is_ascii_digit)
+        && std::str::from_utf8(value)
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            == Some(seq)
 }
 
 impl<P: ClientProtocol> fmt::Debug for Config<P> {

@@ -58,6 +58,7 @@ pub struct Delivery {
     pub(crate) session_seq: Option<u64>,
     pub(crate) attempts: u32,
     pub(crate) replayed: bool,
+    pub(crate) session_answered: bool,
 }
 
 impl Delivery {
@@ -71,6 +72,17 @@ impl Delivery {
     /// ([`ClientLayer::session`](super::ClientLayer::session)): every attempt carried it.
     pub fn session_seq(&self) -> Option<u64> {
         self.session_seq
+    }
+
+    /// In a session, whether this answer counts as the call's answer, so that the session's
+    /// acknowledged mark may pass its number: only an answer the server marked as its own for
+    /// this number ([`IDEMPOTENCY_SESSION_SEQ`](crate::IDEMPOTENCY_SESSION_SEQ)). `false` for
+    /// another answer (a proxy's `500`, say, or a `422`): the number stays unanswered; send
+    /// the request again with [`SessionSeq`](super::SessionSeq)`(seq)` (it runs if it never
+    /// did, or replays), or [abandon](super::ClientSession::abandon) it. Always `false`
+    /// without a session.
+    pub fn session_answered(&self) -> bool {
+        self.session_answered
     }
 
     /// Requests sent for the call, retries included.

@@ -96,10 +96,21 @@
 //!   ([`ClientSession::ack`]). The server drops the answers at or below it. A retry carrying a
 //!   newer `ack` still replays (the header is not part of the request's fingerprint).
 //! - **When the mark advances**: a call's number counts as answered when the call ends with
-//!   an answer it returns: fresh or replayed, with any status that is not retried (a `400`
-//!   too), except a `422`: the number was used for another request (a resend whose body
-//!   changed), and the answer of the first stays the server's to give, so the number stays
-//!   unanswered, as below. The answer carries its number ([`Delivery::session_seq`]).
+//!   an answer it returns that the server marked as its own for that number: the server
+//!   layer puts `Idempotency-Session-Seq: <seq>`
+//!   ([`IDEMPOTENCY_SESSION_SEQ`](crate::IDEMPOTENCY_SESSION_SEQ); gRPC: the
+//!   `idempotency-session-seq` metadata entry) on its handler's answers, fresh or replayed,
+//!   with any status that is not retried (a `400` too). An answer without that mark, or
+//!   naming another number, is returned as the call's answer but leaves the number
+//!   unanswered ([`Delivery::session_answered`] is `false`), as below: a proxy's or load
+//!   balancer's `500`, the layer's own refusals (a `413`, say), or a `422` (the number was
+//!   used for another request, a resend whose body changed, and the answer of the first
+//!   stays the server's to give). The answer carries its number ([`Delivery::session_seq`]).
+//!   A server that does not mark its answers (not this crate's layer, or one built before
+//!   the mark) gets nothing acknowledged: the client never acknowledges what it cannot
+//!   prove, and the mark advances only as the caller sends such numbers again or
+//!   [abandons](ClientSession::abandon) the ones whose answers it holds; upgrade servers
+//!   before clients.
 //! - **Giving up**: a call that ends without its answer, [`ClientError::GaveUp`] (or with
 //!   a retryable answer such as a `503` once its retries ran out), leaves its number
 //!   unanswered: the mark stays below it, so the server keeps what it may hold for it. Send
