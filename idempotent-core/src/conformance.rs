@@ -145,6 +145,7 @@ macro_rules! store_conformance_tests {
             completed_record_cannot_be_released_or_renewed_and_a_repeated_completion_changes_nothing,
             release_frees_the_key_for_a_higher_token,
             takeover_of_the_same_request_continues_the_lifetime,
+            another_request_on_an_abandoned_record_is_refused,
             expired_record_begins_a_new_lifetime,
             abandoned_claim_is_kept_for_its_ttl_only,
             lease_expiry_allows_takeover_and_fences_the_old_owner,
@@ -549,7 +550,7 @@ pub async fn release_frees_the_key_for_a_higher_token<H: Harness>(h: &H) {
     let first = claimed(store, &key, &fp("a"), 4 * unit).await;
     store.release(&key, first).await.expect("release");
     assert_rejected(store.release(&key, first).await, "second release");
-    let second = claimed(store, &key, &fp("b"), 4 * unit).await;
+    let second = claimed(store, &key, &fp("a"), 4 * unit).await;
     assert!(
         second > first,
         "token {second:?} not above released {first:?}"
@@ -560,16 +561,16 @@ pub async fn release_frees_the_key_for_a_higher_token<H: Harness>(h: &H) {
             .await,
         "complete with the released token",
     );
-    assert_in_flight(store, &key, &fp("b"), 4 * unit).await;
+    assert_in_flight(store, &key, &fp("a"), 4 * unit).await;
 }
 
 /// When a lease ends, the next claim takes over with a higher token, and the old owner can no
 /// longer complete, release or renew.
 pub async fn lease_expiry_allows_takeover_and_fences_the_old_owner<H: Harness>(h: &H) {
     let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
-    let old = claimed(store, &key, &fp("old"), 2 * unit).await;
+    let old = claimed(store, &key, &fp("request"), 2 * unit).await;
     h.advance(3 * unit).await;
-    let new = claimed(store, &key, &fp("new"), 4 * unit).await;
+    let new = claimed(store, &key, &fp("request"), 4 * unit).await;
     assert!(new > old, "takeover token {new:?} not above {old:?}");
     assert_rejected(
         store
@@ -579,17 +580,17 @@ pub async fn lease_expiry_allows_takeover_and_fences_the_old_owner<H: Harness>(h
     );
     assert_rejected(store.renew(&key, old, 10 * unit).await, "old owner's renew");
     assert_rejected(store.release(&key, old).await, "old owner's release");
-    assert_in_flight(store, &key, &fp("new"), 4 * unit).await;
+    assert_in_flight(store, &key, &fp("request"), 4 * unit).await;
     store
         .complete(&key, new, Bytes::from_static(b"fresh"), 10 * unit)
         .await
         .expect("new owner completes");
-    assert_completed(store, &key, &fp("new"), b"fresh").await;
+    assert_completed(store, &key, &fp("request"), b"fresh").await;
 }
 
 /// An owner whose lease ended, or who released its claim, leaves the record for the next
 /// claim of the same request to take over: a new, higher token in the same lifetime (the
-/// operation keeps its downstream key). A claim of another request begins a new lifetime.
+/// operation keeps its downstream key).
 pub async fn takeover_of_the_same_request_continues_the_lifetime<H: Harness>(h: &H) {
     let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
     let f = fp("request");
@@ -619,16 +620,67 @@ pub async fn takeover_of_the_same_request_continues_the_lifetime<H: Harness>(h: 
         store.renew(&key, second, 2 * unit).await,
         "the released owner's renew",
     );
-    // Another request on the abandoned record begins a lifetime of its own.
+    // Released again: the same request takes it over once more, and completes it.
     store.release(&key, third).await.expect("release");
-    let (fourth, other) = owned(store, &key, &fp("another request"), terms).await;
+    let (fourth, continued) = owned(store, &key, &f, terms).await;
     assert!(fourth > third);
-    assert_eq!(other, fourth, "another request begins a new lifetime");
+    assert_eq!(continued, lifetime, "a retry after a second release");
     store
         .complete(&key, fourth, Bytes::from_static(b"done"), 10 * unit)
         .await
         .expect("the last owner completes");
-    assert_completed(store, &key, &fp("another request"), b"done").await;
+    assert_completed(store, &key, &f, b"done").await;
+}
+
+/// The key belongs to its first request for its record's whole life: a claim of *another*
+/// request on a record whose lease lapsed (the first attempt may have taken effect) or which
+/// was released is answered [`Claim::InFlight`] with the record's fingerprint (a mismatch for
+/// the runtime) and changes nothing; the first request still takes it over, with its
+/// lifetime and checkpoints. Only the record's expiry frees the key for another request.
+pub async fn another_request_on_an_abandoned_record_is_refused<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let (f, other) = (fp("request"), fp("another request"));
+    let terms = (2 * unit, 10 * unit);
+    let (first, lifetime) = owned(store, &key, &f, terms).await;
+    store
+        .save_request(&key, first, Bytes::from_static(b"the first request"))
+        .await
+        .or_else(|e| match e {
+            // A store that keeps no requests still keeps the fingerprint.
+            StoreError::Backend(_) => Ok(()),
+            e => Err(e),
+        })
+        .expect("save_request");
+    let refused = |what: &'static str| async move {
+        match store.claim(&key, &other, terms.0, terms.1).await {
+            Ok(Claim::InFlight { fingerprint, .. }) => assert_eq!(
+                fingerprint, f,
+                "{what}: the record's own fingerprint is reported"
+            ),
+            other => panic!("{what}: expected the record reported (InFlight), got {other:?}"),
+        }
+    };
+    // The lease lapses: the first attempt may have taken effect.
+    h.advance(3 * unit).await;
+    refused("another request on a lapsed record").await;
+    refused("asked again").await;
+    let (second, continued) = owned(store, &key, &f, terms).await;
+    assert!(second > first);
+    assert_eq!(continued, lifetime, "the first request still takes it over");
+    // Released: still the first request's.
+    store.release(&key, second).await.expect("release");
+    refused("another request on a released record").await;
+    let (third, continued) = owned(store, &key, &f, terms).await;
+    assert_eq!(continued, lifetime, "and continues it after the release");
+    store.release(&key, third).await.expect("release");
+    // Past the TTL it was claimed with, the record is gone: the key is free.
+    h.advance(12 * unit).await;
+    let (fourth, began) = owned(store, &key, &other, terms).await;
+    assert!(fourth > third);
+    assert_eq!(
+        began, fourth,
+        "after its record expired, another request begins anew"
+    );
 }
 
 /// A claim after the record's TTL ended begins a new lifetime: the reused key is a new
@@ -769,5 +821,5 @@ pub async fn keys_are_isolated<H: Harness>(h: &H) {
     store.release(&b, tb).await.expect("release b");
     assert_completed(store, &a, &fp("a"), b"A").await;
     claimed(store, &c, &fp("c"), 4 * unit).await;
-    claimed(store, &b, &fp("b2"), 4 * unit).await;
+    claimed(store, &b, &fp("b"), 4 * unit).await;
 }

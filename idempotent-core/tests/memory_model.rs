@@ -249,7 +249,16 @@ impl Model {
                 kept_until,
                 ..
             }) if *kept_until > self.now && *recorded == fp => Answer::TakenOver(*lifetime),
-            // Expired or another request's: reclaimed in place, needs no capacity.
+            // Abandoned by another request: still that request's, reported and unchanged.
+            Some(Rec::InFlight {
+                fp: recorded,
+                kept_until,
+                ..
+            }) if *kept_until > self.now => Answer::Found(Claim::InFlight {
+                fingerprint: fingerprint(*recorded),
+                retry_after: Duration::ZERO,
+            }),
+            // Expired: reclaimed in place, needs no capacity.
             Some(_) => Answer::Claimed,
             None if self.records.len() < self.max_entries => Answer::Claimed,
             None => {

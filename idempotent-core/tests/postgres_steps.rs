@@ -255,10 +255,21 @@ async fn a_takeover_keeps_the_columns_a_new_lifetime_and_a_completion_drop_them(
         "a takeover after a lapse"
     );
 
-    // Another request on the abandoned record: a new lifetime, without them.
+    // Another request on the abandoned record: refused, and nothing changes.
     store.release(&key, third).await.unwrap();
-    let fourth = claimed(&store, &key, &fp("another order")).await;
-    assert_eq!(columns(&store, &key).await, (None, None), "a new lifetime");
+    assert!(matches!(
+        claim(&store, &key, &fp("another order")).await,
+        Claim::InFlight { .. }
+    ));
+    assert_eq!(
+        columns(&store, &key).await,
+        saved,
+        "another request's claim"
+    );
+    let fourth = match claim(&store, &key, &f).await {
+        Claim::TakenOver { token, .. } => token,
+        other => panic!("expected TakenOver, got {other:?}"),
+    };
 
     // The same request after its record expired: a new lifetime too.
     store
@@ -517,8 +528,7 @@ async fn abandoned_lists_exactly_the_idle_operations_with_a_request_longest_idle
         .unwrap();
     set_lease_end(&lapsed, 15_000).await;
 
-    // Not listed: released without a request; still leased; completed; past its TTL; another
-    // request's new lifetime on an abandoned one.
+    // Not listed: released without a request; still leased; completed; past its TTL.
     let bare = fresh_key();
     let token = claimed(&store, &bare, &fp("bare")).await;
     store
@@ -553,11 +563,6 @@ async fn abandoned_lists_exactly_the_idle_operations_with_a_request_longest_idle
     .execute(store.pool())
     .await
     .unwrap();
-    let replaced = fresh_key();
-    abandon(&store, &replaced, &fp("replaced"), b"replaced").await;
-    let token = claimed(&store, &replaced, &fp("another request")).await;
-    store.release(&replaced, token).await.unwrap();
-    set_lease_end(&replaced, 40_000).await;
 
     let found = store.abandoned(Duration::ZERO, 100).await.unwrap();
     let keys: Vec<StorageKey> = found.iter().map(|a| a.key).collect();

@@ -871,19 +871,26 @@ async fn abandoned_scenario(
         .unwrap();
     store.renew(&renewed, token, long).await.unwrap();
 
-    // A request saved, then a new lifetime (another request) that saves none.
+    // A request saved, then a new lifetime that saves none: a record written before
+    // lifetimes (no `o` field), which its request's next claim begins one on.
     let token = claim(&renewed_again, "first", long).await;
     store
         .save_request(&renewed_again, token, "first".into())
         .await
         .unwrap();
     store.release(&renewed_again, token).await.unwrap();
+    let _: i64 = redis::cmd("HDEL")
+        .arg(store.redis_key(&renewed_again))
+        .arg("o")
+        .query_async(raw)
+        .await
+        .unwrap();
     let Claim::Claimed(token) = store
-        .claim(&renewed_again, &fp("second"), long, ttl)
+        .claim(&renewed_again, &fp("first"), long, ttl)
         .await
         .unwrap()
     else {
-        panic!("another request begins a new lifetime");
+        panic!("a record without a lifetime begins a new one");
     };
     store.release(&renewed_again, token).await.unwrap();
 

@@ -106,6 +106,17 @@ impl Store for MutexStore {
                 kept,
                 ..
             }) if *kept > now && recorded == fingerprint => continues = Some(*lifetime),
+            // Another request's abandoned claim: the key is still that request's.
+            Some(Record::InFlight {
+                fingerprint: recorded,
+                kept,
+                ..
+            }) if *kept > now => {
+                return Ok(Claim::InFlight {
+                    fingerprint: *recorded,
+                    retry_after: Duration::ZERO,
+                });
+            }
             _ => {}
         }
         let token = FencingToken::new(self.last_token.fetch_add(1, Ordering::SeqCst) + 1);

@@ -130,9 +130,9 @@ pub async fn checkpoints_are_fenced_by_the_token<H: Harness>(h: &H) {
     );
 }
 
-/// Checkpoints and the request belong to the operation: a release and a takeover keep them;
-/// a claim that begins a new lifetime (another request on the abandoned record, or the same
-/// one after the record expired) starts with none.
+/// Checkpoints and the request belong to the operation: a release and a takeover keep them,
+/// and another request's claim on the abandoned record changes nothing; a claim that begins
+/// a new lifetime (after the record expired) starts with none.
 pub async fn checkpoints_last_as_long_as_the_operation<H: Harness>(h: &H) {
     let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
     let f = fp("order");
@@ -159,22 +159,31 @@ pub async fn checkpoints_last_as_long_as_the_operation<H: Harness>(h: &H) {
         Some(&b"request"[..]),
         "a takeover keeps the request"
     );
-    // Another request on the abandoned record: a new operation, with nothing of the old one.
-    let (third, other) = owned(store, &key, &fp("another order"), terms).await;
-    assert_eq!(other, third, "another request begins a new lifetime");
+    // Another request on the abandoned record is refused and changes nothing.
     assert!(
-        load(store, &key, third).await.is_empty(),
-        "a new lifetime starts without checkpoints"
+        matches!(
+            store
+                .claim(&key, &fp("another order"), terms.0, terms.1)
+                .await,
+            Ok(crate::Claim::InFlight { .. })
+        ),
+        "another request on the abandoned record is reported, not claimed"
     );
-    store.release(&key, third).await.expect("release");
-    h.advance(unit).await;
     assert_eq!(
-        listed(store, Duration::ZERO, &key).await,
-        None,
-        "a new lifetime starts without a request"
+        listed(store, Duration::ZERO, &key).await.as_deref(),
+        Some(&b"request"[..]),
+        "the operation keeps its request"
+    );
+    let (third, continued) = owned(store, &key, &f, terms).await;
+    assert_eq!(continued, lifetime);
+    assert_eq!(
+        value(&load(store, &key, third).await, "charge"),
+        Some(&b"2"[..]),
+        "and its checkpoints"
     );
 
-    // The same request after its record expired: a new operation too.
+    // The same request after its record expired: a new operation, with nothing of the old
+    // one.
     let expiring = fresh_key();
     let (token, _) = owned(store, &expiring, &f, (2 * unit, 3 * unit)).await;
     save(store, &expiring, token, "reserve", "1").await;

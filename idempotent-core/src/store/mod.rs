@@ -47,9 +47,8 @@ impl FencingToken {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
     /// The caller now owns the key until its lease ends, and holds this token. A new record
-    /// *lifetime* begins with it: the key had no record, its record had expired (a completed
-    /// record past its TTL, an abandoned one past the TTL it was claimed with), or the
-    /// abandoned record was claimed for a different request.
+    /// *lifetime* begins with it: the key had no record, or its record had expired (a
+    /// completed record past its TTL, an abandoned one past the TTL it was claimed with).
     Claimed(FencingToken),
     /// The caller now owns the key until its lease ends, and holds `token`, taking over a
     /// record of the same request whose owner's lease ended or who released it: the record's
@@ -62,11 +61,13 @@ pub enum Claim {
         /// The token of the claim that began the record's lifetime.
         lifetime: FencingToken,
     },
-    /// Another caller owns the key.
+    /// Another caller owns the key: it holds a live lease, or (with `retry_after` zero) its
+    /// claim was abandoned (its lease ended, or it was released) by a request other than the
+    /// caller's, whose key it stays until the record expires.
     InFlight {
         /// The fingerprint the owner claimed with.
         fingerprint: Fingerprint,
-        /// Time left on the owner's lease.
+        /// Time left on the owner's lease (zero when it ended).
         retry_after: Duration,
     },
     /// The key has a completed record.
@@ -114,8 +115,10 @@ pub enum Claim {
 /// - an in-flight record whose lease ended, or which was released, is kept until the TTL it
 ///   was claimed with has passed, so that the next claim of the same request takes it over
 ///   ([`Claim::TakenOver`]) and the operation keeps its
-///   [operation key](StorageKey::operation_key); a claim that finds no record, an expired one,
-///   or one of a different request begins a new lifetime ([`Claim::Claimed`]);
+///   [operation key](StorageKey::operation_key); the key stays that request's until then: a
+///   claim of another request is answered [`Claim::InFlight`] (a fingerprint mismatch for the
+///   runtime), because a lapsed or released attempt may have taken effect. A claim that finds
+///   no record or an expired one begins a new lifetime ([`Claim::Claimed`]);
 /// - every successful `claim` returns a token greater than every token issued before for that
 ///   storage key, even if the record was deleted in between;
 /// - a record is never overwritten or deleted by a caller that does not hold its current token;
@@ -175,7 +178,11 @@ pub enum Claim {
 ///             // Abandoned (lease ended or released) by the same request: its lifetime goes on.
 ///             Some(Record::InFlight { lifetime, fingerprint: f, kept_until, .. })
 ///                 if *kept_until > now && f == fingerprint => continues = Some(*lifetime),
-///             _ => {} // absent, expired or another request's: a new lifetime
+///             // Abandoned by another request: still that request's key.
+///             Some(Record::InFlight { fingerprint: f, kept_until, .. }) if *kept_until > now => {
+///                 return Ok(Claim::InFlight { fingerprint: *f, retry_after: Duration::ZERO });
+///             }
+///             _ => {} // absent or expired: a new lifetime
 ///         }
 ///         let token = FencingToken::new(self.last_token.fetch_add(1, Ordering::SeqCst) + 1);
 ///         let lifetime = continues.unwrap_or(token);
@@ -272,7 +279,13 @@ pub trait Store: Send + Sync + 'static {
     ///   greater than every token issued before for `key` and a lease ending `lease` from now;
     ///   returns [`Claim::TakenOver`] with the token and the record's `lifetime` (the token that
     ///   began it). The record is kept at least until `ttl` from now.
-    /// - Otherwise (no record, an expired one, or an abandoned one of another request): stores
+    /// - An in-flight record whose lease ended or that was released, of another
+    ///   `fingerprint`, kept less than its TTL ago: returns [`Claim::InFlight`] with its
+    ///   fingerprint and a zero `retry_after`. Nothing is changed: the key belongs to the
+    ///   request that began the record for the record's whole life (its attempt may have
+    ///   taken effect before its lease lapsed or it released the claim), so the runtime
+    ///   answers a fingerprint mismatch. Only the record's expiry frees the key.
+    /// - Otherwise (no record, or an expired one): stores
     ///   a new in-flight record with `fingerprint`, a new token as above, a lease ending `lease`
     ///   from now, kept until `ttl` (at least `lease`) from now, and a lifetime beginning with
     ///   the token; returns [`Claim::Claimed`].
@@ -313,7 +326,9 @@ pub trait Store: Send + Sync + 'static {
 
     /// Ends the caller's lease at once, so the next claim runs the work again (the work failed
     /// transiently or was abandoned). The record is kept as an abandoned one (see
-    /// [`claim`](Self::claim)): the next claim of the same request continues its lifetime.
+    /// [`claim`](Self::claim)): the next claim of the same request continues its lifetime,
+    /// and a claim of another request is refused until the record expires (a released
+    /// attempt may have had effects: its checkpoints, its calls downstream).
     ///
     /// Succeeds only if `key` holds a live in-flight record with exactly `token`; otherwise
     /// returns [`StoreError::TokenRejected`] and changes nothing. A completed record is never

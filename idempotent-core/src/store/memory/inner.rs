@@ -124,6 +124,24 @@ impl Record {
         }
     }
 
+    /// What a claim of `fingerprint` at `now` is told about an abandoned claim of *another*
+    /// request still kept (its lease lapsed or it was released, within its TTL): the key is
+    /// that request's for the record's whole life, so it is reported (nobody holds its lease)
+    /// and nothing changes.
+    fn pinned_against(&self, fingerprint: &Fingerprint, now: u64) -> Option<Claim> {
+        match self {
+            Record::InFlight {
+                fingerprint: recorded,
+                kept_until,
+                ..
+            } if *kept_until > now && recorded != fingerprint => Some(Claim::InFlight {
+                fingerprint: *recorded,
+                retry_after: Duration::ZERO,
+            }),
+            _ => None,
+        }
+    }
+
     /// What the record holds besides its fixed overhead, in bytes.
     fn held(&self) -> usize {
         self.cost() - RECORD_OVERHEAD
@@ -311,6 +329,9 @@ impl Inner {
                     let lifetime = slot.get().continued_by(fingerprint, now);
                     if resume && lifetime.is_none() {
                         return Ok(None);
+                    }
+                    if let Some(pinned) = slot.get().pinned_against(fingerprint, now) {
+                        return Ok(Some(pinned));
                     }
                     let carried = match (lifetime, slot.get_mut()) {
                         (Some(_), Record::InFlight { steps, request, .. }) => {

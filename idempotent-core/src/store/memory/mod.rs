@@ -45,7 +45,8 @@ pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 ///   ended, or it was released) is kept until the TTL it was claimed with, so that the next
 ///   owner continues its lifetime and [operation key](crate::ClaimHandle::operation_key); a
 ///   full store's sweep deletes abandoned claims too, and the next owner of such a key then
-///   begins a new lifetime.
+///   begins a new lifetime (whatever its request: the store no longer knows which request the
+///   key belonged to).
 /// - **Fenced**: tokens come from one counter per store, so they increase per key even across
 ///   deletions.
 /// - **Expiring**: every record expires; a lease above [`limits::MAX_LEASE`](crate::limits::MAX_LEASE) or a TTL above

@@ -77,6 +77,14 @@ impl Sql {
         // Until when a row is kept: the later of its lease or TTL and the TTL an abandoned
         // claim is kept for (`greatest` skips a NULL `kept_until`: rows written before it).
         let kept = "greatest(kept_until, expires_at)";
+        // An abandoned claim (its lease ended, or released) of a request other than
+        // `fingerprint`'s, still kept; columns of `row` (a prefix: `r.` or none).
+        let pinned = |row: &str, fingerprint: &str| {
+            format!(
+                "{row}state = 'in_flight' AND {row}fingerprint <> {fingerprint} \
+                 AND coalesce({row}kept_until, {row}expires_at) > clock_timestamp()"
+            )
+        };
         Ok(Sql {
             table: table.to_owned(),
             migrate: [
@@ -123,11 +131,15 @@ impl Sql {
                      END $$"
                 ),
             ],
+            // A row is reported (`live`) while its lease or TTL lasts, and so is an abandoned
+            // claim of another request while it is kept (`pinned`, nobody holding its lease):
+            // the key is that request's for the record's whole life. The update refuses such a
+            // row too, so a claim whose snapshot missed it runs again and reports it.
             claim: format!(
                 "WITH live AS (\
                      SELECT state, fingerprint, payload, \
-                     (EXTRACT(EPOCH FROM expires_at - clock_timestamp()) * 1000000)::int8 AS remaining_us \
-                     FROM {t} WHERE storage_key = $1 AND {live}\
+                     greatest((EXTRACT(EPOCH FROM expires_at - clock_timestamp()) * 1000000)::int8, 0) AS remaining_us \
+                     FROM {t} WHERE storage_key = $1 AND ({live} OR {pinned})\
                  ), claimed AS (\
                      INSERT INTO {t} AS r (storage_key, state, fingerprint, token, lifetime, payload, \
                      expires_at, kept_until, claimant) \
@@ -142,7 +154,7 @@ impl Sql {
                          AND coalesce(r.kept_until, r.expires_at) > clock_timestamp()), \
                      payload = NULL, expires_at = {lease}, kept_until = {kept_for}, \
                      claimant = excluded.claimant \
-                     WHERE r.expires_at <= clock_timestamp() \
+                     WHERE r.expires_at <= clock_timestamp() AND NOT ({pinned_r}) \
                      RETURNING r.token, coalesce(r.lifetime, r.token) AS lifetime\
                  ) \
                  SELECT 'claimed'::text AS state, token, lifetime, NULL::bytea AS fingerprint, \
@@ -151,6 +163,8 @@ impl Sql {
                  SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live",
                 lease = until("$3"),
                 kept_for = until("greatest($3, $4)"),
+                pinned = pinned("", "$2"),
+                pinned_r = pinned("r.", "excluded.fingerprint"),
             ),
             // The claim's takeover of an abandoned claim of the same request, and nothing else:
             // no row when the key holds no such record (absent, expired, another request's).

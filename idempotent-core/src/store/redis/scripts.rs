@@ -26,9 +26,11 @@ local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 // `ARGV[1]` fingerprint, `ARGV[2]` lease and `ARGV[3]` TTL in milliseconds, `ARGV[4]` the
 // claimant. A record in flight whose lease (`l`, server milliseconds) ended is kept until the
 // TTL it was claimed with: the same request takes it over and keeps its lifetime (`o`), its
-// checkpoints (`k`) and its saved request (`r`); a claim that begins a new lifetime drops
-// those (after its `HSET`, which is the write Redis refuses when it is out of memory, so a
-// refused claim leaves the abandoned record whole).
+// checkpoints (`k`) and its saved request (`r`), and another request is answered as by a
+// record in flight (`{'i', fingerprint, 0}`: the key stays the first request's until the
+// record expires); a claim that begins a new lifetime drops those (after its `HSET`, which is
+// the write Redis refuses when it is out of memory, so a refused claim leaves the abandoned
+// record whole).
 const CLAIM: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 's', 'f', 'p')
 if rec[1] == 'c' then return {'c', rec[2], rec[3], redis.call('PTTL', KEYS[1])} end
@@ -52,6 +54,10 @@ if rec[1] == 'i' then
 end
 -- `ARGV[5]` set: a resume, which only takes an abandoned claim of the same request over.
 if ARGV[5] == '1' and not (rec[1] == 'i' and rec[2] == ARGV[1] and rec[5]) then return {'none'} end
+-- An abandoned claim of another request (kept: the key has not expired): the key is that
+-- request's for the record's whole life, so it is reported, nobody holding its lease, and
+-- nothing changes.
+if rec[1] == 'i' and rec[2] ~= ARGV[1] then return {'i', rec[2], 0} end
 -- From the server's clock, and above the record's last token even if the clock stepped back.
 local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
 if rec[6] and tonumber(rec[6]) and tonumber(rec[6]) >= micros then micros = tonumber(rec[6]) + 1 end

@@ -409,8 +409,22 @@ async fn checkpoints_and_request_fields_follow_the_lifetime() {
     );
     store.release(&key, token).await.unwrap();
 
-    let Claim::Claimed(token) = claim(&other).await else {
-        panic!("another request begins a new lifetime");
+    // Another request is refused while the record is kept, and changes nothing.
+    assert!(matches!(claim(&other).await, Claim::InFlight { .. }));
+    assert_eq!(
+        fields(&mut connection, &name).await,
+        [saved.clone(), request.clone()],
+        "another request's claim keeps them"
+    );
+    // A record written before lifetimes (no `o`): its request's claim begins one.
+    let _: () = redis::cmd("HDEL")
+        .arg(&name)
+        .arg("o")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let Claim::Claimed(token) = claim(&f).await else {
+        panic!("a record without a lifetime begins a new one");
     };
     assert_eq!(
         fields(&mut connection, &name).await,
