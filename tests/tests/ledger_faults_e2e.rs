@@ -5,6 +5,7 @@
 //!   consumer its progress; the entry is applied once the lock is released. Those failures, a
 //!   lost connection, a serialization failure and a deadlock are transient: retried past
 //!   `MAX_DELIVERIES`, never dead-lettered.
+//! - An idempotency record the store reports as corrupt dead-letters the entry at once.
 //! - Bad settings make the consumer exit with status 2.
 
 mod support;
@@ -314,4 +315,39 @@ async fn bad_settings_exit_with_status_2_naming_the_variable() {
         .unwrap();
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("NOTIFY_URL"));
+}
+
+/// An idempotency record the store reports as corrupt (its `state` damaged by SQL: the store
+/// never takes it for absent, so every delivery meets it again) is the message's problem, not
+/// a passing one: the entry is dead-lettered at its first delivery with the store's reason,
+/// never applied again, never left pending. It used to be sorted as transient and stay
+/// pending for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_meeting_a_corrupt_record_is_dead_lettered_at_its_first_delivery() {
+    let Some(mut fx) = Fixture::new("corrupt").await else {
+        return;
+    };
+    let env = fx.env(&[("CLAIM_IDLE", "1s"), ("MAX_DELIVERIES", "3")]);
+    let mut consumer = Consumer::start(&env, "c-0").await;
+    let db = fx.db().await;
+    let first = fx.post("pay-1", "alice", 250).await;
+    fx.wait_drained(&first, Duration::from_secs(30)).await;
+    let damaged = sqlx::query("UPDATE idempotent_records SET state = 'x'")
+        .execute(&db)
+        .await
+        .unwrap()
+        .rows_affected();
+    assert_eq!(damaged, 1, "pay-1's record");
+
+    let again = fx.post("pay-1", "alice", 250).await;
+    fx.wait_drained(&again, Duration::from_secs(30)).await;
+    let dead = fx.dead_letters().await;
+    assert_eq!(dead.len(), 1, "the resent entry, dead-lettered");
+    assert_eq!(dead[0].field("entry"), again);
+    assert_eq!(dead[0].field("deliveries"), "1");
+    let reason = dead[0].field("reason");
+    assert!(reason.contains("corrupt_record"), "{reason}");
+    let balances = fx.balances(&db).await;
+    assert_eq!(balances, BTreeMap::from([("alice".to_owned(), 250)]));
+    consumer.stop().await;
 }

@@ -7,7 +7,7 @@ use bytes::Bytes;
 
 use super::{Decode, Failure, Handler, Message};
 use crate::metrics::{ProtocolLabel, RequestOutcome};
-use crate::{Call, ClaimHandle, Error, Execution, Idempotency, Retain};
+use crate::{Call, ClaimHandle, Error, Execution, Idempotency, Retain, StoreError};
 
 /// How one message's handling ended, before the broker is answered.
 #[derive(Debug)]
@@ -66,8 +66,13 @@ fn sort(error: Error) -> Processed {
         // forbids: the message is done.
         Error::ResultNotRetained => Processed::Duplicate,
         // The record is there and cannot be read: the runtime never takes it for absent, so
-        // every delivery would meet it again. An operator can repair it; a retry cannot.
-        error @ (Error::CorruptRecord(_) | Error::Payload(_)) => {
+        // every delivery would meet it again. An operator can repair it; a retry cannot. The
+        // same whether the runtime found it undecodable or the store did (PostgreSQL's
+        // fingerprint of the wrong length, a completed row without payload, an unknown state;
+        // Redis's unknown state): `Error::code` treats both alike.
+        error @ (Error::CorruptRecord(_)
+        | Error::Store(StoreError::Corrupt(_))
+        | Error::Payload(_)) => {
             let code = error.code();
             Processed::Failed(Failure::Malformed(format!(
                 "the stored record cannot be decoded: {} ({code})",
