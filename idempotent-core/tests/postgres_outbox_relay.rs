@@ -1,7 +1,8 @@
 //! The outbox's relay against a real PostgreSQL server (fixture: `support::outbox`): messages
 //! are delivered at least once by relays sharing the work without ever delivering one message
 //! twice at the same time, retried with backoff, dead-lettered (also when their relays die
-//! delivering them), woken by NOTIFY; a sink that panics and a row that cannot be read fail
+//! delivering them, and then only the message that killed them, not its batch), woken by
+//! NOTIFY; a sink that panics and a row that cannot be read fail
 //! only their message; the Redis Streams sink; and a relay stops with its handle.
 // Built only with the features it needs (like a `required-features` entry in Cargo.toml).
 #![cfg(all(feature = "postgres", feature = "test-util"))]
@@ -399,4 +400,111 @@ async fn a_message_whose_relay_dies_while_delivering_it_is_dead_lettered_after_m
         3,
         "never delivered again"
     );
+}
+
+// Regression (issue 39, item 12): the batch statement counted an attempt for every message of
+// a batch, so a relay dying while it delivered one message charged the whole batch, and the
+// innocent messages taken with it were dead-lettered with it once their relays had died
+// `max_attempts` times. Now each message of a crashed batch is taken again alone, and only a
+// crash during a delivery made alone can be a message's last attempt: with `max_attempts(1)`
+// the messages of a crashed batch of five are all tried again, one at a time; the four
+// innocent ones are delivered, and the one that kills its relay is dead-lettered after its
+// second crash, the first one alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_dies_mid_batch_charges_only_the_message_that_killed_it() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    let mut tx = pool.begin().await.unwrap();
+    let mut ids = HashMap::new();
+    for payload in ["ok-0", "ok-1", "hang", "ok-2", "ok-3"] {
+        let message = Outgoing::new("hook", payload).key(Key::new(payload).unwrap());
+        ids.insert(payload, outbox.enqueue(&mut tx, &message).await.unwrap());
+    }
+    tx.commit().await.unwrap();
+    let sink = Recorder::default();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .max_attempts(1)
+        .build();
+    let due_now = format!(
+        "UPDATE \"{}\" SET available_at = clock_timestamp() WHERE state = 'pending'",
+        outbox.table()
+    );
+    // The relay dies while it delivers its batch of five (`hang` never answers).
+    let batch = timeout(Duration::from_millis(500), relay.run_once()).await;
+    assert!(batch.is_err(), "the batch hangs in the sink: {batch:?}");
+    assert_eq!(
+        sink.seen().len(),
+        5,
+        "the whole batch was handed to the sink"
+    );
+    for (payload, id) in &ids {
+        let (state, attempts, _) = row(&pool, &outbox, *id).await;
+        assert_eq!((state.as_str(), attempts), ("pending", 1), "{payload}");
+    }
+    // As if the hold (5 s) were over: each is taken again alone, and only `hang` kills its
+    // relay again.
+    sqlx::query(&due_now).execute(&pool).await.unwrap();
+    let mut crashes = 1;
+    let mut alone = 0;
+    let mut dead = 0;
+    loop {
+        match timeout(Duration::from_millis(500), relay.run_once()).await {
+            Err(_) => {
+                crashes += 1;
+                assert!(crashes <= 2, "delivered again after its last attempt");
+                sqlx::query(&due_now).execute(&pool).await.unwrap();
+            }
+            Ok(batch) => {
+                let batch = batch.unwrap();
+                if batch.taken == 0 {
+                    break;
+                }
+                // Beside it, only the messages dead-lettered without a delivery.
+                assert_eq!(
+                    batch.taken - batch.dead,
+                    1,
+                    "a message of a crashed batch is taken alone: {batch:?}"
+                );
+                alone += 1;
+                dead += batch.dead;
+            }
+        }
+    }
+    assert_eq!(crashes, 2);
+    // Four innocent ones delivered, and `hang` dead-lettered by the batch statement.
+    assert_eq!((alone, dead), (4, 1));
+    let mut delivered = sink.delivered();
+    delivered.sort_unstable();
+    let mut innocent: Vec<i64> = ["ok-0", "ok-1", "ok-2", "ok-3"]
+        .iter()
+        .map(|p| ids[p])
+        .collect();
+    innocent.sort_unstable();
+    // At least once: the sink had taken each in the crashed batch already, and takes it once
+    // more alone (the receiver deduplicates on the key).
+    let twice: Vec<i64> = innocent.iter().flat_map(|id| [*id, *id]).collect();
+    assert_eq!(
+        delivered, twice,
+        "each innocent message delivered once more, alone"
+    );
+    for payload in ["ok-0", "ok-1", "ok-2", "ok-3"] {
+        let (state, attempts, _) = row(&pool, &outbox, ids[payload]).await;
+        assert_eq!((state.as_str(), attempts), ("delivered", 2), "{payload}");
+    }
+    let (state, attempts, error) = row(&pool, &outbox, ids["hang"]).await;
+    assert_eq!((state.as_str(), attempts), ("dead", 2));
+    let error = error.unwrap();
+    assert!(
+        error.starts_with("relay_crashed: a relay died while delivering it (attempt 2)"),
+        "{error}"
+    );
+    assert_eq!(
+        sink.seen().iter().filter(|s| s.key == "hang").count(),
+        2,
+        "once in the batch, once alone"
+    );
+    let dead = outbox.dead_letters(&pool, 10).await.unwrap();
+    assert_eq!(dead.len(), 1, "{dead:?}");
 }
