@@ -718,13 +718,38 @@ impl ClaimHandle {
         self.leave(RELEASED);
     }
 
-    /// Held → completed: the record is written. Nobody waiting on [`lost`](Self::lost) is
-    /// woken: it never completes after this.
+    /// Held → completed: the record is written. Waiters on [`lost`](Self::lost) are woken
+    /// only to find it not lost (it never completes after this); [`settled`](Self::settled)
+    /// completes.
     pub(crate) fn mark_completed(&self) {
-        let _ =
-            self.state
-                .phase
-                .compare_exchange(HELD, COMPLETED, Ordering::AcqRel, Ordering::Acquire);
+        if self
+            .state
+            .phase
+            .compare_exchange(HELD, COMPLETED, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            self.state.notify.notify_waiters();
+        }
+    }
+
+    /// Whether the call's record was written.
+    pub(crate) fn is_completed(&self) -> bool {
+        self.phase() == COMPLETED
+    }
+
+    /// Completes once the claim is no longer held: its record written
+    /// ([`is_completed`](Self::is_completed)), or the claim lost or given up
+    /// ([`is_lost`](Self::is_lost)), including by a runtime that gave up recording the result.
+    pub(crate) async fn settled(&self) {
+        loop {
+            let notified = self.state.notify.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if !self.is_held() {
+                return;
+            }
+            notified.await;
+        }
     }
 
     fn leave(&self, phase: u8) -> bool {

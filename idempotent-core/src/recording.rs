@@ -63,6 +63,8 @@ impl Idempotency {
             Err(error) => error,
         };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // Nothing to retry on: the claim ends with its lease.
+            claim.mark_released();
             return;
         };
         tracing::warn!(
@@ -120,6 +122,9 @@ impl Idempotency {
             };
             if tokio::time::Instant::now() >= deadline {
                 drop(renewal);
+                // Given up: the claim ends with its lease. Whoever waits for the record (the
+                // consumer runtime, before it acknowledges) learns it now.
+                claim.mark_released();
                 tracing::error!(
                     storage_key = %key,
                     attempts,

@@ -14,7 +14,9 @@ mod support;
 use std::time::Duration;
 
 use idempotent_core::Idempotency;
+use idempotent_core::conformance::{Fault, FaultyStore, Op};
 use idempotent_core::consumer::Failure;
+use idempotent_core::memory::MemoryStore;
 use idempotent_core::redis::RedisStore;
 use idempotent_test_kit::backend::redis_url;
 use idempotent_test_kit::names::unique;
@@ -98,4 +100,59 @@ async fn a_message_meeting_a_record_the_store_calls_corrupt_is_dead_lettered_at_
     }));
     assert_eq!(probe.seen.runs_of("c-1").len(), 1, "applied once");
     assert_eq!(report.dead_lettered, 1, "{report:?}");
+}
+
+/// A claim-mode consumer whose store refuses the completion: the runtime retries the write in
+/// the background while it keeps the claim, and the message is acknowledged only once the
+/// record is written, never before (it used to be acknowledged as applied at once, the record
+/// still unwritten: had the retries given up or the process died, the claim would have lapsed
+/// and a redelivered duplicate run the handler again). A duplicate sent meanwhile meets the
+/// claim and waits; the handler runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_message_is_acknowledged_only_once_its_record_is_written() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    faults.fail(Op::Complete, Fault::Unavailable);
+    let source = TestSource::new();
+    let probe = Probe::default();
+    let started = start(
+        consumer(&source, &probe).backoff(Duration::from_millis(10), Duration::from_millis(20)),
+        Idempotency::new(store),
+        &probe,
+    );
+    let first = source.publish("w-1", "ok 1");
+    // The handler ran, and the runtime has retried the write a few times since.
+    wait_until("the completion to be refused three times", || {
+        faults.faulted(Op::Complete) >= 3
+    })
+    .await;
+    assert_eq!(probe.seen.runs_of("w-1").len(), 1);
+    assert_eq!(
+        answers_of(&source, &first),
+        [],
+        "acknowledged before its record was written"
+    );
+    // A duplicate meanwhile: in flight, retried, never run.
+    let duplicate = source.publish("w-1", "ok 1");
+    wait_until("the duplicate to be retried", || {
+        !answers_of(&source, &duplicate).is_empty()
+    })
+    .await;
+    assert!(
+        answers_of(&source, &first).is_empty(),
+        "acknowledged before its record was written"
+    );
+
+    faults.heal(Op::Complete);
+    source.settled().await;
+    let report = started.stop().await;
+    assert_eq!(answers_of(&source, &first), [(1, Answer::Ack)]);
+    assert_eq!(
+        answers_of(&source, &duplicate).last(),
+        Some(&(answers_of(&source, &duplicate).len() as u64, Answer::Ack)),
+        "the duplicate acknowledged once the record is written"
+    );
+    assert_eq!(probe.seen.runs_of("w-1").len(), 1, "the handler ran once");
+    assert_eq!(report.applied, 1, "{report:?}");
+    assert_eq!(report.duplicates, 1, "{report:?}");
 }

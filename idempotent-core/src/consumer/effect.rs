@@ -90,6 +90,30 @@ fn sort(error: Error) -> Processed {
     }
 }
 
+/// Applied, once the record of the work that ran under `claim` is written. When the first
+/// write failed or timed out, the runtime answered at once and goes on writing in the
+/// background, holding the claim (a duplicate meets it in flight): the message is not
+/// acknowledged before that write lands. If the runtime gives up (its
+/// [`record_retry`](crate::IdempotencyBuilder::record_retry) bound) or the claim is lost, the
+/// message is retried as [`Failure::Transient`]: its redelivery meets the record if a write
+/// landed after all, or, as for a call, runs again once the claim has lapsed.
+async fn durable(claim: &ClaimHandle) -> Processed {
+    if !claim.is_completed() {
+        tracing::warn!(
+            storage_key = %claim.storage_key(),
+            "message applied but its record is not written yet; acknowledged once it is"
+        );
+        claim.settled().await;
+    }
+    if claim.is_completed() {
+        Processed::Applied
+    } else {
+        Processed::Failed(Failure::Transient(
+            "the handler ran but its record could not be written: delivered again".into(),
+        ))
+    }
+}
+
 /// `error` and its sources, `: `-separated.
 fn chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
@@ -116,9 +140,16 @@ impl<H: Handler> Effect for Claimed<H> {
     }
 
     async fn apply(&self, prepared: &Prepared<H::Input>) -> Processed {
+        // The claim the work ran under: after the work, whether its record is written.
+        let ran_under: std::sync::Mutex<Option<ClaimHandle>> = std::sync::Mutex::new(None);
         let work = async {
             match ClaimHandle::current() {
-                Some(claim) => self.handler.handle(&prepared.input, &claim).await,
+                Some(claim) => {
+                    *ran_under
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(claim.clone());
+                    self.handler.handle(&prepared.input, &claim).await
+                }
                 // The runtime runs the work inside its claim's scope: never here.
                 None => Err(Failure::Transient("the work ran without its claim".into())),
             }
@@ -148,8 +179,14 @@ impl<H: Handler> Effect for Claimed<H> {
                 Err(error) => RequestOutcome::of_error(error),
             },
         );
+        let claim = ran_under
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         match execution {
-            Ok(Execution::Fresh(Ok(_))) => Processed::Applied,
+            Ok(Execution::Fresh(Ok(_))) => match claim {
+                Some(claim) => durable(&claim).await,
+                None => Processed::Applied,
+            },
             Ok(Execution::Fresh(Err(failure))) => Processed::Failed(failure),
             Ok(Execution::Replayed(_)) => Processed::Duplicate,
             Err(error) => sort(error),

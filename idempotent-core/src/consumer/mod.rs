@@ -19,7 +19,11 @@
 //!    messages with the effect;
 //! 4. acknowledges the message only once the record (or the transaction) is durable; a
 //!    message whose key is already recorded is a **duplicate**, acknowledged without running
-//!    the handler;
+//!    the handler. In the claim mode, a record whose first write failed is written again in
+//!    the background while the claim is held (a duplicate meets it in flight), and the
+//!    message waits for that write; should the runtime give up
+//!    ([`record_retry`](crate::IdempotencyBuilder::record_retry)), the message is retried as
+//!    transient, never acknowledged as applied;
 //! 5. sorts failures: a [`Failure::Malformed`] message is dead-lettered at once; a
 //!    [`Failure::Rejected`] one (the data is refused, by a constraint say) is retried and
 //!    dead-lettered from its [`max_deliveries`](Consumer::max_deliveries)-th delivery on, as
