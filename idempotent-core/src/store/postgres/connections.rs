@@ -4,9 +4,14 @@
 //! time one goes back to it, on a task it spawns for the purpose, and has no option to skip
 //! it: for a store whose operations are one statement each, that doubles the round trips and
 //! was most of the client's CPU (BENCHMARKS.md). These connections go back to their pool with
-//! nothing sent. A statement whose future was dropped half way leaves nothing to clean up:
-//! sqlx reads the unread replies of a connection before it sends the next statement.
+//! nothing sent, but only when the statement's outcome was handed back
+//! ([`Connections::settle`]). One whose statement's future was dropped half way (its caller
+//! stopped waiting: the database did not answer in time) is closed instead: its reply may be
+//! held up for as long as TCP's retransmission backoff after a network partition heals
+//! (seconds), and every statement sent on it behind that reply would wait as long, so a pool
+//! that kept it would go on refusing requests after the database is reachable again.
 
+use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,9 +35,9 @@ impl managed::Manager for Connector {
         PgConnection::connect_with(&self.options).await
     }
 
-    /// Nothing to check: a connection that failed was taken out of the pool (see
-    /// [`Connections::discard_if_broken`]), and one broken since fails the one statement that
-    /// next uses it.
+    /// Nothing to check: a connection that failed, or whose statement was given up on, was
+    /// taken out of the pool (see [`Connections::settle`] and [`Connection`]), and one broken
+    /// since fails the one statement that next uses it.
     async fn recycle(&self, _: &mut PgConnection, _: &Metrics) -> RecycleResult<sqlx::Error> {
         Ok(())
     }
@@ -45,8 +50,40 @@ pub(super) struct Connections {
     wait: Duration,
 }
 
-/// One connection, returned to the pool when dropped.
-pub(super) type Connection = Object<Connector>;
+/// One connection of the pool, for one statement (or a few in a row): handed back with
+/// [`Connections::settle`], which returns it to the pool unless the statement failed in a way
+/// that may have left it unusable. Dropped without that (its statement's future was dropped
+/// half way: the caller stopped waiting for the database), it is closed rather than returned:
+/// a reply that did not come may still be in flight, and on a link that stopped carrying
+/// packets the next statement would wait behind it.
+pub(super) struct Connection(Option<Object<Connector>>);
+
+impl Deref for Connection {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        self.0
+            .as_ref()
+            .expect("a connection is only emptied when it is settled or dropped")
+    }
+}
+
+impl DerefMut for Connection {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        self.0
+            .as_mut()
+            .expect("a connection is only emptied when it is settled or dropped")
+    }
+}
+
+impl Drop for Connection {
+    /// Not settled: closed, not returned to the pool (see [`Connection`]).
+    fn drop(&mut self) {
+        if let Some(object) = self.0.take() {
+            drop(Object::take(object));
+        }
+    }
+}
 
 impl Connections {
     /// Waits at most `wait` for a free connection, and as long again for a new one to open.
@@ -66,8 +103,9 @@ impl Connections {
         self.pool.status().max_size
     }
 
+    /// A free connection of the pool, or a new one.
     pub(super) async fn get(&self) -> Result<Connection, StoreError> {
-        self.pool.get().await.map_err(|error| match error {
+        let object = self.pool.get().await.map_err(|error| match error {
             PoolError::Backend(error) => store_error(error),
             PoolError::Timeout(TimeoutType::Wait) => StoreError::Unavailable(
                 format!(
@@ -81,7 +119,8 @@ impl Connections {
                 format!("could not connect to postgres within {:?}", self.wait).into(),
             ),
             other => StoreError::Unavailable(other.to_string().into()),
-        })
+        })?;
+        Ok(Connection(Some(object)))
     }
 
     /// Hands back `result` of a statement run on `connection`, closing the connection when
@@ -90,11 +129,15 @@ impl Connections {
     /// connection is in a known state and goes back to the pool; closing one that was fine
     /// costs only a reconnect.
     pub(super) fn settle<T>(
-        connection: Connection,
+        mut connection: Connection,
         result: Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        if let Err(StoreError::Unavailable(_) | StoreError::Backend(_)) = &result {
-            drop(Object::take(connection));
+        if !matches!(
+            &result,
+            Err(StoreError::Unavailable(_) | StoreError::Backend(_))
+        ) {
+            // Returned to the pool; otherwise `connection`'s drop closes it.
+            drop(connection.0.take());
         }
         result
     }

@@ -2,11 +2,12 @@
 //! server or a Redis Cluster.
 
 use std::fmt;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
-use redis::RedisError;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
+use redis::{Cmd, Pipeline, RedisError, RedisFuture, RedisResult, Value};
 
 use super::{Connection, RedisStore, store_error};
 use crate::StoreError;
@@ -113,16 +114,124 @@ impl RedisStoreBuilder {
                 .set_connection_timeout(Some(self.timeout))
                 .set_response_timeout(Some(self.timeout))
                 .set_number_of_retries(1);
-            Connection::Node(
-                ConnectionManager::new_with_config(client, config)
-                    .await
-                    .map_err(store_error)?,
-            )
+            let manager = ConnectionManager::new_with_config(client.clone(), config.clone())
+                .await
+                .map_err(store_error)?;
+            Connection::Node(Node::new(client, config, manager))
         };
         Ok(RedisStore {
             connection,
             prefix: self.prefix.into(),
             replicas: (self.replicas > 0).then_some((self.replicas, self.timeout / 2)),
         })
+    }
+}
+
+/// One server's connection: a [`ConnectionManager`] (one multiplexed connection, reconnected
+/// when it breaks), replaced by a new one when a command on it times out.
+///
+/// A timeout does not break the connection as far as the manager is concerned, so it would
+/// keep it; but on a link that stopped carrying packets (a network partition) the commands
+/// written to it wait for TCP to retransmit them, and once the link is back that happens only
+/// at the next step of TCP's backoff, seconds later: every command pipelined on the connection
+/// meanwhile would time out too. A connection whose command timed out is suspect: the next
+/// command goes to a new one (connected on first use), and the old one is closed when the
+/// commands still on it are done. A command is never sent again by this: one that timed out
+/// is reported as such, whether or not the server ran it.
+#[derive(Clone)]
+pub(crate) struct Node(Arc<NodeInner>);
+
+struct NodeInner {
+    client: redis::Client,
+    config: ConnectionManagerConfig,
+    /// The manager in use, and how many were replaced before it.
+    current: RwLock<(u64, ConnectionManager)>,
+}
+
+impl Node {
+    fn new(
+        client: redis::Client,
+        config: ConnectionManagerConfig,
+        manager: ConnectionManager,
+    ) -> Self {
+        Node(Arc::new(NodeInner {
+            client,
+            config,
+            current: RwLock::new((0, manager)),
+        }))
+    }
+
+    /// The manager in use and its generation.
+    fn current(&self) -> (u64, ConnectionManager) {
+        self.0
+            .current
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// After a command on the manager of `generation` ended with `result`: a timeout replaces
+    /// that manager, unless another command replaced it already.
+    fn settle<T>(&self, generation: u64, result: &RedisResult<T>) {
+        let Err(error) = result else {
+            return;
+        };
+        if !error.is_timeout() {
+            return;
+        }
+        let mut current = self
+            .0
+            .current
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if current.0 != generation {
+            return;
+        }
+        // Lazy: connects on the next command, so a partition that lasts costs each command
+        // one connection attempt (bounded by the connection timeout), not a reconnect loop.
+        match ConnectionManager::new_lazy_with_config(self.0.client.clone(), self.0.config.clone())
+        {
+            Ok(manager) => {
+                tracing::debug!(
+                    error = error as &dyn std::error::Error,
+                    "a redis command timed out; its connection is replaced"
+                );
+                *current = (generation + 1, manager);
+            }
+            // Only a configuration this store never makes fails here; keep the old one.
+            Err(error) => tracing::warn!(
+                error = &error as &dyn std::error::Error,
+                "could not replace a redis connection whose command timed out"
+            ),
+        }
+    }
+}
+
+impl ConnectionLike for Node {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        let (generation, mut manager) = self.current();
+        Box::pin(async move {
+            let result = manager.send_packed_command(cmd).await;
+            self.settle(generation, &result);
+            result
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        let (generation, mut manager) = self.current();
+        Box::pin(async move {
+            let result = manager.send_packed_commands(pipeline, offset, count).await;
+            self.settle(generation, &result);
+            result
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.current().1.get_db()
     }
 }

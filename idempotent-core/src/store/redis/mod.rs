@@ -12,13 +12,14 @@ use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
-use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::aio::ConnectionLike;
 use redis::cluster_async::ClusterConnection;
 use redis::{
     Cmd, ErrorKind, FromRedisValue, Pipeline, RedisError, RedisFuture, Script, ServerErrorKind,
     Value,
 };
 
+use self::builder::Node;
 pub use self::builder::{DEFAULT_TIMEOUT, RedisStoreBuilder};
 use self::scripts::{MAX_EXPIRY_MS, scripts};
 use super::Unanswered;
@@ -143,7 +144,8 @@ pub struct RedisStore {
 /// connections and reconnect by themselves.
 #[derive(Clone)]
 pub(crate) enum Connection {
-    Node(ConnectionManager),
+    /// Replaced by a new connection when a command on it times out (see [`Node`]).
+    Node(Node),
     /// Routes each script by its one key's slot, follows `MOVED` and `ASK` redirections, and
     /// refreshes its view of the slots after a failover.
     Cluster(ClusterConnection),
