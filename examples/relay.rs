@@ -13,7 +13,10 @@
 //! them). Each attempt is counted before the notification is sent, so one whose delivery kills
 //! its relay (SIGKILL, out of memory) every time is dead-lettered after `RELAY_MAX_ATTEMPTS`
 //! such deaths, with a last error starting `relay_crashed`, instead of taking every relay down
-//! forever. On SIGTERM it finishes the batch in hand and exits 0.
+//! forever. The notifications of a batch whose relay died are each taken again alone (a batch
+//! of one), so only the one that kills its relay is charged for the deaths and dead-lettered:
+//! the others are delivered (those the dead relay had sent already are sent again, with the
+//! same key). On SIGTERM it finishes the batch in hand and exits 0.
 //!
 //! | variable | default | meaning |
 //! |---|---|---|
