@@ -34,6 +34,21 @@ struct Faults {
     reset_before: f64,
     /// A delay added before forwarding each answer, up to this long (uniformly drawn).
     delay: Duration,
+    /// How the proxy tells an answer in the bytes it carries.
+    wire: Wire,
+}
+
+/// How the proxy finds each request and its answer in the bytes of a connection.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Wire {
+    /// HTTP/1: the server sends nothing unasked, so an answer is the first bytes the server
+    /// sends after the client sent a request.
+    Http1,
+    /// HTTP/2 (gRPC): a request is a `HEADERS` frame of the client on a new stream, its answer
+    /// the first `HEADERS` frame of the server on that stream. Nothing else (`SETTINGS`,
+    /// `WINDOW_UPDATE`, `PING`, of which each new connection sends several) counts, so a loss
+    /// is one request's answer.
+    Http2,
 }
 
 /// 30 % of the answers lost, 5 % of the connections reset, answers delayed up to 20 ms.
@@ -41,12 +56,15 @@ const A_THIRD_LOST: Faults = Faults {
     lose_answer: 0.3,
     reset_before: 0.05,
     delay: Duration::from_millis(20),
+    wire: Wire::Http1,
 };
 
 /// A TCP proxy on loopback in front of `upstream`, causing `faults`.
 struct FaultProxy {
     address: SocketAddr,
     lost: Arc<AtomicU64>,
+    /// HTTP/2 only: the requests forwarded to the server.
+    requests: Arc<AtomicU64>,
     reset: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -63,6 +81,8 @@ impl FaultProxy {
         let address = listener.local_addr().unwrap();
         let (lost, reset) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         let (lost_count, reset_count) = (Arc::clone(&lost), Arc::clone(&reset));
+        let requests = Arc::new(AtomicU64::new(0));
+        let request_count = Arc::clone(&requests);
         let task = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
@@ -75,9 +95,13 @@ impl FaultProxy {
                     continue;
                 }
                 let lost = Arc::clone(&lost_count);
+                let requests = Arc::clone(&request_count);
                 tokio::spawn(async move {
                     if let Ok(server) = TcpStream::connect(upstream).await {
-                        carry(client, server, faults, lost).await;
+                        match faults.wire {
+                            Wire::Http1 => carry(client, server, faults, lost).await,
+                            Wire::Http2 => carry_h2(client, server, faults, lost, requests).await,
+                        }
                     }
                 });
             }
@@ -85,6 +109,7 @@ impl FaultProxy {
         FaultProxy {
             address,
             lost,
+            requests,
             reset,
             task,
         }
@@ -137,6 +162,118 @@ async fn carry(client: TcpStream, server: TcpStream, faults: Faults, lost: Arc<A
             if client_write.write_all(&buffer[..n]).await.is_err() {
                 break;
             }
+        }
+    };
+    // Whichever side ends first ends the connection (a lost answer ends it at once).
+    tokio::select! {
+        () = upstream => {}
+        () = downstream => {}
+    }
+}
+
+/// The complete HTTP/2 frames at the start of `bytes`: each one's type, stream and end.
+fn h2_frames(bytes: &[u8]) -> Vec<(u8, u32, usize)> {
+    let mut frames = Vec::new();
+    let mut at = 0;
+    while bytes.len() - at >= 9 {
+        let head = &bytes[at..at + 9];
+        let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+        let end = at + 9 + len;
+        if end > bytes.len() {
+            break;
+        }
+        let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+        frames.push((head[3], stream, end));
+        at = end;
+    }
+    frames
+}
+
+/// The HTTP/2 frame type `HEADERS`.
+const H2_HEADERS: u8 = 1;
+
+/// Carries one HTTP/2 connection both ways, counting each request (a client `HEADERS` frame
+/// on a new stream). Each answer (the server's first `HEADERS` frame on a stream: the server
+/// has answered) is lost with probability `lose_answer`: the proxy closes both sides instead
+/// of forwarding it. The connection's own frames are always forwarded.
+async fn carry_h2(
+    client: TcpStream,
+    server: TcpStream,
+    faults: Faults,
+    lost: Arc<AtomicU64>,
+    requests: Arc<AtomicU64>,
+) {
+    const PREFACE: usize = 24;
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let upstream = async move {
+        let mut buffer = vec![0u8; 16 * 1024];
+        let mut parsed = Vec::new();
+        let mut preface = PREFACE;
+        let mut streams = std::collections::HashSet::new();
+        loop {
+            let n = match client_read.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let skipped = preface.min(n);
+            preface -= skipped;
+            parsed.extend_from_slice(&buffer[skipped..n]);
+            let mut used = 0;
+            for (kind, stream, end) in h2_frames(&parsed) {
+                if kind == H2_HEADERS && stream != 0 && streams.insert(stream) {
+                    requests.fetch_add(1, Ordering::SeqCst);
+                }
+                used = end;
+            }
+            parsed.drain(..used);
+            if server_write.write_all(&buffer[..n]).await.is_err() {
+                break;
+            }
+        }
+        let _ = server_write.shutdown().await;
+    };
+    let downstream = async move {
+        let mut buffer = vec![0u8; 16 * 1024];
+        let mut pending = Vec::new();
+        let mut answered = std::collections::HashSet::new();
+        loop {
+            let n = match server_read.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            pending.extend_from_slice(&buffer[..n]);
+            let mut start = 0;
+            let mut forwarded = 0;
+            for (kind, stream, end) in h2_frames(&pending) {
+                if kind == H2_HEADERS && stream != 0 && answered.insert(stream) {
+                    // An answer starts: what came before it goes on, then it is lost or not.
+                    if client_write
+                        .write_all(&pending[forwarded..start])
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    forwarded = start;
+                    if fastrand::f64() < faults.lose_answer {
+                        lost.fetch_add(1, Ordering::SeqCst);
+                        return;
+                    }
+                    if !faults.delay.is_zero() {
+                        tokio::time::sleep(faults.delay.mul_f64(fastrand::f64())).await;
+                    }
+                }
+                start = end;
+            }
+            if client_write
+                .write_all(&pending[forwarded..start])
+                .await
+                .is_err()
+            {
+                break;
+            }
+            pending.drain(..start);
         }
     };
     // Whichever side ends first ends the connection (a lost answer ends it at once).
@@ -411,6 +548,7 @@ async fn over_grpc_with_a_third_of_the_answers_lost_every_charge_runs_once() {
         upstream(&server),
         Faults {
             delay: Duration::from_millis(5),
+            wire: Wire::Http2,
             ..A_THIRD_LOST
         },
     )
@@ -442,9 +580,20 @@ async fn over_grpc_with_a_third_of_the_answers_lost_every_charge_runs_once() {
         }
     }
     let lost = proxy.lost.load(Ordering::SeqCst);
+    let requests = proxy.requests.load(Ordering::SeqCst);
     assert!(
         lost >= 50,
         "the proxy lost {lost} answers: the fault did not happen"
+    );
+    // Each loss is one request's answer (never a connection's SETTINGS): every charge's
+    // answer got through once, and each lost one cost a request of its own.
+    assert!(
+        requests >= 300 + lost,
+        "{requests} requests, {lost} answers lost: a loss that was no request's answer"
+    );
+    assert!(
+        lost * 2 < requests,
+        "{lost} of {requests} answers lost: far more than a third"
     );
     assert!(replayed > 0, "no lost answer was replayed");
     let mut direct = PaymentsClient::connect(format!("http://127.0.0.1:{}", server.port))
@@ -457,7 +606,9 @@ async fn over_grpc_with_a_third_of_the_answers_lost_every_charge_runs_once() {
         .into_inner()
         .count;
     assert_eq!(count, 300, "one execution per charge");
-    eprintln!("gRPC: 300 charges, {lost} answers lost, {replayed} answered by a replay");
+    eprintln!(
+        "gRPC: 300 charges, {requests} requests, {lost} answers lost, {replayed} answered by a replay"
+    );
 }
 
 /// reqwest with the client's middleware, as an application would use it.
