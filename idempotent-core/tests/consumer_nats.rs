@@ -660,3 +660,124 @@ async fn names_that_are_not_subject_tokens_refused() {
         assert!(refused.contains("holding whitespace"), "{refused}");
     }
 }
+
+/// A `nats-server -js` of the test's own whose `max_payload` is `max_payload` bytes (from a
+/// config file: the flag does not exist), on a free loopback port. Killed when dropped.
+struct SmallNats {
+    child: tokio::process::Child,
+    dir: std::path::PathBuf,
+    port: u16,
+}
+
+impl SmallNats {
+    async fn start(max_payload: usize) -> Option<SmallNats> {
+        use idempotent_test_kit::backend::installed;
+        use idempotent_test_kit::process::{find_program, scratch_dir};
+        let bin = installed("nats-server", find_program("nats-server"))?;
+        let dir = scratch_dir("nats-small");
+        let port = idempotent_test_kit::names::free_port();
+        let config = dir.join("nats.conf");
+        std::fs::write(
+            &config,
+            format!(
+                "listen: \"127.0.0.1:{port}\"\nmax_payload: {max_payload}\njetstream {{ store_dir: {:?} }}\n",
+                dir.join("store")
+            ),
+        )
+        .unwrap();
+        let child = tokio::process::Command::new(bin)
+            .arg("-c")
+            .arg(&config)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let nats = SmallNats { child, dir, port };
+        eventually("the private nats-server to accept clients", || async {
+            async_nats::connect(nats.url()).await.is_ok()
+        })
+        .await;
+        Some(nats)
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for SmallNats {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Dead letters that would exceed the server's `max_payload` (the reason, up to a KiB, and
+/// the other extras added to an entry close to it) are still dead letters: the reason cut to
+/// fit; else the entry's own headers left out; else the body left out, its size in
+/// `body-too-large`. They used to fail to publish, and the entry, counted as retried without
+/// a `-NAK`, came back after every ack wait, for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dead_letters_larger_than_max_payload_are_fitted_not_redelivered() {
+    const MAX_PAYLOAD: usize = 4096;
+    let Some(nats) = SmallNats::start(MAX_PAYLOAD).await else {
+        return;
+    };
+    let url = nats.url();
+    let stream = unique("fit");
+    let source = connect(&url, &stream, "fit", Duration::from_secs(1)).await;
+    let admin = Admin::new(&url).await;
+    let subject = format!("{stream}.entries");
+    // Malformed (no `:`): dead-lettered at once, the reason quoting the body (cut to a KiB).
+    let cut_reason = "a".repeat(3500);
+    let without_own_headers = "b".repeat(3000);
+    let without_body = "c".repeat(4060);
+    let mut own = HeaderMap::new();
+    own.insert("x-big", "h".repeat(1000).as_str());
+    admin
+        .publish(&subject, HeaderMap::new(), cut_reason.clone())
+        .await;
+    admin
+        .publish(&subject, own, without_own_headers.clone())
+        .await;
+    admin
+        .publish(&subject, HeaderMap::new(), without_body.clone())
+        .await;
+
+    let handler = Counting::new(Behaviour::Apply);
+    let running = Running::start(Consumer::new(source), handler.clone());
+    eventually("three dead letters", || async {
+        admin.dead(&stream).await.len() == 3
+    })
+    .await;
+    eventually("nothing pending or in hand", || async {
+        admin.pending(&stream, "fit").await == (0, 0)
+    })
+    .await;
+    let report = running.stop().await;
+    assert_eq!(report.dead_lettered, 3, "{report:?}");
+    assert_eq!(handler.seen.decodes(), 3, "each entry delivered once");
+
+    let dead = admin.dead(&stream).await;
+    for letter in &dead {
+        assert_eq!(header(letter, "deliveries"), Some("1"));
+        assert!(header(letter, "Nats-Msg-Id").is_some());
+    }
+    // The reason cut to fit, the body and nothing else changed.
+    assert_eq!(dead[0].payload, cut_reason.as_bytes());
+    let reason = header(&dead[0], "reason").unwrap();
+    assert!(
+        reason.len() >= 64 && reason.len() < 1024 && reason.starts_with("no key in"),
+        "{reason:?}"
+    );
+    // The entry's own headers left out; the reason kept (cut), the body unchanged.
+    assert_eq!(dead[1].payload, without_own_headers.as_bytes());
+    assert_eq!(header(&dead[1], "x-big"), None);
+    assert!(header(&dead[1], "reason").unwrap().starts_with("no key in"));
+    // The body left out, its size said.
+    assert!(dead[2].payload.is_empty());
+    assert_eq!(header(&dead[2], "body-too-large"), Some("4060"));
+    assert!(header(&dead[2], "reason").unwrap().starts_with("no key in"));
+}

@@ -38,6 +38,14 @@
 //!   entry's stream sequence): a dead letter repeated within the duplicate window (after a
 //!   crash between the copy and the `+TERM`) is dropped by the stream and answers
 //!   [`DeadLettered::Already`].
+//! - **Dead letters larger than the server's `max_payload`** (the extras added to an entry
+//!   that was close to it) are still dead letters, never redelivered for that: the reason is
+//!   cut to fit (down to [`MIN_FITTED_REASON`] bytes); if that is not enough, the entry's own
+//!   headers are left out (the extras kept, the reason cut to fit); if the body alone is too
+//!   large, the dead letter carries the extras without the body, and
+//!   [`BODY_TOO_LARGE`]`: N` (the body's size in bytes). A stream whose own
+//!   `max_msg_size` is smaller than the server's `max_payload` refuses such a dead letter: the
+//!   entry is then delivered again (`idempotency.source.errors`, operation `dead_letter`).
 
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -57,6 +65,12 @@ pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
 
 /// The longest a dead letter's `reason` header is, in bytes; a longer reason is cut.
 pub const MAX_REASON: usize = 1024;
+/// The shortest a dead letter's reason is cut to, to fit the server's `max_payload`, before
+/// the entry's own headers are left out instead.
+pub const MIN_FITTED_REASON: usize = 64;
+/// The header of a dead letter sent without its body, which did not fit the server's
+/// `max_payload`: the body's size in bytes.
+pub const BODY_TOO_LARGE: &str = "body-too-large";
 
 /// How long a fetch waits for a first message.
 const FETCH_WAIT: Duration = Duration::from_secs(1);
@@ -379,15 +393,59 @@ impl JetStream {
     }
 
     /// The dead letter's headers: the entry's but the server's directives, and ours.
-    fn dead_headers(
+    /// The dead letter's headers and body, within the server's `max_payload` (`max`; 0: no
+    /// limit) where it can be: the whole entry with the extras; else with the reason cut to
+    /// fit (keeping at least [`MIN_FITTED_REASON`] bytes of it); else without the entry's own
+    /// headers, the reason cut to fit; else, as a last resort, without the body, its size in
+    /// [`BODY_TOO_LARGE`].
+    fn fitted_dead_letter(
         &self,
         message: &Message,
         delivery: &Delivery,
         reason: &str,
         sequence: u64,
+        max: usize,
+    ) -> (HeaderMap, Bytes) {
+        let reason = one_line(reason);
+        let body = message.body().clone();
+        let full = self.dead_headers(message, Some(delivery), &reason, sequence);
+        if max == 0 || headers_len(&full) + body.len() <= max {
+            return (full, body);
+        }
+        // The room left for the reason's value beside `headers` (whose reason is empty) and
+        // a body of `body` bytes.
+        let room = |headers: &HeaderMap, body: usize| max.checked_sub(headers_len(headers) + body);
+        let unreasoned = self.dead_headers(message, Some(delivery), "", sequence);
+        if let Some(room) = room(&unreasoned, body.len())
+            && room >= MIN_FITTED_REASON.min(reason.len())
+        {
+            let headers = self.dead_headers(message, Some(delivery), cut(&reason, room), sequence);
+            return (headers, body);
+        }
+        let extras = self.dead_headers(message, None, "", sequence);
+        if let Some(room) = room(&extras, body.len()) {
+            let headers = self.dead_headers(message, None, cut(&reason, room), sequence);
+            return (headers, body);
+        }
+        let mut extras = extras;
+        extras.insert(BODY_TOO_LARGE, body.len().to_string());
+        let room = room(&extras, 0).unwrap_or(0);
+        let mut headers = self.dead_headers(message, None, cut(&reason, room), sequence);
+        headers.insert(BODY_TOO_LARGE, body.len().to_string());
+        (headers, Bytes::new())
+    }
+
+    /// The dead letter's headers: `delivery`'s own (when given) but the server's directives,
+    /// and the extras.
+    fn dead_headers(
+        &self,
+        message: &Message,
+        delivery: Option<&Delivery>,
+        reason: &str,
+        sequence: u64,
     ) -> HeaderMap {
         let mut headers = HeaderMap::new();
-        if let Some(original) = &delivery.headers {
+        if let Some(original) = delivery.and_then(|d| d.headers.as_ref()) {
             for (name, values) in original.iter() {
                 let text: &str = name.as_ref();
                 if text
@@ -404,7 +462,7 @@ impl JetStream {
         if let Some(id) = message.id() {
             headers.insert("original-id", id);
         }
-        headers.insert("reason", one_line(reason));
+        headers.insert("reason", reason);
         headers.insert("deliveries", message.deliveries().to_string());
         headers.insert(
             header::NATS_MESSAGE_ID,
@@ -412,6 +470,18 @@ impl JetStream {
         );
         headers
     }
+}
+
+/// The longest prefix of `text` of at most `max` bytes, on a character boundary.
+fn cut(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
 }
 
 /// `reason` on one line (line breaks and tabs become spaces, other control characters are
@@ -546,10 +616,11 @@ impl Source for JetStream {
                 "the message's stream sequence is unknown (no JetStream delivery info)",
             ));
         };
-        let headers = self.dead_headers(message, delivery, reason, sequence);
-        let size = headers_len(&headers) + message.body().len();
         let max = self.client.server_info().max_payload;
+        let (headers, body) = self.fitted_dead_letter(message, delivery, reason, sequence, max);
+        let size = headers_len(&headers) + body.len();
         if max > 0 && size > max {
+            // Not even the extras alone fit (a max_payload of a few dozen bytes).
             return Err(SourceError::new(
                 CONTEXT,
                 format!("the dead letter ({size} bytes) exceeds the server's max_payload ({max})"),
@@ -557,7 +628,7 @@ impl Source for JetStream {
         }
         let ack = self
             .context
-            .publish_with_headers(self.dead.clone(), headers, message.body().clone())
+            .publish_with_headers(self.dead.clone(), headers, body)
             .await
             .map_err(|e| SourceError::new(CONTEXT, e))?
             .await

@@ -48,7 +48,14 @@
 //!   to be delivered again; a return, `QUEUE.dead` gone, also makes the next `receive`
 //!   reconnect, which declares it again); then `basic.ack`s the original. At least once: a
 //!   consumer that dies between the confirm and the ack dead-letters the message again on its
-//!   next delivery.
+//!   next delivery. Size: a message is split into frames of `frame_max`, so only the broker's
+//!   `max_message_size` (16 MiB by default since RabbitMQ 4.0, 128 MiB before) bounds a dead
+//!   letter, and the broker does not tell clients its value. The dead letter adds at most
+//!   about 4.2 KiB of headers (`reason`, `deliveries`) to the original: keep messages at
+//!   least 8 KiB below `max_message_size`. A dead letter over it is refused (the broker
+//!   closes the channel), the message goes back to the queue and is delivered again, and its
+//!   dead letter is refused again: a loop, counted in `idempotency.source.errors`
+//!   (`dead_letter`) on each delivery.
 //! - No keep-alive: RabbitMQ never redelivers a message while the channel that holds it is
 //!   open, except once `consumer_timeout` (30 minutes by default) passed without an ack, when
 //!   the broker closes the channel and the message goes back to the queue. Keep handlers,

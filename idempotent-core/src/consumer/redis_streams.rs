@@ -23,6 +23,10 @@
 //!   [`MAX_FIELDS`]). It is added and the original acknowledged in one script, only while
 //!   the original is still pending: an entry is dead-lettered exactly once, even when two
 //!   consumers give up on it at once. The original stays in `STREAM` until it is trimmed.
+//!   Size is no limit: Redis bounds each field (512 MB), not an entry, and the dead letter
+//!   holds the original's fields unchanged beside its own small ones, so an entry Redis took
+//!   can always be dead-lettered (a Redis out of memory refuses it like any write: the entry
+//!   stays pending and is dead-lettered on a later delivery).
 //! - **Reconnecting.** Two [`ConnectionManager`]s, one for the blocking reads and one for
 //!   everything else (Redis answers nothing else on a connection blocked in `XREADGROUP`):
 //!   after Redis restarts, the next command reconnects. A group lost with the stream (Redis
