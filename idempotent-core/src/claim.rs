@@ -733,6 +733,7 @@ impl ClaimHandle {
     }
 
     /// Whether the call's record was written.
+    #[cfg(feature = "consumer")]
     pub(crate) fn is_completed(&self) -> bool {
         self.phase() == COMPLETED
     }
@@ -740,6 +741,7 @@ impl ClaimHandle {
     /// Completes once the claim is no longer held: its record written
     /// ([`is_completed`](Self::is_completed)), or the claim lost or given up
     /// ([`is_lost`](Self::is_lost)), including by a runtime that gave up recording the result.
+    #[cfg(feature = "consumer")]
     pub(crate) async fn settled(&self) {
         loop {
             let notified = self.state.notify.notified();
