@@ -751,8 +751,9 @@ impl Store for AnyStore {
         &self,
         idle: Duration,
         limit: usize,
+        owner: Option<&crate::RequestOwner>,
     ) -> Result<Vec<crate::steps::Abandoned>, StoreError> {
-        each!(self, |store| store.abandoned(idle, limit).await)
+        each!(self, |store| store.abandoned(idle, limit, owner).await)
     }
 
     async fn wait_for_change(&self, key: &StorageKey, max_wait: Duration) {

@@ -179,6 +179,7 @@ macro_rules! store_conformance_tests {
             concurrent_checkpoints_all_land,
             resume_takes_over_only_an_abandoned_operation_of_its_request,
             a_stale_resume_leaves_another_operations_checkpoints,
+            abandoned_lists_one_owners_requests,
         );
     };
     (@tests $harness:ty; $($check:ident),* $(,)?) => {

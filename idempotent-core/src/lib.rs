@@ -304,7 +304,7 @@ pub use run_to_end::RunToEnd;
 pub use runtime::{CLAIM_TIMEOUT, DEFAULT_RECORD_RETRY, Idempotency, IdempotencyBuilder};
 pub use session::{SessionGate, SessionKey, SessionMark, SessionRequest};
 pub use shutdown::Drained;
-pub use store::{Claim, FencingToken, Store};
+pub use store::{Claim, FencingToken, RequestOwner, Store};
 pub use to_key::ToKey;
 
 /// What `#[idempotent]` expands into: not a public API (no semver guarantees); only the

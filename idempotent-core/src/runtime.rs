@@ -263,15 +263,17 @@ impl Idempotency {
         self.inner.metrics().request(protocol, outcome);
     }
 
-    /// Up to `limit` operations abandoned at least `idle` ago that a completer may finish
-    /// ([`Store::abandoned`](crate::Store::abandoned)), bounded like a claim.
+    /// Up to `limit` operations of `owner` abandoned at least `idle` ago that a completer
+    /// may finish ([`Store::abandoned`](crate::Store::abandoned)), bounded like a claim.
     pub async fn abandoned(
         &self,
         idle: std::time::Duration,
         limit: usize,
+        owner: Option<&crate::RequestOwner>,
     ) -> Result<Vec<crate::steps::Abandoned>, crate::Error> {
         let bound = crate::CLAIM_TIMEOUT;
-        match crate::lease::bounded(self.inner.store.abandoned(idle, limit), bound).await {
+        let listed = self.inner.store.abandoned(idle, limit, owner);
+        match crate::lease::bounded(listed, bound).await {
             Some(found) => Ok(found?),
             None => Err(crate::Error::Store(crate::StoreError::Unavailable(
                 format!("the store did not list abandoned operations within {bound:?}").into(),

@@ -456,7 +456,7 @@ async fn migrate_adds_the_columns_and_the_index_to_an_older_table() {
         store.release(&running, token).await.unwrap();
         assert!(
             store
-                .abandoned(Duration::ZERO, 10)
+                .abandoned(Duration::ZERO, 10, None)
                 .await
                 .unwrap()
                 .is_empty()
@@ -464,7 +464,7 @@ async fn migrate_adds_the_columns_and_the_index_to_an_older_table() {
         // New claims work as on a new table.
         let key = fresh_key();
         abandon(&store, &key, &fp("new"), b"request").await;
-        let listed = store.abandoned(Duration::ZERO, 10).await.unwrap();
+        let listed = store.abandoned(Duration::ZERO, 10, None).await.unwrap();
         assert_eq!(
             listed.iter().map(|a| a.key).collect::<Vec<_>>(),
             [key],
@@ -564,7 +564,7 @@ async fn abandoned_lists_exactly_the_idle_operations_with_a_request_longest_idle
     .await
     .unwrap();
 
-    let found = store.abandoned(Duration::ZERO, 100).await.unwrap();
+    let found = store.abandoned(Duration::ZERO, 100, None).await.unwrap();
     let keys: Vec<StorageKey> = found.iter().map(|a| a.key).collect();
     assert_eq!(keys, [oldest, middle, lapsed, newest], "longest idle first");
     let oldest_entry = &found[0];
@@ -582,17 +582,28 @@ async fn abandoned_lists_exactly_the_idle_operations_with_a_request_longest_idle
         found.into_iter().map(|a| a.key).collect::<Vec<_>>()
     };
     assert_eq!(
-        keys(store.abandoned(Duration::ZERO, 2).await.unwrap()),
-        [oldest, middle]
-    );
-    assert!(store.abandoned(Duration::ZERO, 0).await.unwrap().is_empty());
-    assert_eq!(
-        keys(store.abandoned(Duration::from_secs(18), 100).await.unwrap()),
+        keys(store.abandoned(Duration::ZERO, 2, None).await.unwrap()),
         [oldest, middle]
     );
     assert!(
         store
-            .abandoned(Duration::from_secs(3600), 100)
+            .abandoned(Duration::ZERO, 0, None)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        keys(
+            store
+                .abandoned(Duration::from_secs(18), 100, None)
+                .await
+                .unwrap()
+        ),
+        [oldest, middle]
+    );
+    assert!(
+        store
+            .abandoned(Duration::from_secs(3600), 100, None)
             .await
             .unwrap()
             .is_empty()
@@ -603,7 +614,7 @@ async fn abandoned_lists_exactly_the_idle_operations_with_a_request_longest_idle
         other => panic!("expected TakenOver, got {other:?}"),
     }
     assert_eq!(
-        keys(store.abandoned(Duration::ZERO, 100).await.unwrap()),
+        keys(store.abandoned(Duration::ZERO, 100, None).await.unwrap()),
         [middle, lapsed, newest]
     );
 }
@@ -638,7 +649,7 @@ async fn abandoned_skips_rows_no_key_reaches_and_garbage() {
         .execute(store.pool())
         .await
         .unwrap();
-    let found = store.abandoned(Duration::ZERO, 10).await.unwrap();
+    let found = store.abandoned(Duration::ZERO, 10, None).await.unwrap();
     assert_eq!(found.len(), 1, "{found:?}");
     assert_eq!(found[0].key.record_bytes().as_ref(), seq.as_slice());
     assert_eq!(
@@ -652,7 +663,7 @@ async fn abandoned_skips_rows_no_key_reaches_and_garbage() {
         .execute(store.pool())
         .await
         .unwrap();
-    let found = store.abandoned(Duration::ZERO, 10).await.unwrap();
+    let found = store.abandoned(Duration::ZERO, 10, None).await.unwrap();
     assert_eq!(found.len(), 1, "{found:?}");
     assert_eq!(found[0].key.record_bytes().as_ref(), seq.as_slice());
 }

@@ -895,13 +895,16 @@ async fn abandoned_scenario(
     store.release(&renewed_again, token).await.unwrap();
 
     assert_eq!(
-        store.abandoned(Duration::from_secs(60), 100).await.unwrap(),
+        store
+            .abandoned(Duration::from_secs(60), 100, None)
+            .await
+            .unwrap(),
         [],
         "nothing idle a minute yet"
     );
     tokio::time::sleep(idle + short + Duration::from_millis(200)).await;
 
-    let found = store.abandoned(idle, 100).await.unwrap();
+    let found = store.abandoned(idle, 100, None).await.unwrap();
     let keys: Vec<_> = found.iter().map(|a| a.key).collect();
     assert_eq!(keys, [released, lapsed], "longest idle first: {found:?}");
     assert_eq!(&found[0].request[..], b"released");
@@ -911,7 +914,7 @@ async fn abandoned_scenario(
     assert!(found.iter().all(|a| a.idle >= idle), "{found:?}");
     assert!(found[0].idle > found[1].idle, "{found:?}");
     // A read of the records: they are still there, abandoned.
-    let first = store.abandoned(idle, 1).await.unwrap();
+    let first = store.abandoned(idle, 1, None).await.unwrap();
     assert_eq!(
         first.iter().map(|a| a.key).collect::<Vec<_>>(),
         [released],
@@ -946,7 +949,7 @@ async fn abandoned_scenario(
         b"checkpoint"
     );
     let keys: Vec<_> = store
-        .abandoned(idle, 100)
+        .abandoned(idle, 100, None)
         .await
         .unwrap()
         .into_iter()
@@ -959,7 +962,7 @@ async fn abandoned_scenario(
         .unwrap();
     assert_eq!(index_score(store, raw, &released).await, None);
     let keys: Vec<_> = store
-        .abandoned(idle, 100)
+        .abandoned(idle, 100, None)
         .await
         .unwrap()
         .into_iter()
@@ -1185,7 +1188,7 @@ async fn garbage_in_saved_requests_is_skipped_and_the_rest_listed() {
             .await
             .unwrap();
         store.release(&good, token).await.unwrap();
-        let found = store.abandoned(Duration::ZERO, 10).await.unwrap();
+        let found = store.abandoned(Duration::ZERO, 10, None).await.unwrap();
         assert_eq!(
             found.iter().map(|a| a.key).collect::<Vec<_>>(),
             [good],
@@ -1197,7 +1200,7 @@ async fn garbage_in_saved_requests_is_skipped_and_the_rest_listed() {
         let store = isolated(&url).await;
         let key = fresh_key();
         write(&mut raw, &store, &key, fields).await;
-        assert_eq!(store.abandoned(Duration::ZERO, 10).await.unwrap(), []);
+        assert_eq!(store.abandoned(Duration::ZERO, 10, None).await.unwrap(), []);
         assert_eq!(
             index_score(&store, &mut raw, &key).await,
             None,
@@ -1221,7 +1224,7 @@ async fn garbage_in_saved_requests_is_skipped_and_the_rest_listed() {
         .query_async(&mut raw)
         .await
         .unwrap();
-    assert_eq!(store.abandoned(Duration::ZERO, 10).await.unwrap(), []);
+    assert_eq!(store.abandoned(Duration::ZERO, 10, None).await.unwrap(), []);
     let members: Vec<String> = redis::cmd("ZRANGE")
         .arg(&index)
         .arg(0)
@@ -1246,7 +1249,7 @@ async fn garbage_in_saved_requests_is_skipped_and_the_rest_listed() {
         .await
         .unwrap();
     assert_eq!(
-        store.abandoned(Duration::ZERO, 10).await.unwrap(),
+        store.abandoned(Duration::ZERO, 10, None).await.unwrap(),
         [],
         "a key of another type is skipped"
     );

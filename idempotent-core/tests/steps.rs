@@ -406,7 +406,7 @@ async fn a_store_without_checkpoints_refuses_steps() {
     }
     assert!(
         idempotency
-            .abandoned(Duration::ZERO, 10)
+            .abandoned(Duration::ZERO, 10, None)
             .await
             .unwrap()
             .is_empty(),
@@ -482,7 +482,10 @@ async fn a_resume_call_runs_only_on_an_abandoned_operation() {
         )
         .await
         .unwrap();
-    let found = idempotency.abandoned(Duration::ZERO, 10).await.unwrap();
+    let found = idempotency
+        .abandoned(Duration::ZERO, 10, None)
+        .await
+        .unwrap();
     assert_eq!(found.len(), 1);
     assert_eq!(found[0].request.as_ref(), b"the request");
     assert_eq!(found[0].fingerprint, fingerprint);

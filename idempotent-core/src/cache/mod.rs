@@ -514,8 +514,9 @@ impl<S: Store> Store for Cached<S> {
         &self,
         idle: Duration,
         limit: usize,
+        owner: Option<&crate::RequestOwner>,
     ) -> Result<Vec<crate::steps::Abandoned>, StoreError> {
-        self.store.abandoned(idle, limit).await
+        self.store.abandoned(idle, limit, owner).await
     }
 
     async fn wait_for_change(&self, key: &StorageKey, max_wait: Duration) {

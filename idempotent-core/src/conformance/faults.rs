@@ -363,8 +363,9 @@ impl<S: Store> Store for FaultyStore<S> {
         &self,
         idle: Duration,
         limit: usize,
+        owner: Option<&crate::RequestOwner>,
     ) -> Result<Vec<crate::steps::Abandoned>, StoreError> {
-        self.apply(Op::Abandoned, self.inner.abandoned(idle, limit))
+        self.apply(Op::Abandoned, self.inner.abandoned(idle, limit, owner))
             .await
     }
 

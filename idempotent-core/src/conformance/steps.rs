@@ -7,7 +7,7 @@ use bytes::{Bytes, BytesMut};
 
 use super::{Harness, assert_rejected, fp, fresh_key, owned};
 use crate::steps::{Checkpoints, encode_checkpoint};
-use crate::{FencingToken, StorageKey, Store, StoreError};
+use crate::{FencingToken, RequestOwner, StorageKey, Store, StoreError};
 
 async fn save<S: Store>(store: &S, key: &StorageKey, token: FencingToken, name: &str, value: &str) {
     store
@@ -30,7 +30,7 @@ fn value<'a>(steps: &'a Checkpoints, name: &str) -> Option<&'a [u8]> {
 
 async fn listed<S: Store>(store: &S, idle: Duration, key: &StorageKey) -> Option<Bytes> {
     let found = store
-        .abandoned(idle, 10_000)
+        .abandoned(idle, 10_000, None)
         .await
         .unwrap_or_else(|e| panic!("abandoned: {e:?}"));
     found.into_iter().find(|a| a.key == *key).map(|a| a.request)
@@ -263,7 +263,10 @@ pub async fn abandoned_lists_idle_records_with_a_request<H: Harness>(h: &H) {
         .await
         .expect("save_request");
 
-    let found = store.abandoned(unit, 10_000).await.expect("abandoned");
+    let found = store
+        .abandoned(unit, 10_000, None)
+        .await
+        .expect("abandoned");
     let mine = |key: &StorageKey| found.iter().find(|a| a.key == *key);
     let released_entry = mine(&released).expect("a released record with a request is listed");
     assert_eq!(
@@ -462,4 +465,80 @@ pub async fn a_stale_resume_leaves_another_operations_checkpoints<H: Harness>(h:
         value(&load(store, &key, third).await, "reserve"),
         Some(&b"kept"[..])
     );
+}
+
+/// `abandoned` lists one owner's requests ([`RequestOwner`]), and no other's: another owner's
+/// abandoned operations, however many and however long idle, take none of `limit`'s places;
+/// `None` lists the requests that name no owner. Requests kept before the owner's listing
+/// and requests saved again keep their owner.
+pub async fn abandoned_lists_one_owners_requests<H: Harness>(h: &H) {
+    let (store, unit) = (h.store(), h.time_unit());
+    let terms = (2 * unit, 40 * unit);
+    // Owners unique to this check, so a shared server's other records do not count.
+    let tag = fresh_key();
+    let owner = |n: u8| {
+        let mut bytes = [n; RequestOwner::LEN];
+        bytes[..32].copy_from_slice(tag.as_bytes());
+        RequestOwner::new(bytes)
+    };
+    let (mine, theirs) = (owner(1), owner(2));
+    let request = |owner: &RequestOwner, what: &str| {
+        let mut bytes = owner.as_bytes().to_vec();
+        bytes.extend_from_slice(what.as_bytes());
+        Bytes::from(bytes)
+    };
+    let keep = |key: StorageKey, f: &'static str, request: Bytes| async move {
+        let (token, _) = owned(store, &key, &fp(f), terms).await;
+        store
+            .save_request(&key, token, request)
+            .await
+            .expect("save_request");
+        store.release(&key, token).await.expect("release");
+    };
+    // Theirs first: longer idle than mine, and more than a listing's limit.
+    let foreign: Vec<StorageKey> = (0..6).map(|_| fresh_key()).collect();
+    for key in &foreign {
+        keep(*key, "theirs", request(&theirs, "their order")).await;
+    }
+    h.advance(unit).await;
+    let own = fresh_key();
+    keep(own, "mine", request(&mine, "my order")).await;
+    let unowned = fresh_key();
+    keep(unowned, "nobody's", Bytes::from_static(b"short")).await;
+    h.advance(unit).await;
+
+    let found = store
+        .abandoned(Duration::ZERO, 2, Some(&mine))
+        .await
+        .expect("abandoned");
+    assert_eq!(
+        found.iter().map(|a| a.key).collect::<Vec<_>>(),
+        [own],
+        "only mine, though theirs are more and idle longer"
+    );
+    assert_eq!(&found[0].request[RequestOwner::LEN..], b"my order");
+    let found = store
+        .abandoned(Duration::ZERO, 3, Some(&theirs))
+        .await
+        .expect("abandoned");
+    assert_eq!(found.len(), 3, "at most the limit");
+    assert!(found.iter().all(|a| foreign.contains(&a.key)), "{found:?}");
+    let found = store
+        .abandoned(Duration::ZERO, 10_000, None)
+        .await
+        .expect("abandoned");
+    assert!(found.iter().any(|a| a.key == unowned));
+    assert!(
+        found.iter().all(|a| RequestOwner::of(&a.request).is_none()),
+        "None lists requests that name no owner"
+    );
+    // Taken over and released again, mine is still mine.
+    let (token, _) = owned(store, &own, &fp("mine"), terms).await;
+    store.release(&own, token).await.expect("release");
+    h.advance(unit).await;
+    let found = store
+        .abandoned(Duration::ZERO, 2, Some(&mine))
+        .await
+        .expect("abandoned");
+    assert_eq!(found.iter().map(|a| a.key).collect::<Vec<_>>(), [own]);
 }

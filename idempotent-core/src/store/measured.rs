@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::{Claim, FencingToken, Store};
+use super::{Claim, FencingToken, RequestOwner, Store};
 use crate::metrics::{Metrics, Operation};
 use crate::steps::Abandoned;
 use crate::{
@@ -76,11 +76,12 @@ pub(crate) trait DynStore: Send + Sync + 'static {
         token: FencingToken,
         request: Bytes,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
-    fn abandoned(
-        &self,
+    fn abandoned<'a>(
+        &'a self,
         idle: Duration,
         limit: usize,
-    ) -> BoxFuture<'_, Result<Vec<Abandoned>, StoreError>>;
+        owner: Option<&'a RequestOwner>,
+    ) -> BoxFuture<'a, Result<Vec<Abandoned>, StoreError>>;
     fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()>;
     fn keeps_records_in_process(&self) -> bool;
     /// The metrics of the runtime this store serves.
@@ -212,12 +213,16 @@ impl<S: Store> DynStore for Measured<S> {
             self.store.save_request(key, token, request),
         ))
     }
-    fn abandoned(
-        &self,
+    fn abandoned<'a>(
+        &'a self,
         idle: Duration,
         limit: usize,
-    ) -> BoxFuture<'_, Result<Vec<Abandoned>, StoreError>> {
-        Box::pin(self.timed(Operation::Abandoned, self.store.abandoned(idle, limit)))
+        owner: Option<&'a RequestOwner>,
+    ) -> BoxFuture<'a, Result<Vec<Abandoned>, StoreError>> {
+        Box::pin(self.timed(
+            Operation::Abandoned,
+            self.store.abandoned(idle, limit, owner),
+        ))
     }
     fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()> {
         Box::pin(self.store.wait_for_change(key, max_wait))

@@ -43,6 +43,39 @@ impl FencingToken {
     }
 }
 
+/// Whose a kept request ([`Store::save_request`]) is: its first [`RequestOwner::LEN`] bytes.
+///
+/// A caller that keeps the requests of several runtimes in one store begins each with a tag
+/// of that length naming its runtime (the tower layer's kept format begins with its format's
+/// magic and a digest of the runtime's namespace), so that a completer lists only its own
+/// ([`Store::abandoned`]). A request shorter than that names no owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RequestOwner([u8; RequestOwner::LEN]);
+
+impl RequestOwner {
+    /// How many leading bytes of a kept request name its owner.
+    pub const LEN: usize = 36;
+
+    /// The owner these bytes name.
+    pub const fn new(bytes: [u8; Self::LEN]) -> Self {
+        RequestOwner(bytes)
+    }
+
+    /// The owner `request` names: its first [`LEN`](Self::LEN) bytes, or `None` when it is
+    /// shorter.
+    pub fn of(request: &[u8]) -> Option<Self> {
+        request
+            .get(..Self::LEN)
+            .and_then(|head| <[u8; Self::LEN]>::try_from(head).ok())
+            .map(RequestOwner)
+    }
+
+    /// The owner's bytes.
+    pub const fn as_bytes(&self) -> &[u8; Self::LEN] {
+        &self.0
+    }
+}
+
 /// What [`Store::claim`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
@@ -525,19 +558,24 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// Up to `limit` in-flight records that hold a request
-    /// ([`save_request`](Self::save_request)) and whose lease ended (or which were released)
+    /// ([`save_request`](Self::save_request)) of `owner` ([`RequestOwner::of`] the request;
+    /// `None`: requests that name no owner) and whose lease ended (or which were released)
     /// at least `idle` ago, still kept (within the TTL they were claimed with), longest idle
     /// first: operations a completer may finish. A read: it changes nothing, and what it
     /// lists may be claimed by anyone before the completer gets to it (the completer claims
     /// it like any caller, and runs it only if it takes the record over).
+    ///
+    /// Other owners' records never take `limit`'s places: a completer sharing the store with
+    /// runtimes that keep requests and finish none still gets its own operations.
     ///
     /// The default lists nothing: a completer over a store without it has nothing to do.
     fn abandoned(
         &self,
         idle: Duration,
         limit: usize,
+        owner: Option<&RequestOwner>,
     ) -> impl Future<Output = Result<Vec<Abandoned>, StoreError>> + Send {
-        let _ = (idle, limit);
+        let _ = (idle, limit, owner);
         std::future::ready(Ok(Vec::new()))
     }
 
@@ -640,8 +678,9 @@ impl<S: Store> Store for Arc<S> {
         &self,
         idle: Duration,
         limit: usize,
+        owner: Option<&RequestOwner>,
     ) -> impl Future<Output = Result<Vec<Abandoned>, StoreError>> + Send {
-        S::abandoned(self, idle, limit)
+        S::abandoned(self, idle, limit, owner)
     }
     fn name(&self) -> &'static str {
         S::name(self)

@@ -27,6 +27,21 @@ use crate::protocol::Http;
 
 use crate::kept::{SavedRequest, owner};
 
+/// The [`RequestOwner`](idempotent_core::RequestOwner) of the requests a runtime whose owner
+/// digest is `owner` keeps: the first bytes of the kept format (its magic and the digest),
+/// taken from an encoded request so that the two never disagree.
+fn listed_owner(owner: [u8; 32]) -> idempotent_core::RequestOwner {
+    let example = SavedRequest {
+        owner,
+        method: http::Method::GET,
+        uri: http::Uri::from_static("/"),
+        headers: http::HeaderMap::new(),
+        body: Bytes::new(),
+    };
+    idempotent_core::RequestOwner::of(&example.encode())
+        .expect("a kept request is longer than its owner")
+}
+
 /// The request extension of a handler the [`Completer`] runs: which attempt this is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Completing {
@@ -101,10 +116,10 @@ pub struct CompleterPass {
 ///   namespace (a store shared by several services), or one it cannot read, is skipped, never
 ///   run or recorded (it stays until its TTL). One completer per runtime, with a service that
 ///   routes every kept request: two layers with kept requests on one runtime share it. The
-///   store lists the longest-abandoned operations first, whoever kept them: on a store shared
-///   by runtimes that keep requests, run a completer for each (or give them stores of their
-///   own), or another runtime's operations left unfinished can fill every pass's
-///   [`batch`](Completer::batch) until their TTL ends.
+///   store lists only this runtime's kept requests (their
+///   [`RequestOwner`](idempotent_core::RequestOwner), the first bytes of the kept format,
+///   names the runtime's namespace), longest abandoned first: another runtime's operations
+///   left unfinished on a shared store never take this one's [`batch`](Completer::batch).
 /// - **What the handler sees.** The kept request, with the [`ClaimHandle`] and a
 ///   [`Completing`] extension. Extensions that middleware outside the layer adds (an
 ///   authenticated principal, say) are not there, nor are the `Authorization`,
@@ -147,6 +162,8 @@ pub struct Completer<S> {
     running: Arc<tokio::sync::Semaphore>,
     /// Whose kept requests this completer runs: its runtime's.
     owner: [u8; 32],
+    /// The same, as the store lists it: the first bytes of every request its runtime keeps.
+    listed_owner: idempotent_core::RequestOwner,
 }
 
 impl<S: Clone> Clone for Completer<S> {
@@ -162,6 +179,7 @@ impl<S: Clone> Clone for Completer<S> {
             metrics: Arc::clone(&self.metrics),
             running: Arc::clone(&self.running),
             owner: self.owner,
+            listed_owner: self.listed_owner,
         }
     }
 }
@@ -214,6 +232,7 @@ where
             metrics: Arc::new(CompleterMetrics::register()),
             running: Arc::new(tokio::sync::Semaphore::new(4)),
             owner: owner(&layer.config.idempotency),
+            listed_owner: listed_owner(owner(&layer.config.idempotency)),
         }
     }
 
@@ -281,7 +300,9 @@ where
         pass: &mut CompleterPass,
     ) -> Result<usize, Error> {
         let idempotency = self.config.idempotency.clone();
-        let found = idempotency.abandoned(self.after, self.batch).await?;
+        let found = idempotency
+            .abandoned(self.after, self.batch, Some(&self.listed_owner))
+            .await?;
         let listed = found.len();
         for abandoned in found {
             let slot = loop {

@@ -554,9 +554,15 @@ impl Inner {
         }
     }
 
-    /// Up to `limit` in-flight records with a request, idle at least `idle`, longest first.
-    /// A walk over every record: the memory store is bounded, and a completer asks rarely.
-    pub(super) fn abandoned(&self, idle: Duration, limit: usize) -> Vec<crate::steps::Abandoned> {
+    /// Up to `limit` in-flight records with a request of `owner`, idle at least `idle`,
+    /// longest first. A walk over every record: the memory store is bounded, and a completer
+    /// asks rarely.
+    pub(super) fn abandoned(
+        &self,
+        idle: Duration,
+        limit: usize,
+        owner: Option<&crate::RequestOwner>,
+    ) -> Vec<crate::steps::Abandoned> {
         let now = self.now();
         let idle = nanos(idle);
         let mut found: Vec<(u64, crate::steps::Abandoned)> = Vec::new();
@@ -570,6 +576,7 @@ impl Inner {
             } = entry.value()
                 && lease_until.saturating_add(idle) <= now
                 && *kept_until > now
+                && crate::RequestOwner::of(request).as_ref() == owner
             {
                 found.push((
                     *lease_until,

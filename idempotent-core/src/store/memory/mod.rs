@@ -298,8 +298,9 @@ impl Store for MemoryStore {
         &self,
         idle: Duration,
         limit: usize,
+        owner: Option<&crate::RequestOwner>,
     ) -> Result<Vec<crate::steps::Abandoned>, StoreError> {
-        Ok(self.inner.abandoned(idle, limit))
+        Ok(self.inner.abandoned(idle, limit, owner))
     }
 
     async fn wait_for_change(&self, _key: &StorageKey, max_wait: Duration) {

@@ -638,13 +638,28 @@ impl Store for PostgresStore {
     /// request. Rows whose storage key is not 32 or 48 bytes (no storage key's record bytes)
     /// are skipped: no claim can reach them. Any other garbage in a listed row (a fingerprint
     /// that is not 32 bytes) is [`StoreError::Corrupt`].
-    async fn abandoned(&self, idle: Duration, limit: usize) -> Result<Vec<Abandoned>, StoreError> {
+    ///
+    /// One owner's requests come from an index of their own (by the request's first bytes),
+    /// so other owners' rows are never read.
+    async fn abandoned(
+        &self,
+        idle: Duration,
+        limit: usize,
+        owner: Option<&crate::RequestOwner>,
+    ) -> Result<Vec<Abandoned>, StoreError> {
         if limit == 0 {
             return Ok(Vec::new());
         }
-        let query = sqlx::query(&self.sql.abandoned)
+        let statement = match owner {
+            Some(_) => &self.sql.abandoned_of,
+            None => &self.sql.abandoned,
+        };
+        let mut query = sqlx::query(statement)
             .bind(micros(idle))
             .bind(i64::try_from(limit).unwrap_or(i64::MAX));
+        if let Some(owner) = owner {
+            query = query.bind(owner.as_bytes().as_slice());
+        }
         let rows = self.pool.fetch_all(query).await.map_err(store_error)?;
         // A row that cannot be read is skipped (and left as it is), not the call: the others
         // are still listed.
@@ -752,6 +767,8 @@ mod tests {
         assert!(sql.migrate[2].contains("\"billing\".\"records_token_seq\""));
         assert!(sql.migrate[4].contains("to_regclass('\"billing\".\"records_abandoned_idx\"')"));
         assert!(sql.migrate[4].contains("\"records_abandoned_idx\" ON \"billing\".\"records\""));
+        assert!(sql.migrate[5].contains("to_regclass('\"billing\".\"records_owner_idx\"')"));
+        assert!(sql.migrate[5].contains("\"records_owner_idx\" ON \"billing\".\"records\""));
         assert!(
             sql.claim
                 .contains("nextval('\"billing\".\"records_token_seq\"')")

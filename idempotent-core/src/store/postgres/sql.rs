@@ -15,8 +15,8 @@ use sqlx::postgres::PgRow;
 use super::error::corrupt;
 use crate::session::SessionError;
 use crate::{
-    Claim, FencingToken, Fingerprint, RecordBytes, SessionGate, SessionKey, SessionRequest,
-    StorageKey, StoreError, limits,
+    Claim, FencingToken, Fingerprint, RecordBytes, RequestOwner, SessionGate, SessionKey,
+    SessionRequest, StorageKey, StoreError, limits,
 };
 
 /// How often a claim is re-run when it lost a race it cannot see (see `claim_on`).
@@ -40,7 +40,7 @@ pub(super) const MAX_MICROS: i64 = {
 /// The SQL of one table, built once per store from its validated name.
 pub(crate) struct Sql {
     pub(crate) table: String,
-    pub(crate) migrate: [String; 5],
+    pub(crate) migrate: [String; 6],
     pub(crate) claim: String,
     /// [`Store::resume`](crate::Store::resume): the claim's takeover, and nothing else.
     pub(crate) resume: String,
@@ -56,7 +56,10 @@ pub(crate) struct Sql {
     pub(crate) save_step: String,
     pub(crate) load_steps: String,
     pub(crate) save_request: String,
+    /// [`Store::abandoned`](crate::Store::abandoned) of requests that name no owner.
     pub(crate) abandoned: String,
+    /// [`Store::abandoned`](crate::Store::abandoned) of one owner's requests (`$3`).
+    pub(crate) abandoned_of: String,
 }
 
 impl Sql {
@@ -71,6 +74,11 @@ impl Sql {
         let kept_index_qualified = qualify(&format!("{name}_kept_until_idx"));
         let abandoned_index = format!("\"{name}_abandoned_idx\"");
         let abandoned_index_qualified = qualify(&format!("{name}_abandoned_idx"));
+        let owner_index = format!("\"{name}_owner_idx\"");
+        let owner_index_qualified = qualify(&format!("{name}_owner_idx"));
+        // Whose a saved request is (`RequestOwner`): its first bytes, indexed as they are, so
+        // rows written before the index are listed by owner too.
+        let owner = format!("substring(request from 1 for {})", RequestOwner::LEN);
         let until = |param: &str| format!("clock_timestamp() + {param} * interval '1 microsecond'");
         let owned = "storage_key = $1 AND token = $2 AND state = 'in_flight'";
         let live = "expires_at > clock_timestamp()";
@@ -126,6 +134,16 @@ impl Sql {
                      END IF; \
                      IF to_regclass('{abandoned_index_qualified}') IS NULL THEN \
                          CREATE INDEX IF NOT EXISTS {abandoned_index} ON {t} (expires_at) \
+                         WHERE state = 'in_flight' AND request IS NOT NULL; \
+                     END IF; \
+                     END $$"
+                ),
+                // The index of one owner's saved requests (`abandoned_of`), checked first
+                // like the ones above.
+                format!(
+                    "DO $$ BEGIN \
+                     IF to_regclass('{owner_index_qualified}') IS NULL THEN \
+                         CREATE INDEX IF NOT EXISTS {owner_index} ON {t} (({owner}), expires_at) \
                          WHERE state = 'in_flight' AND request IS NOT NULL; \
                      END IF; \
                      END $$"
@@ -253,6 +271,18 @@ impl Sql {
                  (EXTRACT(EPOCH FROM statement_timestamp() - expires_at) * 1000000)::int8 AS idle_us \
                  FROM {t} \
                  WHERE state = 'in_flight' AND request IS NOT NULL \
+                 AND expires_at <= statement_timestamp() - $1 * interval '1 microsecond' \
+                 AND coalesce(kept_until, expires_at) > statement_timestamp() \
+                 AND octet_length(storage_key) IN (32, 48) \
+                 AND octet_length(request) < {len} \
+                 ORDER BY expires_at LIMIT $2",
+                len = RequestOwner::LEN,
+            ),
+            abandoned_of: format!(
+                "SELECT storage_key, fingerprint, request, \
+                 (EXTRACT(EPOCH FROM statement_timestamp() - expires_at) * 1000000)::int8 AS idle_us \
+                 FROM {t} \
+                 WHERE state = 'in_flight' AND request IS NOT NULL AND {owner} = $3 \
                  AND expires_at <= statement_timestamp() - $1 * interval '1 microsecond' \
                  AND coalesce(kept_until, expires_at) > statement_timestamp() \
                  AND octet_length(storage_key) IN (32, 48) \

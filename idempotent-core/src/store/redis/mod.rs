@@ -79,6 +79,13 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 /// reported as not saved, and not written. A record that cannot be read (garbage) is skipped
 /// by [`Store::abandoned`] and left as it is; the others are still listed.
 ///
+/// A request that names an owner ([`RequestOwner`](crate::RequestOwner): a runtime sharing the
+/// store) is indexed in that owner's own sorted set, `PREFIX + "abandoned:" + hex(owner)`, and
+/// the record keeps the owner's digits in field `w`, so that a completer reads its own
+/// runtime's operations only, however many another runtime left; `PREFIX + "abandoned"` holds
+/// the requests that name none (and those kept before owners had indexes, which an owner's
+/// listing reads after its own).
+///
 /// A claim whose reply does not come back (the server is frozen, the response timeout
 /// passed) may still be made when the server runs again; the store then gives it back in the
 /// background (ends its lease) as soon as the server answers, so the retry of the caller that
@@ -249,6 +256,28 @@ impl RedisStore {
     fn index_key(&self) -> String {
         format!("{}abandoned", self.prefix)
     }
+
+    /// The Redis key of the index of one owner's saved requests, from the owner's digits
+    /// ([`owner_digits`]; empty: the index of requests that name no owner).
+    fn owner_index_key(&self, digits: &str) -> String {
+        if digits.is_empty() {
+            self.index_key()
+        } else {
+            format!("{}abandoned:{digits}", self.prefix)
+        }
+    }
+}
+
+/// The hex digits of the owner `request` names ([`RequestOwner::of`](crate::RequestOwner::of)),
+/// or an empty string when it names none.
+fn owner_digits(owner: Option<&crate::RequestOwner>) -> String {
+    owner.map_or_else(String::new, |owner| {
+        owner
+            .as_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    })
 }
 
 /// A record's member of the index of saved requests: its Redis key without the prefix.
@@ -594,19 +623,22 @@ impl RedisStore {
     /// Gives `key`'s member of the index of saved requests the score `score` (the end of
     /// the record's lease), adding it if it is not there; waited for by the replicas as a
     /// request saved.
-    async fn index(&self, key: &StorageKey, score: u64) -> Result<(), StoreError> {
-        self.index_waiting(key, Some(score), self.replicas).await
+    /// `owner` is the owner's digits ([`owner_digits`]) that choose the index.
+    async fn index(&self, key: &StorageKey, owner: &str, score: u64) -> Result<(), StoreError> {
+        self.index_waiting(key, owner, Some(score), self.replicas)
+            .await
     }
 
     /// [`index`](Self::index), waiting for `replicas` (none: not waiting).
     async fn index_waiting(
         &self,
         key: &StorageKey,
+        owner: &str,
         score: Option<u64>,
         replicas: Option<(usize, Duration)>,
     ) -> Result<(), StoreError> {
         let script = &scripts().index;
-        let mut cmd = evalsha_on(script, self.index_key().as_bytes());
+        let mut cmd = evalsha_on(script, self.owner_index_key(owner).as_bytes());
         match score {
             Some(score) => cmd.arg(score),
             None => cmd.arg(""),
@@ -627,8 +659,15 @@ impl RedisStore {
     /// reads it.
     async fn forget(&self, key: &StorageKey) {
         let mut connection = self.connection.clone();
+        // The owner's digits stay on the completed record (field `w`).
+        let owner: Result<Option<String>, _> = redis::cmd("HGET")
+            .arg(self.redis_key(key))
+            .arg("w")
+            .query_async(&mut connection)
+            .await;
+        let owner = owner.ok().flatten().unwrap_or_default();
         let _: Result<Value, _> = redis::cmd("ZREM")
-            .arg(self.index_key())
+            .arg(self.owner_index_key(&owner))
             .arg(member(key))
             .query_async(&mut connection)
             .await;
@@ -839,10 +878,14 @@ impl Store for RedisStore {
         let mut cmd = self.evalsha(script, key);
         cmd.arg(token.get());
         let reply: Value = self.query(script, cmd).await?;
-        let (ended, has_request) = match &reply {
+        let (ended, has_request, owner) = match &reply {
             Value::Int(0) => return Err(StoreError::TokenRejected),
             Value::Array(parts) => match parts.as_slice() {
-                [ended, Value::Int(has)] => (decimal(ended), *has == 1),
+                [ended, Value::Int(has), owner] => (
+                    decimal(ended),
+                    *has == 1,
+                    text(owner).map(String::from_utf8_lossy),
+                ),
                 _ => return Err(corrupt("unexpected release reply")),
             },
             _ => return Err(corrupt("unexpected release reply")),
@@ -851,7 +894,8 @@ impl Store for RedisStore {
         // `Store::abandoned`. Best effort (the release is done): a member whose score stays
         // at its lease's planned end is listed that much later.
         if let (true, Some(ended)) = (has_request, ended) {
-            let _ = self.index(key, ended).await;
+            let owner = owner.unwrap_or_default();
+            let _ = self.index(key, &owner, ended).await;
         }
         Ok(())
     }
@@ -972,10 +1016,11 @@ impl Store for RedisStore {
         // lease lasts scores it with the lease's end. Not waited for by replicas: the
         // request's write is, after it, and a member lost in a failover only hides a request
         // that a later release or save indexes again.
-        self.index_waiting(key, None, None).await?;
+        let owner = owner_digits(crate::RequestOwner::of(&request).as_ref());
+        self.index_waiting(key, &owner, None, None).await?;
         let script = &scripts().save_request;
         let mut cmd = self.evalsha(script, key);
-        cmd.arg(token.get()).arg(request.as_ref());
+        cmd.arg(token.get()).arg(request.as_ref()).arg(&owner);
         match self.fenced_write(script, cmd).await? {
             Value::Array(parts) => match parts.as_slice() {
                 [ends] => decimal(ends).ok_or_else(|| corrupt("lease end")).map(drop),
@@ -985,19 +1030,51 @@ impl Store for RedisStore {
         }
     }
 
-    /// Reads up to `4 × limit` (at least 16, at most 4,096) of the index's lowest
-    /// scores that are at least `idle` old, then each of their records; tidies the index as
-    /// it goes (see [Data layout](RedisStore#data-layout)).
-    async fn abandoned(&self, idle: Duration, limit: usize) -> Result<Vec<Abandoned>, StoreError> {
+    /// Reads up to `4 × limit` (at least 16, at most 4,096) of the lowest scores of the
+    /// owner's index that are at least `idle` old, then each of their records; tidies the
+    /// index as it goes (see [Data layout](RedisStore#data-layout)). An owner's listing that
+    /// finds fewer than `limit` reads the index of requests that name no owner after its
+    /// own, for its requests kept before owners had indexes.
+    async fn abandoned(
+        &self,
+        idle: Duration,
+        limit: usize,
+        owner: Option<&crate::RequestOwner>,
+    ) -> Result<Vec<Abandoned>, StoreError> {
         if limit == 0 {
             return Ok(Vec::new());
         }
+        let digits = owner_digits(owner);
+        let mut listed = self
+            .abandoned_in(&self.owner_index_key(&digits), idle, limit, owner)
+            .await?;
+        if owner.is_some() && listed.len() < limit {
+            let earlier = self
+                .abandoned_in(&self.index_key(), idle, limit - listed.len(), owner)
+                .await?;
+            listed.extend(earlier);
+            listed.sort_by_key(|(ends, _)| *ends);
+        }
+        Ok(listed.into_iter().map(|(_, abandoned)| abandoned).collect())
+    }
+}
+
+impl RedisStore {
+    /// [`Store::abandoned`] on one index: up to `limit` records of `owner`, with their lease's
+    /// end, longest idle first. Members of another owner's records (in the index of requests
+    /// that name none, kept before owners had indexes) are left as they are.
+    async fn abandoned_in(
+        &self,
+        index: &str,
+        idle: Duration,
+        limit: usize,
+        owner: Option<&crate::RequestOwner>,
+    ) -> Result<Vec<(u64, Abandoned)>, StoreError> {
         // Whole milliseconds, rounded up (at least `idle`), and below 2^53 (exact in Lua).
         let idle_ms = u64::try_from(idle.as_nanos().div_ceil(1_000_000))
             .unwrap_or(u64::MAX)
             .min(1 << 52);
         let budget = limit.saturating_mul(4).clamp(16, MAX_CANDIDATES);
-        let index = self.index_key();
         let script = &scripts().candidates;
         let mut cmd = evalsha_on(script, index.as_bytes());
         cmd.arg(idle_ms).arg(budget);
@@ -1036,6 +1113,8 @@ impl Store for RedisStore {
             // One record that cannot be read is skipped (and left as it is), not the call:
             // the others are still listed.
             match examine(reply, idle_ms) {
+                Ok(Examined::Abandoned { request, .. })
+                    if crate::RequestOwner::of(&request).as_ref() != owner => {}
                 Ok(Examined::Abandoned {
                     ends,
                     fingerprint,
@@ -1071,7 +1150,7 @@ impl Store for RedisStore {
         }
         listed.sort_by_key(|(ends, _)| *ends);
         listed.truncate(limit);
-        Ok(listed.into_iter().map(|(_, abandoned)| abandoned).collect())
+        Ok(listed)
     }
 }
 

@@ -68,7 +68,7 @@ redis.call('HSET', KEYS[1], 's', 'i', 'f', ARGV[1], 't', token, 'o', lifetime,
   'l', string.format('%.0f', ms + tonumber(ARGV[2])), 'n', ARGV[4])
 if lifetime == token then
   drop_steps()
-  redis.call('HDEL', KEYS[1], 'r')
+  redis.call('HDEL', KEYS[1], 'r', 'w')
 end
 redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[2]), tonumber(ARGV[3])))
 return {'claimed', token, lifetime}
@@ -105,12 +105,13 @@ return 0
 // Ends the lease now (`l` is the server's time, so the time since tells how long the record
 // has been abandoned); the record is kept for the next claim of the same request to take
 // over. Replies `0` (not the caller's), or the lease's end and whether the record holds a
-// request (whose member of the index of saved requests then gets that end as its score).
+// request (whose member of the index of saved requests then gets that end as its score), and
+// the digits of its request's owner (`w`, choosing the index; '' for none).
 const RELEASE: &str = r"
 if not owned then return 0 end
 local ended = string.format('%.0f', ms)
 redis.call('HSET', KEYS[1], 'l', ended)
-return {ended, redis.call('HEXISTS', KEYS[1], 'r')}
+return {ended, redis.call('HEXISTS', KEYS[1], 'r'), redis.call('HGET', KEYS[1], 'w') or ''}
 ";
 
 // Whether the record is still claimed with token `ARGV[1]`; if so, writes the token again
@@ -189,11 +190,12 @@ end
 return {table.concat(parts)}
 ";
 
-// Keeps `ARGV[2]` as the request (`r`) of the record held with token `ARGV[1]`; replies
-// `{lease end}` (the score of its member in the index of saved requests), or `0`.
+// Keeps `ARGV[2]` as the request (`r`) of the record held with token `ARGV[1]`, and `ARGV[3]`
+// as the digits of its owner (`w`, '' for none: which index it is in); replies `{lease end}`
+// (the score of its member in the index of saved requests), or `0`.
 const SAVE_REQUEST: &str = r"
 if not owned then return 0 end
-redis.call('HSET', KEYS[1], 'r', ARGV[2])
+redis.call('HSET', KEYS[1], 'r', ARGV[2], 'w', ARGV[3] or '')
 return {rec[3] or string.format('%.0f', ms)}
 ";
 

@@ -437,7 +437,7 @@ async fn checkpoints_and_request_fields_follow_the_lifetime() {
     );
     assert!(
         store
-            .abandoned(Duration::ZERO, 10)
+            .abandoned(Duration::ZERO, 10, None)
             .await
             .unwrap()
             .is_empty()
