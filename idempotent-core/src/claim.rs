@@ -109,6 +109,8 @@ struct ClaimState {
     /// (whose acquisition spends the task's cooperative budget and can make a caller yield
     /// behind every other task on its thread).
     steps: std::sync::Mutex<Known>,
+    /// Woken when a checkpoint write ends, for a step of the same name waiting on it.
+    step_written: Notify,
     max_checkpoint_bytes: usize,
 }
 
@@ -181,6 +183,7 @@ impl ClaimHandle {
                 finish_on_shutdown: AtomicBool::new(false),
                 notify: Notify::new(),
                 steps: std::sync::Mutex::new(Known::default()),
+                step_written: Notify::new(),
                 max_checkpoint_bytes,
             }),
         }
@@ -460,38 +463,56 @@ impl ClaimHandle {
         let entry_len = entry.len();
         let limit = self.state.max_checkpoint_bytes;
         // Checked, and its bytes reserved against the limit (so steps running side by side
-        // cannot pass it together), before the write; the lock is not held across it.
-        let checked = self
-            .with_known(|known, pending| {
-                if let Some(saved) = known.get(name) {
-                    return Err(Ok(saved.clone()));
-                }
-                let size = known.steps_len() + *pending + entry_len;
-                if limited && size > limit {
-                    return Err(Err(Error::Checkpoint(CheckpointError::TooLarge {
+        // cannot pass it together), before the write; the lock is not held across it. A step
+        // of the same name being written is waited for: its write decides (an atomic step's
+        // effect commits with its checkpoint, so only one may write).
+        loop {
+            let checked = self
+                .with_known(|known, pending, writing| {
+                    if let Some(saved) = known.get(name) {
+                        return Checked::Saved(saved.clone());
+                    }
+                    if writing.iter().any(|w| w == name) {
+                        // Created before the lock is let go: the write's end cannot be missed.
+                        return Checked::Wait(self.state.step_written.notified());
+                    }
+                    let size = known.steps_len() + *pending + entry_len;
+                    if limited && size > limit {
+                        return Checked::TooLarge(size);
+                    }
+                    if limited {
+                        *pending += entry_len;
+                    }
+                    writing.push(name.to_owned());
+                    Checked::Write
+                })
+                .await?;
+            match checked {
+                Checked::Write => break,
+                Checked::Saved(saved) => return Ok(Some(saved)),
+                Checked::Wait(written) => written.await,
+                Checked::TooLarge(size) => {
+                    return Err(Error::Checkpoint(CheckpointError::TooLarge {
                         step: name.to_owned(),
                         size,
                         limit,
-                    })));
+                    }));
                 }
-                if limited {
-                    *pending += entry_len;
-                }
-                Ok(())
-            })
-            .await?;
-        match checked {
-            Ok(()) => {}
-            Err(Ok(saved)) => return Ok(Some(saved)),
-            Err(Err(error)) => return Err(error),
+            }
         }
+        // From here the name (and the reserved bytes) are this write's until it ends, also if
+        // this future is dropped mid-write.
+        let mut writing = Writing {
+            claim: self,
+            name,
+            reserved: if limited { entry_len } else { 0 },
+            ended: false,
+        };
         let written = self.fenced(write(entry)).await;
         let json = Bytes::from(json);
         let same_name_first = {
             let mut steps = self.lock_steps();
-            if limited {
-                steps.pending = steps.pending.saturating_sub(entry_len);
-            }
+            writing.end(&mut steps);
             match written {
                 Ok(()) => {}
                 Err(Error::Store(error)) => {
@@ -522,7 +543,9 @@ impl ClaimHandle {
         // A step of the same name saved too, and this claim cannot tell whose write the store
         // has first (the first entry of a name wins): the store says.
         self.lock_steps().forget();
-        let first = self.with_known(|known, _| known.get(name).cloned()).await?;
+        let first = self
+            .with_known(|known, _, _| known.get(name).cloned())
+            .await?;
         Ok(first.filter(|saved| *saved != json))
     }
 
@@ -542,7 +565,7 @@ impl ClaimHandle {
     /// again (it may not have seen that write).
     async fn with_known<R>(
         &self,
-        f: impl FnOnce(&mut Checkpoints, &mut usize) -> R,
+        f: impl FnOnce(&mut Checkpoints, &mut usize, &mut Vec<String>) -> R,
     ) -> Result<R, Error> {
         loop {
             let (store, generation) = {
@@ -558,7 +581,7 @@ impl ClaimHandle {
                     Some(store) => (store, steps.generation),
                     None => {
                         let known = steps.checkpoints.get_or_insert_with(Checkpoints::default);
-                        return Ok(f(known, &mut steps.pending));
+                        return Ok(f(known, &mut steps.pending, &mut steps.writing));
                     }
                 }
             };
@@ -574,7 +597,7 @@ impl ClaimHandle {
                     steps.reload = false;
                 }
                 let known = steps.checkpoints.get_or_insert_with(Checkpoints::default);
-                return Ok(f(known, &mut steps.pending));
+                return Ok(f(known, &mut steps.pending, &mut steps.writing));
             }
         }
     }
@@ -592,7 +615,7 @@ impl ClaimHandle {
             return Ok(0);
         };
         let before = self
-            .with_known(|known, _| {
+            .with_known(|known, _, _| {
                 known
                     .steps()
                     .filter(|(name, _)| name.starts_with(ATTEMPT))
@@ -615,7 +638,8 @@ impl ClaimHandle {
     /// The saved result of step `name`, loading the operation's checkpoints on first use: a
     /// claim that began its operation (its token is the lifetime's) has none to load.
     async fn saved(&self, name: &str) -> Result<Option<Bytes>, Error> {
-        self.with_known(|known, _| known.get(name).cloned()).await
+        self.with_known(|known, _, _| known.get(name).cloned())
+            .await
     }
 
     /// The key to pass downstream for the operation's step `name`: the
@@ -792,6 +816,53 @@ struct Known {
     generation: u64,
     /// Bytes of steps being written, reserved against the limit.
     pending: usize,
+    /// The names of the steps being written (a step of the same name waits for its write).
+    writing: Vec<String>,
+}
+
+/// What [`ClaimHandle::record_entry`] found before its write.
+enum Checked<'a> {
+    /// Write the checkpoint.
+    Write,
+    /// A step of the same name was saved: its result.
+    Saved(Bytes),
+    /// A step of the same name is being written: wait for it, then look again.
+    Wait(tokio::sync::futures::Notified<'a>),
+    /// The checkpoint would take the record past the limit: the size it would make.
+    TooLarge(usize),
+}
+
+/// A step's name held as being written; let go (and the steps waiting on it woken) when the
+/// write ends, or when the step is dropped mid-write.
+struct Writing<'a> {
+    claim: &'a ClaimHandle,
+    name: &'a str,
+    /// The bytes reserved against the limit.
+    reserved: usize,
+    ended: bool,
+}
+
+impl Writing<'_> {
+    /// Lets the name and the reserved bytes go, and wakes the steps waiting on them.
+    fn end(&mut self, steps: &mut Known) {
+        if std::mem::replace(&mut self.ended, true) {
+            return;
+        }
+        steps.pending = steps.pending.saturating_sub(self.reserved);
+        if let Some(at) = steps.writing.iter().position(|w| w == self.name) {
+            steps.writing.swap_remove(at);
+        }
+        self.claim.state.step_written.notify_waiters();
+    }
+}
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        if !self.ended {
+            let claim = self.claim;
+            self.end(&mut claim.lock_steps());
+        }
+    }
 }
 
 impl Known {

@@ -693,3 +693,34 @@ async fn same_named_steps_side_by_side_agree_with_the_store() {
         );
     }
 }
+
+/// A step dropped while its checkpoint is being written (its caller gave up on it) lets go of
+/// its name and of the bytes it reserved: a later step of that name writes, neither waiting
+/// for the dropped one nor refused by the limit.
+#[tokio::test]
+async fn a_step_dropped_mid_write_lets_the_next_of_its_name_go_on() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    let idempotency = Idempotency::builder(store)
+        .defaults(Defaults::new().max_checkpoint_bytes(40))
+        .build();
+    let work = async {
+        let claim = current();
+        faults.fail_next(Op::SaveStep, 1, Fault::Hang);
+        let cut = tokio::time::timeout(
+            Duration::from_millis(50),
+            claim.step("charge", async { "c".repeat(20) }),
+        )
+        .await;
+        assert!(cut.is_err(), "the hung write was dropped: {cut:?}");
+        // 1 + 6 + 4 + 22 = 33 bytes: a second reservation beside a leaked one would pass 40.
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            claim.step("charge", async { "d".repeat(20) }),
+        )
+        .await
+        .expect("the step does not wait for the dropped one")
+    };
+    let charged = attempt(&idempotency, "dropped", work, |r| r.is_ok()).await;
+    assert_eq!(charged.unwrap(), "d".repeat(20));
+}

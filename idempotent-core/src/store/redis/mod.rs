@@ -987,12 +987,21 @@ impl Store for RedisStore {
         let script = &scripts().load_steps;
         let mut cmd = self.evalsha(script, key);
         cmd.arg(token.get());
-        let mut reply: Value = self.query(script, cmd).await?;
-        match &mut reply {
+        let reply: Value = self.query(script, cmd).await?;
+        match reply {
             Value::Int(0) => Err(StoreError::TokenRejected),
-            Value::Array(parts) => match parts.as_mut_slice() {
-                [Value::BulkString(steps)] => Ok(Bytes::from(std::mem::take(steps))),
-                [Value::BulkString(_), Value::BulkString(_)] => Err(corrupt(
+            Value::Array(parts) => match parts.as_slice() {
+                [Value::BulkString(tag), chunks @ ..] if tag == b"ok" => {
+                    let mut steps = Vec::new();
+                    for chunk in chunks {
+                        match chunk {
+                            Value::BulkString(chunk) => steps.extend_from_slice(chunk),
+                            _ => return Err(corrupt("unexpected checkpoints reply")),
+                        }
+                    }
+                    Ok(Bytes::from(steps))
+                }
+                [Value::BulkString(tag), Value::BulkString(_)] if tag == b"?" => Err(corrupt(
                     "a checkpoint chunk of the record is missing or its count is not a number",
                 )),
                 _ => Err(corrupt("unexpected checkpoints reply")),

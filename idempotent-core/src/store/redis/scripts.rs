@@ -160,7 +160,11 @@ return 1
 const STEP_CHUNKS: &str = r"
 local function drop_steps()
   local n = tonumber(redis.call('HGET', KEYS[1], 'kn') or '0') or 0
-  for i = 1, n do redis.call('HDEL', KEYS[1], 'k' .. i) end
+  for first = 1, n, 1000 do
+    local names = {}
+    for i = first, math.min(n, first + 999) do names[#names + 1] = 'k' .. i end
+    redis.call('HDEL', KEYS[1], unpack(names))
+  end
   redis.call('HDEL', KEYS[1], 'k', 'kn')
 end
 ";
@@ -175,19 +179,28 @@ end
 return 1
 ";
 
-// The checkpoints of the record held with token `ARGV[1]` (`{bytes}`, its chunks in order),
-// or `0`; `{'?', what}` when a chunk is missing or the count is not a number.
+// The checkpoints of the record held with token `ARGV[1]`: `{'ok', chunk...}` (its chunks in
+// order, none when it has no checkpoints; joined by the caller, which is cheaper than joining
+// them here), or `0`; `{'?', what}` when a chunk is missing or the count is not a number.
 const LOAD_STEPS: &str = r"
 if not owned then return 0 end
-local parts = {redis.call('HGET', KEYS[1], 'k') or ''}
 local n = tonumber(redis.call('HGET', KEYS[1], 'kn') or '0')
-if not n then return {'?', 'kn'} end
-for i = 1, n do
-  local chunk = redis.call('HGET', KEYS[1], 'k' .. i)
-  if not chunk then return {'?', 'k' .. i} end
-  parts[i + 1] = chunk
+if not n or n < 0 or n ~= math.floor(n) then return {'?', 'kn'} end
+local names = {'k'}
+for i = 1, n do names[#names + 1] = 'k' .. i end
+local reply = {'ok'}
+for first = 1, #names, 1000 do
+  local last = math.min(#names, first + 999)
+  local chunks = redis.call('HMGET', KEYS[1], unpack(names, first, last))
+  for i = 1, last - first + 1 do
+    if chunks[i] then
+      reply[#reply + 1] = chunks[i]
+    elseif n > 0 then
+      return {'?', names[first + i - 1]}
+    end
+  end
 end
-return {table.concat(parts)}
+return reply
 ";
 
 // Keeps `ARGV[2]` as the request (`r`) of the record held with token `ARGV[1]`, and `ARGV[3]`
