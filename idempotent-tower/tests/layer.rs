@@ -606,8 +606,20 @@ async fn service_error_propagates_and_releases_the_key() {
         .await
         .unwrap_err();
     assert_eq!(error.to_string(), "service failed");
+    // Released: the same request runs again (and fails again), never a 409.
+    let again = svc
+        .clone()
+        .oneshot(post("/error", Some("k"), "x"))
+        .await
+        .unwrap_err();
+    assert_eq!(again.to_string(), "service failed");
+    // The key stays the first request's while its record lives: another request is 422.
     assert_eq!(
         send(&svc, post("/ok", Some("k"), "x")).await.status,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    assert_eq!(
+        send(&svc, post("/ok", Some("k2"), "x")).await.status,
         StatusCode::CREATED
     );
 }
