@@ -532,9 +532,13 @@ impl ClaimHandle {
                     // This write itself, read back by a load that came after it.
                     Some(saved) => *saved != json,
                 },
-                // Forgotten meanwhile (another write's outcome is unknown): the next step
-                // reads the store.
-                None => false,
+                // Forgotten meanwhile (another write's outcome is unknown), or being loaded:
+                // the next step reads the store, and a load that began before this write
+                // landed is not taken.
+                None => {
+                    steps.forget();
+                    false
+                }
             }
         };
         if !same_name_first {
@@ -857,10 +861,15 @@ impl Writing<'_> {
 }
 
 impl Drop for Writing<'_> {
+    /// The step was dropped mid-write: the write may still land, so the claim reads the store
+    /// again before the next step (as after a write that failed), and a step of the same
+    /// name waiting on it goes on from there.
     fn drop(&mut self) {
         if !self.ended {
             let claim = self.claim;
-            self.end(&mut claim.lock_steps());
+            let mut steps = claim.lock_steps();
+            steps.forget();
+            self.end(&mut steps);
         }
     }
 }

@@ -721,6 +721,12 @@ async fn a_step_dropped_mid_write_lets_the_next_of_its_name_go_on() {
         .await
         .expect("the step does not wait for the dropped one")
     };
+    let loads_before = faults.calls(Op::LoadSteps);
     let charged = attempt(&idempotency, "dropped", work, |r| r.is_ok()).await;
     assert_eq!(charged.unwrap(), "d".repeat(20));
+    assert_eq!(
+        faults.calls(Op::LoadSteps),
+        loads_before + 1,
+        "the dropped write may still land: the next step read the store first"
+    );
 }

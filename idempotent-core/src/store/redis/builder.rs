@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::sync::{Arc, PoisonError, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
@@ -179,6 +179,11 @@ impl Node {
         if !error.is_timeout() {
             return;
         }
+        self.replace(generation, error);
+    }
+
+    /// Replaces the manager of `generation`, unless another command replaced it already.
+    fn replace(&self, generation: u64, error: &(dyn std::error::Error + 'static)) {
         let mut current = self
             .0
             .current
@@ -193,7 +198,7 @@ impl Node {
         {
             Ok(manager) => {
                 tracing::debug!(
-                    error = error as &dyn std::error::Error,
+                    error,
                     "a redis command timed out; its connection is replaced"
                 );
                 *current = (generation + 1, manager);
@@ -207,12 +212,48 @@ impl Node {
     }
 }
 
+/// A command given up by its caller (its future dropped: the runtime bounds each store call
+/// by its own limit, which can be shorter than the response timeout) after waiting this long
+/// for its answer is taken as a timeout: its connection is replaced. A healthy server answers
+/// in well under a millisecond; a caller that merely went away sooner (a client that closed
+/// its connection) replaces nothing.
+pub(crate) const GIVEN_UP_AFTER: Duration = Duration::from_millis(500);
+
+/// Watches one command: dropped before its answer came, after [`GIVEN_UP_AFTER`], it replaces
+/// the connection as a timeout would.
+struct Watch<'a> {
+    node: &'a Node,
+    generation: u64,
+    sent: Instant,
+    answered: bool,
+}
+
+impl Drop for Watch<'_> {
+    fn drop(&mut self) {
+        if !self.answered && self.sent.elapsed() >= GIVEN_UP_AFTER {
+            let error = std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "a redis command was given up unanswered",
+            );
+            self.node.replace(self.generation, &error);
+        }
+    }
+}
+
 impl ConnectionLike for Node {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         let (generation, mut manager) = self.current();
+        let node: &Node = self;
         Box::pin(async move {
+            let mut watch = Watch {
+                node,
+                generation,
+                sent: Instant::now(),
+                answered: false,
+            };
             let result = manager.send_packed_command(cmd).await;
-            self.settle(generation, &result);
+            watch.answered = true;
+            node.settle(generation, &result);
             result
         })
     }
@@ -224,9 +265,17 @@ impl ConnectionLike for Node {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         let (generation, mut manager) = self.current();
+        let node: &Node = self;
         Box::pin(async move {
+            let mut watch = Watch {
+                node,
+                generation,
+                sent: Instant::now(),
+                answered: false,
+            };
             let result = manager.send_packed_commands(pipeline, offset, count).await;
-            self.settle(generation, &result);
+            watch.answered = true;
+            node.settle(generation, &result);
             result
         })
     }

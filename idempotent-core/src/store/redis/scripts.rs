@@ -156,16 +156,18 @@ return 1
 // constant work whatever came before (rewriting one field would copy every earlier step's
 // bytes again, quadratic in an operation's steps): `k` holds the first entry, `kn` how many
 // came after it, in `k1` to `k<kn>` in order (a record written before chunks has everything
-// in `k`, which reads the same). `drop_steps()` removes them all.
+// in `k`, which reads the same). `drop_steps()` removes them all, found by name (so a damaged
+// `kn` can neither leave chunks behind nor make it loop), and a `kn` past the record's field
+// count is corrupt, never a loop over it.
 const STEP_CHUNKS: &str = r"
 local function drop_steps()
-  local n = tonumber(redis.call('HGET', KEYS[1], 'kn') or '0') or 0
-  for first = 1, n, 1000 do
-    local names = {}
-    for i = first, math.min(n, first + 999) do names[#names + 1] = 'k' .. i end
-    redis.call('HDEL', KEYS[1], unpack(names))
+  local names = {}
+  for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if field == 'kn' or string.match(field, '^k%d*$') then names[#names + 1] = field end
   end
-  redis.call('HDEL', KEYS[1], 'k', 'kn')
+  for first = 1, #names, 1000 do
+    redis.call('HDEL', KEYS[1], unpack(names, first, math.min(#names, first + 999)))
+  end
 end
 ";
 
@@ -185,7 +187,9 @@ return 1
 const LOAD_STEPS: &str = r"
 if not owned then return 0 end
 local n = tonumber(redis.call('HGET', KEYS[1], 'kn') or '0')
-if not n or n < 0 or n ~= math.floor(n) then return {'?', 'kn'} end
+if not n or n < 0 or n ~= math.floor(n) or n >= redis.call('HLEN', KEYS[1]) then
+  return {'?', 'kn'}
+end
 local names = {'k'}
 for i = 1, n do names[#names + 1] = 'k' .. i end
 local reply = {'ok'}

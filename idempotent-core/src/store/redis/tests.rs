@@ -601,7 +601,7 @@ async fn each_checkpoint_is_a_field_of_its_own() {
     );
 
     // Garbage in the count, or a chunk gone: corrupt.
-    for (field, value) in [("kn", "x"), ("kn", "5")] {
+    for (field, value) in [("kn", "x"), ("kn", "5"), ("kn", "1000000000")] {
         let _: () = redis::cmd("HSET")
             .arg(&name)
             .arg(field)
@@ -617,11 +617,11 @@ async fn each_checkpoint_is_a_field_of_its_own() {
             "{field}={value}"
         );
     }
-    // A completion drops every chunk.
+    // A completion drops every chunk, found by name whatever the count says.
     let _: () = redis::cmd("HSET")
         .arg(&name)
         .arg("kn")
-        .arg("1")
+        .arg("x")
         .query_async(&mut connection)
         .await
         .unwrap();
@@ -630,4 +630,130 @@ async fn each_checkpoint_is_a_field_of_its_own() {
         .await
         .unwrap();
     assert_eq!(fields(&mut connection, &name).await, [None, None]);
+}
+
+/// A server that answers every command (`+PONG` to `PING`, `+OK` to the rest) until told to
+/// hold its answers, which it sends once told to speak again; counts the connections it took.
+struct Holding {
+    url: String,
+    hold: tokio::sync::watch::Sender<bool>,
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Holding {
+    async fn start() -> Holding {
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("redis://{}", listener.local_addr().unwrap());
+        let (hold, holding) = tokio::sync::watch::channel(false);
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut holding = holding.clone();
+                tokio::spawn(async move {
+                    let (read, mut write) = socket.into_split();
+                    let mut read = tokio::io::BufReader::new(read);
+                    let mut line = String::new();
+                    loop {
+                        // One command: `*N`, then N bulk strings.
+                        line.clear();
+                        if read.read_line(&mut line).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let parts: usize = line.trim()[1..].parse().unwrap_or(0);
+                        let mut first = Vec::new();
+                        for i in 0..parts {
+                            line.clear();
+                            if read.read_line(&mut line).await.unwrap_or(0) == 0 {
+                                return;
+                            }
+                            let len: usize = line.trim()[1..].parse().unwrap_or(0);
+                            let mut bulk = vec![0; len + 2];
+                            if read.read_exact(&mut bulk).await.is_err() {
+                                return;
+                            }
+                            if i == 0 {
+                                bulk.truncate(len);
+                                first = bulk;
+                            }
+                        }
+                        if holding.wait_for(|hold| !hold).await.is_err() {
+                            return;
+                        }
+                        let answer: &[u8] = if first.eq_ignore_ascii_case(b"PING") {
+                            b"+PONG\r\n"
+                        } else {
+                            b"+OK\r\n"
+                        };
+                        if write.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Holding {
+            url,
+            hold,
+            accepted,
+        }
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A command its caller gave up on (the runtime's own limit on a store call can be shorter
+/// than the response timeout) after it waited past `GIVEN_UP_AFTER` makes its connection
+/// suspect, like a timeout: the next command goes to a new connection rather than queue
+/// behind the silent one (after a partition, that one waits for TCP's next retransmission).
+#[tokio::test]
+async fn a_command_given_up_unanswered_replaces_its_connection() {
+    let server = Holding::start().await;
+    let store = RedisStore::builder(&server.url)
+        .timeout(Duration::from_secs(30))
+        .connect()
+        .await
+        .unwrap();
+    let ping = |store: &RedisStore| {
+        let mut connection = store.connection.clone();
+        async move {
+            redis::cmd("PING")
+                .query_async::<String>(&mut connection)
+                .await
+        }
+    };
+    assert_eq!(ping(&store).await.unwrap(), "PONG");
+    let connections = server.accepted();
+
+    // Given up sooner than GIVEN_UP_AFTER: nothing is replaced.
+    server.hold.send_replace(true);
+    let quick = tokio::time::timeout(super::builder::GIVEN_UP_AFTER / 5, ping(&store)).await;
+    assert!(quick.is_err(), "held");
+    server.hold.send_replace(false);
+    assert_eq!(ping(&store).await.unwrap(), "PONG");
+    assert_eq!(
+        server.accepted(),
+        connections,
+        "a caller that went away early"
+    );
+
+    // Given up after it: the next command connects anew.
+    server.hold.send_replace(true);
+    let given_up = tokio::time::timeout(
+        super::builder::GIVEN_UP_AFTER + Duration::from_millis(200),
+        ping(&store),
+    )
+    .await;
+    assert!(given_up.is_err(), "held");
+    server.hold.send_replace(false);
+    assert_eq!(ping(&store).await.unwrap(), "PONG");
+    assert_eq!(
+        server.accepted(),
+        connections + 1,
+        "the suspect connection was replaced"
+    );
 }
