@@ -1,7 +1,9 @@
 //! The RabbitMQ source against a real RabbitMQ node (`IDEMPOTENT_TEST_AMQP_URL`, started by
 //! `scripts/test.sh`): duplicates applied once, malformed messages dead-lettered unchanged,
 //! the delivery count bounding rejected messages, delayed retries, reconnection after the
-//! broker closes the consumer's connection, and queues a publisher declared first.
+//! broker closes the consumer's connection, queues a publisher declared first, and dead
+//! letters over `max_message_size` (fitted to the source's setting; sent without the body
+//! after a private node with a lower real limit, 8 KiB, refused one).
 //!
 //! The reconnection test closes the connection with `rabbitmqctl close_connection`, through the
 //! test kit's `shared_rabbitmqctl` (`IDEMPOTENT_TEST_RABBITMQCTL`).
@@ -22,7 +24,7 @@ use idempotent_core::consumer::{
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::{ClaimHandle, Idempotency};
 use idempotent_test_kit::backend::amqp_url;
-use idempotent_test_kit::brokers::shared_rabbitmqctl;
+use idempotent_test_kit::brokers::{PrivateRabbit, shared_rabbitmqctl};
 use idempotent_test_kit::names::unique;
 use lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
@@ -100,6 +102,28 @@ impl Broker {
         }
     }
 
+    /// Publishes one message to `queue`, persistent, with the headers `origin: test` and
+    /// `extra` (`extra` bytes of `x`), and waits for its confirm.
+    async fn publish_with_extra(&self, queue: &str, id: &str, body: &[u8], extra: usize) {
+        let mut headers = FieldTable::default();
+        headers.insert("origin".into(), AMQPValue::LongString("test".into()));
+        headers.insert(
+            "extra".into(),
+            AMQPValue::LongString("x".repeat(extra).into()),
+        );
+        let properties = BasicProperties::default()
+            .with_message_id(id.into())
+            .with_content_type("text/plain".into())
+            .with_delivery_mode(2)
+            .with_headers(headers);
+        let confirm = self
+            .channel
+            .basic_publish("", queue, BasicPublishOptions::default(), body, properties)
+            .await
+            .unwrap();
+        assert_eq!(confirm.await.unwrap(), Confirmation::Ack(None));
+    }
+
     /// `(ready messages, consumers)` of `queue`.
     async fn counts(&self, queue: &str) -> (u32, u32) {
         let declared = self
@@ -129,6 +153,16 @@ impl Broker {
             taken.push(message);
         }
         taken
+    }
+
+    /// Declares each of `queues` as the source does (durable, quorum).
+    async fn queue_declare_quorum(&self, queues: &[&str]) {
+        for queue in queues {
+            self.channel
+                .queue_declare(queue, durable(), quorum())
+                .await
+                .unwrap();
+        }
     }
 
     async fn delete(&self, queues: &[&str]) {
@@ -825,5 +859,273 @@ async fn a_consumer_timeout_of_duration_max_is_no_limit() {
     stop.send(()).unwrap();
     let report = run.await.unwrap();
     assert_eq!(report.applied, 40, "{report:?}");
+    broker.delete(&[&queue, &dead]).await;
+}
+
+/// A malformed body (not `ok:…`) of `len` bytes.
+fn bad_body(len: usize) -> Vec<u8> {
+    let mut body = b"bad:".to_vec();
+    body.resize(len, b'x');
+    body
+}
+
+/// A source that keeps the error of every dead letter that failed, and the id of every
+/// message dead-lettered.
+struct Refusals<S> {
+    source: S,
+    errors: Arc<Mutex<Vec<String>>>,
+    dead_lettered: Arc<Mutex<Vec<String>>>,
+}
+
+impl<S> Refusals<S> {
+    fn new(source: S) -> Self {
+        Refusals {
+            source,
+            errors: Arc::default(),
+            dead_lettered: Arc::default(),
+        }
+    }
+}
+
+impl<S: Source> Source for Refusals<S> {
+    type Delivery = S::Delivery;
+
+    fn name(&self) -> &'static str {
+        self.source.name()
+    }
+
+    async fn receive(&self, max: usize) -> Result<Vec<Received<S::Delivery>>, SourceError> {
+        self.source.receive(max).await
+    }
+
+    async fn ack(&self, delivery: &S::Delivery) -> Result<(), SourceError> {
+        self.source.ack(delivery).await
+    }
+
+    async fn retry(&self, delivery: &S::Delivery, delay: Duration) -> Result<(), SourceError> {
+        self.source.retry(delivery, delay).await
+    }
+
+    async fn dead_letter(
+        &self,
+        message: &Message,
+        delivery: &S::Delivery,
+        reason: &str,
+    ) -> Result<DeadLettered, SourceError> {
+        let written = self.source.dead_letter(message, delivery, reason).await;
+        match &written {
+            Ok(_) => self
+                .dead_lettered
+                .lock()
+                .unwrap()
+                .push(message.id().unwrap_or_default().to_owned()),
+            Err(error) => self.errors.lock().unwrap().push(error.to_string()),
+        }
+        written
+    }
+}
+
+/// Sets the private node's `max_message_size` for the channels opened from now on.
+async fn set_max_message_size(rabbit: &PrivateRabbit, bytes: u32) {
+    let expression = format!("application:set_env(rabbit, max_message_size, {bytes}).");
+    let output = rabbit.rabbitmqctl(&["eval", &expression]).await;
+    assert!(
+        output.status.success(),
+        "rabbitmqctl eval {expression}: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// A node whose real `max_message_size` (8 KiB) is below the source's setting (the default,
+/// 16 MiB) refuses a dead letter of a 12 KB body, published before the limit was lowered: the
+/// broker closes the dead letters' channel and the message goes back to the queue. The next
+/// delivery sends the dead letter without its body (`body-too-large: 12000`): the message is
+/// dead-lettered within a few deliveries, never redelivered for its size again. (Before the
+/// fix, the dead letter was refused on every delivery: a loop, and no dead letter.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_letter_refused_for_its_size_is_sent_without_its_body_next_time() {
+    let Some(rabbit) = PrivateRabbit::start_with_config("max_message_size = 8192").await else {
+        return;
+    };
+    let url = rabbit.url();
+    let queue = unique("refused-size");
+    let dead = format!("{queue}.dead");
+    // Published before the limit was lowered (or through a route with another limit).
+    set_max_message_size(&rabbit, 1024 * 1024).await;
+    let broker = Broker::connect(&url).await;
+    broker.queue_declare_quorum(&[&queue, &dead]).await;
+    broker
+        .publish(
+            &queue,
+            &[
+                ("big".to_owned(), bad_body(12_000)),
+                ("small".to_owned(), bad_body(100)),
+            ],
+        )
+        .await;
+    set_max_message_size(&rabbit, 8192).await;
+
+    let source = RabbitMq::builder(&url, &queue)
+        .prefetch(8)
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("cannot start the RabbitMQ source: {e}"));
+    let source = Refusals::new(source);
+    let (errors, dead_lettered) = (
+        Arc::clone(&source.errors),
+        Arc::clone(&source.dead_lettered),
+    );
+    let handler = Counting::new(always_ok, Duration::ZERO);
+    let (stop, run) = start(Consumer::new(source).concurrency(2), handler.clone());
+    eventually(
+        Duration::from_secs(30),
+        "both messages dead-lettered",
+        || async { dead_lettered.lock().unwrap().len() >= 2 },
+    )
+    .await;
+    // Nothing comes back after it.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    stop.send(()).unwrap();
+    let report = run.await.unwrap();
+    let errors = errors.lock().unwrap().clone();
+    eprintln!("report {report:?}; dead letters refused: {errors:?}");
+
+    assert_eq!(report.dead_lettered, 2, "{report:?}");
+    let deliveries = handler.received.lock().unwrap().get("big").copied();
+    assert!(
+        deliveries.is_some_and(|d| (2..=3).contains(&d)),
+        "big was delivered {deliveries:?} times; refused: {errors:?}"
+    );
+    assert!(
+        errors.iter().any(|e| e.contains("max size 8192")),
+        "the broker never refused a dead letter for its size: {errors:?}"
+    );
+    let mut ids = dead_lettered.lock().unwrap().clone();
+    ids.sort();
+    assert_eq!(ids, ["big", "small"], "each dead-lettered once");
+    // `small`'s dead letter may be stored twice (at least once: its confirm is lost when the
+    // broker closes the channel for `big`'s); `big`'s fitted one once.
+    let letters = broker.take_all(&dead).await;
+    let big: Vec<_> = letters.iter().filter(|l| id_of(l) == "big").collect();
+    let small = letters
+        .iter()
+        .find(|l| id_of(l) == "small")
+        .expect("small's dead letter");
+    assert_eq!(big.len(), 1, "big's dead letters");
+    let big = big[0];
+    assert!(big.delivery.data.is_empty(), "the body was sent");
+    assert_eq!(header(big, "body-too-large").as_deref(), Some("12000"));
+    let reason = header(big, "reason").unwrap_or_default();
+    assert!(reason.contains("ok:"), "reason {reason:?}");
+    assert!(header(big, "deliveries").is_some());
+    assert_eq!(small.delivery.data, bad_body(100));
+    assert_eq!(header(small, "origin").as_deref(), Some("test"));
+    assert_eq!(header(small, "body-too-large"), None);
+    assert_eq!(broker.counts(&queue).await.0, 0);
+}
+
+/// With `max_message_size` set to 8 KiB, dead letters that would exceed it are fitted before
+/// they are published, and each message is dead-lettered on its first delivery, acked, never
+/// delivered again: one that fits is whole; one whose own headers (3 KB) push it over goes
+/// without them (body unchanged, `reason` and `deliveries` kept); one whose body (10 KB) is
+/// over goes without its body, `body-too-large: 10000`. (The shared node's own limit is far
+/// higher: nothing is refused, the fitting is the source's.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dead_letters_over_max_message_size_are_fitted_before_they_are_sent() {
+    let Some(url) = amqp_url() else { return };
+    let queue = unique("fitted");
+    let dead = format!("{queue}.dead");
+    let broker = Broker::connect(&url).await;
+    let source = RabbitMq::builder(&url, &queue)
+        .prefetch(8)
+        .max_message_size(8192)
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("cannot start the RabbitMQ source: {e}"));
+    broker
+        .publish_with_extra(&queue, "whole", &bad_body(100), 10)
+        .await;
+    broker
+        .publish_with_extra(&queue, "headers", &bad_body(6000), 3000)
+        .await;
+    broker
+        .publish_with_extra(&queue, "body", &bad_body(10_000), 10)
+        .await;
+
+    let source = Refusals::new(source);
+    let (errors, dead_lettered) = (
+        Arc::clone(&source.errors),
+        Arc::clone(&source.dead_lettered),
+    );
+    let handler = Counting::new(always_ok, Duration::ZERO);
+    let (stop, run) = start(Consumer::new(source).concurrency(2), handler.clone());
+    eventually(
+        Duration::from_secs(20),
+        "three messages dead-lettered",
+        || async { dead_lettered.lock().unwrap().len() >= 3 },
+    )
+    .await;
+    // Nothing comes back after them.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    stop.send(()).unwrap();
+    let report = run.await.unwrap();
+
+    let errors = errors.lock().unwrap().clone();
+    assert!(errors.is_empty(), "dead letters failed: {errors:?}");
+    assert_eq!(report.dead_lettered, 3, "{report:?}");
+    assert_eq!(report.source_errors, 0, "{report:?}");
+    for id in ["whole", "headers", "body"] {
+        let deliveries = handler.received.lock().unwrap().get(id).copied();
+        assert_eq!(deliveries, Some(1), "{id}: delivered again");
+    }
+    eventually(
+        Duration::from_secs(5),
+        "the consumer's connection closed",
+        || async { broker.counts(&queue).await.1 == 0 },
+    )
+    .await;
+    assert_eq!(broker.counts(&queue).await, (0, 0), "messages left");
+
+    let mut letters = broker.take_all(&dead).await;
+    letters.sort_by_key(id_of);
+    assert_eq!(
+        letters.iter().map(id_of).collect::<Vec<_>>(),
+        ["body", "headers", "whole"]
+    );
+    for letter in &letters {
+        let id = id_of(letter);
+        let reason = header(letter, "reason").unwrap_or_default();
+        assert!(reason.contains("ok:"), "{id}: reason {reason:?}");
+        assert_eq!(header(letter, "deliveries").as_deref(), Some("1"), "{id}");
+        assert_eq!(
+            letter
+                .delivery
+                .properties
+                .content_type()
+                .as_ref()
+                .map(|t| t.as_str()),
+            Some("text/plain"),
+            "{id}"
+        );
+    }
+    let (body, headers, whole) = (&letters[0], &letters[1], &letters[2]);
+    assert_eq!(whole.delivery.data, bad_body(100));
+    assert_eq!(header(whole, "origin").as_deref(), Some("test"));
+    assert_eq!(header(whole, "extra").map(|e| e.len()), Some(10));
+    assert_eq!(header(whole, "body-too-large"), None);
+
+    assert_eq!(
+        headers.delivery.data,
+        bad_body(6000),
+        "headers: body changed"
+    );
+    assert_eq!(header(headers, "extra"), None, "headers: own headers kept");
+    assert_eq!(header(headers, "origin"), None);
+    assert_eq!(header(headers, "body-too-large"), None);
+
+    assert!(body.delivery.data.is_empty(), "body: the body was sent");
+    assert_eq!(header(body, "body-too-large").as_deref(), Some("10000"));
+    assert_eq!(header(body, "origin"), None);
     broker.delete(&[&queue, &dead]).await;
 }

@@ -290,6 +290,12 @@ impl PrivateRabbit {
     /// Starts one and waits until it accepts AMQP connections and has booted; `None` when
     /// RabbitMQ is not installed (see the module's documentation).
     pub async fn start() -> Option<PrivateRabbit> {
+        Self::start_with_config("").await
+    }
+
+    /// [`start`](Self::start), with `config` (lines of `rabbitmq.conf`, such as
+    /// `max_message_size = 8192`) added to the node's configuration file.
+    pub async fn start_with_config(config: &str) -> Option<PrivateRabbit> {
         let scripts = installed("rabbitmq-server", rabbitmq_scripts())?;
         let port = free_port();
         let mut rabbit = PrivateRabbit {
@@ -301,7 +307,7 @@ impl PrivateRabbit {
             child: None,
             pgid: None,
         };
-        rabbit.write_files();
+        rabbit.write_files(config);
         rabbit.spawn().await;
         Some(rabbit)
     }
@@ -394,8 +400,8 @@ impl PrivateRabbit {
     }
 
     /// The cookie, an empty plugin list, an empty `rabbitmq-env.conf` (so that
-    /// `/etc/rabbitmq`'s is not read) and a config file.
-    fn write_files(&self) {
+    /// `/etc/rabbitmq`'s is not read) and a config file ending with `config`.
+    fn write_files(&self, config: &str) {
         std::fs::create_dir_all(self.dir.join("mnesia")).unwrap();
         std::fs::create_dir_all(self.dir.join("log")).unwrap();
         let cookie: String = (0..20).map(|_| fastrand::uppercase()).collect();
@@ -411,7 +417,7 @@ impl PrivateRabbit {
         // The listener, node name and ports come from the environment.
         std::fs::write(
             self.dir.join("rabbitmq.conf"),
-            "loopback_users.guest = true\n",
+            format!("loopback_users.guest = true\n{config}\n"),
         )
         .unwrap();
     }

@@ -2,8 +2,9 @@
 //! acknowledgements, over [`lapin`] on tokio.
 //!
 //! (Longer than most files here, on purpose: the connection, its reconnection with a
-//! generation number, acknowledgements and publisher-confirmed dead letters are one state
-//! machine around one channel; about 120 lines are documentation and 60 unit tests.)
+//! generation number, acknowledgements and publisher-confirmed dead letters, fitted to the
+//! broker's message size, are one state machine around one channel; about 190 lines are
+//! documentation and 190 unit tests.)
 //!
 //! # Queues
 //!
@@ -48,14 +49,32 @@
 //!   to be delivered again; a return, `QUEUE.dead` gone, also makes the next `receive`
 //!   reconnect, which declares it again); then `basic.ack`s the original. At least once: a
 //!   consumer that dies between the confirm and the ack dead-letters the message again on its
-//!   next delivery. Size: a message is split into frames of `frame_max`, so only the broker's
-//!   `max_message_size` (16 MiB by default since RabbitMQ 4.0, 128 MiB before) bounds a dead
-//!   letter, and the broker does not tell clients its value. The dead letter adds at most
-//!   about 4.2 KiB of headers (`reason`, `deliveries`) to the original: keep messages at
-//!   least 8 KiB below `max_message_size`. A dead letter over it is refused (the broker
-//!   closes the channel), the message goes back to the queue and is delivered again, and its
-//!   dead letter is refused again: a loop, counted in `idempotency.source.errors`
-//!   (`dead_letter`) on each delivery.
+//!   next delivery. A dead letter that would not fit the broker's limit is fitted, below.
+//! - **Dead letters larger than the broker's `max_message_size`** are still dead letters,
+//!   never a redelivery loop. The broker does not tell clients its limit, so the source is
+//!   told it: [`max_message_size`](RabbitMqBuilder::max_message_size) (default
+//!   [`DEFAULT_MAX_MESSAGE_SIZE`], RabbitMQ 4.0's default; 3.x's was 128 MiB). A dead letter
+//!   is fitted to it before it is published, counting the body and an upper estimate of its
+//!   encoded properties and headers (RabbitMQ itself counts only the body, so this errs on the
+//!   safe side), as the NATS source does: the reason is cut to fit (down to
+//!   [`MIN_FITTED_REASON`] bytes); if that is not enough, the original's own headers are left
+//!   out (`reason` and `deliveries` kept, the reason cut to fit); if the body alone is too
+//!   large, the dead letter carries no body and [`BODY_TOO_LARGE`]`: N` (the body's size in
+//!   bytes), with `message-id`, `content-type`, `content-encoding`, `reason` and
+//!   `deliveries`. A setting above the broker's real limit (the limit lowered after a message
+//!   was published, say) is caught too: a dead letter the broker refuses for its size
+//!   (`PRECONDITION_FAILED`, "message size N is larger than … max size M", which closes the
+//!   dead letters' channel) fails, the message goes back to the queue when the next
+//!   [`receive`](Source::receive) reconnects, and the source remembers it (a digest of its
+//!   `message-id` and body, at most [`REMEMBERED_REFUSALS`] of them, the oldest forgotten
+//!   first, in memory only): its next dead letter is the smallest form, without the body.
+//!   So such a message is delivered one more time, or a few when more than
+//!   [`REMEMBERED_REFUSALS`] are refused at once or the consumer restarts in between, and
+//!   each refusal counts in `idempotency.source.errors` (`dead_letter`). The refusal closes
+//!   the dead letters' channel: other dead letters in flight on it lose their confirm, and
+//!   their messages are dead-lettered again, whole, on their next delivery (maybe twice on
+//!   `QUEUE.dead`: at least once). Only a broker that refuses even an empty body with those
+//!   few headers would still loop.
 //! - No keep-alive: RabbitMQ never redelivers a message while the channel that holds it is
 //!   open, except once `consumer_timeout` (30 minutes by default) passed without an ack, when
 //!   the broker closes the channel and the message goes back to the queue. Keep handlers,
@@ -85,9 +104,10 @@
 //! closes its connection: the broker requeues every message it still held, those waiting for
 //! a delayed retry included.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::future::Future;
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
@@ -98,6 +118,7 @@ use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions,
 };
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
@@ -119,6 +140,24 @@ const OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_REASON: usize = 4096;
 /// The header in which quorum queues count earlier deliveries.
 const DELIVERY_COUNT: &str = "x-delivery-count";
+
+/// The default [`max_message_size`](RabbitMqBuilder::max_message_size): 16 MiB, RabbitMQ
+/// 4.0's default (3.x's was 128 MiB).
+pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 16 * 1024 * 1024;
+/// The smallest and the largest [`max_message_size`](RabbitMqBuilder::max_message_size) the
+/// builder accepts (others are clamped): 4 KiB, room for the smallest dead letter, and
+/// 512 MiB, the most RabbitMQ accepts.
+const MAX_MESSAGE_SIZE_BOUNDS: (usize, usize) = (4 * 1024, 512 * 1024 * 1024);
+/// The shortest a dead letter's reason is cut to, to fit the
+/// [`max_message_size`](RabbitMqBuilder::max_message_size), before the original's own
+/// headers are left out instead (as the NATS source does).
+pub const MIN_FITTED_REASON: usize = 64;
+/// The header of a dead letter sent without its body, which did not fit the broker's
+/// `max_message_size`: the body's size in bytes (as the NATS source does).
+pub const BODY_TOO_LARGE: &str = "body-too-large";
+/// How many messages whose dead letter the broker refused for its size the source remembers,
+/// to send their next dead letter without the body.
+pub const REMEMBERED_REFUSALS: usize = 1024;
 
 /// A [`Source`] consuming a RabbitMQ quorum queue. See the [module](self) documentation.
 pub struct RabbitMq {
@@ -143,6 +182,7 @@ pub struct RabbitMqBuilder {
     prefetch: u16,
     consumer_tag: String,
     consumer_timeout: Duration,
+    max_message_size: usize,
 }
 
 impl fmt::Debug for RabbitMqBuilder {
@@ -153,6 +193,7 @@ impl fmt::Debug for RabbitMqBuilder {
             .field("prefetch", &self.prefetch)
             .field("consumer_tag", &self.consumer_tag)
             .field("consumer_timeout", &self.consumer_timeout)
+            .field("max_message_size", &self.max_message_size)
             .finish_non_exhaustive()
     }
 }
@@ -180,6 +221,10 @@ struct Inner {
     prefetch: u16,
     consumer_tag: String,
     consumer_timeout: Duration,
+    max_message_size: usize,
+    /// Digests of the messages whose dead letter the broker refused for its size, the oldest
+    /// first, at most [`REMEMBERED_REFUSALS`]: their next dead letter goes without the body.
+    refused: Mutex<VecDeque<u64>>,
     /// The last generation opened; each connect takes the next one.
     generation: AtomicU64,
     /// The connection answers go to, while it is healthy as far as `receive` knows.
@@ -225,6 +270,7 @@ impl RabbitMq {
             prefetch: DEFAULT_PREFETCH,
             consumer_tag: String::new(),
             consumer_timeout: DEFAULT_CONSUMER_TIMEOUT,
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
         }
     }
 
@@ -268,6 +314,17 @@ impl RabbitMqBuilder {
         self
     }
 
+    /// The broker's `max_message_size` in bytes (default [`DEFAULT_MAX_MESSAGE_SIZE`];
+    /// clamped between 4 KiB and 512 MiB, the most RabbitMQ accepts), which the broker does
+    /// not tell clients: dead letters are fitted to it (see the [module](self) documentation).
+    /// Tell it the broker's setting when that was changed; one set too high is caught when the
+    /// broker refuses a dead letter, at the cost of one more delivery of that message.
+    #[must_use]
+    pub fn max_message_size(mut self, bytes: usize) -> Self {
+        self.max_message_size = bytes.clamp(MAX_MESSAGE_SIZE_BOUNDS.0, MAX_MESSAGE_SIZE_BOUNDS.1);
+        self
+    }
+
     /// Connects, declares both queues and starts consuming. Fails when the broker cannot be
     /// reached or refuses a declaration (a queue exists with other arguments).
     pub async fn connect(self) -> Result<RabbitMq, SourceError> {
@@ -279,6 +336,8 @@ impl RabbitMqBuilder {
             prefetch: self.prefetch,
             consumer_tag: self.consumer_tag,
             consumer_timeout: self.consumer_timeout,
+            max_message_size: self.max_message_size,
+            refused: Mutex::new(VecDeque::new()),
             generation: AtomicU64::new(0),
             current: Mutex::new(None),
             receiving: tokio::sync::Mutex::new(None),
@@ -390,6 +449,31 @@ impl Inner {
             )),
         }
     }
+
+    fn refusals(&self) -> std::sync::MutexGuard<'_, VecDeque<u64>> {
+        self.refused.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether the broker refused a dead letter of the message `digest` for its size.
+    fn was_refused(&self, digest: u64) -> bool {
+        self.refusals().contains(&digest)
+    }
+
+    /// Remembers that the broker refused a dead letter of the message `digest` for its size,
+    /// forgetting the oldest beyond [`REMEMBERED_REFUSALS`].
+    fn remember_refusal(&self, digest: u64) {
+        let mut refused = self.refusals();
+        if !refused.contains(&digest) {
+            if refused.len() >= REMEMBERED_REFUSALS {
+                refused.pop_front();
+            }
+            refused.push_back(digest);
+        }
+    }
+
+    fn forget_refusal(&self, digest: u64) {
+        self.refusals().retain(|&known| known != digest);
+    }
 }
 
 /// Declares `queue`, durable, as a quorum queue with no other argument.
@@ -496,6 +580,187 @@ fn delivery_count(value: &AMQPValue) -> Option<u64> {
         _ => return None,
     };
     Some(u64::try_from(count).unwrap_or(0))
+}
+
+/// What identifies a message across its deliveries (the delivery tag does not): a digest of
+/// its `message-id` and body.
+fn digest(message: &Message) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    message.id().hash(&mut hasher);
+    message.body().as_ref().hash(&mut hasher);
+    hasher.finish()
+}
+
+/// The dead letter's properties: persistent, the original's `message-id`, `content-type` and
+/// `content-encoding`, its headers (when `own_headers`) less `x-delivery-count`, `reason`,
+/// `deliveries` and, for a dead letter without its body, [`BODY_TOO_LARGE`].
+fn dead_properties(
+    original: &BasicProperties,
+    own_headers: bool,
+    reason: &str,
+    deliveries: u64,
+    body_too_large: Option<usize>,
+) -> BasicProperties {
+    let mut headers: BTreeMap<ShortString, AMQPValue> = match original.headers() {
+        Some(headers) if own_headers => headers.inner().clone(),
+        _ => BTreeMap::new(),
+    };
+    headers.remove(DELIVERY_COUNT);
+    headers.insert(
+        "reason".into(),
+        AMQPValue::LongString(LongString::from(reason)),
+    );
+    headers.insert(
+        "deliveries".into(),
+        AMQPValue::LongString(LongString::from(deliveries.to_string())),
+    );
+    if let Some(size) = body_too_large {
+        headers.insert(
+            BODY_TOO_LARGE.into(),
+            AMQPValue::LongString(LongString::from(size.to_string())),
+        );
+    }
+    let mut properties = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_headers(FieldTable::from(headers));
+    if let Some(id) = original.message_id() {
+        properties = properties.with_message_id(id.clone());
+    }
+    if let Some(content_type) = original.content_type() {
+        properties = properties.with_content_type(content_type.clone());
+    }
+    if let Some(encoding) = original.content_encoding() {
+        properties = properties.with_content_encoding(encoding.clone());
+    }
+    properties
+}
+
+/// The dead letter's properties and body, within `max` bytes (body and properties' upper
+/// estimate together) where it can be: the whole original with `reason` and `deliveries`;
+/// else with the reason cut to fit (keeping at least [`MIN_FITTED_REASON`] bytes of it); else
+/// without the original's own headers, the reason cut to fit; else (and always when
+/// `smallest`) without the body, its size in [`BODY_TOO_LARGE`].
+fn fitted_dead_letter(
+    original: &BasicProperties,
+    message: &Message,
+    reason: &str,
+    max: usize,
+    smallest: bool,
+) -> (BasicProperties, Bytes) {
+    let reason = one_line(reason);
+    let body = message.body().clone();
+    let deliveries = message.deliveries();
+    let make = |own_headers: bool, reason: &str, too_large: Option<usize>| {
+        dead_properties(original, own_headers, reason, deliveries, too_large)
+    };
+    // The room left for the reason's value beside `properties` (whose reason is empty) and a
+    // body of `body` bytes.
+    let room = |properties: &BasicProperties, body: usize| {
+        max.checked_sub(properties_len(properties).saturating_add(body))
+    };
+    if !smallest {
+        let full = make(true, &reason, None);
+        if properties_len(&full).saturating_add(body.len()) <= max {
+            return (full, body);
+        }
+        let unreasoned = make(true, "", None);
+        if let Some(room) = room(&unreasoned, body.len())
+            && room >= MIN_FITTED_REASON.min(reason.len())
+        {
+            return (make(true, cut(&reason, room), None), body);
+        }
+        let extras = make(false, "", None);
+        if let Some(room) = room(&extras, body.len()) {
+            return (make(false, cut(&reason, room), None), body);
+        }
+    }
+    let size = Some(body.len());
+    let room = room(&make(false, "", size), 0).unwrap_or(0);
+    (make(false, cut(&reason, room), size), Bytes::new())
+}
+
+/// An upper estimate of the size of `properties` on the wire: the content header frame.
+fn properties_len(properties: &BasicProperties) -> usize {
+    // Frame header and end (8), class, weight, body size and flags (14), delivery mode,
+    // priority and the other fixed-size properties: 64 in all, more than they take.
+    let mut len = 64;
+    for text in [
+        properties.message_id(),
+        properties.content_type(),
+        properties.content_encoding(),
+        properties.correlation_id(),
+        properties.reply_to(),
+        properties.expiration(),
+        properties.kind(),
+        properties.user_id(),
+        properties.app_id(),
+        properties.cluster_id(),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        len += 1 + text.as_str().len();
+    }
+    if let Some(headers) = properties.headers() {
+        len += table_len(headers);
+    }
+    len
+}
+
+/// An upper estimate of the encoded size of a field table.
+fn table_len(table: &FieldTable) -> usize {
+    4 + table
+        .inner()
+        .iter()
+        .map(|(name, value)| 1 + name.as_str().len() + value_len(value))
+        .sum::<usize>()
+}
+
+/// An upper estimate of the encoded size of a field value, its type tag included.
+fn value_len(value: &AMQPValue) -> usize {
+    1 + match value {
+        AMQPValue::LongString(text) => 4 + text.as_bytes().len(),
+        AMQPValue::ShortString(text) => 1 + text.as_str().len(),
+        AMQPValue::ByteArray(bytes) => 4 + bytes.as_slice().len(),
+        AMQPValue::FieldArray(values) => 4 + values.as_slice().iter().map(value_len).sum::<usize>(),
+        AMQPValue::FieldTable(table) => table_len(table),
+        // Numbers, booleans, decimals, timestamps, void: at most 8 bytes.
+        _ => 8,
+    }
+}
+
+/// The longest prefix of `text` of at most `max` bytes, on a character boundary.
+fn cut(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+/// Whether `error` is the broker refusing a message of `size` bytes (the body: what RabbitMQ
+/// counts) for its size: `PRECONDITION_FAILED`, "message size N is larger than [configured]
+/// max size M". The channel's close fails every dead letter in flight on it with the same
+/// error: only the one whose body has that size was refused for it (when the text names no
+/// size, any is taken to be).
+fn refused_for_size(error: &lapin::Error, size: usize) -> bool {
+    let lapin::ErrorKind::ProtocolError(error) = error.kind() else {
+        return false;
+    };
+    if *error.kind() != AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED) {
+        return false;
+    }
+    let text = error.get_message().as_str();
+    let Some((_, after)) = text.split_once("message size ") else {
+        return false;
+    };
+    let digits: String = after.chars().take_while(char::is_ascii_digit).collect();
+    digits
+        .parse::<usize>()
+        .map_or(true, |refused| refused == size)
 }
 
 /// The longest a handler may run under a broker whose `consumer_timeout` is `timeout`.
@@ -626,49 +891,49 @@ impl Source for RabbitMq {
     ) -> Result<DeadLettered, SourceError> {
         let inner = &self.inner;
         let link = inner.link(delivery.generation)?;
-        let original = &delivery.properties;
-        let mut headers: BTreeMap<ShortString, AMQPValue> = original
-            .headers()
-            .as_ref()
-            .map(|headers| headers.inner().clone())
-            .unwrap_or_default();
-        headers.remove(DELIVERY_COUNT);
-        headers.insert(
-            "reason".into(),
-            AMQPValue::LongString(LongString::from(one_line(reason))),
+        let digest = digest(message);
+        let smallest = inner.was_refused(digest);
+        let (properties, body) = fitted_dead_letter(
+            &delivery.properties,
+            message,
+            reason,
+            inner.max_message_size,
+            smallest,
         );
-        headers.insert(
-            "deliveries".into(),
-            AMQPValue::LongString(LongString::from(message.deliveries().to_string())),
-        );
-        let mut properties = BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_headers(FieldTable::from(headers));
-        if let Some(id) = original.message_id() {
-            properties = properties.with_message_id(id.clone());
-        }
-        if let Some(content_type) = original.content_type() {
-            properties = properties.with_content_type(content_type.clone());
-        }
-        if let Some(encoding) = original.content_encoding() {
-            properties = properties.with_content_encoding(encoding.clone());
-        }
         let context = format!("dead-letter to {}", inner.dead_queue);
-        let confirm = bounded(
-            &context,
-            link.publisher.basic_publish(
-                "",
-                &inner.dead_queue,
-                BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                },
-                message.body(),
-                properties,
-            ),
-        )
-        .await?;
-        match bounded(&context, confirm).await? {
+        let publish = async {
+            link.publisher
+                .basic_publish(
+                    "",
+                    &inner.dead_queue,
+                    BasicPublishOptions {
+                        mandatory: true,
+                        immediate: false,
+                    },
+                    &body,
+                    properties,
+                )
+                .await?
+                .await
+        };
+        let confirmation = match tokio::time::timeout(OPERATION_TIMEOUT, publish).await {
+            Ok(Ok(confirmation)) => confirmation,
+            Ok(Err(error)) => {
+                if refused_for_size(&error, body.len()) {
+                    // The broker's limit is below the setting: without the body next time.
+                    inner.remember_refusal(digest);
+                    tracing::warn!(queue = %inner.queue, size = body.len(), %error, "a dead letter was refused for its size; the next one of this message goes without its body");
+                }
+                return Err(SourceError::new(context, error));
+            }
+            Err(_) => {
+                return Err(SourceError::new(
+                    context,
+                    format!("no answer from RabbitMQ within {OPERATION_TIMEOUT:?}"),
+                ));
+            }
+        };
+        match confirmation {
             Confirmation::Ack(None) => {}
             Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
                 // Unroutable: the dead-letter queue is gone. Reconnecting declares it again.
@@ -693,6 +958,9 @@ impl Source for RabbitMq {
                     "the channel is not in confirm mode",
                 ));
             }
+        }
+        if smallest {
+            inner.forget_refusal(digest);
         }
         bounded(
             "basic.ack after the dead letter",
@@ -757,6 +1025,140 @@ mod tests {
         let message = message_of(&properties);
         assert_eq!(message.id(), None);
         assert_eq!(message.deliveries(), 3);
+    }
+
+    fn original(extra: usize) -> BasicProperties {
+        let mut headers = FieldTable::default();
+        headers.insert("x-delivery-count".into(), AMQPValue::LongLongInt(1));
+        headers.insert(
+            "extra".into(),
+            AMQPValue::LongString("x".repeat(extra).into()),
+        );
+        BasicProperties::default()
+            .with_message_id("m".into())
+            .with_content_type("text/plain".into())
+            .with_headers(headers)
+    }
+
+    fn header(properties: &BasicProperties, name: &str) -> Option<String> {
+        match properties.headers().as_ref()?.inner().get(name)? {
+            AMQPValue::LongString(text) => Some(String::from_utf8_lossy(text.as_bytes()).into()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn dead_letters_are_fitted_step_by_step() {
+        let reason = "r".repeat(1000);
+        let fit = |extra: usize, body: usize, max: usize, smallest: bool| {
+            let properties = original(extra);
+            let message = message(1, &properties, vec![b'b'; body]);
+            let (dead, body) = fitted_dead_letter(&properties, &message, &reason, max, smallest);
+            assert!(properties_len(&dead) + body.len() <= max);
+            (dead, body)
+        };
+        // Whole: the original's headers (less x-delivery-count), the reason, the body.
+        let (dead, body) = fit(10, 100, 8192, false);
+        assert_eq!(body.len(), 100);
+        assert_eq!(header(&dead, "reason"), Some(reason.clone()));
+        assert_eq!(header(&dead, "extra").map(|e| e.len()), Some(10));
+        assert_eq!(header(&dead, "deliveries").as_deref(), Some("2"));
+        assert!(
+            !dead
+                .headers()
+                .as_ref()
+                .unwrap()
+                .contains_key("x-delivery-count")
+        );
+        // The reason cut, the rest kept.
+        let (dead, body) = fit(10, 7600, 8192, false);
+        assert_eq!(body.len(), 7600);
+        let cut = header(&dead, "reason").unwrap().len();
+        assert!((MIN_FITTED_REASON..1000).contains(&cut), "{cut}");
+        assert!(header(&dead, "extra").is_some());
+        // The original's headers left out, the body and the whole reason kept.
+        let (dead, body) = fit(3000, 6000, 8192, false);
+        assert_eq!(body.len(), 6000);
+        assert_eq!(header(&dead, "extra"), None);
+        assert_eq!(header(&dead, "reason"), Some(reason.clone()));
+        assert_eq!(header(&dead, BODY_TOO_LARGE), None);
+        assert_eq!(dead.message_id().as_ref().map(|id| id.as_str()), Some("m"));
+        // The body left out.
+        let (dead, body) = fit(10, 9000, 8192, false);
+        assert!(body.is_empty());
+        assert_eq!(header(&dead, BODY_TOO_LARGE).as_deref(), Some("9000"));
+        assert_eq!(header(&dead, "reason"), Some(reason.clone()));
+        assert_eq!(header(&dead, "extra"), None);
+        // The smallest form, asked for: no body even when it would fit.
+        let (dead, body) = fit(10, 100, 8192, true);
+        assert!(body.is_empty());
+        assert_eq!(header(&dead, BODY_TOO_LARGE).as_deref(), Some("100"));
+        // The smallest limit still holds the smallest form with a reason.
+        let (dead, body) = fit(10, 9000, MAX_MESSAGE_SIZE_BOUNDS.0, false);
+        assert!(body.is_empty());
+        assert_eq!(header(&dead, "reason"), Some(reason.clone()));
+    }
+
+    #[test]
+    fn max_message_sizes_are_clamped() {
+        let builder = |bytes| RabbitMq::builder("amqp://x", "q").max_message_size(bytes);
+        assert_eq!(builder(0).max_message_size, MAX_MESSAGE_SIZE_BOUNDS.0);
+        assert_eq!(builder(usize::MAX).max_message_size, 512 * 1024 * 1024);
+        assert_eq!(builder(8192).max_message_size, 8192);
+        assert_eq!(
+            RabbitMq::builder("amqp://x", "q").max_message_size,
+            DEFAULT_MAX_MESSAGE_SIZE
+        );
+    }
+
+    #[test]
+    fn size_refusals_are_recognised_by_the_refused_size() {
+        let error = |kind, text: &str| {
+            lapin::Error::from(lapin::ErrorKind::ProtocolError(
+                lapin::protocol::AMQPError::new(kind, text.into()),
+            ))
+        };
+        let precondition = AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED);
+        let refused = error(
+            precondition.clone(),
+            "PRECONDITION_FAILED - message size 12000 is larger than configured max size 8192",
+        );
+        assert!(refused_for_size(&refused, 12000));
+        // Another dead letter in flight on the channel the broker closed.
+        assert!(!refused_for_size(&refused, 100));
+        let other = error(precondition, "PRECONDITION_FAILED - inequivalent arg");
+        assert!(!refused_for_size(&other, 12000));
+        let not_found = error(
+            AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND),
+            "message size 12000",
+        );
+        assert!(!refused_for_size(&not_found, 12000));
+    }
+
+    #[test]
+    fn refusals_remembered_are_bounded() {
+        let inner = Inner {
+            url: String::new(),
+            queue: "q".into(),
+            dead_queue: "q.dead".into(),
+            prefetch: 1,
+            consumer_tag: String::new(),
+            consumer_timeout: DEFAULT_CONSUMER_TIMEOUT,
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+            refused: Mutex::new(VecDeque::new()),
+            generation: AtomicU64::new(0),
+            current: Mutex::new(None),
+            receiving: tokio::sync::Mutex::new(None),
+        };
+        for digest in 0..REMEMBERED_REFUSALS as u64 + 10 {
+            inner.remember_refusal(digest);
+            inner.remember_refusal(digest);
+        }
+        assert_eq!(inner.refusals().len(), REMEMBERED_REFUSALS);
+        assert!(!inner.was_refused(9));
+        assert!(inner.was_refused(10));
+        inner.forget_refusal(10);
+        assert!(!inner.was_refused(10));
     }
 
     fn message_of(properties: &BasicProperties) -> Message {
