@@ -55,8 +55,11 @@
 //!   handler's answer to a session request, fresh or replayed, carries
 //!   `Idempotency-Session-Seq: N` ([`IDEMPOTENCY_SESSION_SEQ`]; gRPC: the
 //!   `idempotency-session-seq` metadata entry), never stored: the client acknowledges `N`
-//!   only with an answer so marked, never with one a proxy gave. The layer's own refusals
-//!   carry no mark.
+//!   only with an answer so marked, never with one a proxy gave. Of the layer's own
+//!   refusals, only the final ones of a number that reached its session are marked (`422
+//!   fingerprint_mismatch`, `result_not_retained`, `corrupt_record`: sent again, the request
+//!   gets the same); refusals to retry (`409`, `503`, `429`) and those made before the
+//!   request reaches its session (`413`, `403 missing_scope`, an unreadable body) are not.
 //! - **Protected methods**: POST and PATCH ([`methods`](IdempotencyLayer::<Http>::methods)).
 //!   Other methods pass through untouched, even with a key. A protected request without a key
 //!   → 400 ([`require_key(false)`](IdempotencyLayer::require_key) lets it through unprotected).

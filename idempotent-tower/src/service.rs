@@ -258,6 +258,9 @@ where
     B::Error: Into<BoxError>,
     ResBody: Body,
 {
+    // A session's answers name their number, so that its client acknowledges only answers
+    // the server gave (never, say, a proxy's 500).
+    let session_seq = target.session_seq();
     let (parts, body) = request.into_parts();
     let body = {
         // Pinned here rather than moved into `Limited`, so that what is left of an over-limit
@@ -295,12 +298,6 @@ where
         }
     };
 
-    // A session's answers name their number, so that its client acknowledges only answers
-    // the server gave (never, say, a proxy's 500).
-    let session_seq = match &target {
-        Target::Session(session) => Some(session.seq()),
-        Target::Key(_) => None,
-    };
     // Kept for a completer: only a request with a key (a session's requests are not kept).
     let kept = config
         .keep_requests
@@ -430,6 +427,7 @@ where
             count(&config, outcome);
             let response = match outcome {
                 RequestOutcome::Replayed => mark_session_answer(response, session_seq),
+                RequestOutcome::Refused(code) => mark_final_refusal(response, session_seq, code),
                 _ => response,
             };
             Ok(response)
@@ -473,7 +471,12 @@ where
                 _ => tracing::info!(outcome, %storage_key, "idempotent request refused"),
             }
             count(&config, RequestOutcome::of_error(&error));
-            Ok(P::answer(Problem::from_error(&error)))
+            let code = error.code();
+            Ok(mark_final_refusal(
+                P::answer(Problem::from_error(&error)),
+                session_seq,
+                code,
+            ))
         }
     }
 }
@@ -537,10 +540,48 @@ fn mark_session_answer<B>(mut response: Response<B>, seq: Option<u64>) -> Respon
     response
 }
 
+/// Marks `response`, the refusal `code` of number `seq` of a client session, as the server's
+/// answer when the refusal is final: the number reached the session (its gate let it in), and
+/// the same request sent again gets the same refusal and never runs (another request's
+/// number, a result not retained, a record that cannot be read). Its client acknowledges it,
+/// so the session's window moves on. A refusal to retry (in flight, store failures, a full
+/// window) is not marked, and the call sent again runs. Nor are the refusals made before the
+/// request reaches its session (too large, no principal, a body that cannot be read): its
+/// session may not have begun on the server, whose gate would take an acknowledgement of such
+/// a number as a session it forgot (`session_expired`); the caller gives those numbers up
+/// with `ClientSession::abandon` once the session holds an answer.
+fn mark_final_refusal<B>(
+    response: Response<B>,
+    seq: Option<u64>,
+    code: ProblemCode,
+) -> Response<B> {
+    let last = matches!(
+        code,
+        ProblemCode::FingerprintMismatch
+            | ProblemCode::ResultNotRetained
+            | ProblemCode::CorruptRecord
+    );
+    if last {
+        mark_session_answer(response, seq)
+    } else {
+        response
+    }
+}
+
 /// What names a protected request's record: its key, or its place in a client session.
 enum Target {
     Key(Key),
     Session(SessionHeader),
+}
+
+impl Target {
+    /// The request's number in its client session, if it is in one.
+    fn session_seq(&self) -> Option<u64> {
+        match self {
+            Target::Session(session) => Some(session.seq()),
+            Target::Key(_) => None,
+        }
+    }
 }
 
 /// A call's storage key as a log field: derived only when an event is actually recorded, so

@@ -26,7 +26,11 @@ pub const IDEMPOTENCY_SESSION: HeaderName = HeaderName::from_static("idempotency
 /// The response header (and gRPC metadata entry) by which the server marks an answer to a
 /// request in a client session as its own: `Idempotency-Session-Seq: 42`, the request's
 /// `seq` as an RFC 8941 integer. The layer puts it on the handler's answer, fresh or replayed,
-/// and on nothing else (its own refusals, such as `409 in_flight` or `503`, have none).
+/// and on its own final refusals of a number that reached its session (`422
+/// fingerprint_mismatch`, `result_not_retained`, `corrupt_record`), so that such a number
+/// cannot hold the session's window back; never on a refusal to retry (`409 in_flight`,
+/// `503`, `429`) or one made before the request reached its session (`413`, `403
+/// missing_scope`, an unreadable body: give those numbers up with `ClientSession::abandon`).
 ///
 /// The client layer acknowledges a session number only with an answer that carries this
 /// field naming that number: any other answer (a proxy's `500`, a load balancer's `502`, a

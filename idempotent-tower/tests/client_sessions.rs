@@ -1001,3 +1001,48 @@ async fn without_the_servers_marker_nothing_is_acknowledged() {
     assert_eq!((network.last().seq(), network.last().ack()), (4, 2));
     assert_eq!(app.total(), 4);
 }
+
+// A final refusal of a number that reached its session (here another request under a number
+// already answered: 422) is the server's answer, marked, so the client acknowledges it and the
+// number cannot hold the session's window back; a refusal made before the request reaches its
+// session (no principal) is not marked.
+#[tokio::test]
+async fn final_refusals_in_a_session_are_marked_and_early_ones_are_not() {
+    let app = App::default();
+    let server = app.server(Wire::Http, 64);
+    let in_session = |mut request: Request<Full<Bytes>>, seq: u64| {
+        let header = format!("id=\"s-final\", seq={seq}, ack=0");
+        request.headers_mut().insert(
+            "idempotency-session",
+            http::HeaderValue::from_str(&header).unwrap(),
+        );
+        request
+    };
+    let first = server
+        .clone()
+        .oneshot(in_session(payment("/payments", 1), 1))
+        .await
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    assert_eq!(first.headers()["idempotency-session-seq"], "1");
+    let other = server
+        .clone()
+        .oneshot(in_session(payment("/payments", 99), 1))
+        .await
+        .unwrap();
+    assert_eq!(other.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        other.headers()["idempotency-session-seq"],
+        "1",
+        "final: marked"
+    );
+    let mut anonymous = in_session(payment("/payments", 2), 2);
+    anonymous.extensions_mut().remove::<Principal>();
+    let early = server.clone().oneshot(anonymous).await.unwrap();
+    assert_eq!(early.status(), StatusCode::FORBIDDEN, "missing_scope");
+    assert!(
+        early.headers().get("idempotency-session-seq").is_none(),
+        "refused before its session: not marked"
+    );
+    assert_eq!(app.total(), 1, "only call 1 ran");
+}
