@@ -160,7 +160,8 @@ start_postgres() {
     # PostgreSQL refuses to run as root: run it as the postgres user in a directory it owns.
     if [ "$(id -u)" = 0 ]; then
         chown postgres:postgres "$dir"
-        run=(runuser -u postgres --)
+        # /usr/sbin may be off a non-login PATH (the nats-server binary's place too).
+        run=("$(command -v runuser || echo /usr/sbin/runuser)" -u postgres --)
     fi
     "${run[@]}" "$bin/initdb" -D "$dir/data" -U postgres --auth=trust -E UTF8 >"$dir/initdb.log" 2>&1 || {
         cat "$dir/initdb.log" >&2
