@@ -191,3 +191,21 @@ async fn the_brokers_handling_limit_counts_from_receipt() {
         assert_eq!(probe.seen.effects()[id].len(), 1, "{id}");
     }
 }
+
+/// A source that asks for keep-alives every `Duration::ZERO` (a custom source's mistake) gets
+/// them at most every millisecond: its messages are applied, never failed by a panic of the
+/// timer (`interval` refuses a zero period).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keep_alive_period_of_zero_is_a_millisecond_not_a_panic() {
+    let source = TestSource::with_keep_alive(Some(Duration::ZERO));
+    for i in 0..5 {
+        source.publish(&format!("z-{i}"), &format!("sleep 20 {i}"));
+    }
+    let probe = Probe::default();
+    let report = run_until_settled(consumer(&source, &probe), memory(), &probe).await;
+    assert_every_delivery_answered_once(&source, &probe.seen, &report);
+    assert_eq!(report.applied, 5, "{report:?}");
+    for i in 0..5 {
+        assert_eq!(probe.seen.runs_of(&format!("z-{i}")).len(), 1, "z-{i}");
+    }
+}

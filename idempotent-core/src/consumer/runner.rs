@@ -353,6 +353,8 @@ impl<S: Source, E: Effect> Shared<S, E> {
         let Some(every) = self.source.keep_alive_every() else {
             return work.await;
         };
+        // At most every millisecond: a timer's period cannot be zero (a source's mistake).
+        let every = every.max(Duration::from_millis(1));
         // A period too long to add to the clock (`Duration::MAX`): never due.
         let Some(first) = tokio::time::Instant::now().checked_add(every) else {
             return work.await;
@@ -421,13 +423,15 @@ impl<S: Source, E: Effect> Shared<S, E> {
             return Processed::Failed(Failure::Transient(reason.clone()));
         }
         let effect = Arc::clone(&self.effect);
-        let mut work = tokio::spawn(async move { effect.apply(&prepared).await });
+        // Aborted if this is dropped (a panic in the runtime's code around it, a stopped
+        // consumer): a handler must not go on unseen once its message is answered otherwise.
+        let mut work = AbortOnDrop(tokio::spawn(async move { effect.apply(&prepared).await }));
         // Unused without a limit (the `select!` below disables it).
         let deadline = tokio::time::sleep_until(limit.as_ref().map_or(now, |(at, _)| *at));
         let ended = self
             .kept_alive(delivery, ordering, async {
                 tokio::select! {
-                    joined = &mut work => Some(joined),
+                    joined = &mut work.0 => Some(joined),
                     () = deadline, if limit.is_some() => None,
                 }
             })
@@ -435,7 +439,7 @@ impl<S: Source, E: Effect> Shared<S, E> {
         let Some(joined) = ended else {
             // Stopped before the broker takes the message back on its own: its claim is
             // released (or its transaction rolled back) and it is retried.
-            work.abort();
+            work.0.abort();
             let reason = limit.map_or_else(String::new, |(_, reason)| reason);
             return Processed::Failed(Failure::Transient(reason));
         };
@@ -581,6 +585,15 @@ impl<S: Source, E: Effect> Shared<S, E> {
         self.metrics.source_errors[operation].increment(1);
         let name = self.source.name();
         tracing::warn!(source = name, operation = OPERATIONS[operation], %error, "broker operation failed");
+    }
+}
+
+/// A task aborted when this is dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
