@@ -209,3 +209,29 @@ pub(crate) fn backoff_delay((first, max): (Duration, Duration), deliveries: u64)
         .min(30);
     first.saturating_mul(1 << doublings).min(max)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The retry delay doubles from `first` up to `max`, and saturates rather than overflows
+    /// at any setting and delivery count (`Consumer::backoff(Duration::MAX, Duration::MAX)`).
+    #[test]
+    fn backoff_delays_double_up_to_the_most_and_never_overflow() {
+        let ms = Duration::from_millis;
+        assert_eq!(backoff_delay((ms(10), ms(1000)), 1), ms(10));
+        assert_eq!(backoff_delay((ms(10), ms(1000)), 2), ms(20));
+        assert_eq!(backoff_delay((ms(10), ms(1000)), 8), ms(1000));
+        assert_eq!(backoff_delay((ms(10), ms(1000)), 0), ms(10));
+        for deliveries in [1, 2, 31, 32, u64::MAX] {
+            assert_eq!(
+                backoff_delay((Duration::MAX, Duration::MAX), deliveries),
+                Duration::MAX
+            );
+            assert_eq!(
+                backoff_delay((ms(1), Duration::MAX), deliveries),
+                ms(1).saturating_mul(1 << (deliveries.saturating_sub(1).min(30)))
+            );
+        }
+    }
+}
