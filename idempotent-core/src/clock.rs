@@ -79,10 +79,15 @@ impl ManualClock {
         Self::default()
     }
 
-    /// Moves the clock forward by `by`.
+    /// Moves the clock forward by `by`. The clock stops at its end, `u64::MAX` nanoseconds
+    /// (about 584 years): [`Duration::MAX`] moves it there, past every expiry.
     pub fn advance(&self, by: Duration) {
         let by = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
-        self.nanos.fetch_add(by, Ordering::SeqCst);
+        let _ = self
+            .nanos
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |now| {
+                Some(now.saturating_add(by))
+            });
     }
 }
 

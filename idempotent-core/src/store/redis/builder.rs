@@ -75,7 +75,9 @@ impl RedisStoreBuilder {
     }
 
     /// How long connecting, and each operation, may take before it fails with
-    /// [`StoreError::Unavailable`] (default [`DEFAULT_TIMEOUT`]).
+    /// [`StoreError::Unavailable`] (default [`DEFAULT_TIMEOUT`]). [`Duration::MAX`] is no
+    /// timeout; each [`replicas`](Self::replicas) `WAIT` then waits at most 365 days (Redis
+    /// refuses an endless one), in practice no limit either.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self

@@ -500,7 +500,9 @@ impl RedisStore {
         pipe.add_command(cmd)
             .cmd("WAIT")
             .arg(replicas)
-            .arg(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX).max(1))
+            // Redis refuses a timeout past `i64` milliseconds from now: an endless one waits
+            // the longest an expiry may be (365 days), no limit in practice.
+            .arg(millis(wait))
             .ignore_errors();
         let mut connection = self.connection.clone();
         let mut replies: Vec<redis::RedisResult<Value>> = pipe
