@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::limits::{Setting, require};
+use crate::limits::{Setting, clamped};
 use crate::session::{DEFAULT_SESSION_IDLE, DEFAULT_SESSION_WINDOW, InSession};
 use crate::{Fingerprint, Key, Scope};
 
@@ -237,29 +237,24 @@ impl CallOptions {
 
     /// How long a completed result is replayed.
     ///
-    /// # Panics
-    ///
-    /// If `ttl` is outside [`limits::MIN_TTL`](crate::limits::MIN_TTL) to
-    /// [`limits::MAX_TTL`](crate::limits::MAX_TTL) (1 ms to 365 days): a setting written in
-    /// the program is checked where it is written. Check a value read from outside the program
-    /// with [`limits::check_ttl`](crate::limits::check_ttl) first.
-    #[track_caller]
+    /// Clamped, with a warning, into [`limits::MIN_TTL`](crate::limits::MIN_TTL) to
+    /// [`limits::MAX_TTL`](crate::limits::MAX_TTL) (1 ms to 365 days): `Duration::MAX` is the
+    /// longest. Refuse a value read from outside the program with
+    /// [`limits::check_ttl`](crate::limits::check_ttl) instead.
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = Some(require(Setting::Ttl, ttl));
+        self.ttl = Some(clamped(Setting::Ttl, ttl));
         self
     }
 
     /// How long a claim lives without renewal; after a crash, the key stays locked this long.
     ///
-    /// # Panics
-    ///
-    /// If `lease` is outside [`limits::MIN_LEASE`](crate::limits::MIN_LEASE) to
+    /// Clamped, with a warning, into [`limits::MIN_LEASE`](crate::limits::MIN_LEASE) to
     /// [`limits::MAX_LEASE`](crate::limits::MAX_LEASE) (100 ms to 365 days): a shorter lease
-    /// would lapse while its owner still runs. Check a value read from outside the program with
-    /// [`limits::check_lease`](crate::limits::check_lease) first.
-    #[track_caller]
+    /// would lapse while its owner still runs, so a zero one is the shortest. Refuse a value
+    /// read from outside the program with [`limits::check_lease`](crate::limits::check_lease)
+    /// instead.
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = Some(require(Setting::Lease, lease));
+        self.lease = Some(clamped(Setting::Lease, lease));
         self
     }
 
@@ -333,23 +328,17 @@ impl Defaults {
 
     /// How long completed results are replayed (default [`DEFAULT_TTL`]).
     ///
-    /// # Panics
-    ///
-    /// As [`CallOptions::ttl`]: outside 1 ms to 365 days.
-    #[track_caller]
+    /// Clamped as [`CallOptions::ttl`]: into 1 ms to 365 days.
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = require(Setting::Ttl, ttl);
+        self.ttl = clamped(Setting::Ttl, ttl);
         self
     }
 
     /// How long a claim lives without renewal (default [`DEFAULT_LEASE`]).
     ///
-    /// # Panics
-    ///
-    /// As [`CallOptions::lease`]: outside 100 ms to 365 days.
-    #[track_caller]
+    /// Clamped as [`CallOptions::lease`]: into 100 ms to 365 days.
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = require(Setting::Lease, lease);
+        self.lease = clamped(Setting::Lease, lease);
         self
     }
 
@@ -369,14 +358,16 @@ impl Defaults {
     /// request (default [`DEFAULT_SESSION_WINDOW`]): a session keeps at most this many
     /// answers, plus the one being made.
     ///
-    /// # Panics
-    ///
-    /// If `window` is 0 or above [`MAX_SESSION_WINDOW`](crate::session::MAX_SESSION_WINDOW); check a value read from outside the
-    /// program with [`limits::check_session_window`](crate::limits::check_session_window).
-    #[track_caller]
+    /// Clamped, with a warning, into 1 to
+    /// [`MAX_SESSION_WINDOW`](crate::session::MAX_SESSION_WINDOW). Refuse a value read from
+    /// outside the program with
+    /// [`limits::check_session_window`](crate::limits::check_session_window) instead.
     pub fn session_window(mut self, window: u64) -> Self {
-        if let Err(e) = crate::limits::check_session_window(window) {
-            panic!("{e}");
+        if let Err(error) = crate::limits::check_session_window(window) {
+            let clamped = window.clamp(1, crate::session::MAX_SESSION_WINDOW);
+            tracing::warn!(%error, clamped, "a session window out of its range was clamped into it");
+            self.session_window = clamped;
+            return self;
         }
         self.session_window = window;
         self
@@ -386,12 +377,9 @@ impl Defaults {
     /// it holds (default [`DEFAULT_SESSION_IDLE`]); every request of the session starts it
     /// again.
     ///
-    /// # Panics
-    ///
-    /// As [`CallOptions::ttl`]: outside 1 ms to 365 days.
-    #[track_caller]
+    /// Clamped as [`CallOptions::ttl`]: into 1 ms to 365 days.
     pub fn session_idle(mut self, idle: Duration) -> Self {
-        self.session_idle = require(Setting::Ttl, idle);
+        self.session_idle = clamped(Setting::Ttl, idle);
         self
     }
 }

@@ -26,12 +26,13 @@
 //!   the clock to represent waits with no deadline. `max` zero answers at once, like
 //!   [`InFlightPolicy::Reject`].
 //!
-//! # Program settings panic, outside values are checked
+//! # Program settings are clamped, outside values are checked
 //!
 //! A duration written in the program (the setters of [`IdempotencyBuilder`], [`Call`] and the
-//! tower layer) is a programming error when it is out of range, so those setters panic with
-//! the message of a [`DurationError`], as tokio's runtime builder does for a zero thread count;
-//! each documents it under `# Panics`. The `#[idempotent]` attribute checks its literals
+//! tower layer) is clamped into its range, never a panic: `Duration::MAX` is the longest
+//! (365 days), a zero lease the shortest (100 ms, so that concurrent duplicates cannot both
+//! run), and each clamp is logged as a warning with the message of a [`DurationError`]; each
+//! setter says so in its docs. The `#[idempotent]` attribute checks its literals
 //! against the same ranges at compile time: its expansion evaluates each `ttl` and `lease` in a
 //! constant that calls this module, so a literal out of range is a compile error that names
 //! the bound it crosses. A duration that comes from outside the program (an
@@ -235,12 +236,17 @@ pub fn clamp_lease(lease: Duration) -> Duration {
     lease.min(MAX_LEASE)
 }
 
-/// `value` for `setting`, or a panic with the [`DurationError`]'s message at the caller.
-#[track_caller]
-pub(crate) fn require(setting: Setting, value: Duration) -> Duration {
+/// `value` for `setting`, clamped into its range; a value outside it is logged as a warning
+/// with the [`DurationError`]'s message and what it became.
+pub(crate) fn clamped(setting: Setting, value: Duration) -> Duration {
     match setting.check(value) {
         Ok(value) => value,
-        Err(error) => panic!("{error}"),
+        Err(error) => {
+            let (min, max) = setting.bounds();
+            let clamped = value.clamp(min, max);
+            tracing::warn!(%error, ?clamped, "a duration setting out of its range was clamped into it");
+            clamped
+        }
     }
 }
 

@@ -154,15 +154,12 @@ impl IdempotencyBuilder {
     /// runs the work again (protect the effect downstream, see the crate's *Failure model*).
     /// Each pending write holds its result in memory until it is written or given up.
     ///
-    /// # Panics
-    ///
-    /// If `bound` is longer than
-    /// [`limits::MAX_RECORD_RETRY`](crate::limits::MAX_RECORD_RETRY) (365 days). Zero is
-    /// accepted: one more attempt, then give up. Check a value read from outside the program
-    /// with [`limits::check_record_retry`](crate::limits::check_record_retry) first.
-    #[track_caller]
+    /// At most [`limits::MAX_RECORD_RETRY`](crate::limits::MAX_RECORD_RETRY) (365 days): a
+    /// longer `bound` (`Duration::MAX`) is clamped to it, with a warning. Zero is accepted: one
+    /// more attempt, then give up. Refuse a value read from outside the program with
+    /// [`limits::check_record_retry`](crate::limits::check_record_retry) instead.
     pub fn record_retry(mut self, bound: Duration) -> Self {
-        self.record_retry = crate::limits::require(crate::limits::Setting::RecordRetry, bound);
+        self.record_retry = crate::limits::clamped(crate::limits::Setting::RecordRetry, bound);
         self
     }
 

@@ -121,59 +121,89 @@ fn messages_name_the_setting_the_range_and_the_value() {
     );
 }
 
+/// A setting written in the program is clamped into its range, never a panic: a zero or
+/// sub-millisecond lease is the shortest (100 ms: a shorter one would lapse while its owner
+/// runs, and concurrent duplicates both ran), `Duration::MAX` or 366 days the longest.
 #[test]
-#[should_panic(expected = "lease must be between 100ms and 365d, got 0s")]
-fn builder_refuses_a_zero_lease() {
-    let _ =
-        Idempotency::builder(MemoryStore::new()).defaults(Defaults::new().lease(Duration::ZERO));
-}
-
-#[test]
-#[should_panic(expected = "lease must be between 100ms and 365d, got 500µs")]
-fn builder_refuses_a_sub_millisecond_lease() {
+fn setters_clamp_durations_out_of_range() {
+    let days = |n: u64| Duration::from_secs(n * 24 * 3600);
+    for (given, expected) in [
+        (Duration::ZERO, limits::MIN_LEASE),
+        (Duration::from_micros(500), limits::MIN_LEASE),
+        (Duration::from_millis(1), limits::MIN_LEASE),
+        (days(366), limits::MAX_LEASE),
+        (Duration::MAX, limits::MAX_LEASE),
+    ] {
+        assert_eq!(
+            Defaults::new().lease(given),
+            Defaults::new().lease(expected),
+            "{given:?}"
+        );
+        assert_eq!(
+            CallOptions::new().lease(given),
+            CallOptions::new().lease(expected),
+            "{given:?}"
+        );
+    }
+    for (given, expected) in [
+        (Duration::ZERO, limits::MIN_TTL),
+        (days(366), limits::MAX_TTL),
+        (Duration::MAX, limits::MAX_TTL),
+    ] {
+        assert_eq!(
+            Defaults::new().ttl(given),
+            Defaults::new().ttl(expected),
+            "{given:?}"
+        );
+        assert_eq!(
+            CallOptions::new().ttl(given),
+            CallOptions::new().ttl(expected),
+            "{given:?}"
+        );
+        assert_eq!(
+            Defaults::new().session_idle(given),
+            Defaults::new().session_idle(expected),
+            "{given:?}"
+        );
+    }
+    let most = idempotent_core::session::MAX_SESSION_WINDOW;
+    assert_eq!(
+        Defaults::new().session_window(0),
+        Defaults::new().session_window(1)
+    );
+    assert_eq!(
+        Defaults::new().session_window(u64::MAX),
+        Defaults::new().session_window(most)
+    );
     let _ = Idempotency::builder(MemoryStore::new())
-        .defaults(Defaults::new().lease(Duration::from_micros(500)));
-}
-
-#[test]
-#[should_panic(
-    expected = "lease must be between 100ms and 365d, got 18446744073709551615.999999999s"
-)]
-fn builder_refuses_an_endless_lease() {
-    let _ = Idempotency::builder(MemoryStore::new()).defaults(Defaults::new().lease(Duration::MAX));
-}
-
-#[test]
-#[should_panic(expected = "ttl must be between 1ms and 365d, got 0s")]
-fn builder_refuses_a_zero_ttl() {
-    let _ = Idempotency::builder(MemoryStore::new()).defaults(Defaults::new().ttl(Duration::ZERO));
-}
-
-#[test]
-#[should_panic(expected = "ttl must be between 1ms and 365d, got 366d")]
-fn builder_refuses_a_ttl_past_the_ceiling() {
-    let _ = Idempotency::builder(MemoryStore::new())
-        .defaults(Defaults::new().ttl(Duration::from_secs(366 * 24 * 3600)));
-}
-
-#[test]
-#[should_panic(
-    expected = "record_retry must be between 0s and 365d, got 18446744073709551615.999999999s"
-)]
-fn builder_refuses_an_endless_record_retry() {
-    let _ = Idempotency::builder(MemoryStore::new()).record_retry(Duration::MAX);
-}
-
-#[test]
-#[should_panic(expected = "lease must be between 100ms and 365d, got 1ms")]
-fn call_refuses_a_short_lease() {
-    let _ = call("k").options(CallOptions::new().lease(Duration::from_millis(1)));
-}
-
-#[test]
-#[should_panic(expected = "ttl must be between 1ms and 365d, got 18446744073709551615.999999999s")]
-fn call_refuses_an_endless_ttl() {
+        .record_retry(Duration::MAX)
+        .defaults(Defaults::new().lease(Duration::ZERO))
+        .build();
     let _ = call("k").options(CallOptions::new().ttl(Duration::MAX));
+}
+
+/// A lease written as zero is the shortest, not none: two duplicates of a call at once still
+/// run once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_lease_written_in_the_program_still_runs_duplicates_once() {
+    let idempotency = Idempotency::builder(MemoryStore::new())
+        .defaults(Defaults::new().lease(Duration::ZERO))
+        .build();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let once = || {
+        let (idempotency, runs) = (idempotency.clone(), Arc::clone(&runs));
+        tokio::spawn(async move {
+            idempotency
+                .run(&call("zero-lease"), async {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                })
+                .await
+        })
+    };
+    let (a, b) = (once(), once());
+    let _ = (a.await.unwrap(), b.await.unwrap());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! The layer's duration settings (its `CallOptions`) are checked where they are written: a
+//! The layer's duration settings (its `CallOptions`) are clamped where they are written: a
 //! zero or sub-millisecond lease used to be accepted (concurrent duplicates both ran), and
 //! `InFlightPolicy::Wait { max: Duration::MAX }` panicked on `Instant + max`.
 
@@ -13,28 +13,31 @@ use idempotent_core::{CallOptions, InFlightPolicy, limits};
 use support::{Req, TestBody, memory, post, send, stack};
 use tower::{BoxError, service_fn};
 
+/// The layer's settings written in the program are clamped into their ranges, never a
+/// panic: a zero or sub-millisecond lease is the shortest (100 ms), a zero TTL the shortest
+/// (1 ms), `Duration::MAX` the longest.
 #[test]
-#[should_panic(expected = "lease must be between 100ms and 365d, got 0s")]
-fn a_zero_lease_is_refused() {
-    let _ = memory().call_options(CallOptions::new().lease(Duration::ZERO));
-}
-
-#[test]
-#[should_panic(expected = "lease must be between 100ms and 365d, got 500µs")]
-fn a_sub_millisecond_lease_is_refused() {
-    let _ = memory().call_options(CallOptions::new().lease(Duration::from_micros(500)));
-}
-
-#[test]
-#[should_panic(expected = "ttl must be between 1ms and 365d, got 0s")]
-fn a_zero_ttl_is_refused() {
-    let _ = memory().call_options(CallOptions::new().ttl(Duration::ZERO));
-}
-
-#[test]
-#[should_panic(expected = "ttl must be between 1ms and 365d, got 18446744073709551615.999999999s")]
-fn an_endless_ttl_is_refused() {
-    let _ = memory().call_options(CallOptions::new().ttl(Duration::MAX));
+fn settings_out_of_range_are_clamped() {
+    for (given, expected) in [
+        (Duration::ZERO, limits::MIN_LEASE),
+        (Duration::from_micros(500), limits::MIN_LEASE),
+        (Duration::MAX, limits::MAX_LEASE),
+    ] {
+        assert_eq!(
+            CallOptions::new().lease(given),
+            CallOptions::new().lease(expected)
+        );
+    }
+    for (given, expected) in [
+        (Duration::ZERO, limits::MIN_TTL),
+        (Duration::MAX, limits::MAX_TTL),
+    ] {
+        assert_eq!(
+            CallOptions::new().ttl(given),
+            CallOptions::new().ttl(expected)
+        );
+    }
+    let _ = memory().call_options(CallOptions::new().lease(Duration::ZERO).ttl(Duration::MAX));
 }
 
 #[test]
