@@ -156,3 +156,50 @@ async fn a_message_is_acknowledged_only_once_its_record_is_written() {
     assert_eq!(report.applied, 1, "{report:?}");
     assert_eq!(report.duplicates, 1, "{report:?}");
 }
+
+/// When the runtime gives the completion up (its `record_retry` bound passed, the store still
+/// refusing), the message is retried as transient, never acknowledged as applied: the broker
+/// keeps it, and its redelivery meets the operation again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_completion_given_up_is_a_retry_never_an_ack() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let faults = store.faults();
+    faults.fail(Op::Complete, Fault::Unavailable);
+    let source = TestSource::new();
+    let probe = Probe::default();
+    let idempotency = Idempotency::builder(store)
+        .record_retry(Duration::from_millis(300))
+        .build();
+    let started = start(
+        consumer(&source, &probe).backoff(Duration::from_millis(10), Duration::from_millis(20)),
+        idempotency,
+        &probe,
+    );
+    let first = source.publish("g-1", "ok 1");
+    wait_until("the first delivery to be answered", || {
+        !answers_of(&source, &first).is_empty()
+    })
+    .await;
+    let answers = answers_of(&source, &first);
+    assert!(
+        matches!(answers[0], (1, Answer::Retry(_))),
+        "the record was never written: retried, not acknowledged: {answers:?}"
+    );
+    assert!(
+        probe.seen.observed().iter().any(|((position, n), o)| {
+            *position == first
+                && *n == 1
+                && matches!(o, Observed::Retried(Failure::Transient(_), _))
+        }),
+        "{:?}",
+        probe.seen.observed()
+    );
+    faults.heal(Op::Complete);
+    let _ = started.stop().await;
+    assert!(
+        answers_of(&source, &first)
+            .iter()
+            .all(|(n, a)| *n > 1 || !matches!(a, Answer::Ack)),
+        "never acknowledged on the delivery whose record was not written"
+    );
+}
