@@ -18,8 +18,9 @@ const PAYMENT: &str = r#"{"amount":1999,"currency":"EUR"}"#;
 async fn client_commands(
     c: &mut redis::aio::MultiplexedConnection,
 ) -> std::collections::BTreeMap<String, u64> {
-    const INSIDE_SCRIPTS: [&str; 8] = [
-        "hmget", "hset", "pexpire", "pttl", "time", "del", "hdel", "hexists",
+    const INSIDE_SCRIPTS: [&str; 13] = [
+        "hmget", "hset", "pexpire", "pttl", "time", "del", "hdel", "hexists", "hget", "hlen",
+        "hkeys", "hsetnx", "hincrby",
     ];
     let info: String = redis::cmd("INFO")
         .arg("commandstats")

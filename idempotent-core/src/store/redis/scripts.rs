@@ -156,14 +156,22 @@ return 1
 // constant work whatever came before (rewriting one field would copy every earlier step's
 // bytes again, quadratic in an operation's steps): `k` holds the first entry, `kn` how many
 // came after it, in `k1` to `k<kn>` in order (a record written before chunks has everything
-// in `k`, which reads the same). `drop_steps()` removes them all, found by name (so a damaged
-// `kn` can neither leave chunks behind nor make it loop), and a `kn` past the record's field
-// count is corrupt, never a loop over it.
+// in `k`, which reads the same). `drop_steps()` removes them all: by their count, or, when `kn`
+// is damaged (not a count, or past the record's fields), found by name, so that it can neither
+// leave chunks behind nor loop; `LOAD_STEPS` calls such a record corrupt.
 const STEP_CHUNKS: &str = r"
 local function drop_steps()
-  local names = {}
-  for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
-    if field == 'kn' or string.match(field, '^k%d*$') then names[#names + 1] = field end
+  local count = redis.call('HGET', KEYS[1], 'kn')
+  local names = {'k', 'kn'}
+  if count then
+    local n = tonumber(count)
+    if n and n >= 0 and n == math.floor(n) and n < redis.call('HLEN', KEYS[1]) then
+      for i = 1, n do names[#names + 1] = 'k' .. i end
+    else
+      for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
+        if string.match(field, '^k%d+$') then names[#names + 1] = field end
+      end
+    end
   end
   for first = 1, #names, 1000 do
     redis.call('HDEL', KEYS[1], unpack(names, first, math.min(#names, first + 999)))
