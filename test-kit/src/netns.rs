@@ -8,7 +8,7 @@
 //!
 //! Needs `ip` (iproute2) and root. Where either is missing, [`Netns::create`] says so and
 //! returns `None`, or fails where backend tests are required (see
-//! [`installed`](crate::backend::installed)).
+//! [`crate::backend::installed`]).
 
 use std::ffi::OsStr;
 use std::net::Ipv4Addr;
