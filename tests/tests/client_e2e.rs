@@ -331,6 +331,14 @@ fn summary(output: &std::process::Output) -> serde_json::Value {
 /// Runs the `payments_client` example and returns its summary line.
 async fn payments_client(url: &str, payments: u32, concurrency: u32) -> (bool, serde_json::Value) {
     let output = run_payments_client(url, payments, concurrency).await;
+    if !output.status.success() {
+        // Shown with the failing test: which payments failed, and why.
+        eprintln!(
+            "payments_client: {}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
     (output.status.success(), summary(&output))
 }
 
