@@ -72,7 +72,7 @@
 //! | the root: outcomes | [`Retain`], [`Outcome`], [`Execution`], [`ClaimHandle`] |
 //! | the root: identity | [`Key`], [`KeyError`], [`MAX_KEY_LEN`], [`ToKey`], [`Scope`], [`StorageKey`], [`SessionPlace`], [`RecordBytes`], [`Fingerprint`], [`FingerprintBuilder`], [`CanonicalError`] |
 //! | the root: errors | [`Error`], [`StoreError`], [`BoxError`], [`ProblemCode`], [`GrpcCode`], [`MAX_IN_FLIGHT_RETRY_HINT`] |
-//! | the root: the store contract | [`Store`], [`Claim`], [`FencingToken`], [`SessionKey`], [`SessionRequest`], [`SessionGate`], [`SessionMark`] |
+//! | the root: the store contract | [`Store`], [`Claim`], [`FencingToken`], [`RequestOwner`], [`SessionKey`], [`SessionRequest`], [`SessionGate`], [`SessionMark`] |
 //! | the root: a store chosen by URL or `IDEMPOTENCY_STORE` | `AnyStore`, `AnyStoreBuilder`, `AnyStoreError` (with any store's feature) |
 //! | the root: the attributes | [`idempotent`](macro@idempotent) and [`step`](macro@step) (feature `macros`), [`default_runtime`], [`set_default_runtime`] |
 //! | [`limits`] | the accepted range of every duration, and checks for values read at run time |
