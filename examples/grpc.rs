@@ -176,7 +176,7 @@ async fn main() -> ExitCode {
         });
     }
     let idempotency = match common::idempotency(&settings, "grpc-example").await {
-        Ok(idempotency) => idempotency,
+        Ok((idempotency, _)) => idempotency,
         Err(message) => {
             eprintln!("grpc: {message}");
             return ExitCode::from(2);

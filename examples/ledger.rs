@@ -73,14 +73,13 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use common::relay::{NOTIFICATIONS, RelaySettings};
-use idempotent_core::cache::{CacheTier, Cached};
-use idempotent_core::consumer::{
+use idempotent_consumer::{
     AnySource, Consumer, Decode, Endpoint, Failure, Fields, Message, Outcome, TxHandler,
     sql_failure,
 };
-use idempotent_core::outbox::{Outbox, Outgoing};
-use idempotent_core::postgres::PostgresStore;
-use idempotent_core::{ClaimHandle, Fingerprint, Idempotency, Key};
+use idempotent_core::{ClaimHandle, Fingerprint, Key};
+use idempotent_postgres::outbox::{Outbox, Outgoing};
+use idempotent_postgres::{PostgresStore, Transactional};
 use sqlx::PgConnection;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -252,7 +251,7 @@ async fn main() -> ExitCode {
     ) else {
         return ExitCode::FAILURE;
     };
-    let tier = match CacheTier::from_env(&config.database_url).await {
+    let tier = match idempotent_any::tier::from_env(&config.database_url).await {
         Ok(tier) => tier,
         Err(error) => {
             eprintln!("ledger: {}", common::error_chain(&error));
@@ -302,13 +301,10 @@ async fn main() -> ExitCode {
             .run_transactional(
                 store.pool().clone(),
                 match tier {
-                    Some(tier) => Idempotency::builder(Cached::new(store.clone(), tier)),
-                    None => Idempotency::builder(store.clone()),
+                    Some(tier) => Transactional::new(&store).tier(tier),
+                    None => Transactional::new(&store),
                 }
-                .namespace("ledger")
-                .build()
-                .transactional()
-                .expect("a runtime over a PostgresStore"),
+                .namespace("ledger"),
                 config.ledger,
                 async move {
                     stop.recv().await;

@@ -400,15 +400,15 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let idempotency = match common::idempotency(&settings, "payments-example").await {
-        Ok(idempotency) => idempotency,
+    let (idempotency, postgres) = match common::idempotency(&settings, "payments-example").await {
+        Ok(found) => found,
         Err(message) => {
             eprintln!("payments: {message}");
             return ExitCode::from(2);
         }
     };
 
-    let orders = match orders::Orders::from_env(&idempotency).await {
+    let orders = match orders::Orders::from_env(postgres).await {
         Ok(orders) => orders,
         Err(message) => {
             eprintln!("payments: {message}");

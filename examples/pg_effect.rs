@@ -25,8 +25,8 @@ use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use idempotent_core::postgres::{DEFAULT_TABLE, PostgresStore, Transactional};
-use idempotent_core::{Error, Idempotency, idempotent};
+use idempotent_core::{Error, idempotent};
+use idempotent_postgres::{DEFAULT_TABLE, PostgresStore, Transactional};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Postgres, Transaction};
 
@@ -94,11 +94,7 @@ async fn run() -> Result<i64, Box<dyn std::error::Error>> {
         .execute(&pool)
         .await?;
     let ledger = Ledger {
-        transactional: Idempotency::builder(store.clone())
-            .namespace("pg_effect")
-            .build()
-            .transactional()
-            .expect("a runtime over a PostgresStore"),
+        transactional: idempotent_postgres::Transactional::new(&store).namespace("pg_effect"),
         pause: std::env::var_os("PG_EFFECT_PAUSE").is_some(),
         hold,
     };

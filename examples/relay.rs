@@ -31,7 +31,7 @@ mod common;
 
 use std::process::ExitCode;
 
-use idempotent_core::outbox::Outbox;
+use idempotent_postgres::outbox::Outbox;
 use sqlx::postgres::PgPoolOptions;
 
 #[tokio::main]

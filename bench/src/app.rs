@@ -7,11 +7,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::serve::ListenerExt;
-use idempotent_core::cache::Cached;
+use idempotent_cache::Cached;
 use idempotent_core::memory::MemoryStore;
-use idempotent_core::postgres::PostgresStore;
-use idempotent_core::redis::RedisStore;
 use idempotent_core::{Idempotency, IdempotencyBuilder, Store};
+use idempotent_postgres::PostgresStore;
+use idempotent_redis::RedisStore;
 use idempotent_tower::IdempotencyLayer;
 
 use crate::cache::RowTier;

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
-use idempotent_core::cache::{CACHE_LOOKUPS, CacheTier};
+use idempotent_cache::{CACHE_LOOKUPS, CacheTier};
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use serde::{Deserialize, Serialize};
 
@@ -168,7 +168,9 @@ impl RowTier {
                     .redis_url
                     .as_deref()
                     .ok_or("the Redis cache tier needs a Redis URL")?;
-                let connect = CacheTier::redis(url).key_prefix(REDIS_PREFIX).connect();
+                let connect = idempotent_redis::RedisCacheBuilder::new(url)
+                    .key_prefix(REDIS_PREFIX)
+                    .connect();
                 let tier = Recording {
                     recorder: &*lookups,
                     future: Box::pin(connect),

@@ -166,7 +166,7 @@ impl Redis {
             claim: String::new(),
             complete: String::new(),
         };
-        let [claim, complete] = idempotent_core::redis::RedisStore::claim_and_complete_scripts();
+        let [claim, complete] = idempotent_redis::RedisStore::claim_and_complete_scripts();
         redis.claim = redis.script_load(&claim)?;
         redis.complete = redis.script_load(&complete)?;
         let payload = "x".repeat(200);
@@ -391,7 +391,7 @@ impl Postgres {
     /// keys.
     pub(crate) fn prepare(url: &str, runtime: &tokio::runtime::Runtime) -> Result<Self, String> {
         let (claim, complete, table) = runtime.block_on(async {
-            let store = idempotent_core::postgres::PostgresStore::connect(url)
+            let store = idempotent_postgres::PostgresStore::connect(url)
                 .await
                 .map_err(|e| format!("cannot connect to PostgreSQL at {url}: {e}"))?;
             store

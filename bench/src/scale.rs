@@ -24,9 +24,9 @@ use std::time::Instant;
 
 use http::StatusCode;
 use http_body_util::BodyExt;
-use idempotent_core::postgres::{DEFAULT_TABLE, PostgresStore};
-use idempotent_core::redis::RedisStore;
 use idempotent_core::{Idempotency, Key, Scope, StorageKey, Store};
+use idempotent_postgres::{DEFAULT_TABLE, PostgresStore};
+use idempotent_redis::RedisStore;
 use idempotent_tower::IdempotencyLayer;
 use tower::{Layer, ServiceExt};
 

@@ -40,10 +40,10 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use idempotent_bench::table::thousands;
 use idempotent_core::memory::MemoryStore;
-use idempotent_core::postgres::PostgresStore;
-use idempotent_core::redis::RedisStore;
 use idempotent_core::session::{DEFAULT_SESSION_WINDOW, InSession};
 use idempotent_core::{Call, Fingerprint, Idempotency, Key, SessionKey, StorageKey, Store};
+use idempotent_postgres::PostgresStore;
+use idempotent_redis::RedisStore;
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinSet;
 

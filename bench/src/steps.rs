@@ -52,12 +52,12 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use idempotent_bench::{cpu, machine, table::thousands};
 use idempotent_core::memory::MemoryStore;
-use idempotent_core::postgres::PostgresStore;
-use idempotent_core::redis::RedisStore;
 use idempotent_core::{
     Call, Claim, ClaimHandle, FencingToken, Fingerprint, Idempotency, Key, Retain, StorageKey,
     Store, StoreError,
 };
+use idempotent_postgres::PostgresStore;
+use idempotent_redis::RedisStore;
 use serde::{Deserialize, Serialize};
 
 use crate::cli::{Backends, Options};

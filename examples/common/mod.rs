@@ -26,8 +26,10 @@ pub(crate) mod shutdown;
 
 use std::time::Duration;
 
+use idempotent_any::AnyStore;
 use idempotent_core::limits::{self, DurationError};
-use idempotent_core::{AnyStore, Defaults, Idempotency, InFlightPolicy};
+use idempotent_core::{Defaults, Idempotency, InFlightPolicy};
+use idempotent_postgres::PostgresStore;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 /// Logs to stderr, `RUST_LOG` overriding the default filter.
@@ -204,16 +206,18 @@ pub(crate) fn metrics_route<S: Clone + Send + Sync + 'static>(
 
 /// The runtime over the store `IDEMPOTENCY_STORE` names ([`AnyStore::from_env`], which reads
 /// `IDEMPOTENCY_REDIS_REPLICAS` and `IDEMPOTENCY_CACHE` too; on PostgreSQL it creates the table
-/// and reaps expired rows every minute).
+/// and reaps expired rows every minute), and the PostgreSQL store it is, if it is one (for the
+/// steps that commit with their checkpoint: `PostgresStore::step_in_transaction`).
 pub(crate) async fn idempotency(
     settings: &Settings,
     namespace: &str,
-) -> Result<Idempotency, String> {
+) -> Result<(Idempotency, Option<PostgresStore>), String> {
     // Its errors name the variable and never print a password.
     let store = AnyStore::from_env()
         .await
         .map_err(|error| error_chain(&error))?;
-    Ok(Idempotency::builder(store)
+    let postgres = store.postgres().cloned();
+    let idempotency = Idempotency::builder(store)
         .namespace(namespace)
         .defaults(
             Defaults::new()
@@ -223,7 +227,8 @@ pub(crate) async fn idempotency(
                 .session_idle(settings.session_idle)
                 .session_window(settings.session_window),
         )
-        .build())
+        .build();
+    Ok((idempotency, postgres))
 }
 
 /// `error` and its sources, `: `-separated.

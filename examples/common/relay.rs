@@ -14,7 +14,7 @@
 
 use std::time::Duration;
 
-use idempotent_core::outbox::{Outbox, Relay};
+use idempotent_postgres::outbox::{Outbox, Relay};
 use idempotent_tower::client::HttpSink;
 use sqlx::PgPool;
 

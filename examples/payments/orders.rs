@@ -23,9 +23,9 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use idempotent_core::outbox::{Outbox, Outgoing};
-use idempotent_core::postgres::PostgresStore;
-use idempotent_core::{ClaimHandle, Error, Idempotency, Key, StepError};
+use idempotent_core::{ClaimHandle, Error, Key, StepError};
+use idempotent_postgres::PostgresStore;
+use idempotent_postgres::outbox::{Outbox, Outgoing};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -55,9 +55,9 @@ pub(crate) struct Orders {
 }
 
 impl Orders {
-    /// Reads `IDEMPOTENCY_EFFECTS_LOG` and, when the runtime's store is PostgreSQL, creates
-    /// the receipts' outbox table there.
-    pub(crate) async fn from_env(idempotency: &Idempotency) -> Result<Orders, String> {
+    /// Reads `IDEMPOTENCY_EFFECTS_LOG` and, when the runtime's store is PostgreSQL (`postgres`),
+    /// creates the receipts' outbox table there.
+    pub(crate) async fn from_env(postgres: Option<PostgresStore>) -> Result<Orders, String> {
         let log = match std::env::var("IDEMPOTENCY_EFFECTS_LOG") {
             Ok(path) => Some(EffectsLog::open(&path).map_err(|error| {
                 format!("IDEMPOTENCY_EFFECTS_LOG={path:?} cannot be opened for appending: {error}")
@@ -66,7 +66,7 @@ impl Orders {
         };
         // The receipt's transaction writes the step's checkpoint to the claim's row: the same
         // store, the same pool.
-        let outbox = match idempotency.postgres_store() {
+        let outbox = match postgres {
             Some(store) => {
                 let outbox = Outbox::new();
                 outbox
@@ -321,7 +321,7 @@ async fn create_order(
                     ran = true;
                     async move {
                         outbox.enqueue(&mut tx, &message).await?;
-                        Ok::<_, idempotent_core::outbox::OutboxError>((tx, receipt_id))
+                        Ok::<_, idempotent_postgres::outbox::OutboxError>((tx, receipt_id))
                     }
                 })
                 .await;

@@ -299,7 +299,7 @@
 ///
 /// ```
 /// # #[cfg(feature = "postgres")] {
-/// use idempotent_core::postgres::Transactional;
+/// use idempotent_postgres::Transactional;
 /// use idempotent_core::{Error, idempotent};
 /// use sqlx::{Postgres, Transaction};
 ///

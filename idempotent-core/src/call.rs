@@ -144,7 +144,8 @@ impl Call {
         self
     }
 
-    pub(crate) fn is_resume_only(&self) -> bool {
+    /// Whether the call only resumes an operation ([`resume_only`](Self::resume_only)).
+    pub fn is_resume_only(&self) -> bool {
         self.resume_only
     }
 
@@ -176,16 +177,20 @@ impl Call {
         self.session
     }
 
-    pub(crate) fn scope_ref(&self) -> &Scope {
+    /// The call's scope.
+    pub fn scope_ref(&self) -> &Scope {
         &self.scope
     }
 
-    pub(crate) fn fingerprint_ref(&self) -> &Fingerprint {
+    /// The call's fingerprint.
+    pub fn fingerprint_ref(&self) -> &Fingerprint {
         &self.fingerprint
     }
 
-    /// The settings this call runs with under `defaults`.
-    pub(crate) fn settings(&self, defaults: &Defaults) -> Settings {
+    /// The settings this call runs with under `defaults` (a runtime's
+    /// [`defaults`](crate::Idempotency::defaults)): its options where it has them, the
+    /// defaults elsewhere.
+    pub fn settings(&self, defaults: &Defaults) -> Settings {
         let options = &self.options;
         Settings {
             ttl: options.ttl.unwrap_or(defaults.ttl),
@@ -396,14 +401,24 @@ impl Defaults {
     }
 }
 
-/// A call's settings once its options are applied over a runtime's defaults.
+/// A call's settings once its options are applied over a runtime's defaults
+/// ([`Call::settings`]): what a claim loop outside the runtime (a transactional mode) claims
+/// and records with.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Settings {
-    pub(crate) ttl: Duration,
-    pub(crate) lease: Duration,
-    pub(crate) in_flight: InFlightPolicy,
-    pub(crate) max_result_bytes: usize,
-    pub(crate) session_window: u64,
-    pub(crate) session_idle: Duration,
-    pub(crate) max_checkpoint_bytes: usize,
+#[non_exhaustive]
+pub struct Settings {
+    /// How long the finished record is kept.
+    pub ttl: Duration,
+    /// The lease of a claim.
+    pub lease: Duration,
+    /// What a call that meets a live in-flight record does.
+    pub in_flight: InFlightPolicy,
+    /// The largest result kept for replay.
+    pub max_result_bytes: usize,
+    /// How many requests of a client session are kept.
+    pub session_window: u64,
+    /// How long an idle client session is kept.
+    pub session_idle: Duration,
+    /// The most bytes of checkpoints an operation keeps.
+    pub max_checkpoint_bytes: usize,
 }

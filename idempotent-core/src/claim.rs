@@ -147,9 +147,13 @@ impl ClaimHandle {
     }
 
     /// A claim held by an open database transaction: it cannot be lost while the transaction
-    /// is open, and nothing of it survives if the transaction does not commit.
-    #[cfg(feature = "postgres")]
-    pub(crate) fn transactional(
+    /// is open, and nothing of it survives if the transaction does not commit. For a
+    /// transactional mode (such as `idempotent-postgres`'s) to hand its work the claim it made:
+    /// `token` is the claim's fencing token, `lifetime` the token that began the record's
+    /// lifetime (`token` itself unless the claim took over an abandoned one), `lease` the lease
+    /// written with it. Such a handle keeps no checkpoints through a store: a step's result is
+    /// saved by the transactional mode itself (or nowhere).
+    pub fn in_transaction(
         key: StorageKey,
         token: FencingToken,
         lifetime: FencingToken,
@@ -199,9 +203,10 @@ impl ClaimHandle {
         CURRENT.try_with(ClaimSlot::handle).ok()
     }
 
-    /// Runs `work` with `self` as [`current`](Self::current).
-    #[cfg(feature = "postgres")]
-    pub(crate) fn scope<F: Future>(self, work: F) -> TaskLocalFuture<ClaimSlot, F> {
+    /// Runs `work` with `self` as [`current`](Self::current): what a transactional mode does
+    /// with the work of a claim it made, so that `#[step]`s and [`ClaimHandle::current`] inside
+    /// it see the claim.
+    pub fn scope<F: Future>(self, work: F) -> impl Future<Output = F::Output> {
         CURRENT.scope(ClaimSlot::of(self), work)
     }
 
@@ -401,6 +406,36 @@ impl ClaimHandle {
         }
     }
 
+    /// The first half of a step that a store's companion runs itself (an atomic step, whose
+    /// checkpoint commits with the step's own writes): the step's saved result if the
+    /// operation has one (`Some`: do not run it), or `None` to run it and then
+    /// [`record_step`](Self::record_step). Checks the name and that the claim is held. On a
+    /// claim that keeps no checkpoints ([`keeps_checkpoints`](Self::keeps_checkpoints) is
+    /// false), always `None`.
+    pub async fn saved_step<T: serde::de::DeserializeOwned>(
+        &self,
+        name: &str,
+    ) -> Result<Option<T>, Error> {
+        match self.restore_step(name).await? {
+            Restored::Saved(value) => Ok(Some(value)),
+            Restored::Run(_) => Ok(None),
+        }
+    }
+
+    /// Whether this claim keeps checkpoints through a store: `false` for a claim made
+    /// [`in_transaction`](Self::in_transaction).
+    pub fn keeps_checkpoints(&self) -> bool {
+        self.state.store.is_some()
+    }
+
+    /// Where the claim's store keeps its records ([`Store::location`](crate::Store::location)),
+    /// for a companion that must write beside them (an atomic step checks that the claim is on
+    /// its own table); `None` for a claim made [`in_transaction`](Self::in_transaction) or on a
+    /// store that names no location.
+    pub fn store_location(&self) -> Option<String> {
+        self.state.store.as_ref().and_then(|store| store.location())
+    }
+
     /// The first half of a step: its saved result if it has one, or leave to run it (with
     /// the store to save its checkpoint in; `None` for a transactional claim, which saves
     /// nothing). Checks the name and that the claim is held.
@@ -421,11 +456,13 @@ impl ClaimHandle {
         }
     }
 
-    /// The second half of a step that ran: encodes `value`, checks the limit, and saves the
-    /// checkpoint with `write` (given the encoded entry), fenced like every write of this
-    /// claim. A step of the same name that saved first wins: nothing is written then, and
-    /// its saved result is returned.
-    pub(crate) async fn record_step<T, W, Fut>(
+    /// The second half of a step that ran: encodes `value`, checks the
+    /// [limit](crate::Defaults::max_checkpoint_bytes), and saves the checkpoint with `write`
+    /// (given the encoded entry, which a store's [`load_steps`](crate::Store::load_steps) must
+    /// hand back as part of its log), fenced like every write of this claim. A step of the
+    /// same name that saved first wins: nothing is written then, and its saved result's bytes
+    /// are returned (decode them as JSON).
+    pub async fn record_step<T, W, Fut>(
         &self,
         name: &str,
         value: &T,
@@ -761,16 +798,16 @@ impl ClaimHandle {
     }
 
     /// Whether the call's record was written.
-    #[cfg(feature = "consumer")]
-    pub(crate) fn is_completed(&self) -> bool {
+    pub fn is_completed(&self) -> bool {
         self.phase() == COMPLETED
     }
 
     /// Completes once the claim is no longer held: its record written
     /// ([`is_completed`](Self::is_completed)), or the claim lost or given up
     /// ([`is_lost`](Self::is_lost)), including by a runtime that gave up recording the result.
-    #[cfg(feature = "consumer")]
-    pub(crate) async fn settled(&self) {
+    /// A consumer acknowledges a message only after this: an ack before the record is written
+    /// could lose the effect's only trace.
+    pub async fn settled(&self) {
         loop {
             let notified = self.state.notify.notified();
             let mut notified = std::pin::pin!(notified);
@@ -940,7 +977,6 @@ impl ClaimSlot {
     }
 
     /// A slot holding an existing handle, guarding nothing.
-    #[cfg(feature = "postgres")]
     fn of(handle: ClaimHandle) -> Self {
         ClaimSlot {
             seed: None,

@@ -14,7 +14,7 @@ const FIRST_WAIT_POLL: Duration = Duration::from_millis(5);
 const LAST_WAIT_POLL: Duration = Duration::from_millis(200);
 
 /// What a call does next with a store's answer to its claim.
-pub(crate) enum Step {
+pub enum Step {
     /// The call owns the key with this token, in the record lifetime the second token began:
     /// run the work.
     Owner(FencingToken, FencingToken),
@@ -27,7 +27,7 @@ pub(crate) enum Step {
 /// How a call answers what its claims find, under its in-flight policy. Every claim loop (the
 /// runtime's, and the PostgreSQL transactional mode's) decides through this one, so they agree
 /// on fingerprint checks, corrupt records, retry hints and how long to wait.
-pub(crate) struct ClaimAnswer {
+pub struct ClaimAnswer {
     integrity: Integrity,
     deadline: Deadline,
     poll: Duration,
@@ -45,7 +45,9 @@ enum Deadline {
 }
 
 impl ClaimAnswer {
-    pub(crate) fn new(policy: InFlightPolicy, integrity: Integrity) -> Self {
+    /// A claim loop under `policy`, reading envelopes with `integrity`: the deadline of a
+    /// waiting policy starts now.
+    pub fn new(policy: InFlightPolicy, integrity: Integrity) -> Self {
         ClaimAnswer {
             integrity,
             deadline: match policy {
@@ -59,7 +61,7 @@ impl ClaimAnswer {
     }
 
     /// The next step for a call with `fingerprint` whose claim on `key` found `claim`.
-    pub(crate) fn step(
+    pub fn step(
         &mut self,
         key: &StorageKey,
         fingerprint: &Fingerprint,

@@ -30,7 +30,7 @@ const KIND_NOT_RETAINED: u8 = 1;
 
 /// Whether a store's envelopes carry a checksum.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Integrity {
+pub enum Integrity {
     /// Computed on write, checked on read: the bytes went through a store outside the process.
     Checksummed,
     /// Neither: the store keeps the bytes in this process and hands back the same ones.
@@ -48,7 +48,7 @@ impl Integrity {
 
 /// What a decoded envelope holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Stored {
+pub enum Stored {
     /// The result bytes.
     Value(Bytes),
     /// The call completed but its result was too large to keep.
@@ -57,16 +57,21 @@ pub(crate) enum Stored {
 
 /// Why stored bytes are not a valid envelope.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum EnvelopeError {
+pub enum EnvelopeError {
     #[error("stored record is {0} bytes, shorter than the 12-byte envelope header")]
+    /// Shorter than the header (its length).
     Truncated(usize),
     #[error("stored record does not start with the envelope magic")]
+    /// Not an envelope of this crate.
     BadMagic,
     #[error("stored record has envelope version {0}; this release reads version 1")]
+    /// Written by a newer release (its version).
     UnknownVersion(u8),
     #[error("stored record has unknown kind {0}")]
+    /// A kind this release does not know.
     UnknownKind(u8),
     #[error("stored record checksum does not match its contents")]
+    /// The bytes were damaged.
     Checksum,
 }
 
@@ -77,7 +82,8 @@ fn checksum(bytes: &[u8]) -> [u8; 8] {
     out
 }
 
-pub(crate) fn encode_value(result: &[u8], integrity: Integrity) -> Bytes {
+/// The envelope of `result`: the bytes a completion writes.
+pub fn encode_value(result: &[u8], integrity: Integrity) -> Bytes {
     let mut out = BytesMut::with_capacity(HEADER + result.len());
     out.put_slice(MAGIC);
     out.put_u8(VERSION);
@@ -87,7 +93,8 @@ pub(crate) fn encode_value(result: &[u8], integrity: Integrity) -> Bytes {
     out.freeze()
 }
 
-pub(crate) fn encode_not_retained() -> Bytes {
+/// The envelope of a call that ran and whose result is not kept.
+pub fn encode_not_retained() -> Bytes {
     let mut out = BytesMut::with_capacity(HEADER);
     out.put_slice(MAGIC);
     out.put_u8(VERSION);
@@ -96,13 +103,15 @@ pub(crate) fn encode_not_retained() -> Bytes {
     out.freeze()
 }
 
-/// The stored size of a result of `len` bytes.
-#[cfg(test)]
-pub(crate) const fn encoded_len(len: usize) -> usize {
+/// The stored size of a result of `len` bytes: what a store that bounds its records' bytes
+/// must allow for a result of `len` bytes.
+pub const fn encoded_len(len: usize) -> usize {
     HEADER + len
 }
 
-pub(crate) fn decode(stored: &Bytes, integrity: Integrity) -> Result<Stored, EnvelopeError> {
+/// The result `stored` holds, or why it is not a whole envelope; never panics, whatever
+/// the bytes.
+pub fn decode(stored: &Bytes, integrity: Integrity) -> Result<Stored, EnvelopeError> {
     if stored.len() < HEADER {
         return Err(EnvelopeError::Truncated(stored.len()));
     }

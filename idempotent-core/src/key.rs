@@ -332,16 +332,18 @@ impl StorageKey {
         }
     }
 
-    /// The session's own record.
-    pub(crate) const fn session(digest: [u8; 32]) -> Self {
+    /// The storage key of a client session's own record, whose session digest is `digest`: for
+    /// a store that reads keys back from where it keeps them (see [`session_place`](Self::session_place)).
+    pub const fn session(digest: [u8; 32]) -> Self {
         StorageKey {
             digest,
             place: Place::Session,
         }
     }
 
-    /// The record of request `seq` in the session incarnation `epoch`.
-    pub(crate) const fn seq(digest: [u8; 32], epoch: u64, seq: u64) -> Self {
+    /// The storage key of request `seq` in incarnation `epoch` of the client session whose
+    /// digest is `digest`: for a store that reads keys back from where it keeps them.
+    pub const fn seq(digest: [u8; 32], epoch: u64, seq: u64) -> Self {
         StorageKey {
             digest,
             place: Place::Seq { epoch, seq },

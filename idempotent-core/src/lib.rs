@@ -238,8 +238,6 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-#[cfg(any(feature = "memory", feature = "redis", feature = "postgres"))]
-mod any_store;
 mod attribute;
 mod call;
 mod claim;
@@ -258,16 +256,10 @@ mod recording;
 mod run_to_end;
 mod runtime;
 mod shutdown;
-mod store;
+pub mod store;
 mod to_key;
 
-#[cfg(feature = "cache")]
-#[cfg_attr(docsrs, doc(cfg(feature = "cache")))]
-pub mod cache;
 pub mod clock;
-#[cfg(feature = "consumer")]
-#[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
-pub mod consumer;
 pub mod limits;
 pub mod metrics;
 pub mod session;
@@ -276,16 +268,7 @@ pub mod steps;
 #[cfg(feature = "test-util")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub mod conformance;
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub mod outbox;
 
-#[cfg(any(feature = "memory", feature = "redis", feature = "postgres"))]
-#[cfg_attr(
-    docsrs,
-    doc(cfg(any(feature = "memory", feature = "redis", feature = "postgres")))
-)]
-pub use any_store::{AnyStore, AnyStoreBuilder, AnyStoreError};
 #[cfg(feature = "macros")]
 #[cfg_attr(docsrs, doc(cfg(feature = "macros")))]
 pub use attribute::{idempotent, step};
@@ -323,25 +306,5 @@ pub mod memory {
     pub use crate::store::memory::{
         DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, DEFAULT_SWEEP_INTERVAL, MemoryStats, MemoryStore,
         MemoryStoreBuilder, RECORD_OVERHEAD,
-    };
-}
-
-/// The Redis store (feature `redis`): one record per key, shared by many app instances.
-#[cfg(feature = "redis")]
-#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
-pub mod redis {
-    pub use crate::store::redis::{
-        DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT, RedisStore, RedisStoreBuilder,
-    };
-}
-
-/// The PostgreSQL store, its transactional mode and the fence (feature `postgres`).
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub mod postgres {
-    pub use crate::store::postgres::{
-        DEFAULT_FENCE_TABLE, DEFAULT_REAP_BATCH, DEFAULT_REAP_GRACE, DEFAULT_TABLE, Fence,
-        FenceError, InvalidTableName, PendingRecord, PostgresStore, PostgresStoreBuilder,
-        Transactional, TransactionalClaim,
     };
 }

@@ -213,17 +213,29 @@ impl RequestOutcome {
 /// A store operation: the `operation` label of
 /// [`STORE_OPERATION_DURATION`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Operation {
+#[non_exhaustive]
+pub enum Operation {
+    /// [`Store::claim`](crate::Store::claim).
     Claim,
+    /// [`Store::complete`](crate::Store::complete).
     Complete,
+    /// [`Store::release`](crate::Store::release).
     Release,
+    /// [`Store::renew`](crate::Store::renew).
     Renew,
+    /// [`Store::open_session`](crate::Store::open_session).
     OpenSession,
+    /// [`Store::session_mark`](crate::Store::session_mark).
     SessionMark,
+    /// [`Store::resume`](crate::Store::resume).
     Resume,
+    /// [`Store::save_step`](crate::Store::save_step).
     SaveStep,
+    /// [`Store::load_steps`](crate::Store::load_steps).
     LoadSteps,
+    /// [`Store::save_request`](crate::Store::save_request).
     SaveRequest,
+    /// [`Store::abandoned`](crate::Store::abandoned).
     Abandoned,
 }
 
@@ -280,9 +292,12 @@ fn result_index(error: Option<&StoreError>) -> usize {
     }
 }
 
-/// The handles of one runtime's metrics, registered with the recorder installed when it was
-/// created. With none installed, every handle is a no-op.
-pub(crate) struct Metrics {
+/// The handles of one runtime's metrics (or one transactional mode's), registered with the
+/// recorder installed when it was created, under a store's name (the `store` label). With no
+/// recorder installed, every handle is a no-op. A store's own companions that answer calls
+/// without the runtime (a transactional mode) count them here, so that they show in the same
+/// series as the runtime's.
+pub struct StoreMetrics {
     requests: [[Counter; OUTCOMES]; 4],
     store: [[Histogram; RESULTS.len()]; Operation::ALL.len()],
     pub(crate) work: Histogram,
@@ -291,10 +306,10 @@ pub(crate) struct Metrics {
     pub(crate) completion_retries: Counter,
 }
 
-impl Metrics {
+impl StoreMetrics {
     /// Registers (and describes) every metric with the current recorder, for a store named
     /// `store`.
-    pub(crate) fn register(store: &'static str) -> Metrics {
+    pub fn register(store: &'static str) -> StoreMetrics {
         describe();
         let requests = ProtocolLabel::ALL.map(|protocol| {
             let mut counters = RequestOutcome::all().map(|outcome| {
@@ -316,7 +331,7 @@ impl Metrics {
                 )
             })
         });
-        Metrics {
+        StoreMetrics {
             requests,
             store,
             work: metrics::histogram!(WORK_DURATION),
@@ -326,7 +341,8 @@ impl Metrics {
         }
     }
 
-    pub(crate) fn request(&self, protocol: ProtocolLabel, outcome: RequestOutcome) {
+    /// Counts one request of `protocol` that ended with `outcome` (`idempotency.requests`).
+    pub fn request(&self, protocol: ProtocolLabel, outcome: RequestOutcome) {
         self.requests[protocol.index()][outcome.index()].increment(1);
     }
 
@@ -342,7 +358,9 @@ impl Metrics {
         );
     }
 
-    pub(crate) fn store_operation(
+    /// Records one store operation that took `took` and failed with `error`, if it did
+    /// (`idempotency.store.operation.duration`).
+    pub fn store_operation(
         &self,
         operation: Operation,
         error: Option<&StoreError>,

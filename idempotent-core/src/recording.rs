@@ -221,7 +221,10 @@ pub(crate) enum First {
     Failed(StoreError),
 }
 
-pub(crate) enum Payload {
+/// What a completion writes: the result, or the mark that the call ran and its result is not
+/// kept. [`envelope`](Payload::envelope) turns it into the bytes a store keeps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Payload {
     /// The result, to be written in an envelope.
     Value(Bytes),
     /// The call ran; its result is not kept.
@@ -231,7 +234,7 @@ pub(crate) enum Payload {
 impl Payload {
     /// What to write for a result: itself, or "ran, not retained" when there is none or it
     /// is larger than the runtime keeps.
-    pub(crate) fn new(key: &StorageKey, result: Option<Bytes>, max: usize) -> Payload {
+    pub fn new(key: &StorageKey, result: Option<Bytes>, max: usize) -> Payload {
         match result {
             Some(result) if result.len() <= max => Payload::Value(result),
             Some(result) => {
@@ -249,7 +252,7 @@ impl Payload {
 
     /// The bytes to store: encoded per attempt, so that a call does not copy the envelope
     /// in case a retry needs it again.
-    pub(crate) fn envelope(&self, integrity: envelope::Integrity) -> Bytes {
+    pub fn envelope(&self, integrity: envelope::Integrity) -> Bytes {
         match self {
             Payload::Value(result) => envelope::encode_value(result, integrity),
             Payload::NotRetained => envelope::encode_not_retained(),

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::envelope::Integrity;
-use crate::metrics::{Metrics, ProtocolLabel, RequestOutcome};
+use crate::metrics::{ProtocolLabel, RequestOutcome, StoreMetrics};
 use crate::shutdown::{Drain, Drained};
 use crate::store::{DynStore, Measured};
 use crate::{Call, Defaults, StorageKey, Store};
@@ -98,7 +98,7 @@ pub(crate) struct Inner {
 
 impl Inner {
     /// This runtime's metrics, which its store's wrapper holds.
-    pub(crate) fn metrics(&self) -> &Metrics {
+    pub(crate) fn metrics(&self) -> &StoreMetrics {
         self.store.metrics()
     }
 }
@@ -198,6 +198,17 @@ impl Idempotency {
             defaults: Defaults::new(),
             record_retry: DEFAULT_RECORD_RETRY,
         }
+    }
+
+    /// The namespace of this runtime's storage keys
+    /// ([`IdempotencyBuilder::namespace`]).
+    pub fn namespace(&self) -> &[u8] {
+        &self.inner.namespace
+    }
+
+    /// The defaults of this runtime's calls ([`IdempotencyBuilder::defaults`]).
+    pub fn defaults(&self) -> &Defaults {
+        &self.inner.defaults
     }
 
     /// Shuts the runtime (and every clone of it) down gracefully, for a process that is about

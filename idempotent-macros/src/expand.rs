@@ -89,9 +89,10 @@ fn expand(args: Args, function: Function, transaction: Option<Transaction>) -> T
         None => quote!(::idempotent_core),
     };
     let private = quote!(#krate::__private);
-    // The transactional mode's runtime and steps live in their own module.
+    // The transactional mode's runtime and steps live in the PostgreSQL crate, which a user of
+    // `tx = ...` depends on; without `tx`, the expansion names no backend.
     let runtimes = match &transaction {
-        Some(_) => quote!(#private::postgres),
+        Some(_) => quote!(::idempotent_postgres::__private),
         None => private.clone(),
     };
 
@@ -189,9 +190,9 @@ fn expand(args: Args, function: Function, transaction: Option<Transaction>) -> T
         }
         Some(Transaction { name, ty }) => {
             let last = ret_range.last;
-            let claim = ret_range.cover(quote!(#private::postgres::claim));
-            let finish = ret_range.cover(quote!(#private::postgres::finish));
-            let connection = respan(quote!(#private::postgres::connection), ty.first);
+            let claim = ret_range.cover(quote!(#runtimes::claim));
+            let finish = ret_range.cover(quote!(#runtimes::finish));
+            let connection = respan(quote!(#runtimes::connection), ty.first);
             let argument = Ident::new(&name.to_string(), ty.last);
             let first = ty.first;
             let connection = quote_spanned!(first=> #connection(&mut *#argument));
@@ -200,7 +201,7 @@ fn expand(args: Args, function: Function, transaction: Option<Transaction>) -> T
             // Each call covers the return type, like `run` without `tx`.
             let claim = quote_spanned!(last=> #claim(#invocation_var, #returns, #connection).await);
             let finish = quote_spanned!(last=> #finish(#pending, #connection, #output).await);
-            let flow = quote!(#private::postgres::ControlFlow);
+            let flow = quote!(#runtimes::ControlFlow);
             // The body gets a reborrow of the transaction, so that the record can be written
             // with it once the body's future is done.
             quote! {
@@ -211,7 +212,7 @@ fn expand(args: Args, function: Function, transaction: Option<Transaction>) -> T
                 let #output = {
                     #[allow(unused_variables)]
                     let #name = &mut *#name;
-                    #private::postgres::with_claim(&#pending, #work)
+                    #runtimes::with_claim(&#pending, #work)
                 }
                 .await;
                 #finish

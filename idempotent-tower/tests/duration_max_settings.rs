@@ -184,7 +184,7 @@ async fn the_completer() {
 #[cfg(feature = "outbox")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_http_sink() {
-    use idempotent_core::outbox::{Relayed, Sink};
+    use idempotent_postgres::outbox::{Relayed, Sink};
     use idempotent_tower::client::{HttpSink, RetryPolicy};
 
     let received = Arc::new(AtomicUsize::new(0));

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use axum::extract::State;
 use axum::routing::post;
-use idempotent_core::outbox::{Relayed, Sink};
+use idempotent_postgres::outbox::{Relayed, Sink};
 use idempotent_tower::client::{HttpSink, RetryPolicy};
 
 /// What the server received: headers of interest and the body.

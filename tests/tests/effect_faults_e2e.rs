@@ -321,8 +321,8 @@ async fn redis_refusing_the_result_write_answers_409_then_replays_without_a_seco
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completion_repeated_while_redis_is_full_recognises_its_own_record() {
     use idempotent_core::conformance::fresh_key;
-    use idempotent_core::redis::RedisStore;
     use idempotent_core::{Claim, FencingToken, Fingerprint, Store, StoreError};
+    use idempotent_redis::RedisStore;
 
     let Some(redis) = PrivateRedis::start("full-repeat").await else {
         return;

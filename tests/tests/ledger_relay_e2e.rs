@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use idempotent_core::Key;
-use idempotent_core::outbox::{Outbox, Outgoing};
+use idempotent_postgres::outbox::{Outbox, Outgoing};
 use support::ledger::{Consumer, Deadline};
 use support::ledger_stream::Fixture;
 use support::notifier::{HANGING_KEY_PREFIX, Notifier, REFUSED_ACCOUNT, outbox_states};

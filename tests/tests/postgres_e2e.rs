@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::StatusCode;
-use idempotent_core::postgres::{PostgresStore, Transactional};
-use idempotent_core::{Call, ClaimHandle, Error, Idempotency, Key, Scope, idempotent};
+use idempotent_core::{Call, ClaimHandle, Error, Key, Scope, idempotent};
+use idempotent_postgres::{PostgresStore, Transactional};
 use idempotent_test_kit::backend::postgres_url;
 use idempotent_test_kit::names::unique;
 use idempotent_test_kit::postgres::{PrivatePostgres, pool};
@@ -343,11 +343,7 @@ async fn the_attribute_in_transactional_mode_binds_the_claim() {
         .build()
         .unwrap();
     let accounts = Accounts {
-        transactional: Idempotency::builder(store.clone())
-            .namespace("attribute-claim")
-            .build()
-            .transactional()
-            .expect("a runtime over a PostgresStore"),
+        transactional: idempotent_postgres::Transactional::new(&store).namespace("attribute-claim"),
         account: bank.account.clone(),
     };
     let key = unique("k");
@@ -381,11 +377,7 @@ async fn the_attribute_in_transactional_mode_records_oks_and_undoes_errs() {
         .build()
         .unwrap();
     let accounts = Accounts {
-        transactional: Idempotency::builder(store.clone())
-            .namespace("attribute")
-            .build()
-            .transactional()
-            .expect("a runtime over a PostgresStore"),
+        transactional: idempotent_postgres::Transactional::new(&store).namespace("attribute"),
         account: bank.account.clone(),
     };
     let key = unique("k");

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
-use idempotent_core::redis::RedisStore;
 use idempotent_core::{Claim, Fingerprint, Store};
+use idempotent_redis::RedisStore;
 use idempotent_test_kit::cluster::Cluster;
 use idempotent_test_kit::names::unique;
 use idempotent_test_kit::process::Frozen;

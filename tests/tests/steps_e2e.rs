@@ -20,7 +20,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use http::{Method, StatusCode};
-use idempotent_core::{AnyStore, Call, ClaimHandle, Defaults, Error, Idempotency, Key};
+use idempotent_any::AnyStore;
+use idempotent_core::{Call, ClaimHandle, Defaults, Error, Idempotency, Key};
 use idempotent_test_kit::backend::redis_url;
 use idempotent_test_kit::names::unique;
 use idempotent_test_kit::postgres::Database;

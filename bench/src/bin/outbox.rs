@@ -19,9 +19,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use idempotent_core::outbox::{BoxFuture, Outbox, Outgoing, Relay, Relayed, Sink, SinkError};
-use idempotent_core::postgres::{PostgresStore, TransactionalClaim};
-use idempotent_core::{Call, Idempotency, Key};
+use idempotent_core::{Call, Key};
+use idempotent_postgres::outbox::{BoxFuture, Outbox, Outgoing, Relay, Relayed, Sink, SinkError};
+use idempotent_postgres::{PostgresStore, TransactionalClaim};
 use idempotent_tower::client::HttpSink;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -74,11 +74,7 @@ impl Sink for Discard {
 /// Transactions per second of the transactional mode, with `enqueue` messages each.
 async fn enqueue_row(pool: &PgPool, options: &Options, outbox: &Outbox, with_message: bool) {
     let store = PostgresStore::new(pool.clone());
-    let transactional = Idempotency::builder(store.clone())
-        .namespace("outbox-bench")
-        .build()
-        .transactional()
-        .expect("a runtime over a PostgresStore");
+    let transactional = idempotent_postgres::Transactional::new(&store).namespace("outbox-bench");
     let counted = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let timing = Arc::new(AtomicBool::new(false));

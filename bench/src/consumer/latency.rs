@@ -6,7 +6,7 @@ use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
-use idempotent_core::consumer::MESSAGE_DURATION;
+use idempotent_consumer::MESSAGE_DURATION;
 
 use super::postings::now_micros;
 

@@ -130,7 +130,7 @@ impl Options {
     /// Messages `mode`'s rows ask of the broker at once.
     pub(crate) fn batch(&self, mode: Mode) -> usize {
         if mode.runtime() {
-            idempotent_core::consumer::DEFAULT_BATCH
+            idempotent_consumer::DEFAULT_BATCH
         } else {
             self.bare_batch
         }

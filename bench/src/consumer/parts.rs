@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use idempotent_core::consumer::{Decode, Failure, Message};
+use idempotent_consumer::{Decode, Failure, Message};
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::{Call, Execution, Idempotency, Retain};
 use tokio::sync::Semaphore;

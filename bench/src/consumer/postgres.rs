@@ -1,7 +1,7 @@
 //! The PostgreSQL side of the `-pg` rows: the accounts table the postings add up in, its
 //! `INSERT`, and the store of the runtime's records in a table of the benchmark's own.
 
-use idempotent_core::postgres::PostgresStore;
+use idempotent_postgres::PostgresStore;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 

@@ -1,7 +1,7 @@
 //! The postings every row publishes and consumes, like the `ledger` example's: their forms on
 //! the wire and back, and a row's backlog with its duplicates.
 
-use idempotent_core::consumer::{Failure, Fields, Message};
+use idempotent_consumer::{Failure, Fields, Message};
 
 /// Distinct accounts the postings go to: few enough to be a real table, enough that 16
 /// transactions at once rarely wait on one another's row.

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
-use idempotent_core::consumer::Outcome;
+use idempotent_consumer::Outcome;
 use tokio::sync::Notify;
 
 use super::latency::{END_TO_END, LATENCY};

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use idempotent_core::consumer::{
+use idempotent_consumer::{
     Consumer, DeadLettered, Decode, Failure, Handler, Message, Received, Report, Source,
     SourceError, TxHandler, sql_failure,
 };
@@ -192,11 +192,7 @@ async fn run_consumer<S: Source>(
             consumer
                 .run_transactional(
                     pg.pool.clone(),
-                    Idempotency::builder(pg.store.clone())
-                        .namespace("consumer-bench")
-                        .build()
-                        .transactional()
-                        .expect("a runtime over a PostgresStore"),
+                    idempotent_postgres::Transactional::new(&pg.store).namespace("consumer-bench"),
                     handler,
                     shutdown,
                 )

@@ -53,7 +53,7 @@ where
 }
 
 /// The running claim, for `claim = name`: the expansion calls this at the top of the work,
-/// which the runtime (or, with `tx = ...`, [`postgres::with_claim`]) polls with the claim
+/// which the runtime (or, with `tx = ...`, `idempotent_postgres::__private::with_claim`) polls with the claim
 /// set, so it is always there.
 pub fn current_claim() -> crate::ClaimHandle {
     crate::ClaimHandle::current()
@@ -104,7 +104,7 @@ impl<R> Invocation<R> {
     }
 
     /// The runtime, and the call or the error that stops the call before it claims.
-    fn into_call(self) -> (R, Result<Call, Error>) {
+    pub fn into_call(self) -> (R, Result<Call, Error>) {
         let call = (|| {
             let mut call = Call::new(self.key?)
                 .scope(self.scope.operation(self.name))
@@ -290,7 +290,7 @@ impl<E: Serialize + DeserializeOwned> StorableError for E {}
 /// `on_error = "store"`, [`stored_errors`], each called with the type it checks, where the
 /// signature spells that type: a type that lacks a bound is reported there, once. What the
 /// bounds provide is kept here as function pointers, so the runners ([`run`],
-/// [`postgres::claim`], [`postgres::finish`]) have no bound left to report a second time.
+/// `idempotent_postgres::__private::{claim, finish}`) have no bound left to report a second time.
 pub struct Returns<O, T, E> {
     value: Value<T>,
     refused: fn(Error) -> E,
@@ -356,6 +356,21 @@ pub fn returns<O: IdempotentResult>(
 }
 
 impl<O, T, E> Returns<O, T, E> {
+    /// The function's refusal: an [`Error`] converted into its error type.
+    pub fn refuse(&self, error: Error) -> E {
+        (self.refused)(error)
+    }
+
+    /// The function's return value from a result.
+    pub fn from_result(&self, result: Result<T, E>) -> O {
+        (self.from_result)(result)
+    }
+
+    /// The function's return value as a result.
+    pub fn into_result(&self, output: O) -> Result<T, E> {
+        (self.into_result)(output)
+    }
+
     /// `on_error = "store"`: `Ok` and `Err` are both recorded and replayed.
     pub fn storing_errors(self, errors: StoredErrors<E>) -> Self {
         Returns {
@@ -365,7 +380,7 @@ impl<O, T, E> Returns<O, T, E> {
     }
 
     /// Whether a fresh result is kept: an `Ok` always, an `Err` under `on_error = "store"`.
-    fn retain(&self, result: &Result<T, E>) -> Retain {
+    pub fn retain(&self, result: &Result<T, E>) -> Retain {
         match (result, &self.stored_errors) {
             (Ok(_), _) | (Err(_), Some(_)) => Retain::Keep,
             (Err(_), None) => Retain::Release,
@@ -373,7 +388,7 @@ impl<O, T, E> Returns<O, T, E> {
     }
 
     /// The record of a kept result; `None` if it cannot be encoded.
-    fn encode(&self, result: &Result<T, E>) -> Option<Bytes> {
+    pub fn encode(&self, result: &Result<T, E>) -> Option<Bytes> {
         match (result, &self.stored_errors) {
             (Ok(value), _) => (self.value.encode)(value),
             (Err(error), Some(stored)) => (stored.encode)(error),
@@ -382,7 +397,7 @@ impl<O, T, E> Returns<O, T, E> {
     }
 
     /// Decodes a recorded result.
-    fn replay(&self, bytes: &[u8]) -> Result<Result<T, E>, Error> {
+    pub fn replay(&self, bytes: &[u8]) -> Result<Result<T, E>, Error> {
         let payload = |error: serde_json::Error| Error::Payload(error.into());
         match (self.value.decode)(bytes).map_err(payload)? {
             Ok(value) => Ok(Ok(value)),
@@ -456,25 +471,24 @@ fn encode<T: Serialize, E: Serialize>(result: &Result<T, E>) -> Option<Bytes> {
     }
 }
 
-/// `tx = <parameter>`: the claim, the body and the record in the caller's PostgreSQL
-/// transaction ([`Transactional`](crate::postgres::Transactional)). An expanded function's body is
-///
-/// ```text
-/// let invocation = __private::Invocation::new(runtime, name, __private::key(&key))...;
-/// let returns = __private::returns::<R>(..); // as without `tx`
-/// let pending = match postgres::claim(invocation, returns, postgres::connection(&mut *tx)).await {
-///     ControlFlow::Continue(pending) => pending,
-///     ControlFlow::Break(replayed_or_refused) => return replayed_or_refused,
-/// };
-/// let output = { let tx = &mut *tx; async move { original body } }.await;
-/// postgres::finish(pending, postgres::connection(&mut *tx), output).await
-/// ```
-///
-/// Three steps rather than one call, because the body borrows the transaction between the
-/// claim and the record: a closure that receives it cannot capture borrowed arguments and
-/// still be `Send` for every lifetime of the borrow.
-#[cfg(feature = "postgres")]
-pub mod postgres;
+// `tx = <parameter>` expands into `idempotent_postgres::__private` instead, whose steps use
+// [`Invocation::into_call`] and the [`Returns`] methods above: the claim, the body and the
+// record in the caller's PostgreSQL transaction. An expanded function's body is
+//
+// ```text
+// let invocation = __private::Invocation::new(runtime, name, __private::key(&key))...;
+// let returns = __private::returns::<R>(..); // as without `tx`
+// let pending = match postgres::claim(invocation, returns, postgres::connection(&mut *tx)).await {
+//     ControlFlow::Continue(pending) => pending,
+//     ControlFlow::Break(replayed_or_refused) => return replayed_or_refused,
+// };
+// let output = { let tx = &mut *tx; async move { original body } }.await;
+// postgres::finish(pending, postgres::connection(&mut *tx), output).await
+// ```
+//
+// Three steps rather than one call, because the body borrows the transaction between the
+// claim and the record: a closure that receives it cannot capture borrowed arguments and
+// still be `Send` for every lifetime of the borrow.
 
 #[cfg(all(test, feature = "memory"))]
 mod tests;

@@ -15,13 +15,13 @@ use crate::StoreError;
 /// guard gives back, in the background, the in-flight record that carries that number.
 ///
 /// [`answered`]: Unanswered::answered
-pub(crate) struct Unanswered {
+pub struct Unanswered {
     give_back: Option<GiveBack>,
 }
 
 /// One attempt to give back a claim: `Ok(true)` if the store held it and has given it up,
 /// `Ok(false)` if it holds no such claim.
-pub(crate) type GiveBack =
+pub type GiveBack =
     Box<dyn FnMut() -> BoxFuture<'static, Result<bool, StoreError>> + Send + 'static>;
 
 /// How long a claim that may still land is given back for once the store answers again and
@@ -29,20 +29,20 @@ pub(crate) type GiveBack =
 const GIVE_BACK_SETTLE: Duration = Duration::from_secs(5);
 /// How long a claim that may land is tried to be given back at most. A store frozen longer
 /// than this makes the claim at its thaw, and it holds the key until its lease ends.
-pub(crate) const GIVE_BACK_MAX: Duration = Duration::from_secs(600);
+pub const GIVE_BACK_MAX: Duration = Duration::from_secs(600);
 /// Each give-back attempt is abandoned after this long.
 const GIVE_BACK_ATTEMPT: Duration = Duration::from_secs(2);
 
 impl Unanswered {
     /// Armed with what gives the claim back.
-    pub(crate) fn new(give_back: GiveBack) -> Self {
+    pub fn new(give_back: GiveBack) -> Self {
         Unanswered {
             give_back: Some(give_back),
         }
     }
 
     /// The store answered: the caller knows what the claim did.
-    pub(crate) fn answered(&mut self) {
+    pub fn answered(&mut self) {
         self.give_back = None;
     }
 }
@@ -109,7 +109,7 @@ async fn give_back_until_settled(mut give_back: GiveBack) {
 }
 
 /// A random number naming one claim attempt (see [`Unanswered`]): never zero.
-pub(crate) fn claimant() -> u64 {
+pub fn claimant() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);

@@ -8,13 +8,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::{Claim, FencingToken, RequestOwner, Store};
-use crate::metrics::{Metrics, Operation};
+use crate::metrics::{Operation, StoreMetrics};
 use crate::steps::Abandoned;
 use crate::{
     Fingerprint, SessionGate, SessionKey, SessionMark, SessionRequest, StorageKey, StoreError,
 };
 
-pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+/// A boxed future that is `Send`, as the give-back and shared cache tiers take.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// The object-safe face of [`Store`], so one runtime type serves every store.
 pub(crate) trait DynStore: Send + Sync + 'static {
@@ -84,25 +85,23 @@ pub(crate) trait DynStore: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Vec<Abandoned>, StoreError>>;
     fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()>;
     fn keeps_records_in_process(&self) -> bool;
+    /// [`Store::location`].
+    fn location(&self) -> Option<String>;
     /// The metrics of the runtime this store serves.
-    fn metrics(&self) -> &Metrics;
-    /// The store itself, for the runtime's companions that work only on one kind of store (the
-    /// transactional mode on a [`PostgresStore`](crate::postgres::PostgresStore)).
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    fn as_any(&self) -> &dyn std::any::Any;
+    fn metrics(&self) -> &StoreMetrics;
 }
 
 /// A store as a runtime holds it: type-erased, every operation timed into the runtime's
-/// [`Metrics`]. The timing lives in the one future each operation is boxed into anyway.
+/// [`StoreMetrics`]. The timing lives in the one future each operation is boxed into anyway.
 pub(crate) struct Measured<S> {
     store: S,
-    metrics: Metrics,
+    metrics: StoreMetrics,
 }
 
 impl<S: Store> Measured<S> {
     /// `store`, with the runtime's metrics registered with the current recorder.
     pub(crate) fn new(store: S) -> Self {
-        let metrics = Metrics::register(store.name());
+        let metrics = StoreMetrics::register(store.name());
         Measured { store, metrics }
     }
 
@@ -230,11 +229,11 @@ impl<S: Store> DynStore for Measured<S> {
     fn keeps_records_in_process(&self) -> bool {
         self.store.keeps_records_in_process()
     }
-    fn as_any(&self) -> &dyn std::any::Any {
-        &self.store
+    fn location(&self) -> Option<String> {
+        self.store.location()
     }
 
-    fn metrics(&self) -> &Metrics {
+    fn metrics(&self) -> &StoreMetrics {
         &self.metrics
     }
 }

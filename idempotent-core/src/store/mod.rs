@@ -1,4 +1,30 @@
-//! The store contract ([`Store`]) and the built-in stores.
+//! The store contract: what a store implements ([`Store`]) and everything a store, a cache tier
+//! or a transactional mode needs from this crate to be built outside it.
+//!
+//! The stores of this family (`idempotent-redis`, `idempotent-postgres`, `idempotent-sqlite`) and
+//! the cache tier (`idempotent-cache`) are built on this module and the crate's root items only,
+//! exactly as a store of yours would be:
+//!
+//! | item | what it is for |
+//! |---|---|
+//! | [`Store`], [`Claim`], [`FencingToken`], [`RequestOwner`] | the key cycle a store implements |
+//! | [`StorageKey`], [`RecordBytes`](crate::RecordBytes), [`Fingerprint`] | what a record is keyed and checked by |
+//! | [`envelope`] ([`Integrity`], [`encode_value`], [`decode`]) | the bytes of a finished record, with its format version and checksum |
+//! | [`Payload`] | a result turned into the bytes to complete with |
+//! | [`ClaimAnswer`], [`Step`] | how a claim loop answers what a store found (run, replay, wait, refuse), shared with the runtime |
+//! | [`Settings`](crate::call::Settings) | a call's settings resolved against a runtime's defaults |
+//! | [`StoreMetrics`], [`Operation`] | the `idempotency.store.*` and `idempotency.requests` metrics under a store's name |
+//! | [`Unanswered`], [`GiveBack`], [`claimant`] | giving back a claim a shared store made after its caller gave up |
+//! | [`BoxFuture`] | the boxed future the give-back and cache tiers use |
+//!
+//! # Stability
+//!
+//! Everything in this module follows the crate's version: a breaking change to any of it is a
+//! new minor version before 1.0 (a new major version after), named in the CHANGELOG with how to
+//! move, like any other public item. Nothing here is `#[doc(hidden)]` and no store of this
+//! family uses anything that is not here or at the crate's root. The stored bytes are part of
+//! the promise: a release reads the envelopes every earlier release wrote (the format version
+//! is the envelope's third byte).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -11,19 +37,26 @@ use crate::{
     Fingerprint, SessionGate, SessionKey, SessionMark, SessionRequest, StorageKey, StoreError,
 };
 
-#[cfg(any(feature = "redis", feature = "postgres"))]
 mod give_back;
 mod measured;
 #[cfg(feature = "memory")]
 pub(crate) mod memory;
-#[cfg(feature = "postgres")]
-pub(crate) mod postgres;
-#[cfg(feature = "redis")]
-pub(crate) mod redis;
 
-#[cfg(any(feature = "redis", feature = "postgres"))]
-pub(crate) use self::give_back::*;
-pub(crate) use self::measured::{BoxFuture, DynStore, Measured};
+pub use self::give_back::{GIVE_BACK_MAX, GiveBack, Unanswered, claimant};
+pub use self::measured::BoxFuture;
+pub(crate) use self::measured::{DynStore, Measured};
+pub use crate::call::Settings;
+pub use crate::claim_answer::{ClaimAnswer, Step};
+pub use crate::metrics::{Operation, StoreMetrics};
+pub use crate::recording::Payload;
+
+/// The envelope around every finished record's bytes: a format version and a checksum.
+pub mod envelope {
+    pub use crate::envelope::{
+        EnvelopeError, Integrity, Stored, decode, encode_not_retained, encode_value, encoded_len,
+    };
+}
+pub use self::envelope::{Integrity, decode, encode_value};
 
 /// Identifies one claim of one storage key. Strictly increasing per storage key: every claim
 /// gets a token greater than all tokens issued before it for that key, so a caller whose lease
@@ -405,6 +438,16 @@ pub trait Store: Send + Sync + 'static {
         false
     }
 
+    /// Where this store keeps its records, as a URL without credentials (for example
+    /// `postgres://db.internal:5432/app?table=idempotency`): for logs, and for a companion
+    /// that must write beside the records of a claim this store made (an atomic step checks
+    /// [`ClaimHandle::store_location`](crate::ClaimHandle::store_location) against its own).
+    /// Two stores with the same location keep the same records. `None` (the default) names
+    /// no place; a wrapper (a cache tier, a timed store) answers its store's.
+    fn location(&self) -> Option<String> {
+        None
+    }
+
     /// The gate of a [client session](crate::session): decides, as one atomic step on the
     /// session, whether request `request.seq` may be claimed, and applies the request's `ack`.
     ///
@@ -687,6 +730,9 @@ impl<S: Store> Store for Arc<S> {
     }
     fn keeps_records_in_process(&self) -> bool {
         S::keeps_records_in_process(self)
+    }
+    fn location(&self) -> Option<String> {
+        S::location(self)
     }
     fn wait_for_change(
         &self,

@@ -1,16 +1,7 @@
-//! What the core's test suites share: a call on a key, work that counts its runs, and, for the
-//! consumer runtime's suites, an in-process source ([`source`]) and a handler driven by each
-//! message's body ([`probe`]); for the outbox's suites, its fixture ([`outbox`]). Servers, ports and names come from the test kit
-//! (`idempotent_test_kit`).
+//! What the core's test suites share: a call on a key, and work that counts its runs. Servers,
+//! ports and names come from the test kit (`idempotent_test_kit`).
 
 #![allow(dead_code, unreachable_pub)]
-
-#[cfg(feature = "postgres")]
-pub mod outbox;
-#[cfg(all(feature = "consumer", feature = "memory"))]
-pub mod probe;
-#[cfg(feature = "consumer")]
-pub mod source;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -9,7 +9,7 @@ use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idempotent_core::outbox::{BoxFuture, Relayed, Sink, SinkError};
+use idempotent_postgres::outbox::{BoxFuture, Relayed, Sink, SinkError};
 use tower_layer::Layer as _;
 use tower_service::Service as _;
 
@@ -23,12 +23,12 @@ use crate::config::IDEMPOTENCY_KEY;
 /// An outbox [`Sink`] that POSTs each message to one URL (feature `outbox`): the payload as
 /// the body, the message's headers, and its key as `Idempotency-Key`, through the client layer
 /// ([`ClientLayer::http`]), whose retries are those of one delivery attempt; the
-/// [`Relay`](idempotent_core::outbox::Relay) retries failed attempts later with its own
+/// [`Relay`](idempotent_postgres::outbox::Relay) retries failed attempts later with its own
 /// backoff, with the same key.
 ///
 /// ```no_run
-/// use idempotent_core::outbox::{Outbox, Relay};
-/// use idempotent_core::postgres::PostgresStore;
+/// use idempotent_postgres::outbox::{Outbox, Relay};
+/// use idempotent_postgres::PostgresStore;
 /// use idempotent_tower::client::HttpSink;
 ///
 /// # async fn example() -> Result<(), Box<dyn std::error::Error>> {
@@ -94,7 +94,7 @@ impl HttpSink {
             .deadline(Duration::from_secs(20))
             .attempt_timeout(Duration::from_secs(5))
             .backoff(Duration::from_millis(100), Duration::from_secs(2))
-            .max_request_body(idempotent_core::outbox::MAX_OUTBOX_PAYLOAD);
+            .max_request_body(idempotent_postgres::outbox::MAX_OUTBOX_PAYLOAD);
         Ok(HttpSink {
             url: uri,
             headers: Vec::new(),
@@ -108,13 +108,13 @@ impl HttpSink {
     }
 
     /// The client's policy for one delivery attempt (see [`RetryPolicy`]). Keep its deadline
-    /// below the relay's [`delivery_timeout`](idempotent_core::outbox::RelayBuilder::delivery_timeout).
+    /// below the relay's [`delivery_timeout`](idempotent_postgres::outbox::RelayBuilder::delivery_timeout).
     #[must_use]
     pub fn policy(mut self, mut policy: RetryPolicy) -> Self {
         // Every payload the outbox accepts can be sent.
         policy.max_request_body = policy
             .max_request_body
-            .max(idempotent_core::outbox::MAX_OUTBOX_PAYLOAD);
+            .max(idempotent_postgres::outbox::MAX_OUTBOX_PAYLOAD);
         self.client = Self::client(policy);
         self
     }

@@ -3,7 +3,7 @@
 //! warning, and its future is `Send`, also for a result that is `Send` but not `Sync`.
 #![deny(warnings)]
 
-use idempotent_core::postgres::{PostgresStore, Transactional};
+use idempotent_postgres::{PostgresStore, Transactional};
 use idempotent_core::{Error, Idempotency, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
@@ -107,8 +107,6 @@ fn calls(pool: PgPool, ledger: Ledger) {
 fn main() {
     let _: fn(PgPool, Ledger) = calls;
     let _ = |store: PostgresStore| Ledger {
-        transactional: Idempotency::new(store.clone())
-            .transactional()
-            .expect("a runtime over a PostgresStore"),
+        transactional: idempotent_postgres::Transactional::new(&store),
     };
 }

@@ -5,7 +5,7 @@
 use async_nats::jetstream::{self, consumer::PullConsumer, consumer::pull, stream};
 use bytes::Bytes;
 use futures_util::StreamExt;
-use idempotent_core::consumer::nats::JetStream;
+use idempotent_consumer::nats::JetStream;
 
 use super::GROUP;
 use crate::consumer::bare::{Bare, RECEIVE_WAIT};

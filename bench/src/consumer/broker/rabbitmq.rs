@@ -3,7 +3,7 @@
 //! confirms, and deleting a queue.
 
 use futures_util::{FutureExt, StreamExt};
-use idempotent_core::consumer::rabbitmq::RabbitMq;
+use idempotent_consumer::rabbitmq::RabbitMq;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use idempotent_core::consumer::redis_streams::RedisStreams;
+use idempotent_consumer::redis_streams::RedisStreams;
 use redis::Value;
 use redis::aio::MultiplexedConnection;
 

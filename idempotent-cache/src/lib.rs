@@ -1,0 +1,605 @@
+//! A cache tier: finished records kept in front of the authoritative store, so a replay is
+//! answered without a round trip to it (feature `cache`).
+//!
+//! ```no_run
+//! use idempotent_cache::{CacheTier, Cached};
+//! use idempotent_postgres::PostgresStore;
+//! use idempotent_core::Idempotency;
+//!
+//! # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! let store = PostgresStore::new(pool);
+//! store.migrate().await?;
+//! // 100,000 finished records in this process, at most 64 MiB of them (the default).
+//! let idempotency = Idempotency::new(Cached::new(store, CacheTier::memory(100_000)));
+//! # let _ = idempotency;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Two tiers: [`CacheTier::memory`] keeps records in this process (each instance its own), and
+//! [`CacheTier::redis`] keeps them in a Redis that every instance shares, in front of a slower
+//! store (PostgreSQL). [`Cached`] puts either in front of any [`Store`];
+//! [`AnyStoreBuilder::cache`](idempotent_any::AnyStoreBuilder::cache) (and `IDEMPOTENCY_CACHE`) does it for
+//! a store chosen by URL.
+//!
+//! # The rules, and what keeps each
+//!
+//! A cache is where idempotency layers have shipped their worst bugs: a cached in-progress
+//! record that left workers stuck, an answer cached before the request was checked against it,
+//! a copy served after its record was gone. These rules make each impossible, by construction:
+//!
+//! - **Only finished records are cached, and only after their fingerprint was checked.** The
+//!   ways into a tier are a [`Claim::Completed`] answer of the authoritative store to a
+//!   request with the record's own fingerprint, and the record a consumer's transaction
+//!   committed (after the commit); either only when its envelope (format and checksum) reads
+//!   back whole. An in-flight record, a claim, a lease, a renewal, a fencing token or a
+//!   completion never enter it: [`Cached`] sends `complete`, `release` and `renew` to the store,
+//!   and a claim that does not find a finished record in the tier goes to the store too. A
+//!   corrupt record is never cached: every request meets the store's refusal.
+//! - **No negative caching.** A tier holds finished records and nothing else: there is no way
+//!   to remember that a key was absent or in flight, so a miss always asks the store.
+//! - **A cached entry never outlives its record.** It expires when its record does: at the
+//!   time left the store reported (`expires_in` of [`Claim::Completed`]),
+//!   counted from before the question was sent, so never later than the record. There is no
+//!   cache TTL of its own. A finished record changes only by expiring (records are never
+//!   deleted by the library), so a copy that has not expired is the record.
+//! - **A mismatch is answered from the cache as from the store.** A hit hands back the record's
+//!   own fingerprint; the runtime compares it with the request's, exactly as with the store's
+//!   answer (`422 fingerprint_mismatch` over HTTP).
+//! - **Only committed records.** A store's answer outside a transaction is committed. The
+//!   PostgreSQL transactional mode reads the tier but never fills it from a row seen inside the
+//!   caller's transaction (it could be the caller's own, not committed yet); the consumer
+//!   runtime fills it with what it committed, after the commit.
+//! - **The Redis tier is only a hint.** It is written after the store answered with the
+//!   finished (so committed) record, and read only to replay: a claim never trusts it, a miss
+//!   goes to the store, and an entry that does not decode whole (its own checksum covers the
+//!   fingerprint and the payload) is ignored. Redis down, stalled or flushed means slower,
+//!   never wrong: after a failure the tier is skipped for a second
+//!   ([`RedisCacheBuilder::rest`]), and every request goes to the store meanwhile.
+//!
+//! With the store down, a tier still answers the replays it holds: each is its record's answer
+//! until the record expires, as the store would give it; everything else meets the store's
+//! error, as without a tier.
+//!
+//! Time: an in-process tier keeps its copies on this process's (Tokio's) monotonic clock, for
+//! the time left the store reported; a store whose clock is stepped forward ends its records
+//! early, and their copies live on until their own end. The Redis tier's entries also carry a
+//! wall-clock deadline, checked by whichever instance reads them: the app servers' clocks must
+//! agree (NTP) to within what a replay at the very end of a record's life may be off by.
+//!
+//! What the tier does not see: a record deleted or changed by hand in the store stays cached
+//! until the copy's expiry (restart the instances, or flush the Redis tier, to forget it).
+//!
+//! # Metrics
+//!
+//! | name | type | labels | meaning |
+//! |---|---|---|---|
+//! | `idempotency.cache.lookups` | counter | `tier`, `outcome` | claims the tier was asked about first: `hit` (answered from it), `miss` (sent to the store), `error` (the tier failed or rests after a failure; sent to the store) |
+//! | `idempotency.cache.writes` | counter | `tier`, `result` | finished records put in the tier: `ok`, `error`, `dropped` (the Redis tier had too many writes pending) |
+//!
+//! A runtime times each claim of its store as a whole
+//! (`idempotency.store.operation.duration{operation="claim"}`): behind a tier, a claim the tier
+//! answered is one of them, in microseconds. Read the store's own latency from the claims'
+//! upper percentiles and from `operation="complete"`, and the share of answers from the tier
+//! from `idempotency.cache.lookups`.
+//!
+//! `tier` is `memory` or `redis`. The hit rate is `hit / (hit + miss + error)`.
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+// Tokio's clock, as the memory store's: paused in a test, it holds both still.
+use tokio::time::Instant;
+
+use bytes::Bytes;
+use metrics::{Counter, Unit};
+
+use idempotent_core::store::envelope::{self, Integrity};
+use idempotent_core::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
+
+mod memory;
+
+pub use idempotent_core::store::BoxFuture;
+
+/// `idempotency.cache.lookups` (counter; labels `tier`, `outcome`).
+pub const CACHE_LOOKUPS: &str = "idempotency.cache.lookups";
+/// `idempotency.cache.writes` (counter; labels `tier`, `result`).
+pub const CACHE_WRITES: &str = "idempotency.cache.writes";
+
+/// The default bound on the bytes an in-process tier holds: 64 MiB.
+pub const DEFAULT_MEMORY_BYTES: u64 = 64 * 1024 * 1024;
+
+/// A finished record as a tier holds it. Made only by [`Finished::from_answer`], from the
+/// authoritative store's answer: the type is the first rule.
+#[derive(Clone, Debug)]
+pub struct Finished {
+    fingerprint: Fingerprint,
+    payload: Bytes,
+    /// When the record expires, by this process's clock, or earlier.
+    expires_at: Instant,
+}
+
+impl Finished {
+    /// The record `answer` reports, if it may be cached: a completed record, of the request that
+    /// asked (`asked_with`), whose envelope reads back whole, with time left. `asked_at` is when
+    /// the question was sent: the store's "time left" counts from a moment after it, so the copy
+    /// expires no later than the record.
+    fn from_answer(
+        answer: &Claim,
+        asked_with: &Fingerprint,
+        asked_at: Instant,
+        integrity: Integrity,
+    ) -> Option<Finished> {
+        let Claim::Completed {
+            fingerprint,
+            payload,
+            expires_in,
+        } = answer
+        else {
+            return None;
+        };
+        if fingerprint != asked_with
+            || expires_in.is_zero()
+            || envelope::decode(payload, integrity).is_err()
+        {
+            return None;
+        }
+        Some(Finished {
+            fingerprint: *fingerprint,
+            payload: payload.clone(),
+            expires_at: asked_at.checked_add(*expires_in)?,
+        })
+    }
+
+    /// The store's answer this entry stands for, at `now`; `None` once it has expired.
+    fn answer(&self, now: Instant) -> Option<Claim> {
+        let expires_in = self.expires_at.checked_duration_since(now)?;
+        (!expires_in.is_zero()).then(|| Claim::Completed {
+            fingerprint: self.fingerprint,
+            payload: self.payload.clone(),
+            expires_in,
+        })
+    }
+
+    /// The fingerprint of the request that made the record.
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
+
+    /// The record's payload: its envelope, as the store keeps it.
+    pub fn payload(&self) -> &Bytes {
+        &self.payload
+    }
+
+    /// When the record expires, by this process's clock, or earlier: a shared tier's entry must
+    /// expire no later.
+    pub fn expires_at(&self) -> Instant {
+        self.expires_at
+    }
+
+    /// What the entry weighs in a tier: its payload and what comes with it.
+    fn weight(&self) -> u64 {
+        self.payload.len() as u64 + 96
+    }
+}
+
+/// A tier outside this process that every instance shares: the Redis tier of
+/// `idempotent-redis` (`idempotent_redis::RedisCacheBuilder`), or one of yours. Made into a
+/// [`CacheTier`] with [`CacheTier::shared`], which keeps the rules of the [crate](crate) around
+/// it: only finished records of the asking request are put in, lookups are counted, and a
+/// failed lookup is a miss.
+///
+/// A shared tier is only a hint: whatever [`get`](SharedTier::get) returns is checked again by
+/// the runtime (fingerprint, envelope) before it is replayed, so an entry that is wrong costs a
+/// refusal, never a wrong answer; it must still never return an entry past its
+/// [`expires_at`](Finished::expires_at).
+pub trait SharedTier: Send + Sync + 'static {
+    /// The `tier` label of its metrics (`redis`, say).
+    fn name(&self) -> &'static str;
+
+    /// The finished record of `key`, as a [`Claim::Completed`], if the tier has a live one;
+    /// `Err(TierUnavailable)` when the tier failed or rests after a failure (counted as
+    /// `error`, and the request goes to the store).
+    fn get<'a>(
+        &'a self,
+        key: &'a StorageKey,
+    ) -> BoxFuture<'a, Result<Option<Claim>, TierUnavailable>>;
+
+    /// Keeps `finished` as `key`'s record, in the background if it likes (a hint need not
+    /// delay the answer), reporting how the write went to `writes`.
+    fn insert(&self, key: StorageKey, finished: Finished, writes: TierWrites);
+}
+
+/// A [`SharedTier`] could not be asked: it is down, slow, or resting after a failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierUnavailable;
+
+/// Where a [`SharedTier`] reports its writes: the `idempotency.cache.writes` counter of its tier.
+/// Cheap to clone.
+#[derive(Clone)]
+pub struct TierWrites {
+    metrics: Arc<TierMetrics>,
+}
+
+impl fmt::Debug for TierWrites {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TierWrites").finish_non_exhaustive()
+    }
+}
+
+impl TierWrites {
+    /// The entry was written (`result="ok"`).
+    pub fn written(&self) {
+        self.metrics.written.increment(1);
+    }
+
+    /// The write failed (`result="error"`).
+    pub fn failed(&self) {
+        self.metrics.write_error.increment(1);
+    }
+
+    /// The write was not tried: too many were pending (`result="dropped"`).
+    pub fn dropped(&self) {
+        self.metrics.dropped.increment(1);
+    }
+}
+
+/// Where a [`Cached`] store keeps finished records: in this process ([`CacheTier::memory`]) or
+/// in a tier every instance shares ([`CacheTier::shared`], the Redis tier of
+/// `idempotent-redis`). Cheap to clone: clones share the same entries.
+#[derive(Clone)]
+pub struct CacheTier {
+    kind: Arc<Kind>,
+    metrics: Arc<TierMetrics>,
+}
+
+enum Kind {
+    Memory(memory::MemoryTier),
+    Shared(Box<dyn SharedTier>),
+}
+
+impl fmt::Debug for CacheTier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CacheTier")
+            .field("tier", &self.name())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CacheTier {
+    /// An in-process tier of at most `entries` finished records and
+    /// [`DEFAULT_MEMORY_BYTES`] of them (`moka`, whose policy admits and evicts by how often
+    /// and how recently each key was asked for). Each instance has its own: nothing is shared,
+    /// nothing goes over the network.
+    ///
+    /// `entries` of 0 is taken as 1.
+    pub fn memory(entries: u64) -> CacheTier {
+        CacheTier::memory_bounded(entries, DEFAULT_MEMORY_BYTES)
+    }
+
+    /// An in-process tier of at most `entries` finished records and `max_bytes` bytes of them
+    /// (payloads and about 100 bytes each of what comes with them). A record larger than an
+    /// even share (`max_bytes / entries`) counts as its own size; a smaller one counts as
+    /// the share, so neither bound can be passed.
+    pub fn memory_bounded(entries: u64, max_bytes: u64) -> CacheTier {
+        CacheTier::new(Kind::Memory(memory::MemoryTier::new(entries, max_bytes)))
+    }
+
+    /// A tier every instance shares, such as the Redis tier of `idempotent-redis`.
+    pub fn shared(tier: impl SharedTier) -> CacheTier {
+        CacheTier::new(Kind::Shared(Box::new(tier)))
+    }
+
+    fn new(kind: Kind) -> CacheTier {
+        let metrics = Arc::new(TierMetrics::register(kind_name(&kind)));
+        CacheTier {
+            kind: Arc::new(kind),
+            metrics,
+        }
+    }
+
+    /// `memory`, or the shared tier's name (`redis`): the `tier` label of its metrics.
+    pub fn name(&self) -> &'static str {
+        kind_name(&self.kind)
+    }
+
+    /// How many entries the in-process tier holds now (approximately: evictions are applied
+    /// in batches); `None` for a shared tier.
+    pub fn entries(&self) -> Option<u64> {
+        match &*self.kind {
+            Kind::Memory(tier) => Some(tier.entries()),
+            Kind::Shared(_) => None,
+        }
+    }
+
+    /// The claim of a cached store: the tier's finished record if it has one, else the store's
+    /// answer, kept in the tier when it is a finished record of this request. What
+    /// [`Cached`]'s claim is, for a store that keeps its own tier in front of whichever
+    /// backend it holds (an `AnyStore`).
+    pub async fn claim_through<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Claim, StoreError> {
+        if let Some(hit) = self.lookup(key).await {
+            return Ok(hit);
+        }
+        let asked_at = Instant::now();
+        let answer = store.claim(key, fingerprint, lease, ttl).await?;
+        let integrity = if store.keeps_records_in_process() {
+            Integrity::InProcess
+        } else {
+            Integrity::Checksummed
+        };
+        if let Some(finished) = Finished::from_answer(&answer, fingerprint, asked_at, integrity) {
+            self.put(*key, finished);
+        }
+        Ok(answer)
+    }
+
+    /// The finished record of `key` as the store would answer it now, if the tier has it.
+    /// Counted in `idempotency.cache.lookups`; a tier that failed is a miss (`error`).
+    pub async fn lookup(&self, key: &StorageKey) -> Option<Claim> {
+        let found = match &*self.kind {
+            Kind::Memory(tier) => Ok(tier.get(key).and_then(|entry| entry.answer(Instant::now()))),
+            Kind::Shared(tier) => tier.get(key).await,
+        };
+        let answer = match found {
+            Ok(answer) => answer,
+            Err(TierUnavailable) => {
+                self.metrics.lookup_error.increment(1);
+                return None;
+            }
+        };
+        match &answer {
+            Some(_) => self.metrics.hit.increment(1),
+            None => self.metrics.miss.increment(1),
+        }
+        answer
+    }
+
+    /// Keeps `finished` as `key`'s record. A shared tier may write in the background: a hint
+    /// need not delay the answer.
+    fn put(&self, key: StorageKey, finished: Finished) {
+        match &*self.kind {
+            Kind::Memory(tier) => {
+                tier.insert(key, finished);
+                self.metrics.written.increment(1);
+            }
+            Kind::Shared(tier) => tier.insert(
+                key,
+                finished,
+                TierWrites {
+                    metrics: Arc::clone(&self.metrics),
+                },
+            ),
+        }
+    }
+
+    /// Keeps the record a transactional completion committed: `payload` (its envelope) for
+    /// a request with `fingerprint`, completed with `ttl` no earlier than `completed_from`.
+    /// The caller calls this only after the commit (a transactional mode, such as
+    /// `idempotent-postgres`'s): a record seen inside an uncommitted transaction may yet be
+    /// rolled back.
+    pub fn put_committed(
+        &self,
+        key: StorageKey,
+        fingerprint: Fingerprint,
+        payload: Bytes,
+        ttl: Duration,
+        completed_from: std::time::Instant,
+    ) {
+        let answer = Claim::Completed {
+            fingerprint,
+            payload,
+            expires_in: idempotent_core::limits::clamp_ttl(ttl),
+        };
+        if let Some(finished) = Finished::from_answer(
+            &answer,
+            &fingerprint,
+            Instant::from_std(completed_from),
+            Integrity::Checksummed,
+        ) {
+            self.put(key, finished);
+        }
+    }
+}
+
+fn kind_name(kind: &Kind) -> &'static str {
+    match kind {
+        Kind::Memory(_) => "memory",
+        Kind::Shared(tier) => tier.name(),
+    }
+}
+
+/// The handles of one tier's metrics, registered with the recorder installed when it was
+/// created.
+struct TierMetrics {
+    hit: Counter,
+    miss: Counter,
+    lookup_error: Counter,
+    written: Counter,
+    write_error: Counter,
+    dropped: Counter,
+}
+
+impl TierMetrics {
+    fn register(tier: &'static str) -> TierMetrics {
+        metrics::describe_counter!(
+            CACHE_LOOKUPS,
+            Unit::Count,
+            "Claims a cache tier was asked about first, by tier and outcome."
+        );
+        metrics::describe_counter!(
+            CACHE_WRITES,
+            Unit::Count,
+            "Finished records put in a cache tier, by tier and result."
+        );
+        let lookup = |outcome: &'static str| metrics::counter!(CACHE_LOOKUPS, "tier" => tier, "outcome" => outcome);
+        let write = |result: &'static str| metrics::counter!(CACHE_WRITES, "tier" => tier, "result" => result);
+        TierMetrics {
+            hit: lookup("hit"),
+            miss: lookup("miss"),
+            lookup_error: lookup("error"),
+            written: write("ok"),
+            write_error: write("error"),
+            dropped: write("dropped"),
+        }
+    }
+}
+
+/// A store with a [`CacheTier`] in front: claims of finished records are answered from the
+/// tier when it has them; everything else goes to `store`. See the [module](self) for the
+/// rules it keeps.
+///
+/// Its [`name`](Store::name) and [`keeps_records_in_process`](Store::keeps_records_in_process)
+/// are the store's: metrics and checks are those of the store behind it.
+#[derive(Clone)]
+pub struct Cached<S> {
+    store: S,
+    tier: CacheTier,
+}
+
+impl<S: fmt::Debug> fmt::Debug for Cached<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cached")
+            .field("store", &self.store)
+            .field("tier", &self.tier)
+            .finish()
+    }
+}
+
+impl<S: Store> Cached<S> {
+    /// `store` with `tier` in front.
+    pub fn new(store: S, tier: CacheTier) -> Self {
+        Cached { store, tier }
+    }
+
+    /// The authoritative store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The tier in front of it.
+    pub fn tier(&self) -> &CacheTier {
+        &self.tier
+    }
+}
+
+impl<S: Store> Store for Cached<S> {
+    async fn claim(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Claim, StoreError> {
+        self.tier
+            .claim_through(&self.store, key, fingerprint, lease, ttl)
+            .await
+    }
+
+    async fn complete(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        payload: Bytes,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.store.complete(key, token, payload, ttl).await
+    }
+
+    async fn release(&self, key: &StorageKey, token: FencingToken) -> Result<(), StoreError> {
+        self.store.release(key, token).await
+    }
+
+    async fn renew(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        self.store.renew(key, token, lease).await
+    }
+
+    fn name(&self) -> &'static str {
+        self.store.name()
+    }
+
+    fn keeps_records_in_process(&self) -> bool {
+        self.store.keeps_records_in_process()
+    }
+
+    fn location(&self) -> Option<String> {
+        self.store.location()
+    }
+
+    /// Always the store's: a session's gate decides what may run.
+    async fn open_session(
+        &self,
+        session: &idempotent_core::SessionKey,
+        request: idempotent_core::SessionRequest,
+    ) -> Result<idempotent_core::SessionGate, StoreError> {
+        self.store.open_session(session, request).await
+    }
+
+    async fn session_mark(
+        &self,
+        session: &idempotent_core::SessionKey,
+    ) -> Result<Option<idempotent_core::SessionMark>, StoreError> {
+        self.store.session_mark(session).await
+    }
+
+    /// Always the store's, like a claim: it decides ownership.
+    async fn resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        self.store.resume(key, fingerprint, lease, ttl).await
+    }
+
+    /// Always the store's, like everything about a record in flight.
+    async fn save_step(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        entry: Bytes,
+    ) -> Result<(), StoreError> {
+        self.store.save_step(key, token, entry).await
+    }
+
+    async fn load_steps(&self, key: &StorageKey, token: FencingToken) -> Result<Bytes, StoreError> {
+        self.store.load_steps(key, token).await
+    }
+
+    async fn save_request(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        request: Bytes,
+    ) -> Result<(), StoreError> {
+        self.store.save_request(key, token, request).await
+    }
+
+    async fn abandoned(
+        &self,
+        idle: Duration,
+        limit: usize,
+        owner: Option<&idempotent_core::RequestOwner>,
+    ) -> Result<Vec<idempotent_core::steps::Abandoned>, StoreError> {
+        self.store.abandoned(idle, limit, owner).await
+    }
+
+    async fn wait_for_change(&self, key: &StorageKey, max_wait: Duration) {
+        self.store.wait_for_change(key, max_wait).await;
+    }
+}

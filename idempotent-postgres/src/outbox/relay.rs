@@ -1,0 +1,751 @@
+//! The relay: delivers the outbox's committed messages, at least once, with their keys.
+//!
+//! (Longer than most files here, on purpose: the relay's builder, its loop and its SQL
+//! share one set of settings, and about 150 lines are the documentation of its delivery
+//! guarantees.)
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::postgres::{PgListener, PgPool};
+// The executor's own methods, for `Send` futures: see the note in the parent module.
+use sqlx::{Executor as _, Row as _};
+
+use super::sink::{Relayed, Sink, SinkError};
+use super::table::{MAX_OUTBOX_DELAY, Outbox, RELAY_CRASHED, TAKEN_HOLD};
+use super::{OUTBOX_DEAD, OUTBOX_DELIVERIES, OUTBOX_OLDEST_PENDING_AGE, OUTBOX_PENDING};
+use crate::{micros, store_error};
+use idempotent_core::StoreError;
+
+/// What one [`Relay::run_once`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Batch {
+    /// Messages taken.
+    pub taken: usize,
+    /// Delivered.
+    pub delivered: usize,
+    /// Failed, to be tried again after a backoff.
+    pub retried: usize,
+    /// Failed for the last time, or permanently, or their relays died while delivering them
+    /// `max_attempts` times: dead-lettered.
+    pub dead: usize,
+}
+
+/// Settings of a [`Relay`]; see [`RelayBuilder`].
+#[derive(Debug, Clone)]
+struct Settings {
+    batch_size: u32,
+    poll_interval: Duration,
+    max_attempts: u32,
+    first_backoff: Duration,
+    max_backoff: Duration,
+    delivery_timeout: Duration,
+    retain_delivered: Duration,
+    reap_every: Duration,
+}
+
+/// Delivers an [`Outbox`]'s committed messages to [`Sink`]s, at least once.
+///
+/// ```no_run
+/// use idempotent_postgres::outbox::{Outbox, Relay};
+/// # use idempotent_postgres::outbox::{BoxFuture, Relayed, Sink, SinkError};
+/// # struct Notifier;
+/// # impl Sink for Notifier {
+/// #     fn deliver<'a>(&'a self, _: &'a Relayed) -> BoxFuture<'a, Result<(), SinkError>> {
+/// #         Box::pin(async { Ok(()) })
+/// #     }
+/// # }
+/// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let outbox = Outbox::new();
+/// outbox.migrate(&pool).await?;
+/// let relay = Relay::builder(pool, outbox).sink("notifications", Notifier).build();
+/// relay.run(async { tokio::signal::ctrl_c().await.ok(); }).await;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # How it delivers
+///
+/// - **Connections.** It uses two of the pool's connections: one for the batch, one
+///   listening. Give it a pool of at least two.
+/// - **Taking a batch.** A batch starts with one statement, committed on its own: it takes up
+///   to [`batch_size`](RelayBuilder::batch_size) pending messages that are due, whose
+///   destination has a sink here, and that are the oldest pending message of their ordering
+///   key (if they have one), with `SELECT … FOR UPDATE SKIP LOCKED`, and **counts the attempt
+///   before anything is sent**: `attempts` goes up, `delivering_since` is set, and the message
+///   is not due for 5 s. The cost does not grow with the messages waiting behind an ordering
+///   key's oldest one (see [`Outbox`]'s table). A message whose last relay died while
+///   delivering it is a *suspect*, and is **taken alone**: a batch of one (see "A relay that
+///   dies").
+/// - **Delivering under row locks.** The batch's transaction then locks the messages it took
+///   (`FOR UPDATE`, each only if it still has the attempt count it took), delivers them
+///   concurrently, each within [`delivery_timeout`](RelayBuilder::delivery_timeout), records
+///   each outcome and commits. Another relay skips the locked rows, so **many relays share
+///   the work and never deliver one message at the same time**; a message another relay took
+///   over in between (only possible if this relay needed more than the 5 s to lock it: its
+///   count changed) is left to that relay.
+/// - **A relay that dies.** A relay that dies mid-batch (a crash, SIGKILL, running out of
+///   memory, a lost connection) releases its locks with its connection, but its attempts were
+///   counted: 5 s after it took them its messages are taken again by the next batch, which
+///   is why delivery is *at least once* and the receiver must deduplicate on the key. Their
+///   `last_error` then reads `relay_crashed: a relay died while delivering it (attempt N) …`.
+///   **Crashes are charged per message, not per batch**: every message of the dead relay's
+///   batch had its attempt counted, but none is known to be the one that killed it, so each
+///   is taken again *alone*, in a batch of one, and only a crash during a delivery of that
+///   message alone can be its last attempt. A message that makes its relay die each time it is
+///   delivered (a sink that aborts on it, a payload that exhausts memory) is therefore
+///   dead-lettered, with that error, once its attempts reach
+///   [`max_attempts`](RelayBuilder::max_attempts) and its last one was made alone: it does not
+///   take every relay down forever, the messages behind it on its ordering key flow again, and
+///   the innocent messages of its batches are delivered (again, if the dead relay had sent
+///   them: at least once), never dead-lettered for its crashes. A message whose attempts
+///   reached the limit in a crashed batch of several gets one more attempt, alone (so with
+///   `max_attempts(1)` such a message is tried twice). The batches of one go on at once, one
+///   after the other, until no suspect is due; many relays take suspects in parallel.
+///   A relay frozen with its connection open holds its rows until PostgreSQL ends its
+///   transaction after `idle_in_transaction_session_timeout`, set for the batch to twice the
+///   delivery timeout plus 5 s; if it then wakes in the middle of a delivery, that delivery
+///   can overlap another relay's. So can one still running when its connection was cut under
+///   it (the server restarted, `pg_terminate_backend`, a network partition): its locks went
+///   with the connection. The key makes both harmless; both count as a relay that died.
+/// - **Waking.** It listens for the `NOTIFY` each enqueue sends on commit, and also polls
+///   every [`poll_interval`](RelayBuilder::poll_interval), so a lost notification or a
+///   dropped listener connection delays a message by at most one interval. While batches
+///   come back full, it takes the next at once.
+/// - **Failures.** A failed delivery (an error, the timeout, a sink that panicked) is tried
+///   again after an exponential backoff (from
+///   [`backoff`](RelayBuilder::backoff)'s first delay, doubling, capped, with jitter); after
+///   [`max_attempts`](RelayBuilder::max_attempts) attempts, or at once for a
+///   [`SinkError::permanent`], the message is **dead-lettered**: kept with `state = 'dead'`
+///   and its last error, listed by [`Outbox::dead_letters`], put back by
+///   [`Outbox::requeue`]. A dead-lettered message no longer holds back later messages with
+///   its ordering key (so a requeued one may follow them). A row that cannot be read
+///   (edited by hand) is dead-lettered with the reason.
+/// - **Reaping and the backlog.** Every [`reap_every`](RelayBuilder::reap_every), delivered
+///   messages older than [`retain_delivered`](RelayBuilder::retain_delivered) are deleted,
+///   and the [backlog](Outbox::backlog) is read into the gauges [`OUTBOX_PENDING`],
+///   [`OUTBOX_DEAD`] and [`OUTBOX_OLDEST_PENDING_AGE`].
+/// - **The database down.** A batch that fails is logged and tried again after the poll
+///   interval; nothing is lost (messages not recorded as delivered are delivered again, as
+///   after a relay that died).
+/// - **Memory.** A batch holds each payload once: each row is dropped as soon as its message
+///   is read from it, and each message is moved, not copied, to its delivery. At most
+///   `batch_size` × [`MAX_OUTBOX_PAYLOAD`](super::MAX_OUTBOX_PAYLOAD) (512 MiB with the
+///   defaults) of payloads, plus one being read.
+///
+/// It counts each attempt in [`OUTBOX_DELIVERIES`] by result, with the recorder installed
+/// when it was [built](RelayBuilder::build).
+#[derive(Clone)]
+pub struct Relay {
+    pool: PgPool,
+    outbox: Outbox,
+    sinks: Arc<HashMap<String, Arc<dyn Sink>>>,
+    destinations: Arc<[String]>,
+    settings: Settings,
+    metrics: Arc<RelayMetrics>,
+    /// The batch statement, for this relay's batch size.
+    take: Arc<str>,
+    /// The ordering key after which the next batch looks for heads first: the last key this
+    /// relay took, so that every key gets its turn however many have messages due.
+    cursor: Arc<std::sync::Mutex<String>>,
+}
+
+/// The relay's counters, registered when it is built.
+struct RelayMetrics {
+    delivered: metrics::Counter,
+    retried: metrics::Counter,
+    dead: metrics::Counter,
+    pending_now: metrics::Gauge,
+    dead_now: metrics::Gauge,
+    oldest_pending_age: metrics::Gauge,
+}
+
+impl RelayMetrics {
+    fn register() -> Self {
+        metrics::describe_counter!(
+            OUTBOX_DELIVERIES,
+            metrics::Unit::Count,
+            "Delivery attempts of outbox messages, by result"
+        );
+        metrics::describe_gauge!(
+            OUTBOX_PENDING,
+            metrics::Unit::Count,
+            "Outbox messages not delivered yet"
+        );
+        metrics::describe_gauge!(OUTBOX_DEAD, metrics::Unit::Count, "Outbox dead letters");
+        metrics::describe_gauge!(
+            OUTBOX_OLDEST_PENDING_AGE,
+            metrics::Unit::Seconds,
+            "How long the oldest pending outbox message has waited"
+        );
+        let counter =
+            |result: &'static str| metrics::counter!(OUTBOX_DELIVERIES, "result" => result);
+        RelayMetrics {
+            delivered: counter("delivered"),
+            retried: counter("retried"),
+            dead: counter("dead"),
+            pending_now: metrics::gauge!(OUTBOX_PENDING),
+            dead_now: metrics::gauge!(OUTBOX_DEAD),
+            oldest_pending_age: metrics::gauge!(OUTBOX_OLDEST_PENDING_AGE),
+        }
+    }
+}
+
+impl fmt::Debug for Relay {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Relay")
+            .field("outbox", &self.outbox)
+            .field("destinations", &self.destinations)
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`Relay`].
+#[must_use]
+pub struct RelayBuilder {
+    pool: PgPool,
+    outbox: Outbox,
+    sinks: HashMap<String, Arc<dyn Sink>>,
+    settings: Settings,
+}
+
+impl RelayBuilder {
+    /// Delivers the messages of `destination` to `sink`. A relay takes only the messages of
+    /// the destinations it has sinks for, so relays with different sinks can share an outbox.
+    pub fn sink(mut self, destination: impl Into<String>, sink: impl Sink) -> Self {
+        self.sinks.insert(destination.into(), Arc::new(sink));
+        self
+    }
+
+    /// Messages per batch (default 32, at least 1).
+    pub fn batch_size(mut self, size: u32) -> Self {
+        self.settings.batch_size = size.max(1);
+        self
+    }
+
+    /// How often to look for due messages without a notification (default 1 s, at least
+    /// 1 ms). [`Duration::MAX`], or any interval too long for the clock, is never: the relay
+    /// then waits for notifications alone.
+    pub fn poll_interval(mut self, every: Duration) -> Self {
+        self.settings.poll_interval = every.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Attempts before a message is dead-lettered (default 10, at least 1).
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.settings.max_attempts = attempts.clamp(1, i32::MAX as u32);
+        self
+    }
+
+    /// The backoff after a failed attempt: `first` after the first, doubling after each, at
+    /// most `max`, each drawn between half and all of that (default 1 s and 5 min). Both are
+    /// at most 365 days: a longer one, [`Duration::MAX`] included, is 365 days.
+    pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.settings.first_backoff = first;
+        self.settings.max_backoff = max.max(first);
+        self
+    }
+
+    /// How long one delivery may take before it counts as failed (default 30 s, at least
+    /// 1 ms). [`Duration::MAX`], or any timeout too long for the clock, is none: a delivery
+    /// may take as long as its sink does. The batch's idle-transaction timeout (twice this plus
+    /// 5 s, see "How it delivers") is at most PostgreSQL's largest, about 24.8 days.
+    pub fn delivery_timeout(mut self, timeout: Duration) -> Self {
+        self.settings.delivery_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long delivered messages are kept before reaping (default 1 h). At most 365 days:
+    /// a longer one, [`Duration::MAX`] included, is 365 days.
+    pub fn retain_delivered(mut self, retain: Duration) -> Self {
+        self.settings.retain_delivered = retain;
+        self
+    }
+
+    /// How often delivered messages are reaped and the backlog gauges read (default 1 min,
+    /// at least 1 ms). [`Duration::MAX`] is never.
+    pub fn reap_every(mut self, every: Duration) -> Self {
+        self.settings.reap_every = every.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The relay. Its metrics are registered with the recorder installed now.
+    pub fn build(self) -> Relay {
+        let mut destinations: Vec<String> = self.sinks.keys().cloned().collect();
+        destinations.sort();
+        let take = self.outbox.sql().take(self.settings.batch_size).into();
+        Relay {
+            take,
+            pool: self.pool,
+            outbox: self.outbox,
+            sinks: Arc::new(self.sinks),
+            destinations: destinations.into(),
+            settings: self.settings,
+            metrics: Arc::new(RelayMetrics::register()),
+            cursor: Arc::default(),
+        }
+    }
+}
+
+/// How one message's delivery ended.
+enum Delivered {
+    Ok(i64),
+    Failed(i64, u32, SinkError),
+}
+
+/// A row the batch statement took, read.
+enum Taken {
+    /// To deliver.
+    Outgoing(Relayed),
+    /// To dead-letter without delivering: the row cannot be read (its id, attempt and why).
+    Unreadable(i64, u32, sqlx::Error),
+}
+
+impl Relay {
+    /// A relay for `outbox` on `pool`, without sinks yet.
+    pub fn builder(pool: PgPool, outbox: Outbox) -> RelayBuilder {
+        RelayBuilder {
+            pool,
+            outbox,
+            sinks: HashMap::new(),
+            settings: Settings {
+                batch_size: 32,
+                poll_interval: Duration::from_secs(1),
+                max_attempts: 10,
+                first_backoff: Duration::from_secs(1),
+                max_backoff: Duration::from_secs(300),
+                delivery_timeout: Duration::from_secs(30),
+                retain_delivered: Duration::from_secs(3600),
+                reap_every: Duration::from_secs(60),
+            },
+        }
+    }
+
+    /// Deletes the messages delivered more than
+    /// [`retain_delivered`](RelayBuilder::retain_delivered) ago, in batches of 1,000; returns
+    /// how many. Pending messages and dead letters are kept. A running relay does this every
+    /// [`reap_every`](RelayBuilder::reap_every); call it yourself to reap at a time of your
+    /// choosing (from a scheduled job, say).
+    pub async fn reap(&self) -> Result<u64, StoreError> {
+        self.outbox
+            .reap(&self.pool, self.settings.retain_delivered)
+            .await
+    }
+
+    /// Delivers one batch: see "How it delivers".
+    pub async fn run_once(&self) -> Result<Batch, StoreError> {
+        self.run_batch().await.map(|(batch, _)| batch)
+    }
+
+    /// Delivers one batch, and says whether it was a message taken alone because its last
+    /// relay died delivering it (see "How it delivers"): then the next batch is taken at once.
+    async fn run_batch(&self) -> Result<(Batch, bool), StoreError> {
+        let settings = &self.settings;
+        let mut connection = self.pool.acquire().await.map_err(store_error)?;
+        let cursor = self
+            .cursor
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        // Committed at once (autocommit): each attempt is counted before anything is sent.
+        let take = sqlx::query(&self.take)
+            .bind(&self.destinations[..])
+            .bind(i32::try_from(settings.max_attempts).unwrap_or(i32::MAX))
+            .bind(cursor.as_str());
+        let rows = (&mut *connection)
+            .fetch_all(take)
+            .await
+            .map_err(store_error)?;
+        let mut batch = Batch::default();
+        if rows.is_empty() {
+            return Ok((batch, false));
+        }
+        // Whether the batch statement took a suspect: a message whose last relay died while
+        // delivering it, taken alone so that another crash charges it and nothing else.
+        let mut alone = false;
+        // Every row is read before anything is sent: a row that cannot be read (stored data
+        // edited by hand) is dead-lettered on its own instead of failing the batch. Each row
+        // is dropped once read, so that each payload is held once.
+        let mut taken = Vec::with_capacity(rows.len());
+        let mut keys = Vec::new();
+        for row in rows {
+            let id: i64 = row.try_get(0).map_err(store_error)?;
+            let attempt = attempt(row.try_get(6).map_err(store_error)?);
+            if let Ok(Some(key)) = row.try_get::<Option<String>, _>(9) {
+                keys.push(key);
+            }
+            if row.try_get::<bool, _>(7).map_err(store_error)? {
+                // Its relays died delivering it `max_attempts` times: dead-lettered by the
+                // batch statement itself.
+                let error = row.try_get::<Option<String>, _>(10).ok().flatten();
+                tracing::warn!(outbox = %self.outbox.table(), id, attempts = attempt, error = error.as_deref().unwrap_or(RELAY_CRASHED), "outbox message dead-lettered: its relay died while delivering it, max_attempts times");
+                batch.taken += 1;
+                batch.dead += 1;
+                continue;
+            }
+            if row.try_get::<bool, _>(8).unwrap_or(false) {
+                alone = true;
+                tracing::warn!(outbox = %self.outbox.table(), id, attempt, "outbox message taken again, alone: its relay died while delivering it");
+            }
+            taken.push(match message(row) {
+                Ok(message) => Taken::Outgoing(message),
+                Err(error) => Taken::Unreadable(id, attempt, error),
+            });
+        }
+        self.advance_cursor(&cursor, keys);
+        if taken.is_empty() {
+            self.metrics.dead.increment(batch.dead as u64);
+            return Ok((batch, alone));
+        }
+
+        // The batch's transaction, with its timeouts, in one round trip (integers in ms).
+        let idle = settings
+            .delivery_timeout
+            .saturating_mul(2)
+            .saturating_add(Duration::from_secs(5));
+        let begin = format!(
+            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}; \
+             SET LOCAL lock_timeout = {}",
+            idle.as_millis().min(i32::MAX as u128),
+            TAKEN_HOLD.as_millis(),
+        );
+        let mut tx = sqlx::Connection::begin_with(&mut *connection, begin)
+            .await
+            .map_err(store_error)?;
+        // Held until the commit: while this relay delivers, no other takes these messages.
+        let (ids, attempts): (Vec<i64>, Vec<i32>) = taken
+            .iter()
+            .map(|taken| match taken {
+                Taken::Outgoing(message) => (message.id, message.attempt),
+                Taken::Unreadable(id, attempt, _) => (*id, *attempt),
+            })
+            .map(|(id, attempt)| (id, i32::try_from(attempt).unwrap_or(i32::MAX)))
+            .unzip();
+        let lock = sqlx::query(&self.outbox.sql().lock)
+            .bind(&ids)
+            .bind(&attempts);
+        let locked: std::collections::HashSet<i64> = (&mut *tx)
+            .fetch_all(lock)
+            .await
+            .map_err(store_error)?
+            .iter()
+            .map(|row| row.try_get::<i64, _>(0))
+            .collect::<Result<_, _>>()
+            .map_err(store_error)?;
+        let mut failed = Vec::new();
+        let mut messages = Vec::with_capacity(taken.len());
+        for taken in taken {
+            let id = match &taken {
+                Taken::Outgoing(message) => message.id,
+                Taken::Unreadable(id, ..) => *id,
+            };
+            if !locked.contains(&id) {
+                // Taken over by another relay between the take and the lock (this relay took
+                // longer than the hold to lock it): that relay delivers it.
+                tracing::debug!(outbox = %self.outbox.table(), id, "outbox message taken over by another relay");
+                continue;
+            }
+            batch.taken += 1;
+            match taken {
+                Taken::Outgoing(message) => messages.push(message),
+                Taken::Unreadable(id, _, error) => failed.push((
+                    id,
+                    u32::MAX,
+                    SinkError::permanent(format!("the stored message cannot be read: {error}")),
+                )),
+            }
+        }
+        let mut deliveries = tokio::task::JoinSet::new();
+        let mut spawned = HashMap::new();
+        for message in messages {
+            let Some(sink) = self.sinks.get(&message.destination).cloned() else {
+                continue;
+            };
+            let timeout = settings.delivery_timeout;
+            let (id, attempt) = (message.id, message.attempt);
+            // The message moves into its delivery: its payload is not copied.
+            let task = deliveries.spawn(async move {
+                match tokio::time::timeout(timeout, sink.deliver(&message)).await {
+                    Ok(Ok(())) => Delivered::Ok(message.id),
+                    Ok(Err(error)) => Delivered::Failed(message.id, message.attempt, error),
+                    Err(_) => Delivered::Failed(
+                        message.id,
+                        message.attempt,
+                        SinkError::retry(format!("no delivery within {timeout:?}")),
+                    ),
+                }
+            });
+            spawned.insert(task.id(), (id, attempt));
+        }
+        let mut delivered = Vec::new();
+        while let Some(done) = deliveries.join_next().await {
+            match done {
+                Ok(Delivered::Ok(id)) => delivered.push(id),
+                Ok(Delivered::Failed(id, attempt, error)) => failed.push((id, attempt, error)),
+                // A sink that panicked failed this attempt: retried like any failure, and
+                // dead-lettered after the last.
+                Err(error) => {
+                    tracing::error!(outbox = %self.outbox.table(), error = %error, "an outbox sink panicked");
+                    if let Some((id, attempt)) = spawned.get(&error.id()) {
+                        failed.push((*id, *attempt, SinkError::retry("the sink panicked")));
+                    }
+                }
+            }
+        }
+        if !delivered.is_empty() {
+            let update = sqlx::query(&self.outbox.sql().delivered).bind(&delivered);
+            (&mut *tx).execute(update).await.map_err(store_error)?;
+        }
+        for (id, attempt, error) in &failed {
+            let dead = error.is_permanent() || *attempt >= settings.max_attempts;
+            let text = error.to_string().replace('\0', "\u{FFFD}");
+            let update = if dead {
+                sqlx::query(&self.outbox.sql().dead).bind(id).bind(text)
+            } else {
+                sqlx::query(&self.outbox.sql().failed)
+                    .bind(id)
+                    .bind(text)
+                    .bind(micros(self.backoff(*id, *attempt)))
+            };
+            (&mut *tx).execute(update).await.map_err(store_error)?;
+            if dead {
+                batch.dead += 1;
+                tracing::warn!(outbox = %self.outbox.table(), id, attempt, error = %error, "outbox message dead-lettered");
+            } else {
+                batch.retried += 1;
+                tracing::info!(outbox = %self.outbox.table(), id, attempt, error = %error, "outbox message not delivered; will retry");
+            }
+        }
+        tx.commit().await.map_err(store_error)?;
+        batch.delivered = delivered.len();
+        self.metrics.delivered.increment(batch.delivered as u64);
+        self.metrics.retried.increment(batch.retried as u64);
+        self.metrics.dead.increment(batch.dead as u64);
+        Ok((batch, alone))
+    }
+
+    /// Moves the cursor past the ordering keys the batch took: the next batch looks for
+    /// heads after the last of them, in the order the batch statement visits keys (those
+    /// after the cursor, then from the first key on).
+    fn advance_cursor(&self, cursor: &str, keys: Vec<String>) {
+        let (after, wrapped): (Vec<String>, Vec<String>) =
+            keys.into_iter().partition(|key| key.as_str() > cursor);
+        if let Some(last) = after
+            .into_iter()
+            .max()
+            .or_else(|| wrapped.into_iter().max())
+        {
+            *self
+                .cursor
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = last;
+        }
+    }
+
+    /// The backoff of message `id` after attempt `attempt` (from 1): `first × 2^(attempt-1)`,
+    /// at most `max` (both at most 365 days), then a point between half and all of it, drawn
+    /// from a hash of the message, the attempt and the time, so that the retries of one batch
+    /// spread out.
+    fn backoff(&self, id: i64, attempt: u32) -> Duration {
+        let first = self.settings.first_backoff.min(MAX_OUTBOX_DELAY);
+        let max = self.settings.max_backoff.min(MAX_OUTBOX_DELAY);
+        let ceiling = first
+            .saturating_mul(1 << attempt.saturating_sub(1).min(20))
+            .min(max);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(&id.to_le_bytes());
+        hasher.update(&attempt.to_le_bytes());
+        hasher.update(&now.to_le_bytes());
+        let draw = u64::from_le_bytes(
+            hasher.finalize().as_bytes()[..8]
+                .try_into()
+                .unwrap_or([0; 8]),
+        );
+        let half = ceiling / 2;
+        half.saturating_add(half.mul_f64(draw as f64 / u64::MAX as f64))
+    }
+
+    /// Delivers batches until `shutdown` completes: at once while batches come back full, on
+    /// each `NOTIFY` from an enqueue, and every poll interval. The batch in hand when
+    /// `shutdown` completes is finished first. Failures are logged and retried; it never
+    /// returns early.
+    pub async fn run(&self, shutdown: impl Future<Output = ()>) {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut listener: Option<PgListener> = None;
+        let mut last_reap = tokio::time::Instant::now();
+        loop {
+            if listener.is_none() {
+                tokio::select! {
+                    () = &mut shutdown => return,
+                    listening = self.listen() => listener = listening,
+                }
+            }
+            // Notifications that arrived meanwhile are all answered by this batch.
+            if !drain(&mut listener).await {
+                listener = None;
+            }
+            let more = match self.run_batch().await {
+                // A suspect taken alone: the messages it kept out of the batch are due now.
+                Ok((batch, alone)) => alone || batch.taken >= self.settings.batch_size as usize,
+                Err(error) => {
+                    tracing::warn!(outbox = %self.outbox.table(), error = &error as &dyn std::error::Error, "outbox batch failed; retrying after the poll interval");
+                    false
+                }
+            };
+            if last_reap.elapsed() >= self.settings.reap_every {
+                last_reap = tokio::time::Instant::now();
+                if let Err(error) = self.reap().await {
+                    tracing::warn!(outbox = %self.outbox.table(), error = &error as &dyn std::error::Error, "could not reap delivered outbox messages");
+                }
+                match self.outbox.backlog(&self.pool).await {
+                    Ok(backlog) => {
+                        self.metrics.pending_now.set(backlog.pending as f64);
+                        self.metrics.dead_now.set(backlog.dead as f64);
+                        let age = backlog.oldest_pending.unwrap_or_default();
+                        self.metrics.oldest_pending_age.set(age.as_secs_f64());
+                    }
+                    Err(error) => {
+                        tracing::warn!(outbox = %self.outbox.table(), error = &error as &dyn std::error::Error, "could not read the outbox's backlog")
+                    }
+                }
+            }
+            if more {
+                if futures_ready(&mut shutdown).await {
+                    return;
+                }
+                continue;
+            }
+            let wait = tokio::time::sleep(self.settings.poll_interval);
+            tokio::select! {
+                () = &mut shutdown => return,
+                () = wait => {}
+                notified = recv(&mut listener) => {
+                    if !notified {
+                        listener = None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs the relay ([`run`](Self::run)) on a task of its own until the returned handle's
+    /// [`stop`](RunningRelay::stop). Requires a tokio runtime.
+    pub fn spawn(self) -> RunningRelay {
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(async move {
+            self.run(async move {
+                // Ends on `stop`, and when the handle is dropped.
+                let _ = stopped.wait_for(|stop| *stop).await;
+            })
+            .await;
+        });
+        RunningRelay { stop, task }
+    }
+
+    /// A listener on the outbox's channel, or `None` (polling alone) if it cannot be had now.
+    async fn listen(&self) -> Option<PgListener> {
+        let mut listener = match PgListener::connect_with(&self.pool).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                tracing::debug!(error = %error, "outbox relay cannot listen now; polling");
+                return None;
+            }
+        };
+        match listener.listen(self.outbox.channel()).await {
+            Ok(()) => Some(listener),
+            Err(error) => {
+                tracing::debug!(error = %error, "outbox relay cannot listen now; polling");
+                None
+            }
+        }
+    }
+}
+
+/// Waits for a notification: `true` on one, `false` if the listener failed; never completes
+/// without a listener.
+async fn recv(listener: &mut Option<PgListener>) -> bool {
+    match listener {
+        Some(listener) => matches!(listener.try_recv().await, Ok(Some(_))),
+        None => std::future::pending().await,
+    }
+}
+
+/// A relay running on its own task ([`Relay::spawn`]). Dropping it stops the relay as
+/// [`stop`](Self::stop) does, without waiting for it.
+#[derive(Debug)]
+pub struct RunningRelay {
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RunningRelay {
+    /// Stops the relay once the batch in hand is finished, and waits for it.
+    pub async fn stop(self) {
+        self.stop.send_replace(true);
+        let _ = self.task.await;
+    }
+}
+
+/// Takes every notification already received, without waiting: `false` if the listener
+/// failed.
+async fn drain(listener: &mut Option<PgListener>) -> bool {
+    let Some(listening) = listener else {
+        return true;
+    };
+    while let Some(_notification) = listening.next_buffered() {}
+    loop {
+        tokio::select! {
+            biased;
+            received = listening.try_recv() => match received {
+                Ok(Some(_)) => {}
+                _ => return false,
+            },
+            () = std::future::ready(()) => return true,
+        }
+    }
+}
+
+/// Whether `shutdown` has completed, without waiting for it.
+async fn futures_ready(shutdown: &mut Pin<&mut impl Future<Output = ()>>) -> bool {
+    tokio::select! {
+        biased;
+        () = shutdown.as_mut() => true,
+        () = std::future::ready(()) => false,
+    }
+}
+
+/// The attempt a row's `attempts` (counted by the batch statement) stands for, from 1.
+fn attempt(attempts: i32) -> u32 {
+    u32::try_from(attempts).unwrap_or(0).max(1)
+}
+
+/// The message in a row of the batch statement, which is dropped here: its payload is copied
+/// out of the row once, into the message, and the row's copy freed at once.
+fn message(row: sqlx::postgres::PgRow) -> Result<Relayed, sqlx::Error> {
+    let names: Vec<String> = row.try_get(4)?;
+    let values: Vec<String> = row.try_get(5)?;
+    if names.len() != values.len() {
+        return Err(sqlx::Error::Decode(
+            "header_names and header_values differ in length".into(),
+        ));
+    }
+    Ok(Relayed {
+        id: row.try_get(0)?,
+        destination: row.try_get(1)?,
+        key: row.try_get(2)?,
+        payload: Bytes::from(row.try_get::<Vec<u8>, _>(3)?),
+        headers: names.into_iter().zip(values).collect(),
+        attempt: attempt(row.try_get(6)?),
+    })
+}

@@ -1,0 +1,638 @@
+//! The SQL text of the store's table (built once from its validated name), the locked
+//! migration every PostgreSQL companion uses, and how durations and tokens are bound.
+
+use std::time::Duration;
+
+use sqlx::Executor as _;
+use sqlx::postgres::{PgConnection, PgPool};
+
+use super::error::store_error;
+use super::table::{InvalidTableName, TableName};
+use bytes::Bytes;
+use sqlx::Row as _;
+use sqlx::postgres::PgRow;
+
+use super::error::corrupt;
+use idempotent_core::session::SessionError;
+use idempotent_core::{
+    Claim, FencingToken, Fingerprint, RecordBytes, RequestOwner, SessionGate, SessionKey,
+    SessionRequest, StorageKey, StoreError, limits,
+};
+
+/// How often a claim is re-run when it lost a race it cannot see (see `claim_on`).
+const CLAIM_ATTEMPTS: usize = 8;
+
+/// The largest `seq` or `ack` the session gate binds.
+const MAX_SEQ_PARAM: i64 = idempotent_core::session::MAX_SEQ as i64;
+
+/// Durations are bound as microseconds and capped at the longest TTL or lease (365 days), so
+/// that `now + duration` is always a valid timestamp and no record outlives the ceilings in
+/// [`limits`].
+pub(super) const MAX_MICROS: i64 = {
+    let max = if limits::MAX_TTL.as_micros() > limits::MAX_LEASE.as_micros() {
+        limits::MAX_TTL.as_micros()
+    } else {
+        limits::MAX_LEASE.as_micros()
+    };
+    max as i64
+};
+
+/// The SQL of one table, built once per store from its validated name.
+pub(crate) struct Sql {
+    pub(crate) table: String,
+    pub(crate) migrate: [String; 6],
+    pub(crate) claim: String,
+    /// [`Store::resume`](idempotent_core::Store::resume): the claim's takeover, and nothing else.
+    pub(crate) resume: String,
+    pub(crate) complete: String,
+    pub(crate) complete_in_transaction: String,
+    pub(crate) release: String,
+    pub(crate) release_in_transaction: String,
+    pub(crate) renew: String,
+    pub(crate) give_back: String,
+    pub(crate) reap: String,
+    pub(crate) open_session: String,
+    pub(crate) session_mark: String,
+    pub(crate) save_step: String,
+    pub(crate) load_steps: String,
+    pub(crate) save_request: String,
+    /// [`Store::abandoned`](idempotent_core::Store::abandoned) of requests that name no owner.
+    pub(crate) abandoned: String,
+    /// [`Store::abandoned`](idempotent_core::Store::abandoned) of one owner's requests (`$3`).
+    pub(crate) abandoned_of: String,
+}
+
+impl Sql {
+    pub(crate) fn new(table: &str) -> Result<Self, InvalidTableName> {
+        let table_name = TableName::parse(table)?;
+        let name = table_name.name;
+        let qualify = |part: &str| table_name.qualify(part);
+        let t = table_name.quoted();
+        let seq = qualify(&format!("{name}_token_seq"));
+        let index = format!("\"{name}_expires_at_idx\"");
+        let kept_index = format!("\"{name}_kept_until_idx\"");
+        let kept_index_qualified = qualify(&format!("{name}_kept_until_idx"));
+        let abandoned_index = format!("\"{name}_abandoned_idx\"");
+        let abandoned_index_qualified = qualify(&format!("{name}_abandoned_idx"));
+        let owner_index = format!("\"{name}_owner_idx\"");
+        let owner_index_qualified = qualify(&format!("{name}_owner_idx"));
+        // Whose a saved request is (`RequestOwner`): its first bytes, indexed as they are, so
+        // rows written before the index are listed by owner too.
+        let owner = format!("substring(request from 1 for {})", RequestOwner::LEN);
+        let until = |param: &str| format!("clock_timestamp() + {param} * interval '1 microsecond'");
+        let owned = "storage_key = $1 AND token = $2 AND state = 'in_flight'";
+        let live = "expires_at > clock_timestamp()";
+        // Until when a row is kept: the later of its lease or TTL and the TTL an abandoned
+        // claim is kept for (`greatest` skips a NULL `kept_until`: rows written before it).
+        let kept = "greatest(kept_until, expires_at)";
+        // An abandoned claim (its lease ended, or released) of a request other than
+        // `fingerprint`'s, still kept; columns of `row` (a prefix: `r.` or none).
+        let pinned = |row: &str, fingerprint: &str| {
+            format!(
+                "{row}state = 'in_flight' AND {row}fingerprint <> {fingerprint} \
+                 AND coalesce({row}kept_until, {row}expires_at) > clock_timestamp()"
+            )
+        };
+        Ok(Sql {
+            table: table.to_owned(),
+            migrate: [
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (\
+                     storage_key bytea PRIMARY KEY, \
+                     state text NOT NULL, \
+                     fingerprint bytea NOT NULL, \
+                     token bigint NOT NULL, \
+                     payload bytea, \
+                     expires_at timestamptz NOT NULL)"
+                ),
+                format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at)"),
+                format!("CREATE SEQUENCE IF NOT EXISTS {seq}"),
+                // The columns added in 0.3, checked first: `ALTER TABLE` and `CREATE INDEX`
+                // lock the table even when there is nothing to do, and every instance
+                // migrates at startup while others hold open transactions on the table.
+                format!(
+                    "DO $$ BEGIN \
+                     IF NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = '{t}'::regclass \
+                         AND attname = 'claimant' AND NOT attisdropped) THEN \
+                         ALTER TABLE {t} ADD COLUMN IF NOT EXISTS lifetime bigint, \
+                         ADD COLUMN IF NOT EXISTS kept_until timestamptz, \
+                         ADD COLUMN IF NOT EXISTS claimant bigint; \
+                     END IF; \
+                     IF to_regclass('{kept_index_qualified}') IS NULL THEN \
+                         CREATE INDEX IF NOT EXISTS {kept_index} ON {t} (({kept})); \
+                     END IF; \
+                     END $$"
+                ),
+                // The columns of checkpoints and saved requests, and the index of the
+                // completer's query (`abandoned`): checked first, like the ones above.
+                format!(
+                    "DO $$ BEGIN \
+                     IF NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = '{t}'::regclass \
+                         AND attname = 'request' AND NOT attisdropped) THEN \
+                         ALTER TABLE {t} ADD COLUMN IF NOT EXISTS steps bytea, \
+                         ADD COLUMN IF NOT EXISTS request bytea; \
+                     END IF; \
+                     IF to_regclass('{abandoned_index_qualified}') IS NULL THEN \
+                         CREATE INDEX IF NOT EXISTS {abandoned_index} ON {t} (expires_at) \
+                         WHERE state = 'in_flight' AND request IS NOT NULL; \
+                     END IF; \
+                     END $$"
+                ),
+                // The index of one owner's saved requests (`abandoned_of`), checked first
+                // like the ones above.
+                format!(
+                    "DO $$ BEGIN \
+                     IF to_regclass('{owner_index_qualified}') IS NULL THEN \
+                         CREATE INDEX IF NOT EXISTS {owner_index} ON {t} (({owner}), expires_at) \
+                         WHERE state = 'in_flight' AND request IS NOT NULL; \
+                     END IF; \
+                     END $$"
+                ),
+            ],
+            // A row is reported (`live`) while its lease or TTL lasts, and so is an abandoned
+            // claim of another request while it is kept (`pinned`, nobody holding its lease):
+            // the key is that request's for the record's whole life. The update refuses such a
+            // row too, so a claim whose snapshot missed it runs again and reports it.
+            claim: format!(
+                "WITH live AS (\
+                     SELECT state, fingerprint, payload, \
+                     greatest((EXTRACT(EPOCH FROM expires_at - clock_timestamp()) * 1000000)::int8, 0) AS remaining_us \
+                     FROM {t} WHERE storage_key = $1 AND ({live} OR {pinned})\
+                 ), claimed AS (\
+                     INSERT INTO {t} AS r (storage_key, state, fingerprint, token, lifetime, payload, \
+                     expires_at, kept_until, claimant) \
+                     SELECT $1, 'in_flight', $2, nextval('{seq}'), NULL, NULL, {lease}, {kept_for}, $5 \
+                     WHERE NOT EXISTS (SELECT FROM live) \
+                     ON CONFLICT (storage_key) DO UPDATE \
+                     SET state = 'in_flight', fingerprint = excluded.fingerprint, \
+                     token = greatest(nextval('{seq}'), r.token + 1), \
+                     (lifetime, steps, request) = (\
+                         SELECT coalesce(r.lifetime, r.token), r.steps, r.request \
+                         WHERE r.state = 'in_flight' AND r.fingerprint = excluded.fingerprint \
+                         AND coalesce(r.kept_until, r.expires_at) > clock_timestamp()), \
+                     payload = NULL, expires_at = {lease}, kept_until = {kept_for}, \
+                     claimant = excluded.claimant \
+                     WHERE r.expires_at <= clock_timestamp() AND NOT ({pinned_r}) \
+                     RETURNING r.token, coalesce(r.lifetime, r.token) AS lifetime\
+                 ) \
+                 SELECT 'claimed'::text AS state, token, lifetime, NULL::bytea AS fingerprint, \
+                 NULL::bytea AS payload, NULL::int8 AS remaining_us FROM claimed \
+                 UNION ALL \
+                 SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live",
+                lease = until("$3"),
+                kept_for = until("greatest($3, $4)"),
+                pinned = pinned("", "$2"),
+                pinned_r = pinned("r.", "excluded.fingerprint"),
+            ),
+            // The claim's takeover of an abandoned claim of the same request, and nothing else:
+            // no row when the key holds no such record (absent, expired, another request's).
+            resume: format!(
+                "WITH live AS (\
+                     SELECT state, fingerprint, payload, \
+                     (EXTRACT(EPOCH FROM expires_at - clock_timestamp()) * 1000000)::int8 AS remaining_us \
+                     FROM {t} WHERE storage_key = $1 AND {live}\
+                 ), taken AS (\
+                     UPDATE {t} AS r SET token = greatest(nextval('{seq}'), r.token + 1), \
+                     lifetime = coalesce(r.lifetime, r.token), \
+                     expires_at = {lease}, kept_until = {kept_for}, claimant = $5 \
+                     WHERE r.storage_key = $1 AND r.state = 'in_flight' AND r.fingerprint = $2 \
+                     AND r.expires_at <= clock_timestamp() \
+                     AND coalesce(r.kept_until, r.expires_at) > clock_timestamp() \
+                     AND NOT EXISTS (SELECT FROM live) \
+                     RETURNING r.token, r.lifetime\
+                 ) \
+                 SELECT 'claimed'::text AS state, token, lifetime, NULL::bytea AS fingerprint, \
+                 NULL::bytea AS payload, NULL::int8 AS remaining_us FROM taken \
+                 UNION ALL \
+                 SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live",
+                lease = until("$3"),
+                kept_for = until("greatest($3, $4)"),
+            ),
+            // The owner's completion repeated after the first one landed (its answer was
+            // lost, or the runtime retries with the "not retained" record) changes nothing
+            // and succeeds.
+            complete: format!(
+                "UPDATE {t} SET state = 'completed', \
+                 payload = CASE WHEN state = 'in_flight' THEN $3 ELSE payload END, \
+                 expires_at = CASE WHEN state = 'in_flight' THEN {ttl} ELSE expires_at END, \
+                 kept_until = CASE WHEN state = 'in_flight' THEN {ttl} ELSE kept_until END, \
+                 claimant = NULL, steps = NULL, request = NULL \
+                 WHERE storage_key = $1 AND token = $2 AND state IN ('in_flight', 'completed') \
+                 AND {live}",
+                ttl = until("$4"),
+            ),
+            // In the claimer's own transaction the row is locked until commit, so nobody can
+            // take it over, however long the work took.
+            complete_in_transaction: format!(
+                "UPDATE {t} SET state = 'completed', payload = $3, expires_at = {ttl}, \
+                 kept_until = {ttl}, claimant = NULL, steps = NULL, request = NULL \
+                 WHERE {owned}",
+                ttl = until("$4"),
+            ),
+            release: format!(
+                "UPDATE {t} SET expires_at = clock_timestamp() WHERE {owned} AND {live}"
+            ),
+            release_in_transaction: format!(
+                "UPDATE {t} SET expires_at = clock_timestamp() WHERE {owned}"
+            ),
+            renew: format!(
+                "UPDATE {t} SET expires_at = {lease}, kept_until = greatest(kept_until, {lease}) \
+                 WHERE {owned} AND {live}",
+                lease = until("$3"),
+            ),
+            give_back: format!(
+                "UPDATE {t} SET expires_at = clock_timestamp() \
+                 WHERE storage_key = $1 AND claimant = $2 AND state = 'in_flight' AND {live}"
+            ),
+            // `statement_timestamp()`, not `clock_timestamp()`: a volatile function cannot be
+            // an index condition, and the grace dwarfs the difference.
+            reap: format!(
+                "DELETE FROM {t} WHERE storage_key IN (\
+                     SELECT storage_key FROM {t} \
+                     WHERE {kept} < statement_timestamp() - $1 * interval '1 microsecond' \
+                     LIMIT $2 FOR UPDATE SKIP LOCKED)"
+            ),
+            open_session: open_session(&t, &seq),
+            session_mark: format!(
+                "SELECT state, token, claimant FROM {t} \
+                 WHERE storage_key = $1 AND expires_at > clock_timestamp()"
+            ),
+            save_step: format!(
+                "UPDATE {t} SET steps = coalesce(steps, ''::bytea) || $3 WHERE {owned} AND {live}"
+            ),
+            load_steps: format!(
+                "SELECT coalesce(steps, ''::bytea) AS steps FROM {t} WHERE {owned} AND {live}"
+            ),
+            save_request: format!("UPDATE {t} SET request = $3 WHERE {owned} AND {live}"),
+            // `statement_timestamp()`, like `reap`, so that the lease bound is an index
+            // condition; kept as a takeover keeps it (see `claim`).
+            abandoned: format!(
+                "SELECT storage_key, fingerprint, request, \
+                 (EXTRACT(EPOCH FROM statement_timestamp() - expires_at) * 1000000)::int8 AS idle_us \
+                 FROM {t} \
+                 WHERE state = 'in_flight' AND request IS NOT NULL \
+                 AND expires_at <= statement_timestamp() - $1 * interval '1 microsecond' \
+                 AND coalesce(kept_until, expires_at) > statement_timestamp() \
+                 AND octet_length(storage_key) IN (32, 48) \
+                 AND octet_length(request) < {len} \
+                 ORDER BY expires_at LIMIT $2",
+                len = RequestOwner::LEN,
+            ),
+            abandoned_of: format!(
+                "SELECT storage_key, fingerprint, request, \
+                 (EXTRACT(EPOCH FROM statement_timestamp() - expires_at) * 1000000)::int8 AS idle_us \
+                 FROM {t} \
+                 WHERE state = 'in_flight' AND request IS NOT NULL AND {owner} = $3 \
+                 AND expires_at <= statement_timestamp() - $1 * interval '1 microsecond' \
+                 AND coalesce(kept_until, expires_at) > statement_timestamp() \
+                 AND octet_length(storage_key) IN (32, 48) \
+                 ORDER BY expires_at LIMIT $2"
+            ),
+        })
+    }
+
+    /// The claim statement on `connection`, run again while it loses races it cannot see.
+    /// `claimant` (see `Unanswered`) is written into the row it makes, if any.
+    pub(crate) async fn claim_on(
+        &self,
+        connection: &mut PgConnection,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        (lease, ttl): (Duration, Duration),
+        claimant: Option<i64>,
+    ) -> Result<Claim, StoreError> {
+        let record = key.record_bytes();
+        for _ in 0..CLAIM_ATTEMPTS {
+            let claim = sqlx::query(&self.claim)
+                .bind(record.as_ref())
+                .bind(fingerprint.as_bytes().as_slice())
+                .bind(micros(limits::clamp_lease(lease)))
+                .bind(micros(limits::clamp_ttl(ttl)))
+                .bind(claimant);
+            let row = (&mut *connection)
+                .fetch_optional(claim)
+                .await
+                .map_err(store_error)?;
+            // No row: a concurrent claim committed a live record after this statement's
+            // snapshot was taken. The next attempt's snapshot sees it.
+            if let Some(row) = row {
+                return decode_claim(&row);
+            }
+        }
+        Err(StoreError::Backend(
+            format!("claim lost {CLAIM_ATTEMPTS} races in a row; giving up").into(),
+        ))
+    }
+
+    /// The resume statement on `connection`: `None` when it found nothing of the request to
+    /// take over.
+    pub(crate) async fn resume_on(
+        &self,
+        connection: &mut PgConnection,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        (lease, ttl): (Duration, Duration),
+        claimant: Option<i64>,
+    ) -> Result<Option<Claim>, StoreError> {
+        let record = key.record_bytes();
+        // No row: nothing to take over, or a concurrent resume or claim took the record after
+        // this statement's snapshot was taken; the second attempt's snapshot sees its lease.
+        for _ in 0..2 {
+            let resume = sqlx::query(&self.resume)
+                .bind(record.as_ref())
+                .bind(fingerprint.as_bytes().as_slice())
+                .bind(micros(limits::clamp_lease(lease)))
+                .bind(micros(limits::clamp_ttl(ttl)))
+                .bind(claimant);
+            let row = (&mut *connection)
+                .fetch_optional(resume)
+                .await
+                .map_err(store_error)?;
+            if let Some(row) = row {
+                return decode_claim(&row).map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    /// The session gate statement on `connection` (see [`open_session`]), run again while it
+    /// answers `retry`: it met a session started after its snapshot was taken, which the next
+    /// attempt's snapshot sees.
+    pub(crate) async fn open_session_on(
+        &self,
+        connection: &mut PgConnection,
+        params: &SessionParams,
+    ) -> Result<SessionGate, StoreError> {
+        for _ in 0..CLAIM_ATTEMPTS {
+            let query = sqlx::query(&self.open_session)
+                .bind(params.record.as_ref())
+                .bind(params.seq)
+                .bind(params.ack)
+                .bind(params.window)
+                .bind(params.idle);
+            let row = (&mut *connection)
+                .fetch_one(query)
+                .await
+                .map_err(store_error)?;
+            if let Some(gate) = decode_gate(&row)? {
+                return Ok(gate);
+            }
+        }
+        Err(StoreError::Backend(
+            format!("session gate lost {CLAIM_ATTEMPTS} races in a row; giving up").into(),
+        ))
+    }
+
+    /// Runs a token-guarded update; one row changed means the caller held the claim.
+    pub(crate) async fn guarded<'q>(
+        &self,
+        query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        connection: &mut PgConnection,
+    ) -> Result<(), StoreError> {
+        let changed = connection
+            .execute(query)
+            .await
+            .map_err(store_error)?
+            .rows_affected();
+        if changed == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::TokenRejected)
+        }
+    }
+}
+
+/// The session gate ([`Store::open_session`](idempotent_core::Store::open_session)) on table `t` with
+/// token sequence `seq`, as one statement: `$1` the session's own storage key (its record
+/// bytes), `$2` the request's `seq`, `$3` its `ack`, `$4` the window, `$5` the idle time in
+/// microseconds. It answers one row: `gate` (`open`, `acknowledged`, `window_full`,
+/// `expired`, `corrupt`, or `retry`: run it again), `epoch` and `mark`.
+///
+/// The session is a row of the table at its own key: `state = 'session'`, `token` its
+/// acknowledged mark, `lifetime` the highest `seq` admitted, `claimant` its epoch, `expires_at`
+/// the end of its idle time, an empty `fingerprint`, no `payload` and no `kept_until` (so the
+/// reaper deletes it once it expired like any row). Its requests' rows are at
+/// `digest ‖ epoch ‖ seq` (big-endian), so one epoch's requests are a range of the primary key.
+///
+/// Step by step:
+///
+/// - `locked` reads the session's row `FOR UPDATE`: the gate holds its lock from there to the
+///   end of the transaction, so the steps of one session never interleave, and a gate that
+///   waited for the lock reads the row as the one before it left it (`FOR UPDATE` follows a
+///   row's updates under `READ COMMITTED`).
+/// - `known` and `step` apply the rules of `SessionState::gate` to it: a live row that is not
+///   a valid session is corrupt (nothing is written); no live row and `ack > 0` is expired
+///   (nothing is written); no live row and `ack = 0` starts a session with an epoch drawn
+///   from the token sequence, so no epoch of any session is ever drawn twice.
+/// - `saved` writes the session's new state: an update of the locked row, or the insert of a
+///   new one. If there was no row to lock but a concurrent gate inserted one after this
+///   statement's snapshot, the insert meets that row unlocked: `saved` then writes nothing
+///   and the statement answers `retry`, to be run again with a snapshot that sees the row.
+/// - `dropped` deletes the requests' rows the mark now covers (`old mark + 1 ..= min(mark,
+///   high)`) and `kept` keeps the ones above it (`mark + 1 ..= high`) at least the idle time
+///   from now: a completed row's `expires_at`, an in-flight row's `kept_until` (how long an
+///   abandoned claim is kept to be taken over). A row with less than the idle time left gets
+///   one and a half, so each is rewritten once per half idle time at most rather than on every
+///   request (an update of an indexed column leaves a dead row behind). Both are ranges of the primary key, at most
+///   the window long, and follow `saved` (they read its output), under the session's lock.
+fn open_session(t: &str, seq: &str) -> String {
+    let max = idempotent_core::session::MAX_SEQ;
+    let max_us = MAX_MICROS;
+    format!(
+        "WITH locked AS (\
+             SELECT state, token, lifetime, claimant, expires_at FROM {t} \
+             WHERE storage_key = $1 FOR UPDATE\
+         ), known AS (\
+             SELECT l.state IS NOT NULL AS present, \
+             coalesce(l.expires_at > clock_timestamp(), false) AS live, \
+             coalesce(l.state = 'session' AND l.token BETWEEN 0 AND {max} \
+                 AND l.lifetime BETWEEN 0 AND {max} AND l.claimant > 0, false) AS valid, \
+             l.token AS mark, l.lifetime AS high, l.claimant AS epoch, \
+             clock_timestamp() + $5 * interval '1 microsecond' AS until, \
+             clock_timestamp() + least($5 * 3 / 2, {max_us}) * interval '1 microsecond' AS longer \
+             FROM (SELECT) AS one LEFT JOIN locked AS l ON true\
+         ), step AS (\
+             SELECT present, until, longer, \
+             CASE WHEN live THEN epoch ELSE nextval('{seq}') END AS epoch, \
+             CASE WHEN live THEN mark ELSE 0 END AS old_mark, \
+             CASE WHEN live THEN high ELSE 0 END AS old_high, \
+             greatest(CASE WHEN live THEN mark ELSE 0 END, $3) AS mark \
+             FROM known WHERE CASE WHEN live THEN valid ELSE $3 = 0 END\
+         ), decided AS (\
+             SELECT *, CASE WHEN $2 <= mark THEN 'acknowledged' \
+                 WHEN $2 > mark + $4 THEN 'window_full' ELSE 'open' END AS gate \
+             FROM step\
+         ), saved AS (\
+             INSERT INTO {t} AS r (storage_key, state, fingerprint, token, lifetime, payload, \
+             expires_at, kept_until, claimant) \
+             SELECT $1, 'session', ''::bytea, mark, \
+             CASE WHEN gate = 'open' THEN greatest(old_high, $2) ELSE old_high END, \
+             NULL, until, NULL, epoch FROM decided \
+             ON CONFLICT (storage_key) DO UPDATE \
+             SET state = excluded.state, fingerprint = excluded.fingerprint, \
+             token = excluded.token, lifetime = excluded.lifetime, payload = NULL, \
+             expires_at = excluded.expires_at, kept_until = NULL, claimant = excluded.claimant \
+             WHERE (SELECT present FROM decided) \
+             RETURNING 1\
+         ), ranges AS (\
+             SELECT p || int8send(old_mark) AS drop_after, \
+             p || int8send(least(mark, old_high)) AS drop_to, \
+             p || int8send(mark) AS keep_after, p || int8send(old_high) AS keep_to, until, longer \
+             FROM (SELECT substring($1 from 1 for 32) || int8send(epoch) AS p, * FROM decided) AS d \
+             WHERE EXISTS (SELECT FROM saved)\
+         ), dropped AS (\
+             DELETE FROM {t} \
+             WHERE storage_key > (SELECT drop_after FROM ranges) \
+             AND storage_key <= (SELECT drop_to FROM ranges)\
+         ), kept AS (\
+             UPDATE {t} SET \
+             expires_at = CASE WHEN state = 'completed' \
+                 THEN greatest(expires_at, (SELECT longer FROM ranges)) ELSE expires_at END, \
+             kept_until = greatest(kept_until, (SELECT longer FROM ranges)) \
+             WHERE storage_key > (SELECT keep_after FROM ranges) \
+             AND storage_key <= (SELECT keep_to FROM ranges) \
+             AND ((state = 'in_flight' AND coalesce(kept_until, expires_at) < (SELECT until FROM ranges)) \
+                 OR (state = 'completed' AND expires_at > clock_timestamp() \
+                     AND expires_at < (SELECT until FROM ranges)))\
+         ) \
+         SELECT CASE WHEN k.live AND NOT k.valid THEN 'corrupt' \
+             WHEN d.gate IS NULL THEN 'expired' \
+             WHEN NOT EXISTS (SELECT FROM saved) THEN 'retry' \
+             ELSE d.gate END AS gate, \
+         d.epoch, d.mark \
+         FROM known AS k LEFT JOIN decided AS d ON true"
+    )
+}
+
+/// Runs `statements` (`CREATE … IF NOT EXISTS`) in one transaction under an advisory lock
+/// named after `table`: concurrent `CREATE TABLE IF NOT EXISTS` can fail in PostgreSQL's
+/// catalog, so instances starting at once take turns.
+pub(crate) async fn migrate(
+    pool: &PgPool,
+    table: &str,
+    statements: &[String],
+) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let lock = sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
+        .bind(format!("idempotent-core migrate {table}"));
+    (&mut *tx).execute(lock).await?;
+    for statement in statements {
+        (&mut *tx).execute(statement.as_str()).await?;
+    }
+    tx.commit().await
+}
+
+/// A duration bound as microseconds, at most [`MAX_MICROS`].
+pub(crate) fn micros(duration: Duration) -> i64 {
+    i64::try_from(duration.as_micros()).map_or(MAX_MICROS, |us| us.min(MAX_MICROS))
+}
+
+/// A token as stored: `bigint`, so above `i64::MAX` no row can hold it.
+pub(crate) fn token_param(token: FencingToken) -> Option<i64> {
+    i64::try_from(token.get()).ok()
+}
+
+/// What the session gate statement binds: the session's own storage key, then `seq`, `ack`,
+/// the window and the idle time in microseconds.
+pub(crate) struct SessionParams {
+    record: RecordBytes,
+    seq: i64,
+    ack: i64,
+    window: i64,
+    idle: i64,
+}
+
+impl SessionParams {
+    /// Refuses a `seq` or `ack` above [`MAX_SEQ`](idempotent_core::session::MAX_SEQ), which the runtime
+    /// never sends; a window that large admits the same requests as any larger one.
+    pub(crate) fn new(session: &SessionKey, request: SessionRequest) -> Result<Self, StoreError> {
+        let number = |value: u64, error: fn(u64) -> SessionError| {
+            i64::try_from(value)
+                .ok()
+                .filter(|&n| n <= MAX_SEQ_PARAM)
+                .ok_or_else(|| StoreError::Backend(Box::new(error(value))))
+        };
+        Ok(SessionParams {
+            record: session.record_key().record_bytes(),
+            seq: number(request.seq, SessionError::SeqOutOfRange)?,
+            ack: number(request.ack, SessionError::AckOutOfRange)?,
+            window: i64::try_from(request.window).map_or(MAX_SEQ_PARAM, |w| w.min(MAX_SEQ_PARAM)),
+            idle: micros(limits::clamp_ttl(request.idle)),
+        })
+    }
+}
+
+/// The session gate's answer, or `None` for `retry`.
+fn decode_gate(row: &PgRow) -> Result<Option<SessionGate>, StoreError> {
+    let gate: Option<String> = row.try_get("gate").map_err(store_error)?;
+    let number = |column: &str| -> Result<u64, StoreError> {
+        let value: Option<i64> = row.try_get(column).map_err(store_error)?;
+        value
+            .and_then(|n| u64::try_from(n).ok())
+            .ok_or_else(|| corrupt(&format!("session {column}")))
+    };
+    Ok(Some(match gate.as_deref() {
+        Some("open") => match number("epoch")? {
+            0 => return Err(corrupt("session epoch")),
+            epoch => SessionGate::Open { epoch },
+        },
+        Some("acknowledged") => SessionGate::Acknowledged {
+            ack: number("mark")?,
+        },
+        Some("window_full") => SessionGate::WindowFull {
+            ack: number("mark")?,
+        },
+        Some("expired") => SessionGate::Expired,
+        Some("retry") => return Ok(None),
+        Some("corrupt") => return Err(corrupt("a session row that is not a valid session")),
+        _ => return Err(corrupt("unknown session gate")),
+    }))
+}
+
+pub(super) fn decode_claim(row: &PgRow) -> Result<Claim, StoreError> {
+    let state: String = row.try_get("state").map_err(store_error)?;
+    let fingerprint = || -> Result<Fingerprint, StoreError> {
+        let bytes: Option<Vec<u8>> = row.try_get("fingerprint").map_err(store_error)?;
+        let bytes = bytes.ok_or_else(|| corrupt("missing fingerprint"))?;
+        <[u8; 32]>::try_from(bytes.as_slice())
+            .map(Fingerprint::from_digest)
+            .map_err(|_| corrupt("fingerprint is not 32 bytes"))
+    };
+    match state.as_str() {
+        "claimed" => {
+            let number = |column: &str| -> Result<FencingToken, StoreError> {
+                let value: Option<i64> = row.try_get(column).map_err(store_error)?;
+                value
+                    .and_then(|t| u64::try_from(t).ok())
+                    .map(FencingToken::new)
+                    .ok_or_else(|| corrupt(column))
+            };
+            let (token, lifetime) = (number("token")?, number("lifetime")?);
+            Ok(if lifetime == token {
+                Claim::Claimed(token)
+            } else {
+                Claim::TakenOver { token, lifetime }
+            })
+        }
+        "in_flight" => {
+            let remaining: Option<i64> = row.try_get("remaining_us").map_err(store_error)?;
+            let remaining = remaining.ok_or_else(|| corrupt("lease"))?;
+            Ok(Claim::InFlight {
+                fingerprint: fingerprint()?,
+                retry_after: Duration::from_micros(u64::try_from(remaining).unwrap_or(0)),
+            })
+        }
+        "completed" => {
+            let payload: Option<Vec<u8>> = row.try_get("payload").map_err(store_error)?;
+            let payload = payload.ok_or_else(|| corrupt("completed record without a payload"))?;
+            let remaining: Option<i64> = row.try_get("remaining_us").map_err(store_error)?;
+            let remaining = remaining.ok_or_else(|| corrupt("expiry"))?;
+            Ok(Claim::Completed {
+                fingerprint: fingerprint()?,
+                payload: Bytes::from(payload),
+                expires_in: Duration::from_micros(u64::try_from(remaining).unwrap_or(0)),
+            })
+        }
+        _ => Err(corrupt("unknown record state")),
+    }
+}

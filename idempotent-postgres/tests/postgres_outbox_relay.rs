@@ -1,0 +1,509 @@
+//! The outbox's relay against a real PostgreSQL server (fixture: `support::outbox`): messages
+//! are delivered at least once by relays sharing the work without ever delivering one message
+//! twice at the same time, retried with backoff, dead-lettered (also when their relays die
+//! delivering them, and then only the message that killed them, not its batch), woken by
+//! NOTIFY; a sink that panics and a row that cannot be read fail
+//! only their message; the Redis Streams sink; and a relay stops with its handle.
+// Built only with the features it needs (like a `required-features` entry in Cargo.toml).
+
+mod support;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use idempotent_core::Key;
+use idempotent_core::metrics::Recorded;
+use idempotent_postgres::outbox::{OUTBOX_DELIVERIES, Outgoing, Relay};
+use idempotent_test_kit::backend::{postgres_url, redis_url};
+use idempotent_test_kit::names::unique;
+use idempotent_test_kit::postgres::pool_bounding_locks as pool;
+use support::outbox::*;
+use tokio::time::timeout;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_are_retried_with_backoff_then_dead_lettered_with_the_last_error() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    let mut tx = pool.begin().await.unwrap();
+    let mut ids = HashMap::new();
+    for payload in ["flaky", "poison", "refuse"] {
+        let message = Outgoing::new("hook", payload).key(Key::new(payload).unwrap());
+        ids.insert(payload, outbox.enqueue(&mut tx, &message).await.unwrap());
+    }
+    tx.commit().await.unwrap();
+    let sink = Recorder {
+        fail_first: 2,
+        ..Recorder::default()
+    };
+    let (relay, recorded) = Recorded::capture(|| {
+        Relay::builder(pool.clone(), outbox.clone())
+            .sink("hook", sink.clone())
+            .max_attempts(4)
+            .backoff(Duration::from_millis(200), Duration::from_millis(400))
+            .build()
+    });
+
+    let first = relay.run_once().await.unwrap();
+    assert_eq!((first.taken, first.retried, first.dead), (3, 2, 1));
+    // The backoff holds them back: nothing is due at once.
+    assert_eq!(relay.run_once().await.unwrap().taken, 0);
+    let delivered = sink.clone();
+    drain(&relay, || {
+        !delivered.delivered().is_empty() && {
+            let attempts = delivered
+                .seen()
+                .iter()
+                .filter(|s| s.key == "poison")
+                .count();
+            attempts == 4
+        }
+    })
+    .await;
+    assert_eq!(
+        sink.delivered(),
+        [ids["flaky"]],
+        "delivered on its third attempt"
+    );
+    let by_key = |key: &str| -> Vec<u32> {
+        sink.seen()
+            .iter()
+            .filter(|s| s.key == key)
+            .map(|s| s.attempt)
+            .collect()
+    };
+    assert_eq!(by_key("flaky"), [1, 2, 3]);
+    assert_eq!(by_key("poison"), [1, 2, 3, 4], "max_attempts, then no more");
+    assert_eq!(by_key("refuse"), [1], "a permanent failure is not retried");
+
+    let dead = outbox.dead_letters(&pool, 10).await.unwrap();
+    let dead: Vec<_> = dead
+        .iter()
+        .map(|d| (d.id, d.attempts, d.last_error.clone().unwrap()))
+        .collect();
+    assert_eq!(
+        dead,
+        [
+            (ids["poison"], 4, "receiver down (attempt 4)".to_owned()),
+            (ids["refuse"], 1, "refused: malformed".to_owned()),
+        ]
+    );
+    // Every attempt counted by how it ended: flaky 2 retried + 1 delivered, poison 3 retried
+    // + 1 dead, refuse 1 dead.
+    let deliveries = |result| recorded.counter(OUTBOX_DELIVERIES, &[("result", result)]);
+    assert_eq!(
+        (
+            deliveries("delivered"),
+            deliveries("retried"),
+            deliveries("dead")
+        ),
+        (1, 5, 2)
+    );
+    // Dead letters are not delivered again unless requeued.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(relay.run_once().await.unwrap().taken, 0);
+    assert!(outbox.requeue(&pool, ids["poison"]).await.unwrap());
+    assert!(
+        !outbox.requeue(&pool, ids["flaky"]).await.unwrap(),
+        "not dead"
+    );
+    assert_eq!(relay.run_once().await.unwrap().taken, 1);
+    assert_eq!(by_key("poison"), [1, 2, 3, 4, 1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_relays_share_the_work_and_never_deliver_one_message_at_once() {
+    let Some((pool, outbox)) = setup(16).await else {
+        return;
+    };
+    const MESSAGES: usize = 600;
+    // Enqueued from 20 transactions at once.
+    let writers: Vec<_> = (0..20)
+        .map(|w| {
+            let (pool, outbox) = (pool.clone(), outbox.clone());
+            tokio::spawn(async move {
+                let mut tx = pool.begin().await.unwrap();
+                for n in 0..MESSAGES / 20 {
+                    let key = Key::new(format!("w{w}-{n}")).unwrap();
+                    let message = Outgoing::new("hook", format!("{w}-{n}")).key(key);
+                    outbox.enqueue(&mut tx, &message).await.unwrap();
+                }
+                tx.commit().await.unwrap();
+            })
+        })
+        .collect();
+    let sink = Recorder {
+        hold: Duration::from_millis(3),
+        ..Recorder::default()
+    };
+    let relays: Vec<_> = (0..4)
+        .map(|_| {
+            Relay::builder(pool.clone(), outbox.clone())
+                .sink("hook", sink.clone())
+                .batch_size(16)
+                .poll_interval(Duration::from_millis(50))
+                .build()
+                .spawn()
+        })
+        .collect();
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    eventually("every message delivered", || async {
+        sink.delivered().len() >= MESSAGES
+    })
+    .await;
+    for relay in relays {
+        timeout(BOUND, relay.stop()).await.unwrap();
+    }
+    assert!(
+        !sink.overlapped.load(Ordering::SeqCst),
+        "two relays delivered one message at the same time"
+    );
+    let delivered = sink.delivered();
+    let distinct: HashSet<i64> = delivered.iter().copied().collect();
+    assert_eq!(distinct.len(), MESSAGES);
+    assert_eq!(delivered.len(), MESSAGES, "no crash, so no message twice");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notify_wakes_the_relay_before_its_poll_interval() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    woken_by_notify(&pool, &outbox).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_streams_sink_adds_each_message_with_its_key() {
+    use idempotent_postgres::outbox::RedisStreamSink;
+
+    let Some(url) = postgres_url() else {
+        return;
+    };
+    let Some(redis_url) = redis_url() else {
+        return;
+    };
+    let pool = pool(&url, 4).await;
+    let outbox = outbox(&pool).await;
+    let client = redis::Client::open(redis_url.as_str()).unwrap();
+    let connection = redis::aio::ConnectionManager::new(client).await.unwrap();
+    let stream = unique("outbox-test");
+    let mut tx = pool.begin().await.unwrap();
+    for n in 0..3 {
+        let message = Outgoing::new("events", format!("event {n}"))
+            .key(Key::new(format!("event-{n}")).unwrap())
+            .header("type", "posting.applied");
+        outbox.enqueue(&mut tx, &message).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink(
+            "events",
+            RedisStreamSink::new(connection.clone(), stream.clone()).max_len(1000),
+        )
+        .build();
+    assert_eq!(relay.run_once().await.unwrap().delivered, 3);
+    let mut connection = connection;
+    type Fields = Vec<(String, Vec<u8>)>;
+    let entries: Vec<(String, Fields)> = redis::cmd("XRANGE")
+        .arg(&stream)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    // One batch delivers its messages concurrently: in any order.
+    let mut fields: Vec<Fields> = entries.into_iter().map(|(_, f)| f).collect();
+    fields.sort();
+    let expected: Vec<Fields> = (0..3)
+        .map(|n| {
+            vec![
+                ("key".to_owned(), format!("event-{n}").into_bytes()),
+                ("payload".to_owned(), format!("event {n}").into_bytes()),
+                ("type".to_owned(), b"posting.applied".to_vec()),
+            ]
+        })
+        .collect();
+    assert_eq!(fields, expected, "each message once, with its key");
+    let _: () = redis::cmd("DEL")
+        .arg(&stream)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_that_panics_and_a_row_that_cannot_be_read_fail_only_their_message() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    let mut tx = pool.begin().await.unwrap();
+    let mut ids = HashMap::new();
+    for payload in ["panic", "edited", "fine"] {
+        let message = Outgoing::new("hook", payload)
+            .key(Key::new(payload).unwrap())
+            .header("x-a", "1");
+        ids.insert(payload, outbox.enqueue(&mut tx, &message).await.unwrap());
+    }
+    tx.commit().await.unwrap();
+    // A row edited by hand so that it cannot be read.
+    sqlx::query(&format!(
+        "UPDATE \"{}\" SET header_values = '{{}}' WHERE id = $1",
+        outbox.table()
+    ))
+    .bind(ids["edited"])
+    .execute(&pool)
+    .await
+    .unwrap();
+    let sink = Recorder::default();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .max_attempts(2)
+        .backoff(Duration::from_millis(10), Duration::from_millis(10))
+        .build();
+    let first = relay.run_once().await.unwrap();
+    assert_eq!(
+        (first.taken, first.delivered, first.retried, first.dead),
+        (3, 1, 1, 1)
+    );
+    assert_eq!(sink.delivered(), [ids["fine"]]);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = relay.run_once().await.unwrap();
+    assert_eq!(
+        (second.taken, second.dead),
+        (1, 1),
+        "the panic's last attempt"
+    );
+    let dead: BTreeMap<i64, String> = outbox
+        .dead_letters(&pool, 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| (d.id, d.last_error.unwrap()))
+        .collect();
+    assert_eq!(dead[&ids["panic"]], "the sink panicked");
+    assert!(
+        dead[&ids["edited"]].starts_with("the stored message cannot be read"),
+        "{dead:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_stops_when_its_handle_is_stopped_or_dropped() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    // A running relay listens on the outbox's channel; a stopped one no longer does.
+    let listening = || {
+        let (pool, channel) = (pool.clone(), outbox.channel().to_owned());
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN \"' || $1 || '\"'",
+            )
+            .bind(channel)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    for drop_it in [false, true] {
+        let relay = Relay::builder(pool.clone(), outbox.clone())
+            .sink("hook", Recorder::default())
+            .build()
+            .spawn();
+        eventually("the relay listens", || async { listening().await > 0 }).await;
+        if drop_it {
+            drop(relay);
+        } else {
+            timeout(BOUND, relay.stop()).await.unwrap();
+        }
+        eventually(&format!("the relay stops (dropped: {drop_it})"), || async {
+            listening().await == 0
+        })
+        .await;
+    }
+}
+
+// Regression: a relay that died while delivering a message (SIGKILL, out of memory, an abort)
+// rolled its attempt back with its transaction, so a message that killed every relay that
+// delivered it was taken first again and again, forever, and the later messages with its
+// ordering key waited behind it. Here the relay "dies" by having its batch dropped mid-delivery;
+// the e2e test `a_message_that_kills_its_relay_is_dead_lettered_and_the_rest_flows` kills a
+// relay process with SIGKILL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_whose_relay_dies_while_delivering_it_is_dead_lettered_after_max_attempts() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    let mut tx = pool.begin().await.unwrap();
+    let mut ids = HashMap::new();
+    for payload in ["hang", "after-1", "after-2"] {
+        let message = Outgoing::new("hook", payload)
+            .key(Key::new(payload).unwrap())
+            .ordering_key("account-1");
+        ids.insert(payload, outbox.enqueue(&mut tx, &message).await.unwrap());
+    }
+    tx.commit().await.unwrap();
+    let sink = Recorder::default();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .max_attempts(3)
+        .build();
+    for crash in 1..=3 {
+        // The relay dies while it delivers `hang`.
+        let batch = timeout(Duration::from_millis(500), relay.run_once()).await;
+        assert!(batch.is_err(), "the batch hangs in the sink: {batch:?}");
+        let (state, attempts, _) = row(&pool, &outbox, ids["hang"]).await;
+        assert_eq!(
+            (state.as_str(), attempts),
+            ("pending", crash),
+            "the attempt is counted although the relay died"
+        );
+        // The next relay does not take it at once (the dead relay took it a moment ago) and
+        // takes nothing behind it on its ordering key.
+        assert_eq!(relay.run_once().await.unwrap().taken, 0);
+        // As if the hold (5 s) were over.
+        sqlx::query(&format!(
+            "UPDATE \"{}\" SET available_at = clock_timestamp() WHERE id = $1",
+            outbox.table()
+        ))
+        .bind(ids["hang"])
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let hangs = sink.seen().iter().filter(|s| s.key == "hang").count();
+    assert_eq!(hangs, 3, "one delivery per attempt");
+    // Three attempts, each one's relay died: dead-lettered without a fourth delivery.
+    let batch = relay.run_once().await.unwrap();
+    assert_eq!((batch.taken, batch.dead), (1, 1));
+    let (state, attempts, error) = row(&pool, &outbox, ids["hang"]).await;
+    assert_eq!((state.as_str(), attempts), ("dead", 3));
+    let error = error.unwrap();
+    assert!(
+        error.starts_with("relay_crashed: a relay died while delivering it (attempt 3)"),
+        "{error}"
+    );
+    let dead = outbox.dead_letters(&pool, 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].last_error.as_deref(), Some(error.as_str()));
+    // And the rest of its ordering key flows, in order.
+    let done = sink.clone();
+    drain(&relay, move || done.delivered().len() == 2).await;
+    assert_eq!(sink.delivered(), [ids["after-1"], ids["after-2"]]);
+    assert_eq!(
+        sink.seen().iter().filter(|s| s.key == "hang").count(),
+        3,
+        "never delivered again"
+    );
+}
+
+// Regression (issue 39, item 12): the batch statement counted an attempt for every message of
+// a batch, so a relay dying while it delivered one message charged the whole batch, and the
+// innocent messages taken with it were dead-lettered with it once their relays had died
+// `max_attempts` times. Now each message of a crashed batch is taken again alone, and only a
+// crash during a delivery made alone can be a message's last attempt: with `max_attempts(1)`
+// the messages of a crashed batch of five are all tried again, one at a time; the four
+// innocent ones are delivered, and the one that kills its relay is dead-lettered after its
+// second crash, the first one alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_dies_mid_batch_charges_only_the_message_that_killed_it() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    let mut tx = pool.begin().await.unwrap();
+    let mut ids = HashMap::new();
+    for payload in ["ok-0", "ok-1", "hang", "ok-2", "ok-3"] {
+        let message = Outgoing::new("hook", payload).key(Key::new(payload).unwrap());
+        ids.insert(payload, outbox.enqueue(&mut tx, &message).await.unwrap());
+    }
+    tx.commit().await.unwrap();
+    let sink = Recorder::default();
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .max_attempts(1)
+        .build();
+    let due_now = format!(
+        "UPDATE \"{}\" SET available_at = clock_timestamp() WHERE state = 'pending'",
+        outbox.table()
+    );
+    // The relay dies while it delivers its batch of five (`hang` never answers).
+    let batch = timeout(Duration::from_millis(500), relay.run_once()).await;
+    assert!(batch.is_err(), "the batch hangs in the sink: {batch:?}");
+    assert_eq!(
+        sink.seen().len(),
+        5,
+        "the whole batch was handed to the sink"
+    );
+    for (payload, id) in &ids {
+        let (state, attempts, _) = row(&pool, &outbox, *id).await;
+        assert_eq!((state.as_str(), attempts), ("pending", 1), "{payload}");
+    }
+    // As if the hold (5 s) were over: each is taken again alone, and only `hang` kills its
+    // relay again.
+    sqlx::query(&due_now).execute(&pool).await.unwrap();
+    let mut crashes = 1;
+    let mut alone = 0;
+    let mut dead = 0;
+    loop {
+        match timeout(Duration::from_millis(500), relay.run_once()).await {
+            Err(_) => {
+                crashes += 1;
+                assert!(crashes <= 2, "delivered again after its last attempt");
+                sqlx::query(&due_now).execute(&pool).await.unwrap();
+            }
+            Ok(batch) => {
+                let batch = batch.unwrap();
+                if batch.taken == 0 {
+                    break;
+                }
+                // Beside it, only the messages dead-lettered without a delivery.
+                assert_eq!(
+                    batch.taken - batch.dead,
+                    1,
+                    "a message of a crashed batch is taken alone: {batch:?}"
+                );
+                alone += 1;
+                dead += batch.dead;
+            }
+        }
+    }
+    assert_eq!(crashes, 2);
+    // Four innocent ones delivered, and `hang` dead-lettered by the batch statement.
+    assert_eq!((alone, dead), (4, 1));
+    let mut delivered = sink.delivered();
+    delivered.sort_unstable();
+    let mut innocent: Vec<i64> = ["ok-0", "ok-1", "ok-2", "ok-3"]
+        .iter()
+        .map(|p| ids[p])
+        .collect();
+    innocent.sort_unstable();
+    // At least once: the sink had taken each in the crashed batch already, and takes it once
+    // more alone (the receiver deduplicates on the key).
+    let twice: Vec<i64> = innocent.iter().flat_map(|id| [*id, *id]).collect();
+    assert_eq!(
+        delivered, twice,
+        "each innocent message delivered once more, alone"
+    );
+    for payload in ["ok-0", "ok-1", "ok-2", "ok-3"] {
+        let (state, attempts, _) = row(&pool, &outbox, ids[payload]).await;
+        assert_eq!((state.as_str(), attempts), ("delivered", 2), "{payload}");
+    }
+    let (state, attempts, error) = row(&pool, &outbox, ids["hang"]).await;
+    assert_eq!((state.as_str(), attempts), ("dead", 2));
+    let error = error.unwrap();
+    assert!(
+        error.starts_with("relay_crashed: a relay died while delivering it (attempt 2)"),
+        "{error}"
+    );
+    assert_eq!(
+        sink.seen().iter().filter(|s| s.key == "hang").count(),
+        2,
+        "once in the batch, once alone"
+    );
+    let dead = outbox.dead_letters(&pool, 10).await.unwrap();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+}
