@@ -66,30 +66,33 @@ cargo test --workspace --all-features --doc --locked
 # on, so a crate that forgets one of its own (a tokio feature one of its doc tests uses, say)
 # passes there and fails for whoever builds or tests it alone (`cargo test -p idempotent-core`,
 # `cargo publish`'s verification build, docs.rs). So: each published crate built alone, with
-# its own features only: every target of it compiled (unit, integration, doc), its unit and
-# doc tests run (the library's own code on its own features: a feature missing at run time,
-# tokio's timer say, panics there). Its integration tests, which ran above against the same
-# servers, are built but not run again: they took about 3 min of the run on their own, while
-# what differs alone is the build. The end-to-end suites (the `tests` crate) are not built
-# again. About 3 min on 2 cores, nearly all of it compiling.
-for crate in idempotent-core idempotent-macros idempotent-tower; do
+# its own features only: its library and unit tests compiled and run, and its doc tests (the
+# library's own code on its own features: a feature missing at run time, tokio's timer say,
+# panics there). Its integration tests, which ran above against the same servers, are not
+# built again: with eight crates that would double this step, and what differs alone is the
+# library's build. The end-to-end suites (the `tests` crate) are not built again either.
+# `idempotent-core` is also built with no feature at all: nothing of a backend, nothing of
+# the attribute.
+for crate in idempotent-core idempotent-macros idempotent-cache idempotent-redis \
+    idempotent-postgres idempotent-consumer idempotent-any idempotent-tower; do
     step "cargo test -p $crate alone (all its features, no other crate's)"
     started=$SECONDS
-    cargo test -p "$crate" --all-features --locked --no-run
     cargo test -p "$crate" --all-features --locked --lib
     cargo test -p "$crate" --all-features --locked --doc
     echo "$crate alone: $((SECONDS - started)) s"
 done
+step "idempotent-core with no feature"
+cargo check -p idempotent-core --no-default-features --locked
 
 # A store URL whose feature is off is refused by name (`AnyStore`), which only a build
-# without those features can show: idempotent-core with `memory` alone.
+# without those features can show: idempotent-any with `memory` alone.
 step "AnyStore without the redis and postgres features"
-cargo test -p idempotent-core --no-default-features --features memory,test-util --locked --test any_store
+cargo test -p idempotent-any --no-default-features --features memory --locked --test any_store
 
 step "cargo doc (warnings denied)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps --locked
 
-# Each published crate packages and its package builds. Packaged together, the three are
+# Each published crate packages and its package builds. Packaged together, the eight are
 # verified in dependency order, each against the others' fresh packages (a local registry
 # overlay in target/package/tmp-registry), since they depend on one another at `=0.1.0` and
 # are not on crates.io yet; works offline. Verification builds each crate's default features
@@ -104,9 +107,13 @@ started=$SECONDS
 # a name and version again: a package from an earlier run of the same checkout (same version,
 # other code) would be verified against instead of this one. Local registries' ids begin
 # with `-`; crates.io's never do.
-rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/idempotent-{macros,core,tower}-*
-cargo package -p idempotent-macros -p idempotent-core -p idempotent-tower --locked --allow-dirty
-for crate in idempotent-macros idempotent-core idempotent-tower; do
+published=(idempotent-macros idempotent-core idempotent-cache idempotent-redis idempotent-postgres
+    idempotent-consumer idempotent-any idempotent-tower)
+rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/idempotent-*
+packages=()
+for crate in "${published[@]}"; do packages+=(-p "$crate"); done
+cargo package "${packages[@]}" --locked --allow-dirty
+for crate in "${published[@]}"; do
     files=$(cargo package -p "$crate" --list --locked --allow-dirty)
     for license in LICENSE-MIT LICENSE-APACHE; do
         grep -qx "$license" <<<"$files" || { echo "$crate does not package $license" >&2; exit 1; }

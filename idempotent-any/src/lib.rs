@@ -390,7 +390,7 @@ impl AnyStoreBuilder {
 }
 
 /// The tier `value` names (`memory:N`, a Redis URL), as `IDEMPOTENCY_CACHE` holds it, in front
-/// of the store `store` names: see [`cache_tier`].
+/// of the store `store` names: see [`connect`](tier::connect).
 #[cfg(feature = "cache")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cache")))]
 pub mod tier {
@@ -413,7 +413,7 @@ pub mod tier {
     }
 
     /// The tier `IDEMPOTENCY_CACHE` names in front of the store `store` names (see
-    /// [`connect`](Self::connect)), or `None` when it is unset or empty. Errors name the
+    /// [`connect`]), or `None` when it is unset or empty. Errors name the
     /// variable.
     pub async fn from_env(store: &str) -> Result<Option<CacheTier>, AnyStoreError> {
         match std::env::var(CACHE_VAR) {

@@ -1,25 +1,24 @@
-//! A cache tier: finished records kept in front of the authoritative store, so a replay is
-//! answered without a round trip to it (feature `cache`).
+//! The cache tier of the `idempotent` family: finished records kept in front of the
+//! authoritative store, so a replay is answered without a round trip to it.
 //!
-//! ```no_run
+//! ```
 //! use idempotent_cache::{CacheTier, Cached};
-//! use idempotent_postgres::PostgresStore;
 //! use idempotent_core::Idempotency;
+//! use idempotent_core::memory::MemoryStore;
 //!
-//! # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-//! let store = PostgresStore::new(pool);
-//! store.migrate().await?;
-//! // 100,000 finished records in this process, at most 64 MiB of them (the default).
-//! let idempotency = Idempotency::new(Cached::new(store, CacheTier::memory(100_000)));
+//! # async fn example() {
+//! // Any store (a PostgresStore, say); 100,000 finished records in this process, at most
+//! // 64 MiB of them (the default).
+//! let idempotency = Idempotency::new(Cached::new(MemoryStore::new(), CacheTier::memory(100_000)));
 //! # let _ = idempotency;
-//! # Ok(())
 //! # }
 //! ```
 //!
-//! Two tiers: [`CacheTier::memory`] keeps records in this process (each instance its own), and
-//! [`CacheTier::redis`] keeps them in a Redis that every instance shares, in front of a slower
-//! store (PostgreSQL). [`Cached`] puts either in front of any [`Store`];
-//! [`AnyStoreBuilder::cache`](idempotent_any::AnyStoreBuilder::cache) (and `IDEMPOTENCY_CACHE`) does it for
+//! Two kinds of tier: [`CacheTier::memory`] keeps records in this process (each instance its
+//! own), and a [shared](CacheTier::shared) tier keeps them where every instance reads them: the
+//! Redis tier of `idempotent-redis` (`RedisCacheBuilder::new(url).connect()`, its feature
+//! `cache`), in front of a slower store (PostgreSQL), or a [`SharedTier`] of yours. [`Cached`] puts either in front of any [`Store`];
+//! `idempotent_any::AnyStoreBuilder::cache` (and `IDEMPOTENCY_CACHE`) does it for
 //! a store chosen by URL.
 //!
 //! # The rules, and what keeps each
@@ -55,7 +54,7 @@
 //!   goes to the store, and an entry that does not decode whole (its own checksum covers the
 //!   fingerprint and the payload) is ignored. Redis down, stalled or flushed means slower,
 //!   never wrong: after a failure the tier is skipped for a second
-//!   ([`RedisCacheBuilder::rest`]), and every request goes to the store meanwhile.
+//!   (`RedisCacheBuilder::rest`), and every request goes to the store meanwhile.
 //!
 //! With the store down, a tier still answers the replays it holds: each is its record's answer
 //! until the record expires, as the store would give it; everything else meets the store's
@@ -112,8 +111,9 @@ pub const CACHE_WRITES: &str = "idempotency.cache.writes";
 /// The default bound on the bytes an in-process tier holds: 64 MiB.
 pub const DEFAULT_MEMORY_BYTES: u64 = 64 * 1024 * 1024;
 
-/// A finished record as a tier holds it. Made only by [`Finished::from_answer`], from the
-/// authoritative store's answer: the type is the first rule.
+/// A finished record as a tier holds it. Made only by this crate, from the authoritative
+/// store's answer (a completed record of the request that asked, whose envelope reads back
+/// whole): the type is the first rule. A [`SharedTier`] is handed them to keep.
 #[derive(Clone, Debug)]
 pub struct Finished {
     fingerprint: Fingerprint,
@@ -187,8 +187,8 @@ impl Finished {
 }
 
 /// A tier outside this process that every instance shares: the Redis tier of
-/// `idempotent-redis` (`idempotent_redis::RedisCacheBuilder`), or one of yours. Made into a
-/// [`CacheTier`] with [`CacheTier::shared`], which keeps the rules of the [crate](crate) around
+/// `idempotent-redis` (`RedisCacheBuilder`), or one of yours. Made into a
+/// [`CacheTier`] with [`CacheTier::shared`], which keeps the rules of the [crate] around
 /// it: only finished records of the asking request are put in, lookups are counted, and a
 /// failed lookup is a miss.
 ///

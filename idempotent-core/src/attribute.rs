@@ -288,11 +288,12 @@
 /// with the same key waits on the row until the first transaction ends, then replays its
 /// result. An `Err` undoes the body's writes (back to a savepoint taken after the claim) and
 /// releases the key in the transaction, which stays usable; with `on_error = "store"` the
-/// `Err` is recorded, with the writes. See [`Transactional`](crate::postgres::Transactional) for the
-/// details and requirements.
+/// `Err` is recorded, with the writes. See `idempotent_postgres::Transactional` for the
+/// details and requirements; the PostgreSQL crate must be a dependency of the crate that
+/// uses `tx = ...`.
 ///
-/// `runtime = ...` then names a [`Transactional`](crate::postgres::Transactional) (from
-/// [`Idempotency::transactional`](crate::Idempotency::transactional)), for its table,
+/// `runtime = ...` then names an `idempotent_postgres::Transactional` (from
+/// `Transactional::of(&runtime, &store)`), for its table,
 /// namespace and defaults; without it, `Transactional::default()` (table
 /// `idempotent_records`, the empty namespace). No lease renewal runs: nobody else can see an
 /// uncommitted claim.

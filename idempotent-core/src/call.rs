@@ -283,7 +283,7 @@ impl CallOptions {
 /// What a runtime uses for every setting a call leaves unset. One type shared by the
 /// standalone runtime ([`IdempotencyBuilder::defaults`](crate::IdempotencyBuilder::defaults))
 /// and the PostgreSQL transactional mode, which takes its runtime's
-/// ([`Idempotency::transactional`](crate::Idempotency::transactional)).
+/// (`idempotent_postgres::Transactional::of`).
 ///
 /// ```
 /// use idempotent_core::{Defaults, Idempotency, InFlightPolicy};

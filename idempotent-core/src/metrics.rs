@@ -107,7 +107,7 @@ pub enum ProtocolLabel {
     Http,
     /// The gRPC layer: `grpc`.
     Grpc,
-    /// The consumer runtime ([`consumer`](crate::consumer)): one message: `message`.
+    /// The consumer runtime (`idempotent-consumer`): one message: `message`.
     Message,
 }
 

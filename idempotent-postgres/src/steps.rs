@@ -70,8 +70,9 @@ impl PostgresStore {
     /// claim's renewals wait for it.
     ///
     /// The claim must come from a runtime over this store: a [`PostgresStore`] on the same
-    /// table and database (directly, in an [`AnyStore`](idempotent_any::AnyStore), or behind a cache
-    /// tier); any other claim is refused with [`StoreError::Backend`] before anything runs.
+    /// table and database (directly, in an `AnyStore`, or behind a cache tier: told by
+    /// [`Store::location`](idempotent_core::Store::location)); any other claim is refused with
+    /// [`StoreError::Backend`] before anything runs.
     /// A claim of the [transactional mode](super::Transactional)
     /// ([`PendingRecord::claim`](super::PendingRecord::claim)) is refused with
     /// [`StoreError::Backend`] and nothing runs: there the whole operation is the caller's one

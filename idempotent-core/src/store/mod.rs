@@ -12,7 +12,7 @@
 //! | [`envelope`] ([`Integrity`], [`encode_value`], [`decode`]) | the bytes of a finished record, with its format version and checksum |
 //! | [`Payload`] | a result turned into the bytes to complete with |
 //! | [`ClaimAnswer`], [`Step`] | how a claim loop answers what a store found (run, replay, wait, refuse), shared with the runtime |
-//! | [`Settings`](crate::call::Settings) | a call's settings resolved against a runtime's defaults |
+//! | [`Settings`] | a call's settings resolved against a runtime's defaults |
 //! | [`StoreMetrics`], [`Operation`] | the `idempotency.store.*` and `idempotency.requests` metrics under a store's name |
 //! | [`Unanswered`], [`GiveBack`], [`claimant`] | giving back a claim a shared store made after its caller gave up |
 //! | [`BoxFuture`] | the boxed future the give-back and cache tiers use |
@@ -143,7 +143,7 @@ pub enum Claim {
         /// The stored payload, byte for byte as given to [`Store::complete`].
         payload: Bytes,
         /// Time left before the record expires, by the store's clock, as of this answer; at
-        /// most the TTL it was completed with. A [cache tier](crate::cache) keeps a copy no
+        /// most the TTL it was completed with. A cache tier (`idempotent-cache`) keeps a copy no
         /// longer than this, so a cached answer never outlives its record: a store that
         /// cannot tell may answer [`Duration::ZERO`], and its records are then not cached.
         expires_in: Duration,
