@@ -1,5 +1,9 @@
 //! Reading the idempotency key from request headers.
 //!
+//! Shared by both sides, so at the top of the crate rather than in `server/`: the server layer
+//! reads the key with it, the session header (`session.rs`) is parsed with its RFC 8941
+//! [`Parser`], and the client trims field values with [`trim_ows`].
+//!
 //! The IETF draft defines `Idempotency-Key` as an RFC 8941 Item whose bare item is an sf-string:
 //! `Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"`. Most clients in the wild send the
 //! key unquoted, so by default a bare value is accepted as the same key; strict mode refuses it.

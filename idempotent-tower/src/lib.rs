@@ -349,37 +349,25 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-mod body;
-mod capture;
 pub mod client;
 mod completer;
-mod config;
-mod discard;
-mod fingerprint;
-mod future;
-mod kept;
 mod key;
-mod layer;
-mod principal;
-mod problem;
-mod protocol;
-mod service;
+mod server;
 mod session;
-mod stored;
 
-pub use body::{RequestBody, ResponseBody};
 pub use completer::{
     Completer, CompleterHandle, CompleterPass, Completing, DEFAULT_COMPLETER_AFTER,
     DEFAULT_COMPLETER_ATTEMPTS,
 };
-pub use config::{
+pub use idempotent_core::BoxError;
+pub use server::body::{RequestBody, ResponseBody};
+pub use server::config::{
     DEFAULT_MAX_REQUEST_BODY, IDEMPOTENCY_KEY, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED,
     OnClaimLost,
 };
-pub use future::ResponseFuture;
-pub use idempotent_core::BoxError;
-pub use layer::IdempotencyLayer;
-pub use principal::{Principal, scope_by_authorization, scope_by_principal};
-pub use protocol::{Grpc, Http, Protocol};
-pub use service::IdempotencyService;
+pub use server::future::ResponseFuture;
+pub use server::layer::IdempotencyLayer;
+pub use server::principal::{Principal, scope_by_authorization, scope_by_principal};
+pub use server::protocol::{Grpc, Http, Protocol};
+pub use server::service::IdempotencyService;
 pub use session::{IDEMPOTENCY_SESSION, IDEMPOTENCY_SESSION_SEQ, SessionHeader, SessionProblem};

@@ -11,6 +11,9 @@
 //! 8941 asks, and so are parameters; a member given twice counts with its last value. Several
 //! header fields are read as one dictionary, joined by commas. gRPC carries the same value in
 //! the `idempotency-session` metadata entry.
+//!
+//! Shared by both sides, so at the top of the crate rather than in `server/`: the server layer
+//! parses the header, the client layer writes it.
 
 use std::fmt;
 

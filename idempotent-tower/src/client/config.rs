@@ -15,7 +15,7 @@ use super::policy::{Delivered, RetryPolicy, deliver};
 use super::protocol::ClientProtocol;
 use super::session::{ClientSession, SessionSeq, Ticket};
 use super::verdict::{Ended, Refusal, Verdict, is_problem_document};
-use crate::config::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use crate::server::config::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 use crate::session::{IDEMPOTENCY_SESSION, IDEMPOTENCY_SESSION_SEQ};
 
 /// The largest problem document read from a `410` answer in a session, to learn its `code`;

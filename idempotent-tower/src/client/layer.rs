@@ -12,7 +12,7 @@ use super::policy::RetryPolicy;
 use super::protocol::ClientProtocol;
 use super::service::ClientService;
 use super::session::ClientSession;
-use crate::protocol::{Grpc, Http};
+use crate::server::protocol::{Grpc, Http};
 
 /// The client-side layer: see the [module docs](super).
 ///

@@ -4,7 +4,7 @@
 use http::{HeaderMap, Method, StatusCode};
 
 use super::verdict::{Verdict, grpc_verdict, http_verdict};
-use crate::protocol::{Grpc, Http, Protocol};
+use crate::server::protocol::{Grpc, Http, Protocol};
 
 /// A protocol the client layer speaks: [`Http`] or [`Grpc`], the types the server layer
 /// takes too. Sealed: no other type implements it.

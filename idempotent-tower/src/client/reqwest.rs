@@ -15,7 +15,7 @@ use super::layer::ClientLayer;
 use super::policy::RetryPolicy;
 use super::session::{ClientSession, SessionSeq};
 use super::verdict::Verdict;
-use crate::protocol::Http;
+use crate::server::protocol::Http;
 
 /// The client layer's behaviour for [`reqwest`](::reqwest), as a
 /// [`reqwest_middleware::Middleware`] (feature `reqwest`): the same keys, retries, policy,

@@ -21,7 +21,7 @@ use super::error::ClientError;
 use super::key::IdempotencyKey;
 use super::protocol::ClientProtocol;
 use super::session::SessionSeq;
-use crate::protocol::Http;
+use crate::server::protocol::Http;
 
 /// The service a [`ClientLayer`](super::ClientLayer) wraps around a client
 /// ([`Layer::layer`](tower_layer::Layer::layer)).

@@ -18,7 +18,7 @@ use super::key::IdempotencyKey;
 use super::layer::ClientLayer;
 use super::policy::RetryPolicy;
 use super::service::ClientService;
-use crate::config::IDEMPOTENCY_KEY;
+use crate::server::config::IDEMPOTENCY_KEY;
 
 /// An outbox [`Sink`] that POSTs each message to one URL (feature `outbox`): the payload as
 /// the body, the message's headers, and its key as `Idempotency-Key`, through the client layer

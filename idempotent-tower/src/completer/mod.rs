@@ -18,14 +18,14 @@ use idempotent_core::{
 use tokio::sync::watch;
 use tower_service::Service;
 
-use crate::body::RequestBody;
-use crate::capture::{Captured, capture};
-use crate::config::Config;
-use crate::layer::IdempotencyLayer;
-use crate::problem::Problem;
-use crate::protocol::Http;
+use crate::server::body::RequestBody;
+use crate::server::capture::{Captured, capture};
+use crate::server::config::Config;
+use crate::server::layer::IdempotencyLayer;
+use crate::server::problem::Problem;
+use crate::server::protocol::Http;
 
-use crate::kept::{SavedRequest, owner};
+use crate::server::kept::{SavedRequest, owner};
 
 /// The [`RequestOwner`](idempotent_core::RequestOwner) of the requests a runtime whose owner
 /// digest is `owner` keeps: the first bytes of the kept format (its magic and the digest),
@@ -464,7 +464,7 @@ where
         };
         let encode = |output: &Output<ResBody, S::Error>| match output {
             Ok((_, Ok(captured))) => {
-                crate::service::record_of_captured(config, captured, abandoned.key)
+                crate::server::service::record_of_captured(config, captured, abandoned.key)
             }
             Err(Ran::GaveUp(why)) => gave_up(why),
             Ok((_, Err(_))) | Err(Ran::NotRun) => None,
@@ -533,7 +533,7 @@ fn gave_up(why: &str) -> Option<Bytes> {
         ),
     );
     let (status, headers, body) = problem.http_parts();
-    crate::stored::encode(status, &headers, &body, None, |_| false).ok()
+    crate::server::stored::encode(status, &headers, &body, None, |_| false).ok()
 }
 
 enum Finished {

@@ -10,7 +10,7 @@ use http_body::Body;
 use idempotent_core::RunToEnd;
 use pin_project_lite::pin_project;
 
-use crate::body::ResponseBody;
+use super::body::ResponseBody;
 
 type Output<B, E> = Result<Response<ResponseBody<B>>, E>;
 

@@ -10,9 +10,9 @@ use http::request::Parts;
 use http_body::Body;
 use idempotent_core::{CallOptions, Idempotency, Scope};
 
-use crate::capture::Captured;
-use crate::principal::scope_by_principal;
-use crate::protocol::Protocol;
+use super::capture::Captured;
+use super::principal::scope_by_principal;
+use super::protocol::Protocol;
 
 /// The default request header carrying the key.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");

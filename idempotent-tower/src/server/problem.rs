@@ -10,7 +10,7 @@ use http::{HeaderName, HeaderValue, Response};
 use http_body::Body;
 use idempotent_core::{Error, ProblemCode};
 
-use crate::body::ResponseBody;
+use super::body::ResponseBody;
 use crate::key::KeyProblem;
 
 /// A problem the layer answers itself. Never stored.

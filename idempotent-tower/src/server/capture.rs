@@ -9,7 +9,7 @@ use http_body::Body;
 use http_body_util::BodyExt;
 use idempotent_core::GrpcCode;
 
-use crate::body::ResponseBody;
+use super::body::ResponseBody;
 
 /// What the handler produced, as far as the layer read it.
 ///

@@ -17,15 +17,15 @@ use idempotent_core::{
 };
 use tower_service::Service;
 
-use crate::body::{RequestBody, ResponseBody};
-use crate::capture::{Captured, capture};
-use crate::config::{Config, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED, OnClaimLost};
-use crate::discard::{self, Declared};
-use crate::fingerprint::fingerprint;
-use crate::future::ResponseFuture;
+use super::body::{RequestBody, ResponseBody};
+use super::capture::{Captured, capture};
+use super::config::{Config, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED, OnClaimLost};
+use super::discard::{self, Declared};
+use super::fingerprint::fingerprint;
+use super::future::ResponseFuture;
+use super::problem::Problem;
+use super::protocol::{Http, Protocol};
 use crate::key::{KeyProblem, key_from_headers};
-use crate::problem::Problem;
-use crate::protocol::{Http, Protocol};
 use crate::session::{SessionHeader, session_from_headers};
 
 /// The middleware an [`IdempotencyLayer`](crate::IdempotencyLayer) wraps around a service
@@ -302,7 +302,7 @@ where
     let kept = config
         .keep_requests
         .filter(|_| matches!(target, Target::Key(_)))
-        .map(|owner| crate::kept::SavedRequest::of(owner, &parts, &body).encode());
+        .map(|owner| super::kept::SavedRequest::of(owner, &parts, &body).encode());
     let call = match target {
         Target::Key(key) => Call::new(key),
         Target::Session(session) => Call::in_session(session.id().clone(), session.place()),
@@ -506,7 +506,7 @@ pub(crate) fn record_of_captured<P: Protocol, B: Body>(
             parts,
             body,
             trailers,
-        } => match crate::stored::encode(
+        } => match super::stored::encode(
             parts.status,
             &parts.headers,
             body,
@@ -601,7 +601,7 @@ fn replay<P: Protocol, B: Body>(
     stored: Bytes,
     storage_key: LoggedKey<'_>,
 ) -> (Response<ResponseBody<B>>, RequestOutcome) {
-    match crate::stored::decode(stored) {
+    match super::stored::decode(stored) {
         Ok(stored) => {
             tracing::debug!(outcome = "replayed", %storage_key, status = stored.status.as_u16(), "idempotent response replayed");
             let mut response = Response::new(ResponseBody::full(stored.body, stored.trailers));

@@ -10,9 +10,9 @@ use http::{Method, StatusCode};
 use idempotent_core::{CallOptions, GrpcCode, Idempotency, Retain, Scope};
 use tower_layer::Layer;
 
-use crate::config::{Config, OnClaimLost};
-use crate::protocol::{Grpc, Http, Protocol};
-use crate::service::IdempotencyService;
+use super::config::{Config, OnClaimLost};
+use super::protocol::{Grpc, Http, Protocol};
+use super::service::IdempotencyService;
 
 /// Applies idempotency to requests: see the [crate docs](crate) for the semantics and every
 /// response it produces.
@@ -85,7 +85,7 @@ impl IdempotencyLayer<Http> {
     /// store_unavailable`, or `store_capacity`), counted under that outcome; its retry runs
     /// the request.
     pub fn keep_requests(mut self, keep: bool) -> Self {
-        let owner = keep.then(|| crate::kept::owner(&self.config.idempotency));
+        let owner = keep.then(|| super::kept::owner(&self.config.idempotency));
         self.config().keep_requests = owner;
         self
     }

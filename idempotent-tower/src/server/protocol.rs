@@ -11,10 +11,10 @@ use http::{Method, Response, StatusCode};
 use http_body::Body;
 use idempotent_core::{GrpcCode, Retain};
 
-use crate::body::ResponseBody;
-use crate::capture::Captured;
-use crate::discard::DEFAULT_MAX_DISCARDED_BODY;
-use crate::problem::Problem;
+use super::body::ResponseBody;
+use super::capture::Captured;
+use super::discard::DEFAULT_MAX_DISCARDED_BODY;
+use super::problem::Problem;
 
 /// A protocol the layer speaks: [`Http`] or [`Grpc`]. Sealed: no other type implements it.
 ///
