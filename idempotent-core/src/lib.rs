@@ -69,34 +69,35 @@
 //! |---|---|
 //! | the root: the runtime | [`Idempotency`], [`IdempotencyBuilder`], [`Drained`], [`DEFAULT_RECORD_RETRY`], [`CLAIM_TIMEOUT`] |
 //! | the root: one call | [`Call`], [`CallOptions`], [`Defaults`], [`InFlightPolicy`], [`DEFAULT_TTL`], [`DEFAULT_LEASE`], [`DEFAULT_MAX_RESULT_BYTES`] |
-//! | the root: outcomes | [`Retain`], [`Outcome`], [`Execution`], [`ClaimHandle`] |
+//! | the root: outcomes | [`Retain`], [`Outcome`], [`Execution`], [`ClaimHandle`], [`StepError`], [`RunToEnd`] |
 //! | the root: identity | [`Key`], [`KeyError`], [`MAX_KEY_LEN`], [`ToKey`], [`Scope`], [`StorageKey`], [`SessionPlace`], [`RecordBytes`], [`Fingerprint`], [`FingerprintBuilder`], [`CanonicalError`] |
 //! | the root: errors | [`Error`], [`StoreError`], [`BoxError`], [`ProblemCode`], [`GrpcCode`], [`MAX_IN_FLIGHT_RETRY_HINT`] |
 //! | the root: the store contract | [`Store`], [`Claim`], [`FencingToken`], [`RequestOwner`], [`SessionKey`], [`SessionRequest`], [`SessionGate`], [`SessionMark`] |
-//! | the root: a store chosen by URL or `IDEMPOTENCY_STORE` | `AnyStore`, `AnyStoreBuilder`, `AnyStoreError` (with any store's feature) |
 //! | the root: the attributes | [`idempotent`](macro@idempotent) and [`step`](macro@step) (feature `macros`), [`default_runtime`], [`set_default_runtime`] |
 //! | [`limits`] | the accepted range of every duration, and checks for values read at run time |
 //! | [`session`] | client sessions: the protocol, [`session::InSession`] (a call's place), the window and idle defaults |
 //! | [`steps`] | recovery points: the checkpoint encoding ([`steps::Checkpoints`]), [`steps::CheckpointError`], [`steps::Abandoned`] and the limits; the steps themselves are [`ClaimHandle::step`], [`ClaimHandle::try_step`] ([`StepError`]) and [`step`](macro@step) (feature `macros`) |
 //! | [`clock`] | the memory store's time source; `ManualClock` with feature `test-util` |
 //! | [`metrics`] | the metric names, their labels ([`metrics::ProtocolLabel`], [`metrics::RequestOutcome`]) and [`metrics::describe`] |
+//! | [`store`] | the contract a store is built on, with its stability promise: envelopes, claim answers, settings, metrics, the give-back |
 //! | `memory` (feature `memory`) | `MemoryStore`, its builder, statistics and bounds |
-//! | `redis` (feature `redis`) | `RedisStore` and its builder |
-//! | `postgres` (feature `postgres`) | `PostgresStore`, the transactional mode (`Transactional`), `Fence`, the transactional outbox (`Outbox`, `Message`) and its `Relay` with `Sink`s (`RedisStreamSink` with feature `redis`) |
-//! | `cache` (feature `cache`) | a cache tier of finished records in front of any store: `Cached`, `CacheTier` (in process; Redis with `redis`) |
 //! | `conformance` (feature `test-util`) | the store conformance suite and `FaultyStore` |
-//! | `consumer` (feature `consumer`) | the consumer runtime (`Consumer`, `Source`, `Decode`, `Handler`, `TxHandler` with `postgres`, `Failure`, `Message`, `Fields`, `AnySource`) and its sources: `consumer::redis_streams` (feature `redis-streams`), `consumer::nats` (feature `nats`), `consumer::rabbitmq` (feature `rabbitmq`) |
+//!
+//! The stores (`idempotent-redis`, `idempotent-postgres`), the cache tier (`idempotent-cache`),
+//! the consumer runtime (`idempotent-consumer`), `AnyStore` (`idempotent-any`) and the HTTP and
+//! gRPC layers (`idempotent-tower`) are crates of their own, built on this one.
 //!
 //! Where the code lives, for readers of the source: `runtime.rs` (the runtime and its call
 //! flow), `call.rs` (calls, options, defaults), `outcome.rs`, `claim.rs` (the running claim),
 //! `lease.rs` (renewal and per-operation bounds), `claim_answer.rs` (what a claim's answer
 //! means under the in-flight policy, shared with the transactional mode), `session.rs` (client
-//! sessions and the gate's rules), `steps.rs` (checkpoints), `record.rs`
-//! (recording an outcome, with retries), `shutdown.rs`, `metrics.rs`, `problem.rs`, `error.rs`, `key.rs`,
-//! `fingerprint/`, `envelope.rs` (the stored record format), `store/` (the trait and each
-//! backend), `consumer/` (the consumer runtime: `runner.rs` the loop, `effect.rs` the claim
-//! and transactional modes, one file per source, `any.rs`), `attribute.rs`, `to_key.rs` and `default_runtime.rs` (the attribute's public side)
-//! and `expansion.rs` (the hidden module the attribute expands into, `__private`).
+//! sessions and the gate's rules), `steps.rs` (checkpoints), `recording.rs`
+//! (recording an outcome, with retries), `execute.rs` (one call), `run_to_end.rs`,
+//! `shutdown.rs`, `metrics.rs`, `problem.rs`, `error.rs`, `key.rs`, `fingerprint/`,
+//! `envelope.rs` (the stored record format), `store/` (the contract, the timed store, the
+//! give-back and the memory store), `attribute.rs`, `to_key.rs` and `default_runtime.rs` (the
+//! attribute's public side) and `expansion/` (the hidden module the attribute expands into,
+//! `__private`).
 //!
 //! # The `#[idempotent]` attribute
 //!
@@ -126,23 +127,18 @@
 //! - `memory` (default): `memory::MemoryStore`.
 //! - `macros` (default): the [`#[idempotent]`](macro@idempotent) attribute.
 //! - `uuid`: [`ToKey`] for `uuid::Uuid`.
-//! - `redis`: `redis::RedisStore`, shared by many app instances.
-//! - `postgres`: `postgres::PostgresStore`, shared by many app instances, and its
-//!   transactional mode (`postgres::Transactional`), which commits the record in the same
-//!   transaction as your database writes.
 //! - `test-util`: the store conformance suite (`conformance`) and `clock::ManualClock`, for
 //!   testing any store.
-//! - `cache`: a cache tier of finished records in front of any store (`cache`, with `moka`); a
-//!   Redis tier with `redis`.
-//! - `consumer`: the consumer runtime (`consumer`); its transactional mode with `postgres`.
-//! - `redis-streams`, `nats`, `rabbitmq`: the consumer's sources on Redis Streams, NATS
-//!   JetStream (`async-nats`) and RabbitMQ quorum queues (`lapin`).
+//!
+//! No feature brings in a backend: the Redis and PostgreSQL stores, the cache tier and the
+//! consumer runtime are the crates `idempotent-redis`, `idempotent-postgres`,
+//! `idempotent-cache` and `idempotent-consumer`.
 //!
 //! # Message consumers
 //!
 //! Brokers deliver at least once: a consumer that crashes after applying a message but before
 //! acknowledging it receives the message again, and a producer that retries publishes it twice.
-//! The `consumer` runtime (feature `consumer`) makes each message's effect
+//! The consumer runtime (`idempotent-consumer`) makes each message's effect
 //! happen once over Redis Streams, NATS JetStream or RabbitMQ: you write a handler; it keys each
 //! message (the publisher's message id, not the broker's delivery id), claims the key, runs the
 //! handler — in the PostgreSQL transaction that records it, with `postgres` — acknowledges
@@ -155,7 +151,7 @@
 //! - **Acknowledge after the commit**, never before: acknowledging first and crashing before the
 //!   commit loses the message.
 //! - **What it cannot cover**: an effect outside the database — an e-mail, an HTTP call to a
-//!   provider without idempotency keys. Enqueue it in the outbox (`outbox::Outbox`) in the
+//!   provider without idempotency keys. Enqueue it in the outbox (`idempotent_postgres::outbox::Outbox`) in the
 //!   same transaction; the relay delivers it at least once with a key.
 //!
 //! `examples/ledger.rs` is a consumer on all three brokers built this way, and
@@ -173,10 +169,10 @@
 //!
 //! | the effect is… | defence | how |
 //! |---|---|---|
-//! | a write to the PostgreSQL database that holds the record | **same transaction** | the transactional mode (`postgres::Transactional`): claim, writes and record commit together or not at all |
+//! | a write to the PostgreSQL database that holds the record | **same transaction** | the transactional mode (`idempotent_postgres::Transactional`): claim, writes and record commit together or not at all |
 //! | a call to a system that accepts an idempotency key (a payment provider, a service behind this library, a deduplicating consumer, the outbox relay) | **downstream key** | pass [`ClaimHandle::operation_key`]: the same for every owner and attempt of one operation (one *record lifetime*: from the claim that finds no live record, through every takeover and retry after a release, until the record expires), so a stalled owner and its successor cause one effect, and a key reused after its record expired is a new operation downstream too |
-//! | a write to a resource that can compare numbers (a row in another database, storage with conditional writes) | **fencing token** | the resource refuses a [`ClaimHandle::token`] below the highest it has seen (`postgres::Fence` does it in one statement of your transaction) |
-//! | a call to another system that must follow a database change if and only if it commits | **transactional outbox** | `outbox::Outbox` writes the message in the change's transaction; `outbox::Relay` delivers it after the commit, at least once, with its key (by default the claim's operation key) |
+//! | a write to a resource that can compare numbers (a row in another database, storage with conditional writes) | **fencing token** | the resource refuses a [`ClaimHandle::token`] below the highest it has seen (`idempotent_postgres::Fence` does it in one statement of your transaction) |
+//! | a call to another system that must follow a database change if and only if it commits | **transactional outbox** | `idempotent_postgres::outbox::Outbox` writes the message in the change's transaction; `idempotent_postgres::outbox::Relay` delivers it after the commit, at least once, with its key (by default the claim's operation key) |
 //! | a call that takes no key, shares no transaction and compares nothing (an SMTP send) | none | at least once, through the outbox; see *What it cannot do* |
 //!
 //! What each fault does, and what is guaranteed:
@@ -231,9 +227,9 @@
 //! (sending an e-mail, calling a third-party API without keys) cannot be made exactly-once: a
 //! crash between the effect and the completion record leaves no way to know whether it
 //! happened. Record the intent in your database in the same transaction as the state change and
-//! deliver it from there: `outbox::Outbox` and `outbox::Relay` (at least once, with a key
+//! deliver it from there: `idempotent_postgres::outbox::Outbox` and `idempotent_postgres::outbox::Relay` (at least once, with a key
 //! the receiver can deduplicate on). Effects that *are* writes to a PostgreSQL
-//! database close the gap with the transactional mode (`postgres::Transactional`): the record
+//! database close the gap with the transactional mode (`idempotent_postgres::Transactional`): the record
 //! commits in the same transaction as the writes.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
