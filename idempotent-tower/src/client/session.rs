@@ -13,8 +13,8 @@ use super::error::ClientError;
 use crate::session::SessionHeader;
 
 /// A client session: one id for many calls, each numbered `1, 2, 3, …`, sent with the
-/// `Idempotency-Session` header instead of a key per call (see the [module docs](super)'s
-/// "Sessions" section). Give it to [`ClientLayer::session`](super::ClientLayer::session).
+/// `Idempotency-Session` header instead of a key per call (how, below). Give it to
+/// [`ClientLayer::session`](super::ClientLayer::session).
 ///
 /// Cheap to clone: the clones share the numbering and the record of answers, so a layer, its
 /// services and their clones all send in the same session.
@@ -27,6 +27,8 @@ use crate::session::SessionHeader;
 /// assert_eq!(session.ack(), 0);
 /// eprintln!("session {}", session.id().as_str());
 /// ```
+///
+#[doc = include_str!("../../docs/tower-sessions.md")]
 #[derive(Clone)]
 pub struct ClientSession {
     shared: Arc<Shared>,

@@ -14,8 +14,13 @@ use super::config::{Config, OnClaimLost};
 use super::protocol::{Grpc, Http, Protocol};
 use super::service::IdempotencyService;
 
-/// Applies idempotency to requests: see the [crate docs](crate) for the semantics and every
-/// response it produces.
+/// Applies idempotency to requests: the server layer, for HTTP
+/// ([`http`](IdempotencyLayer::http)) and gRPC ([`grpc`](IdempotencyLayer::grpc)). What it
+/// does with each request and every response it produces are below.
+///
+#[doc = include_str!("../../docs/tower-server.md")]
+///
+/// # Building a layer
 ///
 /// Built for one protocol, [`http`](IdempotencyLayer::http) or
 /// [`grpc`](IdempotencyLayer::grpc), and configured with consuming builder methods:
@@ -131,7 +136,7 @@ impl IdempotencyLayer<Grpc> {
     /// Problems are answered as gRPC statuses (`INVALID_ARGUMENT`, `FAILED_PRECONDITION`,
     /// `ABORTED` with `grpc-retry-pushback-ms`, `RESOURCE_EXHAUSTED`, `UNAVAILABLE`, …) with
     /// the stable code in the `idempotent-error` metadata entry; outcomes are classified by
-    /// `grpc-status`. See the crate docs.
+    /// `grpc-status`. See [gRPC (tonic)](IdempotencyLayer#grpc-tonic).
     pub fn grpc(idempotency: Idempotency) -> Self {
         IdempotencyLayer {
             config: Arc::new(Config::new(idempotency)),
