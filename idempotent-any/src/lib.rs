@@ -35,6 +35,7 @@ const REAP_EVERY: Duration = Duration::from_secs(60);
 /// | `redis://HOST:PORT[/DB]` (`rediss://`) | `RedisStore`: one server |
 /// | `redis://HOST1:PORT1,redis://HOST2:PORT2,…` | `RedisStore`: a Redis Cluster, any of its nodes |
 /// | `postgres://USER[:PASSWORD]@HOST[:PORT]/DB` (`postgresql://`) | `PostgresStore` with its default table |
+/// | `sqlite://PATH` (`sqlite:///abs/path.db`, `sqlite://rel/path.db`) | `SqliteStore`: one file (created if missing), shared by the processes of one host |
 ///
 /// [`from_env`](Self::from_env) reads the URL from `IDEMPOTENCY_STORE` (default `memory`),
 /// on Redis the replicas that must acknowledge every claim and record from
@@ -108,6 +109,8 @@ enum Backend {
     Redis(RedisStore),
     #[cfg(feature = "postgres")]
     Postgres(PostgresStore),
+    #[cfg(feature = "sqlite")]
+    Sqlite(idempotent_sqlite::SqliteStore),
 }
 
 /// The reaper task, aborted when dropped.
@@ -126,6 +129,7 @@ enum Kind {
     Memory,
     Redis,
     Postgres,
+    Sqlite,
 }
 
 impl Kind {
@@ -136,6 +140,8 @@ impl Kind {
             Some(Kind::Redis)
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             Some(Kind::Postgres)
+        } else if url.starts_with("sqlite://") {
+            Some(Kind::Sqlite)
         } else {
             None
         }
@@ -146,6 +152,7 @@ impl Kind {
             Kind::Memory => cfg!(feature = "memory"),
             Kind::Redis => cfg!(feature = "redis"),
             Kind::Postgres => cfg!(feature = "postgres"),
+            Kind::Sqlite => cfg!(feature = "sqlite"),
         }
     }
 
@@ -155,6 +162,7 @@ impl Kind {
             Kind::Memory => ("the memory store", "memory"),
             Kind::Redis => ("Redis", "redis"),
             Kind::Postgres => ("PostgreSQL", "postgres"),
+            Kind::Sqlite => ("SQLite", "sqlite"),
         }
     }
 }
@@ -206,6 +214,17 @@ impl AnyStore {
     pub fn redis(&self) -> Option<&RedisStore> {
         match &self.backend {
             Backend::Redis(store) => Some(store),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    }
+
+    /// The SQLite store, if a `sqlite://` URL chose it.
+    #[cfg(feature = "sqlite")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+    pub fn sqlite(&self) -> Option<&idempotent_sqlite::SqliteStore> {
+        match &self.backend {
+            Backend::Sqlite(store) => Some(store),
             #[allow(unreachable_patterns)]
             _ => None,
         }
@@ -362,6 +381,27 @@ impl AnyStoreBuilder {
                     .map(|every| Arc::new(Reaper(store.spawn_reaper(every))));
                 (Backend::Postgres(store), reaper)
             }
+            #[cfg(feature = "sqlite")]
+            Kind::Sqlite => {
+                let path = self.url.trim_start_matches("sqlite://");
+                if path.is_empty() {
+                    return Err(AnyStoreError::Unsupported {
+                        url: self.url.clone(),
+                        variable: self.variable,
+                    });
+                }
+                // The store reaps its own expired rows, on a task that ends with it.
+                let store = idempotent_sqlite::SqliteStore::builder(std::path::Path::new(path))
+                    .migrate(self.migrate)
+                    .reap_every(self.reaper)
+                    .build()
+                    .await
+                    .map_err(|source| AnyStoreError::OpenSqlite {
+                        path: path.to_owned(),
+                        source,
+                    })?;
+                (Backend::Sqlite(store), None)
+            }
             #[allow(unreachable_patterns)]
             _ => unreachable!("a store this build has not is refused above"),
         };
@@ -477,7 +517,7 @@ pub enum AnyStoreError {
     /// The URL names no store of the library.
     #[error(
         "{} is not supported; use `memory`, `redis://HOST:PORT[/DB]` (comma-separated URLs \
-         for a Redis Cluster) or `postgres://USER@HOST:PORT/DB`",
+         for a Redis Cluster), `postgres://USER@HOST:PORT/DB` or `sqlite://PATH`",
         Named(*.variable, url)
     )]
     Unsupported {
@@ -489,13 +529,13 @@ pub enum AnyStoreError {
 
     /// The URL names a store this build leaves out.
     #[error(
-        "{} names {store}, but this build of idempotent-core has no `{feature}` feature",
+        "{} names {store}, but this build of idempotent-any has no `{feature}` feature",
         Origin(*.variable)
     )]
     FeatureDisabled {
         /// The store: `the memory store`, `Redis` or `PostgreSQL`.
         store: &'static str,
-        /// The feature of `idempotent-core` that brings it.
+        /// The feature of `idempotent-any` that brings it.
         feature: &'static str,
         /// The environment variable the URL came from, if any.
         variable: Option<&'static str>,
@@ -547,6 +587,16 @@ pub enum AnyStoreError {
     ConnectPostgres {
         /// The environment variable the URL came from, if any.
         variable: Option<&'static str>,
+        /// What the store reported.
+        source: StoreError,
+    },
+
+    /// The SQLite database could not be opened or created at `path` (a missing directory, a
+    /// file that is not a database, no permission), or its tables could not be created.
+    #[error("cannot open the SQLite database {path:?}")]
+    OpenSqlite {
+        /// The database file's path.
+        path: String,
         /// What the store reported.
         source: StoreError,
     },
@@ -642,6 +692,8 @@ macro_rules! each {
             Backend::Redis(ref $store) => $body,
             #[cfg(feature = "postgres")]
             Backend::Postgres(ref $store) => $body,
+            #[cfg(feature = "sqlite")]
+            Backend::Sqlite(ref $store) => $body,
         }
     };
 }
@@ -696,6 +748,11 @@ impl Store for AnyStore {
 
     fn keeps_records_in_process(&self) -> bool {
         each!(self, |store| store.keeps_records_in_process())
+    }
+
+    /// The chosen store's, so that an atomic step finds its claim's records.
+    fn location(&self) -> Option<String> {
+        each!(self, |store| store.location())
     }
 
     async fn open_session(

@@ -1,5 +1,5 @@
 //! `AnyStore` against real servers (started by `scripts/test.sh`): `memory`, Redis, a Redis
-//! Cluster and PostgreSQL chosen by URL and by `IDEMPOTENCY_STORE`, each serving calls; the
+//! Cluster, PostgreSQL and SQLite chosen by URL and by `IDEMPOTENCY_STORE`, each serving calls; the
 //! PostgreSQL table and reaper it sets up; unsupported and (in a build without them)
 //! feature-disabled schemes; and passwords, which no error shows.
 
@@ -75,7 +75,7 @@ async fn an_unsupported_scheme_is_refused_without_its_password() {
     }
 }
 
-#[cfg(all(feature = "redis", feature = "postgres"))]
+#[cfg(all(feature = "redis", feature = "postgres", feature = "sqlite"))]
 #[test]
 fn supports_the_schemes_of_this_build() {
     for url in [
@@ -85,6 +85,8 @@ fn supports_the_schemes_of_this_build() {
         "redis://h:1,redis://h:2",
         "postgres://u@h/db",
         "postgresql://u@h/db",
+        "sqlite:///var/lib/app/idempotency.db",
+        "sqlite://idempotency.db",
     ] {
         assert!(AnyStore::supports(url), "{url}");
     }
@@ -93,7 +95,7 @@ fn supports_the_schemes_of_this_build() {
 /// A build without `redis` or `postgres` (`cargo test -p idempotent-core --no-default-features
 /// --features memory,test-util --test any_store`, a step of `scripts/test.sh`) refuses their
 /// URLs, naming the feature.
-#[cfg(not(all(feature = "redis", feature = "postgres")))]
+#[cfg(not(all(feature = "redis", feature = "postgres", feature = "sqlite")))]
 #[tokio::test]
 async fn a_scheme_whose_feature_is_off_names_the_feature() {
     let mut checked = 0;
@@ -104,6 +106,7 @@ async fn a_scheme_whose_feature_is_off_names_the_feature() {
             cfg!(feature = "postgres"),
             "postgres",
         ),
+        ("sqlite:///tmp/none.db", cfg!(feature = "sqlite"), "sqlite"),
     ] {
         if on {
             continue;
@@ -221,6 +224,70 @@ mod redis {
             assert!(!text.contains(SECRET), "{text}");
             assert!(!format!("{error:?}").contains(SECRET));
         }
+    }
+}
+
+#[cfg(feature = "sqlite")]
+mod sqlite {
+    use super::*;
+
+    /// A directory of its own, removed when dropped.
+    fn directory() -> tempfile::TempDir {
+        tempfile::tempdir().expect("a temporary directory")
+    }
+
+    #[tokio::test]
+    async fn a_sqlite_url_creates_the_file_and_serves_calls_across_handles() {
+        let dir = directory();
+        let path = dir.path().join("records.db");
+        let url = format!("sqlite://{}", path.display());
+        let store = AnyStore::connect(&url).await.unwrap();
+        assert_eq!(store.name(), "sqlite");
+        assert!(store.sqlite().is_some());
+        assert!(path.exists(), "connect created the database file");
+        // A second handle on the same file (another process would do the same) replays what
+        // the first recorded.
+        let again = AnyStore::connect(&url).await.unwrap();
+        let namespace = unique("any-store");
+        let call = Call::new(unique("key").parse().unwrap());
+        let first = Idempotency::builder(store)
+            .namespace(&namespace)
+            .build()
+            .run(&call, async { 1u32 })
+            .await
+            .unwrap();
+        let retry = Idempotency::builder(again)
+            .namespace(&namespace)
+            .build()
+            .run(&call, async { 2u32 })
+            .await
+            .unwrap();
+        assert!(!first.is_replayed());
+        assert!(retry.is_replayed());
+        assert_eq!(retry.into_inner(), 1);
+    }
+
+    #[tokio::test]
+    async fn an_empty_path_or_a_missing_directory_is_refused() {
+        let store = AnyStore::connect("sqlite://").await.unwrap_err();
+        assert!(
+            matches!(store, AnyStoreError::Unsupported { .. }),
+            "an empty path is no database: {store:?}"
+        );
+        let dir = directory();
+        let url = format!(
+            "sqlite://{}/a/missing/directory/records.db",
+            dir.path().display()
+        );
+        let error = AnyStore::connect(&url).await.unwrap_err();
+        assert!(
+            matches!(error, AnyStoreError::OpenSqlite { .. }),
+            "a missing directory is a clear error: {error:?}"
+        );
+        assert!(
+            chain(&error).contains("cannot open the SQLite database"),
+            "{error}"
+        );
     }
 }
 

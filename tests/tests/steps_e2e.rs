@@ -1,5 +1,5 @@
 //! Operations in steps, on real `payments` processes (`POST /orders`: reserve, charge,
-//! receipt), on Redis and PostgreSQL, and on memory where a restart is not needed: a process
+//! receipt), on Redis, PostgreSQL and SQLite, and on memory where a restart is not needed: a process
 //! that aborts after a step and is started again resumes the order at the next step when the
 //! client retries; with nobody retrying, the completer finishes it; a hundred orders survive
 //! five SIGKILLs with one effect per step each. And, in-process on both stores, a stale
@@ -183,6 +183,8 @@ fn effects_log(name: &str) -> PathBuf {
 enum Backend {
     Redis(String),
     Postgres(Database),
+    /// A SQLite file in a directory of its own (removed with it), as a `sqlite://` URL.
+    Sqlite(tempfile::TempDir, String),
 }
 
 impl Backend {
@@ -195,9 +197,15 @@ impl Backend {
         Database::create(&name).await.map(Backend::Postgres)
     }
 
+    fn sqlite() -> Backend {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let url = format!("sqlite://{}", dir.path().join("records.db").display());
+        Backend::Sqlite(dir, url)
+    }
+
     fn url(&self) -> &str {
         match self {
-            Backend::Redis(url) => url,
+            Backend::Redis(url) | Backend::Sqlite(_, url) => url,
             Backend::Postgres(database) => &database.url,
         }
     }
@@ -1002,4 +1010,32 @@ async fn postgres_a_stale_owners_checkpoint_is_refused() {
     };
     a_stale_owners_checkpoint_is_refused(backend.url()).await;
     backend.finish().await;
+}
+
+// SQLite: the embedded durable store, its file shared by the processes that follow each other.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_crash_after_reserve_then_retry() {
+    crash_after_a_step_then_retry(&Backend::sqlite(), "reserve").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_crash_after_charge_then_retry() {
+    crash_after_a_step_then_retry(&Backend::sqlite(), "charge").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_the_completer_finishes_an_abandoned_order() {
+    the_completer_finishes_an_abandoned_order(&Backend::sqlite()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_orders_survive_sigkills() {
+    orders_survive_sigkills(&Backend::sqlite()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_stale_owners_checkpoint_is_refused() {
+    let backend = Backend::sqlite();
+    a_stale_owners_checkpoint_is_refused(backend.url()).await;
 }
