@@ -44,7 +44,7 @@
 //! | `LEDGER_SOURCE` | `REDIS_URL` | the broker: `redis://…`, `nats://HOST:PORT` or `amqp://USER:PASS@HOST:PORT/%2f` |
 //! | `REDIS_URL` | `redis://127.0.0.1:6379` | the Redis broker, when `LEDGER_SOURCE` is unset |
 //! | `DATABASE_URL` | `postgres://postgres@127.0.0.1:5432/postgres` | balances and idempotency records |
-//! | `IDEMPOTENCY_CACHE` | unset: no cache | finished records cached in front of PostgreSQL, so a duplicate is acknowledged without a transaction: `memory:N` (in this process, `N` records) or `redis://HOST:PORT[/DB]` (a Redis the consumers share); see `idempotent_core::cache` |
+//! | `IDEMPOTENCY_CACHE` | unset: no cache | finished records cached in front of PostgreSQL, so a duplicate is acknowledged without a transaction: `memory:N` (in this process, `N` records) or `redis://HOST:PORT[/DB]` (a Redis the consumers share); see `idempotent-cache` |
 //! | `STREAM` | `payments` | the stream (Redis, NATS) or queue (RabbitMQ) to consume |
 //! | `GROUP` | `ledger` | the consumer group (Redis) or durable consumer (NATS) |
 //! | `CONSUMER` | `HOST-PID` | this consumer's name in the group (Redis), its consumer tag (RabbitMQ) |

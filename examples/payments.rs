@@ -121,14 +121,14 @@
 //! | variable | default | meaning |
 //! |---|---|---|
 //! | `PORT` | `3000` | listens on `127.0.0.1:$PORT` |
-//! | `IDEMPOTENCY_STORE` | `memory` | where records live: `memory`, `redis://HOST:PORT[/DB]` (several, comma-separated: a Redis Cluster's nodes) or `postgres://USER@HOST:PORT/DB` |
+//! | `IDEMPOTENCY_STORE` | `memory` | where records live: `memory`, `redis://HOST:PORT[/DB]` (several, comma-separated: a Redis Cluster's nodes), `postgres://USER@HOST:PORT/DB` or `sqlite://PATH` (one file, durable across restarts, shared by the processes of one host) |
 //! | `IDEMPOTENCY_TTL` | `24h` | how long responses are replayed: `1ms` to `365d` |
 //! | `IDEMPOTENCY_LEASE` | `30s` | how long a crashed request keeps its key locked: `100ms` to `365d` |
 //! | `IDEMPOTENCY_IN_FLIGHT` | `reject` | `reject` (409) or `wait` (up to one lease, then replay) |
 //! | `IDEMPOTENCY_REDIS_REPLICAS` | `0` | on Redis, replicas that must acknowledge every claim and record before it counts (`WAIT`; see `RedisStoreBuilder::replicas`) |
 //! | `IDEMPOTENCY_SESSION_IDLE` | `24h` | how long a client session nobody sends to is kept, with its answers: `1ms` to `365d` |
 //! | `IDEMPOTENCY_SESSION_WINDOW` | `64` | how far past its acknowledged mark a session may number requests: `1` to `4096` |
-//! | `IDEMPOTENCY_CACHE` | unset: no cache | finished records cached in front of the store: `memory:N` (in this process, at most `N` records) or `redis://HOST:PORT[/DB]` (a Redis every instance shares, in front of the store `IDEMPOTENCY_STORE` names); see `idempotent_core::cache` |
+//! | `IDEMPOTENCY_CACHE` | unset: no cache | finished records cached in front of the store: `memory:N` (in this process, at most `N` records) or `redis://HOST:PORT[/DB]` (a Redis every instance shares, in front of the store `IDEMPOTENCY_STORE` names); see `idempotent-cache` |
 //! | `IDEMPOTENCY_COMPLETER_AFTER` | unset: no completer | finish `/orders` operations abandoned for this long (their claim lapsed or released, no retry): `1ms` to `365d`; see "Orders in steps" |
 //! | `IDEMPOTENCY_EFFECTS_LOG` | unset: none | a file every run of an order's step is appended to as a line `<step> <step key> <pid>` (a step run again under the same key included), before the step's checkpoint is written: `reserve` and `charge`, and `receipt` but on PostgreSQL (where the receipt is its outbox row); a count of step runs that outlives the process |
 //! | `RUST_LOG` | `warn,idempotent_tower=info` | log filter (logs go to stderr) |

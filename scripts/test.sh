@@ -69,12 +69,12 @@ cargo test --workspace --all-features --doc --locked
 # its own features only: its library and unit tests compiled and run, and its doc tests (the
 # library's own code on its own features: a feature missing at run time, tokio's timer say,
 # panics there). Its integration tests, which ran above against the same servers, are not
-# built again: with eight crates that would double this step, and what differs alone is the
+# built again: with nine crates that would double this step, and what differs alone is the
 # library's build. The end-to-end suites (the `tests` crate) are not built again either.
 # `idempotent-core` is also built with no feature at all: nothing of a backend, nothing of
 # the attribute.
 for crate in idempotent-core idempotent-macros idempotent-cache idempotent-redis \
-    idempotent-postgres idempotent-consumer idempotent-any idempotent-tower; do
+    idempotent-postgres idempotent-sqlite idempotent-consumer idempotent-any idempotent-tower; do
     step "cargo test -p $crate alone (all its features, no other crate's)"
     started=$SECONDS
     cargo test -p "$crate" --all-features --locked --lib
@@ -92,7 +92,7 @@ cargo test -p idempotent-any --no-default-features --features memory --locked --
 step "cargo doc (warnings denied)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps --locked
 
-# Each published crate packages and its package builds. Packaged together, the eight are
+# Each published crate packages and its package builds. Packaged together, the nine are
 # verified in dependency order, each against the others' fresh packages (a local registry
 # overlay in target/package/tmp-registry), since they depend on one another at `=0.1.0` and
 # are not on crates.io yet; works offline. Verification builds each crate's default features
@@ -108,6 +108,7 @@ started=$SECONDS
 # other code) would be verified against instead of this one. Local registries' ids begin
 # with `-`; crates.io's never do.
 published=(idempotent-macros idempotent-core idempotent-cache idempotent-redis idempotent-postgres
+    idempotent-sqlite
     idempotent-consumer idempotent-any idempotent-tower)
 rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/idempotent-*
 packages=()

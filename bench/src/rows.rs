@@ -79,7 +79,7 @@ impl StoreKind {
     }
 }
 
-/// The cache tier in front of the store (`idempotent_core::cache`), if any.
+/// The cache tier in front of the store (`idempotent-cache`), if any.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Cache {
     None,

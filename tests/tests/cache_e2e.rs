@@ -4,7 +4,7 @@
 //! back empty under load; an instance started while its Redis tier is down; and malformed
 //! values.
 //!
-//! What is checked is what the rules of `idempotent_core::cache` promise, seen from outside:
+//! What is checked is what the rules of `idempotent-cache` promise, seen from outside:
 //!
 //! - a cached record replays byte for byte on every instance, and the cache is used (its
 //!   `idempotency_cache_lookups_total{outcome="hit"}` grows);
