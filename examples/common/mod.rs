@@ -3,7 +3,7 @@
 //! | variable | default | meaning |
 //! |---|---|---|
 //! | `PORT` | per example | listens on `127.0.0.1:$PORT` |
-//! | `IDEMPOTENCY_STORE` | `memory` | `memory`, `redis://HOST:PORT[/DB]` (several, comma-separated: a Redis Cluster's nodes) , `postgres://USER@HOST:PORT/DB` or `sqlite://PATH` |
+//! | `IDEMPOTENCY_STORE` | `memory` | `memory`, `redis://HOST:PORT[/DB]` (several, comma-separated: a Redis Cluster's nodes), `postgres://USER@HOST:PORT/DB` or `sqlite://PATH` |
 //! | `IDEMPOTENCY_TTL` | `24h` | how long responses are replayed: `1ms` to `365d` |
 //! | `IDEMPOTENCY_LEASE` | `30s` | how long a crashed request keeps its key locked: `100ms` to `365d` |
 //! | `IDEMPOTENCY_IN_FLIGHT` | `reject` | `reject` or `wait` (up to one lease, then replay) |
