@@ -1,4 +1,7 @@
-//! One of the library's stores, chosen by a URL (or `IDEMPOTENCY_STORE`) when the service starts.
+//! [`AnyStore`]: one of the family's stores, chosen by a URL (or `IDEMPOTENCY_STORE`) when the
+//! service starts: `memory`, `redis://…`, `postgres://…` or `sqlite://PATH`, optionally behind a
+//! cache tier (`IDEMPOTENCY_CACHE`). It sits above the store crates, which know nothing of it.
+//! See [`AnyStore`] for the URLs, what is done for you and the errors.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

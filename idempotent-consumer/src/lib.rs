@@ -1,4 +1,5 @@
-//! The idempotent receiver: one consumer runtime over a message broker (feature `consumer`).
+//! The idempotent receiver: one consumer runtime over a message broker, for the `idempotent`
+//! family (sources behind the features `redis-streams`, `nats` and `rabbitmq`).
 //!
 //! A broker delivers each message at least once: a consumer that crashes before it
 //! acknowledges, a broker that restarts, a publisher that retries, all deliver a message

@@ -29,7 +29,7 @@ pub fn default_runtime() -> Transactional {
     message = "`{Self}` is not a transactional idempotency runtime",
     label = "expected `&idempotent_postgres::Transactional`",
     note = "with `tx = ...`, the runtime is a `Transactional`: \
-            `Idempotency::transactional()` makes one"
+            `Transactional::of(&runtime, &store)` makes one"
 )]
 pub trait AsTransactional {
     /// The runtime.

@@ -1,5 +1,29 @@
-//! The PostgreSQL store: one row per record in a table shared by every app instance, and the
-//! transactional mode that commits the record in the caller's own transaction.
+//! A PostgreSQL store for the `idempotent` family: one row per record in a table shared by
+//! every app instance; the transactional mode ([`Transactional`]) that commits the record in
+//! your own transaction, with your writes; the [`Fence`] for fencing tokens; and the
+//! transactional [`outbox`] with its relay.
+//!
+//! ```no_run
+//! use idempotent_core::Idempotency;
+//! use idempotent_postgres::{PostgresStore, Transactional};
+//!
+//! # async fn example() -> Result<(), idempotent_core::StoreError> {
+//! let store = PostgresStore::connect("postgres://app@db:5432/app").await?;
+//! store.migrate().await?; // creates the table if it is not there
+//! let idempotency = Idempotency::builder(store.clone()).namespace("billing").build();
+//! // The same records, claimed and completed inside your transactions.
+//! let transactional = Transactional::of(&idempotency, &store);
+//! # let _ = transactional;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Where to read on: [`PostgresStore`] (the table, the reaper, fencing, what a database that
+//! is down or full does), [`Transactional`] (and `#[idempotent(tx = ...)]`),
+//! [`PostgresStore::step_in_transaction`] (a step whose effect and checkpoint commit
+//! together), [`Fence`], [`outbox`]. The store passes the whole conformance suite of
+//! `idempotent_core::conformance` and is built on `idempotent_core::store`, the contract any
+//! store uses, and nothing else of core (the attribute's expansion aside).
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

@@ -39,15 +39,16 @@ const ROLLBACK_TO_SAVEPOINT: &str =
 /// runs the work again as if it had never started.
 ///
 /// ```no_run
-/// use idempotent_postgres::{PostgresStore, TransactionalClaim};
+/// use idempotent_postgres::{PostgresStore, Transactional, TransactionalClaim};
 /// use idempotent_core::{Call, Fingerprint, Idempotency};
 /// use sqlx::PgPool;
 ///
 /// # async fn example(pool: PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// let store = PostgresStore::new(pool.clone());
 /// store.migrate().await?;
-/// let runtime = Idempotency::builder(store).namespace("billing").build();
-/// let transactional = runtime.transactional().expect("the runtime is over a PostgresStore");
+/// let runtime = Idempotency::builder(store.clone()).namespace("billing").build();
+/// // The runtime's namespace and defaults, over the store's table: each replays the other.
+/// let transactional = Transactional::of(&runtime, &store);
 ///
 /// let mut tx = pool.begin().await?;
 /// let call = Call::new("deposit-7f3a".parse()?).fingerprint(Fingerprint::of(&("acct-1", 100))?);
@@ -452,6 +453,7 @@ impl fmt::Debug for PendingRecord {
 /// A record a transactional completion wrote, for [`Transactional::committed`] once its
 /// transaction committed ([`PendingRecord::complete_recorded`]).
 #[derive(Debug)]
+#[cfg_attr(not(feature = "cache"), allow(dead_code))]
 pub struct Completed {
     key: StorageKey,
     fingerprint: idempotent_core::Fingerprint,

@@ -1,5 +1,26 @@
-//! The Redis store: one shared record per key for many app instances, and client sessions
-//! whose records share one Cluster slot.
+//! A Redis store for the `idempotent` family: one shared record per key for many app
+//! instances, on one Redis server or a Redis Cluster, optionally acknowledged by replicas; and
+//! (feature `cache`) a Redis cache tier in front of a slower store.
+//!
+//! ```no_run
+//! use idempotent_core::Idempotency;
+//! use idempotent_redis::RedisStore;
+//!
+//! # async fn example() -> Result<(), idempotent_core::StoreError> {
+//! // Several URLs, comma-separated, are a Redis Cluster's nodes.
+//! let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
+//! let idempotency = Idempotency::builder(store).namespace("billing").build();
+//! # let _ = idempotency;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Where to read on: [`RedisStore`] (one Lua script per operation, the Cluster, replicas,
+//! what a Redis that is down, full or slow does), [`RedisStoreBuilder`] (every setting), and
+//! with `cache`, `RedisCacheBuilder` (a tier every instance shares). The store keeps client
+//! sessions, checkpoints and kept requests, and passes the whole conformance suite of
+//! `idempotent_core::conformance`. It is built on `idempotent_core::store`, the contract any
+//! store uses, and nothing else of core.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

@@ -4,7 +4,7 @@
 #![deny(warnings)]
 
 use idempotent_postgres::{PostgresStore, Transactional};
-use idempotent_core::{Error, Idempotency, idempotent};
+use idempotent_core::{Error, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
@@ -107,6 +107,6 @@ fn calls(pool: PgPool, ledger: Ledger) {
 fn main() {
     let _: fn(PgPool, Ledger) = calls;
     let _ = |store: PostgresStore| Ledger {
-        transactional: idempotent_postgres::Transactional::new(&store),
+        transactional: Transactional::new(&store),
     };
 }
