@@ -198,35 +198,37 @@ pub enum SessionGate {
 
 /// A session's state as a store keeps it, and the one statement of the gate's rules every
 /// built-in store follows (the Redis and PostgreSQL stores spell the same steps in Lua and
-/// SQL; the conformance suite checks all of them).
+/// SQL; the conformance suite checks all of them). A store that decides in Rust, under its own
+/// lock or transaction, calls [`SessionState::gate`] rather than writing the rules again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(not(feature = "memory"), allow(dead_code))]
-pub(crate) struct SessionState {
-    pub(crate) epoch: u64,
+pub struct SessionState {
+    /// The session's incarnation: a number from the store's token sequence, taken when it
+    /// started.
+    pub epoch: u64,
     /// The highest acknowledged mark seen.
-    pub(crate) ack: u64,
+    pub ack: u64,
     /// The highest sequence number admitted.
-    pub(crate) high: u64,
+    pub high: u64,
 }
 
-/// What the gate does to a session for one request.
+/// What the gate does to a session for one request ([`SessionState::gate`]): the answer, and
+/// what the store then writes in the same atomic step.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[cfg_attr(not(feature = "memory"), allow(dead_code))]
-pub(crate) struct GateStep {
-    pub(crate) gate: SessionGate,
+pub struct GateStep {
+    /// The answer to the request.
+    pub gate: SessionGate,
     /// The session's state after the request, or `None` to leave it absent.
-    pub(crate) state: Option<SessionState>,
+    pub state: Option<SessionState>,
     /// The sequence numbers whose records to drop (now acknowledged).
-    pub(crate) dropped: std::ops::RangeInclusive<u64>,
+    pub dropped: std::ops::RangeInclusive<u64>,
     /// The sequence numbers whose records live on, to keep as long as the session.
-    pub(crate) kept: std::ops::RangeInclusive<u64>,
+    pub kept: std::ops::RangeInclusive<u64>,
 }
 
-#[cfg_attr(not(feature = "memory"), allow(dead_code))]
 impl SessionState {
-    /// The gate's decision on `request` for a session in `state` (`None`: unknown), with
-    /// `new_epoch` the epoch to start it with.
-    pub(crate) fn gate(
+    /// The gate's decision on `request` for a session in `state` (`None`: unknown, or
+    /// expired), with `new_epoch` the epoch to start it with (used only when it starts).
+    pub fn gate(
         state: Option<SessionState>,
         request: SessionRequest,
         new_epoch: u64,
@@ -276,7 +278,6 @@ impl SessionState {
 }
 
 #[allow(clippy::reversed_empty_ranges)]
-#[cfg_attr(not(feature = "memory"), allow(dead_code))]
 fn empty() -> std::ops::RangeInclusive<u64> {
     1..=0
 }

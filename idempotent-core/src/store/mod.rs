@@ -15,6 +15,7 @@
 //! | [`Settings`] | a call's settings resolved against a runtime's defaults |
 //! | [`StoreMetrics`], [`Operation`] | the `idempotency.store.*` and `idempotency.requests` metrics under a store's name |
 //! | [`Unanswered`], [`GiveBack`], [`claimant`] | giving back a claim a shared store made after its caller gave up |
+//! | [`SessionState`](crate::session::SessionState), [`GateStep`](crate::session::GateStep) | a client session's state and the gate's rules, for a store that decides in Rust |
 //! | [`BoxFuture`] | the boxed future the give-back and cache tiers use |
 //!
 //! # Stability
