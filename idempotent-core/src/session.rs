@@ -228,11 +228,7 @@ pub struct GateStep {
 impl SessionState {
     /// The gate's decision on `request` for a session in `state` (`None`: unknown, or
     /// expired), with `new_epoch` the epoch to start it with (used only when it starts).
-    pub fn gate(
-        state: Option<SessionState>,
-        request: SessionRequest,
-        new_epoch: u64,
-    ) -> GateStep {
+    pub fn gate(state: Option<SessionState>, request: SessionRequest, new_epoch: u64) -> GateStep {
         let Some(old) = state else {
             if request.ack > 0 {
                 return GateStep {

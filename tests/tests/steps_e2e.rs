@@ -184,7 +184,10 @@ enum Backend {
     Redis(String),
     Postgres(Database),
     /// A SQLite file in a directory of its own (removed with it), as a `sqlite://` URL.
-    Sqlite(tempfile::TempDir, String),
+    Sqlite {
+        _dir: tempfile::TempDir,
+        url: String,
+    },
 }
 
 impl Backend {
@@ -200,12 +203,12 @@ impl Backend {
     fn sqlite() -> Backend {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let url = format!("sqlite://{}", dir.path().join("records.db").display());
-        Backend::Sqlite(dir, url)
+        Backend::Sqlite { _dir: dir, url }
     }
 
     fn url(&self) -> &str {
         match self {
-            Backend::Redis(url) | Backend::Sqlite(_, url) => url,
+            Backend::Redis(url) | Backend::Sqlite { url, .. } => url,
             Backend::Postgres(database) => &database.url,
         }
     }
