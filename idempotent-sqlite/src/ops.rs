@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use idempotent_core::session::MAX_SEQ;
+use idempotent_core::session::{MAX_SEQ, SessionState};
 use idempotent_core::steps::Abandoned;
 use idempotent_core::{
     Claim, FencingToken, Fingerprint, RequestOwner, SessionGate, SessionKey, SessionMark,
@@ -395,56 +395,51 @@ impl Inner {
             .map(|row| Session::decode(&row, now))
             .transpose()?
             .flatten();
-        let old = match live {
-            Some(old) => old,
+        let live = live.map(|old| SessionState {
+            epoch: old.epoch,
+            ack: old.ack,
+            high: old.high,
+        });
+        // An epoch is taken from the token counter only for a session that starts.
+        let new_epoch = match live {
+            None if request.ack == 0 => self.next_token(tx, 0).await?.get(),
+            _ => 0,
+        };
+        let request = SessionRequest::new(request.seq, request.ack, window, request.idle);
+        // The gate's rules are core's ([`SessionState::gate`]); this writes what they decide.
+        let step = SessionState::gate(live, request, new_epoch);
+        let Some(state) = step.state else {
             // Nothing written: the session is not started by a request holding answers.
-            None if request.ack > 0 => return Ok((SessionGate::Expired, false)),
-            None => Session {
-                epoch: self.next_token(tx, 0).await?.get(),
-                ack: 0,
-                high: 0,
-            },
-        };
-        let ack = old.ack.max(request.ack);
-        let gate = if request.seq <= ack {
-            SessionGate::Acknowledged { ack }
-        } else if request.seq > ack.saturating_add(window) {
-            SessionGate::WindowFull { ack }
-        } else {
-            SessionGate::Open { epoch: old.epoch }
-        };
-        let high = match gate {
-            SessionGate::Open { .. } => old.high.max(request.seq),
-            _ => old.high,
+            return Ok((step.gate, false));
         };
         let write = sqlx::query(&self.sql.write_session)
             .bind(record.as_ref())
-            .bind(ack as i64)
-            .bind(high as i64)
-            .bind(old.epoch as i64)
+            .bind(state.ack as i64)
+            .bind(state.high as i64)
+            .bind(state.epoch as i64)
             .bind(until);
         tx.execute(write).await.map_err(|e| store_error(doing, e))?;
         // The answers the mark now covers go; the ones above it live as long as the session.
-        // Both ranges are at most the window long: records live only above the old mark and
-        // at most at `high`.
-        let at = |seq: u64| row::seq_bytes(session, old.epoch, seq);
+        // Both ranges are at most the window long. A range binds the number before its first
+        // and its last.
+        let at = |seq: u64| row::seq_bytes(session, state.epoch, seq);
         let mut dropped = false;
-        if ack.min(old.high) > old.ack {
+        if !step.dropped.is_empty() {
             let query = sqlx::query(&self.sql.drop_range)
-                .bind(at(old.ack))
-                .bind(at(ack.min(old.high)));
+                .bind(at(step.dropped.start() - 1))
+                .bind(at(*step.dropped.end()));
             let done = tx.execute(query).await.map_err(|e| store_error(doing, e))?;
             dropped = done.rows_affected() > 0;
         }
-        if old.high > ack {
+        if !step.kept.is_empty() {
             let query = sqlx::query(&self.sql.keep_range)
-                .bind(at(ack))
-                .bind(at(old.high))
+                .bind(at(step.kept.start() - 1))
+                .bind(at(*step.kept.end()))
                 .bind(now)
                 .bind(until);
             tx.execute(query).await.map_err(|e| store_error(doing, e))?;
         }
-        Ok((gate, dropped))
+        Ok((step.gate, dropped))
     }
 
     pub(crate) async fn reap(&self) -> Result<u64, StoreError> {
