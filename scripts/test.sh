@@ -84,6 +84,16 @@ done
 step "idempotent-core with no feature"
 cargo check -p idempotent-core --no-default-features --locked
 
+# The core is the contract, not a backend: none of the backends' client crates may enter its
+# graph, with any of its features.
+step "idempotent-core depends on no backend"
+backends=$(cargo tree -p idempotent-core --all-features -e normal --prefix none --locked |
+    awk '{print $1}' | grep -xE 'redis|sqlx|sqlx-core|lapin|async-nats|moka|deadpool|libsqlite3-sys' | sort -u || true)
+if [ -n "$backends" ]; then
+    echo "idempotent-core depends on: $backends" >&2
+    exit 1
+fi
+
 # A store URL whose feature is off is refused by name (`AnyStore`), which only a build
 # without those features can show: idempotent-any with `memory` alone.
 step "AnyStore without the redis and postgres features"
