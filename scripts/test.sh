@@ -18,7 +18,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/services.sh
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step says when it began and how long the run has taken so far, so that a slow step
+# shows in CI's log.
+step() { printf '\n==> %s  [%s, %d s into the run]\n' "$*" "$(date +%T)" "$SECONDS"; }
 
 # Disk: a cold run builds the workspace several times over (all features, each crate alone,
 # trybuild's own target). With full debug info and incremental caches that came to 23 GB,
