@@ -17,72 +17,15 @@
 //! Two kinds of tier: [`CacheTier::memory`] keeps records in this process (each instance its
 //! own), and a [shared](CacheTier::shared) tier keeps them where every instance reads them: the
 //! Redis tier of `idempotent-redis` (`RedisCacheBuilder::new(url).connect()`, its feature
-//! `cache`), in front of a slower store (PostgreSQL), or a [`SharedTier`] of yours. [`Cached`] puts either in front of any [`Store`];
+//! `cache`), in front of a slower store (PostgreSQL), or a [`SharedTier`] of yours.
+//! [`Cached`] puts either in front of any [`Store`];
 //! `idempotent_any::AnyStoreBuilder::cache` (and `IDEMPOTENCY_CACHE`) does it for
 //! a store chosen by URL.
 //!
-//! # The rules, and what keeps each
-//!
-//! A cache is where idempotency layers have shipped their worst bugs: a cached in-progress
-//! record that left workers stuck, an answer cached before the request was checked against it,
-//! a copy served after its record was gone. These rules make each impossible, by construction:
-//!
-//! - **Only finished records are cached, and only after their fingerprint was checked.** The
-//!   ways into a tier are a [`Claim::Completed`] answer of the authoritative store to a
-//!   request with the record's own fingerprint, and the record a consumer's transaction
-//!   committed (after the commit); either only when its envelope (format and checksum) reads
-//!   back whole. An in-flight record, a claim, a lease, a renewal, a fencing token or a
-//!   completion never enter it: [`Cached`] sends `complete`, `release` and `renew` to the store,
-//!   and a claim that does not find a finished record in the tier goes to the store too. A
-//!   corrupt record is never cached: every request meets the store's refusal.
-//! - **No negative caching.** A tier holds finished records and nothing else: there is no way
-//!   to remember that a key was absent or in flight, so a miss always asks the store.
-//! - **A cached entry never outlives its record.** It expires when its record does: at the
-//!   time left the store reported (`expires_in` of [`Claim::Completed`]),
-//!   counted from before the question was sent, so never later than the record. There is no
-//!   cache TTL of its own. A finished record changes only by expiring (records are never
-//!   deleted by the library), so a copy that has not expired is the record.
-//! - **A mismatch is answered from the cache as from the store.** A hit hands back the record's
-//!   own fingerprint; the runtime compares it with the request's, exactly as with the store's
-//!   answer (`422 fingerprint_mismatch` over HTTP).
-//! - **Only committed records.** A store's answer outside a transaction is committed. The
-//!   PostgreSQL transactional mode reads the tier but never fills it from a row seen inside the
-//!   caller's transaction (it could be the caller's own, not committed yet); the consumer
-//!   runtime fills it with what it committed, after the commit.
-//! - **The Redis tier is only a hint.** It is written after the store answered with the
-//!   finished (so committed) record, and read only to replay: a claim never trusts it, a miss
-//!   goes to the store, and an entry that does not decode whole (its own checksum covers the
-//!   fingerprint and the payload) is ignored. Redis down, stalled or flushed means slower,
-//!   never wrong: after a failure the tier is skipped for a second
-//!   (`RedisCacheBuilder::rest`), and every request goes to the store meanwhile.
-//!
-//! With the store down, a tier still answers the replays it holds: each is its record's answer
-//! until the record expires, as the store would give it; everything else meets the store's
-//! error, as without a tier.
-//!
-//! Time: an in-process tier keeps its copies on this process's (Tokio's) monotonic clock, for
-//! the time left the store reported; a store whose clock is stepped forward ends its records
-//! early, and their copies live on until their own end. The Redis tier's entries also carry a
-//! wall-clock deadline, checked by whichever instance reads them: the app servers' clocks must
-//! agree (NTP) to within what a replay at the very end of a record's life may be off by.
-//!
-//! What the tier does not see: a record deleted or changed by hand in the store stays cached
-//! until the copy's expiry (restart the instances, or flush the Redis tier, to forget it).
-//!
-//! # Metrics
-//!
-//! | name | type | labels | meaning |
-//! |---|---|---|---|
-//! | `idempotency.cache.lookups` | counter | `tier`, `outcome` | claims the tier was asked about first: `hit` (answered from it), `miss` (sent to the store), `error` (the tier failed or rests after a failure; sent to the store) |
-//! | `idempotency.cache.writes` | counter | `tier`, `result` | finished records put in the tier: `ok`, `error`, `dropped` (the Redis tier had too many writes pending) |
-//!
-//! A runtime times each claim of its store as a whole
-//! (`idempotency.store.operation.duration{operation="claim"}`): behind a tier, a claim the tier
-//! answered is one of them, in microseconds. Read the store's own latency from the claims'
-//! upper percentiles and from `operation="complete"`, and the share of answers from the tier
-//! from `idempotency.cache.lookups`.
-//!
-//! `tier` is `memory` or `redis`. The hit rate is `hit / (hit + miss + error)`.
+//! Where to read on: [`Cached`] for the rules a tier keeps so that it can never serve a wrong
+//! answer (only finished records, checked, never negative, never past their record) and its
+//! metrics; [`CacheTier`] for the two kinds of tier; [`SharedTier`] to put a tier of yours
+//! outside the process.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -455,11 +398,12 @@ impl TierMetrics {
 }
 
 /// A store with a [`CacheTier`] in front: claims of finished records are answered from the
-/// tier when it has them; everything else goes to `store`. See the [module](self) for the
-/// rules it keeps.
+/// tier when it has them; everything else goes to `store`.
 ///
 /// Its [`name`](Store::name) and [`keeps_records_in_process`](Store::keeps_records_in_process)
 /// are the store's: metrics and checks are those of the store behind it.
+///
+#[doc = include_str!("../docs/rules.md")]
 #[derive(Clone)]
 pub struct Cached<S> {
     store: S,
