@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http::header::CONTENT_LENGTH;
 use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body::Body;
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotent_core::metrics::RequestOutcome;
 use idempotent_core::{
     BoxError, Call, ClaimHandle, Error, Execution, Idempotency, Key, ProblemCode, Retain, Scope,
@@ -263,11 +263,15 @@ where
     let session_seq = target.session_seq();
     let (parts, body) = request.into_parts();
     let body = {
-        // Pinned here, so that what is left of an over-limit body can still be read.
+        // Pinned here rather than moved into `Limited`, so that what is left of an over-limit
+        // body can still be read.
         let mut body = std::pin::pin!(body);
-        match read_limited(body.as_mut(), config.max_request_body).await {
-            Ok(collected) => collected,
-            Err(Unread::TooLarge) => {
+        match Limited::new(body.as_mut(), config.max_request_body)
+            .collect()
+            .await
+        {
+            Ok(collected) => collected.to_bytes(),
+            Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
                 let limit = config.max_request_body;
                 let connection =
                     discard::over_limit(parts.version, body, config.max_discarded_body()).await;
@@ -283,7 +287,7 @@ where
                 );
                 return Ok(connection.mark(P::answer(Problem::request_too_large(limit))));
             }
-            Err(Unread::Failed(error)) => {
+            Err(error) => {
                 tracing::info!(outcome = ProblemCode::RequestBodyUnreadable.as_str(), error = %error, "could not read a protected request body");
                 count(
                     &config,
@@ -616,33 +620,4 @@ fn replay<P: Protocol, B: Body>(
             )
         }
     }
-}
-
-/// Why a request body was not read whole.
-enum Unread {
-    /// It went over the limit.
-    TooLarge,
-    /// Reading it failed.
-    Failed(BoxError),
-}
-
-/// The data of `body`, at most `limit` bytes of it; trailers are ignored. Stops at the frame
-/// that would pass the limit, leaving the rest of the body unread.
-async fn read_limited<B>(mut body: std::pin::Pin<&mut B>, limit: usize) -> Result<Bytes, Unread>
-where
-    B: Body,
-    B::Error: Into<BoxError>,
-{
-    use bytes::{Buf as _, BufMut as _};
-    let mut read = bytes::BytesMut::new();
-    while let Some(frame) = body.as_mut().frame().await {
-        let frame = frame.map_err(|error| Unread::Failed(error.into()))?;
-        if let Ok(data) = frame.into_data() {
-            if data.remaining() > limit - read.len() {
-                return Err(Unread::TooLarge);
-            }
-            read.put(data);
-        }
-    }
-    Ok(read.freeze())
 }
