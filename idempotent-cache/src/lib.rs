@@ -57,12 +57,23 @@ pub const DEFAULT_MEMORY_BYTES: u64 = 64 * 1024 * 1024;
 /// A finished record as a tier holds it. Made only by this crate, from the authoritative
 /// store's answer (a completed record of the request that asked, whose envelope reads back
 /// whole): the type is the first rule. A [`SharedTier`] is handed them to keep.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Finished {
     fingerprint: Fingerprint,
     payload: Bytes,
     /// When the record expires, by this process's clock, or earlier.
     expires_at: Instant,
+}
+
+impl fmt::Debug for Finished {
+    /// The payload's length only: it is a result, which logs should not hold.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Finished")
+            .field("fingerprint", &self.fingerprint)
+            .field("payload_len", &self.payload.len())
+            .field("expires_at", &self.expires_at)
+            .finish()
+    }
 }
 
 impl Finished {
@@ -291,7 +302,30 @@ impl CacheTier {
     pub async fn lookup(&self, key: &StorageKey) -> Option<Claim> {
         let found = match &*self.kind {
             Kind::Memory(tier) => Ok(tier.get(key).and_then(|entry| entry.answer(Instant::now()))),
-            Kind::Shared(tier) => tier.get(key).await,
+            // A shared tier is not trusted with ownership: only a finished record is an
+            // answer; anything else it returns is counted as its failure and goes to the store.
+            Kind::Shared(tier) => match tier.get(key).await {
+                Ok(Some(Claim::Completed {
+                    fingerprint,
+                    payload,
+                    expires_in,
+                })) => Ok(Some(Claim::Completed {
+                    fingerprint,
+                    payload,
+                    expires_in,
+                })),
+                Ok(Some(other)) => {
+                    tracing::warn!(
+                        storage_key = %key,
+                        tier = tier.name(),
+                        answer = ?std::mem::discriminant(&other),
+                        "a shared cache tier answered something other than a finished record; ignored"
+                    );
+                    Err(TierUnavailable)
+                }
+                Ok(None) => Ok(None),
+                Err(TierUnavailable) => Err(TierUnavailable),
+            },
         };
         let answer = match found {
             Ok(answer) => answer,

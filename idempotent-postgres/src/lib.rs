@@ -529,15 +529,24 @@ impl PostgresStore {
 }
 
 impl PostgresStore {
-    /// `postgres://HOST:PORT/DATABASE?table=TABLE` (or `postgres:///DATABASE?host=SOCKET&...`
-    /// on a Unix socket), without user or password: see [`Store::location`].
+    /// `postgres://HOST:PORT/DATABASE?table=TABLE`, or `postgres:///DATABASE?host=SOCKET&port=PORT&table=TABLE`
+    /// on a Unix socket (the port names the cluster's socket file there too), without user or
+    /// password: see [`Store::location`].
     fn location_url(&self) -> String {
         let options = self.pool.connect_options();
         let database = options.get_database().unwrap_or("");
-        match options.get_socket() {
+        // A host that is a directory is a socket's, as libpq and sqlx read it.
+        let socket = options
+            .get_socket()
+            .map(|socket| socket.display().to_string())
+            .or_else(|| {
+                let host = options.get_host();
+                host.starts_with('/').then(|| host.to_owned())
+            });
+        match socket {
             Some(socket) => format!(
-                "postgres:///{database}?host={}&table={}",
-                socket.display(),
+                "postgres:///{database}?host={socket}&port={}&table={}",
+                options.get_port(),
                 self.sql.table
             ),
             None => format!(

@@ -284,20 +284,25 @@ impl Transactional {
         let key = self.storage_key(call);
         let claim = self.tier.as_ref()?.lookup(&key).await?;
         let in_flight = call.settings(&self.defaults).in_flight;
+        // A tier answers finished records only (`CacheTier::lookup` keeps nothing else); were
+        // it to answer anything but a replay, the claim goes to the database.
         let replay = match ClaimAnswer::new(in_flight, Integrity::Checksummed).step(
             &key,
             call.fingerprint_ref(),
             claim,
         ) {
-            Ok(Step::Replay(bytes)) => Ok(RawClaim::Replay(bytes)),
-            Ok(_) => unreachable!("a cache tier holds finished records only"),
+            Ok(Step::Replay(bytes)) => Ok(bytes),
+            Ok(_) => return None,
             Err(error) => Err(error),
         };
-        self.count(protocol, &replay);
-        Some(replay.map(|claim| match claim {
-            RawClaim::Replay(bytes) => bytes,
-            RawClaim::Run(_) => unreachable!("a replay"),
-        }))
+        self.metrics.request(
+            protocol,
+            match &replay {
+                Ok(_) => RequestOutcome::Replayed,
+                Err(error) => RequestOutcome::of_error(error),
+            },
+        );
+        Some(replay)
     }
 
     /// Keeps the record `completed` in the cache tier: called once its transaction committed.

@@ -262,6 +262,10 @@ impl<S: Store> FaultyStore<S> {
 }
 
 impl<S: Store> Store for FaultyStore<S> {
+    fn location(&self) -> Option<String> {
+        self.inner.location()
+    }
+
     fn name(&self) -> &'static str {
         self.inner.name()
     }
