@@ -25,10 +25,10 @@ const STORE_VAR: &str = "IDEMPOTENCY_STORE";
 const CACHE_VAR: &str = "IDEMPOTENCY_CACHE";
 /// The variable [`AnyStore::from_env`] reads the Redis replica count from.
 const REPLICAS_VAR: &str = "IDEMPOTENCY_REDIS_REPLICAS";
-/// How often a PostgreSQL store's expired rows are reaped unless told otherwise.
+/// How often a PostgreSQL or SQLite store's expired rows are reaped unless told otherwise.
 const REAP_EVERY: Duration = Duration::from_secs(60);
 
-/// `memory::MemoryStore`, `redis::RedisStore` or `postgres::PostgresStore`, as a URL says:
+/// `MemoryStore`, `RedisStore`, `PostgresStore` or `SqliteStore`, as a URL says:
 /// for a service that lets its deployment pick the store. Each is there with its feature
 /// (`memory`, `redis`, `postgres`); every [`Store`] call goes to the chosen store.
 ///
@@ -56,8 +56,9 @@ const REAP_EVERY: Duration = Duration::from_secs(60);
 /// | `memory:N` | in this process, at most `N` finished records (and 64 MiB of them) |
 /// | `redis://HOST:PORT[/DB]` (several, comma-separated: a Redis Cluster's nodes) | in a Redis every instance shares, in front of the store (PostgreSQL, say) |
 ///
-/// A runtime over it keeps the transactional mode of the store behind it, and that mode
-/// answers duplicates from the tier too.
+/// The PostgreSQL transactional mode of a runtime over it is
+/// `Transactional::of(&runtime, store.postgres()?)`, with `.tier(store.cache()?.clone())` to
+/// answer duplicates from the tier too.
 ///
 /// # What is done for you
 ///
@@ -311,8 +312,8 @@ impl AnyStoreBuilder {
         self
     }
 
-    /// On PostgreSQL, whether [`connect`](Self::connect) creates the table if it does not
-    /// exist; default `true`.
+    /// On PostgreSQL and SQLite, whether [`connect`](Self::connect) creates the tables if they
+    /// do not exist; default `true`.
     pub fn migrate(mut self, migrate: bool) -> Self {
         self.migrate = migrate;
         self
@@ -326,15 +327,15 @@ impl AnyStoreBuilder {
         self
     }
 
-    /// On PostgreSQL, how often expired rows are reaped while the store lives; `None`: never
-    /// (another process reaps). Default every minute.
+    /// On PostgreSQL and SQLite, how often expired rows are reaped while the store lives;
+    /// `None`: never (another process reaps). Default every minute.
     pub fn reaper(mut self, every: Option<Duration>) -> Self {
         self.reaper = every;
         self
     }
 
-    /// Connects to the store the URL names, and on PostgreSQL creates the table and starts the
-    /// reaper (see [`AnyStore`]). Requires a tokio runtime.
+    /// Connects to the store the URL names, and on PostgreSQL and SQLite creates the tables and
+    /// starts the reaper (see [`AnyStore`]). Requires a tokio runtime.
     pub async fn connect(self) -> Result<AnyStore, AnyStoreError> {
         let Some(kind) = Kind::of(&self.url) else {
             return Err(AnyStoreError::Unsupported {
@@ -386,7 +387,7 @@ impl AnyStoreBuilder {
             }
             #[cfg(feature = "sqlite")]
             Kind::Sqlite => {
-                let path = self.url.trim_start_matches("sqlite://");
+                let path = self.url.strip_prefix("sqlite://").unwrap_or_default();
                 if path.is_empty() {
                     return Err(AnyStoreError::Unsupported {
                         url: self.url.clone(),
@@ -489,6 +490,9 @@ pub mod tier {
                 if matches!(Kind::of(store), Some(Kind::Memory)) {
                     return Err(AnyStoreError::RedisCacheOnMemory { variable });
                 }
+                if matches!(Kind::of(store), Some(Kind::Sqlite)) {
+                    return Err(AnyStoreError::RedisCacheOnSqlite { variable });
+                }
                 let digest = blake3::hash(redacted(store).as_bytes()).to_hex();
                 // Connecting does not wait for Redis: it fails only on a malformed URL.
                 idempotent_redis::RedisCacheBuilder::new(value)
@@ -536,7 +540,7 @@ pub enum AnyStoreError {
         Origin(*.variable)
     )]
     FeatureDisabled {
-        /// The store: `the memory store`, `Redis` or `PostgreSQL`.
+        /// The store: `the memory store`, `Redis`, `PostgreSQL` or `SQLite`.
         store: &'static str,
         /// The feature of `idempotent-any` that brings it.
         feature: &'static str,
@@ -572,6 +576,20 @@ pub enum AnyStoreError {
         Origin(*.variable)
     )]
     RedisCacheOnMemory {
+        /// The environment variable the tier came from, if any.
+        variable: Option<&'static str>,
+    },
+
+    /// A Redis cache tier was asked for in front of a SQLite store: the store is one host's
+    /// file, named by a path that another host (or another working directory, or a file made
+    /// again) would name the same, so a shared tier could answer for records the file does not
+    /// hold. An in-process tier (`memory:N`) serves one host as well.
+    #[error(
+        "{}: a Redis cache tier in front of a SQLite store could answer for another file's \
+         records; use `memory:N`",
+        Origin(*.variable)
+    )]
+    RedisCacheOnSqlite {
         /// The environment variable the tier came from, if any.
         variable: Option<&'static str>,
     },

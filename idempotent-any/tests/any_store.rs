@@ -658,6 +658,25 @@ mod cache {
             matches!(error, AnyStoreError::RedisCacheOnMemory { .. }),
             "{error:?}"
         );
+        #[cfg(feature = "sqlite")]
+        {
+            let dir = tempfile::tempdir().unwrap();
+            let error = AnyStore::builder(format!("sqlite://{}/r.db", dir.path().display()))
+                .cache("redis://127.0.0.1:1")
+                .connect()
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(error, AnyStoreError::RedisCacheOnSqlite { .. }),
+                "{error:?}"
+            );
+            let memory_tier = AnyStore::builder(format!("sqlite://{}/m.db", dir.path().display()))
+                .cache("memory:10")
+                .connect()
+                .await
+                .expect("an in-process tier in front of SQLite");
+            assert!(memory_tier.cache().is_some());
+        }
         // Nothing listens there: the tier is made all the same, and connects later.
         let tier = idempotent_any::tier::connect("redis://127.0.0.1:1", "postgres://app@db/app")
             .await
