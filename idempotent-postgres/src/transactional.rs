@@ -453,8 +453,6 @@ impl fmt::Debug for PendingRecord {
     }
 }
 
-/// A record completed in a transaction not yet committed: what the cache tier keeps once it
-/// is.
 /// A record a transactional completion wrote, for [`Transactional::committed`] once its
 /// transaction committed ([`PendingRecord::complete_recorded`]).
 #[derive(Debug)]
@@ -468,8 +466,7 @@ pub struct Completed {
     from: Instant,
 }
 
-/// A claim before results are decoded: the byte-level face of [`TransactionalClaim`].
-/// What [`Transactional::claim_counted`] found: the claim to run under, or the recorded result's
+/// What [`Transactional::claim_counted`] found (the byte-level face of [`TransactionalClaim`]): the claim to run under, or the recorded result's
 /// bytes (JSON, as [`Idempotency::run`](idempotent_core::Idempotency::run) records them).
 #[derive(Debug)]
 #[must_use]
@@ -563,11 +560,8 @@ impl PendingRecord {
             .map(drop)
     }
 
-    /// Completes with the encoded `result` as [`complete`](Self::complete) does, and returns
-    /// the record for the cache tier to keep after the commit.
     /// [`complete`](Self::complete), handing back what was written for
-    /// [`Transactional::committed`] to keep in the cache tier after the commit (`None` when
-    /// the record was released instead).
+    /// [`Transactional::committed`] to keep in the cache tier after the commit.
     pub async fn complete_recorded<T: Serialize + ?Sized>(
         self,
         connection: &mut PgConnection,
