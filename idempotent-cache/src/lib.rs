@@ -305,15 +305,7 @@ impl CacheTier {
             // A shared tier is not trusted with ownership: only a finished record is an
             // answer; anything else it returns is counted as its failure and goes to the store.
             Kind::Shared(tier) => match tier.get(key).await {
-                Ok(Some(Claim::Completed {
-                    fingerprint,
-                    payload,
-                    expires_in,
-                })) => Ok(Some(Claim::Completed {
-                    fingerprint,
-                    payload,
-                    expires_in,
-                })),
+                Ok(Some(finished @ Claim::Completed { .. })) => Ok(Some(finished)),
                 Ok(Some(other)) => {
                     tracing::warn!(
                         storage_key = %key,
