@@ -9,7 +9,7 @@ use axum::Router;
 use axum::serve::ListenerExt;
 use idempotent_cache::Cached;
 use idempotent_core::memory::MemoryStore;
-use idempotent_core::{Idempotency, IdempotencyBuilder, Store};
+use idempotent_core::{CheckpointStore, Idempotency, IdempotencyBuilder, SessionStore};
 use idempotent_postgres::PostgresStore;
 use idempotent_redis::RedisStore;
 use idempotent_tower::IdempotencyLayer;
@@ -94,7 +94,10 @@ async fn idempotency(
 }
 
 /// The builder of a runtime over `store`, behind `tier` when there is one.
-fn cached<S: Store>(store: S, tier: Option<&RowTier>) -> IdempotencyBuilder {
+fn cached<S: SessionStore + CheckpointStore>(
+    store: S,
+    tier: Option<&RowTier>,
+) -> IdempotencyBuilder {
     match tier {
         Some(tier) => Idempotency::builder(Cached::new(store, tier.tier.clone())),
         None => Idempotency::builder(store),

@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use http::StatusCode;
 use http_body_util::BodyExt;
-use idempotent_core::{Idempotency, Key, Scope, StorageKey, Store};
+use idempotent_core::{CheckpointStore, Idempotency, Key, Scope, SessionStore, StorageKey};
 use idempotent_postgres::{DEFAULT_TABLE, PostgresStore};
 use idempotent_redis::RedisStore;
 use idempotent_tower::IdempotencyLayer;
@@ -102,7 +102,7 @@ pub(crate) async fn fill_memory(
     Ok(())
 }
 
-fn prefill_runtime(store: impl Store) -> Idempotency {
+fn prefill_runtime(store: impl SessionStore + CheckpointStore) -> Idempotency {
     Idempotency::builder(store).namespace(NAMESPACE).build()
 }
 

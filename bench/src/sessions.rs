@@ -41,7 +41,9 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use idempotent_bench::table::thousands;
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::session::{DEFAULT_SESSION_WINDOW, InSession};
-use idempotent_core::{Call, Fingerprint, Idempotency, Key, SessionKey, StorageKey, Store};
+use idempotent_core::{
+    Call, CheckpointStore, Fingerprint, Idempotency, Key, SessionKey, SessionStore, StorageKey,
+};
 use idempotent_postgres::PostgresStore;
 use idempotent_redis::RedisStore;
 use serde::{Deserialize, Serialize};
@@ -410,7 +412,7 @@ fn quoted(name: &str) -> String {
     format!("\"{name}\"")
 }
 
-fn runtime(store: impl Store, namespace: &str) -> Idempotency {
+fn runtime(store: impl SessionStore + CheckpointStore, namespace: &str) -> Idempotency {
     Idempotency::builder(store).namespace(namespace).build()
 }
 
@@ -527,7 +529,10 @@ async fn redis_footprint(
 }
 
 /// One request of the run on `idempotency`: it must run (not replay).
-async fn pay(idempotency: Idempotency, call: Call, n: u64) -> Result<(), String> {
+async fn pay<N>(idempotency: Idempotency, call: Call<N>, n: u64) -> Result<(), String>
+where
+    idempotent_core::capability::Full: idempotent_core::capability::Runs<N>,
+{
     let outcome = idempotency
         .run(&call, async move { receipt(n) })
         .await

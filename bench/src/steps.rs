@@ -1,5 +1,5 @@
 //! The steps mode: what a step of an operation costs (`ClaimHandle::step`: one checkpoint
-//! written on the in-flight record, `Store::save_step`), and what resuming an operation from
+//! written on the in-flight record, `CheckpointStore::save_step`), and what resuming an operation from
 //! its checkpoints costs, on each store, in process.
 //!
 //! - **Operations**: through the in-process runtime (`Idempotency::run_with` over the store, a
@@ -15,7 +15,7 @@
 //!     itself, without an effect of its own.
 //!   - `resume`: operations that ran 3 steps and were released (`Retain::Release`, untimed),
 //!     run again: the claim takes the record over, the first step loads its checkpoints once
-//!     (`Store::load_steps`), the 3 steps return their saved values without running, the run
+//!     (`CheckpointStore::load_steps`), the 3 steps return their saved values without running, the run
 //!     completes. No step may run and every value must be the one saved.
 //!   - `retry`: the same with operations released after no step: a takeover and a completion,
 //!     the plain retry `resume` is compared with.
@@ -53,8 +53,8 @@ use bytes::Bytes;
 use idempotent_bench::{cpu, machine, table::thousands};
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
-    Call, Claim, ClaimHandle, FencingToken, Fingerprint, Idempotency, Key, Retain, StorageKey,
-    Store, StoreError,
+    Call, CheckpointStore, Claim, ClaimHandle, FencingToken, Fingerprint, Idempotency, Key, Retain,
+    SessionStore, StorageKey, Store, StoreError,
 };
 use idempotent_postgres::PostgresStore;
 use idempotent_redis::RedisStore;
@@ -320,6 +320,41 @@ impl<S: Store> Store for Counting<S> {
         self.inner.renew(key, token, lease)
     }
 
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn keeps_records_in_process(&self) -> bool {
+        self.inner.keeps_records_in_process()
+    }
+
+    fn wait_for_change(
+        &self,
+        key: &StorageKey,
+        max_wait: Duration,
+    ) -> impl Future<Output = ()> + Send {
+        self.inner.wait_for_change(key, max_wait)
+    }
+}
+
+impl<S: SessionStore> SessionStore for Counting<S> {
+    fn open_session(
+        &self,
+        session: &idempotent_core::SessionKey,
+        request: idempotent_core::SessionRequest,
+    ) -> impl Future<Output = Result<idempotent_core::SessionGate, StoreError>> + Send {
+        self.inner.open_session(session, request)
+    }
+
+    fn session_mark(
+        &self,
+        session: &idempotent_core::SessionKey,
+    ) -> impl Future<Output = Result<Option<idempotent_core::SessionMark>, StoreError>> + Send {
+        self.inner.session_mark(session)
+    }
+}
+
+impl<S: CheckpointStore> CheckpointStore for Counting<S> {
     fn save_step(
         &self,
         key: &StorageKey,
@@ -339,20 +374,33 @@ impl<S: Store> Store for Counting<S> {
         self.inner.load_steps(key, token)
     }
 
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-
-    fn keeps_records_in_process(&self) -> bool {
-        self.inner.keeps_records_in_process()
-    }
-
-    fn wait_for_change(
+    fn resume(
         &self,
         key: &StorageKey,
-        max_wait: Duration,
-    ) -> impl Future<Output = ()> + Send {
-        self.inner.wait_for_change(key, max_wait)
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Option<Claim>, StoreError>> + Send {
+        self.inner.resume(key, fingerprint, lease, ttl)
+    }
+
+    fn save_request(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        request: Bytes,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self.inner.save_request(key, token, request)
+    }
+
+    fn abandoned(
+        &self,
+        idle: Duration,
+        limit: usize,
+        owner: Option<&idempotent_core::RequestOwner>,
+    ) -> impl Future<Output = Result<Vec<idempotent_core::steps::Abandoned>, StoreError>> + Send
+    {
+        self.inner.abandoned(idle, limit, owner)
     }
 }
 
@@ -615,7 +663,7 @@ impl Backend {
             std::process::id()
         );
         fn build(
-            store: impl Store,
+            store: impl SessionStore + CheckpointStore,
             namespace: &str,
             counting: bool,
         ) -> (Idempotency, Option<Arc<Counts>>) {
@@ -664,7 +712,7 @@ impl Backend {
     }
 }
 
-fn runtime(store: impl Store, namespace: &str) -> Idempotency {
+fn runtime(store: impl SessionStore + CheckpointStore, namespace: &str) -> Idempotency {
     Idempotency::builder(store).namespace(namespace).build()
 }
 

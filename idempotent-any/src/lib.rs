@@ -13,7 +13,9 @@ use bytes::Bytes;
 
 #[cfg(feature = "memory")]
 use idempotent_core::memory::MemoryStore;
-use idempotent_core::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
+use idempotent_core::{
+    CheckpointStore, Claim, FencingToken, Fingerprint, SessionStore, StorageKey, Store, StoreError,
+};
 #[cfg(feature = "postgres")]
 use idempotent_postgres::PostgresStore;
 #[cfg(feature = "redis")]
@@ -776,6 +778,12 @@ impl Store for AnyStore {
         each!(self, |store| store.location())
     }
 
+    async fn wait_for_change(&self, key: &StorageKey, max_wait: Duration) {
+        each!(self, |store| store.wait_for_change(key, max_wait).await)
+    }
+}
+
+impl SessionStore for AnyStore {
     async fn open_session(
         &self,
         session: &idempotent_core::SessionKey,
@@ -790,7 +798,9 @@ impl Store for AnyStore {
     ) -> Result<Option<idempotent_core::SessionMark>, StoreError> {
         each!(self, |store| store.session_mark(session).await)
     }
+}
 
+impl CheckpointStore for AnyStore {
     async fn resume(
         &self,
         key: &StorageKey,
@@ -836,10 +846,6 @@ impl Store for AnyStore {
         owner: Option<&idempotent_core::RequestOwner>,
     ) -> Result<Vec<idempotent_core::steps::Abandoned>, StoreError> {
         each!(self, |store| store.abandoned(idle, limit, owner).await)
-    }
-
-    async fn wait_for_change(&self, key: &StorageKey, max_wait: Duration) {
-        each!(self, |store| store.wait_for_change(key, max_wait).await)
     }
 }
 

@@ -108,7 +108,9 @@ fn longest() -> Defaults {
         .in_flight(InFlightPolicy::Wait { max: Duration::MAX })
 }
 
-fn runtime(store: impl Store) -> Idempotency {
+fn runtime(
+    store: impl idempotent_core::SessionStore + idempotent_core::CheckpointStore,
+) -> Idempotency {
     Idempotency::builder(store)
         .defaults(longest())
         .record_retry(limits::MAX_RECORD_RETRY)

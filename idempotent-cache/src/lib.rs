@@ -40,7 +40,9 @@ use bytes::Bytes;
 use metrics::{Counter, Unit};
 
 use idempotent_core::store::envelope::{self, Integrity};
-use idempotent_core::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
+use idempotent_core::{
+    Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError, StoreWrapper,
+};
 
 mod memory;
 
@@ -462,6 +464,14 @@ impl<S: Store> Cached<S> {
     }
 }
 
+/// Sessions and checkpoints are the store's own: a tier caches finished records only.
+impl<S: Store> StoreWrapper for Cached<S> {
+    type Inner = S;
+    fn inner(&self) -> &S {
+        &self.store
+    }
+}
+
 impl<S: Store> Store for Cached<S> {
     async fn claim(
         &self,
@@ -508,65 +518,6 @@ impl<S: Store> Store for Cached<S> {
 
     fn location(&self) -> Option<String> {
         self.store.location()
-    }
-
-    /// Always the store's: a session's gate decides what may run.
-    async fn open_session(
-        &self,
-        session: &idempotent_core::SessionKey,
-        request: idempotent_core::SessionRequest,
-    ) -> Result<idempotent_core::SessionGate, StoreError> {
-        self.store.open_session(session, request).await
-    }
-
-    async fn session_mark(
-        &self,
-        session: &idempotent_core::SessionKey,
-    ) -> Result<Option<idempotent_core::SessionMark>, StoreError> {
-        self.store.session_mark(session).await
-    }
-
-    /// Always the store's, like a claim: it decides ownership.
-    async fn resume(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Option<Claim>, StoreError> {
-        self.store.resume(key, fingerprint, lease, ttl).await
-    }
-
-    /// Always the store's, like everything about a record in flight.
-    async fn save_step(
-        &self,
-        key: &StorageKey,
-        token: FencingToken,
-        entry: Bytes,
-    ) -> Result<(), StoreError> {
-        self.store.save_step(key, token, entry).await
-    }
-
-    async fn load_steps(&self, key: &StorageKey, token: FencingToken) -> Result<Bytes, StoreError> {
-        self.store.load_steps(key, token).await
-    }
-
-    async fn save_request(
-        &self,
-        key: &StorageKey,
-        token: FencingToken,
-        request: Bytes,
-    ) -> Result<(), StoreError> {
-        self.store.save_request(key, token, request).await
-    }
-
-    async fn abandoned(
-        &self,
-        idle: Duration,
-        limit: usize,
-        owner: Option<&idempotent_core::RequestOwner>,
-    ) -> Result<Vec<idempotent_core::steps::Abandoned>, StoreError> {
-        self.store.abandoned(idle, limit, owner).await
     }
 
     async fn wait_for_change(&self, key: &StorageKey, max_wait: Duration) {

@@ -278,7 +278,7 @@ fn runtime_benches(c: &mut Criterion) {
             timed_loop(&runtime, iters, |_| async {
                 let call = fresh_call(&run_key);
                 let out = idempotency
-                    .run::<Receipt, _>(&call, async { unreachable!("replay ran the work") })
+                    .run::<Receipt, _, _>(&call, async { unreachable!("replay ran the work") })
                     .await;
                 match out {
                     Ok(Outcome::Replayed(r)) if r.id == 4_218_907 => r,

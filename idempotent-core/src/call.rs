@@ -1,8 +1,10 @@
 //! One call and its settings: [`Call`] (what identifies it), [`CallOptions`] (its overrides)
 //! and [`Defaults`] (what a runtime uses where a call sets nothing).
 
+use std::marker::PhantomData;
 use std::time::Duration;
 
+use crate::capability::{NeedsCheckpoints, NeedsKeys, NeedsSessions};
 use crate::limits::{Setting, clamped};
 use crate::session::{DEFAULT_SESSION_IDLE, DEFAULT_SESSION_WINDOW, InSession};
 use crate::{Fingerprint, Key, Scope};
@@ -54,9 +56,14 @@ pub enum InFlightPolicy {
 ///     );
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
+///
+/// A call's type says what it needs of its runtime's store (see
+/// [`capability`](crate::capability)): [`Call::new`] makes a `Call` (= `Call<NeedsKeys>`), which
+/// every runtime runs; [`Call::in_session`] a `Call<NeedsSessions>`, which only a runtime whose
+/// store serves sessions runs; [`Call::resume`] a `Call<NeedsCheckpoints>`.
 #[derive(Clone, Debug)]
 #[must_use]
-pub struct Call {
+pub struct Call<N = NeedsKeys> {
     key: Key,
     scope: Scope,
     fingerprint: Fingerprint,
@@ -65,6 +72,7 @@ pub struct Call {
     resume_only: bool,
     /// Set by [`Call::resume`]: the record the call is on, named directly.
     at: Option<crate::StorageKey>,
+    need: PhantomData<fn() -> N>,
 }
 
 impl Call {
@@ -78,9 +86,12 @@ impl Call {
             session: None,
             resume_only: false,
             at: None,
+            need: PhantomData,
         }
     }
+}
 
+impl Call<NeedsSessions> {
     /// A call numbered `place` in the [client session](crate::session) named `id` (a
     /// session id follows the rules of a [`Key`]), with the empty scope, the empty fingerprint
     /// and no overrides. The session is scoped like a key: the same id in two scopes names
@@ -110,7 +121,38 @@ impl Call {
     pub fn in_session(id: Key, place: InSession) -> Self {
         Call {
             session: Some(place),
-            ..Call::new(id)
+            ..Call::new(id).needing()
+        }
+    }
+}
+
+impl Call<NeedsCheckpoints> {
+    /// A completer's call on an [abandoned](crate::steps::Abandoned) operation: on its record
+    /// (named by its storage key, so no key or scope is needed), with the fingerprint it was
+    /// claimed with, [`resume_only`](Call::resume_only), and no overrides. Its work runs only
+    /// if it takes the operation over, and resumes from the operation's checkpoints.
+    pub fn resume(abandoned: &crate::steps::Abandoned) -> Self {
+        Call {
+            at: Some(abandoned.key),
+            fingerprint: abandoned.fingerprint,
+            resume_only: true,
+            ..Call::new(Key::new("resume").expect("a valid key")).needing()
+        }
+    }
+}
+
+impl<N> Call<N> {
+    /// This call, needing `M`.
+    fn needing<M>(self) -> Call<M> {
+        Call {
+            key: self.key,
+            scope: self.scope,
+            fingerprint: self.fingerprint,
+            options: self.options,
+            session: self.session,
+            resume_only: self.resume_only,
+            at: self.at,
+            need: PhantomData,
         }
     }
 
@@ -136,12 +178,12 @@ impl Call {
 
     /// Makes this a completer's call: it runs only if it takes over an abandoned claim of the
     /// same request (the operation goes on, with its [checkpoints](crate::steps)), through
-    /// [`Store::resume`](crate::Store::resume). Where there is no such operation (it finished,
+    /// [`CheckpointStore::resume`](crate::CheckpointStore::resume). Where there is no such operation (it finished,
     /// expired, or the key now holds another request's) it changes nothing and fails with
     /// [`Error::NothingToResume`](crate::Error::NothingToResume) without running anything.
-    pub fn resume_only(mut self) -> Self {
+    pub fn resume_only(mut self) -> Call<NeedsCheckpoints> {
         self.resume_only = true;
-        self
+        self.needing()
     }
 
     /// Whether the call only resumes an operation ([`resume_only`](Self::resume_only)).
@@ -149,20 +191,7 @@ impl Call {
         self.resume_only
     }
 
-    /// A completer's call on an [abandoned](crate::steps::Abandoned) operation: on its record
-    /// (named by its storage key, so no key or scope is needed), with the fingerprint it was
-    /// claimed with, [`resume_only`](Self::resume_only), and no overrides. Its work runs only
-    /// if it takes the operation over, and resumes from the operation's checkpoints.
-    pub fn resume(abandoned: &crate::steps::Abandoned) -> Self {
-        Call {
-            at: Some(abandoned.key),
-            fingerprint: abandoned.fingerprint,
-            resume_only: true,
-            ..Call::new(Key::new("resume").expect("a valid key"))
-        }
-    }
-
-    /// The record a [`resume`](Self::resume) call is on.
+    /// The record a [`resume`](Call::resume) call is on.
     pub(crate) fn at(&self) -> Option<crate::StorageKey> {
         self.at
     }

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use crate::lease::{Renewal, attempt_limit, bounded};
 use crate::steps::{CheckpointError, Checkpoints, check_name, encode_checkpoint};
-use crate::store::DynStore;
+use crate::store::{DynCheckpoints, DynStore};
 use crate::{Error, FencingToken, Key, StorageKey, StoreError};
 
 tokio::task_local! {
@@ -81,7 +81,24 @@ tokio::task_local! {
 /// ```
 #[derive(Clone)]
 pub struct ClaimHandle {
+    claim: KeyClaim,
+}
+
+/// The claim of a call on any runtime: its token, its lease and whether it is still held,
+/// without steps. What a [`ClaimHandle`] dereferences to, and all the work gets on a runtime
+/// whose store keeps no checkpoints ([`Idempotency::keys_only`](crate::Idempotency::keys_only),
+/// [`Idempotency::with_sessions`](crate::Idempotency::with_sessions)):
+/// [`KeyClaim::current`] there, where [`ClaimHandle::current`] is `None`.
+#[derive(Clone)]
+pub struct KeyClaim {
     state: Arc<ClaimState>,
+}
+
+impl std::ops::Deref for ClaimHandle {
+    type Target = KeyClaim;
+    fn deref(&self) -> &KeyClaim {
+        &self.claim
+    }
 }
 
 struct ClaimState {
@@ -93,6 +110,9 @@ struct ClaimState {
     /// `None` in the transactional mode: there the claim is a row of the caller's open
     /// transaction, held by the database until the transaction ends.
     store: Option<Arc<dyn DynStore>>,
+    /// Where steps save their checkpoints: `None` in the transactional mode (a step saves
+    /// nothing there) and on a store that keeps none (its claims have no steps).
+    checkpoints: Option<Arc<dyn DynCheckpoints>>,
     /// [`HELD`], [`LOST`], [`RELEASED`] or [`COMPLETED`]; moves only away from `HELD`.
     phase: AtomicU8,
     /// Set once the result starts being written, never cleared: from then on a renewal the
@@ -123,27 +143,24 @@ const RELEASED: u8 = 2;
 /// The call's record was written: the operation is done.
 const COMPLETED: u8 = 3;
 
-impl fmt::Debug for ClaimHandle {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ClaimHandle")
-            .field("storage_key", &self.state.key)
-            .field("token", &self.state.token)
-            .field("lease", &self.state.lease)
-            .field("transactional", &self.state.store.is_none())
-            .field("held", &self.is_held())
-            .finish()
-    }
-}
-
 impl ClaimHandle {
-    pub(crate) fn leased(seed: &Seed) -> Self {
-        Self::with_store(
-            Some(Arc::clone(&seed.store)),
-            seed.key,
-            (seed.token, seed.lifetime),
-            seed.lease,
-            seed.max_checkpoint_bytes,
-        )
+    /// The claim of the call whose work is running on this task, with its steps: set while a
+    /// runtime whose store keeps checkpoints polls the work of
+    /// [`Idempotency::run`](crate::Idempotency::run),
+    /// [`run_with`](crate::Idempotency::run_with) and
+    /// [`execute`](crate::Idempotency::execute) (and so inside `#[idempotent]` functions and
+    /// behind the tower layer), and in a transactional mode's work. `None` elsewhere: outside
+    /// a claim, in tasks the work spawns, and in the work of a runtime whose store keeps no
+    /// checkpoints (its claim is [`KeyClaim::current`]).
+    pub fn current() -> Option<ClaimHandle> {
+        KeyClaim::current().and_then(KeyClaim::with_steps)
+    }
+
+    /// Runs `work` with `self` as [`current`](Self::current): what a transactional mode does
+    /// with the work of a claim it made, so that `#[step]`s and [`ClaimHandle::current`] inside
+    /// it see the claim.
+    pub fn scope<F: Future>(self, work: F) -> impl Future<Output = F::Output> {
+        self.claim.scope(work)
     }
 
     /// A claim held by an open database transaction: it cannot be lost while the transaction
@@ -159,154 +176,15 @@ impl ClaimHandle {
         lifetime: FencingToken,
         lease: Duration,
     ) -> Self {
-        Self::with_store(
-            None,
-            key,
-            (token, lifetime),
-            lease,
-            crate::steps::DEFAULT_MAX_CHECKPOINT_BYTES,
-        )
-    }
-
-    fn with_store(
-        store: Option<Arc<dyn DynStore>>,
-        key: StorageKey,
-        (token, lifetime): (FencingToken, FencingToken),
-        lease: Duration,
-        max_checkpoint_bytes: usize,
-    ) -> Self {
         ClaimHandle {
-            state: Arc::new(ClaimState {
+            claim: KeyClaim::with_store(
+                None,
+                None,
                 key,
-                token,
-                lifetime,
+                (token, lifetime),
                 lease,
-                store,
-                phase: AtomicU8::new(HELD),
-                recording: AtomicBool::new(false),
-                finish_on_shutdown: AtomicBool::new(false),
-                notify: Notify::new(),
-                steps: std::sync::Mutex::new(Known::default()),
-                step_written: Notify::new(),
-                max_checkpoint_bytes,
-            }),
-        }
-    }
-
-    /// The claim of the call whose work is running on this task, if any.
-    ///
-    /// Set while the runtime polls the work of [`Idempotency::run`](crate::Idempotency::run),
-    /// [`run_with`](crate::Idempotency::run_with) and
-    /// [`execute`](crate::Idempotency::execute) (and so inside `#[idempotent]` functions and
-    /// behind the tower layer). `None` elsewhere, including in tasks the work spawns.
-    pub fn current() -> Option<ClaimHandle> {
-        CURRENT.try_with(ClaimSlot::handle).ok()
-    }
-
-    /// Runs `work` with `self` as [`current`](Self::current): what a transactional mode does
-    /// with the work of a claim it made, so that `#[step]`s and [`ClaimHandle::current`] inside
-    /// it see the claim.
-    pub fn scope<F: Future>(self, work: F) -> impl Future<Output = F::Output> {
-        CURRENT.scope(ClaimSlot::of(self), work)
-    }
-
-    /// The claim's fencing token: strictly increasing per storage key across owners, takeovers
-    /// and expiry (the exact guarantee per store is in the crate's failure model).
-    pub fn token(&self) -> FencingToken {
-        self.state.token
-    }
-
-    /// The storage key the claim is on.
-    pub fn storage_key(&self) -> StorageKey {
-        self.state.key
-    }
-
-    /// The key to pass downstream for this operation: see [`StorageKey::operation_key`].
-    /// Identical for every owner and attempt while the record lives (a takeover after a lapsed
-    /// lease, and a retry after a release, included); different once the record has expired
-    /// and the same client key begins a new operation.
-    pub fn operation_key(&self) -> Key {
-        self.state.key.operation_key(self.state.lifetime)
-    }
-
-    /// The token of the claim that began the record's lifetime (this claim's own
-    /// [`token`](Self::token), unless it took over an abandoned claim of the same request).
-    pub fn lifetime(&self) -> FencingToken {
-        self.state.lifetime
-    }
-
-    /// The claim's lease: how long it lives without renewal.
-    pub fn lease(&self) -> Duration {
-        self.state.lease
-    }
-
-    /// True once the claim is known to be gone while the operation was not done: its lease
-    /// ended before a renewal got through, the store rejected its token (another owner holds
-    /// the key), or the call gave the claim up (its work failed or was abandoned). Never becomes
-    /// false again. False after the call's record was written.
-    pub fn is_lost(&self) -> bool {
-        matches!(self.phase(), LOST | RELEASED)
-    }
-
-    fn phase(&self) -> u8 {
-        self.state.phase.load(Ordering::Acquire)
-    }
-
-    fn is_held(&self) -> bool {
-        self.phase() == HELD
-    }
-
-    /// Completes when the claim is lost (see [`is_lost`](Self::is_lost); at once if it already
-    /// is); never completes while it is held, nor after the call's record was written. Owns a
-    /// clone of the handle, so it can be moved into a task or a `select!`.
-    pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
-        let handle = self.clone();
-        async move {
-            loop {
-                let notified = handle.state.notify.notified();
-                let mut notified = std::pin::pin!(notified);
-                notified.as_mut().enable();
-                if handle.is_lost() {
-                    return;
-                }
-                notified.await;
-            }
-        }
-    }
-
-    /// Asks the store whether the claim is still held, extending its lease if it is: one round
-    /// trip. Call it right before an irreversible step.
-    ///
-    /// - `Ok(())`: the store confirmed this claim's token and renewed the lease.
-    /// - [`Error::ClaimLost`]: another owner holds the key, or the lease ended. Do not perform
-    ///   the step.
-    /// - [`Error::Store`]: the store did not answer; whether the claim is held is unknown.
-    ///
-    /// In the PostgreSQL transactional mode the claim is a row of the caller's open transaction
-    /// and cannot be lost before it ends: this returns `Ok(())` without a round trip.
-    pub async fn check(&self) -> Result<(), Error> {
-        if !self.is_held() {
-            return Err(Error::ClaimLost);
-        }
-        let Some(store) = &self.state.store else {
-            return Ok(());
-        };
-        let lease = self.state.lease;
-        match bounded(
-            store.renew(&self.state.key, self.state.token, lease),
-            attempt_limit(lease),
-        )
-        .await
-        {
-            Some(Ok(())) => Ok(()),
-            Some(Err(StoreError::TokenRejected)) => {
-                self.mark_lost("the store rejected its token");
-                Err(Error::ClaimLost)
-            }
-            Some(Err(error)) => Err(Error::Store(error)),
-            None => Err(Error::Store(StoreError::Unavailable(
-                format!("the store did not answer within {:?}", attempt_limit(lease)).into(),
-            ))),
+                crate::steps::DEFAULT_MAX_CHECKPOINT_BYTES,
+            ),
         }
     }
 
@@ -425,7 +303,7 @@ impl ClaimHandle {
     /// Whether this claim keeps checkpoints through a store: `false` for a claim made
     /// [`in_transaction`](Self::in_transaction).
     pub fn keeps_checkpoints(&self) -> bool {
-        self.state.store.is_some()
+        self.state.checkpoints.is_some()
     }
 
     /// Where the claim's store keeps its records ([`Store::location`](crate::Store::location)),
@@ -447,7 +325,7 @@ impl ClaimHandle {
         if !self.is_held() {
             return Err(Error::ClaimLost);
         }
-        let Some(store) = self.state.store.clone() else {
+        let Some(store) = self.state.checkpoints.clone() else {
             return Ok(Restored::Run(None));
         };
         match self.saved(name).await? {
@@ -458,7 +336,7 @@ impl ClaimHandle {
 
     /// The second half of a step that ran: encodes `value`, checks the
     /// [limit](crate::Defaults::max_checkpoint_bytes), and saves the checkpoint with `write`
-    /// (given the encoded entry, which a store's [`load_steps`](crate::Store::load_steps) must
+    /// (given the encoded entry, which a store's [`load_steps`](crate::CheckpointStore::load_steps) must
     /// hand back as part of its log), fenced like every write of this claim. A step of the
     /// same name that saved first wins: nothing is written then, and its saved result's bytes
     /// are returned (decode them as JSON).
@@ -612,7 +490,7 @@ impl ClaimHandle {
             let (store, generation) = {
                 let mut guard = self.lock_steps();
                 let steps = &mut *guard;
-                let load = match &self.state.store {
+                let load = match &self.state.checkpoints {
                     Some(store) if steps.checkpoints.is_none() => (steps.reload
                         || self.state.token != self.state.lifetime)
                         .then(|| store.clone()),
@@ -652,7 +530,7 @@ impl ClaimHandle {
         if !self.is_held() {
             return Err(Error::ClaimLost);
         }
-        let Some(store) = self.state.store.clone() else {
+        let Some(store) = self.state.checkpoints.clone() else {
             return Ok(0);
         };
         let before = self
@@ -683,6 +561,205 @@ impl ClaimHandle {
             .await
     }
 
+    /// Keeps `request` on the operation's in-flight record, so that a completer can run the
+    /// operation again from it if its client never retries ([`CheckpointStore::save_request`]). Written
+    /// with the claim's token, bounded like a renewal. The HTTP layer calls it when it runs a
+    /// completer; other callers rarely need it.
+    ///
+    /// [`CheckpointStore::save_request`]: crate::CheckpointStore::save_request
+    pub async fn save_request(&self, request: Bytes) -> Result<(), Error> {
+        if !self.is_held() {
+            return Err(Error::ClaimLost);
+        }
+        let Some(store) = &self.state.checkpoints else {
+            return Ok(());
+        };
+        self.fenced(store.save_request(&self.state.key, self.state.token, request))
+            .await
+    }
+}
+
+impl fmt::Debug for ClaimHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.claim.fmt(f)
+    }
+}
+
+impl fmt::Debug for KeyClaim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyClaim")
+            .field("storage_key", &self.state.key)
+            .field("token", &self.state.token)
+            .field("lease", &self.state.lease)
+            .field("transactional", &self.state.store.is_none())
+            .field("held", &self.is_held())
+            .finish()
+    }
+}
+
+impl KeyClaim {
+    pub(crate) fn leased(seed: &Seed) -> Self {
+        Self::with_store(
+            Some(Arc::clone(&seed.store)),
+            seed.checkpoints.clone(),
+            seed.key,
+            (seed.token, seed.lifetime),
+            seed.lease,
+            seed.max_checkpoint_bytes,
+        )
+    }
+
+    fn with_store(
+        store: Option<Arc<dyn DynStore>>,
+        checkpoints: Option<Arc<dyn DynCheckpoints>>,
+        key: StorageKey,
+        (token, lifetime): (FencingToken, FencingToken),
+        lease: Duration,
+        max_checkpoint_bytes: usize,
+    ) -> Self {
+        KeyClaim {
+            state: Arc::new(ClaimState {
+                key,
+                token,
+                lifetime,
+                lease,
+                store,
+                checkpoints,
+                phase: AtomicU8::new(HELD),
+                recording: AtomicBool::new(false),
+                finish_on_shutdown: AtomicBool::new(false),
+                notify: Notify::new(),
+                steps: std::sync::Mutex::new(Known::default()),
+                step_written: Notify::new(),
+                max_checkpoint_bytes,
+            }),
+        }
+    }
+
+    /// The claim of the call whose work is running on this task, if any.
+    ///
+    /// Set while the runtime polls the work of [`Idempotency::run`](crate::Idempotency::run),
+    /// [`run_with`](crate::Idempotency::run_with) and
+    /// [`execute`](crate::Idempotency::execute) (and so inside `#[idempotent]` functions and
+    /// behind the tower layer), on any runtime. `None` elsewhere, including in tasks the work
+    /// spawns.
+    pub fn current() -> Option<KeyClaim> {
+        CURRENT.try_with(ClaimSlot::handle).ok()
+    }
+
+    /// This claim with its steps, if its store keeps checkpoints (or it was made
+    /// [`in_transaction`](ClaimHandle::in_transaction)); `None` on a runtime whose store
+    /// keeps none.
+    pub fn with_steps(self) -> Option<ClaimHandle> {
+        (self.state.store.is_none() || self.state.checkpoints.is_some())
+            .then_some(ClaimHandle { claim: self })
+    }
+
+    /// Runs `work` with `self` as [`current`](Self::current).
+    pub fn scope<F: Future>(self, work: F) -> impl Future<Output = F::Output> {
+        CURRENT.scope(ClaimSlot::of(self), work)
+    }
+
+    /// The claim's fencing token: strictly increasing per storage key across owners, takeovers
+    /// and expiry (the exact guarantee per store is in the crate's failure model).
+    pub fn token(&self) -> FencingToken {
+        self.state.token
+    }
+
+    /// The storage key the claim is on.
+    pub fn storage_key(&self) -> StorageKey {
+        self.state.key
+    }
+
+    /// The key to pass downstream for this operation: see [`StorageKey::operation_key`].
+    /// Identical for every owner and attempt while the record lives (a takeover after a lapsed
+    /// lease, and a retry after a release, included); different once the record has expired
+    /// and the same client key begins a new operation.
+    pub fn operation_key(&self) -> Key {
+        self.state.key.operation_key(self.state.lifetime)
+    }
+
+    /// The token of the claim that began the record's lifetime (this claim's own
+    /// [`token`](Self::token), unless it took over an abandoned claim of the same request).
+    pub fn lifetime(&self) -> FencingToken {
+        self.state.lifetime
+    }
+
+    /// The claim's lease: how long it lives without renewal.
+    pub fn lease(&self) -> Duration {
+        self.state.lease
+    }
+
+    /// True once the claim is known to be gone while the operation was not done: its lease
+    /// ended before a renewal got through, the store rejected its token (another owner holds
+    /// the key), or the call gave the claim up (its work failed or was abandoned). Never becomes
+    /// false again. False after the call's record was written.
+    pub fn is_lost(&self) -> bool {
+        matches!(self.phase(), LOST | RELEASED)
+    }
+
+    fn phase(&self) -> u8 {
+        self.state.phase.load(Ordering::Acquire)
+    }
+
+    fn is_held(&self) -> bool {
+        self.phase() == HELD
+    }
+
+    /// Completes when the claim is lost (see [`is_lost`](Self::is_lost); at once if it already
+    /// is); never completes while it is held, nor after the call's record was written. Owns a
+    /// clone of the handle, so it can be moved into a task or a `select!`.
+    pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
+        let handle = self.clone();
+        async move {
+            loop {
+                let notified = handle.state.notify.notified();
+                let mut notified = std::pin::pin!(notified);
+                notified.as_mut().enable();
+                if handle.is_lost() {
+                    return;
+                }
+                notified.await;
+            }
+        }
+    }
+
+    /// Asks the store whether the claim is still held, extending its lease if it is: one round
+    /// trip. Call it right before an irreversible step.
+    ///
+    /// - `Ok(())`: the store confirmed this claim's token and renewed the lease.
+    /// - [`Error::ClaimLost`]: another owner holds the key, or the lease ended. Do not perform
+    ///   the step.
+    /// - [`Error::Store`]: the store did not answer; whether the claim is held is unknown.
+    ///
+    /// In the PostgreSQL transactional mode the claim is a row of the caller's open transaction
+    /// and cannot be lost before it ends: this returns `Ok(())` without a round trip.
+    pub async fn check(&self) -> Result<(), Error> {
+        if !self.is_held() {
+            return Err(Error::ClaimLost);
+        }
+        let Some(store) = &self.state.store else {
+            return Ok(());
+        };
+        let lease = self.state.lease;
+        match bounded(
+            store.renew(&self.state.key, self.state.token, lease),
+            attempt_limit(lease),
+        )
+        .await
+        {
+            Some(Ok(())) => Ok(()),
+            Some(Err(StoreError::TokenRejected)) => {
+                self.mark_lost("the store rejected its token");
+                Err(Error::ClaimLost)
+            }
+            Some(Err(error)) => Err(Error::Store(error)),
+            None => Err(Error::Store(StoreError::Unavailable(
+                format!("the store did not answer within {:?}", attempt_limit(lease)).into(),
+            ))),
+        }
+    }
+
     /// The key to pass downstream for the operation's step `name`: the
     /// [`operation_key`](Self::operation_key) and the name, joined by a dot. The same for every
     /// owner and attempt of this step of this operation, so a step that ran but whose
@@ -691,23 +768,6 @@ impl ClaimHandle {
         check_name(name)?;
         let key = format!("{}.{name}", self.operation_key().as_str());
         Ok(Key::new(key)?)
-    }
-
-    /// Keeps `request` on the operation's in-flight record, so that a completer can run the
-    /// operation again from it if its client never retries ([`Store::save_request`]). Written
-    /// with the claim's token, bounded like a renewal. The HTTP layer calls it when it runs a
-    /// completer; other callers rarely need it.
-    ///
-    /// [`Store::save_request`]: crate::Store::save_request
-    pub async fn save_request(&self, request: Bytes) -> Result<(), Error> {
-        if !self.is_held() {
-            return Err(Error::ClaimLost);
-        }
-        let Some(store) = &self.state.store else {
-            return Ok(());
-        };
-        self.fenced(store.save_request(&self.state.key, self.state.token, request))
-            .await
     }
 
     /// Awaits one fenced write of this claim, bounded like a renewal: a rejected token marks
@@ -940,13 +1000,14 @@ pub(crate) enum Restored<T> {
     /// The step's saved result.
     Saved(T),
     /// Nothing saved: run the step, then save its checkpoint in this store (`None`: nowhere).
-    Run(Option<Arc<dyn DynStore>>),
+    Run(Option<Arc<dyn DynCheckpoints>>),
 }
 
 /// What a store-backed claim is made of.
 #[derive(Clone)]
 pub(crate) struct Seed {
     pub(crate) store: Arc<dyn DynStore>,
+    pub(crate) checkpoints: Option<Arc<dyn DynCheckpoints>>,
     pub(crate) key: StorageKey,
     pub(crate) token: FencingToken,
     pub(crate) lifetime: FencingToken,
@@ -962,7 +1023,7 @@ pub(crate) struct Seed {
 /// panicked), it releases the claim.
 pub(crate) struct ClaimSlot {
     seed: Option<Seed>,
-    handle: std::cell::OnceCell<ClaimHandle>,
+    handle: std::cell::OnceCell<KeyClaim>,
     armed: bool,
 }
 
@@ -977,7 +1038,7 @@ impl ClaimSlot {
     }
 
     /// A slot holding an existing handle, guarding nothing.
-    fn of(handle: ClaimHandle) -> Self {
+    fn of(handle: KeyClaim) -> Self {
         ClaimSlot {
             seed: None,
             handle: std::cell::OnceCell::from(handle),
@@ -999,10 +1060,10 @@ impl ClaimSlot {
     }
 
     /// The claim's handle, built on first use.
-    pub(crate) fn handle(&self) -> ClaimHandle {
+    pub(crate) fn handle(&self) -> KeyClaim {
         self.handle
             .get_or_init(|| match &self.seed {
-                Some(seed) => ClaimHandle::leased(seed),
+                Some(seed) => KeyClaim::leased(seed),
                 // Built with its handle (`of`): never reached.
                 None => unreachable!("a slot without a seed is created with its handle"),
             })
@@ -1010,7 +1071,7 @@ impl ClaimSlot {
     }
 
     /// The handle, if anything asked for one.
-    pub(crate) fn existing(&self) -> Option<&ClaimHandle> {
+    pub(crate) fn existing(&self) -> Option<&KeyClaim> {
         self.handle.get()
     }
 
@@ -1053,7 +1114,7 @@ impl Drop for ClaimSlot {
 /// Gives the claim up: the work's other tasks learn it through [`ClaimHandle::lost`], and the
 /// store's record is deleted so the next retry runs. The store write is bounded: a store that
 /// hangs leaves the claim to end with its lease.
-async fn release(seed: Option<Seed>, handle: Option<ClaimHandle>) {
+async fn release(seed: Option<Seed>, handle: Option<KeyClaim>) {
     if let Some(handle) = &handle {
         handle.mark_released();
     }

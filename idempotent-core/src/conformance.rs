@@ -1,63 +1,10 @@
-//! The store conformance suite: the contract of [`Store`] as executable checks.
-//!
-//! (Longer than most files here, on purpose: the suite is one list of the contract's rules,
-//! each a short test, and reads best in one place.)
-//!
-//! Every store in this workspace runs it, and so should yours. Implement [`Harness`] for your
-//! store and invoke [`store_conformance_tests!`](crate::store_conformance_tests) in a test file;
-//! it expands to one `#[test]` per rule, each on a fresh multi-threaded tokio runtime:
-//!
-//! ```
-//! use std::time::Duration;
-//! use idempotent_core::clock::ManualClock;
-//! use idempotent_core::memory::MemoryStore;
-//! use idempotent_core::conformance::Harness;
-//!
-//! struct Memory {
-//!     clock: ManualClock,
-//!     store: MemoryStore,
-//! }
-//!
-//! impl Harness for Memory {
-//!     type Store = MemoryStore;
-//!     async fn setup() -> Self {
-//!         let clock = ManualClock::new();
-//!         let store = MemoryStore::builder().clock(clock.clone()).build();
-//!         Memory { clock, store }
-//!     }
-//!     fn store(&self) -> &MemoryStore {
-//!         &self.store
-//!     }
-//!     async fn advance(&self, by: Duration) {
-//!         self.clock.advance(by);
-//!     }
-//!     fn time_unit(&self) -> Duration {
-//!         Duration::from_secs(10)
-//!     }
-//! }
-//!
-//! idempotent_core::store_conformance_tests!(Memory);
-//! # fn main() {}
-//! ```
-//!
-//! A store that keeps no [client sessions](crate::session) and no [checkpoints](crate::steps)
-//! (it leaves [`Store::open_session`] and [`Store::save_step`] to their defaults) invokes
-//! `store_conformance_tests!(MyHarness; keys only)` instead, which leaves the session and step
-//! checks out.
-//!
-//! Stores whose time cannot be moved (a real server's clock) implement
-//! [`advance`](Harness::advance) by sleeping and choose a short
-//! [`time_unit`](Harness::time_unit). Every check uses fresh random storage keys, so the checks
-//! may run concurrently against one shared server.
-//!
-//! [`FaultyStore`] wraps any store and injects faults (a failing, full, hung or slow store, a
-//! lost reply) into chosen operations, to test what happens around a store that misbehaves.
+#![doc = include_str!("../docs/conformance.md")]
 
 mod faults;
 mod sessions;
 mod steps;
 
-pub use faults::{Fault, Faults, FaultyStore, Op};
+pub use faults::{Fault, Faults, FaultyStore, KeysOnlyStore, Op};
 pub use sessions::*;
 pub use steps::*;
 
@@ -69,7 +16,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::{Claim, FencingToken, Fingerprint, StorageKey, Store, StoreError};
+use crate::{
+    CheckpointStore, Claim, FencingToken, Fingerprint, SessionStore, StorageKey, Store, StoreError,
+};
 
 /// A store under test, and control over its time.
 pub trait Harness: Send + Sync + Sized + 'static {
@@ -122,20 +71,15 @@ where
     });
 }
 
-/// Expands to one `#[test]` per conformance check for the [`Harness`] type given.
+/// Expands to one `#[test]` per conformance check for the [`Harness`] type given: the key
+/// cycle's checks for every store, the session checks where its store implements
+/// [`SessionStore`], the step checks where it implements [`CheckpointStore`]. The checks of a
+/// capability the store does not implement are still listed, each saying so on stderr and
+/// passing at once: there is nothing of that capability to check.
 #[macro_export]
 macro_rules! store_conformance_tests {
     ($harness:ty) => {
-        $crate::store_conformance_tests!(@keys $harness);
-        $crate::store_conformance_tests!(@sessions $harness);
-        $crate::store_conformance_tests!(@steps $harness);
-    };
-    // A store that keeps no client sessions (`Store::open_session` left to its default).
-    ($harness:ty; keys only) => {
-        $crate::store_conformance_tests!(@keys $harness);
-    };
-    (@keys $harness:ty) => {
-        $crate::store_conformance_tests!(@tests $harness;
+        $crate::store_conformance_tests!(@tests $harness; keys;
             claim_on_absent_key_wins,
             exactly_one_of_1000_concurrent_claims_wins,
             in_flight_record_reports_fingerprint_and_lease,
@@ -155,9 +99,7 @@ macro_rules! store_conformance_tests {
             tokens_increase_across_expiry_and_release,
             keys_are_isolated,
         );
-    };
-    (@sessions $harness:ty) => {
-        $crate::store_conformance_tests!(@tests $harness;
+        $crate::store_conformance_tests!(@tests $harness; sessions;
             session_starts_only_without_an_ack,
             session_requests_are_records_of_their_own,
             session_ack_drops_answers_and_refuses_below_the_mark,
@@ -168,9 +110,7 @@ macro_rules! store_conformance_tests {
             sessions_are_isolated,
             session_mark_reads_what_the_gate_left,
         );
-    };
-    (@steps $harness:ty) => {
-        $crate::store_conformance_tests!(@tests $harness;
+        $crate::store_conformance_tests!(@tests $harness; checkpoints;
             checkpoints_round_trip_in_order,
             checkpoints_are_fenced_by_the_token,
             checkpoints_last_as_long_as_the_operation,
@@ -182,7 +122,7 @@ macro_rules! store_conformance_tests {
             abandoned_lists_one_owners_requests,
         );
     };
-    (@tests $harness:ty; $($check:ident),* $(,)?) => {
+    (@tests $harness:ty; keys; $($check:ident),* $(,)?) => {
         $(
             #[test]
             fn $check() {
@@ -192,6 +132,136 @@ macro_rules! store_conformance_tests {
             }
         )*
     };
+    (@tests $harness:ty; $capability:ident; $($check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                #[allow(unused_imports)]
+                use $crate::conformance::{
+                    CheckpointChecks as _, NoCheckpointChecks as _, NoSessionChecks as _,
+                    SessionChecks as _,
+                };
+                (&$crate::conformance::Probe::<$harness>::new())
+                    .$capability(::core::stringify!($check));
+            }
+        )*
+    };
+}
+
+/// Picks, for a harness, the checks its store's traits call for: what
+/// [`store_conformance_tests!`](crate::store_conformance_tests) expands to calls it. A store
+/// that implements [`SessionStore`] gets [`SessionChecks`], any other [`NoSessionChecks`],
+/// which says so and checks nothing; [`CheckpointStore`] likewise.
+#[derive(Debug)]
+pub struct Probe<H>(std::marker::PhantomData<fn() -> H>);
+
+impl<H> Probe<H> {
+    /// The probe of `H`.
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> Self {
+        Probe(std::marker::PhantomData)
+    }
+}
+
+/// The session checks, for a store that keeps sessions; see [`Probe`].
+pub trait SessionChecks {
+    /// Runs the session check named `check`.
+    fn sessions(&self, check: &str);
+}
+
+/// The session checks, for a store that keeps none; see [`Probe`].
+pub trait NoSessionChecks {
+    /// Says that the store keeps no sessions.
+    fn sessions(&self, check: &str);
+}
+
+/// The step checks, for a store that keeps checkpoints; see [`Probe`].
+pub trait CheckpointChecks {
+    /// Runs the step check named `check`.
+    fn checkpoints(&self, check: &str);
+}
+
+/// The step checks, for a store that keeps none; see [`Probe`].
+pub trait NoCheckpointChecks {
+    /// Says that the store keeps no checkpoints.
+    fn checkpoints(&self, check: &str);
+}
+
+impl<H: Harness<Store: SessionStore>> SessionChecks for Probe<H> {
+    fn sessions(&self, check: &str) {
+        run_sessions::<H>(check);
+    }
+}
+
+impl<H: Harness> NoSessionChecks for &Probe<H> {
+    fn sessions(&self, check: &str) {
+        does_not_apply::<H>(check, "SessionStore");
+    }
+}
+
+impl<H: Harness<Store: CheckpointStore>> CheckpointChecks for Probe<H> {
+    fn checkpoints(&self, check: &str) {
+        run_checkpoints::<H>(check);
+    }
+}
+
+impl<H: Harness> NoCheckpointChecks for &Probe<H> {
+    fn checkpoints(&self, check: &str) {
+        does_not_apply::<H>(check, "CheckpointStore");
+    }
+}
+
+fn does_not_apply<H: Harness>(check: &str, capability: &str) {
+    eprintln!(
+        "{check}: {} does not implement {capability}; this check does not apply to it",
+        std::any::type_name::<H::Store>()
+    );
+}
+
+/// Runs the session check named `check`.
+fn run_sessions<H: Harness<Store: SessionStore>>(check: &str) {
+    macro_rules! dispatch {
+        ($($name:ident),*) => {
+            match check {
+                $(stringify!($name) => run::<H, _, _>(|h| async move { $name(&*h).await }),)*
+                other => panic!("no session check named {other}"),
+            }
+        };
+    }
+    dispatch!(
+        session_starts_only_without_an_ack,
+        session_requests_are_records_of_their_own,
+        session_ack_drops_answers_and_refuses_below_the_mark,
+        session_window_bounds_the_numbers,
+        session_expires_after_its_idle_time,
+        session_requests_keep_its_answers_alive,
+        session_gate_is_atomic,
+        sessions_are_isolated,
+        session_mark_reads_what_the_gate_left
+    )
+}
+
+/// Runs the step check named `check`.
+fn run_checkpoints<H: Harness<Store: CheckpointStore>>(check: &str) {
+    macro_rules! dispatch {
+        ($($name:ident),*) => {
+            match check {
+                $(stringify!($name) => run::<H, _, _>(|h| async move { $name(&*h).await }),)*
+                other => panic!("no step check named {other}"),
+            }
+        };
+    }
+    dispatch!(
+        checkpoints_round_trip_in_order,
+        checkpoints_are_fenced_by_the_token,
+        checkpoints_last_as_long_as_the_operation,
+        completion_drops_checkpoints_and_request,
+        abandoned_lists_idle_records_with_a_request,
+        concurrent_checkpoints_all_land,
+        resume_takes_over_only_an_abandoned_operation_of_its_request,
+        a_stale_resume_leaves_another_operations_checkpoints,
+        abandoned_lists_one_owners_requests
+    )
 }
 
 /// The URL of a real backend server for tests, from the environment variable `var`
@@ -643,15 +713,6 @@ pub async fn another_request_on_an_abandoned_record_is_refused<H: Harness>(h: &H
     let (f, other) = (fp("request"), fp("another request"));
     let terms = (2 * unit, 10 * unit);
     let (first, lifetime) = owned(store, &key, &f, terms).await;
-    store
-        .save_request(&key, first, Bytes::from_static(b"the first request"))
-        .await
-        .or_else(|e| match e {
-            // A store that keeps no requests still keeps the fingerprint.
-            StoreError::Backend(_) => Ok(()),
-            e => Err(e),
-        })
-        .expect("save_request");
     let refused = |what: &'static str| async move {
         match store.claim(&key, &other, terms.0, terms.1).await {
             Ok(Claim::InFlight { fingerprint, .. }) => assert_eq!(

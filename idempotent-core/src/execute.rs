@@ -15,6 +15,7 @@ use crate::claim::{ClaimHandle, ClaimSlot, Seed};
 use crate::claim_answer::{ClaimAnswer, Step};
 use crate::lease::{Renewal, attempt_limit, bounded};
 
+use crate::capability::{Capabilities, Runs};
 use crate::recording::{First, Payload, Recording, finish};
 use crate::run_to_end::RunToEnd;
 use crate::runtime::{CLAIM_TIMEOUT, ClaimedAt};
@@ -25,13 +26,14 @@ use crate::{
     Retain, SessionGate, SessionRequest, StorageKey, StoreError,
 };
 
-impl Idempotency {
+impl<C: Capabilities> Idempotency<C> {
     /// Runs `work` at most once per key, retaining its result as JSON for replay.
     ///
     /// Every result is kept. To decide per result (release transient failures), use
     /// [`run_with`](Self::run_with).
-    pub async fn run<T, F>(&self, call: &Call, work: F) -> Result<Outcome<T>, Error>
+    pub async fn run<T, F, N>(&self, call: &Call<N>, work: F) -> Result<Outcome<T>, Error>
     where
+        C: Runs<N>,
         F: Future<Output = T>,
         T: Serialize + DeserializeOwned,
     {
@@ -40,13 +42,14 @@ impl Idempotency {
 
     /// Like [`run`](Self::run), but a result for which `retain` returns [`Retain::Release`] is
     /// not kept: the claim is released and the next retry runs the work again.
-    pub async fn run_with<T, F>(
+    pub async fn run_with<T, F, N>(
         &self,
-        call: &Call,
+        call: &Call<N>,
         work: F,
         retain: impl FnOnce(&T) -> Retain,
     ) -> Result<Outcome<T>, Error>
     where
+        C: Runs<N>,
         F: Future<Output = T>,
         T: Serialize + DeserializeOwned,
     {
@@ -87,14 +90,15 @@ impl Idempotency {
     /// It records the store's and the work's [metrics](crate::metrics) but does not count the
     /// call in `idempotency.requests`: what the caller makes of the execution is its outcome
     /// (see [`count`](Self::count)).
-    pub async fn execute<V, F>(
+    pub async fn execute<V, F, N>(
         &self,
-        call: &Call,
+        call: &Call<N>,
         work: F,
         retain: impl FnOnce(&V) -> Retain,
         encode: impl FnOnce(&V) -> Option<Bytes>,
     ) -> Result<Execution<V>, Error>
     where
+        C: Runs<N>,
         F: Future<Output = V>,
     {
         let inner = &*self.inner;
@@ -151,7 +155,10 @@ impl Idempotency {
         // epoch with its mark below this number, or this call must not run.
         if let Some((session, request, epoch)) = gate {
             let limit = claim_limit(lease);
-            let read = bounded(inner.store.session_mark(&session), limit)
+            let Some(sessions) = &inner.sessions else {
+                return Err(crate::runtime::no_sessions());
+            };
+            let read = bounded(sessions.session_mark(&session), limit)
                 .await
                 .unwrap_or_else(|| {
                     Err(StoreError::Unavailable(
@@ -184,6 +191,7 @@ impl Idempotency {
 
         let slot = ClaimSlot::leased(Seed {
             store: Arc::clone(&inner.store),
+            checkpoints: inner.checkpoints.clone(),
             key,
             token,
             lifetime,
@@ -357,10 +365,14 @@ impl Idempotency {
             // or its connections hung) fails the call closed instead of hanging it. The store
             // gives back a claim that lands after this (see its docs).
             let limit = claim_limit(lease);
-            // A completer's call only takes an abandoned operation over (`Store::resume`):
+            // A completer's call only takes an abandoned operation over (`CheckpointStore::resume`):
             // it never begins one, so it never drops another operation's checkpoints.
             let (claim, sent) = if resume {
-                let (found, sent) = sent(store.resume(key, fingerprint, lease, ttl), limit).await;
+                let Some(checkpoints) = &self.inner.checkpoints else {
+                    return Err(crate::runtime::no_checkpoints());
+                };
+                let (found, sent) =
+                    sent(checkpoints.resume(key, fingerprint, lease, ttl), limit).await;
                 match found? {
                     Some(claim) => (claim, sent),
                     None => return Err(Error::NothingToResume),
@@ -385,7 +397,7 @@ impl Idempotency {
     }
 }
 
-impl Idempotency {
+impl<C: Capabilities> Idempotency<C> {
     /// Asks `session`'s gate about `request`: the epoch to claim in, or why the call must not
     /// run. Bounded like a claim.
     async fn open_session(
@@ -395,7 +407,10 @@ impl Idempotency {
         lease: Duration,
     ) -> Result<u64, Error> {
         let limit = claim_limit(lease);
-        let gate = bounded(self.inner.store.open_session(session, request), limit)
+        let Some(sessions) = &self.inner.sessions else {
+            return Err(crate::runtime::no_sessions());
+        };
+        let gate = bounded(sessions.open_session(session, request), limit)
             .await
             .unwrap_or_else(|| {
                 Err(StoreError::Unavailable(

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::{ClaimHandle, StoreError};
+use crate::{KeyClaim, StoreError};
 
 /// Shortest pause between renewal attempts after a failure.
 const FIRST_RENEW_BACKOFF: Duration = Duration::from_millis(20);
@@ -27,7 +27,7 @@ impl Renewal {
     /// Starts renewing `claim`, whose lease began no earlier than `claimed_at` (the instant
     /// the successful claim request was sent). `None` without a tokio runtime or for a
     /// transactional claim (nothing to renew).
-    pub(crate) fn start(claim: &ClaimHandle, claimed_at: Instant) -> Option<Renewal> {
+    pub(crate) fn start(claim: &KeyClaim, claimed_at: Instant) -> Option<Renewal> {
         claim.store()?;
         let runtime = tokio::runtime::Handle::try_current().ok()?;
         Some(Renewal(runtime.spawn(renew(claim.clone(), claimed_at))))
@@ -46,7 +46,7 @@ pub(crate) fn later(at: Instant, by: Duration) -> Instant {
 /// then the claim is lost. So a store that fails fast or hangs for up to about three quarters
 /// of the lease does not cost the claim. A rejected token means another owner holds the key:
 /// lost at once.
-async fn renew(claim: ClaimHandle, claimed_at: Instant) {
+async fn renew(claim: KeyClaim, claimed_at: Instant) {
     let Some(store) = claim.store().cloned() else {
         return;
     };

@@ -40,6 +40,7 @@
 
 mod attribute;
 mod call;
+pub mod capability;
 mod claim;
 mod claim_answer;
 mod default_runtime;
@@ -82,7 +83,7 @@ pub use call::{
     Call, CallOptions, DEFAULT_LEASE, DEFAULT_MAX_RESULT_BYTES, DEFAULT_TTL, Defaults,
     InFlightPolicy,
 };
-pub use claim::{ClaimHandle, StepError};
+pub use claim::{ClaimHandle, KeyClaim, StepError};
 pub use claim_answer::MAX_IN_FLIGHT_RETRY_HINT;
 pub use default_runtime::{default_runtime, set_default_runtime};
 pub use error::{BoxError, Error, StoreError};
@@ -94,7 +95,9 @@ pub use run_to_end::RunToEnd;
 pub use runtime::{CLAIM_TIMEOUT, DEFAULT_RECORD_RETRY, Idempotency, IdempotencyBuilder};
 pub use session::{SessionGate, SessionKey, SessionMark, SessionRequest};
 pub use shutdown::Drained;
-pub use store::{Claim, FencingToken, RequestOwner, Store};
+pub use store::{
+    CheckpointStore, Claim, FencingToken, RequestOwner, SessionStore, Store, StoreWrapper,
+};
 pub use to_key::ToKey;
 
 /// What `#[idempotent]` expands into: not a public API (no semver guarantees); only the

@@ -1,80 +1,4 @@
-//! Numbers to alert on, through the [`metrics`](https://docs.rs/metrics) facade.
-//!
-//! The runtime, the transactional mode and the HTTP and gRPC layers record these metrics
-//! with whatever recorder the application installed (`metrics-exporter-prometheus`, an
-//! OpenTelemetry bridge, StatsD, …). Names follow OpenTelemetry's conventions (dot-separated,
-//! units not in the name); a Prometheus exporter with its recommended naming turns
-//! `idempotency.requests` into `idempotency_requests_total` and
-//! `idempotency.store.operation.duration` into `idempotency_store_operation_duration_seconds`.
-//! Labels have a handful of values each: never a key, a scope, a principal or a digest.
-//!
-//! | name | type | labels | meaning |
-//! |---|---|---|---|
-//! | `idempotency.requests` | counter | `protocol`, `outcome` | calls and requests, by how each ended (the outcomes below) |
-//! | `idempotency.store.operation.duration` | histogram (s) | `operation`, `store`, `result` | each store operation, from sent to answered |
-//! | `idempotency.work.duration` | histogram (s) | — | the protected work (handler, function body) of each owner, from its claim to its outcome |
-//! | `idempotency.claims.in_flight` | gauge | — | claims this process owns now: work running, or its outcome still being recorded |
-//! | `idempotency.claims.lost` | counter | — | claims lost while their work ran (lease ended with the store stalled, or another owner took over) |
-//! | `idempotency.completion.retries` | counter | — | result writes retried after the store failed or was slow when the work finished |
-//!
-//! `protocol` is `call` (the runtime's [`run`](crate::Idempotency::run) and
-//! [`run_with`](crate::Idempotency::run_with), the `#[idempotent]` attribute and the
-//! transactional mode), `http` or `grpc` (the layers). `outcome` is one of:
-//!
-//! | outcome | what happened |
-//! |---|---|
-//! | `fresh` | the work ran (whatever it answered) |
-//! | `replayed` | a recorded result was replayed |
-//! | `bypassed` | the store was unreachable and the layer ran the request unprotected (fail-open) |
-//! | `in_flight` | refused: a duplicate is running (HTTP 409) |
-//! | `mismatch` | refused: the key was used for a different request (HTTP 422) |
-//! | `not_retained` | refused: the key's result was not kept (HTTP 410) |
-//! | `invalid_key` / `missing_key` | refused: the key is malformed / absent (HTTP 400) |
-//! | `missing_scope` | refused: no principal to scope the key by (HTTP 403) |
-//! | `request_too_large` / `request_body_unreadable` | refused: the request body (HTTP 413 / 400) |
-//! | `store_error` | refused: the store failed or could not be reached (HTTP 503) |
-//! | `store_full` | refused: the store is full of live records (HTTP 503) |
-//! | `corrupt_record` | refused: the stored record cannot be read (HTTP 500) |
-//! | `claim_lost` | the claim was lost while the work ran, and the layer stopped it (HTTP 503) |
-//! | `shutting_down` | refused: the runtime is draining (HTTP 503) |
-//! | `payload_error` / `invalid_fingerprint` | a result or fingerprint that cannot be encoded (HTTP 500) |
-//! | `sequence_acknowledged` | refused: a [session](crate::session) request at or below its acknowledged mark (HTTP 410) |
-//! | `session_expired` | refused: an unknown session whose request says it held answers (HTTP 410) |
-//! | `session_window_full` | refused: a session request numbered past its window (HTTP 429) |
-//! | `operation_failed` | a completer gave up an abandoned operation and recorded that (HTTP 500) |
-//! | `invalid_session` / `conflicting_headers` | refused: a malformed session header / both a key and a session (HTTP 400) |
-//!
-//! Each call or request is counted once, by the API it came through: a request the HTTP layer
-//! passes to the runtime is counted with `protocol = "http"`, not again as `call`. Requests
-//! the layer does not protect (methods it does not cover, and, with `require_key(false)`,
-//! requests without a key) are not counted. [`Idempotency::execute`](crate::Idempotency::execute),
-//! the byte-level primitive, counts nothing: an integration of one's own built on it counts its
-//! outcomes with [`Idempotency::count`](crate::Idempotency::count).
-//!
-//! `operation` is `claim`, `complete`, `release`, `renew`, `open_session` (the
-//! [session gate](crate::Store::open_session)) or `session_mark` (its read, before a session
-//! request runs); `store` is the store's
-//! [`Store::name`](crate::Store::name) (`memory`, `redis`, `postgres`, or a custom store's);
-//! `result` is `ok`, `token_rejected` (the claim was no longer held), `capacity`,
-//! `unavailable`, `corrupt` or `backend` (see [`StoreError`]).
-//!
-//! # When they are registered
-//!
-//! A runtime registers its metrics with the recorder installed when it is created
-//! ([`Idempotency::new`](crate::Idempotency::new) or
-//! [`Idempotency::builder`](crate::Idempotency::builder)), and describes them (units and help
-//! text) to it; the PostgreSQL transactional mode does the same when it is created. So
-//! install the recorder first, as exporters expect. A runtime created with no recorder installed records nothing, for its whole life,
-//! and costs almost nothing for it: each metric is a handle that does nothing, and the two
-//! clock reads around each store operation and each owner's work are all that remain.
-//!
-//! ```
-//! # use idempotent_core::{Idempotency, memory::MemoryStore};
-//! // With metrics-exporter-prometheus:
-//! //   let handle = PrometheusBuilder::new().with_recommended_naming(true).install_recorder()?;
-//! let idempotency = Idempotency::new(MemoryStore::new());   // after the recorder
-//! //   GET /metrics answers handle.render()
-//! ```
+#![doc = include_str!("../docs/metrics.md")]
 
 use std::time::Duration;
 
@@ -223,19 +147,19 @@ pub enum Operation {
     Release,
     /// [`Store::renew`](crate::Store::renew).
     Renew,
-    /// [`Store::open_session`](crate::Store::open_session).
+    /// [`SessionStore::open_session`](crate::SessionStore::open_session).
     OpenSession,
-    /// [`Store::session_mark`](crate::Store::session_mark).
+    /// [`SessionStore::session_mark`](crate::SessionStore::session_mark).
     SessionMark,
-    /// [`Store::resume`](crate::Store::resume).
+    /// [`CheckpointStore::resume`](crate::CheckpointStore::resume).
     Resume,
-    /// [`Store::save_step`](crate::Store::save_step).
+    /// [`CheckpointStore::save_step`](crate::CheckpointStore::save_step).
     SaveStep,
-    /// [`Store::load_steps`](crate::Store::load_steps).
+    /// [`CheckpointStore::load_steps`](crate::CheckpointStore::load_steps).
     LoadSteps,
-    /// [`Store::save_request`](crate::Store::save_request).
+    /// [`CheckpointStore::save_request`](crate::CheckpointStore::save_request).
     SaveRequest,
-    /// [`Store::abandoned`](crate::Store::abandoned).
+    /// [`CheckpointStore::abandoned`](crate::CheckpointStore::abandoned).
     Abandoned,
 }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::claim::ClaimHandle;
+use crate::claim::KeyClaim;
 use crate::envelope;
 use crate::lease::{Renewal, attempt_limit, bounded, later};
 use crate::run_to_end::RunToEnd;
@@ -16,7 +16,7 @@ use crate::shutdown::ActiveOwned;
 use crate::store::BoxFuture;
 use crate::{Idempotency, StorageKey, StoreError};
 
-impl Idempotency {
+impl<C: crate::capability::Capabilities> Idempotency<C> {
     /// Finishes recording the outcome after a first write that did not succeed at once: waits
     /// for it (bounded), falls back to the small "not retained" record if the result does not
     /// fit, and if the store still fails, retries on a task of its own (the caller gets its
@@ -85,7 +85,7 @@ impl Idempotency {
 
     async fn record_with_retries(
         &self,
-        claim: ClaimHandle,
+        claim: KeyClaim,
         payload: Payload,
         ttl: Duration,
         renewal: Option<Renewal>,
@@ -139,7 +139,7 @@ impl Idempotency {
     /// One attempt at completing the record.
     async fn complete_once(
         &self,
-        claim: &ClaimHandle,
+        claim: &KeyClaim,
         payload: &Payload,
         ttl: Duration,
         limit: Duration,
@@ -157,7 +157,7 @@ impl Idempotency {
     async fn or_not_retained(
         &self,
         outcome: Result<(), RecordError>,
-        claim: &ClaimHandle,
+        claim: &KeyClaim,
         payload: &Payload,
         ttl: Duration,
         limit: Duration,
@@ -177,7 +177,7 @@ impl Idempotency {
     /// One `complete`, abandoned after `limit`.
     async fn complete_bounded(
         &self,
-        claim: &ClaimHandle,
+        claim: &KeyClaim,
         bytes: Bytes,
         ttl: Duration,
         limit: Duration,
@@ -204,7 +204,7 @@ impl Idempotency {
 
 /// Everything needed to record a call's outcome once its work has run.
 pub(crate) struct Recording {
-    pub(crate) claim: ClaimHandle,
+    pub(crate) claim: KeyClaim,
     pub(crate) claimed_at: ClaimedAt,
     pub(crate) renewal: Option<Renewal>,
     pub(crate) payload: Payload,

@@ -1,14 +1,19 @@
 //! The runtime: claim → run → complete or release, or replay.
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::capability::{
+    Admits, Capabilities, Erased, Full, KeepsCheckpoints, KeysAndCheckpoints, KeysAndSessions,
+    KeysOnly, ServesSessions,
+};
 use crate::envelope::Integrity;
 use crate::metrics::{ProtocolLabel, RequestOutcome, StoreMetrics};
 use crate::shutdown::{Drain, Drained};
-use crate::store::{DynStore, Measured};
-use crate::{Call, Defaults, StorageKey, Store};
+use crate::store::{DynCheckpoints, DynSessions, DynStore};
+use crate::{Call, CheckpointStore, Defaults, SessionStore, StorageKey, Store};
 
 /// Default bound on retrying a result that could not be recorded: 60 seconds. See
 /// [`IdempotencyBuilder::record_retry`].
@@ -80,14 +85,36 @@ pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(5);
 ///    an outage longer than the lease, or the bound, lets the claim lapse with its lease. See
 ///    the crate's *Failure model* for what protects the effect then.
 ///
+/// # Capabilities
+///
+/// `Idempotency` is `Idempotency<`[`Full`]`>`: a runtime over a store that keeps keys, client
+/// sessions ([`SessionStore`]) and checkpoints ([`CheckpointStore`]), as every store of this
+/// family does. A store with less runs in a runtime whose type says so
+/// ([`keys_only`](Idempotency::keys_only), [`with_sessions`](Idempotency::with_sessions),
+/// [`with_checkpoints`](Idempotency::with_checkpoints)), and what it lacks does not compile
+/// there; see [`capability`](crate::capability).
+///
 /// Requires a tokio runtime with the time driver enabled.
-#[derive(Clone)]
-pub struct Idempotency {
+pub struct Idempotency<C = Full> {
     pub(crate) inner: Arc<Inner>,
+    capabilities: PhantomData<fn() -> C>,
+}
+
+impl<C> Clone for Idempotency<C> {
+    fn clone(&self) -> Self {
+        Idempotency {
+            inner: Arc::clone(&self.inner),
+            capabilities: PhantomData,
+        }
+    }
 }
 
 pub(crate) struct Inner {
     pub(crate) store: Arc<dyn DynStore>,
+    /// The store's sessions, where the runtime's capabilities include them.
+    pub(crate) sessions: Option<Arc<dyn DynSessions>>,
+    /// The store's checkpoints, where the runtime's capabilities include them.
+    pub(crate) checkpoints: Option<Arc<dyn DynCheckpoints>>,
     pub(crate) namespace: Box<[u8]>,
     pub(crate) defaults: Defaults,
     pub(crate) record_retry: Duration,
@@ -103,7 +130,7 @@ impl Inner {
     }
 }
 
-impl fmt::Debug for Idempotency {
+impl<C> fmt::Debug for Idempotency<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Idempotency")
             .field("namespace", &String::from_utf8_lossy(&self.inner.namespace))
@@ -115,20 +142,21 @@ impl fmt::Debug for Idempotency {
 
 /// Configures an [`Idempotency`]. Created by [`Idempotency::builder`].
 #[must_use]
-pub struct IdempotencyBuilder {
-    store: Arc<dyn DynStore>,
+pub struct IdempotencyBuilder<C = Full> {
+    store: Erased,
+    capabilities: PhantomData<fn() -> C>,
     namespace: Box<[u8]>,
     defaults: Defaults,
     record_retry: Duration,
 }
 
-impl fmt::Debug for IdempotencyBuilder {
+impl<C> fmt::Debug for IdempotencyBuilder<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyBuilder").finish_non_exhaustive()
     }
 }
 
-impl IdempotencyBuilder {
+impl<C: Capabilities> IdempotencyBuilder<C> {
     /// Separates this application's records from other applications sharing the store
     /// (default: empty). Part of every storage key: changing it forgets every record.
     pub fn namespace(mut self, namespace: impl AsRef<[u8]>) -> Self {
@@ -164,39 +192,115 @@ impl IdempotencyBuilder {
     }
 
     /// Builds the runtime.
-    pub fn build(self) -> Idempotency {
+    pub fn build(self) -> Idempotency<C> {
+        let Erased {
+            keys,
+            sessions,
+            checkpoints,
+        } = self.store;
         Idempotency {
             inner: Arc::new(Inner {
-                integrity: if self.store.keeps_records_in_process() {
+                integrity: if keys.keeps_records_in_process() {
                     Integrity::InProcess
                 } else {
                     Integrity::Checksummed
                 },
-                store: self.store,
+                store: keys,
+                sessions,
+                checkpoints,
                 namespace: self.namespace,
                 defaults: self.defaults,
                 record_retry: self.record_retry,
                 drain: Arc::default(),
             }),
+            capabilities: PhantomData,
         }
     }
 }
 
 impl Idempotency {
-    /// A runtime over `store` with the defaults. Its [metrics](crate::metrics) are registered
-    /// with the recorder installed now.
-    pub fn new(store: impl Store) -> Self {
+    /// A runtime over `store`, which keeps keys, client sessions and checkpoints (every store
+    /// of this family does), with the defaults. Its [metrics](crate::metrics) are registered
+    /// with the recorder installed now. A store with less: [`keys_only`](Idempotency::keys_only),
+    /// [`with_sessions`](Idempotency::with_sessions),
+    /// [`with_checkpoints`](Idempotency::with_checkpoints).
+    pub fn new<S: SessionStore + CheckpointStore>(store: S) -> Self {
         Self::builder(store).build()
     }
 
-    /// Configures a runtime over `store`. The runtime's [metrics](crate::metrics) are
-    /// registered with the recorder installed now.
-    pub fn builder(store: impl Store) -> IdempotencyBuilder {
+    /// Configures a runtime over `store`, as [`new`](Self::new) takes it. The runtime's
+    /// [metrics](crate::metrics) are registered with the recorder installed now.
+    pub fn builder<S: SessionStore + CheckpointStore>(store: S) -> IdempotencyBuilder {
+        Idempotency::<Full>::builder_for(store)
+    }
+}
+
+impl Idempotency<KeysOnly> {
+    /// A runtime over a store that keeps plain keys only ([`Store`]), with the defaults. It
+    /// runs [`Call::new`] calls; a call in a session, steps, kept requests and a completer do
+    /// not compile with it (see [`capability`](crate::capability)). Also the way to serve
+    /// only keys from a store that could do more.
+    pub fn keys_only(store: impl Store) -> Self {
+        Idempotency::<KeysOnly>::builder_for(store).build()
+    }
+}
+
+impl Idempotency<KeysAndSessions> {
+    /// A runtime over a store that keeps keys and client sessions ([`SessionStore`]) but no
+    /// checkpoints, with the defaults.
+    pub fn with_sessions(store: impl SessionStore) -> Self {
+        Idempotency::<KeysAndSessions>::builder_for(store).build()
+    }
+}
+
+impl Idempotency<KeysAndCheckpoints> {
+    /// A runtime over a store that keeps keys and checkpoints ([`CheckpointStore`]) but no
+    /// client sessions, with the defaults.
+    pub fn with_checkpoints(store: impl CheckpointStore) -> Self {
+        Idempotency::<KeysAndCheckpoints>::builder_for(store).build()
+    }
+}
+
+impl<C: Capabilities> Idempotency<C> {
+    /// Configures a runtime with capabilities `C` over `store`, which must have them:
+    /// `Idempotency::<KeysOnly>::builder_for(store)`. The runtime's [metrics](crate::metrics)
+    /// are registered with the recorder installed now.
+    pub fn builder_for<S>(store: S) -> IdempotencyBuilder<C>
+    where
+        C: Admits<S>,
+    {
         IdempotencyBuilder {
-            store: Arc::new(Measured::new(store)),
+            store: <C as crate::capability::sealed::Erase<S>>::erase(store),
+            capabilities: PhantomData,
             namespace: Box::default(),
             defaults: Defaults::new(),
             record_retry: DEFAULT_RECORD_RETRY,
+        }
+    }
+
+    /// The same runtime (store, records, defaults, metrics, shutdown) serving plain keys
+    /// only: for code that takes any runtime.
+    pub fn keys(&self) -> Idempotency<KeysOnly> {
+        self.narrowed()
+    }
+
+    /// The same runtime with client sessions, if its store serves them (`None` otherwise):
+    /// for code whose input decides, such as a layer that gets a session header.
+    pub fn sessions(&self) -> Option<Idempotency<KeysAndSessions>> {
+        C::SESSIONS.then(|| self.narrowed())
+    }
+
+    /// The same runtime with checkpoints, if its store keeps them (`None` otherwise).
+    pub fn checkpoints(&self) -> Option<Idempotency<KeysAndCheckpoints>> {
+        C::CHECKPOINTS.then(|| self.narrowed())
+    }
+
+    /// This runtime as one with capabilities `N`, which its store has: a view sharing
+    /// everything (the typed methods decide what it may use).
+    fn narrowed<N: Capabilities>(&self) -> Idempotency<N> {
+        Idempotency {
+            inner: Arc::clone(&self.inner),
+            capabilities: PhantomData,
         }
     }
 
@@ -271,28 +375,10 @@ impl Idempotency {
         self.inner.metrics().request(protocol, outcome);
     }
 
-    /// Up to `limit` operations of `owner` abandoned at least `idle` ago that a completer
-    /// may finish ([`Store::abandoned`](crate::Store::abandoned)), bounded like a claim.
-    pub async fn abandoned(
-        &self,
-        idle: std::time::Duration,
-        limit: usize,
-        owner: Option<&crate::RequestOwner>,
-    ) -> Result<Vec<crate::steps::Abandoned>, crate::Error> {
-        let bound = crate::CLAIM_TIMEOUT;
-        let listed = self.inner.store.abandoned(idle, limit, owner);
-        match crate::lease::bounded(listed, bound).await {
-            Some(found) => Ok(found?),
-            None => Err(crate::Error::Store(crate::StoreError::Unavailable(
-                format!("the store did not list abandoned operations within {bound:?}").into(),
-            ))),
-        }
-    }
-
     /// The storage key `call` maps to in this runtime's namespace; for a call in a
     /// [session](crate::session), the session's own record (its request's record is known
     /// once the session's gate admits it).
-    pub fn storage_key(&self, call: &Call) -> StorageKey {
+    pub fn storage_key<N>(&self, call: &Call<N>) -> StorageKey {
         if let Some(at) = call.at() {
             return at;
         }
@@ -304,7 +390,7 @@ impl Idempotency {
 
     /// The session key of `call`'s session in this runtime's namespace (whether or not the
     /// call is in a session, its key read as a session id).
-    pub fn session_key(&self, call: &Call) -> crate::SessionKey {
+    pub fn session_key<N>(&self, call: &Call<N>) -> crate::SessionKey {
         crate::SessionKey::derive(&self.inner.namespace, call.scope_ref(), call.key())
     }
 
@@ -312,9 +398,61 @@ impl Idempotency {
     /// [`max_result_bytes`](crate::CallOptions::max_result_bytes), else the runtime's
     /// [`Defaults::max_result_bytes`](crate::Defaults::max_result_bytes). For an integration
     /// that bounds its results itself, as the HTTP and gRPC layers bound response bodies.
-    pub fn max_result_bytes(&self, call: &Call) -> usize {
+    pub fn max_result_bytes<N>(&self, call: &Call<N>) -> usize {
         call.settings(&self.inner.defaults).max_result_bytes
     }
+}
+
+impl<C: ServesSessions> Idempotency<C> {
+    /// The same runtime as one of keys and sessions: for code that needs sessions and takes
+    /// any runtime that has them.
+    pub fn keys_and_sessions(&self) -> Idempotency<KeysAndSessions> {
+        self.narrowed()
+    }
+}
+
+impl<C: KeepsCheckpoints> Idempotency<C> {
+    /// The same runtime as one of keys and checkpoints: for code that needs checkpoints (a
+    /// completer) and takes any runtime that has them.
+    pub fn keys_and_checkpoints(&self) -> Idempotency<KeysAndCheckpoints> {
+        self.narrowed()
+    }
+
+    /// Up to `limit` operations of `owner` abandoned at least `idle` ago that a completer
+    /// may finish ([`CheckpointStore::abandoned`](crate::CheckpointStore::abandoned)), bounded like a claim.
+    pub async fn abandoned(
+        &self,
+        idle: std::time::Duration,
+        limit: usize,
+        owner: Option<&crate::RequestOwner>,
+    ) -> Result<Vec<crate::steps::Abandoned>, crate::Error> {
+        let bound = crate::CLAIM_TIMEOUT;
+        let Some(store) = &self.inner.checkpoints else {
+            return Err(no_checkpoints());
+        };
+        let listed = store.abandoned(idle, limit, owner);
+        match crate::lease::bounded(listed, bound).await {
+            Some(found) => Ok(found?),
+            None => Err(crate::Error::Store(crate::StoreError::Unavailable(
+                format!("the store did not list abandoned operations within {bound:?}").into(),
+            ))),
+        }
+    }
+}
+
+/// What a runtime answers if the store it was built over lacks a capability its type says
+/// it has: never, since only the capability markers' constructors build runtimes.
+pub(crate) fn no_checkpoints() -> crate::Error {
+    crate::Error::Store(crate::StoreError::Backend(
+        "this runtime's store keeps no checkpoints".into(),
+    ))
+}
+
+/// See [`no_checkpoints`].
+pub(crate) fn no_sessions() -> crate::Error {
+    crate::Error::Store(crate::StoreError::Backend(
+        "this runtime's store keeps no client sessions".into(),
+    ))
 }
 
 /// When the winning claim was sent.

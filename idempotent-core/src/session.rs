@@ -9,10 +9,10 @@
 //! no answer the client may still need is ever dropped by a timer while the session is used.
 //!
 //! A call in a session ([`Call::in_session`](crate::Call::in_session)) goes through its store's
-//! [session gate](crate::Store::open_session) and then, if admitted, through the ordinary claim
+//! [session gate](crate::SessionStore::open_session) and then, if admitted, through the ordinary claim
 //! of its `(session, seq)` record: a lease, a fencing token and an operation key like any key,
 //! so the fault guarantees of keys hold for it while its session lives. Once it holds the
-//! claim, the runtime reads the session ([`Store::session_mark`](crate::Store::session_mark))
+//! claim, the runtime reads the session ([`SessionStore::session_mark`](crate::SessionStore::session_mark))
 //! before it runs anything: a later request's `ack` may
 //! have covered the number meanwhile and dropped its answer, which the claim then did not
 //! find. The gate decides, atomically per session:
@@ -94,7 +94,7 @@ impl InSession {
 
 /// The fixed-size name of one client session in one scope and namespace: a blake3 digest,
 /// separate from every idempotency key's (a key cannot hold the byte that begins a session's
-/// derivation input). Stores get it in [`Store::open_session`](crate::Store::open_session).
+/// derivation input). Stores get it in [`SessionStore::open_session`](crate::SessionStore::open_session).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SessionKey([u8; 32]);
 
@@ -162,7 +162,7 @@ impl SessionRequest {
     }
 }
 
-/// A live session's state, as [`Store::session_mark`](crate::Store::session_mark) reads it.
+/// A live session's state, as [`SessionStore::session_mark`](crate::SessionStore::session_mark) reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SessionMark {
     /// The session's incarnation (see [`SessionGate::Open`]).

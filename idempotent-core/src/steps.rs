@@ -31,7 +31,7 @@
 //!   result.
 //!
 //! The store keeps checkpoints as an opaque byte string the runtime appends entries to
-//! ([`Store::save_step`](crate::Store::save_step)); the first entry of a name wins.
+//! ([`CheckpointStore::save_step`](crate::CheckpointStore::save_step)); the first entry of a name wins.
 
 use std::time::Duration;
 
@@ -112,7 +112,7 @@ pub fn encode_checkpoint(name: &str, value: &[u8]) -> Bytes {
 }
 
 /// The checkpoints of one in-flight record, decoded from what the store keeps
-/// ([`Store::load_steps`](crate::Store::load_steps)).
+/// ([`CheckpointStore::load_steps`](crate::CheckpointStore::load_steps)).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Checkpoints {
     entries: Vec<(String, Bytes)>,
@@ -203,14 +203,14 @@ impl Checkpoints {
 
 /// An in-flight record that a completer may finish: its lease ended a while ago, nobody took
 /// it over, and the layer that claimed it saved the request
-/// ([`Store::abandoned`](crate::Store::abandoned)).
+/// ([`CheckpointStore::abandoned`](crate::CheckpointStore::abandoned)).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Abandoned {
     /// The record's storage key.
     pub key: StorageKey,
     /// The fingerprint it was claimed with.
     pub fingerprint: Fingerprint,
-    /// The request as saved with [`Store::save_request`](crate::Store::save_request).
+    /// The request as saved with [`CheckpointStore::save_request`](crate::CheckpointStore::save_request).
     pub request: Bytes,
     /// How long ago its lease ended, by the store's clock.
     pub idle: Duration,

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use idempotent_core::capability::KeysOnly;
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::{
     CallOptions, Claim, Defaults, Error, Execution, FencingToken, Fingerprint, Idempotency,
@@ -566,7 +567,7 @@ impl Store for DownStore {
 
 #[tokio::test]
 async fn store_down_fails_closed_without_running_the_work() {
-    let idem = Idempotency::new(DownStore);
+    let idem = Idempotency::keys_only(DownStore);
     let runs = Arc::new(AtomicUsize::new(0));
     let err = idem.run(&call("k"), counted(&runs)).await.unwrap_err();
     assert!(
@@ -697,7 +698,7 @@ impl Store for SlowComplete {
 
 #[tokio::test]
 async fn caller_giving_up_during_the_completion_write_still_records_the_result() {
-    let idem = Idempotency::builder(SlowComplete(MemoryStore::new()))
+    let idem = Idempotency::<KeysOnly>::builder_for(SlowComplete(MemoryStore::new()))
         .defaults(Defaults::new().lease(Duration::from_secs(1)))
         .build();
     let runs = Arc::new(AtomicUsize::new(0));
@@ -814,7 +815,7 @@ impl Store for Damaging {
 async fn results_are_checksummed_unless_the_store_keeps_them_in_process() {
     assert!(MemoryStore::new().keeps_records_in_process());
     for in_process in [false, true] {
-        let idem = Idempotency::new(Damaging {
+        let idem = Idempotency::keys_only(Damaging {
             inner: MemoryStore::new(),
             in_process,
         });

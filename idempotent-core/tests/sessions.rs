@@ -6,13 +6,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idempotent_core::conformance::{Fault, FaultyStore, Op};
+use idempotent_core::capability::{KeysAndSessions, NeedsSessions};
+use idempotent_core::conformance::{Fault, FaultyStore, KeysOnlyStore, Op};
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::metrics::{self, Recorded};
 use idempotent_core::session::InSession;
 use idempotent_core::{Call, ClaimHandle, Defaults, Error, Idempotency, Key, StoreError};
 
-fn in_session(id: &str, seq: u64, ack: u64) -> Call {
+fn in_session(id: &str, seq: u64, ack: u64) -> Call<NeedsSessions> {
     Call::in_session(Key::new(id).unwrap(), InSession::new(seq, ack).unwrap())
 }
 
@@ -136,7 +137,7 @@ async fn a_failing_or_frozen_gate_runs_nothing() {
 #[tokio::test]
 async fn refusals_are_counted_by_outcome_and_the_gate_is_timed() {
     let (idempotency, recorded) = Recorded::capture(|| runtime(4));
-    let run = |call: Call| {
+    let run = |call: Call<NeedsSessions>| {
         let idempotency = idempotency.clone();
         async move { idempotency.run(&call, async { 1u8 }).await }
     };
@@ -206,52 +207,14 @@ async fn a_sessions_answers_outlive_the_ttl() {
     assert_eq!(again.into_inner(), 7);
 }
 
-/// A custom store that keeps no sessions refuses them with a store error, and serves keys.
+/// A store that keeps no sessions runs in a keys-only runtime: it serves keys, a call in a
+/// session does not compile with it (the ui cases), and code whose input decides (a layer
+/// reading a session header) learns it has no sessions.
 #[tokio::test]
-async fn a_store_without_sessions_refuses_them() {
-    #[derive(Clone, Default)]
-    struct KeysOnly(MemoryStore);
-    impl idempotent_core::Store for KeysOnly {
-        async fn claim(
-            &self,
-            key: &idempotent_core::StorageKey,
-            fingerprint: &idempotent_core::Fingerprint,
-            lease: Duration,
-            ttl: Duration,
-        ) -> Result<idempotent_core::Claim, StoreError> {
-            self.0.claim(key, fingerprint, lease, ttl).await
-        }
-        async fn complete(
-            &self,
-            key: &idempotent_core::StorageKey,
-            token: idempotent_core::FencingToken,
-            payload: bytes::Bytes,
-            ttl: Duration,
-        ) -> Result<(), StoreError> {
-            self.0.complete(key, token, payload, ttl).await
-        }
-        async fn release(
-            &self,
-            key: &idempotent_core::StorageKey,
-            token: idempotent_core::FencingToken,
-        ) -> Result<(), StoreError> {
-            self.0.release(key, token).await
-        }
-        async fn renew(
-            &self,
-            key: &idempotent_core::StorageKey,
-            token: idempotent_core::FencingToken,
-            lease: Duration,
-        ) -> Result<(), StoreError> {
-            self.0.renew(key, token, lease).await
-        }
-    }
-    let idempotency = Idempotency::new(KeysOnly::default());
-    let refused = idempotency.run(&in_session("s", 1, 0), async { 1u8 }).await;
-    assert!(
-        matches!(refused, Err(Error::Store(StoreError::Backend(_)))),
-        "{refused:?}"
-    );
+async fn a_store_without_sessions_serves_keys_and_says_it_has_no_sessions() {
+    let idempotency = Idempotency::keys_only(KeysOnlyStore::new(MemoryStore::new()));
+    assert!(idempotency.sessions().is_none());
+    assert!(idempotency.checkpoints().is_none());
     let key = Call::new(Key::new("k").unwrap());
     assert_eq!(
         idempotency
@@ -260,6 +223,23 @@ async fn a_store_without_sessions_refuses_them() {
             .unwrap()
             .into_inner(),
         2
+    );
+    let full = Idempotency::new(MemoryStore::new());
+    let sessions = full.sessions().expect("the memory store keeps sessions");
+    assert_eq!(
+        sessions
+            .run(&in_session("s", 1, 0), async { 1u8 })
+            .await
+            .unwrap()
+            .into_inner(),
+        1
+    );
+    // The view shares the runtime's records: the full runtime replays it.
+    assert!(
+        full.run(&in_session("s", 1, 0), async { 9u8 })
+            .await
+            .unwrap()
+            .is_replayed()
     );
 }
 
@@ -341,6 +321,8 @@ async fn a_waiting_duplicate_whose_answer_was_dropped_does_not_run() {
         ) -> Result<(), StoreError> {
             self.0.renew(key, token, lease).await
         }
+    }
+    impl idempotent_core::SessionStore for Polling {
         async fn open_session(
             &self,
             session: &idempotent_core::SessionKey,
@@ -355,7 +337,8 @@ async fn a_waiting_duplicate_whose_answer_was_dropped_does_not_run() {
             self.0.session_mark(session).await
         }
     }
-    let idempotency = Idempotency::builder(Polling::default())
+    // A store of keys and sessions (no checkpoints).
+    let idempotency = Idempotency::<KeysAndSessions>::builder_for(Polling::default())
         .defaults(
             Defaults::new().in_flight(idempotent_core::InFlightPolicy::Wait {
                 max: Duration::from_secs(30),

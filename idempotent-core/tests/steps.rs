@@ -7,13 +7,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idempotent_core::clock::ManualClock;
-use idempotent_core::conformance::{Fault, FaultyStore, Op};
+use idempotent_core::conformance::{Fault, FaultyStore, KeysOnlyStore, Op};
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::metrics::{self, Recorded};
 use idempotent_core::steps::{Abandoned, CheckpointError};
 use idempotent_core::{
-    Call, ClaimHandle, Defaults, Error, Execution, Fingerprint, Idempotency, Retain, StepError,
-    Store, StoreError,
+    Call, ClaimHandle, Defaults, Error, Execution, Fingerprint, Idempotency, KeyClaim, Retain,
+    StepError, StoreError,
 };
 
 fn call(key: &str) -> Call {
@@ -350,68 +350,40 @@ async fn a_store_that_fails_the_checkpoint_fails_the_step_and_the_retry_runs_it(
     assert_eq!(faults.calls(Op::SaveStep), 2);
 }
 
-/// A store that keeps no checkpoints (the trait's defaults) says so instead of running steps
-/// it cannot protect.
+/// A store that keeps no checkpoints runs in a keys-only runtime, whose work gets its claim
+/// as a `KeyClaim` and no `ClaimHandle` (no steps: they do not compile there, see the ui
+/// cases); the claim itself works as on any runtime.
 #[tokio::test]
-async fn a_store_without_checkpoints_refuses_steps() {
-    #[derive(Clone)]
-    struct KeysOnly(MemoryStore);
-    impl Store for KeysOnly {
-        async fn claim(
-            &self,
-            key: &idempotent_core::StorageKey,
-            fingerprint: &Fingerprint,
-            lease: Duration,
-            ttl: Duration,
-        ) -> Result<idempotent_core::Claim, StoreError> {
-            self.0.claim(key, fingerprint, lease, ttl).await
-        }
-        async fn complete(
-            &self,
-            key: &idempotent_core::StorageKey,
-            token: idempotent_core::FencingToken,
-            payload: Bytes,
-            ttl: Duration,
-        ) -> Result<(), StoreError> {
-            self.0.complete(key, token, payload, ttl).await
-        }
-        async fn release(
-            &self,
-            key: &idempotent_core::StorageKey,
-            token: idempotent_core::FencingToken,
-        ) -> Result<(), StoreError> {
-            self.0.release(key, token).await
-        }
-        async fn renew(
-            &self,
-            key: &idempotent_core::StorageKey,
-            token: idempotent_core::FencingToken,
-            lease: Duration,
-        ) -> Result<(), StoreError> {
-            self.0.renew(key, token, lease).await
-        }
-    }
-    let idempotency = Idempotency::new(KeysOnly(MemoryStore::new()));
-    let ran = AtomicUsize::new(0);
-    let work = async {
-        current()
-            .step("charge", async { ran.fetch_add(1, Ordering::SeqCst) })
-            .await
-    };
-    match attempt(&idempotency, "keys-only", work, |_| false).await {
-        Err(Error::Store(StoreError::Backend(why))) => {
-            assert!(why.to_string().contains("save_step"), "{why}")
-        }
-        other => panic!("{other:?}"),
-    }
-    assert!(
-        idempotency
-            .abandoned(Duration::ZERO, 10, None)
-            .await
-            .unwrap()
-            .is_empty(),
-        "a store without checkpoints lists nothing to complete"
-    );
+async fn a_keys_only_runtime_hands_out_no_steps() {
+    let idempotency = Idempotency::keys_only(KeysOnlyStore::new(MemoryStore::new()));
+    let call = Call::new("keys-only".parse().unwrap());
+    let seen = idempotency
+        .run(&call, async {
+            let claim = KeyClaim::current().expect("the work's claim");
+            claim.check().await.expect("held");
+            (
+                ClaimHandle::current().is_none(),
+                claim.clone().with_steps().is_none(),
+                claim.step_key("charge").is_ok(),
+            )
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(seen, (true, true, true));
+    // The same store with its checkpoints: the work gets its steps.
+    let full = Idempotency::new(MemoryStore::new());
+    let stepped = full
+        .run(&call, async {
+            ClaimHandle::current()
+                .expect("steps")
+                .step("charge", async { 7u32 })
+                .await
+                .unwrap()
+        })
+        .await
+        .unwrap();
+    assert_eq!(stepped.into_inner(), 7);
 }
 
 /// 300 concurrent duplicates of a three-step operation: each step runs once.

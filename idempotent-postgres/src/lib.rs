@@ -53,8 +53,8 @@ use self::connections::Connections;
 use idempotent_core::steps::Abandoned;
 use idempotent_core::store::Unanswered;
 use idempotent_core::{
-    Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionRequest, StorageKey, Store,
-    StoreError, limits,
+    CheckpointStore, Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionRequest,
+    SessionStore, StorageKey, Store, StoreError, limits,
 };
 
 pub(crate) use self::error::store_error;
@@ -196,7 +196,7 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 /// one statement guarded like a renewal (`storage_key`, `token`, in flight, lease not ended).
 /// Both belong to the operation: a takeover keeps them with the `lifetime`, a claim that
 /// begins a new lifetime and both completions set them to `NULL`. The completer's list
-/// ([`abandoned`](Store::abandoned)) is one statement over the partial index of in-flight
+/// ([`abandoned`](CheckpointStore::abandoned)) is one statement over the partial index of in-flight
 /// rows that hold a request, oldest lease end first. For a step whose database effect must
 /// commit with its checkpoint, see [`step_in_transaction`](Self::step_in_transaction).
 ///
@@ -209,7 +209,7 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 /// time, an empty `fingerprint` and no `payload` or `kept_until`. Each request's record is an
 /// ordinary record at the session's digest followed by the epoch and the sequence number
 /// (big-endian, [`StorageKey::record_bytes`]), so one epoch's requests sort together, in
-/// order. [`open_session`](Store::open_session) is one statement: it locks the session's row
+/// order. [`open_session`](SessionStore::open_session) is one statement: it locks the session's row
 /// (`FOR UPDATE`), applies the gate's rules to it, writes it back, deletes the request rows
 /// the new mark covers and extends the life of those above it to the idle time, both by a
 /// range of the primary key at most the window long; under the lock, so one session's gates
@@ -262,7 +262,7 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 ///   store without the round trip sqlx's pool makes to check every connection it takes back,
 ///   which doubled the round trips of every operation (BENCHMARKS.md). The pool itself serves
 ///   [`migrate`](Self::migrate), [`reap`](Self::reap), the completer's
-///   [`abandoned`](Store::abandoned), the transactions of
+///   [`abandoned`](CheckpointStore::abandoned), the transactions of
 ///   [`step_in_transaction`](Self::step_in_transaction) and your own transactions, so the store
 ///   and the pool together can hold up to twice the pool's `max_connections`: size the
 ///   database's `max_connections` for both. `after_connect` hooks of the pool do not run on
@@ -475,7 +475,7 @@ impl PostgresStore {
 }
 
 impl PostgresStore {
-    /// A claim, or with `resume` a takeover only ([`Store::resume`]: `None` when there was
+    /// A claim, or with `resume` a takeover only ([`CheckpointStore::resume`]: `None` when there was
     /// nothing of the request to take over). One that does not come back (the connection
     /// broke, the database froze) may still land: it is given back as soon as the database
     /// answers.
@@ -582,17 +582,6 @@ impl Store for PostgresStore {
             })
     }
 
-    async fn resume(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Option<Claim>, StoreError> {
-        self.claim_or_resume(key, fingerprint, (lease, ttl), true)
-            .await
-    }
-
     async fn complete(
         &self,
         key: &StorageKey,
@@ -639,7 +628,9 @@ impl Store for PostgresStore {
         let result = self.sql.guarded(query, &mut connection).await;
         Connections::settle(connection, result)
     }
+}
 
+impl SessionStore for PostgresStore {
     async fn open_session(
         &self,
         session: &SessionKey,
@@ -665,6 +656,19 @@ impl Store for PostgresStore {
             .map_err(store_error)
             .and_then(|row| row.map(|row| session_mark(&row)).transpose());
         Connections::settle(connection, result)
+    }
+}
+
+impl CheckpointStore for PostgresStore {
+    async fn resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        self.claim_or_resume(key, fingerprint, (lease, ttl), true)
+            .await
     }
 
     async fn save_step(

@@ -42,7 +42,7 @@ pub(crate) struct Sql {
     pub(crate) table: String,
     pub(crate) migrate: [String; 6],
     pub(crate) claim: String,
-    /// [`Store::resume`](idempotent_core::Store::resume): the claim's takeover, and nothing else.
+    /// [`CheckpointStore::resume`](idempotent_core::CheckpointStore::resume): the claim's takeover, and nothing else.
     pub(crate) resume: String,
     pub(crate) complete: String,
     pub(crate) complete_in_transaction: String,
@@ -56,9 +56,9 @@ pub(crate) struct Sql {
     pub(crate) save_step: String,
     pub(crate) load_steps: String,
     pub(crate) save_request: String,
-    /// [`Store::abandoned`](idempotent_core::Store::abandoned) of requests that name no owner.
+    /// [`CheckpointStore::abandoned`](idempotent_core::CheckpointStore::abandoned) of requests that name no owner.
     pub(crate) abandoned: String,
-    /// [`Store::abandoned`](idempotent_core::Store::abandoned) of one owner's requests (`$3`).
+    /// [`CheckpointStore::abandoned`](idempotent_core::CheckpointStore::abandoned) of one owner's requests (`$3`).
     pub(crate) abandoned_of: String,
 }
 
@@ -402,7 +402,7 @@ impl Sql {
     }
 }
 
-/// The session gate ([`Store::open_session`](idempotent_core::Store::open_session)) on table `t` with
+/// The session gate ([`SessionStore::open_session`](idempotent_core::SessionStore::open_session)) on table `t` with
 /// token sequence `seq`, as one statement: `$1` the session's own storage key (its record
 /// bytes), `$2` the request's `seq`, `$3` its `ack`, `$4` the window, `$5` the idle time in
 /// microseconds. It answers one row: `gate` (`open`, `acknowledged`, `window_full`,

@@ -1,8 +1,8 @@
-//! Checkpoints on PostgreSQL: the saved request a completer lists ([`Store::abandoned`]), and
+//! Checkpoints on PostgreSQL: the saved request a completer lists ([`CheckpointStore::abandoned`]), and
 //! the atomic step, whose effect and checkpoint commit in one transaction
 //! ([`PostgresStore::step_in_transaction`]).
 //!
-//! [`Store::abandoned`]: idempotent_core::Store::abandoned
+//! [`CheckpointStore::abandoned`]: idempotent_core::CheckpointStore::abandoned
 
 use std::future::Future;
 use std::sync::Arc;

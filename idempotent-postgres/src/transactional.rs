@@ -344,17 +344,8 @@ impl Transactional {
         connection: &mut PgConnection,
         ask_tier: bool,
     ) -> Result<RawClaim, Error> {
-        if call.session().is_some() {
-            return Err(Error::Store(StoreError::Backend(
-                "the transactional mode does not serve client sessions; use the runtime".into(),
-            )));
-        }
-        if call.is_resume_only() {
-            return Err(Error::Store(StoreError::Backend(
-                "the transactional mode does not resume operations (Call::resume); use the runtime"
-                    .into(),
-            )));
-        }
+        // A `Call` is a plain key's: a session's call and a completer's resume call are of
+        // other types, which this mode does not take (they go through the runtime).
         let key = self.storage_key(call);
         let fingerprint = call.fingerprint_ref();
         let Settings {

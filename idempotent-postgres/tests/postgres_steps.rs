@@ -3,6 +3,7 @@
 //! list, and the atomic step (`step_in_transaction`), whose effect and checkpoint commit
 //! together.
 
+use idempotent_core::CheckpointStore;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -1138,30 +1139,5 @@ async fn of_two_atomic_steps_of_one_name_in_one_call_the_first_saved_wins() {
         shop.effects().await,
         [first],
         "the other's effect was rolled back"
-    );
-}
-
-/// A completer's call goes through the runtime: the transactional mode refuses it rather than
-/// claim the key it was not given.
-#[tokio::test(flavor = "multi_thread")]
-async fn the_transactional_mode_refuses_resume_calls() {
-    let Some(shop) = Shop::open().await else {
-        return;
-    };
-    let transactional = idempotent_postgres::Transactional::of(&shop.idempotency, &shop.store);
-    let abandoned = idempotent_core::steps::Abandoned {
-        key: fresh_key(),
-        fingerprint: fp("order"),
-        request: Bytes::new(),
-        idle: Duration::ZERO,
-    };
-    let mut tx = shop.store.pool().begin().await.unwrap();
-    let result = transactional
-        .claim::<u64>(&idempotent_core::Call::resume(&abandoned), &mut tx)
-        .await;
-    assert!(
-        matches!(result, Err(Error::Store(StoreError::Backend(_)))),
-        "{:?}",
-        result.map(|_| ())
     );
 }

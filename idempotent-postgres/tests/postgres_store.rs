@@ -2,6 +2,7 @@
 //! conformance suite, garbage in the table, table names, migrations, the reaper, and an
 //! unreachable server.
 
+use idempotent_core::SessionStore;
 use std::time::Duration;
 
 use bytes::Bytes;

@@ -54,8 +54,8 @@ use idempotent_core::session::{MAX_SEQ, MAX_SESSION_WINDOW};
 use idempotent_core::steps::Abandoned;
 use idempotent_core::store::Unanswered;
 use idempotent_core::{
-    Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionPlace, SessionRequest,
-    StorageKey, Store, StoreError, limits,
+    CheckpointStore, Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionPlace,
+    SessionRequest, SessionStore, StorageKey, Store, StoreError, limits,
 };
 
 /// The default prefix of every Redis key this store writes.
@@ -92,20 +92,20 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 /// that begins a new lifetime and a completion drop them (in the same script). Records that
 /// hold a request are also members of one sorted set, the *index of saved requests* at
 /// `PREFIX + "abandoned"` (member: the record's name without the prefix; score: at most the
-/// end of its lease, in the server's milliseconds), so that [`Store::abandoned`] reads the
+/// end of its lease, in the server's milliseconds), so that [`CheckpointStore::abandoned`] reads the
 /// records whose lease ended long enough ago rather than scanning every key. On a Redis
 /// Cluster the index is a key of its own, in its own slot: no record's script touches it.
 /// Saving a request adds the record to it first (scored with the server's time, then with its
-/// lease's end by the first [`Store::abandoned`] that reads it), so that no request is kept
+/// lease's end by the first [`CheckpointStore::abandoned`] that reads it), so that no request is kept
 /// that no member points to; a release moves its score to the release;
-/// [`Store::abandoned`] reads a bounded number of the lowest scores, checks each record, moves
+/// [`CheckpointStore::abandoned`] reads a bounded number of the lowest scores, checks each record, moves
 /// the score of one renewed or taken over since to its lease's end, and removes members whose
 /// record expired, completed or holds no request; a completion removes its record's member.
 /// Those follow the record's own script rather than share it, so a member can be left behind
-/// (the next [`Store::abandoned`] that reads it removes it) or keep a score below its lease's
+/// (the next [`CheckpointStore::abandoned`] that reads it removes it) or keep a score below its lease's
 /// end (the record is then read early and scored again); a request whose index write failed is
 /// reported as not saved, and not written. A record that cannot be read (garbage) is skipped
-/// by [`Store::abandoned`] and left as it is; the others are still listed.
+/// by [`CheckpointStore::abandoned`] and left as it is; the others are still listed.
 ///
 /// A request that names an owner ([`RequestOwner`](idempotent_core::RequestOwner): a runtime sharing the
 /// store) is indexed in that owner's own sorted set, `PREFIX + "abandoned:" + hex(owner)`, and
@@ -122,7 +122,7 @@ pub const DEFAULT_KEY_PREFIX: &str = "idempotent:";
 /// # Sessions
 ///
 /// The records of a [client session](idempotent_core::session) share one Redis Cluster hash tag, the
-/// session's digest, so they sit in one slot and its gate ([`Store::open_session`]) is one
+/// session's digest, so they sit in one slot and its gate ([`SessionStore::open_session`]) is one
 /// script on one primary, as every other operation is. The session's own record is a hash at
 /// `PREFIX + "{" + hex(session) + "}"`: field `e` (its epoch), `a` (the acknowledged mark) and
 /// `h` (the highest number admitted), decimal; each request's record is an ordinary record (as
@@ -685,7 +685,7 @@ impl RedisStore {
     }
 
     /// Removes `key`'s member from the index of saved requests, after its record completed.
-    /// Best effort: a member left behind is removed by the next [`Store::abandoned`] that
+    /// Best effort: a member left behind is removed by the next [`CheckpointStore::abandoned`] that
     /// reads it.
     async fn forget(&self, key: &StorageKey) {
         let mut connection = self.connection.clone();
@@ -705,7 +705,7 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    /// A claim, or with `resume` a takeover only ([`Store::resume`]): `None` when there was
+    /// A claim, or with `resume` a takeover only ([`CheckpointStore::resume`]): `None` when there was
     /// nothing of the request to take over.
     async fn claim_or_resume(
         &self,
@@ -840,17 +840,6 @@ impl Store for RedisStore {
             .ok_or_else(|| corrupt("a claim answered that there was nothing to resume"))
     }
 
-    async fn resume(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Option<Claim>, StoreError> {
-        self.claim_or_resume(key, fingerprint, (lease, ttl), true)
-            .await
-    }
-
     async fn complete(
         &self,
         key: &StorageKey,
@@ -921,7 +910,7 @@ impl Store for RedisStore {
             _ => return Err(corrupt("unexpected release reply")),
         };
         // Released: a record that holds a request is abandoned from now on, for
-        // `Store::abandoned`. Best effort (the release is done): a member whose score stays
+        // `CheckpointStore::abandoned`. Best effort (the release is done): a member whose score stays
         // at its lease's planned end is listed that much later.
         if let (true, Some(ended)) = (has_request, ended) {
             let owner = owner.unwrap_or_default();
@@ -941,7 +930,9 @@ impl Store for RedisStore {
         cmd.arg(token.get()).arg(millis(limits::clamp_lease(lease)));
         self.run_flag(script, cmd).await
     }
+}
 
+impl SessionStore for RedisStore {
     async fn open_session(
         &self,
         session: &SessionKey,
@@ -996,6 +987,19 @@ impl Store for RedisStore {
             .await
             .map_err(store_error)?;
         session_mark(&fields)
+    }
+}
+
+impl CheckpointStore for RedisStore {
+    async fn resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        self.claim_or_resume(key, fingerprint, (lease, ttl), true)
+            .await
     }
 
     async fn save_step(
@@ -1099,7 +1103,7 @@ impl Store for RedisStore {
 }
 
 impl RedisStore {
-    /// [`Store::abandoned`] on one index: up to `limit` records of `owner`, with their lease's
+    /// [`CheckpointStore::abandoned`] on one index: up to `limit` records of `owner`, with their lease's
     /// end, longest idle first. Members of another owner's records (in the index of requests
     /// that name none, kept before owners had indexes) are left as they are.
     async fn abandoned_in(
@@ -1193,7 +1197,7 @@ impl RedisStore {
     }
 }
 
-/// What [`Store::abandoned`] makes of one record of the index of saved requests.
+/// What [`CheckpointStore::abandoned`] makes of one record of the index of saved requests.
 enum Examined {
     /// Abandoned long enough: listed.
     Abandoned {
@@ -1247,7 +1251,7 @@ fn examine(reply: Result<Value, StoreError>, idle_ms: u64) -> Result<Examined, S
     }
 }
 
-/// The most records one [`Store::abandoned`] reads.
+/// The most records one [`CheckpointStore::abandoned`] reads.
 const MAX_CANDIDATES: usize = 4096;
 
 /// A session record's `e` (epoch) and `a` (mark) fields as its state: `None` when it has

@@ -224,7 +224,7 @@ redis.call('HSET', KEYS[1], 'r', ARGV[2], 'w', ARGV[3] or '')
 return {rec[3] or string.format('%.0f', ms)}
 ";
 
-// What `Store::abandoned` needs of one record, read in one step with the server's time:
+// What `CheckpointStore::abandoned` needs of one record, read in one step with the server's time:
 // `{now, state, fingerprint, lease end, has a request (1 or 0), request}`, '' for a field
 // the record lacks.
 const PEEK: &str = r"
@@ -268,7 +268,7 @@ if score == '' then score = string.format('%.0f', ms) end
 return redis.call('ZADD', KEYS[1], score, ARGV[2])
 ";
 
-// The session gate (`Store::open_session`) on the session's record `KEYS[1]`, a hash of `e`
+// The session gate (`SessionStore::open_session`) on the session's record `KEYS[1]`, a hash of `e`
 // (the epoch), `a` (the acknowledged mark) and `h` (the highest number admitted): `ARGV[1]`
 // seq, `ARGV[2]` ack, `ARGV[3]` window, `ARGV[4]` idle in milliseconds. The rules are
 // `SessionState::gate`'s. Request `s`'s record is `KEYS[1] .. ':' .. epoch .. ':' .. s`: the

@@ -4,6 +4,7 @@
 //! window, checkpoints and the index of saved requests, garbage in the store, and an
 //! unreachable server.
 
+use idempotent_core::{CheckpointStore, SessionStore};
 use std::time::Duration;
 
 use idempotent_core::conformance::{Harness, fresh_key, fresh_session};
@@ -85,7 +86,8 @@ mod cluster {
 
     use idempotent_core::conformance::fresh_key;
     use idempotent_core::{
-        Claim, Fingerprint, SessionGate, SessionKey, SessionRequest, Store, StoreError,
+        Claim, Fingerprint, SessionGate, SessionKey, SessionRequest, SessionStore, Store,
+        StoreError,
     };
     use idempotent_redis::RedisStore;
     use idempotent_test_kit::backend::redis_cluster_urls;

@@ -349,7 +349,7 @@ impl Inner {
             .map(Session::mark))
     }
 
-    /// The session gate (see [`Store::open_session`]) as one write transaction.
+    /// The session gate (see [`SessionStore::open_session`]) as one write transaction.
     pub(crate) async fn open_session(
         &self,
         session: &SessionKey,

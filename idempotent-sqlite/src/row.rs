@@ -162,7 +162,7 @@ pub(crate) enum Decision {
 }
 
 /// The claim's rules (see [`Store::claim`](idempotent_core::Store::claim) and
-/// [`Store::resume`](idempotent_core::Store::resume)) applied to what the key holds at `now`.
+/// [`CheckpointStore::resume`](idempotent_core::CheckpointStore::resume)) applied to what the key holds at `now`.
 pub(crate) fn decide(
     found: Option<Stored>,
     fingerprint: &Fingerprint,

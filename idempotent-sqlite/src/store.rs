@@ -9,8 +9,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use idempotent_core::steps::Abandoned;
 use idempotent_core::{
-    Claim, FencingToken, Fingerprint, RequestOwner, SessionGate, SessionKey, SessionMark,
-    SessionRequest, StorageKey, Store, StoreError,
+    CheckpointStore, Claim, FencingToken, Fingerprint, RequestOwner, SessionGate, SessionKey,
+    SessionMark, SessionRequest, SessionStore, StorageKey, Store, StoreError,
 };
 use sqlx::Executor as _;
 use sqlx::sqlite::{
@@ -628,17 +628,6 @@ impl Store for SqliteStore {
             })
     }
 
-    async fn resume(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<Option<Claim>, StoreError> {
-        self.claim_or_resume(*key, *fingerprint, (lease, ttl), true)
-            .await
-    }
-
     async fn complete(
         &self,
         key: &StorageKey,
@@ -668,6 +657,16 @@ impl Store for SqliteStore {
             .await
     }
 
+    /// Returns when a completion or a release in this process may have changed a record, or
+    /// after `max_wait`: changes made by other processes are seen at the caller's next claim,
+    /// which the runtime polls with growing waits.
+    async fn wait_for_change(&self, _key: &StorageKey, max_wait: Duration) {
+        let changed = self.inner.changed.notified();
+        let _ = tokio::time::timeout(max_wait, changed).await;
+    }
+}
+
+impl SessionStore for SqliteStore {
     async fn open_session(
         &self,
         session: &SessionKey,
@@ -681,6 +680,19 @@ impl Store for SqliteStore {
     async fn session_mark(&self, session: &SessionKey) -> Result<Option<SessionMark>, StoreError> {
         let session = *session;
         self.spawned(move |inner| async move { inner.session_mark(&session).await })
+            .await
+    }
+}
+
+impl CheckpointStore for SqliteStore {
+    async fn resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Claim>, StoreError> {
+        self.claim_or_resume(*key, *fingerprint, (lease, ttl), true)
             .await
     }
 
@@ -736,13 +748,5 @@ impl Store for SqliteStore {
         let owner = owner.copied();
         self.spawned(move |inner| async move { inner.abandoned(idle, limit, owner.as_ref()).await })
             .await
-    }
-
-    /// Returns when a completion or a release in this process may have changed a record, or
-    /// after `max_wait`: changes made by other processes are seen at the caller's next claim,
-    /// which the runtime polls with growing waits.
-    async fn wait_for_change(&self, _key: &StorageKey, max_wait: Duration) {
-        let changed = self.inner.changed.notified();
-        let _ = tokio::time::timeout(max_wait, changed).await;
     }
 }

@@ -3,6 +3,7 @@
 //! full database, and absurd settings. Each is a clear `StoreError` (or a clamp), never a
 //! panic and never a record taken for absent.
 
+use idempotent_core::{CheckpointStore, SessionStore};
 use std::path::Path;
 use std::time::Duration;
 

@@ -2,6 +2,7 @@
 //! increasing across reaping and reopening, concurrent migrations, table prefixes, the WAL
 //! journal, a claim given back when its caller stopped waiting, and waiting for a change.
 
+use idempotent_core::{CheckpointStore, SessionStore};
 use std::path::Path;
 use std::time::{Duration, Instant};
 

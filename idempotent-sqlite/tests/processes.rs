@@ -6,6 +6,7 @@
 //! with an environment variable that makes the test play the child's part; the parent reads
 //! what each child did from a file (or a pipe) and counts.
 
+use idempotent_core::CheckpointStore;
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -541,7 +541,7 @@ async fn the_result_limit_bounds_the_body_wherever_it_is_set() {
 async fn fail_open_runs_unprotected_and_says_so() {
     let handler = Handler::new();
     let svc = stack(
-        IdempotencyLayer::http(Idempotency::new(DownStore::new())).fail_open(true),
+        IdempotencyLayer::http(Idempotency::keys_only(DownStore::new())).fail_open(true),
         handler.service(),
     );
     let answer = send(&svc, post("/p", Some("k"), "payload")).await;
@@ -696,7 +696,8 @@ impl Store for CorruptStore {
 async fn corrupt_record_is_never_bypassed_even_in_fail_open_mode() {
     let handler = Handler::new();
     for fail_open in [false, true] {
-        let layer = IdempotencyLayer::http(Idempotency::new(CorruptStore)).fail_open(fail_open);
+        let layer =
+            IdempotencyLayer::http(Idempotency::keys_only(CorruptStore)).fail_open(fail_open);
         let svc = stack(layer, handler.service());
         let answer = send(&svc, post("/p", Some("k"), "x")).await;
         assert_eq!(

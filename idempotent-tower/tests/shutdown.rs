@@ -184,7 +184,7 @@ async fn a_handler_that_has_answered_is_not_stopped_while_its_body_is_read() {
 /// handler ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_open_does_not_bypass_the_store_during_shutdown() {
-    let idempotency = Idempotency::new(DownStore {
+    let idempotency = Idempotency::keys_only(DownStore {
         delay: Duration::from_millis(300),
     });
     let runs = Arc::new(AtomicUsize::new(0));

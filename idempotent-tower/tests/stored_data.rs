@@ -222,7 +222,7 @@ async fn records_claiming_more_fields_than_a_header_map_holds_are_corrupt_record
                 record: planted,
             };
             let svc = stack(
-                IdempotencyLayer::http(Idempotency::new(store)),
+                IdempotencyLayer::http(Idempotency::keys_only(store)),
                 handler(&runs),
             );
             let first = send(&svc, post("/p", Some("k"), "{}")).await;
@@ -244,7 +244,7 @@ async fn records_claiming_more_fields_than_a_header_map_holds_are_corrupt_record
         record: record(65_534, 65_534, |_| "x-field".into()),
     };
     let svc = stack(
-        IdempotencyLayer::http(Idempotency::new(store)),
+        IdempotencyLayer::http(Idempotency::keys_only(store)),
         handler(&runs),
     );
     send(&svc, post("/p", Some("k"), "{}")).await;

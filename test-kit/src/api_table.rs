@@ -384,8 +384,15 @@ fn exported(code: &str, prefix: &str, dir: &Path, items: &mut BTreeSet<String>) 
             .skip_while(|w| matches!(*w, "unsafe" | "auto"))
             .collect();
         // `const fn`, `async fn`, `unsafe fn`, `extern "C" fn`: the name follows `fn`.
+        // (Only after such qualifiers: `trait T { fn f(); }` is a trait.)
         let (kind, name) = match words.iter().position(|w| *w == "fn") {
-            Some(at) if at <= 2 => ("fn", words[at + 1]),
+            Some(at)
+                if words[..at]
+                    .iter()
+                    .all(|w| matches!(*w, "const" | "async" | "unsafe" | "extern" | "C")) =>
+            {
+                ("fn", words[at + 1])
+            }
             _ => (words[0], words[1]),
         };
         match kind {

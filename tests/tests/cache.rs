@@ -17,7 +17,7 @@ use idempotent_core::memory::MemoryStore;
 use idempotent_core::metrics::Recorded;
 use idempotent_core::{
     Call, CallOptions, Claim, Error, FencingToken, Fingerprint, Idempotency, StorageKey, Store,
-    StoreError,
+    StoreError, StoreWrapper,
 };
 use idempotent_postgres::PostgresStore;
 use idempotent_redis::RedisStore;
@@ -59,6 +59,14 @@ impl<S: Store> Counting<S> {
 
     fn claims(&self) -> usize {
         self.counts.claims.load(Ordering::SeqCst)
+    }
+}
+
+/// Sessions and checkpoints go straight to the store inside.
+impl<S: Store> StoreWrapper for Counting<S> {
+    type Inner = S;
+    fn inner(&self) -> &S {
+        &self.inner
     }
 }
 
@@ -439,6 +447,13 @@ async fn a_corrupt_record_is_never_cached() {
 /// A store that says its records leave the process, so the runtime checksums them.
 #[derive(Clone)]
 struct NotInProcess<S>(S);
+
+impl<S: Store> StoreWrapper for NotInProcess<S> {
+    type Inner = S;
+    fn inner(&self) -> &S {
+        &self.0
+    }
+}
 
 impl<S: Store> Store for NotInProcess<S> {
     fn claim(

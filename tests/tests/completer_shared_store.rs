@@ -14,7 +14,7 @@ use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt as _, Full};
 use idempotent_core::memory::MemoryStore;
-use idempotent_core::{Idempotency, Store};
+use idempotent_core::{CheckpointStore, Idempotency, SessionStore};
 use idempotent_postgres::PostgresStore;
 use idempotent_redis::RedisStore;
 use idempotent_test_kit::backend::redis_url;
@@ -93,7 +93,9 @@ impl Service {
 }
 
 /// Ours finished by our completer while theirs, more than a batch and abandoned earlier, wait.
-async fn own_operations_are_finished_beside_anothers<S: Store + Clone>(store: S) {
+async fn own_operations_are_finished_beside_anothers<S: SessionStore + CheckpointStore + Clone>(
+    store: S,
+) {
     let ours = Service::new(Idempotency::builder(store.clone()).build());
     let theirs = Service::new(
         Idempotency::builder(store)

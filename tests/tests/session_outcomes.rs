@@ -10,7 +10,7 @@ use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use idempotent_core::memory::MemoryStore;
-use idempotent_core::{Defaults, Idempotency, Store};
+use idempotent_core::{CheckpointStore, Defaults, Idempotency, SessionStore};
 use idempotent_postgres::PostgresStore;
 use idempotent_redis::RedisStore;
 use idempotent_test_kit::backend::{postgres_url, redis_url};
@@ -168,14 +168,14 @@ fn header(id: &str, seq: u64, ack: u64) -> String {
     format!(r#"id="{id}", seq={seq}, ack={ack}"#)
 }
 
-fn runtime(store: impl Store, window: u64, idle: Duration) -> Idempotency {
+fn runtime(store: impl SessionStore + CheckpointStore, window: u64, idle: Duration) -> Idempotency {
     Idempotency::builder(store)
         .defaults(Defaults::new().session_window(window).session_idle(idle))
         .build()
 }
 
 /// Every outcome of the session protocol, in order, on one store and wire.
-async fn every_outcome(store: impl Store + Clone, wire: Wire) {
+async fn every_outcome(store: impl SessionStore + CheckpointStore + Clone, wire: Wire) {
     let stack = Stack::new(runtime(store, 4, Duration::from_secs(60)), wire);
     let id = unique("device");
     let s = |seq, ack| Some(header(&id, seq, ack));
@@ -303,7 +303,7 @@ async fn every_outcome(store: impl Store + Clone, wire: Wire) {
 
 /// A session nobody sends to for its idle time is forgotten: a request holding answers is
 /// refused as expired; one holding none starts it anew.
-async fn expiry(store: impl Store + Clone, wire: Wire) {
+async fn expiry(store: impl SessionStore + CheckpointStore + Clone, wire: Wire) {
     let stack = Stack::new(runtime(store, 64, Duration::from_millis(800)), wire);
     let id = unique("idle");
     let one = header(&id, 1, 0);

@@ -11,8 +11,8 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::{
-    Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionRequest, StorageKey, Store,
-    StoreError,
+    CheckpointStore, Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionRequest,
+    SessionStore, StorageKey, Store, StoreError,
 };
 
 /// A store operation, as named by [`Faults`] rules.
@@ -27,19 +27,19 @@ pub enum Op {
     Release,
     /// [`Store::renew`].
     Renew,
-    /// [`Store::open_session`].
+    /// [`SessionStore::open_session`].
     OpenSession,
-    /// [`Store::session_mark`].
+    /// [`SessionStore::session_mark`].
     SessionMark,
-    /// [`Store::resume`].
+    /// [`CheckpointStore::resume`].
     Resume,
-    /// [`Store::save_step`].
+    /// [`CheckpointStore::save_step`].
     SaveStep,
-    /// [`Store::load_steps`].
+    /// [`CheckpointStore::load_steps`].
     LoadSteps,
-    /// [`Store::save_request`].
+    /// [`CheckpointStore::save_request`].
     SaveRequest,
-    /// [`Store::abandoned`].
+    /// [`CheckpointStore::abandoned`].
     Abandoned,
 }
 
@@ -307,6 +307,16 @@ impl<S: Store> Store for FaultyStore<S> {
             .await
     }
 
+    fn wait_for_change(
+        &self,
+        key: &StorageKey,
+        max_wait: Duration,
+    ) -> impl Future<Output = ()> + Send {
+        self.inner.wait_for_change(key, max_wait)
+    }
+}
+
+impl<S: SessionStore> SessionStore for FaultyStore<S> {
     async fn open_session(
         &self,
         session: &SessionKey,
@@ -323,7 +333,9 @@ impl<S: Store> Store for FaultyStore<S> {
         self.apply(Op::SessionMark, self.inner.session_mark(session))
             .await
     }
+}
 
+impl<S: CheckpointStore> CheckpointStore for FaultyStore<S> {
     async fn resume(
         &self,
         key: &StorageKey,
@@ -372,12 +384,70 @@ impl<S: Store> Store for FaultyStore<S> {
         self.apply(Op::Abandoned, self.inner.abandoned(idle, limit, owner))
             .await
     }
+}
 
+/// Any store seen as one that keeps plain keys only: it implements [`Store`] and nothing
+/// else, forwarding the key cycle to the store inside. For testing what a keys-only store
+/// gets (a runtime from [`Idempotency::keys_only`](crate::Idempotency::keys_only), the
+/// conformance suite's key checks alone) without writing one.
+#[derive(Debug, Clone)]
+pub struct KeysOnlyStore<S>(S);
+
+impl<S: Store> KeysOnlyStore<S> {
+    /// `store`, with its sessions and checkpoints out of sight.
+    pub fn new(store: S) -> Self {
+        KeysOnlyStore(store)
+    }
+}
+
+impl<S: Store> Store for KeysOnlyStore<S> {
+    fn claim(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
+        self.0.claim(key, fingerprint, lease, ttl)
+    }
+    fn complete(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        payload: Bytes,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self.0.complete(key, token, payload, ttl)
+    }
+    fn release(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self.0.release(key, token)
+    }
+    fn renew(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self.0.renew(key, token, lease)
+    }
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn keeps_records_in_process(&self) -> bool {
+        self.0.keeps_records_in_process()
+    }
+    fn location(&self) -> Option<String> {
+        self.0.location()
+    }
     fn wait_for_change(
         &self,
         key: &StorageKey,
         max_wait: Duration,
     ) -> impl Future<Output = ()> + Send {
-        self.inner.wait_for_change(key, max_wait)
+        self.0.wait_for_change(key, max_wait)
     }
 }

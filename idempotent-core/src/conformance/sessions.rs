@@ -1,18 +1,18 @@
-//! The session gate's rules ([`Store::open_session`]) as conformance checks.
+//! The session gate's rules ([`SessionStore::open_session`]) as conformance checks.
 
 use std::time::Duration;
 
 use bytes::Bytes;
 
 use super::{Harness, assert_completed, claimed, fp, fresh_key};
-use crate::{Claim, SessionGate, SessionKey, SessionRequest, Store};
+use crate::{Claim, SessionGate, SessionKey, SessionRequest, SessionStore, Store};
 
 /// A session key no other check uses.
 pub fn fresh_session() -> SessionKey {
     SessionKey::from_bytes(*fresh_key().as_bytes())
 }
 
-async fn gate<S: Store>(
+async fn gate<S: SessionStore>(
     store: &S,
     session: &SessionKey,
     (seq, ack): (u64, u64),
@@ -25,7 +25,7 @@ async fn gate<S: Store>(
         .unwrap_or_else(|e| panic!("open_session({seq}, ack {ack}): {e:?}"))
 }
 
-async fn open<S: Store>(
+async fn open<S: SessionStore>(
     store: &S,
     session: &SessionKey,
     place: (u64, u64),
@@ -40,7 +40,7 @@ async fn open<S: Store>(
 
 /// Opens request `seq` (acknowledging `ack`), claims its record and completes it with `seq`
 /// as its payload.
-async fn answer<S: Store>(
+async fn answer<S: SessionStore>(
     store: &S,
     session: &SessionKey,
     (seq, ack): (u64, u64),
@@ -57,7 +57,7 @@ async fn answer<S: Store>(
     epoch
 }
 
-async fn claimed_for<S: Store>(
+async fn claimed_for<S: SessionStore>(
     store: &S,
     key: &crate::StorageKey,
     seq: u64,
@@ -76,7 +76,7 @@ async fn claimed_for<S: Store>(
 
 /// An unknown session starts only on a request that holds no answers (`ack = 0`); one that
 /// says it holds some is refused as expired, and starts nothing.
-pub async fn session_starts_only_without_an_ack<H: Harness>(h: &H) {
+pub async fn session_starts_only_without_an_ack<H: Harness<Store: SessionStore>>(h: &H) {
     let (store, unit) = (h.store(), h.time_unit());
     let session = fresh_session();
     let idle = 20 * unit;
@@ -95,7 +95,7 @@ pub async fn session_starts_only_without_an_ack<H: Harness>(h: &H) {
 }
 
 /// Each request of a session is a record of its own, claimed and replayed like a key's.
-pub async fn session_requests_are_records_of_their_own<H: Harness>(h: &H) {
+pub async fn session_requests_are_records_of_their_own<H: Harness<Store: SessionStore>>(h: &H) {
     let (store, unit) = (h.store(), h.time_unit());
     let session = fresh_session();
     let (idle, lease) = (20 * unit, 4 * unit);
@@ -117,7 +117,11 @@ pub async fn session_requests_are_records_of_their_own<H: Harness>(h: &H) {
 
 /// A request's `ack` raises the mark (never lowers it), drops the answers it covers, keeps
 /// the ones above it, and every number at or below the mark is refused.
-pub async fn session_ack_drops_answers_and_refuses_below_the_mark<H: Harness>(h: &H) {
+pub async fn session_ack_drops_answers_and_refuses_below_the_mark<
+    H: Harness<Store: SessionStore>,
+>(
+    h: &H,
+) {
     let (store, unit) = (h.store(), h.time_unit());
     let session = fresh_session();
     let (idle, lease) = (20 * unit, 4 * unit);
@@ -157,7 +161,7 @@ pub async fn session_ack_drops_answers_and_refuses_below_the_mark<H: Harness>(h:
 
 /// A request numbered more than the window past the mark is refused; the window moves with
 /// the mark, the request's own `ack` included.
-pub async fn session_window_bounds_the_numbers<H: Harness>(h: &H) {
+pub async fn session_window_bounds_the_numbers<H: Harness<Store: SessionStore>>(h: &H) {
     let (store, unit) = (h.store(), h.time_unit());
     let session = fresh_session();
     let idle = 20 * unit;
@@ -176,7 +180,7 @@ pub async fn session_window_bounds_the_numbers<H: Harness>(h: &H) {
 /// A session nobody sends to for its idle time is forgotten with its answers: a request that
 /// holds answers is refused as expired, and one that holds none starts it again in a new
 /// epoch, sharing nothing with the old one.
-pub async fn session_expires_after_its_idle_time<H: Harness>(h: &H) {
+pub async fn session_expires_after_its_idle_time<H: Harness<Store: SessionStore>>(h: &H) {
     let (store, unit) = (h.store(), h.time_unit());
     let session = fresh_session();
     let (idle, lease) = (2 * unit, unit);
@@ -199,7 +203,7 @@ pub async fn session_expires_after_its_idle_time<H: Harness>(h: &H) {
 
 /// Every request keeps the session and its unacknowledged answers alive for the idle time
 /// from now: an answer older than the idle time is still replayed while its session is used.
-pub async fn session_requests_keep_its_answers_alive<H: Harness>(h: &H) {
+pub async fn session_requests_keep_its_answers_alive<H: Harness<Store: SessionStore>>(h: &H) {
     let (store, unit) = (h.store(), h.time_unit());
     let session = fresh_session();
     let (idle, lease) = (4 * unit, unit);
@@ -215,7 +219,7 @@ pub async fn session_requests_keep_its_answers_alive<H: Harness>(h: &H) {
 
 /// Of many concurrent first requests of a session, all see one epoch; concurrent acks leave
 /// the highest mark.
-pub async fn session_gate_is_atomic<H: Harness>(h: &H) {
+pub async fn session_gate_is_atomic<H: Harness<Store: SessionStore>>(h: &H) {
     let (store, unit) = (h.store(), h.time_unit());
     let session = fresh_session();
     let idle = 20 * unit;
@@ -255,7 +259,7 @@ pub async fn session_gate_is_atomic<H: Harness>(h: &H) {
 }
 
 /// Sessions never affect each other, nor the records of keys.
-pub async fn sessions_are_isolated<H: Harness>(h: &H) {
+pub async fn sessions_are_isolated<H: Harness<Store: SessionStore>>(h: &H) {
     let (store, unit) = (h.store(), h.time_unit());
     let (a, b) = (fresh_session(), fresh_session());
     let (idle, lease) = (20 * unit, 4 * unit);
@@ -284,7 +288,7 @@ pub async fn sessions_are_isolated<H: Harness>(h: &H) {
 
 /// `session_mark` reads what the gates left, and changes nothing: nothing for an unknown
 /// session, the epoch and the mark of a live one, nothing once it expired.
-pub async fn session_mark_reads_what_the_gate_left<H: Harness>(h: &H) {
+pub async fn session_mark_reads_what_the_gate_left<H: Harness<Store: SessionStore>>(h: &H) {
     let (store, unit) = (h.store(), h.time_unit());
     let session = fresh_session();
     let idle = 2 * unit;

@@ -1,5 +1,5 @@
-//! Checkpoints and saved requests ([`Store::save_step`], [`Store::load_steps`],
-//! [`Store::save_request`], [`Store::abandoned`]) as conformance checks.
+//! Checkpoints and saved requests ([`CheckpointStore::save_step`], [`CheckpointStore::load_steps`],
+//! [`CheckpointStore::save_request`], [`CheckpointStore::abandoned`]) as conformance checks.
 
 use std::time::Duration;
 
@@ -7,16 +7,22 @@ use bytes::{Bytes, BytesMut};
 
 use super::{Harness, assert_rejected, fp, fresh_key, owned};
 use crate::steps::{Checkpoints, encode_checkpoint};
-use crate::{FencingToken, RequestOwner, StorageKey, Store, StoreError};
+use crate::{CheckpointStore, FencingToken, RequestOwner, StorageKey, Store, StoreError};
 
-async fn save<S: Store>(store: &S, key: &StorageKey, token: FencingToken, name: &str, value: &str) {
+async fn save<S: CheckpointStore>(
+    store: &S,
+    key: &StorageKey,
+    token: FencingToken,
+    name: &str,
+    value: &str,
+) {
     store
         .save_step(key, token, encode_checkpoint(name, value.as_bytes()))
         .await
         .unwrap_or_else(|e| panic!("save_step {name}: {e:?}"));
 }
 
-async fn load<S: Store>(store: &S, key: &StorageKey, token: FencingToken) -> Checkpoints {
+async fn load<S: CheckpointStore>(store: &S, key: &StorageKey, token: FencingToken) -> Checkpoints {
     let bytes = store
         .load_steps(key, token)
         .await
@@ -28,7 +34,7 @@ fn value<'a>(steps: &'a Checkpoints, name: &str) -> Option<&'a [u8]> {
     steps.get(name).map(Bytes::as_ref)
 }
 
-async fn listed<S: Store>(store: &S, idle: Duration, key: &StorageKey) -> Option<Bytes> {
+async fn listed<S: CheckpointStore>(store: &S, idle: Duration, key: &StorageKey) -> Option<Bytes> {
     let found = store
         .abandoned(idle, 10_000, None)
         .await
@@ -45,7 +51,7 @@ fn assert_load_rejected(result: Result<Bytes, StoreError>, what: &str) {
 
 /// Checkpoints come back whole, byte for byte, in the order they were saved; a record with
 /// none has an empty string.
-pub async fn checkpoints_round_trip_in_order<H: Harness>(h: &H) {
+pub async fn checkpoints_round_trip_in_order<H: Harness<Store: CheckpointStore>>(h: &H) {
     let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
     let (token, _) = owned(store, &key, &fp("order"), (20 * unit, 40 * unit)).await;
     assert!(
@@ -80,7 +86,7 @@ pub async fn checkpoints_round_trip_in_order<H: Harness>(h: &H) {
 
 /// Only the current owner of a live claim writes or reads checkpoints: a lapsed owner's
 /// checkpoint, request and read are refused, and change nothing.
-pub async fn checkpoints_are_fenced_by_the_token<H: Harness>(h: &H) {
+pub async fn checkpoints_are_fenced_by_the_token<H: Harness<Store: CheckpointStore>>(h: &H) {
     let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
     let f = fp("order");
     let terms = (2 * unit, 40 * unit);
@@ -133,7 +139,7 @@ pub async fn checkpoints_are_fenced_by_the_token<H: Harness>(h: &H) {
 /// Checkpoints and the request belong to the operation: a release and a takeover keep them,
 /// and another request's claim on the abandoned record changes nothing; a claim that begins
 /// a new lifetime (after the record expired) starts with none.
-pub async fn checkpoints_last_as_long_as_the_operation<H: Harness>(h: &H) {
+pub async fn checkpoints_last_as_long_as_the_operation<H: Harness<Store: CheckpointStore>>(h: &H) {
     let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
     let f = fp("order");
     let terms = (20 * unit, 40 * unit);
@@ -198,7 +204,7 @@ pub async fn checkpoints_last_as_long_as_the_operation<H: Harness>(h: &H) {
 
 /// A completed record carries neither checkpoints nor a request: the completer does not list
 /// it, and no token reads checkpoints from it.
-pub async fn completion_drops_checkpoints_and_request<H: Harness>(h: &H) {
+pub async fn completion_drops_checkpoints_and_request<H: Harness<Store: CheckpointStore>>(h: &H) {
     let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
     let (token, _) = owned(store, &key, &fp("order"), (20 * unit, 40 * unit)).await;
     save(store, &key, token, "reserve", "1").await;
@@ -232,7 +238,9 @@ pub async fn completion_drops_checkpoints_and_request<H: Harness>(h: &H) {
 /// `abandoned` lists the in-flight records that hold a request and have been idle long enough
 /// (released or lapsed), with their fingerprint, latest request and idle time; not a record
 /// still leased, nor one without a request, nor one past its TTL.
-pub async fn abandoned_lists_idle_records_with_a_request<H: Harness>(h: &H) {
+pub async fn abandoned_lists_idle_records_with_a_request<H: Harness<Store: CheckpointStore>>(
+    h: &H,
+) {
     let (store, unit) = (h.store(), h.time_unit());
     let terms = (2 * unit, 40 * unit);
     let released = fresh_key();
@@ -313,7 +321,7 @@ pub async fn abandoned_lists_idle_records_with_a_request<H: Harness>(h: &H) {
 }
 
 /// Many checkpoints saved at once by the owner all land: each save is one atomic append.
-pub async fn concurrent_checkpoints_all_land<H: Harness>(h: &H) {
+pub async fn concurrent_checkpoints_all_land<H: Harness<Store: CheckpointStore>>(h: &H) {
     let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
     let (token, _) = owned(store, &key, &fp("order"), (40 * unit, 80 * unit)).await;
     let tasks: Vec<_> = (0..64)
@@ -346,7 +354,11 @@ pub async fn concurrent_checkpoints_all_land<H: Harness>(h: &H) {
 /// `resume` takes over an abandoned operation of its own request and nothing else: it never
 /// begins a lifetime, so another request's abandoned operation keeps its checkpoints; a live
 /// record is reported as a claim reports it; of concurrent resumes, one takes over.
-pub async fn resume_takes_over_only_an_abandoned_operation_of_its_request<H: Harness>(h: &H) {
+pub async fn resume_takes_over_only_an_abandoned_operation_of_its_request<
+    H: Harness<Store: CheckpointStore>,
+>(
+    h: &H,
+) {
     let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
     let terms = (20 * unit, 40 * unit);
     let resume = |f: &'static str| async move {
@@ -433,7 +445,11 @@ pub async fn resume_takes_over_only_an_abandoned_operation_of_its_request<H: Har
 
 /// The race a completer meets: the operation it listed expired, and the key now holds another
 /// request's abandoned operation. Its resume must leave that one whole.
-pub async fn a_stale_resume_leaves_another_operations_checkpoints<H: Harness>(h: &H) {
+pub async fn a_stale_resume_leaves_another_operations_checkpoints<
+    H: Harness<Store: CheckpointStore>,
+>(
+    h: &H,
+) {
     let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
     let (first, _) = owned(store, &key, &fp("first"), (2 * unit, 3 * unit)).await;
     store.release(&key, first).await.expect("release");
@@ -471,7 +487,7 @@ pub async fn a_stale_resume_leaves_another_operations_checkpoints<H: Harness>(h:
 /// abandoned operations, however many and however long idle, take none of `limit`'s places;
 /// `None` lists the requests that name no owner. Requests kept before the owner's listing
 /// and requests saved again keep their owner.
-pub async fn abandoned_lists_one_owners_requests<H: Harness>(h: &H) {
+pub async fn abandoned_lists_one_owners_requests<H: Harness<Store: CheckpointStore>>(h: &H) {
     let (store, unit) = (h.store(), h.time_unit());
     let terms = (2 * unit, 40 * unit);
     // Owners unique to this check, so a shared server's other records do not count.

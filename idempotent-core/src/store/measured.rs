@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::{Claim, FencingToken, RequestOwner, Store};
+use super::{CheckpointStore, Claim, FencingToken, RequestOwner, SessionStore, Store};
 use crate::metrics::{Operation, StoreMetrics};
 use crate::steps::Abandoned;
 use crate::{
@@ -44,6 +44,16 @@ pub(crate) trait DynStore: Send + Sync + 'static {
         token: FencingToken,
         lease: Duration,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
+    fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()>;
+    fn keeps_records_in_process(&self) -> bool;
+    /// [`Store::location`].
+    fn location(&self) -> Option<String>;
+    /// The metrics of the runtime this store serves.
+    fn metrics(&self) -> &StoreMetrics;
+}
+
+/// The object-safe face of [`SessionStore`].
+pub(crate) trait DynSessions: Send + Sync + 'static {
     fn open_session<'a>(
         &'a self,
         session: &'a SessionKey,
@@ -53,6 +63,10 @@ pub(crate) trait DynStore: Send + Sync + 'static {
         &'a self,
         session: &'a SessionKey,
     ) -> BoxFuture<'a, Result<Option<SessionMark>, StoreError>>;
+}
+
+/// The object-safe face of [`CheckpointStore`].
+pub(crate) trait DynCheckpoints: Send + Sync + 'static {
     fn resume<'a>(
         &'a self,
         key: &'a StorageKey,
@@ -83,12 +97,6 @@ pub(crate) trait DynStore: Send + Sync + 'static {
         limit: usize,
         owner: Option<&'a RequestOwner>,
     ) -> BoxFuture<'a, Result<Vec<Abandoned>, StoreError>>;
-    fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()>;
-    fn keeps_records_in_process(&self) -> bool;
-    /// [`Store::location`].
-    fn location(&self) -> Option<String>;
-    /// The metrics of the runtime this store serves.
-    fn metrics(&self) -> &StoreMetrics;
 }
 
 /// A store as a runtime holds it: type-erased, every operation timed into the runtime's
@@ -158,6 +166,22 @@ impl<S: Store> DynStore for Measured<S> {
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(self.timed(Operation::Renew, self.store.renew(key, token, lease)))
     }
+    fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()> {
+        Box::pin(self.store.wait_for_change(key, max_wait))
+    }
+    fn keeps_records_in_process(&self) -> bool {
+        self.store.keeps_records_in_process()
+    }
+    fn location(&self) -> Option<String> {
+        self.store.location()
+    }
+
+    fn metrics(&self) -> &StoreMetrics {
+        &self.metrics
+    }
+}
+
+impl<S: SessionStore> DynSessions for Measured<S> {
     fn open_session<'a>(
         &'a self,
         session: &'a SessionKey,
@@ -174,6 +198,9 @@ impl<S: Store> DynStore for Measured<S> {
     ) -> BoxFuture<'a, Result<Option<SessionMark>, StoreError>> {
         Box::pin(self.timed(Operation::SessionMark, self.store.session_mark(session)))
     }
+}
+
+impl<S: CheckpointStore> DynCheckpoints for Measured<S> {
     fn resume<'a>(
         &'a self,
         key: &'a StorageKey,
@@ -222,18 +249,5 @@ impl<S: Store> DynStore for Measured<S> {
             Operation::Abandoned,
             self.store.abandoned(idle, limit, owner),
         ))
-    }
-    fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()> {
-        Box::pin(self.store.wait_for_change(key, max_wait))
-    }
-    fn keeps_records_in_process(&self) -> bool {
-        self.store.keeps_records_in_process()
-    }
-    fn location(&self) -> Option<String> {
-        self.store.location()
-    }
-
-    fn metrics(&self) -> &StoreMetrics {
-        &self.metrics
     }
 }

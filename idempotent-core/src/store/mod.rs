@@ -45,7 +45,7 @@ pub(crate) mod memory;
 
 pub use self::give_back::{GIVE_BACK_MAX, GiveBack, Unanswered, claimant};
 pub use self::measured::BoxFuture;
-pub(crate) use self::measured::{DynStore, Measured};
+pub(crate) use self::measured::{DynCheckpoints, DynSessions, DynStore, Measured};
 pub use crate::call::Settings;
 pub use crate::claim_answer::{ClaimAnswer, Step};
 pub use crate::metrics::{Operation, StoreMetrics};
@@ -77,12 +77,12 @@ impl FencingToken {
     }
 }
 
-/// Whose a kept request ([`Store::save_request`]) is: its first [`RequestOwner::LEN`] bytes.
+/// Whose a kept request ([`CheckpointStore::save_request`]) is: its first [`RequestOwner::LEN`] bytes.
 ///
 /// A caller that keeps the requests of several runtimes in one store begins each with a tag
 /// of that length naming its runtime (the tower layer's kept format begins with its format's
 /// magic and a digest of the runtime's namespace), so that a completer lists only its own
-/// ([`Store::abandoned`]). A request shorter than that names no owner.
+/// ([`CheckpointStore::abandoned`]). A request shorter than that names no owner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RequestOwner([u8; RequestOwner::LEN]);
 
@@ -449,6 +449,35 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// Waits until `key` may have changed, or `max_wait` has passed, whichever is first.
+    ///
+    /// Callers waiting for an in-flight record to complete call this between claims. The
+    /// default sleeps for `max_wait` (polling); a store with change notifications should
+    /// return early when the record is completed or released. Returning early spuriously is
+    /// allowed.
+    fn wait_for_change(
+        &self,
+        key: &StorageKey,
+        max_wait: Duration,
+    ) -> impl Future<Output = ()> + Send {
+        let _ = key;
+        tokio::time::sleep(max_wait)
+    }
+}
+
+/// A store that keeps [client sessions](crate::session): the gate that numbers a session's
+/// requests, and the session's mark. A runtime serves sessions ([`Call::in_session`]) only
+/// over a store that implements it ([`Idempotency::new`](crate::Idempotency::new) and
+/// [`Idempotency::with_sessions`](crate::Idempotency::with_sessions)); the conformance suite
+/// runs its checks for every store that does.
+///
+/// [`Call::in_session`]: crate::Call::in_session
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` keeps no client sessions: it does not implement `SessionStore`",
+    label = "this store implements no `SessionStore`",
+    note = "a store that keeps plain keys only runs with `Idempotency::keys_only(store)`; sessions need a store that implements `SessionStore`"
+)]
+pub trait SessionStore: Store {
     /// The gate of a [client session](crate::session): decides, as one atomic step on the
     /// session, whether request `request.seq` may be claimed, and applies the request's `ack`.
     ///
@@ -467,7 +496,7 @@ pub trait Store: Send + Sync + 'static {
     ///   - `request.seq > m + request.window`: returns [`SessionGate::WindowFull`];
     ///   - otherwise: sets `high = max(high, request.seq)` and returns
     ///     [`SessionGate::Open`] with the epoch. The caller then claims the request's record,
-    ///     `seq_key(epoch, seq)`, with [`claim`](Self::claim), with `request.idle` as its TTL.
+    ///     `seq_key(epoch, seq)`, with [`claim`](Store::claim), with `request.idle` as its TTL.
     ///
     /// The runtime sends `seq` from 1 and `ack` from 0, both at most
     /// [`MAX_SEQ`](crate::session::MAX_SEQ), and a `window` from 1 to
@@ -475,19 +504,12 @@ pub trait Store: Send + Sync + 'static {
     /// else with [`StoreError::Backend`] (the Redis and PostgreSQL stores do).
     ///
     /// The session's records are the store's ordinary records under storage keys that say
-    /// where they sit ([`StorageKey::session_place`]). The default refuses every session with
-    /// [`StoreError::Backend`]: a store must implement it to serve sessions. The conformance
-    /// suite checks it.
+    /// where they sit ([`StorageKey::session_place`]). The conformance suite checks it.
     fn open_session(
         &self,
         session: &SessionKey,
         request: SessionRequest,
-    ) -> impl Future<Output = Result<SessionGate, StoreError>> + Send {
-        let _ = (session, request);
-        std::future::ready(Err(StoreError::Backend(
-            "this store does not keep client sessions (Store::open_session)".into(),
-        )))
-    }
+    ) -> impl Future<Output = Result<SessionGate, StoreError>> + Send;
 
     /// The live state of a [client session](crate::session) (its epoch and acknowledged
     /// mark), or `None` when there is no live session under `session`. A read: it changes
@@ -497,20 +519,28 @@ pub trait Store: Send + Sync + 'static {
     /// The runtime asks it once a session request holds its claim, before it runs anything:
     /// between the gate and the claim a later request's `ack` may have covered the number and
     /// dropped its answer, which the claim then did not find. A store whose gate raises the
-    /// mark before (or with) dropping answers makes that visible here. The default refuses, as
-    /// [`open_session`](Self::open_session)'s does; the conformance suite checks it.
+    /// mark before (or with) dropping answers makes that visible here. The conformance suite checks it.
     fn session_mark(
         &self,
         session: &SessionKey,
-    ) -> impl Future<Output = Result<Option<SessionMark>, StoreError>> + Send {
-        let _ = session;
-        std::future::ready(Err(StoreError::Backend(
-            "this store does not keep client sessions (Store::session_mark)".into(),
-        )))
-    }
+    ) -> impl Future<Output = Result<Option<SessionMark>, StoreError>> + Send;
+}
 
+/// A store that keeps [checkpoints](crate::steps) and requests on its in-flight records, and
+/// resumes and lists abandoned operations: what steps, kept requests and a completer need.
+/// A runtime gives its work a [`ClaimHandle`](crate::ClaimHandle) (steps), keeps requests and
+/// runs resume calls only over a store that implements it
+/// ([`Idempotency::new`](crate::Idempotency::new) and
+/// [`Idempotency::with_checkpoints`](crate::Idempotency::with_checkpoints)); the conformance
+/// suite runs its checks for every store that does.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` keeps no checkpoints: it does not implement `CheckpointStore`",
+    label = "this store implements no `CheckpointStore`",
+    note = "a store that keeps plain keys only runs with `Idempotency::keys_only(store)`; steps, kept requests and a completer need a store that implements `CheckpointStore`"
+)]
+pub trait CheckpointStore: Store {
     /// Takes over the abandoned operation of `fingerprint` under `key`, and nothing else: what
-    /// [`claim`](Self::claim) does when it finds an in-flight record of the same `fingerprint`
+    /// [`claim`](Store::claim) does when it finds an in-flight record of the same `fingerprint`
     /// whose lease ended (or which was released), kept less than its TTL ago
     /// ([`Claim::TakenOver`], with a new token and the lease and TTL as `claim` sets them). A
     /// live record is reported as `claim` reports it ([`Claim::InFlight`],
@@ -520,20 +550,14 @@ pub trait Store: Send + Sync + 'static {
     /// resumes of one operation exactly one takes it over; the others answer the winner's
     /// [`Claim::InFlight`] or, having lost the race, `None`.
     ///
-    /// A completer resumes operations with it ([`Call::resume`](crate::Call::resume)). The
-    /// default refuses with [`StoreError::Backend`]; the conformance suite checks it.
+    /// A completer resumes operations with it ([`Call::resume`](crate::Call::resume)). The conformance suite checks it.
     fn resume(
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
         lease: Duration,
         ttl: Duration,
-    ) -> impl Future<Output = Result<Option<Claim>, StoreError>> + Send {
-        let _ = (key, fingerprint, lease, ttl);
-        std::future::ready(Err(StoreError::Backend(
-            "this store does not resume operations (Store::resume)".into(),
-        )))
-    }
+    ) -> impl Future<Output = Result<Option<Claim>, StoreError>> + Send;
 
     /// Appends `entry` (one [checkpoint](crate::steps), encoded by
     /// [`encode_checkpoint`](crate::steps::encode_checkpoint)) to the checkpoints of the
@@ -548,38 +572,25 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// A record keeps its checkpoints while it is in flight, across a release and a takeover
     /// ([`Claim::TakenOver`]): they belong to the operation. A claim that begins a new lifetime
-    /// ([`Claim::Claimed`]) starts with none, and a completion drops them. The default refuses
-    /// with [`StoreError::Backend`]: a store must implement it to serve steps. The conformance
-    /// suite checks it.
+    /// ([`Claim::Claimed`]) starts with none, and a completion drops them. The conformance suite checks it.
     fn save_step(
         &self,
         key: &StorageKey,
         token: FencingToken,
         entry: Bytes,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        let _ = (key, token, entry);
-        std::future::ready(Err(StoreError::Backend(
-            "this store does not keep checkpoints (Store::save_step)".into(),
-        )))
-    }
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// The checkpoints of the caller's in-flight record: every entry
     /// [`save_step`](Self::save_step) appended in this record's lifetime, concatenated in the
     /// order they were saved (empty when there are none).
     ///
     /// Succeeds only if `key` holds a live in-flight record with exactly `token`; otherwise
-    /// returns [`StoreError::TokenRejected`]. A read: it changes nothing. The default refuses
-    /// like [`save_step`](Self::save_step)'s.
+    /// returns [`StoreError::TokenRejected`]. A read: it changes nothing.
     fn load_steps(
         &self,
         key: &StorageKey,
         token: FencingToken,
-    ) -> impl Future<Output = Result<Bytes, StoreError>> + Send {
-        let _ = (key, token);
-        std::future::ready(Err(StoreError::Backend(
-            "this store does not keep checkpoints (Store::load_steps)".into(),
-        )))
-    }
+    ) -> impl Future<Output = Result<Bytes, StoreError>> + Send;
 
     /// Keeps `request` on the caller's in-flight record, replacing any request kept before, so
     /// that a completer ([`abandoned`](Self::abandoned)) can run the operation again if its
@@ -587,19 +598,13 @@ pub trait Store: Send + Sync + 'static {
     /// [`save_step`](Self::save_step)).
     ///
     /// Succeeds only if `key` holds a live in-flight record with exactly `token`; otherwise
-    /// returns [`StoreError::TokenRejected`] and changes nothing. The default refuses like
-    /// [`save_step`](Self::save_step)'s.
+    /// returns [`StoreError::TokenRejected`] and changes nothing.
     fn save_request(
         &self,
         key: &StorageKey,
         token: FencingToken,
         request: Bytes,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        let _ = (key, token, request);
-        std::future::ready(Err(StoreError::Backend(
-            "this store does not keep requests (Store::save_request)".into(),
-        )))
-    }
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Up to `limit` in-flight records that hold a request
     /// ([`save_request`](Self::save_request)) of `owner` ([`RequestOwner::of`] the request;
@@ -611,31 +616,99 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// Other owners' records never take `limit`'s places: a completer sharing the store with
     /// runtimes that keep requests and finish none still gets its own operations.
-    ///
-    /// The default lists nothing: a completer over a store without it has nothing to do.
+    fn abandoned(
+        &self,
+        idle: Duration,
+        limit: usize,
+        owner: Option<&RequestOwner>,
+    ) -> impl Future<Output = Result<Vec<Abandoned>, StoreError>> + Send;
+}
+
+/// A store in front of another one (a cache tier, a timer, a tracer): it implements [`Store`]
+/// itself and names the store behind it, and [`SessionStore`] and [`CheckpointStore`] are
+/// forwarded to that store, as far as it implements them. Written once here, so that no
+/// wrapper repeats the forwarding (and none forgets a method). `Arc<S>` is one; so is
+/// `idempotent-cache`'s `Cached`.
+///
+/// A wrapper that must see sessions or checkpoints itself (to time or fail them) implements
+/// those traits by hand instead of this one.
+pub trait StoreWrapper: Store {
+    /// The store behind this one.
+    type Inner: Store;
+
+    /// The store behind this one.
+    fn inner(&self) -> &Self::Inner;
+}
+
+impl<W: StoreWrapper> SessionStore for W
+where
+    W::Inner: SessionStore,
+{
+    fn open_session(
+        &self,
+        session: &SessionKey,
+        request: SessionRequest,
+    ) -> impl Future<Output = Result<SessionGate, StoreError>> + Send {
+        self.inner().open_session(session, request)
+    }
+    fn session_mark(
+        &self,
+        session: &SessionKey,
+    ) -> impl Future<Output = Result<Option<SessionMark>, StoreError>> + Send {
+        self.inner().session_mark(session)
+    }
+}
+
+impl<W: StoreWrapper> CheckpointStore for W
+where
+    W::Inner: CheckpointStore,
+{
+    fn resume(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Option<Claim>, StoreError>> + Send {
+        self.inner().resume(key, fingerprint, lease, ttl)
+    }
+    fn save_step(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        entry: Bytes,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self.inner().save_step(key, token, entry)
+    }
+    fn load_steps(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+    ) -> impl Future<Output = Result<Bytes, StoreError>> + Send {
+        self.inner().load_steps(key, token)
+    }
+    fn save_request(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        request: Bytes,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self.inner().save_request(key, token, request)
+    }
     fn abandoned(
         &self,
         idle: Duration,
         limit: usize,
         owner: Option<&RequestOwner>,
     ) -> impl Future<Output = Result<Vec<Abandoned>, StoreError>> + Send {
-        let _ = (idle, limit, owner);
-        std::future::ready(Ok(Vec::new()))
+        self.inner().abandoned(idle, limit, owner)
     }
+}
 
-    /// Waits until `key` may have changed, or `max_wait` has passed, whichever is first.
-    ///
-    /// Callers waiting for an in-flight record to complete call this between claims. The
-    /// default sleeps for `max_wait` (polling); a store with change notifications should
-    /// return early when the record is completed or released. Returning early spuriously is
-    /// allowed.
-    fn wait_for_change(
-        &self,
-        key: &StorageKey,
-        max_wait: Duration,
-    ) -> impl Future<Output = ()> + Send {
-        let _ = key;
-        tokio::time::sleep(max_wait)
+impl<S: Store> StoreWrapper for Arc<S> {
+    type Inner = S;
+    fn inner(&self) -> &S {
+        self
     }
 }
 
@@ -672,59 +745,6 @@ impl<S: Store> Store for Arc<S> {
         lease: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
         S::renew(self, key, token, lease)
-    }
-    fn open_session(
-        &self,
-        session: &SessionKey,
-        request: SessionRequest,
-    ) -> impl Future<Output = Result<SessionGate, StoreError>> + Send {
-        S::open_session(self, session, request)
-    }
-    fn session_mark(
-        &self,
-        session: &SessionKey,
-    ) -> impl Future<Output = Result<Option<SessionMark>, StoreError>> + Send {
-        S::session_mark(self, session)
-    }
-    fn resume(
-        &self,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> impl Future<Output = Result<Option<Claim>, StoreError>> + Send {
-        S::resume(self, key, fingerprint, lease, ttl)
-    }
-    fn save_step(
-        &self,
-        key: &StorageKey,
-        token: FencingToken,
-        entry: Bytes,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        S::save_step(self, key, token, entry)
-    }
-    fn load_steps(
-        &self,
-        key: &StorageKey,
-        token: FencingToken,
-    ) -> impl Future<Output = Result<Bytes, StoreError>> + Send {
-        S::load_steps(self, key, token)
-    }
-    fn save_request(
-        &self,
-        key: &StorageKey,
-        token: FencingToken,
-        request: Bytes,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        S::save_request(self, key, token, request)
-    }
-    fn abandoned(
-        &self,
-        idle: Duration,
-        limit: usize,
-        owner: Option<&RequestOwner>,
-    ) -> impl Future<Output = Result<Vec<Abandoned>, StoreError>> + Send {
-        S::abandoned(self, idle, limit, owner)
     }
     fn name(&self) -> &'static str {
         S::name(self)

@@ -11,9 +11,11 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
 use http_body_util::Empty;
+use idempotent_core::capability::{KeepsCheckpoints, KeysAndCheckpoints};
 use idempotent_core::steps::Abandoned;
 use idempotent_core::{
-    Call, ClaimHandle, Error, Execution, InFlightPolicy, ProblemCode, Retain, StoreError,
+    Call, ClaimHandle, Error, Execution, Idempotency, InFlightPolicy, ProblemCode, Retain,
+    StoreError,
 };
 use tokio::sync::watch;
 use tower_service::Service;
@@ -95,7 +97,7 @@ pub struct CompleterPass {
 /// request (method, URI, headers but credentials, body up to the request limit) on its
 /// in-flight record; a [`Completer`] lists the records abandoned for longer than
 /// [`after`](Completer::after), takes each over like a retry would
-/// ([`Call::resume`](idempotent_core::Call::resume), [`Store::resume`](idempotent_core::Store::resume):
+/// ([`Call::resume`](idempotent_core::Call::resume), [`CheckpointStore::resume`](idempotent_core::CheckpointStore::resume):
 /// only the same operation, still abandoned; never a new one), and runs the kept request
 /// through the service under the layer. The handler
 /// resumes from its checkpoints, and its answer is recorded by the layer's rules, so the
@@ -151,6 +153,8 @@ pub struct CompleterPass {
 /// ```
 pub struct Completer<S> {
     config: Arc<Config<Http>>,
+    /// The layer's runtime, with its checkpoints.
+    idempotency: Idempotency<KeysAndCheckpoints>,
     inner: S,
     after: Duration,
     scan_every: Duration,
@@ -170,6 +174,7 @@ impl<S: Clone> Clone for Completer<S> {
     fn clone(&self) -> Self {
         Completer {
             config: Arc::clone(&self.config),
+            idempotency: self.idempotency.clone(),
             inner: self.inner.clone(),
             after: self.after,
             scan_every: self.scan_every,
@@ -220,9 +225,13 @@ where
     ///
     /// Defaults: [`after`](Self::after) [`DEFAULT_COMPLETER_AFTER`], a pass every quarter of
     /// it, 4 at once, 64 a pass, [`DEFAULT_COMPLETER_ATTEMPTS`] attempts.
-    pub fn new(layer: &IdempotencyLayer<Http>, inner: S) -> Self {
+    ///
+    /// The layer's runtime must keep checkpoints (its type says so): a completer over a store
+    /// of keys only does not compile.
+    pub fn new<C: KeepsCheckpoints>(layer: &IdempotencyLayer<Http, C>, inner: S) -> Self {
         Completer {
             config: Arc::clone(&layer.config),
+            idempotency: layer.runtime.keys_and_checkpoints(),
             inner,
             after: DEFAULT_COMPLETER_AFTER,
             scan_every: DEFAULT_COMPLETER_AFTER / 4,
@@ -231,8 +240,8 @@ where
             max_attempts: DEFAULT_COMPLETER_ATTEMPTS,
             metrics: Arc::new(CompleterMetrics::register()),
             running: Arc::new(tokio::sync::Semaphore::new(4)),
-            owner: owner(&layer.config.idempotency),
-            listed_owner: listed_owner(owner(&layer.config.idempotency)),
+            owner: owner(&layer.config.keys),
+            listed_owner: listed_owner(owner(&layer.config.keys)),
         }
     }
 
@@ -299,7 +308,7 @@ where
         runs: &mut tokio::task::JoinSet<Finished>,
         pass: &mut CompleterPass,
     ) -> Result<usize, Error> {
-        let idempotency = self.config.idempotency.clone();
+        let idempotency = self.idempotency.clone();
         let found = idempotency
             .abandoned(self.after, self.batch, Some(&self.listed_owner))
             .await?;
@@ -404,7 +413,7 @@ where
         let max_attempts = self.max_attempts;
         let options = config.call_options.in_flight(InFlightPolicy::Reject);
         let call = Call::resume(&abandoned).options(options);
-        let max_response = config.idempotency.max_result_bytes(&call);
+        let max_response = self.idempotency.max_result_bytes(&call);
         let call = call.options(options.max_result_bytes(usize::MAX));
         let mut inner = self.inner.clone();
         let metrics = Arc::clone(&self.metrics);
@@ -469,11 +478,7 @@ where
             Err(Ran::GaveUp(why)) => gave_up(why),
             Ok((_, Err(_))) | Err(Ran::NotRun) => None,
         };
-        match config
-            .idempotency
-            .execute(&call, work, retain, encode)
-            .await
-        {
+        match self.idempotency.execute(&call, work, retain, encode).await {
             Ok(Execution::Fresh(Ok((attempt, Ok(captured))))) => {
                 let status = captured.status().as_u16();
                 if config.retains(&captured) {

@@ -8,6 +8,7 @@ use http::Method;
 use http::header::{self, HeaderName};
 use http::request::Parts;
 use http_body::Body;
+use idempotent_core::capability::{Capabilities, KeysAndSessions, KeysOnly};
 use idempotent_core::{CallOptions, Idempotency, Scope};
 
 use super::capture::Captured;
@@ -51,7 +52,10 @@ pub enum OnClaimLost {
 /// Everything a layer is configured with; its services share it behind an `Arc`.
 #[derive(Clone)]
 pub(crate) struct Config<P: Protocol> {
-    pub(crate) idempotency: Idempotency,
+    /// The runtime, as one of keys (every runtime is).
+    pub(crate) keys: Idempotency<KeysOnly>,
+    /// The runtime with its sessions, if its store serves them.
+    pub(crate) sessions: Option<Idempotency<KeysAndSessions>>,
     pub(crate) header: HeaderName,
     /// The header carrying a client session, or `None` when sessions are not accepted.
     pub(crate) session_header: Option<HeaderName>,
@@ -78,11 +82,16 @@ impl<P: Protocol> Config<P> {
     /// runtime's call settings (its result limit bounds retained responses), a 1 MiB request
     /// limit, fail closed, let a handler that lost its claim finish, and the protocol's own
     /// defaults.
-    pub(crate) fn new(idempotency: Idempotency) -> Self {
+    pub(crate) fn new<C: Capabilities>(idempotency: &Idempotency<C>) -> Self {
+        let sessions = idempotency.sessions();
         Config {
-            idempotency,
+            keys: idempotency.keys(),
+            // Read only where the store serves sessions.
+            session_header: sessions
+                .is_some()
+                .then_some(crate::session::IDEMPOTENCY_SESSION),
+            sessions,
             header: IDEMPOTENCY_KEY,
-            session_header: Some(crate::session::IDEMPOTENCY_SESSION),
             strict: false,
             require_key: true,
             fingerprint_headers: Vec::new(),
@@ -136,7 +145,7 @@ impl<P: Protocol> Config<P> {
 impl<P: Protocol> fmt::Debug for Config<P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyLayer")
-            .field("idempotency", &self.idempotency)
+            .field("idempotency", &self.keys)
             .field("protocol", &self.protocol)
             .field("header", &self.header)
             .field("strict", &self.strict)

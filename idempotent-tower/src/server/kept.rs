@@ -11,7 +11,9 @@ const MAGIC: &[u8; 4] = b"IRQ1";
 /// Whose kept requests these are: a digest of the runtime's namespace, derived like a storage
 /// key (so runtimes with other namespaces sharing a store have other owners). A completer runs
 /// only its own runtime's requests.
-pub(crate) fn owner(idempotency: &idempotent_core::Idempotency) -> [u8; 32] {
+pub(crate) fn owner<C: idempotent_core::capability::Capabilities>(
+    idempotency: &idempotent_core::Idempotency<C>,
+) -> [u8; 32] {
     let call = idempotent_core::Call::new(
         idempotent_core::Key::new("kept-requests").expect("a valid key"),
     )

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use http::header::HeaderName;
 use http::request::Parts;
 use http::{Method, StatusCode};
+use idempotent_core::capability::{Capabilities, Full, KeepsCheckpoints, ServesSessions};
 use idempotent_core::{CallOptions, GrpcCode, Idempotency, Retain, Scope};
 use tower_layer::Layer;
 
@@ -62,37 +63,37 @@ use super::service::IdempotencyService;
 /// let layer = IdempotencyLayer::grpc(Idempotency::new(MemoryStore::new()))
 ///     .retain(|status: StatusCode| Retain::Keep); // error: a gRPC policy takes a `GrpcCode`
 /// ```
-pub struct IdempotencyLayer<P: Protocol = Http> {
+///
+/// The layer's type carries its runtime's [capabilities](idempotent_core::capability):
+/// [`keep_requests`](Self::keep_requests) (and so a [`Completer`](crate::Completer)) needs a
+/// store that keeps checkpoints, [`sessions`](Self::sessions) one that serves sessions. Over a
+/// store of keys only, those do not compile and the session header is not read:
+///
+/// ```compile_fail
+/// use idempotent_core::conformance::KeysOnlyStore;
+/// use idempotent_core::memory::MemoryStore;
+/// use idempotent_core::Idempotency;
+/// use idempotent_tower::IdempotencyLayer;
+///
+/// let keys = Idempotency::keys_only(KeysOnlyStore::new(MemoryStore::new()));
+/// let layer = IdempotencyLayer::http(keys).keep_requests(true); // error: no checkpoints
+/// ```
+pub struct IdempotencyLayer<P: Protocol = Http, C = Full> {
     pub(crate) config: Arc<Config<P>>,
+    pub(crate) runtime: Idempotency<C>,
 }
 
-impl IdempotencyLayer<Http> {
+impl<C: Capabilities> IdempotencyLayer<Http, C> {
     /// A layer for plain HTTP over `idempotency`, with the defaults: key header
     /// `Idempotency-Key` (bare tokens accepted), required on POST and PATCH, scope by the
     /// [`Principal`](crate::Principal) extension (requests without one refused), a 1 MiB
     /// request limit, the runtime's TTL, lease, in-flight policy and result limit, outcomes
     /// kept by [`Http::default_retain`], fail closed.
-    pub fn http(idempotency: Idempotency) -> Self {
+    pub fn http(idempotency: Idempotency<C>) -> Self {
         IdempotencyLayer {
-            config: Arc::new(Config::new(idempotency)),
+            config: Arc::new(Config::new(&idempotency)),
+            runtime: idempotency,
         }
-    }
-
-    /// Keeps every protected request with a key (method, URI, headers but `Authorization`,
-    /// `Proxy-Authorization` and `Cookie`, and the body, which the request limit bounds) on its
-    /// in-flight record, so that a [`Completer`](crate::Completer) can finish the operation if
-    /// its client never retries (default off). Costs one store write per protected request
-    /// that runs its handler; the record drops the request when it completes. Requests in a
-    /// client session are not kept.
-    ///
-    /// The request is kept before the handler runs. If that write fails, the handler does not
-    /// run, the claim is released and the client gets the store's failure (`503
-    /// store_unavailable`, or `store_capacity`), counted under that outcome; its retry runs
-    /// the request.
-    pub fn keep_requests(mut self, keep: bool) -> Self {
-        let owner = keep.then(|| super::kept::owner(&self.config.idempotency));
-        self.config().keep_requests = owner;
-        self
     }
 
     /// The methods the layer protects (default POST and PATCH). Other methods pass through
@@ -125,7 +126,26 @@ impl IdempotencyLayer<Http> {
     }
 }
 
-impl IdempotencyLayer<Grpc> {
+impl<C: KeepsCheckpoints> IdempotencyLayer<Http, C> {
+    /// Keeps every protected request with a key (method, URI, headers but `Authorization`,
+    /// `Proxy-Authorization` and `Cookie`, and the body, which the request limit bounds) on its
+    /// in-flight record, so that a [`Completer`](crate::Completer) can finish the operation if
+    /// its client never retries (default off). Costs one store write per protected request
+    /// that runs its handler; the record drops the request when it completes. Requests in a
+    /// client session are not kept.
+    ///
+    /// The request is kept before the handler runs. If that write fails, the handler does not
+    /// run, the claim is released and the client gets the store's failure (`503
+    /// store_unavailable`, or `store_capacity`), counted under that outcome; its retry runs
+    /// the request.
+    pub fn keep_requests(mut self, keep: bool) -> Self {
+        let owner = keep.then(|| super::kept::owner(&self.config.keys));
+        self.config().keep_requests = owner;
+        self
+    }
+}
+
+impl<C: Capabilities> IdempotencyLayer<Grpc, C> {
     /// A layer for a gRPC server (tonic), protecting the unary methods named with its
     /// `methods` (below); every other call, streaming ones included, passes through
     /// untouched. The other defaults are those of [`http`](IdempotencyLayer::http), and
@@ -137,9 +157,10 @@ impl IdempotencyLayer<Grpc> {
     /// `ABORTED` with `grpc-retry-pushback-ms`, `RESOURCE_EXHAUSTED`, `UNAVAILABLE`, …) with
     /// the stable code in the `idempotent-error` metadata entry; outcomes are classified by
     /// `grpc-status`. See [gRPC (tonic)](IdempotencyLayer#grpc-tonic).
-    pub fn grpc(idempotency: Idempotency) -> Self {
+    pub fn grpc(idempotency: Idempotency<C>) -> Self {
         IdempotencyLayer {
-            config: Arc::new(Config::new(idempotency)),
+            config: Arc::new(Config::new(&idempotency)),
+            runtime: idempotency,
         }
     }
 
@@ -159,17 +180,7 @@ impl IdempotencyLayer<Grpc> {
     }
 }
 
-impl<P: Protocol> IdempotencyLayer<P> {
-    fn config(&mut self) -> &mut Config<P> {
-        Arc::make_mut(&mut self.config)
-    }
-
-    /// The request header carrying the key (default `Idempotency-Key`).
-    pub fn header_name(mut self, name: HeaderName) -> Self {
-        self.config().header = name;
-        self
-    }
-
+impl<P: Protocol, C: ServesSessions> IdempotencyLayer<P, C> {
     /// The request header carrying a [client session](crate::SessionHeader) (default
     /// `Idempotency-Session`; the gRPC layer reads the `idempotency-session` metadata entry).
     pub fn session_header_name(mut self, name: HeaderName) -> Self {
@@ -187,6 +198,18 @@ impl<P: Protocol> IdempotencyLayer<P> {
             (true, Some(name)) => Some(name),
             (false, _) => None,
         };
+        self
+    }
+}
+
+impl<P: Protocol, C: Capabilities> IdempotencyLayer<P, C> {
+    fn config(&mut self) -> &mut Config<P> {
+        Arc::make_mut(&mut self.config)
+    }
+
+    /// The request header carrying the key (default `Idempotency-Key`).
+    pub fn header_name(mut self, name: HeaderName) -> Self {
+        self.config().header = name;
         self
     }
 
@@ -312,7 +335,7 @@ impl<P: Protocol> IdempotencyLayer<P> {
     }
 }
 
-impl<S, P: Protocol> Layer<S> for IdempotencyLayer<P> {
+impl<S, P: Protocol, C> Layer<S> for IdempotencyLayer<P, C> {
     type Service = IdempotencyService<S, P>;
 
     fn layer(&self, inner: S) -> Self::Service {
@@ -320,15 +343,16 @@ impl<S, P: Protocol> Layer<S> for IdempotencyLayer<P> {
     }
 }
 
-impl<P: Protocol> Clone for IdempotencyLayer<P> {
+impl<P: Protocol, C> Clone for IdempotencyLayer<P, C> {
     fn clone(&self) -> Self {
         IdempotencyLayer {
             config: Arc::clone(&self.config),
+            runtime: self.runtime.clone(),
         }
     }
 }
 
-impl<P: Protocol> fmt::Debug for IdempotencyLayer<P> {
+impl<P: Protocol, C> fmt::Debug for IdempotencyLayer<P, C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.config.fmt(f)
     }

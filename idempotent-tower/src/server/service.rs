@@ -10,9 +10,10 @@ use http::header::CONTENT_LENGTH;
 use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use idempotent_core::capability::{KeysAndSessions, KeysOnly, NeedsSessions};
 use idempotent_core::metrics::RequestOutcome;
 use idempotent_core::{
-    BoxError, Call, ClaimHandle, Error, Execution, Idempotency, Key, ProblemCode, Retain, Scope,
+    BoxError, Call, Error, Execution, Idempotency, Key, KeyClaim, ProblemCode, Retain, Scope,
     StoreError,
 };
 use tower_service::Service;
@@ -101,7 +102,7 @@ where
         if !config.protects(request.method(), request.uri().path()) {
             return self.pass_through(request, "method not protected");
         }
-        if config.idempotency.is_shutting_down() {
+        if config.keys.is_shutting_down() {
             tracing::info!(
                 outcome = ProblemCode::ShuttingDown.as_str(),
                 "protected request refused: shutting down"
@@ -195,7 +196,7 @@ impl<S, P: Protocol> IdempotencyService<S, P> {
 
 /// Counts one protected request that ended with `outcome`.
 fn count<P: Protocol>(config: &Config<P>, outcome: RequestOutcome) {
-    config.idempotency.count(P::METRICS, outcome);
+    config.keys.count(P::METRICS, outcome);
 }
 
 /// Answers `problem` to a protected request the layer will not run (and counts it), after
@@ -303,19 +304,37 @@ where
         .keep_requests
         .filter(|_| matches!(target, Target::Key(_)))
         .map(|owner| super::kept::SavedRequest::of(owner, &parts, &body).encode());
-    let call = match target {
-        Target::Key(key) => Call::new(key),
-        Target::Session(session) => Call::in_session(session.id().clone(), session.place()),
-    }
-    .scope(scope)
-    .fingerprint(fingerprint(&parts, &body, &config.fingerprint_headers))
-    .options(config.call_options);
+    let fingerprint = fingerprint(&parts, &body, &config.fingerprint_headers);
     // The result limit bounds the response body, which the layer reads itself; the record
     // around it (status, headers, trailers) adds what the server's header limits allow, so the
     // runtime must not refuse again, by the record's size, a body within the limit.
-    let max_response = config.idempotency.max_result_bytes(&call);
-    let call = call.options(config.call_options.max_result_bytes(usize::MAX));
-    let storage_key = LoggedKey(&config.idempotency, &call);
+    let dress = |call: Call| {
+        call.scope(scope.clone())
+            .fingerprint(fingerprint)
+            .options(config.call_options.max_result_bytes(usize::MAX))
+    };
+    let max_response = config.keys.max_result_bytes(
+        &Call::new(Key::new("limit").expect("a valid key")).options(config.call_options),
+    );
+    let call = match target {
+        Target::Key(key) => Typed::Key(dress(Call::new(key))),
+        Target::Session(session) => {
+            let Some(runtime) = &config.sessions else {
+                // The session header is read only where the store serves sessions.
+                let error = Error::Store(StoreError::Backend(
+                    "this server's store keeps no client sessions".into(),
+                ));
+                count(&config, RequestOutcome::of_error(&error));
+                return Ok(P::answer(Problem::from_error(&error)));
+            };
+            let call = Call::in_session(session.id().clone(), session.place())
+                .scope(scope)
+                .fingerprint(fingerprint)
+                .options(config.call_options.max_result_bytes(usize::MAX));
+            Typed::Session(call, runtime.clone())
+        }
+    };
+    let storage_key = LoggedKey(&config.keys, &call);
     let fallback = config
         .fail_open
         .then(|| (inner.clone(), parts.clone(), body.clone()));
@@ -327,11 +346,18 @@ where
         let mut request = request;
         // The handler reads the claim (fencing token, downstream operation key, loss signal)
         // as a request extension.
-        let claim = ClaimHandle::current();
+        // A `KeyClaim` always; a `ClaimHandle` (with steps) where the store keeps checkpoints.
+        let claim = KeyClaim::current();
         if let Some(claim) = &claim {
             request.extensions_mut().insert(claim.clone());
+            let steps = claim.clone().with_steps();
+            if let Some(steps) = &steps {
+                request.extensions_mut().insert(steps.clone());
+            }
+            // Kept requests need checkpoints, which `keep_requests` asks of the runtime's type.
             if let Some(kept) = kept
-                && let Err(error) = claim.save_request(kept).await
+                && let Some(steps) = steps
+                && let Err(error) = steps.save_request(kept).await
             {
                 // Not kept, not run, the claim released: the client's retry runs it. A store
                 // failure (or a claim lost before the handler began), never "lost while the
@@ -383,11 +409,11 @@ where
         Err(_) => None,
     };
 
-    match config
-        .idempotency
-        .execute(&call, work, retain, encode)
-        .await
-    {
+    let execution = match &call {
+        Typed::Key(call) => config.keys.execute(call, work, retain, encode).await,
+        Typed::Session(call, runtime) => runtime.execute(call, work, retain, encode).await,
+    };
+    match execution {
         Ok(Execution::Fresh(Ok(Some(Ok(captured))))) => {
             tracing::debug!(outcome = "fresh", %storage_key, status = captured.status().as_u16(), "idempotent request executed");
             count(&config, RequestOutcome::Fresh);
@@ -436,7 +462,7 @@ where
         // conflict, never "absent".
         // Never once shutdown has begun: the handler would run after the drain counted it out.
         Err(Error::Store(error @ StoreError::Unavailable(_)))
-            if fallback.is_some() && !config.idempotency.is_shutting_down() =>
+            if fallback.is_some() && !config.keys.is_shutting_down() =>
         {
             let Some((mut inner, parts, body)) = fallback else {
                 unreachable!("checked by the guard")
@@ -587,12 +613,23 @@ impl Target {
 /// A call's storage key as a log field: derived only when an event is actually recorded, so
 /// that requests do not pay for a second digest (the runtime derives its own) just to log.
 #[derive(Clone, Copy)]
-struct LoggedKey<'a>(&'a Idempotency, &'a Call);
+struct LoggedKey<'a>(&'a Idempotency<KeysOnly>, &'a Typed);
 
 impl fmt::Display for LoggedKey<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&self.0.storage_key(self.1), f)
+        let key = match self.1 {
+            Typed::Key(call) => self.0.storage_key(call),
+            Typed::Session(call, _) => self.0.storage_key(call),
+        };
+        fmt::Display::fmt(&key, f)
     }
+}
+
+/// A request's call, typed by what it needs of the store: a key any runtime runs, or a
+/// session's, run by the runtime's sessions.
+enum Typed {
+    Key(Call),
+    Session(Call<NeedsSessions>, Idempotency<KeysAndSessions>),
 }
 
 /// The replayed response, and how the request ended: replayed, or refused if the record

@@ -61,7 +61,7 @@ pub(crate) type Svc<B = TestBody> =
     BoxCloneSyncService<Request<Full<Bytes>>, Response<ResponseBody<B>>, BoxError>;
 
 /// `handler` (a `service_fn`, say) behind `layer`, with `ServiceBuilder`.
-pub(crate) fn stack<P, H, B>(layer: IdempotencyLayer<P>, handler: H) -> Svc<B>
+pub(crate) fn stack<P, C, H, B>(layer: IdempotencyLayer<P, C>, handler: H) -> Svc<B>
 where
     P: Protocol,
     H: Service<Req, Response = Response<B>, Error = BoxError> + Clone + Send + Sync + 'static,

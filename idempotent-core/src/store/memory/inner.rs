@@ -264,7 +264,7 @@ impl Inner {
             .ok_or_else(|| StoreError::Backend("a claim always claims or reports".into()))
     }
 
-    /// [`Store::resume`](crate::Store::resume): a claim that only takes an abandoned operation
+    /// [`CheckpointStore::resume`](crate::CheckpointStore::resume): a claim that only takes an abandoned operation
     /// of the same request over.
     pub(super) fn resume(
         &self,
@@ -480,7 +480,7 @@ type Carried = (Vec<u8>, Option<Bytes>);
 
 impl Inner {
     /// Appends a checkpoint to the in-flight record held with `token` (see
-    /// [`Store::save_step`](crate::Store::save_step)); its bytes count against the byte bound.
+    /// [`CheckpointStore::save_step`](crate::CheckpointStore::save_step)); its bytes count against the byte bound.
     pub(super) fn save_step(
         &self,
         key: &StorageKey,
@@ -595,7 +595,7 @@ impl Inner {
 }
 
 impl Inner {
-    /// The session gate (see [`Store::open_session`](crate::Store::open_session)): one step on
+    /// The session gate (see [`SessionStore::open_session`](crate::SessionStore::open_session)): one step on
     /// the session's own record under its shard's lock; then the records its mark now covers
     /// are dropped and the ones above it kept as long as the session. Those follow the step
     /// rather than share it (a shard lock cannot be held across shards); the mark is raised

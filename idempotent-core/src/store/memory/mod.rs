@@ -247,6 +247,20 @@ impl Store for MemoryStore {
         self.inner.renew(key, token, lease)
     }
 
+    async fn wait_for_change(&self, _key: &StorageKey, max_wait: Duration) {
+        self.inner.waiters.fetch_add(1, Ordering::AcqRel);
+        let _waiting = Waiting(&self.inner.waiters);
+        let _ = tokio::time::timeout(max_wait, self.inner.changed.notified()).await;
+    }
+
+    /// `true`: records are `Bytes` in this process, handed back as they were given, so the
+    /// runtime does not checksum them.
+    fn keeps_records_in_process(&self) -> bool {
+        true
+    }
+}
+
+impl crate::SessionStore for MemoryStore {
     async fn open_session(
         &self,
         session: &crate::SessionKey,
@@ -261,7 +275,9 @@ impl Store for MemoryStore {
     ) -> Result<Option<crate::SessionMark>, StoreError> {
         Ok(self.inner.session_mark(session))
     }
+}
 
+impl crate::CheckpointStore for MemoryStore {
     async fn resume(
         &self,
         key: &StorageKey,
@@ -301,17 +317,5 @@ impl Store for MemoryStore {
         owner: Option<&crate::RequestOwner>,
     ) -> Result<Vec<crate::steps::Abandoned>, StoreError> {
         Ok(self.inner.abandoned(idle, limit, owner))
-    }
-
-    async fn wait_for_change(&self, _key: &StorageKey, max_wait: Duration) {
-        self.inner.waiters.fetch_add(1, Ordering::AcqRel);
-        let _waiting = Waiting(&self.inner.waiters);
-        let _ = tokio::time::timeout(max_wait, self.inner.changed.notified()).await;
-    }
-
-    /// `true`: records are `Bytes` in this process, handed back as they were given, so the
-    /// runtime does not checksum them.
-    fn keeps_records_in_process(&self) -> bool {
-        true
     }
 }
