@@ -96,6 +96,17 @@ if [ -n "$backends" ]; then
     exit 1
 fi
 
+# The crates find each other through traits, never by asking a value its type at run time:
+# no downcast in library code (comments aside).
+step "no downcast in library code"
+downcasts=$(grep -rnE 'downcast|TypeId|as_any|dyn Any|std::any::Any' --include='*.rs' idempotent-*/src |
+    grep -vE '^[^:]+:[0-9]+:[[:space:]]*//' || true)
+if [ -n "$downcasts" ]; then
+    echo "downcasts in library code:" >&2
+    echo "$downcasts" >&2
+    exit 1
+fi
+
 # A store URL whose feature is off is refused by name (`AnyStore`), which only a build
 # without those features can show: idempotent-any with `memory` alone.
 step "AnyStore without the redis and postgres features"

@@ -7,7 +7,9 @@
 //!
 //! | item | what it is for |
 //! |---|---|
-//! | [`Store`], [`Claim`], [`FencingToken`], [`RequestOwner`] | the key cycle a store implements |
+//! | [`Store`], [`Claim`], [`FencingToken`], [`RequestOwner`] | the key cycle every store implements |
+//! | [`SessionStore`], [`CheckpointStore`] | client sessions; checkpoints, kept requests and resumes: what a store implements when it can (see [`capability`](crate::capability)) |
+//! | [`StoreWrapper`] | a store in front of another, whose sessions and checkpoints are forwarded |
 //! | [`StorageKey`], [`RecordBytes`](crate::RecordBytes), [`Fingerprint`] | what a record is keyed and checked by |
 //! | [`envelope`] ([`Integrity`], [`encode_value`], [`decode`]) | the bytes of a finished record, with its format version and checksum |
 //! | [`Payload`] | a result turned into the bytes to complete with |
@@ -172,7 +174,10 @@ pub enum Claim {
 ///
 /// Implement the four required methods so that each is **one atomic step** against your
 /// backend, and run the conformance suite (feature `test-util`) against it; see
-/// [`conformance`](crate::conformance) when that feature is enabled. The rules every method
+/// [`conformance`](crate::conformance) when that feature is enabled. Sessions and checkpoints
+/// are traits of their own ([`SessionStore`], [`CheckpointStore`]), implemented when the
+/// backend can keep them; a store of keys only runs in
+/// [`Idempotency::keys_only`](crate::Idempotency::keys_only). The rules every method
 /// must keep are in its documentation; in short:
 ///
 /// - a record whose lease or TTL has passed is as good as absent for `claim`, and only for
@@ -321,7 +326,8 @@ pub enum Claim {
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), idempotent_core::Error> {
-/// let idempotency = idempotent_core::Idempotency::new(MutexStore::default());
+/// // It keeps plain keys only (no sessions, no checkpoints): a keys-only runtime.
+/// let idempotency = idempotent_core::Idempotency::keys_only(MutexStore::default());
 /// let call = idempotent_core::Call::new("order-1".parse()?);
 /// let first = idempotency.run(&call, async { 42u32 }).await?;
 /// let retry = idempotency.run(&call, async { 43u32 }).await?;

@@ -16,7 +16,7 @@ mod session;
 mod sink;
 mod verdict;
 
-pub use body::ResendBody;
+pub use body::{RebuildBody, ResendBody};
 pub use error::{ClientError, GiveUp};
 pub use key::{Delivery, IdempotencyKey};
 pub use layer::ClientLayer;

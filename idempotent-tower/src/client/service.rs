@@ -11,16 +11,16 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response};
 use http_body::Body;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotent_core::BoxError;
 use tower_service::Service;
 
-use super::body::{ResendBody, rebuild};
+use super::body::{RebuildBody, ResendBody};
 use super::config::{Config, MAX_PROBLEM_DOCUMENT};
 use super::error::ClientError;
 use super::key::IdempotencyKey;
 use super::protocol::ClientProtocol;
 use super::session::SessionSeq;
+use crate::server::body::{Unread, read_within};
 use crate::server::protocol::Http;
 
 /// The service a [`ClientLayer`](super::ClientLayer) wraps around a client
@@ -72,7 +72,7 @@ where
     B: ResendBody + Send + 'static,
     B::Data: Send,
     B::Error: Into<BoxError>,
-    RB: Body + Send + 'static,
+    RB: Body + RebuildBody + Send + 'static,
     RB::Data: Send,
     RB::Error: Into<BoxError>,
 {
@@ -127,10 +127,14 @@ where
     RB: Body,
     RB::Error: Into<BoxError>,
 {
-    Limited::new(body, MAX_PROBLEM_DOCUMENT)
-        .collect()
-        .await
-        .map(|body| body.to_bytes())
+    let body = std::pin::pin!(body);
+    match read_within(body, MAX_PROBLEM_DOCUMENT).await {
+        Ok(read) => Ok(read),
+        Err(Unread::TooLarge) => {
+            Err(format!("the answer's document is over {MAX_PROBLEM_DOCUMENT} bytes").into())
+        }
+        Err(Unread::Failed(error)) => Err(error),
+    }
 }
 
 async fn call<S, P, B, RB>(
@@ -144,7 +148,7 @@ where
     P: ClientProtocol,
     B: ResendBody,
     B::Error: Into<BoxError>,
-    RB: Body + 'static,
+    RB: Body + RebuildBody + 'static,
     RB::Error: Into<BoxError>,
 {
     if !config.protects(request.method()) {
@@ -156,13 +160,13 @@ where
     let chosen = parts.extensions.remove::<IdempotencyKey>();
     let resend = parts.extensions.remove::<SessionSeq>();
     let limit = config.policy.max_request_body;
-    let body = match Limited::new(body, limit).collect().await {
-        Ok(body) => body.to_bytes(),
-        Err(error) => {
-            let error = if error.is::<LengthLimitError>() {
-                ClientError::BodyTooLarge { limit }
-            } else {
-                ClientError::Body(error)
+    let body = std::pin::pin!(body);
+    let body = match read_within(body, limit).await {
+        Ok(body) => body,
+        Err(unread) => {
+            let error = match unread {
+                Unread::TooLarge => ClientError::BodyTooLarge { limit },
+                Unread::Failed(error) => ClientError::Body(error),
             };
             config.metrics.failed(&error);
             return Err(error);
@@ -201,7 +205,7 @@ where
     let (answer, delivery) = config.conclude(name, delivered, Attempted::headers)?;
     let mut response = match answer {
         Attempted::Response(response) => response,
-        Attempted::Read(parts, document) => match rebuild::<RB>(document.clone()) {
+        Attempted::Read(parts, document) => match RB::rebuild(document.clone()) {
             Some(body) => Response::from_parts(parts, body),
             None => {
                 let mut answer = Response::from_parts(parts, document);

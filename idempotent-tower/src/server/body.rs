@@ -4,9 +4,11 @@ use std::fmt;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::{Buf, Bytes};
+use bytes::{Buf, Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use idempotent_core::BoxError;
 use pin_project_lite::pin_project;
 
 pin_project! {
@@ -229,4 +231,53 @@ where
             ResponseKind::Failed { .. } => SizeHint::new(),
         }
     }
+}
+
+/// Why a body was not read whole ([`read_within`]).
+pub(crate) enum Unread {
+    /// It has more than the limit's bytes of data; what is left of it is unread.
+    TooLarge,
+    /// It failed to be read.
+    Failed(BoxError),
+}
+
+/// Reads `body` to its end, trailers ignored, if its data is at most `limit` bytes: a body
+/// declared or found longer stops being read at once (so the caller can read or drop what is
+/// left). One chunk is returned as it came; more are joined.
+pub(crate) async fn read_within<B>(mut body: Pin<&mut B>, limit: usize) -> Result<Bytes, Unread>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let limit_u64 = u64::try_from(limit).unwrap_or(u64::MAX);
+    if body.size_hint().lower() > limit_u64 {
+        return Err(Unread::TooLarge);
+    }
+    let mut first: Option<Bytes> = None;
+    let mut rest = BytesMut::new();
+    let mut len = 0usize;
+    while let Some(frame) = body.as_mut().frame().await {
+        let frame = frame.map_err(|error| Unread::Failed(error.into()))?;
+        let Ok(mut data) = frame.into_data() else {
+            continue;
+        };
+        len = len.saturating_add(data.remaining());
+        if len > limit {
+            return Err(Unread::TooLarge);
+        }
+        match &first {
+            None => first = Some(data.copy_to_bytes(data.remaining())),
+            Some(_) => rest.extend_from_slice(&data.copy_to_bytes(data.remaining())),
+        }
+    }
+    Ok(match first {
+        None => Bytes::new(),
+        Some(first) if rest.is_empty() => first,
+        Some(first) => {
+            let mut joined = BytesMut::with_capacity(len);
+            joined.extend_from_slice(&first);
+            joined.extend_from_slice(&rest);
+            joined.freeze()
+        }
+    })
 }

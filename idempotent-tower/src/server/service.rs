@@ -9,7 +9,6 @@ use bytes::Bytes;
 use http::header::CONTENT_LENGTH;
 use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body::Body;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
 use idempotent_core::capability::{KeysAndSessions, KeysOnly, NeedsSessions};
 use idempotent_core::metrics::RequestOutcome;
 use idempotent_core::{
@@ -18,7 +17,7 @@ use idempotent_core::{
 };
 use tower_service::Service;
 
-use super::body::{RequestBody, ResponseBody};
+use super::body::{RequestBody, ResponseBody, Unread, read_within};
 use super::capture::{Captured, capture};
 use super::config::{Config, IDEMPOTENT_BYPASSED, IDEMPOTENT_REPLAYED, OnClaimLost};
 use super::discard::{self, Declared};
@@ -264,15 +263,11 @@ where
     let session_seq = target.session_seq();
     let (parts, body) = request.into_parts();
     let body = {
-        // Pinned here rather than moved into `Limited`, so that what is left of an over-limit
-        // body can still be read.
+        // Pinned here, so that what is left of an over-limit body can still be read.
         let mut body = std::pin::pin!(body);
-        match Limited::new(body.as_mut(), config.max_request_body)
-            .collect()
-            .await
-        {
-            Ok(collected) => collected.to_bytes(),
-            Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => {
+        match read_within(body.as_mut(), config.max_request_body).await {
+            Ok(read) => read,
+            Err(Unread::TooLarge) => {
                 let limit = config.max_request_body;
                 let connection =
                     discard::over_limit(parts.version, body, config.max_discarded_body()).await;
@@ -288,7 +283,7 @@ where
                 );
                 return Ok(connection.mark(P::answer(Problem::request_too_large(limit))));
             }
-            Err(error) => {
+            Err(Unread::Failed(error)) => {
                 tracing::info!(outcome = ProblemCode::RequestBodyUnreadable.as_str(), error = %error, "could not read a protected request body");
                 count(
                     &config,
