@@ -63,7 +63,7 @@
 //!
 //! With `NOTIFY_URL`, each applied posting also enqueues, in its transaction, a notification
 //! `{"id", "account", "amount"}` keyed by the posting's operation key
-//! ([`ClaimHandle::operation_key`]), which a relay POSTs with that key as `Idempotency-Key`:
+//! ([`KeyClaim::operation_key`](idempotent_core::KeyClaim::operation_key)), which a relay POSTs with that key as `Idempotency-Key`:
 //! one message per committed posting, delivered at least once, dead-lettered in the outbox
 //! after `RELAY_MAX_ATTEMPTS` attempts or a refusal.
 

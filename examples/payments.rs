@@ -36,7 +36,7 @@
 //! So the handler does what one does with Stripe: it passes an idempotency key to the provider,
 //! and the provider charges at most once per key, answering a repeated key with the charge it
 //! already made. The in-process [`Provider`](provider::Provider) here simulates such an API.
-//! The key it gets is the claim's [`operation_key`](idempotent_core::ClaimHandle::operation_key)
+//! The key it gets is the claim's [`operation_key`](idempotent_core::KeyClaim::operation_key)
 //! (the layer puts the [`ClaimHandle`] into the request's extensions), not the client's
 //! `Idempotency-Key`:
 //!
@@ -79,7 +79,7 @@
 //! least 1) behind a layer like theirs (the same runtime and settings) and runs three steps on
 //! the request's [`ClaimHandle`], each a recovery point ([`ClaimHandle::step`], see
 //! `idempotent_core::steps`): `reserve` (a stock reservation), `charge` (the provider above,
-//! given the step's own key, [`step_key`](ClaimHandle::step_key)`("charge")`, as its
+//! given the step's own key, [`step_key`](idempotent_core::KeyClaim::step_key)`("charge")`, as its
 //! idempotency key) and `receipt` (a simulated mailer; on PostgreSQL, a row of the outbox table
 //! `idempotent_outbox`, for destination `receipts`, written in the transaction that saves the
 //! step's checkpoint, `PostgresStore::step_in_transaction`, so the two commit together). A step

@@ -5,7 +5,7 @@
 //! `PostgresStore::step_in_transaction`): the first attempt runs it and saves what it made on
 //! the in-flight record; a later attempt of the same operation (the client's retry after a
 //! crash, or the completer) gets that back without running the step again, and goes on from
-//! there. Each step's downstream key is [`ClaimHandle::step_key`], and the ids in the answer
+//! there. Each step's downstream key is [`KeyClaim::step_key`](idempotent_core::KeyClaim::step_key), and the ids in the answer
 //! are derived from it, so a resumed run names what the first attempt made.
 
 use std::collections::HashSet;

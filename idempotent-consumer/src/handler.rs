@@ -64,9 +64,9 @@ pub trait Handler: Decode {
     type Output: Serialize + Send + 'static;
 
     /// Applies the message. `claim` is the key's claim: its
-    /// [`operation_key`](ClaimHandle::operation_key) is the same for every attempt of this
-    /// message (hand it to downstream systems), its [`token`](ClaimHandle::token) fences
-    /// writes, [`lost`](ClaimHandle::lost) says when to stop. An `Err` releases the claim: the
+    /// [`operation_key`](idempotent_core::KeyClaim::operation_key) is the same for every attempt of this
+    /// message (hand it to downstream systems), its [`token`](idempotent_core::KeyClaim::token) fences
+    /// writes, [`lost`](idempotent_core::KeyClaim::lost) says when to stop. An `Err` releases the claim: the
     /// message is retried or dead-lettered as the [`Failure`] says.
     fn handle(
         &self,

@@ -30,15 +30,15 @@ tokio::task_local! {
 /// the first still runs. This handle gives the work what it needs to make the effect
 /// exactly-once anyway:
 ///
-/// - [`operation_key`](Self::operation_key): a key that is the same for every owner and attempt
+/// - [`operation_key`](crate::KeyClaim::operation_key): a key that is the same for every owner and attempt
 ///   of this operation. Pass it to the system you call (a payment provider's `Idempotency-Key`,
 ///   a deduplicating consumer, an outbox row): a stalled owner and its successor then cause one
 ///   effect.
-/// - [`token`](Self::token): the claim's [`FencingToken`], strictly increasing per key across
+/// - [`token`](crate::KeyClaim::token): the claim's [`FencingToken`], strictly increasing per key across
 ///   owners. A resource that refuses writes whose token is below the highest it has seen (see
 ///   `postgres::Fence` with the `postgres` feature) refuses the stale owner.
-/// - [`lost`](Self::lost) / [`is_lost`](Self::is_lost): the claim is gone (its lease ended
-///   without renewal, or the store said another owner holds the key). [`check`](Self::check)
+/// - [`lost`](crate::KeyClaim::lost) / [`is_lost`](crate::KeyClaim::is_lost): the claim is gone (its lease ended
+///   without renewal, or the store said another owner holds the key). [`check`](crate::KeyClaim::check)
 ///   asks the store (one round trip) before an irreversible step.
 ///
 /// Where the work gets it:
@@ -88,7 +88,7 @@ pub struct ClaimHandle {
 /// without steps. What a [`ClaimHandle`] dereferences to, and all the work gets on a runtime
 /// whose store keeps no checkpoints ([`Idempotency::keys_only`](crate::Idempotency::keys_only),
 /// [`Idempotency::with_sessions`](crate::Idempotency::with_sessions)):
-/// [`KeyClaim::current`] there, where [`ClaimHandle::current`] is `None`.
+/// [`KeyClaim::current`](crate::KeyClaim::current) there, where [`ClaimHandle::current`] is `None`.
 #[derive(Clone)]
 pub struct KeyClaim {
     state: Arc<ClaimState>,
@@ -119,7 +119,7 @@ struct ClaimState {
     /// store rejects is answered by the write's own outcome (the record is no longer in flight
     /// because a write landed, or the write is rejected too and reports the loss).
     recording: AtomicBool,
-    /// Set by [`ClaimHandle::finish_on_shutdown`]: a graceful shutdown's deadline does not
+    /// Set by [`KeyClaim::finish_on_shutdown`](crate::KeyClaim::finish_on_shutdown): a graceful shutdown's deadline does not
     /// stop the work.
     finish_on_shutdown: AtomicBool,
     notify: Notify,
@@ -151,7 +151,7 @@ impl ClaimHandle {
     /// [`execute`](crate::Idempotency::execute) (and so inside `#[idempotent]` functions and
     /// behind the tower layer), and in a transactional mode's work. `None` elsewhere: outside
     /// a claim, in tasks the work spawns, and in the work of a runtime whose store keeps no
-    /// checkpoints (its claim is [`KeyClaim::current`]).
+    /// checkpoints (its claim is [`KeyClaim::current`](crate::KeyClaim::current)).
     pub fn current() -> Option<ClaimHandle> {
         KeyClaim::current().and_then(KeyClaim::with_steps)
     }
@@ -198,7 +198,7 @@ impl ClaimHandle {
     /// - The checkpoint is written with the claim's fencing token: if another owner took the
     ///   operation over meanwhile, it is refused and the step fails with
     ///   [`Error::ClaimLost`] (its effect happened; the new owner runs the step again, so pass
-    ///   [`step_key`](Self::step_key) downstream).
+    ///   [`step_key`](crate::KeyClaim::step_key) downstream).
     /// - A store that fails the write fails the step with [`Error::Store`]; a checkpoint past
     ///   [`Defaults::max_checkpoint_bytes`](crate::Defaults::max_checkpoint_bytes) fails it
     ///   with [`CheckpointError::TooLarge`]. Nothing is saved in either case.
@@ -1111,7 +1111,7 @@ impl Drop for ClaimSlot {
     }
 }
 
-/// Gives the claim up: the work's other tasks learn it through [`ClaimHandle::lost`], and the
+/// Gives the claim up: the work's other tasks learn it through [`KeyClaim::lost`](crate::KeyClaim::lost), and the
 /// store's record is deleted so the next retry runs. The store write is bounded: a store that
 /// hangs leaves the claim to end with its lease.
 async fn release(seed: Option<Seed>, handle: Option<KeyClaim>) {

@@ -54,7 +54,7 @@ pub enum Error {
 
     /// The call's claim was lost while its work ran: its lease ended before a renewal got
     /// through (the store stalled or was unreachable), or another owner took the key over.
-    /// Returned by [`ClaimHandle::check`](crate::ClaimHandle::check) and answered to a client
+    /// Returned by [`KeyClaim::check`](crate::KeyClaim::check) and answered to a client
     /// whose request was stopped because of it. Client: retry with the same key after
     /// `retry_after`: the retry is answered by whichever owner holds the key now.
     #[error("the request lost its claim on the idempotency key while running")]

@@ -383,7 +383,7 @@ impl StorageKey {
     /// The key to hand to a downstream system for the operation of this storage key whose
     /// record lifetime began with the claim holding `lifetime` (a payment provider's
     /// `Idempotency-Key`, a consumer that deduplicates, the outbox relay). The running work
-    /// gets it from [`ClaimHandle::operation_key`](crate::ClaimHandle::operation_key).
+    /// gets it from [`KeyClaim::operation_key`](crate::KeyClaim::operation_key).
     ///
     /// A record's lifetime begins with the claim that finds no live record, and goes on
     /// through every takeover of the same request after a lease lapsed or a claim was

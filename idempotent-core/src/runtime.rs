@@ -64,7 +64,7 @@ pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(5);
 ///    cannot starve it). A renewal that fails or hangs
 ///    (each attempt is abandoned after a sixth of the lease) is retried with backoff until the
 ///    lease, counted from the last renewal sent that succeeded, has ended: then the claim is
-///    *lost* and the handle says so ([`ClaimHandle::lost`](crate::ClaimHandle::lost)). A
+///    *lost* and the handle says so ([`KeyClaim::lost`](crate::KeyClaim::lost)). A
 ///    rejected token (another owner took over) is a loss at once. The work is not stopped:
 ///    it decides, with the handle, what to do.
 /// 3. **Classify** the output: [`Retain::Keep`](crate::Retain::Keep) completes the record (retries replay it),
@@ -329,7 +329,7 @@ impl<C: Capabilities> Idempotency<C> {
     ///    after the lease) and its caller gets [`Error::ShuttingDown`](crate::Error::ShuttingDown). Up to five more seconds
     ///    are given to those releases. Stopping work half-way may leave its effect half-done
     ///    and lets a retry run it again: protect the effect downstream (see the *Failure
-    ///    model*), or call [`ClaimHandle::finish_on_shutdown`](crate::ClaimHandle::finish_on_shutdown)
+    ///    model*), or call [`KeyClaim::finish_on_shutdown`](crate::KeyClaim::finish_on_shutdown)
     ///    once the effect has happened, and the work is left to finish.
     ///
     /// A duplicate waiting for another owner ([`InFlightPolicy::Wait`](crate::InFlightPolicy::Wait)) has nothing in flight

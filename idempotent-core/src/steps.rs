@@ -17,7 +17,7 @@
 //!
 //! - *A step whose checkpoint was saved never runs again* while the operation's record lives
 //!   (its TTL). A crash between a step's effect and its checkpoint runs the step again on the
-//!   next attempt: pass [`ClaimHandle::step_key`](crate::ClaimHandle::step_key) downstream
+//!   next attempt: pass [`KeyClaim::step_key`](crate::KeyClaim::step_key) downstream
 //!   (the same for every attempt of this step of this operation), or, on PostgreSQL, run the
 //!   step in the transaction that writes its checkpoint
 //!   (`postgres::PostgresStore::step_in_transaction`), so the effect and the checkpoint commit

@@ -23,7 +23,7 @@ pub const DEFAULT_FENCE_TABLE: &str = "idempotent_fences";
 /// past the lease, a second owner takes the key over and runs, and the first one, once it
 /// resumes, still believes it owns the key. Every claim carries a token that is strictly
 /// greater than the tokens of all earlier claims of the same key; the running work reads it
-/// with [`ClaimHandle::token`](idempotent_core::ClaimHandle::token). [`advance`](Self::advance) records
+/// with [`KeyClaim::token`](idempotent_core::KeyClaim::token). [`advance`](Self::advance) records
 /// it next to the resource, in the transaction that writes the resource, and refuses it with
 /// [`FenceError::Stale`] once a newer owner has written.
 ///
@@ -140,7 +140,7 @@ pub const DEFAULT_FENCE_TABLE: &str = "idempotent_fences";
 ///   stop a stale owner that writes *before* the newer one: both writes are then accepted, in
 ///   token order. It fits writes that overwrite state (a report, a status, a file, a job's
 ///   output written in batches), where the last writer must be the current owner.
-/// - **The downstream operation key** ([`ClaimHandle::operation_key`](idempotent_core::ClaimHandle::operation_key))
+/// - **The downstream operation key** ([`KeyClaim::operation_key`](idempotent_core::KeyClaim::operation_key))
 ///   makes both owners cause one effect, whatever the order: use it for effects that add up (a
 ///   charge, a deposit, a message) on a system that deduplicates by key.
 /// - **The [transactional mode](crate::Transactional)** commits the record with the

@@ -484,9 +484,9 @@ impl PendingRecord {
     ///
     /// Here the claim is a row of the caller's open transaction: other callers wait on the row
     /// until the transaction ends, so the claim cannot be lost while the work runs, and
-    /// [`ClaimHandle::check`] answers `Ok` without a round trip.
+    /// [`KeyClaim::check`](idempotent_core::KeyClaim::check) answers `Ok` without a round trip.
     ///
-    /// The [operation key](ClaimHandle::operation_key) names the record's lifetime, which
+    /// The [operation key](idempotent_core::KeyClaim::operation_key) names the record's lifetime, which
     /// begins with the claim that finds no live record. A rolled-back transaction leaves no
     /// record, so its retry begins a new lifetime with a new operation key: what the work
     /// writes in the transaction is undone with it (messages of the

@@ -49,7 +49,7 @@ impl Outgoing {
 
     /// The message's idempotency key: what the receiver deduplicates on (the HTTP sink sends
     /// it as `Idempotency-Key`, the Redis Streams sink as the `key` field). By default it is
-    /// the [operation key](ClaimHandle::operation_key) of the claim given with
+    /// the [operation key](idempotent_core::KeyClaim::operation_key) of the claim given with
     /// [`claim`](Self::claim), else of the running claim ([`ClaimHandle::current`]: inside an
     /// `#[idempotent]` function, the runtime's `run`, a layer's handler): the same for every
     /// owner and attempt of the operation that enqueues it. Set a key of its own only for a
@@ -62,7 +62,7 @@ impl Outgoing {
     }
 
     /// Takes its default key from `claim` (its [operation
-    /// key](ClaimHandle::operation_key)) instead of the running claim: for the transactional
+    /// key](idempotent_core::KeyClaim::operation_key)) instead of the running claim: for the transactional
     /// mode's [`PendingRecord::claim`](crate::PendingRecord::claim), where no claim is
     /// running as [`ClaimHandle::current`].
     #[must_use]

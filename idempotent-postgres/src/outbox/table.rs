@@ -75,7 +75,7 @@ pub struct DeadLetter {
 ///
 /// Inside the work of an idempotent call (`#[idempotent(tx = ..)]`, or the runtime's `run`), a
 /// message without a key gets the running claim's [operation
-/// key](idempotent_core::ClaimHandle::operation_key); with the transactional mode's API, give it the claim:
+/// key](idempotent_core::KeyClaim::operation_key); with the transactional mode's API, give it the claim:
 /// `Outgoing::new(..).claim(&pending.claim())`. That key is the same for every attempt of the
 /// operation, so however often the operation is retried, the receiver sees one key.
 /// With the transactional mode, a retried operation either replays (its transaction, message

@@ -43,7 +43,7 @@ impl ResendBody for tonic::body::Body {
 /// A response body the client layer can make from bytes: how it returns, as a response of the
 /// inner service's body type, an answer it read whole (a problem document it had to look
 /// into). `None` for a type only its transport makes (hyper's `Incoming`): the layer then
-/// returns such an answer as [`ClientError::Gone`](crate::ClientError::Gone).
+/// returns such an answer as [`ClientError::Gone`](crate::client::ClientError::Gone).
 ///
 /// Implemented for `Full<Bytes>`, `String`, `http_body_util`'s boxed bodies, the server
 /// layer's [`ResponseBody`](crate::ResponseBody), tonic's `Body` (feature `tonic`), and as

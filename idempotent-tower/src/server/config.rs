@@ -37,7 +37,7 @@ pub enum OnClaimLost {
     /// is recorded only if no other owner took the key over meanwhile (the store refuses a
     /// stale token); otherwise retries are answered by the owner that holds the key now. Right
     /// when the handler protects its effect downstream (it passes
-    /// [`ClaimHandle::operation_key`](idempotent_core::ClaimHandle::operation_key) to the
+    /// [`KeyClaim::operation_key`](idempotent_core::KeyClaim::operation_key) to the
     /// system it calls, or fences the resource with the token): both owners then describe the
     /// same single effect, and cancelling half-way could leave work undone.
     #[default]

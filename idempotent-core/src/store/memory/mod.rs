@@ -43,7 +43,7 @@ pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 ///   is built inside a tokio runtime; the task ends when the last clone is dropped); and a claim
 ///   that finds the store full sweeps once before refusing. An abandoned claim (its lease
 ///   ended, or it was released) is kept until the TTL it was claimed with, so that the next
-///   owner continues its lifetime and [operation key](crate::ClaimHandle::operation_key); a
+///   owner continues its lifetime and [operation key](crate::KeyClaim::operation_key); a
 ///   full store's sweep deletes abandoned claims too, and the next owner of such a key then
 ///   begins a new lifetime (whatever its request: the store no longer knows which request the
 ///   key belonged to).
