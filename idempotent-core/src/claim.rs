@@ -23,62 +23,7 @@ tokio::task_local! {
     static CURRENT: ClaimSlot;
 }
 
-/// The claim a running call holds on its key, as the work sees it.
-///
-/// A claim protects the *record*: of any number of duplicates, one runs. It cannot by itself
-/// protect the *effect* when the store stalls past the lease and a second owner takes over while
-/// the first still runs. This handle gives the work what it needs to make the effect
-/// exactly-once anyway:
-///
-/// - [`operation_key`](crate::KeyClaim::operation_key): a key that is the same for every owner and attempt
-///   of this operation. Pass it to the system you call (a payment provider's `Idempotency-Key`,
-///   a deduplicating consumer, an outbox row): a stalled owner and its successor then cause one
-///   effect.
-/// - [`token`](crate::KeyClaim::token): the claim's [`FencingToken`], strictly increasing per key across
-///   owners. A resource that refuses writes whose token is below the highest it has seen (see
-///   `postgres::Fence` with the `postgres` feature) refuses the stale owner.
-/// - [`lost`](crate::KeyClaim::lost) / [`is_lost`](crate::KeyClaim::is_lost): the claim is gone (its lease ended
-///   without renewal, or the store said another owner holds the key). [`check`](crate::KeyClaim::check)
-///   asks the store (one round trip) before an irreversible step.
-///
-/// Where the work gets it:
-///
-/// - inside work run by [`Idempotency::run`](crate::Idempotency::run),
-///   [`run_with`](crate::Idempotency::run_with) or
-///   [`execute`](crate::Idempotency::execute): [`ClaimHandle::current`];
-/// - in an `#[idempotent]` function: `claim = name` binds it in the body;
-/// - in a handler behind `idempotent_tower::IdempotencyLayer`: a request extension
-///   (`Extension<ClaimHandle>` in axum, `request.extensions().get::<ClaimHandle>()` in tonic);
-/// - in the PostgreSQL transactional mode: `PendingRecord::claim`.
-///
-/// [`current`](Self::current) is a task-local: a task spawned by the work does not inherit it;
-/// clone the handle into it. Clones are cheap and share the claim.
-///
-/// ```
-/// use idempotent_core::memory::MemoryStore;
-/// use idempotent_core::{Call, ClaimHandle, Idempotency};
-///
-/// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), idempotent_core::Error> {
-/// let idempotency = Idempotency::new(MemoryStore::new());
-/// let call = Call::new("charge-1".parse()?);
-/// let receipt = idempotency
-///     .run(&call, async {
-///         let claim = ClaimHandle::current().expect("inside run");
-///         // Ask the store before the irreversible step.
-///         if claim.check().await.is_err() {
-///             return None; // lost (or unknown): do not charge
-///         }
-///         // The same key for every attempt of this operation: the provider charges once.
-///         let provider_key = claim.operation_key();
-///         Some(format!("charged with idempotency key {}", provider_key.as_str()))
-///     })
-///     .await?;
-/// # let charge = receipt;
-/// # let _ = charge;
-/// # Ok(())
-/// # }
-/// ```
+#[doc = include_str!("../docs/claim-handle.md")]
 #[derive(Clone)]
 pub struct ClaimHandle {
     claim: KeyClaim,

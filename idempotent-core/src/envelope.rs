@@ -1,24 +1,4 @@
-//! The envelope around every stored result: a format version and a checksum.
-//!
-//! ```text
-//! offset  size  field
-//! 0       2     magic "ID"
-//! 2       1     format version (1)
-//! 3       1     kind: 0 = result bytes follow, 1 = result not retained (no bytes follow)
-//! 4       8     first 8 bytes of blake3(result bytes); zero on an in-process store
-//! 12      n     result bytes
-//! ```
-//!
-//! A store whose records never leave the process ([`Store::keeps_records_in_process`]) gets
-//! no checksum: it hands back the very bytes it was given, and the digest cost as much as a
-//! replay's other two digests together (BENCHMARKS.md). Every other check still applies.
-//!
-//! [`Store::keeps_records_in_process`]: crate::Store::keeps_records_in_process
-//!
-//! Decoding reads any byte string without panicking: it returns the result bytes or an
-//! [`EnvelopeError`]. Stores keep the envelope as opaque bytes. A record that fails to decode is
-//! reported as [`Error::CorruptRecord`](crate::Error::CorruptRecord), never treated as absent:
-//! treating it as absent would run the work a second time.
+#![doc = include_str!("../docs/envelope.md")]
 
 use bytes::{BufMut, Bytes, BytesMut};
 

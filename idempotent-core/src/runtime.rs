@@ -30,71 +30,7 @@ pub const DEFAULT_RECORD_RETRY: Duration = Duration::from_secs(60);
 /// store.
 pub const CLAIM_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The idempotency runtime: a store plus defaults. Cheap to clone; clones share the store.
-///
-/// ```
-/// use idempotent_core::memory::MemoryStore;
-/// use idempotent_core::{Call, Idempotency};
-///
-/// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), idempotent_core::Error> {
-/// let idempotency = Idempotency::new(MemoryStore::new());
-/// let call = Call::new("charge-1".parse()?);
-///
-/// let first = idempotency.run(&call, async { "charged 10 EUR".to_string() }).await?;
-/// let retry = idempotency.run(&call, async { "charged twice!".to_string() }).await?;
-///
-/// assert!(!first.is_replayed());
-/// assert!(retry.is_replayed());
-/// assert_eq!(retry.into_inner(), "charged 10 EUR");
-/// # Ok(())
-/// # }
-/// ```
-///
-/// # Semantics
-///
-/// 1. **Claim** the call's storage key. A completed record with the same fingerprint is
-///    replayed; with a different fingerprint the call fails with
-///    [`Error::FingerprintMismatch`](crate::Error::FingerprintMismatch). A record in flight is answered per the
-///    [`InFlightPolicy`](crate::InFlightPolicy); a record that cannot be decoded fails with [`Error::CorruptRecord`](crate::Error::CorruptRecord).
-/// 2. **Run** the work, with its [`ClaimHandle`](crate::ClaimHandle) as
-///    [`ClaimHandle::current`](crate::ClaimHandle::current). Once the work first waits, the
-///    lease is renewed every third of its length on a task of its own (so, on a runtime with
-///    more than one worker thread, work that blocks its thread or a caller that stops polling
-///    cannot starve it). A renewal that fails or hangs
-///    (each attempt is abandoned after a sixth of the lease) is retried with backoff until the
-///    lease, counted from the last renewal sent that succeeded, has ended: then the claim is
-///    *lost* and the handle says so ([`KeyClaim::lost`](crate::KeyClaim::lost)). A
-///    rejected token (another owner took over) is a loss at once. The work is not stopped:
-///    it decides, with the handle, what to do.
-/// 3. **Classify** the output: [`Retain::Keep`](crate::Retain::Keep) completes the record (retries replay it),
-///    [`Retain::Release`](crate::Retain::Release) deletes the claim (the next retry runs again). A result larger than
-///    the maximum result size, or one the store has no room for, is recorded as "not
-///    retained": retries fail with [`Error::ResultNotRetained`](crate::Error::ResultNotRetained) rather than running the work
-///    again. A result that [`run`](Self::run) cannot serialize is recorded the same way.
-/// 4. **Cancellation and panics**: if the call's future is dropped or the work panics, the claim
-///    is released in the background, so the key is never locked beyond the work's life. If it
-///    is dropped after the work has run, while its result is being recorded, the recording
-///    finishes in the background: a retry replays the result instead of running the work again.
-/// 5. **Store failures** before the work runs fail the call with [`Error::Store`](crate::Error::Store) (fail closed).
-///    After the work ran, the call returns its fresh value at once; if the record could not be
-///    written (the store was unreachable, full or slow), the write is retried with backoff in
-///    the background for up to [`IdempotencyBuilder::record_retry`] while the lease is kept
-///    alive, so duplicates are answered [`Error::InFlight`](crate::Error::InFlight) and then replay the result. It
-///    stops early when the store rejects the token (the claim was lost). Only a process crash,
-///    an outage longer than the lease, or the bound, lets the claim lapse with its lease. See
-///    the crate's *Failure model* for what protects the effect then.
-///
-/// # Capabilities
-///
-/// `Idempotency` is `Idempotency<`[`Full`]`>`: a runtime over a store that keeps keys, client
-/// sessions ([`SessionStore`]) and checkpoints ([`CheckpointStore`]), as every store of this
-/// family does. A store with less runs in a runtime whose type says so
-/// ([`keys_only`](Idempotency::keys_only), [`with_sessions`](Idempotency::with_sessions),
-/// [`with_checkpoints`](Idempotency::with_checkpoints)), and what it lacks does not compile
-/// there; see [`capability`](crate::capability).
-///
-/// Requires a tokio runtime with the time driver enabled.
+#[doc = include_str!("../docs/runtime.md")]
 pub struct Idempotency<C = Full> {
     pub(crate) inner: Arc<Inner>,
     capabilities: PhantomData<fn() -> C>,

@@ -1,40 +1,4 @@
-//! Client sessions: a stable session id, a sequence number per request and an acknowledged
-//! low-water mark, instead of one idempotency key per request.
-//!
-//! A client opens a session (an id it keeps, such as one per process), numbers its requests
-//! `1, 2, 3, …` and sends with each the highest `ack` such that it holds the answers to every
-//! request numbered `ack` or lower. The server keeps, per session, the highest `ack` it has
-//! seen and the answers above it; each request's `ack` drops the answers at or below it. So a
-//! session costs storage for at most its window of answers, however many requests it makes, and
-//! no answer the client may still need is ever dropped by a timer while the session is used.
-//!
-//! A call in a session ([`Call::in_session`](crate::Call::in_session)) goes through its store's
-//! [session gate](crate::SessionStore::open_session) and then, if admitted, through the ordinary claim
-//! of its `(session, seq)` record: a lease, a fencing token and an operation key like any key,
-//! so the fault guarantees of keys hold for it while its session lives. Once it holds the
-//! claim, the runtime reads the session ([`SessionStore::session_mark`](crate::SessionStore::session_mark))
-//! before it runs anything: a later request's `ack` may
-//! have covered the number meanwhile and dropped its answer, which the claim then did not
-//! find. The gate decides, atomically per session:
-//!
-//! | the request | the gate | the call |
-//! |---|---|---|
-//! | `seq ≤` the highest `ack` seen (its own included) | [`SessionGate::Acknowledged`] | [`Error::SequenceAcknowledged`](crate::Error::SequenceAcknowledged), nothing runs |
-//! | `seq > ack + window` | [`SessionGate::WindowFull`] | [`Error::SessionWindowFull`](crate::Error::SessionWindowFull), nothing runs |
-//! | an unknown session with `ack > 0` | [`SessionGate::Expired`] | [`Error::SessionExpired`](crate::Error::SessionExpired), nothing runs |
-//! | an unknown session with `ack = 0` | starts it, [`SessionGate::Open`] | claimed and run |
-//! | otherwise | [`SessionGate::Open`] | claimed: run, replayed, `InFlight` or `FingerprintMismatch` as for a key |
-//!
-//! A known session takes the request's `ack` (the mark only rises), drops the records it
-//! covers, and lives `idle` from this request (the
-//! [`Defaults::session_idle`](crate::Defaults::session_idle)); so do the answers it still
-//! holds. A session nobody sends to for `idle` is forgotten with its answers; a request that
-//! then says it has answers (`ack > 0`) is refused as expired rather than run, since the
-//! server can no longer tell what ran. One that says it has none (`ack = 0`) starts the session
-//! anew, in a new incarnation (*epoch*) whose records share nothing with the old one's: a
-//! request sent again after its session was forgotten, by a client that never got an answer
-//! in it (so its `ack` is still 0), runs again, as a key reused after its TTL would. Keep the
-//! idle time longer than any client goes on retrying.
+#![doc = include_str!("../docs/session.md")]
 
 use std::time::Duration;
 

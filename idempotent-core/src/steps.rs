@@ -1,37 +1,4 @@
-//! Recovery points: the results of an operation's steps, saved on its in-flight record so a
-//! later attempt resumes where an earlier one stopped.
-//!
-//! An operation made of several effects in a row (reserve stock, charge the card, send the
-//! receipt) runs each one as a step of its claim,
-//! [`ClaimHandle::step`](crate::ClaimHandle::step):
-//!
-//! - the first attempt runs the step and saves its result on the in-flight record as a
-//!   *checkpoint*, written with the claim's fencing token (a stale owner's checkpoint is
-//!   refused: [`Error::ClaimLost`](crate::Error::ClaimLost));
-//! - every later attempt of the same operation (after a crash, a lapsed lease, or a failure
-//!   that released the claim) returns the saved result without running the step;
-//! - the finished record drops its checkpoints, and a new operation under the same key (the
-//!   record expired, or another request's) starts with none.
-//!
-//! What each guarantee depends on:
-//!
-//! - *A step whose checkpoint was saved never runs again* while the operation's record lives
-//!   (its TTL). A crash between a step's effect and its checkpoint runs the step again on the
-//!   next attempt: pass [`KeyClaim::step_key`](crate::KeyClaim::step_key) downstream
-//!   (the same for every attempt of this step of this operation), or, on PostgreSQL, run the
-//!   step in the transaction that writes its checkpoint
-//!   (`postgres::PostgresStore::step_in_transaction`), so the effect and the checkpoint commit
-//!   together.
-//! - *Checkpoints are bounded.* Their encoded size on one record is at most
-//!   [`Defaults::max_checkpoint_bytes`](crate::Defaults::max_checkpoint_bytes)
-//!   ([`DEFAULT_MAX_CHECKPOINT_BYTES`] unless set): keep ids in them, not documents. A step
-//!   whose checkpoint would pass it fails with [`CheckpointError::TooLarge`] after it ran.
-//! - *Steps are named:* `[A-Za-z0-9_.-]`, 1 to [`MAX_STEP_NAME_LEN`] bytes. A name is one
-//!   checkpoint: a second step with the same name in the same operation returns the first's
-//!   result.
-//!
-//! The store keeps checkpoints as an opaque byte string the runtime appends entries to
-//! ([`CheckpointStore::save_step`](crate::CheckpointStore::save_step)); the first entry of a name wins.
+#![doc = include_str!("../docs/steps.md")]
 
 use std::time::Duration;
 
