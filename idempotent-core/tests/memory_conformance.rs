@@ -129,6 +129,8 @@ mod picked_by_traits {
         }
     }
 
+    // The borrow is what lets a store without the trait fall back to the `No…Checks` impl.
+    #[allow(clippy::needless_borrow)]
     #[test]
     fn the_checks_follow_the_stores_traits() {
         (&Probe::<Full>::new()).sessions("session_starts_only_without_an_ack");
