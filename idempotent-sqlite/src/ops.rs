@@ -16,7 +16,7 @@ use sqlx::{Executor as _, Sqlite};
 
 use crate::error::{corrupt, store_error};
 use crate::row::{self, Decision, Session, Stored};
-use crate::sql::{after, millis, now_ms, token_param};
+use crate::sql::{Param, after, millis, now_ms, token_param};
 use crate::store::Inner;
 use crate::write::Write;
 
@@ -458,13 +458,6 @@ impl Inner {
             }
         }
     }
-}
-
-/// A parameter of a guarded statement after the key, the token and the time.
-pub(crate) enum Param<'a> {
-    Bytes(&'a [u8]),
-    /// The time this long after the statement's `now`.
-    From(Duration),
 }
 
 /// One row of the completer's list as an [`Abandoned`].

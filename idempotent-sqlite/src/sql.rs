@@ -250,6 +250,13 @@ pub(crate) fn token_param(token: FencingToken) -> Option<i64> {
     i64::try_from(token.get()).ok()
 }
 
+/// A parameter of a guarded statement after the key, the token and the time.
+pub(crate) enum Param<'a> {
+    Bytes(&'a [u8]),
+    /// The time this long after the statement's `now`.
+    From(Duration),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

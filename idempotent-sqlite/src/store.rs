@@ -19,8 +19,7 @@ use sqlx::sqlite::{
 use tokio::sync::Notify;
 
 use crate::error::{is_busy, store_error};
-use crate::ops::Param;
-use crate::sql::{DEFAULT_TABLE_PREFIX, Sql};
+use crate::sql::{DEFAULT_TABLE_PREFIX, Param, Sql};
 
 /// How long an operation waits for another connection's or process's write lock before it
 /// fails with [`StoreError::Unavailable`], by default.
