@@ -58,8 +58,21 @@ export IDEMPOTENT_REQUIRE_BACKENDS=1
 step "cargo build --examples (end-to-end tests run them as real processes)"
 cargo build --workspace --examples --all-features --locked
 
-step "cargo test (all targets, all features)"
-cargo test --workspace --all-targets --all-features --locked
+# Under cargo-nextest: every test in a process of its own, several at a time across all the
+# test binaries (`cargo test` runs the binaries one after another, each waiting for its
+# slowest test). How, in .config/nextest.toml's `ci` profile: the tests that use the Redis
+# Cluster take turns (some fail its primaries over), the trybuild test runs first and alone
+# (its compilation takes every core, and tests with wall-clock leases then miss them), a test
+# hung for long is killed, and every failure is told again at the end. Without cargo-nextest
+# (`cargo install cargo-nextest --locked`), `cargo test` runs the same tests, slower. Doc
+# tests are the next step: nextest does not run them.
+if cargo nextest --version >/dev/null 2>&1; then
+    step "cargo nextest run (all targets, all features)"
+    cargo nextest run --profile ci --workspace --all-targets --all-features --locked
+else
+    step "cargo test (all targets, all features; cargo-nextest is not installed)"
+    cargo test --workspace --all-targets --all-features --locked
+fi
 
 step "cargo test --doc"
 cargo test --workspace --all-features --doc --locked
