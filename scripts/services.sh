@@ -1,13 +1,17 @@
 # Starting and stopping the real backend servers the tests use. Sourced by scripts/test.sh and
 # scripts/bench.sh; usable by hand:
 #
-#   source scripts/services.sh && start_redis && start_postgres && start_nats && start_rabbitmq
+#   source scripts/services.sh && start_redis && start_postgres && start_nats && start_rabbitmq && start_kafka
 #   ... run tests ...
 #   stop_services
 #
 # Each server runs on a free loopback port in its own temporary directory; its URL is exported
 # as IDEMPOTENT_TEST_REDIS_URL / IDEMPOTENT_TEST_POSTGRES_URL / IDEMPOTENT_TEST_NATS_URL /
-# IDEMPOTENT_TEST_AMQP_URL.
+# IDEMPOTENT_TEST_AMQP_URL / IDEMPOTENT_TEST_KAFKA_URL.
+#
+# The Kafka-protocol broker is nisshi, built from crates.io (no Debian package has one) into a
+# cache outside the clone, $IDEMPOTENT_TOOLS_CACHE (default ~/.cache/idempotent-tools): about
+# ten minutes on two cores the first time, reused afterwards.
 
 SERVICES_DIR="${SERVICES_DIR:-$(mktemp -d -t idempotent-services.XXXXXX)}"
 chmod 755 "$SERVICES_DIR"
@@ -344,6 +348,61 @@ EOF
     return 1
 }
 
+NISSHI_VERSION=0.8.1
+TOOLS_CACHE="${IDEMPOTENT_TOOLS_CACHE:-$HOME/.cache/idempotent-tools}"
+
+# The cached nisshi binary, building it first if it is missing: `cargo install` of the pinned
+# version with its lock file and only the SQLite storage engine (`libsql`), into the cache.
+# `--ignore-rust-version`: its lock file asks for a newer rustc than this project's, and
+# builds with ours.
+nisshi_bin() {
+    local root="$TOOLS_CACHE/nisshi-$NISSHI_VERSION"
+    if [ ! -x "$root/bin/nisshi" ]; then
+        echo "building nisshi $NISSHI_VERSION (a Kafka-protocol broker) into $root; about 10 minutes the first time" >&2
+        mkdir -p "$TOOLS_CACHE"
+        if ! cargo install nisshi --version "$NISSHI_VERSION" --locked --ignore-rust-version \
+            --no-default-features --features libsql --root "$root" \
+            --target-dir "$TOOLS_CACHE/nisshi-build" >"$TOOLS_CACHE/nisshi-build.log" 2>&1; then
+            echo "cargo install nisshi failed; its log:" >&2
+            tail -n 40 "$TOOLS_CACHE/nisshi-build.log" >&2
+            return 1
+        fi
+        # The build directory is gigabytes; the binary is all that is reused.
+        rm -rf "$TOOLS_CACHE/nisshi-build"
+    fi
+    echo "$root/bin/nisshi"
+}
+
+# A nisshi broker on a free loopback port, its log in an SQLite file in its directory (a
+# SIGKILL and a restart keep it). Exports IDEMPOTENT_TEST_KAFKA_URL (kafka://127.0.0.1:PORT)
+# and IDEMPOTENT_TEST_NISSHI (the binary, for tests that start brokers of their own).
+start_kafka() {
+    local bin port dir
+    bin="$(nisshi_bin)" || return 1
+    port="$(free_port)"
+    dir="$SERVICES_DIR/kafka"
+    mkdir -p "$dir"
+    # Its own session, in its directory (the SQLite path is relative to it; it reads a .env
+    # there, and there is none).
+    (cd "$dir" && env -u STORAGE_ENGINE -u LISTENER_URL -u ADVERTISED_LISTENER_URL RUST_LOG=warn \
+        setsid "$bin" broker --kafka-listener-url "tcp://127.0.0.1:$port" \
+        --kafka-advertised-listener-url "tcp://127.0.0.1:$port" \
+        --storage-engine sqlite://kafka.db --group-initial-rebalance-delay 0s </dev/null >>"$dir/nisshi.log" 2>&1 &
+        echo $! >"$dir/nisshi.pid")
+    for _ in $(seq 1 300); do
+        if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+            export IDEMPOTENT_TEST_KAFKA_URL="kafka://127.0.0.1:$port"
+            export IDEMPOTENT_TEST_NISSHI="$bin"
+            echo "nisshi $NISSHI_VERSION (Kafka protocol, SQLite storage) on $IDEMPOTENT_TEST_KAFKA_URL"
+            return 0
+        fi
+        sleep 0.1
+    done
+    echo "nisshi did not start on port $port within 30 s; log:" >&2
+    cat "$dir/nisshi.log" >&2
+    return 1
+}
+
 # Kills RabbitMQ's process group (if it was started) and waits, bounded, until it is gone.
 stop_rabbitmq_group() {
     local pgid
@@ -387,6 +446,9 @@ stop_services() {
     fi
     if [ -d "$dir/rabbitmq" ]; then
         stop_rabbitmq_group "$dir/rabbitmq"
+    fi
+    if [ -f "$dir/kafka/nisshi.pid" ]; then
+        kill -KILL "$(cat "$dir/kafka/nisshi.pid")" 2>/dev/null || true
     fi
     rm -rf "$dir"
 }

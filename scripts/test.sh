@@ -7,11 +7,13 @@
 #   bash scripts/test.sh
 #
 # It installs redis-server, PostgreSQL, nats-server and rabbitmq-server from Debian packages
-# when they are missing, starts one of each on a free loopback port in a temporary directory
-# (NATS with JetStream; a RabbitMQ node of its own), and a Redis Cluster of three primaries and
-# three replicas, exports their URLs to the tests (IDEMPOTENT_TEST_REDIS_URL,
-# IDEMPOTENT_TEST_REDIS_CLUSTER_URLS, IDEMPOTENT_TEST_POSTGRES_URL, IDEMPOTENT_TEST_NATS_URL,
-# IDEMPOTENT_TEST_AMQP_URL), and stops them on exit, also when a step fails. Backend tests fail
+# when they are missing, and the Kafka-protocol broker nisshi from crates.io into a cache
+# outside the clone (~/.cache/idempotent-tools; ten minutes the first time), starts one of each
+# on a free loopback port in a temporary directory (NATS with JetStream; a RabbitMQ node of its
+# own; nisshi on SQLite), and a Redis Cluster of three primaries and three replicas, exports
+# their URLs to the tests (IDEMPOTENT_TEST_REDIS_URL, IDEMPOTENT_TEST_REDIS_CLUSTER_URLS,
+# IDEMPOTENT_TEST_POSTGRES_URL, IDEMPOTENT_TEST_NATS_URL, IDEMPOTENT_TEST_AMQP_URL,
+# IDEMPOTENT_TEST_KAFKA_URL), and stops them on exit, also when a step fails. Backend tests fail
 # (rather than skip) when a server is missing, because this script sets
 # IDEMPOTENT_REQUIRE_BACKENDS=1. CARGO_TARGET_DIR is respected.
 set -euo pipefail
@@ -46,13 +48,14 @@ cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 step "rust-version: no dependency declares a newer one"
 python3 scripts/check_msrv.py
 
-step "starting Redis, a Redis Cluster, PostgreSQL, NATS (JetStream) and RabbitMQ on loopback"
+step "starting Redis, a Redis Cluster, PostgreSQL, NATS (JetStream), RabbitMQ and Kafka (nisshi) on loopback"
 trap stop_services EXIT
 start_redis
 start_redis_cluster
 start_postgres
 start_nats
 start_rabbitmq
+start_kafka
 export IDEMPOTENT_REQUIRE_BACKENDS=1
 
 step "cargo build --examples (end-to-end tests run them as real processes)"

@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use super::{DeadLettered, Message, Received, Source, SourceError};
 
+#[cfg(feature = "kafka")]
+use super::kafka::Kafka;
 #[cfg(feature = "nats")]
 use super::nats::JetStream;
 #[cfg(feature = "rabbitmq")]
@@ -14,22 +16,28 @@ use super::redis_streams::RedisStreams;
 /// Where an [`AnySource`] consumes from.
 #[derive(Debug, Clone)]
 pub struct Endpoint {
-    /// `redis://…` (`rediss://`), `nats://…` or `amqp://…` (`amqps://`).
+    /// `redis://…` (`rediss://`), `nats://…`, `amqp://…` (`amqps://`) or
+    /// `kafka://host:port[,host:port]`.
     pub url: String,
-    /// The Redis stream, the JetStream stream, the RabbitMQ queue.
+    /// The Redis stream, the JetStream stream, the RabbitMQ queue, the Kafka topic.
     pub stream: String,
-    /// The Redis consumer group, the JetStream durable consumer (unused on RabbitMQ).
+    /// The Redis consumer group, the JetStream durable consumer, the Kafka consumer group
+    /// (unused on RabbitMQ).
     pub group: String,
-    /// This consumer's name in the Redis group, its RabbitMQ consumer tag (unused on NATS).
+    /// This consumer's name in the Redis group, its RabbitMQ consumer tag, its Kafka
+    /// `client.id` (unused on NATS).
     pub consumer: String,
     /// How long a message left unacknowledged waits for its redelivery: Redis's `claim_idle`,
-    /// JetStream's ack wait (unused on RabbitMQ, which redelivers when a consumer's channel
-    /// closes).
+    /// JetStream's ack wait, Kafka's session timeout (after which a dead consumer's partitions
+    /// go to the others); unused on RabbitMQ, which redelivers when a consumer's channel
+    /// closes.
     pub redelivery: Duration,
 }
 
-/// [`RedisStreams`], [`JetStream`] or [`RabbitMq`], as an [`Endpoint`]'s URL says: for an
-/// application that lets its deployment pick the broker. Each is there with its feature.
+/// [`RedisStreams`], [`JetStream`], [`RabbitMq`] or [`Kafka`], as an [`Endpoint`]'s URL says:
+/// for an application that lets its deployment pick the broker. Each is there with its
+/// feature. On Kafka the topic and its dead-letter topic (`<topic>.dead`) are created with
+/// three partitions when missing, and used as they are otherwise.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum AnySource {
@@ -42,6 +50,9 @@ pub enum AnySource {
     /// `amqp://`, `amqps://`.
     #[cfg(feature = "rabbitmq")]
     RabbitMq(RabbitMq),
+    /// `kafka://`.
+    #[cfg(feature = "kafka")]
+    Kafka(Kafka),
 }
 
 /// An [`AnySource`]'s handle on one message.
@@ -57,6 +68,9 @@ pub enum AnyDelivery {
     /// From [`AnySource::RabbitMq`] (boxed: a delivery carries its properties).
     #[cfg(feature = "rabbitmq")]
     RabbitMq(Box<<RabbitMq as Source>::Delivery>),
+    /// From [`AnySource::Kafka`] (boxed: a delivery carries its record).
+    #[cfg(feature = "kafka")]
+    Kafka(Box<<Kafka as Source>::Delivery>),
 }
 
 impl AnySource {
@@ -70,6 +84,8 @@ impl AnySource {
             "nats" => true,
             #[cfg(feature = "rabbitmq")]
             "amqp" | "amqps" => true,
+            #[cfg(feature = "kafka")]
+            "kafka" => url.len() > "kafka://".len(),
             _ => false,
         }
     }
@@ -105,6 +121,14 @@ impl AnySource {
                 .connect()
                 .await
                 .map(AnySource::RabbitMq),
+            #[cfg(feature = "kafka")]
+            "kafka" => Kafka::builder(&url["kafka://".len()..], stream, group)
+                .member(consumer.as_str())
+                .session_timeout(*redelivery)
+                .create_topics(3)
+                .connect()
+                .await
+                .map(AnySource::Kafka),
             _ => Err(SourceError::new(
                 format!("the URL {url:?}"),
                 "no source of this build takes its scheme",
@@ -123,6 +147,8 @@ macro_rules! each {
             (AnySource::Nats($source), AnyDelivery::Nats($d)) => $body,
             #[cfg(feature = "rabbitmq")]
             (AnySource::RabbitMq($source), AnyDelivery::RabbitMq($d)) => $body,
+            #[cfg(feature = "kafka")]
+            (AnySource::Kafka($source), AnyDelivery::Kafka($d)) => $body,
             #[allow(unreachable_patterns)]
             _ => Err(SourceError::new(
                 "answering the broker",
@@ -156,6 +182,8 @@ impl Source for AnySource {
             AnySource::Nats(source) => source.name(),
             #[cfg(feature = "rabbitmq")]
             AnySource::RabbitMq(source) => source.name(),
+            #[cfg(feature = "kafka")]
+            AnySource::Kafka(source) => source.name(),
         }
     }
 
@@ -168,6 +196,10 @@ impl Source for AnySource {
             #[cfg(feature = "rabbitmq")]
             AnySource::RabbitMq(source) => Ok(wrap(source.receive(max).await?, |d| {
                 AnyDelivery::RabbitMq(Box::new(d))
+            })),
+            #[cfg(feature = "kafka")]
+            AnySource::Kafka(source) => Ok(wrap(source.receive(max).await?, |d| {
+                AnyDelivery::Kafka(Box::new(d))
             })),
         }
     }
@@ -203,6 +235,21 @@ impl Source for AnySource {
             AnySource::Nats(source) => source.handling_limit(),
             #[cfg(feature = "rabbitmq")]
             AnySource::RabbitMq(source) => source.handling_limit(),
+            #[cfg(feature = "kafka")]
+            AnySource::Kafka(source) => source.handling_limit(),
+        }
+    }
+
+    fn counts_deliveries(&self) -> bool {
+        match self {
+            #[cfg(feature = "redis-streams")]
+            AnySource::Redis(source) => source.counts_deliveries(),
+            #[cfg(feature = "nats")]
+            AnySource::Nats(source) => source.counts_deliveries(),
+            #[cfg(feature = "rabbitmq")]
+            AnySource::RabbitMq(source) => source.counts_deliveries(),
+            #[cfg(feature = "kafka")]
+            AnySource::Kafka(source) => source.counts_deliveries(),
         }
     }
 
@@ -214,6 +261,8 @@ impl Source for AnySource {
             AnySource::Nats(source) => source.keep_alive_every(),
             #[cfg(feature = "rabbitmq")]
             AnySource::RabbitMq(source) => source.keep_alive_every(),
+            #[cfg(feature = "kafka")]
+            AnySource::Kafka(source) => source.keep_alive_every(),
         }
     }
 }

@@ -194,6 +194,7 @@ impl<S: Source> Consumer<S> {
     ) -> Report {
         let effect = effect::InTransaction {
             pool,
+            deliveries: effect::transactional::Deliveries::beside(&transactional),
             transactional,
             handler,
         };

@@ -18,6 +18,59 @@ pub(crate) enum Processed {
     Duplicate,
     /// Not applied.
     Failed(Failure),
+    /// Not applied, and delivered as often as the consumer allows, as counted on the
+    /// message's record ([`Count`]): dead-lettered now.
+    Exhausted(Failure),
+}
+
+/// The runtime counts this message's deliveries on its record: its source does not
+/// ([`Source::counts_deliveries`](crate::Source::counts_deliveries)).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Count {
+    /// [`Consumer::max_deliveries`](crate::Consumer::max_deliveries).
+    pub(crate) max: u64,
+    /// The deliveries the source made itself ([`Message::deliveries`]).
+    pub(crate) seen: u64,
+}
+
+impl Count {
+    /// How a message's handling that ended in `processed` stands, `deliveries` counted on
+    /// its record (`None`: not counted, the handling ended before): a rejection at the bound
+    /// is dead-lettered.
+    fn judge(self, deliveries: Option<u64>, processed: Processed) -> Processed {
+        match (processed, deliveries) {
+            (Processed::Failed(failure @ Failure::Rejected(_)), Some(deliveries))
+                if deliveries >= self.max =>
+            {
+                Processed::Exhausted(failure)
+            }
+            (processed, _) => processed,
+        }
+    }
+
+    /// The deliveries of a message whose record counts `before` earlier ones, `answered` of
+    /// which ended with an answer (its handler returned): every one counts toward the
+    /// rejected bound (as a broker counts them), at least those this source made itself;
+    /// `Err` when `max_deliveries` earlier ones ended without an answer (their consumers died
+    /// while handling it): its handler must not run again.
+    fn deliveries(self, before: u64, answered: u64) -> Result<u64, Failure> {
+        let deliveries = before.saturating_add(1).max(self.seen);
+        let crashes = before.saturating_sub(answered);
+        if crashes >= self.max {
+            return Err(Failure::Rejected(format!(
+                "delivered {deliveries} times; {crashes} of its deliveries ended without an \
+                 answer (their consumers stopped while handling it), max_deliveries is {}",
+                self.max
+            )));
+        }
+        Ok(deliveries)
+    }
+}
+
+/// The step that marks a claim mode delivery answered (its handler returned): delivery `n`
+/// (from 1) on the record.
+fn answered_step(n: u64) -> String {
+    format!("idempotent-consumer.answered.{n}")
 }
 
 /// A decoded message, ready to be applied.
@@ -33,7 +86,12 @@ pub(crate) trait Effect: Send + Sync + 'static {
 
     fn prepare(&self, message: &Message) -> Result<Prepared<Self::Input>, Failure>;
 
-    fn apply(&self, prepared: &Prepared<Self::Input>) -> impl Future<Output = Processed> + Send;
+    /// Applies the message; with `count`, counting its delivery on its record first.
+    fn apply(
+        &self,
+        prepared: &Prepared<Self::Input>,
+        count: Option<Count>,
+    ) -> impl Future<Output = Processed> + Send;
 }
 
 fn prepare<D: Decode + ?Sized>(
@@ -139,16 +197,54 @@ impl<H: Handler> Effect for Claimed<H> {
         prepare(&self.handler, message)
     }
 
-    async fn apply(&self, prepared: &Prepared<H::Input>) -> Processed {
+    async fn apply(&self, prepared: &Prepared<H::Input>, count: Option<Count>) -> Processed {
         // The claim the work ran under: after the work, whether its record is written.
         let ran_under: std::sync::Mutex<Option<ClaimHandle>> = std::sync::Mutex::new(None);
+        // The deliveries counted on the record, when counted.
+        let counted: std::sync::Mutex<Option<u64>> = std::sync::Mutex::new(None);
         let work = async {
             match ClaimHandle::current() {
                 Some(claim) => {
                     *ran_under
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(claim.clone());
-                    self.handler.handle(&prepared.input, &claim).await
+                    let Some(count) = count else {
+                        return self.handler.handle(&prepared.input, &claim).await;
+                    };
+                    // A checkpoint of the runtime's own, written with the claim's token: it
+                    // survives this process, and a crash leaves the record in flight with it,
+                    // for the next delivery's claim to take over. Deliveries whose handler
+                    // returned are marked with a step of their own.
+                    let counting = |error: Error| {
+                        Failure::Transient(format!(
+                            "cannot count the delivery on its record: {}",
+                            chain(&error)
+                        ))
+                    };
+                    let before = u64::from(claim.count_attempt().await.map_err(counting)?);
+                    let mut answered = 0;
+                    for n in 1..=before {
+                        if claim
+                            .saved_step::<()>(&answered_step(n))
+                            .await
+                            .map_err(counting)?
+                            .is_some()
+                        {
+                            answered += 1;
+                        }
+                    }
+                    let deliveries = count.deliveries(before, answered);
+                    *counted
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                        Some(deliveries.as_ref().map_or(u64::MAX, |d| *d));
+                    deliveries?;
+                    let result = self.handler.handle(&prepared.input, &claim).await;
+                    if result.is_err() {
+                        // Best effort: unmarked, it counts as a crash.
+                        let _ = claim.step(&answered_step(before + 1), async {}).await;
+                    }
+                    result
                 }
                 // The runtime runs the work inside its claim's scope: never here.
                 None => Err(Failure::Transient("the work ran without its claim".into())),
@@ -182,7 +278,7 @@ impl<H: Handler> Effect for Claimed<H> {
         let claim = ran_under
             .into_inner()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match execution {
+        let processed = match execution {
             Ok(Execution::Fresh(Ok(_))) => match claim {
                 Some(claim) => durable(&claim).await,
                 None => Processed::Applied,
@@ -190,6 +286,15 @@ impl<H: Handler> Effect for Claimed<H> {
             Ok(Execution::Fresh(Err(failure))) => Processed::Failed(failure),
             Ok(Execution::Replayed(_)) => Processed::Duplicate,
             Err(error) => sort(error),
+        };
+        match count {
+            Some(count) => count.judge(
+                counted
+                    .into_inner()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+                processed,
+            ),
+            None => processed,
         }
     }
 }
@@ -201,7 +306,7 @@ pub use self::transactional::sql_failure;
 
 #[cfg(feature = "postgres")]
 pub(crate) mod transactional {
-    use super::{Effect, Prepared, Processed, prepare, sort};
+    use super::{Count, Effect, Prepared, Processed, chain, prepare, sort};
     use crate::{Failure, Message, TxHandler};
     use idempotent_core::metrics::ProtocolLabel;
     use idempotent_postgres::RawClaim;
@@ -229,6 +334,96 @@ pub(crate) mod transactional {
         pub(crate) pool: sqlx::PgPool,
         pub(crate) transactional: Transactional,
         pub(crate) handler: H,
+        pub(crate) deliveries: Deliveries,
+    }
+
+    /// Deliveries counted durably, for a source that does not count them (Kafka): one row per
+    /// message in hand in `<records table>_deliveries`, counted in a statement of its own before
+    /// each delivery's transaction (so a crash inside it still counts), its `answered` column
+    /// counted after each delivery that ended otherwise (a failure, a duplicate), and deleted
+    /// by the transaction that applies the message.
+    pub(crate) struct Deliveries {
+        table: String,
+        created: tokio::sync::OnceCell<()>,
+        counted: std::sync::atomic::AtomicU64,
+    }
+
+    /// Rows untouched this long are deleted (messages dead-lettered or handled elsewhere).
+    const DELIVERIES_KEPT: &str = "7 days";
+
+    impl Deliveries {
+        /// The table beside `transactional`'s records table (validated there as a plain,
+        /// optionally schema-qualified, lowercase identifier).
+        pub(crate) fn beside(transactional: &Transactional) -> Self {
+            let table = match transactional.table().split_once('.') {
+                Some((schema, name)) => format!("\"{schema}\".\"{name}_deliveries\""),
+                None => format!("\"{}_deliveries\"", transactional.table()),
+            };
+            Deliveries {
+                table,
+                created: tokio::sync::OnceCell::new(),
+                counted: std::sync::atomic::AtomicU64::new(0),
+            }
+        }
+
+        /// Counts one more delivery of the message stored at `key`: how many were counted
+        /// before this one, and how many of those were answered.
+        async fn count(&self, pool: &sqlx::PgPool, key: &[u8]) -> Result<(u64, u64), sqlx::Error> {
+            let table = &self.table;
+            self.created
+                .get_or_try_init(|| async {
+                    let create = format!(
+                        "CREATE TABLE IF NOT EXISTS {table} (storage_key bytea PRIMARY KEY, \
+                         deliveries bigint NOT NULL, answered bigint NOT NULL DEFAULT 0, \
+                         updated_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+                    );
+                    // Two consumers creating it at once: one of them may fail on the catalog's
+                    // unique index; the table is there then.
+                    match sqlx::query(&create).execute(pool).await {
+                        Ok(_) => Ok(()),
+                        Err(_) => sqlx::query(&create).execute(pool).await.map(|_| ()),
+                    }
+                })
+                .await?;
+            let n = self
+                .counted
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if n % 1024 == 1023 {
+                let sweep = format!(
+                    "DELETE FROM {table} WHERE updated_at < clock_timestamp() - interval '{DELIVERIES_KEPT}'"
+                );
+                sqlx::query(&sweep).execute(pool).await?;
+            }
+            let count = format!(
+                "INSERT INTO {table} AS d (storage_key, deliveries) VALUES ($1, 1) \
+                 ON CONFLICT (storage_key) DO UPDATE \
+                 SET deliveries = d.deliveries + 1, updated_at = clock_timestamp() \
+                 RETURNING deliveries, answered"
+            );
+            let (deliveries, answered): (i64, i64) =
+                sqlx::query_as(&count).bind(key).fetch_one(pool).await?;
+            let count = |n: i64| u64::try_from(n).unwrap_or(0);
+            Ok((count(deliveries).saturating_sub(1), count(answered)))
+        }
+
+        /// The delivery of the message stored at `key` ended with an answer.
+        async fn answered(&self, pool: &sqlx::PgPool, key: &[u8]) -> Result<(), sqlx::Error> {
+            let answered = format!(
+                "UPDATE {} SET answered = answered + 1 WHERE storage_key = $1",
+                self.table
+            );
+            sqlx::query(&answered)
+                .bind(key)
+                .execute(pool)
+                .await
+                .map(|_| ())
+        }
+
+        /// Forgets the message's count, in the transaction that applies it.
+        async fn forget(&self, tx: &mut sqlx::PgConnection, key: &[u8]) -> Result<(), sqlx::Error> {
+            let forget = format!("DELETE FROM {} WHERE storage_key = $1", self.table);
+            sqlx::query(&forget).bind(key).execute(tx).await.map(|_| ())
+        }
     }
 
     impl<H: TxHandler> Effect for InTransaction<H> {
@@ -238,18 +433,49 @@ pub(crate) mod transactional {
             prepare(&self.handler, message)
         }
 
-        async fn apply(&self, prepared: &Prepared<H::Input>) -> Processed {
-            match self.attempt(prepared).await {
+        async fn apply(&self, prepared: &Prepared<H::Input>, count: Option<Count>) -> Processed {
+            let Some(count) = count else {
+                return match self.attempt(prepared, false).await {
+                    Ok(processed) => processed,
+                    Err(failure) => Processed::Failed(failure),
+                };
+            };
+            let key = self.transactional.storage_key(&prepared.call);
+            let deliveries = match self.deliveries.count(&self.pool, key.as_bytes()).await {
+                Ok((before, answered)) => count.deliveries(before, answered),
+                Err(error) => {
+                    return Processed::Failed(Failure::Transient(format!(
+                        "cannot count the delivery: {}",
+                        chain(&error)
+                    )));
+                }
+            };
+            let deliveries = match deliveries {
+                Ok(deliveries) => deliveries,
+                Err(failure) => return Processed::Exhausted(failure),
+            };
+            let processed = match self.attempt(prepared, true).await {
                 Ok(processed) => processed,
                 Err(failure) => Processed::Failed(failure),
+            };
+            if !matches!(processed, Processed::Applied)
+                && let Err(error) = self.deliveries.answered(&self.pool, key.as_bytes()).await
+            {
+                // Unmarked, this delivery counts as one that crashed.
+                tracing::warn!(%error, "cannot mark a delivery answered");
             }
+            count.judge(Some(deliveries), processed)
         }
     }
 
     impl<H: TxHandler> InTransaction<H> {
         /// One transaction: claim, handle, complete, commit. Any early return drops the
         /// transaction, which rolls it back, claim and all.
-        async fn attempt(&self, prepared: &Prepared<H::Input>) -> Result<Processed, Failure> {
+        async fn attempt(
+            &self,
+            prepared: &Prepared<H::Input>,
+            counted: bool,
+        ) -> Result<Processed, Failure> {
             // A duplicate the cache tier knows is acknowledged without a transaction.
             #[cfg(feature = "cache")]
             if let Some(cached) = self
@@ -290,6 +516,13 @@ pub(crate) mod transactional {
                 .clone()
                 .scope(self.handler.handle(&mut tx, &prepared.input, &claim))
                 .await?;
+            if counted {
+                let key = self.transactional.storage_key(&prepared.call);
+                self.deliveries
+                    .forget(&mut tx, key.as_bytes())
+                    .await
+                    .map_err(|e| sql_failure("forgetting the delivery count", &e))?;
+            }
             let completed = match pending.complete_recorded(&mut tx, &output).await {
                 Ok(completed) => completed,
                 Err(error) => return Ok(sort(error)),

@@ -43,11 +43,16 @@ pub trait Decode: Send + Sync + 'static {
     }
 
     /// Messages with the same ordering key are handled one at a time, in the order received;
-    /// `None` (the default): no order kept. A message retried later is received again after
-    /// those that came behind it.
+    /// `None`: no order kept. A message retried later is received again after those that came
+    /// behind it. By default the broker's own [message key](Message::key) (a Kafka record's
+    /// key, as lossy UTF-8), which the other brokers do not have: on Kafka the records of one
+    /// key run in order, as its producer partitions them, and records with different keys run
+    /// concurrently, in one partition or many.
     fn ordering_key(&self, message: &Message, input: &Self::Input) -> Option<String> {
-        let _ = (message, input);
-        None
+        let _ = input;
+        message
+            .key()
+            .map(|key| String::from_utf8_lossy(key).into_owned())
     }
 }
 

@@ -67,7 +67,12 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-#[cfg(any(feature = "redis-streams", feature = "nats", feature = "rabbitmq"))]
+#[cfg(any(
+    feature = "redis-streams",
+    feature = "nats",
+    feature = "rabbitmq",
+    feature = "kafka"
+))]
 mod any;
 mod builder;
 mod effect;
@@ -77,6 +82,9 @@ mod message;
 mod runner;
 mod source;
 
+#[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+pub mod kafka;
 #[cfg(feature = "nats")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub mod nats;
@@ -87,10 +95,20 @@ pub mod rabbitmq;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis-streams")))]
 pub mod redis_streams;
 
-#[cfg(any(feature = "redis-streams", feature = "nats", feature = "rabbitmq"))]
+#[cfg(any(
+    feature = "redis-streams",
+    feature = "nats",
+    feature = "rabbitmq",
+    feature = "kafka"
+))]
 #[cfg_attr(
     docsrs,
-    doc(cfg(any(feature = "redis-streams", feature = "nats", feature = "rabbitmq")))
+    doc(cfg(any(
+        feature = "redis-streams",
+        feature = "nats",
+        feature = "rabbitmq",
+        feature = "kafka"
+    )))
 )]
 pub use self::any::{AnyDelivery, AnySource, Endpoint};
 pub use self::builder::*;

@@ -18,6 +18,7 @@ pub const MAX_FIELDS: usize = 64;
 pub struct Message {
     pub(super) position: String,
     pub(super) id: Option<String>,
+    pub(super) key: Option<Bytes>,
     pub(super) body: Bytes,
     pub(super) fields: Vec<(String, Bytes)>,
     pub(super) deliveries: u64,
@@ -28,6 +29,7 @@ impl fmt::Debug for Message {
         f.debug_struct("Message")
             .field("position", &self.position)
             .field("id", &self.id)
+            .field("key_len", &self.key.as_ref().map(Bytes::len))
             .field("body_len", &self.body.len())
             .field("fields", &self.fields.len())
             .field("deliveries", &self.deliveries)
@@ -42,6 +44,7 @@ impl Message {
         Message {
             position: position.into(),
             id: None,
+            key: None,
             body: body.into(),
             fields: Vec::new(),
             deliveries: 1,
@@ -52,6 +55,13 @@ impl Message {
     #[must_use]
     pub fn with_id(mut self, id: impl Into<String>) -> Self {
         self.id = Some(id.into());
+        self
+    }
+
+    /// With the broker's own message key (a Kafka record's key).
+    #[must_use]
+    pub fn with_key(mut self, key: impl Into<Bytes>) -> Self {
+        self.key = Some(key.into());
         self
     }
 
@@ -70,16 +80,24 @@ impl Message {
     }
 
     /// The broker's name for this message: a Redis Streams entry id, a JetStream stream
-    /// sequence, a RabbitMQ delivery tag. For logs; not a key (a publisher's retry is a new
+    /// sequence, a RabbitMQ delivery tag, a Kafka record's `PARTITION@OFFSET`. For logs; not a key (a publisher's retry is a new
     /// position).
     pub fn position(&self) -> &str {
         &self.position
     }
 
     /// The publisher's message id, the default idempotency key: a Redis Streams entry's `id`
-    /// field, NATS's `Nats-Msg-Id` header, AMQP's `message-id` property.
+    /// field, NATS's `Nats-Msg-Id` header, AMQP's `message-id` property, a Kafka record's
+    /// `idempotency-key` header.
     pub fn id(&self) -> Option<&str> {
         self.id.as_deref()
+    }
+
+    /// The broker's own message key: a Kafka record's key (what the producer partitions by),
+    /// `None` on the other brokers and for a Kafka record without one. Not the idempotency
+    /// key: many messages share it. The default [ordering key](crate::Decode::ordering_key).
+    pub fn key(&self) -> Option<&Bytes> {
+        self.key.as_ref()
     }
 
     /// The body (empty for a Redis Streams entry, whose content is its fields).
@@ -87,8 +105,10 @@ impl Message {
         &self.body
     }
 
-    /// The fields: a Redis Streams entry's fields in order (all of them), or the headers of a
-    /// NATS or AMQP message (those whose value is text or bytes, at most [`MAX_FIELDS`]).
+    /// The fields: a Redis Streams entry's fields in order (all of them), the headers of a
+    /// NATS or AMQP message (those whose value is text or bytes, at most [`MAX_FIELDS`]), or
+    /// a Kafka record's headers in order (all of them; a header without a value has an empty
+    /// one).
     pub fn fields(&self) -> &[(String, Bytes)] {
         &self.fields
     }

@@ -11,7 +11,7 @@ use metrics::{Counter, Histogram};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
-use super::effect::{Effect, Prepared, Processed};
+use super::effect::{Count, Effect, Prepared, Processed};
 use super::{
     DeadLettered, Failure, MESSAGE_DEAD_LETTERS, MESSAGE_DURATION, MESSAGE_REDELIVERIES, MESSAGES,
     Outcome, Received, SOURCE_ERRORS, Settings, Source, backoff_delay,
@@ -292,11 +292,55 @@ impl<S: Source, E: Effect> Shared<S, E> {
             Err(failure) => Processed::Failed(failure),
             Ok(prepared) => {
                 let work = async {
-                    // Waiting for a handler slot, kept alive.
-                    let slot = Arc::clone(&self.slots).acquire_owned();
-                    let _slot = self.kept_alive(&received.delivery, ordering, slot).await;
-                    self.apply(&received.delivery, prepared, ordering, started)
-                        .await
+                    // A source without a delivery count of its own (Kafka) redelivers a
+                    // retried message itself, behind the messages that came after it: one
+                    // with an ordering key is retried here instead, in its place, so that
+                    // its key's later messages keep waiting for it.
+                    let in_place = !self.source.counts_deliveries() && ordering.is_some();
+                    let mut seen = received.message.deliveries();
+                    loop {
+                        let processed = {
+                            // Waiting for a handler slot, kept alive.
+                            let slot = Arc::clone(&self.slots).acquire_owned();
+                            let _slot = self.kept_alive(&received.delivery, ordering, slot).await;
+                            // Counted on the record where the broker does not count deliveries.
+                            let count = (!self.source.counts_deliveries()).then(|| Count {
+                                max: self.settings.max_deliveries,
+                                seen,
+                            });
+                            self.apply(
+                                &received.delivery,
+                                Arc::clone(&prepared),
+                                count,
+                                ordering,
+                                started,
+                            )
+                            .await
+                        };
+                        let failure = match &processed {
+                            Processed::Failed(failure @ Failure::Transient(_)) => failure,
+                            Processed::Failed(failure @ Failure::Rejected(_))
+                                if seen < self.settings.max_deliveries =>
+                            {
+                                failure
+                            }
+                            // Its deliveries here reached the bound.
+                            Processed::Failed(Failure::Rejected(_)) if in_place => {
+                                break match processed {
+                                    Processed::Failed(failure) => Processed::Exhausted(failure),
+                                    processed => processed,
+                                };
+                            }
+                            _ => break processed,
+                        };
+                        if !in_place {
+                            break processed;
+                        }
+                        let delay = backoff_delay(self.settings.backoff, seen);
+                        self.retried_in_place(&received.message, failure, seen, delay);
+                        tokio::time::sleep(delay).await;
+                        seen = seen.saturating_add(1);
+                    }
                 };
                 caught(work).await.unwrap_or_else(|()| {
                     tracing::error!(
@@ -397,6 +441,7 @@ impl<S: Source, E: Effect> Shared<S, E> {
         &self,
         delivery: &S::Delivery,
         prepared: Arc<Prepared<E::Input>>,
+        count: Option<Count>,
         ordering: Option<&str>,
         received: Instant,
     ) -> Processed {
@@ -425,7 +470,9 @@ impl<S: Source, E: Effect> Shared<S, E> {
         let effect = Arc::clone(&self.effect);
         // Aborted if this is dropped (a panic in the runtime's code around it, a stopped
         // consumer): a handler must not go on unseen once its message is answered otherwise.
-        let mut work = AbortOnDrop(tokio::spawn(async move { effect.apply(&prepared).await }));
+        let mut work = AbortOnDrop(tokio::spawn(
+            async move { effect.apply(&prepared, count).await },
+        ));
         // Unused without a limit (the `select!` below disables it).
         let deadline = tokio::time::sleep_until(limit.as_ref().map_or(now, |(at, _)| *at));
         let ended = self
@@ -459,6 +506,7 @@ impl<S: Source, E: Effect> Shared<S, E> {
         let Received { message, delivery } = received;
         let name = self.source.name();
         let counters = &self.counters;
+        let exhausted = matches!(processed, Processed::Exhausted(_));
         match processed {
             Processed::Applied | Processed::Duplicate => {
                 let duplicate = matches!(processed, Processed::Duplicate);
@@ -487,9 +535,13 @@ impl<S: Source, E: Effect> Shared<S, E> {
                     0
                 }
             }
-            Processed::Failed(failure) => {
+            Processed::Failed(failure) | Processed::Exhausted(failure) => {
                 let kind = match &failure {
                     Failure::Malformed(_) => Some(0),
+                    // Counted on the record, where the broker does not count deliveries.
+                    _ if exhausted => Some(1),
+                    // As the broker counts them, or (a source that does not) at least the
+                    // deliveries this source made itself.
                     Failure::Rejected(_)
                         if message.deliveries() >= self.settings.max_deliveries =>
                     {
@@ -562,6 +614,27 @@ impl<S: Source, E: Effect> Shared<S, E> {
                 2
             }
         }
+    }
+
+    /// Counts, logs and observes a retry the runtime makes itself, in the message's place.
+    fn retried_in_place(
+        &self,
+        message: &super::Message,
+        failure: &Failure,
+        deliveries: u64,
+        delay: Duration,
+    ) {
+        tracing::info!(
+            source = self.source.name(),
+            position = message.position(),
+            deliveries,
+            max_deliveries = self.settings.max_deliveries,
+            %failure,
+            "message not applied; retried in its place in {delay:?}"
+        );
+        self.counters.retried.fetch_add(1, Ordering::Relaxed);
+        self.metrics.messages[2].increment(1);
+        self.observe(message, Outcome::Retried { failure, delay });
     }
 
     /// Tells the observer; one that panics is logged, and harms nothing else.

@@ -103,6 +103,17 @@ pub trait Source: Send + Sync + 'static {
         None
     }
 
+    /// Whether the broker counts deliveries ([`Message::deliveries`] holds across consumer
+    /// restarts), which the [`max_deliveries`](crate::Consumer::max_deliveries) bound relies
+    /// on. `true` by default. A source that returns `false` (Kafka, which has no per-message
+    /// delivery count) numbers only the deliveries it made itself; the runtime then counts
+    /// each delivery durably, on the message's record, before its handler runs, and a message
+    /// delivered more than `max_deliveries` times without an answer (its consumers died while
+    /// handling it) is dead-lettered without running its handler again.
+    fn counts_deliveries(&self) -> bool {
+        true
+    }
+
     /// The longest a message may stay in hand before the broker takes it back whatever the
     /// consumer does (RabbitMQ's `consumer_timeout`); `None` (the default) when keep-alives
     /// hold it as long as needed. Counted from the message's receipt: the runtime stops a

@@ -21,6 +21,10 @@ pub const NATS_URL: &str = "IDEMPOTENT_TEST_NATS_URL";
 pub const AMQP_URL: &str = "IDEMPOTENT_TEST_AMQP_URL";
 /// A `rabbitmqctl` command for the shared RabbitMQ node, split on spaces.
 pub const RABBITMQCTL: &str = "IDEMPOTENT_TEST_RABBITMQCTL";
+/// The URL of the shared Kafka-protocol broker (`kafka://127.0.0.1:PORT`).
+pub const KAFKA_URL: &str = "IDEMPOTENT_TEST_KAFKA_URL";
+/// The Kafka-protocol broker's binary (`nisshi`), for tests that start brokers of their own.
+pub const NISSHI: &str = "IDEMPOTENT_TEST_NISSHI";
 /// Set (not `0`) where backend tests must run: a missing server is then a failure.
 pub const REQUIRE_BACKENDS: &str = "IDEMPOTENT_REQUIRE_BACKENDS";
 
@@ -92,6 +96,11 @@ pub fn redis_cluster_urls() -> Option<String> {
 /// The shared NATS server's URL (see [`backend_url`]).
 pub fn nats_url() -> Option<String> {
     backend_url(NATS_URL)
+}
+
+/// The shared Kafka-protocol broker's URL, `kafka://127.0.0.1:PORT` (see [`backend_url`]).
+pub fn kafka_url() -> Option<String> {
+    backend_url(KAFKA_URL)
 }
 
 /// The shared RabbitMQ node's URL (see [`backend_url`]).

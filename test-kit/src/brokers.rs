@@ -1,6 +1,7 @@
 //! Message brokers of a test's own, for tests that kill them and start them again: a private
-//! `nats-server` with JetStream (file store), or a private RabbitMQ node, each in a temporary
-//! directory on free loopback ports. [`kill`](PrivateNats::kill) is `SIGKILL` (for RabbitMQ, to
+//! `nats-server` with JetStream (file store), a private RabbitMQ node, or a private
+//! Kafka-protocol broker (`nisshi`, SQLite storage), each in a temporary directory on free
+//! loopback ports. [`kill`](PrivateNats::kill) is `SIGKILL` (for RabbitMQ, to
 //! the node's whole process group); [`restart`](PrivateNats::restart) starts the broker again
 //! on the same port with the same data; dropping one kills it and removes its directory.
 //!
@@ -24,7 +25,7 @@ use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
 use tokio::time::{Instant, sleep, timeout};
 
-use crate::backend::{RABBITMQCTL, installed};
+use crate::backend::{NISSHI, RABBITMQCTL, installed};
 use crate::names::free_port;
 use crate::process::{
     find_program, has_programs, kill_and_reap, kill_group, print_logs_on_panic, scratch_dir, tail,
@@ -260,6 +261,127 @@ impl PrivateNats {
 impl Drop for PrivateNats {
     fn drop(&mut self) {
         print_logs_on_panic("nats-server", &[self.log(), self.stderr()]);
+        if let Some(child) = self.child.as_mut() {
+            kill_and_reap(child);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+// ----- Kafka -----
+
+/// The Kafka-protocol broker's binary: `IDEMPOTENT_TEST_NISSHI` (which scripts/services.sh
+/// sets to the one it built into its cache), else `nisshi` on `PATH`.
+pub fn nisshi_program() -> Option<PathBuf> {
+    std::env::var_os(NISSHI)
+        .map(PathBuf::from)
+        .filter(|path| path.is_file())
+        .or_else(|| find_program("nisshi"))
+}
+
+/// A private Kafka-protocol broker (`nisshi broker`) on a free loopback port, its log kept
+/// in an SQLite file in its own directory, so that a `SIGKILL` and a restart keep every record
+/// it acknowledged, and the consumer groups' offsets. Killed and removed when dropped.
+pub struct PrivateKafka {
+    bin: PathBuf,
+    dir: PathBuf,
+    port: u16,
+    child: Option<Child>,
+}
+
+impl PrivateKafka {
+    /// Starts one and waits until it accepts connections; `None` when `nisshi` is not
+    /// installed (scripts/services.sh builds it into a cache).
+    pub async fn start() -> Option<PrivateKafka> {
+        let bin = installed("nisshi (the Kafka-protocol broker)", nisshi_program())?;
+        let mut kafka = PrivateKafka {
+            bin,
+            dir: scratch_dir("kafka"),
+            port: free_port(),
+            child: None,
+        };
+        kafka.spawn().await;
+        Some(kafka)
+    }
+
+    /// `127.0.0.1:PORT`, as Kafka clients take their bootstrap servers.
+    pub fn brokers(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// `kafka://127.0.0.1:PORT`, as the examples take it.
+    pub fn url(&self) -> String {
+        format!("kafka://127.0.0.1:{}", self.port)
+    }
+
+    /// The broker's pid, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref()?.id()
+    }
+
+    /// `SIGKILL`s the broker and waits until it is gone.
+    pub async fn kill(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let _ = child.start_kill();
+        within("nisshi to exit after SIGKILL", EXIT_LIMIT, child.wait())
+            .await
+            .expect("wait for nisshi");
+    }
+
+    /// Starts the broker again on the same port with the same storage (killing it first if
+    /// it runs), and waits until it is ready.
+    pub async fn restart(&mut self) {
+        self.kill().await;
+        self.spawn().await;
+    }
+
+    fn log(&self) -> PathBuf {
+        self.dir.join("nisshi.log")
+    }
+
+    async fn spawn(&mut self) {
+        let (stdout, stderr) = append(&self.log());
+        let listener = format!("tcp://127.0.0.1:{}", self.port);
+        let child = Command::new(&self.bin)
+            .arg("broker")
+            .args(["--kafka-listener-url", &listener])
+            .args(["--kafka-advertised-listener-url", &listener])
+            .args(["--storage-engine", "sqlite://kafka.db"])
+            .args(["--group-initial-rebalance-delay", "0s"])
+            .current_dir(&self.dir)
+            .env_remove("STORAGE_ENGINE")
+            .env_remove("LISTENER_URL")
+            .env_remove("ADVERTISED_LISTENER_URL")
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", self.bin.display()));
+        self.child = Some(child);
+        let logs = [self.log()];
+        let deadline = Instant::now() + START_LIMIT;
+        loop {
+            assert_running(self.child.as_mut().unwrap(), "nisshi", &logs);
+            if accepts(self.port).await {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nisshi did not start on port {} within {START_LIMIT:?}",
+                self.port
+            );
+            sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for PrivateKafka {
+    fn drop(&mut self) {
+        print_logs_on_panic("nisshi", &[self.log()]);
         if let Some(child) = self.child.as_mut() {
             kill_and_reap(child);
         }

@@ -21,6 +21,9 @@ pub use self::message::{MAX_OUTBOX_PAYLOAD, OutboxError, Outgoing};
 pub use self::relay::{Batch, Relay, RelayBuilder, RunningRelay};
 #[cfg(feature = "redis")]
 pub use self::sink::RedisStreamSink;
+#[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+pub use self::sink::kafka::{DEFAULT_KAFKA_TIMEOUT, KAFKA_KEY_HEADER, KafkaSink};
 pub use self::sink::{BoxFuture, Relayed, Sink, SinkError};
 pub use self::table::{Backlog, DEFAULT_OUTBOX_TABLE, DeadLetter, Outbox};
 

@@ -747,5 +747,6 @@ fn message(row: sqlx::postgres::PgRow) -> Result<Relayed, sqlx::Error> {
         payload: Bytes::from(row.try_get::<Vec<u8>, _>(3)?),
         headers: names.into_iter().zip(values).collect(),
         attempt: attempt(row.try_get(6)?),
+        ordering_key: row.try_get(9)?,
     })
 }

@@ -27,6 +27,8 @@ pub struct Relayed {
     pub headers: Vec<(String, String)>,
     /// Which attempt this is, from 1. Attempts during which a relay died count too.
     pub attempt: u32,
+    /// Its [ordering key](crate::outbox::Outgoing::ordering_key), if it has one.
+    pub ordering_key: Option<String>,
 }
 
 /// Why a sink did not deliver a message.
@@ -152,3 +154,6 @@ impl Sink for RedisStreamSink {
         })
     }
 }
+
+#[cfg(feature = "kafka")]
+pub(super) mod kafka;
