@@ -1,5 +1,5 @@
 //! An idempotent message consumer on the library's consumer runtime: postings from Redis
-//! Streams, NATS JetStream or RabbitMQ, applied to PostgreSQL balances exactly once.
+//! Streams, NATS JetStream, RabbitMQ or Kafka, applied to PostgreSQL balances exactly once.
 //!
 //! ```sh
 //! DATABASE_URL=postgres://postgres@127.0.0.1/postgres cargo run --release --example ledger
@@ -7,8 +7,8 @@
 //! ```
 //!
 //! Each message carries `id` (the idempotency key, stable across producer retries), `account`
-//! and `amount` (a decimal 64-bit integer): a Redis Streams entry as three fields; a NATS or
-//! RabbitMQ message as a JSON object body with those three string fields
+//! and `amount` (a decimal 64-bit integer): a Redis Streams entry as three fields; a NATS,
+//! RabbitMQ or Kafka message as a JSON object body with those three string fields
 //! (`{"id":"pay-1","account":"alice","amount":"250"}`). Applying it adds `amount` to the
 //! account's balance in table `accounts(account, balance)`, in one PostgreSQL transaction with
 //! the idempotency record ([`Consumer::run_transactional`]); the message is acknowledged after
@@ -22,7 +22,9 @@
 //!   in a Redis entry, an `id` reused for another account or amount, or an idempotency record
 //!   that cannot be decoded: dead-lettered at once, never applied;
 //! - **rejected by PostgreSQL for its data** (SQLSTATE classes `22`, `23`, `54`): delivered
-//!   again, and dead-lettered from its `MAX_DELIVERIES`-th delivery, as the broker counts them;
+//!   again, and dead-lettered from its `MAX_DELIVERIES`-th delivery, as the broker counts them
+//!   (Kafka counts none: the ledger counts them in PostgreSQL, and an entry whose handling
+//!   killed its consumer `MAX_DELIVERIES` times is dead-lettered unhandled);
 //! - **transient** (a lost connection, a lock or statement timeout, a serialization failure,
 //!   a deadlock): delivered again until it succeeds, however many deliveries that takes.
 //!
@@ -30,29 +32,34 @@
 //! `STREAM:dead` (fields `reason`, `entry`, `deliveries`, then the entry's), exactly once; on
 //! NATS the subject `STREAM.dead` of the stream, with a `reason` header and a `Nats-Msg-Id`
 //! from the entry's stream sequence, so a repeat after a crash is dropped; on RabbitMQ the
-//! quorum queue `STREAM.dead` with a `reason` header, at least once. On NATS the stream
+//! quorum queue `STREAM.dead` with a `reason` header, at least once; on Kafka the topic
+//! `STREAM.dead` with the entry's key, the `reason` header and `source-partition` and
+//! `source-offset` headers, at least once. On NATS the stream
 //! `STREAM` (subjects `STREAM.entries`, `STREAM.dead`, file storage) is created when missing
 //! and used as it is otherwise; the durable pull consumer `GROUP` too. On RabbitMQ the
 //! quorum queues `STREAM` and `STREAM.dead` are declared with `{"x-queue-type": "quorum"}`;
-//! publish entries to the default exchange with routing key `STREAM`.
+//! publish entries to the default exchange with routing key `STREAM`. On Kafka the topics
+//! `STREAM` and `STREAM.dead` are created with three partitions when missing and used as they
+//! are otherwise; `GROUP` is the consumer group; entries with the same Kafka key are applied
+//! in order, others concurrently.
 //!
 //! A broker that goes away, at startup or later, is waited for. Any number of consumers may
 //! start at once. On SIGTERM the consumer finishes the messages in hand and exits 0.
 //!
 //! | variable | default | meaning |
 //! |---|---|---|
-//! | `LEDGER_SOURCE` | `REDIS_URL` | the broker: `redis://…`, `nats://HOST:PORT` or `amqp://USER:PASS@HOST:PORT/%2f` |
+//! | `LEDGER_SOURCE` | `REDIS_URL` | the broker: `redis://…`, `nats://HOST:PORT`, `amqp://USER:PASS@HOST:PORT/%2f` or `kafka://HOST:PORT[,HOST:PORT]` |
 //! | `REDIS_URL` | `redis://127.0.0.1:6379` | the Redis broker, when `LEDGER_SOURCE` is unset |
 //! | `DATABASE_URL` | `postgres://postgres@127.0.0.1:5432/postgres` | balances and idempotency records |
 //! | `IDEMPOTENCY_CACHE` | unset: no cache | finished records cached in front of PostgreSQL, so a duplicate is acknowledged without a transaction: `memory:N` (in this process, `N` records) or `redis://HOST:PORT[/DB]` (a Redis the consumers share); see `idempotent-cache` |
-//! | `STREAM` | `payments` | the stream (Redis, NATS) or queue (RabbitMQ) to consume |
-//! | `GROUP` | `ledger` | the consumer group (Redis) or durable consumer (NATS) |
-//! | `CONSUMER` | `HOST-PID` | this consumer's name in the group (Redis), its consumer tag (RabbitMQ) |
-//! | `CLAIM_IDLE` | `5s` | deliver again messages left unacknowledged this long (Redis: pending idle time; NATS: ack wait) |
+//! | `STREAM` | `payments` | the stream (Redis, NATS), queue (RabbitMQ) or topic (Kafka) to consume |
+//! | `GROUP` | `ledger` | the consumer group (Redis, Kafka) or durable consumer (NATS) |
+//! | `CONSUMER` | `HOST-PID` | this consumer's name in the group (Redis), its consumer tag (RabbitMQ), its `client.id` (Kafka) |
+//! | `CLAIM_IDLE` | `5s` | deliver again messages left unacknowledged this long (Redis: pending idle time; NATS: ack wait; Kafka: the session timeout, after which a dead consumer's partitions go to the others) |
 //! | `MAX_DELIVERIES` | `3` | dead-letter a message PostgreSQL rejects from this delivery on |
 //! | `LOCK_TIMEOUT`, `STATEMENT_TIMEOUT` | `1s`, `2s` | the longest a transaction waits for a lock, a statement runs |
 //! | `EFFECT_DELAY_MS` | `0` | a pause inside the transaction, between the effect and the commit |
-//! | `NOTIFY_URL` | unset | notify each applied posting to this `http://` URL, through the outbox |
+//! | `NOTIFY_URL` | unset | notify each applied posting, through the outbox, to this `http://` URL or Kafka topic (`kafka://HOST:PORT[,HOST:PORT]/TOPIC`; see the `relay` example) |
 //! | `RELAY` | `1` | `0`: enqueue notifications but leave their delivery to other processes |
 //! | `RELAY_MAX_ATTEMPTS`, `RELAY_BACKOFF`, `RELAY_POLL`, `RELAY_DELIVERY_TIMEOUT` | `10`, `1s`, `1s`, `30s` | the relay's settings (see the `relay` example) |
 //!
@@ -187,7 +194,7 @@ fn config() -> Result<Config, String> {
     let url = var("LEDGER_SOURCE", &var("REDIS_URL", "redis://127.0.0.1:6379"));
     if !AnySource::supports(&url) {
         return Err(format!(
-            "LEDGER_SOURCE={url:?} is not a redis://, nats:// or amqp:// URL"
+            "LEDGER_SOURCE={url:?} is not a redis://, nats://, amqp:// or kafka:// URL"
         ));
     }
     // PostgreSQL takes both timeouts in milliseconds, as a 32-bit integer.

@@ -3,7 +3,7 @@
 //!
 //! | variable | default | meaning |
 //! |---|---|---|
-//! | `NOTIFY_URL` | unset | where notifications are POSTed; unset: nothing is enqueued or relayed |
+//! | `NOTIFY_URL` | unset | where notifications go: an `http://` URL they are POSTed to, or `kafka://HOST:PORT[,HOST:PORT]/TOPIC`, a Kafka topic they are produced to (idempotent producer, `acks=all`; the notification's key as the Kafka key and in the header `idempotency-key`); unset: nothing is enqueued or relayed |
 //! | `RELAY_MAX_ATTEMPTS` | `10` | delivery attempts before a notification is dead-lettered |
 //! | `RELAY_BACKOFF` | `1s` | the wait after a first failed attempt, doubling up to a minute |
 //! | `RELAY_POLL` | `1s` | how often the relay looks for due notifications without a `NOTIFY` |
@@ -14,9 +14,48 @@
 
 use std::time::Duration;
 
-use idempotent_postgres::outbox::{Outbox, Relay};
+use idempotent_postgres::outbox::{BoxFuture, KafkaSink, Outbox, Relay, Relayed, Sink, SinkError};
 use idempotent_tower::client::HttpSink;
 use sqlx::PgPool;
+
+/// Where notifications go, as `NOTIFY_URL` says.
+#[derive(Clone)]
+pub(crate) enum NotifySink {
+    Http(HttpSink),
+    Kafka(KafkaSink),
+}
+
+impl Sink for NotifySink {
+    fn deliver<'a>(&'a self, message: &'a Relayed) -> BoxFuture<'a, Result<(), SinkError>> {
+        match self {
+            NotifySink::Http(sink) => sink.deliver(message),
+            NotifySink::Kafka(sink) => sink.deliver(message),
+        }
+    }
+}
+
+/// `NOTIFY_URL`'s sink: `kafka://BROKERS/TOPIC`, else HTTP.
+fn sink(url: &str, delivery_timeout: Duration) -> Result<NotifySink, String> {
+    let bad = |e: &dyn std::fmt::Display| format!("NOTIFY_URL={url:?}: {e}");
+    if let Some(rest) = url.strip_prefix("kafka://") {
+        let Some((brokers, topic)) = rest
+            .split_once('/')
+            .filter(|(b, t)| !b.is_empty() && !t.is_empty())
+        else {
+            return Err(bad(&"a Kafka URL is kafka://HOST:PORT[,HOST:PORT]/TOPIC"));
+        };
+        let mut config = rdkafka::ClientConfig::new();
+        config.set("bootstrap.servers", brokers);
+        // Under the relay's own bound, so that a delivery fails (and is retried) first.
+        let timeout = delivery_timeout.mul_f64(0.8).max(Duration::from_millis(1));
+        return KafkaSink::with_config(&config, topic, timeout)
+            .map(NotifySink::Kafka)
+            .map_err(|e| bad(&e));
+    }
+    HttpSink::new(url)
+        .map(NotifySink::Http)
+        .map_err(|e| bad(&e))
+}
 
 /// The outbox destination of the ledger's notifications.
 pub(crate) const NOTIFICATIONS: &str = "notifications";
@@ -24,7 +63,7 @@ pub(crate) const NOTIFICATIONS: &str = "notifications";
 /// The relay's settings, from the environment: `None` without `NOTIFY_URL`.
 pub(crate) struct RelaySettings {
     pub(crate) notify_url: String,
-    sink: HttpSink,
+    sink: NotifySink,
     max_attempts: u32,
     backoff: Duration,
     poll: Duration,
@@ -45,7 +84,7 @@ pub(crate) fn relay_settings() -> Result<Option<RelaySettings>, String> {
         &var("RELAY_DELIVERY_TIMEOUT", "30s"),
     )?;
     // Built now, so that a bad URL stops the process at startup.
-    let sink = HttpSink::new(&notify_url).map_err(|e| format!("NOTIFY_URL={notify_url:?}: {e}"))?;
+    let sink = sink(&notify_url, delivery_timeout)?;
     Ok(Some(RelaySettings {
         notify_url,
         sink,

@@ -1,5 +1,5 @@
-//! The `ledger` consumer under chaos, on each broker it runs on: Redis Streams, NATS JetStream
-//! and RabbitMQ, each a private broker the test kills, with PostgreSQL from
+//! The `ledger` consumer under chaos, on each broker it runs on: Redis Streams, NATS JetStream,
+//! RabbitMQ and Kafka (nisshi), each a private broker the test kills, with PostgreSQL from
 //! `IDEMPOTENT_TEST_POSTGRES_URL` (a fresh database per test).
 //!
 //! (Longer than most files here, on purpose: the chaos driver — publishing, killing,
@@ -12,18 +12,23 @@
 //! eight times and started again, and once, halfway through the publishing, the broker itself
 //! is `SIGKILL`ed (a consumer with it, started again while the broker is away) and restarted.
 //! The publisher retries each entry until the broker confirms it (Redis: the `XADD` reply;
-//! NATS: the JetStream publish ack; RabbitMQ: the publisher confirm), so an entry may be stored
-//! twice: a posting's copy is a duplicate, and malformed entries are compared by marker.
+//! NATS: the JetStream publish ack; RabbitMQ: the publisher confirm; Kafka: the idempotent
+//! producer's delivery report with `acks=all`), so an entry may be stored twice: a posting's
+//! copy is a duplicate, and malformed entries are compared by marker. On Kafka postings carry
+//! their account as the record key, over three partitions: each consumer kill and restart is
+//! a rebalance while the other consumer has records in hand.
 //!
 //! Once the broker has nothing left to deliver (Redis: nothing pending and the group's
 //! last-delivered id at the stream's last entry; NATS: the durable consumer's `num_pending`
 //! and `num_ack_pending` both 0; RabbitMQ: the queue's ready and checked-out messages, asked
-//! of its Raft state machine, both 0):
+//! of its Raft state machine, both 0; Kafka: the group's committed offset of each partition at
+//! its high watermark):
 //!
 //! - every balance is the sum of its account's postings over distinct ids;
 //! - every malformed entry is dead-lettered with a reason, and no posting is: on Redis and
 //!   NATS exactly once per stored copy (Redis: one dead letter per entry id; NATS: one per
-//!   stream sequence, by its `Nats-Msg-Id`), on RabbitMQ at least once;
+//!   stream sequence, by its `Nats-Msg-Id`), on RabbitMQ and Kafka at least once (Kafka: by
+//!   its `source-partition` and `source-offset` headers);
 //! - no consumer exited by itself (checked before each kill, while waiting, and at the end),
 //!   and each exits 0 on `SIGTERM`.
 //!
@@ -44,7 +49,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream::StorageType};
-use idempotent_test_kit::brokers::{PrivateNats, PrivateRabbit};
+use idempotent_test_kit::brokers::{PrivateKafka, PrivateNats, PrivateRabbit};
 use idempotent_test_kit::postgres::Database;
 use idempotent_test_kit::redis::PrivateRedis;
 use lapin::options::{
@@ -861,6 +866,226 @@ fn assert_running(consumers: &mut [Consumer]) {
     }
 }
 
+// ----- Kafka -----
+
+struct Kafka {
+    server: PrivateKafka,
+}
+
+/// The topic; its dead letters on `chaos.dead`.
+const KAFKA_TOPIC: &str = "chaos";
+
+struct KafkaPublisher {
+    producer: rdkafka::producer::FutureProducer,
+}
+
+impl Publisher for KafkaPublisher {
+    fn attempt(&mut self, entry: &Entry) -> impl Future<Output = Result<(), String>> + Send {
+        let body = json_body(entry);
+        let key = match entry {
+            Entry::Posting(posting) => posting.account.clone(),
+            Entry::Malformed { n } => format!("bad-{n}"),
+        };
+        async move {
+            let record = rdkafka::producer::FutureRecord::to(KAFKA_TOPIC)
+                .key(&key)
+                .payload(&body);
+            self.producer
+                .send(record, Duration::from_secs(10))
+                .await
+                .map(drop)
+                .map_err(|(e, _)| e.to_string())
+        }
+    }
+}
+
+impl Kafka {
+    fn config(&self) -> rdkafka::ClientConfig {
+        let mut config = rdkafka::ClientConfig::new();
+        config.set("bootstrap.servers", self.server.brokers());
+        config
+    }
+
+    /// Every record of `topic`: (partition, offset, value, headers), read from the start by a
+    /// consumer of its own until ten seconds pass without one.
+    async fn records(&self, topic: &str) -> Vec<(i32, i64, String, BTreeMap<String, String>)> {
+        use rdkafka::Message as _;
+        use rdkafka::consumer::Consumer as _;
+        use rdkafka::message::Headers as _;
+        let mut config = self.config();
+        config
+            .set("group.id", format!("reader-{}", std::process::id()))
+            .set("auto.offset.reset", "earliest")
+            .set("enable.auto.commit", "false");
+        let topic = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let consumer: rdkafka::consumer::BaseConsumer = config.create().unwrap();
+            consumer.subscribe(&[&topic]).unwrap();
+            let mut out = Vec::new();
+            let mut quiet = Instant::now();
+            while quiet.elapsed() < Duration::from_secs(10) {
+                if let Some(record) = consumer.poll(Duration::from_millis(200)) {
+                    let record = record.unwrap();
+                    let headers = record
+                        .headers()
+                        .map(|h| {
+                            h.iter()
+                                .map(|h| {
+                                    let value = h.value.unwrap_or_default();
+                                    (
+                                        h.key.to_owned(),
+                                        String::from_utf8_lossy(value).into_owned(),
+                                    )
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    let value = String::from_utf8_lossy(record.payload().unwrap_or_default());
+                    out.push((
+                        record.partition(),
+                        record.offset(),
+                        value.into_owned(),
+                        headers,
+                    ));
+                    quiet = Instant::now();
+                }
+            }
+            out
+        })
+        .await
+        .unwrap()
+    }
+}
+
+impl Broker for Kafka {
+    const NAME: &'static str = "kafka";
+    type Publisher = KafkaPublisher;
+
+    fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("LEDGER_SOURCE", self.server.url()),
+            ("STREAM", KAFKA_TOPIC.into()),
+        ]
+    }
+
+    async fn publisher(&mut self) -> KafkaPublisher {
+        // As the ledger's docs ask of a publisher that creates the topics: three partitions.
+        let admin: rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext> =
+            self.config().create().unwrap();
+        let topics = [KAFKA_TOPIC.to_owned(), format!("{KAFKA_TOPIC}.dead")];
+        let new: Vec<_> = topics
+            .iter()
+            .map(|t| {
+                rdkafka::admin::NewTopic::new(t, 3, rdkafka::admin::TopicReplication::Fixed(1))
+            })
+            .collect();
+        for result in admin
+            .create_topics(&new, &rdkafka::admin::AdminOptions::new())
+            .await
+            .unwrap()
+        {
+            result.unwrap();
+        }
+        let producer = self
+            .config()
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("message.timeout.ms", "10000")
+            .create()
+            .unwrap();
+        KafkaPublisher { producer }
+    }
+
+    async fn kill(&mut self) {
+        self.server.kill().await;
+    }
+
+    async fn restart(&mut self) {
+        self.server.restart().await;
+    }
+
+    async fn drained(&mut self) -> Result<bool, String> {
+        use rdkafka::consumer::Consumer as _;
+        let mut config = self.config();
+        config.set("group.id", GROUP);
+        tokio::task::spawn_blocking(move || {
+            let consumer: rdkafka::consumer::BaseConsumer =
+                config.create().map_err(|e| e.to_string())?;
+            let mut list = rdkafka::TopicPartitionList::new();
+            for partition in 0..3 {
+                list.add_partition(KAFKA_TOPIC, partition);
+            }
+            let committed = consumer
+                .committed_offsets(list, Duration::from_secs(5))
+                .map_err(|e| format!("committed offsets: {e}"))?;
+            for partition in 0..3 {
+                let (_, high) = consumer
+                    .fetch_watermarks(KAFKA_TOPIC, partition, Duration::from_secs(5))
+                    .map_err(|e| format!("watermarks: {e}"))?;
+                let at = committed
+                    .find_partition(KAFKA_TOPIC, partition)
+                    .map(|e| e.offset());
+                if at != Some(rdkafka::Offset::Offset(high)) && high > 0 {
+                    return Ok(false);
+                }
+            }
+            Ok(true)
+        })
+        .await
+        .unwrap()
+    }
+
+    async fn check_dead_letters(&mut self, workload: &Workload) -> String {
+        let stored: BTreeMap<(i32, i64), String> = self
+            .records(KAFKA_TOPIC)
+            .await
+            .into_iter()
+            .filter_map(|(p, o, value, _)| Some(((p, o), marker_in(value.as_bytes())?)))
+            .collect();
+        let dead = self.records(&format!("{KAFKA_TOPIC}.dead")).await;
+        let mut dead_lettered: BTreeMap<(i32, i64), String> = BTreeMap::new();
+        let mut repeats = 0;
+        for (_, _, value, headers) in &dead {
+            let reason = headers.get("reason").cloned().unwrap_or_default();
+            let Some(marker) = marker_in(value.as_bytes()) else {
+                panic!("a posting was dead-lettered ({reason:?}): {value}");
+            };
+            assert!(!reason.is_empty(), "dead letter without a reason: {value}");
+            let at = |name: &str| headers.get(name).and_then(|v| v.parse::<i64>().ok());
+            let (Some(partition), Some(offset)) = (at("source-partition"), at("source-offset"))
+            else {
+                panic!("dead letter without its source: {headers:?}");
+            };
+            let entry = (partition as i32, offset);
+            assert_eq!(
+                stored.get(&entry),
+                Some(&marker),
+                "the dead letter of {entry:?} carries {marker}, the entry another"
+            );
+            if dead_lettered.insert(entry, marker).is_some() {
+                repeats += 1;
+            }
+        }
+        let missing: Vec<_> = stored
+            .iter()
+            .filter(|(entry, _)| !dead_lettered.contains_key(*entry))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "malformed entries never dead-lettered: {missing:?}"
+        );
+        let markers: BTreeSet<String> = stored.values().cloned().collect();
+        assert_eq!(markers, workload.markers, "the markers stored");
+        format!(
+            "{} dead letters for {} malformed entries stored ({} of them copies stored by \
+             retried publishes; {repeats} dead-lettered again after a crash)",
+            dead.len(),
+            stored.len(),
+            stored.len() - markers.len()
+        )
+    }
+}
+
 fn seconds(since: Instant) -> String {
     format!("{:.1} s", since.elapsed().as_secs_f64())
 }
@@ -1109,4 +1334,16 @@ async fn rabbitmq_ledger_survives_consumer_and_broker_kills() {
     };
     eprintln!("rabbitmq: node up in {}", seconds(started));
     chaos(Rabbit { server }, db, started).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_ledger_survives_consumer_and_broker_kills() {
+    let started = Instant::now();
+    let Some(db) = database("kafka").await else {
+        return;
+    };
+    let Some(server) = PrivateKafka::start().await else {
+        return;
+    };
+    chaos(Kafka { server }, db, started).await;
 }
