@@ -689,3 +689,116 @@ async fn a_record_that_kills_its_consumer_is_dead_lettered_after_max_deliveries_
     )
     .await;
 }
+
+/// A second consumer joins the group while the first has a record in hand: the first
+/// finishes it before giving its partitions up, and commits it, so the record is applied once
+/// and never delivered to the newcomer; the records produced afterwards are shared between
+/// the two, each applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rebalance_finishes_the_records_in_hand_and_commits_them_before_giving_up() {
+    let Some(brokers) = brokers() else { return };
+    let (topic, group) = (unique("kafka-rebalance"), unique("group"));
+    create_topic(&brokers, &topic, 2).await;
+    create_topic(&brokers, &format!("{topic}.dead"), 1).await;
+    let producer = producer(&brokers);
+    let mut n = 0;
+    let mut batch = |n: &mut i32| {
+        let mut values = Vec::new();
+        for _ in 0..10 {
+            for partition in 0..2 {
+                values.push((partition, format!("k{n}:{n}")));
+                *n += 1;
+            }
+        }
+        values
+    };
+    produce(&producer, &topic, 0, Some("held"), Some("held"), "held:0").await;
+    for (partition, value) in batch(&mut n) {
+        produce(
+            &producer,
+            &topic,
+            partition,
+            Some(&value),
+            Some(&value),
+            &value,
+        )
+        .await;
+    }
+    let recorder = Recorder::default();
+    let release = Arc::new(tokio::sync::Notify::new());
+    recorder
+        .hold
+        .lock()
+        .unwrap()
+        .insert("held:0".into(), Arc::clone(&release));
+    let all = |r: &Recorder| r.applied.lock().unwrap().len() >= 41;
+    let first = tokio::spawn(consume_until(
+        source(&brokers, &topic, &group).await,
+        recorder.clone(),
+        8,
+        3,
+        all,
+    ));
+    let applied = Arc::clone(&recorder.applied);
+    eventually(
+        "the first consumer's records but the held one applied",
+        || {
+            let applied = Arc::clone(&applied);
+            async move { applied.lock().unwrap().len() == 20 }
+        },
+    )
+    .await;
+    // The newcomer's join revokes the first consumer's partitions while it holds a record;
+    // the record is let go four seconds later (the first consumer hears of the rebalance at
+    // its next heartbeat, 1.2 s), inside the revocation's wait.
+    let second = tokio::spawn(consume_until(
+        source(&brokers, &topic, &group).await,
+        recorder.clone(),
+        8,
+        3,
+        all,
+    ));
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    release.notify_one();
+    for (partition, value) in batch(&mut n) {
+        produce(
+            &producer,
+            &topic,
+            partition,
+            Some(&value),
+            Some(&value),
+            &value,
+        )
+        .await;
+    }
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    let applied = applied.lock().unwrap().clone();
+    let mut distinct = applied.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(distinct.len(), applied.len(), "applied twice: {applied:?}");
+    assert_eq!(applied.len(), 41);
+    // Answered once, by the consumer that held it: not delivered again to anyone.
+    let outcomes: Vec<(String, u64)> = recorder
+        .deliveries
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(position, _)| position == "0@0")
+        .cloned()
+        .collect();
+    assert_eq!(
+        outcomes.len(),
+        1,
+        "the held record's outcomes: {outcomes:?}"
+    );
+    assert!(
+        second.applied > 0,
+        "the newcomer took a partition: {first:?} {second:?}"
+    );
+    eventually("the offsets at the end of both partitions", || {
+        let (brokers, group, topic) = (brokers.clone(), group.clone(), topic.clone());
+        async move { committed(&brokers, &group, &topic, 2).await == vec![21, 20] }
+    })
+    .await;
+}

@@ -6,6 +6,9 @@
 //!   are there after the restart (spoken to in the NATS protocol directly: no client library).
 //! - RabbitMQ: a quorum queue, declared before the kill (`rabbitmqctl eval`), is listed by
 //!   `rabbitmqctl list_queues` after the restart.
+//! - Kafka (nisshi on SQLite): records the idempotent producer had acknowledged (`acks=all`)
+//!   just before the kill, and a consumer group's committed offset, are there after the
+//!   restart.
 //!
 //! How long each start and restart took is printed (`--nocapture` shows it). Without the
 //! brokers installed the tests say loudly that they did not run, or fail where backends are
@@ -15,7 +18,7 @@ mod support;
 
 use std::time::Duration;
 
-use idempotent_test_kit::brokers::{PrivateNats, PrivateRabbit, accepts};
+use idempotent_test_kit::brokers::{PrivateKafka, PrivateNats, PrivateRabbit, accepts};
 use idempotent_test_kit::process::within;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -180,4 +183,95 @@ async fn rabbitmq_survives_sigkill_with_its_quorum_queues() {
         );
         sleep(Duration::from_millis(200)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_survives_sigkill_with_its_log_and_group_offsets() {
+    use rdkafka::Message as _;
+    use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let started = Instant::now();
+    let Some(mut kafka) = PrivateKafka::start().await else {
+        return;
+    };
+    eprintln!("nisshi started in {} ms", ms(started));
+    let mut config = rdkafka::ClientConfig::new();
+    config.set("bootstrap.servers", kafka.brokers());
+    let admin: rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext> =
+        config.create().unwrap();
+    let topic =
+        rdkafka::admin::NewTopic::new("smoke", 1, rdkafka::admin::TopicReplication::Fixed(1));
+    for result in admin
+        .create_topics([&topic], &rdkafka::admin::AdminOptions::new())
+        .await
+        .unwrap()
+    {
+        result.unwrap();
+    }
+    let producer: FutureProducer = config
+        .clone()
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .create()
+        .unwrap();
+    for n in 0..10 {
+        let value = format!("record {n}");
+        producer
+            .send(
+                FutureRecord::<str, str>::to("smoke").payload(&value),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap();
+    }
+    // A group that has consumed (and committed) the first four records.
+    let group = config.clone().set("group.id", "smoke").clone();
+    let commit = group.clone();
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = commit.create().unwrap();
+        let mut list = rdkafka::TopicPartitionList::new();
+        list.add_partition_offset("smoke", 0, rdkafka::Offset::Offset(4))
+            .unwrap();
+        consumer.commit(&list, CommitMode::Sync).unwrap();
+    })
+    .await
+    .unwrap();
+    kafka.kill().await;
+    assert!(kafka.pid().is_none());
+    let restarted = Instant::now();
+    kafka.restart().await;
+    eprintln!("nisshi restarted in {} ms", ms(restarted));
+    let (committed, values) = tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = group
+            .clone()
+            .set("auto.offset.reset", "earliest")
+            .create()
+            .unwrap();
+        let mut list = rdkafka::TopicPartitionList::new();
+        list.add_partition("smoke", 0);
+        let committed = consumer
+            .committed_offsets(list, Duration::from_secs(10))
+            .unwrap()
+            .find_partition("smoke", 0)
+            .unwrap()
+            .offset();
+        consumer.subscribe(&["smoke"]).unwrap();
+        let mut values = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while values.len() < 6 && std::time::Instant::now() < deadline {
+            if let Some(record) = consumer.poll(Duration::from_millis(200)) {
+                let record = record.unwrap();
+                values.push(String::from_utf8_lossy(record.payload().unwrap()).into_owned());
+            }
+        }
+        (committed, values)
+    })
+    .await
+    .unwrap();
+    assert_eq!(committed, rdkafka::Offset::Offset(4));
+    let expected: Vec<String> = (4..10).map(|n| format!("record {n}")).collect();
+    assert_eq!(
+        values, expected,
+        "the group resumes at its committed offset"
+    );
 }
