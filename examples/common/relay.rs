@@ -21,7 +21,7 @@ use sqlx::PgPool;
 /// Where notifications go, as `NOTIFY_URL` says.
 #[derive(Clone)]
 pub(crate) enum NotifySink {
-    Http(HttpSink),
+    Http(Box<HttpSink>),
     Kafka(KafkaSink),
 }
 
@@ -53,7 +53,7 @@ fn sink(url: &str, delivery_timeout: Duration) -> Result<NotifySink, String> {
             .map_err(|e| bad(&e));
     }
     HttpSink::new(url)
-        .map(NotifySink::Http)
+        .map(|sink| NotifySink::Http(Box::new(sink)))
         .map_err(|e| bad(&e))
 }
 

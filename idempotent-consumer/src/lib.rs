@@ -1,5 +1,5 @@
 //! The idempotent receiver: one consumer runtime over a message broker, for the `idempotent`
-//! family (sources behind the features `redis-streams`, `nats` and `rabbitmq`).
+//! family (sources behind the features `redis-streams`, `nats`, `rabbitmq` and `kafka`).
 //!
 //! A broker delivers each message at least once: a consumer that crashes before it
 //! acknowledges, a broker that restarts, a publisher that retries, all deliver a message
@@ -28,7 +28,10 @@
 //! 5. sorts failures: a [`Failure::Malformed`] message is dead-lettered at once; a
 //!    [`Failure::Rejected`] one (the data is refused, by a constraint say) is retried and
 //!    dead-lettered from its [`max_deliveries`](Consumer::max_deliveries)-th delivery on, as
-//!    the **broker** counts deliveries, so the bound survives restarts of every consumer; a
+//!    the **broker** counts deliveries, so the bound survives restarts of every consumer
+//!    (where the broker counts none, Kafka, the runtime counts them on the message's record,
+//!    and also dead-letters, unhandled, a message whose handling killed its consumer
+//!    `max_deliveries` times: [`Source::counts_deliveries`]); a
 //!    [`Failure::Transient`] one (a database down, a lock timeout) is retried with backoff
 //!    without bound, because the message is not at fault. A dead letter keeps the reason.
 //!
@@ -42,13 +45,19 @@
 //! # Sources
 //!
 //! A [`Source`] knows only its broker: receive, acknowledge, retry later, dead-letter, the
-//! delivery count, keep-alive, reconnect. Three come with the library:
+//! delivery count, keep-alive, reconnect. Four come with the library:
 //!
 //! | source | feature | delivery count | retry later | keep-alive | dead letters |
 //! |---|---|---|---|---|---|
 //! | [`RedisStreams`](redis_streams::RedisStreams) | `redis-streams` | `XPENDING` | left pending, delivered again after `claim_idle` (`XAUTOCLAIM`) | `XCLAIM … JUSTID` resets the idle time | `STREAM:dead`, copied and acknowledged in one script: exactly once |
 //! | [`JetStream`](nats::JetStream) | `nats` | `info.delivered` | `Nak` with the backoff as delay | `Progress` (`+WPI`) resets the ack wait | `STREAM.dead`, with a `Nats-Msg-Id` from the entry: once within the stream's duplicate window |
 //! | [`RabbitMq`](rabbitmq::RabbitMq) | `rabbitmq` | `x-delivery-count` (quorum queues) | `nack` with requeue after the backoff | none needed: no redelivery while the channel is open (keep handlers under `consumer_timeout`) | `QUEUE.dead`, published with confirms before the ack: at least once |
+//! | [`Kafka`](kafka::Kafka) | `kafka` | none: counted on the message's record by the runtime | kept in the source and handed back after the backoff (in its place, for a message with an ordering key); its partition's commit waits for it | none needed: the source's own thread polls within `max.poll.interval.ms` | `TOPIC.dead` by an idempotent producer (`acks=all`), then the offset moves past it: at least once |
+//!
+//! Kafka has no per-message acknowledgement: the source commits each partition only up to its
+//! lowest message whose effect is not yet recorded, whatever order the concurrent handlers
+//! finish in, and on a rebalance finishes (or abandons) the messages of revoked partitions
+//! and commits before giving them up; see [`kafka`].
 //!
 //! # Metrics
 //!

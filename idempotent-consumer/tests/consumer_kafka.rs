@@ -702,7 +702,7 @@ async fn a_rebalance_finishes_the_records_in_hand_and_commits_them_before_giving
     create_topic(&brokers, &format!("{topic}.dead"), 1).await;
     let producer = producer(&brokers);
     let mut n = 0;
-    let mut batch = |n: &mut i32| {
+    let batch = |n: &mut i32| {
         let mut values = Vec::new();
         for _ in 0..10 {
             for partition in 0..2 {
