@@ -486,6 +486,24 @@ impl Shared {
         self.arrived.notify_one();
     }
 
+    /// The partitions of this source's topic in `list`.
+    fn partitions_in(&self, list: &TopicPartitionList) -> Vec<i32> {
+        list.elements_for_topic(&self.topic)
+            .iter()
+            .map(|e| e.partition())
+            .collect()
+    }
+
+    /// A commit of `list` failed: its partitions are committed again at the next tick.
+    fn uncommitted(&self, list: &TopicPartitionList) {
+        let mut state = self.lock();
+        for partition in self.partitions_in(list) {
+            if let Some(owned) = state.partitions.get_mut(&partition) {
+                owned.committed = None;
+            }
+        }
+    }
+
     /// Runs `f` on the record's partition if `delivery` is still this consumer's to answer.
     fn owned<T>(&self, delivery: &KafkaDelivery, f: impl FnOnce(&mut Owned) -> T) -> Option<T> {
         let mut state = self.lock();
@@ -601,11 +619,7 @@ impl ConsumerContext for Context {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
             Rebalance::Revoke(list) => {
-                let revoked: Vec<i32> = list
-                    .elements_for_topic(&self.shared.topic)
-                    .iter()
-                    .map(|e| e.partition())
-                    .collect();
+                let revoked = self.shared.partitions_in(list);
                 tracing::info!(
                     topic = self.shared.topic,
                     ?revoked,
@@ -632,11 +646,7 @@ impl ConsumerContext for Context {
 
     fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(list) = rebalance {
-            let assigned: Vec<i32> = list
-                .elements_for_topic(&self.shared.topic)
-                .iter()
-                .map(|e| e.partition())
-                .collect();
+            let assigned = self.shared.partitions_in(list);
             tracing::info!(
                 topic = self.shared.topic,
                 ?assigned,
@@ -664,12 +674,7 @@ impl ConsumerContext for Context {
     fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
         if let Err(error) = result {
             tracing::warn!(topic = self.shared.topic, %error, "Kafka commit failed; committed again at the next tick");
-            let mut state = self.shared.lock();
-            for element in offsets.elements_for_topic(&self.shared.topic) {
-                if let Some(owned) = state.partitions.get_mut(&element.partition()) {
-                    owned.committed = None;
-                }
-            }
+            self.shared.uncommitted(offsets);
         }
     }
 }
@@ -742,12 +747,7 @@ fn commit(consumer: &BaseConsumer<Context>, shared: &Shared, mode: CommitMode) {
     }
     if let Err(error) = consumer.commit(&list, mode) {
         tracing::warn!(%error, "cannot commit Kafka offsets; committed again at the next tick");
-        let mut state = shared.lock();
-        for element in list.elements_for_topic(&shared.topic) {
-            if let Some(owned) = state.partitions.get_mut(&element.partition()) {
-                owned.committed = None;
-            }
-        }
+        shared.uncommitted(&list);
     }
 }
 
