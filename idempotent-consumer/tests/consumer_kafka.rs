@@ -814,3 +814,42 @@ async fn a_rebalance_finishes_the_records_in_hand_and_commits_them_before_giving
     })
     .await;
 }
+
+/// Absurd settings are taken without a panic: a buffer of zero (one), commits every zero
+/// seconds (every millisecond), a revocation wait of `Duration::MAX`, a session timeout of
+/// `Duration::MAX` (librdkafka's largest); the consumer with the first three still consumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn absurd_settings_are_bounded_not_panics() {
+    let Some(brokers) = brokers() else { return };
+    let (topic, group) = (unique("kafka-absurd"), unique("group"));
+    create_topic(&brokers, &topic, 1).await;
+    create_topic(&brokers, &format!("{topic}.dead"), 1).await;
+    let producer = producer(&brokers);
+    for n in 0..5 {
+        let value = format!("a{n}:{n}");
+        produce(&producer, &topic, 0, None, Some(&value), &value).await;
+    }
+    let huge = Kafka::builder(brokers.as_str(), topic.as_str(), unique("other"))
+        .session_timeout(Duration::MAX)
+        .connect()
+        .await;
+    drop(huge);
+    let kafka = Kafka::builder(brokers.as_str(), topic.as_str(), group.as_str())
+        .buffer(0)
+        .commit_every(Duration::ZERO)
+        .revoke_wait(Duration::MAX)
+        .session_timeout(Duration::from_secs(6))
+        .connect()
+        .await
+        .unwrap();
+    let report = consume_until(kafka, Recorder::default(), 4, 3, |r| {
+        r.applied.lock().unwrap().len() >= 5
+    })
+    .await;
+    assert_eq!(report.applied, 5);
+    eventually("the offset at the end", || {
+        let (brokers, group, topic) = (brokers.clone(), group.clone(), topic.clone());
+        async move { committed(&brokers, &group, &topic, 1).await == vec![5] }
+    })
+    .await;
+}

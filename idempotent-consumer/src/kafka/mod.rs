@@ -454,16 +454,35 @@ impl Shared {
         if let Some(key) = record.key() {
             message = message.with_key(Bytes::copy_from_slice(key));
         }
-        if let Some(headers) = record.headers() {
-            for header in headers.iter() {
-                let value = header.value.unwrap_or_default();
-                if header.key == KEY_HEADER
-                    && let Ok(id) = std::str::from_utf8(value)
-                {
-                    message = message.with_id(id);
-                }
-                message = message.with_field(header.key, Bytes::copy_from_slice(value));
+        // The client panics on a header name that is not UTF-8: such a record is delivered
+        // without its headers rather than ending this thread.
+        let headers = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            record.headers().map_or_else(Vec::new, |headers| {
+                headers
+                    .iter()
+                    .map(|h| {
+                        let value = Bytes::copy_from_slice(h.value.unwrap_or_default());
+                        (h.key.to_owned(), value)
+                    })
+                    .collect()
+            })
+        }))
+        .unwrap_or_else(|_| {
+            tracing::warn!(
+                topic = self.topic,
+                partition,
+                offset,
+                "a header name of the record is not UTF-8: delivered without its headers"
+            );
+            Vec::new()
+        });
+        for (name, value) in headers {
+            if name == KEY_HEADER
+                && let Ok(id) = std::str::from_utf8(&value)
+            {
+                message = message.with_id(id);
             }
+            message = message.with_field(name, value);
         }
         let mut state = self.lock();
         let generation = state.generation;
@@ -568,7 +587,10 @@ impl Shared {
         state
             .retries
             .retain(|(_, r)| !revoked.contains(&r.delivery.partition));
-        let deadline = Instant::now() + self.revoke_wait;
+        // A wait too long to add to the clock (`Duration::MAX`): a year.
+        let deadline = Instant::now()
+            .checked_add(self.revoke_wait)
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 86_400));
         loop {
             let busy = revoked
                 .iter()
