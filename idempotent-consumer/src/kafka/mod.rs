@@ -31,11 +31,12 @@
 //!   and what is answered is committed (synchronously) before the partitions are given up;
 //!   records still running after that are abandoned: their answers are ignored and the new
 //!   owner delivers them again (a duplicate, once their effect is recorded).
-//! - **Liveness.** A thread of the source's own polls the consumer every 100 ms whatever the
-//!   handlers do, so `max.poll.interval.ms` is never exceeded; when the records waiting for
-//!   the runtime reach [`buffer`](KafkaBuilder::buffer), the source pauses its partitions
-//!   (still polling) until there is room. A consumer that stops heartbeating (killed) loses its
-//!   partitions after [`session_timeout`](KafkaBuilder::session_timeout).
+//! - **Liveness.** A thread of the source's own polls the consumer whatever the handlers do,
+//!   so `max.poll.interval.ms` is never exceeded: when the records waiting for the runtime
+//!   have stayed at [`buffer`](KafkaBuilder::buffer) for a second, the source pauses its
+//!   partitions and goes on polling (every 100 ms) until half of them are taken. A consumer
+//!   that stops heartbeating (killed) loses its partitions after
+//!   [`session_timeout`](KafkaBuilder::session_timeout).
 //! - **Broker restarts.** librdkafka reconnects by itself; meanwhile `receive` returns nothing
 //!   (or the client's error, counted in `idempotency.source.errors`).
 //!
@@ -78,6 +79,8 @@ pub const DEFAULT_COMMIT_EVERY: Duration = Duration::from_millis(200);
 /// default (the broker's `group.min.session.timeout.ms` is usually 6 s).
 pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long the buffer may stay full before the source pauses its partitions.
+const PAUSE_AFTER: Duration = Duration::from_secs(1);
 /// How long the source's thread waits in one poll.
 const POLL: Duration = Duration::from_millis(100);
 /// How long a dead letter may wait for the broker's acknowledgement.
@@ -137,7 +140,8 @@ impl KafkaBuilder {
     }
 
     /// The most records waiting for the runtime (default [`DEFAULT_BUFFER`]; at least 1):
-    /// past it the source pauses fetching, still polling, until there is room.
+    /// the source takes no more from the client while it is full, and when it stays full for
+    /// a second, pauses fetching, still polling, until half of them are taken.
     #[must_use]
     pub fn buffer(mut self, records: usize) -> Self {
         self.buffer = records.max(1);
@@ -705,13 +709,43 @@ impl ConsumerContext for Context {
 /// rebalance callbacks, and commits every `commit_every`, until the source is dropped.
 fn poll(consumer: &BaseConsumer<Context>, shared: &Shared, commit_every: Duration) {
     let mut last_commit = Instant::now();
+    // Since when the buffer has been full without a pause.
+    let mut full_since: Option<Instant> = None;
     while !shared.stop.load(Ordering::SeqCst) {
         let flow = {
             let mut state = shared.lock();
-            let full = state.buffer.len() >= shared.buffer;
-            let change = (full != state.paused).then_some(full);
-            if change.is_some() {
-                state.paused = full;
+            let waiting = state.buffer.len();
+            let full = waiting >= shared.buffer;
+            if !full || state.paused {
+                full_since = None;
+            }
+            // A full buffer is usually taken from within milliseconds: the client's own
+            // queue holds what it fetched ahead meanwhile. Only a buffer full for longer (the
+            // handlers stuck, or slower than the broker) pauses the partitions, so that the
+            // thread can go on polling (the group's liveness, rebalances) without taking
+            // records; they are resumed once half the buffer is taken. (A pause drops what
+            // the client fetched ahead; it fetches it again after the resume.)
+            if full && !state.paused {
+                let since = *full_since.get_or_insert_with(Instant::now);
+                if since.elapsed() < PAUSE_AFTER {
+                    drop(state);
+                    if last_commit.elapsed() >= commit_every {
+                        commit(consumer, shared, CommitMode::Async);
+                        last_commit = Instant::now();
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                    continue;
+                }
+            }
+            let change = if !state.paused && full {
+                Some(true)
+            } else if state.paused && waiting <= shared.buffer / 2 {
+                Some(false)
+            } else {
+                None
+            };
+            if let Some(pause) = change {
+                state.paused = pause;
             }
             change
         };
