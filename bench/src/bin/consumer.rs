@@ -1,20 +1,24 @@
-//! The consumer runtime's throughput on Redis Streams, NATS JetStream and RabbitMQ, against
-//! each broker's own limit measured in the same run by the simplest correct consumer written
+//! The consumer runtime's throughput on Redis Streams, NATS JetStream, RabbitMQ and Kafka,
+//! against each broker's own limit measured in the same run by the simplest consumer written
 //! directly on the broker's client crate.
 //!
 //! Each row pre-publishes a backlog (`--messages`, default 20,000, postings like the `ledger`
-//! example's: `id`, `account` among 1,000, `amount`) to a stream or queue of its own, then
-//! consumes it and is timed from the consumer's start to the last acknowledgement. Rows, per
-//! broker:
+//! example's: `id`, `account` among 1,000, `amount`) to a stream, queue or topic of its own
+//! (Kafka: three partitions, each record keyed by its account), then consumes it and is timed
+//! from the consumer's start to the last acknowledgement. Rows, per broker:
 //!
 //! - `bare`: the broker's own loop with a no-op handler, one message at a time: Redis
 //!   `XREADGROUP … COUNT 32` then one `XACK` of the whole batch; NATS a durable pull consumer's
 //!   `fetch` of 32, each message acknowledged; RabbitMQ `basic.consume` with prefetch 64, each
 //!   delivery `basic.ack`ed (Redis reads on one connection and acknowledges on another: a
-//!   blocking read holds up every later command on its connection);
+//!   blocking read holds up every later command on its connection); Kafka an rdkafka
+//!   `StreamConsumer` in a group of its own, up to 32 messages taken from what it has fetched,
+//!   their offsets stored at once and committed every 200 ms;
 //! - `bare-tasks`: the same loop handing each message to one of `--concurrency` (16) spawned
-//!   tasks that acknowledge it one by one (Redis: one `XACK` per message): the runtime's shape,
-//!   without decoding, claims or records;
+//!   tasks that acknowledge it one by one (Redis: one `XACK` per message; Kafka: its offset
+//!   stored when its task ends, so a partition's offsets can be stored out of order: not a
+//!   crash-correct consumer, the client's limit): the runtime's shape, without decoding, claims
+//!   or records;
 //! - `runtime`: `Consumer::new(source).run(Idempotency::new(MemoryStore::new()), handler, …)`
 //!   with a handler that decodes the posting and does nothing (a claim and a completion in the
 //!   memory store per message); `runtime-dup`: the same with `--duplicates` (2,000) copies mixed
@@ -39,7 +43,7 @@
 //! pieces the runtime adds per message, in process.
 //!
 //! ```sh
-//! bash scripts/bench_consumer.sh            # starts the four servers, builds, runs
+//! bash scripts/bench_consumer.sh            # starts the five servers, builds, runs
 //! target/release/consumer --help
 //! ```
 //!

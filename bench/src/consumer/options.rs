@@ -7,17 +7,19 @@ use super::rows::{Broker, Mode};
 const BATCH: usize = 32;
 
 const USAGE: &str = "\
-consumer: the consumer runtime's throughput on Redis Streams, NATS JetStream and RabbitMQ
+consumer: the consumer runtime's throughput on Redis Streams, NATS JetStream, RabbitMQ and
+Kafka
 
   --redis-url URL      (or IDEMPOTENT_TEST_REDIS_URL; without one, no Redis rows)
   --nats-url URL       (or IDEMPOTENT_TEST_NATS_URL)
   --amqp-url URL       (or IDEMPOTENT_TEST_AMQP_URL)
+  --kafka-url URL      kafka://HOST:PORT[,HOST:PORT] (or IDEMPOTENT_TEST_KAFKA_URL)
   --postgres-url URL   (or IDEMPOTENT_TEST_POSTGRES_URL; without one, no PostgreSQL rows)
   --messages N         the backlog of every row (default 20000)
   --duplicates N       copies mixed into the -dup rows' backlog (default 2000)
   --concurrency N      handlers at once (default 16)
   --rounds N           rounds over every row; each row reports its median round (default 1)
-  --only LIST          comma-separated brokers (redis, nats, rabbitmq) and rows (bare,
+  --only LIST          comma-separated brokers (redis, nats, rabbitmq, kafka) and rows (bare,
                        bare-tasks, runtime, runtime-dup, bare-pg, runtime-pg, runtime-pg-dup)
   --receive-stats      wrap the runtime's sources to count receive calls and their sizes
                        (the runtime rows only; a diagnostic, not the measured setup)
@@ -26,10 +28,12 @@ consumer: the consumer runtime's throughput on Redis Streams, NATS JetStream and
                        --paced-seconds (default 4) while the consumer runs, and report the
                        latencies (from receipt and from publication to the ack's answer);
                        rows bare-tasks and runtime unless --only says otherwise
-  --services LIST      redis=PID,nats=PID,rabbitmq=PGID,postgres=PID (or
+  --services LIST      redis=PID,nats=PID,rabbitmq=PGID,kafka=PID,postgres=PID (or
                        CONSUMER_BENCH_SERVICES): also report each server's CPU time per
                        message (the process, its children and its process group)
   --bare-batch N       messages the bare loops ask for at once (default 32; a diagnostic)
+  --kafka-buffer N     records the Kafka source holds for the runtime before it pauses its
+                       partitions (default: the source's, 512; a diagnostic)
   --out FILE           also write the rows as JSON to FILE
 ";
 
@@ -38,6 +42,7 @@ pub(crate) struct Options {
     pub(crate) redis: Option<String>,
     pub(crate) nats: Option<String>,
     pub(crate) amqp: Option<String>,
+    pub(crate) kafka: Option<String>,
     pub(crate) postgres: Option<String>,
     pub(crate) messages: usize,
     pub(crate) duplicates: usize,
@@ -50,6 +55,7 @@ pub(crate) struct Options {
     pub(crate) paced_seconds: u64,
     pub(crate) services: Option<String>,
     pub(crate) bare_batch: usize,
+    pub(crate) kafka_buffer: Option<usize>,
     pub(crate) out: Option<String>,
 }
 
@@ -61,6 +67,7 @@ impl Options {
             redis: env("IDEMPOTENT_TEST_REDIS_URL"),
             nats: env("IDEMPOTENT_TEST_NATS_URL"),
             amqp: env("IDEMPOTENT_TEST_AMQP_URL"),
+            kafka: env("IDEMPOTENT_TEST_KAFKA_URL"),
             postgres: env("IDEMPOTENT_TEST_POSTGRES_URL"),
             messages: 20_000,
             duplicates: 2_000,
@@ -73,6 +80,7 @@ impl Options {
             paced_seconds: 4,
             services: env("CONSUMER_BENCH_SERVICES"),
             bare_batch: BATCH,
+            kafka_buffer: None,
             out: None,
         };
         let mut args = std::env::args().skip(1);
@@ -85,6 +93,7 @@ impl Options {
                 "--redis-url" => options.redis = Some(value()?),
                 "--nats-url" => options.nats = Some(value()?),
                 "--amqp-url" => options.amqp = Some(value()?),
+                "--kafka-url" => options.kafka = Some(value()?),
                 "--postgres-url" => options.postgres = Some(value()?),
                 "--messages" => options.messages = number(value()?)?.max(10),
                 "--duplicates" => options.duplicates = number(value()?)?,
@@ -100,6 +109,7 @@ impl Options {
                 "--out" => options.out = Some(value()?),
                 "--services" => options.services = Some(value()?),
                 "--bare-batch" => options.bare_batch = number(value()?)?.max(1),
+                "--kafka-buffer" => options.kafka_buffer = Some(number(value()?)?.max(1)),
                 "--help" | "-h" => {
                     print!("{USAGE}");
                     std::process::exit(0);
@@ -116,6 +126,7 @@ impl Options {
             Broker::Redis => self.redis.clone(),
             Broker::Nats => self.nats.clone(),
             Broker::RabbitMq => self.amqp.clone(),
+            Broker::Kafka => self.kafka.clone(),
         }
     }
 

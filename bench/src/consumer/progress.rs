@@ -15,14 +15,18 @@ use crate::machine;
 
 /// The servers whose CPU time is read (`--services`): the process with that id, its children
 /// (PostgreSQL's backends) and the members of its process group (RabbitMQ's Erlang VM), by
-/// service: Redis, NATS, RabbitMQ, PostgreSQL.
-static SERVICES: OnceLock<[Option<u32>; 4]> = OnceLock::new();
-const SERVICE_NAMES: [&str; 4] = ["redis", "nats", "rabbitmq", "postgres"];
+/// service: Redis, NATS, RabbitMQ, Kafka (the brokers in `Broker`'s order, so that a broker's
+/// discriminant is its index), PostgreSQL.
+static SERVICES: OnceLock<[Option<u32>; SERVICE_COUNT]> = OnceLock::new();
+const SERVICE_COUNT: usize = 5;
+const SERVICE_NAMES: [&str; SERVICE_COUNT] = ["redis", "nats", "rabbitmq", "kafka", "postgres"];
+/// PostgreSQL's index among the services.
+pub(crate) const POSTGRES_SERVICE: usize = 4;
 
-/// Reads the CPU time of the servers in `list` (`redis=PID,nats=PID,rabbitmq=PGID,
+/// Reads the CPU time of the servers in `list` (`redis=PID,nats=PID,rabbitmq=PGID,kafka=PID,
 /// postgres=PID`) from now on.
 pub(crate) fn watch_services(list: &str) -> Result<(), String> {
-    let mut roots = [None; 4];
+    let mut roots = [None; SERVICE_COUNT];
     for item in list.split(',').filter(|i| !i.is_empty()) {
         let parsed = item.split_once('=').and_then(|(name, pid)| {
             let i = SERVICE_NAMES.iter().position(|n| *n == name)?;
@@ -43,7 +47,7 @@ struct Cpu {
     process: u64,
     machine: machine::Reading,
     /// The servers' ticks, in the order of [`SERVICES`].
-    services: [u64; 4],
+    services: [u64; SERVICE_COUNT],
     /// Context switches of this process's threads (voluntary and not).
     switches: u64,
 }
@@ -52,7 +56,7 @@ impl Cpu {
     fn now() -> Cpu {
         let process = cpu::process_ticks();
         let machine = machine::Reading::now().unwrap_or_default();
-        let mut services = [0; 4];
+        let mut services = [0; SERVICE_COUNT];
         if let Some(roots) = SERVICES.get() {
             for (pid, stat) in cpu::processes() {
                 for (i, root) in roots.iter().enumerate() {
@@ -208,7 +212,7 @@ impl Progress {
             switches_per_message: cpu_end.switches.saturating_sub(self.cpu_start.switches) as f64
                 / self.total as f64,
             services_cpu_us: SERVICES.get().map(|_| {
-                let mut out = [0.0; 4];
+                let mut out = [0.0; SERVICE_COUNT];
                 for (i, value) in out.iter_mut().enumerate() {
                     *value = ticks(cpu_end.services[i].saturating_sub(self.cpu_start.services[i]));
                 }
@@ -238,8 +242,9 @@ pub(crate) struct Measured {
     pub(crate) end_to_end_us: Option<(u64, u64, u64)>,
     pub(crate) process_cpu_us: f64,
     pub(crate) machine_cpu_us: f64,
-    /// With `--services`: the CPU time of Redis, NATS, RabbitMQ and PostgreSQL per message.
-    pub(crate) services_cpu_us: Option<[f64; 4]>,
+    /// With `--services`: the CPU time of Redis, NATS, RabbitMQ, Kafka and PostgreSQL per
+    /// message.
+    pub(crate) services_cpu_us: Option<[f64; SERVICE_COUNT]>,
     /// This process's context switches per message.
     pub(crate) switches_per_message: f64,
     pub(crate) machine_busy: f64,

@@ -4,6 +4,7 @@
 use std::time::{Duration, Instant};
 
 use super::bare::BareRow;
+use super::broker::kafka::{self, BareKafka};
 use super::broker::nats::{self, BareNats};
 use super::broker::rabbitmq::{self, BareRabbit};
 use super::broker::redis_streams::{self, BareRedis};
@@ -90,6 +91,7 @@ pub(crate) async fn row(
         (Broker::Redis, false) => (bare.run(BareRedis::open(&url, &name).await).await, 0),
         (Broker::Nats, false) => (bare.run(BareNats::open(&url, &name).await).await, 0),
         (Broker::RabbitMq, false) => (bare.run(BareRabbit::open(&url, &name).await).await, 0),
+        (Broker::Kafka, false) => (bare.run(BareKafka::open(&url, &name).await).await, 0),
         (Broker::Redis, true) => {
             let source = redis_streams::source(&url, &name).await;
             runtime_row(source, options, postgres, total).await
@@ -100,6 +102,10 @@ pub(crate) async fn row(
         }
         (Broker::RabbitMq, true) => {
             let source = rabbitmq::source(&url, &name).await;
+            runtime_row(source, options, postgres, total).await
+        }
+        (Broker::Kafka, true) => {
+            let source = kafka::source(&url, &name, options.kafka_buffer).await;
             runtime_row(source, options, postgres, total).await
         }
     };

@@ -6,16 +6,20 @@ pub(crate) enum Broker {
     Redis,
     Nats,
     RabbitMq,
+    Kafka,
 }
 
 impl Broker {
-    pub(crate) const ALL: [Broker; 3] = [Broker::Redis, Broker::Nats, Broker::RabbitMq];
+    /// Also the order of the servers' CPU times (`progress::SERVICE_NAMES`).
+    pub(crate) const ALL: [Broker; 4] =
+        [Broker::Redis, Broker::Nats, Broker::RabbitMq, Broker::Kafka];
 
     pub(crate) fn name(self) -> &'static str {
         match self {
             Broker::Redis => "redis",
             Broker::Nats => "nats",
             Broker::RabbitMq => "rabbitmq",
+            Broker::Kafka => "kafka",
         }
     }
 }

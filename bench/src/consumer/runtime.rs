@@ -121,6 +121,14 @@ impl<S: Source> Source for Counted<S> {
     fn keep_alive_every(&self) -> Option<Duration> {
         self.inner.keep_alive_every()
     }
+
+    fn counts_deliveries(&self) -> bool {
+        self.inner.counts_deliveries()
+    }
+
+    fn handling_limit(&self) -> Option<Duration> {
+        self.inner.handling_limit()
+    }
 }
 
 /// Runs the runtime over `source` until `total` messages are finished.

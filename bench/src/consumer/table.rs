@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use super::progress::Measured;
+use super::progress::{Measured, POSTGRES_SERVICE};
 use super::rows::{Broker, Mode};
 use crate::table::{rounded_thousands, thousands};
 
@@ -61,8 +61,10 @@ pub(crate) fn print_table(results: &BTreeMap<(Broker, Mode), Vec<Measured>>) {
                 "{:.1}",
                 cpu[*broker as usize]
             )),
-            m.services_cpu_us
-                .map_or(String::from("–"), |cpu| format!("{:.1}", cpu[3])),
+            m.services_cpu_us.map_or(String::from("–"), |cpu| format!(
+                "{:.1}",
+                cpu[POSTGRES_SERVICE]
+            )),
             m.machine_cpu_us,
             100.0 * m.machine_busy,
             m.switches_per_message,

@@ -1,6 +1,7 @@
-//! The three brokers as the consumer benchmark uses them, one file each: the runtime's source,
+//! The four brokers as the consumer benchmark uses them, one file each: the runtime's source,
 //! the bare loop, publishing and clearing away; here, what picks among them.
 
+pub(crate) mod kafka;
 pub(crate) mod nats;
 pub(crate) mod rabbitmq;
 pub(crate) mod redis_streams;
@@ -9,6 +10,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use lapin::{Channel, Connection};
+use rdkafka::producer::FutureProducer;
 use redis::aio::MultiplexedConnection;
 
 use super::postings::{Posting, now_micros};
@@ -17,12 +19,13 @@ use super::rows::Broker;
 /// The consumer group (Redis) and the durable consumer (NATS).
 const GROUP: &str = "bench";
 
-/// A publisher on a row's stream or queue, which it creates (NATS: as the runtime's source
-/// would; RabbitMQ: declared as the source declares it).
+/// A publisher on a row's stream, queue or topic, which it creates (NATS: as the runtime's
+/// source would; RabbitMQ: declared as the source declares it; Kafka: with three partitions).
 pub(crate) enum Publisher {
     Redis(MultiplexedConnection),
     Nats(jetstream::Context),
     RabbitMq(Box<(Connection, Channel)>),
+    Kafka(FutureProducer),
 }
 
 impl Publisher {
@@ -31,11 +34,13 @@ impl Publisher {
             Broker::Redis => Publisher::Redis(redis_streams::connection(url).await),
             Broker::Nats => Publisher::Nats(nats::publisher(url, name).await),
             Broker::RabbitMq => Publisher::RabbitMq(Box::new(rabbitmq::publisher(url, name).await)),
+            Broker::Kafka => Publisher::Kafka(kafka::publisher(url, name).await),
         }
     }
 
     /// Publishes `postings` to `name` in order, in chunks of 1,000 whose acknowledgements
-    /// (Redis replies, JetStream acks, publisher confirms) are awaited before the next.
+    /// (Redis replies, JetStream acks, publisher confirms, Kafka delivery reports) are awaited
+    /// before the next.
     pub(crate) async fn publish(&mut self, name: &str, postings: &[Posting]) {
         for chunk in postings.chunks(1000) {
             match self {
@@ -44,6 +49,7 @@ impl Publisher {
                 }
                 Publisher::Nats(context) => nats::publish(context, name, chunk).await,
                 Publisher::RabbitMq(link) => rabbitmq::publish(&link.1, name, chunk).await,
+                Publisher::Kafka(producer) => kafka::publish(producer, name, chunk).await,
             }
         }
     }
@@ -73,11 +79,12 @@ impl Publisher {
     }
 }
 
-/// Clears a row's stream or queue away (once its consumers are gone).
+/// Clears a row's stream, queue or topic away (once its consumers are gone).
 pub(crate) async fn delete(broker: Broker, url: &str, name: &str) {
     match broker {
         Broker::Redis => redis_streams::delete(url, name).await,
         Broker::Nats => nats::delete(url, name).await,
         Broker::RabbitMq => rabbitmq::delete(url, name).await,
+        Broker::Kafka => kafka::delete(url, name).await,
     }
 }
