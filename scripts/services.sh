@@ -383,12 +383,13 @@ start_kafka() {
     dir="$SERVICES_DIR/kafka"
     mkdir -p "$dir"
     # Its own session, in its directory (the SQLite path is relative to it; it reads a .env
-    # there, and there is none).
+    # there, and there is none). The shell in the new session writes its own pid, then becomes
+    # nisshi (`exec`): `$!` would be setsid's, which forks and exits under job control.
     (cd "$dir" && env -u STORAGE_ENGINE -u LISTENER_URL -u ADVERTISED_LISTENER_URL RUST_LOG=warn \
-        setsid "$bin" broker --kafka-listener-url "tcp://127.0.0.1:$port" \
-        --kafka-advertised-listener-url "tcp://127.0.0.1:$port" \
-        --storage-engine sqlite://kafka.db --group-initial-rebalance-delay 0s </dev/null >>"$dir/nisshi.log" 2>&1 &
-        echo $! >"$dir/nisshi.pid")
+        setsid bash -c 'echo $$ >nisshi.pid && exec "$0" broker --kafka-listener-url "$1" \
+        --kafka-advertised-listener-url "$1" --storage-engine sqlite://kafka.db \
+        --group-initial-rebalance-delay 0s' "$bin" "tcp://127.0.0.1:$port" \
+        </dev/null >>"$dir/nisshi.log" 2>&1 &)
     for _ in $(seq 1 300); do
         if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
             export IDEMPOTENT_TEST_KAFKA_URL="kafka://127.0.0.1:$port"
