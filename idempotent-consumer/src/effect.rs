@@ -343,7 +343,12 @@ pub(crate) mod transactional {
     /// counted after each delivery that ended otherwise (a failure, a duplicate), and deleted
     /// by the transaction that applies the message.
     pub(crate) struct Deliveries {
-        table: String,
+        /// The statements, built once: create, sweep, count, answered, forget.
+        create: String,
+        sweep: String,
+        count: String,
+        answered: String,
+        forget: String,
         created: tokio::sync::OnceCell<()>,
         counted: std::sync::atomic::AtomicU64,
     }
@@ -360,7 +365,25 @@ pub(crate) mod transactional {
                 None => format!("\"{}_deliveries\"", transactional.table()),
             };
             Deliveries {
-                table,
+                create: format!(
+                    "CREATE TABLE IF NOT EXISTS {table} (storage_key bytea PRIMARY KEY, \
+                     deliveries bigint NOT NULL, answered bigint NOT NULL DEFAULT 0, \
+                     updated_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+                ),
+                sweep: format!(
+                    "DELETE FROM {table} \
+                     WHERE updated_at < clock_timestamp() - interval '{DELIVERIES_KEPT}'"
+                ),
+                count: format!(
+                    "INSERT INTO {table} AS d (storage_key, deliveries) VALUES ($1, 1) \
+                     ON CONFLICT (storage_key) DO UPDATE \
+                     SET deliveries = d.deliveries + 1, updated_at = clock_timestamp() \
+                     RETURNING deliveries, answered"
+                ),
+                answered: format!(
+                    "UPDATE {table} SET answered = answered + 1 WHERE storage_key = $1"
+                ),
+                forget: format!("DELETE FROM {table} WHERE storage_key = $1"),
                 created: tokio::sync::OnceCell::new(),
                 counted: std::sync::atomic::AtomicU64::new(0),
             }
@@ -369,19 +392,14 @@ pub(crate) mod transactional {
         /// Counts one more delivery of the message stored at `key`: how many were counted
         /// before this one, and how many of those were answered.
         async fn count(&self, pool: &sqlx::PgPool, key: &[u8]) -> Result<(u64, u64), sqlx::Error> {
-            let table = &self.table;
             self.created
                 .get_or_try_init(|| async {
-                    let create = format!(
-                        "CREATE TABLE IF NOT EXISTS {table} (storage_key bytea PRIMARY KEY, \
-                         deliveries bigint NOT NULL, answered bigint NOT NULL DEFAULT 0, \
-                         updated_at timestamptz NOT NULL DEFAULT clock_timestamp())"
-                    );
+                    let create = &self.create;
                     // Two consumers creating it at once: one of them may fail on the catalog's
                     // unique index; the table is there then.
-                    match sqlx::query(&create).execute(pool).await {
+                    match sqlx::query(create).execute(pool).await {
                         Ok(_) => Ok(()),
-                        Err(_) => sqlx::query(&create).execute(pool).await.map(|_| ()),
+                        Err(_) => sqlx::query(create).execute(pool).await.map(|_| ()),
                     }
                 })
                 .await?;
@@ -389,30 +407,19 @@ pub(crate) mod transactional {
                 .counted
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if n % 1024 == 1023 {
-                let sweep = format!(
-                    "DELETE FROM {table} WHERE updated_at < clock_timestamp() - interval '{DELIVERIES_KEPT}'"
-                );
-                sqlx::query(&sweep).execute(pool).await?;
+                sqlx::query(&self.sweep).execute(pool).await?;
             }
-            let count = format!(
-                "INSERT INTO {table} AS d (storage_key, deliveries) VALUES ($1, 1) \
-                 ON CONFLICT (storage_key) DO UPDATE \
-                 SET deliveries = d.deliveries + 1, updated_at = clock_timestamp() \
-                 RETURNING deliveries, answered"
-            );
-            let (deliveries, answered): (i64, i64) =
-                sqlx::query_as(&count).bind(key).fetch_one(pool).await?;
+            let (deliveries, answered): (i64, i64) = sqlx::query_as(&self.count)
+                .bind(key)
+                .fetch_one(pool)
+                .await?;
             let count = |n: i64| u64::try_from(n).unwrap_or(0);
             Ok((count(deliveries).saturating_sub(1), count(answered)))
         }
 
         /// The delivery of the message stored at `key` ended with an answer.
         async fn answered(&self, pool: &sqlx::PgPool, key: &[u8]) -> Result<(), sqlx::Error> {
-            let answered = format!(
-                "UPDATE {} SET answered = answered + 1 WHERE storage_key = $1",
-                self.table
-            );
-            sqlx::query(&answered)
+            sqlx::query(&self.answered)
                 .bind(key)
                 .execute(pool)
                 .await
@@ -421,8 +428,11 @@ pub(crate) mod transactional {
 
         /// Forgets the message's count, in the transaction that applies it.
         async fn forget(&self, tx: &mut sqlx::PgConnection, key: &[u8]) -> Result<(), sqlx::Error> {
-            let forget = format!("DELETE FROM {} WHERE storage_key = $1", self.table);
-            sqlx::query(&forget).bind(key).execute(tx).await.map(|_| ())
+            sqlx::query(&self.forget)
+                .bind(key)
+                .execute(tx)
+                .await
+                .map(|_| ())
         }
     }
 
@@ -435,7 +445,7 @@ pub(crate) mod transactional {
 
         async fn apply(&self, prepared: &Prepared<H::Input>, count: Option<Count>) -> Processed {
             let Some(count) = count else {
-                return match self.attempt(prepared, false).await {
+                return match self.attempt(prepared, None).await {
                     Ok(processed) => processed,
                     Err(failure) => Processed::Failed(failure),
                 };
@@ -454,7 +464,7 @@ pub(crate) mod transactional {
                 Ok(deliveries) => deliveries,
                 Err(failure) => return Processed::Exhausted(failure),
             };
-            let processed = match self.attempt(prepared, true).await {
+            let processed = match self.attempt(prepared, Some(key.as_bytes())).await {
                 Ok(processed) => processed,
                 Err(failure) => Processed::Failed(failure),
             };
@@ -474,7 +484,7 @@ pub(crate) mod transactional {
         async fn attempt(
             &self,
             prepared: &Prepared<H::Input>,
-            counted: bool,
+            counted: Option<&[u8]>,
         ) -> Result<Processed, Failure> {
             // A duplicate the cache tier knows is acknowledged without a transaction.
             #[cfg(feature = "cache")]
@@ -516,10 +526,9 @@ pub(crate) mod transactional {
                 .clone()
                 .scope(self.handler.handle(&mut tx, &prepared.input, &claim))
                 .await?;
-            if counted {
-                let key = self.transactional.storage_key(&prepared.call);
+            if let Some(key) = counted {
                 self.deliveries
-                    .forget(&mut tx, key.as_bytes())
+                    .forget(&mut tx, key)
                     .await
                     .map_err(|e| sql_failure("forgetting the delivery count", &e))?;
             }
