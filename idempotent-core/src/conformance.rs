@@ -1,10 +1,12 @@
 #![doc = include_str!("../docs/conformance.md")]
 
 mod faults;
+mod inspect;
 mod sessions;
 mod steps;
 
 pub use faults::{Fault, Faults, FaultyStore, KeysOnlyStore, Op};
+pub use inspect::*;
 pub use sessions::*;
 pub use steps::*;
 
@@ -121,6 +123,13 @@ macro_rules! store_conformance_tests {
             a_stale_resume_leaves_another_operations_checkpoints,
             abandoned_lists_one_owners_requests,
         );
+        $crate::store_conformance_tests!(@tests $harness; inspection;
+            inspect_reports_each_state_with_its_label,
+            a_lapsed_lease_is_abandoned,
+            list_finds_records_by_state_and_age_in_pages,
+            repairs_are_fenced_by_the_token_and_the_lease,
+            session_state_reads_what_the_gate_left,
+        );
     };
     (@tests $harness:ty; keys; $($check:ident),* $(,)?) => {
         $(
@@ -138,8 +147,8 @@ macro_rules! store_conformance_tests {
             fn $check() {
                 #[allow(unused_imports)]
                 use $crate::conformance::{
-                    CheckpointChecks as _, NoCheckpointChecks as _, NoSessionChecks as _,
-                    SessionChecks as _,
+                    CheckpointChecks as _, InspectChecks as _, NoCheckpointChecks as _,
+                    NoInspectChecks as _, NoSessionChecks as _, SessionChecks as _,
                 };
                 (&$crate::conformance::Probe::<$harness>::new())
                     .$capability(::core::stringify!($check));
@@ -209,6 +218,50 @@ impl<H: Harness> NoCheckpointChecks for &Probe<H> {
     fn checkpoints(&self, check: &str) {
         does_not_apply::<H>(check, "CheckpointStore");
     }
+}
+
+/// The inspection checks, for a store that implements [`InspectStore`](crate::inspect::InspectStore)
+/// (with checkpoints and sessions, which they use); see [`Probe`].
+pub trait InspectChecks {
+    /// Runs the inspection check named `check`.
+    fn inspection(&self, check: &str);
+}
+
+/// The inspection checks, for a store that cannot be inspected; see [`Probe`].
+pub trait NoInspectChecks {
+    /// Says that the store cannot be inspected.
+    fn inspection(&self, check: &str);
+}
+
+impl<H: Harness<Store: Inspectable>> InspectChecks for Probe<H> {
+    fn inspection(&self, check: &str) {
+        run_inspection::<H>(check);
+    }
+}
+
+impl<H: Harness> NoInspectChecks for &Probe<H> {
+    fn inspection(&self, check: &str) {
+        does_not_apply::<H>(check, "InspectStore");
+    }
+}
+
+/// Runs the inspection check named `check`.
+fn run_inspection<H: Harness<Store: Inspectable>>(check: &str) {
+    macro_rules! dispatch {
+        ($($name:ident),*) => {
+            match check {
+                $(stringify!($name) => run::<H, _, _>(|h| async move { $name(&*h).await }),)*
+                other => panic!("no inspection check named {other}"),
+            }
+        };
+    }
+    dispatch!(
+        inspect_reports_each_state_with_its_label,
+        a_lapsed_lease_is_abandoned,
+        list_finds_records_by_state_and_age_in_pages,
+        repairs_are_fenced_by_the_token_and_the_lease,
+        session_state_reads_what_the_gate_left
+    )
 }
 
 fn does_not_apply<H: Harness>(check: &str, capability: &str) {

@@ -1,6 +1,7 @@
 //! Running a call: claim (waiting out or answering duplicates as the policy says), run the work
 //! with the lease kept alive, then record its outcome or release the claim.
 
+use crate::inspect::KeyLabel;
 use std::future::Future;
 use std::sync::Arc;
 use std::task::Poll;
@@ -133,12 +134,18 @@ impl<C: Capabilities> Idempotency<C> {
             None => (self.storage_key(call), ttl),
             Some((session, request, epoch)) => (session.seq_key(epoch, request.seq), session_idle),
         };
+        let label = if gate.is_some() {
+            KeyLabel::of_session(call.key(), call.scope_ref(), inner.keys_in_clear)
+        } else {
+            KeyLabel::new(call.key(), call.scope_ref(), inner.keys_in_clear)
+        };
         let (token, lifetime, claimed_at) = match self
             .acquire(
                 &key,
                 call.fingerprint_ref(),
                 (lease, ttl),
                 (in_flight, call.is_resume_only()),
+                &label,
             )
             .await?
         {
@@ -352,6 +359,7 @@ impl<C: Capabilities> Idempotency<C> {
         fingerprint: &Fingerprint,
         (lease, ttl): (Duration, Duration),
         (policy, resume): (InFlightPolicy, bool),
+        label: &KeyLabel,
     ) -> Result<Acquired, Error> {
         let store = &*self.inner.store;
         let mut answer = ClaimAnswer::new(policy, self.inner.integrity);
@@ -378,7 +386,7 @@ impl<C: Capabilities> Idempotency<C> {
                     None => return Err(Error::NothingToResume),
                 }
             } else {
-                let (claim, sent) = sent(store.claim(key, fingerprint, lease, ttl), limit).await;
+                let (claim, sent) = sent(store.claim(key, fingerprint, lease, ttl, label), limit).await;
                 (claim?, sent)
             };
             match answer.step(key, fingerprint, claim)? {

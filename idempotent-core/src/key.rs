@@ -177,6 +177,17 @@ impl Scope {
     }
 }
 
+impl Scope {
+    /// Which parts are set: `(tenant, principal, operation)`.
+    pub fn parts_set(&self) -> (bool, bool, bool) {
+        (
+            self.tenant.is_some(),
+            self.principal.is_some(),
+            self.operation.is_some(),
+        )
+    }
+}
+
 /// Scope parts may be credentials (an `Authorization` digest), so `Debug` shows only which parts
 /// are set.
 impl fmt::Debug for Scope {

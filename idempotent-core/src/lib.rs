@@ -61,6 +61,7 @@ pub mod store;
 mod to_key;
 
 pub mod clock;
+pub mod inspect;
 pub mod guide {
     #![doc = include_str!("../docs/guide.md")]
     // The guide's links name the crate's items as its root does.

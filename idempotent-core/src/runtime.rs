@@ -54,6 +54,8 @@ pub(crate) struct Inner {
     pub(crate) namespace: Box<[u8]>,
     pub(crate) defaults: Defaults,
     pub(crate) record_retry: Duration,
+    /// Whether records keep their key in clear ([`IdempotencyBuilder::keys_in_clear`]).
+    pub(crate) keys_in_clear: bool,
     pub(crate) drain: Arc<Drain>,
     /// Whether results are checksummed: not on a store that keeps them in this process.
     pub(crate) integrity: Integrity,
@@ -84,6 +86,7 @@ pub struct IdempotencyBuilder<C = Full> {
     namespace: Box<[u8]>,
     defaults: Defaults,
     record_retry: Duration,
+    keys_in_clear: bool,
 }
 
 impl<C> fmt::Debug for IdempotencyBuilder<C> {
@@ -127,6 +130,18 @@ impl<C: Capabilities> IdempotencyBuilder<C> {
         self
     }
 
+    /// Whether each record keeps its key as the client sent it (up to
+    /// [`KeyLabel::MAX_KEY_LEN`](crate::inspect::KeyLabel::MAX_KEY_LEN) bytes), so that an
+    /// operator listing records ([`inspect`](crate::inspect)) can recognise them (default
+    /// `true`). With `false`, a record keeps only which scope parts were set: an operator can
+    /// still find a record by the key a customer quotes (its digest is derived again), but a
+    /// listing shows digests only. Keys are the client's and may carry what it put in them;
+    /// turn this off when they must not be stored.
+    pub fn keys_in_clear(mut self, keep: bool) -> Self {
+        self.keys_in_clear = keep;
+        self
+    }
+
     /// Builds the runtime.
     pub fn build(self) -> Idempotency<C> {
         let Erased {
@@ -147,6 +162,7 @@ impl<C: Capabilities> IdempotencyBuilder<C> {
                 namespace: self.namespace,
                 defaults: self.defaults,
                 record_retry: self.record_retry,
+                keys_in_clear: self.keys_in_clear,
                 drain: Arc::default(),
             }),
             capabilities: PhantomData,
@@ -211,6 +227,7 @@ impl<C: Capabilities> Idempotency<C> {
             namespace: Box::default(),
             defaults: Defaults::new(),
             record_retry: DEFAULT_RECORD_RETRY,
+            keys_in_clear: true,
         }
     }
 

@@ -25,6 +25,7 @@ pub(crate) trait DynStore: Send + Sync + 'static {
         fingerprint: &'a Fingerprint,
         lease: Duration,
         ttl: Duration,
+        label: &'a crate::inspect::KeyLabel,
     ) -> BoxFuture<'a, Result<Claim, StoreError>>;
     fn complete<'a>(
         &'a self,
@@ -133,10 +134,12 @@ impl<S: Store> DynStore for Measured<S> {
         fingerprint: &'a Fingerprint,
         lease: Duration,
         ttl: Duration,
+        label: &'a crate::inspect::KeyLabel,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(self.timed(
             Operation::Claim,
-            self.store.claim(key, fingerprint, lease, ttl),
+            self.store
+                .claim_labelled(key, fingerprint, (lease, ttl), label),
         ))
     }
     fn complete<'a>(

@@ -191,6 +191,22 @@ pub trait Store: Send + Sync + 'static {
         ttl: Duration,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
+    /// [`claim`](Self::claim), keeping `label` on the record a claim begins, so that an operator
+    /// can recognise it ([`InspectStore`](crate::inspect::InspectStore)); a takeover keeps the
+    /// label the record has. The runtime claims with this. The default calls `claim` and keeps
+    /// no label: a store that implements `InspectStore` overrides it (the conformance suite
+    /// checks that the label is kept).
+    fn claim_labelled(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        (lease, ttl): (Duration, Duration),
+        label: &crate::inspect::KeyLabel,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
+        let _ = label;
+        self.claim(key, fingerprint, lease, ttl)
+    }
+
     /// Turns the caller's in-flight record into a completed one holding `payload`, kept for
     /// `ttl` from now.
     ///
@@ -541,6 +557,15 @@ impl<S: Store> Store for Arc<S> {
         ttl: Duration,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
         S::claim(self, key, fingerprint, lease, ttl)
+    }
+    fn claim_labelled(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        terms: (Duration, Duration),
+        label: &crate::inspect::KeyLabel,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
+        S::claim_labelled(self, key, fingerprint, terms, label)
     }
     fn complete(
         &self,

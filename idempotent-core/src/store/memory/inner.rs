@@ -11,6 +11,7 @@ use dashmap::mapref::entry::Entry;
 use tokio::sync::Notify;
 
 use crate::clock::Clock;
+use crate::inspect::{Cursor, KeyLabel, ListQuery, Page, RecordInfo, RecordState, Refusal, Repair, Repaired};
 use crate::session::{MAX_SEQ, MAX_SESSION_WINDOW, SessionState};
 use crate::{
     Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionRequest, StorageKey,
@@ -58,12 +59,24 @@ pub(super) enum Record {
         steps: Vec<u8>,
         /// The request a completer may run again.
         request: Option<Bytes>,
+        /// What an operator sees of its key ([`KeyLabel`](crate::inspect::KeyLabel)).
+        label: Option<Bytes>,
+        /// Whether its owner released it (its lease then ended at the release).
+        released: bool,
+        /// The claims of its lifetime.
+        attempts: u32,
+        /// When it was claimed, taken over or released.
+        since: u64,
     },
     Completed {
         token: u64,
         fingerprint: Fingerprint,
         payload: Bytes,
         expires: u64,
+        label: Option<Bytes>,
+        attempts: u32,
+        /// When it completed.
+        since: u64,
     },
     /// A client session's own record: its state, live until `expires`.
     Session { state: SessionState, expires: u64 },
@@ -148,12 +161,23 @@ impl Record {
     }
 
     fn cost(&self) -> usize {
+        let label_len = |label: &Option<Bytes>| label.as_ref().map_or(0, Bytes::len);
         match self {
-            Record::InFlight { steps, request, .. } => {
-                RECORD_OVERHEAD + steps.len() + request.as_ref().map_or(0, Bytes::len)
+            Record::InFlight {
+                steps,
+                request,
+                label,
+                ..
+            } => {
+                RECORD_OVERHEAD
+                    + steps.len()
+                    + request.as_ref().map_or(0, Bytes::len)
+                    + label_len(label)
             }
             Record::Session { .. } => RECORD_OVERHEAD,
-            Record::Completed { payload, .. } => RECORD_OVERHEAD + payload.len(),
+            Record::Completed { payload, label, .. } => {
+                RECORD_OVERHEAD + payload.len() + label_len(label)
+            }
         }
     }
 }
@@ -259,8 +283,9 @@ impl Inner {
         fingerprint: &Fingerprint,
         lease: Duration,
         ttl: Duration,
+        label: Option<&KeyLabel>,
     ) -> Result<Claim, StoreError> {
-        self.claim_or_resume(key, fingerprint, (lease, ttl), false)?
+        self.claim_or_resume(key, fingerprint, (lease, ttl), false, label)?
             .ok_or_else(|| StoreError::Backend("a claim always claims or reports".into()))
     }
 
@@ -273,7 +298,7 @@ impl Inner {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Option<Claim>, StoreError> {
-        self.claim_or_resume(key, fingerprint, (lease, ttl), true)
+        self.claim_or_resume(key, fingerprint, (lease, ttl), true, None)
     }
 
     /// A claim, or with `resume` a takeover only (`None`: nothing of this request to take over,
@@ -284,7 +309,9 @@ impl Inner {
         fingerprint: &Fingerprint,
         (lease, ttl): (Duration, Duration),
         resume: bool,
+        label: Option<&KeyLabel>,
     ) -> Result<Option<Claim>, StoreError> {
+        let label = label.map(|label| label.as_bytes().clone());
         let now = self.now();
         // Replays and in-flight reports need only the shard's read lock.
         if let Some(found) = self.records.get(key).and_then(|r| r.report(now)) {
@@ -303,6 +330,10 @@ impl Inner {
                 kept_until,
                 steps: carried.0,
                 request: carried.1,
+                label: carried.2,
+                released: false,
+                attempts: carried.3.saturating_add(1),
+                since: now,
             };
             let claim = match lifetime {
                 Some(lifetime) => Claim::TakenOver {
@@ -334,14 +365,29 @@ impl Inner {
                         return Ok(Some(pinned));
                     }
                     let carried = match (lifetime, slot.get_mut()) {
-                        (Some(_), Record::InFlight { steps, request, .. }) => {
-                            (std::mem::take(steps), request.take())
-                        }
-                        _ => (Vec::new(), None),
+                        (
+                            Some(_),
+                            Record::InFlight {
+                                steps,
+                                request,
+                                label,
+                                attempts,
+                                ..
+                            },
+                        ) => (std::mem::take(steps), request.take(), label.take(), *attempts),
+                        _ => (Vec::new(), None, label.clone(), 0),
                     };
                     let freed = slot.get().held();
+                    // A new lifetime's label is charged here (a takeover moves the old one):
+                    // at most a label's length past the byte bound, like a small completion.
+                    let added = if lifetime.is_none() {
+                        carried.2.as_ref().map_or(0, Bytes::len)
+                    } else {
+                        0
+                    };
                     let (record, claim) = in_flight(self.next_token(), lifetime, carried);
                     slot.insert(record);
+                    self.bytes.fetch_add(added, Ordering::AcqRel);
                     self.bytes.fetch_sub(freed, Ordering::AcqRel);
                     return Ok(Some(claim));
                 }
@@ -353,9 +399,11 @@ impl Inner {
                         return Ok(None);
                     }
                     if reserved {
+                        let added = label.as_ref().map_or(0, Bytes::len);
                         let (record, claim) =
-                            in_flight(self.next_token(), None, (Vec::new(), None));
+                            in_flight(self.next_token(), None, (Vec::new(), None, label, 0));
                         slot.insert(record);
+                        self.bytes.fetch_add(added, Ordering::AcqRel);
                         return Ok(Some(claim));
                     }
                     // Reserve outside the shard lock (a full store sweeps every shard), then
@@ -393,18 +441,17 @@ impl Inner {
             Some(mut record) => match &*record {
                 Record::InFlight {
                     token: current,
-                    fingerprint,
                     lease_until,
                     ..
                 } if *current == token.get() && *lease_until > now => {
                     // The finished record drops the operation's checkpoints and request.
-                    dropped = record.held();
-                    *record = Record::Completed {
-                        token: token.get(),
-                        fingerprint: *fingerprint,
+                    dropped = finish(
+                        &mut record,
+                        token.get(),
                         payload,
-                        expires: now.saturating_add(nanos(limits::clamp_ttl(ttl))),
-                    };
+                        now.saturating_add(nanos(limits::clamp_ttl(ttl))),
+                        now,
+                    );
                     Completion::Written
                 }
                 // This owner's earlier completion landed: done already, nothing changes.
@@ -437,9 +484,13 @@ impl Inner {
             Some(Record::InFlight {
                 token: current,
                 lease_until,
+                released,
+                since,
                 ..
             }) if *current == token.get() && *lease_until > now => {
                 *lease_until = now;
+                *released = true;
+                *since = now;
                 true
             }
             _ => false,
@@ -475,8 +526,36 @@ impl Inner {
     }
 }
 
-/// What a takeover carries over from the abandoned record: its checkpoints and request.
-type Carried = (Vec<u8>, Option<Bytes>);
+/// What a takeover carries over from the abandoned record: its checkpoints, request, label
+/// and count of claims.
+type Carried = (Vec<u8>, Option<Bytes>, Option<Bytes>, u32);
+
+/// Turns an in-flight `record` into a completed one under `token`, keeping its fingerprint,
+/// label and count of claims; returns the bytes of checkpoints and request it dropped.
+fn finish(record: &mut Record, token: u64, payload: Bytes, expires: u64, now: u64) -> usize {
+    let Record::InFlight {
+        fingerprint,
+        steps,
+        request,
+        label,
+        attempts,
+        ..
+    } = record
+    else {
+        return 0;
+    };
+    let dropped = steps.len() + request.as_ref().map_or(0, Bytes::len);
+    *record = Record::Completed {
+        token,
+        fingerprint: *fingerprint,
+        payload,
+        expires,
+        label: label.take(),
+        attempts: *attempts,
+        since: now,
+    };
+    dropped
+}
 
 impl Inner {
     /// Appends a checkpoint to the in-flight record held with `token` (see
@@ -723,4 +802,208 @@ impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
+}
+
+impl Record {
+    /// What an operator sees of this record at `now`, or `None` when it is not live (expired,
+    /// or a session's own record).
+    fn info(&self, key: &StorageKey, now: u64) -> Option<RecordInfo> {
+        let left = |until: u64| Duration::from_nanos(until.saturating_sub(now));
+        let label = |label: &Option<Bytes>| label.clone().map(KeyLabel::from_bytes);
+        match self {
+            Record::InFlight {
+                token,
+                fingerprint,
+                lease_until,
+                kept_until,
+                steps,
+                request,
+                label: kept,
+                released,
+                attempts,
+                since,
+                ..
+            } if *lease_until > now || *kept_until > now => Some(RecordInfo {
+                key: *key,
+                state: if *released {
+                    RecordState::Released
+                } else {
+                    RecordState::InFlight
+                },
+                token: FencingToken::new(*token),
+                fingerprint: *fingerprint,
+                label: label(kept),
+                lease_left: left(*lease_until),
+                expires_in: left((*kept_until).max(*lease_until)),
+                age: Duration::from_nanos(if *lease_until > now || *released {
+                    now.saturating_sub(*since)
+                } else {
+                    now.saturating_sub(*lease_until)
+                }),
+                attempts: *attempts,
+                steps: Bytes::copy_from_slice(steps),
+                request: request.clone(),
+                payload: None,
+            }),
+            Record::Completed {
+                token,
+                fingerprint,
+                payload,
+                expires,
+                label: kept,
+                attempts,
+                since,
+            } if *expires > now => Some(RecordInfo {
+                key: *key,
+                state: RecordState::Completed,
+                token: FencingToken::new(*token),
+                fingerprint: *fingerprint,
+                label: label(kept),
+                lease_left: Duration::ZERO,
+                expires_in: left(*expires),
+                age: Duration::from_nanos(now.saturating_sub(*since)),
+                attempts: *attempts,
+                steps: Bytes::new(),
+                request: None,
+                payload: Some(payload.clone()),
+            }),
+            _ => None,
+        }
+    }
+}
+
+impl Inner {
+    pub(super) fn inspect(&self, key: &StorageKey) -> Option<RecordInfo> {
+        let now = self.now();
+        self.records.get(key).and_then(|r| r.info(key, now))
+    }
+
+    /// A walk over every record (the memory store is bounded, and an operator asks rarely),
+    /// oldest first; the cursor is the last record's age stamp and key.
+    pub(super) fn list(&self, query: &ListQuery) -> Result<Page, StoreError> {
+        let now = self.now();
+        let after = match &query.after {
+            None => None,
+            Some(cursor) => Some(parse_cursor(&cursor.0)?),
+        };
+        let mut found: Vec<(u64, RecordInfo)> = self
+            .records
+            .iter()
+            .filter_map(|entry| entry.value().info(entry.key(), now))
+            .filter(|info| query.state.matches(info) && info.age >= query.older_than)
+            .map(|info| (now.saturating_sub(nanos(info.age)), info))
+            .filter(|(stamp, info)| {
+                after
+                    .as_ref()
+                    .is_none_or(|(s, k)| (*stamp, info.key.to_hex()) > (*s, k.clone()))
+            })
+            .collect();
+        found.sort_by_cached_key(|(stamp, info)| (*stamp, info.key.to_hex()));
+        let limit = query.limit.max(1);
+        let more = found.len() > limit;
+        found.truncate(limit);
+        let next = if more {
+            found
+                .last()
+                .map(|(stamp, info)| Cursor(format!("{stamp}:{}", info.key.to_hex())))
+        } else {
+            None
+        };
+        Ok(Page {
+            records: found.into_iter().map(|(_, info)| info).collect(),
+            next,
+        })
+    }
+
+    pub(super) fn session_state(&self, session: &SessionKey) -> Option<SessionState> {
+        let now = self.now();
+        match self.records.get(&session.record_key()).as_deref() {
+            Some(Record::Session { state, expires }) if *expires > now => Some(*state),
+            _ => None,
+        }
+    }
+
+    /// One repair, its checks and its change under the record's shard lock.
+    pub(super) fn repair(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        repair: &Repair,
+        force: bool,
+    ) -> Result<Repaired, StoreError> {
+        let now = self.now();
+        // A give-up's payload is reserved before the shard lock (a full store sweeps every
+        // shard), and given back if the repair is refused.
+        let extra = match repair {
+            Repair::GiveUp { payload, .. } => payload.len(),
+            _ => 0,
+        };
+        if extra > 0 {
+            match self.reserve(0, extra, now) {
+                Ok(()) => {}
+                Err(_) if extra <= ALWAYS_FITS * 16 => {
+                    self.bytes.fetch_add(extra, Ordering::AcqRel);
+                }
+                Err(full) => return Err(full),
+            }
+        }
+        let refused = |why: Refusal| {
+            self.unreserve(0, extra);
+            Ok(Repaired::Refused(why))
+        };
+        let Entry::Occupied(mut slot) = self.records.entry(*key) else {
+            return refused(Refusal::Absent);
+        };
+        let Some(info) = slot.get().info(key, now) else {
+            return refused(Refusal::Absent);
+        };
+        if info.token != token {
+            return refused(Refusal::TokenMoved { now: info.token });
+        }
+        if !info.lease_left.is_zero() && !force {
+            return refused(Refusal::LeaseLive {
+                left: info.lease_left,
+            });
+        }
+        match repair {
+            Repair::Forget => {
+                let record = slot.remove();
+                self.unreserve(1, record.cost());
+            }
+            Repair::Release => match slot.get_mut() {
+                Record::InFlight {
+                    lease_until,
+                    released,
+                    since,
+                    ..
+                } => {
+                    if !*released {
+                        *lease_until = (*lease_until).min(now);
+                        *released = true;
+                        *since = now;
+                    }
+                }
+                _ => return refused(Refusal::Completed),
+            },
+            Repair::GiveUp { payload, ttl } => {
+                if info.state == RecordState::Completed {
+                    return refused(Refusal::Completed);
+                }
+                let expires = now.saturating_add(nanos(limits::clamp_ttl(*ttl)));
+                let token = self.next_token().get();
+                let dropped = finish(slot.get_mut(), token, payload.clone(), expires, now);
+                self.bytes.fetch_sub(dropped, Ordering::AcqRel);
+            }
+        }
+        self.notify_changed();
+        Ok(Repaired::Done)
+    }
+}
+
+/// A listing cursor: `stamp:hex key`.
+fn parse_cursor(cursor: &str) -> Result<(u64, String), StoreError> {
+    cursor
+        .split_once(':')
+        .and_then(|(stamp, key)| Some((stamp.parse().ok()?, key.to_owned())))
+        .ok_or_else(|| StoreError::Backend(format!("not a listing cursor: {cursor:?}").into()))
 }

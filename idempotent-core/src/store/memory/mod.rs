@@ -221,7 +221,17 @@ impl Store for MemoryStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Claim, StoreError> {
-        self.inner.claim(key, fingerprint, lease, ttl)
+        self.inner.claim(key, fingerprint, lease, ttl, None)
+    }
+
+    async fn claim_labelled(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        (lease, ttl): (Duration, Duration),
+        label: &crate::inspect::KeyLabel,
+    ) -> Result<Claim, StoreError> {
+        self.inner.claim(key, fingerprint, lease, ttl, Some(label))
     }
 
     async fn complete(
@@ -317,5 +327,38 @@ impl crate::CheckpointStore for MemoryStore {
         owner: Option<&crate::RequestOwner>,
     ) -> Result<Vec<crate::steps::Abandoned>, StoreError> {
         Ok(self.inner.abandoned(idle, limit, owner))
+    }
+}
+
+impl crate::inspect::InspectStore for MemoryStore {
+    async fn inspect(
+        &self,
+        key: &StorageKey,
+    ) -> Result<Option<crate::inspect::RecordInfo>, StoreError> {
+        Ok(self.inner.inspect(key))
+    }
+
+    async fn list(
+        &self,
+        query: &crate::inspect::ListQuery,
+    ) -> Result<crate::inspect::Page, StoreError> {
+        self.inner.list(query)
+    }
+
+    async fn repair(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        repair: &crate::inspect::Repair,
+        force: bool,
+    ) -> Result<crate::inspect::Repaired, StoreError> {
+        self.inner.repair(key, token, repair, force)
+    }
+
+    async fn session_state(
+        &self,
+        session: &crate::SessionKey,
+    ) -> Result<Option<crate::session::SessionState>, StoreError> {
+        Ok(self.inner.session_state(session))
     }
 }
