@@ -48,6 +48,12 @@ cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 step "rust-version: no dependency declares a newer one"
 python3 scripts/check_msrv.py
 
+# The alert rules (promtool's check and unit tests) and the dashboard's JSON: a second, or
+# about 15 s more the first time (promtool from Debian's prometheus package). That their metric
+# names are the ones the examples export is checked by an end-to-end test below.
+step "ops: alert rules and their unit tests (promtool), dashboard JSON"
+bash scripts/check_ops.sh
+
 step "starting Redis, a Redis Cluster, PostgreSQL, NATS (JetStream), RabbitMQ and Kafka (nisshi) on loopback"
 trap stop_services EXIT
 start_redis
