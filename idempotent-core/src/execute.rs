@@ -386,7 +386,8 @@ impl<C: Capabilities> Idempotency<C> {
                     None => return Err(Error::NothingToResume),
                 }
             } else {
-                let (claim, sent) = sent(store.claim(key, fingerprint, lease, ttl, label), limit).await;
+                let (claim, sent) =
+                    sent(store.claim(key, fingerprint, lease, ttl, label), limit).await;
                 (claim?, sent)
             };
             match answer.step(key, fingerprint, claim)? {

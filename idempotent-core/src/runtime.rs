@@ -257,6 +257,12 @@ impl<C: Capabilities> Idempotency<C> {
         }
     }
 
+    /// Whether records keep their key in clear
+    /// ([`IdempotencyBuilder::keys_in_clear`]).
+    pub fn keys_in_clear(&self) -> bool {
+        self.inner.keys_in_clear
+    }
+
     /// The namespace of this runtime's storage keys
     /// ([`IdempotencyBuilder::namespace`]).
     pub fn namespace(&self) -> &[u8] {

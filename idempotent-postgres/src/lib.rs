@@ -31,6 +31,7 @@ mod connections;
 mod error;
 mod expansion;
 mod fence;
+mod inspect;
 pub mod outbox;
 mod sql;
 mod steps;
@@ -485,6 +486,7 @@ impl PostgresStore {
         fingerprint: &Fingerprint,
         terms: (Duration, Duration),
         resume: bool,
+        label: Option<&idempotent_core::inspect::KeyLabel>,
     ) -> Result<Option<Claim>, StoreError> {
         let mut connection = self.connections.get().await?;
         // Non-negative, so it fits a bigint.
@@ -515,7 +517,8 @@ impl PostgresStore {
                 .await
         } else {
             let sql = &self.sql;
-            sql.claim_on(&mut connection, key, fingerprint, terms, claimant)
+            let label = label.map(|label| label.as_bytes().as_ref());
+            sql.claim_on(&mut connection, key, fingerprint, terms, claimant, label)
                 .await
                 .map(Some)
         };
@@ -575,7 +578,21 @@ impl Store for PostgresStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Claim, StoreError> {
-        self.claim_or_resume(key, fingerprint, (lease, ttl), false)
+        self.claim_or_resume(key, fingerprint, (lease, ttl), false, None)
+            .await?
+            .ok_or_else(|| {
+                StoreError::Corrupt("a claim answered that there was nothing to resume".into())
+            })
+    }
+
+    async fn claim_labelled(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        terms: (Duration, Duration),
+        label: &idempotent_core::inspect::KeyLabel,
+    ) -> Result<Claim, StoreError> {
+        self.claim_or_resume(key, fingerprint, terms, false, Some(label))
             .await?
             .ok_or_else(|| {
                 StoreError::Corrupt("a claim answered that there was nothing to resume".into())
@@ -667,7 +684,7 @@ impl CheckpointStore for PostgresStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Option<Claim>, StoreError> {
-        self.claim_or_resume(key, fingerprint, (lease, ttl), true)
+        self.claim_or_resume(key, fingerprint, (lease, ttl), true, None)
             .await
     }
 

@@ -40,7 +40,7 @@ pub(super) const MAX_MICROS: i64 = {
 /// The SQL of one table, built once per store from its validated name.
 pub(crate) struct Sql {
     pub(crate) table: String,
-    pub(crate) migrate: [String; 6],
+    pub(crate) migrate: [String; 7],
     pub(crate) claim: String,
     /// [`CheckpointStore::resume`](idempotent_core::CheckpointStore::resume): the claim's takeover, and nothing else.
     pub(crate) resume: String,
@@ -60,6 +60,15 @@ pub(crate) struct Sql {
     pub(crate) abandoned: String,
     /// [`CheckpointStore::abandoned`](idempotent_core::CheckpointStore::abandoned) of one owner's requests (`$3`).
     pub(crate) abandoned_of: String,
+    /// [`InspectStore`](idempotent_core::inspect::InspectStore): one record, and its row locked for a repair.
+    pub(crate) inspect: String,
+    pub(crate) inspect_for_update: String,
+    /// The listings, by [`Listed`](idempotent_core::inspect::Listed): in flight, abandoned, released, completed.
+    pub(crate) list: [String; 4],
+    pub(crate) repair_release: String,
+    pub(crate) repair_give_up: String,
+    pub(crate) repair_forget: String,
+    pub(crate) session_state: String,
 }
 
 impl Sql {
@@ -76,6 +85,8 @@ impl Sql {
         let abandoned_index_qualified = qualify(&format!("{name}_abandoned_idx"));
         let owner_index = format!("\"{name}_owner_idx\"");
         let owner_index_qualified = qualify(&format!("{name}_owner_idx"));
+        let state_index = format!("\"{name}_state_since_idx\"");
+        let state_index_qualified = qualify(&format!("{name}_state_since_idx"));
         // Whose a saved request is (`RequestOwner`): its first bytes, indexed as they are, so
         // rows written before the index are listed by owner too.
         let owner = format!("substring(request from 1 for {})", RequestOwner::LEN);
@@ -148,6 +159,23 @@ impl Sql {
                      END IF; \
                      END $$"
                 ),
+                // What an operator reads (0.4): the key's label, whether it was released, the
+                // count of claims and when the record entered its state; the index of the
+                // listings by state and age. Checked first, like the ones above.
+                format!(
+                    "DO $$ BEGIN \
+                     IF NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = '{t}'::regclass \
+                         AND attname = 'since' AND NOT attisdropped) THEN \
+                         ALTER TABLE {t} ADD COLUMN IF NOT EXISTS label bytea, \
+                         ADD COLUMN IF NOT EXISTS released boolean, \
+                         ADD COLUMN IF NOT EXISTS attempts integer, \
+                         ADD COLUMN IF NOT EXISTS since timestamptz; \
+                     END IF; \
+                     IF to_regclass('{state_index_qualified}') IS NULL THEN \
+                         CREATE INDEX IF NOT EXISTS {state_index} ON {t} (state, since, storage_key); \
+                     END IF; \
+                     END $$"
+                ),
             ],
             // A row is reported (`live`) while its lease or TTL lasts, and so is an abandoned
             // claim of another request while it is kept (`pinned`, nobody holding its lease):
@@ -160,8 +188,9 @@ impl Sql {
                      FROM {t} WHERE storage_key = $1 AND ({live} OR {pinned})\
                  ), claimed AS (\
                      INSERT INTO {t} AS r (storage_key, state, fingerprint, token, lifetime, payload, \
-                     expires_at, kept_until, claimant) \
-                     SELECT $1, 'in_flight', $2, nextval('{seq}'), NULL, NULL, {lease}, {kept_for}, $5 \
+                     expires_at, kept_until, claimant, label, released, attempts, since) \
+                     SELECT $1, 'in_flight', $2, nextval('{seq}'), NULL, NULL, {lease}, {kept_for}, $5, \
+                     $6, false, 1, clock_timestamp() \
                      WHERE NOT EXISTS (SELECT FROM live) \
                      ON CONFLICT (storage_key) DO UPDATE \
                      SET state = 'in_flight', fingerprint = excluded.fingerprint, \
@@ -170,8 +199,10 @@ impl Sql {
                          SELECT coalesce(r.lifetime, r.token), r.steps, r.request \
                          WHERE r.state = 'in_flight' AND r.fingerprint = excluded.fingerprint \
                          AND coalesce(r.kept_until, r.expires_at) > clock_timestamp()), \
+                     label = CASE WHEN {continued} THEN r.label ELSE excluded.label END, \
+                     attempts = CASE WHEN {continued} THEN coalesce(r.attempts, 1) + 1 ELSE 1 END, \
                      payload = NULL, expires_at = {lease}, kept_until = {kept_for}, \
-                     claimant = excluded.claimant \
+                     claimant = excluded.claimant, released = false, since = clock_timestamp() \
                      WHERE r.expires_at <= clock_timestamp() AND NOT ({pinned_r}) \
                      RETURNING r.token, coalesce(r.lifetime, r.token) AS lifetime\
                  ) \
@@ -183,6 +214,8 @@ impl Sql {
                 kept_for = until("greatest($3, $4)"),
                 pinned = pinned("", "$2"),
                 pinned_r = pinned("r.", "excluded.fingerprint"),
+                continued = "r.state = 'in_flight' AND r.fingerprint = excluded.fingerprint \
+                     AND coalesce(r.kept_until, r.expires_at) > clock_timestamp()",
             ),
             // The claim's takeover of an abandoned claim of the same request, and nothing else:
             // no row when the key holds no such record (absent, expired, another request's).
@@ -194,7 +227,8 @@ impl Sql {
                  ), taken AS (\
                      UPDATE {t} AS r SET token = greatest(nextval('{seq}'), r.token + 1), \
                      lifetime = coalesce(r.lifetime, r.token), \
-                     expires_at = {lease}, kept_until = {kept_for}, claimant = $5 \
+                     expires_at = {lease}, kept_until = {kept_for}, claimant = $5, \
+                     attempts = coalesce(r.attempts, 1) + 1, released = false, since = clock_timestamp() \
                      WHERE r.storage_key = $1 AND r.state = 'in_flight' AND r.fingerprint = $2 \
                      AND r.expires_at <= clock_timestamp() \
                      AND coalesce(r.kept_until, r.expires_at) > clock_timestamp() \
@@ -216,7 +250,8 @@ impl Sql {
                  payload = CASE WHEN state = 'in_flight' THEN $3 ELSE payload END, \
                  expires_at = CASE WHEN state = 'in_flight' THEN {ttl} ELSE expires_at END, \
                  kept_until = CASE WHEN state = 'in_flight' THEN {ttl} ELSE kept_until END, \
-                 claimant = NULL, steps = NULL, request = NULL \
+                 since = CASE WHEN state = 'in_flight' THEN clock_timestamp() ELSE since END, \
+                 claimant = NULL, steps = NULL, request = NULL, released = false \
                  WHERE storage_key = $1 AND token = $2 AND state IN ('in_flight', 'completed') \
                  AND {live}",
                 ttl = until("$4"),
@@ -225,15 +260,17 @@ impl Sql {
             // take it over, however long the work took.
             complete_in_transaction: format!(
                 "UPDATE {t} SET state = 'completed', payload = $3, expires_at = {ttl}, \
-                 kept_until = {ttl}, claimant = NULL, steps = NULL, request = NULL \
+                 kept_until = {ttl}, claimant = NULL, steps = NULL, request = NULL, \
+                 since = clock_timestamp(), released = false \
                  WHERE {owned}",
                 ttl = until("$4"),
             ),
             release: format!(
-                "UPDATE {t} SET expires_at = clock_timestamp() WHERE {owned} AND {live}"
+                "UPDATE {t} SET expires_at = clock_timestamp(), released = true \
+                 WHERE {owned} AND {live}"
             ),
             release_in_transaction: format!(
-                "UPDATE {t} SET expires_at = clock_timestamp() WHERE {owned}"
+                "UPDATE {t} SET expires_at = clock_timestamp(), released = true WHERE {owned}"
             ),
             renew: format!(
                 "UPDATE {t} SET expires_at = {lease}, kept_until = greatest(kept_until, {lease}) \
@@ -241,7 +278,7 @@ impl Sql {
                 lease = until("$3"),
             ),
             give_back: format!(
-                "UPDATE {t} SET expires_at = clock_timestamp() \
+                "UPDATE {t} SET expires_at = clock_timestamp(), released = true \
                  WHERE storage_key = $1 AND claimant = $2 AND state = 'in_flight' AND {live}"
             ),
             // `statement_timestamp()`, not `clock_timestamp()`: a volatile function cannot be
@@ -288,6 +325,46 @@ impl Sql {
                  AND octet_length(storage_key) IN (32, 48) \
                  ORDER BY expires_at LIMIT $2"
             ),
+            inspect: inspect(&t, ""),
+            inspect_for_update: inspect(&t, " FOR UPDATE"),
+            list: [
+                list(
+                    &t,
+                    "state = 'in_flight' AND expires_at > clock_timestamp()",
+                    "since",
+                ),
+                list(
+                    &t,
+                    "state = 'in_flight' AND expires_at <= clock_timestamp()",
+                    "expires_at",
+                ),
+                list(
+                    &t,
+                    "state = 'in_flight' AND expires_at <= clock_timestamp() AND released",
+                    "expires_at",
+                ),
+                list(
+                    &t,
+                    "state = 'completed' AND expires_at > clock_timestamp()",
+                    "since",
+                ),
+            ],
+            repair_release: format!(
+                "UPDATE {t} SET expires_at = least(expires_at, clock_timestamp()), \
+                 released = true, claimant = NULL WHERE storage_key = $1"
+            ),
+            repair_give_up: format!(
+                "UPDATE {t} SET state = 'completed', token = greatest(nextval('{seq}'), token + 1), \
+                 payload = $2, expires_at = {ttl}, kept_until = {ttl}, since = clock_timestamp(), \
+                 steps = NULL, request = NULL, claimant = NULL, released = false \
+                 WHERE storage_key = $1",
+                ttl = until("$3"),
+            ),
+            repair_forget: format!("DELETE FROM {t} WHERE storage_key = $1"),
+            session_state: format!(
+                "SELECT state, token, lifetime, claimant FROM {t} \
+                 WHERE storage_key = $1 AND expires_at > clock_timestamp()"
+            ),
         })
     }
 
@@ -300,6 +377,7 @@ impl Sql {
         fingerprint: &Fingerprint,
         (lease, ttl): (Duration, Duration),
         claimant: Option<i64>,
+        label: Option<&[u8]>,
     ) -> Result<Claim, StoreError> {
         let record = key.record_bytes();
         for _ in 0..CLAIM_ATTEMPTS {
@@ -308,7 +386,8 @@ impl Sql {
                 .bind(fingerprint.as_bytes().as_slice())
                 .bind(micros(limits::clamp_lease(lease)))
                 .bind(micros(limits::clamp_ttl(ttl)))
-                .bind(claimant);
+                .bind(claimant)
+                .bind(label);
             let row = (&mut *connection)
                 .fetch_optional(claim)
                 .await
@@ -501,6 +580,40 @@ fn open_session(t: &str, seq: &str) -> String {
              ELSE d.gate END AS gate, \
          d.epoch, d.mark \
          FROM known AS k LEFT JOIN decided AS d ON true"
+    )
+}
+
+/// The columns an operator reads of a record (see `inspect::record_info`).
+const INSPECTED: &str = "storage_key, state, fingerprint, token, label, \
+     coalesce(released, false) AS released, coalesce(attempts, 0) AS attempts, payload, \
+     coalesce(steps, ''::bytea) AS steps, request, \
+     (EXTRACT(EPOCH FROM expires_at - clock_timestamp()) * 1000000)::int8 AS left_us, \
+     (EXTRACT(EPOCH FROM greatest(kept_until, expires_at) - clock_timestamp()) * 1000000)::int8 AS kept_us, \
+     (EXTRACT(EPOCH FROM clock_timestamp() - coalesce(since, clock_timestamp())) * 1000000)::int8 AS since_us";
+
+/// One live record (`$1`): in flight while its lease or its TTL lasts, completed while it has
+/// not expired.
+fn inspect(t: &str, lock: &str) -> String {
+    format!(
+        "SELECT {INSPECTED} FROM {t} WHERE storage_key = $1 \
+         AND state IN ('in_flight', 'completed') \
+         AND greatest(kept_until, expires_at) > clock_timestamp(){lock}"
+    )
+}
+
+/// A page of the records `filter` keeps, at least `$1` microseconds old by `stamp` (`since`,
+/// or the lease's end for abandoned ones), after the cursor (`$3` microseconds since the epoch
+/// and `$4` the storage key; `$3` NULL: from the start), oldest first, `$2` of them: an index
+/// range (`state, since, storage_key`, or `expires_at`).
+fn list(t: &str, filter: &str, stamp: &str) -> String {
+    format!(
+        "SELECT {INSPECTED}, (EXTRACT(EPOCH FROM {stamp}) * 1000000)::int8 AS stamp_us FROM {t} \
+         WHERE {filter} AND {stamp} IS NOT NULL \
+         AND greatest(kept_until, expires_at) > clock_timestamp() \
+         AND {stamp} <= statement_timestamp() - $1 * interval '1 microsecond' \
+         AND ($3::int8 IS NULL OR ({stamp}, storage_key) > \
+             (timestamptz 'epoch' + $3::int8 * interval '1 microsecond', $4::bytea)) \
+         ORDER BY {stamp}, storage_key LIMIT $2"
     )
 }
 

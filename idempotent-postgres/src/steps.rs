@@ -216,7 +216,7 @@ pub(super) fn decode_abandoned(row: &PgRow) -> Result<Abandoned, StoreError> {
 
 /// The storage key whose [record bytes](StorageKey::record_bytes) are `bytes`: a key of its
 /// own (32 bytes), or a place in a client session (48).
-fn storage_key(bytes: &[u8]) -> Option<StorageKey> {
+pub(crate) fn storage_key(bytes: &[u8]) -> Option<StorageKey> {
     let digest = <[u8; 32]>::try_from(bytes.get(..32)?).ok()?;
     match bytes.len() {
         32 => Some(StorageKey::from_bytes(digest)),

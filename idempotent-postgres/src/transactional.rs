@@ -116,6 +116,8 @@ pub struct Transactional {
     sql: Arc<Sql>,
     namespace: Arc<[u8]>,
     defaults: Defaults,
+    /// Whether claims keep their key in clear (a runtime's `keys_in_clear`).
+    keys_in_clear: bool,
     metrics: Arc<StoreMetrics>,
     /// The runtime's cache tier: duplicates are answered from it without a query.
     #[cfg(feature = "cache")]
@@ -165,6 +167,15 @@ impl Transactional {
         Transactional::new(store)
             .namespace(runtime.namespace())
             .defaults(*runtime.defaults())
+            .keys_in_clear(runtime.keys_in_clear())
+    }
+
+    /// Whether each record keeps its key in clear for an operator, as a runtime's
+    /// ([`IdempotencyBuilder::keys_in_clear`](idempotent_core::IdempotencyBuilder::keys_in_clear));
+    /// default `true`.
+    pub fn keys_in_clear(mut self, keep: bool) -> Self {
+        self.keys_in_clear = keep;
+        self
     }
 
     /// The namespace of the storage keys, as a runtime's
@@ -198,6 +209,7 @@ impl Transactional {
             sql,
             namespace: Arc::from(&[][..]),
             defaults: Defaults::new(),
+            keys_in_clear: true,
             metrics: Arc::new(StoreMetrics::register("postgres")),
             #[cfg(feature = "cache")]
             tier: None,
@@ -348,6 +360,11 @@ impl Transactional {
         // other types, which this mode does not take (they go through the runtime).
         let key = self.storage_key(call);
         let fingerprint = call.fingerprint_ref();
+        let label = idempotent_core::inspect::KeyLabel::new(
+            call.key(),
+            call.scope_ref(),
+            self.keys_in_clear,
+        );
         let Settings {
             ttl,
             lease,
@@ -370,7 +387,14 @@ impl Transactional {
             let started = Instant::now();
             let claim = self
                 .sql
-                .claim_on(connection, &key, fingerprint, (lease, ttl), None)
+                .claim_on(
+                    connection,
+                    &key,
+                    fingerprint,
+                    (lease, ttl),
+                    None,
+                    Some(label.as_bytes()),
+                )
                 .await;
             self.metrics
                 .store_operation(Operation::Claim, claim.as_ref().err(), started.elapsed());

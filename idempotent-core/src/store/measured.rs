@@ -136,11 +136,13 @@ impl<S: Store> DynStore for Measured<S> {
         ttl: Duration,
         label: &'a crate::inspect::KeyLabel,
     ) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        Box::pin(self.timed(
-            Operation::Claim,
-            self.store
-                .claim_labelled(key, fingerprint, (lease, ttl), label),
-        ))
+        Box::pin(
+            self.timed(
+                Operation::Claim,
+                self.store
+                    .claim_labelled(key, fingerprint, (lease, ttl), label),
+            ),
+        )
     }
     fn complete<'a>(
         &'a self,

@@ -11,7 +11,9 @@ use dashmap::mapref::entry::Entry;
 use tokio::sync::Notify;
 
 use crate::clock::Clock;
-use crate::inspect::{Cursor, KeyLabel, ListQuery, Page, RecordInfo, RecordState, Refusal, Repair, Repaired};
+use crate::inspect::{
+    Cursor, KeyLabel, ListQuery, Page, RecordInfo, RecordState, Refusal, Repair, Repaired,
+};
 use crate::session::{MAX_SEQ, MAX_SESSION_WINDOW, SessionState};
 use crate::{
     Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionRequest, StorageKey,
@@ -374,7 +376,12 @@ impl Inner {
                                 attempts,
                                 ..
                             },
-                        ) => (std::mem::take(steps), request.take(), label.take(), *attempts),
+                        ) => (
+                            std::mem::take(steps),
+                            request.take(),
+                            label.take(),
+                            *attempts,
+                        ),
                         _ => (Vec::new(), None, label.clone(), 0),
                     };
                     let freed = slot.get().held();
