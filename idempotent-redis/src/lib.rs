@@ -25,6 +25,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod builder;
+mod inspect;
 mod scripts;
 #[cfg(feature = "cache")]
 mod tier;
@@ -713,6 +714,7 @@ impl RedisStore {
         fingerprint_arg: &Fingerprint,
         (lease, ttl): (Duration, Duration),
         resume: bool,
+        label: Option<&idempotent_core::inspect::KeyLabel>,
     ) -> Result<Option<Claim>, StoreError> {
         let script = &scripts().claim;
         let claimant = idempotent_core::store::claimant();
@@ -721,9 +723,11 @@ impl RedisStore {
             .arg(millis(limits::clamp_lease(lease)))
             .arg(millis(limits::clamp_ttl(ttl)))
             .arg(claimant);
-        if resume {
-            cmd.arg("1");
-        }
+        cmd.arg(if resume { "1" } else { "0" });
+        match label {
+            Some(label) => cmd.arg(label.as_bytes().as_ref()),
+            None => cmd.arg(""),
+        };
         let mut unanswered = Unanswered::new({
             let (store, key) = (self.clone(), *key);
             Box::new(move || {
@@ -835,7 +839,19 @@ impl Store for RedisStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Claim, StoreError> {
-        self.claim_or_resume(key, fingerprint, (lease, ttl), false)
+        self.claim_or_resume(key, fingerprint, (lease, ttl), false, None)
+            .await?
+            .ok_or_else(|| corrupt("a claim answered that there was nothing to resume"))
+    }
+
+    async fn claim_labelled(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        terms: (Duration, Duration),
+        label: &idempotent_core::inspect::KeyLabel,
+    ) -> Result<Claim, StoreError> {
+        self.claim_or_resume(key, fingerprint, terms, false, Some(label))
             .await?
             .ok_or_else(|| corrupt("a claim answered that there was nothing to resume"))
     }
@@ -998,7 +1014,7 @@ impl CheckpointStore for RedisStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Option<Claim>, StoreError> {
-        self.claim_or_resume(key, fingerprint, (lease, ttl), true)
+        self.claim_or_resume(key, fingerprint, (lease, ttl), true, None)
             .await
     }
 

@@ -64,11 +64,20 @@ if rec[6] and tonumber(rec[6]) and tonumber(rec[6]) >= micros then micros = tonu
 local token = string.format('%.0f', micros)
 local lifetime = token
 if rec[1] == 'i' and rec[2] == ARGV[1] and rec[5] then lifetime = rec[5] end
+-- The operation's count of claims (`a`): one more for a takeover.
+local attempts = '1'
+if lifetime ~= token then
+  local before = tonumber(redis.call('HGET', KEYS[1], 'a') or '')
+  if before then attempts = string.format('%.0f', before + 1) else attempts = '2' end
+end
 redis.call('HSET', KEYS[1], 's', 'i', 'f', ARGV[1], 't', token, 'o', lifetime,
-  'l', string.format('%.0f', ms + tonumber(ARGV[2])), 'n', ARGV[4])
+  'l', string.format('%.0f', ms + tonumber(ARGV[2])), 'n', ARGV[4],
+  'x', '0', 'a', attempts, 'z', string.format('%.0f', ms))
 if lifetime == token then
   drop_steps()
-  redis.call('HDEL', KEYS[1], 'r', 'w')
+  redis.call('HDEL', KEYS[1], 'r', 'w', 'b')
+  -- `ARGV[6]`: the key's label, kept for the record's lifetime ('' for none).
+  if ARGV[6] and ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'b', ARGV[6]) end
 end
 redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[2]), tonumber(ARGV[3])))
 return {'claimed', token, lifetime}
@@ -89,7 +98,7 @@ local owned = rec[1] == 'i' and rec[2] == ARGV[1] and (not rec[3] or tonumber(re
 const COMPLETE: &str = r"
 if owned then
   local had = redis.call('HEXISTS', KEYS[1], 'r')
-  redis.call('HSET', KEYS[1], 's', 'c', 'p', ARGV[2])
+  redis.call('HSET', KEYS[1], 's', 'c', 'p', ARGV[2], 'z', string.format('%.0f', ms))
   drop_steps()
   redis.call('HDEL', KEYS[1], 'l', 'n', 'r')
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
@@ -110,7 +119,7 @@ return 0
 const RELEASE: &str = r"
 if not owned then return 0 end
 local ended = string.format('%.0f', ms)
-redis.call('HSET', KEYS[1], 'l', ended)
+redis.call('HSET', KEYS[1], 'l', ended, 'x', '1')
 return {ended, redis.call('HEXISTS', KEYS[1], 'r'), redis.call('HGET', KEYS[1], 'w') or ''}
 ";
 
@@ -148,7 +157,7 @@ local rec = redis.call('HMGET', KEYS[1], 's', 'n', 'l')
 if rec[1] ~= 'i' or rec[2] ~= ARGV[1] or not rec[3] or tonumber(rec[3]) <= ms then
   return 0
 end
-redis.call('HSET', KEYS[1], 'l', string.format('%.0f', ms))
+redis.call('HSET', KEYS[1], 'l', string.format('%.0f', ms), 'x', '1')
 return 1
 ";
 
@@ -395,6 +404,80 @@ pub(super) const MAX_EXPIRY_MS: u64 = {
     max.as_secs() * 1000 + max.subsec_millis() as u64
 };
 
+// What an operator reads of a record (`InspectStore::inspect`), with the server's time:
+// `{'absent'}` for no record (or a session's own), else `{'ok', now, PTTL, state,
+// fingerprint, token, lease end, released, attempts, since, label?, payload?, request?,
+// checkpoint chunks...}`, where `label?`, `payload?` and `request?` are `{}` (absent) or a
+// one-element array. Checkpoint chunks are read as `LOAD_STEPS` reads them; a damaged count
+// reads as none.
+const INSPECT: &str = r"
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then return {'absent'} end
+local rec = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'x', 'a', 'z', 'b', 'p', 'r')
+if rec[1] ~= 'i' and rec[1] ~= 'c' then return {'absent'} end
+local function opt(v) if v then return {v} end return {} end
+local reply = {'ok', ms, redis.call('PTTL', KEYS[1]), rec[1], rec[2] or '', rec[3] or '',
+  rec[4] or '', rec[5] or '', rec[6] or '', rec[7] or '', opt(rec[8]), opt(rec[9]), opt(rec[10])}
+local n = tonumber(redis.call('HGET', KEYS[1], 'kn') or '0')
+if n and n >= 0 and n == math.floor(n) and n < redis.call('HLEN', KEYS[1]) then
+  local names = {'k'}
+  for i = 1, n do names[#names + 1] = 'k' .. i end
+  for first = 1, #names, 1000 do
+    local last = math.min(#names, first + 999)
+    local chunks = redis.call('HMGET', KEYS[1], unpack(names, first, last))
+    for i = 1, last - first + 1 do
+      if chunks[i] then reply[#reply + 1] = chunks[i] end
+    end
+  end
+end
+return reply
+";
+
+// A repair (`InspectStore::repair`) of the record `KEYS[1]`: `ARGV[1]` the token read,
+// `ARGV[2]` `release`, `give_up` or `forget`, `ARGV[3]` '1' to force, `ARGV[4]` a give-up's
+// payload, `ARGV[5]` its TTL in milliseconds (checked first; any valid one otherwise). Replies
+// `{'absent'}`, `{'moved', token}`, `{'live', milliseconds left}`, `{'completed'}` or
+// `{'done'}`. A give-up's token is drawn as a claim's: from the server's clock, above the
+// record's.
+const REPAIR: &str = r"
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then return {'absent'} end
+local rec = redis.call('HMGET', KEYS[1], 's', 't', 'l', 'x')
+if rec[1] ~= 'i' and rec[1] ~= 'c' then return {'absent'} end
+if rec[2] ~= ARGV[1] then return {'moved', rec[2] or ''} end
+local left = 0
+if rec[1] == 'i' then
+  if rec[3] and tonumber(rec[3]) then left = tonumber(rec[3]) - ms else left = redis.call('PTTL', KEYS[1]) end
+end
+if left > 0 and ARGV[3] ~= '1' then return {'live', left} end
+if ARGV[2] == 'forget' then
+  redis.call('DEL', KEYS[1])
+  return {'done'}
+end
+if rec[1] == 'c' then return {'completed'} end
+if ARGV[2] == 'release' then
+  if rec[4] ~= '1' then
+    if left > 0 then redis.call('HSET', KEYS[1], 'l', string.format('%.0f', ms)) end
+    redis.call('HSET', KEYS[1], 'x', '1')
+  end
+  return {'done'}
+end
+local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
+if tonumber(rec[2]) and tonumber(rec[2]) >= micros then micros = tonumber(rec[2]) + 1 end
+redis.call('HSET', KEYS[1], 's', 'c', 'p', ARGV[4], 't', string.format('%.0f', micros),
+  'z', string.format('%.0f', ms), 'x', '0')
+drop_steps()
+redis.call('HDEL', KEYS[1], 'l', 'n', 'r')
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return {'done'}
+";
+
+// A session's state (`InspectStore::session_state`): `{epoch, ack, high}` as stored, or `{}`.
+const SESSION_STATE: &str = r"
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then return {} end
+local rec = redis.call('HMGET', KEYS[1], 'e', 'a', 'h')
+if not rec[1] then return {} end
+return {rec[1], rec[2] or '', rec[3] or ''}
+";
+
 pub(super) struct Scripts {
     pub(super) claim: Script,
     pub(super) complete: Script,
@@ -411,6 +494,9 @@ pub(super) struct Scripts {
     pub(super) candidates: Script,
     pub(super) tidy: Script,
     pub(super) index: Script,
+    pub(super) inspect: Script,
+    pub(super) repair: Script,
+    pub(super) session_state: Script,
 }
 
 pub(super) fn scripts() -> &'static Scripts {
@@ -441,6 +527,9 @@ pub(super) fn scripts() -> &'static Scripts {
         // Only removes members or moves their scores.
         tidy: checked_in_oom(&[], &[TIDY]),
         index: checked(&[], &[NOW_MS, INDEX]),
+        inspect: checked_in_oom(&[], &[NOW_MS, INSPECT]),
+        repair: checked(&[5], &[STEP_CHUNKS, NOW_MS, REPAIR]),
+        session_state: checked_in_oom(&[], &[SESSION_STATE]),
     })
 }
 

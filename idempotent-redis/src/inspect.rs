@@ -1,0 +1,453 @@
+//! [`InspectStore`] for [`RedisStore`]: a record by key (one script), listings by `SCAN` over
+//! the store's prefix (Redis keeps no index by state: a listing is a pass over the keyspace,
+//! a slice per page), repairs as one script each.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use redis::Value;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+
+use idempotent_core::inspect::{
+    Cursor, InspectStore, KeyLabel, ListQuery, Page, RecordInfo, RecordState, Refusal, Repair,
+    Repaired,
+};
+use idempotent_core::session::SessionState;
+use idempotent_core::{FencingToken, SessionKey, StorageKey, StoreError, limits};
+
+use crate::scripts::scripts;
+use crate::{Connection, RedisStore, corrupt, fingerprint, key_of_member, millis, text};
+
+/// How many keys one `SCAN` step asks for.
+const SCAN_COUNT: usize = 200;
+
+/// The most `SCAN` steps one page takes.
+const MAX_STEPS_PER_PAGE: usize = 50;
+
+/// Where a listing is: the primary (0 on one server), its `SCAN` cursor, and the last key
+/// listed within that step's keys.
+#[derive(Debug, Clone, Default)]
+struct ScanAt {
+    node: usize,
+    cursor: u64,
+    after: Option<Vec<u8>>,
+}
+
+impl ScanAt {
+    /// `node:cursor` or `node:cursor:hex of the last key`.
+    fn parse(text: &str) -> Result<Self, StoreError> {
+        let bad = || StoreError::Backend(format!("not a listing cursor: {text:?}").into());
+        let mut parts = text.split(':');
+        let node = parts.next().and_then(|n| n.parse().ok()).ok_or_else(bad)?;
+        let cursor = parts.next().and_then(|c| c.parse().ok()).ok_or_else(bad)?;
+        let after = match parts.next() {
+            None => None,
+            Some(hex) => {
+                if hex.len() % 2 != 0 || hex.len() > 2048 {
+                    return Err(bad());
+                }
+                let bytes = (0..hex.len())
+                    .step_by(2)
+                    .map(|at| u8::from_str_radix(hex.get(at..at + 2).unwrap_or("zz"), 16))
+                    .collect::<Result<Vec<u8>, _>>()
+                    .map_err(|_| bad())?;
+                Some(bytes)
+            }
+        };
+        if parts.next().is_some() {
+            return Err(bad());
+        }
+        Ok(ScanAt {
+            node,
+            cursor,
+            after,
+        })
+    }
+
+    /// Where the scan goes after a step that answered `next`, over `nodes` primaries; `None`
+    /// when it is done.
+    fn step(&self, next: u64, nodes: usize) -> Option<ScanAt> {
+        if next != 0 {
+            Some(ScanAt {
+                node: self.node,
+                cursor: next,
+                after: None,
+            })
+        } else if self.node + 1 < nodes {
+            Some(ScanAt {
+                node: self.node + 1,
+                cursor: 0,
+                after: None,
+            })
+        } else {
+            None
+        }
+    }
+}
+
+impl std::fmt::Display for ScanAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.node, self.cursor)?;
+        if let Some(after) = &self.after {
+            f.write_str(":")?;
+            for b in after {
+                write!(f, "{b:02x}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn number(value: &Value) -> Option<i64> {
+    match value {
+        Value::Int(n) => Some(*n),
+        other => text(other)
+            .and_then(|t| std::str::from_utf8(t).ok())
+            .and_then(|t| t.parse().ok()),
+    }
+}
+
+fn optional(value: &Value) -> Option<Bytes> {
+    match value {
+        Value::Array(items) => items.first().and_then(text).map(Bytes::copy_from_slice),
+        _ => None,
+    }
+}
+
+fn ms(value: i64) -> Duration {
+    Duration::from_millis(u64::try_from(value).unwrap_or(0))
+}
+
+/// The `INSPECT` script's reply as what an operator reads; `None` for `{'absent'}`.
+fn record_info(key: StorageKey, reply: &[Value]) -> Result<Option<RecordInfo>, StoreError> {
+    if reply.first().and_then(text) == Some(b"absent") {
+        return Ok(None);
+    }
+    let [
+        ok,
+        now,
+        pttl,
+        state,
+        f,
+        token,
+        lease_end,
+        released,
+        attempts,
+        since,
+        label,
+        payload,
+        request,
+        chunks @ ..,
+    ] = reply
+    else {
+        return Err(corrupt("unexpected inspect reply"));
+    };
+    if text(ok) != Some(b"ok") {
+        return Err(corrupt("unexpected inspect reply"));
+    }
+    let now = number(now).ok_or_else(|| corrupt("time"))?;
+    let pttl = number(pttl).unwrap_or(0);
+    let token = number(token)
+        .and_then(|t| u64::try_from(t).ok())
+        .map(FencingToken::new)
+        .ok_or_else(|| corrupt("token"))?;
+    let since = number(since).map_or(Duration::ZERO, |since| ms(now - since));
+    let attempts = number(attempts)
+        .and_then(|a| u32::try_from(a).ok())
+        .unwrap_or(0);
+    let label = optional(label).map(KeyLabel::from_bytes);
+    let info = |state, lease_left, expires_in, age, steps: Bytes| RecordInfo {
+        key,
+        state,
+        token,
+        fingerprint: fingerprint(f)
+            .unwrap_or_else(|_| idempotent_core::Fingerprint::from_digest([0; 32])),
+        label: label.clone(),
+        lease_left,
+        expires_in,
+        age,
+        attempts,
+        steps,
+        request: None,
+        payload: None,
+    };
+    let record = match text(state) {
+        Some(b"c") => {
+            let mut record = info(
+                RecordState::Completed,
+                Duration::ZERO,
+                ms(pttl),
+                since,
+                Bytes::new(),
+            );
+            record.payload = optional(payload);
+            record
+        }
+        Some(b"i") => {
+            // A record written before leases were kept apart has its lease as its expiry.
+            let lease_end = number(lease_end).unwrap_or(now + pttl);
+            let left = ms(lease_end - now);
+            let released = text(released) == Some(b"1");
+            let state = if released {
+                RecordState::Released
+            } else {
+                RecordState::InFlight
+            };
+            let mut steps = Vec::new();
+            for chunk in chunks {
+                steps.extend_from_slice(text(chunk).unwrap_or_default());
+            }
+            let (lease_left, age) = if left.is_zero() || released {
+                (Duration::ZERO, ms(now - lease_end))
+            } else {
+                (left, since)
+            };
+            let mut record = info(state, lease_left, ms(pttl), age, Bytes::from(steps));
+            record.request = optional(request);
+            record
+        }
+        _ => return Err(corrupt("unknown record state")),
+    };
+    fingerprint(f)?;
+    Ok(Some(record))
+}
+
+impl RedisStore {
+    async fn inspect_one(&self, key: &StorageKey) -> Result<Option<RecordInfo>, StoreError> {
+        let script = &scripts().inspect;
+        let cmd = self.evalsha(script, key);
+        let reply: Vec<Value> = self.query(script, cmd).await?;
+        record_info(*key, &reply)
+    }
+
+    /// `pattern` for `SCAN MATCH` of every key under the prefix (glob characters escaped).
+    fn scan_pattern(&self) -> String {
+        let mut out = String::with_capacity(self.prefix.len() + 2);
+        for c in self.prefix.chars() {
+            if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+                out.push('\\');
+            }
+            out.push(c);
+        }
+        out.push('*');
+        out
+    }
+}
+
+impl InspectStore for RedisStore {
+    async fn inspect(&self, key: &StorageKey) -> Result<Option<RecordInfo>, StoreError> {
+        self.inspect_one(key).await
+    }
+
+    /// `SCAN` steps over the prefix's keys, each record found read by the inspect script, until
+    /// the page is full or a bounded number of steps is taken. The cursor names the scan's
+    /// place (on a Redis Cluster, the primary's place among the primaries sorted by address,
+    /// too: a listing walks them one after another, as they are when each page is read) and,
+    /// when a page ended within one step's keys, the last key listed: the next page takes that
+    /// step again and goes on after it (all of it, if the key is gone: a record may then be
+    /// listed twice, never skipped). In the order the scan meets them; a page may hold fewer
+    /// than `limit` (none, even) with more to come.
+    async fn list(&self, query: &ListQuery) -> Result<Page, StoreError> {
+        let limit = query.limit.clamp(1, 10_000);
+        let mut at = match &query.after {
+            None => ScanAt::default(),
+            Some(cursor) => ScanAt::parse(&cursor.0)?,
+        };
+        let primaries = match &self.connection {
+            Connection::Node(_) => None,
+            Connection::Cluster(cluster) => Some(primaries(&mut cluster.clone()).await?),
+        };
+        let mut records = Vec::new();
+        for _ in 0..MAX_STEPS_PER_PAGE {
+            let mut scan = redis::cmd("SCAN");
+            scan.arg(at.cursor)
+                .arg("MATCH")
+                .arg(self.scan_pattern())
+                .arg("COUNT")
+                .arg(SCAN_COUNT);
+            let (next, names): (u64, Vec<Vec<u8>>) = match (&self.connection, &primaries) {
+                (Connection::Cluster(cluster), Some(primaries)) => {
+                    let Some((host, port)) = primaries.get(at.node) else {
+                        return Ok(Page {
+                            records,
+                            next: None,
+                        });
+                    };
+                    let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                        host: host.clone(),
+                        port: *port,
+                    });
+                    let reply = cluster
+                        .clone()
+                        .route_command(scan, routing)
+                        .await
+                        .map_err(crate::store_error)?;
+                    redis::from_redis_value(reply)
+                        .map_err(|e| StoreError::Corrupt(e.to_string().into()))?
+                }
+                _ => {
+                    let mut connection = self.connection.clone();
+                    scan.query_async(&mut connection)
+                        .await
+                        .map_err(crate::store_error)?
+                }
+            };
+            let start = match at.after.take() {
+                Some(last) => names
+                    .iter()
+                    .position(|name| *name == last)
+                    .map_or(0, |i| i + 1),
+                None => 0,
+            };
+            for (i, name) in names.iter().enumerate().skip(start) {
+                let Some(key) = name
+                    .strip_prefix(self.prefix.as_bytes())
+                    .and_then(key_of_member)
+                else {
+                    continue;
+                };
+                // A key that is not a record (a session's own, a cache tier's copy) reads as
+                // absent; a damaged one is left out of the listing rather than ending it.
+                match self.inspect_one(&key).await {
+                    Ok(Some(info))
+                        if query.state.matches(&info) && info.age >= query.older_than =>
+                    {
+                        records.push(info)
+                    }
+                    Ok(_) => {}
+                    Err(StoreError::Corrupt(why)) => {
+                        tracing::warn!(storage_key = %key, why, "listing skipped a damaged record");
+                    }
+                    Err(error) => return Err(error),
+                }
+                if records.len() == limit {
+                    let next = if i + 1 < names.len() {
+                        Some(ScanAt {
+                            after: Some(name.clone()),
+                            ..at
+                        })
+                    } else {
+                        at.step(next, primaries.as_ref().map_or(1, Vec::len))
+                    };
+                    return Ok(Page {
+                        records,
+                        next: next.map(|at| Cursor(at.to_string())),
+                    });
+                }
+            }
+            match at.step(next, primaries.as_ref().map_or(1, Vec::len)) {
+                Some(following) => at = following,
+                None => {
+                    return Ok(Page {
+                        records,
+                        next: None,
+                    });
+                }
+            }
+        }
+        Ok(Page {
+            records,
+            next: Some(Cursor(at.to_string())),
+        })
+    }
+
+    async fn repair(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        repair: &Repair,
+        force: bool,
+    ) -> Result<Repaired, StoreError> {
+        let script = &scripts().repair;
+        let mut cmd = self.evalsha(script, key);
+        cmd.arg(token.get()).arg(match repair {
+            Repair::Release => "release",
+            Repair::GiveUp { .. } => "give_up",
+            Repair::Forget => "forget",
+        });
+        cmd.arg(if force { "1" } else { "0" });
+        match repair {
+            Repair::GiveUp { payload, ttl } => cmd
+                .arg(payload.as_ref())
+                .arg(millis(limits::clamp_ttl(*ttl)).max(1)),
+            _ => cmd.arg("").arg(1),
+        };
+        let reply: Vec<Value> = self.query(script, cmd).await?;
+        match reply.as_slice() {
+            [done] if text(done) == Some(b"done") => Ok(Repaired::Done),
+            [absent] if text(absent) == Some(b"absent") => Ok(Repaired::Refused(Refusal::Absent)),
+            [completed] if text(completed) == Some(b"completed") => {
+                Ok(Repaired::Refused(Refusal::Completed))
+            }
+            [moved, now] if text(moved) == Some(b"moved") => {
+                Ok(Repaired::Refused(Refusal::TokenMoved {
+                    now: FencingToken::new(
+                        number(now).and_then(|n| u64::try_from(n).ok()).unwrap_or(0),
+                    ),
+                }))
+            }
+            [live, left] if text(live) == Some(b"live") => {
+                Ok(Repaired::Refused(Refusal::LeaseLive {
+                    left: ms(number(left).unwrap_or(0)),
+                }))
+            }
+            _ => Err(corrupt("unexpected repair reply")),
+        }
+    }
+
+    async fn session_state(
+        &self,
+        session: &SessionKey,
+    ) -> Result<Option<SessionState>, StoreError> {
+        let script = &scripts().session_state;
+        let cmd = self.evalsha(script, &session.record_key());
+        let reply: Vec<Value> = self.query(script, cmd).await?;
+        match reply.as_slice() {
+            [] => Ok(None),
+            [epoch, ack, high] => {
+                let n = |v: &Value| number(v).and_then(|n| u64::try_from(n).ok());
+                match (n(epoch), n(ack), n(high)) {
+                    (Some(epoch), Some(ack), Some(high)) => {
+                        Ok(Some(SessionState { epoch, ack, high }))
+                    }
+                    _ => Err(corrupt("a session's record is not a valid session")),
+                }
+            }
+            _ => Err(corrupt("unexpected session reply")),
+        }
+    }
+}
+
+/// A Redis Cluster's primaries (`CLUSTER SLOTS`), by address, sorted.
+async fn primaries(cluster: &mut ClusterConnection) -> Result<Vec<(String, u16)>, StoreError> {
+    let reply = cluster
+        .route_command(
+            redis::cmd("CLUSTER").arg("SLOTS").clone(),
+            RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+        )
+        .await
+        .map_err(crate::store_error)?;
+    let Value::Array(ranges) = reply else {
+        return Err(corrupt("unexpected CLUSTER SLOTS reply"));
+    };
+    let mut found = Vec::new();
+    for range in &ranges {
+        let Value::Array(parts) = range else { continue };
+        let Some(Value::Array(primary)) = parts.get(2) else {
+            continue;
+        };
+        let (Some(host), Some(port)) = (
+            primary.first().and_then(text),
+            primary.get(1).and_then(number),
+        ) else {
+            continue;
+        };
+        if let (Ok(host), Ok(port)) = (std::str::from_utf8(host), u16::try_from(port)) {
+            found.push((host.to_owned(), port));
+        }
+    }
+    found.sort();
+    found.dedup();
+    Ok(found)
+}
