@@ -42,9 +42,20 @@
 //!   background task deletes expired rows; [`SqliteStoreBuilder::reap_every`]).
 //! - [`SqliteStoreBuilder`]: every setting and its range.
 //! - The contract every store keeps: [`idempotent_core::Store`]. This store passes the whole
-//!   conformance suite of `idempotent-core` (keys, sessions and checkpoints).
+//!   conformance suite of `idempotent-core` (keys, sessions, checkpoints and inspection).
+//! - Looking inside and repairing: [`SqliteStore`] implements
+//!   [`InspectStore`](idempotent_core::inspect::InspectStore). `inspect` reads one row by its
+//!   key; `list` reads one page in order on an index (`{prefix}records_listed` on state,
+//!   released, `since` and key; lapsed leases on `{prefix}records_lapsed` by their end),
+//!   oldest first, with a cursor of the last record's time and key; `repair` is one
+//!   `BEGIN IMMEDIATE` transaction (the token and lease checks and the change), and a give-up's
+//!   new token comes from the same counter as a claim's. Each record keeps the label
+//!   [`claim_labelled`](idempotent_core::Store::claim_labelled) gives it, whether it was
+//!   released, its count of attempts and when it entered its state, in columns
+//!   [`migrate`](SqliteStore::migrate) adds to a file made by an earlier version.
 
 mod error;
+mod inspect;
 mod ops;
 mod row;
 mod sql;

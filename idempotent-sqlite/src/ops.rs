@@ -12,7 +12,7 @@ use idempotent_core::{
 };
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::SqliteConnection;
-use sqlx::{Executor as _, Sqlite};
+use sqlx::{Executor as _, Row as _, Sqlite};
 
 use crate::error::{corrupt, store_error};
 use crate::row::{self, Decision, Session, Stored};
@@ -33,6 +33,38 @@ impl Inner {
         Write::begin(&self.writer, doing).await
     }
 
+    /// The migration's statements, under the write lock: the table, the columns a table made
+    /// by an earlier version lacks, then the indexes and the counter.
+    pub(crate) async fn migrate_under_lock(
+        &self,
+        tx: &mut SqliteConnection,
+    ) -> Result<(), sqlx::Error> {
+        tx.execute(self.sql.create.as_str()).await?;
+        let rows = tx
+            .fetch_all(sqlx::query(&self.sql.table_columns).bind(self.sql.records.as_str()))
+            .await?;
+        let mut present = Vec::with_capacity(rows.len());
+        for row in &rows {
+            present.push(row.try_get::<String, _>("name")?);
+        }
+        let mut added_since = false;
+        for (name, add) in &self.sql.columns {
+            if !present.iter().any(|column| column == name) {
+                tx.execute(add.as_str()).await?;
+                added_since |= *name == "since";
+            }
+        }
+        if added_since {
+            // The records kept before: their time in their state counts from the upgrade.
+            tx.execute(sqlx::query(&self.sql.backfill_since).bind(now_ms()))
+                .await?;
+        }
+        for statement in &self.sql.migrate {
+            tx.execute(statement.as_str()).await?;
+        }
+        Ok(())
+    }
+
     /// What `key` holds, as a claim sees it at `now`.
     async fn stored(
         &self,
@@ -49,7 +81,7 @@ impl Inner {
     }
 
     /// A new token: above every token and epoch this database issued, and above `floor`.
-    async fn next_token(
+    pub(crate) async fn next_token(
         &self,
         tx: &mut SqliteConnection,
         floor: u64,
@@ -83,6 +115,7 @@ impl Inner {
         fingerprint: &Fingerprint,
         (lease, ttl): (Duration, Duration),
         resume: bool,
+        label: Option<&[u8]>,
     ) -> Result<Option<Claim>, StoreError> {
         let record = key.record_bytes();
         let record = record.as_ref();
@@ -99,20 +132,21 @@ impl Inner {
         let doing = if resume { "resuming" } else { "claiming" };
         let mut tx = self.begin(doing).await?;
         let claimed = self
-            .claim_under_lock(&mut tx, record, fingerprint, (lease, ttl), resume)
+            .claim_under_lock(&mut tx, record, fingerprint, (lease, ttl), (resume, label))
             .await;
         tx.finish(claimed, doing).await
     }
 
     /// The claim's decision and write, under the write lock: decided again, at the time the
-    /// lock was granted.
+    /// lock was granted. A claim that begins a lifetime keeps `label`; a takeover keeps the
+    /// label the record has.
     async fn claim_under_lock(
         &self,
         tx: &mut SqliteConnection,
         record: &[u8],
         fingerprint: &Fingerprint,
         (lease, ttl): (Duration, Duration),
-        resume: bool,
+        (resume, label): (bool, Option<&[u8]>),
     ) -> Result<Option<Claim>, StoreError> {
         let doing = if resume { "resuming" } else { "claiming" };
         let now = now_ms();
@@ -130,7 +164,9 @@ impl Inner {
                     .bind(fingerprint.as_bytes().as_slice())
                     .bind(token.get() as i64)
                     .bind(lease_until)
-                    .bind(kept_until);
+                    .bind(kept_until)
+                    .bind(label)
+                    .bind(now);
                 tx.execute(query).await.map_err(|e| store_error(doing, e))?;
                 Some(Claim::Claimed(token))
             }
@@ -140,7 +176,8 @@ impl Inner {
                     .bind(record)
                     .bind(token.get() as i64)
                     .bind(lease_until)
-                    .bind(kept_until);
+                    .bind(kept_until)
+                    .bind(now);
                 tx.execute(query).await.map_err(|e| store_error(doing, e))?;
                 Some(Claim::TakenOver {
                     token,

@@ -48,7 +48,7 @@ pub(crate) fn blob(row: &SqliteRow, column: &str) -> Result<Option<Vec<u8>>, Sto
 }
 
 /// A `TEXT` column (`None` for `NULL`); any other type is corrupt.
-fn text(row: &SqliteRow, column: &str) -> Result<Option<String>, StoreError> {
+pub(crate) fn text(row: &SqliteRow, column: &str) -> Result<Option<String>, StoreError> {
     match kind(row, column)?.as_deref() {
         None => Ok(None),
         Some("TEXT") => row
@@ -59,12 +59,12 @@ fn text(row: &SqliteRow, column: &str) -> Result<Option<String>, StoreError> {
     }
 }
 
-fn required<T>(value: Option<T>, column: &str) -> Result<T, StoreError> {
+pub(crate) fn required<T>(value: Option<T>, column: &str) -> Result<T, StoreError> {
     value.ok_or_else(|| corrupt(format_args!("{column} is NULL")))
 }
 
 /// A token (or epoch) column: a positive integer.
-fn token(row: &SqliteRow, column: &str) -> Result<u64, StoreError> {
+pub(crate) fn token(row: &SqliteRow, column: &str) -> Result<u64, StoreError> {
     let value = required(integer(row, column)?, column)?;
     u64::try_from(value)
         .ok()

@@ -42,14 +42,24 @@ fn is_prefix(prefix: &str) -> bool {
 pub(crate) struct Sql {
     /// The records table, unquoted (`{prefix}records`).
     pub(crate) records: String,
+    /// Creates the records table, with every column, if missing.
+    pub(crate) create: String,
+    /// The columns added since the first version, each with the statement that adds it to a
+    /// table made before it (`ALTER TABLE … ADD COLUMN`).
+    pub(crate) columns: Vec<(&'static str, String)>,
+    /// `?1` the records table's name: its columns.
+    pub(crate) table_columns: String,
+    /// The indexes and the token counter, once every column is there.
     pub(crate) migrate: Vec<String>,
+    /// `?1` now: the time in their state of the records of a table made before `since`.
+    pub(crate) backfill_since: String,
     /// `?1` storage key: the columns a claim decides on.
     pub(crate) read_claim: String,
-    /// `?1` storage key, `?2` fingerprint, `?3` token, `?4` lease end, `?5` kept until: a new
-    /// lifetime over whatever the key held.
+    /// `?1` storage key, `?2` fingerprint, `?3` token, `?4` lease end, `?5` kept until, `?6`
+    /// label (or `NULL`), `?7` now: a new lifetime over whatever the key held.
     pub(crate) begin: String,
-    /// `?1` storage key, `?2` token, `?3` lease end, `?4` kept until: a takeover, keeping the
-    /// fingerprint, the lifetime, the checkpoints and the request.
+    /// `?1` storage key, `?2` token, `?3` lease end, `?4` kept until, `?5` now: a takeover,
+    /// keeping the fingerprint, the lifetime, the checkpoints, the request and the label.
     pub(crate) take_over: String,
     /// `?1` the counter's value.
     pub(crate) read_counter: String,
@@ -82,6 +92,41 @@ pub(crate) struct Sql {
     pub(crate) keep_range: String,
     /// `?1` now, `?2` batch.
     pub(crate) reap: String,
+    /// `?1` storage key: every column an operator reads.
+    pub(crate) inspect: String,
+    /// The listings, one per [`Listed`]: `?1` now, `?2` age-stamp cut-off (at most), `?3` and
+    /// `?4` the cursor's stamp and storage key (after them), `?5` limit. Oldest first by
+    /// `stamp`, then storage key.
+    pub(crate) list_in_flight: String,
+    pub(crate) list_released: String,
+    pub(crate) list_completed: String,
+    pub(crate) list_abandoned: String,
+    /// `?1` key, `?2` now: an operator's release (the lease ends now if it had not).
+    pub(crate) repair_release: String,
+    /// `?1` key, `?2` new token, `?3` payload, `?4` expiry, `?5` now: an operator's give-up.
+    pub(crate) repair_give_up: String,
+    /// `?1` key.
+    pub(crate) repair_forget: String,
+}
+
+/// Which records a listing statement reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Listed {
+    InFlight,
+    Released,
+    Completed,
+    Abandoned,
+}
+
+impl Sql {
+    pub(crate) fn list(&self, listed: Listed) -> &str {
+        match listed {
+            Listed::InFlight => &self.list_in_flight,
+            Listed::Released => &self.list_released,
+            Listed::Completed => &self.list_completed,
+            Listed::Abandoned => &self.list_abandoned,
+        }
+    }
 }
 
 impl Sql {
@@ -96,6 +141,8 @@ impl Sql {
         let tokens = format!("\"{prefix}tokens\"");
         let kept_index = format!("\"{prefix}records_kept_until\"");
         let abandoned_index = format!("\"{prefix}records_abandoned\"");
+        let listed_index = format!("\"{prefix}records_listed\"");
+        let lapsed_index = format!("\"{prefix}records_lapsed\"");
         let owner = RequestOwner::LEN;
         // The guard of every operation of the owner: this key, this token, in flight, and the
         // lease not ended; and a row a claim can read (a time that is not an integer is no
@@ -109,27 +156,80 @@ impl Sql {
         let idle = "state = 'in_flight' AND request IS NOT NULL AND expires_at <= ?2 \
                     AND kept_until > ?1 AND length(storage_key) IN (32, 48)";
         let listed = "storage_key, fingerprint, request, expires_at";
+        // The columns an operator reads (`InspectStore`), added since the first version: a
+        // table made before them gets them at its next migration, its rows with no label, not
+        // released, no count of claims (0) and no time in their state (set then: see
+        // `migrate`).
+        let added = [
+            ("label", "label BLOB"),
+            ("released", "released INTEGER NOT NULL DEFAULT 0"),
+            ("attempts", "attempts INTEGER NOT NULL DEFAULT 0"),
+            ("since", "since INTEGER"),
+        ];
+        // Live request records in a listing's order, with the columns `inspect` reads.
+        let info = "storage_key, state, fingerprint, token, expires_at, kept_until, payload, \
+                    steps, request, label, released, attempts, since";
+        // One listing read on the `listed` index: request records of `state` (and `released`)
+        // by `since`, then storage key, after the cursor, at most the cut-off old.
+        let by_since = |state: &str, released: u8, live: &str| {
+            format!(
+                "SELECT {info}, since AS stamp FROM {t} INDEXED BY {listed_index} \
+                 WHERE state = '{state}' AND released = {released} AND {live} \
+                 AND typeof(since) = 'integer' AND since <= ?2 \
+                 AND (since, storage_key) > (?3, ?4) AND typeof(storage_key) = 'blob' \
+                 ORDER BY since, storage_key LIMIT ?5"
+            )
+        };
+        let released_live = "expires_at <= ?1 AND kept_until > ?1";
+        let list_released = by_since("in_flight", 1, released_live);
+        // In flight with a lease that ended, not released: by the lease's end.
+        let lapsed = format!(
+            "SELECT {info}, expires_at AS stamp FROM {t} INDEXED BY {lapsed_index} \
+             WHERE state = 'in_flight' AND released = 0 AND expires_at <= ?1 AND kept_until > ?1 \
+             AND typeof(expires_at) = 'integer' AND expires_at <= ?2 \
+             AND (expires_at, storage_key) > (?3, ?4) AND typeof(storage_key) = 'blob' \
+             ORDER BY expires_at, storage_key LIMIT ?5"
+        );
         Ok(Sql {
+            create: format!(
+                "CREATE TABLE IF NOT EXISTS {t} (\
+                 storage_key BLOB NOT NULL PRIMARY KEY, \
+                 state TEXT NOT NULL, \
+                 fingerprint BLOB NOT NULL, \
+                 token INTEGER NOT NULL, \
+                 lifetime INTEGER NOT NULL, \
+                 epoch INTEGER, \
+                 expires_at INTEGER NOT NULL, \
+                 kept_until INTEGER NOT NULL, \
+                 payload BLOB, \
+                 steps BLOB, \
+                 request BLOB, \
+                 {})",
+                added.map(|(_, column)| column).join(", ")
+            ),
+            columns: added
+                .iter()
+                .map(|&(name, column)| (name, format!("ALTER TABLE {t} ADD COLUMN {column}")))
+                .collect(),
+            table_columns: "SELECT name FROM pragma_table_info(?1)".to_owned(),
+            backfill_since: format!(
+                "UPDATE {t} SET since = ?1 WHERE since IS NULL AND state IN ('in_flight', 'completed')"
+            ),
             migrate: vec![
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {t} (\
-                     storage_key BLOB NOT NULL PRIMARY KEY, \
-                     state TEXT NOT NULL, \
-                     fingerprint BLOB NOT NULL, \
-                     token INTEGER NOT NULL, \
-                     lifetime INTEGER NOT NULL, \
-                     epoch INTEGER, \
-                     expires_at INTEGER NOT NULL, \
-                     kept_until INTEGER NOT NULL, \
-                     payload BLOB, \
-                     steps BLOB, \
-                     request BLOB)"
-                ),
                 format!("CREATE INDEX IF NOT EXISTS {kept_index} ON {t} (kept_until)"),
                 format!(
                     "CREATE INDEX IF NOT EXISTS {abandoned_index} ON {t} \
                      (substr(request, 1, {owner}), expires_at) \
                      WHERE state = 'in_flight' AND request IS NOT NULL"
+                ),
+                // The listings: records by state and time in it, and lapsed leases by their end.
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {listed_index} ON {t} \
+                     (state, released, since, storage_key)"
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS {lapsed_index} ON {t} (expires_at, storage_key) \
+                     WHERE state = 'in_flight' AND released = 0"
                 ),
                 format!(
                     "CREATE TABLE IF NOT EXISTS {tokens} (\
@@ -150,28 +250,37 @@ impl Sql {
             ),
             begin: format!(
                 "INSERT INTO {t} (storage_key, state, fingerprint, token, lifetime, epoch, \
-                 expires_at, kept_until, payload, steps, request) \
-                 VALUES (?1, 'in_flight', ?2, ?3, ?3, NULL, ?4, ?5, NULL, NULL, NULL) \
+                 expires_at, kept_until, payload, steps, request, label, released, attempts, \
+                 since) \
+                 VALUES (?1, 'in_flight', ?2, ?3, ?3, NULL, ?4, ?5, NULL, NULL, NULL, ?6, 0, 1, ?7) \
                  ON CONFLICT (storage_key) DO UPDATE SET state = excluded.state, \
                  fingerprint = excluded.fingerprint, token = excluded.token, \
                  lifetime = excluded.lifetime, epoch = NULL, expires_at = excluded.expires_at, \
-                 kept_until = excluded.kept_until, payload = NULL, steps = NULL, request = NULL"
+                 kept_until = excluded.kept_until, payload = NULL, steps = NULL, request = NULL, \
+                 label = excluded.label, released = 0, attempts = 1, since = excluded.since"
             ),
+            // A record counted before (attempts 0: written before this store counted) stays
+            // uncounted.
             take_over: format!(
-                "UPDATE {t} SET token = ?2, expires_at = ?3, kept_until = ?4 \
-                 WHERE storage_key = ?1"
+                "UPDATE {t} SET token = ?2, expires_at = ?3, kept_until = ?4, released = 0, \
+                 attempts = CASE WHEN typeof(attempts) = 'integer' \
+                     AND attempts BETWEEN 1 AND 4294967294 THEN attempts + 1 ELSE 0 END, \
+                 since = ?5 WHERE storage_key = ?1"
             ),
             read_counter: format!("SELECT value FROM {tokens} WHERE name = 'last'"),
             write_counter: format!("UPDATE {tokens} SET value = ?1 WHERE name = 'last'"),
             complete: format!(
                 "UPDATE {t} SET state = 'completed', payload = ?4, expires_at = ?5, \
-                 kept_until = ?5, steps = NULL, request = NULL WHERE {owned}"
+                 kept_until = ?5, steps = NULL, request = NULL, released = 0, since = ?3 \
+                 WHERE {owned}"
             ),
             completed_by: format!(
                 "SELECT 1 FROM {t} WHERE storage_key = ?1 AND token = ?2 \
                  AND state = 'completed' AND typeof(expires_at) = 'integer' AND expires_at > ?3"
             ),
-            release: format!("UPDATE {t} SET expires_at = ?3 WHERE {owned}"),
+            release: format!(
+                "UPDATE {t} SET expires_at = ?3, released = 1, since = ?3 WHERE {owned}"
+            ),
             renew: format!(
                 "UPDATE {t} SET expires_at = ?4, kept_until = max(kept_until, ?4) WHERE {owned}"
             ),
@@ -218,6 +327,26 @@ impl Sql {
                 "DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} \
                  WHERE kept_until <= ?1 AND expires_at <= ?1 LIMIT ?2)"
             ),
+            inspect: format!("SELECT {info} FROM {t} WHERE storage_key = ?1"),
+            list_in_flight: by_since("in_flight", 0, "expires_at > ?1"),
+            list_completed: by_since("completed", 0, "expires_at > ?1"),
+            // Released and lapsed records, each read in order on its index, merged: at most
+            // twice the page's rows are read.
+            list_abandoned: format!(
+                "SELECT * FROM ({list_released}) UNION ALL SELECT * FROM ({lapsed}) \
+                 ORDER BY stamp, storage_key LIMIT ?5"
+            ),
+            list_released,
+            repair_release: format!(
+                "UPDATE {t} SET expires_at = min(expires_at, ?2), released = 1, since = ?2 \
+                 WHERE storage_key = ?1"
+            ),
+            repair_give_up: format!(
+                "UPDATE {t} SET state = 'completed', token = ?2, payload = ?3, expires_at = ?4, \
+                 kept_until = ?4, steps = NULL, request = NULL, released = 0, since = ?5 \
+                 WHERE storage_key = ?1"
+            ),
+            repair_forget: format!("DELETE FROM {t} WHERE storage_key = ?1"),
             records,
         })
     }
@@ -289,8 +418,18 @@ mod tests {
     fn names_are_quoted_and_prefixed() {
         let sql = Sql::new("billing_").unwrap();
         assert_eq!(sql.records, "billing_records");
-        assert!(sql.migrate[0].contains("\"billing_records\""));
-        assert!(sql.migrate[3].contains("\"billing_tokens\""));
+        assert!(sql.create.contains("\"billing_records\""));
+        assert!(
+            sql.columns
+                .iter()
+                .all(|(_, add)| add.contains("\"billing_records\""))
+        );
+        assert!(
+            sql.migrate
+                .iter()
+                .any(|m| m.contains("\"billing_records_listed\""))
+        );
+        assert!(sql.migrate[4].contains("\"billing_tokens\""));
         assert!(sql.read_counter.contains("\"billing_tokens\""));
         assert!(sql.reap.contains("FROM \"billing_records\""));
     }

@@ -7,12 +7,12 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
+use idempotent_core::inspect::KeyLabel;
 use idempotent_core::steps::Abandoned;
 use idempotent_core::{
     CheckpointStore, Claim, FencingToken, Fingerprint, RequestOwner, SessionGate, SessionKey,
     SessionMark, SessionRequest, SessionStore, StorageKey, Store, StoreError,
 };
-use sqlx::Executor as _;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
@@ -155,13 +155,30 @@ impl From<SqliteConnectOptions> for Database {
 ///     kept_until INTEGER NOT NULL,     -- ms: until when the row is kept (an abandoned claim: the TTL it was claimed with)
 ///     payload BLOB,                    -- the completed result
 ///     steps BLOB,                      -- the operation's checkpoints, concatenated (in flight)
-///     request BLOB                     -- the request a completer may run again (in flight)
+///     request BLOB,                    -- the request a completer may run again (in flight)
+///     label BLOB,                      -- the KeyLabel of the claim that began the lifetime (NULL: none)
+///     released INTEGER NOT NULL DEFAULT 0, -- 1 once its owner (or an operator) released it
+///     attempts INTEGER NOT NULL DEFAULT 0, -- claims of the lifetime (0: written before they were counted)
+///     since INTEGER                    -- ms: when it was claimed, taken over, released or completed
 /// );
 /// CREATE INDEX IF NOT EXISTS "idempotent_records_kept_until" ON "idempotent_records" (kept_until);
 /// CREATE INDEX IF NOT EXISTS "idempotent_records_abandoned" ON "idempotent_records"
 ///     (substr(request, 1, 36), expires_at) WHERE state = 'in_flight' AND request IS NOT NULL;
+/// CREATE INDEX IF NOT EXISTS "idempotent_records_listed" ON "idempotent_records"
+///     (state, released, since, storage_key);
+/// CREATE INDEX IF NOT EXISTS "idempotent_records_lapsed" ON "idempotent_records"
+///     (expires_at, storage_key) WHERE state = 'in_flight' AND released = 0;
 /// CREATE TABLE IF NOT EXISTS "idempotent_tokens" (name TEXT NOT NULL PRIMARY KEY, value INTEGER NOT NULL);
 /// ```
+///
+/// The last four columns serve [`InspectStore`](idempotent_core::inspect::InspectStore) (and
+/// the two last indexes its listings). A file made by an earlier version gets them at its next
+/// migration (`ALTER TABLE … ADD COLUMN` for each one missing, in the migration's
+/// transaction): its records read with no label, not released, 0 attempts, and in their state
+/// since the upgrade (the one migration that adds `since` sets it on every record, a pass over
+/// the table). A row a process of the earlier version writes afterwards keeps whatever the
+/// row held in those columns (a new row: none, and no `since`, which leaves it out of
+/// listings); upgrade every process on the file together.
 ///
 /// The `idempotent_` prefix is [`SqliteStoreBuilder::table_prefix`]'s default. A row whose
 /// `expires_at` has passed is absent as far as a claim is concerned, except that an in-flight
@@ -195,6 +212,11 @@ impl From<SqliteConnectOptions> for Database {
 /// runtime bounds every store call): a claim that lands after its caller left is given back
 /// at once (its lease ended, as a release does), so the caller's retry takes it over instead
 /// of waiting out the lease.
+///
+/// [`claim_labelled`](Store::claim_labelled) keeps its label on a claim that begins a
+/// lifetime; a takeover (also [`resume`](CheckpointStore::resume)) keeps the row's label,
+/// counts one more attempt and clears `released`; [`release`](Store::release), and the
+/// give-back of a claim whose caller left, set it.
 ///
 /// Tokens and session epochs come from one counter in the `tokens` table, raised in the same
 /// transaction that writes the row (and never to the row's own token or below): a token is
@@ -376,7 +398,8 @@ impl SqliteStoreBuilder {
 
     /// Whether [`build`](Self::build) runs [`SqliteStore::migrate`] (default `true`). Turn it
     /// off to open a database whose tables someone else made, with an account that may not
-    /// create them.
+    /// create them: they must then have every column and index of "The table" in
+    /// [`SqliteStore`]'s documentation.
     pub fn migrate(mut self, migrate: bool) -> Self {
         self.migrate = migrate;
         self
@@ -525,8 +548,9 @@ impl SqliteStore {
         &self.inner.sql.records
     }
 
-    /// Creates the tables and indexes if they do not exist (see "The table"), and the token
-    /// counter if it is missing (above every token and epoch the records hold).
+    /// Creates the tables and indexes if they do not exist (see "The table"), adds the columns
+    /// a table made by an earlier version lacks, and makes the token counter if it is missing
+    /// (above every token and epoch the records hold).
     ///
     /// Idempotent, and safe to run from every process at startup, at the same time: it is one
     /// `BEGIN IMMEDIATE` transaction, so concurrent migrations take turns. [`open`](Self::open)
@@ -534,13 +558,7 @@ impl SqliteStore {
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let doing = "creating the idempotency tables";
         let mut tx = self.inner.begin(doing).await?;
-        let mut made = Ok(());
-        for statement in &self.inner.sql.migrate {
-            made = tx.execute(statement.as_str()).await.map(|_| ());
-            if made.is_err() {
-                break;
-            }
-        }
+        let made = self.inner.migrate_under_lock(&mut tx).await;
         let made = made.map_err(|e| store_error(doing, e));
         tx.finish(made, doing).await
     }
@@ -555,7 +573,10 @@ impl SqliteStore {
 
     /// Runs `op` on a task of its own, so that it finishes (and leaves no transaction open)
     /// even if the caller stops waiting.
-    async fn spawned<T, F>(&self, op: impl FnOnce(Arc<Inner>) -> F) -> Result<T, StoreError>
+    pub(crate) async fn spawned<T, F>(
+        &self,
+        op: impl FnOnce(Arc<Inner>) -> F,
+    ) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: Future<Output = Result<T, StoreError>> + Send + 'static,
@@ -568,21 +589,21 @@ impl SqliteStore {
         }
     }
 
-    /// A claim, or with `resume` a takeover only, on a task of its own. One whose caller left
-    /// before its answer is given back: its lease ends at once, so the caller's retry takes
-    /// it over.
+    /// A claim, or with `resume` a takeover only, on a task of its own; a claim that begins a
+    /// lifetime keeps `label`. One whose caller left before its answer is given back: its
+    /// lease ends at once (the record is then released), so the caller's retry takes it over.
     async fn claim_or_resume(
         &self,
         key: StorageKey,
         fingerprint: Fingerprint,
         terms: (Duration, Duration),
-        resume: bool,
+        (resume, label): (bool, Option<Bytes>),
     ) -> Result<Option<Claim>, StoreError> {
         let inner = Arc::clone(&self.inner);
         let (answer, answered) = tokio::sync::oneshot::channel();
         tokio::spawn(async move {
             let result = inner
-                .claim_or_resume(&key, &fingerprint, terms, resume)
+                .claim_or_resume(&key, &fingerprint, terms, resume, label.as_deref())
                 .await;
             if let Err(Ok(Some(Claim::Claimed(token) | Claim::TakenOver { token, .. }))) =
                 answer.send(result)
@@ -620,7 +641,24 @@ impl Store for SqliteStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Claim, StoreError> {
-        self.claim_or_resume(*key, *fingerprint, (lease, ttl), false)
+        self.claim_or_resume(*key, *fingerprint, (lease, ttl), (false, None))
+            .await?
+            .ok_or_else(|| {
+                StoreError::Backend("a claim answered that there was nothing to resume".into())
+            })
+    }
+
+    /// As [`claim`](Store::claim), keeping `label` in the row's `label` column when the claim
+    /// begins a lifetime (a takeover keeps the label the row has).
+    async fn claim_labelled(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        (lease, ttl): (Duration, Duration),
+        label: &KeyLabel,
+    ) -> Result<Claim, StoreError> {
+        let label = Some(label.as_bytes().clone());
+        self.claim_or_resume(*key, *fingerprint, (lease, ttl), (false, label))
             .await?
             .ok_or_else(|| {
                 StoreError::Backend("a claim answered that there was nothing to resume".into())
@@ -691,7 +729,7 @@ impl CheckpointStore for SqliteStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Option<Claim>, StoreError> {
-        self.claim_or_resume(*key, *fingerprint, (lease, ttl), true)
+        self.claim_or_resume(*key, *fingerprint, (lease, ttl), (true, None))
             .await
     }
 
