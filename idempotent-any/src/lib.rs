@@ -740,6 +740,24 @@ impl Store for AnyStore {
             .await)
     }
 
+    async fn claim_labelled(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        terms: (Duration, Duration),
+        label: &idempotent_core::inspect::KeyLabel,
+    ) -> Result<Claim, StoreError> {
+        #[cfg(feature = "cache")]
+        if let Some(tier) = &self.cache {
+            return each!(self, |store| tier
+                .claim_labelled_through(store, key, fingerprint, terms, label)
+                .await);
+        }
+        each!(self, |store| store
+            .claim_labelled(key, fingerprint, terms, label)
+            .await)
+    }
+
     async fn complete(
         &self,
         key: &StorageKey,
@@ -881,5 +899,41 @@ mod tests {
         ] {
             assert_eq!(redacted(url), expected, "{url}");
         }
+    }
+}
+
+/// The chosen store's. A repair changes the store, not a cache tier in front (see
+/// `idempotent-cache`'s `Cached`): a tier's copy of a completed record is replayed until it
+/// expires.
+impl idempotent_core::inspect::InspectStore for AnyStore {
+    async fn inspect(
+        &self,
+        key: &StorageKey,
+    ) -> Result<Option<idempotent_core::inspect::RecordInfo>, StoreError> {
+        each!(self, |store| store.inspect(key).await)
+    }
+
+    async fn list(
+        &self,
+        query: &idempotent_core::inspect::ListQuery,
+    ) -> Result<idempotent_core::inspect::Page, StoreError> {
+        each!(self, |store| store.list(query).await)
+    }
+
+    async fn repair(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        repair: &idempotent_core::inspect::Repair,
+        force: bool,
+    ) -> Result<idempotent_core::inspect::Repaired, StoreError> {
+        each!(self, |store| store.repair(key, token, repair, force).await)
+    }
+
+    async fn session_state(
+        &self,
+        session: &idempotent_core::SessionKey,
+    ) -> Result<Option<idempotent_core::session::SessionState>, StoreError> {
+        each!(self, |store| store.session_state(session).await)
     }
 }

@@ -283,11 +283,44 @@ impl CacheTier {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Claim, StoreError> {
+        self.claim_maybe_labelled(store, key, fingerprint, (lease, ttl), None)
+            .await
+    }
+
+    /// [`claim_through`](Self::claim_through), with the key's label for the store to keep
+    /// ([`Store::claim_labelled`]).
+    pub async fn claim_labelled_through<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        terms: (Duration, Duration),
+        label: &idempotent_core::inspect::KeyLabel,
+    ) -> Result<Claim, StoreError> {
+        self.claim_maybe_labelled(store, key, fingerprint, terms, Some(label))
+            .await
+    }
+
+    async fn claim_maybe_labelled<S: Store + ?Sized>(
+        &self,
+        store: &S,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        (lease, ttl): (Duration, Duration),
+        label: Option<&idempotent_core::inspect::KeyLabel>,
+    ) -> Result<Claim, StoreError> {
         if let Some(hit) = self.lookup(key).await {
             return Ok(hit);
         }
         let asked_at = Instant::now();
-        let answer = store.claim(key, fingerprint, lease, ttl).await?;
+        let answer = match label {
+            Some(label) => {
+                store
+                    .claim_labelled(key, fingerprint, (lease, ttl), label)
+                    .await?
+            }
+            None => store.claim(key, fingerprint, lease, ttl).await?,
+        };
         let integrity = if store.keeps_records_in_process() {
             Integrity::InProcess
         } else {
@@ -485,6 +518,18 @@ impl<S: Store> Store for Cached<S> {
             .await
     }
 
+    async fn claim_labelled(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        terms: (Duration, Duration),
+        label: &idempotent_core::inspect::KeyLabel,
+    ) -> Result<Claim, StoreError> {
+        self.tier
+            .claim_labelled_through(&self.store, key, fingerprint, terms, label)
+            .await
+    }
+
     async fn complete(
         &self,
         key: &StorageKey,
@@ -522,5 +567,45 @@ impl<S: Store> Store for Cached<S> {
 
     async fn wait_for_change(&self, key: &StorageKey, max_wait: Duration) {
         self.store.wait_for_change(key, max_wait).await;
+    }
+}
+
+/// Forwarded to the store behind the tier. A repair changes the store, not the tier: a copy of
+/// a completed record the tier holds (in this process, or a shared one) is replayed until it
+/// expires, so a record forgotten or given up behind a tier is seen by the tier's users only
+/// once their copy is gone (at most the record's TTL; restarting a process empties its memory
+/// tier).
+impl<S: idempotent_core::inspect::InspectStore> idempotent_core::inspect::InspectStore
+    for Cached<S>
+{
+    async fn inspect(
+        &self,
+        key: &StorageKey,
+    ) -> Result<Option<idempotent_core::inspect::RecordInfo>, StoreError> {
+        self.store.inspect(key).await
+    }
+
+    async fn list(
+        &self,
+        query: &idempotent_core::inspect::ListQuery,
+    ) -> Result<idempotent_core::inspect::Page, StoreError> {
+        self.store.list(query).await
+    }
+
+    async fn repair(
+        &self,
+        key: &StorageKey,
+        token: FencingToken,
+        repair: &idempotent_core::inspect::Repair,
+        force: bool,
+    ) -> Result<idempotent_core::inspect::Repaired, StoreError> {
+        self.store.repair(key, token, repair, force).await
+    }
+
+    async fn session_state(
+        &self,
+        session: &idempotent_core::SessionKey,
+    ) -> Result<Option<idempotent_core::session::SessionState>, StoreError> {
+        self.store.session_state(session).await
     }
 }
