@@ -110,6 +110,12 @@
 //! from the checkpoints, and the answer is recorded, so the client's eventual retry replays
 //! it. The completer is stopped at shutdown.
 //!
+//! Each kept request records the code version that kept it, `IDEMPOTENCY_APP_VERSION`
+//! (default: this crate's version), and the completer finishes only the orders kept by that
+//! version: during a deploy, an instance of the new release leaves an order an old instance
+//! abandoned to the old release's completers (or its client's retry), which run the code that
+//! kept it.
+//!
 //! # Shutdown
 //!
 //! On SIGTERM (or Ctrl-C) the server shuts the runtime down gracefully: new payments get
@@ -129,6 +135,7 @@
 //! | `IDEMPOTENCY_SESSION_IDLE` | `24h` | how long a client session nobody sends to is kept, with its answers: `1ms` to `365d` |
 //! | `IDEMPOTENCY_SESSION_WINDOW` | `64` | how far past its acknowledged mark a session may number requests: `1` to `4096` |
 //! | `IDEMPOTENCY_CACHE` | unset: no cache | finished records cached in front of the store: `memory:N` (in this process, at most `N` records) or `redis://HOST:PORT[/DB]` (a Redis every instance shares, in front of the store `IDEMPOTENCY_STORE` names); see `idempotent-cache` |
+//! | `IDEMPOTENCY_APP_VERSION` | this crate's version | the code version `/orders` keeps its requests with, and the only one whose orders the completer finishes: 1 to 64 visible ASCII characters (`1.4.2`, a commit id); see "Orders in steps" |
 //! | `IDEMPOTENCY_COMPLETER_AFTER` | unset: no completer | finish `/orders` operations abandoned for this long (their claim lapsed or released, no retry): `1ms` to `365d`; see "Orders in steps" |
 //! | `IDEMPOTENCY_EFFECTS_LOG` | unset: none | a file every run of an order's step is appended to as a line `<step> <step key> <pid>` (a step run again under the same key included), before the step's checkpoint is written: `reserve` and `charge`, and `receipt` but on PostgreSQL (where the receipt is its outbox row); a count of step runs that outlives the process |
 //! | `RUST_LOG` | `warn,idempotent_tower=info` | log filter (logs go to stderr) |
@@ -160,7 +167,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use idempotent_core::ClaimHandle;
-use idempotent_tower::{Completer, IdempotencyLayer, Principal};
+use idempotent_tower::{CodeVersion, Completer, IdempotencyLayer, Principal};
 use provider::{Provider, ProviderError};
 use serde::Deserialize;
 use serde_json::json;
@@ -381,11 +388,24 @@ async fn count(State(app): Shared) -> Json<serde_json::Value> {
     }))
 }
 
+/// `IDEMPOTENCY_APP_VERSION`, else this crate's version.
+fn app_version() -> Result<CodeVersion, String> {
+    const NAME: &str = "IDEMPOTENCY_APP_VERSION";
+    match std::env::var(NAME) {
+        Ok(value) => CodeVersion::new(&value).map_err(|error| format!("{NAME}: {error}")),
+        Err(std::env::VarError::NotPresent) => CodeVersion::new(env!("CARGO_PKG_VERSION"))
+            .map_err(|error| format!("this crate's version: {error}")),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            Err(format!("{NAME} is not a code version: it is not UTF-8"))
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     common::init_logging();
-    let (settings, completer_after) = match common::settings(3000)
-        .and_then(|settings| Ok((settings, common::completer_after()?)))
+    let (settings, completer_after, version) = match common::settings(3000)
+        .and_then(|settings| Ok((settings, common::completer_after()?, app_version()?)))
     {
         Ok(settings) => settings,
         Err(message) => {
@@ -421,13 +441,16 @@ async fn main() -> ExitCode {
         orders,
     });
 
-    // `/orders` keeps its requests for the completer when there is one; the completer runs
-    // them through the same routes without the layer.
-    let orders_layer =
-        IdempotencyLayer::http(idempotency.clone()).keep_requests(completer_after.is_some());
+    // `/orders` keeps its requests, with this code's version, for the completer when there is
+    // one; the completer runs that version's through the same routes without the layer.
+    let orders_layer = match completer_after {
+        Some(_) => IdempotencyLayer::http(idempotency.clone()).keep_requests(version.clone()),
+        None => IdempotencyLayer::http(idempotency.clone()),
+    };
     let orders = orders::router(Arc::clone(&state));
     let completer = completer_after.map(|after| {
         Completer::new(&orders_layer, orders.clone())
+            .versions([version])
             .after(after)
             .spawn()
     });

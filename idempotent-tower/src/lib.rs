@@ -61,7 +61,7 @@ mod session;
 
 pub use completer::{
     Completer, CompleterHandle, CompleterPass, Completing, DEFAULT_COMPLETER_AFTER,
-    DEFAULT_COMPLETER_ATTEMPTS,
+    DEFAULT_COMPLETER_ATTEMPTS, RecordedResponse, RecordedResponseError, operation_failed_record,
 };
 pub use idempotent_core::BoxError;
 pub use server::body::{RequestBody, ResponseBody};
@@ -70,6 +70,9 @@ pub use server::config::{
     OnClaimLost,
 };
 pub use server::future::ResponseFuture;
+pub use server::kept::{
+    CodeVersion, InvalidCodeVersion, KeptRequest, KeptRequestError, MAX_CODE_VERSION_LEN,
+};
 pub use server::layer::IdempotencyLayer;
 pub use server::principal::{Principal, scope_by_authorization, scope_by_principal};
 pub use server::protocol::{Grpc, Http, Protocol};

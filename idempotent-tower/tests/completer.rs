@@ -16,7 +16,10 @@ use http::StatusCode;
 use http_body_util::Full;
 use idempotent_core::memory::MemoryStore;
 use idempotent_core::{CallOptions, ClaimHandle, Idempotency};
-use idempotent_tower::{Completer, CompleterPass, Completing, IdempotencyLayer};
+use idempotent_tower::{
+    CodeVersion, Completer, CompleterPass, Completing, IdempotencyLayer, KeptRequest,
+    RecordedResponse, operation_failed_record,
+};
 use support::{post, send};
 
 /// How long an operation waits for its client before a completer takes it.
@@ -95,7 +98,16 @@ fn setup(layer: IdempotencyLayer) -> Setup {
 }
 
 fn keeping(idempotency: Idempotency) -> IdempotencyLayer {
-    IdempotencyLayer::http(idempotency).keep_requests(true)
+    keeping_as(idempotency, "1.0.0")
+}
+
+/// A layer keeping its requests as code version `version`.
+fn keeping_as(idempotency: Idempotency, version: &str) -> IdempotencyLayer {
+    IdempotencyLayer::http(idempotency).keep_requests(code(version))
+}
+
+fn code(version: &str) -> CodeVersion {
+    CodeVersion::new(version).unwrap()
 }
 
 fn order_request(key: &str) -> http::Request<Full<Bytes>> {
@@ -313,7 +325,7 @@ async fn a_spawned_completer_finishes_in_the_background_until_stopped() {
         .defaults(idempotent_core::Defaults::new())
         .build();
     let layer = IdempotencyLayer::http(idempotency)
-        .keep_requests(true)
+        .keep_requests("1.0.0".parse().unwrap())
         .call_options(CallOptions::new().lease(Duration::from_secs(5)));
     let s = setup(layer);
     let handle = s.completer().spawn();
@@ -389,4 +401,225 @@ async fn the_completer_counts_its_attempts_completions_and_give_ups() {
     assert_eq!((pass.found, pass.completed), (1, 1), "{pass:?}");
     assert_eq!(counter("idempotency.completer.completed"), 1);
     assert_eq!(counter("idempotency.completer.attempts"), 4);
+}
+
+/// A completer runs only the versions it is told it can run: an operation kept by version A
+/// is not even listed for a completer of version B (the store lists by version), nothing of
+/// it runs, and it stays abandoned until a completer that runs A finishes it.
+#[tokio::test]
+async fn a_completer_of_another_version_leaves_an_operation_alone() {
+    let runtime = Idempotency::new(MemoryStore::new());
+    let a = setup(keeping_as(runtime.clone(), "A"));
+    s_fail_once(&a, "versioned").await;
+    let b = setup(keeping_as(runtime.clone(), "B"));
+    tokio::time::sleep(2 * AFTER).await;
+    let pass = b.completer().pass().await.unwrap();
+    assert_eq!(pass, CompleterPass::default(), "B lists none of A's");
+    assert_eq!(b.count(), (0, 0, 0));
+    assert_eq!(a.count(), (1, 1, 0), "only the client's run");
+    // Still A's, abandoned, with its version on its kept request.
+    let a_owner = KeptRequest::owner_for(&runtime, Some(&code("A")));
+    let kept = runtime.abandoned(AFTER, 10, Some(&a_owner)).await.unwrap();
+    assert_eq!(kept.len(), 1);
+    let request = KeptRequest::decode(&kept[0].request).unwrap();
+    assert_eq!(request.version().map(CodeVersion::as_str), Some("A"));
+    assert_eq!(request.owner(), a_owner);
+    assert_eq!(
+        (request.method(), request.uri().path()),
+        (&http::Method::POST, "/orders")
+    );
+    assert!(request.headers().get("authorization").is_none());
+    // B told it can run A's too: finished, from its checkpoints.
+    let pass = b
+        .completer()
+        .versions([code("B"), code("A")])
+        .pass()
+        .await
+        .unwrap();
+    assert_eq!((pass.found, pass.completed), (1, 1), "{pass:?}");
+    assert_eq!(
+        b.count(),
+        (1, 0, 1),
+        "reserve not run again, charge run once"
+    );
+    let retry = send(&a.app, order_request("versioned")).await;
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (StatusCode::CREATED, true)
+    );
+}
+
+/// Sends an order that fails (502, released): abandoned.
+async fn s_fail_once(s: &Setup, key: &str) {
+    s.shop.failing.store(true, Ordering::SeqCst);
+    let first = send(&s.app, order_request(key)).await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY);
+    s.shop.failing.store(false, Ordering::SeqCst);
+}
+
+/// Each version is listed by itself and each pass starts with the next one: a backlog of one
+/// version larger than the batch does not keep another's operation waiting.
+#[tokio::test]
+async fn one_versions_backlog_does_not_starve_another() {
+    let runtime = Idempotency::new(MemoryStore::new());
+    let a = setup(keeping_as(runtime.clone(), "A"));
+    let b = setup(keeping_as(runtime.clone(), "B"));
+    for i in 0..3 {
+        s_fail_once(&a, &format!("a-{i}")).await;
+    }
+    s_fail_once(&b, "b-0").await;
+    tokio::time::sleep(2 * AFTER).await;
+    let completer = b.completer().versions([code("A"), code("B")]).batch(1);
+    for _ in 0..2 {
+        let pass = completer.pass().await.unwrap();
+        assert_eq!((pass.found, pass.completed), (1, 1), "{pass:?}");
+    }
+    assert_eq!(
+        b.count().2,
+        2,
+        "B's operation finished in the first two passes"
+    );
+}
+
+/// Requests kept before versions (format `IRQ1`) are run only by a completer told to
+/// run them.
+#[tokio::test]
+async fn requests_kept_before_versions_run_only_when_told() {
+    let runtime = Idempotency::new(MemoryStore::new());
+    let s = setup(keeping(runtime.clone()));
+    // A record as a layer of the release before versions left it: a released claim holding
+    // a kept request without a version.
+    let owner = KeptRequest::owner_for(&runtime, None);
+    let mut kept = owner.as_bytes().to_vec();
+    for field in [&b"POST"[..], b"/orders"] {
+        kept.extend_from_slice(&u32::try_from(field.len()).unwrap().to_be_bytes());
+        kept.extend_from_slice(field);
+    }
+    kept.extend_from_slice(&0_u32.to_be_bytes());
+    kept.extend_from_slice(&2_u32.to_be_bytes());
+    kept.extend_from_slice(b"{}");
+    let legacy = idempotent_core::Call::new("legacy".parse().unwrap());
+    runtime
+        .run_with(
+            &legacy,
+            async {
+                let claim = ClaimHandle::current().unwrap();
+                claim.save_request(Bytes::from(kept)).await.unwrap();
+            },
+            |()| idempotent_core::Retain::Release,
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(2 * AFTER).await;
+    assert_eq!(
+        s.completer().pass().await.unwrap(),
+        CompleterPass::default()
+    );
+    assert_eq!(s.count(), (0, 0, 0));
+    let pass = s.completer().unversioned(true).pass().await.unwrap();
+    assert_eq!((pass.found, pass.completed), (1, 1), "{pass:?}");
+    assert_eq!(s.count(), (1, 1, 1));
+}
+
+/// An operator's tool gives an abandoned operation up by hand: it takes the operation over
+/// in the store, completes it with `operation_failed_record`, and the client's retry through
+/// the layer replays `500 operation_failed`; `RecordedResponse` reads the record back.
+#[tokio::test]
+async fn an_operation_given_up_through_the_store_replays_operation_failed() {
+    use idempotent_core::{CheckpointStore, Claim, Store};
+
+    let store = MemoryStore::new();
+    let runtime = Idempotency::new(store.clone());
+    let s = setup(keeping(runtime.clone()));
+    s_fail_once(&s, "given-up").await;
+    let owner = KeptRequest::owner_for(&runtime, Some(&code("1.0.0")));
+    let abandoned = runtime
+        .abandoned(Duration::ZERO, 10, Some(&owner))
+        .await
+        .unwrap()
+        .remove(0);
+    let lease = Duration::from_secs(5);
+    let ttl = Duration::from_secs(60);
+    let Some(Claim::TakenOver { token, .. }) = store
+        .resume(&abandoned.key, &abandoned.fingerprint, lease, ttl)
+        .await
+        .unwrap()
+    else {
+        panic!("an abandoned operation is taken over");
+    };
+    let payload = operation_failed_record("an operator gave it up (ticket 7)");
+    store
+        .complete(&abandoned.key, token, payload.clone(), ttl)
+        .await
+        .unwrap();
+
+    let retry = send(&s.app, order_request("given-up")).await;
+    assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(retry.replayed());
+    assert_eq!(retry.headers["content-type"], "application/problem+json");
+    let problem: serde_json::Value = serde_json::from_slice(&retry.body).unwrap();
+    assert_eq!(problem["code"], "operation_failed", "{problem}");
+    assert!(
+        problem["detail"].as_str().unwrap().contains("ticket 7"),
+        "{problem}"
+    );
+    assert_eq!(s.count(), (1, 1, 0), "nothing ran again");
+
+    // Read back from the store: what was written, and the response the client got.
+    let Claim::Completed {
+        payload: stored, ..
+    } = store
+        .claim(&abandoned.key, &abandoned.fingerprint, lease, ttl)
+        .await
+        .unwrap()
+    else {
+        panic!("completed");
+    };
+    assert_eq!(stored, payload);
+    let recorded = RecordedResponse::decode(&stored).unwrap().unwrap();
+    assert_eq!(recorded.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(recorded.body(), &retry.body);
+    assert_eq!(
+        recorded.headers()["content-type"],
+        "application/problem+json"
+    );
+}
+
+/// `RecordedResponse` reads what the layer itself recorded, on a store that keeps its
+/// records in the process (no checksum) with its integrity.
+#[tokio::test]
+async fn a_recorded_response_reads_the_layers_own_record() {
+    use idempotent_core::store::Integrity;
+    use idempotent_core::{Claim, Store};
+
+    let store = MemoryStore::new();
+    let runtime = Idempotency::new(store.clone());
+    let s = setup(keeping(runtime.clone()));
+    let first = send(&s.app, order_request("read-back")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let call = idempotent_core::Call::new("read-back".parse().unwrap())
+        .scope(idempotent_tower::scope_by_principal(&order_parts()).unwrap());
+    let key = runtime.storage_key(&call);
+    let Claim::Completed { payload, .. } = store
+        .claim(
+            &key,
+            &idempotent_core::Fingerprint::empty(),
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+        )
+        .await
+        .unwrap()
+    else {
+        panic!("completed");
+    };
+    let recorded = RecordedResponse::decode_with(&payload, Integrity::InProcess)
+        .unwrap()
+        .unwrap();
+    assert_eq!(recorded.status(), StatusCode::CREATED);
+    assert_eq!(recorded.body(), &first.body);
+}
+
+fn order_parts() -> http::request::Parts {
+    let (parts, _) = order_request("read-back").into_parts();
+    parts
 }

@@ -69,7 +69,7 @@ fn longest() -> (Idempotency, IdempotencyLayer) {
         .record_retry(limits::MAX_RECORD_RETRY)
         .build();
     let layer = IdempotencyLayer::http(idempotency.clone())
-        .keep_requests(true)
+        .keep_requests("1.0.0".parse().unwrap())
         .call_options(
             CallOptions::new()
                 .ttl(limits::MAX_TTL)

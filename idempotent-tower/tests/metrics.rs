@@ -185,7 +185,7 @@ async fn a_request_that_could_not_be_kept_is_a_store_failure_not_a_lost_claim() 
     let (idempotency, recorded) = Recorded::capture(|| Idempotency::new(store));
     let runs = Arc::new(AtomicUsize::new(0));
     let svc = stack(
-        IdempotencyLayer::http(idempotency).keep_requests(true),
+        IdempotencyLayer::http(idempotency).keep_requests("1.0.0".parse().unwrap()),
         service_fn({
             let runs = Arc::clone(&runs);
             move |_: Req| {

@@ -56,7 +56,7 @@ impl Service {
         let routes = Router::new()
             .route("/orders", routing::post(order))
             .with_state(Arc::clone(&shop));
-        let layer = IdempotencyLayer::http(idempotency).keep_requests(true);
+        let layer = IdempotencyLayer::http(idempotency).keep_requests("1.0.0".parse().unwrap());
         Service {
             shop,
             layer,

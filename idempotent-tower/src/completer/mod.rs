@@ -14,8 +14,7 @@ use http_body_util::Empty;
 use idempotent_core::capability::{KeepsCheckpoints, KeysAndCheckpoints};
 use idempotent_core::steps::Abandoned;
 use idempotent_core::{
-    Call, ClaimHandle, Error, Execution, Idempotency, InFlightPolicy, ProblemCode, Retain,
-    StoreError,
+    Call, ClaimHandle, Error, Execution, Idempotency, InFlightPolicy, Retain, StoreError,
 };
 use tokio::sync::watch;
 use tower_service::Service;
@@ -24,25 +23,13 @@ use crate::server::body::RequestBody;
 use crate::server::capture::{Captured, capture};
 use crate::server::config::Config;
 use crate::server::layer::IdempotencyLayer;
-use crate::server::problem::Problem;
 use crate::server::protocol::Http;
 
-use crate::server::kept::{SavedRequest, owner};
+use crate::server::kept::{CodeVersion, KeptRequest, owner};
 
-/// The [`RequestOwner`](idempotent_core::RequestOwner) of the requests a runtime whose owner
-/// digest is `owner` keeps: the first bytes of the kept format (its magic and the digest),
-/// taken from an encoded request so that the two never disagree.
-fn listed_owner(owner: [u8; 32]) -> idempotent_core::RequestOwner {
-    let example = SavedRequest {
-        owner,
-        method: http::Method::GET,
-        uri: http::Uri::from_static("/"),
-        headers: http::HeaderMap::new(),
-        body: Bytes::new(),
-    };
-    idempotent_core::RequestOwner::of(&example.encode())
-        .expect("a kept request is longer than its owner")
-}
+mod record;
+
+pub use record::{RecordedResponse, RecordedResponseError, operation_failed_record};
 
 /// The request extension of a handler the [`Completer`] runs: which attempt this is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +72,7 @@ pub struct CompleterPass {
     /// Operations recorded as failed after their last attempt.
     pub given_up: usize,
     /// Operations someone else finished or took over first, and requests not this
-    /// completer's to run (another runtime's, or unreadable): nothing ran.
+    /// completer's to run (another runtime's, another version's, or unreadable): nothing ran.
     pub skipped: usize,
 }
 
@@ -114,14 +101,29 @@ pub struct CompleterPass {
 /// - **Bounds.** A pass lists at most [`batch`](Completer::batch) operations and runs them in
 ///   at most [`concurrency`](Completer::concurrency) slots, shared by every pass. A run that
 ///   never ends keeps its slot (and its claim, renewed); the passes go on with the others.
-/// - **Whose requests.** Only its own runtime's: a request kept by a runtime with another
-///   namespace (a store shared by several services), or one it cannot read, is skipped, never
-///   run or recorded (it stays until its TTL). One completer per runtime, with a service that
-///   routes every kept request: two layers with kept requests on one runtime share it. The
-///   store lists only this runtime's kept requests (their
+/// - **Whose requests.** Only its own runtime's, of the code [versions](Completer::versions)
+///   it runs: a request kept by a runtime with another namespace (a store shared by several
+///   services), by a version it is not told it can run, or one it cannot read, is skipped,
+///   never run or recorded (it stays for its own version's completer, a client's retry, or
+///   its TTL). One completer per runtime, with a service that routes every kept request: two
+///   layers with kept requests on one runtime share it. The store lists only the kept
+///   requests of this runtime and of each version it runs (their
 ///   [`RequestOwner`](idempotent_core::RequestOwner), the first bytes of the kept format,
-///   names the runtime's namespace), longest abandoned first: another runtime's operations
-///   left unfinished on a shared store never take this one's [`batch`](Completer::batch).
+///   names the namespace and the version), longest abandoned first: requests of another
+///   runtime, or of a version this completer does not run, left unfinished on a shared store
+///   never take this one's [`batch`](Completer::batch).
+/// - **Versions, and a deploy.** During a rolling deploy, instances of the old release and
+///   of the new one share the store. Each completer runs by default only the version its
+///   layer keeps ([`IdempotencyLayer::keep_requests`]): an operation the old release kept
+///   and abandoned is finished by an old instance's completer, or by its client's retry
+///   (which resumes it through the layer whatever its version), never by code that may read
+///   its body or its steps differently. Once the old release is gone, its abandoned
+///   operations wait for a retry or their TTL; a release that knows it can run an older
+///   version's requests (the same handlers, the same steps) says so with
+///   [`versions`](Completer::versions). Requests kept before versions were recorded (by an
+///   earlier release of this crate) are run only when told, with
+///   [`unversioned`](Completer::unversioned): which code kept them cannot be told, and a
+///   completer that runs what it cannot vouch for is what versions are there to prevent.
 /// - **What the handler sees.** The kept request, with the [`ClaimHandle`] and a
 ///   [`Completing`] extension. Extensions that middleware outside the layer adds (an
 ///   authenticated principal, say) are not there, nor are the `Authorization`,
@@ -141,7 +143,8 @@ pub struct CompleterPass {
 ///
 /// # async fn orders() -> &'static str { "ok" }
 /// # async fn example() {
-/// let layer = IdempotencyLayer::http(Idempotency::new(MemoryStore::new())).keep_requests(true);
+/// let version = env!("CARGO_PKG_VERSION").parse().expect("a code version");
+/// let layer = IdempotencyLayer::http(Idempotency::new(MemoryStore::new())).keep_requests(version);
 /// let routes = Router::new().route("/orders", post(orders));
 /// let completer = Completer::new(&layer, routes.clone())
 ///     .after(Duration::from_secs(30))
@@ -164,10 +167,16 @@ pub struct Completer<S> {
     metrics: Arc<CompleterMetrics>,
     /// The runs under way, at most `concurrency`, across passes.
     running: Arc<tokio::sync::Semaphore>,
-    /// Whose kept requests this completer runs: its runtime's.
-    owner: [u8; 32],
-    /// The same, as the store lists it: the first bytes of every request its runtime keeps.
-    listed_owner: idempotent_core::RequestOwner,
+    /// The versions whose kept requests this completer runs.
+    versions: Arc<[CodeVersion]>,
+    /// Whether it runs requests kept before versions were recorded.
+    unversioned: bool,
+    /// Whose kept requests it runs, as the store lists them: its runtime's, of each of its
+    /// versions (and, if `unversioned`, of none).
+    owners: Arc<[idempotent_core::RequestOwner]>,
+    /// Which of `owners` a pass lists first: each pass starts at the next, so that one
+    /// version's backlog does not take every pass's `batch`.
+    first_owner: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl<S: Clone> Clone for Completer<S> {
@@ -183,8 +192,10 @@ impl<S: Clone> Clone for Completer<S> {
             max_attempts: self.max_attempts,
             metrics: Arc::clone(&self.metrics),
             running: Arc::clone(&self.running),
-            owner: self.owner,
-            listed_owner: self.listed_owner,
+            versions: Arc::clone(&self.versions),
+            unversioned: self.unversioned,
+            owners: Arc::clone(&self.owners),
+            first_owner: Arc::clone(&self.first_owner),
         }
     }
 }
@@ -197,6 +208,8 @@ impl<S> fmt::Debug for Completer<S> {
             .field("concurrency", &self.concurrency)
             .field("batch", &self.batch)
             .field("max_attempts", &self.max_attempts)
+            .field("versions", &self.versions)
+            .field("unversioned", &self.unversioned)
             .finish_non_exhaustive()
     }
 }
@@ -224,11 +237,19 @@ where
     /// requests there is nothing to finish.
     ///
     /// Defaults: [`after`](Self::after) [`DEFAULT_COMPLETER_AFTER`], a pass every quarter of
-    /// it, 4 at once, 64 a pass, [`DEFAULT_COMPLETER_ATTEMPTS`] attempts.
+    /// it, 4 at once, 64 a pass, [`DEFAULT_COMPLETER_ATTEMPTS`] attempts, the requests of the
+    /// [version](Self::versions) the layer keeps (none if it keeps none), not those kept
+    /// before versions ([`unversioned`](Self::unversioned)).
     ///
     /// The layer's runtime must keep checkpoints (its type says so): a completer over a store
     /// of keys only does not compile.
     pub fn new<C: KeepsCheckpoints>(layer: &IdempotencyLayer<Http, C>, inner: S) -> Self {
+        let versions: Vec<CodeVersion> = layer
+            .config
+            .keep_requests
+            .iter()
+            .map(|keeper| keeper.version.clone())
+            .collect();
         Completer {
             config: Arc::clone(&layer.config),
             idempotency: layer.runtime.keys_and_checkpoints(),
@@ -240,9 +261,69 @@ where
             max_attempts: DEFAULT_COMPLETER_ATTEMPTS,
             metrics: Arc::new(CompleterMetrics::register()),
             running: Arc::new(tokio::sync::Semaphore::new(4)),
-            owner: owner(&layer.config.keys),
-            listed_owner: listed_owner(owner(&layer.config.keys)),
+            versions: Arc::from(versions),
+            unversioned: false,
+            owners: Arc::from(Vec::new()),
+            first_owner: Arc::default(),
         }
+        .with_owners()
+    }
+
+    /// The code versions whose kept requests it runs (default: the one its layer keeps with
+    /// [`keep_requests`](IdempotencyLayer::keep_requests)), in place of those set before.
+    /// List a version only if this code can run its requests: the same routes, reading the
+    /// same bodies, and the same [steps](idempotent_core::steps) under the same names
+    /// returning what the older code saved. The requests of other versions are left to
+    /// their own completers (see "Versions, and a deploy" above). Each version is listed
+    /// from the store by itself, so a version's many requests cost this completer nothing.
+    ///
+    /// ```
+    /// use idempotent_core::Idempotency;
+    /// use idempotent_core::memory::MemoryStore;
+    /// use idempotent_tower::{CodeVersion, Completer, IdempotencyLayer};
+    /// # async fn orders() -> &'static str { "ok" }
+    ///
+    /// # fn main() -> Result<(), idempotent_tower::InvalidCodeVersion> {
+    /// let layer = IdempotencyLayer::http(Idempotency::new(MemoryStore::new()))
+    ///     .keep_requests(CodeVersion::new("1.4.2")?);
+    /// let routes = axum::Router::new().route("/orders", axum::routing::post(orders));
+    /// // 1.4.2 changed nothing the handlers of 1.4.1 saved: it finishes 1.4.1's operations too.
+    /// let completer = Completer::new(&layer, routes)
+    ///     .versions([CodeVersion::new("1.4.2")?, CodeVersion::new("1.4.1")?]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn versions(mut self, versions: impl IntoIterator<Item = CodeVersion>) -> Self {
+        let mut listed: Vec<CodeVersion> = Vec::new();
+        for version in versions {
+            if !listed.contains(&version) {
+                listed.push(version);
+            }
+        }
+        self.versions = Arc::from(listed);
+        self.with_owners()
+    }
+
+    /// Whether it also runs the requests kept before versions were recorded (default
+    /// `false`): those an earlier release of this crate kept, in the kept format without a
+    /// version. Which code kept them cannot be told; say `true` only for a release whose
+    /// handlers and steps can run the requests of the release it replaces (for the one
+    /// deploy that brings versions in), and a client's retry resumes them either way.
+    pub fn unversioned(mut self, run: bool) -> Self {
+        self.unversioned = run;
+        self.with_owners()
+    }
+
+    /// `owners` from `versions` and `unversioned`.
+    fn with_owners(mut self) -> Self {
+        let keys = &self.config.keys;
+        let versioned = self
+            .versions
+            .iter()
+            .map(|version| owner(keys, Some(version)));
+        let unversioned = self.unversioned.then(|| owner(keys, None));
+        self.owners = versioned.chain(unversioned).collect();
+        self
     }
 
     /// How long an operation stays abandoned (its lease ended, or it was released, and no
@@ -309,9 +390,21 @@ where
         pass: &mut CompleterPass,
     ) -> Result<usize, Error> {
         let idempotency = self.idempotency.clone();
-        let found = idempotency
-            .abandoned(self.after, self.batch, Some(&self.listed_owner))
-            .await?;
+        // One listing per owner (a version of this runtime), the batch shared: each pass
+        // starts with the next owner, so that none waits behind another's backlog for long.
+        let owners = self.owners.len();
+        let first = self
+            .first_owner
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut found = Vec::new();
+        for i in 0..owners {
+            let room = self.batch - found.len();
+            if room == 0 {
+                break;
+            }
+            let owner = &self.owners[(first + i) % owners];
+            found.extend(idempotency.abandoned(self.after, room, Some(owner)).await?);
+        }
         let listed = found.len();
         for abandoned in found {
             let slot = loop {
@@ -398,10 +491,10 @@ where
     ) -> Finished {
         let _slot = slot;
         let config = &self.config;
-        let saved = match SavedRequest::decode(abandoned.request.clone()) {
-            Ok(saved) if saved.owner == self.owner => saved,
-            Ok(_) => {
-                tracing::debug!(storage_key = %abandoned.key, "kept request of another runtime (namespace) skipped");
+        let saved = match KeptRequest::decode_bytes(abandoned.request.clone()) {
+            Ok(saved) if self.owners.contains(&saved.owner()) => saved,
+            Ok(saved) => {
+                tracing::debug!(storage_key = %abandoned.key, version = ?saved.version(), "kept request of another runtime (namespace) or of a version this completer does not run; skipped");
                 return Finished::Skipped;
             }
             // Not one this completer can tell is its own: left alone, never recorded.
@@ -445,10 +538,11 @@ where
             }
             let attempt = before + 1;
             metrics.attempts.increment(1);
-            let mut request = Request::new(RequestBody::buffered(saved.body));
-            *request.method_mut() = saved.method;
-            *request.uri_mut() = saved.uri;
-            *request.headers_mut() = saved.headers;
+            let (method, uri, headers, body) = saved.into_parts();
+            let mut request = Request::new(RequestBody::buffered(body));
+            *request.method_mut() = method;
+            *request.uri_mut() = uri;
+            *request.headers_mut() = headers;
             request.extensions_mut().insert(claim.clone());
             request.extensions_mut().insert(Completing { attempt });
             if let Err(error) = poll_fn(|cx| inner.poll_ready(cx)).await {
@@ -475,7 +569,9 @@ where
             Ok((_, Ok(captured))) => {
                 crate::server::service::record_of_captured(config, captured, abandoned.key)
             }
-            Err(Ran::GaveUp(why)) => gave_up(why),
+            Err(Ran::GaveUp(why)) => Some(record::operation_failed(&format!(
+                "the client went away before this request finished, and {why}"
+            ))),
             Ok((_, Err(_))) | Err(Ran::NotRun) => None,
         };
         match self.idempotency.execute(&call, work, retain, encode).await {
@@ -527,18 +623,6 @@ enum Ran {
     /// Its attempts are spent, or its checkpoints unusable (why): `500 operation_failed` is
     /// recorded.
     GaveUp(String),
-}
-
-/// The record of `500 operation_failed`, saying why.
-fn gave_up(why: &str) -> Option<Bytes> {
-    let problem = Problem::new(
-        ProblemCode::OperationFailed,
-        format!(
-            "the client went away before this request finished, and {why}; nothing more will run under this key"
-        ),
-    );
-    let (status, headers, body) = problem.http_parts();
-    crate::server::stored::encode(status, &headers, &body, None, |_| false).ok()
 }
 
 enum Finished {

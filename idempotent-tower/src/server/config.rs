@@ -69,9 +69,9 @@ pub(crate) struct Config<P: Protocol> {
     pub(crate) max_request_body: usize,
     pub(crate) fail_open: bool,
     pub(crate) on_claim_lost: OnClaimLost,
-    /// Whether a protected request is kept on its record for a completer, and the owner its
-    /// kept requests carry (see `completer::saved::owner`).
-    pub(crate) keep_requests: Option<[u8; 32]>,
+    /// Whether a protected request is kept on its record for a completer, and the version and
+    /// owner its kept requests carry (see `kept::owner`).
+    pub(crate) keep_requests: Option<super::kept::Keeper>,
     /// What only this protocol has.
     pub(crate) protocol: P::Settings,
 }
@@ -154,6 +154,10 @@ impl<P: Protocol> fmt::Debug for Config<P> {
             .field("call_options", &self.call_options)
             .field("max_request_body", &self.max_request_body)
             .field("fail_open", &self.fail_open)
+            .field(
+                "keep_requests",
+                &self.keep_requests.as_ref().map(|keeper| &keeper.version),
+            )
             .finish_non_exhaustive()
     }
 }

@@ -76,7 +76,8 @@ use super::service::IdempotencyService;
 /// use idempotent_tower::IdempotencyLayer;
 ///
 /// let keys = Idempotency::keys_only(KeysOnlyStore::new(MemoryStore::new()));
-/// let layer = IdempotencyLayer::http(keys).keep_requests(true); // error: no checkpoints
+/// let version: idempotent_tower::CodeVersion = "1.4.2".parse().unwrap();
+/// let layer = IdempotencyLayer::http(keys).keep_requests(version); // error: no checkpoints
 /// ```
 pub struct IdempotencyLayer<P: Protocol = Http, C = Full> {
     pub(crate) config: Arc<Config<P>>,
@@ -129,18 +130,40 @@ impl<C: Capabilities> IdempotencyLayer<Http, C> {
 impl<C: KeepsCheckpoints> IdempotencyLayer<Http, C> {
     /// Keeps every protected request with a key (method, URI, headers but `Authorization`,
     /// `Proxy-Authorization` and `Cookie`, and the body, which the request limit bounds) on its
-    /// in-flight record, so that a [`Completer`](crate::Completer) can finish the operation if
-    /// its client never retries (default off). Costs one store write per protected request
-    /// that runs its handler; the record drops the request when it completes. Requests in a
-    /// client session are not kept.
+    /// in-flight record, with `version`, the version of the code that serves it, so that a
+    /// [`Completer`](crate::Completer) that runs this version can finish the operation if its
+    /// client never retries (default: requests are not kept). Costs one store write per
+    /// protected request that runs its handler; the record drops the request when it
+    /// completes. Requests in a client session are not kept.
+    ///
+    /// The version is what makes a deploy safe: a completer runs only the requests of the
+    /// [versions](crate::Completer::versions) it is told it can run (by default, the one its
+    /// layer keeps), so an instance of a new release never runs a request an old release
+    /// kept, whose body or steps it may read differently, and the old release's instances
+    /// still finish their own. Give each release its own version (its crate version, a build
+    /// number, a commit id); two releases that keep the same version are one version to every
+    /// completer. A client's own retry resumes the operation whatever its version, as
+    /// without a completer.
     ///
     /// The request is kept before the handler runs. If that write fails, the handler does not
     /// run, the claim is released and the client gets the store's failure (`503
     /// store_unavailable`, or `store_capacity`), counted under that outcome; its retry runs
     /// the request.
-    pub fn keep_requests(mut self, keep: bool) -> Self {
-        let owner = keep.then(|| super::kept::owner(&self.config.keys));
-        self.config().keep_requests = owner;
+    ///
+    /// ```
+    /// use idempotent_core::Idempotency;
+    /// use idempotent_core::memory::MemoryStore;
+    /// use idempotent_tower::{CodeVersion, IdempotencyLayer};
+    ///
+    /// # fn main() -> Result<(), idempotent_tower::InvalidCodeVersion> {
+    /// let version = CodeVersion::new(env!("CARGO_PKG_VERSION"))?;
+    /// let layer = IdempotencyLayer::http(Idempotency::new(MemoryStore::new())).keep_requests(version);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn keep_requests(mut self, version: crate::CodeVersion) -> Self {
+        let keeper = super::kept::Keeper::new(&self.config.keys, version);
+        self.config().keep_requests = Some(keeper);
         self
     }
 }

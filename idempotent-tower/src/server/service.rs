@@ -297,8 +297,9 @@ where
     // Kept for a completer: only a request with a key (a session's requests are not kept).
     let kept = config
         .keep_requests
+        .as_ref()
         .filter(|_| matches!(target, Target::Key(_)))
-        .map(|owner| super::kept::SavedRequest::of(owner, &parts, &body).encode());
+        .map(|keeper| super::kept::KeptRequest::of(keeper, &parts, &body).encode());
     let fingerprint = fingerprint(&parts, &body, &config.fingerprint_headers);
     // The result limit bounds the response body, which the layer reads itself; the record
     // around it (status, headers, trailers) adds what the server's header limits allow, so the

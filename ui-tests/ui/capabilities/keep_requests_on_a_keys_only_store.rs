@@ -6,5 +6,5 @@ use idempotent_tower::IdempotencyLayer;
 
 fn main() {
     let keys = Idempotency::keys_only(KeysOnlyStore::new(MemoryStore::new()));
-    let _ = IdempotencyLayer::http(keys).keep_requests(true);
+    let _ = IdempotencyLayer::http(keys).keep_requests("1.0.0".parse().unwrap());
 }
