@@ -115,7 +115,7 @@ impl KeyLabel {
         self.0.len() >= 2
             && self.0[0] == LABEL_MAGIC
             && self.0[1] < 64
-            && self.0[2..].iter().all(|b| (0x21..=0x7e).contains(b))
+            && self.0[2..].iter().all(|b| (0x20..=0x7e).contains(b))
     }
 
     fn flags(&self) -> u8 {
@@ -553,5 +553,71 @@ impl<S: InspectStore> InspectStore for std::sync::Arc<S> {
         session: &SessionKey,
     ) -> impl Future<Output = Result<Option<SessionState>, StoreError>> + Send {
         S::session_state(self, session)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(text: &str) -> Key {
+        Key::new(text).expect("a valid key")
+    }
+
+    #[test]
+    fn a_label_keeps_the_key_and_the_scope_parts_set() {
+        let label = KeyLabel::new(
+            &key("order 17"),
+            &Scope::new().tenant("acme").operation("charge"),
+            true,
+        );
+        assert!(label.is_valid());
+        assert_eq!(label.key(), Some("order 17"));
+        assert!(!label.truncated() && !label.in_session());
+        assert_eq!(label.scope_parts(), vec!["tenant", "operation"]);
+        let session = KeyLabel::of_session(&key("device-7"), &Scope::new(), true);
+        assert!(session.in_session());
+        assert!(session.scope_parts().is_empty());
+    }
+
+    #[test]
+    fn a_long_key_is_cut_and_marked() {
+        let long = "k".repeat(crate::MAX_KEY_LEN);
+        let label = KeyLabel::new(&key(&long), &Scope::new(), true);
+        assert_eq!(label.key().map(str::len), Some(KeyLabel::MAX_KEY_LEN));
+        assert!(label.truncated());
+    }
+
+    #[test]
+    fn without_keys_in_clear_only_the_scope_parts_are_kept() {
+        let label = KeyLabel::new(&key("secret-key"), &Scope::new().principal("p"), false);
+        assert_eq!(label.key(), None);
+        assert_eq!(label.scope_parts(), vec!["principal"]);
+        assert!(!label.as_bytes().windows(6).any(|w| w == b"secret"));
+        assert!(!format!("{label:?}").contains("secret"));
+    }
+
+    #[test]
+    fn bytes_that_are_not_a_label_read_as_one_that_keeps_nothing() {
+        for bytes in [
+            &b""[..],
+            b"L",
+            b"X\x10key",
+            b"L\xffkey",
+            b"L\x10k\x00y",
+            b"L\x10\xc3\xa9",
+        ] {
+            let label = KeyLabel::from_bytes(Bytes::copy_from_slice(bytes));
+            assert!(!label.is_valid(), "{bytes:?}");
+            assert_eq!(label.key(), None);
+            assert!(label.scope_parts().is_empty());
+        }
+    }
+
+    #[test]
+    fn listed_states_parse_and_refuse_others() {
+        assert_eq!("abandoned".parse::<Listed>(), Ok(Listed::Abandoned));
+        assert_eq!("in_flight".parse::<Listed>(), Ok(Listed::InFlight));
+        assert!("stuck".parse::<Listed>().unwrap_err().contains("in_flight"));
     }
 }
