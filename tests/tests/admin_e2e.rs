@@ -185,11 +185,15 @@ fn effects(path: &Path) -> Vec<String> {
         .collect()
 }
 
+/// The example, keeping each order's request for a completer that waits an hour (so none
+/// runs during the test) under the version `e2e-1`.
 async fn start(backend: &Backend, log: &Path) -> Server {
     let env = [
         ("IDEMPOTENCY_STORE", backend.url()),
         ("IDEMPOTENCY_LEASE", LEASE),
         ("IDEMPOTENCY_EFFECTS_LOG", log.to_str().unwrap()),
+        ("IDEMPOTENCY_COMPLETER_AFTER", "1h"),
+        ("IDEMPOTENCY_APP_VERSION", "e2e-1"),
     ];
     Server::payments_logged(&env).await
 }
@@ -291,6 +295,11 @@ async fn operate_the_payments_example(backend: &Backend) {
     assert_eq!(record["abandoned"], false, "{record}");
     assert!(record["lease_left_s"].as_f64().unwrap() > 0.0);
     assert_eq!(record["steps"], serde_json::json!(["reserve", "charge"]));
+    assert_eq!(
+        record["kept_request"],
+        serde_json::json!({"method": "POST", "uri": "/orders", "version": "e2e-1"}),
+        "the kept request names the version that kept it"
+    );
     let refused = admin(
         store,
         &[
@@ -372,9 +381,17 @@ async fn operate_the_payments_example(backend: &Backend) {
             "e2e: stuck",
         ],
     )
-    .await
-    .assert_code(0, "release of an abandoned claim")
-    .json();
+    .await;
+    assert!(
+        released.stderr.contains("record repaired")
+            && released.stderr.contains("e2e: stuck")
+            && released.stderr.contains("e2e-operator"),
+        "the repair is logged with who asked and why: {}",
+        released.stderr
+    );
+    let released = released
+        .assert_code(0, "release of an abandoned claim")
+        .json();
     assert_eq!(released["done"], true);
     assert!(released["note"].as_str().unwrap().contains("runs again"));
     assert_eq!(inspect(store, &order_key).await["state"], "released");
