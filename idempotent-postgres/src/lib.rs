@@ -121,7 +121,11 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 ///     kept_until timestamptz,          -- until when the row is kept (an abandoned claim: its TTL)
 ///     claimant bigint,                 -- names the claim attempt, to give back one whose caller left
 ///     steps bytea,                     -- the operation's checkpoints, concatenated (in flight)
-///     request bytea                    -- the request a completer may run again (in flight)
+///     request bytea,                   -- the request a completer may run again (in flight)
+///     label bytea,                     -- what an operator sees of the key (KeyLabel)
+///     released boolean,                -- released by its owner or an operator (in flight)
+///     attempts integer,                -- the operation's claims: 1, one more per takeover
+///     since timestamptz                -- when it was claimed, taken over or completed
 /// );
 /// CREATE INDEX IF NOT EXISTS "idempotent_records_expires_at_idx"
 ///     ON "idempotent_records" (expires_at);
@@ -129,11 +133,24 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 ///     ON "idempotent_records" ((greatest(kept_until, expires_at)));
 /// CREATE INDEX IF NOT EXISTS "idempotent_records_abandoned_idx"
 ///     ON "idempotent_records" (expires_at) WHERE state = 'in_flight' AND request IS NOT NULL;
+/// CREATE INDEX IF NOT EXISTS "idempotent_records_owner_idx" ON "idempotent_records"
+///     ((substring(request from 1 for 36)), expires_at)
+///     WHERE state = 'in_flight' AND request IS NOT NULL;
+/// CREATE INDEX IF NOT EXISTS "idempotent_records_state_since_idx"
+///     ON "idempotent_records" (state, since, storage_key);
 /// CREATE SEQUENCE IF NOT EXISTS "idempotent_records_token_seq";
 /// ```
 ///
-/// (A table made by an earlier release gets the columns it lacks (the last five, or the last
-/// two) and the indexes on them from `migrate`, which checks the catalog first and locks the
+/// The last four columns and the `state, since` index are what an operator reads
+/// ([`InspectStore`](idempotent_core::inspect::InspectStore)): a record by key is one primary
+/// key lookup; a listing of one state is a range of `state_since_idx` (in flight, released,
+/// completed) or of `expires_at_idx` (abandoned: by the lease's end), read a page at a time
+/// after a keyset cursor; a repair locks the row (`SELECT … FOR UPDATE`), checks its token and
+/// lease, and changes it in the same transaction. Rows written before 0.4 have no `since`: they
+/// are found by key, and listed once they are claimed again.
+///
+/// (A table made by an earlier release gets the columns it lacks and the indexes on them from
+/// `migrate`, which checks the catalog first and locks the
 /// table only when they are missing. Building an index locks a table that has it missing for
 /// as long as the build takes: on a large table, create it first with `CREATE INDEX
 /// CONCURRENTLY` and the definition above, after adding the columns, and `migrate` finds it
