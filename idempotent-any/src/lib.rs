@@ -867,41 +867,6 @@ impl CheckpointStore for AnyStore {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::redacted;
-
-    #[test]
-    fn passwords_are_redacted_and_the_rest_kept() {
-        for (url, expected) in [
-            ("memory", "memory"),
-            ("redis://127.0.0.1:6379/2", "redis://127.0.0.1:6379/2"),
-            ("redis://:hunter2@h:1", "redis://:***@h:1"),
-            ("redis://app@h:1", "redis://app@h:1"),
-            (
-                "postgres://app:hunter2@db:5432/app?sslmode=disable",
-                "postgres://app:***@db:5432/app?sslmode=disable",
-            ),
-            ("postgres://app:p@ss,w@db/app", "postgres://app:***@db/app"),
-            (
-                "redis://u:a@h1:1,redis://h2:2,redis://:b@h3:3",
-                "redis://u:***@h1:1,redis://h2:2,redis://:***@h3:3",
-            ),
-            (
-                "postgres://db/app?user=app&password=hunter2&sslmode=require",
-                "postgres://db/app?user=app&password=***&sslmode=require",
-            ),
-            (
-                "postgres://db/app?sslPassword=hunter2",
-                "postgres://db/app?sslPassword=***",
-            ),
-            ("mongodb://root:hunter2@x", "mongodb://root:***@x"),
-        ] {
-            assert_eq!(redacted(url), expected, "{url}");
-        }
-    }
-}
-
 /// The chosen store's. A repair changes the store, not a cache tier in front (see
 /// `idempotent-cache`'s `Cached`): a tier's copy of a completed record is replayed until it
 /// expires.
@@ -935,5 +900,40 @@ impl idempotent_core::inspect::InspectStore for AnyStore {
         session: &idempotent_core::SessionKey,
     ) -> Result<Option<idempotent_core::session::SessionState>, StoreError> {
         each!(self, |store| store.session_state(session).await)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redacted;
+
+    #[test]
+    fn passwords_are_redacted_and_the_rest_kept() {
+        for (url, expected) in [
+            ("memory", "memory"),
+            ("redis://127.0.0.1:6379/2", "redis://127.0.0.1:6379/2"),
+            ("redis://:hunter2@h:1", "redis://:***@h:1"),
+            ("redis://app@h:1", "redis://app@h:1"),
+            (
+                "postgres://app:hunter2@db:5432/app?sslmode=disable",
+                "postgres://app:***@db:5432/app?sslmode=disable",
+            ),
+            ("postgres://app:p@ss,w@db/app", "postgres://app:***@db/app"),
+            (
+                "redis://u:a@h1:1,redis://h2:2,redis://:b@h3:3",
+                "redis://u:***@h1:1,redis://h2:2,redis://:***@h3:3",
+            ),
+            (
+                "postgres://db/app?user=app&password=hunter2&sslmode=require",
+                "postgres://db/app?user=app&password=***&sslmode=require",
+            ),
+            (
+                "postgres://db/app?sslPassword=hunter2",
+                "postgres://db/app?sslPassword=***",
+            ),
+            ("mongodb://root:hunter2@x", "mongodb://root:***@x"),
+        ] {
+            assert_eq!(redacted(url), expected, "{url}");
+        }
     }
 }
