@@ -30,7 +30,8 @@ use serde_json::{Value, json};
 
 use args::{Args, Command, Format, Target};
 
-/// The TTL of a give-up's answer when the record's own time left is not known.
+/// The least TTL of a give-up's answer (the record's own time left when longer): a record
+/// about to expire must not let its key run again soon after an operator gave it up.
 const GIVE_UP_TTL: Duration = Duration::from_secs(24 * 3600);
 
 /// How the command ended.
@@ -178,11 +179,7 @@ async fn execute(store: &AnyStore, args: Args) -> Result<Ended, Failed> {
                     payload: idempotent_tower::operation_failed_record(&format!(
                         "an operator gave it up ({reason})"
                     )),
-                    ttl: if info.expires_in.is_zero() {
-                        GIVE_UP_TTL
-                    } else {
-                        info.expires_in
-                    },
+                    ttl: info.expires_in.max(GIVE_UP_TTL),
                 }
             })
             .await

@@ -55,12 +55,14 @@ fn record_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
     let (state, lease_left, expires_in, age) = match state.as_str() {
         "completed" => (RecordState::Completed, Duration::ZERO, left, since),
         "in_flight" => {
-            let state = if released {
+            // Released only once its lease ended: a row an older release took over keeps the
+            // flag it does not know to clear, under a live lease.
+            let state = if released && left.is_zero() {
                 RecordState::Released
             } else {
                 RecordState::InFlight
             };
-            if left.is_zero() || released {
+            if left.is_zero() {
                 // Abandoned: its age counts from the lease's end.
                 let ended: Option<i64> = row.try_get("left_us").map_err(store_error)?;
                 let ended = Duration::from_micros(ended.map_or(0, |v| v.unsigned_abs()));
@@ -88,6 +90,36 @@ fn record_info(row: &PgRow) -> Result<RecordInfo, StoreError> {
         } else {
             None
         },
+    })
+}
+
+/// Whether `repair` applies to the locked `row` (`Ok(true)`: change it; `Ok(false)`: done
+/// already, nothing to change), or why not. Reads only the token, the state and the lease, so
+/// that a row damaged elsewhere (its fingerprint, its label) can still be forgotten.
+fn decide(
+    row: &PgRow,
+    token: FencingToken,
+    repair: &Repair,
+    force: bool,
+) -> Result<Result<bool, Refusal>, StoreError> {
+    let state: String = row.try_get("state").map_err(store_error)?;
+    let current: i64 = row.try_get("token").map_err(store_error)?;
+    let released: bool = row.try_get("released").map_err(store_error)?;
+    let left = duration_us(row, "left_us")?;
+    let current = FencingToken::new(u64::try_from(current).unwrap_or(0));
+    if current != token {
+        return Ok(Err(Refusal::TokenMoved { now: current }));
+    }
+    let completed = state == "completed";
+    let live = !completed && !left.is_zero();
+    if live && !force {
+        return Ok(Err(Refusal::LeaseLive { left }));
+    }
+    Ok(match repair {
+        Repair::Release | Repair::GiveUp { .. } if completed => Err(Refusal::Completed),
+        // Released, its lease ended: nothing to change.
+        Repair::Release => Ok(!(released && !live)),
+        _ => Ok(true),
     })
 }
 
@@ -149,7 +181,14 @@ impl InspectStore for PostgresStore {
             let mut records = Vec::with_capacity(rows.len());
             let mut last = None;
             for row in &rows {
-                records.push(record_info(row)?);
+                // A damaged row is left out, not the end of the listing: the cursor goes on
+                // past it.
+                match record_info(row) {
+                    Ok(info) => records.push(info),
+                    Err(why) => {
+                        tracing::warn!(error = %why, "listing skipped a damaged record");
+                    }
+                }
                 let stamp: i64 = row.try_get("stamp_us").map_err(store_error)?;
                 let key: Vec<u8> = row.try_get("storage_key").map_err(store_error)?;
                 last = Some((stamp, key));
@@ -181,33 +220,26 @@ impl InspectStore for PostgresStore {
                 .fetch_optional(sqlx::query(&self.sql.inspect_for_update).bind(&record))
                 .await
                 .map_err(store_error)?;
-            let Some(row) = row else {
-                return Ok(Repaired::Refused(Refusal::Absent));
+            let decision = match row {
+                None => Err(Refusal::Absent),
+                Some(row) => decide(&row, token, repair, force)?,
             };
-            let info = record_info(&row)?;
-            if info.token != token {
-                return Ok(Repaired::Refused(Refusal::TokenMoved { now: info.token }));
-            }
-            if !info.lease_left.is_zero() && !force {
-                return Ok(Repaired::Refused(Refusal::LeaseLive {
-                    left: info.lease_left,
-                }));
-            }
-            let completed = info.state == RecordState::Completed;
-            let statement = match repair {
-                Repair::Release if completed => return Ok(Repaired::Refused(Refusal::Completed)),
-                Repair::GiveUp { .. } if completed => {
-                    return Ok(Repaired::Refused(Refusal::Completed));
+            let statement = match decision {
+                Err(refusal) => {
+                    // Ended now, not when the connection is next used: the row stays locked
+                    // until then, and its owner's renewal would wait on it.
+                    tx.rollback().await.map_err(store_error)?;
+                    return Ok(Repaired::Refused(refusal));
                 }
-                Repair::Release if info.state == RecordState::Released => None,
-                Repair::Release => Some(sqlx::query(&self.sql.repair_release).bind(&record)),
-                Repair::GiveUp { payload, ttl } => Some(
-                    sqlx::query(&self.sql.repair_give_up)
+                Ok(false) => None,
+                Ok(true) => Some(match repair {
+                    Repair::Release => sqlx::query(&self.sql.repair_release).bind(&record),
+                    Repair::GiveUp { payload, ttl } => sqlx::query(&self.sql.repair_give_up)
                         .bind(&record)
                         .bind(payload.as_ref())
                         .bind(micros(limits::clamp_ttl(*ttl))),
-                ),
-                Repair::Forget => Some(sqlx::query(&self.sql.repair_forget).bind(&record)),
+                    Repair::Forget => sqlx::query(&self.sql.repair_forget).bind(&record),
+                }),
             };
             if let Some(statement) = statement {
                 (&mut *tx).execute(statement).await.map_err(store_error)?;

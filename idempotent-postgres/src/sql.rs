@@ -200,7 +200,7 @@ impl Sql {
                          WHERE r.state = 'in_flight' AND r.fingerprint = excluded.fingerprint \
                          AND coalesce(r.kept_until, r.expires_at) > clock_timestamp()), \
                      label = CASE WHEN {continued} THEN r.label ELSE excluded.label END, \
-                     attempts = CASE WHEN {continued} THEN coalesce(r.attempts, 1) + 1 ELSE 1 END, \
+                     attempts = CASE WHEN {continued} THEN least(r.attempts, 2147483646) + 1 ELSE 1 END, \
                      payload = NULL, expires_at = {lease}, kept_until = {kept_for}, \
                      claimant = excluded.claimant, released = false, since = clock_timestamp() \
                      WHERE r.expires_at <= clock_timestamp() AND NOT ({pinned_r}) \
@@ -228,7 +228,7 @@ impl Sql {
                      UPDATE {t} AS r SET token = greatest(nextval('{seq}'), r.token + 1), \
                      lifetime = coalesce(r.lifetime, r.token), \
                      expires_at = {lease}, kept_until = {kept_for}, claimant = $5, \
-                     attempts = coalesce(r.attempts, 1) + 1, released = false, since = clock_timestamp() \
+                     attempts = least(r.attempts, 2147483646) + 1, released = false, since = clock_timestamp() \
                      WHERE r.storage_key = $1 AND r.state = 'in_flight' AND r.fingerprint = $2 \
                      AND r.expires_at <= clock_timestamp() \
                      AND coalesce(r.kept_until, r.expires_at) > clock_timestamp() \

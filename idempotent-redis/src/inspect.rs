@@ -25,43 +25,45 @@ const SCAN_COUNT: usize = 200;
 /// The most `SCAN` steps one page takes.
 const MAX_STEPS_PER_PAGE: usize = 50;
 
-/// Where a listing is: the primary (0 on one server), its `SCAN` cursor, and the last key
-/// listed within that step's keys.
+/// Where a listing is: the primary (0 on one server), its `SCAN` cursor, and the keys of that
+/// step already listed (when a page ended within the step's keys).
 #[derive(Debug, Clone, Default)]
 struct ScanAt {
     node: usize,
     cursor: u64,
-    after: Option<Vec<u8>>,
+    listed: Vec<Vec<u8>>,
+}
+
+/// Hex digits of `bytes`, or `None` when they are not.
+fn unhex(hex: &str) -> Option<Vec<u8>> {
+    if hex.len() % 2 != 0 {
+        return None;
+    }
+    (0..hex.len())
+        .step_by(2)
+        .map(|at| u8::from_str_radix(hex.get(at..at + 2)?, 16).ok())
+        .collect()
 }
 
 impl ScanAt {
-    /// `node:cursor` or `node:cursor:hex of the last key`.
+    /// `node:cursor`, or `node:cursor:` and the listed keys in hex, comma-separated.
     fn parse(text: &str) -> Result<Self, StoreError> {
         let bad = || StoreError::Backend(format!("not a listing cursor: {text:?}").into());
-        let mut parts = text.split(':');
+        let mut parts = text.splitn(3, ':');
         let node = parts.next().and_then(|n| n.parse().ok()).ok_or_else(bad)?;
         let cursor = parts.next().and_then(|c| c.parse().ok()).ok_or_else(bad)?;
-        let after = match parts.next() {
-            None => None,
-            Some(hex) => {
-                if hex.len() % 2 != 0 || hex.len() > 2048 {
-                    return Err(bad());
-                }
-                let bytes = (0..hex.len())
-                    .step_by(2)
-                    .map(|at| u8::from_str_radix(hex.get(at..at + 2).unwrap_or("zz"), 16))
-                    .collect::<Result<Vec<u8>, _>>()
-                    .map_err(|_| bad())?;
-                Some(bytes)
-            }
+        let listed = match parts.next() {
+            None => Vec::new(),
+            Some(keys) => keys
+                .split(',')
+                .map(|hex| unhex(hex).filter(|k| !k.is_empty() && k.len() <= 1024))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(bad)?,
         };
-        if parts.next().is_some() {
-            return Err(bad());
-        }
         Ok(ScanAt {
             node,
             cursor,
-            after,
+            listed,
         })
     }
 
@@ -72,13 +74,13 @@ impl ScanAt {
             Some(ScanAt {
                 node: self.node,
                 cursor: next,
-                after: None,
+                listed: Vec::new(),
             })
         } else if self.node + 1 < nodes {
             Some(ScanAt {
                 node: self.node + 1,
                 cursor: 0,
-                after: None,
+                listed: Vec::new(),
             })
         } else {
             None
@@ -89,9 +91,9 @@ impl ScanAt {
 impl std::fmt::Display for ScanAt {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}:{}", self.node, self.cursor)?;
-        if let Some(after) = &self.after {
-            f.write_str(":")?;
-            for b in after {
+        for (i, key) in self.listed.iter().enumerate() {
+            f.write_str(if i == 0 { ":" } else { "," })?;
+            for b in key {
                 write!(f, "{b:02x}")?;
             }
         }
@@ -152,7 +154,7 @@ fn record_info(key: StorageKey, reply: &[Value]) -> Result<Option<RecordInfo>, S
         .and_then(|t| u64::try_from(t).ok())
         .map(FencingToken::new)
         .ok_or_else(|| corrupt("token"))?;
-    let since = number(since).map_or(Duration::ZERO, |since| ms(now - since));
+    let since = number(since).map_or(Duration::ZERO, |since| ms(now.saturating_sub(since)));
     let attempts = number(attempts)
         .and_then(|a| u32::try_from(a).ok())
         .unwrap_or(0);
@@ -186,9 +188,11 @@ fn record_info(key: StorageKey, reply: &[Value]) -> Result<Option<RecordInfo>, S
         }
         Some(b"i") => {
             // A record written before leases were kept apart has its lease as its expiry.
-            let lease_end = number(lease_end).unwrap_or(now + pttl);
-            let left = ms(lease_end - now);
-            let released = text(released) == Some(b"1");
+            let lease_end = number(lease_end).unwrap_or(now.saturating_add(pttl));
+            let left = ms(lease_end.saturating_sub(now));
+            // Released only once its lease ended: a record an older release took over keeps
+            // the flag it does not know to clear, under a live lease.
+            let released = text(released) == Some(b"1") && left.is_zero();
             let state = if released {
                 RecordState::Released
             } else {
@@ -199,7 +203,7 @@ fn record_info(key: StorageKey, reply: &[Value]) -> Result<Option<RecordInfo>, S
                 steps.extend_from_slice(text(chunk).unwrap_or_default());
             }
             let (lease_left, age) = if left.is_zero() || released {
-                (Duration::ZERO, ms(now - lease_end))
+                (Duration::ZERO, ms(now.saturating_sub(lease_end)))
             } else {
                 (left, since)
             };
@@ -244,9 +248,10 @@ impl InspectStore for RedisStore {
     /// the page is full or a bounded number of steps is taken. The cursor names the scan's
     /// place (on a Redis Cluster, the primary's place among the primaries sorted by address,
     /// too: a listing walks them one after another, as they are when each page is read) and,
-    /// when a page ended within one step's keys, the last key listed: the next page takes that
-    /// step again and goes on after it (all of it, if the key is gone: a record may then be
-    /// listed twice, never skipped). In the order the scan meets them; a page may hold fewer
+    /// when a page ended within one step's keys, the keys of that step it listed: the next
+    /// page takes the step again and skips them. `SCAN` returns every key present throughout
+    /// at least once, so a record is never skipped; one may be listed twice when the keyspace
+    /// is rehashed between steps. In the order the scan meets them; a page may hold fewer
     /// than `limit` (none, even) with more to come.
     async fn list(&self, query: &ListQuery) -> Result<Page, StoreError> {
         let limit = query.limit.clamp(1, 10_000);
@@ -293,14 +298,14 @@ impl InspectStore for RedisStore {
                         .map_err(crate::store_error)?
                 }
             };
-            let start = match at.after.take() {
-                Some(last) => names
-                    .iter()
-                    .position(|name| *name == last)
-                    .map_or(0, |i| i + 1),
-                None => 0,
-            };
-            for (i, name) in names.iter().enumerate().skip(start) {
+            // A step taken again (the page before ended within it) skips what it listed: the
+            // keys, not their places, which a rehash may have moved.
+            let mut listed = std::mem::take(&mut at.listed);
+            let skip: std::collections::HashSet<Vec<u8>> = listed.iter().cloned().collect();
+            for (i, name) in names.iter().enumerate() {
+                if skip.contains(name) {
+                    continue;
+                }
                 let Some(key) = name
                     .strip_prefix(self.prefix.as_bytes())
                     .and_then(key_of_member)
@@ -313,7 +318,8 @@ impl InspectStore for RedisStore {
                     Ok(Some(info))
                         if query.state.matches(&info) && info.age >= query.older_than =>
                     {
-                        records.push(info)
+                        records.push(info);
+                        listed.push(name.clone());
                     }
                     Ok(_) => {}
                     Err(StoreError::Corrupt(why)) => {
@@ -322,10 +328,12 @@ impl InspectStore for RedisStore {
                     Err(error) => return Err(error),
                 }
                 if records.len() == limit {
-                    let next = if i + 1 < names.len() {
+                    let more = names[i + 1..].iter().any(|n| !skip.contains(n));
+                    let next = if more {
                         Some(ScanAt {
-                            after: Some(name.clone()),
-                            ..at
+                            node: at.node,
+                            cursor: at.cursor,
+                            listed,
                         })
                     } else {
                         at.step(next, primaries.as_ref().map_or(1, Vec::len))
@@ -376,6 +384,17 @@ impl InspectStore for RedisStore {
         let reply: Vec<Value> = self.query(script, cmd).await?;
         match reply.as_slice() {
             [done] if text(done) == Some(b"done") => Ok(Repaired::Done),
+            // Released with a kept request: its member of the index moves to the lease's
+            // end, so a completer sees it at once (best effort, as after a release).
+            [done, ended, owner] if text(done) == Some(b"done") => {
+                if let (Some(ended), Some(owner)) = (
+                    number(ended).and_then(|e| u64::try_from(e).ok()),
+                    text(owner).and_then(|o| std::str::from_utf8(o).ok()),
+                ) {
+                    let _ = self.index(key, owner, ended).await;
+                }
+                Ok(Repaired::Done)
+            }
             [absent] if text(absent) == Some(b"absent") => Ok(Repaired::Refused(Refusal::Absent)),
             [completed] if text(completed) == Some(b"completed") => {
                 Ok(Repaired::Refused(Refusal::Completed))

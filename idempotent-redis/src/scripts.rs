@@ -65,14 +65,16 @@ local token = string.format('%.0f', micros)
 local lifetime = token
 if rec[1] == 'i' and rec[2] == ARGV[1] and rec[5] then lifetime = rec[5] end
 -- The operation's count of claims (`a`): one more for a takeover.
+-- A record written before claims were counted stays uncounted (no `a`).
 local attempts = '1'
 if lifetime ~= token then
   local before = tonumber(redis.call('HGET', KEYS[1], 'a') or '')
-  if before then attempts = string.format('%.0f', before + 1) else attempts = '2' end
+  if before then attempts = string.format('%.0f', math.min(before, 2147483646) + 1) else attempts = nil end
 end
 redis.call('HSET', KEYS[1], 's', 'i', 'f', ARGV[1], 't', token, 'o', lifetime,
   'l', string.format('%.0f', ms + tonumber(ARGV[2])), 'n', ARGV[4],
-  'x', '0', 'a', attempts, 'z', string.format('%.0f', ms))
+  'x', '0', 'z', string.format('%.0f', ms))
+if attempts then redis.call('HSET', KEYS[1], 'a', attempts) end
 if lifetime == token then
   drop_steps()
   redis.call('HDEL', KEYS[1], 'r', 'w', 'b')
@@ -453,10 +455,17 @@ if ARGV[2] == 'forget' then
   return {'done'}
 end
 if rec[1] == 'c' then return {'completed'} end
+-- A release ends a live lease whatever the flag says (a record an older release took over
+-- keeps it); replies the lease's end and the digits of its request's owner when the record
+-- holds a request (its member of the index of saved requests then gets that end as score).
 if ARGV[2] == 'release' then
-  if rec[4] ~= '1' then
-    if left > 0 then redis.call('HSET', KEYS[1], 'l', string.format('%.0f', ms)) end
-    redis.call('HSET', KEYS[1], 'x', '1')
+  if rec[4] ~= '1' or left > 0 then
+    local ended = rec[3] or string.format('%.0f', ms)
+    if left > 0 then ended = string.format('%.0f', ms) end
+    redis.call('HSET', KEYS[1], 'l', ended, 'x', '1')
+    if redis.call('HEXISTS', KEYS[1], 'r') == 1 then
+      return {'done', ended, redis.call('HGET', KEYS[1], 'w') or ''}
+    end
   end
   return {'done'}
 end

@@ -338,7 +338,8 @@ impl Sql {
             ),
             list_released,
             repair_release: format!(
-                "UPDATE {t} SET expires_at = min(expires_at, ?2), released = 1, since = ?2 \
+                "UPDATE {t} SET expires_at = min(expires_at, ?2), released = 1, \
+                 since = min(expires_at, ?2) \
                  WHERE storage_key = ?1"
             ),
             repair_give_up: format!(

@@ -346,21 +346,60 @@ pub async fn repairs_are_fenced_by_the_token_and_the_lease<H: Harness<Store: Ins
             .await,
         "the owner of a claim an operator released",
     );
+    assert_rejected(
+        store.renew(&key, token, 40 * unit).await,
+        "the renewal of a claim an operator released",
+    );
+    assert_rejected(
+        store
+            .save_step(&key, token, encode_checkpoint("late", b"1"))
+            .await,
+        "a step of a claim an operator released",
+    );
+    assert_rejected(
+        store
+            .save_request(&key, token, Bytes::from_static(b"late"))
+            .await,
+        "a request kept on a claim an operator released",
+    );
     // Its retry takes it over.
     match store.claim(&key, &fp("a"), 40 * unit, 200 * unit).await {
         Ok(Claim::TakenOver { .. }) => {}
         other => panic!("the retry of a released record takes it over, got {other:?}"),
     }
 
-    // Release of an abandoned record needs no force.
+    // Release of an abandoned record needs no force, and its age still counts from the
+    // lease's end.
     let lapsed = fresh_key();
     let token = claim_labelled(store, &lapsed, &fp("b"), (unit, 200 * unit), &label("b")).await;
-    h.advance(2 * unit).await;
+    h.advance(4 * unit).await;
     assert_eq!(
         repair(store, &lapsed, token, &Repair::Release, false).await,
         Repaired::Done
     );
-    assert_eq!(inspect(store, &lapsed).await.state, RecordState::Released);
+    let info = inspect(store, &lapsed).await;
+    assert_eq!(info.state, RecordState::Released);
+    assert!(
+        info.age >= 2 * unit,
+        "released after its lease lapsed, its age {:?} counts from the lease's end",
+        info.age
+    );
+    assert_eq!(
+        repair(store, &lapsed, token, &Repair::Release, false).await,
+        Repaired::Done,
+        "a release of a released record changes nothing"
+    );
+
+    // A record past its TTL is absent to a repair, even before it is swept.
+    let expired = fresh_key();
+    let token = claim_labelled(store, &expired, &fp("e"), (unit, 2 * unit), &label("e")).await;
+    h.advance(4 * unit).await;
+    for repair_of in [Repair::Release, Repair::Forget] {
+        assert_eq!(
+            repair(store, &expired, token, &repair_of, true).await,
+            Repaired::Refused(Refusal::Absent)
+        );
+    }
 
     // Give up: refused live, done once the lease ended; retries replay it; the old owner is
     // fenced out.

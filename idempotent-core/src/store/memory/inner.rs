@@ -449,6 +449,7 @@ impl Inner {
                 Record::InFlight {
                     token: current,
                     lease_until,
+                    released: false,
                     ..
                 } if *current == token.get() && *lease_until > now => {
                     // The finished record drops the operation's checkpoints and request.
@@ -494,7 +495,7 @@ impl Inner {
                 released,
                 since,
                 ..
-            }) if *current == token.get() && *lease_until > now => {
+            }) if *current == token.get() && *lease_until > now && !*released => {
                 *lease_until = now;
                 *released = true;
                 *since = now;
@@ -522,6 +523,7 @@ impl Inner {
                 token: current,
                 lease_until,
                 kept_until,
+                released: false,
                 ..
             }) if *current == token.get() && *lease_until > now => {
                 *lease_until = now.saturating_add(nanos(limits::clamp_lease(lease)));
@@ -580,6 +582,7 @@ impl Inner {
                 token: current,
                 lease_until,
                 steps,
+                released: false,
                 ..
             }) if *current == token.get() && *lease_until > now => {
                 steps.extend_from_slice(entry);
@@ -604,6 +607,7 @@ impl Inner {
                 token: current,
                 lease_until,
                 steps,
+                released: false,
                 ..
             }) if *current == token.get() && *lease_until > now => {
                 Ok(Bytes::copy_from_slice(steps))
@@ -627,6 +631,7 @@ impl Inner {
                 token: current,
                 lease_until,
                 request: kept,
+                released: false,
                 ..
             }) if *current == token.get() && *lease_until > now => {
                 let before = kept.replace(request).map_or(0, |r| r.len());
@@ -842,7 +847,9 @@ impl Record {
                 label: label(kept),
                 lease_left: left(*lease_until),
                 expires_in: left((*kept_until).max(*lease_until)),
-                age: Duration::from_nanos(if *lease_until > now || *released {
+                // A live lease: since the claim; abandoned (lapsed or released): since the
+                // lease ended.
+                age: Duration::from_nanos(if *lease_until > now {
                     now.saturating_sub(*since)
                 } else {
                     now.saturating_sub(*lease_until)
