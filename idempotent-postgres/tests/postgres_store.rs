@@ -791,3 +791,40 @@ async fn broken_connections_fail_one_operation_each_then_are_replaced() {
         .await
         .unwrap();
 }
+
+/// A repair refused during a live lease leaves the row unlocked: the owner renews and
+/// completes at once (the refusal's transaction was left open on its pooled connection, the
+/// row locked `FOR UPDATE` until that connection was used again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_repair_leaves_the_row_to_its_owner() {
+    use idempotent_core::inspect::{InspectStore, Refusal, Repair, Repaired};
+    let Some(url) = postgres_url() else {
+        return;
+    };
+    let store = store_on_fresh_table(&url, |b| b).await;
+    let key = fresh_key();
+    let f = Fingerprint::from_bytes(b"owner");
+    let lease = Duration::from_secs(30);
+    let token = match store.claim(&key, &f, lease, lease).await.unwrap() {
+        Claim::Claimed(token) => token,
+        other => panic!("expected Claimed, got {other:?}"),
+    };
+    for repair in [Repair::Release, Repair::Forget] {
+        match store.repair(&key, token, &repair, false).await.unwrap() {
+            Repaired::Refused(Refusal::LeaseLive { .. }) => {}
+            other => panic!("expected LeaseLive, got {other:?}"),
+        }
+    }
+    let renewed =
+        tokio::time::timeout(Duration::from_secs(5), store.renew(&key, token, lease)).await;
+    assert!(
+        matches!(renewed, Ok(Ok(()))),
+        "the owner's renewal after a refused repair: {renewed:?}"
+    );
+    let completed = tokio::time::timeout(
+        Duration::from_secs(5),
+        store.complete(&key, token, Bytes::from_static(b"done"), lease),
+    )
+    .await;
+    assert!(matches!(completed, Ok(Ok(()))), "{completed:?}");
+}
