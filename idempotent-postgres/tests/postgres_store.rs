@@ -802,6 +802,11 @@ async fn a_refused_repair_leaves_the_row_to_its_owner() {
         return;
     };
     let store = store_on_fresh_table(&url, |b| b).await;
+    // The operator's tool: another process, its own connections.
+    let operator = PostgresStore::builder(pool(&url, 2).await)
+        .table(store.table())
+        .build()
+        .unwrap();
     let key = fresh_key();
     let f = Fingerprint::from_bytes(b"owner");
     let lease = Duration::from_secs(30);
@@ -810,7 +815,7 @@ async fn a_refused_repair_leaves_the_row_to_its_owner() {
         other => panic!("expected Claimed, got {other:?}"),
     };
     for repair in [Repair::Release, Repair::Forget] {
-        match store.repair(&key, token, &repair, false).await.unwrap() {
+        match operator.repair(&key, token, &repair, false).await.unwrap() {
             Repaired::Refused(Refusal::LeaseLive { .. }) => {}
             other => panic!("expected LeaseLive, got {other:?}"),
         }
