@@ -64,8 +64,8 @@ start_rabbitmq
 start_kafka
 export IDEMPOTENT_REQUIRE_BACKENDS=1
 
-step "cargo build --examples (end-to-end tests run them as real processes)"
-cargo build --workspace --examples --all-features --locked
+step "cargo build --examples --bins (end-to-end tests run them as real processes)"
+cargo build --workspace --examples --bins --all-features --locked
 
 # Under cargo-nextest: every test in a process of its own, several at a time across all the
 # test binaries (`cargo test` runs the binaries one after another, each waiting for its

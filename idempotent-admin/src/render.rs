@@ -115,7 +115,19 @@ pub(crate) fn print(format: Format, answers: &[Value]) {
     }
 }
 
-/// Columns: every field of the answers, in the order first seen; nested values as JSON.
+/// The columns a table begins with, when its answers have them; the others follow by name.
+const FIRST_COLUMNS: [&str; 8] = [
+    "state",
+    "abandoned",
+    "key",
+    "session",
+    "repair",
+    "done",
+    "age_s",
+    "lease_left_s",
+];
+
+/// Columns: every field of the answers ([`FIRST_COLUMNS`] first); nested values as JSON.
 fn table(answers: &[Value]) -> String {
     let mut columns: Vec<String> = Vec::new();
     for answer in answers {
@@ -127,6 +139,15 @@ fn table(answers: &[Value]) -> String {
             }
         }
     }
+    columns.sort_by_key(|name| {
+        (
+            FIRST_COLUMNS
+                .iter()
+                .position(|first| first == name)
+                .unwrap_or(FIRST_COLUMNS.len()),
+            name.clone(),
+        )
+    });
     let cell = |answer: &Value, column: &str| match answer.get(column) {
         None | Some(Value::Null) => "-".to_owned(),
         Some(Value::String(text)) => text.clone(),
@@ -180,7 +201,8 @@ mod tests {
         ]);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 3);
-        assert!(lines[0].starts_with("state"));
+        assert!(lines[0].starts_with("state  "), "{}", lines[0]);
+        assert!(lines[0].find("key") < lines[0].find("attempts"));
         assert!(lines[0].contains("attempts") && lines[0].contains("steps"));
         assert!(lines[2].contains("[\"charge\"]"));
         assert!(lines[1].contains("completed") && lines[1].contains("order-1"));

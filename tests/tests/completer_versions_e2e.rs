@@ -237,7 +237,11 @@ async fn another_versions_completer_leaves_the_order_alone(backend: &Backend) {
     assert_eq!(answer.status, StatusCode::CREATED);
     assert!(answer.replayed(), "the completer's answer is replayed");
     let mut expected = crash_effects;
-    expected.push(("receipt".to_owned(), a.pid()));
+    // On PostgreSQL the receipt is a row of the outbox, committed with its checkpoint, not a
+    // line of the log.
+    if !matches!(backend, Backend::Postgres(_)) {
+        expected.push(("receipt".to_owned(), a.pid()));
+    }
     assert_eq!(effects(&log), expected, "each step once: charged once");
     assert!(abandoned_of(&runtime, &version_a).await.is_empty());
     let _ = std::fs::remove_file(&log);
