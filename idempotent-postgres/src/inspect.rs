@@ -118,7 +118,7 @@ fn decide(
     Ok(match repair {
         Repair::Release | Repair::GiveUp { .. } if completed => Err(Refusal::Completed),
         // Released, its lease ended: nothing to change.
-        Repair::Release => Ok(!(released && !live)),
+        Repair::Release => Ok(!released || live),
         _ => Ok(true),
     })
 }
@@ -128,7 +128,7 @@ fn parse_cursor(cursor: &Cursor) -> Result<(i64, Vec<u8>), StoreError> {
     let bad = || StoreError::Backend(format!("not a listing cursor: {:?}", cursor.0).into());
     let (stamp, key) = cursor.0.split_once(':').ok_or_else(bad)?;
     let stamp = stamp.parse().map_err(|_| bad())?;
-    if key.len() % 2 != 0 || key.len() > 256 {
+    if !key.len().is_multiple_of(2) || key.len() > 256 {
         return Err(bad());
     }
     let key = (0..key.len())

@@ -36,7 +36,7 @@ struct ScanAt {
 
 /// Hex digits of `bytes`, or `None` when they are not.
 fn unhex(hex: &str) -> Option<Vec<u8>> {
-    if hex.len() % 2 != 0 {
+    if !hex.len().is_multiple_of(2) {
         return None;
     }
     (0..hex.len())
