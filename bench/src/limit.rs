@@ -149,6 +149,8 @@ const REDIS_FRESH_KEY: &str = "idempotent:limit:fresh:";
 const REDIS_IN_FLIGHT_KEY: &str = "idempotent:limit:in-flight:";
 /// The fingerprint the Redis limit rows send: 32 bytes, like the store's.
 const REDIS_FINGERPRINT: &str = "ffffffffffffffffffffffffffffffff";
+/// The key's label a claim keeps (see `LABEL`): 38 bytes, as the HTTP rows' claims send.
+const REDIS_LABEL: &str = "L\x12aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
 
 impl Redis {
     pub(crate) fn prepare(url: &str) -> Result<Redis, String> {
@@ -206,6 +208,8 @@ impl Redis {
                     "30000",
                     "86400000",
                     "1",
+                    "0",
+                    REDIS_LABEL,
                 ],
             )
         };
@@ -375,6 +379,9 @@ const LEASE_US: &str = "30000000";
 const TTL_US: &str = "86400000000";
 /// A claimant number (the store gives each claim a random one).
 const CLAIMANT: &str = "1";
+/// The key's label a claim keeps for an operator (`KeyLabel`: its magic, its flags and a
+/// 36-character key, as the HTTP rows' keys are), as PostgreSQL binds it.
+const LABEL: &str = "decode('4c12' || repeat('61', 36), 'hex')";
 /// A key as the store binds it (32 bytes), from pgbench's integer variable `k`.
 const KEY: &str = "decode(lpad(to_hex(:k::int8), 64, '0'), 'hex')";
 
@@ -448,6 +455,7 @@ impl Drop for Postgres {
 /// The pgbench script of a limit row, from the store's claim and completion statements.
 pub(crate) fn pgbench_script(claim: &str, complete: &str, scenario: Scenario) -> String {
     let claim = claim
+        .replace("$6", LABEL)
         .replace("$5", CLAIMANT)
         .replace("$4", TTL_US)
         .replace("$3", LEASE_US)
@@ -565,7 +573,7 @@ pub(crate) fn seconds(duration: Duration) -> u64 {
 mod tests {
     use super::*;
 
-    const CLAIM: &str = "SELECT $1, $2, $3, $4, $5";
+    const CLAIM: &str = "SELECT $1, $2, $3, $4, $5, $6";
     const COMPLETE: &str = "UPDATE t SET p = $3, e = $4 WHERE k = $1 AND t = $2";
 
     #[test]
@@ -575,7 +583,7 @@ mod tests {
         assert_eq!(lines.len(), 3, "{fresh}");
         assert!(lines[0].starts_with("\\set k random(1000001, "));
         assert!(lines[1].starts_with(&format!(
-            "SELECT {KEY}, {FINGERPRINT}, {LEASE_US}, {TTL_US}, {CLAIMANT}"
+            "SELECT {KEY}, {FINGERPRINT}, {LEASE_US}, {TTL_US}, {CLAIMANT}, {LABEL}"
         )));
         assert!(lines[1].ends_with(" \\gset"));
         assert_eq!(
