@@ -71,15 +71,24 @@ if lifetime ~= token then
   local before = tonumber(redis.call('HGET', KEYS[1], 'a') or '')
   if before then attempts = string.format('%.0f', math.min(before, 2147483646) + 1) else attempts = nil end
 end
-redis.call('HSET', KEYS[1], 's', 'i', 'f', ARGV[1], 't', token, 'o', lifetime,
+-- `ARGV[6]`: the key's label, kept for the record's lifetime ('' for none). One `HSET`
+-- writes every field.
+local label = lifetime == token and ARGV[6] and ARGV[6] ~= ''
+local fields = {'s', 'i', 'f', ARGV[1], 't', token, 'o', lifetime,
   'l', string.format('%.0f', ms + tonumber(ARGV[2])), 'n', ARGV[4],
-  'x', '0', 'z', string.format('%.0f', ms))
-if attempts then redis.call('HSET', KEYS[1], 'a', attempts) end
-if lifetime == token then
+  'x', '0', 'z', string.format('%.0f', ms)}
+if attempts then fields[#fields + 1] = 'a'; fields[#fields + 1] = attempts end
+if label then fields[#fields + 1] = 'b'; fields[#fields + 1] = ARGV[6] end
+redis.call('HSET', KEYS[1], unpack(fields))
+-- A new lifetime over a record that was there drops what the record held; a key that had
+-- none (most claims) has nothing to drop.
+if lifetime == token and rec[1] then
   drop_steps()
-  redis.call('HDEL', KEYS[1], 'r', 'w', 'b')
-  -- `ARGV[6]`: the key's label, kept for the record's lifetime ('' for none).
-  if ARGV[6] and ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'b', ARGV[6]) end
+  if label then
+    redis.call('HDEL', KEYS[1], 'r', 'w')
+  else
+    redis.call('HDEL', KEYS[1], 'r', 'w', 'b')
+  end
 end
 redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[2]), tonumber(ARGV[3])))
 return {'claimed', token, lifetime}
