@@ -111,6 +111,8 @@ macro_rules! store_conformance_tests {
             session_gate_is_atomic,
             sessions_are_isolated,
             session_mark_reads_what_the_gate_left,
+            claim_in_session_is_the_gate_then_the_claim,
+            claim_in_session_never_claims_an_acknowledged_request,
         );
         $crate::store_conformance_tests!(@tests $harness; checkpoints;
             checkpoints_round_trip_in_order,
@@ -290,7 +292,9 @@ fn run_sessions<H: Harness<Store: SessionStore>>(check: &str) {
         session_requests_keep_its_answers_alive,
         session_gate_is_atomic,
         sessions_are_isolated,
-        session_mark_reads_what_the_gate_left
+        session_mark_reads_what_the_gate_left,
+        claim_in_session_is_the_gate_then_the_claim,
+        claim_in_session_never_claims_an_acknowledged_request
     )
 }
 

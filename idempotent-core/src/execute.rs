@@ -24,7 +24,7 @@ use crate::shutdown::Active;
 use crate::store::BoxFuture;
 use crate::{
     Call, Error, Execution, FencingToken, Fingerprint, Idempotency, InFlightPolicy, Outcome,
-    Retain, SessionGate, SessionRequest, StorageKey, StoreError,
+    Retain, SessionClaim, SessionGate, SessionRequest, StorageKey, StoreError,
 };
 
 impl<C: Capabilities> Idempotency<C> {
@@ -119,79 +119,39 @@ impl<C: Capabilities> Idempotency<C> {
             max_checkpoint_bytes,
         } = call.settings(&inner.defaults);
         // A call in a session passes its session's gate first; admitted, it is an ordinary
-        // claim of its `(session, seq)` record, kept as long as the session.
-        let gate = match call.session() {
-            None => None,
-            Some(place) => {
-                let session = self.session_key(call);
-                let request =
-                    SessionRequest::new(place.seq(), place.ack(), session_window, session_idle);
-                let epoch = self.open_session(&session, request, lease).await?;
-                Some((session, request, epoch))
-            }
+        // claim of its `(session, seq)` record, kept as long as the session. The store makes
+        // both (and the check of the session's mark that follows a claim) in one call.
+        let (target, ttl, label) = match call.session() {
+            None => (
+                Target::Key(self.storage_key(call)),
+                ttl,
+                KeyLabel::new(call.key(), call.scope_ref(), inner.keys_in_clear),
+            ),
+            Some(place) => (
+                Target::Session(
+                    self.session_key(call),
+                    SessionRequest::new(place.seq(), place.ack(), session_window, session_idle),
+                ),
+                session_idle,
+                KeyLabel::of_session(call.key(), call.scope_ref(), inner.keys_in_clear),
+            ),
         };
-        let (key, ttl) = match gate {
-            None => (self.storage_key(call), ttl),
-            Some((session, request, epoch)) => (session.seq_key(epoch, request.seq), session_idle),
-        };
-        let label = if gate.is_some() {
-            KeyLabel::of_session(call.key(), call.scope_ref(), inner.keys_in_clear)
-        } else {
-            KeyLabel::new(call.key(), call.scope_ref(), inner.keys_in_clear)
-        };
-        let (token, lifetime, claimed_at) = match self
+        let (key, acquired) = self
             .acquire(
-                &key,
+                &target,
                 call.fingerprint_ref(),
                 (lease, ttl),
                 (in_flight, call.is_resume_only()),
                 &label,
             )
-            .await?
-        {
+            .await?;
+        let (token, lifetime, claimed_at) = match acquired {
             Acquired::Owner(token, lifetime, claimed_at) => (token, lifetime, claimed_at),
             Acquired::Replay(bytes) => {
                 tracing::debug!(storage_key = %key, "idempotent call replayed");
                 return Ok(Execution::Replayed(bytes));
             }
         };
-        // The gate and the claim are two steps: between them a later request's `ack` may have
-        // covered this number and dropped its answer (a duplicate that waited, or whose claim
-        // was slow), and the claim then found nothing to replay. Every store raises the mark
-        // before it drops anything, so reading the session now tells: still live in the same
-        // epoch with its mark below this number, or this call must not run.
-        if let Some((session, request, epoch)) = gate {
-            let limit = claim_limit(lease);
-            let Some(sessions) = &inner.sessions else {
-                return Err(crate::runtime::no_sessions());
-            };
-            let read = bounded(sessions.session_mark(&session), limit)
-                .await
-                .unwrap_or_else(|| {
-                    Err(StoreError::Unavailable(
-                        format!("the store did not answer the session read within {limit:?}")
-                            .into(),
-                    ))
-                });
-            let refused = match read {
-                Ok(Some(mark)) if mark.epoch == epoch && mark.ack < request.seq => None,
-                Ok(Some(mark)) if mark.epoch == epoch => Some(Error::SequenceAcknowledged {
-                    seq: request.seq,
-                    ack: mark.ack,
-                }),
-                Ok(_) => Some(Error::SessionExpired),
-                Err(error) => Some(Error::Store(error)),
-            };
-            if let Some(refused) = refused {
-                if bounded(inner.store.release(&key, token), limit)
-                    .await
-                    .is_none()
-                {
-                    tracing::warn!(storage_key = %key, "releasing a session claim that may not run timed out; its lease ends it");
-                }
-                return Err(refused);
-            }
-        }
         tracing::debug!(storage_key = %key, token = token.get(), "idempotent call claimed");
         active.own(&inner.metrics().in_flight);
         let started = std::time::Instant::now();
@@ -355,12 +315,12 @@ impl<C: Capabilities> Idempotency<C> {
 
     async fn acquire(
         &self,
-        key: &StorageKey,
+        target: &Target,
         fingerprint: &Fingerprint,
         (lease, ttl): (Duration, Duration),
         (policy, resume): (InFlightPolicy, bool),
         label: &KeyLabel,
-    ) -> Result<Acquired, Error> {
+    ) -> Result<(StorageKey, Acquired), Error> {
         let store = &*self.inner.store;
         let mut answer = ClaimAnswer::new(policy, self.inner.integrity);
         loop {
@@ -373,72 +333,84 @@ impl<C: Capabilities> Idempotency<C> {
             // or its connections hung) fails the call closed instead of hanging it. The store
             // gives back a claim that lands after this (see its docs).
             let limit = claim_limit(lease);
-            // A completer's call only takes an abandoned operation over (`CheckpointStore::resume`):
-            // it never begins one, so it never drops another operation's checkpoints.
-            let (claim, sent) = if resume {
-                let Some(checkpoints) = &self.inner.checkpoints else {
-                    return Err(crate::runtime::no_checkpoints());
-                };
-                let (found, sent) =
-                    sent(checkpoints.resume(key, fingerprint, lease, ttl), limit).await;
-                match found? {
-                    Some(claim) => (claim, sent),
-                    None => return Err(Error::NothingToResume),
+            let (key, claim, sent) = match target {
+                // A completer's call only takes an abandoned operation over
+                // (`CheckpointStore::resume`): it never begins one, so it never drops another
+                // operation's checkpoints.
+                Target::Key(key) if resume => {
+                    let Some(checkpoints) = &self.inner.checkpoints else {
+                        return Err(crate::runtime::no_checkpoints());
+                    };
+                    let (found, sent) =
+                        sent(checkpoints.resume(key, fingerprint, lease, ttl), limit).await;
+                    match found? {
+                        Some(claim) => (*key, claim, sent),
+                        None => return Err(Error::NothingToResume),
+                    }
                 }
-            } else {
-                let (claim, sent) =
-                    sent(store.claim(key, fingerprint, lease, ttl, label), limit).await;
-                (claim?, sent)
+                Target::Key(key) => {
+                    let (claim, sent) =
+                        sent(store.claim(key, fingerprint, lease, ttl, label), limit).await;
+                    (*key, claim?, sent)
+                }
+                // Asked again after a wait: the gate admits the same number again (or refuses
+                // it, if an `ack` covered it meanwhile).
+                Target::Session(session, request) => {
+                    let Some(sessions) = &self.inner.sessions else {
+                        return Err(crate::runtime::no_sessions());
+                    };
+                    let (found, sent) = sent(
+                        sessions.claim_in_session(session, *request, fingerprint, lease, label),
+                        limit,
+                    )
+                    .await;
+                    match found? {
+                        SessionClaim::Admitted { epoch, claim } => {
+                            (session.seq_key(epoch, request.seq), claim, sent)
+                        }
+                        SessionClaim::Refused(gate) => return Err(refused(gate, *request)),
+                    }
+                }
             };
-            match answer.step(key, fingerprint, claim)? {
+            match answer.step(&key, fingerprint, claim)? {
                 Step::Owner(token, lifetime) => {
-                    return Ok(Acquired::Owner(token, lifetime, sent));
+                    return Ok((key, Acquired::Owner(token, lifetime, sent)));
                 }
-                Step::Replay(bytes) => return Ok(Acquired::Replay(bytes)),
+                Step::Replay(bytes) => return Ok((key, Acquired::Replay(bytes))),
                 // Once shutdown has begun, a duplicate stops waiting for another owner: its
                 // client retries elsewhere rather than holding the shutdown up.
                 Step::Wait(_) if !self.inner.drain.is_open() => {
                     return Err(Error::ShuttingDown);
                 }
-                Step::Wait(wait) => store.wait_for_change(key, wait).await,
+                Step::Wait(wait) => store.wait_for_change(&key, wait).await,
             }
         }
     }
 }
 
-impl<C: Capabilities> Idempotency<C> {
-    /// Asks `session`'s gate about `request`: the epoch to claim in, or why the call must not
-    /// run. Bounded like a claim.
-    async fn open_session(
-        &self,
-        session: &crate::SessionKey,
-        request: SessionRequest,
-        lease: Duration,
-    ) -> Result<u64, Error> {
-        let limit = claim_limit(lease);
-        let Some(sessions) = &self.inner.sessions else {
-            return Err(crate::runtime::no_sessions());
-        };
-        let gate = bounded(sessions.open_session(session, request), limit)
-            .await
-            .unwrap_or_else(|| {
-                Err(StoreError::Unavailable(
-                    format!("the store did not answer the session gate within {limit:?}").into(),
-                ))
-            })?;
-        match gate {
-            SessionGate::Open { epoch } => Ok(epoch),
-            SessionGate::Acknowledged { ack } => Err(Error::SequenceAcknowledged {
-                seq: request.seq,
-                ack,
-            }),
-            SessionGate::WindowFull { ack } => Err(Error::SessionWindowFull {
-                seq: request.seq,
-                ack,
-                window: request.window,
-            }),
-            SessionGate::Expired => Err(Error::SessionExpired),
-        }
+/// What a call claims: a key's record, or a request of a client session (its gate, then its
+/// record).
+enum Target {
+    Key(StorageKey),
+    Session(crate::SessionKey, SessionRequest),
+}
+
+/// Why a session's gate refused `request`.
+fn refused(gate: SessionGate, request: SessionRequest) -> Error {
+    match gate {
+        SessionGate::Acknowledged { ack } => Error::SequenceAcknowledged {
+            seq: request.seq,
+            ack,
+        },
+        SessionGate::WindowFull { ack } => Error::SessionWindowFull {
+            seq: request.seq,
+            ack,
+            window: request.window,
+        },
+        SessionGate::Expired => Error::SessionExpired,
+        SessionGate::Open { .. } => Error::Store(StoreError::Corrupt(
+            "the store refused a session request with an open gate".into(),
+        )),
     }
 }
 

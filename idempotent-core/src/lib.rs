@@ -97,7 +97,8 @@ pub use runtime::{CLAIM_TIMEOUT, DEFAULT_RECORD_RETRY, Idempotency, IdempotencyB
 pub use session::{SessionGate, SessionKey, SessionMark, SessionRequest};
 pub use shutdown::Drained;
 pub use store::{
-    CheckpointStore, Claim, FencingToken, RequestOwner, SessionStore, Store, StoreWrapper,
+    CheckpointStore, Claim, FencingToken, RequestOwner, SessionClaim, SessionStore, Store,
+    StoreWrapper,
 };
 pub use to_key::ToKey;
 

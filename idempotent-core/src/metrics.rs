@@ -147,10 +147,16 @@ pub enum Operation {
     Release,
     /// [`Store::renew`](crate::Store::renew).
     Renew,
-    /// [`SessionStore::open_session`](crate::SessionStore::open_session).
+    /// [`SessionStore::open_session`](crate::SessionStore::open_session). Not recorded by the
+    /// runtime since 0.4: it asks for the gate within [`ClaimInSession`](Self::ClaimInSession).
     OpenSession,
-    /// [`SessionStore::session_mark`](crate::SessionStore::session_mark).
+    /// [`SessionStore::session_mark`](crate::SessionStore::session_mark). Not recorded by the
+    /// runtime since 0.4: it asks for the check within [`ClaimInSession`](Self::ClaimInSession).
     SessionMark,
+    /// [`SessionStore::claim_in_session`](crate::SessionStore::claim_in_session): a session
+    /// request's gate and claim (and, on a store that makes them two steps, its mark check),
+    /// as the runtime asks for them.
+    ClaimInSession,
     /// [`CheckpointStore::resume`](crate::CheckpointStore::resume).
     Resume,
     /// [`CheckpointStore::save_step`](crate::CheckpointStore::save_step).
@@ -164,13 +170,14 @@ pub enum Operation {
 }
 
 impl Operation {
-    const ALL: [Operation; 11] = [
+    const ALL: [Operation; 12] = [
         Operation::Claim,
         Operation::Complete,
         Operation::Release,
         Operation::Renew,
         Operation::OpenSession,
         Operation::SessionMark,
+        Operation::ClaimInSession,
         Operation::Resume,
         Operation::SaveStep,
         Operation::LoadSteps,
@@ -186,6 +193,7 @@ impl Operation {
             Operation::Renew => "renew",
             Operation::OpenSession => "open_session",
             Operation::SessionMark => "session_mark",
+            Operation::ClaimInSession => "claim_in_session",
             Operation::Resume => "resume",
             Operation::SaveStep => "save_step",
             Operation::LoadSteps => "load_steps",

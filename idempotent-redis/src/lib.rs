@@ -55,8 +55,8 @@ use idempotent_core::session::{MAX_SEQ, MAX_SESSION_WINDOW};
 use idempotent_core::steps::Abandoned;
 use idempotent_core::store::Unanswered;
 use idempotent_core::{
-    CheckpointStore, Claim, FencingToken, Fingerprint, SessionGate, SessionKey, SessionPlace,
-    SessionRequest, SessionStore, StorageKey, Store, StoreError, limits,
+    CheckpointStore, Claim, FencingToken, Fingerprint, SessionClaim, SessionGate, SessionKey,
+    SessionPlace, SessionRequest, SessionStore, StorageKey, Store, StoreError, limits,
 };
 
 /// The default prefix of every Redis key this store writes.
@@ -750,80 +750,94 @@ impl RedisStore {
             Err(error @ StoreError::Unavailable(_)) => return Err(error),
             other => other?,
         };
-        if !matches!(reply.first().and_then(text), Some(b"claimed")) {
+        let claim = match claim_reply(&mut reply) {
+            Ok(Some(claim @ (Claim::Claimed(_) | Claim::TakenOver { .. }))) => claim,
+            other => {
+                unanswered.answered();
+                return other;
+            }
+        };
+        self.confirmed(key, claim, unanswered).await.map(Some)
+    }
+
+    /// A claim the script made, answered once it is confirmed: with replicas required, one
+    /// the key's primary no longer holds (it died before replicating it) fails, and one too
+    /// few replicas acknowledged is given back so a retry need not wait for its lease.
+    /// Dropped while it waits for the replicas, `unanswered` gives it back.
+    async fn confirmed(
+        &self,
+        key: &StorageKey,
+        claim: Claim,
+        mut unanswered: Unanswered,
+    ) -> Result<Claim, StoreError> {
+        let (Claim::Claimed(token) | Claim::TakenOver { token, .. }) = claim else {
+            unanswered.answered();
+            return Ok(claim);
+        };
+        if let Some(required) = self.replicas {
+            let confirmed = self.confirm_claim(key, token, required).await;
+            unanswered.answered();
+            match confirmed {
+                Ok(true) => {}
+                Ok(false) => {
+                    return Err(StoreError::Unavailable(
+                        "the claim was lost with its primary before a replica had it".into(),
+                    ));
+                }
+                Err(error) => {
+                    let _ = self.release(key, token).await;
+                    return Err(error);
+                }
+            }
+        } else {
             unanswered.answered();
         }
-        match reply.as_mut_slice() {
-            [state, token, lifetime] if text(state) == Some(b"claimed") => {
-                let number = |value: &Value| {
-                    text(value)
-                        .and_then(|t| std::str::from_utf8(t).ok())
-                        .and_then(|t| t.parse().ok())
-                        .map(FencingToken::new)
-                        .ok_or_else(|| corrupt("token"))
-                };
-                let numbers = number(token).and_then(|token| Ok((token, number(lifetime)?)));
-                let (token, lifetime) = match numbers {
-                    Ok(numbers) => numbers,
-                    Err(error) => {
-                        unanswered.answered();
-                        return Err(error);
-                    }
-                };
-                if let Some(required) = self.replicas {
-                    // Nothing runs on a claim that could be lost: one the key's primary no
-                    // longer holds (it died before replicating it) fails, and one too few
-                    // replicas acknowledged is given back so a retry need not wait for its
-                    // lease.
-                    let confirmed = self.confirm_claim(key, token, required).await;
-                    unanswered.answered();
-                    match confirmed {
-                        Ok(true) => {}
-                        Ok(false) => {
-                            return Err(StoreError::Unavailable(
-                                "the claim was lost with its primary before a replica had it"
-                                    .into(),
-                            ));
-                        }
-                        Err(error) => {
-                            let _ = self.release(key, token).await;
-                            return Err(error);
-                        }
-                    }
-                } else {
-                    unanswered.answered();
-                }
-                Ok(Some(if lifetime == token {
-                    Claim::Claimed(token)
-                } else {
-                    Claim::TakenOver { token, lifetime }
-                }))
-            }
-            [state, f, ttl] if text(state) == Some(b"i") => {
-                let ttl = match ttl {
-                    Value::Int(ms) => u64::try_from(*ms).unwrap_or(0),
-                    _ => return Err(corrupt("lease")),
-                };
-                Ok(Some(Claim::InFlight {
-                    fingerprint: fingerprint(f)?,
-                    retry_after: Duration::from_millis(ttl),
-                }))
-            }
-            [state, f, payload, ttl] if text(state) == Some(b"c") => match (payload, ttl) {
-                // Taken, not copied: the reply is dropped right after. A record without an
-                // expiry (`PTTL` -1, written by hand) is never cached: zero time left.
-                (Value::BulkString(p), Value::Int(ms)) => Ok(Some(Claim::Completed {
-                    fingerprint: fingerprint(f)?,
-                    payload: Bytes::from(std::mem::take(p)),
-                    expires_in: Duration::from_millis(u64::try_from(*ms).unwrap_or(0)),
-                })),
-                _ => Err(corrupt("completed record without a payload")),
-            },
-            // A resume with nothing of its request to take over: nothing changed.
-            [state] if text(state) == Some(b"none") => Ok(None),
-            [state, _] if text(state) == Some(b"?") => Err(corrupt("unknown record state")),
-            _ => Err(corrupt("unexpected claim reply")),
+        Ok(claim)
+    }
+}
+
+/// What the claim script's reply says (`None`: a resume with nothing to take over).
+fn claim_reply(reply: &mut [Value]) -> Result<Option<Claim>, StoreError> {
+    match reply {
+        [state, token, lifetime] if text(state) == Some(b"claimed") => {
+            let number = |value: &Value| {
+                text(value)
+                    .and_then(|t| std::str::from_utf8(t).ok())
+                    .and_then(|t| t.parse().ok())
+                    .map(FencingToken::new)
+                    .ok_or_else(|| corrupt("token"))
+            };
+            let (token, lifetime) = (number(token)?, number(lifetime)?);
+            Ok(Some(if lifetime == token {
+                Claim::Claimed(token)
+            } else {
+                Claim::TakenOver { token, lifetime }
+            }))
         }
+        [state, f, ttl] if text(state) == Some(b"i") => {
+            let ttl = match ttl {
+                Value::Int(ms) => u64::try_from(*ms).unwrap_or(0),
+                _ => return Err(corrupt("lease")),
+            };
+            Ok(Some(Claim::InFlight {
+                fingerprint: fingerprint(f)?,
+                retry_after: Duration::from_millis(ttl),
+            }))
+        }
+        [state, f, payload, ttl] if text(state) == Some(b"c") => match (payload, ttl) {
+            // Taken, not copied: the reply is dropped right after. A record without an
+            // expiry (`PTTL` -1, written by hand) is never cached: zero time left.
+            (Value::BulkString(p), Value::Int(ms)) => Ok(Some(Claim::Completed {
+                fingerprint: fingerprint(f)?,
+                payload: Bytes::from(std::mem::take(p)),
+                expires_in: Duration::from_millis(u64::try_from(*ms).unwrap_or(0)),
+            })),
+            _ => Err(corrupt("completed record without a payload")),
+        },
+        // A resume with nothing of its request to take over: nothing changed.
+        [state] if text(state) == Some(b"none") => Ok(None),
+        [state, _] if text(state) == Some(b"?") => Err(corrupt("unknown record state")),
+        _ => Err(corrupt("unexpected claim reply")),
     }
 }
 
@@ -954,18 +968,7 @@ impl SessionStore for RedisStore {
         session: &SessionKey,
         request: SessionRequest,
     ) -> Result<SessionGate, StoreError> {
-        // The script keeps numbers exactly (below 2^53) and walks at most a window of records
-        // per request: a request outside the ranges the runtime sends is refused here.
-        if request.seq > MAX_SEQ || request.ack > MAX_SEQ || request.window > MAX_SESSION_WINDOW {
-            return Err(StoreError::Backend(
-                format!(
-                    "session request out of range: seq {}, ack {} (at most {MAX_SEQ}), \
-                     window {} (at most {MAX_SESSION_WINDOW})",
-                    request.seq, request.ack, request.window
-                )
-                .into(),
-            ));
-        }
+        check_session_request(request)?;
         let script = &scripts().session;
         let mut cmd = self.evalsha(script, &session.record_key());
         cmd.arg(request.seq)
@@ -986,6 +989,86 @@ impl SessionStore for RedisStore {
             enough(acknowledged, required)?;
         }
         Ok(gate)
+    }
+
+    /// One script (see `scripts::session_claim_source`): the gate and, admitted, the claim,
+    /// atomically, so no check of the mark follows. With replicas required, the script is
+    /// followed by `WAIT` in one pipeline, and any answer but "expired" counts once the
+    /// replicas have its writes; a claim too few replicas acknowledged is released.
+    async fn claim_in_session(
+        &self,
+        session: &SessionKey,
+        request: SessionRequest,
+        fingerprint_arg: &Fingerprint,
+        lease: Duration,
+        label: &idempotent_core::inspect::KeyLabel,
+    ) -> Result<SessionClaim, StoreError> {
+        check_session_request(request)?;
+        let script = &scripts().session_claim;
+        let claimant = idempotent_core::store::claimant();
+        let idle = millis(limits::clamp_ttl(request.idle));
+        let mut cmd = self.evalsha(script, &session.record_key());
+        cmd.arg(fingerprint_arg.as_bytes().as_slice())
+            .arg(millis(limits::clamp_lease(lease)))
+            .arg(idle)
+            .arg(claimant)
+            .arg("0")
+            .arg(label.as_bytes().as_ref())
+            .arg(request.seq)
+            .arg(request.ack)
+            .arg(request.window)
+            .arg(idle);
+        // A claim made after its caller stopped waiting is given back through the session's
+        // epoch (the reply that named it was lost).
+        let mut unanswered = Unanswered::new({
+            let (store, session, seq) = (self.clone(), *session, request.seq);
+            Box::new(move || {
+                let store = store.clone();
+                Box::pin(async move {
+                    let script = &scripts().session_give_back;
+                    let mut cmd = store.evalsha(script, &session.record_key());
+                    cmd.arg(claimant).arg(seq);
+                    let given: i64 = store.query(script, cmd).await?;
+                    Ok(given == 1)
+                })
+            })
+        });
+        let mut reply: Value = match self.replicas {
+            None => match self.query(script, cmd).await {
+                Err(error @ StoreError::Unavailable(_)) => return Err(error),
+                other => other?,
+            },
+            // The gate's writes (a start, a raised mark, dropped answers) count once the
+            // replicas have them, whatever the claim found.
+            Some(required) => {
+                let (reply, acknowledged): (Value, usize) =
+                    match self.query_then_wait(script, cmd, required).await {
+                        Err(error @ StoreError::Unavailable(_)) => return Err(error),
+                        other => other?,
+                    };
+                if let Err(error) = enough(acknowledged, required) {
+                    if let Ok(SessionClaim::Admitted {
+                        epoch,
+                        claim: Claim::Claimed(token) | Claim::TakenOver { token, .. },
+                    }) = session_claim_reply(&mut reply.clone())
+                    {
+                        unanswered.answered();
+                        let _ = self
+                            .release(&session.seq_key(epoch, request.seq), token)
+                            .await;
+                        return Err(error);
+                    }
+                    if !matches!(session_gate(&reply), Ok(SessionGate::Expired)) {
+                        unanswered.answered();
+                        return Err(error);
+                    }
+                }
+                reply
+            }
+        };
+        // Answered: with replicas required, the `WAIT` behind the script covered its claim.
+        unanswered.answered();
+        session_claim_reply(&mut reply)
     }
 
     /// One `HMGET` of the session's record: Redis forgets it when its idle time ends, so a
@@ -1295,6 +1378,44 @@ fn session_mark(
 }
 
 /// The session script's reply as the gate's decision.
+/// The scripts keep numbers exactly (below 2^53) and walk at most a window of records per
+/// request: a request outside the ranges the runtime sends is refused before it is sent.
+fn check_session_request(request: SessionRequest) -> Result<(), StoreError> {
+    if request.seq > MAX_SEQ || request.ack > MAX_SEQ || request.window > MAX_SESSION_WINDOW {
+        return Err(StoreError::Backend(
+            format!(
+                "session request out of range: seq {}, ack {} (at most {MAX_SEQ}), \
+                 window {} (at most {MAX_SESSION_WINDOW})",
+                request.seq, request.ack, request.window
+            )
+            .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// What the session claim script's reply says: `{'open', epoch, claim reply}`, or the gate's
+/// refusal.
+fn session_claim_reply(reply: &mut Value) -> Result<SessionClaim, StoreError> {
+    if let Value::Array(parts) = reply
+        && let [gate, epoch, Value::Array(claim)] = parts.as_mut_slice()
+        && text(gate) == Some(b"open")
+    {
+        let epoch = text(epoch)
+            .and_then(|t| std::str::from_utf8(t).ok())
+            .and_then(|t| t.parse::<u64>().ok())
+            .filter(|&epoch| epoch > 0)
+            .ok_or_else(|| corrupt("session epoch"))?;
+        let claim = claim_reply(claim)?
+            .ok_or_else(|| corrupt("a claim answered that there was nothing to resume"))?;
+        return Ok(SessionClaim::Admitted { epoch, claim });
+    }
+    match session_gate(reply)? {
+        SessionGate::Open { .. } => Err(corrupt("a session gate opened without a claim")),
+        refused => Ok(SessionClaim::Refused(refused)),
+    }
+}
+
 fn session_gate(reply: &Value) -> Result<SessionGate, StoreError> {
     let number = |value: &Value| {
         text(value)

@@ -357,6 +357,54 @@ end
 return reply
 ";
 
+/// `SessionStore::claim_in_session` as one script on the session's record `KEYS[1]`: the gate
+/// (`SESSION`, its arguments moved to `ARGV[7]` to `ARGV[10]`) and, when it admits the request,
+/// the claim (`CLAIM` and `CLAIM_IN_TIME` with `ARGV[1]` to `ARGV[6]`, the TTL being the idle
+/// time) of the request's record `KEYS[1] .. ':' .. epoch .. ':' .. seq`, in the same Cluster
+/// slot. Atomic: no other request's `ack` comes between the gate and the claim, so the claim
+/// never finds an answer dropped under it. Replies the gate's refusal as `SESSION` does, or
+/// `{'open', epoch, claim reply}`. Every expiry is checked before anything is written.
+fn session_claim_source() -> String {
+    let gate = SESSION
+        .replace("MAX_WINDOW", &MAX_SESSION_WINDOW.to_string())
+        .replace("MAX_MS", &MAX_EXPIRY_MS.to_string())
+        .replace("ARGV[4]", "ARGV[10]")
+        .replace("ARGV[3]", "ARGV[9]")
+        .replace("ARGV[2]", "ARGV[8]")
+        .replace("ARGV[1]", "ARGV[7]");
+    let (gate, end) = gate
+        .rsplit_once("return reply")
+        .expect("the gate's script ends with its reply");
+    assert!(end.trim().is_empty(), "the gate's reply is its last word");
+    let claim = |part: &str| part.replace("KEYS[1]", "CK");
+    checked_source(
+        &[2, 3, 10],
+        &[
+            "local CK\n",
+            &claim(STEP_CHUNKS),
+            gate,
+            "if reply[1] ~= 'open' then return reply end\nCK = base .. decimal(seq)\n",
+            "local function claim()\n",
+            &claim(CLAIM),
+            NOW_MS,
+            &claim(CLAIM_IN_TIME),
+            "end\nreturn {'open', decimal(epoch), claim()}\n",
+        ],
+    )
+}
+
+/// `part`, a script on one record `KEYS[1]`, on a session's request instead: `KEYS[1]` is the
+/// session's record and `seq` (a Lua expression) the request's number, whose record is found
+/// through the session's epoch (the script answers `0` when the session has none).
+fn in_session(part: &str, seq: &str) -> String {
+    format!(
+        "local epoch = redis.call('HGET', KEYS[1], 'e')\n\
+         if not epoch then return 0 end\n\
+         local CK = KEYS[1] .. ':' .. epoch .. ':' .. {seq}\n{}",
+        part.replace("KEYS[1]", "CK")
+    )
+}
+
 /// `parts` (with [`NOW_MS`] before the first part that reads the server's time), with the
 /// expiries in `expiries` (argument numbers) checked before anything.
 fn checked(expiries: &[usize], parts: &[&str]) -> Script {
@@ -505,6 +553,8 @@ pub(super) struct Scripts {
     pub(super) give_back: Script,
     pub(super) completed: Script,
     pub(super) session: Script,
+    pub(super) session_claim: Script,
+    pub(super) session_give_back: Script,
     pub(super) save_step: Script,
     pub(super) load_steps: Script,
     pub(super) save_request: Script,
@@ -536,6 +586,8 @@ pub(super) fn scripts() -> &'static Scripts {
                 .replace("MAX_WINDOW", &MAX_SESSION_WINDOW.to_string())
                 .replace("MAX_MS", &MAX_EXPIRY_MS.to_string())],
         ),
+        session_claim: Script::new(&session_claim_source()),
+        session_give_back: checked_in_oom(&[], &[NOW_MS, &in_session(GIVE_BACK, "ARGV[2]")]),
         save_step: checked(&[], &[NOW_MS, OWNED, SAVE_STEP]),
         // Reads: they run when Redis is full too (a resumed attempt finds its checkpoints).
         load_steps: checked_in_oom(&[], &[NOW_MS, OWNED, LOAD_STEPS]),

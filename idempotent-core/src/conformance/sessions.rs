@@ -308,3 +308,176 @@ pub async fn session_mark_reads_what_the_gate_left<H: Harness<Store: SessionStor
     h.advance(2 * unit).await;
     assert_eq!(read().await, None);
 }
+
+/// `claim_in_session` answers as the gate and then the claim would: a new request is admitted
+/// with its record claimed under `seq_key(epoch, seq)`, an answered one replays, and each
+/// refusal is the gate's, with nothing claimed.
+pub async fn claim_in_session_is_the_gate_then_the_claim<H: Harness<Store: SessionStore>>(h: &H) {
+    use crate::SessionClaim;
+    use crate::inspect::KeyLabel;
+    let (store, unit) = (h.store(), h.time_unit());
+    let session = fresh_session();
+    let (idle, lease) = (20 * unit, 4 * unit);
+    let label = KeyLabel::from_bytes(Bytes::new());
+    let ask = |seq: u64, ack: u64| {
+        let (session, label) = (&session, &label);
+        async move {
+            store
+                .claim_in_session(
+                    session,
+                    SessionRequest::new(seq, ack, 4, idle),
+                    &fp(&seq.to_string()),
+                    lease,
+                    label,
+                )
+                .await
+                .unwrap_or_else(|e| panic!("claim_in_session({seq}, ack {ack}): {e:?}"))
+        }
+    };
+    // A session with an answer, unknown to the store: expired, and nothing starts.
+    assert!(matches!(
+        ask(1, 1).await,
+        SessionClaim::Refused(SessionGate::Expired)
+    ));
+    assert_eq!(store.session_mark(&session).await.expect("mark"), None);
+    // Admitted and claimed, in the epoch the session's mark reads.
+    let (epoch, token) = match ask(1, 0).await {
+        SessionClaim::Admitted {
+            epoch,
+            claim: Claim::Claimed(token),
+        } => (epoch, token),
+        other => panic!("request 1: expected its record claimed, got {other:?}"),
+    };
+    assert_eq!(
+        store.session_mark(&session).await.expect("mark"),
+        Some(crate::SessionMark { epoch, ack: 0 })
+    );
+    let key = session.seq_key(epoch, 1);
+    store
+        .complete(&key, token, Bytes::from_static(b"1"), idle)
+        .await
+        .expect("the claim is of seq_key(epoch, 1)");
+    // Answered: the same request replays.
+    match ask(1, 0).await {
+        SessionClaim::Admitted {
+            epoch: again,
+            claim:
+                Claim::Completed {
+                    fingerprint,
+                    payload,
+                    ..
+                },
+        } => {
+            assert_eq!(again, epoch);
+            assert_eq!(fingerprint, fp("1"));
+            assert_eq!(payload.as_ref(), b"1");
+        }
+        other => panic!("request 1 again: expected its answer, got {other:?}"),
+    }
+    // Request 2 acknowledges 1: admitted, then request 1 is refused below the mark.
+    match ask(2, 1).await {
+        SessionClaim::Admitted {
+            epoch: again,
+            claim: Claim::Claimed(_),
+        } => assert_eq!(again, epoch),
+        other => panic!("request 2: expected its record claimed, got {other:?}"),
+    }
+    assert!(matches!(
+        ask(1, 0).await,
+        SessionClaim::Refused(SessionGate::Acknowledged { ack: 1 })
+    ));
+    // Beyond the window (4 past the mark): refused, and its record is not claimed.
+    assert!(matches!(
+        ask(6, 1).await,
+        SessionClaim::Refused(SessionGate::WindowFull { ack: 1 })
+    ));
+    match store
+        .claim(&session.seq_key(epoch, 6), &fp("6"), lease, idle)
+        .await
+    {
+        Ok(Claim::Claimed(_)) => {}
+        found => panic!("a refused request claims nothing, got {found:?}"),
+    }
+}
+
+/// A request claimed through `claim_in_session` is never one a later request's `ack`
+/// covered: of a duplicate of an answered request racing the request that acknowledges it,
+/// the duplicate replays or is refused, and never holds a claim to run it again.
+pub async fn claim_in_session_never_claims_an_acknowledged_request<
+    H: Harness<Store: SessionStore>,
+>(
+    h: &H,
+) {
+    use crate::SessionClaim;
+    use crate::inspect::KeyLabel;
+    let (store, unit) = (h.store(), h.time_unit());
+    let session = fresh_session();
+    let (idle, lease) = (50 * unit, 20 * unit);
+    let label = KeyLabel::from_bytes(Bytes::new());
+    let ask = move |seq: u64, ack: u64| {
+        let (store, label) = (store.clone(), label.clone());
+        async move {
+            store
+                .claim_in_session(
+                    &session,
+                    SessionRequest::new(seq, ack, 8, idle),
+                    &fp(&seq.to_string()),
+                    lease,
+                    &label,
+                )
+                .await
+        }
+    };
+    let (mut replayed, mut refused) = (0, 0);
+    for seq in 1..=40u64 {
+        // Request `seq` runs and is answered.
+        let (epoch, token) = match ask(seq, seq - 1).await.expect("claim_in_session") {
+            SessionClaim::Admitted {
+                epoch,
+                claim: Claim::Claimed(token) | Claim::TakenOver { token, .. },
+            } => (epoch, token),
+            other => panic!("request {seq}: expected its record claimed, got {other:?}"),
+        };
+        store
+            .complete(
+                &session.seq_key(epoch, seq),
+                token,
+                Bytes::from(seq.to_string()),
+                idle,
+            )
+            .await
+            .expect("complete");
+        // Its duplicate races the next request, which acknowledges it.
+        let duplicate = tokio::spawn(ask(seq, seq - 1));
+        let next = tokio::spawn(ask(seq + 1, seq));
+        match duplicate.await.expect("task").expect("duplicate") {
+            SessionClaim::Admitted {
+                claim: Claim::Completed { payload, .. },
+                ..
+            } => {
+                assert_eq!(payload, Bytes::from(seq.to_string()));
+                replayed += 1;
+            }
+            SessionClaim::Refused(SessionGate::Acknowledged { ack }) => {
+                assert_eq!(ack, seq);
+                refused += 1;
+            }
+            other => panic!("the duplicate of answered request {seq} got {other:?}"),
+        }
+        // The next request holds its claim: release it, so the loop claims it afresh.
+        match next.await.expect("task").expect("next") {
+            SessionClaim::Admitted {
+                epoch,
+                claim: Claim::Claimed(token),
+            } => store
+                .release(&session.seq_key(epoch, seq + 1), token)
+                .await
+                .expect("release"),
+            other => panic!(
+                "request {}: expected its record claimed, got {other:?}",
+                seq + 1
+            ),
+        }
+    }
+    assert_eq!(replayed + refused, 40);
+}

@@ -10,9 +10,7 @@ use bytes::Bytes;
 use super::{CheckpointStore, Claim, FencingToken, RequestOwner, SessionStore, Store};
 use crate::metrics::{Operation, StoreMetrics};
 use crate::steps::Abandoned;
-use crate::{
-    Fingerprint, SessionGate, SessionKey, SessionMark, SessionRequest, StorageKey, StoreError,
-};
+use crate::{Fingerprint, SessionKey, SessionRequest, StorageKey, StoreError};
 
 /// A boxed future that is `Send`, as the give-back and shared cache tiers take.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -55,15 +53,14 @@ pub(crate) trait DynStore: Send + Sync + 'static {
 
 /// The object-safe face of [`SessionStore`].
 pub(crate) trait DynSessions: Send + Sync + 'static {
-    fn open_session<'a>(
+    fn claim_in_session<'a>(
         &'a self,
         session: &'a SessionKey,
         request: SessionRequest,
-    ) -> BoxFuture<'a, Result<SessionGate, StoreError>>;
-    fn session_mark<'a>(
-        &'a self,
-        session: &'a SessionKey,
-    ) -> BoxFuture<'a, Result<Option<SessionMark>, StoreError>>;
+        fingerprint: &'a Fingerprint,
+        lease: Duration,
+        label: &'a crate::inspect::KeyLabel,
+    ) -> BoxFuture<'a, Result<super::SessionClaim, StoreError>>;
 }
 
 /// The object-safe face of [`CheckpointStore`].
@@ -187,21 +184,21 @@ impl<S: Store> DynStore for Measured<S> {
 }
 
 impl<S: SessionStore> DynSessions for Measured<S> {
-    fn open_session<'a>(
+    fn claim_in_session<'a>(
         &'a self,
         session: &'a SessionKey,
         request: SessionRequest,
-    ) -> BoxFuture<'a, Result<SessionGate, StoreError>> {
-        Box::pin(self.timed(
-            Operation::OpenSession,
-            self.store.open_session(session, request),
-        ))
-    }
-    fn session_mark<'a>(
-        &'a self,
-        session: &'a SessionKey,
-    ) -> BoxFuture<'a, Result<Option<SessionMark>, StoreError>> {
-        Box::pin(self.timed(Operation::SessionMark, self.store.session_mark(session)))
+        fingerprint: &'a Fingerprint,
+        lease: Duration,
+        label: &'a crate::inspect::KeyLabel,
+    ) -> BoxFuture<'a, Result<super::SessionClaim, StoreError>> {
+        Box::pin(
+            self.timed(
+                Operation::ClaimInSession,
+                self.store
+                    .claim_in_session(session, request, fingerprint, lease, label),
+            ),
+        )
     }
 }
 

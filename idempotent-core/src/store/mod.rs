@@ -8,7 +8,7 @@
 //! | item | what it is for |
 //! |---|---|
 //! | [`Store`], [`Claim`], [`FencingToken`], [`RequestOwner`] | the key cycle every store implements |
-//! | [`SessionStore`], [`CheckpointStore`] | client sessions; checkpoints, kept requests and resumes: what a store implements when it can (see [`capability`](crate::capability)) |
+//! | [`SessionStore`], [`SessionClaim`], [`CheckpointStore`] | client sessions; checkpoints, kept requests and resumes: what a store implements when it can (see [`capability`](crate::capability)) |
 //! | [`StoreWrapper`] | a store in front of another, whose sessions and checkpoints are forwarded |
 //! | [`StorageKey`], [`RecordBytes`](crate::RecordBytes), [`Fingerprint`] | what a record is keyed and checked by |
 //! | [`envelope`] ([`Integrity`], [`encode_value`], [`decode`]) | the bytes of a finished record, with its format version and checksum |
@@ -360,6 +360,85 @@ pub trait SessionStore: Store {
         &self,
         session: &SessionKey,
     ) -> impl Future<Output = Result<Option<SessionMark>, StoreError>> + Send;
+
+    /// A session request's whole admission, as the runtime asks for it: the gate
+    /// ([`open_session`](Self::open_session)), then, admitted in `epoch`, the claim
+    /// ([`claim_labelled`](Store::claim_labelled)) of its record
+    /// [`SessionKey::seq_key`]`(epoch, request.seq)` with `lease` and `request.idle` as its TTL,
+    /// and, when that claim made the caller its owner, the check that no later request's
+    /// `ack` covered the number meanwhile.
+    ///
+    /// It answers [`SessionClaim::Refused`] with the gate's refusal (never
+    /// [`SessionGate::Open`]), or [`SessionClaim::Admitted`] with the epoch and what the claim
+    /// found. A claim the caller owns is answered only if the session was still live in that
+    /// epoch with its mark below `request.seq` after the claim; otherwise the claim is
+    /// released and the answer is [`SessionGate::Expired`] (another epoch, or none) or
+    /// [`SessionGate::Acknowledged`] with the mark.
+    ///
+    /// The default makes those three steps as three calls (a session request then costs the
+    /// store four round trips with its completion, where a key costs two). A store that can
+    /// make them one atomic step (one script, one statement) overrides it: inside one atomic
+    /// step no other request's `ack` can come between the gate and the claim, and the check is
+    /// not needed. The conformance suite checks both.
+    fn claim_in_session(
+        &self,
+        session: &SessionKey,
+        request: SessionRequest,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        label: &crate::inspect::KeyLabel,
+    ) -> impl Future<Output = Result<SessionClaim, StoreError>> + Send {
+        async move {
+            let epoch = match self.open_session(session, request).await? {
+                SessionGate::Open { epoch } => epoch,
+                refused => return Ok(SessionClaim::Refused(refused)),
+            };
+            let key = session.seq_key(epoch, request.seq);
+            let claim = self
+                .claim_labelled(&key, fingerprint, (lease, request.idle), label)
+                .await?;
+            let token = match claim {
+                Claim::Claimed(token) | Claim::TakenOver { token, .. } => token,
+                _ => return Ok(SessionClaim::Admitted { epoch, claim }),
+            };
+            // Between the gate and the claim a later request's `ack` may have covered this
+            // number and dropped its answer, which the claim then did not find: every store
+            // raises the mark before it drops anything, so reading it now tells.
+            let refused = match self.session_mark(session).await {
+                Ok(Some(mark)) if mark.epoch == epoch && mark.ack < request.seq => None,
+                Ok(Some(mark)) if mark.epoch == epoch => {
+                    Some(Ok(SessionGate::Acknowledged { ack: mark.ack }))
+                }
+                Ok(_) => Some(Ok(SessionGate::Expired)),
+                Err(error) => Some(Err(error)),
+            };
+            match refused {
+                None => Ok(SessionClaim::Admitted { epoch, claim }),
+                Some(refused) => {
+                    // The claim must not run; a release that fails leaves it to its lease.
+                    if let Err(error) = self.release(&key, token).await {
+                        tracing::warn!(storage_key = %key, %error, "releasing a session claim that may not run failed; its lease ends it");
+                    }
+                    refused.map(SessionClaim::Refused)
+                }
+            }
+        }
+    }
+}
+
+/// What [`SessionStore::claim_in_session`] answers.
+#[derive(Debug)]
+pub enum SessionClaim {
+    /// The gate admitted the request in `epoch`; `claim` is what the claim of its record,
+    /// [`SessionKey::seq_key`]`(epoch, seq)`, found.
+    Admitted {
+        /// The session's incarnation the request was admitted in.
+        epoch: u64,
+        /// What the claim of the request's record found.
+        claim: Claim,
+    },
+    /// The gate refused the request (never [`SessionGate::Open`]); nothing was claimed.
+    Refused(SessionGate),
 }
 
 /// A store that keeps [checkpoints](crate::steps) and requests on its in-flight records, and
@@ -492,6 +571,17 @@ where
         session: &SessionKey,
     ) -> impl Future<Output = Result<Option<SessionMark>, StoreError>> + Send {
         self.inner().session_mark(session)
+    }
+    fn claim_in_session(
+        &self,
+        session: &SessionKey,
+        request: SessionRequest,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        label: &crate::inspect::KeyLabel,
+    ) -> impl Future<Output = Result<SessionClaim, StoreError>> + Send {
+        self.inner()
+            .claim_in_session(session, request, fingerprint, lease, label)
     }
 }
 

@@ -784,6 +784,41 @@ impl Inner {
 }
 
 impl Inner {
+    /// [`SessionStore::claim_in_session`](crate::SessionStore::claim_in_session): the gate, the
+    /// claim and the check of the mark, as the default makes them, in one call.
+    pub(super) fn claim_in_session(
+        &self,
+        session: &SessionKey,
+        request: SessionRequest,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        label: &KeyLabel,
+    ) -> Result<crate::SessionClaim, StoreError> {
+        use crate::SessionClaim;
+        let epoch = match self.open_session(session, request)? {
+            SessionGate::Open { epoch } => epoch,
+            refused => return Ok(SessionClaim::Refused(refused)),
+        };
+        let key = session.seq_key(epoch, request.seq);
+        let claim = self.claim(&key, fingerprint, lease, request.idle, Some(label))?;
+        let token = match claim {
+            Claim::Claimed(token) | Claim::TakenOver { token, .. } => token,
+            _ => return Ok(SessionClaim::Admitted { epoch, claim }),
+        };
+        // The gate drops answers after it leaves the session's entry: a later request's `ack`
+        // may have covered this number between the gate and the claim.
+        let refused = match self.session_mark(session) {
+            Some(mark) if mark.epoch == epoch && mark.ack < request.seq => {
+                return Ok(SessionClaim::Admitted { epoch, claim });
+            }
+            Some(mark) if mark.epoch == epoch => SessionGate::Acknowledged { ack: mark.ack },
+            _ => SessionGate::Expired,
+        };
+        // A release refused (the lease lapsed already) leaves the record to the next claim.
+        let _ = self.release(&key, token);
+        Ok(SessionClaim::Refused(refused))
+    }
+
     /// The live state of `session`, if any.
     pub(super) fn session_mark(&self, session: &SessionKey) -> Option<crate::SessionMark> {
         let now = self.now();

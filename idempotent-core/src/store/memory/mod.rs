@@ -285,6 +285,21 @@ impl crate::SessionStore for MemoryStore {
     ) -> Result<Option<crate::SessionMark>, StoreError> {
         Ok(self.inner.session_mark(session))
     }
+
+    /// The three steps of the default in one call, with no `await` between them: the gate,
+    /// the claim, and the mark check (the gate drops answers outside the session's lock, so
+    /// the check is still needed).
+    async fn claim_in_session(
+        &self,
+        session: &crate::SessionKey,
+        request: crate::SessionRequest,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        label: &crate::inspect::KeyLabel,
+    ) -> Result<crate::SessionClaim, StoreError> {
+        self.inner
+            .claim_in_session(session, request, fingerprint, lease, label)
+    }
 }
 
 impl crate::CheckpointStore for MemoryStore {
