@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use idempotent_core::conformance::{Harness, fresh_key, fresh_session};
 use idempotent_core::session::{MAX_SEQ, MAX_SESSION_WINDOW};
-use idempotent_core::{Claim, Fingerprint, SessionGate, SessionRequest, Store, StoreError};
+use idempotent_core::inspect::KeyLabel;
+use idempotent_core::{
+    Claim, Fingerprint, SessionClaim, SessionGate, SessionRequest, Store, StoreError,
+};
 use idempotent_redis::RedisStore;
 use idempotent_test_kit::backend::{REDIS_CLUSTER_URLS, REDIS_URL, backend_url, redis_url};
 
@@ -745,6 +748,130 @@ async fn without_the_replicas_required_the_session_gate_fails_closed() {
                 "{error}"
             ),
             other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+}
+
+/// A session request's gate and claim (one script) with too few replicas: a claim fails
+/// closed and is released (the same request then takes it over at once), and a refusal that
+/// wrote nothing (expired) is answered.
+#[tokio::test]
+async fn without_the_replicas_required_a_session_claim_fails_closed_and_is_released() {
+    let Some(url) = redis_url() else {
+        return;
+    };
+    let waiting = RedisStore::builder(&url)
+        .replicas(1)
+        .timeout(Duration::from_millis(400))
+        .connect()
+        .await
+        .unwrap();
+    let plain = RedisStore::connect(&url).await.unwrap();
+    let session = fresh_session();
+    let (idle, lease) = (Duration::from_secs(60), Duration::from_secs(30));
+    let f = Fingerprint::from_bytes(b"session replicas");
+    let label = KeyLabel::from_bytes(bytes::Bytes::new());
+    let ask = |store: &RedisStore, seq: u64, ack: u64| {
+        let (store, label) = (store.clone(), label.clone());
+        async move {
+            store
+                .claim_in_session(
+                    &session,
+                    SessionRequest::new(seq, ack, 8, idle),
+                    &f,
+                    lease,
+                    &label,
+                )
+                .await
+        }
+    };
+    assert!(matches!(
+        ask(&waiting, 2, 1).await,
+        Ok(SessionClaim::Refused(SessionGate::Expired))
+    ));
+    match ask(&waiting, 1, 0).await {
+        Err(StoreError::Unavailable(error)) => assert!(
+            error.to_string().contains("acknowledged by 0 of the 1"),
+            "{error}"
+        ),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    match ask(&plain, 1, 0).await {
+        Ok(SessionClaim::Admitted {
+            claim: Claim::TakenOver { .. },
+            ..
+        }) => {}
+        other => panic!("the refused claim was released: expected a takeover, got {other:?}"),
+    }
+}
+
+/// A session claim that lands after its caller stopped waiting (the server was frozen) is
+/// given back through the session's epoch once the server answers: the same request then
+/// takes it over at once instead of waiting out its lease.
+#[tokio::test]
+async fn a_session_claim_whose_caller_stopped_waiting_is_given_back() {
+    let Some(redis) = idempotent_test_kit::redis::PrivateRedis::start("session-give-back").await
+    else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url())
+        .timeout(Duration::from_millis(300))
+        .connect()
+        .await
+        .unwrap();
+    let session = fresh_session();
+    let (idle, lease) = (Duration::from_secs(60), Duration::from_secs(60));
+    let f = Fingerprint::from_bytes(b"session give-back");
+    let label = KeyLabel::from_bytes(bytes::Bytes::new());
+    let ask = |seq: u64| {
+        let (store, label) = (store.clone(), label.clone());
+        async move {
+            store
+                .claim_in_session(
+                    &session,
+                    SessionRequest::new(seq, 0, 8, idle),
+                    &f,
+                    lease,
+                    &label,
+                )
+                .await
+        }
+    };
+    // The session starts, so the request's record is found through its epoch.
+    let epoch = match ask(1).await.unwrap() {
+        SessionClaim::Admitted { epoch, .. } => epoch,
+        other => panic!("request 1: {other:?}"),
+    };
+    let frozen = redis.freeze();
+    let late = tokio::time::timeout(Duration::from_secs(2), ask(2)).await;
+    assert!(
+        matches!(late, Ok(Err(StoreError::Unavailable(_))) | Err(_)),
+        "{late:?}"
+    );
+    drop(frozen);
+    // Thawed: the claim lands, then its give-back; the same request takes it over.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match ask(2).await {
+            Ok(SessionClaim::Admitted {
+                epoch: again,
+                claim: Claim::TakenOver { .. },
+            }) => {
+                assert_eq!(again, epoch);
+                break;
+            }
+            Ok(SessionClaim::Admitted {
+                claim: Claim::InFlight { .. },
+                ..
+            })
+            | Err(StoreError::Unavailable(_)) => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the late claim was not given back within 10 s"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => panic!("request 2 after the thaw: {other:?}"),
         }
     }
 }
