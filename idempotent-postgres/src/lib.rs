@@ -676,6 +676,59 @@ impl SessionStore for PostgresStore {
         Connections::settle(connection, result)
     }
 
+    /// One call of the session claim function (see `migrate`): the gate and, admitted, the
+    /// claim, in one transaction that holds the session's row from the gate to the claim, so
+    /// no check of the mark follows.
+    async fn claim_in_session(
+        &self,
+        session: &SessionKey,
+        request: SessionRequest,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        label: &idempotent_core::inspect::KeyLabel,
+    ) -> Result<idempotent_core::SessionClaim, StoreError> {
+        let params = SessionParams::new(session, request)?;
+        let mut connection = self.connections.get().await?;
+        // Non-negative, so it fits a bigint.
+        let claimant = i64::try_from(idempotent_core::store::claimant()).unwrap_or(i64::MAX);
+        let mut unanswered = Unanswered::new({
+            let (store, session, seq) = (self.clone(), *session, params.seq());
+            Box::new(move || {
+                let store = store.clone();
+                Box::pin(async move {
+                    let mut connection = store.connections.get().await?;
+                    let query = sqlx::query(&store.sql.give_back_in_session)
+                        .bind(session.record_key().record_bytes().as_ref().to_vec())
+                        .bind(claimant)
+                        .bind(seq);
+                    let given = connection
+                        .execute(query)
+                        .await
+                        .map(|done| done.rows_affected() == 1)
+                        .map_err(store_error);
+                    Connections::settle(connection, given)
+                })
+            })
+        });
+        let result = self
+            .sql
+            .claim_in_session_on(
+                &mut connection,
+                &params,
+                fingerprint,
+                lease,
+                claimant,
+                label.as_bytes(),
+            )
+            .await;
+        // An error from the database itself is an answer; one from the connection may
+        // not be: the claim may be made when the database runs again.
+        if !matches!(result, Err(StoreError::Unavailable(_))) {
+            unanswered.answered();
+        }
+        Connections::settle(connection, result)
+    }
+
     /// One read of the session's row: live, and a valid session, or nothing.
     async fn session_mark(
         &self,

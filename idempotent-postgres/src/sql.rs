@@ -15,8 +15,8 @@ use sqlx::postgres::PgRow;
 use super::error::corrupt;
 use idempotent_core::session::SessionError;
 use idempotent_core::{
-    Claim, FencingToken, Fingerprint, RecordBytes, RequestOwner, SessionGate, SessionKey,
-    SessionRequest, StorageKey, StoreError, limits,
+    Claim, FencingToken, Fingerprint, RecordBytes, RequestOwner, SessionClaim, SessionGate,
+    SessionKey, SessionRequest, StorageKey, StoreError, limits,
 };
 
 /// How often a claim is re-run when it lost a race it cannot see (see `claim_on`).
@@ -40,7 +40,7 @@ pub(super) const MAX_MICROS: i64 = {
 /// The SQL of one table, built once per store from its validated name.
 pub(crate) struct Sql {
     pub(crate) table: String,
-    pub(crate) migrate: [String; 7],
+    pub(crate) migrate: [String; 8],
     pub(crate) claim: String,
     /// [`CheckpointStore::resume`](idempotent_core::CheckpointStore::resume): the claim's takeover, and nothing else.
     pub(crate) resume: String,
@@ -50,6 +50,13 @@ pub(crate) struct Sql {
     pub(crate) release_in_transaction: String,
     pub(crate) renew: String,
     pub(crate) give_back: String,
+    /// [`SessionStore::claim_in_session`](idempotent_core::SessionStore::claim_in_session): one
+    /// call of the function `migrate` creates (see [`session_claim_function`]).
+    pub(crate) session_claim: String,
+    /// The give-back of a session claim whose caller stopped waiting: `$1` the session's own
+    /// storage key, `$2` the claimant, `$3` the request's `seq`; its record is found through the
+    /// session's epoch.
+    pub(crate) give_back_in_session: String,
     pub(crate) reap: String,
     pub(crate) open_session: String,
     pub(crate) session_mark: String,
@@ -104,6 +111,43 @@ impl Sql {
                  AND coalesce({row}kept_until, {row}expires_at) > clock_timestamp()"
             )
         };
+        let claim = format!(
+            "WITH live AS (\
+                 SELECT state, fingerprint, payload, \
+                 greatest((EXTRACT(EPOCH FROM expires_at - clock_timestamp()) * 1000000)::int8, 0) AS remaining_us \
+                 FROM {t} WHERE storage_key = $1 AND ({live} OR {pinned})\
+             ), claimed AS (\
+                 INSERT INTO {t} AS r (storage_key, state, fingerprint, token, lifetime, payload, \
+                 expires_at, kept_until, claimant, label, released, attempts, since) \
+                 SELECT $1, 'in_flight', $2, nextval('{seq}'), NULL, NULL, {lease}, {kept_for}, $5, \
+                 $6, false, 1, clock_timestamp() \
+                 WHERE NOT EXISTS (SELECT FROM live) \
+                 ON CONFLICT (storage_key) DO UPDATE \
+                 SET state = 'in_flight', fingerprint = excluded.fingerprint, \
+                 token = greatest(nextval('{seq}'), r.token + 1), \
+                 (lifetime, steps, request) = (\
+                     SELECT coalesce(r.lifetime, r.token), r.steps, r.request \
+                     WHERE r.state = 'in_flight' AND r.fingerprint = excluded.fingerprint \
+                     AND coalesce(r.kept_until, r.expires_at) > clock_timestamp()), \
+                 label = CASE WHEN {continued} THEN r.label ELSE excluded.label END, \
+                 attempts = CASE WHEN {continued} THEN least(r.attempts, 2147483646) + 1 ELSE 1 END, \
+                 payload = NULL, expires_at = {lease}, kept_until = {kept_for}, \
+                 claimant = excluded.claimant, released = false, since = clock_timestamp() \
+                 WHERE r.expires_at <= clock_timestamp() AND NOT ({pinned_r}) \
+                 RETURNING r.token, coalesce(r.lifetime, r.token) AS lifetime\
+             ) \
+             SELECT 'claimed'::text AS state, token, lifetime, NULL::bytea AS fingerprint, \
+             NULL::bytea AS payload, NULL::int8 AS remaining_us FROM claimed \
+             UNION ALL \
+             SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live",
+            lease = until("$3"),
+            kept_for = until("greatest($3, $4)"),
+            pinned = pinned("", "$2"),
+            pinned_r = pinned("r.", "excluded.fingerprint"),
+            continued = "r.state = 'in_flight' AND r.fingerprint = excluded.fingerprint \
+                 AND coalesce(r.kept_until, r.expires_at) > clock_timestamp()",
+        );
+        let session_fn = qualify(&format!("{name}_session_claim"));
         Ok(Sql {
             table: table.to_owned(),
             migrate: [
@@ -176,47 +220,15 @@ impl Sql {
                      END IF; \
                      END $$"
                 ),
+                // The session claim (0.4): replaced on every migrate, so it is always the
+                // gate and claim of this version.
+                session_claim_function(&session_fn, &open_session(&t, &seq), &claim),
             ],
             // A row is reported (`live`) while its lease or TTL lasts, and so is an abandoned
             // claim of another request while it is kept (`pinned`, nobody holding its lease):
             // the key is that request's for the record's whole life. The update refuses such a
             // row too, so a claim whose snapshot missed it runs again and reports it.
-            claim: format!(
-                "WITH live AS (\
-                     SELECT state, fingerprint, payload, \
-                     greatest((EXTRACT(EPOCH FROM expires_at - clock_timestamp()) * 1000000)::int8, 0) AS remaining_us \
-                     FROM {t} WHERE storage_key = $1 AND ({live} OR {pinned})\
-                 ), claimed AS (\
-                     INSERT INTO {t} AS r (storage_key, state, fingerprint, token, lifetime, payload, \
-                     expires_at, kept_until, claimant, label, released, attempts, since) \
-                     SELECT $1, 'in_flight', $2, nextval('{seq}'), NULL, NULL, {lease}, {kept_for}, $5, \
-                     $6, false, 1, clock_timestamp() \
-                     WHERE NOT EXISTS (SELECT FROM live) \
-                     ON CONFLICT (storage_key) DO UPDATE \
-                     SET state = 'in_flight', fingerprint = excluded.fingerprint, \
-                     token = greatest(nextval('{seq}'), r.token + 1), \
-                     (lifetime, steps, request) = (\
-                         SELECT coalesce(r.lifetime, r.token), r.steps, r.request \
-                         WHERE r.state = 'in_flight' AND r.fingerprint = excluded.fingerprint \
-                         AND coalesce(r.kept_until, r.expires_at) > clock_timestamp()), \
-                     label = CASE WHEN {continued} THEN r.label ELSE excluded.label END, \
-                     attempts = CASE WHEN {continued} THEN least(r.attempts, 2147483646) + 1 ELSE 1 END, \
-                     payload = NULL, expires_at = {lease}, kept_until = {kept_for}, \
-                     claimant = excluded.claimant, released = false, since = clock_timestamp() \
-                     WHERE r.expires_at <= clock_timestamp() AND NOT ({pinned_r}) \
-                     RETURNING r.token, coalesce(r.lifetime, r.token) AS lifetime\
-                 ) \
-                 SELECT 'claimed'::text AS state, token, lifetime, NULL::bytea AS fingerprint, \
-                 NULL::bytea AS payload, NULL::int8 AS remaining_us FROM claimed \
-                 UNION ALL \
-                 SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live",
-                lease = until("$3"),
-                kept_for = until("greatest($3, $4)"),
-                pinned = pinned("", "$2"),
-                pinned_r = pinned("r.", "excluded.fingerprint"),
-                continued = "r.state = 'in_flight' AND r.fingerprint = excluded.fingerprint \
-                     AND coalesce(r.kept_until, r.expires_at) > clock_timestamp()",
-            ),
+            claim,
             // The claim's takeover of an abandoned claim of the same request, and nothing else:
             // no row when the key holds no such record (absent, expired, another request's).
             resume: format!(
@@ -290,6 +302,19 @@ impl Sql {
                      LIMIT $2 FOR UPDATE SKIP LOCKED)"
             ),
             open_session: open_session(&t, &seq),
+            session_claim: format!(
+                "SELECT o_gate AS gate, o_epoch AS epoch, o_mark AS mark, o_state AS state, \
+                 o_token AS token, o_lifetime AS lifetime, o_fingerprint AS fingerprint, \
+                 o_payload AS payload, o_remaining_us AS remaining_us \
+                 FROM {session_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+            ),
+            give_back_in_session: format!(
+                "UPDATE {t} SET expires_at = clock_timestamp(), released = true \
+                 WHERE storage_key = substring($1 from 1 for 32) || int8send((\
+                     SELECT claimant FROM {t} WHERE storage_key = $1 AND state = 'session')) \
+                     || int8send($3) \
+                 AND claimant = $2 AND state = 'in_flight' AND {live}"
+            ),
             session_mark: format!(
                 "SELECT state, token, claimant FROM {t} \
                  WHERE storage_key = $1 AND expires_at > clock_timestamp()"
@@ -462,6 +487,58 @@ impl Sql {
         ))
     }
 
+    /// The session claim function on `connection` (see [`session_claim_function`]).
+    pub(crate) async fn claim_in_session_on(
+        &self,
+        connection: &mut PgConnection,
+        params: &SessionParams,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        claimant: i64,
+        label: &[u8],
+    ) -> Result<SessionClaim, StoreError> {
+        let query = sqlx::query(&self.session_claim)
+            .bind(params.record.as_ref())
+            .bind(params.seq)
+            .bind(params.ack)
+            .bind(params.window)
+            .bind(params.idle)
+            .bind(fingerprint.as_bytes().as_slice())
+            .bind(micros(limits::clamp_lease(lease)))
+            .bind(claimant)
+            .bind(label);
+        let row = (&mut *connection)
+            .fetch_one(query)
+            .await
+            .map_err(store_error)?;
+        let gate: Option<String> = row.try_get("gate").map_err(store_error)?;
+        match gate.as_deref() {
+            Some("open") => {
+                let epoch: Option<i64> = row.try_get("epoch").map_err(store_error)?;
+                let epoch = epoch
+                    .and_then(|n| u64::try_from(n).ok())
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| corrupt("session epoch"))?;
+                Ok(SessionClaim::Admitted {
+                    epoch,
+                    claim: decode_claim(&row)?,
+                })
+            }
+            Some("lost") => Err(StoreError::Backend(
+                format!("claim lost {CLAIM_ATTEMPTS} races in a row; giving up").into(),
+            )),
+            _ => match decode_gate(&row)? {
+                Some(SessionGate::Open { .. }) => {
+                    Err(corrupt("a session gate opened without a claim"))
+                }
+                Some(refused) => Ok(SessionClaim::Refused(refused)),
+                None => Err(StoreError::Backend(
+                    format!("session gate lost {CLAIM_ATTEMPTS} races in a row; giving up").into(),
+                )),
+            },
+        }
+    }
+
     /// Runs a token-guarded update; one row changed means the caller held the claim.
     pub(crate) async fn guarded<'q>(
         &self,
@@ -583,6 +660,108 @@ fn open_session(t: &str, seq: &str) -> String {
     )
 }
 
+/// The function `name` (created by `migrate`) that makes
+/// [`SessionStore::claim_in_session`](idempotent_core::SessionStore::claim_in_session) one call
+/// and one transaction: the session gate statement `gate` ([`open_session`], its parameters
+/// the function's `$1` to `$5`), then, when it admits the request, the claim statement `claim`
+/// of the request's row `digest ‖ epoch ‖ seq`, with `$6` the fingerprint, `$7` the lease,
+/// the idle time `$5` as its TTL, `$8` the claimant and `$9` the label. Each statement runs
+/// again while it loses a race it cannot see (`retry`, or no row), as the store runs them on
+/// their own; each run takes a new snapshot (`READ COMMITTED`).
+///
+/// The gate locks the session's row (`FOR UPDATE`) until the call's transaction ends, after the
+/// claim: no other request of the session passes its gate in between, so no `ack` can drop the
+/// request's answer between the gate and the claim, and no check of the mark follows.
+///
+/// It answers one row: `o_gate` and the gate's `o_epoch` and `o_mark`, and when admitted
+/// (`open`) the claim's columns (`o_state` and the rest, as the claim statement answers them);
+/// `lost` when the claim lost every race.
+fn session_claim_function(name: &str, gate: &str, claim: &str) -> String {
+    let (gate, from) = gate
+        .rsplit_once(" FROM known AS k LEFT JOIN decided AS d ON true")
+        .expect("the gate statement ends with its answer");
+    assert!(from.is_empty(), "the gate's answer is its last clause");
+    // The claim's parameters, as the function's.
+    let claim = renumber(claim, |n| match n {
+        1 => "v_key".to_owned(),
+        2 => "$6".to_owned(),
+        3 => "$7".to_owned(),
+        4 => "$5".to_owned(),
+        5 => "$8".to_owned(),
+        6 => "$9".to_owned(),
+        other => panic!("the claim statement has no parameter ${other}"),
+    });
+    let admitted = "'open'::text, v_gate.epoch, v_gate.mark,";
+    let claim = claim
+        .replacen(
+            "SELECT 'claimed'::text AS state,",
+            &format!("SELECT {admitted} 'claimed'::text AS state,"),
+            1,
+        )
+        .replacen(
+            "SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live",
+            &format!(
+                "SELECT {admitted} state, NULL, NULL, fingerprint, payload, remaining_us FROM live"
+            ),
+            1,
+        );
+    assert_eq!(
+        claim.matches(admitted).count(),
+        2,
+        "the claim's two answers"
+    );
+    let nothing = "NULL::text, NULL::int8, NULL::int8, NULL::bytea, NULL::bytea, NULL::int8";
+    format!(
+        "CREATE OR REPLACE FUNCTION {name}(bytea, int8, int8, int8, int8, bytea, int8, int8, bytea) \
+         RETURNS TABLE (o_gate text, o_epoch int8, o_mark int8, o_state text, o_token int8, \
+         o_lifetime int8, o_fingerprint bytea, o_payload bytea, o_remaining_us int8) \
+         LANGUAGE plpgsql VOLATILE AS $fn$\n\
+         #variable_conflict use_column\n\
+         DECLARE v_gate record; v_key bytea;\n\
+         BEGIN\n\
+         FOR attempt IN 1..{CLAIM_ATTEMPTS} LOOP\n\
+         {gate} INTO v_gate FROM known AS k LEFT JOIN decided AS d ON true;\n\
+         EXIT WHEN v_gate.gate IS DISTINCT FROM 'retry';\n\
+         END LOOP;\n\
+         IF v_gate.gate IS DISTINCT FROM 'open' THEN\n\
+         RETURN QUERY SELECT v_gate.gate, v_gate.epoch, v_gate.mark, {nothing};\n\
+         RETURN;\n\
+         END IF;\n\
+         v_key := substring($1 from 1 for 32) || int8send(v_gate.epoch) || int8send($2);\n\
+         FOR attempt IN 1..{CLAIM_ATTEMPTS} LOOP\n\
+         RETURN QUERY {claim};\n\
+         IF FOUND THEN RETURN; END IF;\n\
+         END LOOP;\n\
+         RETURN QUERY SELECT 'lost'::text, v_gate.epoch, v_gate.mark, {nothing};\n\
+         END\n\
+         $fn$"
+    )
+}
+
+/// `sql` with each parameter `$n` replaced by `to(n)`.
+fn renumber(sql: &str, to: impl Fn(usize) -> String) -> String {
+    let mut out = String::with_capacity(sql.len());
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let digits = rest[at + 1..]
+            .bytes()
+            .take_while(u8::is_ascii_digit)
+            .count();
+        if digits == 0 {
+            out.push('$');
+        } else {
+            let n = rest[at + 1..at + 1 + digits]
+                .parse()
+                .expect("a parameter's number");
+            out.push_str(&to(n));
+        }
+        rest = &rest[at + 1 + digits..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// The columns an operator reads of a record (see `inspect::record_info`).
 const INSPECTED: &str = "storage_key, state, fingerprint, token, label, \
      coalesce(released, false) AS released, coalesce(attempts, 0) AS attempts, payload, \
@@ -656,6 +835,11 @@ pub(crate) struct SessionParams {
 }
 
 impl SessionParams {
+    /// The request's `seq`, as bound.
+    pub(crate) fn seq(&self) -> i64 {
+        self.seq
+    }
+
     /// Refuses a `seq` or `ack` above [`MAX_SEQ`](idempotent_core::session::MAX_SEQ), which the runtime
     /// never sends; a window that large admits the same requests as any larger one.
     pub(crate) fn new(session: &SessionKey, request: SessionRequest) -> Result<Self, StoreError> {

@@ -833,3 +833,71 @@ async fn a_refused_repair_leaves_the_row_to_its_owner() {
     .await;
     assert!(matches!(completed, Ok(Ok(()))), "{completed:?}");
 }
+
+/// A session claim (one call of the session claim function) that lands after its caller
+/// stopped waiting (the database was frozen) is given back through the session's epoch once
+/// the database answers: the same request then takes it over, or claims it anew if the
+/// database never committed it, instead of waiting out its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_claim_whose_caller_stopped_waiting_is_given_back() {
+    use idempotent_core::SessionClaim;
+    use idempotent_core::inspect::KeyLabel;
+    let Some(postgres) = idempotent_test_kit::postgres::PrivatePostgres::start().await else {
+        return;
+    };
+    let store = PostgresStore::connect(&postgres.url()).await.unwrap();
+    store.migrate().await.unwrap();
+    let session = fresh_session();
+    let (idle, lease) = (Duration::from_secs(60), Duration::from_secs(60));
+    let f = Fingerprint::from_bytes(b"session give-back");
+    let label = KeyLabel::from_bytes(Bytes::new());
+    let ask = |seq: u64| {
+        let (store, label) = (store.clone(), label.clone());
+        async move {
+            store
+                .claim_in_session(
+                    &session,
+                    SessionRequest::new(seq, 0, 8, idle),
+                    &f,
+                    lease,
+                    &label,
+                )
+                .await
+        }
+    };
+    // The session starts, so the request's record is found through its epoch.
+    let epoch = match ask(1).await.unwrap() {
+        SessionClaim::Admitted { epoch, .. } => epoch,
+        other => panic!("request 1: {other:?}"),
+    };
+    let frozen = postgres.freeze();
+    let late = tokio::time::timeout(Duration::from_millis(500), ask(2)).await;
+    assert!(late.is_err(), "the frozen database answered: {late:?}");
+    drop(frozen);
+    // Thawed: the claim lands (or is rolled back with its connection), then its give-back;
+    // the same request holds it at once.
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        match ask(2).await {
+            Ok(SessionClaim::Admitted {
+                epoch: again,
+                claim: Claim::TakenOver { .. } | Claim::Claimed(_),
+            }) => {
+                assert_eq!(again, epoch);
+                break;
+            }
+            Ok(SessionClaim::Admitted {
+                claim: Claim::InFlight { .. },
+                ..
+            })
+            | Err(StoreError::Unavailable(_)) => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the late claim was not given back within 15 s"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => panic!("request 2 after the thaw: {other:?}"),
+        }
+    }
+}

@@ -8,8 +8,8 @@ use idempotent_core::{CheckpointStore, SessionStore};
 use std::time::Duration;
 
 use idempotent_core::conformance::{Harness, fresh_key, fresh_session};
-use idempotent_core::session::{MAX_SEQ, MAX_SESSION_WINDOW};
 use idempotent_core::inspect::KeyLabel;
+use idempotent_core::session::{MAX_SEQ, MAX_SESSION_WINDOW};
 use idempotent_core::{
     Claim, Fingerprint, SessionClaim, SessionGate, SessionRequest, Store, StoreError,
 };
