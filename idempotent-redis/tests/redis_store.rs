@@ -814,7 +814,7 @@ async fn a_session_claim_whose_caller_stopped_waiting_is_given_back() {
     else {
         return;
     };
-    let store = RedisStore::builder(&redis.url())
+    let store = RedisStore::builder(redis.url())
         .timeout(Duration::from_millis(300))
         .connect()
         .await
