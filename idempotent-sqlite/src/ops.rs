@@ -7,8 +7,8 @@ use bytes::Bytes;
 use idempotent_core::session::{MAX_SEQ, SessionState};
 use idempotent_core::steps::Abandoned;
 use idempotent_core::{
-    Claim, FencingToken, Fingerprint, RequestOwner, SessionGate, SessionKey, SessionMark,
-    SessionRequest, StorageKey, StoreError, limits,
+    Claim, FencingToken, Fingerprint, RequestOwner, SessionClaim, SessionGate, SessionKey,
+    SessionMark, SessionRequest, StorageKey, StoreError, limits,
 };
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::SqliteConnection;
@@ -409,6 +409,56 @@ impl Inner {
             self.changed.notify_waiters();
         }
         Ok(gate)
+    }
+
+    /// [`SessionStore::claim_in_session`](idempotent_core::SessionStore::claim_in_session)
+    /// as one write transaction: the gate, then, admitted, the claim of the request's record
+    /// with `label`, both under the write lock (no other request's `ack` comes between them,
+    /// so no check of the mark follows).
+    pub(crate) async fn claim_in_session(
+        &self,
+        session: &SessionKey,
+        request: SessionRequest,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        label: &[u8],
+    ) -> Result<SessionClaim, StoreError> {
+        let doing = "claiming in a session";
+        if request.seq > MAX_SEQ || request.ack > MAX_SEQ {
+            return Err(StoreError::Backend(
+                format!("session request out of range: {request:?}").into(),
+            ));
+        }
+        let window = request.window.min(MAX_SEQ);
+        let mut tx = self.begin(doing).await?;
+        let claimed = async {
+            let (gate, dropped) = self
+                .gate_under_lock(&mut tx, session, request, window)
+                .await?;
+            let SessionGate::Open { epoch } = gate else {
+                return Ok((SessionClaim::Refused(gate), dropped));
+            };
+            let record = session.seq_key(epoch, request.seq).record_bytes();
+            let claim = self
+                .claim_under_lock(
+                    &mut tx,
+                    record.as_ref(),
+                    fingerprint,
+                    (lease, request.idle),
+                    (false, Some(label)),
+                )
+                .await?
+                .ok_or_else(|| {
+                    StoreError::Backend("a claim answered that there was nothing to resume".into())
+                })?;
+            Ok((SessionClaim::Admitted { epoch, claim }, dropped))
+        }
+        .await;
+        let (claimed, dropped) = tx.finish(claimed, doing).await?;
+        if dropped {
+            self.changed.notify_waiters();
+        }
+        Ok(claimed)
     }
 
     /// The gate's rules on the session's row, under the write lock: the gate, and whether

@@ -10,8 +10,8 @@ use bytes::Bytes;
 use idempotent_core::inspect::KeyLabel;
 use idempotent_core::steps::Abandoned;
 use idempotent_core::{
-    CheckpointStore, Claim, FencingToken, Fingerprint, RequestOwner, SessionGate, SessionKey,
-    SessionMark, SessionRequest, SessionStore, StorageKey, Store, StoreError,
+    CheckpointStore, Claim, FencingToken, Fingerprint, RequestOwner, SessionClaim, SessionGate,
+    SessionKey, SessionMark, SessionRequest, SessionStore, StorageKey, Store, StoreError,
 };
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
@@ -712,6 +712,50 @@ impl SessionStore for SqliteStore {
         let session = *session;
         self.spawned(move |inner| async move { inner.open_session(&session, request).await })
             .await
+    }
+
+    /// The gate and the claim in one write transaction, on a task of its own. A claim whose
+    /// caller left before its answer is given back as a claim of a key is (see
+    /// [`claim`](Store::claim)).
+    async fn claim_in_session(
+        &self,
+        session: &SessionKey,
+        request: SessionRequest,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        label: &KeyLabel,
+    ) -> Result<SessionClaim, StoreError> {
+        let inner = Arc::clone(&self.inner);
+        let (session, fingerprint, label) = (*session, *fingerprint, label.as_bytes().clone());
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let result = inner
+                .claim_in_session(&session, request, &fingerprint, lease, &label)
+                .await;
+            if let Err(Ok(SessionClaim::Admitted {
+                epoch,
+                claim: Claim::Claimed(token) | Claim::TakenOver { token, .. },
+            })) = answer.send(result)
+            {
+                let key = session.seq_key(epoch, request.seq);
+                match inner.release(&key, token).await {
+                    Ok(()) => tracing::debug!(
+                        key = %key,
+                        "gave back a session claim whose caller stopped waiting for it"
+                    ),
+                    Err(error) => tracing::warn!(
+                        key = %key,
+                        error = &error as &dyn std::error::Error,
+                        "could not give back a session claim whose caller stopped waiting; it lapses with its lease"
+                    ),
+                }
+            }
+        });
+        answered.await.unwrap_or_else(|_| {
+            Err(StoreError::Backend(
+                "a SQLite session claim's task ended without an answer".into(),
+            ))
+        })
     }
 
     async fn session_mark(&self, session: &SessionKey) -> Result<Option<SessionMark>, StoreError> {

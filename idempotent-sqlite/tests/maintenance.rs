@@ -312,6 +312,63 @@ async fn a_claim_whose_caller_left_is_given_back_when_it_lands() {
     }
 }
 
+/// The same for a session request's gate and claim (one transaction): the claim that lands
+/// after its caller left is given back, and the retry takes it over at once.
+#[tokio::test]
+async fn a_session_claim_whose_caller_left_is_given_back_when_it_lands() {
+    use idempotent_core::SessionClaim;
+    use idempotent_core::inspect::KeyLabel;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("session-give-back.db");
+    let store = SqliteStore::builder(&path)
+        .busy_timeout(Duration::from_secs(20))
+        .reap_every(None)
+        .build()
+        .await
+        .unwrap();
+    let session = fresh_session();
+    let f = Fingerprint::from_bytes(b"request");
+    let label = KeyLabel::from_bytes(Bytes::new());
+    let ask = || {
+        store.claim_in_session(
+            &session,
+            SessionRequest::new(1, 0, 8, MINUTE),
+            &f,
+            MINUTE,
+            &label,
+        )
+    };
+    let mut holder = raw(&path).await;
+    holder.execute("BEGIN IMMEDIATE").await.unwrap();
+    let gave_up = tokio::time::timeout(Duration::from_millis(300), ask()).await;
+    assert!(
+        gave_up.is_err(),
+        "the claim waited for the lock: {gave_up:?}"
+    );
+    holder.execute("ROLLBACK").await.unwrap();
+    // The claim lands, then its lease is ended: the retry takes it over.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match ask().await {
+            Ok(SessionClaim::Admitted {
+                claim: Claim::TakenOver { token, lifetime },
+                ..
+            }) => {
+                assert!(lifetime < token);
+                break;
+            }
+            Ok(SessionClaim::Admitted {
+                claim: Claim::InFlight { .. },
+                ..
+            }) => {
+                assert!(Instant::now() < deadline, "the claim was never given back");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            other => panic!("expected the given-back claim taken over, got {other:?}"),
+        }
+    }
+}
+
 #[tokio::test]
 async fn waiting_for_a_change_wakes_on_a_completion_or_a_release() {
     let dir = tempfile::tempdir().unwrap();
