@@ -278,6 +278,10 @@ fn http(options: &Options) -> Result<bool, String> {
     if !prefilled.is_empty() {
         println!("{}", report::prefilled_table(&records, &fills));
     }
+    println!(
+        "The summary's ratios (BENCHMARKS.md):\n\n{}",
+        report::goals_table(&records, &limit_records)
+    );
     if !skipped.is_empty() {
         println!(
             "Not run: {} (peer crates not compiled in).\n",

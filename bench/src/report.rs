@@ -110,6 +110,116 @@ pub(crate) fn limit_table(limits: &[LimitRecord], rows: &[HttpRecord]) -> String
     out
 }
 
+/// The ratios BENCHMARKS.md's summary tracks (issue 43's table), each from this run's rows:
+/// the layer against the bare handler on the memory store, against the store's own tool
+/// (`redis-benchmark`, `pgbench`) on Redis and PostgreSQL, a session request against a
+/// request with a key, and the memory store with records already in it against an empty one.
+/// A ratio whose rows did not run is left out.
+pub(crate) fn goals_table(records: &[HttpRecord], limits: &[LimitRecord]) -> String {
+    let layer = |scenario: &str, store: &str, prefilled: bool| {
+        records
+            .iter()
+            .find(|r| {
+                r.implementation == "idempotent-tower"
+                    && r.scenario == scenario
+                    && r.store == store
+                    && (r.prefilled > 0) == prefilled
+            })
+            .map(|r| r.rps)
+    };
+    let bare = records
+        .iter()
+        .find(|r| r.implementation == "bare" && r.prefilled == 0)
+        .map(|r| r.rps);
+    let limit = |tool: &str, scenario: &str| {
+        limits
+            .iter()
+            .find(|l| l.implementation == tool && l.scenario == scenario)
+            .map(|l| l.rps)
+    };
+    let prefilled = records
+        .iter()
+        .find(|r| {
+            r.implementation == "idempotent-tower"
+                && r.scenario == "fresh"
+                && r.store == "memory"
+                && r.prefilled > 0
+        })
+        .map_or_else(String::new, |r| crate::rows::count_name(r.prefilled));
+    let prefilled_name = format!("memory fresh, {prefilled} records before / none");
+    let ratios: [(&str, Option<f64>, Option<f64>, &str); 10] = [
+        (
+            "memory fresh / bare",
+            layer("fresh", "memory", false),
+            bare,
+            "≥ 0.85",
+        ),
+        (
+            "memory replay / bare",
+            layer("replay", "memory", false),
+            bare,
+            "≥ 0.95",
+        ),
+        (
+            "Redis fresh / `redis-benchmark` fresh",
+            layer("fresh", "redis", false),
+            limit("redis-benchmark", "fresh"),
+            "≥ 0.8",
+        ),
+        (
+            "Redis replay / `redis-benchmark` replay",
+            layer("replay", "redis", false),
+            limit("redis-benchmark", "replay"),
+            "≥ 0.35",
+        ),
+        (
+            "PostgreSQL fresh / `pgbench` fresh",
+            layer("fresh", "postgres", false),
+            limit("pgbench", "fresh"),
+            "≥ 0.85",
+        ),
+        (
+            "PostgreSQL replay / `pgbench` replay",
+            layer("replay", "postgres", false),
+            limit("pgbench", "replay"),
+            "≥ 0.7",
+        ),
+        (
+            "memory session / fresh",
+            layer("session", "memory", false),
+            layer("fresh", "memory", false),
+            "≥ 0.95",
+        ),
+        (
+            "Redis session / fresh",
+            layer("session", "redis", false),
+            layer("fresh", "redis", false),
+            "≥ 0.85",
+        ),
+        (
+            "PostgreSQL session / fresh",
+            layer("session", "postgres", false),
+            layer("fresh", "postgres", false),
+            "≥ 0.85",
+        ),
+        (
+            prefilled_name.as_str(),
+            layer("fresh", "memory", true),
+            layer("fresh", "memory", false),
+            "≥ 0.9",
+        ),
+    ];
+    let mut out = String::from("| ratio | this run | goal |\n|---|---:|---:|\n");
+    for (name, over, under, goal) in ratios {
+        if let (Some(over), Some(under)) = (over, under)
+            && under > 0.0
+        {
+            out.push_str(&format!("| {name} | {:.2} | {goal} |\n", over / under));
+        }
+    }
+    out
+}
+
 /// One row of the HTTP benchmark (the median round of `rounds`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) struct HttpRecord {
@@ -540,6 +650,48 @@ mod tests {
             last.starts_with("| pgbench | replay | memory | 2,000 | 75 % | 1,000 | 50 % |"),
             "{table}"
         );
+    }
+
+    #[test]
+    fn the_goals_table_divides_the_rows_it_names_and_leaves_out_the_rest() {
+        let http = |implementation: &str, scenario: &str, store: &str, rps: u64, prefilled| {
+            let mut record = summarize(row(), &[(Traffic::sample(rps, 0, 1, 1), good_audit())]);
+            record.implementation = implementation.into();
+            record.scenario = scenario.into();
+            record.store = store.into();
+            record.prefilled = prefilled;
+            record
+        };
+        let records = [
+            http("bare", "none", "none", 1000, 0),
+            http("idempotent-tower", "fresh", "memory", 800, 0),
+            http("idempotent-tower", "session", "memory", 760, 0),
+            http("idempotent-tower", "fresh", "memory", 720, 1_000_000),
+            http("idempotent-tower", "fresh", "postgres", 300, 0),
+        ];
+        let pgbench =
+            LimitRecord::summarize(["pgbench", "fresh", "postgres"], 16, 3, &[(400.0, 0.5)]);
+        let table = goals_table(&records, &[pgbench]);
+        assert!(
+            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| memory session / fresh | 0.95 | ≥ 0.95 |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| PostgreSQL fresh / `pgbench` fresh | 0.75 | ≥ 0.85 |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| memory fresh, 1M records before / none | 0.90 | ≥ 0.9 |"),
+            "{table}"
+        );
+        // No replay rows, no Redis rows: those ratios are left out.
+        assert!(!table.contains("replay"), "{table}");
+        assert!(!table.contains("Redis"), "{table}");
+        assert_eq!(table.lines().count(), 2 + 4, "{table}");
     }
 
     #[test]

@@ -40,7 +40,7 @@ pub(super) const MAX_MICROS: i64 = {
 /// The SQL of one table, built once per store from its validated name.
 pub(crate) struct Sql {
     pub(crate) table: String,
-    pub(crate) migrate: [String; 8],
+    pub(crate) migrate: [String; 9],
     pub(crate) claim: String,
     /// [`CheckpointStore::resume`](idempotent_core::CheckpointStore::resume): the claim's takeover, and nothing else.
     pub(crate) resume: String,
@@ -100,6 +100,9 @@ impl Sql {
         let until = |param: &str| format!("clock_timestamp() + {param} * interval '1 microsecond'");
         let owned = "storage_key = $1 AND token = $2 AND state = 'in_flight'";
         let live = "expires_at > clock_timestamp()";
+        // A session's row is live until the end of its idle time (`idle_until`, exact), its
+        // `expires_at` (rewritten once per half idle time) for rows written before 0.4.
+        let session_live = SESSION_LIVE;
         // Until when a row is kept: the later of its lease or TTL and the TTL an abandoned
         // claim is kept for (`greatest` skips a NULL `kept_until`: rows written before it).
         let kept = "greatest(kept_until, expires_at)";
@@ -220,6 +223,17 @@ impl Sql {
                      END IF; \
                      END $$"
                 ),
+                // The exact end of a session's idle time (0.4), so that its row's indexed
+                // `expires_at` is rewritten once per half idle time rather than by every
+                // request. Checked first, like the ones above.
+                format!(
+                    "DO $$ BEGIN \
+                     IF NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = '{t}'::regclass \
+                         AND attname = 'idle_until' AND NOT attisdropped) THEN \
+                         ALTER TABLE {t} ADD COLUMN IF NOT EXISTS idle_until timestamptz; \
+                     END IF; \
+                     END $$"
+                ),
                 // The session claim (0.4): replaced on every migrate, so it is always the
                 // gate and claim of this version.
                 session_claim_function(&session_fn, &open_session(&t, &seq), &claim),
@@ -317,7 +331,7 @@ impl Sql {
             ),
             session_mark: format!(
                 "SELECT state, token, claimant FROM {t} \
-                 WHERE storage_key = $1 AND expires_at > clock_timestamp()"
+                 WHERE storage_key = $1 AND {session_live}"
             ),
             save_step: format!(
                 "UPDATE {t} SET steps = coalesce(steps, ''::bytea) || $3 WHERE {owned} AND {live}"
@@ -388,7 +402,7 @@ impl Sql {
             repair_forget: format!("DELETE FROM {t} WHERE storage_key = $1"),
             session_state: format!(
                 "SELECT state, token, lifetime, claimant FROM {t} \
-                 WHERE storage_key = $1 AND expires_at > clock_timestamp()"
+                 WHERE storage_key = $1 AND {session_live}"
             ),
         })
     }
@@ -507,10 +521,21 @@ impl Sql {
             .bind(micros(limits::clamp_lease(lease)))
             .bind(claimant)
             .bind(label);
-        let row = (&mut *connection)
-            .fetch_one(query)
-            .await
-            .map_err(store_error)?;
+        let row = match (&mut *connection).fetch_one(query).await {
+            Ok(row) => row,
+            // A table migrated by an older release.
+            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("42883") => {
+                return Err(StoreError::Backend(
+                    format!(
+                        "the session claim function of table {} is missing ({error}): run \
+                         PostgresStore::migrate",
+                        self.table
+                    )
+                    .into(),
+                ));
+            }
+            Err(error) => return Err(store_error(error)),
+        };
         let gate: Option<String> = row.try_get("gate").map_err(store_error)?;
         match gate.as_deref() {
             Some("open") => {
@@ -565,9 +590,14 @@ impl Sql {
 /// `expired`, `corrupt`, or `retry`: run it again), `epoch` and `mark`.
 ///
 /// The session is a row of the table at its own key: `state = 'session'`, `token` its
-/// acknowledged mark, `lifetime` the highest `seq` admitted, `claimant` its epoch, `expires_at`
-/// the end of its idle time, an empty `fingerprint`, no `payload` and no `kept_until` (so the
-/// reaper deletes it once it expired like any row). Its requests' rows are at
+/// acknowledged mark, `lifetime` the highest `seq` admitted, `claimant` its epoch,
+/// `idle_until` the exact end of its idle time, an empty `fingerprint`, no `payload` and no
+/// `kept_until`. Its `expires_at` (indexed, for the reaper) is at least `idle_until`: set to one
+/// and a half idle times from now whenever it has less than the idle time left, so it is
+/// rewritten once per half idle time rather than by every request, and an update that leaves
+/// it (and every other indexed column) alone can stay on its page (a HOT update, no index
+/// entries). The reaper deletes the row once `expires_at` passed, like any row; the session
+/// is live until `idle_until` (a row written before 0.4, without it, until `expires_at`). Its requests' rows are at
 /// `digest ‖ epoch ‖ seq` (big-endian), so one epoch's requests are a range of the primary key.
 ///
 /// Step by step:
@@ -596,11 +626,11 @@ fn open_session(t: &str, seq: &str) -> String {
     let max_us = MAX_MICROS;
     format!(
         "WITH locked AS (\
-             SELECT state, token, lifetime, claimant, expires_at FROM {t} \
+             SELECT state, token, lifetime, claimant, expires_at, idle_until FROM {t} \
              WHERE storage_key = $1 FOR UPDATE\
          ), known AS (\
              SELECT l.state IS NOT NULL AS present, \
-             coalesce(l.expires_at > clock_timestamp(), false) AS live, \
+             coalesce(coalesce(l.idle_until, l.expires_at) > clock_timestamp(), false) AS live, \
              coalesce(l.state = 'session' AND l.token BETWEEN 0 AND {max} \
                  AND l.lifetime BETWEEN 0 AND {max} AND l.claimant > 0, false) AS valid, \
              l.token AS mark, l.lifetime AS high, l.claimant AS epoch, \
@@ -620,14 +650,16 @@ fn open_session(t: &str, seq: &str) -> String {
              FROM step\
          ), saved AS (\
              INSERT INTO {t} AS r (storage_key, state, fingerprint, token, lifetime, payload, \
-             expires_at, kept_until, claimant) \
+             expires_at, kept_until, claimant, idle_until) \
              SELECT $1, 'session', ''::bytea, mark, \
              CASE WHEN gate = 'open' THEN greatest(old_high, $2) ELSE old_high END, \
-             NULL, until, NULL, epoch FROM decided \
+             NULL, longer, NULL, epoch, until FROM decided \
              ON CONFLICT (storage_key) DO UPDATE \
              SET state = excluded.state, fingerprint = excluded.fingerprint, \
              token = excluded.token, lifetime = excluded.lifetime, payload = NULL, \
-             expires_at = excluded.expires_at, kept_until = NULL, claimant = excluded.claimant \
+             expires_at = CASE WHEN r.state = 'session' AND r.expires_at >= excluded.idle_until \
+                 THEN r.expires_at ELSE excluded.expires_at END, \
+             kept_until = NULL, claimant = excluded.claimant, idle_until = excluded.idle_until \
              WHERE (SELECT present FROM decided) \
              RETURNING 1\
          ), ranges AS (\
@@ -761,6 +793,10 @@ fn renumber(sql: &str, to: impl Fn(usize) -> String) -> String {
     out.push_str(rest);
     out
 }
+
+/// Whether a session's row (unprefixed columns) is live: until the exact end of its idle time
+/// (`idle_until`), or, for a row written before 0.4, its `expires_at`.
+const SESSION_LIVE: &str = "coalesce(idle_until, expires_at) > clock_timestamp()";
 
 /// The columns an operator reads of a record (see `inspect::record_info`).
 const INSPECTED: &str = "storage_key, state, fingerprint, token, label, \

@@ -901,3 +901,118 @@ async fn a_session_claim_whose_caller_stopped_waiting_is_given_back() {
         }
     }
 }
+
+/// A table migrated by an older release has no session claim function: a session request is
+/// a `backend` error naming it (and what to run), never a panic or a silent fallback, and
+/// `migrate` creates it.
+#[tokio::test]
+async fn a_session_claim_without_the_function_says_to_migrate() {
+    use idempotent_core::SessionClaim;
+    use idempotent_core::inspect::KeyLabel;
+    let Some(url) = postgres_url() else {
+        return;
+    };
+    let store = store_on_fresh_table(&url, |b| b).await;
+    sqlx::query(&format!(
+        "DROP FUNCTION \"{}_session_claim\"",
+        store.table()
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let session = fresh_session();
+    let label = KeyLabel::from_bytes(Bytes::new());
+    let f = Fingerprint::from_bytes(b"migrate");
+    let ask = || {
+        store.claim_in_session(
+            &session,
+            SessionRequest::new(1, 0, 8, Duration::from_secs(60)),
+            &f,
+            Duration::from_secs(30),
+            &label,
+        )
+    };
+    match ask().await {
+        Err(StoreError::Backend(error)) => {
+            let error = error.to_string();
+            assert!(error.contains("_session_claim"), "{error}");
+            assert!(error.contains("run PostgresStore::migrate"), "{error}");
+        }
+        other => panic!("expected a backend error, got {other:?}"),
+    }
+    store.migrate().await.unwrap();
+    assert!(matches!(
+        ask().await,
+        Ok(SessionClaim::Admitted {
+            claim: Claim::Claimed(_),
+            ..
+        })
+    ));
+}
+
+/// A session's row keeps its indexed `expires_at` (one and a half idle times ahead) while a
+/// request moves only the exact end of its idle time, `idle_until`; `expires_at` moves once it
+/// has less than the idle time left, and stays at or after `idle_until`.
+#[tokio::test]
+async fn a_sessions_row_is_not_rewritten_in_its_indexed_expiry_by_every_request() {
+    use idempotent_core::SessionClaim;
+    use idempotent_core::inspect::KeyLabel;
+    let Some(url) = postgres_url() else {
+        return;
+    };
+    let store = store_on_fresh_table(&url, |b| b).await;
+    let session = fresh_session();
+    let label = KeyLabel::from_bytes(Bytes::new());
+    let ask = |seq: u64, idle: Duration| {
+        let (store, label) = (store.clone(), label.clone());
+        async move {
+            match store
+                .claim_in_session(
+                    &session,
+                    SessionRequest::new(seq, seq - 1, 8, idle),
+                    &Fingerprint::from_bytes(&seq.to_be_bytes()),
+                    Duration::from_secs(30),
+                    &label,
+                )
+                .await
+            {
+                Ok(SessionClaim::Admitted {
+                    claim: Claim::Claimed(_),
+                    ..
+                }) => {}
+                other => panic!("request {seq}: {other:?}"),
+            }
+        }
+    };
+    let times = || async {
+        let row: (i64, i64) = sqlx::query_as(&format!(
+            "SELECT (EXTRACT(EPOCH FROM expires_at) * 1000000)::int8, \
+             (EXTRACT(EPOCH FROM idle_until) * 1000000)::int8 \
+             FROM \"{}\" WHERE storage_key = $1",
+            store.table()
+        ))
+        .bind(session.record_key().record_bytes().as_ref().to_vec())
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+        row
+    };
+    let idle = Duration::from_secs(60);
+    ask(1, idle).await;
+    let (expires, until) = times().await;
+    // One and a half idle times ahead, the idle time's end one idle time ahead.
+    assert!(
+        (expires - until - 30_000_000).abs() < 1_000_000,
+        "{expires} {until}"
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    ask(2, idle).await;
+    let (expires_after, until_after) = times().await;
+    assert_eq!(expires_after, expires, "expires_at was rewritten");
+    assert!(until_after >= until + 50_000, "{until} {until_after}");
+    // A request with a longer idle time than `expires_at` leaves moves it on.
+    ask(3, Duration::from_secs(120)).await;
+    let (expires_long, until_long) = times().await;
+    assert!(expires_long >= until_long, "{expires_long} {until_long}");
+    assert!(expires_long > expires, "{expires} {expires_long}");
+}
