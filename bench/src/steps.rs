@@ -352,6 +352,18 @@ impl<S: SessionStore> SessionStore for Counting<S> {
     ) -> impl Future<Output = Result<Option<idempotent_core::SessionMark>, StoreError>> + Send {
         self.inner.session_mark(session)
     }
+
+    fn claim_in_session(
+        &self,
+        session: &idempotent_core::SessionKey,
+        request: idempotent_core::SessionRequest,
+        fingerprint: &idempotent_core::Fingerprint,
+        lease: Duration,
+        label: &idempotent_core::inspect::KeyLabel,
+    ) -> impl Future<Output = Result<idempotent_core::SessionClaim, StoreError>> + Send {
+        self.inner
+            .claim_in_session(session, request, fingerprint, lease, label)
+    }
 }
 
 impl<S: CheckpointStore> CheckpointStore for Counting<S> {

@@ -816,6 +816,20 @@ impl SessionStore for AnyStore {
     ) -> Result<Option<idempotent_core::SessionMark>, StoreError> {
         each!(self, |store| store.session_mark(session).await)
     }
+
+    /// The chosen store's: its gate and claim in one step where it makes them so.
+    async fn claim_in_session(
+        &self,
+        session: &idempotent_core::SessionKey,
+        request: idempotent_core::SessionRequest,
+        fingerprint: &idempotent_core::Fingerprint,
+        lease: Duration,
+        label: &idempotent_core::inspect::KeyLabel,
+    ) -> Result<idempotent_core::SessionClaim, StoreError> {
+        each!(self, |store| store
+            .claim_in_session(session, request, fingerprint, lease, label)
+            .await)
+    }
 }
 
 impl CheckpointStore for AnyStore {
