@@ -23,7 +23,7 @@ use crate::runtime::{CLAIM_TIMEOUT, ClaimedAt};
 use crate::shutdown::Active;
 use crate::store::BoxFuture;
 use crate::{
-    Call, Error, Execution, FencingToken, Fingerprint, Idempotency, InFlightPolicy, Outcome,
+    Call, Claim, Error, Execution, FencingToken, Fingerprint, Idempotency, InFlightPolicy, Outcome,
     Retain, SessionClaim, SessionGate, SessionRequest, StorageKey, StoreError,
 };
 
@@ -352,6 +352,53 @@ impl<C: Capabilities> Idempotency<C> {
                     let (claim, sent) =
                         sent(store.claim(key, fingerprint, lease, ttl, label), limit).await;
                     (*key, claim?, sent)
+                }
+                // A resume-only call in a session: its gate, then a takeover of its record
+                // only, then the check of the mark (the takeover is not the gate's step).
+                Target::Session(session, request) if resume => {
+                    let (Some(sessions), Some(checkpoints)) =
+                        (&self.inner.sessions, &self.inner.checkpoints)
+                    else {
+                        return Err(crate::runtime::no_sessions());
+                    };
+                    let unanswered = |what: &str| {
+                        StoreError::Unavailable(
+                            format!("the store did not answer the {what} within {limit:?}").into(),
+                        )
+                    };
+                    let gate = bounded(sessions.open_session(session, *request), limit)
+                        .await
+                        .unwrap_or_else(|| Err(unanswered("session gate")))?;
+                    let SessionGate::Open { epoch } = gate else {
+                        return Err(refused(gate, *request));
+                    };
+                    let key = session.seq_key(epoch, request.seq);
+                    let (found, sent) =
+                        sent(checkpoints.resume(&key, fingerprint, lease, ttl), limit).await;
+                    let Some(claim) = found? else {
+                        return Err(Error::NothingToResume);
+                    };
+                    if let Claim::Claimed(token) | Claim::TakenOver { token, .. } = claim {
+                        let read = bounded(sessions.session_mark(session), limit)
+                            .await
+                            .unwrap_or_else(|| Err(unanswered("session read")));
+                        let refusal = match read {
+                            Ok(Some(mark)) if mark.epoch == epoch && mark.ack < request.seq => None,
+                            Ok(Some(mark)) if mark.epoch == epoch => Some(refused(
+                                SessionGate::Acknowledged { ack: mark.ack },
+                                *request,
+                            )),
+                            Ok(_) => Some(Error::SessionExpired),
+                            Err(error) => Some(Error::Store(error)),
+                        };
+                        if let Some(refusal) = refusal {
+                            if bounded(store.release(&key, token), limit).await.is_none() {
+                                tracing::warn!(storage_key = %key, "releasing a session claim that may not run timed out; its lease ends it");
+                            }
+                            return Err(refusal);
+                        }
+                    }
+                    (key, claim, sent)
                 }
                 // Asked again after a wait: the gate admits the same number again (or refuses
                 // it, if an `ack` covered it meanwhile).

@@ -147,11 +147,13 @@ pub enum Operation {
     Release,
     /// [`Store::renew`](crate::Store::renew).
     Renew,
-    /// [`SessionStore::open_session`](crate::SessionStore::open_session). Not recorded by the
-    /// runtime since 0.4: it asks for the gate within [`ClaimInSession`](Self::ClaimInSession).
+    /// [`SessionStore::open_session`](crate::SessionStore::open_session). Since 0.4 the runtime
+    /// asks for the gate within [`ClaimInSession`](Self::ClaimInSession), and on its own only
+    /// for a resume-only call in a session.
     OpenSession,
-    /// [`SessionStore::session_mark`](crate::SessionStore::session_mark). Not recorded by the
-    /// runtime since 0.4: it asks for the check within [`ClaimInSession`](Self::ClaimInSession).
+    /// [`SessionStore::session_mark`](crate::SessionStore::session_mark). Since 0.4 the runtime
+    /// asks for the check within [`ClaimInSession`](Self::ClaimInSession), and on its own only
+    /// for a resume-only call in a session.
     SessionMark,
     /// [`SessionStore::claim_in_session`](crate::SessionStore::claim_in_session): a session
     /// request's gate and claim (and, on a store that makes them two steps, its mark check),

@@ -379,3 +379,29 @@ async fn a_waiting_duplicate_whose_answer_was_dropped_does_not_run() {
     }
     assert_eq!(runs.load(Ordering::SeqCst), 2, "request 1 ran once");
 }
+
+/// A resume-only call in a session passes the gate, then only takes an abandoned operation of
+/// its request over: with none, it runs nothing and says so, and begins nothing.
+#[tokio::test]
+async fn a_resume_only_call_in_a_session_begins_nothing() {
+    let idempotency = runtime(8);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let work = {
+        let runs = Arc::clone(&runs);
+        async move { runs.fetch_add(1, Ordering::SeqCst) }
+    };
+    let resumed = idempotency
+        .run(&in_session("resume", 1, 0).resume_only(), work)
+        .await;
+    assert!(
+        matches!(resumed, Err(Error::NothingToResume)),
+        "{resumed:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    // Nothing was claimed: the same number then runs as a new request.
+    let fresh = idempotency
+        .run(&in_session("resume", 1, 0), async { 7u8 })
+        .await
+        .unwrap();
+    assert!(!fresh.is_replayed());
+}

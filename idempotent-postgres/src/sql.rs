@@ -591,8 +591,9 @@ impl Sql {
 ///
 /// The session is a row of the table at its own key: `state = 'session'`, `token` its
 /// acknowledged mark, `lifetime` the highest `seq` admitted, `claimant` its epoch,
-/// `idle_until` the exact end of its idle time, an empty `fingerprint`, no `payload` and no
-/// `kept_until`. Its `expires_at` (indexed, for the reaper) is at least `idle_until`: set to one
+/// `idle_until` the exact end of its idle time, an empty `fingerprint`, an empty `payload`
+/// (which says 0.4 wrote it last: an older release writes NULL there, and the exact end in
+/// `expires_at`, which is then read instead) and no `kept_until`. Its `expires_at` (indexed, for the reaper) is at least `idle_until`: set to one
 /// and a half idle times from now whenever it has less than the idle time left, so it is
 /// rewritten once per half idle time rather than by every request, and an update that leaves
 /// it (and every other indexed column) alone can stay on its page (a HOT update, no index
@@ -626,11 +627,12 @@ fn open_session(t: &str, seq: &str) -> String {
     let max_us = MAX_MICROS;
     format!(
         "WITH locked AS (\
-             SELECT state, token, lifetime, claimant, expires_at, idle_until FROM {t} \
+             SELECT state, token, lifetime, claimant, expires_at, idle_until, payload FROM {t} \
              WHERE storage_key = $1 FOR UPDATE\
          ), known AS (\
              SELECT l.state IS NOT NULL AS present, \
-             coalesce(coalesce(l.idle_until, l.expires_at) > clock_timestamp(), false) AS live, \
+             coalesce(CASE WHEN l.payload IS NOT NULL THEN coalesce(l.idle_until, l.expires_at) \
+                 ELSE l.expires_at END > clock_timestamp(), false) AS live, \
              coalesce(l.state = 'session' AND l.token BETWEEN 0 AND {max} \
                  AND l.lifetime BETWEEN 0 AND {max} AND l.claimant > 0, false) AS valid, \
              l.token AS mark, l.lifetime AS high, l.claimant AS epoch, \
@@ -653,10 +655,10 @@ fn open_session(t: &str, seq: &str) -> String {
              expires_at, kept_until, claimant, idle_until) \
              SELECT $1, 'session', ''::bytea, mark, \
              CASE WHEN gate = 'open' THEN greatest(old_high, $2) ELSE old_high END, \
-             NULL, longer, NULL, epoch, until FROM decided \
+             ''::bytea, longer, NULL, epoch, until FROM decided \
              ON CONFLICT (storage_key) DO UPDATE \
              SET state = excluded.state, fingerprint = excluded.fingerprint, \
-             token = excluded.token, lifetime = excluded.lifetime, payload = NULL, \
+             token = excluded.token, lifetime = excluded.lifetime, payload = excluded.payload, \
              expires_at = CASE WHEN r.state = 'session' AND r.expires_at >= excluded.idle_until \
                  THEN r.expires_at ELSE excluded.expires_at END, \
              kept_until = NULL, claimant = excluded.claimant, idle_until = excluded.idle_until \
@@ -795,8 +797,11 @@ fn renumber(sql: &str, to: impl Fn(usize) -> String) -> String {
 }
 
 /// Whether a session's row (unprefixed columns) is live: until the exact end of its idle time
-/// (`idle_until`), or, for a row written before 0.4, its `expires_at`.
-const SESSION_LIVE: &str = "coalesce(idle_until, expires_at) > clock_timestamp()";
+/// (`idle_until`) when 0.4 wrote it last (its `payload` is then empty, not NULL), or until its
+/// `expires_at` when an older release did (it writes the exact end there, and NULL in
+/// `payload`), so instances of both agree during a rolling upgrade.
+const SESSION_LIVE: &str = "CASE WHEN payload IS NOT NULL THEN coalesce(idle_until, expires_at) \
+     ELSE expires_at END > clock_timestamp()";
 
 /// The columns an operator reads of a record (see `inspect::record_info`).
 const INSPECTED: &str = "storage_key, state, fingerprint, token, label, \

@@ -1016,3 +1016,60 @@ async fn a_sessions_row_is_not_rewritten_in_its_indexed_expiry_by_every_request(
     assert!(expires_long >= until_long, "{expires_long} {until_long}");
     assert!(expires_long > expires, "{expires} {expires_long}");
 }
+
+/// During a rolling upgrade an older release writes a session's row too: it keeps the exact
+/// end of the idle time in `expires_at` and NULL in `payload`, and leaves `idle_until` as it
+/// was. 0.4 then reads `expires_at`: the session is live while the older release says so.
+#[tokio::test]
+async fn a_sessions_row_written_last_by_an_older_release_is_read_by_its_expires_at() {
+    use idempotent_core::SessionClaim;
+    use idempotent_core::inspect::KeyLabel;
+    let Some(url) = postgres_url() else {
+        return;
+    };
+    let store = store_on_fresh_table(&url, |b| b).await;
+    let session = fresh_session();
+    let label = KeyLabel::from_bytes(Bytes::new());
+    let idle = Duration::from_secs(60);
+    let first = store
+        .claim_in_session(
+            &session,
+            SessionRequest::new(1, 0, 8, idle),
+            &Fingerprint::from_bytes(b"1"),
+            Duration::from_secs(30),
+            &label,
+        )
+        .await
+        .unwrap();
+    let SessionClaim::Admitted { epoch, .. } = first else {
+        panic!("request 1: {first:?}");
+    };
+    // An older release's gate: the exact end in `expires_at`, NULL in `payload`; here with an
+    // `idle_until` already past, which 0.4 must not read.
+    sqlx::query(&format!(
+        "UPDATE \"{}\" SET payload = NULL, expires_at = clock_timestamp() + interval '1 minute', \
+         idle_until = clock_timestamp() - interval '1 second' WHERE storage_key = $1",
+        store.table()
+    ))
+    .bind(session.record_key().record_bytes().as_ref().to_vec())
+    .execute(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        store.session_mark(&session).await.unwrap(),
+        Some(idempotent_core::SessionMark { epoch, ack: 0 })
+    );
+    match store
+        .claim_in_session(
+            &session,
+            SessionRequest::new(2, 1, 8, idle),
+            &Fingerprint::from_bytes(b"2"),
+            Duration::from_secs(30),
+            &label,
+        )
+        .await
+    {
+        Ok(SessionClaim::Admitted { epoch: again, .. }) => assert_eq!(again, epoch),
+        other => panic!("request 2 in the live session: {other:?}"),
+    }
+}

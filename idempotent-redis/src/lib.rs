@@ -1036,6 +1036,20 @@ impl SessionStore for RedisStore {
         let mut reply: Value = match self.replicas {
             None => match self.query(script, cmd).await {
                 Err(error @ StoreError::Unavailable(_)) => return Err(error),
+                // Refused whole for want of memory: the gate alone still runs for a known
+                // session (its `ack` frees answers), and the claim is refused on its own.
+                Err(StoreError::Capacity { .. }) => {
+                    unanswered.answered();
+                    return idempotent_core::store::claim_in_session_in_steps(
+                        self,
+                        session,
+                        request,
+                        fingerprint_arg,
+                        lease,
+                        label,
+                    )
+                    .await;
+                }
                 other => other?,
             },
             // The gate's writes (a start, a raised mark, dropped answers) count once the
@@ -1044,6 +1058,18 @@ impl SessionStore for RedisStore {
                 let (reply, acknowledged): (Value, usize) =
                     match self.query_then_wait(script, cmd, required).await {
                         Err(error @ StoreError::Unavailable(_)) => return Err(error),
+                        Err(StoreError::Capacity { .. }) => {
+                            unanswered.answered();
+                            return idempotent_core::store::claim_in_session_in_steps(
+                                self,
+                                session,
+                                request,
+                                fingerprint_arg,
+                                lease,
+                                label,
+                            )
+                            .await;
+                        }
                         other => other?,
                     };
                 if let Err(error) = enough(acknowledged, required) {
@@ -1066,9 +1092,12 @@ impl SessionStore for RedisStore {
                 reply
             }
         };
-        // Answered: with replicas required, the `WAIT` behind the script covered its claim.
+        // Answered once read: with replicas required, the `WAIT` behind the script covered its
+        // claim; a reply that cannot be read leaves the claim it may have made to be given
+        // back.
+        let answer = session_claim_reply(&mut reply)?;
         unanswered.answered();
-        session_claim_reply(&mut reply)
+        Ok(answer)
     }
 
     /// One `HMGET` of the session's record: Redis forgets it when its idle time ends, so a
@@ -1377,7 +1406,6 @@ fn session_mark(
     }
 }
 
-/// The session script's reply as the gate's decision.
 /// The scripts keep numbers exactly (below 2^53) and walk at most a window of records per
 /// request: a request outside the ranges the runtime sends is refused before it is sent.
 fn check_session_request(request: SessionRequest) -> Result<(), StoreError> {
@@ -1416,6 +1444,7 @@ fn session_claim_reply(reply: &mut Value) -> Result<SessionClaim, StoreError> {
     }
 }
 
+/// The session script's reply as the gate's decision.
 fn session_gate(reply: &Value) -> Result<SessionGate, StoreError> {
     let number = |value: &Value| {
         text(value)

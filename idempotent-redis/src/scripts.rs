@@ -586,7 +586,12 @@ pub(super) fn scripts() -> &'static Scripts {
                 .replace("MAX_WINDOW", &MAX_SESSION_WINDOW.to_string())
                 .replace("MAX_MS", &MAX_EXPIRY_MS.to_string())],
         ),
-        session_claim: Script::new(&session_claim_source()),
+        // Flagged (with no flags), so that Redis refuses it whole when it is out of memory
+        // (`maxmemory` reached, policy `noeviction`), as it refuses a claim: unflagged, a known
+        // session's `PEXPIRE` would be its first write, which Redis allows, and every write
+        // after it would be allowed too, the claim's among them. The store then makes the gate
+        // and the claim as two scripts (see `RedisStore::claim_in_session`).
+        session_claim: Script::new(&format!("#!lua\n{}", session_claim_source())),
         session_give_back: checked_in_oom(&[], &[NOW_MS, &in_session(GIVE_BACK, "ARGV[2]")]),
         save_step: checked(&[], &[NOW_MS, OWNED, SAVE_STEP]),
         // Reads: they run when Redis is full too (a resumed attempt finds its checkpoints).

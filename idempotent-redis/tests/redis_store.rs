@@ -876,6 +876,61 @@ async fn a_session_claim_whose_caller_stopped_waiting_is_given_back() {
     }
 }
 
+/// A full Redis (`maxmemory` reached, `noeviction`) refuses a session request's claim, as it
+/// refuses a key's, while a known session's `ack` still frees the answers it covers.
+#[tokio::test]
+async fn a_full_redis_refuses_a_session_claim_and_still_takes_its_ack() {
+    let Some(redis) = idempotent_test_kit::redis::PrivateRedis::start("session-full").await else {
+        return;
+    };
+    let store = RedisStore::connect(&redis.url()).await.unwrap();
+    let session = fresh_session();
+    let (idle, lease) = (Duration::from_secs(60), Duration::from_secs(30));
+    let label = KeyLabel::from_bytes(bytes::Bytes::new());
+    let ask = |seq: u64, ack: u64| {
+        let (store, label) = (store.clone(), label.clone());
+        async move {
+            store
+                .claim_in_session(
+                    &session,
+                    SessionRequest::new(seq, ack, 8, idle),
+                    &Fingerprint::from_bytes(&seq.to_be_bytes()),
+                    lease,
+                    &label,
+                )
+                .await
+        }
+    };
+    let (epoch, token) = match ask(1, 0).await.unwrap() {
+        SessionClaim::Admitted {
+            epoch,
+            claim: Claim::Claimed(token),
+        } => (epoch, token),
+        other => panic!("request 1: {other:?}"),
+    };
+    store
+        .complete(&session.seq_key(epoch, 1), token, "1".into(), idle)
+        .await
+        .unwrap();
+    redis.config_set("maxmemory-policy", "noeviction").await;
+    redis.config_set("maxmemory", "1").await;
+    match ask(2, 1).await {
+        Err(StoreError::Capacity { .. }) => {}
+        other => panic!("a full Redis claimed: {other:?}"),
+    }
+    // The ack was taken: request 1 is acknowledged, and its answer is gone.
+    let mark = store.session_mark(&session).await.unwrap();
+    assert_eq!(mark.map(|m| (m.epoch, m.ack)), Some((epoch, 1)));
+    redis.config_set("maxmemory", "0").await;
+    assert!(matches!(
+        ask(2, 1).await,
+        Ok(SessionClaim::Admitted {
+            claim: Claim::Claimed(_),
+            ..
+        })
+    ));
+}
+
 /// A store with a key prefix of its own, so its index of saved requests holds only what the
 /// test writes.
 async fn isolated(url: &str) -> RedisStore {

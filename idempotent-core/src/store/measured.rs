@@ -53,6 +53,15 @@ pub(crate) trait DynStore: Send + Sync + 'static {
 
 /// The object-safe face of [`SessionStore`].
 pub(crate) trait DynSessions: Send + Sync + 'static {
+    fn open_session<'a>(
+        &'a self,
+        session: &'a SessionKey,
+        request: SessionRequest,
+    ) -> BoxFuture<'a, Result<crate::SessionGate, StoreError>>;
+    fn session_mark<'a>(
+        &'a self,
+        session: &'a SessionKey,
+    ) -> BoxFuture<'a, Result<Option<crate::SessionMark>, StoreError>>;
     fn claim_in_session<'a>(
         &'a self,
         session: &'a SessionKey,
@@ -184,6 +193,22 @@ impl<S: Store> DynStore for Measured<S> {
 }
 
 impl<S: SessionStore> DynSessions for Measured<S> {
+    fn open_session<'a>(
+        &'a self,
+        session: &'a SessionKey,
+        request: SessionRequest,
+    ) -> BoxFuture<'a, Result<crate::SessionGate, StoreError>> {
+        Box::pin(self.timed(
+            Operation::OpenSession,
+            self.store.open_session(session, request),
+        ))
+    }
+    fn session_mark<'a>(
+        &'a self,
+        session: &'a SessionKey,
+    ) -> BoxFuture<'a, Result<Option<crate::SessionMark>, StoreError>> {
+        Box::pin(self.timed(Operation::SessionMark, self.store.session_mark(session)))
+    }
     fn claim_in_session<'a>(
         &'a self,
         session: &'a SessionKey,

@@ -8,7 +8,7 @@
 //! | item | what it is for |
 //! |---|---|
 //! | [`Store`], [`Claim`], [`FencingToken`], [`RequestOwner`] | the key cycle every store implements |
-//! | [`SessionStore`], [`SessionClaim`], [`CheckpointStore`] | client sessions; checkpoints, kept requests and resumes: what a store implements when it can (see [`capability`](crate::capability)) |
+//! | [`SessionStore`], [`SessionClaim`], [`claim_in_session_in_steps`], [`CheckpointStore`] | client sessions; checkpoints, kept requests and resumes: what a store implements when it can (see [`capability`](crate::capability)) |
 //! | [`StoreWrapper`] | a store in front of another, whose sessions and checkpoints are forwarded |
 //! | [`StorageKey`], [`RecordBytes`](crate::RecordBytes), [`Fingerprint`] | what a record is keyed and checked by |
 //! | [`envelope`] ([`Integrity`], [`encode_value`], [`decode`]) | the bytes of a finished record, with its format version and checksum |
@@ -388,40 +388,56 @@ pub trait SessionStore: Store {
         lease: Duration,
         label: &crate::inspect::KeyLabel,
     ) -> impl Future<Output = Result<SessionClaim, StoreError>> + Send {
-        async move {
-            let epoch = match self.open_session(session, request).await? {
-                SessionGate::Open { epoch } => epoch,
-                refused => return Ok(SessionClaim::Refused(refused)),
-            };
-            let key = session.seq_key(epoch, request.seq);
-            let claim = self
-                .claim_labelled(&key, fingerprint, (lease, request.idle), label)
-                .await?;
-            let token = match claim {
-                Claim::Claimed(token) | Claim::TakenOver { token, .. } => token,
-                _ => return Ok(SessionClaim::Admitted { epoch, claim }),
-            };
-            // Between the gate and the claim a later request's `ack` may have covered this
-            // number and dropped its answer, which the claim then did not find: every store
-            // raises the mark before it drops anything, so reading it now tells.
-            let refused = match self.session_mark(session).await {
-                Ok(Some(mark)) if mark.epoch == epoch && mark.ack < request.seq => None,
-                Ok(Some(mark)) if mark.epoch == epoch => {
-                    Some(Ok(SessionGate::Acknowledged { ack: mark.ack }))
-                }
-                Ok(_) => Some(Ok(SessionGate::Expired)),
-                Err(error) => Some(Err(error)),
-            };
-            match refused {
-                None => Ok(SessionClaim::Admitted { epoch, claim }),
-                Some(refused) => {
-                    // The claim must not run; a release that fails leaves it to its lease.
-                    if let Err(error) = self.release(&key, token).await {
-                        tracing::warn!(storage_key = %key, %error, "releasing a session claim that may not run failed; its lease ends it");
-                    }
-                    refused.map(SessionClaim::Refused)
-                }
+        claim_in_session_in_steps(self, session, request, fingerprint, lease, label)
+    }
+}
+
+/// [`SessionStore::claim_in_session`] as three calls of `store`: its gate
+/// ([`open_session`](SessionStore::open_session)), the claim of the admitted request's record
+/// ([`claim_labelled`](Store::claim_labelled)), and, when the claim made the caller its owner,
+/// the check of the session's mark ([`session_mark`](SessionStore::session_mark)), releasing
+/// the claim when a later request's `ack` covered the number meanwhile. The trait's default; a
+/// store that makes the gate and the claim one step can call it where it cannot (the Redis
+/// store does when it is full).
+pub async fn claim_in_session_in_steps<S: SessionStore + ?Sized>(
+    store: &S,
+    session: &SessionKey,
+    request: SessionRequest,
+    fingerprint: &Fingerprint,
+    lease: Duration,
+    label: &crate::inspect::KeyLabel,
+) -> Result<SessionClaim, StoreError> {
+    let epoch = match store.open_session(session, request).await? {
+        SessionGate::Open { epoch } => epoch,
+        refused => return Ok(SessionClaim::Refused(refused)),
+    };
+    let key = session.seq_key(epoch, request.seq);
+    let claim = store
+        .claim_labelled(&key, fingerprint, (lease, request.idle), label)
+        .await?;
+    let token = match claim {
+        Claim::Claimed(token) | Claim::TakenOver { token, .. } => token,
+        _ => return Ok(SessionClaim::Admitted { epoch, claim }),
+    };
+    // Between the gate and the claim a later request's `ack` may have covered this number and
+    // dropped its answer, which the claim then did not find: every store raises the mark
+    // before it drops anything, so reading it now tells.
+    let refused = match store.session_mark(session).await {
+        Ok(Some(mark)) if mark.epoch == epoch && mark.ack < request.seq => None,
+        Ok(Some(mark)) if mark.epoch == epoch => {
+            Some(Ok(SessionGate::Acknowledged { ack: mark.ack }))
+        }
+        Ok(_) => Some(Ok(SessionGate::Expired)),
+        Err(error) => Some(Err(error)),
+    };
+    match refused {
+        None => Ok(SessionClaim::Admitted { epoch, claim }),
+        Some(refused) => {
+            // The claim must not run; a release that fails leaves it to its lease.
+            if let Err(error) = store.release(&key, token).await {
+                tracing::warn!(storage_key = %key, %error, "releasing a session claim that may not run failed; its lease ends it");
             }
+            refused.map(SessionClaim::Refused)
         }
     }
 }
