@@ -11,7 +11,9 @@
 #   bash scripts/bench.sh                  # full run: 3 rounds of 3 s warm-up + 10 s timed per row
 #                                          # (about 40 minutes with Redis and PostgreSQL)
 #   bash scripts/bench.sh --quick          # 1 round of 1 s + 3 s per row, 1M prefilled records
-#                                          # only (about 3 minutes)
+#                                          # only, then the relay row (outbox --quick) and the
+#                                          # consumer's PostgreSQL rows on Redis Streams, and
+#                                          # the summary's ratios of all of them (about 6 min)
 #   bash scripts/bench.sh --no-backends    # without the Redis and PostgreSQL rows
 #   bash scripts/bench.sh --only idempotent-tower --duration 20   # any idempotent-bench option
 #
@@ -29,10 +31,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 backends=1
+quick=0
 args=()
 for arg in "$@"; do
     case "$arg" in
         --no-backends) backends=0 ;;
+        --quick) quick=1; args+=("$arg") ;;
         *) args+=("$arg") ;;
     esac
 done
@@ -55,4 +59,21 @@ else
 fi
 
 echo "==> $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), load average $(cut -d' ' -f1-3 /proc/loadavg)" >&2
-"$target_dir/release/idempotent-bench" all --out "$target_dir/bench/http.json" "${args[@]}"
+status=0
+"$target_dir/release/idempotent-bench" all --out "$target_dir/bench/http.json" "${args[@]}" || status=$?
+
+# --quick with the stores: the summary's two rows that other binaries measure (the relay's
+# messages per second, one relay, the discarding sink; the consumer runtime with the
+# PostgreSQL effect beside the bare loop doing the same work, on Redis Streams), then the
+# summary's ratios of the whole run.
+if [ "$quick" = 1 ] && [ "$backends" = 1 ]; then
+    echo "==> the relay (outbox --quick: one relay, the discarding sink, 20,000 messages)" >&2
+    "$target_dir/release/outbox" --quick | tee "$target_dir/bench/outbox.json" || status=$?
+    echo "==> the consumer's PostgreSQL rows on Redis Streams (10,000 messages each)" >&2
+    "$target_dir/release/consumer" --only redis,bare-pg,runtime-pg --messages 10000 \
+        --out "$target_dir/bench/consumer.json" || status=$?
+    "$target_dir/release/idempotent-bench" summary --out "$target_dir/bench/http.json" \
+        --outbox "$target_dir/bench/outbox.json" --consumer "$target_dir/bench/consumer.json" ||
+        status=$?
+fi
+exit "$status"

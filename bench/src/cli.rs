@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub(crate) const USAGE: &str = "\
-usage: idempotent-bench [all|http|memory|sessions|steps] [options]
+usage: idempotent-bench [all|http|memory|sessions|steps|summary] [options]
 
   all (default)       the HTTP rows, then the memory mode, then the sessions mode
   http                the HTTP rows: bare, idempotent-tower, the peers, Redis/PostgreSQL rows
@@ -19,6 +19,10 @@ usage: idempotent-bench [all|http|memory|sessions|steps] [options]
                       PostgreSQL, and an operation resumed after 3 steps against a plain
                       retry (not part of `all`; --in-flight callers, --rounds, --warmup,
                       --duration; --only memory,redis,postgres picks stores)
+  summary             the summary's ratios (BENCHMARKS.md) from the files of one run: the
+                      HTTP rows' JSON (--out), `--outbox FILE` (the outbox binary's output)
+                      and `--consumer FILE` (the consumer binary's --out); scripts/bench.sh
+                      --quick prints it last
 
 options:
   --quick             short run: 1 round, 1 s warm-up, 3 s timed per row, prefill 1M only,
@@ -102,7 +106,7 @@ impl AckPolicy {
 }
 
 /// What to run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Mode {
     All,
     Http,
@@ -114,6 +118,11 @@ pub(crate) enum Mode {
     /// One memory measurement, printed as JSON (run by the memory mode in a child process).
     MemoryChild {
         records: u64,
+    },
+    /// The summary's ratios from the files of a run (`--out`, `--outbox`, `--consumer`).
+    Summary {
+        outbox: Option<PathBuf>,
+        consumer: Option<PathBuf>,
     },
     Help,
 }
@@ -187,13 +196,19 @@ pub(crate) fn parse(
                 .ok_or_else(|| format!("{name} needs a value\n\n{USAGE}"))
         };
         match arg.as_str() {
-            "all" | "http" | "memory" | "sessions" | "steps" | "memory-child" if first => {
+            "all" | "http" | "memory" | "sessions" | "steps" | "summary" | "memory-child"
+                if first =>
+            {
                 options.mode = match arg.as_str() {
                     "all" => Mode::All,
                     "http" => Mode::Http,
                     "memory" => Mode::Memory,
                     "sessions" => Mode::Sessions,
                     "steps" => Mode::Steps,
+                    "summary" => Mode::Summary {
+                        outbox: None,
+                        consumer: None,
+                    },
                     _ => Mode::MemoryChild { records: 0 },
                 }
             }
@@ -244,6 +259,14 @@ pub(crate) fn parse(
                 })?;
             }
             "--out" => out = Some(PathBuf::from(value(&arg)?)),
+            "--outbox" | "--consumer" => {
+                let path = PathBuf::from(value(&arg)?);
+                match &mut options.mode {
+                    Mode::Summary { outbox, .. } if arg == "--outbox" => *outbox = Some(path),
+                    Mode::Summary { consumer, .. } => *consumer = Some(path),
+                    _ => return Err(format!("{arg} is an option of `summary`\n\n{USAGE}")),
+                }
+            }
             other => return Err(format!("unknown argument {other:?}\n\n{USAGE}")),
         }
         first = false;

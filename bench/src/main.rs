@@ -104,6 +104,7 @@ fn main() -> ExitCode {
         Mode::Memory => memory_mode(&options),
         Mode::Sessions => sessions_mode(&options),
         Mode::Steps => steps_mode(&options),
+        Mode::Summary { ref outbox, ref consumer } => summary(&options, outbox, consumer),
         Mode::All => http(&options).and_then(|http_ok| {
             let memory_ok = memory_mode(&options)?;
             Ok(sessions_mode(&options)? && memory_ok && http_ok)
@@ -117,6 +118,33 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Prints the summary's ratios from the files of one `scripts/bench.sh --quick` run: the HTTP
+/// rows' JSON (`--out`), the outbox binary's output and the consumer binary's `--out` file.
+fn summary(
+    options: &Options,
+    outbox: &Option<std::path::PathBuf>,
+    consumer: &Option<std::path::PathBuf>,
+) -> Result<bool, String> {
+    let bytes = std::fs::read(&options.out)
+        .map_err(|e| format!("cannot read {}: {e}", options.out.display()))?;
+    let all: Vec<Record> = serde_json::from_slice(&bytes)
+        .map_err(|e| format!("cannot read {}: {e}", options.out.display()))?;
+    let (mut records, mut limits) = (Vec::new(), Vec::new());
+    for record in all {
+        match record {
+            Record::Http(record) => records.push(record),
+            Record::Limit(limit) => limits.push(limit),
+            _ => {}
+        }
+    }
+    let others = report::OtherRows::read(outbox.as_deref(), consumer.as_deref());
+    println!(
+        "The summary's ratios (BENCHMARKS.md), this run:\n\n{}",
+        report::goals_table(&records, &limits, &others)
+    );
+    Ok(true)
 }
 
 /// Runs the HTTP rows, prints the table, writes the JSON; `Ok(false)` when a row is not to be
@@ -280,7 +308,7 @@ fn http(options: &Options) -> Result<bool, String> {
     }
     println!(
         "The summary's ratios (BENCHMARKS.md):\n\n{}",
-        report::goals_table(&records, &limit_records)
+        report::goals_table(&records, &limit_records, &report::OtherRows::default())
     );
     if !skipped.is_empty() {
         println!(

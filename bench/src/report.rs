@@ -114,8 +114,15 @@ pub(crate) fn limit_table(limits: &[LimitRecord], rows: &[HttpRecord]) -> String
 /// the layer against the bare handler on the memory store, against the store's own tool
 /// (`redis-benchmark`, `pgbench`) on Redis and PostgreSQL, a session request against a
 /// request with a key, and the memory store with records already in it against an empty one.
-/// A ratio whose rows did not run is left out.
-pub(crate) fn goals_table(records: &[HttpRecord], limits: &[LimitRecord]) -> String {
+/// The relay's row (messages per second of one relay with the discarding sink, against 0.2's
+/// 33k) and the consumer's (the runtime with the PostgreSQL effect against the bare loop doing
+/// the same work) come from the other binaries' output (`others`, see [`OtherRows`]). A ratio
+/// whose rows did not run is left out.
+pub(crate) fn goals_table(
+    records: &[HttpRecord],
+    limits: &[LimitRecord],
+    others: &OtherRows,
+) -> String {
     let layer = |scenario: &str, store: &str, prefilled: bool| {
         records
             .iter()
@@ -147,7 +154,7 @@ pub(crate) fn goals_table(records: &[HttpRecord], limits: &[LimitRecord]) -> Str
         })
         .map_or_else(String::new, |r| crate::rows::count_name(r.prefilled));
     let prefilled_name = format!("memory fresh, {prefilled} records before / none");
-    let ratios: [(&str, Option<f64>, Option<f64>, &str); 10] = [
+    let ratios: [(&str, Option<f64>, Option<f64>, &str); 12] = [
         (
             "memory fresh / bare",
             layer("fresh", "memory", false),
@@ -208,6 +215,18 @@ pub(crate) fn goals_table(records: &[HttpRecord], limits: &[LimitRecord]) -> Str
             layer("fresh", "memory", false),
             "≥ 0.9",
         ),
+        (
+            "relay, discarding sink, 1 relay / 0.2's 33k messages/s",
+            others.relay,
+            others.relay.map(|_| RELAY_0_2),
+            "≥ 0.8",
+        ),
+        (
+            "consumer with the PostgreSQL effect / bare-pg loop (Redis Streams)",
+            others.consumer_pg,
+            others.bare_pg,
+            "≥ 0.75",
+        ),
     ];
     let mut out = String::from("| ratio | this run | goal |\n|---|---:|---:|\n");
     for (name, over, under, goal) in ratios {
@@ -218,6 +237,57 @@ pub(crate) fn goals_table(records: &[HttpRecord], limits: &[LimitRecord]) -> Str
         }
     }
     out
+}
+
+/// The relay's messages per second in 0.2 (one relay, the discarding sink; BENCHMARKS.md, "0.2:
+/// the transactional outbox"): the summary's reference for the relay row.
+pub(crate) const RELAY_0_2: f64 = 33_000.0;
+
+/// The summary's rows that the HTTP binary does not measure: the outbox binary's relay row and
+/// the consumer binary's PostgreSQL rows (`idempotent-bench summary` reads them from their
+/// output files).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct OtherRows {
+    /// Messages per second of `relay/discard` with one relay.
+    pub(crate) relay: Option<f64>,
+    /// Messages per second of the consumer rows `runtime-pg` and `bare-pg` on Redis Streams
+    /// (each row's median round).
+    pub(crate) consumer_pg: Option<f64>,
+    pub(crate) bare_pg: Option<f64>,
+}
+
+impl OtherRows {
+    /// Reads the outbox binary's output (one JSON object per line) and the consumer binary's
+    /// `--out` file; a file that is missing or unreadable leaves its rows out.
+    pub(crate) fn read(outbox: Option<&Path>, consumer: Option<&Path>) -> OtherRows {
+        let mut rows = OtherRows::default();
+        if let Some(text) = outbox.and_then(|path| std::fs::read_to_string(path).ok()) {
+            rows.relay = text
+                .lines()
+                .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+                .find(|row| row["row"] == "relay/discard" && row["relays"] == 1)
+                .and_then(|row| row["messages_per_sec"].as_f64());
+        }
+        let consumer = consumer
+            .and_then(|path| std::fs::read(path).ok())
+            .and_then(|bytes| serde_json::from_slice::<Vec<serde_json::Value>>(&bytes).ok())
+            .unwrap_or_default();
+        let median = |name: &str| {
+            let row = consumer
+                .iter()
+                .find(|row| row["broker"] == "redis" && row["row"] == name)?;
+            let mut rates: Vec<f64> = row["runs"]
+                .as_array()?
+                .iter()
+                .filter_map(|run| run["rate"].as_f64())
+                .collect();
+            rates.sort_by(f64::total_cmp);
+            rates.get(rates.len() / 2).copied()
+        };
+        rows.consumer_pg = median("runtime-pg");
+        rows.bare_pg = median("bare-pg");
+        rows
+    }
 }
 
 /// One row of the HTTP benchmark (the median round of `rounds`).
@@ -671,7 +741,7 @@ mod tests {
         ];
         let pgbench =
             LimitRecord::summarize(["pgbench", "fresh", "postgres"], 16, 3, &[(400.0, 0.5)]);
-        let table = goals_table(&records, &[pgbench]);
+        let table = goals_table(&records, &[pgbench], &OtherRows::default());
         assert!(
             table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 |"),
             "{table}"
@@ -692,6 +762,55 @@ mod tests {
         assert!(!table.contains("replay"), "{table}");
         assert!(!table.contains("Redis"), "{table}");
         assert_eq!(table.lines().count(), 2 + 4, "{table}");
+    }
+
+    #[test]
+    fn the_summary_reads_the_relay_and_consumer_rows_from_their_files() {
+        let dir = std::env::temp_dir().join(format!(
+            "idempotent-bench-others-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let outbox = dir.join("outbox.json");
+        std::fs::write(
+            &outbox,
+            "{\"row\":\"relay/discard\",\"relays\":2,\"messages_per_sec\":40000.0}\n\
+             not json\n\
+             {\"row\":\"relay/discard\",\"relays\":1,\"messages_per_sec\":29700.0}\n",
+        )
+        .unwrap();
+        let consumer = dir.join("consumer.json");
+        std::fs::write(
+            &consumer,
+            r#"[{"broker":"nats","row":"bare-pg","runs":[{"rate":1.0}]},
+                {"broker":"redis","row":"bare-pg","runs":[{"rate":9000.0},{"rate":8000.0},{"rate":10000.0}]},
+                {"broker":"redis","row":"runtime-pg","runs":[{"rate":6300.0}]}]"#,
+        )
+        .unwrap();
+        let others = OtherRows::read(Some(&outbox), Some(&consumer));
+        assert_eq!(
+            others,
+            OtherRows {
+                relay: Some(29_700.0),
+                consumer_pg: Some(6_300.0),
+                bare_pg: Some(9_000.0),
+            }
+        );
+        let table = goals_table(&[], &[], &others);
+        assert!(
+            table.contains("| relay, discarding sink, 1 relay / 0.2's 33k messages/s | 0.90 | ≥ 0.8 |"),
+            "{table}"
+        );
+        assert!(
+            table.contains(
+                "| consumer with the PostgreSQL effect / bare-pg loop (Redis Streams) | 0.70 | ≥ 0.75 |"
+            ),
+            "{table}"
+        );
+        // Missing files leave the rows out.
+        let none = OtherRows::read(Some(&dir.join("missing")), None);
+        assert_eq!(none, OtherRows::default());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

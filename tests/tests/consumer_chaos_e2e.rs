@@ -414,16 +414,6 @@ impl Broker for Redis {
 
     async fn drained(&mut self) -> Result<bool, String> {
         let mut connection = self.connection().await?;
-        let mut pending = redis::cmd("XPENDING");
-        pending.arg(&self.stream).arg(GROUP);
-        let pending: Value = redis_query(&mut connection, &pending).await?;
-        let pending = match &pending {
-            Value::Array(summary) => match summary.first() {
-                Some(Value::Int(n)) => *n,
-                _ => return Err(format!("XPENDING: {pending:?}")),
-            },
-            _ => return Err(format!("XPENDING: {pending:?}")),
-        };
         let mut last = redis::cmd("XREVRANGE");
         last.arg(&self.stream).arg("+").arg("-").arg("COUNT").arg(1);
         let last: Entries = redis_query(&mut connection, &last).await?;
@@ -448,6 +438,19 @@ impl Broker for Redis {
                 })
             })
             .ok_or("no group, or no last-delivered-id")?;
+        // Pending entries are read after the group's last delivered one: read before it, an
+        // entry delivered between the two reads would count as delivered and, not yet
+        // pending at the first read, as acknowledged while still being handled.
+        let mut pending = redis::cmd("XPENDING");
+        pending.arg(&self.stream).arg(GROUP);
+        let pending: Value = redis_query(&mut connection, &pending).await?;
+        let pending = match &pending {
+            Value::Array(summary) => match summary.first() {
+                Some(Value::Int(n)) => *n,
+                _ => return Err(format!("XPENDING: {pending:?}")),
+            },
+            _ => return Err(format!("XPENDING: {pending:?}")),
+        };
         Ok(pending == 0 && delivered >= last)
     }
 

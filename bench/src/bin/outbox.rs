@@ -13,6 +13,9 @@
 //! cargo run --release -p idempotent-bench --bin outbox -- --postgres-url postgres://…
 //! ```
 //!
+//! With `--quick`, only the relay row that BENCHMARKS.md's summary compares with 0.2 (one relay,
+//! the discarding sink), as `scripts/bench.sh --quick` runs it.
+//!
 //! It prints one JSON object per row. The numbers and the machine are in BENCHMARKS.md.
 
 use std::sync::Arc;
@@ -31,6 +34,7 @@ struct Options {
     tasks: usize,
     duration: Duration,
     messages: usize,
+    quick: bool,
 }
 
 fn options() -> Result<Options, String> {
@@ -39,6 +43,7 @@ fn options() -> Result<Options, String> {
         tasks: 16,
         duration: Duration::from_secs(10),
         messages: 20_000,
+        quick: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -53,6 +58,7 @@ fn options() -> Result<Options, String> {
             "--messages" => {
                 options.messages = value()?.parse().map_err(|e| format!("--messages: {e}"))?
             }
+            "--quick" => options.quick = true,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -266,6 +272,10 @@ async fn main() {
         .execute(&pool)
         .await
         .unwrap();
+    if options.quick {
+        relay_row(&pool, &options, 1, "discard", Nothing(Arc::new(Discard))).await;
+        return;
+    }
     let outbox =
         Outbox::with_table(format!("outbox_bench_enqueue_{}", std::process::id())).unwrap();
     outbox.migrate(&pool).await.unwrap();
