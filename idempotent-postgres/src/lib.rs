@@ -493,6 +493,21 @@ impl PostgresStore {
 }
 
 impl PostgresStore {
+    /// Runs a give-back statement (`give_back` or `give_back_in_session`) on a connection of its
+    /// own: `true` when it gave back the claim (one row).
+    async fn give_back_with(
+        &self,
+        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<bool, StoreError> {
+        let mut connection = self.connections.get().await?;
+        let given = connection
+            .execute(query)
+            .await
+            .map(|done| done.rows_affected() == 1)
+            .map_err(store_error);
+        Connections::settle(connection, given)
+    }
+
     /// A claim, or with `resume` a takeover only ([`CheckpointStore::resume`]: `None` when there was
     /// nothing of the request to take over). One that does not come back (the connection
     /// broke, the database froze) may still land: it is given back as soon as the database
@@ -513,17 +528,11 @@ impl PostgresStore {
             Box::new(move || {
                 let store = store.clone();
                 Box::pin(async move {
-                    let mut connection = store.connections.get().await?;
                     let record = key.record_bytes();
                     let query = sqlx::query(&store.sql.give_back)
                         .bind(record.as_ref())
                         .bind(claimant);
-                    let given = connection
-                        .execute(query)
-                        .await
-                        .map(|done| done.rows_affected() == 1)
-                        .map_err(store_error);
-                    Connections::settle(connection, given)
+                    store.give_back_with(query).await
                 })
             })
         });
@@ -696,17 +705,11 @@ impl SessionStore for PostgresStore {
             Box::new(move || {
                 let store = store.clone();
                 Box::pin(async move {
-                    let mut connection = store.connections.get().await?;
                     let query = sqlx::query(&store.sql.give_back_in_session)
                         .bind(session.record_key().record_bytes().as_ref().to_vec())
                         .bind(claimant)
                         .bind(seq);
-                    let given = connection
-                        .execute(query)
-                        .await
-                        .map(|done| done.rows_affected() == 1)
-                        .map_err(store_error);
-                    Connections::settle(connection, given)
+                    store.give_back_with(query).await
                 })
             })
         });

@@ -1033,65 +1033,53 @@ impl SessionStore for RedisStore {
                 })
             })
         });
-        let mut reply: Value = match self.replicas {
-            None => match self.query(script, cmd).await {
-                Err(error @ StoreError::Unavailable(_)) => return Err(error),
-                // Refused whole for want of memory: the gate alone still runs for a known
-                // session (its `ack` frees answers), and the claim is refused on its own.
-                Err(StoreError::Capacity { .. }) => {
-                    unanswered.answered();
-                    return idempotent_core::store::claim_in_session_in_steps(
-                        self,
-                        session,
-                        request,
-                        fingerprint_arg,
-                        lease,
-                        label,
-                    )
-                    .await;
-                }
-                other => other?,
-            },
-            // The gate's writes (a start, a raised mark, dropped answers) count once the
-            // replicas have them, whatever the claim found.
-            Some(required) => {
-                let (reply, acknowledged): (Value, usize) =
-                    match self.query_then_wait(script, cmd, required).await {
-                        Err(error @ StoreError::Unavailable(_)) => return Err(error),
-                        Err(StoreError::Capacity { .. }) => {
-                            unanswered.answered();
-                            return idempotent_core::store::claim_in_session_in_steps(
-                                self,
-                                session,
-                                request,
-                                fingerprint_arg,
-                                lease,
-                                label,
-                            )
-                            .await;
-                        }
-                        other => other?,
-                    };
-                if let Err(error) = enough(acknowledged, required) {
-                    if let Ok(SessionClaim::Admitted {
-                        epoch,
-                        claim: Claim::Claimed(token) | Claim::TakenOver { token, .. },
-                    }) = session_claim_reply(&mut reply.clone())
-                    {
-                        unanswered.answered();
-                        let _ = self
-                            .release(&session.seq_key(epoch, request.seq), token)
-                            .await;
-                        return Err(error);
-                    }
-                    if !matches!(session_gate(&reply), Ok(SessionGate::Expired)) {
-                        unanswered.answered();
-                        return Err(error);
-                    }
-                }
-                reply
-            }
+        // The gate's writes (a start, a raised mark, dropped answers) count once the replicas
+        // have them, whatever the claim found.
+        let sent = match self.replicas {
+            None => self.query(script, cmd).await.map(|reply| (reply, None)),
+            Some(required) => self
+                .query_then_wait(script, cmd, required)
+                .await
+                .map(|(reply, acknowledged): (Value, usize)| (reply, Some((acknowledged, required)))),
         };
+        let (mut reply, replicas) = match sent {
+            Ok(sent) => sent,
+            Err(error @ StoreError::Unavailable(_)) => return Err(error),
+            // Refused whole for want of memory: the gate alone still runs for a known session
+            // (its `ack` frees answers), and the claim is refused on its own.
+            Err(StoreError::Capacity { .. }) => {
+                unanswered.answered();
+                return idempotent_core::store::claim_in_session_in_steps(
+                    self,
+                    session,
+                    request,
+                    fingerprint_arg,
+                    lease,
+                    label,
+                )
+                .await;
+            }
+            Err(error) => return Err(error),
+        };
+        if let Some((acknowledged, required)) = replicas
+            && let Err(error) = enough(acknowledged, required)
+        {
+            if let Ok(SessionClaim::Admitted {
+                epoch,
+                claim: Claim::Claimed(token) | Claim::TakenOver { token, .. },
+            }) = session_claim_reply(&mut reply.clone())
+            {
+                unanswered.answered();
+                let _ = self
+                    .release(&session.seq_key(epoch, request.seq), token)
+                    .await;
+                return Err(error);
+            }
+            if !matches!(session_gate(&reply), Ok(SessionGate::Expired)) {
+                unanswered.answered();
+                return Err(error);
+            }
+        }
         // Answered once read: with replicas required, the `WAIT` behind the script covered its
         // claim; a reply that cannot be read leaves the claim it may have made to be given
         // back.

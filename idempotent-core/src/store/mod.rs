@@ -422,14 +422,7 @@ pub async fn claim_in_session_in_steps<S: SessionStore + ?Sized>(
     // Between the gate and the claim a later request's `ack` may have covered this number and
     // dropped its answer, which the claim then did not find: every store raises the mark
     // before it drops anything, so reading it now tells.
-    let refused = match store.session_mark(session).await {
-        Ok(Some(mark)) if mark.epoch == epoch && mark.ack < request.seq => None,
-        Ok(Some(mark)) if mark.epoch == epoch => {
-            Some(Ok(SessionGate::Acknowledged { ack: mark.ack }))
-        }
-        Ok(_) => Some(Ok(SessionGate::Expired)),
-        Err(error) => Some(Err(error)),
-    };
+    let refused = refusal_by_mark(store.session_mark(session).await, epoch, request.seq);
     match refused {
         None => Ok(SessionClaim::Admitted { epoch, claim }),
         Some(refused) => {
@@ -439,6 +432,26 @@ pub async fn claim_in_session_in_steps<S: SessionStore + ?Sized>(
             }
             refused.map(SessionClaim::Refused)
         }
+    }
+}
+
+/// What a read of a session's mark, made after the claim of request `seq` admitted in
+/// `epoch`, says of that request: `None` while it may run; the gate that refuses it now (a
+/// later request's `ack` covered it, or the session ended or began again); or the read's
+/// error. Used after a gate and a claim made in two steps (here, and by the runtime's
+/// resume-only session calls).
+pub(crate) fn refusal_by_mark(
+    read: Result<Option<SessionMark>, StoreError>,
+    epoch: u64,
+    seq: u64,
+) -> Option<Result<SessionGate, StoreError>> {
+    match read {
+        Ok(Some(mark)) if mark.epoch == epoch && mark.ack < seq => None,
+        Ok(Some(mark)) if mark.epoch == epoch => {
+            Some(Ok(SessionGate::Acknowledged { ack: mark.ack }))
+        }
+        Ok(_) => Some(Ok(SessionGate::Expired)),
+        Err(error) => Some(Err(error)),
     }
 }
 
