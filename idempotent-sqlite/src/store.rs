@@ -599,26 +599,53 @@ impl SqliteStore {
         terms: (Duration, Duration),
         (resume, label): (bool, Option<Bytes>),
     ) -> Result<Option<Claim>, StoreError> {
+        self.claimed(
+            move |inner| async move {
+                inner
+                    .claim_or_resume(&key, &fingerprint, terms, resume, label.as_deref())
+                    .await
+            },
+            move |found| match found {
+                Some(Claim::Claimed(token) | Claim::TakenOver { token, .. }) => Some((key, *token)),
+                _ => None,
+            },
+        )
+        .await
+    }
+
+    /// Runs a claim (`op`) on a task of its own, as [`spawned`](Self::spawned) does, and gives
+    /// back what it claimed if its caller stopped waiting before the answer: `claimed` names
+    /// the record and token an answer holds, if any. The claim's lease ends at once (the record
+    /// is then released), so the caller's retry takes it over.
+    async fn claimed<T, F>(
+        &self,
+        op: impl FnOnce(Arc<Inner>) -> F,
+        claimed: impl FnOnce(&T) -> Option<(StorageKey, FencingToken)> + Send + 'static,
+    ) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: Future<Output = Result<T, StoreError>> + Send + 'static,
+    {
         let inner = Arc::clone(&self.inner);
+        let claim = op(Arc::clone(&inner));
         let (answer, answered) = tokio::sync::oneshot::channel();
         tokio::spawn(async move {
-            let result = inner
-                .claim_or_resume(&key, &fingerprint, terms, resume, label.as_deref())
-                .await;
-            if let Err(Ok(Some(Claim::Claimed(token) | Claim::TakenOver { token, .. }))) =
-                answer.send(result)
-            {
-                match inner.release(&key, token).await {
-                    Ok(()) => tracing::debug!(
-                        key = %key,
-                        "gave back a claim whose caller stopped waiting for it"
-                    ),
-                    Err(error) => tracing::warn!(
-                        key = %key,
-                        error = &error as &dyn std::error::Error,
-                        "could not give back a claim whose caller stopped waiting; it lapses with its lease"
-                    ),
-                }
+            let Err(Ok(unanswered)) = answer.send(claim.await) else {
+                return;
+            };
+            let Some((key, token)) = claimed(&unanswered) else {
+                return;
+            };
+            match inner.release(&key, token).await {
+                Ok(()) => tracing::debug!(
+                    key = %key,
+                    "gave back a claim whose caller stopped waiting for it"
+                ),
+                Err(error) => tracing::warn!(
+                    key = %key,
+                    error = &error as &dyn std::error::Error,
+                    "could not give back a claim whose caller stopped waiting; it lapses with its lease"
+                ),
             }
         });
         answered.await.unwrap_or_else(|_| {
@@ -725,37 +752,22 @@ impl SessionStore for SqliteStore {
         lease: Duration,
         label: &KeyLabel,
     ) -> Result<SessionClaim, StoreError> {
-        let inner = Arc::clone(&self.inner);
         let (session, fingerprint, label) = (*session, *fingerprint, label.as_bytes().clone());
-        let (answer, answered) = tokio::sync::oneshot::channel();
-        tokio::spawn(async move {
-            let result = inner
-                .claim_in_session(&session, request, &fingerprint, lease, &label)
-                .await;
-            if let Err(Ok(SessionClaim::Admitted {
-                epoch,
-                claim: Claim::Claimed(token) | Claim::TakenOver { token, .. },
-            })) = answer.send(result)
-            {
-                let key = session.seq_key(epoch, request.seq);
-                match inner.release(&key, token).await {
-                    Ok(()) => tracing::debug!(
-                        key = %key,
-                        "gave back a session claim whose caller stopped waiting for it"
-                    ),
-                    Err(error) => tracing::warn!(
-                        key = %key,
-                        error = &error as &dyn std::error::Error,
-                        "could not give back a session claim whose caller stopped waiting; it lapses with its lease"
-                    ),
-                }
-            }
-        });
-        answered.await.unwrap_or_else(|_| {
-            Err(StoreError::Backend(
-                "a SQLite session claim's task ended without an answer".into(),
-            ))
-        })
+        self.claimed(
+            move |inner| async move {
+                inner
+                    .claim_in_session(&session, request, &fingerprint, lease, &label)
+                    .await
+            },
+            move |answer| match answer {
+                SessionClaim::Admitted {
+                    epoch,
+                    claim: Claim::Claimed(token) | Claim::TakenOver { token, .. },
+                } => Some((session.seq_key(*epoch, request.seq), *token)),
+                _ => None,
+            },
+        )
+        .await
     }
 
     async fn session_mark(&self, session: &SessionKey) -> Result<Option<SessionMark>, StoreError> {
