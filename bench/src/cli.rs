@@ -415,6 +415,30 @@ mod tests {
     }
 
     #[test]
+    fn summary_reads_the_files_it_is_given() {
+        let o = parse_args(&[
+            "summary",
+            "--out",
+            "h.json",
+            "--outbox",
+            "o.json",
+            "--consumer",
+            "c.json",
+        ])
+        .unwrap();
+        assert_eq!(o.out, PathBuf::from("h.json"));
+        assert_eq!(
+            o.mode,
+            Mode::Summary {
+                outbox: Some(PathBuf::from("o.json")),
+                consumer: Some(PathBuf::from("c.json")),
+            }
+        );
+        let e = parse_args(&["http", "--outbox", "o.json"]).unwrap_err();
+        assert!(e.contains("--outbox is an option of `summary`"), "{e}");
+    }
+
+    #[test]
     fn quick_and_overrides() {
         let o = parse_args(&["http", "--quick", "--duration", "1.5"]).unwrap();
         assert_eq!(o.mode, Mode::Http);

@@ -104,7 +104,10 @@ fn main() -> ExitCode {
         Mode::Memory => memory_mode(&options),
         Mode::Sessions => sessions_mode(&options),
         Mode::Steps => steps_mode(&options),
-        Mode::Summary { ref outbox, ref consumer } => summary(&options, outbox, consumer),
+        Mode::Summary {
+            ref outbox,
+            ref consumer,
+        } => summary(&options, outbox, consumer),
         Mode::All => http(&options).and_then(|http_ok| {
             let memory_ok = memory_mode(&options)?;
             Ok(sessions_mode(&options)? && memory_ok && http_ok)

@@ -118,31 +118,46 @@ pub(crate) fn limit_table(limits: &[LimitRecord], rows: &[HttpRecord]) -> String
 /// 33k) and the consumer's (the runtime with the PostgreSQL effect against the bare loop doing
 /// the same work) come from the other binaries' output (`others`, see [`OtherRows`]). A ratio
 /// whose rows did not run is left out.
+///
+/// The rows against a store's tool also get the **ceiling on this machine** ([`ceiling`]):
+/// the ratio the layer's row would reach with every CPU busy, given the CPU per request this
+/// run measured.
 pub(crate) fn goals_table(
     records: &[HttpRecord],
     limits: &[LimitRecord],
     others: &OtherRows,
 ) -> String {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let find = |scenario: &str, store: &str, prefilled: bool| {
+        records.iter().find(|r| {
+            r.implementation == "idempotent-tower"
+                && r.scenario == scenario
+                && r.store == store
+                && (r.prefilled > 0) == prefilled
+        })
+    };
     let layer = |scenario: &str, store: &str, prefilled: bool| {
-        records
-            .iter()
-            .find(|r| {
-                r.implementation == "idempotent-tower"
-                    && r.scenario == scenario
-                    && r.store == store
-                    && (r.prefilled > 0) == prefilled
-            })
-            .map(|r| r.rps)
+        find(scenario, store, prefilled).map(|r| r.rps)
     };
     let bare = records
         .iter()
         .find(|r| r.implementation == "bare" && r.prefilled == 0)
         .map(|r| r.rps);
-    let limit = |tool: &str, scenario: &str| {
+    let find_limit = |tool: &str, scenario: &str| {
         limits
             .iter()
             .find(|l| l.implementation == tool && l.scenario == scenario)
-            .map(|l| l.rps)
+    };
+    let limit = |tool: &str, scenario: &str| find_limit(tool, scenario).map(|l| l.rps);
+    let against_limit = |scenario: &str, store: &str, tool: &str| {
+        let row = find(scenario, store, false);
+        let tool = find_limit(tool, scenario);
+        (
+            row.map(|r| r.rps),
+            tool.map(|l| l.rps),
+            row.zip(tool)
+                .and_then(|(row, tool)| ceiling(row, tool, cpus)),
+        )
     };
     let prefilled = records
         .iter()
@@ -154,89 +169,117 @@ pub(crate) fn goals_table(
         })
         .map_or_else(String::new, |r| crate::rows::count_name(r.prefilled));
     let prefilled_name = format!("memory fresh, {prefilled} records before / none");
-    let ratios: [(&str, Option<f64>, Option<f64>, &str); 12] = [
+    let plain = |over: Option<f64>, under: Option<f64>| (over, under, None);
+    let ratios: [(&str, (Option<f64>, Option<f64>, Option<f64>), &str); 12] = [
         (
             "memory fresh / bare",
-            layer("fresh", "memory", false),
-            bare,
+            plain(layer("fresh", "memory", false), bare),
             "≥ 0.85",
         ),
         (
             "memory replay / bare",
-            layer("replay", "memory", false),
-            bare,
+            plain(layer("replay", "memory", false), bare),
             "≥ 0.95",
         ),
         (
             "Redis fresh / `redis-benchmark` fresh",
-            layer("fresh", "redis", false),
-            limit("redis-benchmark", "fresh"),
+            against_limit("fresh", "redis", "redis-benchmark"),
             "≥ 0.8",
         ),
         (
             "Redis replay / `redis-benchmark` replay",
-            layer("replay", "redis", false),
-            limit("redis-benchmark", "replay"),
+            against_limit("replay", "redis", "redis-benchmark"),
             "≥ 0.35",
         ),
         (
             "PostgreSQL fresh / `pgbench` fresh",
-            layer("fresh", "postgres", false),
-            limit("pgbench", "fresh"),
+            against_limit("fresh", "postgres", "pgbench"),
             "≥ 0.85",
         ),
         (
             "PostgreSQL replay / `pgbench` replay",
-            layer("replay", "postgres", false),
-            limit("pgbench", "replay"),
+            against_limit("replay", "postgres", "pgbench"),
             "≥ 0.7",
         ),
         (
             "memory session / fresh",
-            layer("session", "memory", false),
-            layer("fresh", "memory", false),
+            plain(
+                layer("session", "memory", false),
+                layer("fresh", "memory", false),
+            ),
             "≥ 0.95",
         ),
         (
             "Redis session / fresh",
-            layer("session", "redis", false),
-            layer("fresh", "redis", false),
+            plain(
+                layer("session", "redis", false),
+                layer("fresh", "redis", false),
+            ),
             "≥ 0.85",
         ),
         (
             "PostgreSQL session / fresh",
-            layer("session", "postgres", false),
-            layer("fresh", "postgres", false),
+            plain(
+                layer("session", "postgres", false),
+                layer("fresh", "postgres", false),
+            ),
             "≥ 0.85",
         ),
         (
             prefilled_name.as_str(),
-            layer("fresh", "memory", true),
-            layer("fresh", "memory", false),
+            plain(
+                layer("fresh", "memory", true),
+                layer("fresh", "memory", false),
+            ),
             "≥ 0.9",
         ),
         (
             "relay, discarding sink, 1 relay / 0.2's 33k messages/s",
-            others.relay,
-            others.relay.map(|_| RELAY_0_2),
+            plain(others.relay, others.relay.map(|_| RELAY_0_2)),
             "≥ 0.8",
         ),
         (
             "consumer with the PostgreSQL effect / bare-pg loop (Redis Streams)",
-            others.consumer_pg,
-            others.bare_pg,
+            plain(others.consumer_pg, others.bare_pg),
             "≥ 0.75",
         ),
     ];
-    let mut out = String::from("| ratio | this run | goal |\n|---|---:|---:|\n");
-    for (name, over, under, goal) in ratios {
+    let mut out = String::from(
+        "| ratio | this run | goal | ceiling on this machine |\n|---|---:|---:|---:|\n",
+    );
+    for (name, (over, under, ceiling), goal) in ratios {
         if let (Some(over), Some(under)) = (over, under)
             && under > 0.0
         {
-            out.push_str(&format!("| {name} | {:.2} | {goal} |\n", over / under));
+            let ceiling = ceiling.map_or_else(|| "–".to_owned(), |c| format!("{c:.2}"));
+            out.push_str(&format!(
+                "| {name} | {:.2} | {goal} | {ceiling} |\n",
+                over / under
+            ));
         }
     }
     out
+}
+
+/// The ratio of `row` (the layer on a store) to `limit` (the store's own tool running the
+/// same statements or scripts) that the layer could reach on this machine of `cpus` CPUs with
+/// all of them busy, given the CPU time per request this run measured. The store's work per
+/// request is taken as the limit row's machine time per operation (`cpus × busy / rps`,
+/// which includes the tool's own client: an overestimate of the store's part), and the
+/// layer's as its server's and its load generator's threads' CPU per request. The layer's
+/// row can reach at most `cpus / (store + layer)` requests per second; divided by the limit
+/// row's rate, that is the ceiling. `None` when the rows lack what it needs.
+pub(crate) fn ceiling(row: &HttpRecord, limit: &LimitRecord, cpus: usize) -> Option<f64> {
+    if limit.rps <= 0.0 || limit.machine_busy <= 0.0 {
+        return None;
+    }
+    let cpu_us = cpus as f64 * 1e6;
+    let store_us = cpu_us * limit.machine_busy / limit.rps;
+    let layer_us = row.server_cpu_us + row.client_cpu_us;
+    if layer_us <= 0.0 {
+        return None;
+    }
+    Some(cpu_us / (store_us + layer_us) / limit.rps)
 }
 
 /// The relay's messages per second in 0.2 (one relay, the discarding sink; BENCHMARKS.md, "0.2:
@@ -743,11 +786,11 @@ mod tests {
             LimitRecord::summarize(["pgbench", "fresh", "postgres"], 16, 3, &[(400.0, 0.5)]);
         let table = goals_table(&records, &[pgbench], &OtherRows::default());
         assert!(
-            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 |"),
+            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 | – |"),
             "{table}"
         );
         assert!(
-            table.contains("| memory session / fresh | 0.95 | ≥ 0.95 |"),
+            table.contains("| memory session / fresh | 0.95 | ≥ 0.95 | – |"),
             "{table}"
         );
         assert!(
@@ -755,7 +798,7 @@ mod tests {
             "{table}"
         );
         assert!(
-            table.contains("| memory fresh, 1M records before / none | 0.90 | ≥ 0.9 |"),
+            table.contains("| memory fresh, 1M records before / none | 0.90 | ≥ 0.9 | – |"),
             "{table}"
         );
         // No replay rows, no Redis rows: those ratios are left out.
@@ -765,11 +808,35 @@ mod tests {
     }
 
     #[test]
+    fn the_ceiling_is_the_rate_the_machine_allows_over_the_limit_rows() {
+        let mut row = summarize(row(), &[(Traffic::sample(4_000, 0, 1, 1), good_audit())]);
+        row.server_cpu_us = 130.0;
+        row.client_cpu_us = 40.0;
+        // pgbench: 6,250 operations a second with two CPUs 100 % busy, so 320 µs of machine
+        // per operation; with the layer's 170 µs, the row can reach 2 s / 490 µs = 4,082 a
+        // second: 0.65 of the limit.
+        let limit =
+            LimitRecord::summarize(["pgbench", "fresh", "postgres"], 16, 3, &[(6_250.0, 1.0)]);
+        let ceiling = ceiling(&row, &limit, 2).unwrap();
+        assert!((ceiling - 0.653).abs() < 0.001, "{ceiling}");
+        // Half as busy: the store's part is half, the ceiling higher.
+        let limit =
+            LimitRecord::summarize(["pgbench", "fresh", "postgres"], 16, 3, &[(6_250.0, 0.5)]);
+        assert!(super::ceiling(&row, &limit, 2).unwrap() > ceiling);
+        // Nothing measured: no ceiling.
+        let limit = LimitRecord::summarize(["pgbench", "fresh", "postgres"], 16, 3, &[(0.0, 1.0)]);
+        assert_eq!(super::ceiling(&row, &limit, 2), None);
+        row.server_cpu_us = 0.0;
+        row.client_cpu_us = 0.0;
+        let limit =
+            LimitRecord::summarize(["pgbench", "fresh", "postgres"], 16, 3, &[(6_250.0, 1.0)]);
+        assert_eq!(super::ceiling(&row, &limit, 2), None);
+    }
+
+    #[test]
     fn the_summary_reads_the_relay_and_consumer_rows_from_their_files() {
-        let dir = std::env::temp_dir().join(format!(
-            "idempotent-bench-others-{}",
-            std::process::id()
-        ));
+        let dir =
+            std::env::temp_dir().join(format!("idempotent-bench-others-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let outbox = dir.join("outbox.json");
         std::fs::write(
@@ -798,12 +865,14 @@ mod tests {
         );
         let table = goals_table(&[], &[], &others);
         assert!(
-            table.contains("| relay, discarding sink, 1 relay / 0.2's 33k messages/s | 0.90 | ≥ 0.8 |"),
+            table.contains(
+                "| relay, discarding sink, 1 relay / 0.2's 33k messages/s | 0.90 | ≥ 0.8 | – |"
+            ),
             "{table}"
         );
         assert!(
             table.contains(
-                "| consumer with the PostgreSQL effect / bare-pg loop (Redis Streams) | 0.70 | ≥ 0.75 |"
+                "| consumer with the PostgreSQL effect / bare-pg loop (Redis Streams) | 0.70 | ≥ 0.75 | – |"
             ),
             "{table}"
         );

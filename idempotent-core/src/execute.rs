@@ -382,10 +382,8 @@ impl<C: Capabilities> Idempotency<C> {
                         let read = bounded(sessions.session_mark(session), limit)
                             .await
                             .unwrap_or_else(|| Err(unanswered("session read")));
-                        let refusal =
-                            crate::store::refusal_by_mark(read, epoch, request.seq).map(|by| {
-                                by.map_or_else(Error::Store, |gate| refused(gate, *request))
-                            });
+                        let refusal = crate::store::refusal_by_mark(read, epoch, request.seq)
+                            .map(|by| by.map_or_else(Error::Store, |gate| refused(gate, *request)));
                         if let Some(refusal) = refusal {
                             if bounded(store.release(&key, token), limit).await.is_none() {
                                 tracing::warn!(storage_key = %key, "releasing a session claim that may not run timed out; its lease ends it");

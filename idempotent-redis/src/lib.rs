@@ -1037,10 +1037,9 @@ impl SessionStore for RedisStore {
         // have them, whatever the claim found.
         let sent = match self.replicas {
             None => self.query(script, cmd).await.map(|reply| (reply, None)),
-            Some(required) => self
-                .query_then_wait(script, cmd, required)
-                .await
-                .map(|(reply, acknowledged): (Value, usize)| (reply, Some((acknowledged, required)))),
+            Some(required) => self.query_then_wait(script, cmd, required).await.map(
+                |(reply, acknowledged): (Value, usize)| (reply, Some((acknowledged, required))),
+            ),
         };
         let (mut reply, replicas) = match sent {
             Ok(sent) => sent,
