@@ -136,6 +136,53 @@ async fn background_sweep_deletes_expired_records() {
     assert_eq!(store.stats().bytes, RECORD_OVERHEAD);
 }
 
+/// A clock that notes the threads it is read on, other than the test's own.
+#[derive(Clone)]
+struct ThreadsReading {
+    test_thread: std::thread::ThreadId,
+    others: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl idempotent_core::clock::Clock for ThreadsReading {
+    fn now(&self) -> Duration {
+        if std::thread::current().id() != self.test_thread {
+            self.others
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        Duration::from_secs(1)
+    }
+}
+
+/// The background sweep looks at every record, so with millions of records it takes a good
+/// part of a second: it runs on tokio's blocking pool, never on the runtime's own threads
+/// (there it would stop every request the runtime serves meanwhile). On a current-thread
+/// runtime, everything but a blocking-pool task runs on the test's thread; the sweep reads
+/// the clock, so it is seen reading it from another thread. (Seen failing with the sweep run
+/// on the runtime's thread, as it was.)
+#[tokio::test(flavor = "current_thread")]
+async fn background_sweep_runs_off_the_runtimes_threads() {
+    let clock = ThreadsReading {
+        test_thread: std::thread::current().id(),
+        others: Default::default(),
+    };
+    let store = MemoryStore::builder()
+        .clock(clock.clone())
+        .sweep_interval(Some(Duration::from_millis(5)))
+        .build();
+    claim(&store, 1, Duration::from_secs(100)).await.unwrap();
+    for _ in 0..400 {
+        if clock.others.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        clock.others.load(std::sync::atomic::Ordering::SeqCst) > 0,
+        "the sweep never read the clock off the runtime's thread"
+    );
+    assert_eq!(store.stats().records, 1, "the live record is kept");
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn background_sweep_ends_when_the_store_is_dropped() {
     let metrics = tokio::runtime::Handle::current().metrics();

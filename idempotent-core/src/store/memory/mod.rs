@@ -24,6 +24,13 @@ pub const DEFAULT_MAX_BYTES: usize = 256 << 20;
 /// Default period of the background sweep that deletes expired records: 10 s.
 pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 
+/// Shards of the records map, each with its own lock. A sweep looks at every record, one
+/// shard at a time under that shard's lock: with this many, a shard of a store of ten million
+/// records holds about 40,000, so a request on a key of the shard being swept waits a
+/// millisecond or so, not the whole sweep. (The map's default is four per CPU: 8 shards of 1.25
+/// million records each on two CPUs.)
+const SHARDS: usize = 256;
+
 /// A [`Store`] in this process's memory, the embedded default.
 ///
 /// It protects one process: use a shared store (Redis, PostgreSQL) when several instances serve
@@ -40,7 +47,10 @@ pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 ///   second execution. Replays of existing records keep working when full.
 /// - **Reclaimed**: an expired record is replaced in place by the next claim on its key; a
 ///   background task deletes expired records every [`DEFAULT_SWEEP_INTERVAL`] (when the store
-///   is built inside a tokio runtime; the task ends when the last clone is dropped); and a claim
+///   is built inside a tokio runtime; the task ends when the last clone is dropped). The sweep
+///   looks at every record, so its work grows with the store; it runs on tokio's blocking
+///   pool, not on a worker thread, and locks one of the map's 256 shards at a time, so the
+///   requests served meanwhile do not stop for it. A claim
 ///   that finds the store full sweeps once before refusing. An abandoned claim (its lease
 ///   ended, or it was released) is kept until the TTL it was claimed with, so that the next
 ///   owner continues its lifetime and [operation key](crate::KeyClaim::operation_key); a
@@ -162,7 +172,7 @@ impl MemoryStoreBuilder {
     pub fn build(self) -> MemoryStore {
         let sweep_every = self.sweep_interval.unwrap_or(DEFAULT_SWEEP_INTERVAL);
         let inner = Arc::new(Inner {
-            records: DashMap::new(),
+            records: DashMap::with_shard_amount(SHARDS),
             clock: self.clock.unwrap_or_else(|| Arc::new(SystemClock::new())),
             max_entries: self.max_entries,
             max_bytes: self.max_bytes,
@@ -202,7 +212,11 @@ async fn sweep_periodically(store: Weak<Inner>, every: Duration) {
     loop {
         tokio::time::sleep(every).await;
         let Some(inner) = store.upgrade() else { return };
-        let removed = inner.sweep(false);
+        // A sweep of millions of records takes a good part of a second: on the blocking pool,
+        // so the runtime's workers go on serving requests (those on other shards at once).
+        let Ok(removed) = tokio::task::spawn_blocking(move || inner.sweep(false)).await else {
+            return; // the runtime is shutting down
+        };
         if removed > 0 {
             tracing::trace!(removed, "idempotency memory store swept expired records");
         }
