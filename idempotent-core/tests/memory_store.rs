@@ -153,8 +153,8 @@ impl idempotent_core::clock::Clock for ThreadsReading {
     }
 }
 
-/// The background sweep looks at every record, so with millions of records it takes a good
-/// part of a second: it runs on tokio's blocking pool, never on the runtime's own threads
+/// The background sweep looks at every record, so with ten million records it takes about a
+/// fifth of a second: it runs on tokio's blocking pool, never on the runtime's own threads
 /// (there it would stop every request the runtime serves meanwhile). On a current-thread
 /// runtime, everything but a blocking-pool task runs on the test's thread; the sweep reads
 /// the clock, so it is seen reading it from another thread. (Seen failing with the sweep run
