@@ -148,7 +148,6 @@ pub(crate) fn goals_table(
             .iter()
             .find(|l| l.implementation == tool && l.scenario == scenario)
     };
-    let limit = |tool: &str, scenario: &str| find_limit(tool, scenario).map(|l| l.rps);
     let against_limit = |scenario: &str, store: &str, tool: &str| {
         let row = find(scenario, store, false);
         let tool = find_limit(tool, scenario);
@@ -170,7 +169,7 @@ pub(crate) fn goals_table(
         .map_or_else(String::new, |r| crate::rows::count_name(r.prefilled));
     let prefilled_name = format!("memory fresh, {prefilled} records before / none");
     let plain = |over: Option<f64>, under: Option<f64>| (over, under, None);
-    let ratios: [(&str, (Option<f64>, Option<f64>, Option<f64>), &str); 12] = [
+    let ratios: [(&str, Ratio, &str); 12] = [
         (
             "memory fresh / bare",
             plain(layer("fresh", "memory", false), bare),
@@ -260,6 +259,9 @@ pub(crate) fn goals_table(
     }
     out
 }
+
+/// A ratio's numerator and denominator, and its ceiling on this machine where it has one.
+type Ratio = (Option<f64>, Option<f64>, Option<f64>);
 
 /// The ratio of `row` (the layer on a store) to `limit` (the store's own tool running the
 /// same statements or scripts) that the layer could reach on this machine of `cpus` CPUs with

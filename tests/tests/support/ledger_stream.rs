@@ -206,11 +206,10 @@ impl Fixture {
             .query_async(&mut self.redis)
             .await
             .unwrap();
-        let pending = match pending {
+        match pending {
             Value::Array(v) => matches!(v.first(), Some(Value::Int(0))),
             _ => false,
-        };
-        pending
+        }
     }
 
     pub async fn wait_drained(&mut self, last_id: &str, within: Duration) {
