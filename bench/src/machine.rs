@@ -35,6 +35,24 @@ impl Reading {
     }
 }
 
+/// The machine's CPUs, as `/proc/stat` counts them (its `cpuN` lines): the CPUs whose time
+/// [`Reading::utilization_since`] shares out. `None` where `/proc/stat` cannot be read.
+pub fn cpus() -> Option<usize> {
+    count_cpus(&std::fs::read_to_string("/proc/stat").ok()?)
+}
+
+fn count_cpus(stat: &str) -> Option<usize> {
+    let n = stat
+        .lines()
+        .filter(|line| {
+            line.strip_prefix("cpu")
+                .and_then(|rest| rest.split(' ').next())
+                .is_some_and(|id| !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .count();
+    (n > 0).then_some(n)
+}
+
 /// Busy and total ticks of the `cpu` line: everything but `idle` and `iowait` is busy;
 /// `guest` and `guest_nice` are already counted in `user` and `nice`, so they are left out.
 fn parse(stat: &str) -> Option<Reading> {
@@ -61,6 +79,13 @@ fn parse(stat: &str) -> Option<Reading> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpus_are_the_numbered_cpu_lines() {
+        let stat = "cpu  10 0 5 100 0 0 0 0 0 0\ncpu0 5 0 2 50 0 0 0 0 0 0\ncpu1 5 0 3 50 0 0 0 0 0 0\nintr 1 2\ncpufreq x\n";
+        assert_eq!(count_cpus(stat), Some(2));
+        assert_eq!(count_cpus("intr 1\n"), None);
+    }
 
     #[test]
     fn stat_lines() {

@@ -44,6 +44,10 @@ pub(crate) struct LimitRecord {
     /// (its warm-up and timed runs).
     #[serde(default)]
     pub(crate) machine_busy: f64,
+    /// The machine's CPUs while the row ran (`/proc/stat`), whose time `machine_busy` shares
+    /// out; 0 where unknown (rows written before it was kept).
+    #[serde(default)]
+    pub(crate) cpus: usize,
 }
 
 impl LimitRecord {
@@ -68,6 +72,7 @@ impl LimitRecord {
             seconds: seconds as f64,
             rounds_rps: rounds.iter().map(|(rps, _)| round1(*rps)).collect(),
             machine_busy: (busy * 1000.0).round() / 1000.0,
+            cpus: idempotent_bench::machine::cpus().unwrap_or(0),
         }
     }
 }
@@ -127,7 +132,6 @@ pub(crate) fn goals_table(
     limits: &[LimitRecord],
     others: &OtherRows,
 ) -> String {
-    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
     let find = |scenario: &str, store: &str, prefilled: bool| {
         records.iter().find(|r| {
             r.implementation == "idempotent-tower"
@@ -155,7 +159,7 @@ pub(crate) fn goals_table(
             row.map(|r| r.rps),
             tool.map(|l| l.rps),
             row.zip(tool)
-                .and_then(|(row, tool)| ceiling(row, tool, cpus)),
+                .and_then(|(row, tool)| ceiling(row, tool, tool.cpus)),
         )
     };
     let prefilled = records
@@ -264,15 +268,15 @@ pub(crate) fn goals_table(
 type Ratio = (Option<f64>, Option<f64>, Option<f64>);
 
 /// The ratio of `row` (the layer on a store) to `limit` (the store's own tool running the
-/// same statements or scripts) that the layer could reach on this machine of `cpus` CPUs with
-/// all of them busy, given the CPU time per request this run measured. The store's work per
+/// same statements or scripts) that the layer could reach on this machine of `cpus` CPUs (the
+/// limit row's, counted when it ran) with all of them busy, given the CPU time per request this run measured. The store's work per
 /// request is taken as the limit row's machine time per operation (`cpus × busy / rps`,
 /// which includes the tool's own client: an overestimate of the store's part), and the
 /// layer's as its server's and its load generator's threads' CPU per request. The layer's
 /// row can reach at most `cpus / (store + layer)` requests per second; divided by the limit
 /// row's rate, that is the ceiling. `None` when the rows lack what it needs.
 pub(crate) fn ceiling(row: &HttpRecord, limit: &LimitRecord, cpus: usize) -> Option<f64> {
-    if limit.rps <= 0.0 || limit.machine_busy <= 0.0 {
+    if cpus == 0 || limit.rps <= 0.0 || limit.machine_busy <= 0.0 {
         return None;
     }
     let cpu_us = cpus as f64 * 1e6;
@@ -825,6 +829,8 @@ mod tests {
         let limit =
             LimitRecord::summarize(["pgbench", "fresh", "postgres"], 16, 3, &[(6_250.0, 0.5)]);
         assert!(super::ceiling(&row, &limit, 2).unwrap() > ceiling);
+        // The CPUs unknown (a row written before they were kept): no ceiling.
+        assert_eq!(super::ceiling(&row, &limit, 0), None);
         // Nothing measured: no ceiling.
         let limit = LimitRecord::summarize(["pgbench", "fresh", "postgres"], 16, 3, &[(0.0, 1.0)]);
         assert_eq!(super::ceiling(&row, &limit, 2), None);

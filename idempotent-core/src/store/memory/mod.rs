@@ -24,12 +24,22 @@ pub const DEFAULT_MAX_BYTES: usize = 256 << 20;
 /// Default period of the background sweep that deletes expired records: 10 s.
 pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 
-/// Shards of the records map, each with its own lock. A sweep looks at every record, one
-/// shard at a time under that shard's lock: with this many, a shard of a store of ten million
-/// records holds about 40,000, so a request on a key of the shard being swept waits about a
-/// millisecond (0.9 ms measured), not the whole sweep. (The map's default is four per CPU: 8 shards of 1.25
-/// million records each on two CPUs.)
-const SHARDS: usize = 256;
+/// The fewest shards of the records map, each with its own lock. A sweep looks at every
+/// record, one shard at a time under that shard's lock: with this many, a shard of a store of
+/// ten million records holds about 40,000, so a request on a key of the shard being swept
+/// waits about a millisecond (0.9 ms measured), not the whole sweep. (The map's default is four
+/// per CPU, rounded up to a power of two: 8 shards of 1.25 million records each on two CPUs;
+/// a machine of more than 64 CPUs keeps its larger default.)
+const MIN_SHARDS: usize = 256;
+
+/// The map's shards: its default for this machine, and at least [`MIN_SHARDS`].
+fn shards() -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    cpus.saturating_mul(4)
+        .checked_next_power_of_two()
+        .unwrap_or(MIN_SHARDS)
+        .max(MIN_SHARDS)
+}
 
 /// A [`Store`] in this process's memory, the embedded default.
 ///
@@ -49,9 +59,10 @@ const SHARDS: usize = 256;
 ///   background task deletes expired records every [`DEFAULT_SWEEP_INTERVAL`] (when the store
 ///   is built inside a tokio runtime; the task ends when the last clone is dropped). The sweep
 ///   looks at every record, so its work grows with the store; it runs on tokio's blocking
-///   pool, not on a worker thread, and locks one of the map's 256 shards at a time, so the
-///   requests served meanwhile do not stop for it. A claim
-///   that finds the store full sweeps once before refusing. An abandoned claim (its lease
+///   pool, not on a worker thread, and locks one of the map's shards (at least 256) at a time,
+///   so the requests served meanwhile do not stop for it. A claim that finds the store full
+///   sweeps once before refusing, itself, on the thread that serves it (at most ten times per
+///   sweep interval). An abandoned claim (its lease
 ///   ended, or it was released) is kept until the TTL it was claimed with, so that the next
 ///   owner continues its lifetime and [operation key](crate::KeyClaim::operation_key); a
 ///   full store's sweep deletes abandoned claims too, and the next owner of such a key then
@@ -172,7 +183,7 @@ impl MemoryStoreBuilder {
     pub fn build(self) -> MemoryStore {
         let sweep_every = self.sweep_interval.unwrap_or(DEFAULT_SWEEP_INTERVAL);
         let inner = Arc::new(Inner {
-            records: DashMap::with_shard_amount(SHARDS),
+            records: DashMap::with_shard_amount(shards()),
             clock: self.clock.unwrap_or_else(|| Arc::new(SystemClock::new())),
             max_entries: self.max_entries,
             max_bytes: self.max_bytes,
@@ -214,8 +225,14 @@ async fn sweep_periodically(store: Weak<Inner>, every: Duration) {
         let Some(inner) = store.upgrade() else { return };
         // A sweep of ten million records takes about a fifth of a second (BENCHMARKS.md): on
         // the blocking pool, so the runtime's workers go on serving requests meanwhile.
-        let Ok(removed) = tokio::task::spawn_blocking(move || inner.sweep(false)).await else {
-            return; // the runtime is shutting down
+        let removed = match tokio::task::spawn_blocking(move || inner.sweep(false)).await {
+            Ok(removed) => removed,
+            // The sweep panicked (a clock of the caller's that panics): no more sweeps, as
+            // when the task itself panicked before.
+            Err(error) => {
+                tracing::error!(%error, "idempotency memory store's sweep failed; sweeping stops");
+                return;
+            }
         };
         if removed > 0 {
             tracing::trace!(removed, "idempotency memory store swept expired records");
