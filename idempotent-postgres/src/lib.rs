@@ -136,18 +136,22 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 /// CREATE INDEX IF NOT EXISTS "idempotent_records_owner_idx" ON "idempotent_records"
 ///     ((substring(request from 1 for 36)), expires_at)
 ///     WHERE state = 'in_flight' AND request IS NOT NULL;
-/// CREATE INDEX IF NOT EXISTS "idempotent_records_state_since_idx"
-///     ON "idempotent_records" (state, since, storage_key);
+/// CREATE INDEX IF NOT EXISTS "idempotent_records_listing_idx"
+///     ON "idempotent_records" ((state COLLATE "C"), since, storage_key);
 /// CREATE SEQUENCE IF NOT EXISTS "idempotent_records_token_seq";
 /// ```
 ///
-/// The last four columns and the `state, since` index are what an operator reads
+/// The last four columns and the listing index are what an operator reads
 /// ([`InspectStore`](idempotent_core::inspect::InspectStore)): a record by key is one primary
-/// key lookup; a listing of one state is a range of `state_since_idx` (in flight, released,
+/// key lookup; a listing of one state is a range of `listing_idx` (in flight, released,
 /// completed) or of `expires_at_idx` (abandoned: by the lease's end), read a page at a time
 /// after a keyset cursor; a repair locks the row (`SELECT … FOR UPDATE`), checks its token and
 /// lease, and changes it in the same transaction. Rows written before 0.4 have no `since`: they
-/// are found by key, and listed once they are claimed again.
+/// are found by key, and listed once they are claimed again. The listing index keys the state
+/// in the "C" collation, which only the listings compare it in: every statement of one key
+/// reaches its row through the primary key, never through a range of states (the planner would
+/// take the `in_flight` range for nearly empty, while it holds an entry of every claim since the
+/// last vacuum).
 ///
 /// (A table made by an earlier release gets the columns it lacks and the indexes on them from
 /// `migrate`, which checks the catalog first and locks the

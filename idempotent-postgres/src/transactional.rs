@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use sqlx::Connection as _;
 use sqlx::Executor as _;
 use sqlx::postgres::PgConnection;
 
@@ -28,6 +29,13 @@ const SAVEPOINT: &str = "SAVEPOINT idempotent_work";
 const RELEASE_SAVEPOINT: &str = "RELEASE SAVEPOINT idempotent_work";
 const ROLLBACK_TO_SAVEPOINT: &str =
     "ROLLBACK TO SAVEPOINT idempotent_work; RELEASE SAVEPOINT idempotent_work";
+/// What releases a claim taken without a savepoint ([`Transactional::without_savepoint`]):
+/// an error raised in the caller's transaction, after which PostgreSQL refuses every
+/// statement of it and turns its `COMMIT` into a rollback, so that neither the work nor the
+/// claim can be committed.
+const ABORT_TRANSACTION: &str = "DO $$ BEGIN RAISE EXCEPTION USING ERRCODE = 'P0001', \
+     MESSAGE = 'idempotent: a claim taken without a savepoint was released, or its result could \
+     not be recorded: this transaction can only be rolled back'; END $$";
 
 /// Exactly-once database work: the claim, your writes and the completed record commit together
 /// in **your** transaction, or not at all.
@@ -118,6 +126,8 @@ pub struct Transactional {
     defaults: Defaults,
     /// Whether claims keep their key in clear (a runtime's `keys_in_clear`).
     keys_in_clear: bool,
+    /// Whether a claim takes a savepoint for its work (see [`Transactional::without_savepoint`]).
+    savepoint: bool,
     metrics: Arc<StoreMetrics>,
     /// The runtime's cache tier: duplicates are answered from it without a query.
     #[cfg(feature = "cache")]
@@ -130,6 +140,7 @@ impl fmt::Debug for Transactional {
             .field("table", &self.sql.table)
             .field("namespace", &String::from_utf8_lossy(&self.namespace))
             .field("defaults", &self.defaults)
+            .field("savepoint", &self.savepoint)
             .finish()
     }
 }
@@ -191,6 +202,23 @@ impl Transactional {
         self
     }
 
+    /// Takes no savepoint after a claim, for callers that roll back the whole transaction
+    /// whenever the work, its completion or a release fails (as the consumer runtime's
+    /// `run_transactional` does): each claim then costs
+    /// two round trips fewer (the `SAVEPOINT` and its `RELEASE`) and no subtransaction.
+    ///
+    /// Without a savepoint, the work cannot be undone alone, so
+    /// [`release`](PendingRecord::release), and a [`complete`](PendingRecord::complete) that
+    /// fails, **abort the caller's transaction** instead: PostgreSQL then refuses its further
+    /// statements and turns its `COMMIT` into a rollback, so neither the work nor the claim can
+    /// be committed, and a retry runs the work again. A connection that sqlx does not know to be
+    /// inside a transaction (one begun with a plain `BEGIN` statement, or none) still gets the
+    /// savepoint, which is also how a claim made outside a transaction is refused.
+    pub fn without_savepoint(mut self) -> Self {
+        self.savepoint = false;
+        self
+    }
+
     /// Answers duplicates from `tier` without a query: the records the tier holds, which it
     /// takes only from what is known committed, never from a row seen inside a caller's
     /// transaction. Give it the tier of the runtime's [`Cached`](idempotent_cache::Cached)
@@ -210,6 +238,7 @@ impl Transactional {
             namespace: Arc::from(&[][..]),
             defaults: Defaults::new(),
             keys_in_clear: true,
+            savepoint: true,
             metrics: Arc::new(StoreMetrics::register("postgres")),
             #[cfg(feature = "cache")]
             tier: None,
@@ -404,6 +433,9 @@ impl Transactional {
             // one transaction), and a rollback would leave the tier answering for nothing.
             match answer.step(&key, fingerprint, claim)? {
                 Step::Owner(token, lifetime) => {
+                    // sqlx's own count of the connection's transactions: a connection it
+                    // does not know to be in one gets the savepoint, which checks.
+                    let savepoint = self.savepoint || !connection.is_in_transaction();
                     let pending = PendingRecord {
                         sql: Arc::clone(&self.sql),
                         key,
@@ -413,8 +445,11 @@ impl Transactional {
                         ttl,
                         lease,
                         max_result_bytes,
+                        savepoint,
                     };
-                    pending.savepoint(connection).await?;
+                    if savepoint {
+                        pending.savepoint(connection).await?;
+                    }
                     tracing::debug!(storage_key = %key, token = token.get(), "transactional call claimed");
                     return Ok(RawClaim::Run(pending));
                 }
@@ -456,6 +491,9 @@ pub struct PendingRecord {
     ttl: Duration,
     lease: Duration,
     max_result_bytes: usize,
+    /// Whether the work runs under a savepoint taken after the claim; without one, a release
+    /// aborts the transaction (see [`Transactional::without_savepoint`]).
+    savepoint: bool,
 }
 
 impl fmt::Debug for PendingRecord {
@@ -547,7 +585,28 @@ impl PendingRecord {
 
     /// Undoes the work's writes (back to the savepoint taken after the claim) and releases the
     /// claim in `connection`'s transaction, so the next retry runs the work again.
+    ///
+    /// A claim taken [without a savepoint](Transactional::without_savepoint) cannot undo the
+    /// work alone: its release aborts the transaction instead, which can then only be rolled
+    /// back (its `COMMIT` rolls back), with the same outcome: nothing of the work or the
+    /// claim is committed.
     pub async fn release(self, connection: &mut PgConnection) -> Result<(), Error> {
+        if !self.savepoint {
+            return match (&mut *connection).execute(ABORT_TRANSACTION).await {
+                // P0001: aborted now; 25P02: aborted already (a statement of it failed).
+                Err(sqlx::Error::Database(error))
+                    if matches!(error.code().as_deref(), Some("P0001" | "25P02")) =>
+                {
+                    tracing::debug!(storage_key = %self.key, "transactional call released: its transaction was aborted");
+                    Ok(())
+                }
+                Err(error) => Err(Error::Store(store_error(error))),
+                Ok(_) => Err(Error::Store(StoreError::Backend(
+                    "the transaction of a claim taken without a savepoint could not be aborted"
+                        .into(),
+                ))),
+            };
+        }
         (&mut *connection)
             .execute(ROLLBACK_TO_SAVEPOINT)
             .await
@@ -613,12 +672,12 @@ impl PendingRecord {
             .bind(payload.as_ref())
             .bind(micros(self.ttl));
         let completed = match self.sql.guarded(query, connection).await {
-            Ok(()) => (&mut *connection)
+            Ok(()) if self.savepoint => (&mut *connection)
                 .execute(RELEASE_SAVEPOINT)
                 .await
                 .map(drop)
                 .map_err(store_error),
-            Err(error) => Err(error),
+            result => result,
         };
         match completed {
             Ok(()) => {

@@ -566,3 +566,150 @@ async fn a_standalone_claim_in_flight_is_rejected_or_waited_for() {
     assert_eq!(holder.await.unwrap(), Outcome::Fresh(7));
     assert_eq!(bank.balance().await, 0);
 }
+
+/// The SQLSTATE of the error `statement` gets in `tx`.
+async fn sqlstate(tx: &mut PgConnection, statement: &str) -> Option<String> {
+    match sqlx::query(statement).execute(tx).await {
+        Err(sqlx::Error::Database(error)) => error.code().map(|code| code.into_owned()),
+        other => panic!("expected a database error from {statement:?}, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn without_a_savepoint_a_claim_takes_none_and_commits_and_replays_as_usual() {
+    let Some(bank) = Bank::open().await else {
+        return;
+    };
+    let transactional = bank.transactional.clone().without_savepoint();
+    let call = Call::new("deposit-ns-1".parse().unwrap());
+    // No savepoint after the claim: releasing one fails with 3B001 (no such savepoint).
+    let mut tx = bank.pool.begin().await.unwrap();
+    let TransactionalClaim::Run(_pending) =
+        transactional.claim::<i64>(&call, &mut tx).await.unwrap()
+    else {
+        panic!("expected to run");
+    };
+    let code = sqlstate(&mut tx, "RELEASE SAVEPOINT idempotent_work").await;
+    assert_eq!(code.as_deref(), Some("3B001"), "a savepoint was taken");
+    tx.rollback().await.unwrap();
+    assert_eq!(bank.records().await, (0, 0));
+
+    let mut tx = bank.pool.begin().await.unwrap();
+    let first = bank.deposit_with(&mut tx, &transactional, &call, Duration::ZERO);
+    assert_eq!(first.await.unwrap(), Outcome::Fresh(100));
+    tx.commit().await.unwrap();
+    assert_eq!(bank.balance().await, 100);
+    assert_eq!(bank.records().await, (1, 1));
+    // Replayed by either mode.
+    for transactional in [&transactional, &bank.transactional] {
+        let mut tx = bank.pool.begin().await.unwrap();
+        let retry = bank.deposit_with(&mut tx, transactional, &call, Duration::ZERO);
+        assert_eq!(retry.await.unwrap(), Outcome::Replayed(100));
+        tx.commit().await.unwrap();
+    }
+    assert_eq!(bank.balance().await, 100);
+}
+
+#[tokio::test]
+async fn without_a_savepoint_a_release_aborts_the_transaction_so_nothing_commits() {
+    let Some(bank) = Bank::open().await else {
+        return;
+    };
+    let transactional = bank.transactional.clone().without_savepoint();
+    let call = Call::new("deposit-ns-2".parse().unwrap());
+    let mut tx = bank.pool.begin().await.unwrap();
+    let TransactionalClaim::Run(pending) =
+        transactional.claim::<i64>(&call, &mut tx).await.unwrap()
+    else {
+        panic!("expected to run");
+    };
+    bank.deposit(&mut tx).await.unwrap();
+    pending.release(&mut tx).await.unwrap();
+    // 25P02: the transaction is aborted; its COMMIT rolls back.
+    let code = sqlstate(&mut tx, "SELECT 7").await;
+    assert_eq!(code.as_deref(), Some("25P02"));
+    let _ = tx.commit().await;
+    assert_eq!(
+        bank.balance().await,
+        0,
+        "the released work's write committed"
+    );
+    assert_eq!(bank.records().await, (0, 0), "the released claim committed");
+
+    let mut tx = bank.pool.begin().await.unwrap();
+    let retry = bank.deposit_with(&mut tx, &transactional, &call, Duration::ZERO);
+    assert_eq!(retry.await.unwrap(), Outcome::Fresh(100));
+    tx.commit().await.unwrap();
+    assert_eq!(bank.balance().await, 100);
+}
+
+#[tokio::test]
+async fn without_a_savepoint_a_result_that_cannot_be_recorded_leaves_nothing_to_commit() {
+    let Some(bank) = Bank::open().await else {
+        return;
+    };
+    let transactional = bank.transactional.clone().without_savepoint();
+    let mut tx = bank.pool.begin().await.unwrap();
+    let TransactionalClaim::Run(pending) = transactional
+        .claim::<i64>(&Call::new("deposit-ns-3".parse().unwrap()), &mut tx)
+        .await
+        .unwrap()
+    else {
+        panic!("expected to run");
+    };
+    bank.deposit(&mut tx).await.unwrap();
+    assert!(sqlx::query("SELECT 1 / 0").execute(&mut *tx).await.is_err());
+    let result = pending.complete(&mut tx, &100).await;
+    assert!(matches!(result, Err(Error::Store(_))), "{result:?}");
+    let _ = tx.commit().await;
+    assert_eq!(bank.balance().await, 0);
+    assert_eq!(bank.records().await, (0, 0));
+}
+
+#[tokio::test]
+async fn without_a_savepoint_a_connection_sqlx_sees_outside_a_transaction_still_gets_one() {
+    let Some(bank) = Bank::open().await else {
+        return;
+    };
+    let transactional = bank.transactional.clone().without_savepoint();
+    // Autocommit: refused and released, as with the savepoint.
+    let mut connection = bank.pool.acquire().await.unwrap();
+    let result = transactional
+        .claim::<i64>(&Call::new("deposit-ns-4".parse().unwrap()), &mut connection)
+        .await;
+    assert!(
+        matches!(&result, Err(Error::Store(error)) if format!("{error:?}").contains("inside a transaction")),
+        "{result:?}"
+    );
+    assert_eq!(
+        bank.records().await.1,
+        0,
+        "the autocommitted claim was kept"
+    );
+    // A transaction begun with a plain `BEGIN`: the savepoint is taken, so a release undoes
+    // the work alone and the transaction goes on.
+    sqlx::query("BEGIN")
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+    let TransactionalClaim::Run(pending) = transactional
+        .claim::<i64>(&Call::new("deposit-ns-5".parse().unwrap()), &mut connection)
+        .await
+        .unwrap()
+    else {
+        panic!("expected to run");
+    };
+    bank.deposit(&mut connection).await.unwrap();
+    pending.release(&mut connection).await.unwrap();
+    let alive: i32 = sqlx::query_scalar("SELECT 7")
+        .fetch_one(&mut *connection)
+        .await
+        .expect("the transaction is usable after the release");
+    assert_eq!(alive, 7);
+    sqlx::query("COMMIT")
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+    assert_eq!(bank.balance().await, 0);
+    assert_eq!(bank.records().await.1, 0);
+}

@@ -189,18 +189,30 @@ async fn relay_row<S: Sink + Clone>(
                 .spawn()
         })
         .collect();
+    // Polled through the pending messages' index, which empties as they are delivered: a
+    // `count(*)` of the delivered ones every 20 ms took about 4 ms of PostgreSQL's CPU each
+    // (a fifth of a CPU on this two-CPU machine), taken from the relay it measures.
+    let drained = format!(
+        "SELECT NOT EXISTS (SELECT 1 FROM \"{}\" WHERE state = 'pending')",
+        outbox.table()
+    );
+    while !sqlx::query_scalar::<_, bool>(&drained)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let elapsed = start.elapsed();
     let count = format!(
         "SELECT count(*) FROM \"{}\" WHERE state = 'delivered'",
         outbox.table()
     );
-    loop {
-        let delivered: i64 = sqlx::query_scalar(&count).fetch_one(pool).await.unwrap();
-        if delivered as usize >= options.messages {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let elapsed = start.elapsed();
+    let delivered: i64 = sqlx::query_scalar(&count).fetch_one(pool).await.unwrap();
+    assert_eq!(
+        delivered as usize, options.messages,
+        "every message delivered"
+    );
     for relay in running {
         relay.stop().await;
     }
