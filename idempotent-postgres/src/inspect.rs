@@ -1,5 +1,5 @@
 //! [`InspectStore`] for [`PostgresStore`]: a record by key, listings over the index of state
-//! and age (`state, since, storage_key`) or of lease ends (`expires_at`), repairs in one
+//! and age (`listing_idx`: the state in the "C" collation, `since`, `storage_key`) or of lease ends (`expires_at`), repairs in one
 //! transaction with the row locked.
 
 use std::time::Duration;

@@ -818,7 +818,7 @@ const SESSION_LIVE: &str = "CASE WHEN payload IS NOT NULL THEN coalesce(idle_unt
 /// a `state` index tempts PostgreSQL's planner to take the `in_flight` range of it instead,
 /// which its statistics say is nearly empty (a claim is in flight briefly) but which holds an
 /// entry left by every claim since the last vacuum; with such an index, a consumer's completion
-/// took 0.74 ms instead of 0.05 (BENCHMARKS.md, issue 43).
+/// took 0.74 ms instead of 0.10 (BENCHMARKS.md, "0.4: a key's statements on the primary key").
 pub(crate) const LISTED_STATE: &str = "state COLLATE \"C\"";
 
 /// The columns an operator reads of a record (see `inspect::record_info`).

@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use sqlx::Connection as _;
 use sqlx::Executor as _;
 use sqlx::postgres::PgConnection;
 
@@ -214,6 +213,15 @@ impl Transactional {
     /// be committed, and a retry runs the work again. A connection that sqlx does not know to be
     /// inside a transaction (one begun with a plain `BEGIN` statement, or none) still gets the
     /// savepoint, which is also how a claim made outside a transaction is refused.
+    ///
+    /// **Check what `release` and `complete` return, not the `COMMIT`:** PostgreSQL answers
+    /// the `COMMIT` of an aborted transaction with a rollback, which sqlx reports as success,
+    /// and everything the transaction wrote is gone, including what it wrote before the claim.
+    /// So this is not for a transaction that goes on after a release (as
+    /// `#[idempotent(tx = …, on_error = "release")]` expects), nor for one that sends its own
+    /// `COMMIT` or `ROLLBACK` statements through a sqlx transaction (sqlx's count of the
+    /// transactions is then wrong). A release through a nested transaction of the one the
+    /// claim was made in aborts the nested one and fails: roll back the outer one.
     pub fn without_savepoint(mut self) -> Self {
         self.savepoint = false;
         self
@@ -435,7 +443,8 @@ impl Transactional {
                 Step::Owner(token, lifetime) => {
                     // sqlx's own count of the connection's transactions: a connection it
                     // does not know to be in one gets the savepoint, which checks.
-                    let savepoint = self.savepoint || !connection.is_in_transaction();
+                    let depth = transaction_depth(connection);
+                    let savepoint = self.savepoint || depth == 0;
                     let pending = PendingRecord {
                         sql: Arc::clone(&self.sql),
                         key,
@@ -446,6 +455,7 @@ impl Transactional {
                         lease,
                         max_result_bytes,
                         savepoint,
+                        depth,
                     };
                     if savepoint {
                         pending.savepoint(connection).await?;
@@ -494,7 +504,21 @@ pub struct PendingRecord {
     /// Whether the work runs under a savepoint taken after the claim; without one, a release
     /// aborts the transaction (see [`Transactional::without_savepoint`]).
     savepoint: bool,
+    /// sqlx's count of the connection's transactions when the claim was made.
+    depth: usize,
 }
+
+/// sqlx's count of `connection`'s open transactions (1: a transaction, more: savepoints of
+/// nested ones), kept by sqlx as it begins and ends them.
+fn transaction_depth(connection: &PgConnection) -> usize {
+    <<sqlx::Postgres as sqlx::Database>::TransactionManager as sqlx::TransactionManager>::get_transaction_depth(connection)
+}
+
+/// SQLSTATEs: an error raised by `RAISE EXCEPTION` (our abort), a statement in a transaction
+/// already aborted, and a savepoint outside a transaction.
+const RAISED: &str = "P0001";
+const IN_FAILED_TRANSACTION: &str = "25P02";
+const NO_ACTIVE_TRANSACTION: &str = "25P01";
 
 impl fmt::Debug for PendingRecord {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -592,12 +616,14 @@ impl PendingRecord {
     /// claim is committed.
     pub async fn release(self, connection: &mut PgConnection) -> Result<(), Error> {
         if !self.savepoint {
-            return match (&mut *connection).execute(ABORT_TRANSACTION).await {
-                // P0001: aborted now; 25P02: aborted already (a statement of it failed).
+            let aborted = match (&mut *connection).execute(ABORT_TRANSACTION).await {
+                // Aborted now, or already (a statement of it failed).
                 Err(sqlx::Error::Database(error))
-                    if matches!(error.code().as_deref(), Some("P0001" | "25P02")) =>
+                    if matches!(
+                        error.code().as_deref(),
+                        Some(RAISED | IN_FAILED_TRANSACTION)
+                    ) =>
                 {
-                    tracing::debug!(storage_key = %self.key, "transactional call released: its transaction was aborted");
                     Ok(())
                 }
                 Err(error) => Err(Error::Store(store_error(error))),
@@ -606,6 +632,18 @@ impl PendingRecord {
                         .into(),
                 ))),
             };
+            aborted?;
+            if transaction_depth(connection) != self.depth {
+                // Aborting a nested transaction leaves the one the claim was made in able to
+                // commit the claim and the work.
+                return Err(Error::Store(StoreError::Backend(
+                    "a claim taken without a savepoint was released in another (nested) \
+                     transaction than it was made in: roll back the one it was made in"
+                        .into(),
+                )));
+            }
+            tracing::debug!(storage_key = %self.key, "transactional call released: its transaction was aborted");
+            return Ok(());
         }
         (&mut *connection)
             .execute(ROLLBACK_TO_SAVEPOINT)
@@ -723,7 +761,7 @@ impl PendingRecord {
         };
         let outside_transaction = matches!(
             &error,
-            sqlx::Error::Database(db) if db.code().as_deref() == Some("25P01")
+            sqlx::Error::Database(db) if db.code().as_deref() == Some(NO_ACTIVE_TRANSACTION)
         );
         if !outside_transaction {
             return Err(Error::Store(store_error(error)));

@@ -658,10 +658,63 @@ async fn without_a_savepoint_a_result_that_cannot_be_recorded_leaves_nothing_to_
         panic!("expected to run");
     };
     bank.deposit(&mut tx).await.unwrap();
+    // A result JSON cannot encode (a map with keys that are not strings), in a transaction
+    // that is still healthy: the completion fails and aborts it.
+    let unencodable = std::collections::HashMap::from([((1, 2), 3)]);
+    let result = pending.complete(&mut tx, &unencodable).await;
+    assert!(matches!(result, Err(Error::Payload(_))), "{result:?}");
+    let code = sqlstate(&mut tx, "SELECT 7").await;
+    assert_eq!(
+        code.as_deref(),
+        Some("25P02"),
+        "the transaction was not aborted"
+    );
+    let _ = tx.commit().await;
+    assert_eq!(bank.balance().await, 0);
+    assert_eq!(bank.records().await, (0, 0));
+
+    // Work that aborted the transaction itself: the completion fails, nothing commits.
+    let mut tx = bank.pool.begin().await.unwrap();
+    let TransactionalClaim::Run(pending) = transactional
+        .claim::<i64>(&Call::new("deposit-ns-3".parse().unwrap()), &mut tx)
+        .await
+        .unwrap()
+    else {
+        panic!("expected to run");
+    };
+    bank.deposit(&mut tx).await.unwrap();
     assert!(sqlx::query("SELECT 1 / 0").execute(&mut *tx).await.is_err());
     let result = pending.complete(&mut tx, &100).await;
     assert!(matches!(result, Err(Error::Store(_))), "{result:?}");
     let _ = tx.commit().await;
+    assert_eq!(bank.balance().await, 0);
+    assert_eq!(bank.records().await, (0, 0));
+}
+
+#[tokio::test]
+async fn without_a_savepoint_a_release_in_a_nested_transaction_fails_and_says_to_roll_back() {
+    use sqlx::Connection as _;
+    let Some(bank) = Bank::open().await else {
+        return;
+    };
+    let transactional = bank.transactional.clone().without_savepoint();
+    let mut tx = bank.pool.begin().await.unwrap();
+    let TransactionalClaim::Run(pending) = transactional
+        .claim::<i64>(&Call::new("deposit-ns-6".parse().unwrap()), &mut tx)
+        .await
+        .unwrap()
+    else {
+        panic!("expected to run");
+    };
+    bank.deposit(&mut tx).await.unwrap();
+    let mut nested = tx.begin().await.unwrap();
+    let result = pending.release(&mut nested).await;
+    assert!(
+        matches!(&result, Err(Error::Store(error)) if format!("{error:?}").contains("roll back the one it was made in")),
+        "{result:?}"
+    );
+    drop(nested);
+    tx.rollback().await.unwrap();
     assert_eq!(bank.balance().await, 0);
     assert_eq!(bank.records().await, (0, 0));
 }
