@@ -130,10 +130,7 @@ fn summary(
     outbox: &Option<std::path::PathBuf>,
     consumer: &Option<std::path::PathBuf>,
 ) -> Result<bool, String> {
-    let bytes = std::fs::read(&options.out)
-        .map_err(|e| format!("cannot read {}: {e}", options.out.display()))?;
-    let all: Vec<Record> = serde_json::from_slice(&bytes)
-        .map_err(|e| format!("cannot read {}: {e}", options.out.display()))?;
+    let all = report::read_json(&options.out)?;
     let (mut records, mut limits) = (Vec::new(), Vec::new());
     for record in all {
         match record {

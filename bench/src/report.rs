@@ -624,14 +624,17 @@ pub(crate) fn prefilled_table(records: &[HttpRecord], fills: &[FillRecord]) -> S
     out
 }
 
+/// The records of a JSON file `write_json` wrote; the error names the file.
+pub(crate) fn read_json(path: &Path) -> Result<Vec<Record>, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    serde_json::from_slice(&bytes).map_err(|e| format!("cannot read {}: {e}", path.display()))
+}
+
 /// Writes `records` to `path`, keeping the objects of the other modes already there (so the
 /// HTTP, memory and sessions modes can run separately and still share one file). The limit
 /// rows and the prefill records belong to the HTTP mode.
 pub(crate) fn write_json(path: &Path, records: Vec<Record>) -> std::io::Result<()> {
-    let mut all: Vec<Record> = std::fs::read(path)
-        .ok()
-        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
-        .unwrap_or_default();
+    let mut all = read_json(path).unwrap_or_default();
     let replaces_http = records
         .iter()
         .any(|r| matches!(r, Record::Http(_) | Record::Limit(_) | Record::Prefill(_)));
