@@ -8,7 +8,7 @@ use std::time::Duration;
 use idempotent_core::{
     BoxError, Call, CallOptions, Defaults, Error, Fingerprint, Idempotency, InFlightPolicy, Outcome,
 };
-use idempotent_postgres::{PostgresStore, Transactional, TransactionalClaim};
+use idempotent_postgres::{PendingRecord, PostgresStore, Transactional, TransactionalClaim};
 use idempotent_test_kit::names::unique;
 use idempotent_test_kit::postgres::shared_pool;
 use sqlx::postgres::{PgConnection, PgPool};
@@ -131,6 +131,18 @@ impl Bank {
     }
 }
 
+/// The pending record of `call`'s claim through `transactional` in `tx`: the claim must run.
+async fn claimed(
+    transactional: &Transactional,
+    call: &Call,
+    tx: &mut PgConnection,
+) -> PendingRecord {
+    match transactional.claim::<i64>(call, tx).await.unwrap() {
+        TransactionalClaim::Run(pending) => pending,
+        TransactionalClaim::Replay(balance) => panic!("expected to run, replayed {balance}"),
+    }
+}
+
 #[tokio::test]
 async fn commit_keeps_the_effect_and_the_record_and_retries_replay() {
     let Some(bank) = Bank::open().await else {
@@ -183,14 +195,12 @@ async fn release_undoes_the_work_and_frees_the_key_even_if_committed() {
         return;
     };
     let mut tx = bank.pool.begin().await.unwrap();
-    let TransactionalClaim::Run(pending) = bank
-        .transactional
-        .claim::<i64>(&Call::new("deposit-3".parse().unwrap()), &mut tx)
-        .await
-        .unwrap()
-    else {
-        panic!("expected to run");
-    };
+    let pending = claimed(
+        &bank.transactional,
+        &Call::new("deposit-3".parse().unwrap()),
+        &mut tx,
+    )
+    .await;
     bank.deposit(&mut tx).await.unwrap();
     pending.release(&mut tx).await.unwrap();
     tx.commit().await.unwrap();
@@ -214,14 +224,12 @@ async fn release_after_work_that_aborted_the_transaction_leaves_it_usable() {
         return;
     };
     let mut tx = bank.pool.begin().await.unwrap();
-    let TransactionalClaim::Run(pending) = bank
-        .transactional
-        .claim::<i64>(&Call::new("deposit-4".parse().unwrap()), &mut tx)
-        .await
-        .unwrap()
-    else {
-        panic!("expected to run");
-    };
+    let pending = claimed(
+        &bank.transactional,
+        &Call::new("deposit-4".parse().unwrap()),
+        &mut tx,
+    )
+    .await;
     bank.deposit(&mut tx).await.unwrap();
     let failed = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;
     assert!(failed.unwrap_err().to_string().contains("division by zero"));
@@ -242,14 +250,12 @@ async fn a_result_that_cannot_be_recorded_is_undone() {
         return;
     };
     let mut tx = bank.pool.begin().await.unwrap();
-    let TransactionalClaim::Run(pending) = bank
-        .transactional
-        .claim::<i64>(&Call::new("deposit-5".parse().unwrap()), &mut tx)
-        .await
-        .unwrap()
-    else {
-        panic!("expected to run");
-    };
+    let pending = claimed(
+        &bank.transactional,
+        &Call::new("deposit-5".parse().unwrap()),
+        &mut tx,
+    )
+    .await;
     bank.deposit(&mut tx).await.unwrap();
     // The work left the transaction aborted but reports success: the record cannot be
     // written, so the work is undone and the call fails.
@@ -272,13 +278,7 @@ async fn replays_check_the_fingerprint() {
     };
     let transactional = &bank.transactional;
     let mut tx = bank.pool.begin().await.unwrap();
-    let TransactionalClaim::Run(pending) = transactional
-        .claim::<i64>(&call(100), &mut tx)
-        .await
-        .unwrap()
-    else {
-        panic!("expected to run");
-    };
+    let pending = claimed(&transactional, &call(100), &mut tx).await;
     let balance = bank.deposit(&mut tx).await.unwrap();
     pending.complete(&mut tx, &balance).await.unwrap();
     tx.commit().await.unwrap();
@@ -346,14 +346,12 @@ async fn a_concurrent_duplicate_waits_on_the_row_then_replays() {
     };
     let bank = Arc::new(bank);
     let mut first = bank.pool.begin().await.unwrap();
-    let TransactionalClaim::Run(pending) = bank
-        .transactional
-        .claim::<i64>(&Call::new("deposit-7".parse().unwrap()), &mut first)
-        .await
-        .unwrap()
-    else {
-        panic!("expected to run");
-    };
+    let pending = claimed(
+        &bank.transactional,
+        &Call::new("deposit-7".parse().unwrap()),
+        &mut first,
+    )
+    .await;
     let balance = bank.deposit(&mut first).await.unwrap();
 
     let duplicate = tokio::spawn({
@@ -388,14 +386,12 @@ async fn a_waiting_duplicate_runs_when_the_first_rolls_back() {
     };
     let bank = Arc::new(bank);
     let mut first = bank.pool.begin().await.unwrap();
-    let TransactionalClaim::Run(_pending) = bank
-        .transactional
-        .claim::<i64>(&Call::new("deposit-8".parse().unwrap()), &mut first)
-        .await
-        .unwrap()
-    else {
-        panic!("expected to run");
-    };
+    let _pending = claimed(
+        &bank.transactional,
+        &Call::new("deposit-8".parse().unwrap()),
+        &mut first,
+    )
+    .await;
     bank.deposit(&mut first).await.unwrap();
     let duplicate = tokio::spawn({
         let bank = Arc::clone(&bank);
@@ -584,11 +580,7 @@ async fn without_a_savepoint_a_claim_takes_none_and_commits_and_replays_as_usual
     let call = Call::new("deposit-ns-1".parse().unwrap());
     // No savepoint after the claim: releasing one fails with 3B001 (no such savepoint).
     let mut tx = bank.pool.begin().await.unwrap();
-    let TransactionalClaim::Run(_pending) =
-        transactional.claim::<i64>(&call, &mut tx).await.unwrap()
-    else {
-        panic!("expected to run");
-    };
+    let _pending = claimed(&transactional, &call, &mut tx).await;
     let code = sqlstate(&mut tx, "RELEASE SAVEPOINT idempotent_work").await;
     assert_eq!(code.as_deref(), Some("3B001"), "a savepoint was taken");
     tx.rollback().await.unwrap();
@@ -618,11 +610,7 @@ async fn without_a_savepoint_a_release_aborts_the_transaction_so_nothing_commits
     let transactional = bank.transactional.clone().without_savepoint();
     let call = Call::new("deposit-ns-2".parse().unwrap());
     let mut tx = bank.pool.begin().await.unwrap();
-    let TransactionalClaim::Run(pending) =
-        transactional.claim::<i64>(&call, &mut tx).await.unwrap()
-    else {
-        panic!("expected to run");
-    };
+    let pending = claimed(&transactional, &call, &mut tx).await;
     bank.deposit(&mut tx).await.unwrap();
     pending.release(&mut tx).await.unwrap();
     // 25P02: the transaction is aborted; its COMMIT rolls back.
@@ -650,13 +638,12 @@ async fn without_a_savepoint_a_result_that_cannot_be_recorded_leaves_nothing_to_
     };
     let transactional = bank.transactional.clone().without_savepoint();
     let mut tx = bank.pool.begin().await.unwrap();
-    let TransactionalClaim::Run(pending) = transactional
-        .claim::<i64>(&Call::new("deposit-ns-3".parse().unwrap()), &mut tx)
-        .await
-        .unwrap()
-    else {
-        panic!("expected to run");
-    };
+    let pending = claimed(
+        &transactional,
+        &Call::new("deposit-ns-3".parse().unwrap()),
+        &mut tx,
+    )
+    .await;
     bank.deposit(&mut tx).await.unwrap();
     // A result JSON cannot encode (a map with keys that are not strings), in a transaction
     // that is still healthy: the completion fails and aborts it.
@@ -675,13 +662,12 @@ async fn without_a_savepoint_a_result_that_cannot_be_recorded_leaves_nothing_to_
 
     // Work that aborted the transaction itself: the completion fails, nothing commits.
     let mut tx = bank.pool.begin().await.unwrap();
-    let TransactionalClaim::Run(pending) = transactional
-        .claim::<i64>(&Call::new("deposit-ns-3".parse().unwrap()), &mut tx)
-        .await
-        .unwrap()
-    else {
-        panic!("expected to run");
-    };
+    let pending = claimed(
+        &transactional,
+        &Call::new("deposit-ns-3".parse().unwrap()),
+        &mut tx,
+    )
+    .await;
     bank.deposit(&mut tx).await.unwrap();
     assert!(sqlx::query("SELECT 1 / 0").execute(&mut *tx).await.is_err());
     let result = pending.complete(&mut tx, &100).await;
@@ -699,13 +685,12 @@ async fn without_a_savepoint_a_release_in_a_nested_transaction_fails_and_says_to
     };
     let transactional = bank.transactional.clone().without_savepoint();
     let mut tx = bank.pool.begin().await.unwrap();
-    let TransactionalClaim::Run(pending) = transactional
-        .claim::<i64>(&Call::new("deposit-ns-6".parse().unwrap()), &mut tx)
-        .await
-        .unwrap()
-    else {
-        panic!("expected to run");
-    };
+    let pending = claimed(
+        &transactional,
+        &Call::new("deposit-ns-6".parse().unwrap()),
+        &mut tx,
+    )
+    .await;
     bank.deposit(&mut tx).await.unwrap();
     let mut nested = tx.begin().await.unwrap();
     let result = pending.release(&mut nested).await;
@@ -745,13 +730,12 @@ async fn without_a_savepoint_a_connection_sqlx_sees_outside_a_transaction_still_
         .execute(&mut *connection)
         .await
         .unwrap();
-    let TransactionalClaim::Run(pending) = transactional
-        .claim::<i64>(&Call::new("deposit-ns-5".parse().unwrap()), &mut connection)
-        .await
-        .unwrap()
-    else {
-        panic!("expected to run");
-    };
+    let pending = claimed(
+        &transactional,
+        &Call::new("deposit-ns-5".parse().unwrap()),
+        &mut connection,
+    )
+    .await;
     bank.deposit(&mut connection).await.unwrap();
     pending.release(&mut connection).await.unwrap();
     let alive: i32 = sqlx::query_scalar("SELECT 7")
