@@ -278,7 +278,7 @@ async fn replays_check_the_fingerprint() {
     };
     let transactional = &bank.transactional;
     let mut tx = bank.pool.begin().await.unwrap();
-    let pending = claimed(&transactional, &call(100), &mut tx).await;
+    let pending = claimed(transactional, &call(100), &mut tx).await;
     let balance = bank.deposit(&mut tx).await.unwrap();
     pending.complete(&mut tx, &balance).await.unwrap();
     tx.commit().await.unwrap();
