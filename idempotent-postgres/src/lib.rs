@@ -227,20 +227,16 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 /// A [client session](idempotent_core::session) is rows of the same table. Its own row is at the
 /// session's digest followed by 16 zero bytes, with `state = 'session'`, `token` its
 /// acknowledged mark, `lifetime` the highest sequence number it admitted, `claimant` its
-/// epoch (drawn from the token sequence, so never reused), `idle_until` the exact end of its
-/// idle time, `expires_at` at least that (moved once per half idle time, so most requests
-/// leave the row's indexed columns alone), an empty `fingerprint` and `payload`, and no
-/// `kept_until`. Each request's record is an ordinary record at the session's digest followed
-/// by the epoch and the sequence number (big-endian, [`StorageKey::record_bytes`]), so one
-/// epoch's requests sort together, in order. [`open_session`](SessionStore::open_session) is
-/// one call of a PL/pgSQL function that `migrate` creates: it locks the session's row
+/// epoch (drawn from the token sequence, so never reused), `expires_at` the end of its idle
+/// time, an empty `fingerprint` and no `payload` or `kept_until`. Each request's record is an
+/// ordinary record at the session's digest followed by the epoch and the sequence number
+/// (big-endian, [`StorageKey::record_bytes`]), so one epoch's requests sort together, in
+/// order. [`open_session`](SessionStore::open_session) is one statement: it locks the session's row
 /// (`FOR UPDATE`), applies the gate's rules to it, writes it back, deletes the request rows
 /// the new mark covers and extends the life of those above it to the idle time, both by a
 /// range of the primary key at most the window long; under the lock, so one session's gates
 /// run one at a time. (A first request that meets a session row committed after its
-/// gate began runs the gate once more.) [`claim_in_session`](SessionStore::claim_in_session)
-/// is one call of another, the gate and the request's claim in one transaction. So a session
-/// holds its row and at most its
+/// statement began runs the statement once more.) So a session holds its row and at most its
 /// window of answers, and the reaper deletes a session nobody sent to for its idle time like
 /// any expired row, with its answers. A session row that is not one (a negative mark, a
 /// missing epoch) is [`StoreError::Corrupt`] while it is live, and never overwritten. The
@@ -972,14 +968,8 @@ mod tests {
         let sql = Sql::new("billing.records").unwrap();
         assert!(
             sql.open_session
-                .contains("FROM \"billing\".\"records_session_gate\"($1, $2, $3, $4, $5)")
+                .contains("nextval('\"billing\".\"records_token_seq\"')")
         );
-        for function in &sql.migrate[8..] {
-            assert!(function.contains("nextval('\"billing\".\"records_token_seq\"')"));
-            assert!(
-                function.contains("FROM \"billing\".\"records\" WHERE storage_key = $1 FOR UPDATE")
-            );
-        }
     }
 
     #[test]

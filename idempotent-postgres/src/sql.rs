@@ -40,7 +40,7 @@ pub(super) const MAX_MICROS: i64 = {
 /// The SQL of one table, built once per store from its validated name.
 pub(crate) struct Sql {
     pub(crate) table: String,
-    pub(crate) migrate: [String; 10],
+    pub(crate) migrate: [String; 9],
     pub(crate) claim: String,
     /// [`CheckpointStore::resume`](idempotent_core::CheckpointStore::resume): the claim's takeover, and nothing else.
     pub(crate) resume: String,
@@ -58,8 +58,6 @@ pub(crate) struct Sql {
     /// session's epoch.
     pub(crate) give_back_in_session: String,
     pub(crate) reap: String,
-    /// [`SessionStore::open_session`](idempotent_core::SessionStore::open_session): one call of
-    /// the gate function `migrate` creates (see [`session_gate_block`]).
     pub(crate) open_session: String,
     pub(crate) session_mark: String,
     pub(crate) save_step: String,
@@ -156,7 +154,6 @@ impl Sql {
                  AND coalesce(r.kept_until, r.expires_at) > clock_timestamp()",
         );
         let session_fn = qualify(&format!("{name}_session_claim"));
-        let gate_fn = qualify(&format!("{name}_session_gate"));
         Ok(Sql {
             table: table.to_owned(),
             migrate: [
@@ -246,10 +243,9 @@ impl Sql {
                      END IF; \
                      END $$"
                 ),
-                // The session gate and the session claim (0.4): replaced on every migrate, so
-                // they are always the gate and claim of this version.
-                session_gate_function(&gate_fn, &t, &seq),
-                session_claim_function(&session_fn, &t, &seq, &claim),
+                // The session claim (0.4): replaced on every migrate, so it is always the
+                // gate and claim of this version.
+                session_claim_function(&session_fn, &open_session(&t, &seq), &claim),
             ],
             // A row is reported (`live`) while its lease or TTL lasts, and so is an abandoned
             // claim of another request while it is kept (`pinned`, nobody holding its lease):
@@ -328,10 +324,7 @@ impl Sql {
                      WHERE {kept} < statement_timestamp() - $1 * interval '1 microsecond' \
                      LIMIT $2 FOR UPDATE SKIP LOCKED)"
             ),
-            open_session: format!(
-                "SELECT o_gate AS gate, o_epoch AS epoch, o_mark AS mark \
-                 FROM {gate_fn}($1, $2, $3, $4, $5)"
-            ),
+            open_session: open_session(&t, &seq),
             session_claim: format!(
                 "SELECT o_gate AS gate, o_epoch AS epoch, o_mark AS mark, o_state AS state, \
                  o_token AS token, o_lifetime AS lifetime, o_fingerprint AS fingerprint, \
@@ -489,47 +482,32 @@ impl Sql {
         Ok(None)
     }
 
-    /// The session gate function on `connection` (see [`session_gate_block`]); it runs the
-    /// gate again itself while the gate loses a race with a session started after its
-    /// snapshot was taken.
+    /// The session gate statement on `connection` (see [`open_session`]), run again while it
+    /// answers `retry`: it met a session started after its snapshot was taken, which the next
+    /// attempt's snapshot sees.
     pub(crate) async fn open_session_on(
         &self,
         connection: &mut PgConnection,
         params: &SessionParams,
     ) -> Result<SessionGate, StoreError> {
-        let query = sqlx::query(&self.open_session)
-            .bind(params.record.as_ref())
-            .bind(params.seq)
-            .bind(params.ack)
-            .bind(params.window)
-            .bind(params.idle);
-        let row = (&mut *connection)
-            .fetch_one(query)
-            .await
-            .map_err(|error| self.function_error(error, "session gate"))?;
-        decode_gate(&row)?.ok_or_else(|| {
-            StoreError::Backend(
-                format!("session gate lost {CLAIM_ATTEMPTS} races in a row; giving up").into(),
-            )
-        })
-    }
-
-    /// `error` of a call of the function `what`: when the function is missing (a table
-    /// migrated by an older release), an error that says to migrate.
-    fn function_error(&self, error: sqlx::Error, what: &str) -> StoreError {
-        match error {
-            sqlx::Error::Database(error) if error.code().as_deref() == Some("42883") => {
-                StoreError::Backend(
-                    format!(
-                        "the {what} function of table {} is missing ({error}): run \
-                         PostgresStore::migrate",
-                        self.table
-                    )
-                    .into(),
-                )
+        for _ in 0..CLAIM_ATTEMPTS {
+            let query = sqlx::query(&self.open_session)
+                .bind(params.record.as_ref())
+                .bind(params.seq)
+                .bind(params.ack)
+                .bind(params.window)
+                .bind(params.idle);
+            let row = (&mut *connection)
+                .fetch_one(query)
+                .await
+                .map_err(store_error)?;
+            if let Some(gate) = decode_gate(&row)? {
+                return Ok(gate);
             }
-            error => store_error(error),
         }
+        Err(StoreError::Backend(
+            format!("session gate lost {CLAIM_ATTEMPTS} races in a row; giving up").into(),
+        ))
     }
 
     /// The session claim function on `connection` (see [`session_claim_function`]).
@@ -552,10 +530,21 @@ impl Sql {
             .bind(micros(limits::clamp_lease(lease)))
             .bind(claimant)
             .bind(label);
-        let row = (&mut *connection)
-            .fetch_one(query)
-            .await
-            .map_err(|error| self.function_error(error, "session claim"))?;
+        let row = match (&mut *connection).fetch_one(query).await {
+            Ok(row) => row,
+            // A table migrated by an older release.
+            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("42883") => {
+                return Err(StoreError::Backend(
+                    format!(
+                        "the session claim function of table {} is missing ({error}): run \
+                         PostgresStore::migrate",
+                        self.table
+                    )
+                    .into(),
+                ));
+            }
+            Err(error) => return Err(store_error(error)),
+        };
         let gate: Option<String> = row.try_get("gate").map_err(store_error)?;
         match gate.as_deref() {
             Some("open") => {
@@ -603,156 +592,125 @@ impl Sql {
     }
 }
 
-/// The statements of the session gate
-/// ([`SessionStore::open_session`](idempotent_core::SessionStore::open_session)) on table `t`
-/// with token sequence `seq`, as a block of PL/pgSQL inside a function whose `$1` is the
-/// session's own storage key (its record bytes), `$2` the request's `seq`, `$3` its `ack`,
-/// `$4` the window and `$5` the idle time in microseconds. The block sets `v_gate` (`open`,
-/// `acknowledged`, `window_full`, `expired`, `corrupt`, or `retry`: it lost
-/// [`CLAIM_ATTEMPTS`] races in a row), `v_epoch` and `v_mark`.
+/// The session gate ([`SessionStore::open_session`](idempotent_core::SessionStore::open_session)) on table `t` with
+/// token sequence `seq`, as one statement: `$1` the session's own storage key (its record
+/// bytes), `$2` the request's `seq`, `$3` its `ack`, `$4` the window, `$5` the idle time in
+/// microseconds. It answers one row: `gate` (`open`, `acknowledged`, `window_full`,
+/// `expired`, `corrupt`, or `retry`: run it again), `epoch` and `mark`.
 ///
 /// The session is a row of the table at its own key: `state = 'session'`, `token` its
 /// acknowledged mark, `lifetime` the highest `seq` admitted, `claimant` its epoch,
 /// `idle_until` the exact end of its idle time, an empty `fingerprint`, an empty `payload`
 /// (which says 0.4 wrote it last: an older release writes NULL there, and the exact end in
-/// `expires_at`, which is then read instead) and no `kept_until`. Its `expires_at` (indexed,
-/// for the reaper) is at least `idle_until`: set to one and a half idle times from now
-/// whenever it has less than the idle time left, so it is rewritten once per half idle time
-/// rather than by every request, and an update that leaves it (and every other indexed
-/// column) alone can stay on its page (a HOT update, no index entries). The reaper deletes
-/// the row once `expires_at` passed, like any row; the session is live until `idle_until` (a
-/// row written before 0.4, without it, until `expires_at`). Its requests' rows are at
-/// `digest ‖ epoch ‖ seq` (big-endian), so one epoch's requests are a range of the primary
-/// key.
+/// `expires_at`, which is then read instead) and no `kept_until`. Its `expires_at` (indexed, for the reaper) is at least `idle_until`: set to one
+/// and a half idle times from now whenever it has less than the idle time left, so it is
+/// rewritten once per half idle time rather than by every request, and an update that leaves
+/// it (and every other indexed column) alone can stay on its page (a HOT update, no index
+/// entries). The reaper deletes the row once `expires_at` passed, like any row; the session
+/// is live until `idle_until` (a row written before 0.4, without it, until `expires_at`). Its requests' rows are at
+/// `digest ‖ epoch ‖ seq` (big-endian), so one epoch's requests are a range of the primary key.
 ///
-/// Step by step, each statement small, run only when it has something to do:
+/// Step by step:
 ///
-/// - The session's row is read `FOR UPDATE`: the gate holds its lock from there to the end of
-///   the transaction, so the steps of one session never interleave, and a gate that waited
-///   for the lock reads the row as the one before it left it (`FOR UPDATE` follows a row's
-///   updates under `READ COMMITTED`).
-/// - The rules of `SessionState::gate` are applied to it: a live row that is not a valid
-///   session is corrupt (nothing is written); no live row and `ack > 0` is expired (nothing
-///   is written); no live row and `ack = 0` starts a session with an epoch drawn from the
-///   token sequence, so no epoch of any session is ever drawn twice.
-/// - The session's new state is written: an update of the locked row, or the insert of a new
-///   one. If there was no row to lock but a concurrent gate inserted one after this
-///   statement's snapshot, the insert meets it (`ON CONFLICT DO NOTHING`, which waits for
-///   that gate's transaction) and the block runs again: each statement of a `VOLATILE`
-///   function takes a new snapshot, which sees the row.
-/// - When the mark moved, the requests' rows it now covers (`old mark + 1 ..= min(mark,
-///   high)`) are deleted; when requests above the mark are open, their rows (`mark + 1 ..=
-///   high`) are kept at least the idle time from now: a completed row's `expires_at`, an
-///   in-flight row's `kept_until` (how long an abandoned claim is kept to be taken over). A
-///   row with less than the idle time left gets one and a half, so each is rewritten once per
-///   half idle time at most rather than on every request (an update of an indexed column
-///   leaves a dead row behind). Both are ranges of the primary key, at most the window long,
-///   under the session's lock.
-///
-/// 0.4's first builds ran these steps as one statement of common table expressions; its plan
-/// was built (every expression of every branch) at each execution, and a session request cost
-/// the database about one and a half key requests (BENCHMARKS.md, "0.4: the session gate as
-/// small statements"). The rows it reads and writes are the same.
-fn session_gate_block(t: &str, seq: &str) -> String {
+/// - `locked` reads the session's row `FOR UPDATE`: the gate holds its lock from there to the
+///   end of the transaction, so the steps of one session never interleave, and a gate that
+///   waited for the lock reads the row as the one before it left it (`FOR UPDATE` follows a
+///   row's updates under `READ COMMITTED`).
+/// - `known` and `step` apply the rules of `SessionState::gate` to it: a live row that is not
+///   a valid session is corrupt (nothing is written); no live row and `ack > 0` is expired
+///   (nothing is written); no live row and `ack = 0` starts a session with an epoch drawn
+///   from the token sequence, so no epoch of any session is ever drawn twice.
+/// - `saved` writes the session's new state: an update of the locked row, or the insert of a
+///   new one. If there was no row to lock but a concurrent gate inserted one after this
+///   statement's snapshot, the insert meets that row unlocked: `saved` then writes nothing
+///   and the statement answers `retry`, to be run again with a snapshot that sees the row.
+/// - `dropped` deletes the requests' rows the mark now covers (`old mark + 1 ..= min(mark,
+///   high)`) and `kept` keeps the ones above it (`mark + 1 ..= high`) at least the idle time
+///   from now: a completed row's `expires_at`, an in-flight row's `kept_until` (how long an
+///   abandoned claim is kept to be taken over). A row with less than the idle time left gets
+///   one and a half, so each is rewritten once per half idle time at most rather than on every
+///   request (an update of an indexed column leaves a dead row behind). Both are ranges of the primary key, at most
+///   the window long, and follow `saved` (they read its output), under the session's lock.
+fn open_session(t: &str, seq: &str) -> String {
     let max = idempotent_core::session::MAX_SEQ;
     let max_us = MAX_MICROS;
     format!(
-        "v_gate := 'retry'; v_epoch := NULL; v_mark := NULL;\n\
-         <<gate>>\n\
-         FOR attempt IN 1..{CLAIM_ATTEMPTS} LOOP\n\
-         SELECT state, token, lifetime, claimant, expires_at, idle_until, payload INTO v_row \
-         FROM {t} WHERE storage_key = $1 FOR UPDATE;\n\
-         v_present := FOUND;\n\
-         v_now := clock_timestamp();\n\
-         v_until := v_now + $5 * interval '1 microsecond';\n\
-         v_longer := v_now + least($5 * 3 / 2, {max_us}) * interval '1 microsecond';\n\
-         v_live := v_present AND coalesce(CASE WHEN v_row.payload IS NOT NULL \
-             THEN coalesce(v_row.idle_until, v_row.expires_at) ELSE v_row.expires_at END > v_now, false);\n\
-         IF v_live THEN\n\
-         IF NOT coalesce(v_row.state = 'session' AND v_row.token BETWEEN 0 AND {max} \
-             AND v_row.lifetime BETWEEN 0 AND {max} AND v_row.claimant > 0, false) THEN\n\
-         v_gate := 'corrupt'; EXIT gate;\n\
-         END IF;\n\
-         v_epoch := v_row.claimant; v_old_mark := v_row.token; v_old_high := v_row.lifetime;\n\
-         ELSIF $3 <> 0 THEN\n\
-         v_gate := 'expired'; EXIT gate;\n\
-         ELSE\n\
-         v_epoch := nextval('{seq}'); v_old_mark := 0; v_old_high := 0;\n\
-         END IF;\n\
-         v_mark := greatest(v_old_mark, $3);\n\
-         IF $2 <= v_mark THEN v_gate := 'acknowledged'; v_high := v_old_high;\n\
-         ELSIF $2 > v_mark + $4 THEN v_gate := 'window_full'; v_high := v_old_high;\n\
-         ELSE v_gate := 'open'; v_high := greatest(v_old_high, $2);\n\
-         END IF;\n\
-         IF v_present THEN\n\
-         UPDATE {t} SET state = 'session', fingerprint = ''::bytea, token = v_mark, \
-             lifetime = v_high, payload = ''::bytea, \
-             expires_at = CASE WHEN state = 'session' AND expires_at >= v_until \
-                 THEN expires_at ELSE v_longer END, \
-             kept_until = NULL, claimant = v_epoch, idle_until = v_until \
-             WHERE storage_key = $1;\n\
-         ELSE\n\
-         INSERT INTO {t} (storage_key, state, fingerprint, token, lifetime, payload, \
+        "WITH locked AS (\
+             SELECT state, token, lifetime, claimant, expires_at, idle_until, payload FROM {t} \
+             WHERE storage_key = $1 FOR UPDATE\
+         ), known AS (\
+             SELECT l.state IS NOT NULL AS present, \
+             coalesce(CASE WHEN l.payload IS NOT NULL THEN coalesce(l.idle_until, l.expires_at) \
+                 ELSE l.expires_at END > clock_timestamp(), false) AS live, \
+             coalesce(l.state = 'session' AND l.token BETWEEN 0 AND {max} \
+                 AND l.lifetime BETWEEN 0 AND {max} AND l.claimant > 0, false) AS valid, \
+             l.token AS mark, l.lifetime AS high, l.claimant AS epoch, \
+             clock_timestamp() + $5 * interval '1 microsecond' AS until, \
+             clock_timestamp() + least($5 * 3 / 2, {max_us}) * interval '1 microsecond' AS longer \
+             FROM (SELECT) AS one LEFT JOIN locked AS l ON true\
+         ), step AS (\
+             SELECT present, until, longer, \
+             CASE WHEN live THEN epoch ELSE nextval('{seq}') END AS epoch, \
+             CASE WHEN live THEN mark ELSE 0 END AS old_mark, \
+             CASE WHEN live THEN high ELSE 0 END AS old_high, \
+             greatest(CASE WHEN live THEN mark ELSE 0 END, $3) AS mark \
+             FROM known WHERE CASE WHEN live THEN valid ELSE $3 = 0 END\
+         ), decided AS (\
+             SELECT *, CASE WHEN $2 <= mark THEN 'acknowledged' \
+                 WHEN $2 > mark + $4 THEN 'window_full' ELSE 'open' END AS gate \
+             FROM step\
+         ), saved AS (\
+             INSERT INTO {t} AS r (storage_key, state, fingerprint, token, lifetime, payload, \
              expires_at, kept_until, claimant, idle_until) \
-             VALUES ($1, 'session', ''::bytea, v_mark, v_high, ''::bytea, v_longer, NULL, \
-             v_epoch, v_until) \
-             ON CONFLICT (storage_key) DO NOTHING;\n\
-         IF NOT FOUND THEN\n\
-         v_gate := 'retry'; v_epoch := NULL; v_mark := NULL; CONTINUE gate;\n\
-         END IF;\n\
-         END IF;\n\
-         v_prefix := substring($1 from 1 for 32) || int8send(v_epoch);\n\
-         IF least(v_mark, v_old_high) > v_old_mark THEN\n\
-         DELETE FROM {t} WHERE storage_key > v_prefix || int8send(v_old_mark) \
-             AND storage_key <= v_prefix || int8send(least(v_mark, v_old_high));\n\
-         END IF;\n\
-         IF v_old_high > v_mark THEN\n\
-         UPDATE {t} SET \
+             SELECT $1, 'session', ''::bytea, mark, \
+             CASE WHEN gate = 'open' THEN greatest(old_high, $2) ELSE old_high END, \
+             ''::bytea, longer, NULL, epoch, until FROM decided \
+             ON CONFLICT (storage_key) DO UPDATE \
+             SET state = excluded.state, fingerprint = excluded.fingerprint, \
+             token = excluded.token, lifetime = excluded.lifetime, payload = excluded.payload, \
+             expires_at = CASE WHEN r.state = 'session' AND r.expires_at >= excluded.idle_until \
+                 THEN r.expires_at ELSE excluded.expires_at END, \
+             kept_until = NULL, claimant = excluded.claimant, idle_until = excluded.idle_until \
+             WHERE (SELECT present FROM decided) \
+             RETURNING 1\
+         ), ranges AS (\
+             SELECT p || int8send(old_mark) AS drop_after, \
+             p || int8send(least(mark, old_high)) AS drop_to, \
+             p || int8send(mark) AS keep_after, p || int8send(old_high) AS keep_to, until, longer \
+             FROM (SELECT substring($1 from 1 for 32) || int8send(epoch) AS p, * FROM decided) AS d \
+             WHERE EXISTS (SELECT FROM saved)\
+         ), dropped AS (\
+             DELETE FROM {t} \
+             WHERE storage_key > (SELECT drop_after FROM ranges) \
+             AND storage_key <= (SELECT drop_to FROM ranges)\
+         ), kept AS (\
+             UPDATE {t} SET \
              expires_at = CASE WHEN state = 'completed' \
-                 THEN greatest(expires_at, v_longer) ELSE expires_at END, \
-             kept_until = greatest(kept_until, v_longer) \
-             WHERE storage_key > v_prefix || int8send(v_mark) \
-             AND storage_key <= v_prefix || int8send(v_old_high) \
-             AND ((state = 'in_flight' AND coalesce(kept_until, expires_at) < v_until) \
-                 OR (state = 'completed' AND expires_at > v_now AND expires_at < v_until));\n\
-         END IF;\n\
-         EXIT gate;\n\
-         END LOOP gate;\n"
-    )
-}
-
-/// The variables [`session_gate_block`] uses.
-const SESSION_GATE_VARIABLES: &str = "v_gate text; v_epoch int8; v_mark int8; v_row record; \
-     v_present boolean; v_live boolean; v_now timestamptz; v_until timestamptz; \
-     v_longer timestamptz; v_old_mark int8; v_old_high int8; v_high int8; v_prefix bytea;";
-
-/// The function `name` (created by `migrate`) that is the session gate
-/// ([`session_gate_block`]) on its own: parameters `$1` to `$5` as the block's, one row
-/// `o_gate`, `o_epoch`, `o_mark`.
-fn session_gate_function(name: &str, t: &str, seq: &str) -> String {
-    let gate = session_gate_block(t, seq);
-    format!(
-        "CREATE OR REPLACE FUNCTION {name}(bytea, int8, int8, int8, int8) \
-         RETURNS TABLE (o_gate text, o_epoch int8, o_mark int8) \
-         LANGUAGE plpgsql VOLATILE AS $fn$\n\
-         #variable_conflict use_column\n\
-         DECLARE {SESSION_GATE_VARIABLES}\n\
-         BEGIN\n\
-         {gate}\
-         RETURN QUERY SELECT v_gate, v_epoch, v_mark;\n\
-         END\n\
-         $fn$"
+                 THEN greatest(expires_at, (SELECT longer FROM ranges)) ELSE expires_at END, \
+             kept_until = greatest(kept_until, (SELECT longer FROM ranges)) \
+             WHERE storage_key > (SELECT keep_after FROM ranges) \
+             AND storage_key <= (SELECT keep_to FROM ranges) \
+             AND ((state = 'in_flight' AND coalesce(kept_until, expires_at) < (SELECT until FROM ranges)) \
+                 OR (state = 'completed' AND expires_at > clock_timestamp() \
+                     AND expires_at < (SELECT until FROM ranges)))\
+         ) \
+         SELECT CASE WHEN k.live AND NOT k.valid THEN 'corrupt' \
+             WHEN d.gate IS NULL THEN 'expired' \
+             WHEN NOT EXISTS (SELECT FROM saved) THEN 'retry' \
+             ELSE d.gate END AS gate, \
+         d.epoch, d.mark \
+         FROM known AS k LEFT JOIN decided AS d ON true"
     )
 }
 
 /// The function `name` (created by `migrate`) that makes
 /// [`SessionStore::claim_in_session`](idempotent_core::SessionStore::claim_in_session) one call
-/// and one transaction: the session gate ([`session_gate_block`], its parameters the
-/// function's `$1` to `$5`), then, when it admits the request, the claim statement `claim`
+/// and one transaction: the session gate statement `gate` ([`open_session`], its parameters
+/// the function's `$1` to `$5`), then, when it admits the request, the claim statement `claim`
 /// of the request's row `digest ‖ epoch ‖ seq`, with `$6` the fingerprint, `$7` the lease,
-/// the idle time `$5` as its TTL, `$8` the claimant and `$9` the label. Each runs again while
-/// it loses a race it cannot see (`retry`, or no row), as the store runs them on their own;
-/// each run takes a new snapshot (`READ COMMITTED`).
+/// the idle time `$5` as its TTL, `$8` the claimant and `$9` the label. Each statement runs
+/// again while it loses a race it cannot see (`retry`, or no row), as the store runs them on
+/// their own; each run takes a new snapshot (`READ COMMITTED`).
 ///
 /// The gate locks the session's row (`FOR UPDATE`) until the call's transaction ends, after the
 /// claim: no other request of the session passes its gate in between, so no `ack` can drop the
@@ -761,8 +719,11 @@ fn session_gate_function(name: &str, t: &str, seq: &str) -> String {
 /// It answers one row: `o_gate` and the gate's `o_epoch` and `o_mark`, and when admitted
 /// (`open`) the claim's columns (`o_state` and the rest, as the claim statement answers them);
 /// `lost` when the claim lost every race.
-fn session_claim_function(name: &str, t: &str, seq: &str, claim: &str) -> String {
-    let gate = session_gate_block(t, seq);
+fn session_claim_function(name: &str, gate: &str, claim: &str) -> String {
+    let (gate, from) = gate
+        .rsplit_once(" FROM known AS k LEFT JOIN decided AS d ON true")
+        .expect("the gate statement ends with its answer");
+    assert!(from.is_empty(), "the gate's answer is its last clause");
     // The claim's parameters, as the function's.
     let claim = renumber(claim, |n| match n {
         1 => "v_key".to_owned(),
@@ -773,7 +734,7 @@ fn session_claim_function(name: &str, t: &str, seq: &str, claim: &str) -> String
         6 => "$9".to_owned(),
         other => panic!("the claim statement has no parameter ${other}"),
     });
-    let admitted = "'open'::text, v_epoch, v_mark,";
+    let admitted = "'open'::text, v_gate.epoch, v_gate.mark,";
     let claim = claim
         .replacen(
             "SELECT 'claimed'::text AS state,",
@@ -799,19 +760,22 @@ fn session_claim_function(name: &str, t: &str, seq: &str, claim: &str) -> String
          o_lifetime int8, o_fingerprint bytea, o_payload bytea, o_remaining_us int8) \
          LANGUAGE plpgsql VOLATILE AS $fn$\n\
          #variable_conflict use_column\n\
-         DECLARE {SESSION_GATE_VARIABLES} v_key bytea;\n\
+         DECLARE v_gate record; v_key bytea;\n\
          BEGIN\n\
-         {gate}\
-         IF v_gate IS DISTINCT FROM 'open' THEN\n\
-         RETURN QUERY SELECT v_gate, v_epoch, v_mark, {nothing};\n\
+         FOR attempt IN 1..{CLAIM_ATTEMPTS} LOOP\n\
+         {gate} INTO v_gate FROM known AS k LEFT JOIN decided AS d ON true;\n\
+         EXIT WHEN v_gate.gate IS DISTINCT FROM 'retry';\n\
+         END LOOP;\n\
+         IF v_gate.gate IS DISTINCT FROM 'open' THEN\n\
+         RETURN QUERY SELECT v_gate.gate, v_gate.epoch, v_gate.mark, {nothing};\n\
          RETURN;\n\
          END IF;\n\
-         v_key := substring($1 from 1 for 32) || int8send(v_epoch) || int8send($2);\n\
+         v_key := substring($1 from 1 for 32) || int8send(v_gate.epoch) || int8send($2);\n\
          FOR attempt IN 1..{CLAIM_ATTEMPTS} LOOP\n\
          RETURN QUERY {claim};\n\
          IF FOUND THEN RETURN; END IF;\n\
          END LOOP;\n\
-         RETURN QUERY SELECT 'lost'::text, v_epoch, v_mark, {nothing};\n\
+         RETURN QUERY SELECT 'lost'::text, v_gate.epoch, v_gate.mark, {nothing};\n\
          END\n\
          $fn$"
     )
