@@ -142,6 +142,7 @@ fn measure(url: &str) {
                 },
             )
             .batch_size(PAYLOADS as u32)
+            .max_batch_bytes((PAYLOADS * PAYLOAD_SIZE) as u64)
             .delivery_timeout(Duration::from_secs(60))
             .build();
         let before = resident();

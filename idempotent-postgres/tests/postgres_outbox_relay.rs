@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use idempotent_core::Key;
 use idempotent_core::metrics::Recorded;
-use idempotent_postgres::outbox::{OUTBOX_DELIVERIES, Outgoing, Relay};
+use idempotent_postgres::outbox::{DEFAULT_MAX_BATCH_BYTES, OUTBOX_DELIVERIES, Outgoing, Relay};
 use idempotent_test_kit::backend::{postgres_url, redis_url};
 use idempotent_test_kit::names::unique;
 use idempotent_test_kit::postgres::pool_bounding_locks as pool;
@@ -165,6 +165,139 @@ async fn many_relays_share_the_work_and_never_deliver_one_message_at_once() {
     let distinct: HashSet<i64> = delivered.iter().copied().collect();
     assert_eq!(distinct.len(), MESSAGES);
     assert_eq!(delivered.len(), MESSAGES, "no crash, so no message twice");
+}
+
+/// A batch is taken whole (the default batch, 256, takes 100 messages at once), but its sink
+/// is called for at most `max_in_flight` of them at a time (default 64).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_delivers_at_most_max_in_flight_at_once() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    enqueue_many(&pool, &outbox, "in-flight", 100).await;
+    let sink = Recorder {
+        hold: Duration::from_millis(20),
+        ..Recorder::default()
+    };
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .build();
+    let batch = timeout(BOUND, relay.run_once()).await.unwrap().unwrap();
+    assert_eq!((batch.taken, batch.delivered), (100, 100), "one batch");
+    assert_eq!(sink.most_in_flight.load(Ordering::SeqCst), 64);
+
+    enqueue_many(&pool, &outbox, "in-flight-4", 40).await;
+    let sink = Recorder {
+        hold: Duration::from_millis(20),
+        ..Recorder::default()
+    };
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .max_in_flight(4)
+        .build();
+    let batch = timeout(BOUND, relay.run_once()).await.unwrap().unwrap();
+    assert_eq!((batch.taken, batch.delivered), (40, 40));
+    assert_eq!(sink.most_in_flight.load(Ordering::SeqCst), 4);
+    assert!(!sink.overlapped.load(Ordering::SeqCst));
+}
+
+/// A batch delivered in turns keeps its transaction (and its locks) for all of them: its
+/// idle-transaction timeout counts one delivery timeout per turn. Ten deliveries one at a time,
+/// each just under the 1 s timeout, keep the transaction idle about 9 s, longer than twice the
+/// timeout plus 5 s (what a batch of one turn gets): the batch still commits, and nothing is
+/// delivered twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_in_turns_keeps_its_transaction_for_all_of_them() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    enqueue_many(&pool, &outbox, "turns", 10).await;
+    let sink = Recorder {
+        hold: Duration::from_millis(900),
+        ..Recorder::default()
+    };
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .max_in_flight(1)
+        .delivery_timeout(Duration::from_secs(1))
+        .build();
+    let batch = timeout(Duration::from_secs(60), relay.run_once())
+        .await
+        .unwrap()
+        .expect("the batch commits after ten turns");
+    assert_eq!((batch.taken, batch.delivered), (10, 10));
+    assert_eq!(sink.most_in_flight.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        relay.run_once().await.unwrap().taken,
+        0,
+        "all recorded as delivered"
+    );
+    assert_eq!(sink.delivered().len(), 10);
+}
+
+/// A batch takes the oldest messages whose payloads add up to at most `max_batch_bytes`, and
+/// always its first message, however large; the ones left out go with the next batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_takes_at_most_max_batch_bytes_of_payloads() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    let mut tx = pool.begin().await.unwrap();
+    for n in 0..10 {
+        let payload = format!("{n:0>1000}");
+        let message = Outgoing::new("hook", payload).key(Key::new(format!("bytes-{n}")).unwrap());
+        outbox.enqueue(&mut tx, &message).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let sink = Recorder::default();
+    let relay = |bytes: u64| {
+        Relay::builder(pool.clone(), outbox.clone())
+            .sink("hook", sink.clone())
+            .max_batch_bytes(bytes)
+            .build()
+    };
+    let three = relay(3_000).run_once().await.unwrap();
+    assert_eq!(
+        (three.taken, three.delivered),
+        (3, 3),
+        "3 × 1,000 bytes fit in 3,000"
+    );
+    let two = relay(2_999).run_once().await.unwrap();
+    assert_eq!(two.taken, 2, "a third does not fit in 2,999");
+    let one = relay(10).run_once().await.unwrap();
+    assert_eq!(one.taken, 1, "the first message, however large");
+    let rest = relay(DEFAULT_MAX_BATCH_BYTES).run_once().await.unwrap();
+    assert_eq!(rest.taken, 4);
+    let delivered: HashSet<i64> = sink.delivered().into_iter().collect();
+    assert_eq!(delivered.len(), 10, "each once");
+    let seen: Vec<String> = sink
+        .seen()
+        .iter()
+        .map(|s| String::from_utf8(s.payload.clone()).unwrap())
+        .collect();
+    assert_eq!(seen.len(), 10);
+    assert!(seen.iter().all(|p| p.len() == 1000), "whole payloads");
+    // Batches take the oldest first: every message of a batch is older than the next's.
+    let batches = [&seen[0..3], &seen[3..5], &seen[5..6], &seen[6..10]];
+    for pair in batches.windows(2) {
+        assert!(pair[0].iter().max() < pair[1].iter().min(), "{:?}", batches);
+    }
+}
+
+/// `count` messages for the sink "hook", keys `{prefix}-{n}`, in one transaction.
+async fn enqueue_many(
+    pool: &sqlx::PgPool,
+    outbox: &idempotent_postgres::outbox::Outbox,
+    prefix: &str,
+    count: usize,
+) {
+    let mut tx = pool.begin().await.unwrap();
+    for n in 0..count {
+        let message = Outgoing::new("hook", format!("{prefix}-{n}"))
+            .key(Key::new(format!("{prefix}-{n}")).unwrap());
+        outbox.enqueue(&mut tx, &message).await.unwrap();
+    }
+    tx.commit().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

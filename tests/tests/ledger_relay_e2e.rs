@@ -98,7 +98,8 @@ async fn a_notifier_that_is_down_delays_notifications_and_loses_none() {
 }
 
 /// A relay frozen (SIGSTOP) in the middle of a batch keeps its notifications locked only until
-/// PostgreSQL ends its idle transaction (twice the delivery timeout plus 5 s); another relay
+/// PostgreSQL ends its idle transaction (twice the delivery timeout plus 5 s, its 20 messages
+/// being one turn of deliveries); another relay
 /// then delivers them, and the receiver acts on each once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_relay_gives_its_batch_up_to_another() {

@@ -36,7 +36,7 @@ async fn a_message_that_kills_its_relay_dead_letters_itself_alone() {
     let outbox = Outbox::new();
     outbox.migrate(&db).await.unwrap();
     // Notifications as the ledger enqueues them (no ordering key), the poison one among the
-    // first batch (the relay's batches are 32).
+    // first batch (the relay's batches are 256 since 0.4; 32 before).
     let mut ids = BTreeSet::new();
     let mut tx = db.begin().await.unwrap();
     for n in 0..MESSAGES {

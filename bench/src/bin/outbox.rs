@@ -14,7 +14,9 @@
 //! ```
 //!
 //! With `--quick`, only the relay row that BENCHMARKS.md's summary compares with 0.2 (one relay,
-//! the discarding sink), as `scripts/bench.sh --quick` runs it.
+//! the discarding sink), as `scripts/bench.sh --quick` runs it. `--batch N` gives the relays a
+//! batch size other than their default (`RelayBuilder::batch_size`); the rows say which
+//! (`"batch": null` for the default).
 //!
 //! It prints one JSON object per row. The numbers and the machine are in BENCHMARKS.md.
 
@@ -34,6 +36,8 @@ struct Options {
     tasks: usize,
     duration: Duration,
     messages: usize,
+    /// The relays' batch size (`RelayBuilder::batch_size`); `None`: its default.
+    batch: Option<u32>,
     quick: bool,
 }
 
@@ -43,6 +47,7 @@ fn options() -> Result<Options, String> {
         tasks: 16,
         duration: Duration::from_secs(10),
         messages: 20_000,
+        batch: None,
         quick: false,
     };
     let mut args = std::env::args().skip(1);
@@ -57,6 +62,13 @@ fn options() -> Result<Options, String> {
             }
             "--messages" => {
                 options.messages = value()?.parse().map_err(|e| format!("--messages: {e}"))?
+            }
+            "--batch" => {
+                let size: u32 = value()?.parse().map_err(|e| format!("--batch: {e}"))?;
+                if size == 0 {
+                    return Err("--batch: at least 1".into());
+                }
+                options.batch = Some(size);
             }
             "--quick" => options.quick = true,
             other => return Err(format!("unknown argument {other}")),
@@ -183,10 +195,14 @@ async fn relay_row<S: Sink + Clone>(
     let start = Instant::now();
     let running: Vec<_> = (0..relays)
         .map(|_| {
-            Relay::builder(pool.clone(), outbox.clone())
-                .sink("notifications", sink.clone())
-                .build()
-                .spawn()
+            let builder =
+                Relay::builder(pool.clone(), outbox.clone()).sink("notifications", sink.clone());
+            match options.batch {
+                Some(size) => builder.batch_size(size),
+                None => builder,
+            }
+            .build()
+            .spawn()
         })
         .collect();
     // Polled through the pending messages' index, which empties as they are delivered: a
@@ -225,6 +241,7 @@ async fn relay_row<S: Sink + Clone>(
         serde_json::json!({
             "row": format!("relay/{label}"),
             "relays": relays,
+            "batch": options.batch,
             "messages": options.messages,
             "messages_per_sec": (options.messages as f64 / elapsed.as_secs_f64()).round(),
         })

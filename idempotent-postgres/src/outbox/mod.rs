@@ -18,7 +18,10 @@ mod sink;
 mod table;
 
 pub use self::message::{MAX_OUTBOX_PAYLOAD, OutboxError, Outgoing};
-pub use self::relay::{Batch, Relay, RelayBuilder, RunningRelay};
+pub use self::relay::{
+    Batch, DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_IN_FLIGHT, Relay, RelayBuilder,
+    RunningRelay,
+};
 #[cfg(feature = "redis")]
 pub use self::sink::RedisStreamSink;
 #[cfg(feature = "kafka")]

@@ -17,6 +17,19 @@ use sqlx::postgres::{PgListener, PgPool};
 use sqlx::{Executor as _, Row as _};
 
 use super::sink::{Relayed, Sink, SinkError};
+
+/// Messages per batch unless [`RelayBuilder::batch_size`] says otherwise. With 0.3's 32, a
+/// relay spent most of its time on each batch's statements (BENCHMARKS.md, "0.4: the relay's
+/// batch").
+pub const DEFAULT_BATCH_SIZE: u32 = 256;
+
+/// Deliveries of a batch under way at once unless [`RelayBuilder::max_in_flight`] says
+/// otherwise (0.3 delivered a whole batch at once: 32).
+pub const DEFAULT_MAX_IN_FLIGHT: u32 = 64;
+
+/// The bytes of payloads a batch takes at most unless [`RelayBuilder::max_batch_bytes`] says
+/// otherwise: 32 MiB (a batch takes its first message however large).
+pub const DEFAULT_MAX_BATCH_BYTES: u64 = 32 << 20;
 use super::table::{MAX_OUTBOX_DELAY, Outbox, RELAY_CRASHED, TAKEN_HOLD};
 use super::{OUTBOX_DEAD, OUTBOX_DELIVERIES, OUTBOX_OLDEST_PENDING_AGE, OUTBOX_PENDING};
 use crate::{micros, store_error};
@@ -41,6 +54,8 @@ pub struct Batch {
 #[derive(Debug, Clone)]
 struct Settings {
     batch_size: u32,
+    max_in_flight: u32,
+    max_batch_bytes: u64,
     poll_interval: Duration,
     max_attempts: u32,
     first_backoff: Duration,
@@ -85,7 +100,8 @@ struct Settings {
 ///   dies").
 /// - **Delivering under row locks.** The batch's transaction then locks the messages it took
 ///   (`FOR UPDATE`, each only if it still has the attempt count it took), delivers them
-///   concurrently, each within [`delivery_timeout`](RelayBuilder::delivery_timeout), records
+///   concurrently, at most [`max_in_flight`](RelayBuilder::max_in_flight) at a time, each
+///   within [`delivery_timeout`](RelayBuilder::delivery_timeout), records
 ///   each outcome and commits. Another relay skips the locked rows, so **many relays share
 ///   the work and never deliver one message at the same time**; a message another relay took
 ///   over in between (only possible if this relay needed more than the 5 s to lock it: its
@@ -109,9 +125,10 @@ struct Settings {
 ///   `max_attempts(1)` such a message is tried twice). The batches of one go on at once, one
 ///   after the other, until no suspect is due; many relays take suspects in parallel.
 ///   A relay frozen with its connection open holds its rows until PostgreSQL ends its
-///   transaction after `idle_in_transaction_session_timeout`, set for the batch to twice the
-///   delivery timeout plus 5 s; if it then wakes in the middle of a delivery, that delivery
-///   can overlap another relay's. So can one still running when its connection was cut under
+///   transaction after `idle_in_transaction_session_timeout`, set for the batch to the
+///   delivery timeout times one more than its turns of `max_in_flight` deliveries, plus 5 s
+///   (twice the delivery timeout plus 5 s for a batch of one turn); if it then wakes in the
+///   middle of a delivery, that delivery can overlap another relay's. So can one still running when its connection was cut under
 ///   it (the server restarted, `pg_terminate_backend`, a network partition): its locks went
 ///   with the connection. The key makes both harmless; both count as a relay that died.
 /// - **Waking.** It listens for the `NOTIFY` each enqueue sends on commit, and also polls
@@ -136,8 +153,10 @@ struct Settings {
 ///   after a relay that died).
 /// - **Memory.** A batch holds each payload once: each row is dropped as soon as its message
 ///   is read from it, and each message is moved, not copied, to its delivery. At most
-///   `batch_size` × [`MAX_OUTBOX_PAYLOAD`](super::MAX_OUTBOX_PAYLOAD) (512 MiB with the
-///   defaults) of payloads, plus one being read.
+///   [`max_batch_bytes`](RelayBuilder::max_batch_bytes) of payloads (32 MiB by default), or
+///   one message's when it alone is larger (at most
+///   [`MAX_OUTBOX_PAYLOAD`](super::MAX_OUTBOX_PAYLOAD)), plus one being read. (0.3's batches
+///   were bounded by their count alone: up to 512 MiB.)
 ///
 /// It counts each attempt in [`OUTBOX_DELIVERIES`] by result, with the recorder installed
 /// when it was [built](RelayBuilder::build).
@@ -224,9 +243,30 @@ impl RelayBuilder {
         self
     }
 
-    /// Messages per batch (default 32, at least 1).
+    /// Messages per batch (default 256, at least 1). A batch costs its statements whatever
+    /// its size, so larger batches drain a backlog faster; a relay that dies charges an
+    /// attempt to each message of its batch (see "A relay that dies"), each of which is then
+    /// taken again alone. See also [`max_batch_bytes`](Self::max_batch_bytes).
     pub fn batch_size(mut self, size: u32) -> Self {
         self.settings.batch_size = size.max(1);
+        self
+    }
+
+    /// The payloads a batch takes add up to at most this many bytes (default 32 MiB), except
+    /// that a batch always takes its first message, however large (up to
+    /// [`MAX_OUTBOX_PAYLOAD`](super::MAX_OUTBOX_PAYLOAD)): what a batch holds in memory (see
+    /// "Memory"). The messages left out are due for the next batch, at once.
+    pub fn max_batch_bytes(mut self, bytes: u64) -> Self {
+        self.settings.max_batch_bytes = bytes;
+        self
+    }
+
+    /// Deliveries of one batch under way at once (default 64, at least 1): a sink is called
+    /// for at most this many messages at a time, the rest of the batch waiting their turn.
+    /// The batch's idle-transaction timeout grows with its turns (see
+    /// [`delivery_timeout`](Self::delivery_timeout)).
+    pub fn max_in_flight(mut self, deliveries: u32) -> Self {
+        self.settings.max_in_flight = deliveries.max(1);
         self
     }
 
@@ -255,8 +295,10 @@ impl RelayBuilder {
 
     /// How long one delivery may take before it counts as failed (default 30 s, at least
     /// 1 ms). [`Duration::MAX`], or any timeout too long for the clock, is none: a delivery
-    /// may take as long as its sink does. The batch's idle-transaction timeout (twice this plus
-    /// 5 s, see "How it delivers") is at most PostgreSQL's largest, about 24.8 days.
+    /// may take as long as its sink does. The batch's idle-transaction timeout (this times
+    /// one more than the batch's turns of [`max_in_flight`](Self::max_in_flight) deliveries,
+    /// plus 5 s: twice this plus 5 s for a batch of one turn; see "How it delivers") is at
+    /// most PostgreSQL's largest, about 24.8 days.
     pub fn delivery_timeout(mut self, timeout: Duration) -> Self {
         self.settings.delivery_timeout = timeout.max(Duration::from_millis(1));
         self
@@ -280,7 +322,11 @@ impl RelayBuilder {
     pub fn build(self) -> Relay {
         let mut destinations: Vec<String> = self.sinks.keys().cloned().collect();
         destinations.sort();
-        let take = self.outbox.sql().take(self.settings.batch_size).into();
+        let take = self
+            .outbox
+            .sql()
+            .take(self.settings.batch_size, self.settings.max_batch_bytes)
+            .into();
         Relay {
             take,
             pool: self.pool,
@@ -316,7 +362,9 @@ impl Relay {
             outbox,
             sinks: HashMap::new(),
             settings: Settings {
-                batch_size: 32,
+                batch_size: DEFAULT_BATCH_SIZE,
+                max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+                max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
                 poll_interval: Duration::from_secs(1),
                 max_attempts: 10,
                 first_backoff: Duration::from_secs(1),
@@ -342,6 +390,28 @@ impl Relay {
     /// Delivers one batch: see "How it delivers".
     pub async fn run_once(&self) -> Result<Batch, StoreError> {
         self.run_batch().await.map(|(batch, _)| batch)
+    }
+
+    /// Files how one delivery of a batch ended: delivered, or failed with its error.
+    fn settle(
+        &self,
+        done: Result<Delivered, tokio::task::JoinError>,
+        spawned: &HashMap<tokio::task::Id, (i64, u32)>,
+        delivered: &mut Vec<i64>,
+        failed: &mut Vec<(i64, u32, SinkError)>,
+    ) {
+        match done {
+            Ok(Delivered::Ok(id)) => delivered.push(id),
+            Ok(Delivered::Failed(id, attempt, error)) => failed.push((id, attempt, error)),
+            // A sink that panicked failed this attempt: retried like any failure, and
+            // dead-lettered after the last.
+            Err(error) => {
+                tracing::error!(outbox = %self.outbox.table(), error = %error, "an outbox sink panicked");
+                if let Some((id, attempt)) = spawned.get(&error.id()) {
+                    failed.push((*id, *attempt, SinkError::retry("the sink panicked")));
+                }
+            }
+        }
     }
 
     /// Delivers one batch, and says whether it was a message taken alone because its last
@@ -405,10 +475,14 @@ impl Relay {
             return Ok((batch, alone));
         }
 
-        // The batch's transaction, with its timeouts, in one round trip (integers in ms).
+        // The batch's transaction, with its timeouts, in one round trip (integers in ms). Its
+        // deliveries run in turns of at most `max_in_flight`, each turn within the delivery
+        // timeout: the transaction waits for them all, and one timeout more.
+        let turns = u32::try_from(taken.len().div_ceil(settings.max_in_flight as usize))
+            .unwrap_or(u32::MAX);
         let idle = settings
             .delivery_timeout
-            .saturating_mul(2)
+            .saturating_mul(turns.saturating_add(1))
             .saturating_add(Duration::from_secs(5));
         let begin = format!(
             "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}; \
@@ -464,10 +538,17 @@ impl Relay {
         }
         let mut deliveries = tokio::task::JoinSet::new();
         let mut spawned = HashMap::new();
+        let mut delivered = Vec::new();
+        let max_in_flight = settings.max_in_flight as usize;
         for message in messages {
             let Some(sink) = self.sinks.get(&message.destination).cloned() else {
                 continue;
             };
+            if deliveries.len() >= max_in_flight
+                && let Some(done) = deliveries.join_next().await
+            {
+                self.settle(done, &spawned, &mut delivered, &mut failed);
+            }
             let timeout = settings.delivery_timeout;
             let (id, attempt) = (message.id, message.attempt);
             // The message moves into its delivery: its payload is not copied.
@@ -484,20 +565,8 @@ impl Relay {
             });
             spawned.insert(task.id(), (id, attempt));
         }
-        let mut delivered = Vec::new();
         while let Some(done) = deliveries.join_next().await {
-            match done {
-                Ok(Delivered::Ok(id)) => delivered.push(id),
-                Ok(Delivered::Failed(id, attempt, error)) => failed.push((id, attempt, error)),
-                // A sink that panicked failed this attempt: retried like any failure, and
-                // dead-lettered after the last.
-                Err(error) => {
-                    tracing::error!(outbox = %self.outbox.table(), error = %error, "an outbox sink panicked");
-                    if let Some((id, attempt)) = spawned.get(&error.id()) {
-                        failed.push((*id, *attempt, SinkError::retry("the sink panicked")));
-                    }
-                }
-            }
+            self.settle(done, &spawned, &mut delivered, &mut failed);
         }
         if !delivered.is_empty() {
             let update = sqlx::query(&self.outbox.sql().delivered).bind(&delivered);

@@ -393,8 +393,8 @@ pub(crate) struct OutboxSql {
 }
 
 impl OutboxSql {
-    /// The batch statement for batches of `batch` messages. The size is written into the
-    /// text, not bound: with `LIMIT $1`, PostgreSQL's generic plan for the prepared statement
+    /// The batch statement for batches of `batch` messages whose payloads add up to at most
+    /// `bytes`. Both are written into the text, not bound: with `LIMIT $1`, PostgreSQL's generic plan for the prepared statement
     /// (used after its fifth execution) takes about a hundred times longer than the plan for a
     /// known limit.
     ///
@@ -410,7 +410,10 @@ impl OutboxSql {
     ///   and stopping once a batch of heads is locked. A message that is not its key's head is
     ///   never looked at. Each part locks at most `batch` rows (`FOR UPDATE SKIP LOCKED`: rows
     ///   another relay holds are passed over, and a head another relay holds blocks its key);
-    ///   the oldest `batch` of both are taken.
+    ///   the oldest `batch` of both are candidates, and of those the oldest whose payloads
+    ///   add up to at most `bytes` (the first always, however large: a batch takes at least
+    ///   one message; a message dead-lettered here counts nothing, its payload not being
+    ///   read). The length of a payload is read from its row without reading the payload.
     /// - **Taking.** Each taken message's `attempts` is counted and committed *before* it is
     ///   delivered, `delivering_since` is set, and it is not due for [`TAKEN_HOLD`]: by then
     ///   the relay holds it under a row lock in the batch's transaction (`lock`).
@@ -425,8 +428,10 @@ impl OutboxSql {
     ///
     /// Returns `id, destination, message_key, payload, header_names, header_values, attempts,
     /// exhausted (dead-lettered here), crashed, ordering_key, last_error`.
-    pub(crate) fn take(&self, batch: u32) -> String {
-        self.take.replace("{batch}", &batch.to_string())
+    pub(crate) fn take(&self, batch: u32, bytes: u64) -> String {
+        self.take
+            .replace("{batch}", &batch.to_string())
+            .replace("{bytes}", &bytes.min(i64::MAX as u64).to_string())
     }
 
     fn new(table: &str) -> Result<Self, InvalidTableName> {
@@ -540,23 +545,28 @@ impl OutboxSql {
             take: format!(
                 "WITH RECURSIVE {after_cursor}, {up_to_cursor}, \
                  heads AS (SELECT o.id, o.available_at, o.attempts, o.delivering_since, \
-                   o.delivering_alone \
+                   o.delivering_alone, octet_length(o.payload) AS bytes \
                    FROM (SELECT id FROM after_cursor UNION ALL SELECT id FROM up_to_cursor) h \
                    JOIN {t} o ON o.id = h.id \
                    WHERE o.state = 'pending' AND o.available_at <= clock_timestamp() \
                    AND o.destination = ANY($1) \
                    LIMIT {{batch}} FOR UPDATE OF o SKIP LOCKED), \
                  unordered AS (SELECT id, available_at, attempts, delivering_since, \
-                   delivering_alone FROM {t} \
+                   delivering_alone, octet_length(payload) AS bytes FROM {t} \
                    WHERE state = 'pending' AND ordering_key IS NULL \
                    AND available_at <= clock_timestamp() AND destination = ANY($1) \
                    ORDER BY available_at, id LIMIT {{batch}} FOR UPDATE SKIP LOCKED), \
-                 candidates AS (SELECT id, available_at, \
+                 oldest AS (SELECT id, available_at, \
                    delivering_since IS NOT NULL AS crashed, \
                    delivering_since IS NOT NULL AND attempts >= $2 \
-                     AND delivering_alone IS TRUE AS exhausted \
+                     AND delivering_alone IS TRUE AS exhausted, bytes \
                    FROM (SELECT * FROM heads UNION ALL SELECT * FROM unordered) c \
                    ORDER BY available_at, id LIMIT {{batch}}), \
+                 candidates AS (SELECT id, available_at, crashed, exhausted FROM (\
+                   SELECT *, row_number() OVER w AS n, \
+                   sum(CASE WHEN exhausted THEN 0 ELSE bytes END) OVER w AS upto \
+                   FROM oldest WINDOW w AS (ORDER BY available_at, id)) s \
+                   WHERE n = 1 OR upto <= {{bytes}}), \
                  suspect AS (SELECT id FROM candidates WHERE crashed AND NOT exhausted \
                    ORDER BY available_at, id LIMIT 1), \
                  chosen AS (SELECT c.id, c.crashed, c.exhausted FROM candidates c \

@@ -44,13 +44,15 @@ pub struct Seen {
 
 /// A sink that records what it is given, fails each message's first `fail_first` attempts
 /// (or forever for payloads starting with `poison`, permanently for `refuse`; never answers
-/// for `hang`), and notices two deliveries of one message at the same time.
+/// for `hang`), notices two deliveries of one message at the same time, and keeps the most
+/// deliveries it had under way at once.
 #[derive(Clone, Default)]
 pub struct Recorder {
     pub seen: Arc<Mutex<Vec<Seen>>>,
     pub delivered: Arc<Mutex<Vec<i64>>>,
     pub in_flight: Arc<Mutex<HashSet<i64>>>,
     pub overlapped: Arc<AtomicBool>,
+    pub most_in_flight: Arc<std::sync::atomic::AtomicUsize>,
     pub fail_first: u32,
     pub hold: Duration,
 }
@@ -68,8 +70,13 @@ impl Recorder {
 impl Sink for Recorder {
     fn deliver<'a>(&'a self, message: &'a Relayed) -> BoxFuture<'a, Result<(), SinkError>> {
         Box::pin(async move {
-            if !self.in_flight.lock().unwrap().insert(message.id) {
-                self.overlapped.store(true, Ordering::SeqCst);
+            {
+                let mut in_flight = self.in_flight.lock().unwrap();
+                if !in_flight.insert(message.id) {
+                    self.overlapped.store(true, Ordering::SeqCst);
+                }
+                self.most_in_flight
+                    .fetch_max(in_flight.len(), Ordering::SeqCst);
             }
             self.seen.lock().unwrap().push(Seen {
                 id: message.id,
