@@ -168,37 +168,140 @@ async fn many_relays_share_the_work_and_never_deliver_one_message_at_once() {
 }
 
 /// A batch is taken whole (the default batch, 256, takes 100 messages at once), but its sink
-/// is called for at most `max_in_flight` of them at a time (default 64).
+/// is called for at most `max_in_flight` of them at a time (default 64). The sink holds its
+/// first `limit` calls until all of them have arrived, so the limit is reached exactly, and
+/// notes the most calls under way at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_delivers_at_most_max_in_flight_at_once() {
     let Some((pool, outbox)) = setup(4).await else {
         return;
     };
-    enqueue_many(&pool, &outbox, "in-flight", 100).await;
-    let sink = Recorder {
-        hold: Duration::from_millis(20),
-        ..Recorder::default()
-    };
-    let relay = Relay::builder(pool.clone(), outbox.clone())
-        .sink("hook", sink.clone())
-        .build();
-    let batch = timeout(BOUND, relay.run_once()).await.unwrap().unwrap();
-    assert_eq!((batch.taken, batch.delivered), (100, 100), "one batch");
-    assert_eq!(sink.most_in_flight.load(Ordering::SeqCst), 64);
+    for (messages, limit) in [(100, 64), (40, 4)] {
+        enqueue_many(&pool, &outbox, &format!("in-flight-{limit}"), messages).await;
+        let sink = Gathering::new(limit);
+        let builder = Relay::builder(pool.clone(), outbox.clone()).sink("hook", sink.clone());
+        let relay = if limit == 64 {
+            builder.build()
+        } else {
+            builder.max_in_flight(limit as u32).build()
+        };
+        let batch = timeout(BOUND, relay.run_once()).await.unwrap().unwrap();
+        assert_eq!(
+            (batch.taken, batch.delivered),
+            (messages, messages),
+            "one batch"
+        );
+        assert_eq!(sink.most.load(Ordering::SeqCst), limit);
+    }
+}
 
-    enqueue_many(&pool, &outbox, "in-flight-4", 40).await;
-    let sink = Recorder {
-        hold: Duration::from_millis(20),
-        ..Recorder::default()
+/// A sink that holds its first `first` calls until all of them have arrived, and keeps the
+/// most calls it had under way at once.
+#[derive(Clone)]
+struct Gathering {
+    first: usize,
+    arrived: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    all_here: std::sync::Arc<tokio::sync::Barrier>,
+    now: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    most: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Gathering {
+    fn new(first: usize) -> Self {
+        Gathering {
+            first,
+            arrived: Default::default(),
+            all_here: std::sync::Arc::new(tokio::sync::Barrier::new(first)),
+            now: Default::default(),
+            most: Default::default(),
+        }
+    }
+}
+
+impl idempotent_postgres::outbox::Sink for Gathering {
+    fn deliver<'a>(
+        &'a self,
+        _: &'a idempotent_postgres::outbox::Relayed,
+    ) -> idempotent_postgres::outbox::BoxFuture<
+        'a,
+        Result<(), idempotent_postgres::outbox::SinkError>,
+    > {
+        Box::pin(async move {
+            let now = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most.fetch_max(now, Ordering::SeqCst);
+            if self.arrived.fetch_add(1, Ordering::SeqCst) < self.first {
+                self.all_here.wait().await;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            self.now.fetch_sub(1, Ordering::SeqCst);
+            Ok(())
+        })
+    }
+}
+
+/// A relay whose batches the byte budget cuts short takes the next batch at once, without
+/// waiting for a poll or a notification: with neither (`poll_interval(Duration::MAX)`, the
+/// messages enqueued before it starts), ten messages in batches of two all go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_cut_short_by_bytes_is_followed_at_once() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
     };
+    let mut tx = pool.begin().await.unwrap();
+    for n in 0..10 {
+        let message =
+            Outgoing::new("hook", format!("{n:0>1000}")).key(Key::new(format!("cut-{n}")).unwrap());
+        outbox.enqueue(&mut tx, &message).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let sink = Recorder::default();
+    let running = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .max_batch_bytes(2_500)
+        .poll_interval(Duration::MAX)
+        .build()
+        .spawn();
+    eventually("all ten delivered without a poll", || async {
+        sink.delivered().len() == 10
+    })
+    .await;
+    timeout(BOUND, running.stop()).await.unwrap();
+}
+
+/// A message dead-lettered by the take (its relays died delivering it, `max_attempts` times)
+/// counts no bytes and does not stand in for the batch's first message: the batch still takes
+/// the oldest message to deliver, however large.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_takes_a_message_to_deliver_beside_one_it_dead_letters() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    let mut tx = pool.begin().await.unwrap();
+    let mut ids = Vec::new();
+    for (key, size) in [("crashed", 10), ("large", 2_000)] {
+        let message = Outgoing::new("hook", "x".repeat(size)).key(Key::new(key).unwrap());
+        ids.push(outbox.enqueue(&mut tx, &message).await.unwrap());
+    }
+    tx.commit().await.unwrap();
+    // As a relay that died delivering it alone, on its last attempt, leaves it.
+    sqlx::query(&format!(
+        "UPDATE \"{}\" SET attempts = 3, delivering_since = clock_timestamp(), \
+         delivering_alone = true WHERE id = $1",
+        outbox.table()
+    ))
+    .bind(ids[0])
+    .execute(&pool)
+    .await
+    .unwrap();
+    let sink = Recorder::default();
     let relay = Relay::builder(pool.clone(), outbox.clone())
         .sink("hook", sink.clone())
-        .max_in_flight(4)
+        .max_attempts(3)
+        .max_batch_bytes(1_000)
         .build();
-    let batch = timeout(BOUND, relay.run_once()).await.unwrap().unwrap();
-    assert_eq!((batch.taken, batch.delivered), (40, 40));
-    assert_eq!(sink.most_in_flight.load(Ordering::SeqCst), 4);
-    assert!(!sink.overlapped.load(Ordering::SeqCst));
+    let batch = relay.run_once().await.unwrap();
+    assert_eq!((batch.taken, batch.dead, batch.delivered), (2, 1, 1));
+    assert_eq!(sink.delivered(), [ids[1]]);
 }
 
 /// A batch delivered in turns keeps its transaction (and its locks) for all of them: its

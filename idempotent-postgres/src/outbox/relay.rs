@@ -134,7 +134,8 @@ struct Settings {
 /// - **Waking.** It listens for the `NOTIFY` each enqueue sends on commit, and also polls
 ///   every [`poll_interval`](RelayBuilder::poll_interval), so a lost notification or a
 ///   dropped listener connection delays a message by at most one interval. While batches
-///   come back full, it takes the next at once.
+///   come back full (or cut short by [`max_batch_bytes`](RelayBuilder::max_batch_bytes)), it
+///   takes the next at once.
 /// - **Failures.** A failed delivery (an error, the timeout, a sink that panicked) is tried
 ///   again after an exponential backoff (from
 ///   [`backoff`](RelayBuilder::backoff)'s first delay, doubling, capped, with jitter); after
@@ -155,8 +156,9 @@ struct Settings {
 ///   is read from it, and each message is moved, not copied, to its delivery. At most
 ///   [`max_batch_bytes`](RelayBuilder::max_batch_bytes) of payloads (32 MiB by default), or
 ///   one message's when it alone is larger (at most
-///   [`MAX_OUTBOX_PAYLOAD`](super::MAX_OUTBOX_PAYLOAD)), plus one being read. (0.3's batches
-///   were bounded by their count alone: up to 512 MiB.)
+///   [`MAX_OUTBOX_PAYLOAD`](super::MAX_OUTBOX_PAYLOAD)), plus one being read; the messages'
+///   keys and headers besides. (0.3's batches were bounded by their count alone: up to
+///   512 MiB.)
 ///
 /// It counts each attempt in [`OUTBOX_DELIVERIES`] by result, with the recorder installed
 /// when it was [built](RelayBuilder::build).
@@ -255,7 +257,8 @@ impl RelayBuilder {
     /// The payloads a batch takes add up to at most this many bytes (default 32 MiB), except
     /// that a batch always takes its first message, however large (up to
     /// [`MAX_OUTBOX_PAYLOAD`](super::MAX_OUTBOX_PAYLOAD)): what a batch holds in memory (see
-    /// "Memory"). The messages left out are due for the next batch, at once.
+    /// "Memory"). The messages left out are due for the next batch, taken at once. Each take
+    /// still locks up to `batch_size` candidates of each kind for its statement's length.
     pub fn max_batch_bytes(mut self, bytes: u64) -> Self {
         self.settings.max_batch_bytes = bytes;
         self
@@ -414,8 +417,9 @@ impl Relay {
         }
     }
 
-    /// Delivers one batch, and says whether it was a message taken alone because its last
-    /// relay died delivering it (see "How it delivers"): then the next batch is taken at once.
+    /// Delivers one batch, and says whether the next is due at once: the batch was a message
+    /// taken alone because its last relay died delivering it (see "How it delivers"), or
+    /// [`max_batch_bytes`](RelayBuilder::max_batch_bytes) left due messages out of it.
     async fn run_batch(&self) -> Result<(Batch, bool), StoreError> {
         let settings = &self.settings;
         let mut connection = self.pool.acquire().await.map_err(store_error)?;
@@ -438,7 +442,8 @@ impl Relay {
             return Ok((batch, false));
         }
         // Whether the batch statement took a suspect: a message whose last relay died while
-        // delivering it, taken alone so that another crash charges it and nothing else.
+        // delivering it, taken alone so that another crash charges it and nothing else; or
+        // left due messages out for the byte budget. Either way the next batch is due at once.
         let mut alone = false;
         // Every row is read before anything is sent: a row that cannot be read (stored data
         // edited by hand) is dead-lettered on its own instead of failing the batch. Each row
@@ -446,6 +451,9 @@ impl Relay {
         let mut taken = Vec::with_capacity(rows.len());
         let mut keys = Vec::new();
         for row in rows {
+            if row.try_get::<bool, _>(11).unwrap_or(false) {
+                alone = true;
+            }
             let id: i64 = row.try_get(0).map_err(store_error)?;
             let attempt = attempt(row.try_get(6).map_err(store_error)?);
             if let Ok(Some(key)) = row.try_get::<Option<String>, _>(9) {
@@ -645,7 +653,8 @@ impl Relay {
         half.saturating_add(half.mul_f64(draw as f64 / u64::MAX as f64))
     }
 
-    /// Delivers batches until `shutdown` completes: at once while batches come back full, on
+    /// Delivers batches until `shutdown` completes: at once while batches come back full (or
+    /// cut short by the byte budget), on
     /// each `NOTIFY` from an enqueue, and every poll interval. The batch in hand when
     /// `shutdown` completes is finished first. Failures are logged and retried; it never
     /// returns early.
@@ -665,8 +674,9 @@ impl Relay {
                 listener = None;
             }
             let more = match self.run_batch().await {
-                // A suspect taken alone: the messages it kept out of the batch are due now.
-                Ok((batch, alone)) => alone || batch.taken >= self.settings.batch_size as usize,
+                // A suspect taken alone, or a batch the byte budget cut short: the messages
+                // kept out of it are due now.
+                Ok((batch, again)) => again || batch.taken >= self.settings.batch_size as usize,
                 Err(error) => {
                     tracing::warn!(outbox = %self.outbox.table(), error = &error as &dyn std::error::Error, "outbox batch failed; retrying after the poll interval");
                     false

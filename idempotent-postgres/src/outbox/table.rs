@@ -411,9 +411,12 @@ impl OutboxSql {
     ///   never looked at. Each part locks at most `batch` rows (`FOR UPDATE SKIP LOCKED`: rows
     ///   another relay holds are passed over, and a head another relay holds blocks its key);
     ///   the oldest `batch` of both are candidates, and of those the oldest whose payloads
-    ///   add up to at most `bytes` (the first always, however large: a batch takes at least
-    ///   one message; a message dead-lettered here counts nothing, its payload not being
-    ///   read). The length of a payload is read from its row without reading the payload.
+    ///   add up to at most `bytes` (the first to deliver always, however large: a batch
+    ///   takes at least one message to deliver when one is due; a message dead-lettered here
+    ///   counts nothing and is always taken, its payload not being read). The length of a
+    ///   payload is read from its row without reading the payload. Up to `batch` rows of
+    ///   each part are locked for the statement's length even when the byte budget takes
+    ///   fewer.
     /// - **Taking.** Each taken message's `attempts` is counted and committed *before* it is
     ///   delivered, `delivering_since` is set, and it is not due for [`TAKEN_HOLD`]: by then
     ///   the relay holds it under a row lock in the batch's transaction (`lock`).
@@ -427,7 +430,8 @@ impl OutboxSql {
     ///   message's `delivering_alone` records whether it was the only one to deliver.
     ///
     /// Returns `id, destination, message_key, payload, header_names, header_values, attempts,
-    /// exhausted (dead-lettered here), crashed, ordering_key, last_error`.
+    /// exhausted (dead-lettered here), crashed, ordering_key, last_error, cut` (`cut`, the same
+    /// in every row: the byte budget left candidates out, so more are due at once).
     pub(crate) fn take(&self, batch: u32, bytes: u64) -> String {
         self.take
             .replace("{batch}", &batch.to_string())
@@ -563,10 +567,10 @@ impl OutboxSql {
                    FROM (SELECT * FROM heads UNION ALL SELECT * FROM unordered) c \
                    ORDER BY available_at, id LIMIT {{batch}}), \
                  candidates AS (SELECT id, available_at, crashed, exhausted FROM (\
-                   SELECT *, row_number() OVER w AS n, \
+                   SELECT *, count(*) FILTER (WHERE NOT exhausted) OVER w AS n, \
                    sum(CASE WHEN exhausted THEN 0 ELSE bytes END) OVER w AS upto \
                    FROM oldest WINDOW w AS (ORDER BY available_at, id)) s \
-                   WHERE n = 1 OR upto <= {{bytes}}), \
+                   WHERE exhausted OR n = 1 OR upto <= {{bytes}}), \
                  suspect AS (SELECT id FROM candidates WHERE crashed AND NOT exhausted \
                    ORDER BY available_at, id LIMIT 1), \
                  chosen AS (SELECT c.id, c.crashed, c.exhausted FROM candidates c \
@@ -588,7 +592,8 @@ impl OutboxSql {
                  RETURNING o.id, o.destination, o.message_key, \
                    CASE WHEN c.exhausted THEN NULL ELSE o.payload END, \
                    o.header_names, o.header_values, o.attempts, c.exhausted, c.crashed, \
-                   o.ordering_key, o.last_error",
+                   o.ordering_key, o.last_error, \
+                   (SELECT count(*) FROM oldest) > (SELECT count(*) FROM candidates) AS cut",
                 after_cursor = heads("after_cursor", "AND ordering_key > $3"),
                 up_to_cursor = heads("up_to_cursor", "AND ordering_key <= $3"),
             ),
