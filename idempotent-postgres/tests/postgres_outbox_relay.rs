@@ -177,7 +177,7 @@ async fn a_batch_delivers_at_most_max_in_flight_at_once() {
         return;
     };
     for (messages, limit) in [(100, 64), (40, 4)] {
-        enqueue_many(&pool, &outbox, &format!("in-flight-{limit}"), messages).await;
+        enqueue_many(&pool, &outbox, &format!("in-flight-{limit}"), messages, 8).await;
         let sink = Gathering::new(limit);
         let builder = Relay::builder(pool.clone(), outbox.clone()).sink("hook", sink.clone());
         let relay = if limit == 64 {
@@ -247,13 +247,7 @@ async fn a_batch_cut_short_by_bytes_is_followed_at_once() {
     let Some((pool, outbox)) = setup(4).await else {
         return;
     };
-    let mut tx = pool.begin().await.unwrap();
-    for n in 0..10 {
-        let message =
-            Outgoing::new("hook", format!("{n:0>1000}")).key(Key::new(format!("cut-{n}")).unwrap());
-        outbox.enqueue(&mut tx, &message).await.unwrap();
-    }
-    tx.commit().await.unwrap();
+    enqueue_many(&pool, &outbox, "cut", 10, 1000).await;
     let sink = Recorder::default();
     let running = Relay::builder(pool.clone(), outbox.clone())
         .sink("hook", sink.clone())
@@ -314,7 +308,7 @@ async fn a_batch_in_turns_keeps_its_transaction_for_all_of_them() {
     let Some((pool, outbox)) = setup(4).await else {
         return;
     };
-    enqueue_many(&pool, &outbox, "turns", 10).await;
+    enqueue_many(&pool, &outbox, "turns", 10, 8).await;
     let sink = Recorder {
         hold: Duration::from_millis(900),
         ..Recorder::default()
@@ -345,13 +339,7 @@ async fn a_batch_takes_at_most_max_batch_bytes_of_payloads() {
     let Some((pool, outbox)) = setup(4).await else {
         return;
     };
-    let mut tx = pool.begin().await.unwrap();
-    for n in 0..10 {
-        let payload = format!("{n:0>1000}");
-        let message = Outgoing::new("hook", payload).key(Key::new(format!("bytes-{n}")).unwrap());
-        outbox.enqueue(&mut tx, &message).await.unwrap();
-    }
-    tx.commit().await.unwrap();
+    enqueue_many(&pool, &outbox, "bytes", 10, 1000).await;
     let sink = Recorder::default();
     let relay = |bytes: u64| {
         Relay::builder(pool.clone(), outbox.clone())
@@ -387,16 +375,18 @@ async fn a_batch_takes_at_most_max_batch_bytes_of_payloads() {
     }
 }
 
-/// `count` messages for the sink "hook", keys `{prefix}-{n}`, in one transaction.
+/// `count` messages for the sink "hook", keys `{prefix}-{n}`, payloads `n` padded with zeros
+/// to `bytes` bytes (so they sort in the order they were enqueued), in one transaction.
 async fn enqueue_many(
     pool: &sqlx::PgPool,
     outbox: &idempotent_postgres::outbox::Outbox,
     prefix: &str,
     count: usize,
+    bytes: usize,
 ) {
     let mut tx = pool.begin().await.unwrap();
     for n in 0..count {
-        let message = Outgoing::new("hook", format!("{prefix}-{n}"))
+        let message = Outgoing::new("hook", format!("{n:0>bytes$}"))
             .key(Key::new(format!("{prefix}-{n}")).unwrap());
         outbox.enqueue(&mut tx, &message).await.unwrap();
     }

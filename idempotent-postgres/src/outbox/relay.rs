@@ -17,6 +17,10 @@ use sqlx::postgres::{PgListener, PgPool};
 use sqlx::{Executor as _, Row as _};
 
 use super::sink::{Relayed, Sink, SinkError};
+use super::table::{MAX_OUTBOX_DELAY, Outbox, RELAY_CRASHED, TAKEN_HOLD};
+use super::{OUTBOX_DEAD, OUTBOX_DELIVERIES, OUTBOX_OLDEST_PENDING_AGE, OUTBOX_PENDING};
+use crate::{micros, store_error};
+use idempotent_core::StoreError;
 
 /// Messages per batch unless [`RelayBuilder::batch_size`] says otherwise. With 0.3's 32, a
 /// relay spent most of its time on each batch's statements (BENCHMARKS.md, "0.4: the relay's
@@ -30,10 +34,6 @@ pub const DEFAULT_MAX_IN_FLIGHT: u32 = 64;
 /// The bytes of payloads a batch takes at most unless [`RelayBuilder::max_batch_bytes`] says
 /// otherwise: 32 MiB (a batch takes its first message however large).
 pub const DEFAULT_MAX_BATCH_BYTES: u64 = 32 << 20;
-use super::table::{MAX_OUTBOX_DELAY, Outbox, RELAY_CRASHED, TAKEN_HOLD};
-use super::{OUTBOX_DEAD, OUTBOX_DELIVERIES, OUTBOX_OLDEST_PENDING_AGE, OUTBOX_PENDING};
-use crate::{micros, store_error};
-use idempotent_core::StoreError;
 
 /// What one [`Relay::run_once`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -128,9 +128,9 @@ struct Settings {
 ///   transaction after `idle_in_transaction_session_timeout`, set for the batch to the
 ///   delivery timeout times one more than its turns of `max_in_flight` deliveries, plus 5 s
 ///   (twice the delivery timeout plus 5 s for a batch of one turn); if it then wakes in the
-///   middle of a delivery, that delivery can overlap another relay's. So can one still running when its connection was cut under
-///   it (the server restarted, `pg_terminate_backend`, a network partition): its locks went
-///   with the connection. The key makes both harmless; both count as a relay that died.
+///   middle of a delivery, that delivery can overlap another relay's. So can one still
+///   running when its connection was cut under it (the server restarted,
+///   `pg_terminate_backend`, a network partition): its locks went with the connection. The key makes both harmless; both count as a relay that died.
 /// - **Waking.** It listens for the `NOTIFY` each enqueue sends on commit, and also polls
 ///   every [`poll_interval`](RelayBuilder::poll_interval), so a lost notification or a
 ///   dropped listener connection delays a message by at most one interval. While batches
@@ -441,19 +441,17 @@ impl Relay {
         if rows.is_empty() {
             return Ok((batch, false));
         }
-        // Whether the batch statement took a suspect: a message whose last relay died while
-        // delivering it, taken alone so that another crash charges it and nothing else; or
-        // left due messages out for the byte budget. Either way the next batch is due at once.
-        let mut alone = false;
+        // Whether the next batch is due at once: the batch statement left due messages out for
+        // the byte budget (`cut`, the same in every row), or took a suspect (a message whose
+        // last relay died while delivering it, taken alone so that another crash charges it
+        // and nothing else).
+        let mut again = rows[0].try_get::<bool, _>(11).unwrap_or(false);
         // Every row is read before anything is sent: a row that cannot be read (stored data
         // edited by hand) is dead-lettered on its own instead of failing the batch. Each row
         // is dropped once read, so that each payload is held once.
         let mut taken = Vec::with_capacity(rows.len());
         let mut keys = Vec::new();
         for row in rows {
-            if row.try_get::<bool, _>(11).unwrap_or(false) {
-                alone = true;
-            }
             let id: i64 = row.try_get(0).map_err(store_error)?;
             let attempt = attempt(row.try_get(6).map_err(store_error)?);
             if let Ok(Some(key)) = row.try_get::<Option<String>, _>(9) {
@@ -469,7 +467,7 @@ impl Relay {
                 continue;
             }
             if row.try_get::<bool, _>(8).unwrap_or(false) {
-                alone = true;
+                again = true;
                 tracing::warn!(outbox = %self.outbox.table(), id, attempt, "outbox message taken again, alone: its relay died while delivering it");
             }
             taken.push(match message(row) {
@@ -480,7 +478,7 @@ impl Relay {
         self.advance_cursor(&cursor, keys);
         if taken.is_empty() {
             self.metrics.dead.increment(batch.dead as u64);
-            return Ok((batch, alone));
+            return Ok((batch, again));
         }
 
         // The batch's transaction, with its timeouts, in one round trip (integers in ms). Its
@@ -605,7 +603,7 @@ impl Relay {
         self.metrics.delivered.increment(batch.delivered as u64);
         self.metrics.retried.increment(batch.retried as u64);
         self.metrics.dead.increment(batch.dead as u64);
-        Ok((batch, alone))
+        Ok((batch, again))
     }
 
     /// Moves the cursor past the ordering keys the batch took: the next batch looks for
@@ -654,8 +652,8 @@ impl Relay {
     }
 
     /// Delivers batches until `shutdown` completes: at once while batches come back full (or
-    /// cut short by the byte budget), on
-    /// each `NOTIFY` from an enqueue, and every poll interval. The batch in hand when
+    /// cut short by the byte budget), on each `NOTIFY` from an enqueue, and every poll
+    /// interval. The batch in hand when
     /// `shutdown` completes is finished first. Failures are logged and retried; it never
     /// returns early.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) {

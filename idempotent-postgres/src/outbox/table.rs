@@ -394,9 +394,9 @@ pub(crate) struct OutboxSql {
 
 impl OutboxSql {
     /// The batch statement for batches of `batch` messages whose payloads add up to at most
-    /// `bytes`. Both are written into the text, not bound: with `LIMIT $1`, PostgreSQL's generic plan for the prepared statement
-    /// (used after its fifth execution) takes about a hundred times longer than the plan for a
-    /// known limit.
+    /// `bytes`. Both are written into the text, not bound: with `LIMIT $1`, PostgreSQL's
+    /// generic plan for the prepared statement (used after its fifth execution) takes about a
+    /// hundred times longer than the plan for a known limit.
     ///
     /// Binds `$1` the destinations the relay has sinks for, `$2` its `max_attempts`, `$3` the
     /// ordering key after which the look for heads starts (see below). One statement,
