@@ -102,6 +102,9 @@ impl<C: Capabilities> Idempotency<C> {
         C: Runs<N>,
         F: Future<Output = V>,
     {
+        // Pinned once, here: the watcher below borrows it, so the work (often the largest part
+        // of this future: a handler's whole future) is not moved again, nor held twice.
+        let mut work = std::pin::pin!(work);
         let inner = &*self.inner;
         // Counted in flight from before its claim until its outcome is recorded, so that a
         // shutdown waits for a claim still on its way to the store; refused without touching
@@ -171,8 +174,9 @@ impl<C: Capabilities> Idempotency<C> {
         let (value, slot) = {
             let renewal = &mut renewal;
             let mut stopping = inner.drain.stopping();
+            let work = work.as_mut();
             let watched = async move {
-                let mut work = std::pin::pin!(work);
+                let mut work = work;
                 std::future::poll_fn(|cx| {
                     let polled = work.as_mut().poll(cx);
                     if polled.is_pending() {

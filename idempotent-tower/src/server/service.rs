@@ -405,9 +405,22 @@ where
         Err(_) => None,
     };
 
+    // Pinned here and lent to the runtime (`Pin<&mut _>` is a future too): the work, with
+    // the handler's future in it, is the largest part of this request's state, and is then
+    // neither moved into the runtime's future nor held a second time by it.
+    let mut work = std::pin::pin!(work);
     let execution = match &call {
-        Typed::Key(call) => config.keys.execute(call, work, retain, encode).await,
-        Typed::Session(call, runtime) => runtime.execute(call, work, retain, encode).await,
+        Typed::Key(call) => {
+            config
+                .keys
+                .execute(call, work.as_mut(), retain, encode)
+                .await
+        }
+        Typed::Session(call, runtime) => {
+            runtime
+                .execute(call, work.as_mut(), retain, encode)
+                .await
+        }
     };
     match execution {
         Ok(Execution::Fresh(Ok(Some(Ok(captured))))) => {

@@ -1,0 +1,186 @@
+//! What the server layer costs a request in process, without sockets: the layer over the
+//! memory store in front of a handler that reads a JSON body and answers 201 with a small
+//! JSON body, against that handler alone. Fresh keys (each request claims, runs the handler
+//! and records) and replays (each request finds its answer). See `BENCHMARKS.md`.
+//!
+//! `cargo bench -p idempotent-tower --bench layer` runs criterion; `layer --loop N` runs N
+//! fresh requests then N replays and exits, for `valgrind --tool=callgrind` (instructions per
+//! request, which do not move with the machine's load).
+
+use std::convert::Infallible;
+use std::hint::black_box;
+
+use bytes::Bytes;
+use criterion::{Criterion, criterion_group};
+use http::header::CONTENT_TYPE;
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use idempotent_core::Idempotency;
+use idempotent_core::memory::MemoryStore;
+use idempotent_tower::IdempotencyLayer;
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+const BODY: &[u8] = br#"{"amount":1999,"currency":"EUR","customer":"cus_8f14e45f"}"#;
+const ANSWER: &[u8] = br#"{"id":"ch_3PZx8rLk2eZvKYlo","status":"succeeded","amount":1999}"#;
+/// Fresh keys per store generation: the store never meets its bounds.
+const CHUNK: u64 = 200_000;
+
+async fn handler<B>(req: Request<B>) -> Result<Response<Full<Bytes>>, Infallible>
+where
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .expect("a full body")
+        .to_bytes();
+    black_box(body);
+    let mut response = Response::new(Full::new(Bytes::from_static(ANSWER)));
+    *response.status_mut() = StatusCode::CREATED;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    Ok(response)
+}
+
+fn request(key: Option<&str>) -> Request<Full<Bytes>> {
+    let mut builder = Request::builder()
+        .method(Method::POST)
+        .uri("/payments")
+        .header(CONTENT_TYPE, "application/json");
+    if let Some(key) = key {
+        builder = builder.header("idempotency-key", key);
+    }
+    builder
+        .body(Full::new(Bytes::from_static(BODY)))
+        .expect("a request")
+}
+
+fn layer() -> IdempotencyLayer {
+    let idempotency = Idempotency::builder(MemoryStore::new()).build();
+    IdempotencyLayer::http(idempotency).allow_anonymous(true)
+}
+
+/// One request through `service`, its response body read to the end.
+async fn send<S>(service: &mut S, key: Option<&str>) -> StatusCode
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<idempotent_tower::ResponseBody<Full<Bytes>>>>,
+    S::Error: std::fmt::Debug,
+{
+    let response = service
+        .ready()
+        .await
+        .expect("ready")
+        .call(request(key))
+        .await
+        .expect("a response");
+    let status = response.status();
+    black_box(response.into_body().collect().await.expect("a body"));
+    status
+}
+
+fn bare(runtime: &tokio::runtime::Runtime, c: &mut Criterion) {
+    c.bench_function("bare handler", |b| {
+        b.iter(|| {
+            runtime.block_on(async {
+                let response = service_fn(handler::<_>)
+                    .oneshot(request(None))
+                    .await
+                    .expect("a response");
+                black_box(response.into_body().collect().await.expect("a body"));
+            })
+        })
+    });
+}
+
+fn layered(runtime: &tokio::runtime::Runtime, c: &mut Criterion) {
+    c.bench_function("layer, fresh key", |b| {
+        let mut n = 0u64;
+        let mut service = runtime.block_on(async { layer().layer(service_fn(handler::<_>)) });
+        b.iter(|| {
+            n += 1;
+            if n % CHUNK == 0 {
+                service = layer().layer(service_fn(handler::<_>));
+            }
+            let key = format!("k{n}");
+            runtime.block_on(async {
+                assert_eq!(send(&mut service, Some(&key)).await, StatusCode::CREATED);
+            })
+        })
+    });
+    c.bench_function("layer, replay", |b| {
+        let mut service = layer().layer(service_fn(handler::<_>));
+        runtime.block_on(send(&mut service, Some("replayed")));
+        b.iter(|| {
+            runtime.block_on(async {
+                assert_eq!(send(&mut service, Some("replayed")).await, StatusCode::CREATED);
+            })
+        })
+    });
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime")
+}
+
+fn benches(c: &mut Criterion) {
+    let runtime = runtime();
+    bare(&runtime, c);
+    layered(&runtime, c);
+}
+
+criterion_group!(group, benches);
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(at) = args.iter().position(|a| a == "--loop") {
+        let n: u64 = args
+            .get(at + 1)
+            .and_then(|n| n.parse().ok())
+            .expect("--loop N bare|fresh|replay");
+        let mode = args.get(at + 2).map(String::as_str).unwrap_or("fresh");
+        runtime().block_on(looped(n, mode));
+        return;
+    }
+    group();
+    Criterion::default().configure_from_args().final_summary();
+}
+
+/// `n` requests of `mode`, for callgrind: its instructions less those of an empty loop of
+/// the same `n` (`--loop n empty`) are what `n` requests cost.
+async fn looped(n: u64, mode: &str) {
+    let mut service = layer().layer(service_fn(handler::<_>));
+    if mode == "replay" {
+        send(&mut service, Some("replayed")).await;
+    }
+    for i in 0..n {
+        match mode {
+            "empty" => {
+                black_box(i);
+            }
+            "bare" => {
+                let response = service_fn(handler::<_>)
+                    .oneshot(request(None))
+                    .await
+                    .expect("a response");
+                black_box(response.into_body().collect().await.expect("a body"));
+            }
+            "fresh" => {
+                let key = format!("k{i}");
+                assert_eq!(send(&mut service, Some(&key)).await, StatusCode::CREATED);
+            }
+            "replay" => {
+                assert_eq!(
+                    send(&mut service, Some("replayed")).await,
+                    StatusCode::CREATED
+                );
+            }
+            other => panic!("--loop N bare|fresh|replay|empty, not {other}"),
+        }
+    }
+}
