@@ -66,7 +66,10 @@ fn layer() -> IdempotencyLayer {
 /// One request through `service`, its response body read to the end.
 async fn send<S>(service: &mut S, key: Option<&str>) -> StatusCode
 where
-    S: Service<Request<Full<Bytes>>, Response = Response<idempotent_tower::ResponseBody<Full<Bytes>>>>,
+    S: Service<
+            Request<Full<Bytes>>,
+            Response = Response<idempotent_tower::ResponseBody<Full<Bytes>>>,
+        >,
     S::Error: std::fmt::Debug,
 {
     let response = service
@@ -101,7 +104,7 @@ fn layered(runtime: &tokio::runtime::Runtime, c: &mut Criterion) {
         let mut service = runtime.block_on(async { layer().layer(service_fn(handler::<_>)) });
         b.iter(|| {
             n += 1;
-            if n % CHUNK == 0 {
+            if n.is_multiple_of(CHUNK) {
                 service = layer().layer(service_fn(handler::<_>));
             }
             let key = format!("k{n}");
@@ -115,7 +118,10 @@ fn layered(runtime: &tokio::runtime::Runtime, c: &mut Criterion) {
         runtime.block_on(send(&mut service, Some("replayed")));
         b.iter(|| {
             runtime.block_on(async {
-                assert_eq!(send(&mut service, Some("replayed")).await, StatusCode::CREATED);
+                assert_eq!(
+                    send(&mut service, Some("replayed")).await,
+                    StatusCode::CREATED
+                );
             })
         })
     });

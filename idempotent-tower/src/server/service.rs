@@ -416,11 +416,7 @@ where
                 .execute(call, work.as_mut(), retain, encode)
                 .await
         }
-        Typed::Session(call, runtime) => {
-            runtime
-                .execute(call, work.as_mut(), retain, encode)
-                .await
-        }
+        Typed::Session(call, runtime) => runtime.execute(call, work.as_mut(), retain, encode).await,
     };
     match execution {
         Ok(Execution::Fresh(Ok(Some(Ok(captured))))) => {
