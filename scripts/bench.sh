@@ -10,10 +10,11 @@
 #
 #   bash scripts/bench.sh                  # full run: 3 rounds of 3 s warm-up + 10 s timed per row
 #                                          # (about 40 minutes with Redis and PostgreSQL)
-#   bash scripts/bench.sh --quick          # 1 round of 1 s + 3 s per row, 1M prefilled records
-#                                          # only, then the relay row (outbox --quick) and the
-#                                          # consumer's PostgreSQL rows on Redis Streams, and
-#                                          # the summary's ratios of all of them (about 6 min)
+#   bash scripts/bench.sh --quick          # 3 rounds of 1 s + 2 s per row (each row its median
+#                                          # round), 1M prefilled records only, then the relay
+#                                          # row (outbox --quick, three runs) and the consumer's
+#                                          # PostgreSQL rows on Redis Streams (three rounds), and
+#                                          # the summary's ratios of all of them (medians)
 #   bash scripts/bench.sh --no-backends    # without the Redis and PostgreSQL rows
 #   bash scripts/bench.sh --only idempotent-tower --duration 20   # any idempotent-bench option
 #
@@ -67,10 +68,13 @@ status=0
 # PostgreSQL effect beside the bare loop doing the same work, on Redis Streams), then the
 # summary's ratios of the whole run.
 if [ "$quick" = 1 ] && [ "$backends" = 1 ]; then
-    echo "==> the relay (outbox --quick: one relay, the discarding sink, 20,000 messages)" >&2
-    "$target_dir/release/outbox" --quick | tee "$target_dir/bench/outbox.json" || status=$?
-    echo "==> the consumer's PostgreSQL rows on Redis Streams (10,000 messages each)" >&2
-    "$target_dir/release/consumer" --only redis,bare-pg,runtime-pg --messages 10000 \
+    echo "==> the relay (outbox --quick, three runs: one relay, the discarding sink, 20,000 messages)" >&2
+    : > "$target_dir/bench/outbox.json"
+    for run in 1 2 3; do
+        "$target_dir/release/outbox" --quick | tee -a "$target_dir/bench/outbox.json" || status=$?
+    done
+    echo "==> the consumer's PostgreSQL rows on Redis Streams (10,000 messages each, three rounds)" >&2
+    "$target_dir/release/consumer" --only redis,bare-pg,runtime-pg --messages 10000 --rounds 3 \
         --out "$target_dir/bench/consumer.json" || status=$?
     "$target_dir/release/idempotent-bench" summary --out "$target_dir/bench/http.json" \
         --outbox "$target_dir/bench/outbox.json" --consumer "$target_dir/bench/consumer.json" ||

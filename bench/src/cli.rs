@@ -25,8 +25,8 @@ usage: idempotent-bench [all|http|memory|sessions|steps|summary] [options]
                       --quick prints it last
 
 options:
-  --quick             short run: 1 round, 1 s warm-up, 3 s timed per row, prefill 1M only,
-                      memory mode up to 1M records
+  --quick             short run: 3 rounds (each row its median), 1 s warm-up, 2 s timed per
+                      row, prefill 1M only, memory mode up to 1M records
   --rounds N          rounds over all rows; each row reports its median round (default 3)
   --warmup SECS       untimed seconds before each timed phase (default 3)
   --duration SECS     timed seconds per row and round (default 10)
@@ -68,6 +68,10 @@ pub(crate) struct Backends {
     /// (`RedisStoreBuilder::replicas`).
     pub(crate) redis_replicas: usize,
 }
+
+/// Rounds with `--quick`: each row reports its median round, so that one slow or fast round
+/// on a shared machine does not decide a row (single rounds moved by a third between runs).
+pub(crate) const QUICK_ROUNDS: usize = 3;
 
 /// The sessions mode: requests per run, by default and with `--quick`.
 pub(crate) const REQUESTS: [u64; 4] = [100, 1_000, 10_000, 100_000];
@@ -272,9 +276,9 @@ pub(crate) fn parse(
         first = false;
     }
     if quick {
-        options.rounds = 1;
+        options.rounds = QUICK_ROUNDS;
         options.warmup = Duration::from_secs(1);
-        options.measure = Duration::from_secs(3);
+        options.measure = Duration::from_secs(2);
         options.records = vec![100_000, 1_000_000];
         options.prefill = vec![1_000_000];
         options.requests = QUICK_REQUESTS.to_vec();
@@ -386,7 +390,7 @@ mod tests {
     fn steps_mode() {
         let o = parse_args(&["steps", "--quick", "--only", "redis"]).unwrap();
         assert_eq!(o.mode, Mode::Steps);
-        assert_eq!((o.rounds, o.in_flight), (1, 16));
+        assert_eq!((o.rounds, o.in_flight), (QUICK_ROUNDS, 16));
         assert_eq!(o.out, PathBuf::from("target/bench/steps.json"));
         let o = parse_args(&["steps", "--out", "x.json", "--in-flight", "4"]).unwrap();
         assert_eq!((o.out, o.in_flight), (PathBuf::from("x.json"), 4));
@@ -442,7 +446,7 @@ mod tests {
     fn quick_and_overrides() {
         let o = parse_args(&["http", "--quick", "--duration", "1.5"]).unwrap();
         assert_eq!(o.mode, Mode::Http);
-        assert_eq!(o.rounds, 1);
+        assert_eq!(o.rounds, QUICK_ROUNDS);
         assert_eq!(o.warmup, Duration::from_secs(1));
         assert_eq!(o.measure, Duration::from_millis(1500));
         let o = parse_args(&[

@@ -103,7 +103,10 @@ impl<C: Capabilities> Idempotency<C> {
         F: Future<Output = V>,
     {
         // Pinned once, here: the watcher below borrows it, so the work (often the largest part
-        // of this future: a handler's whole future) is not moved again, nor held twice.
+        // of this future: a handler's whole future) is not moved again, nor held twice. If this
+        // future is dropped before the work ends (no runtime to finish it on, or the runtime
+        // shutting down), the claim's slot goes first: its release is spawned, then the work is
+        // dropped, outside the slot's task-local scope.
         let mut work = std::pin::pin!(work);
         let inner = &*self.inner;
         // Counted in flight from before its claim until its outcome is recorded, so that a
