@@ -69,6 +69,7 @@ status=0
 # summary's ratios of the whole run.
 if [ "$quick" = 1 ] && [ "$backends" = 1 ]; then
     echo "==> the relay (outbox --quick, three runs: one relay, the discarding sink, 20,000 messages)" >&2
+    mkdir -p "$target_dir/bench"
     : > "$target_dir/bench/outbox.json"
     for run in 1 2 3; do
         "$target_dir/release/outbox" --quick | tee -a "$target_dir/bench/outbox.json" || status=$?

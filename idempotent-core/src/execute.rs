@@ -3,8 +3,9 @@
 
 use crate::inspect::KeyLabel;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::task::Poll;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -102,12 +103,11 @@ impl<C: Capabilities> Idempotency<C> {
         C: Runs<N>,
         F: Future<Output = V>,
     {
-        // Pinned once, here: the watcher below borrows it, so the work (often the largest part
-        // of this future: a handler's whole future) is not moved again, nor held twice. If this
-        // future is dropped before the work ends (no runtime to finish it on, or the runtime
-        // shutting down), the claim's slot goes first: its release is spawned, then the work is
-        // dropped, outside the slot's task-local scope.
-        let mut work = std::pin::pin!(work);
+        // Pinned once, here, and lent to the watcher below, so the work (often the largest part
+        // of this future: a handler's whole future) is not moved again, nor held twice. The
+        // watcher drops it in place as soon as it ends or is stopped, and when the watcher is
+        // dropped: always inside the claim's scope, and before the claim's slot.
+        let mut work = std::pin::pin!(Some(work));
         let inner = &*self.inner;
         // Counted in flight from before its claim until its outcome is recorded, so that a
         // shutdown waits for a claim still on its way to the store; refused without touching
@@ -177,11 +177,11 @@ impl<C: Capabilities> Idempotency<C> {
         let (value, slot) = {
             let renewal = &mut renewal;
             let mut stopping = inner.drain.stopping();
-            let work = work.as_mut();
+            let lent = Lent(work.as_mut());
             let watched = async move {
-                let mut work = work;
+                let mut work = lent;
                 std::future::poll_fn(|cx| {
-                    let polled = work.as_mut().poll(cx);
+                    let polled = work.poll(cx);
                     if polled.is_pending() {
                         if renewal.is_none() {
                             *renewal = ClaimSlot::start_renewal(claimed_at.instant());
@@ -191,6 +191,7 @@ impl<C: Capabilities> Idempotency<C> {
                         if stopping.poll_stop(cx).is_ready()
                             && !ClaimHandle::current().is_some_and(|c| c.finishes_on_shutdown())
                         {
+                            work.stop();
                             return Poll::Ready(None);
                         }
                     }
@@ -458,6 +459,40 @@ fn refused(gate: SessionGate, request: SessionRequest) -> Error {
         SessionGate::Open { .. } => Error::Store(StoreError::Corrupt(
             "the store refused a session request with an open gate".into(),
         )),
+    }
+}
+
+/// A work pinned where its owner keeps it (`None` once dropped), lent to the future that polls
+/// it. The work is dropped in place as soon as it ends or is stopped, and when the borrower
+/// itself is dropped: never later than if the borrower owned it.
+struct Lent<'a, F>(Pin<&'a mut Option<F>>);
+
+impl<F: Future> Lent<'_, F> {
+    /// Polls the work; once it is ready, drops it.
+    ///
+    /// # Panics
+    ///
+    /// If polled after the work ended or was stopped.
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let work = self
+            .0
+            .as_mut()
+            .as_pin_mut()
+            .expect("a lent work is not polled after it ended");
+        let output = std::task::ready!(work.poll(cx));
+        self.0.set(None);
+        Poll::Ready(output)
+    }
+
+    /// Drops the work where it stands.
+    fn stop(&mut self) {
+        self.0.set(None);
+    }
+}
+
+impl<F> Drop for Lent<'_, F> {
+    fn drop(&mut self) {
+        self.0.set(None);
     }
 }
 

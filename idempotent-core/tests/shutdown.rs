@@ -112,6 +112,68 @@ async fn work_still_running_at_the_deadline_is_stopped_and_its_key_released() {
     assert_eq!(retry, Outcome::Fresh(2));
 }
 
+/// Work stopped at the deadline is dropped where it stood before its claim is released: what
+/// it holds (a transaction, a lock, a connection) is let go before a retry can take the key.
+/// The work's destructor reads the key's record: still in flight, not yet released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_stopped_at_the_deadline_is_dropped_before_its_key_is_released() {
+    use idempotent_core::inspect::{InspectStore, RecordState};
+    use std::sync::Mutex;
+    use std::task::{Context, Poll, Waker};
+
+    /// Whether the key was still in flight when the work was dropped (`None`: not dropped).
+    type Seen = Arc<Mutex<Option<bool>>>;
+    struct Held {
+        store: MemoryStore,
+        key: idempotent_core::StorageKey,
+        seen: Seen,
+    }
+    impl Drop for Held {
+        fn drop(&mut self) {
+            // The memory store answers at once: one poll reads the record.
+            let mut read = std::pin::pin!(self.store.inspect(&self.key));
+            let Poll::Ready(record) = read.as_mut().poll(&mut Context::from_waker(Waker::noop()))
+            else {
+                panic!("the memory store answers an inspection at once");
+            };
+            let in_flight = record
+                .expect("the memory store reads its records")
+                .is_some_and(|record| record.state == RecordState::InFlight);
+            *self.seen.lock().unwrap() = Some(in_flight);
+        }
+    }
+
+    let store = MemoryStore::new();
+    let a = Idempotency::new(store.clone());
+    let seen: Seen = Arc::new(Mutex::new(None));
+    let held = Held {
+        store: store.clone(),
+        key: a.storage_key(&call("hung")),
+        seen: Arc::clone(&seen),
+    };
+    let runs = Arc::new(AtomicUsize::new(0));
+    let work = {
+        let runs = Arc::clone(&runs);
+        async move {
+            let _held = held;
+            runs.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            1
+        }
+    };
+    let stuck = spawn_run(&a, "hung", work);
+    started(&runs).await;
+    let drained = a.shutdown(Duration::from_millis(200)).await;
+    assert_eq!((drained.stopped, drained.remaining), (1, 0), "{drained:?}");
+    assert_eq!(
+        *seen.lock().unwrap(),
+        Some(true),
+        "the stopped work is dropped before shutdown returns, while its key is still claimed"
+    );
+    let stopped = stuck.await.unwrap();
+    assert!(matches!(stopped, Err(Error::ShuttingDown)), "{stopped:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_result_the_store_refused_at_first_is_recorded_before_shutdown_returns() {
     let store = FaultyStore::new(MemoryStore::new());

@@ -3,9 +3,10 @@
 //! JSON body, against that handler alone. Fresh keys (each request claims, runs the handler
 //! and records) and replays (each request finds its answer). See `BENCHMARKS.md`.
 //!
-//! `cargo bench -p idempotent-tower --bench layer` runs criterion; `layer --loop N` runs N
-//! fresh requests then N replays and exits, for `valgrind --tool=callgrind` (instructions per
-//! request, which do not move with the machine's load).
+//! `cargo bench -p idempotent-tower --bench layer` runs criterion; `layer --loop N MODE` runs
+//! N requests of one kind (`bare`, `fresh`, `replay`, or `empty` iterations) and exits, for
+//! `valgrind --tool=callgrind` (instructions per request, which do not move with the machine's
+//! load).
 
 use std::convert::Infallible;
 use std::hint::black_box;
@@ -148,7 +149,7 @@ fn main() {
         let n: u64 = args
             .get(at + 1)
             .and_then(|n| n.parse().ok())
-            .expect("--loop N bare|fresh|replay");
+            .expect("--loop N bare|fresh|replay|empty");
         let mode = args.get(at + 2).map(String::as_str).unwrap_or("fresh");
         runtime().block_on(looped(n, mode));
         return;

@@ -554,6 +554,29 @@ async fn fail_open_runs_unprotected_and_says_so() {
     assert_eq!(handler.runs(), 1);
 }
 
+/// The ready service goes with the request, and the bypass readies another: under a
+/// concurrency limit of one below the layer, the first must be let go first, or the bypass
+/// waits for ever.
+#[tokio::test]
+async fn fail_open_bypass_is_served_under_a_concurrency_limit_of_one() {
+    let handler = Handler::new();
+    let svc = stack(
+        IdempotencyLayer::http(Idempotency::keys_only(DownStore::new())).fail_open(true),
+        tower::limit::ConcurrencyLimit::new(handler.service(), 1),
+    );
+    for key in ["k1", "k2"] {
+        let answer = tokio::time::timeout(
+            Duration::from_secs(10),
+            send(&svc, post("/p", Some(key), "payload")),
+        )
+        .await
+        .expect("the bypass is served, not left waiting for the limit");
+        assert_eq!(answer.status, StatusCode::CREATED);
+        assert_eq!(answer.headers["idempotent-bypassed"], "store-unavailable");
+    }
+    assert_eq!(handler.runs(), 2);
+}
+
 #[tokio::test]
 async fn dropped_response_future_still_records_the_response() {
     let handler = Handler::new();

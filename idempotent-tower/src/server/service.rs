@@ -1,7 +1,8 @@
 //! [`IdempotencyService`]: the middleware itself, and the flow of a protected request.
 
 use std::fmt;
-use std::future::poll_fn;
+use std::future::{Future, poll_fn};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -190,6 +191,36 @@ impl<S, P: Protocol> IdempotencyService<S, P> {
     {
         tracing::trace!(outcome = "bypassed", why, "request passed through");
         ResponseFuture::pass_through(self.inner.call(request.map(RequestBody::streaming)))
+    }
+}
+
+/// A future pinned where its owner keeps it (`None` once dropped), lent as a future: polled
+/// through this, dropped in place once it is ready and when this is dropped, as if this owned
+/// it.
+struct Lent<'a, F>(Pin<&'a mut Option<F>>);
+
+impl<F: Future> Future for Lent<'_, F> {
+    type Output = F::Output;
+
+    /// # Panics
+    ///
+    /// If polled again after it returned its output.
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.get_mut();
+        let future = this
+            .0
+            .as_mut()
+            .as_pin_mut()
+            .expect("a lent future is not polled after it ended");
+        let output = std::task::ready!(future.poll(cx));
+        this.0.set(None);
+        Poll::Ready(output)
+    }
+}
+
+impl<F> Drop for Lent<'_, F> {
+    fn drop(&mut self) {
+        self.0.set(None);
     }
 }
 
@@ -405,18 +436,26 @@ where
         Err(_) => None,
     };
 
-    // Pinned here and lent to the runtime (`Pin<&mut _>` is a future too): the work, with
-    // the handler's future in it, is the largest part of this request's state, and is then
-    // neither moved into the runtime's future nor held a second time by it.
-    let mut work = std::pin::pin!(work);
-    let execution = match &call {
-        Typed::Key(call) => {
-            config
-                .keys
-                .execute(call, work.as_mut(), retain, encode)
-                .await
+    // Pinned here and lent to the runtime: the work, with the handler's future in it, is the
+    // largest part of this request's state, and is then neither moved into the runtime's
+    // future nor held a second time by it. The runtime drops it (`Lent`) as it would drop a
+    // work of its own; the block ends its place before the answer is made, so the ready
+    // service it holds is gone before a fail-open bypass readies another.
+    let execution = {
+        let mut work = std::pin::pin!(Some(work));
+        match &call {
+            Typed::Key(call) => {
+                config
+                    .keys
+                    .execute(call, Lent(work.as_mut()), retain, encode)
+                    .await
+            }
+            Typed::Session(call, runtime) => {
+                runtime
+                    .execute(call, Lent(work.as_mut()), retain, encode)
+                    .await
+            }
         }
-        Typed::Session(call, runtime) => runtime.execute(call, work.as_mut(), retain, encode).await,
     };
     match execution {
         Ok(Execution::Fresh(Ok(Some(Ok(captured))))) => {
