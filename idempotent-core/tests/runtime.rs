@@ -318,6 +318,42 @@ async fn dropped_call_releases_its_claim() {
     assert_eq!(eventually_fresh(&idem, "k", &runs).await, 2);
 }
 
+/// A call dropped while its work waits drops the work inside the claim's scope (its
+/// destructor still sees the claim, as the work itself did) and then releases the claim.
+#[tokio::test]
+async fn dropped_call_drops_its_work_inside_the_claims_scope() {
+    use std::sync::Mutex;
+    /// Whether the claim was current when the work was dropped (`None`: not dropped).
+    type Seen = Arc<Mutex<Option<bool>>>;
+    struct Held(Seen);
+    impl Drop for Held {
+        fn drop(&mut self) {
+            *self.0.lock().unwrap() = Some(idempotent_core::KeyClaim::current().is_some());
+        }
+    }
+    let idem = Idempotency::new(MemoryStore::new());
+    let seen: Seen = Arc::new(Mutex::new(None));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let work = {
+        let (held, runs) = (Held(Arc::clone(&seen)), Arc::clone(&runs));
+        async move {
+            let _held = held;
+            runs.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            0usize
+        }
+    };
+    let abandoned =
+        tokio::time::timeout(Duration::from_millis(20), idem.run(&call("k"), work)).await;
+    assert!(abandoned.is_err(), "the call should have timed out");
+    assert_eq!(
+        *seen.lock().unwrap(),
+        Some(true),
+        "the work is dropped with the call, inside its claim's scope"
+    );
+    assert_eq!(eventually_fresh(&idem, "k", &runs).await, 2);
+}
+
 /// Retries until the key is free (the release happens on a spawned task) and returns the fresh
 /// result; fails if it stays in flight for a second.
 async fn eventually_fresh(idem: &Idempotency, key: &str, runs: &Arc<AtomicUsize>) -> usize {
