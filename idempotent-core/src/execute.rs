@@ -2,10 +2,10 @@
 //! with the lease kept alive, then record its outcome or release the claim.
 
 use crate::inspect::KeyLabel;
+use crate::lent::Lent;
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -177,11 +177,11 @@ impl<C: Capabilities> Idempotency<C> {
         let (value, slot) = {
             let renewal = &mut renewal;
             let mut stopping = inner.drain.stopping();
-            let lent = Lent(work.as_mut());
+            let lent = Lent::new(work.as_mut());
             let watched = async move {
                 let mut work = lent;
                 std::future::poll_fn(|cx| {
-                    let polled = work.poll(cx);
+                    let polled = std::pin::Pin::new(&mut work).poll(cx);
                     if polled.is_pending() {
                         if renewal.is_none() {
                             *renewal = ClaimSlot::start_renewal(claimed_at.instant());
@@ -459,40 +459,6 @@ fn refused(gate: SessionGate, request: SessionRequest) -> Error {
         SessionGate::Open { .. } => Error::Store(StoreError::Corrupt(
             "the store refused a session request with an open gate".into(),
         )),
-    }
-}
-
-/// A work pinned where its owner keeps it (`None` once dropped), lent to the future that polls
-/// it. The work is dropped in place as soon as it ends or is stopped, and when the borrower
-/// itself is dropped: never later than if the borrower owned it.
-struct Lent<'a, F>(Pin<&'a mut Option<F>>);
-
-impl<F: Future> Lent<'_, F> {
-    /// Polls the work; once it is ready, drops it.
-    ///
-    /// # Panics
-    ///
-    /// If polled after the work ended or was stopped.
-    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let work = self
-            .0
-            .as_mut()
-            .as_pin_mut()
-            .expect("a lent work is not polled after it ended");
-        let output = std::task::ready!(work.poll(cx));
-        self.0.set(None);
-        Poll::Ready(output)
-    }
-
-    /// Drops the work where it stands.
-    fn stop(&mut self) {
-        self.0.set(None);
-    }
-}
-
-impl<F> Drop for Lent<'_, F> {
-    fn drop(&mut self) {
-        self.0.set(None);
     }
 }
 

@@ -130,7 +130,8 @@ struct Settings {
 ///   (twice the delivery timeout plus 5 s for a batch of one turn); if it then wakes in the
 ///   middle of a delivery, that delivery can overlap another relay's. So can one still
 ///   running when its connection was cut under it (the server restarted,
-///   `pg_terminate_backend`, a network partition): its locks went with the connection. The key makes both harmless; both count as a relay that died.
+///   `pg_terminate_backend`, a network partition): its locks went with the connection. The
+///   key makes both harmless; both count as a relay that died.
 /// - **Waking.** It listens for the `NOTIFY` each enqueue sends on commit, and also polls
 ///   every [`poll_interval`](RelayBuilder::poll_interval), so a lost notification or a
 ///   dropped listener connection delays a message by at most one interval. While batches
@@ -653,9 +654,8 @@ impl Relay {
 
     /// Delivers batches until `shutdown` completes: at once while batches come back full (or
     /// cut short by the byte budget), on each `NOTIFY` from an enqueue, and every poll
-    /// interval. The batch in hand when
-    /// `shutdown` completes is finished first. Failures are logged and retried; it never
-    /// returns early.
+    /// interval. The batch in hand when `shutdown` completes is finished first. Failures are
+    /// logged and retried; it never returns early.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut listener: Option<PgListener> = None;

@@ -1,8 +1,7 @@
 //! [`IdempotencyService`]: the middleware itself, and the flow of a protected request.
 
 use std::fmt;
-use std::future::{Future, poll_fn};
-use std::pin::Pin;
+use std::future::poll_fn;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -13,7 +12,7 @@ use http_body::Body;
 use idempotent_core::capability::{KeysAndSessions, KeysOnly, NeedsSessions};
 use idempotent_core::metrics::RequestOutcome;
 use idempotent_core::{
-    BoxError, Call, Error, Execution, Idempotency, Key, KeyClaim, ProblemCode, Retain, Scope,
+    BoxError, Call, Error, Execution, Idempotency, Key, KeyClaim, Lent, ProblemCode, Retain, Scope,
     StoreError,
 };
 use tower_service::Service;
@@ -191,36 +190,6 @@ impl<S, P: Protocol> IdempotencyService<S, P> {
     {
         tracing::trace!(outcome = "bypassed", why, "request passed through");
         ResponseFuture::pass_through(self.inner.call(request.map(RequestBody::streaming)))
-    }
-}
-
-/// A future pinned where its owner keeps it (`None` once dropped), lent as a future: polled
-/// through this, dropped in place once it is ready and when this is dropped, as if this owned
-/// it.
-struct Lent<'a, F>(Pin<&'a mut Option<F>>);
-
-impl<F: Future> Future for Lent<'_, F> {
-    type Output = F::Output;
-
-    /// # Panics
-    ///
-    /// If polled again after it returned its output.
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let this = self.get_mut();
-        let future = this
-            .0
-            .as_mut()
-            .as_pin_mut()
-            .expect("a lent future is not polled after it ended");
-        let output = std::task::ready!(future.poll(cx));
-        this.0.set(None);
-        Poll::Ready(output)
-    }
-}
-
-impl<F> Drop for Lent<'_, F> {
-    fn drop(&mut self) {
-        self.0.set(None);
     }
 }
 
@@ -447,12 +416,12 @@ where
             Typed::Key(call) => {
                 config
                     .keys
-                    .execute(call, Lent(work.as_mut()), retain, encode)
+                    .execute(call, Lent::new(work.as_mut()), retain, encode)
                     .await
             }
             Typed::Session(call, runtime) => {
                 runtime
-                    .execute(call, Lent(work.as_mut()), retain, encode)
+                    .execute(call, Lent::new(work.as_mut()), retain, encode)
                     .await
             }
         }
