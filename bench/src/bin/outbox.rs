@@ -38,6 +38,8 @@ struct Options {
     messages: usize,
     /// The relays' batch size (`RelayBuilder::batch_size`); `None`: its default.
     batch: Option<u32>,
+    /// Relays of the `--quick` row (default 1, the row the summary compares with 0.2).
+    relays: usize,
     quick: bool,
 }
 
@@ -48,6 +50,7 @@ fn options() -> Result<Options, String> {
         duration: Duration::from_secs(10),
         messages: 20_000,
         batch: None,
+        relays: 1,
         quick: false,
     };
     let mut args = std::env::args().skip(1);
@@ -69,6 +72,12 @@ fn options() -> Result<Options, String> {
                     return Err("--batch: at least 1".into());
                 }
                 options.batch = Some(size);
+            }
+            "--relays" => {
+                options.relays = value()?.parse().map_err(|e| format!("--relays: {e}"))?;
+                if options.relays == 0 {
+                    return Err("--relays: at least 1".into());
+                }
             }
             "--quick" => options.quick = true,
             other => return Err(format!("unknown argument {other}")),
@@ -302,7 +311,15 @@ async fn main() {
         .await
         .unwrap();
     if options.quick {
-        relay_row(&pool, &options, 1, "discard", Nothing(Arc::new(Discard))).await;
+        let relays = options.relays;
+        relay_row(
+            &pool,
+            &options,
+            relays,
+            "discard",
+            Nothing(Arc::new(Discard)),
+        )
+        .await;
         return;
     }
     let outbox =

@@ -19,8 +19,8 @@ mod table;
 
 pub use self::message::{MAX_OUTBOX_PAYLOAD, OutboxError, Outgoing};
 pub use self::relay::{
-    Batch, DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_IN_FLIGHT, Relay, RelayBuilder,
-    RunningRelay,
+    Batch, DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENT_BATCHES, DEFAULT_MAX_BATCH_BYTES,
+    DEFAULT_MAX_IN_FLIGHT, MAX_CONCURRENT_BATCHES, Relay, RelayBuilder, RunningRelay,
 };
 #[cfg(feature = "redis")]
 pub use self::sink::RedisStreamSink;

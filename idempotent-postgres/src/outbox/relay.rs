@@ -35,6 +35,15 @@ pub const DEFAULT_MAX_IN_FLIGHT: u32 = 64;
 /// otherwise: 32 MiB (a batch takes its first message however large).
 pub const DEFAULT_MAX_BATCH_BYTES: u64 = 32 << 20;
 
+/// Batches of one relay under way at once unless [`RelayBuilder::concurrent_batches`] says
+/// otherwise: while one batch delivers and records its messages, the next is taken (0.3 ran
+/// one batch at a time).
+pub const DEFAULT_CONCURRENT_BATCHES: u32 = 2;
+
+/// The most batches one relay has under way at once, whatever
+/// [`RelayBuilder::concurrent_batches`] says: 64.
+pub const MAX_CONCURRENT_BATCHES: u32 = 64;
+
 /// What one [`Relay::run_once`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -54,6 +63,7 @@ pub struct Batch {
 #[derive(Debug, Clone)]
 struct Settings {
     batch_size: u32,
+    concurrent_batches: u32,
     max_in_flight: u32,
     max_batch_bytes: u64,
     poll_interval: Duration,
@@ -88,7 +98,9 @@ struct Settings {
 /// # How it delivers
 ///
 /// - **Connections.** It uses two of the pool's connections: one for the batch, one
-///   listening. Give it a pool of at least two.
+///   listening. Give it a pool of at least two, and one more for each batch it may run
+///   beside the first (see "Concurrent batches"): those take only connections the pool has
+///   to spare.
 /// - **Taking a batch.** A batch starts with one statement, committed on its own: it takes up
 ///   to [`batch_size`](RelayBuilder::batch_size) pending messages that are due, whose
 ///   destination has a sink here, and that are the oldest pending message of their ordering
@@ -132,6 +144,16 @@ struct Settings {
 ///   running when its connection was cut under it (the server restarted,
 ///   `pg_terminate_backend`, a network partition): its locks went with the connection. The
 ///   key makes both harmless; both count as a relay that died.
+/// - **Concurrent batches.** While batches come back full (a backlog), up to
+///   [`concurrent_batches`](RelayBuilder::concurrent_batches) (default 2) are under way at
+///   once: one is taken while another delivers and records its messages. They share the work
+///   as separate relays do (the take skips what another batch holds, and an ordering key's
+///   next message waits until its head is recorded), with one difference: a relay that dies
+///   takes all its batches with it, so "alone" means alone in the relay. A batch beside others
+///   takes no suspect and counts nothing it takes as delivered alone (a crash then charges
+///   its messages as a crashed batch of several); a suspect is taken only by a batch that
+///   waited for the relay's others to end, and none starts until it has. After waiting for
+///   work (a notification, the poll), the relay's first batch is such a batch.
 /// - **Waking.** It listens for the `NOTIFY` each enqueue sends on commit, and also polls
 ///   every [`poll_interval`](RelayBuilder::poll_interval), so a lost notification or a
 ///   dropped listener connection delays a message by at most one interval. While batches
@@ -176,6 +198,9 @@ pub struct Relay {
     /// The ordering key after which the next batch looks for heads first: the last key this
     /// relay took, so that every key gets its turn however many have messages due.
     cursor: Arc<std::sync::Mutex<String>>,
+    /// Held shared by a batch beside others, exclusively by a batch that must have the relay
+    /// to itself (one that may take a suspect): see "Concurrent batches".
+    gate: Arc<tokio::sync::RwLock<()>>,
 }
 
 /// The relay's counters, registered when it is built.
@@ -252,6 +277,18 @@ impl RelayBuilder {
     /// taken again alone. See also [`max_batch_bytes`](Self::max_batch_bytes).
     pub fn batch_size(mut self, size: u32) -> Self {
         self.settings.batch_size = size.max(1);
+        self
+    }
+
+    /// Batches under way at once (default 2, at least 1): while the batches come back full
+    /// (a backlog), the next is taken while the last delivers and records its messages, each
+    /// batch on a connection of its own. The batches beyond the first are run only with a
+    /// connection the pool has to spare (an idle one, or room for a new one): they never wait
+    /// for one. A message taken again after its relay died (a *suspect*) is delivered only by a
+    /// batch that has the relay to itself; see "Concurrent batches". `1` is 0.3's relay, one
+    /// batch at a time; more than [`MAX_CONCURRENT_BATCHES`] is that many.
+    pub fn concurrent_batches(mut self, batches: u32) -> Self {
+        self.settings.concurrent_batches = batches.clamp(1, MAX_CONCURRENT_BATCHES);
         self
     }
 
@@ -340,6 +377,7 @@ impl RelayBuilder {
             settings: self.settings,
             metrics: Arc::new(RelayMetrics::register()),
             cursor: Arc::default(),
+            gate: Arc::default(),
         }
     }
 }
@@ -348,6 +386,47 @@ impl RelayBuilder {
 enum Delivered {
     Ok(i64),
     Failed(i64, u32, SinkError),
+}
+
+/// How a batch shares its relay with the relay's other batches (see "Concurrent batches").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lane {
+    /// Alone: no other batch of the relay is under way, so it may take a suspect, and a
+    /// message it takes alone was delivered alone.
+    Exclusive,
+    /// Beside others: takes no suspect, and nothing it takes counts as delivered alone.
+    Shared,
+    /// Beside others, as [`Lane::Shared`], and only with a connection the pool has to spare.
+    Helping,
+}
+
+/// What one batch found, beyond its [`Batch`].
+#[derive(Debug, Default)]
+struct Outcome {
+    batch: Batch,
+    /// Rows the take returned (taken, or dead-lettered by it).
+    rows: usize,
+    /// The byte budget left due messages out: the next batch is due at once.
+    cut: bool,
+    /// A suspect was among the candidates: taken alone (an exclusive batch), or left for an
+    /// exclusive batch (a shared one).
+    suspects: bool,
+}
+
+impl Outcome {
+    /// Whether more messages are due at once after this batch.
+    fn more(&self, batch_size: u32) -> bool {
+        self.cut || self.suspects || self.batch.taken >= batch_size as usize
+    }
+}
+
+/// What a relay's concurrent batches say to one another.
+#[derive(Default)]
+struct Lanes {
+    /// The leading batch found a backlog: helpers, take batches beside it.
+    backlog: tokio::sync::Notify,
+    /// A helper left a suspect, or found nothing: the leading batch runs one alone.
+    wake: tokio::sync::Notify,
 }
 
 /// A row the batch statement took, read.
@@ -367,6 +446,7 @@ impl Relay {
             sinks: HashMap::new(),
             settings: Settings {
                 batch_size: DEFAULT_BATCH_SIZE,
+                concurrent_batches: DEFAULT_CONCURRENT_BATCHES,
                 max_in_flight: DEFAULT_MAX_IN_FLIGHT,
                 max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
                 poll_interval: Duration::from_secs(1),
@@ -391,9 +471,27 @@ impl Relay {
             .await
     }
 
-    /// Delivers one batch: see "How it delivers".
+    /// Delivers one batch: see "How it delivers". The batch has the relay to itself: it
+    /// waits for the relay's other batches under way (of [`run`](Self::run) on a clone, say)
+    /// to end, and may take a suspect.
     pub async fn run_once(&self) -> Result<Batch, StoreError> {
-        self.run_batch().await.map(|(batch, _)| batch)
+        Ok(self
+            .run_batch(Lane::Exclusive)
+            .await?
+            .map(|outcome| outcome.batch)
+            .unwrap_or_default())
+    }
+
+    /// A connection for a helping batch: an idle one, or a new one if the pool has room for
+    /// it; `None` if the pool has none to spare.
+    async fn spare_connection(&self) -> Option<sqlx::pool::PoolConnection<sqlx::Postgres>> {
+        if let Some(connection) = self.pool.try_acquire() {
+            return Some(connection);
+        }
+        if self.pool.size() >= self.pool.options().get_max_connections() {
+            return None;
+        }
+        self.pool.acquire().await.ok()
     }
 
     /// Files how one delivery of a batch ended: delivered, or failed with its error.
@@ -418,12 +516,25 @@ impl Relay {
         }
     }
 
-    /// Delivers one batch, and says whether the next is due at once: the batch was a message
-    /// taken alone because its last relay died delivering it (see "How it delivers"), or
-    /// [`max_batch_bytes`](RelayBuilder::max_batch_bytes) left due messages out of it.
-    async fn run_batch(&self) -> Result<(Batch, bool), StoreError> {
+    /// Delivers one batch in `lane`, and says what it found; `None`: a helping batch found
+    /// no connection to spare, and did nothing.
+    async fn run_batch(&self, lane: Lane) -> Result<Option<Outcome>, StoreError> {
         let settings = &self.settings;
-        let mut connection = self.pool.acquire().await.map_err(store_error)?;
+        // The gate before the connection: a batch waiting for the gate holds no connection,
+        // so the batches it waits for can always get theirs.
+        let (_exclusive, _shared);
+        if lane == Lane::Exclusive {
+            _exclusive = self.gate.write().await;
+        } else {
+            _shared = self.gate.read().await;
+        }
+        let mut connection = match lane {
+            Lane::Helping => match self.spare_connection().await {
+                Some(connection) => connection,
+                None => return Ok(None),
+            },
+            _ => self.pool.acquire().await.map_err(store_error)?,
+        };
         let cursor = self
             .cursor
             .lock()
@@ -433,20 +544,26 @@ impl Relay {
         let take = sqlx::query(&self.take)
             .bind(&self.destinations[..])
             .bind(i32::try_from(settings.max_attempts).unwrap_or(i32::MAX))
-            .bind(cursor.as_str());
+            .bind(cursor.as_str())
+            .bind(lane != Lane::Exclusive);
         let rows = (&mut *connection)
             .fetch_all(take)
             .await
             .map_err(store_error)?;
         let mut batch = Batch::default();
-        if rows.is_empty() {
-            return Ok((batch, false));
-        }
+        let Some(first) = rows.first() else {
+            return Ok(Some(Outcome::default()));
+        };
         // Whether the next batch is due at once: the batch statement left due messages out for
-        // the byte budget (`cut`, the same in every row), or took a suspect (a message whose
-        // last relay died while delivering it, taken alone so that another crash charges it
-        // and nothing else).
-        let mut again = rows[0].try_get::<bool, _>(11).unwrap_or(false);
+        // the byte budget (`cut`, the same in every row), or took or left a suspect (a message
+        // whose last relay died while delivering it, taken alone so that another crash charges
+        // it and nothing else; see also "Concurrent batches").
+        let mut outcome = Outcome {
+            rows: rows.len(),
+            cut: first.try_get::<bool, _>(11).unwrap_or(false),
+            suspects: first.try_get::<bool, _>(12).unwrap_or(false),
+            ..Outcome::default()
+        };
         // Every row is read before anything is sent: a row that cannot be read (stored data
         // edited by hand) is dead-lettered on its own instead of failing the batch. Each row
         // is dropped once read, so that each payload is held once.
@@ -468,7 +585,7 @@ impl Relay {
                 continue;
             }
             if row.try_get::<bool, _>(8).unwrap_or(false) {
-                again = true;
+                outcome.suspects = true;
                 tracing::warn!(outbox = %self.outbox.table(), id, attempt, "outbox message taken again, alone: its relay died while delivering it");
             }
             taken.push(match message(row) {
@@ -479,7 +596,8 @@ impl Relay {
         self.advance_cursor(&cursor, keys);
         if taken.is_empty() {
             self.metrics.dead.increment(batch.dead as u64);
-            return Ok((batch, again));
+            outcome.batch = batch;
+            return Ok(Some(outcome));
         }
 
         // The batch's transaction, with its timeouts, in one round trip (integers in ms). Its
@@ -604,7 +722,8 @@ impl Relay {
         self.metrics.delivered.increment(batch.delivered as u64);
         self.metrics.retried.increment(batch.retried as u64);
         self.metrics.dead.increment(batch.dead as u64);
-        Ok((batch, again))
+        outcome.batch = batch;
+        Ok(Some(outcome))
     }
 
     /// Moves the cursor past the ordering keys the batch took: the next batch looks for
@@ -657,6 +776,52 @@ impl Relay {
     /// interval. The batch in hand when `shutdown` completes is finished first. Failures are
     /// logged and retried; it never returns early.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) {
+        let lanes = Arc::new(Lanes::default());
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        // Dropped with this future, the helpers are aborted with it, as the leading batch is.
+        let mut helpers = tokio::task::JoinSet::new();
+        for _ in 1..self.settings.concurrent_batches {
+            let (relay, lanes, stopped) = (self.clone(), lanes.clone(), stopped.clone());
+            helpers.spawn(async move { relay.help(&lanes, stopped).await });
+        }
+        self.lead(shutdown, &lanes).await;
+        // Each helper finishes the batch in hand.
+        stop.send_replace(true);
+        while helpers.join_next().await.is_some() {}
+    }
+
+    /// A helping lane of [`run`](Self::run): on each backlog the leading batch finds, takes
+    /// batches beside it while they come back full, with connections the pool has to spare.
+    async fn help(&self, lanes: &Lanes, mut stopped: tokio::sync::watch::Receiver<bool>) {
+        loop {
+            tokio::select! {
+                _ = stopped.wait_for(|stop| *stop) => return,
+                () = lanes.backlog.notified() => {}
+            }
+            while !*stopped.borrow() {
+                match self.run_batch(Lane::Helping).await {
+                    // A suspect left for a batch alone, or the backlog gone: the leading
+                    // batch looks, alone.
+                    Ok(Some(outcome)) if outcome.suspects || outcome.rows == 0 => {
+                        lanes.wake.notify_one();
+                        break;
+                    }
+                    Ok(Some(outcome)) if outcome.more(self.settings.batch_size) => {}
+                    Ok(_) => break,
+                    Err(error) => {
+                        tracing::warn!(outbox = %self.outbox.table(), error = &error as &dyn std::error::Error, "outbox batch failed; the relay's leading batch goes on");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The leading lane of [`run`](Self::run): the loop that listens, polls and reaps.
+    async fn lead(&self, shutdown: impl Future<Output = ()>, lanes: &Lanes) {
+        let helped = self.settings.concurrent_batches > 1;
+        // Alone at first: a suspect left by a relay that died may be due.
+        let mut lane = Lane::Exclusive;
         let mut shutdown = std::pin::pin!(shutdown);
         let mut listener: Option<PgListener> = None;
         let mut last_reap = tokio::time::Instant::now();
@@ -671,12 +836,27 @@ impl Relay {
             if !drain(&mut listener).await {
                 listener = None;
             }
-            let more = match self.run_batch().await {
-                // A suspect taken alone, or a batch the byte budget cut short: the messages
-                // kept out of it are due now.
-                Ok((batch, again)) => again || batch.taken >= self.settings.batch_size as usize,
+            let more = match self.run_batch(lane).await {
+                Ok(outcome) => {
+                    let outcome = outcome.unwrap_or_default();
+                    // A full batch, a suspect taken alone or left, or a batch the byte budget
+                    // cut short: more are due now. A batch beside others that found nothing
+                    // may have missed what its helpers left (a suspect): one alone looks.
+                    let more = outcome.more(self.settings.batch_size)
+                        || (lane != Lane::Exclusive && outcome.rows == 0);
+                    // Beside helpers through a backlog; alone for a suspect, and whenever the
+                    // relay comes back to the queue after waiting.
+                    lane = if helped && more && !outcome.suspects && outcome.rows > 0 {
+                        lanes.backlog.notify_waiters();
+                        Lane::Shared
+                    } else {
+                        Lane::Exclusive
+                    };
+                    more
+                }
                 Err(error) => {
                     tracing::warn!(outbox = %self.outbox.table(), error = &error as &dyn std::error::Error, "outbox batch failed; retrying after the poll interval");
+                    lane = Lane::Exclusive;
                     false
                 }
             };
@@ -707,6 +887,7 @@ impl Relay {
             tokio::select! {
                 () = &mut shutdown => return,
                 () = wait => {}
+                () = lanes.wake.notified() => {}
                 notified = recv(&mut listener) => {
                     if !notified {
                         listener = None;

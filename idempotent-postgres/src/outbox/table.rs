@@ -428,10 +428,17 @@ impl OutboxSql {
     ///   the candidates, is taken **alone** (with only the messages dead-lettered here beside
     ///   it), so that if it kills this relay too, no other message is charged. Each taken
     ///   message's `delivering_alone` records whether it was the only one to deliver.
+    /// - **Beside other batches** (`$4` true: the relay may have another batch under way, see
+    ///   [`RelayBuilder::concurrent_batches`](super::RelayBuilder::concurrent_batches)): no
+    ///   suspect is taken (they are left for a batch that has the relay to itself), and no
+    ///   message counts as delivered alone, whatever the batch's size, since a crash of the
+    ///   relay would be a crash of every batch it has under way.
     ///
     /// Returns `id, destination, message_key, payload, header_names, header_values, attempts,
-    /// exhausted (dead-lettered here), crashed, ordering_key, last_error, cut` (`cut`, the same
-    /// in every row: the byte budget left candidates out, so more are due at once).
+    /// exhausted (dead-lettered here), crashed, ordering_key, last_error, cut, suspects`
+    /// (`cut` and `suspects` the same in every row: the byte budget left candidates out, so
+    /// more are due at once; a suspect was among the candidates, taken alone, or left
+    /// because `$4`).
     pub(crate) fn take(&self, batch: u32, bytes: u64) -> String {
         self.take
             .replace("{batch}", &batch.to_string())
@@ -572,11 +579,12 @@ impl OutboxSql {
                    FROM oldest WINDOW w AS (ORDER BY available_at, id)) s \
                    WHERE exhausted OR n = 1 OR upto <= {{bytes}}), \
                  suspect AS (SELECT id FROM candidates WHERE crashed AND NOT exhausted \
-                   ORDER BY available_at, id LIMIT 1), \
+                   AND NOT $4 ORDER BY available_at, id LIMIT 1), \
                  chosen AS (SELECT c.id, c.crashed, c.exhausted FROM candidates c \
-                   WHERE c.exhausted OR NOT EXISTS (SELECT 1 FROM suspect) \
-                   OR c.id = (SELECT id FROM suspect)), \
-                 size AS (SELECT count(*) FILTER (WHERE NOT exhausted) = 1 AS alone \
+                   WHERE c.exhausted OR (NOT ($4 AND c.crashed) \
+                   AND (NOT EXISTS (SELECT 1 FROM suspect) \
+                   OR c.id = (SELECT id FROM suspect)))), \
+                 size AS (SELECT count(*) FILTER (WHERE NOT exhausted) = 1 AND NOT $4 AS alone \
                    FROM chosen) \
                  UPDATE {t} o SET \
                    state = CASE WHEN c.exhausted THEN 'dead' ELSE o.state END, \
@@ -593,7 +601,9 @@ impl OutboxSql {
                    CASE WHEN c.exhausted THEN NULL ELSE o.payload END, \
                    o.header_names, o.header_values, o.attempts, c.exhausted, c.crashed, \
                    o.ordering_key, o.last_error, \
-                   (SELECT count(*) FROM oldest) > (SELECT count(*) FROM candidates) AS cut",
+                   (SELECT count(*) FROM oldest) > (SELECT count(*) FROM candidates) AS cut, \
+                   EXISTS (SELECT 1 FROM candidates WHERE crashed AND NOT exhausted) \
+                     AS suspects",
                 after_cursor = heads("after_cursor", "AND ordering_key > $3"),
                 up_to_cursor = heads("up_to_cursor", "AND ordering_key <= $3"),
             ),
