@@ -733,3 +733,231 @@ async fn a_relay_that_dies_mid_batch_charges_only_the_message_that_killed_it() {
     let dead = outbox.dead_letters(&pool, 10).await.unwrap();
     assert_eq!(dead.len(), 1, "{dead:?}");
 }
+
+/// Through a backlog, a relay takes its next batch while the last delivers (two batches of
+/// four under way: more than four deliveries at once), and with `concurrent_batches(1)` one
+/// batch at a time (never more than its four).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_takes_its_next_batch_while_the_last_delivers() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    for (batches, overlapping) in [(2, true), (1, false)] {
+        enqueue_many(&pool, &outbox, &format!("lanes-{batches}"), 48, 8).await;
+        let sink = Recorder {
+            hold: Duration::from_millis(30),
+            ..Recorder::default()
+        };
+        let relay = Relay::builder(pool.clone(), outbox.clone())
+            .sink("hook", sink.clone())
+            .batch_size(4)
+            .max_in_flight(4)
+            .concurrent_batches(batches)
+            .build()
+            .spawn();
+        let done = sink.clone();
+        eventually("the backlog delivered", || {
+            let done = done.clone();
+            async move { done.delivered().len() == 48 }
+        })
+        .await;
+        relay.stop().await;
+        let most = sink.most_in_flight.load(Ordering::SeqCst);
+        assert_eq!(most > 4, overlapping, "most deliveries at once: {most}");
+        assert!(
+            !sink.overlapped.load(Ordering::SeqCst),
+            "one message twice at once"
+        );
+    }
+}
+
+/// A message taken again after its relay died (a suspect) is delivered only while no other
+/// batch of the relay is under way, and only such a delivery counts as made alone: a relay
+/// with two batches at once works through a backlog with six suspects in it, and its sink
+/// reads each message's `delivering_alone` as it is handed over. Every delivery marked alone
+/// ran with no other delivery of the relay beside it, each suspect's was marked alone, and
+/// the batches did overlap (more than one batch's four deliveries at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspect_is_delivered_only_while_no_other_batch_of_its_relay_is_under_way() {
+    let Some((pool, outbox)) = setup(6).await else {
+        return;
+    };
+    enqueue_many(&pool, &outbox, "suspects", 120, 8).await;
+    let ids: Vec<i64> = sqlx::query_scalar(&format!(
+        "SELECT id FROM \"{}\" ORDER BY id",
+        outbox.table()
+    ))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let suspects: Vec<i64> = [10, 30, 50, 70, 90, 110].iter().map(|n| ids[*n]).collect();
+    // As a relay that died delivering them in a batch of several leaves them, due now.
+    sqlx::query(&format!(
+        "UPDATE \"{}\" SET attempts = 1, delivering_since = clock_timestamp(), \
+         delivering_alone = false WHERE id = ANY($1)",
+        outbox.table()
+    ))
+    .bind(&suspects)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let sink = Watching {
+        pool: pool.clone(),
+        table: outbox.table().to_owned(),
+        state: Default::default(),
+    };
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .batch_size(4)
+        .max_in_flight(4)
+        .concurrent_batches(2)
+        .build()
+        .spawn();
+    let done = sink.clone();
+    eventually("the backlog delivered", || {
+        let done = done.clone();
+        async move { done.state.lock().unwrap().delivered.len() == 120 }
+    })
+    .await;
+    relay.stop().await;
+    let state = sink.state.lock().unwrap();
+    assert!(state.violations.is_empty(), "{:?}", state.violations);
+    for id in &suspects {
+        assert!(state.alone.contains(id), "suspect {id} not delivered alone");
+    }
+    assert!(
+        state.most > 4,
+        "the batches never overlapped: {}",
+        state.most
+    );
+}
+
+/// A sink that reads each message's `delivering_alone` as it is handed over and notes every
+/// delivery marked alone that had another of the relay's deliveries beside it.
+#[derive(Clone)]
+struct Watching {
+    pool: sqlx::PgPool,
+    table: String,
+    state: std::sync::Arc<std::sync::Mutex<WatchingState>>,
+}
+
+#[derive(Default)]
+struct WatchingState {
+    in_flight: usize,
+    alone_under_way: bool,
+    most: usize,
+    alone: HashSet<i64>,
+    delivered: HashSet<i64>,
+    violations: Vec<String>,
+}
+
+impl idempotent_postgres::outbox::Sink for Watching {
+    fn deliver<'a>(
+        &'a self,
+        message: &'a idempotent_postgres::outbox::Relayed,
+    ) -> idempotent_postgres::outbox::BoxFuture<
+        'a,
+        Result<(), idempotent_postgres::outbox::SinkError>,
+    > {
+        Box::pin(async move {
+            let alone: Option<bool> = sqlx::query_scalar(&format!(
+                "SELECT delivering_alone FROM \"{}\" WHERE id = $1",
+                self.table
+            ))
+            .bind(message.id)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap();
+            let alone = alone == Some(true);
+            {
+                let mut state = self.state.lock().unwrap();
+                if state.alone_under_way || (alone && state.in_flight > 0) {
+                    state.violations.push(format!(
+                        "message {} (alone: {alone}) beside another delivery",
+                        message.id
+                    ));
+                }
+                state.in_flight += 1;
+                state.most = state.most.max(state.in_flight);
+                if alone {
+                    state.alone_under_way = true;
+                    state.alone.insert(message.id);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            let mut state = self.state.lock().unwrap();
+            state.in_flight -= 1;
+            if alone {
+                state.alone_under_way = false;
+            }
+            state.delivered.insert(message.id);
+            Ok(())
+        })
+    }
+}
+
+/// On a pool of two (the listener's connection and the batch's), a relay with two batches at
+/// once has no connection to spare for the second: it delivers one batch at a time, and all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_on_a_pool_of_two_delivers_one_batch_at_a_time() {
+    let Some((pool, outbox)) = setup(2).await else {
+        return;
+    };
+    enqueue_many(&pool, &outbox, "pool-of-two", 40, 8).await;
+    let sink = Recorder {
+        hold: Duration::from_millis(5),
+        ..Recorder::default()
+    };
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .batch_size(4)
+        .max_in_flight(4)
+        .build()
+        .spawn();
+    let done = sink.clone();
+    eventually("the backlog delivered", || {
+        let done = done.clone();
+        async move { done.delivered().len() == 40 }
+    })
+    .await;
+    relay.stop().await;
+    assert!(sink.most_in_flight.load(Ordering::SeqCst) <= 4);
+}
+
+/// Stopped while two batches are under way, a relay finishes both before `stop` returns:
+/// every message handed to the sink is recorded delivered, none is left mid-delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_stopped_mid_backlog_finishes_every_batch_in_hand() {
+    let Some((pool, outbox)) = setup(4).await else {
+        return;
+    };
+    enqueue_many(&pool, &outbox, "stop-lanes", 200, 8).await;
+    let sink = Recorder {
+        hold: Duration::from_millis(50),
+        ..Recorder::default()
+    };
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .batch_size(4)
+        .max_in_flight(4)
+        .build()
+        .spawn();
+    let watched = sink.clone();
+    eventually("two batches under way", || {
+        let watched = watched.clone();
+        async move { watched.in_flight.lock().unwrap().len() > 4 }
+    })
+    .await;
+    timeout(BOUND, relay.stop()).await.unwrap();
+    let (delivered, mid_delivery): (i64, i64) = sqlx::query_as(&format!(
+        "SELECT count(*) FILTER (WHERE state = 'delivered'), \
+         count(*) FILTER (WHERE delivering_since IS NOT NULL) FROM \"{}\"",
+        outbox.table()
+    ))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(mid_delivery, 0, "a batch left mid-delivery");
+    assert_eq!(delivered as usize, sink.delivered().len());
+    assert!(delivered < 200, "stopped before the end of the backlog");
+}
