@@ -961,3 +961,67 @@ async fn a_relay_stopped_mid_backlog_finishes_every_batch_in_hand() {
     assert_eq!(delivered as usize, sink.delivered().len());
     assert!(delivered < 200, "stopped before the end of the backlog");
 }
+
+/// A suspect at the head of an ordering key is found within the first pass over the keys
+/// through a backlog that lasts: a batch beside others that leaves it has the next batch,
+/// alone, start its search where it did. 60 ordering keys with three messages each, batches
+/// of four heads, two batches at once; key 30's head is a suspect. It is delivered before
+/// two thirds of the backlog are, and its key's messages in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspect_on_an_ordering_key_is_found_within_a_pass_over_the_keys() {
+    let Some((pool, outbox)) = setup(6).await else {
+        return;
+    };
+    let mut tx = pool.begin().await.unwrap();
+    let mut suspect = 0;
+    let mut followers = Vec::new();
+    for round in 0..3 {
+        for key in 0..60 {
+            let message = Outgoing::new("hook", format!("{round}"))
+                .key(Key::new(format!("ordered-{key}-{round}")).unwrap())
+                .ordering_key(format!("k-{key:02}"));
+            let id = outbox.enqueue(&mut tx, &message).await.unwrap();
+            match (key, round) {
+                (30, 0) => suspect = id,
+                (30, _) => followers.push(id),
+                _ => {}
+            }
+        }
+    }
+    tx.commit().await.unwrap();
+    sqlx::query(&format!(
+        "UPDATE \"{}\" SET attempts = 1, delivering_since = clock_timestamp(), \
+         delivering_alone = false WHERE id = $1",
+        outbox.table()
+    ))
+    .bind(suspect)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let sink = Recorder {
+        hold: Duration::from_millis(3),
+        ..Recorder::default()
+    };
+    let relay = Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink.clone())
+        .batch_size(4)
+        .max_in_flight(4)
+        .concurrent_batches(2)
+        .build()
+        .spawn();
+    let done = sink.clone();
+    eventually("the backlog delivered", || {
+        let done = done.clone();
+        async move { done.delivered().len() == 180 }
+    })
+    .await;
+    relay.stop().await;
+    let delivered = sink.delivered();
+    let at = |id: i64| delivered.iter().position(|d| *d == id).unwrap();
+    assert!(
+        at(suspect) < 120,
+        "the suspect waited for the backlog: delivered {}th of 180",
+        at(suspect) + 1
+    );
+    assert!(at(suspect) < at(followers[0]) && at(followers[0]) < at(followers[1]));
+}

@@ -149,11 +149,18 @@ struct Settings {
 ///   once: one is taken while another delivers and records its messages. They share the work
 ///   as separate relays do (the take skips what another batch holds, and an ordering key's
 ///   next message waits until its head is recorded), with one difference: a relay that dies
-///   takes all its batches with it, so "alone" means alone in the relay. A batch beside others
-///   takes no suspect and counts nothing it takes as delivered alone (a crash then charges
-///   its messages as a crashed batch of several); a suspect is taken only by a batch that
-///   waited for the relay's others to end, and none starts until it has. After waiting for
-///   work (a notification, the poll), the relay's first batch is such a batch.
+///   takes all its batches with it, so "alone" means alone in the relay's [`run`](Self::run).
+///   A batch beside others takes no suspect and counts nothing it takes as delivered alone (a
+///   crash then charges its messages as a crashed batch of several); a suspect is taken only
+///   by a batch that waited for the relay's others to end, and none starts until it has. After
+///   waiting for work (a notification, the poll), and when a batch beside others left a
+///   suspect (the next starts its search where that one did), the relay's next batch is such
+///   a batch. A relay that dies now charges up to `concurrent_batches × batch_size` messages,
+///   each then taken again alone; a sink sees up to `concurrent_batches × max_in_flight`
+///   deliveries at once. Relays of their own (separate `run`s, clones included, and
+///   [`run_once`](Self::run_once)) are separate relays, in one process as in many: give a
+///   process one relay per outbox, with the batches it needs, for "alone" to hold when the
+///   process dies.
 /// - **Waking.** It listens for the `NOTIFY` each enqueue sends on commit, and also polls
 ///   every [`poll_interval`](RelayBuilder::poll_interval), so a lost notification or a
 ///   dropped listener connection delays a message by at most one interval. While batches
@@ -198,9 +205,6 @@ pub struct Relay {
     /// The ordering key after which the next batch looks for heads first: the last key this
     /// relay took, so that every key gets its turn however many have messages due.
     cursor: Arc<std::sync::Mutex<String>>,
-    /// Held shared by a batch beside others, exclusively by a batch that must have the relay
-    /// to itself (one that may take a suspect): see "Concurrent batches".
-    gate: Arc<tokio::sync::RwLock<()>>,
 }
 
 /// The relay's counters, registered when it is built.
@@ -273,20 +277,22 @@ impl RelayBuilder {
 
     /// Messages per batch (default 256, at least 1). A batch costs its statements whatever
     /// its size, so larger batches drain a backlog faster; a relay that dies charges an
-    /// attempt to each message of its batch (see "A relay that dies"), each of which is then
-    /// taken again alone. See also [`max_batch_bytes`](Self::max_batch_bytes).
+    /// attempt to each message of its batches under way (see "A relay that dies" and
+    /// "Concurrent batches"), each of which is then taken again alone. See also [`max_batch_bytes`](Self::max_batch_bytes).
     pub fn batch_size(mut self, size: u32) -> Self {
         self.settings.batch_size = size.max(1);
         self
     }
 
-    /// Batches under way at once (default 2, at least 1): while the batches come back full
-    /// (a backlog), the next is taken while the last delivers and records its messages, each
-    /// batch on a connection of its own. The batches beyond the first are run only with a
-    /// connection the pool has to spare (an idle one, or room for a new one): they never wait
-    /// for one. A message taken again after its relay died (a *suspect*) is delivered only by a
-    /// batch that has the relay to itself; see "Concurrent batches". `1` is 0.3's relay, one
-    /// batch at a time; more than [`MAX_CONCURRENT_BATCHES`] is that many.
+    /// Batches under way at once in [`Relay::run`] (default 2, at least 1): while the
+    /// batches come back full (a backlog), the next is taken while the last delivers and
+    /// records its messages, each batch on a connection of its own. The batches beyond the
+    /// first are run only with a connection the pool has to spare (an idle one, or room for a
+    /// new one, waiting at most a second for it). A message taken again after its relay died
+    /// (a *suspect*) is delivered only by a batch that has the relay to itself; see
+    /// "Concurrent batches". A sink is called for up to this times
+    /// [`max_in_flight`](Self::max_in_flight) messages at once. `1` is 0.3's relay, one batch
+    /// at a time; more than [`MAX_CONCURRENT_BATCHES`] is that many.
     pub fn concurrent_batches(mut self, batches: u32) -> Self {
         self.settings.concurrent_batches = batches.clamp(1, MAX_CONCURRENT_BATCHES);
         self
@@ -302,8 +308,10 @@ impl RelayBuilder {
         self
     }
 
-    /// Deliveries of one batch under way at once (default 64, at least 1): a sink is called
-    /// for at most this many messages at a time, the rest of the batch waiting their turn.
+    /// Deliveries of one batch under way at once (default 64, at least 1): a batch calls its
+    /// sinks for at most this many messages at a time, the rest of the batch waiting their
+    /// turn (a relay's sinks, for at most this times
+    /// [`concurrent_batches`](Self::concurrent_batches)).
     /// The batch's idle-transaction timeout grows with its turns (see
     /// [`delivery_timeout`](Self::delivery_timeout)).
     pub fn max_in_flight(mut self, deliveries: u32) -> Self {
@@ -377,7 +385,6 @@ impl RelayBuilder {
             settings: self.settings,
             metrics: Arc::new(RelayMetrics::register()),
             cursor: Arc::default(),
-            gate: Arc::default(),
         }
     }
 }
@@ -420,9 +427,16 @@ impl Outcome {
     }
 }
 
-/// What a relay's concurrent batches say to one another.
+/// What the concurrent batches of one [`Relay::run`] share.
 #[derive(Default)]
 struct Lanes {
+    /// Held shared by a batch beside others, exclusively by a batch that must have the relay
+    /// to itself (one that may take a suspect): see "Concurrent batches".
+    gate: tokio::sync::RwLock<()>,
+    /// The cursor a batch beside others started from when it left a suspect: the next
+    /// exclusive batch starts there too, so that it finds the suspect however far the cursor
+    /// has moved since.
+    suspect_at: std::sync::Mutex<Option<String>>,
     /// The leading batch found a backlog: helpers, take batches beside it.
     backlog: tokio::sync::Notify,
     /// A helper left a suspect, or found nothing: the leading batch runs one alone.
@@ -476,14 +490,15 @@ impl Relay {
     /// to end, and may take a suspect.
     pub async fn run_once(&self) -> Result<Batch, StoreError> {
         Ok(self
-            .run_batch(Lane::Exclusive)
+            .run_batch(Lane::Exclusive, &Lanes::default())
             .await?
             .map(|outcome| outcome.batch)
             .unwrap_or_default())
     }
 
     /// A connection for a helping batch: an idle one, or a new one if the pool has room for
-    /// it; `None` if the pool has none to spare.
+    /// it (waiting at most a second, should another task take that room first); `None` if
+    /// the pool has none to spare.
     async fn spare_connection(&self) -> Option<sqlx::pool::PoolConnection<sqlx::Postgres>> {
         if let Some(connection) = self.pool.try_acquire() {
             return Some(connection);
@@ -491,7 +506,10 @@ impl Relay {
         if self.pool.size() >= self.pool.options().get_max_connections() {
             return None;
         }
-        self.pool.acquire().await.ok()
+        tokio::time::timeout(Duration::from_secs(1), self.pool.acquire())
+            .await
+            .ok()?
+            .ok()
     }
 
     /// Files how one delivery of a batch ended: delivered, or failed with its error.
@@ -518,15 +536,15 @@ impl Relay {
 
     /// Delivers one batch in `lane`, and says what it found; `None`: a helping batch found
     /// no connection to spare, and did nothing.
-    async fn run_batch(&self, lane: Lane) -> Result<Option<Outcome>, StoreError> {
+    async fn run_batch(&self, lane: Lane, lanes: &Lanes) -> Result<Option<Outcome>, StoreError> {
         let settings = &self.settings;
         // The gate before the connection: a batch waiting for the gate holds no connection,
         // so the batches it waits for can always get theirs.
         let (_exclusive, _shared);
         if lane == Lane::Exclusive {
-            _exclusive = self.gate.write().await;
+            _exclusive = lanes.gate.write().await;
         } else {
-            _shared = self.gate.read().await;
+            _shared = lanes.gate.read().await;
         }
         let mut connection = match lane {
             Lane::Helping => match self.spare_connection().await {
@@ -535,11 +553,11 @@ impl Relay {
             },
             _ => self.pool.acquire().await.map_err(store_error)?,
         };
-        let cursor = self
-            .cursor
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
+        let left = match lane {
+            Lane::Exclusive => lock(&lanes.suspect_at).take(),
+            _ => None,
+        };
+        let cursor = left.unwrap_or_else(|| lock(&self.cursor).clone());
         // Committed at once (autocommit): each attempt is counted before anything is sent.
         let take = sqlx::query(&self.take)
             .bind(&self.destinations[..])
@@ -564,6 +582,9 @@ impl Relay {
             suspects: first.try_get::<bool, _>(12).unwrap_or(false),
             ..Outcome::default()
         };
+        if outcome.suspects && lane != Lane::Exclusive {
+            lock(&lanes.suspect_at).get_or_insert_with(|| cursor.clone());
+        }
         // Every row is read before anything is sent: a row that cannot be read (stored data
         // edited by hand) is dead-lettered on its own instead of failing the batch. Each row
         // is dropped once read, so that each payload is held once.
@@ -737,10 +758,7 @@ impl Relay {
             .max()
             .or_else(|| wrapped.into_iter().max())
         {
-            *self
-                .cursor
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = last;
+            *lock(&self.cursor) = last;
         }
     }
 
@@ -799,7 +817,7 @@ impl Relay {
                 () = lanes.backlog.notified() => {}
             }
             while !*stopped.borrow() {
-                match self.run_batch(Lane::Helping).await {
+                match self.run_batch(Lane::Helping, lanes).await {
                     // A suspect left for a batch alone, or the backlog gone: the leading
                     // batch looks, alone.
                     Ok(Some(outcome)) if outcome.suspects || outcome.rows == 0 => {
@@ -836,7 +854,11 @@ impl Relay {
             if !drain(&mut listener).await {
                 listener = None;
             }
-            let more = match self.run_batch(lane).await {
+            // A suspect a batch beside others left: the next batch looks for it, alone.
+            if lock(&lanes.suspect_at).is_some() {
+                lane = Lane::Exclusive;
+            }
+            let more = match self.run_batch(lane, lanes).await {
                 Ok(outcome) => {
                     let outcome = outcome.unwrap_or_default();
                     // A full batch, a suspect taken alone or left, or a batch the byte budget
@@ -981,6 +1003,13 @@ async fn futures_ready(shutdown: &mut Pin<&mut impl Future<Output = ()>>) -> boo
         () = shutdown.as_mut() => true,
         () = std::future::ready(()) => false,
     }
+}
+
+/// The value behind `mutex`, even if a thread panicked holding it (each is written whole).
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The attempt a row's `attempts` (counted by the batch statement) stands for, from 1.
