@@ -439,7 +439,8 @@ struct Lanes {
     suspect_at: std::sync::Mutex<Option<String>>,
     /// The leading batch found a backlog: helpers, take batches beside it.
     backlog: tokio::sync::Notify,
-    /// A helper left a suspect, or found nothing: the leading batch runs one alone.
+    /// A helper left a suspect, or found nothing: wakes the leading batch if it waits (a
+    /// leading batch under way sees `suspect_at` before its next).
     wake: tokio::sync::Notify,
 }
 
@@ -485,9 +486,9 @@ impl Relay {
             .await
     }
 
-    /// Delivers one batch: see "How it delivers". The batch has the relay to itself: it
-    /// waits for the relay's other batches under way (of [`run`](Self::run) on a clone, say)
-    /// to end, and may take a suspect.
+    /// Delivers one batch: see "How it delivers". The batch is a relay of its own (see
+    /// "Concurrent batches"): it does not wait for the batches of a [`run`](Self::run) on a
+    /// clone, and may take a suspect.
     pub async fn run_once(&self) -> Result<Batch, StoreError> {
         Ok(self
             .run_batch(Lane::Exclusive, &Lanes::default())
@@ -553,23 +554,40 @@ impl Relay {
             },
             _ => self.pool.acquire().await.map_err(store_error)?,
         };
+        // An exclusive batch starts where a batch beside others left a suspect, if one did.
         let left = match lane {
             Lane::Exclusive => lock(&lanes.suspect_at).take(),
             _ => None,
         };
+        let from_left = left.is_some();
         let cursor = left.unwrap_or_else(|| lock(&self.cursor).clone());
+        // Where the next exclusive batch starts: this batch's cursor, if it may have left a
+        // suspect there (a batch beside others), or did not get to look (its take failed).
+        let mark = |cursor: &String| {
+            lock(&lanes.suspect_at).get_or_insert_with(|| cursor.clone());
+        };
         // Committed at once (autocommit): each attempt is counted before anything is sent.
         let take = sqlx::query(&self.take)
             .bind(&self.destinations[..])
             .bind(i32::try_from(settings.max_attempts).unwrap_or(i32::MAX))
             .bind(cursor.as_str())
             .bind(lane != Lane::Exclusive);
-        let rows = (&mut *connection)
-            .fetch_all(take)
-            .await
-            .map_err(store_error)?;
+        let rows = match (&mut *connection).fetch_all(take).await {
+            Ok(rows) => rows,
+            Err(error) => {
+                if from_left {
+                    mark(&cursor);
+                }
+                return Err(store_error(error));
+            }
+        };
         let mut batch = Batch::default();
         let Some(first) = rows.first() else {
+            // A take beside others can come back empty because every candidate it locked was
+            // a suspect: the `suspects` column comes only with rows.
+            if lane != Lane::Exclusive {
+                mark(&cursor);
+            }
             return Ok(Some(Outcome::default()));
         };
         // Whether the next batch is due at once: the batch statement left due messages out for
@@ -583,7 +601,7 @@ impl Relay {
             ..Outcome::default()
         };
         if outcome.suspects && lane != Lane::Exclusive {
-            lock(&lanes.suspect_at).get_or_insert_with(|| cursor.clone());
+            mark(&cursor);
         }
         // Every row is read before anything is sent: a row that cannot be read (stored data
         // edited by hand) is dead-lettered on its own instead of failing the batch. Each row
@@ -614,7 +632,11 @@ impl Relay {
                 Err(error) => Taken::Unreadable(id, attempt, error),
             });
         }
-        self.advance_cursor(&cursor, keys);
+        // A batch that started where a suspect was left leaves the cursor where the others
+        // have moved it since.
+        if !from_left {
+            self.advance_cursor(&cursor, keys);
+        }
         if taken.is_empty() {
             self.metrics.dead.increment(batch.dead as u64);
             outcome.batch = batch;
@@ -791,7 +813,7 @@ impl Relay {
 
     /// Delivers batches until `shutdown` completes: at once while batches come back full (or
     /// cut short by the byte budget), on each `NOTIFY` from an enqueue, and every poll
-    /// interval. The batch in hand when `shutdown` completes is finished first. Failures are
+    /// interval. Every batch in hand when `shutdown` completes is finished first. Failures are
     /// logged and retried; it never returns early.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) {
         let lanes = Arc::new(Lanes::default());
@@ -970,7 +992,7 @@ pub struct RunningRelay {
 }
 
 impl RunningRelay {
-    /// Stops the relay once the batch in hand is finished, and waits for it.
+    /// Stops the relay once every batch in hand is finished, and waits for it.
     pub async fn stop(self) {
         self.stop.send_replace(true);
         let _ = self.task.await;
