@@ -14,7 +14,10 @@ use std::time::Duration;
 
 use idempotent_core::Key;
 use idempotent_core::metrics::Recorded;
-use idempotent_postgres::outbox::{DEFAULT_MAX_BATCH_BYTES, OUTBOX_DELIVERIES, Outgoing, Relay};
+use idempotent_postgres::outbox::{
+    DEFAULT_CONCURRENT_BATCHES, DEFAULT_MAX_BATCH_BYTES, OUTBOX_DELIVERIES, Outbox, Outgoing,
+    Relay, RunningRelay, Sink,
+};
 use idempotent_test_kit::backend::{postgres_url, redis_url};
 use idempotent_test_kit::names::unique;
 use idempotent_test_kit::postgres::pool_bounding_locks as pool;
@@ -255,10 +258,7 @@ async fn a_batch_cut_short_by_bytes_is_followed_at_once() {
         .poll_interval(Duration::MAX)
         .build()
         .spawn();
-    eventually("all ten delivered without a poll", || async {
-        sink.delivered().len() == 10
-    })
-    .await;
+    delivered_all(&sink, 10).await;
     timeout(BOUND, running.stop()).await.unwrap();
 }
 
@@ -278,15 +278,7 @@ async fn a_batch_takes_a_message_to_deliver_beside_one_it_dead_letters() {
     }
     tx.commit().await.unwrap();
     // As a relay that died delivering it alone, on its last attempt, leaves it.
-    sqlx::query(&format!(
-        "UPDATE \"{}\" SET attempts = 3, delivering_since = clock_timestamp(), \
-         delivering_alone = true WHERE id = $1",
-        outbox.table()
-    ))
-    .bind(ids[0])
-    .execute(&pool)
-    .await
-    .unwrap();
+    as_if_crashed(&pool, &outbox, &ids[..1], 3, true).await;
     let sink = Recorder::default();
     let relay = Relay::builder(pool.clone(), outbox.clone())
         .sink("hook", sink.clone())
@@ -748,19 +740,8 @@ async fn a_relay_takes_its_next_batch_while_the_last_delivers() {
             hold: Duration::from_millis(30),
             ..Recorder::default()
         };
-        let relay = Relay::builder(pool.clone(), outbox.clone())
-            .sink("hook", sink.clone())
-            .batch_size(4)
-            .max_in_flight(4)
-            .concurrent_batches(batches)
-            .build()
-            .spawn();
-        let done = sink.clone();
-        eventually("the backlog delivered", || {
-            let done = done.clone();
-            async move { done.delivered().len() == 48 }
-        })
-        .await;
+        let relay = fours(&pool, &outbox, sink.clone(), batches);
+        delivered_all(&sink, 48).await;
         relay.stop().await;
         let most = sink.most_in_flight.load(Ordering::SeqCst);
         assert_eq!(most > 4, overlapping, "most deliveries at once: {most}");
@@ -792,27 +773,14 @@ async fn a_suspect_is_delivered_only_while_no_other_batch_of_its_relay_is_under_
     .unwrap();
     let suspects: Vec<i64> = [10, 30, 50, 70, 90, 110].iter().map(|n| ids[*n]).collect();
     // As a relay that died delivering them in a batch of several leaves them, due now.
-    sqlx::query(&format!(
-        "UPDATE \"{}\" SET attempts = 1, delivering_since = clock_timestamp(), \
-         delivering_alone = false WHERE id = ANY($1)",
-        outbox.table()
-    ))
-    .bind(&suspects)
-    .execute(&pool)
-    .await
-    .unwrap();
+    as_if_crashed(&pool, &outbox, &suspects, 1, false).await;
+    // Its reads on a pool of their own, so as not to take the relay's spare connection.
     let sink = Watching {
-        pool: pool.clone(),
+        pool: idempotent_test_kit::postgres::pool_bounding_locks(&postgres_url().unwrap(), 2).await,
         table: outbox.table().to_owned(),
         state: Default::default(),
     };
-    let relay = Relay::builder(pool.clone(), outbox.clone())
-        .sink("hook", sink.clone())
-        .batch_size(4)
-        .max_in_flight(4)
-        .concurrent_batches(2)
-        .build()
-        .spawn();
+    let relay = fours(&pool, &outbox, sink.clone(), 2);
     let done = sink.clone();
     eventually("the backlog delivered", || {
         let done = done.clone();
@@ -851,7 +819,7 @@ struct WatchingState {
     violations: Vec<String>,
 }
 
-impl idempotent_postgres::outbox::Sink for Watching {
+impl Sink for Watching {
     fn deliver<'a>(
         &'a self,
         message: &'a idempotent_postgres::outbox::Relayed,
@@ -910,18 +878,8 @@ async fn a_relay_on_a_pool_of_two_delivers_one_batch_at_a_time() {
         hold: Duration::from_millis(5),
         ..Recorder::default()
     };
-    let relay = Relay::builder(pool.clone(), outbox.clone())
-        .sink("hook", sink.clone())
-        .batch_size(4)
-        .max_in_flight(4)
-        .build()
-        .spawn();
-    let done = sink.clone();
-    eventually("the backlog delivered", || {
-        let done = done.clone();
-        async move { done.delivered().len() == 40 }
-    })
-    .await;
+    let relay = fours(&pool, &outbox, sink.clone(), DEFAULT_CONCURRENT_BATCHES);
+    delivered_all(&sink, 40).await;
     relay.stop().await;
     assert!(sink.most_in_flight.load(Ordering::SeqCst) <= 4);
 }
@@ -938,12 +896,7 @@ async fn a_relay_stopped_mid_backlog_finishes_every_batch_in_hand() {
         hold: Duration::from_millis(50),
         ..Recorder::default()
     };
-    let relay = Relay::builder(pool.clone(), outbox.clone())
-        .sink("hook", sink.clone())
-        .batch_size(4)
-        .max_in_flight(4)
-        .build()
-        .spawn();
+    let relay = fours(&pool, &outbox, sink.clone(), DEFAULT_CONCURRENT_BATCHES);
     let watched = sink.clone();
     eventually("two batches under way", || {
         let watched = watched.clone();
@@ -996,32 +949,13 @@ async fn a_suspect_on_an_ordering_key_is_found_within_a_pass_over_the_keys() {
         }
         tx.commit().await.unwrap();
         let ids: Vec<i64> = suspects.iter().map(|(_, id)| *id).collect();
-        sqlx::query(&format!(
-            "UPDATE \"{}\" SET attempts = 1, delivering_since = clock_timestamp(), \
-             delivering_alone = false WHERE id = ANY($1)",
-            outbox.table()
-        ))
-        .bind(&ids)
-        .execute(&pool)
-        .await
-        .unwrap();
+        as_if_crashed(&pool, &outbox, &ids, 1, false).await;
         let sink = Recorder {
             hold: Duration::from_millis(3),
             ..Recorder::default()
         };
-        let relay = Relay::builder(pool.clone(), outbox.clone())
-            .sink("hook", sink.clone())
-            .batch_size(4)
-            .max_in_flight(4)
-            .concurrent_batches(2)
-            .build()
-            .spawn();
-        let done = sink.clone();
-        eventually("the backlog delivered", || {
-            let done = done.clone();
-            async move { done.delivered().len() == 180 }
-        })
-        .await;
+        let relay = fours(&pool, &outbox, sink.clone(), 2);
+        delivered_all(&sink, 180).await;
         relay.stop().await;
         let delivered = sink.delivered();
         let at = |id: i64| delivered.iter().position(|d| *d == id).unwrap();
@@ -1035,4 +969,21 @@ async fn a_suspect_on_an_ordering_key_is_found_within_a_pass_over_the_keys() {
             assert!(at(*suspect) < at(next[0]) && at(next[0]) < at(next[1]));
         }
     }
+}
+
+/// A relay over `outbox` into `sink` ("hook") in batches of four, four deliveries at once
+/// each, `batches` batches at once, running.
+fn fours<S: Sink + Clone>(
+    pool: &sqlx::PgPool,
+    outbox: &Outbox,
+    sink: S,
+    batches: u32,
+) -> RunningRelay {
+    Relay::builder(pool.clone(), outbox.clone())
+        .sink("hook", sink)
+        .batch_size(4)
+        .max_in_flight(4)
+        .concurrent_batches(batches)
+        .build()
+        .spawn()
 }

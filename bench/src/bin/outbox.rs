@@ -16,7 +16,9 @@
 //! With `--quick`, only the relay row that BENCHMARKS.md's summary compares with 0.2 (one relay,
 //! the discarding sink), as `scripts/bench.sh --quick` runs it. `--batch N` gives the relays a
 //! batch size other than their default (`RelayBuilder::batch_size`); the rows say which
-//! (`"batch": null` for the default).
+//! (`"batch": null` for the default). `--relays N` runs the `--quick` row with N relays (it
+//! needs `--quick`: the full run has rows of 1, 2 and 4). Each relay has its default
+//! `RelayBuilder::concurrent_batches` (2 since 0.4).
 //!
 //! It prints one JSON object per row. The numbers and the machine are in BENCHMARKS.md.
 
@@ -85,6 +87,9 @@ fn options() -> Result<Options, String> {
     }
     if options.url.is_empty() {
         return Err("give --postgres-url or IDEMPOTENT_TEST_POSTGRES_URL".into());
+    }
+    if options.relays != 1 && !options.quick {
+        return Err("--relays: only with --quick (the full run has rows of 1, 2 and 4)".into());
     }
     Ok(options)
 }
@@ -310,8 +315,7 @@ async fn main() {
         .execute(&pool)
         .await
         .unwrap();
-    if options.quick {
-        let relays = options.relays;
+    let discard = async |relays| {
         relay_row(
             &pool,
             &options,
@@ -319,7 +323,10 @@ async fn main() {
             "discard",
             Nothing(Arc::new(Discard)),
         )
-        .await;
+        .await
+    };
+    if options.quick {
+        discard(options.relays).await;
         return;
     }
     let outbox =
@@ -333,14 +340,7 @@ async fn main() {
         .unwrap();
     let url = receiver().await;
     for relays in [1, 2, 4] {
-        relay_row(
-            &pool,
-            &options,
-            relays,
-            "discard",
-            Nothing(Arc::new(Discard)),
-        )
-        .await;
+        discard(relays).await;
     }
     let http = Http(Arc::new(HttpSink::new(&url).unwrap()));
     for relays in [1, 2, 4] {

@@ -278,7 +278,8 @@ impl RelayBuilder {
     /// Messages per batch (default 256, at least 1). A batch costs its statements whatever
     /// its size, so larger batches drain a backlog faster; a relay that dies charges an
     /// attempt to each message of its batches under way (see "A relay that dies" and
-    /// "Concurrent batches"), each of which is then taken again alone. See also [`max_batch_bytes`](Self::max_batch_bytes).
+    /// "Concurrent batches"), each of which is then taken again alone. See also
+    /// [`max_batch_bytes`](Self::max_batch_bytes).
     pub fn batch_size(mut self, size: u32) -> Self {
         self.settings.batch_size = size.max(1);
         self
@@ -395,7 +396,8 @@ enum Delivered {
     Failed(i64, u32, SinkError),
 }
 
-/// How a batch shares its relay with the relay's other batches (see "Concurrent batches").
+/// How a batch of [`Relay::run`] shares its relay with the relay's other batches (see
+/// "Concurrent batches").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Lane {
     /// Alone: no other batch of the relay is under way, so it may take a suspect, and a
@@ -403,16 +405,14 @@ enum Lane {
     Exclusive,
     /// Beside others: takes no suspect, and nothing it takes counts as delivered alone.
     Shared,
-    /// Beside others, as [`Lane::Shared`], and only with a connection the pool has to spare.
-    Helping,
 }
 
 /// What one batch found, beyond its [`Batch`].
 #[derive(Debug, Default)]
 struct Outcome {
     batch: Batch,
-    /// Rows the take returned (taken, or dead-lettered by it).
-    rows: usize,
+    /// The cursor its take started from.
+    cursor: String,
     /// The byte budget left due messages out: the next batch is due at once.
     cut: bool,
     /// A suspect was among the candidates: taken alone (an exclusive batch), or left for an
@@ -427,21 +427,58 @@ impl Outcome {
     }
 }
 
+/// After a batch of the leading lane (`None`: it failed): whether the next is due at once,
+/// and its lane. Beside helpers through a backlog; alone after a suspect was taken or left
+/// (`left`: a batch beside others left one, and the next starts its search where that one
+/// did), and whenever the relay comes back to the outbox after waiting.
+fn next_lane(helped: bool, outcome: Option<&Outcome>, left: bool, batch_size: u32) -> (bool, Lane) {
+    let Some(outcome) = outcome else {
+        return (false, Lane::Exclusive);
+    };
+    let more = outcome.more(batch_size) || left;
+    let lane = if helped && more && !outcome.suspects && !left {
+        Lane::Shared
+    } else {
+        Lane::Exclusive
+    };
+    (more, lane)
+}
+
 /// What the concurrent batches of one [`Relay::run`] share.
-#[derive(Default)]
 struct Lanes {
     /// Held shared by a batch beside others, exclusively by a batch that must have the relay
     /// to itself (one that may take a suspect): see "Concurrent batches".
     gate: tokio::sync::RwLock<()>,
-    /// The cursor a batch beside others started from when it left a suspect: the next
-    /// exclusive batch starts there too, so that it finds the suspect however far the cursor
-    /// has moved since.
-    suspect_at: std::sync::Mutex<Option<String>>,
+    /// Where the next exclusive batch starts its search: the cursor a batch beside others
+    /// started from when it left a suspect (or an exclusive batch's, put back when its take
+    /// failed). The leading lane waits on it too.
+    suspect_at: tokio::sync::watch::Sender<Option<String>>,
     /// The leading batch found a backlog: helpers, take batches beside it.
     backlog: tokio::sync::Notify,
-    /// A helper left a suspect, or found nothing: wakes the leading batch if it waits (a
-    /// leading batch under way sees `suspect_at` before its next).
-    wake: tokio::sync::Notify,
+}
+
+impl Lanes {
+    fn new() -> Self {
+        Lanes {
+            gate: tokio::sync::RwLock::new(()),
+            suspect_at: tokio::sync::watch::Sender::new(None),
+            backlog: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Marks `cursor` as where the next exclusive batch starts, unless a mark is there.
+    fn leave_suspect(&self, cursor: &str) {
+        self.suspect_at.send_if_modified(|at| {
+            at.is_none()
+                .then(|| *at = Some(cursor.to_owned()))
+                .is_some()
+        });
+    }
+
+    /// Whether a mark is there.
+    fn suspect_left(&self) -> bool {
+        self.suspect_at.borrow().is_some()
+    }
 }
 
 /// A row the batch statement took, read.
@@ -490,11 +527,51 @@ impl Relay {
     /// "Concurrent batches"): it does not wait for the batches of a [`run`](Self::run) on a
     /// clone, and may take a suspect.
     pub async fn run_once(&self) -> Result<Batch, StoreError> {
-        Ok(self
-            .run_batch(Lane::Exclusive, &Lanes::default())
-            .await?
-            .map(|outcome| outcome.batch)
-            .unwrap_or_default())
+        let connection = self.pool.acquire().await.map_err(store_error)?;
+        let outcome = self.run_batch(connection, false, None).await?;
+        Ok(outcome.batch)
+    }
+
+    /// One batch of [`run`](Self::run) in `lane`: the gate first, then the connection (a
+    /// batch waiting for the gate holds no connection, so the batches it waits for can always
+    /// get theirs), then the batch; `None` when `spare` and the pool has no connection to
+    /// spare. A shared batch that left a suspect marks where it started; an exclusive one
+    /// starts from that mark, and puts it back if its take fails.
+    async fn batch_in(
+        &self,
+        lanes: &Lanes,
+        lane: Lane,
+        spare: bool,
+    ) -> Option<Result<Outcome, StoreError>> {
+        let (_exclusive, _shared);
+        if lane == Lane::Exclusive {
+            _exclusive = lanes.gate.write().await;
+        } else {
+            _shared = lanes.gate.read().await;
+        }
+        let connection = if spare {
+            self.spare_connection().await?
+        } else {
+            match self.pool.acquire().await {
+                Ok(connection) => connection,
+                Err(error) => return Some(Err(store_error(error))),
+            }
+        };
+        let start = match lane {
+            Lane::Exclusive => lanes.suspect_at.send_replace(None),
+            Lane::Shared => None,
+        };
+        let result = self
+            .run_batch(connection, lane == Lane::Shared, start.clone())
+            .await;
+        match (&result, start) {
+            (Ok(outcome), _) if lane == Lane::Shared && outcome.suspects => {
+                lanes.leave_suspect(&outcome.cursor);
+            }
+            (Err(_), Some(start)) => lanes.leave_suspect(&start),
+            _ => {}
+        }
+        Some(result)
     }
 
     /// A connection for a helping batch: an idle one, or a new one if the pool has room for
@@ -535,73 +612,53 @@ impl Relay {
         }
     }
 
-    /// Delivers one batch in `lane`, and says what it found; `None`: a helping batch found
-    /// no connection to spare, and did nothing.
-    async fn run_batch(&self, lane: Lane, lanes: &Lanes) -> Result<Option<Outcome>, StoreError> {
+    /// Delivers one batch on `connection`, and says what it found. `shared`: beside other
+    /// batches of the relay (the take takes no suspect and marks nothing alone). `start`: the
+    /// cursor to start the search from, instead of the relay's (which the batch then leaves
+    /// as the others have moved it).
+    async fn run_batch(
+        &self,
+        mut connection: sqlx::pool::PoolConnection<sqlx::Postgres>,
+        shared: bool,
+        start: Option<String>,
+    ) -> Result<Outcome, StoreError> {
         let settings = &self.settings;
-        // The gate before the connection: a batch waiting for the gate holds no connection,
-        // so the batches it waits for can always get theirs.
-        let (_exclusive, _shared);
-        if lane == Lane::Exclusive {
-            _exclusive = lanes.gate.write().await;
-        } else {
-            _shared = lanes.gate.read().await;
-        }
-        let mut connection = match lane {
-            Lane::Helping => match self.spare_connection().await {
-                Some(connection) => connection,
-                None => return Ok(None),
-            },
-            _ => self.pool.acquire().await.map_err(store_error)?,
-        };
-        // An exclusive batch starts where a batch beside others left a suspect, if one did.
-        let left = match lane {
-            Lane::Exclusive => lock(&lanes.suspect_at).take(),
-            _ => None,
-        };
-        let from_left = left.is_some();
-        let cursor = left.unwrap_or_else(|| lock(&self.cursor).clone());
-        // Where the next exclusive batch starts: this batch's cursor, if it may have left a
-        // suspect there (a batch beside others), or did not get to look (its take failed).
-        let mark = |cursor: &String| {
-            lock(&lanes.suspect_at).get_or_insert_with(|| cursor.clone());
-        };
+        let from_mark = start.is_some();
+        let cursor = start.unwrap_or_else(|| lock(&self.cursor).clone());
         // Committed at once (autocommit): each attempt is counted before anything is sent.
         let take = sqlx::query(&self.take)
             .bind(&self.destinations[..])
             .bind(i32::try_from(settings.max_attempts).unwrap_or(i32::MAX))
             .bind(cursor.as_str())
-            .bind(lane != Lane::Exclusive);
-        let rows = match (&mut *connection).fetch_all(take).await {
-            Ok(rows) => rows,
-            Err(error) => {
-                if from_left {
-                    mark(&cursor);
-                }
-                return Err(store_error(error));
-            }
-        };
-        let mut batch = Batch::default();
-        let Some(first) = rows.first() else {
-            // A take beside others can come back empty because every candidate it locked was
-            // a suspect: the `suspects` column comes only with rows.
-            if lane != Lane::Exclusive {
-                mark(&cursor);
-            }
-            return Ok(Some(Outcome::default()));
-        };
+            .bind(shared);
+        let mut rows = (&mut *connection)
+            .fetch_all(take)
+            .await
+            .map_err(store_error)?;
         // Whether the next batch is due at once: the batch statement left due messages out for
-        // the byte budget (`cut`, the same in every row), or took or left a suspect (a message
-        // whose last relay died while delivering it, taken alone so that another crash charges
-        // it and nothing else; see also "Concurrent batches").
+        // the byte budget (`cut`), or took or left a suspect (a message whose last relay died
+        // while delivering it, taken alone so that another crash charges it and nothing else;
+        // see also "Concurrent batches"). Both come in every row, and in the one row of NULLs
+        // the statement answers when it took nothing.
+        let flag = |column| {
+            rows.first()
+                .and_then(|row| row.try_get::<bool, _>(column).ok())
+        };
         let mut outcome = Outcome {
-            rows: rows.len(),
-            cut: first.try_get::<bool, _>(11).unwrap_or(false),
-            suspects: first.try_get::<bool, _>(12).unwrap_or(false),
+            cut: flag(11).unwrap_or(false),
+            suspects: flag(12).unwrap_or(false),
             ..Outcome::default()
         };
-        if outcome.suspects && lane != Lane::Exclusive {
-            mark(&cursor);
+        if rows
+            .first()
+            .is_some_and(|row| matches!(row.try_get::<Option<i64>, _>(0), Ok(None)))
+        {
+            rows.clear();
+        }
+        let mut batch = Batch::default();
+        if rows.is_empty() {
+            outcome.cursor = cursor;
+            return Ok(outcome);
         }
         // Every row is read before anything is sent: a row that cannot be read (stored data
         // edited by hand) is dead-lettered on its own instead of failing the batch. Each row
@@ -624,7 +681,6 @@ impl Relay {
                 continue;
             }
             if row.try_get::<bool, _>(8).unwrap_or(false) {
-                outcome.suspects = true;
                 tracing::warn!(outbox = %self.outbox.table(), id, attempt, "outbox message taken again, alone: its relay died while delivering it");
             }
             taken.push(match message(row) {
@@ -634,13 +690,14 @@ impl Relay {
         }
         // A batch that started where a suspect was left leaves the cursor where the others
         // have moved it since.
-        if !from_left {
+        if !from_mark {
             self.advance_cursor(&cursor, keys);
         }
+        outcome.cursor = cursor;
         if taken.is_empty() {
             self.metrics.dead.increment(batch.dead as u64);
             outcome.batch = batch;
-            return Ok(Some(outcome));
+            return Ok(outcome);
         }
 
         // The batch's transaction, with its timeouts, in one round trip (integers in ms). Its
@@ -766,7 +823,7 @@ impl Relay {
         self.metrics.retried.increment(batch.retried as u64);
         self.metrics.dead.increment(batch.dead as u64);
         outcome.batch = batch;
-        Ok(Some(outcome))
+        Ok(outcome)
     }
 
     /// Moves the cursor past the ordering keys the batch took: the next batch looks for
@@ -816,7 +873,7 @@ impl Relay {
     /// interval. Every batch in hand when `shutdown` completes is finished first. Failures are
     /// logged and retried; it never returns early.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) {
-        let lanes = Arc::new(Lanes::default());
+        let lanes = Arc::new(Lanes::new());
         let (stop, stopped) = tokio::sync::watch::channel(false);
         // Dropped with this future, the helpers are aborted with it, as the leading batch is.
         let mut helpers = tokio::task::JoinSet::new();
@@ -839,19 +896,17 @@ impl Relay {
                 () = lanes.backlog.notified() => {}
             }
             while !*stopped.borrow() {
-                match self.run_batch(Lane::Helping, lanes).await {
-                    // A suspect left for a batch alone, or the backlog gone: the leading
-                    // batch looks, alone.
-                    Ok(Some(outcome)) if outcome.suspects || outcome.rows == 0 => {
-                        lanes.wake.notify_one();
-                        break;
-                    }
-                    Ok(Some(outcome)) if outcome.more(self.settings.batch_size) => {}
-                    Ok(_) => break,
-                    Err(error) => {
+                match self.batch_in(lanes, Lane::Shared, true).await {
+                    // Full: more due at once. A suspect it left is marked for the leading lane,
+                    // which turns to it alone.
+                    Some(Ok(outcome))
+                        if !outcome.suspects && outcome.more(self.settings.batch_size) => {}
+                    Some(Err(error)) => {
                         tracing::warn!(outbox = %self.outbox.table(), error = &error as &dyn std::error::Error, "outbox batch failed; the relay's leading batch goes on");
                         break;
                     }
+                    // No connection to spare, the backlog gone, or a suspect left.
+                    _ => break,
                 }
             }
         }
@@ -877,33 +932,24 @@ impl Relay {
                 listener = None;
             }
             // A suspect a batch beside others left: the next batch looks for it, alone.
-            if lock(&lanes.suspect_at).is_some() {
+            if lanes.suspect_left() {
                 lane = Lane::Exclusive;
             }
-            let more = match self.run_batch(lane, lanes).await {
-                Ok(outcome) => {
-                    let outcome = outcome.unwrap_or_default();
-                    // A full batch, a suspect taken alone or left, or a batch the byte budget
-                    // cut short: more are due now. A batch beside others that found nothing
-                    // may have missed what its helpers left (a suspect): one alone looks.
-                    let more = outcome.more(self.settings.batch_size)
-                        || (lane != Lane::Exclusive && outcome.rows == 0);
-                    // Beside helpers through a backlog; alone for a suspect, and whenever the
-                    // relay comes back to the queue after waiting.
-                    lane = if helped && more && !outcome.suspects && outcome.rows > 0 {
-                        lanes.backlog.notify_waiters();
-                        Lane::Shared
-                    } else {
-                        Lane::Exclusive
-                    };
-                    more
-                }
-                Err(error) => {
-                    tracing::warn!(outbox = %self.outbox.table(), error = &error as &dyn std::error::Error, "outbox batch failed; retrying after the poll interval");
-                    lane = Lane::Exclusive;
-                    false
-                }
-            };
+            let result = self.batch_in(lanes, lane, false).await;
+            if let Some(Err(error)) = &result {
+                tracing::warn!(outbox = %self.outbox.table(), error = error as &dyn std::error::Error, "outbox batch failed; retrying after the poll interval");
+            }
+            let outcome = result.and_then(Result::ok);
+            let more;
+            (more, lane) = next_lane(
+                helped,
+                outcome.as_ref(),
+                lanes.suspect_left(),
+                self.settings.batch_size,
+            );
+            if lane == Lane::Shared {
+                lanes.backlog.notify_waiters();
+            }
             if last_reap.elapsed() >= self.settings.reap_every {
                 last_reap = tokio::time::Instant::now();
                 if let Err(error) = self.reap().await {
@@ -928,10 +974,12 @@ impl Relay {
                 continue;
             }
             let wait = tokio::time::sleep(self.settings.poll_interval);
+            let mut left = lanes.suspect_at.subscribe();
             tokio::select! {
                 () = &mut shutdown => return,
                 () = wait => {}
-                () = lanes.wake.notified() => {}
+                // A helper left a suspect meanwhile.
+                _ = left.wait_for(Option::is_some) => {}
                 notified = recv(&mut listener) => {
                     if !notified {
                         listener = None;
@@ -1058,4 +1106,82 @@ fn message(row: sqlx::postgres::PgRow) -> Result<Relayed, sqlx::Error> {
         attempt: attempt(row.try_get(6)?),
         ordering_key: row.try_get(9)?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Batch, Lane, Outcome, next_lane};
+
+    fn outcome(taken: usize, cut: bool, suspects: bool) -> Outcome {
+        Outcome {
+            batch: Batch {
+                taken,
+                ..Batch::default()
+            },
+            cut,
+            suspects,
+            ..Outcome::default()
+        }
+    }
+
+    /// The leading lane's next step after each kind of batch (batches of 4).
+    #[test]
+    fn the_leading_lane_runs_beside_helpers_only_through_a_backlog_without_suspects() {
+        use Lane::{Exclusive, Shared};
+        let cases = [
+            // (helped, outcome, a suspect left by a helper) => (at once, lane)
+            (true, None, false, (false, Exclusive)),
+            (true, Some(outcome(4, false, false)), false, (true, Shared)),
+            (
+                false,
+                Some(outcome(4, false, false)),
+                false,
+                (true, Exclusive),
+            ),
+            (true, Some(outcome(2, true, false)), false, (true, Shared)),
+            (
+                true,
+                Some(outcome(1, false, true)),
+                false,
+                (true, Exclusive),
+            ),
+            (
+                true,
+                Some(outcome(0, false, true)),
+                false,
+                (true, Exclusive),
+            ),
+            (
+                true,
+                Some(outcome(4, false, false)),
+                true,
+                (true, Exclusive),
+            ),
+            (
+                true,
+                Some(outcome(0, false, false)),
+                true,
+                (true, Exclusive),
+            ),
+            (
+                true,
+                Some(outcome(3, false, false)),
+                false,
+                (false, Exclusive),
+            ),
+            (
+                true,
+                Some(outcome(0, false, false)),
+                false,
+                (false, Exclusive),
+            ),
+        ];
+        for (helped, outcome, left, expected) in cases {
+            assert_eq!(
+                next_lane(helped, outcome.as_ref(), left, 4),
+                expected,
+                "{helped} {outcome:?} {left}"
+            );
+        }
+    }
 }

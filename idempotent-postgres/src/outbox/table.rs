@@ -399,7 +399,8 @@ impl OutboxSql {
     /// hundred times longer than the plan for a known limit.
     ///
     /// Binds `$1` the destinations the relay has sinks for, `$2` its `max_attempts`, `$3` the
-    /// ordering key after which the look for heads starts (see below). One statement,
+    /// ordering key after which the look for heads starts, `$4` whether the batch runs beside
+    /// others of its relay (see below). One statement,
     /// committed on its own (autocommit), so what it counts survives the relay:
     ///
     /// - **Candidates.** Messages without an ordering key, due, oldest first, through the
@@ -435,7 +436,8 @@ impl OutboxSql {
     ///   relay would be a crash of every batch it has under way.
     ///
     /// Returns `id, destination, message_key, payload, header_names, header_values, attempts,
-    /// exhausted (dead-lettered here), crashed, ordering_key, last_error, cut, suspects`
+    /// exhausted (dead-lettered here), crashed, ordering_key, last_error, cut, suspects`, a
+    /// row for each message taken, or one row of NULLs but the last two when none was
     /// (`cut` and `suspects` the same in every row: the byte budget left candidates out, so
     /// more are due at once; a suspect was among the candidates, taken alone, or left
     /// because `$4`).
@@ -579,14 +581,14 @@ impl OutboxSql {
                    FROM oldest WINDOW w AS (ORDER BY available_at, id)) s \
                    WHERE exhausted OR n = 1 OR upto <= {{bytes}}), \
                  suspect AS (SELECT id FROM candidates WHERE crashed AND NOT exhausted \
-                   AND NOT $4 ORDER BY available_at, id LIMIT 1), \
+                   ORDER BY available_at, id LIMIT 1), \
                  chosen AS (SELECT c.id, c.crashed, c.exhausted FROM candidates c \
-                   WHERE c.exhausted OR (NOT ($4 AND c.crashed) \
-                   AND (NOT EXISTS (SELECT 1 FROM suspect) \
-                   OR c.id = (SELECT id FROM suspect)))), \
+                   WHERE c.exhausted \
+                   OR (NOT c.crashed AND ($4 OR NOT EXISTS (SELECT 1 FROM suspect))) \
+                   OR (NOT $4 AND c.id = (SELECT id FROM suspect))), \
                  size AS (SELECT count(*) FILTER (WHERE NOT exhausted) = 1 AND NOT $4 AS alone \
-                   FROM chosen) \
-                 UPDATE {t} o SET \
+                   FROM chosen), \
+                 taken AS (UPDATE {t} o SET \
                    state = CASE WHEN c.exhausted THEN 'dead' ELSE o.state END, \
                    attempts = CASE WHEN c.exhausted THEN o.attempts \
                      ELSE LEAST(o.attempts, 2147483646) + 1 END, \
@@ -598,12 +600,13 @@ impl OutboxSql {
                    delivering_alone = CASE WHEN c.exhausted THEN NULL ELSE s.alone END \
                  FROM chosen c, size s WHERE o.id = c.id \
                  RETURNING o.id, o.destination, o.message_key, \
-                   CASE WHEN c.exhausted THEN NULL ELSE o.payload END, \
-                   o.header_names, o.header_values, o.attempts, c.exhausted, c.crashed, \
-                   o.ordering_key, o.last_error, \
+                   CASE WHEN c.exhausted THEN NULL ELSE o.payload END AS payload, \
+                   o.header_names, o.header_values, o.attempts, c.exhausted AS exhausted, \
+                   c.crashed AS crashed, o.ordering_key, o.last_error) \
+                 SELECT t.*, f.cut, f.suspects FROM (SELECT \
                    (SELECT count(*) FROM oldest) > (SELECT count(*) FROM candidates) AS cut, \
-                   EXISTS (SELECT 1 FROM candidates WHERE crashed AND NOT exhausted) \
-                     AS suspects",
+                   EXISTS (SELECT 1 FROM suspect) AS suspects) f \
+                 LEFT JOIN taken t ON true",
                 after_cursor = heads("after_cursor", "AND ordering_key > $3"),
                 up_to_cursor = heads("up_to_cursor", "AND ordering_key <= $3"),
             ),

@@ -121,6 +121,38 @@ pub async fn eventually<F: std::future::Future<Output = bool>>(
     idempotent_test_kit::process::eventually(what, BOUND, check).await;
 }
 
+/// Waits until `sink` has delivered `count` messages.
+pub async fn delivered_all(sink: &Recorder, count: usize) {
+    let sink = sink.clone();
+    eventually("every message delivered", || {
+        let sink = sink.clone();
+        async move { sink.delivered().len() == count }
+    })
+    .await;
+}
+
+/// Leaves messages `ids` as a relay that died delivering them leaves them, due now: their
+/// attempt counted (`attempts`), `delivering_since` set, `delivering_alone` as `alone`.
+pub async fn as_if_crashed(
+    pool: &PgPool,
+    outbox: &Outbox,
+    ids: &[i64],
+    attempts: i32,
+    alone: bool,
+) {
+    sqlx::query(&format!(
+        "UPDATE \"{}\" SET attempts = $2, delivering_since = clock_timestamp(), \
+         delivering_alone = $3 WHERE id = ANY($1)",
+        outbox.table()
+    ))
+    .bind(ids)
+    .bind(attempts)
+    .bind(alone)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// Runs `relay` batch after batch until a batch takes nothing and `done` holds.
 pub async fn drain(relay: &Relay, done: impl Fn() -> bool) {
     let start = Instant::now();
