@@ -411,8 +411,6 @@ enum Lane {
 #[derive(Debug, Default)]
 struct Outcome {
     batch: Batch,
-    /// The cursor its take started from.
-    cursor: String,
     /// The byte budget left due messages out: the next batch is due at once.
     cut: bool,
     /// A suspect was among the candidates: taken alone (an exclusive batch), or left for an
@@ -450,8 +448,8 @@ struct Lanes {
     /// to itself (one that may take a suspect): see "Concurrent batches".
     gate: tokio::sync::RwLock<()>,
     /// Where the next exclusive batch starts its search: the cursor a batch beside others
-    /// started from when it left a suspect (or an exclusive batch's, put back when its take
-    /// failed). The leading lane waits on it too.
+    /// started from when it left a suspect or failed, or that an exclusive batch started from
+    /// and put back (it took a suspect, or failed). The leading lane waits on it too.
     suspect_at: tokio::sync::watch::Sender<Option<String>>,
     /// The leading batch found a backlog: helpers, take batches beside it.
     backlog: tokio::sync::Notify,
@@ -528,15 +526,16 @@ impl Relay {
     /// clone, and may take a suspect.
     pub async fn run_once(&self) -> Result<Batch, StoreError> {
         let connection = self.pool.acquire().await.map_err(store_error)?;
-        let outcome = self.run_batch(connection, false, None).await?;
+        let cursor = lock(&self.cursor).clone();
+        let outcome = self.run_batch(connection, false, &cursor, true).await?;
         Ok(outcome.batch)
     }
 
     /// One batch of [`run`](Self::run) in `lane`: the gate first, then the connection (a
     /// batch waiting for the gate holds no connection, so the batches it waits for can always
     /// get theirs), then the batch; `None` when `spare` and the pool has no connection to
-    /// spare. A shared batch that left a suspect marks where it started; an exclusive one
-    /// starts from that mark, and puts it back if its take fails.
+    /// spare. A shared batch that saw a suspect (or failed) marks where it started; an
+    /// exclusive one starts from that mark, and puts it back if it took a suspect (or failed).
     async fn batch_in(
         &self,
         lanes: &Lanes,
@@ -557,19 +556,24 @@ impl Relay {
                 Err(error) => return Some(Err(store_error(error))),
             }
         };
+        // An exclusive batch starts where a suspect was left, if one was (and then leaves the
+        // relay's cursor where the others have moved it since).
         let start = match lane {
             Lane::Exclusive => lanes.suspect_at.send_replace(None),
             Lane::Shared => None,
         };
+        let from_mark = start.is_some();
+        let cursor = start.unwrap_or_else(|| lock(&self.cursor).clone());
         let result = self
-            .run_batch(connection, lane == Lane::Shared, start.clone())
+            .run_batch(connection, lane == Lane::Shared, &cursor, !from_mark)
             .await;
-        match (&result, start) {
-            (Ok(outcome), _) if lane == Lane::Shared && outcome.suspects => {
-                lanes.leave_suspect(&outcome.cursor);
-            }
-            (Err(_), Some(start)) => lanes.leave_suspect(&start),
-            _ => {}
+        // The mark is left (or put back) where this batch started when a suspect may be
+        // there still: a shared batch that saw one, or failed (after its take, perhaps, which
+        // moved the relay's cursor past it); an exclusive batch from the mark that took one
+        // (the next may be beside it) or failed.
+        let suspects = result.as_ref().map_or(true, |outcome| outcome.suspects);
+        if suspects && (lane == Lane::Shared || from_mark) {
+            lanes.leave_suspect(&cursor);
         }
         Some(result)
     }
@@ -613,23 +617,22 @@ impl Relay {
     }
 
     /// Delivers one batch on `connection`, and says what it found. `shared`: beside other
-    /// batches of the relay (the take takes no suspect and marks nothing alone). `start`: the
-    /// cursor to start the search from, instead of the relay's (which the batch then leaves
-    /// as the others have moved it).
+    /// batches of the relay (the take takes no suspect and marks nothing alone). `cursor`:
+    /// where the search for ordering keys' heads starts; `advance`: whether the batch then
+    /// moves the relay's cursor past the keys it took.
     async fn run_batch(
         &self,
         mut connection: sqlx::pool::PoolConnection<sqlx::Postgres>,
         shared: bool,
-        start: Option<String>,
+        cursor: &str,
+        advance: bool,
     ) -> Result<Outcome, StoreError> {
         let settings = &self.settings;
-        let from_mark = start.is_some();
-        let cursor = start.unwrap_or_else(|| lock(&self.cursor).clone());
         // Committed at once (autocommit): each attempt is counted before anything is sent.
         let take = sqlx::query(&self.take)
             .bind(&self.destinations[..])
             .bind(i32::try_from(settings.max_attempts).unwrap_or(i32::MAX))
-            .bind(cursor.as_str())
+            .bind(cursor)
             .bind(shared);
         let mut rows = (&mut *connection)
             .fetch_all(take)
@@ -657,7 +660,6 @@ impl Relay {
         }
         let mut batch = Batch::default();
         if rows.is_empty() {
-            outcome.cursor = cursor;
             return Ok(outcome);
         }
         // Every row is read before anything is sent: a row that cannot be read (stored data
@@ -690,10 +692,9 @@ impl Relay {
         }
         // A batch that started where a suspect was left leaves the cursor where the others
         // have moved it since.
-        if !from_mark {
-            self.advance_cursor(&cursor, keys);
+        if advance {
+            self.advance_cursor(cursor, keys);
         }
-        outcome.cursor = cursor;
         if taken.is_empty() {
             self.metrics.dead.increment(batch.dead as u64);
             outcome.batch = batch;
@@ -940,6 +941,7 @@ impl Relay {
                 tracing::warn!(outbox = %self.outbox.table(), error = error as &dyn std::error::Error, "outbox batch failed; retrying after the poll interval");
             }
             let outcome = result.and_then(Result::ok);
+            let failed = outcome.is_none();
             let more;
             (more, lane) = next_lane(
                 helped,
@@ -978,8 +980,10 @@ impl Relay {
             tokio::select! {
                 () = &mut shutdown => return,
                 () = wait => {}
-                // A helper left a suspect meanwhile.
-                _ = left.wait_for(Option::is_some) => {}
+                // A helper left a suspect meanwhile. Not after a failed batch: its mark would
+                // wake it at once, again and again while the database fails; the poll interval
+                // then brings the next batch to the mark.
+                _ = left.wait_for(Option::is_some), if !failed => {}
                 notified = recv(&mut listener) => {
                     if !notified {
                         listener = None;
@@ -1120,7 +1124,6 @@ mod tests {
             },
             cut,
             suspects,
-            ..Outcome::default()
         }
     }
 
@@ -1175,6 +1178,8 @@ mod tests {
                 false,
                 (false, Exclusive),
             ),
+            // A failed batch waits for the poll interval, mark or not.
+            (true, None, true, (false, Exclusive)),
         ];
         for (helped, outcome, left, expected) in cases {
             assert_eq!(
