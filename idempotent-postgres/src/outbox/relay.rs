@@ -1114,7 +1114,24 @@ fn message(row: sqlx::postgres::PgRow) -> Result<Relayed, sqlx::Error> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Batch, Lane, Outcome, next_lane};
+    use super::{Batch, Lane, MAX_CONCURRENT_BATCHES, Outcome, Relay, next_lane};
+    use crate::outbox::Outbox;
+
+    /// `concurrent_batches` is at least 1 and at most `MAX_CONCURRENT_BATCHES`, whatever it is
+    /// given (a relay spawns a task for each batch beyond the first).
+    #[tokio::test]
+    async fn concurrent_batches_is_kept_between_one_and_its_maximum() {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://localhost/unused")
+            .unwrap();
+        for (asked, kept) in [(0, 1), (1, 1), (2, 2), (64, 64), (65, 64), (u32::MAX, 64)] {
+            let relay = Relay::builder(pool.clone(), Outbox::new())
+                .concurrent_batches(asked)
+                .build();
+            assert_eq!(relay.settings.concurrent_batches, kept, "{asked}");
+        }
+        assert_eq!(MAX_CONCURRENT_BATCHES, 64);
+    }
 
     fn outcome(taken: usize, cut: bool, suspects: bool) -> Outcome {
         Outcome {
