@@ -305,6 +305,13 @@ pub(crate) struct OtherRows {
     pub(crate) bare_pg: Option<f64>,
 }
 
+/// The median of `rates` (the upper one of an even count), `None` for none.
+fn median_rate(rates: impl Iterator<Item = f64>) -> Option<f64> {
+    let mut rates: Vec<f64> = rates.collect();
+    rates.sort_by(f64::total_cmp);
+    rates.get(rates.len() / 2).copied()
+}
+
 impl OtherRows {
     /// Reads the outbox binary's output (one JSON object per line) and the consumer binary's
     /// `--out` file; a file that is missing or unreadable leaves its rows out.
@@ -313,14 +320,12 @@ impl OtherRows {
         if let Some(text) = outbox.and_then(|path| std::fs::read_to_string(path).ok()) {
             // The median of the runs in the file (`scripts/bench.sh --quick` runs it three
             // times), as the consumer's rows below.
-            let mut rates: Vec<f64> = text
-                .lines()
-                .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-                .filter(|row| row["row"] == "relay/discard" && row["relays"] == 1)
-                .filter_map(|row| row["messages_per_sec"].as_f64())
-                .collect();
-            rates.sort_by(f64::total_cmp);
-            rows.relay = rates.get(rates.len() / 2).copied();
+            rows.relay = median_rate(
+                text.lines()
+                    .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+                    .filter(|row| row["row"] == "relay/discard" && row["relays"] == 1)
+                    .filter_map(|row| row["messages_per_sec"].as_f64()),
+            );
         }
         let consumer = consumer
             .and_then(|path| std::fs::read(path).ok())
@@ -330,13 +335,12 @@ impl OtherRows {
             let row = consumer
                 .iter()
                 .find(|row| row["broker"] == "redis" && row["row"] == name)?;
-            let mut rates: Vec<f64> = row["runs"]
-                .as_array()?
-                .iter()
-                .filter_map(|run| run["rate"].as_f64())
-                .collect();
-            rates.sort_by(f64::total_cmp);
-            rates.get(rates.len() / 2).copied()
+            median_rate(
+                row["runs"]
+                    .as_array()?
+                    .iter()
+                    .filter_map(|run| run["rate"].as_f64()),
+            )
         };
         rows.consumer_pg = median("runtime-pg");
         rows.bare_pg = median("bare-pg");
