@@ -689,9 +689,10 @@ impl SessionStore for PostgresStore {
         Connections::settle(connection, result)
     }
 
-    /// One call of the session claim function (see `migrate`): the gate and, admitted, the
-    /// claim, in one transaction that holds the session's row from the gate to the claim, so
-    /// no check of the mark follows.
+    /// One statement in the common case (a live session, the request admitted, nothing left
+    /// unacknowledged above the new mark), else one call of the session claim function (see
+    /// `migrate`): the gate and, admitted, the claim, in one transaction that holds the
+    /// session's row from the gate to the claim, so no check of the mark follows.
     async fn claim_in_session(
         &self,
         session: &SessionKey,

@@ -53,6 +53,9 @@ pub(crate) struct Sql {
     /// [`SessionStore::claim_in_session`](idempotent_core::SessionStore::claim_in_session): one
     /// call of the function `migrate` creates (see [`session_claim_function`]).
     pub(crate) session_claim: String,
+    /// The same call's common case as one plain statement, tried first (see
+    /// [`session_claim_common`]): no row when it does not apply, and the function runs.
+    pub(crate) session_claim_common: String,
     /// The give-back of a session claim whose caller stopped waiting: `$1` the session's own
     /// storage key, `$2` the claimant, `$3` the request's `seq`; its record is found through the
     /// session's epoch.
@@ -154,6 +157,7 @@ impl Sql {
                  AND coalesce(r.kept_until, r.expires_at) > clock_timestamp()",
         );
         let session_fn = qualify(&format!("{name}_session_claim"));
+        let session_claim_common = session_claim_common(&t, &claim);
         Ok(Sql {
             table: table.to_owned(),
             migrate: [
@@ -325,6 +329,7 @@ impl Sql {
                      LIMIT $2 FOR UPDATE SKIP LOCKED)"
             ),
             open_session: open_session(&t, &seq),
+            session_claim_common,
             session_claim: format!(
                 "SELECT o_gate AS gate, o_epoch AS epoch, o_mark AS mark, o_state AS state, \
                  o_token AS token, o_lifetime AS lifetime, o_fingerprint AS fingerprint, \
@@ -520,24 +525,44 @@ impl Sql {
         claimant: i64,
         label: &[u8],
     ) -> Result<SessionClaim, StoreError> {
-        let query = sqlx::query(&self.session_claim)
-            .bind(params.record.as_ref())
-            .bind(params.seq)
-            .bind(params.ack)
-            .bind(params.window)
-            .bind(params.idle)
-            .bind(fingerprint.as_bytes().as_slice())
-            .bind(micros(limits::clamp_lease(lease)))
-            .bind(claimant)
-            .bind(label);
-        let row = match (&mut *connection).fetch_one(query).await {
+        let query = |sql| {
+            sqlx::query(sql)
+                .bind(params.record.as_ref())
+                .bind(params.seq)
+                .bind(params.ack)
+                .bind(params.window)
+                .bind(params.idle)
+                .bind(fingerprint.as_bytes().as_slice())
+                .bind(micros(limits::clamp_lease(lease)))
+                .bind(claimant)
+                .bind(label)
+        };
+        // The common case first, as one statement; every other case (a new, expired, corrupt
+        // or older release's session, a refusal, answers left above the mark) is the
+        // function's.
+        let row = match (&mut *connection)
+            .fetch_optional(query(&self.session_claim_common))
+            .await
+        {
+            Ok(Some(row)) => Ok(row),
+            Ok(None) => {
+                (&mut *connection)
+                    .fetch_one(query(&self.session_claim))
+                    .await
+            }
+            Err(error) => Err(error),
+        };
+        let row = match row {
             Ok(row) => row,
-            // A table migrated by an older release.
-            Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("42883") => {
+            // A table migrated by an older release: no `idle_until` column (42703), or no
+            // session claim function (42883).
+            Err(sqlx::Error::Database(error))
+                if matches!(error.code().as_deref(), Some("42703" | "42883")) =>
+            {
                 return Err(StoreError::Backend(
                     format!(
-                        "the session claim function of table {} is missing ({error}): run \
-                         PostgresStore::migrate",
+                        "the session claim of table {} needs what migrate creates ({error}): \
+                         run PostgresStore::migrate",
                         self.table
                     )
                     .into(),
@@ -778,6 +803,103 @@ fn session_claim_function(name: &str, gate: &str, claim: &str) -> String {
          RETURN QUERY SELECT 'lost'::text, v_gate.epoch, v_gate.mark, {nothing};\n\
          END\n\
          $fn$"
+    )
+}
+
+/// The session claim function's common case as one plain statement, tried before the function
+/// (the function's parameters, `$1` to `$9`): a live session written by 0.4 (an empty, not NULL,
+/// `payload`) that is a valid session, admits the request (`ack < seq <= mark + window`, the
+/// mark being the greater of the stored one and `ack`), and whose answers above the new mark
+/// are none (its highest number admitted is at most the new mark: the client acknowledged
+/// everything it was answered, as a client sending one request at a time does). It answers the
+/// function's row for such a request (`open`, the epoch, the mark and the claim's columns), and
+/// no row otherwise: then the function runs, and decides every other case as it always has.
+///
+/// It writes what the function's gate writes in that case, no more: the session's row gets the
+/// new mark, the request's `seq` as its highest number, and the end of its idle time
+/// (`idle_until`, exact; `expires_at` moved on only when less than the idle time is left, as the
+/// gate does), and the answers the mark now covers (`old mark + 1 ..= old high`) are deleted.
+/// The locking is the gate's: `o` reads the session's row `FOR UPDATE` (a statement that waited
+/// for the lock reads the row as the one before it left it, its conditions checked again on
+/// that version), and the update and the delete follow under that lock. The claim is the
+/// claim statement on the request's row `digest ‖ epoch ‖ seq`. Where it finds no row to answer
+/// with (a race it cannot see, as the function's claim would run again), it answers none, and
+/// the function, whose gate admits the same request again without changing anything, claims
+/// it.
+///
+/// One statement rather than the function's two inside PL/pgSQL: PostgreSQL spends most of a
+/// session request's time starting the executor for each statement's plan (BENCHMARKS.md,
+/// "issue 43, eighth part").
+fn session_claim_common(t: &str, claim: &str) -> String {
+    let max = idempotent_core::session::MAX_SEQ;
+    let max_us = MAX_MICROS;
+    let key = "(SELECT key FROM s)";
+    // The claim's parameters, as the function's (`session_claim_function`).
+    let claim = renumber(claim, |n| match n {
+        1 => key.to_owned(),
+        2 => "$6".to_owned(),
+        3 => "$7".to_owned(),
+        4 => "$5".to_owned(),
+        5 => "$8".to_owned(),
+        6 => "$9".to_owned(),
+        other => panic!("the claim statement has no parameter ${other}"),
+    });
+    let claim = claim
+        .strip_prefix("WITH ")
+        .expect("the claim statement begins with its CTEs");
+    let admitted = "'open'::text AS gate, (SELECT epoch FROM s) AS epoch, \
+         (SELECT mark FROM s) AS mark,";
+    let claim = claim
+        .replacen(
+            "WHERE NOT EXISTS (SELECT FROM live)",
+            "WHERE NOT EXISTS (SELECT FROM live) AND EXISTS (SELECT FROM s)",
+            1,
+        )
+        .replacen(
+            "SELECT 'claimed'::text AS state,",
+            &format!("SELECT {admitted} 'claimed'::text AS state,"),
+            1,
+        )
+        .replacen(
+            "SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live",
+            &format!(
+                "SELECT {admitted} state, NULL, NULL, fingerprint, payload, remaining_us FROM live"
+            ),
+            1,
+        );
+    assert_eq!(
+        claim.matches(admitted).count(),
+        2,
+        "the claim's two answers"
+    );
+    assert!(
+        claim.contains("AND EXISTS (SELECT FROM s)"),
+        "the claim waits for the gate"
+    );
+    format!(
+        "WITH o AS (\
+             SELECT token, lifetime, claimant FROM {t} \
+             WHERE storage_key = $1 AND state = 'session' AND payload IS NOT NULL \
+             AND coalesce(idle_until, expires_at) > clock_timestamp() \
+             AND token BETWEEN 0 AND {max} AND lifetime BETWEEN 0 AND {max} AND claimant > 0 \
+             AND $2 > greatest(token, $3) AND $2 <= greatest(token, $3) + $4 \
+             AND lifetime <= greatest(token, $3) \
+             FOR UPDATE\
+         ), s AS (\
+             UPDATE {t} AS n SET token = greatest(o.token, $3), lifetime = $2, \
+             idle_until = clock_timestamp() + $5 * interval '1 microsecond', \
+             expires_at = CASE WHEN n.expires_at >= clock_timestamp() + $5 * interval '1 microsecond' \
+                 THEN n.expires_at \
+                 ELSE clock_timestamp() + least($5 * 3 / 2, {max_us}) * interval '1 microsecond' END \
+             FROM o WHERE n.storage_key = $1 \
+             RETURNING substring($1 from 1 for 32) || int8send(o.claimant) AS p, \
+             o.token AS old_mark, o.lifetime AS old_high, o.claimant AS epoch, n.token AS mark, \
+             substring($1 from 1 for 32) || int8send(o.claimant) || int8send($2) AS key\
+         ), d AS (\
+             DELETE FROM {t} \
+             WHERE storage_key > (SELECT p || int8send(old_mark) FROM s) \
+             AND storage_key <= (SELECT p || int8send(old_high) FROM s)\
+         ), {claim}"
     )
 }
 

@@ -950,6 +950,117 @@ async fn a_session_claim_without_the_function_says_to_migrate() {
     ));
 }
 
+/// A session request in the common case (a live session, its request admitted, nothing left
+/// unacknowledged above the new mark) is made by one plain statement, without the session claim
+/// function; every other case is the function's. Shown by replacing the function with one that
+/// fails: the common requests still succeed, and each other case reaches it.
+#[tokio::test]
+async fn a_session_request_in_the_common_case_does_not_call_the_function() {
+    use idempotent_core::SessionClaim;
+    use idempotent_core::inspect::KeyLabel;
+    let Some(url) = postgres_url() else {
+        return;
+    };
+    let store = store_on_fresh_table(&url, |b| b).await;
+    let session = fresh_session();
+    let label = KeyLabel::from_bytes(Bytes::new());
+    let idle = Duration::from_secs(60);
+    let ask = |seq: u64, ack: u64| {
+        let (store, label) = (store.clone(), label.clone());
+        async move {
+            store
+                .claim_in_session(
+                    &session,
+                    SessionRequest::new(seq, ack, 8, idle),
+                    &Fingerprint::from_bytes(&seq.to_be_bytes()),
+                    Duration::from_secs(30),
+                    &label,
+                )
+                .await
+        }
+    };
+    let answer = |seq: u64, epoch: u64, token: idempotent_core::FencingToken| {
+        let store = store.clone();
+        async move {
+            store
+                .complete(
+                    &session.seq_key(epoch, seq),
+                    token,
+                    Bytes::from(seq.to_string()),
+                    idle,
+                )
+                .await
+                .unwrap();
+        }
+    };
+    let claimed = |result: Result<SessionClaim, StoreError>| match result {
+        Ok(SessionClaim::Admitted {
+            epoch,
+            claim: Claim::Claimed(token),
+        }) => (epoch, token),
+        other => panic!("expected a claim, got {other:?}"),
+    };
+    // The session starts through the function (no row yet).
+    let (epoch, token) = claimed(ask(1, 0).await);
+    answer(1, epoch, token).await;
+    let function = format!("\"{}_session_claim\"", store.table());
+    sqlx::query(&format!(
+        "CREATE OR REPLACE FUNCTION {function}(bytea, int8, int8, int8, int8, bytea, int8, int8, \
+         bytea) RETURNS TABLE (o_gate text, o_epoch int8, o_mark int8, o_state text, \
+         o_token int8, o_lifetime int8, o_fingerprint bytea, o_payload bytea, \
+         o_remaining_us int8) LANGUAGE plpgsql AS $$ BEGIN \
+         RAISE EXCEPTION 'the session claim function ran'; END $$"
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let reached_the_function = |result: Result<SessionClaim, StoreError>| match result {
+        Err(StoreError::Backend(error)) => {
+            assert!(
+                error.to_string().contains("the session claim function ran"),
+                "{error}"
+            )
+        }
+        other => panic!("expected the function's error, got {other:?}"),
+    };
+    // Requests that acknowledge the one before: the common case, each claimed, each dropping
+    // the answer it acknowledges.
+    for seq in 2..=5 {
+        let (same_epoch, token) = claimed(ask(seq, seq - 1).await);
+        assert_eq!(same_epoch, epoch);
+        answer(seq, epoch, token).await;
+        // The session's own row, and request `seq`'s.
+        assert_eq!(
+            session_rows(&store, &session).await,
+            2,
+            "after request {seq}"
+        );
+    }
+    // A request that leaves the one before unacknowledged (here 6, acknowledging 4, leaves 5
+    // above its mark) is the function's, as is a refusal (3, which the mark covers), an
+    // unknown session, and a request past the window.
+    reached_the_function(ask(6, 4).await);
+    reached_the_function(ask(3, 5).await);
+    let other = fresh_session();
+    reached_the_function(
+        store
+            .claim_in_session(
+                &other,
+                SessionRequest::new(1, 0, 8, idle),
+                &Fingerprint::from_bytes(b"other"),
+                Duration::from_secs(30),
+                &label,
+            )
+            .await,
+    );
+    reached_the_function(ask(20, 5).await);
+    // With the function back, the session goes on where the common case left it.
+    store.migrate().await.unwrap();
+    let (same_epoch, _) = claimed(ask(6, 5).await);
+    assert_eq!(same_epoch, epoch);
+    assert_eq!(session_rows(&store, &session).await, 2);
+}
+
 /// A session's row keeps its indexed `expires_at` (one and a half idle times ahead) while a
 /// request moves only the exact end of its idle time, `idle_until`; `expires_at` moves once it
 /// has less than the idle time left, and stays at or after `idle_until`.
