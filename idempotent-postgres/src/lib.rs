@@ -100,7 +100,8 @@ pub const DEFAULT_REAP_GRACE: Duration = Duration::from_secs(60);
 /// # }
 /// ```
 ///
-/// Every operation is one SQL statement and one round trip: a replay costs one `claim`; a fresh call a `claim` and a `complete`, plus a `renew` every
+/// Every operation of a key is one SQL statement and one round trip: a replay costs one
+/// `claim`; a fresh call a `claim` and a `complete`, plus a `renew` every
 /// third of the lease while the work runs. Every time comparison uses the database's clock
 /// (`clock_timestamp()`), so app servers with skewed clocks agree on when a lease ends.
 ///
@@ -689,10 +690,11 @@ impl SessionStore for PostgresStore {
         Connections::settle(connection, result)
     }
 
-    /// One statement in the common case (a live session, the request admitted, nothing left
-    /// unacknowledged above the new mark), else one call of the session claim function (see
-    /// `migrate`): the gate and, admitted, the claim, in one transaction that holds the
-    /// session's row from the gate to the claim, so no check of the mark follows.
+    /// The gate and, admitted, the claim, in one transaction that holds the session's row from
+    /// the gate to the claim, so no check of the mark follows: one plain statement in the
+    /// common case (a live session, the request admitted, nothing left unacknowledged above the
+    /// new mark), and when that statement answers nothing, one call of the session claim
+    /// function (see `migrate`), which decides every case.
     async fn claim_in_session(
         &self,
         session: &SessionKey,

@@ -515,7 +515,9 @@ impl Sql {
         ))
     }
 
-    /// The session claim function on `connection` (see [`session_claim_function`]).
+    /// A session request on `connection`: the common case's statement
+    /// ([`session_claim_common`]), and when it answers nothing, the session claim function
+    /// ([`session_claim_function`]).
     pub(crate) async fn claim_in_session_on(
         &self,
         connection: &mut PgConnection,
@@ -878,18 +880,20 @@ fn session_claim_common(t: &str, claim: &str) -> String {
     );
     format!(
         "WITH o AS (\
-             SELECT token, lifetime, claimant FROM {t} \
+             SELECT token, lifetime, claimant, \
+             clock_timestamp() + $5 * interval '1 microsecond' AS until FROM {t} \
              WHERE storage_key = $1 AND state = 'session' AND payload IS NOT NULL \
              AND coalesce(idle_until, expires_at) > clock_timestamp() \
-             AND token BETWEEN 0 AND {max} AND lifetime BETWEEN 0 AND {max} AND claimant > 0 \
-             AND $2 > greatest(token, $3) AND $2 <= greatest(token, $3) + $4 \
-             AND lifetime <= greatest(token, $3) \
+             AND CASE WHEN token BETWEEN 0 AND {max} AND lifetime BETWEEN 0 AND {max} \
+                 AND claimant > 0 \
+                 THEN $2 > greatest(token, $3) AND $2 <= greatest(token, $3) + $4 \
+                 AND lifetime <= greatest(token, $3) \
+                 ELSE false END \
              FOR UPDATE\
          ), s AS (\
              UPDATE {t} AS n SET token = greatest(o.token, $3), lifetime = $2, \
-             idle_until = clock_timestamp() + $5 * interval '1 microsecond', \
-             expires_at = CASE WHEN n.expires_at >= clock_timestamp() + $5 * interval '1 microsecond' \
-                 THEN n.expires_at \
+             idle_until = o.until, \
+             expires_at = CASE WHEN n.expires_at >= o.until THEN n.expires_at \
                  ELSE clock_timestamp() + least($5 * 3 / 2, {max_us}) * interval '1 microsecond' END \
              FROM o WHERE n.storage_key = $1 \
              RETURNING substring($1 from 1 for 32) || int8send(o.claimant) AS p, \

@@ -834,10 +834,11 @@ async fn a_refused_repair_leaves_the_row_to_its_owner() {
     assert!(matches!(completed, Ok(Ok(()))), "{completed:?}");
 }
 
-/// A session claim (one call of the session claim function) that lands after its caller
-/// stopped waiting (the database was frozen) is given back through the session's epoch once
-/// the database answers: the same request then takes it over, or claims it anew if the
-/// database never committed it, instead of waiting out its lease.
+/// A session claim that lands after its caller stopped waiting (the database was frozen) is
+/// given back through the session's epoch once the database answers: the same request then
+/// takes it over, or claims it anew if the database never committed it, instead of waiting out
+/// its lease. The request acknowledges the one before it, so what is frozen in flight is the
+/// statement that claims it (the common case's), not one that would find it not its case.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_claim_whose_caller_stopped_waiting_is_given_back() {
     use idempotent_core::SessionClaim;
@@ -857,7 +858,7 @@ async fn a_session_claim_whose_caller_stopped_waiting_is_given_back() {
             store
                 .claim_in_session(
                     &session,
-                    SessionRequest::new(seq, 0, 8, idle),
+                    SessionRequest::new(seq, seq - 1, 8, idle),
                     &f,
                     lease,
                     &label,
@@ -867,7 +868,16 @@ async fn a_session_claim_whose_caller_stopped_waiting_is_given_back() {
     };
     // The session starts, so the request's record is found through its epoch.
     let epoch = match ask(1).await.unwrap() {
-        SessionClaim::Admitted { epoch, .. } => epoch,
+        SessionClaim::Admitted {
+            epoch,
+            claim: Claim::Claimed(token),
+        } => {
+            store
+                .complete(&session.seq_key(epoch, 1), token, Bytes::new(), idle)
+                .await
+                .unwrap();
+            epoch
+        }
         other => panic!("request 1: {other:?}"),
     };
     let frozen = postgres.freeze();
@@ -902,8 +912,9 @@ async fn a_session_claim_whose_caller_stopped_waiting_is_given_back() {
     }
 }
 
-/// A table migrated by an older release has no session claim function: a session request is
-/// a `backend` error naming it (and what to run), never a panic or a silent fallback, and
+/// A table migrated by an older release has no session claim function: a session request that
+/// needs it (here a new session's first, which the common case's statement does not make) is a
+/// `backend` error naming it (and what to run), never a panic or a silent fallback, and
 /// `migrate` creates it.
 #[tokio::test]
 async fn a_session_claim_without_the_function_says_to_migrate() {
@@ -1036,6 +1047,24 @@ async fn a_session_request_in_the_common_case_does_not_call_the_function() {
             "after request {seq}"
         );
     }
+    // The session's row as the common case left it: mark, highest number, end of idle time.
+    let row = || {
+        let store = store.clone();
+        async move {
+            let row: (i64, i64, i64) = sqlx::query_as(&format!(
+                "SELECT token, lifetime, (EXTRACT(EPOCH FROM idle_until) * 1000000)::int8 \
+                 FROM \"{}\" WHERE storage_key = $1",
+                store.table()
+            ))
+            .bind(session.record_key().record_bytes().as_ref().to_vec())
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+            row
+        }
+    };
+    let before = row().await;
+    assert_eq!((before.0, before.1), (4, 5), "mark 4, highest 5");
     // A request that leaves the one before unacknowledged (here 6, acknowledging 4, leaves 5
     // above its mark) is the function's, as is a refusal (3, which the mark covers), an
     // unknown session, and a request past the window.
@@ -1054,11 +1083,28 @@ async fn a_session_request_in_the_common_case_does_not_call_the_function() {
             .await,
     );
     reached_the_function(ask(20, 5).await);
-    // With the function back, the session goes on where the common case left it.
+    // None of them wrote anything on their way to the function.
+    assert_eq!(row().await, before);
+    // A row an older release wrote last (NULL in `payload`) is the function's too, even for a
+    // request that would otherwise be the common case.
+    sqlx::query(&format!(
+        "UPDATE \"{}\" SET payload = NULL WHERE storage_key = $1",
+        store.table()
+    ))
+    .bind(session.record_key().record_bytes().as_ref().to_vec())
+    .execute(store.pool())
+    .await
+    .unwrap();
+    reached_the_function(ask(6, 5).await);
+    assert_eq!(row().await, before);
+    // With the function back, it takes the session on from the row the common case wrote:
+    // request 6 is admitted in the same epoch and its acknowledgement drops answer 5.
     store.migrate().await.unwrap();
     let (same_epoch, _) = claimed(ask(6, 5).await);
     assert_eq!(same_epoch, epoch);
     assert_eq!(session_rows(&store, &session).await, 2);
+    let after = row().await;
+    assert_eq!((after.0, after.1), (5, 6), "mark 5, highest 6");
 }
 
 /// A session's row keeps its indexed `expires_at` (one and a half idle times ahead) while a
