@@ -751,35 +751,7 @@ fn session_claim_function(name: &str, gate: &str, claim: &str) -> String {
         .rsplit_once(" FROM known AS k LEFT JOIN decided AS d ON true")
         .expect("the gate statement ends with its answer");
     assert!(from.is_empty(), "the gate's answer is its last clause");
-    // The claim's parameters, as the function's.
-    let claim = renumber(claim, |n| match n {
-        1 => "v_key".to_owned(),
-        2 => "$6".to_owned(),
-        3 => "$7".to_owned(),
-        4 => "$5".to_owned(),
-        5 => "$8".to_owned(),
-        6 => "$9".to_owned(),
-        other => panic!("the claim statement has no parameter ${other}"),
-    });
-    let admitted = "'open'::text, v_gate.epoch, v_gate.mark,";
-    let claim = claim
-        .replacen(
-            "SELECT 'claimed'::text AS state,",
-            &format!("SELECT {admitted} 'claimed'::text AS state,"),
-            1,
-        )
-        .replacen(
-            "SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live",
-            &format!(
-                "SELECT {admitted} state, NULL, NULL, fingerprint, payload, remaining_us FROM live"
-            ),
-            1,
-        );
-    assert_eq!(
-        claim.matches(admitted).count(),
-        2,
-        "the claim's two answers"
-    );
+    let claim = admitted_claim(claim, "v_key", "'open'::text, v_gate.epoch, v_gate.mark,");
     let nothing = "NULL::text, NULL::int8, NULL::int8, NULL::bytea, NULL::bytea, NULL::int8";
     format!(
         "CREATE OR REPLACE FUNCTION {name}(bytea, int8, int8, int8, int8, bytea, int8, int8, bytea) \
@@ -835,45 +807,19 @@ fn session_claim_function(name: &str, gate: &str, claim: &str) -> String {
 fn session_claim_common(t: &str, claim: &str) -> String {
     let max = idempotent_core::session::MAX_SEQ;
     let max_us = MAX_MICROS;
-    let key = "(SELECT key FROM s)";
-    // The claim's parameters, as the function's (`session_claim_function`).
-    let claim = renumber(claim, |n| match n {
-        1 => key.to_owned(),
-        2 => "$6".to_owned(),
-        3 => "$7".to_owned(),
-        4 => "$5".to_owned(),
-        5 => "$8".to_owned(),
-        6 => "$9".to_owned(),
-        other => panic!("the claim statement has no parameter ${other}"),
-    });
+    let claim = admitted_claim(
+        claim,
+        "(SELECT key FROM s)",
+        "'open'::text AS gate, (SELECT epoch FROM s) AS epoch, (SELECT mark FROM s) AS mark,",
+    );
     let claim = claim
         .strip_prefix("WITH ")
-        .expect("the claim statement begins with its CTEs");
-    let admitted = "'open'::text AS gate, (SELECT epoch FROM s) AS epoch, \
-         (SELECT mark FROM s) AS mark,";
-    let claim = claim
+        .expect("the claim statement begins with its CTEs")
         .replacen(
             "WHERE NOT EXISTS (SELECT FROM live)",
             "WHERE NOT EXISTS (SELECT FROM live) AND EXISTS (SELECT FROM s)",
             1,
-        )
-        .replacen(
-            "SELECT 'claimed'::text AS state,",
-            &format!("SELECT {admitted} 'claimed'::text AS state,"),
-            1,
-        )
-        .replacen(
-            "SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live",
-            &format!(
-                "SELECT {admitted} state, NULL, NULL, fingerprint, payload, remaining_us FROM live"
-            ),
-            1,
         );
-    assert_eq!(
-        claim.matches(admitted).count(),
-        2,
-        "the claim's two answers"
-    );
     assert!(
         claim.contains("AND EXISTS (SELECT FROM s)"),
         "the claim waits for the gate"
@@ -905,6 +851,40 @@ fn session_claim_common(t: &str, claim: &str) -> String {
              AND storage_key <= (SELECT p || int8send(old_high) FROM s)\
          ), {claim}"
     )
+}
+
+/// The claim statement `claim` on a session's request: its key (`$1`) is `key`, its other
+/// parameters the session claim's (the function's `$5` to `$9`), and each of its two answers
+/// begins with the columns `admitted` (the gate's answer: `open`, the epoch, the mark).
+fn admitted_claim(claim: &str, key: &str, admitted: &str) -> String {
+    let claim = renumber(claim, |n| match n {
+        1 => key.to_owned(),
+        2 => "$6".to_owned(),
+        3 => "$7".to_owned(),
+        4 => "$5".to_owned(),
+        5 => "$8".to_owned(),
+        6 => "$9".to_owned(),
+        other => panic!("the claim statement has no parameter ${other}"),
+    });
+    let claim = claim
+        .replacen(
+            "SELECT 'claimed'::text AS state,",
+            &format!("SELECT {admitted} 'claimed'::text AS state,"),
+            1,
+        )
+        .replacen(
+            "SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live",
+            &format!(
+                "SELECT {admitted} state, NULL, NULL, fingerprint, payload, remaining_us FROM live"
+            ),
+            1,
+        );
+    assert_eq!(
+        claim.matches(admitted).count(),
+        2,
+        "the claim's two answers"
+    );
+    claim
 }
 
 /// `sql` with each parameter `$n` replaced by `to(n)`.
