@@ -796,10 +796,14 @@ fn session_claim_function(name: &str, gate: &str, claim: &str) -> String {
 /// The locking is the gate's: `o` reads the session's row `FOR UPDATE` (a statement that waited
 /// for the lock reads the row as the one before it left it, its conditions checked again on
 /// that version), and the update and the delete follow under that lock. The claim is the
-/// claim statement on the request's row `digest ‖ epoch ‖ seq`. Where it finds no row to answer
-/// with (a race it cannot see, as the function's claim would run again), it answers none, and
-/// the function, whose gate admits the same request again without changing anything, claims
-/// it.
+/// claim statement's insert of the request's row `digest ‖ epoch ‖ seq` (`claimed`, answered as
+/// the claim statement answers a new row: `claimed`, its token as its lifetime), which cannot be
+/// there yet: the request's number is above every number the session admitted in its epoch
+/// (the highest only grows, an epoch is never drawn twice), and a number is admitted before its
+/// row is claimed. If a row is there anyway, nothing is inserted and it answers none; the
+/// function, whose gate admits the same request again without changing anything, then decides
+/// it from the row. Leaving out the claim statement's read of a live row and its takeover
+/// (`ON CONFLICT DO UPDATE`) is what makes this statement cheap.
 ///
 /// One statement rather than the function's two inside PL/pgSQL: PostgreSQL spends most of a
 /// session request's time starting the executor for each statement's plan (BENCHMARKS.md,
@@ -807,23 +811,20 @@ fn session_claim_function(name: &str, gate: &str, claim: &str) -> String {
 fn session_claim_common(t: &str, claim: &str) -> String {
     let max = idempotent_core::session::MAX_SEQ;
     let max_us = MAX_MICROS;
-    let claim = admitted_claim(
-        claim,
-        "(SELECT key FROM s)",
-        "'open'::text AS gate, (SELECT epoch FROM s) AS epoch, (SELECT mark FROM s) AS mark,",
-    );
-    let claim = claim
-        .strip_prefix("WITH ")
-        .expect("the claim statement begins with its CTEs")
-        .replacen(
-            "WHERE NOT EXISTS (SELECT FROM live)",
-            "WHERE NOT EXISTS (SELECT FROM live) AND EXISTS (SELECT FROM s)",
-            1,
-        );
-    assert!(
-        claim.contains("AND EXISTS (SELECT FROM s)"),
-        "the claim waits for the gate"
-    );
+    // The claim statement's insert of a new row, with the session's parameters (as the
+    // function's, `admitted_claim`) and the request's key from `s`: a row already there is not
+    // the common case, and the function decides it.
+    let (_, insert) = claim
+        .split_once("claimed AS (")
+        .expect("the claim statement's insert");
+    let (insert, _) = insert
+        .split_once(" WHERE NOT EXISTS (SELECT FROM live)")
+        .expect("the claim statement inserts only when no row is live");
+    assert!(insert.starts_with("INSERT INTO "), "{insert}");
+    let insert = renumber(insert, |n| match n {
+        1 => "s.key".to_owned(),
+        n => session_claim_parameter(n),
+    });
     format!(
         "WITH o AS (\
              SELECT token, lifetime, claimant, \
@@ -849,22 +850,37 @@ fn session_claim_common(t: &str, claim: &str) -> String {
              DELETE FROM {t} \
              WHERE storage_key > (SELECT p || int8send(old_mark) FROM s) \
              AND storage_key <= (SELECT p || int8send(old_high) FROM s)\
-         ), {claim}"
+         ), claimed AS (\
+             {insert} FROM s ON CONFLICT (storage_key) DO NOTHING RETURNING token\
+         ) \
+         SELECT 'open'::text AS gate, s.epoch, s.mark, 'claimed'::text AS state, c.token, \
+         c.token AS lifetime, NULL::bytea AS fingerprint, NULL::bytea AS payload, \
+         NULL::int8 AS remaining_us FROM claimed AS c, s"
     )
 }
 
-/// The claim statement `claim` on a session's request: its key (`$1`) is `key`, its other
-/// parameters the session claim's (the function's `$5` to `$9`), and each of its two answers
-/// begins with the columns `admitted` (the gate's answer: `open`, the epoch, the mark).
+/// The session claim's parameter (the function's `$5` to `$9`) that stands for the claim
+/// statement's parameter `$n` (2 to 6: fingerprint, lease, TTL, claimant, label); its key,
+/// `$1`, is the caller's.
+fn session_claim_parameter(n: usize) -> String {
+    match n {
+        2 => "$6",
+        3 => "$7",
+        4 => "$5",
+        5 => "$8",
+        6 => "$9",
+        other => panic!("the claim statement has no parameter ${other}"),
+    }
+    .to_owned()
+}
+
+/// The claim statement `claim` on a session's request in the session claim function: its key
+/// (`$1`) is `key`, its other parameters the function's, and each of its two answers begins
+/// with the columns `admitted` (the gate's answer: `open`, the epoch, the mark).
 fn admitted_claim(claim: &str, key: &str, admitted: &str) -> String {
     let claim = renumber(claim, |n| match n {
         1 => key.to_owned(),
-        2 => "$6".to_owned(),
-        3 => "$7".to_owned(),
-        4 => "$5".to_owned(),
-        5 => "$8".to_owned(),
-        6 => "$9".to_owned(),
-        other => panic!("the claim statement has no parameter ${other}"),
+        n => session_claim_parameter(n),
     });
     let claim = claim
         .replacen(

@@ -1097,8 +1097,34 @@ async fn a_session_request_in_the_common_case_does_not_call_the_function() {
     .unwrap();
     reached_the_function(ask(6, 5).await);
     assert_eq!(row().await, before);
+    // A row already at the request's key (which no admitted number can have: here put there
+    // by hand) is the function's too; the statement's gate has written what the function's
+    // would write again.
+    let table = store.table().to_owned();
+    let by_hand = |sql: &'static str| {
+        let (store, table) = (store.clone(), table.clone());
+        async move {
+            sqlx::query(&sql.replace("TABLE", &format!("\"{table}\"")))
+                .bind(session.record_key().record_bytes().as_ref().to_vec())
+                .bind(session.seq_key(epoch, 6).record_bytes().as_ref().to_vec())
+                .execute(store.pool())
+                .await
+                .unwrap();
+        }
+    };
+    by_hand("UPDATE TABLE SET payload = ''::bytea WHERE storage_key = $1 AND $2 IS NOT NULL").await;
+    by_hand(
+        "INSERT INTO TABLE (storage_key, state, fingerprint, token, expires_at) \
+         SELECT $2, 'in_flight', ''::bytea, 1, clock_timestamp() + interval '1 hour' \
+         WHERE $1 IS NOT NULL",
+    )
+    .await;
+    reached_the_function(ask(6, 5).await);
+    let gated = row().await;
+    assert_eq!((gated.0, gated.1), (5, 6), "mark 5, highest 6");
+    by_hand("DELETE FROM TABLE WHERE storage_key = $2 AND $1 IS NOT NULL").await;
     // With the function back, it takes the session on from the row the common case wrote:
-    // request 6 is admitted in the same epoch and its acknowledgement drops answer 5.
+    // request 6 is admitted in the same epoch and its acknowledgement dropped answer 5.
     store.migrate().await.unwrap();
     let (same_epoch, _) = claimed(ask(6, 5).await);
     assert_eq!(same_epoch, epoch);
