@@ -787,7 +787,8 @@ fn session_claim_function(name: &str, gate: &str, claim: &str) -> String {
 /// are none (its highest number admitted is at most the new mark: the client acknowledged
 /// everything it was answered, as a client sending one request at a time does). It answers the
 /// function's row for such a request (`open`, the epoch, the mark and the claim's columns), and
-/// no row otherwise: then the function runs, and decides every other case as it always has.
+/// no row for any other case, or when the request's row is somehow there already (below): then
+/// the function runs, and decides every other case as it always has.
 ///
 /// It writes what the function's gate writes in that case, no more: the session's row gets the
 /// new mark, the request's `seq` as its highest number, and the end of its idle time
@@ -800,9 +801,12 @@ fn session_claim_function(name: &str, gate: &str, claim: &str) -> String {
 /// the claim statement answers a new row: `claimed`, its token as its lifetime), which cannot be
 /// there yet: the request's number is above every number the session admitted in its epoch
 /// (the highest only grows, an epoch is never drawn twice), and a number is admitted before its
-/// row is claimed. If a row is there anyway, nothing is inserted and it answers none; the
-/// function, whose gate admits the same request again without changing anything, then decides
-/// it from the row. Leaving out the claim statement's read of a live row and its takeover
+/// row is claimed. If a row is there anyway (a sequence reset, a restore, a row made by hand),
+/// nothing is inserted and it answers none, its gate's writes made; the function then decides
+/// the request from the row. Its gate finds the request already the session's highest, so it
+/// writes only a new end of the idle time, and counts the row among the answers above the mark
+/// that it keeps alive (it may take over an abandoned claim there whose keeping had run out,
+/// where it would otherwise have claimed it anew). Leaving out the claim statement's read of a live row and its takeover
 /// (`ON CONFLICT DO UPDATE`) is what makes this statement cheap.
 ///
 /// One statement rather than the function's two inside PL/pgSQL: PostgreSQL spends most of a

@@ -1122,15 +1122,26 @@ async fn a_session_request_in_the_common_case_does_not_call_the_function() {
     reached_the_function(ask(6, 5).await);
     let gated = row().await;
     assert_eq!((gated.0, gated.1), (5, 6), "mark 5, highest 6");
-    by_hand("DELETE FROM TABLE WHERE storage_key = $2 AND $1 IS NOT NULL").await;
-    // With the function back, it takes the session on from the row the common case wrote:
-    // request 6 is admitted in the same epoch and its acknowledgement dropped answer 5.
+    // With the function back, it decides that request from the row there, as the claim
+    // statement answers such a row (this one, made by hand, has no valid fingerprint).
     store.migrate().await.unwrap();
-    let (same_epoch, _) = claimed(ask(6, 5).await);
+    let from_the_row = ask(6, 5).await;
+    assert!(
+        matches!(from_the_row, Err(StoreError::Corrupt(_))),
+        "{from_the_row:?}"
+    );
+    // Without the row, the function claims request 6 (already the session's highest), and
+    // the session goes on in the common case from the row the function wrote: request 7's
+    // acknowledgement drops answer 6.
+    by_hand("DELETE FROM TABLE WHERE storage_key = $2 AND $1 IS NOT NULL").await;
+    let (same_epoch, token) = claimed(ask(6, 5).await);
+    assert_eq!(same_epoch, epoch);
+    answer(6, epoch, token).await;
+    let (same_epoch, _) = claimed(ask(7, 6).await);
     assert_eq!(same_epoch, epoch);
     assert_eq!(session_rows(&store, &session).await, 2);
     let after = row().await;
-    assert_eq!((after.0, after.1), (5, 6), "mark 5, highest 6");
+    assert_eq!((after.0, after.1), (6, 7), "mark 6, highest 7");
 }
 
 /// A session's row keeps its indexed `expires_at` (one and a half idle times ahead) while a
