@@ -751,7 +751,30 @@ fn session_claim_function(name: &str, gate: &str, claim: &str) -> String {
         .rsplit_once(" FROM known AS k LEFT JOIN decided AS d ON true")
         .expect("the gate statement ends with its answer");
     assert!(from.is_empty(), "the gate's answer is its last clause");
-    let claim = admitted_claim(claim, "v_key", "'open'::text, v_gate.epoch, v_gate.mark,");
+    // The claim's parameters, as the function's.
+    let claim = renumber(claim, |n| match n {
+        1 => "v_key".to_owned(),
+        n => session_claim_parameter(n),
+    });
+    let admitted = "'open'::text, v_gate.epoch, v_gate.mark,";
+    let claim = claim
+        .replacen(
+            "SELECT 'claimed'::text AS state,",
+            &format!("SELECT {admitted} 'claimed'::text AS state,"),
+            1,
+        )
+        .replacen(
+            "SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live",
+            &format!(
+                "SELECT {admitted} state, NULL, NULL, fingerprint, payload, remaining_us FROM live"
+            ),
+            1,
+        );
+    assert_eq!(
+        claim.matches(admitted).count(),
+        2,
+        "the claim's two answers"
+    );
     let nothing = "NULL::text, NULL::int8, NULL::int8, NULL::bytea, NULL::bytea, NULL::int8";
     format!(
         "CREATE OR REPLACE FUNCTION {name}(bytea, int8, int8, int8, int8, bytea, int8, int8, bytea) \
@@ -806,8 +829,8 @@ fn session_claim_function(name: &str, gate: &str, claim: &str) -> String {
 /// the request from the row. Its gate finds the request already the session's highest, so it
 /// writes only a new end of the idle time, and counts the row among the answers above the mark
 /// that it keeps alive (it may take over an abandoned claim there whose keeping had run out,
-/// where it would otherwise have claimed it anew). Leaving out the claim statement's read of a live row and its takeover
-/// (`ON CONFLICT DO UPDATE`) is what makes this statement cheap.
+/// where it would otherwise have claimed it anew). Leaving out the claim statement's read of a
+/// live row and its takeover (`ON CONFLICT DO UPDATE`) is what makes this statement cheap.
 ///
 /// One statement rather than the function's two inside PL/pgSQL: PostgreSQL spends most of a
 /// session request's time starting the executor for each statement's plan (BENCHMARKS.md,
@@ -816,8 +839,8 @@ fn session_claim_common(t: &str, claim: &str) -> String {
     let max = idempotent_core::session::MAX_SEQ;
     let max_us = MAX_MICROS;
     // The claim statement's insert of a new row, with the session's parameters (as the
-    // function's, `admitted_claim`) and the request's key from `s`: a row already there is not
-    // the common case, and the function decides it.
+    // function's) and the request's key from `s`: a row already there is not the common case,
+    // and the function decides it.
     let (_, insert) = claim
         .split_once("claimed AS (")
         .expect("the claim statement's insert");
@@ -826,7 +849,7 @@ fn session_claim_common(t: &str, claim: &str) -> String {
         .expect("the claim statement inserts only when no row is live");
     assert!(insert.starts_with("INSERT INTO "), "{insert}");
     let insert = renumber(insert, |n| match n {
-        1 => "s.key".to_owned(),
+        1 => "s.p || int8send($2)".to_owned(),
         n => session_claim_parameter(n),
     });
     format!(
@@ -848,8 +871,7 @@ fn session_claim_common(t: &str, claim: &str) -> String {
                  ELSE clock_timestamp() + least($5 * 3 / 2, {max_us}) * interval '1 microsecond' END \
              FROM o WHERE n.storage_key = $1 \
              RETURNING substring($1 from 1 for 32) || int8send(o.claimant) AS p, \
-             o.token AS old_mark, o.lifetime AS old_high, o.claimant AS epoch, n.token AS mark, \
-             substring($1 from 1 for 32) || int8send(o.claimant) || int8send($2) AS key\
+             o.token AS old_mark, o.lifetime AS old_high, o.claimant AS epoch, n.token AS mark\
          ), d AS (\
              DELETE FROM {t} \
              WHERE storage_key > (SELECT p || int8send(old_mark) FROM s) \
@@ -876,35 +898,6 @@ fn session_claim_parameter(n: usize) -> String {
         other => panic!("the claim statement has no parameter ${other}"),
     }
     .to_owned()
-}
-
-/// The claim statement `claim` on a session's request in the session claim function: its key
-/// (`$1`) is `key`, its other parameters the function's, and each of its two answers begins
-/// with the columns `admitted` (the gate's answer: `open`, the epoch, the mark).
-fn admitted_claim(claim: &str, key: &str, admitted: &str) -> String {
-    let claim = renumber(claim, |n| match n {
-        1 => key.to_owned(),
-        n => session_claim_parameter(n),
-    });
-    let claim = claim
-        .replacen(
-            "SELECT 'claimed'::text AS state,",
-            &format!("SELECT {admitted} 'claimed'::text AS state,"),
-            1,
-        )
-        .replacen(
-            "SELECT state, NULL, NULL, fingerprint, payload, remaining_us FROM live",
-            &format!(
-                "SELECT {admitted} state, NULL, NULL, fingerprint, payload, remaining_us FROM live"
-            ),
-            1,
-        );
-    assert_eq!(
-        claim.matches(admitted).count(),
-        2,
-        "the claim's two answers"
-    );
-    claim
 }
 
 /// `sql` with each parameter `$n` replaced by `to(n)`.
