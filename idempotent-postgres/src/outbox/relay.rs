@@ -467,9 +467,11 @@ impl Lanes {
     /// Marks `cursor` as where the next exclusive batch starts, unless a mark is there.
     fn leave_suspect(&self, cursor: &str) {
         self.suspect_at.send_if_modified(|at| {
-            at.is_none()
-                .then(|| *at = Some(cursor.to_owned()))
-                .is_some()
+            if at.is_some() {
+                return false;
+            }
+            *at = Some(cursor.to_owned());
+            true
         });
     }
 
