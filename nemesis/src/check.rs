@@ -1,0 +1,865 @@
+//! The checker: reads a history and says whether every operation took effect exactly once.
+//!
+//! What it holds the run to (each a kind of [`Anomaly`]):
+//! - every operation sent got a final answer, within `finish_bound_ms` of the last fault
+//!   healing, and the answer is the one its request deserves (`201` for an order);
+//! - no attempt took longer than `attempt_bound_ms` (a request hanging on a cut-off store is
+//!   an anomaly, not patience);
+//! - an order's steps: each step of each answered order ran under one step key (a step that
+//!   runs again after a fault must run under the same key, so a downstream that deduplicates by
+//!   it makes one effect), every step ran, and every step run belongs to an answered order;
+//!   on PostgreSQL one receipt row per order;
+//! - a posting: its account's balance is its amount exactly (twice the amount is a double
+//!   apply), the receiver acted on its notification once, and no account or notification
+//!   exists without a posting;
+//! - every answer sent again came back byte for byte, marked replayed.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use crate::history::{Event, Kind};
+
+/// The account a posting is applied to: one per posting, so that a double apply shows.
+pub(crate) fn account_of(posting: &str) -> String {
+    format!("acct-{posting}")
+}
+
+/// Something the history shows that must not happen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Anomaly {
+    /// Sent, never answered.
+    Unfinished { op: u64, key: String, why: String },
+    /// Answered later than the bound after the last fault healed.
+    Late {
+        op: u64,
+        key: String,
+        after_heal_ms: u64,
+    },
+    /// An attempt that took longer than the bound.
+    SlowAttempt { op: u64, key: String, ms: u64 },
+    /// A final answer that is not the one the request deserves.
+    WrongAnswer { op: u64, key: String, status: u16 },
+    /// Two operations whose answers name one operation.
+    SharedOperation { id: String, ops: Vec<u64> },
+    /// An effect that should exist does not.
+    MissingEffect { op: u64, key: String, what: String },
+    /// An effect made more than once.
+    DuplicateEffect { op: u64, key: String, what: String },
+    /// An effect of no operation.
+    OrphanEffect { what: String },
+    /// An answer sent again that came back different, or not marked replayed.
+    ReplayMismatch { op: u64, key: String, what: String },
+}
+
+impl fmt::Display for Anomaly {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Anomaly::Unfinished { op, key, why } => {
+                write!(f, "unfinished: op {op} ({key}) was never answered: {why}")
+            }
+            Anomaly::Late {
+                op,
+                key,
+                after_heal_ms,
+            } => write!(
+                f,
+                "late: op {op} ({key}) answered {after_heal_ms} ms after the faults healed"
+            ),
+            Anomaly::SlowAttempt { op, key, ms } => {
+                write!(
+                    f,
+                    "slow attempt: op {op} ({key}) waited {ms} ms for one answer"
+                )
+            }
+            Anomaly::WrongAnswer { op, key, status } => {
+                write!(f, "wrong answer: op {op} ({key}) ended with {status}")
+            }
+            Anomaly::SharedOperation { id, ops } => {
+                write!(
+                    f,
+                    "shared operation: ops {ops:?} were answered as one ({id})"
+                )
+            }
+            Anomaly::MissingEffect { op, key, what } => {
+                write!(f, "missing effect: op {op} ({key}): {what}")
+            }
+            Anomaly::DuplicateEffect { op, key, what } => {
+                write!(f, "duplicate effect: op {op} ({key}): {what}")
+            }
+            Anomaly::OrphanEffect { what } => write!(f, "effect without an operation: {what}"),
+            Anomaly::ReplayMismatch { op, key, what } => {
+                write!(f, "replay mismatch: op {op} ({key}): {what}")
+            }
+        }
+    }
+}
+
+/// What the checker counted, and what it found wrong.
+#[derive(Debug, Default)]
+pub(crate) struct Report {
+    /// Operations sent, by kind.
+    pub(crate) sent: BTreeMap<Kind, u64>,
+    /// Operations answered, by kind.
+    pub(crate) answered: BTreeMap<Kind, u64>,
+    /// Attempts in all.
+    pub(crate) attempts: u64,
+    /// Faults injected, by kind.
+    pub(crate) faults: BTreeMap<String, u64>,
+    /// Step runs logged, and how many of them ran a step again (same key, after a fault).
+    pub(crate) step_runs: u64,
+    pub(crate) step_reruns: u64,
+    /// Answers sent again and compared.
+    pub(crate) replays: u64,
+    /// The longest attempt, and the longest that overlapped a fault.
+    pub(crate) worst_attempt_ms: u64,
+    pub(crate) worst_attempt_in_fault_ms: u64,
+    pub(crate) anomalies: Vec<Anomaly>,
+}
+
+impl Report {
+    pub(crate) fn ok(&self) -> bool {
+        self.anomalies.is_empty()
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kinds = |counts: &BTreeMap<Kind, u64>| {
+            counts
+                .iter()
+                .map(|(kind, n)| format!("{kind:?} {n}").to_lowercase())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        writeln!(f, "operations sent: {}", kinds(&self.sent))?;
+        writeln!(f, "operations answered: {}", kinds(&self.answered))?;
+        writeln!(f, "attempts: {}", self.attempts)?;
+        let faults = self
+            .faults
+            .iter()
+            .map(|(kind, n)| format!("{kind} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        writeln!(
+            f,
+            "faults: {}",
+            if faults.is_empty() { "none" } else { &faults }
+        )?;
+        writeln!(
+            f,
+            "step runs: {} ({} again under the same key after a fault)",
+            self.step_runs, self.step_reruns
+        )?;
+        writeln!(f, "replays compared: {}", self.replays)?;
+        writeln!(
+            f,
+            "worst attempt: {} ms; worst during a fault: {} ms",
+            self.worst_attempt_ms, self.worst_attempt_in_fault_ms
+        )?;
+        writeln!(f, "anomalies: {}", self.anomalies.len())?;
+        for anomaly in &self.anomalies {
+            writeln!(f, "  {anomaly}")?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Default)]
+struct Op {
+    kind: Option<Kind>,
+    key: String,
+    amount: Option<i64>,
+    answer: Option<(u64, u16, String, String)>,
+    failed: Option<String>,
+}
+
+/// Checks `events` (a whole history).
+pub(crate) fn check(events: &[Event]) -> Report {
+    let mut report = Report::default();
+    let mut attempt_bound = u64::MAX;
+    let mut finish_bound = u64::MAX;
+    let mut logged_steps: Vec<String> = Vec::new();
+    let mut outbox_steps: Vec<String> = Vec::new();
+    let mut ops: BTreeMap<u64, Op> = BTreeMap::new();
+    let mut healed = None;
+    let mut faults: BTreeMap<u64, (u64, Option<u64>)> = BTreeMap::new();
+    let mut attempts = Vec::new();
+    let mut steps = Vec::new();
+    let mut outbox = Vec::new();
+    let mut balances = BTreeMap::new();
+    let mut notified: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    let mut replays = Vec::new();
+    for event in events {
+        match event {
+            Event::Run {
+                attempt_bound_ms,
+                finish_bound_ms,
+                logged_steps: logged,
+                outbox_steps: rows,
+                ..
+            } => {
+                attempt_bound = *attempt_bound_ms;
+                finish_bound = *finish_bound_ms;
+                logged_steps.clone_from(logged);
+                outbox_steps.clone_from(rows);
+            }
+            Event::Invoke {
+                op,
+                kind,
+                key,
+                amount,
+                ..
+            } => {
+                let entry = ops.entry(*op).or_default();
+                entry.kind = Some(*kind);
+                entry.key.clone_from(key);
+                entry.amount = *amount;
+                *report.sent.entry(*kind).or_default() += 1;
+            }
+            Event::Attempt { t, op, ms, .. } => {
+                report.attempts += 1;
+                attempts.push((*op, t.saturating_sub(*ms), *t, *ms));
+            }
+            Event::Ok {
+                t,
+                op,
+                status,
+                body,
+                id,
+            } => {
+                ops.entry(*op).or_default().answer = Some((*t, *status, body.clone(), id.clone()));
+            }
+            Event::Fail { op, why, .. } => {
+                ops.entry(*op).or_default().failed = Some(why.clone());
+            }
+            Event::Replay { .. } => replays.push(event),
+            Event::FaultStart { t, fault, kind, .. } => {
+                faults.insert(*fault, (*t, None));
+                *report.faults.entry(kind.clone()).or_default() += 1;
+            }
+            Event::FaultEnd { t, fault } => {
+                if let Some((_, end)) = faults.get_mut(fault) {
+                    *end = Some(*t);
+                }
+            }
+            Event::Healed { t } => healed = Some(*t),
+            Event::Step { step, key, .. } => steps.push((step.as_str(), key.as_str())),
+            Event::OutboxStep { step, key } => outbox.push((step.as_str(), key.as_str())),
+            Event::Balance { account, balance } => {
+                balances.insert(account.as_str(), *balance);
+            }
+            Event::Notified { key, id } => {
+                notified.entry(id.as_str()).or_default().push(key.as_str())
+            }
+            Event::Spawn { .. } | Event::End { .. } => {}
+        }
+    }
+    let key_of = |op: u64| ops.get(&op).map(|o| o.key.clone()).unwrap_or_default();
+
+    // Every operation answered, in time, as it deserves.
+    for (&op, o) in &ops {
+        let Some(kind) = o.kind else { continue };
+        let Some((t, status, _, _)) = &o.answer else {
+            let why = o.failed.clone().unwrap_or_else(|| "no answer".into());
+            report.anomalies.push(Anomaly::Unfinished {
+                op,
+                key: o.key.clone(),
+                why,
+            });
+            continue;
+        };
+        *report.answered.entry(kind).or_default() += 1;
+        if let Some(healed) = healed
+            && t.saturating_sub(healed) > finish_bound
+        {
+            report.anomalies.push(Anomaly::Late {
+                op,
+                key: o.key.clone(),
+                after_heal_ms: t - healed,
+            });
+        }
+        if matches!(kind, Kind::Order | Kind::Session) && *status != 201 {
+            report.anomalies.push(Anomaly::WrongAnswer {
+                op,
+                key: o.key.clone(),
+                status: *status,
+            });
+        }
+    }
+
+    // No attempt past the bound; the worst, and the worst while a fault was on.
+    for &(op, start, end, ms) in &attempts {
+        report.worst_attempt_ms = report.worst_attempt_ms.max(ms);
+        let in_fault = faults
+            .values()
+            .any(|&(from, to)| start <= to.unwrap_or(u64::MAX) && from <= end);
+        if in_fault {
+            report.worst_attempt_in_fault_ms = report.worst_attempt_in_fault_ms.max(ms);
+        }
+        if ms > attempt_bound {
+            report.anomalies.push(Anomaly::SlowAttempt {
+                op,
+                key: key_of(op),
+                ms,
+            });
+        }
+    }
+
+    check_orders(
+        &ops,
+        &logged_steps,
+        &outbox_steps,
+        &steps,
+        &outbox,
+        &mut report,
+    );
+    check_postings(&ops, &balances, &notified, &mut report);
+
+    // Replays: the same bytes, marked replayed.
+    for event in replays {
+        let Event::Replay {
+            op,
+            status,
+            same,
+            replayed,
+            ..
+        } = event
+        else {
+            continue;
+        };
+        report.replays += 1;
+        let first = ops.get(op).and_then(|o| o.answer.as_ref()).map(|a| a.1);
+        let what = if first != Some(*status) {
+            Some(format!("answered {status}, first {first:?}"))
+        } else if !same {
+            Some("a different body".to_owned())
+        } else if !replayed {
+            Some("not marked Idempotent-Replayed".to_owned())
+        } else {
+            None
+        };
+        if let Some(what) = what {
+            report.anomalies.push(Anomaly::ReplayMismatch {
+                op: *op,
+                key: key_of(*op),
+                what,
+            });
+        }
+    }
+    report
+}
+
+/// The orders' steps against the orders' answers (an answer names its operation by the first
+/// 24 characters of the operation key, which every step key begins with).
+fn check_orders(
+    ops: &BTreeMap<u64, Op>,
+    logged_steps: &[String],
+    outbox_steps: &[String],
+    steps: &[(&str, &str)],
+    outbox: &[(&str, &str)],
+    report: &mut Report,
+) {
+    let mut by_id: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+    for (&op, o) in ops {
+        if let (Some(Kind::Order | Kind::Session), Some((_, 201, _, id))) = (o.kind, &o.answer) {
+            by_id.entry(id.as_str()).or_default().push(op);
+        }
+    }
+    for (id, sharing) in &by_id {
+        if sharing.len() > 1 {
+            report.anomalies.push(Anomaly::SharedOperation {
+                id: (*id).to_owned(),
+                ops: sharing.clone(),
+            });
+        }
+    }
+    // id -> step -> the step keys it ran under, and how many runs.
+    let mut runs: BTreeMap<&str, BTreeMap<&str, (BTreeSet<&str>, u64)>> = BTreeMap::new();
+    let all = steps
+        .iter()
+        .map(|s| (s, true))
+        .chain(outbox.iter().map(|s| (s, false)));
+    for (&(step, key), logged) in all {
+        if logged {
+            report.step_runs += 1;
+        }
+        let id = key.get(..24).unwrap_or(key);
+        if !by_id.contains_key(id) {
+            let source = if logged { "effects log" } else { "outbox" };
+            report.anomalies.push(Anomaly::OrphanEffect {
+                what: format!("{source}: step {step} under {key}"),
+            });
+            continue;
+        }
+        let entry = runs.entry(id).or_default().entry(step).or_default();
+        entry.0.insert(key);
+        entry.1 += 1;
+    }
+    for (id, sharing) in &by_id {
+        let op = sharing[0];
+        let key = ops[&op].key.clone();
+        let ran = runs.get(id);
+        let expected = logged_steps.iter().map(|s| (s, true));
+        let expected = expected.chain(outbox_steps.iter().map(|s| (s, false)));
+        let mut operation_keys = BTreeSet::new();
+        for (step, logged) in expected {
+            let Some((keys, count)) = ran.and_then(|r| r.get(step.as_str())) else {
+                report.anomalies.push(Anomaly::MissingEffect {
+                    op,
+                    key: key.clone(),
+                    what: format!("step {step} never ran"),
+                });
+                continue;
+            };
+            if keys.len() > 1 {
+                report.anomalies.push(Anomaly::DuplicateEffect {
+                    op,
+                    key: key.clone(),
+                    what: format!("step {step} ran under {} keys: {keys:?}", keys.len()),
+                });
+            } else if !logged && *count > 1 {
+                report.anomalies.push(Anomaly::DuplicateEffect {
+                    op,
+                    key: key.clone(),
+                    what: format!("{count} outbox rows of step {step}"),
+                });
+            }
+            if logged {
+                report.step_reruns += count - 1;
+            }
+            for k in keys {
+                let operation = k
+                    .strip_suffix(step.as_str())
+                    .and_then(|k| k.strip_suffix('.'));
+                operation_keys.insert(operation.unwrap_or(k));
+            }
+        }
+        if operation_keys.len() > 1 {
+            report.anomalies.push(Anomaly::DuplicateEffect {
+                op,
+                key,
+                what: format!("its steps ran under {operation_keys:?}"),
+            });
+        }
+    }
+}
+
+/// The postings against the balances and the notifications.
+fn check_postings(
+    ops: &BTreeMap<u64, Op>,
+    balances: &BTreeMap<&str, i64>,
+    notified: &BTreeMap<&str, Vec<&str>>,
+    report: &mut Report,
+) {
+    let mut postings = BTreeMap::new();
+    for (&op, o) in ops {
+        if o.kind == Some(Kind::Posting) {
+            postings.insert(
+                o.key.as_str(),
+                (op, o.amount.unwrap_or(0), o.answer.is_some()),
+            );
+        }
+    }
+    let accounts: BTreeMap<String, &str> = postings
+        .keys()
+        .map(|posting| (account_of(posting), *posting))
+        .collect();
+    for (account, balance) in balances {
+        if !accounts.contains_key(*account) {
+            report.anomalies.push(Anomaly::OrphanEffect {
+                what: format!("account {account} holds {balance}"),
+            });
+        }
+    }
+    for id in notified.keys() {
+        if !postings.contains_key(id) {
+            report.anomalies.push(Anomaly::OrphanEffect {
+                what: format!("a notification of {id}"),
+            });
+        }
+    }
+    for (posting, &(op, amount, answered)) in &postings {
+        let key = (*posting).to_owned();
+        let balance = balances.get(account_of(posting).as_str()).copied();
+        match balance {
+            Some(b) if b == amount => {}
+            // A posting never published for sure may be missing; one published must not be.
+            None if !answered => {}
+            None | Some(0) => report.anomalies.push(Anomaly::MissingEffect {
+                op,
+                key: key.clone(),
+                what: format!("balance {balance:?}, posting {amount}"),
+            }),
+            Some(b) if amount != 0 && b % amount == 0 => {
+                report.anomalies.push(Anomaly::DuplicateEffect {
+                    op,
+                    key: key.clone(),
+                    what: format!(
+                        "applied {} times (balance {b}, posting {amount})",
+                        b / amount
+                    ),
+                })
+            }
+            Some(b) => report.anomalies.push(Anomaly::MissingEffect {
+                op,
+                key: key.clone(),
+                what: format!("balance {b}, posting {amount}"),
+            }),
+        }
+        match notified.get(posting).map_or(0, Vec::len) {
+            1 => {}
+            0 if balance.is_none() => {}
+            0 => report.anomalies.push(Anomaly::MissingEffect {
+                op,
+                key,
+                what: "applied, never notified".into(),
+            }),
+            n => report.anomalies.push(Anomaly::DuplicateEffect {
+                op,
+                key,
+                what: format!("notified {n} times, under {:?}", notified[posting]),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OP_KEY: &str = "0123456789abcdef0123456789abcdef";
+    const OTHER_KEY: &str = "fedcba9876543210fedcba9876543210";
+
+    fn run() -> Event {
+        Event::Run {
+            seed: 1,
+            store: "redis".into(),
+            duration_ms: 1000,
+            attempt_bound_ms: 500,
+            finish_bound_ms: 1000,
+            logged_steps: vec!["reserve".into(), "charge".into()],
+            outbox_steps: vec![],
+        }
+    }
+
+    fn order(op: u64, key: &str, operation: &str) -> Vec<Event> {
+        vec![
+            Event::Invoke {
+                t: 1,
+                op,
+                kind: Kind::Order,
+                key: key.into(),
+                amount: None,
+            },
+            Event::Attempt {
+                t: 20,
+                op,
+                target: "a".into(),
+                ms: 10,
+                outcome: "201".into(),
+            },
+            Event::Ok {
+                t: 20,
+                op,
+                status: 201,
+                body: "b".into(),
+                id: operation[..24].into(),
+            },
+            step("reserve", operation, 10),
+            step("charge", operation, 10),
+        ]
+    }
+
+    fn step(step: &str, operation: &str, pid: u32) -> Event {
+        Event::Step {
+            step: step.into(),
+            key: format!("{operation}.{step}"),
+            pid,
+        }
+    }
+
+    fn posting(op: u64, id: &str, amount: i64) -> Vec<Event> {
+        vec![
+            Event::Invoke {
+                t: 1,
+                op,
+                kind: Kind::Posting,
+                key: id.into(),
+                amount: Some(amount),
+            },
+            Event::Ok {
+                t: 2,
+                op,
+                status: 0,
+                body: String::new(),
+                id: id.into(),
+            },
+        ]
+    }
+
+    fn clean() -> Vec<Event> {
+        let mut events = vec![run()];
+        events.extend(order(1, "k1", OP_KEY));
+        events.extend(posting(2, "p1", 7));
+        events.push(Event::Balance {
+            account: account_of("p1"),
+            balance: 7,
+        });
+        events.push(Event::Notified {
+            key: "n1".into(),
+            id: "p1".into(),
+        });
+        events.push(Event::Replay {
+            t: 30,
+            op: 1,
+            status: 201,
+            same: true,
+            replayed: true,
+        });
+        events
+    }
+
+    fn anomalies(events: &[Event]) -> Vec<String> {
+        check(events)
+            .anomalies
+            .iter()
+            .map(|a| a.to_string())
+            .collect()
+    }
+
+    #[test]
+    fn a_clean_history_has_no_anomaly() {
+        let report = check(&clean());
+        assert!(report.ok(), "{report}");
+        assert_eq!(report.sent[&Kind::Order], 1);
+        assert_eq!(report.answered[&Kind::Posting], 1);
+        assert_eq!(report.step_runs, 2);
+        assert_eq!(report.replays, 1);
+    }
+
+    #[test]
+    fn a_step_run_again_under_its_key_is_not_an_anomaly_but_is_counted() {
+        let mut events = clean();
+        events.push(step("reserve", OP_KEY, 11));
+        let report = check(&events);
+        assert!(report.ok(), "{report}");
+        assert_eq!(report.step_reruns, 1);
+    }
+
+    #[test]
+    fn a_step_under_a_second_key_is_a_duplicate_effect() {
+        let mut events = clean();
+        events.push(step("charge", &format!("{}ffffffff", &OP_KEY[..24]), 11));
+        let found = anomalies(&events);
+        assert!(
+            found
+                .iter()
+                .any(|a| a.starts_with("duplicate effect") && a.contains("charge")),
+            "{found:?}"
+        );
+    }
+
+    #[test]
+    fn a_step_that_never_ran_is_a_missing_effect() {
+        let events: Vec<Event> = clean()
+            .into_iter()
+            .filter(|e| !matches!(e, Event::Step { step, .. } if step == "charge"))
+            .collect();
+        assert_eq!(
+            anomalies(&events),
+            ["missing effect: op 1 (k1): step charge never ran"]
+        );
+    }
+
+    #[test]
+    fn a_step_of_no_answered_order_is_an_orphan() {
+        let mut events = clean();
+        events.push(step("reserve", OTHER_KEY, 10));
+        let found = anomalies(&events);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(
+            found[0].starts_with("effect without an operation"),
+            "{found:?}"
+        );
+    }
+
+    #[test]
+    fn an_operation_never_answered_is_unfinished() {
+        let mut events = clean();
+        events.push(Event::Invoke {
+            t: 3,
+            op: 3,
+            kind: Kind::Order,
+            key: "k3".into(),
+            amount: None,
+        });
+        events.push(Event::Fail {
+            t: 900,
+            op: 3,
+            why: "gave up".into(),
+        });
+        assert_eq!(
+            anomalies(&events),
+            ["unfinished: op 3 (k3) was never answered: gave up"]
+        );
+    }
+
+    #[test]
+    fn an_answer_long_after_the_heal_is_late() {
+        let mut events = clean();
+        events.push(Event::Healed { t: 5 });
+        for event in &mut events {
+            if let Event::Ok { t, op: 1, .. } = event {
+                *t = 5 + 1001;
+            }
+        }
+        assert_eq!(
+            anomalies(&events),
+            ["late: op 1 (k1) answered 1001 ms after the faults healed"]
+        );
+    }
+
+    #[test]
+    fn an_attempt_past_the_bound_is_slow_and_the_worst_in_a_fault_is_reported() {
+        let mut events = clean();
+        events.push(Event::FaultStart {
+            t: 100,
+            fault: 0,
+            kind: "freeze".into(),
+            target: "store".into(),
+        });
+        events.push(Event::Attempt {
+            t: 700,
+            op: 1,
+            target: "a".into(),
+            ms: 600,
+            outcome: "error: timeout".into(),
+        });
+        events.push(Event::FaultEnd { t: 650, fault: 0 });
+        let report = check(&events);
+        assert_eq!(report.worst_attempt_in_fault_ms, 600);
+        assert_eq!(report.faults["freeze"], 1);
+        let found: Vec<String> = report.anomalies.iter().map(|a| a.to_string()).collect();
+        assert_eq!(
+            found,
+            ["slow attempt: op 1 (k1) waited 600 ms for one answer"]
+        );
+    }
+
+    #[test]
+    fn an_order_answered_with_an_error_is_a_wrong_answer() {
+        let mut events = clean();
+        for event in &mut events {
+            if let Event::Ok { op: 1, status, .. } = event {
+                *status = 500;
+            }
+        }
+        let found = anomalies(&events);
+        assert!(found.contains(&"wrong answer: op 1 (k1) ended with 500".to_owned()));
+    }
+
+    #[test]
+    fn two_orders_answered_as_one_share_an_operation() {
+        let mut events = clean();
+        events.extend(order(5, "k5", OP_KEY));
+        let found = anomalies(&events);
+        assert!(
+            found.iter().any(|a| a.starts_with("shared operation")),
+            "{found:?}"
+        );
+    }
+
+    #[test]
+    fn a_posting_applied_twice_is_a_duplicate_and_one_never_applied_is_missing() {
+        let mut events = clean();
+        for event in &mut events {
+            if let Event::Balance { balance, .. } = event {
+                *balance = 14;
+            }
+        }
+        assert_eq!(
+            anomalies(&events),
+            ["duplicate effect: op 2 (p1): applied 2 times (balance 14, posting 7)"]
+        );
+        let events: Vec<Event> = clean()
+            .into_iter()
+            .filter(|e| !matches!(e, Event::Balance { .. } | Event::Notified { .. }))
+            .collect();
+        assert_eq!(
+            anomalies(&events),
+            ["missing effect: op 2 (p1): balance None, posting 7"]
+        );
+    }
+
+    #[test]
+    fn a_notification_twice_or_of_nothing_is_caught() {
+        let mut events = clean();
+        events.push(Event::Notified {
+            key: "n2".into(),
+            id: "p1".into(),
+        });
+        events.push(Event::Notified {
+            key: "n3".into(),
+            id: "p9".into(),
+        });
+        events.push(Event::Balance {
+            account: account_of("p9"),
+            balance: 1,
+        });
+        let found = anomalies(&events);
+        assert_eq!(found.len(), 3, "{found:?}");
+        assert!(found.iter().any(|a| a.contains("notified 2 times")));
+        assert!(found.iter().any(|a| a.contains("a notification of p9")));
+        assert!(found.iter().any(|a| a.contains("account acct-p9 holds 1")));
+    }
+
+    #[test]
+    fn a_replay_that_differs_or_is_not_marked_is_a_mismatch() {
+        for (same, replayed, what) in [
+            (false, true, "a different body"),
+            (true, false, "not marked Idempotent-Replayed"),
+        ] {
+            let mut events = clean();
+            events.push(Event::Replay {
+                t: 40,
+                op: 1,
+                status: 201,
+                same,
+                replayed,
+            });
+            assert_eq!(
+                anomalies(&events),
+                [format!("replay mismatch: op 1 (k1): {what}")]
+            );
+        }
+    }
+
+    #[test]
+    fn outbox_steps_are_one_row_each() {
+        let mut events = clean();
+        events[0] = Event::Run {
+            seed: 1,
+            store: "postgres".into(),
+            duration_ms: 1000,
+            attempt_bound_ms: 500,
+            finish_bound_ms: 1000,
+            logged_steps: vec!["reserve".into(), "charge".into()],
+            outbox_steps: vec!["receipt".into()],
+        };
+        assert_eq!(
+            anomalies(&events),
+            ["missing effect: op 1 (k1): step receipt never ran"]
+        );
+        let row = Event::OutboxStep {
+            step: "receipt".into(),
+            key: format!("{OP_KEY}.receipt"),
+        };
+        events.push(row.clone());
+        assert!(anomalies(&events).is_empty());
+        events.push(row);
+        assert_eq!(
+            anomalies(&events),
+            ["duplicate effect: op 1 (k1): 2 outbox rows of step receipt"]
+        );
+    }
+}
