@@ -1,11 +1,32 @@
 //! `nemesis`: the whole system under random faults, a checker over what it recorded, and a
 //! timeline. See `RELIABILITY.md`.
+//!
+//! ```text
+//! nemesis run --store redis|postgres [--seed N] [--duration SECS] [--max-ops N]
+//!             [--concurrent N] [--out DIR] [--bin-dir DIR]
+//! nemesis check DIR
+//! ```
+//!
+//! Exit status: 0 no anomaly, 1 anomalies (listed), 2 bad arguments, 3 the run could not be
+//! carried out (a server missing, no root for network namespaces...).
 
 mod check;
+mod faults;
 mod history;
+mod notify;
+mod run;
+mod system;
+mod workload;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
+
+use run::{Options, StoreKind};
+
+const USAGE: &str = "usage: nemesis run --store redis|postgres [--seed N] [--duration SECS] \
+[--max-ops N] [--concurrent N] [--out DIR] [--bin-dir DIR]
+       nemesis check DIR";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -13,24 +34,135 @@ fn main() -> ExitCode {
         Some("check") if args.len() == 2 => {
             let dir = PathBuf::from(&args[1]);
             match history::load(&dir.join("history.jsonl")) {
-                Ok(events) => {
-                    let report = check::check(&events);
-                    print!("{report}");
-                    if report.ok() {
-                        ExitCode::SUCCESS
-                    } else {
-                        ExitCode::from(1)
-                    }
-                }
+                Ok(events) => verdict(&check::check(&events), None),
                 Err(error) => {
                     eprintln!("nemesis: {error}");
                     ExitCode::from(3)
                 }
             }
         }
+        Some("run") => match options(&args[1..]) {
+            Ok(options) => run_and_check(&options),
+            Err(error) => {
+                eprintln!("nemesis: {error}\n{USAGE}");
+                ExitCode::from(2)
+            }
+        },
+        Some("--help" | "-h") => {
+            println!("{USAGE}");
+            ExitCode::SUCCESS
+        }
         _ => {
-            eprintln!("usage: nemesis check DIR");
+            eprintln!("{USAGE}");
             ExitCode::from(2)
         }
+    }
+}
+
+fn options(args: &[String]) -> Result<Options, String> {
+    let mut store = None;
+    let mut seed = None;
+    let mut duration = Duration::from_secs(120);
+    let mut max_ops = u64::MAX;
+    let mut concurrent = 1;
+    let mut out = None;
+    let mut bin_dir = None;
+    let mut args = args.iter();
+    while let Some(flag) = args.next() {
+        let mut value = || args.next().ok_or(format!("{flag} needs a value"));
+        let number = |v: &str| {
+            v.parse::<u64>()
+                .map_err(|_| format!("{flag} {v:?} is not a whole number"))
+        };
+        match flag.as_str() {
+            "--store" => {
+                store = Some(match value()?.as_str() {
+                    "redis" => StoreKind::Redis,
+                    "postgres" => StoreKind::Postgres,
+                    other => return Err(format!("--store {other:?}: redis or postgres")),
+                })
+            }
+            "--seed" => seed = Some(number(value()?)?),
+            "--duration" => {
+                let secs = number(value()?)?;
+                if !(1..=86_400).contains(&secs) {
+                    return Err(format!("--duration {secs}: 1 to 86400 seconds"));
+                }
+                duration = Duration::from_secs(secs);
+            }
+            "--max-ops" => max_ops = number(value()?)?,
+            "--concurrent" => {
+                concurrent = usize::try_from(number(value()?)?).unwrap_or(usize::MAX);
+                if !(1..=4).contains(&concurrent) {
+                    return Err(format!("--concurrent {concurrent}: 1 to 4 faults at once"));
+                }
+            }
+            "--out" => out = Some(PathBuf::from(value()?)),
+            "--bin-dir" => bin_dir = Some(PathBuf::from(value()?)),
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    let store = store.ok_or("--store is required")?;
+    let seed = seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_secs())
+    });
+    let out = out.unwrap_or_else(|| {
+        PathBuf::from("target/nemesis").join(format!(
+            "{}-{seed}",
+            match store {
+                StoreKind::Redis => "redis",
+                StoreKind::Postgres => "postgres",
+            }
+        ))
+    });
+    Ok(Options {
+        store,
+        seed,
+        duration,
+        max_ops,
+        concurrent,
+        out,
+        bin_dir,
+    })
+}
+
+fn run_and_check(options: &Options) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("nemesis: no runtime: {error}");
+            return ExitCode::from(3);
+        }
+    };
+    let _ = std::fs::remove_dir_all(&options.out);
+    match runtime.block_on(run::run(options)) {
+        Ok(events) => verdict(&check::check(&events), Some(options)),
+        Err(error) => {
+            eprintln!("nemesis: the run could not be carried out: {error}");
+            ExitCode::from(3)
+        }
+    }
+}
+
+fn verdict(report: &check::Report, options: Option<&Options>) -> ExitCode {
+    print!("{report}");
+    if let Some(options) = options {
+        let _ = std::fs::write(options.out.join("report.txt"), report.to_string());
+        println!(
+            "history: {}; again with --seed {}",
+            options.out.join("history.jsonl").display(),
+            options.seed
+        );
+    }
+    if report.ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
     }
 }

@@ -74,6 +74,13 @@ impl PrivateRedis {
         PrivateRedis::launch(name, true, None).await
     }
 
+    /// Like [`start_durable`](Self::start_durable), in the network namespace `netns`,
+    /// listening on its address: a broker that keeps its streams across
+    /// [`restart`](Self::restart) and that [`Netns::cut`] partitions from the host.
+    pub async fn start_durable_in(name: &str, netns: &Netns) -> Option<PrivateRedis> {
+        PrivateRedis::launch(name, true, Some(netns)).await
+    }
+
     async fn launch(name: &str, durable: bool, netns: Option<&Netns>) -> Option<PrivateRedis> {
         installed("redis-server", find_program("redis-server"))?;
         let mut redis = PrivateRedis {

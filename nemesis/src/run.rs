@@ -1,0 +1,497 @@
+//! A run: the system started on loopback and in network namespaces of its own, the workload
+//! and the nemesis at once, then the faults healed, every operation finished and replayed, the
+//! effects collected, and the history checked.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotent_test_kit::names::free_port;
+use idempotent_test_kit::netns::Netns;
+use idempotent_test_kit::postgres::PrivatePostgres;
+use idempotent_test_kit::redis::PrivateRedis;
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+
+use crate::faults::{FaultKind, Planned, schedule};
+use crate::history::{Event, Recorder};
+use crate::system::{Proc, examples_dir};
+use crate::workload::Workload;
+
+/// The stores a run can put the `payments` instances' records in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StoreKind {
+    Redis,
+    Postgres,
+}
+
+/// A run's settings (see `nemesis --help`).
+#[derive(Clone, Debug)]
+pub(crate) struct Options {
+    pub(crate) store: StoreKind,
+    pub(crate) seed: u64,
+    pub(crate) duration: Duration,
+    pub(crate) max_ops: u64,
+    pub(crate) concurrent: usize,
+    pub(crate) out: PathBuf,
+    pub(crate) bin_dir: Option<PathBuf>,
+}
+
+/// The checker's bounds. An attempt: the claim's wait (`CLAIM_TIMEOUT`, 5 s), a step's
+/// checkpoint and the completion each bounded by the store's 2 s timeout, with room for a
+/// freeze that began mid-request. Finishing: a killed instance's claim lapses after its 2 s
+/// lease; the client's pauses are at most 400 ms.
+pub(crate) const ATTEMPT_BOUND: Duration = Duration::from_secs(15);
+pub(crate) const FINISH_BOUND: Duration = Duration::from_secs(30);
+
+/// The servers whose faults the nemesis causes.
+enum Store {
+    Redis(PrivateRedis),
+    Postgres(PrivatePostgres),
+}
+
+struct System {
+    store: Store,
+    store_netns: Netns,
+    broker: Mutex<PrivateRedis>,
+    broker_netns: Netns,
+    /// On Redis, the ledger's PostgreSQL (not faulted): on PostgreSQL, the store is it.
+    _ledger_server: Option<PrivatePostgres>,
+    ledger_db: String,
+    payments_db: Option<String>,
+    instances: Vec<Mutex<Proc>>,
+    consumers: Vec<Mutex<Proc>>,
+    relay: Mutex<Proc>,
+    /// One lock per target, so that two lanes never fault one target at once.
+    targets: HashMap<String, Mutex<()>>,
+}
+
+/// Why a run could not be carried out (not an anomaly: the exit status is 3).
+pub(crate) type Infra = String;
+
+const STREAM: &str = "nemesis";
+
+/// Runs the system under the schedule of `options.seed`; returns the history.
+pub(crate) async fn run(options: &Options) -> Result<Vec<Event>, Infra> {
+    std::fs::create_dir_all(&options.out).map_err(|e| format!("{}: {e}", options.out.display()))?;
+    let recorder = Recorder::create(&options.out.join("history.jsonl"))
+        .map_err(|e| format!("history.jsonl: {e}"))?;
+    let planned = schedule(options.seed, options.duration, options.concurrent);
+    let system = Arc::new(start(options, &recorder).await?);
+
+    let logged_steps: Vec<String> = match options.store {
+        StoreKind::Postgres => vec!["reserve".into(), "charge".into()],
+        StoreKind::Redis => vec!["reserve".into(), "charge".into(), "receipt".into()],
+    };
+    let outbox_steps = match options.store {
+        StoreKind::Postgres => vec!["receipt".into()],
+        StoreKind::Redis => vec![],
+    };
+    recorder.record(Event::Run {
+        seed: options.seed,
+        store: format!("{:?}", options.store).to_lowercase(),
+        duration_ms: millis(options.duration),
+        attempt_bound_ms: millis(ATTEMPT_BOUND),
+        finish_bound_ms: millis(FINISH_BOUND),
+        logged_steps,
+        outbox_steps,
+    });
+    eprintln!(
+        "nemesis: seed {}, {} faults planned: {}",
+        options.seed,
+        planned.len(),
+        planned
+            .iter()
+            .map(|p| format!("{}@{}s", p.kind, p.at_ms / 1000))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+
+    let targets: Vec<String> = system
+        .instances
+        .iter()
+        .map(|i| i.try_lock().map(|p| p.url()).unwrap_or_default())
+        .collect();
+    let workload = Arc::new(Workload::new(recorder.clone(), targets, options.seed));
+    let broker_url = system.broker.lock().await.url();
+    let mut clients = tokio::task::JoinSet::new();
+    for _ in 0..4 {
+        clients.spawn(Arc::clone(&workload).order_client(options.max_ops));
+    }
+    for client in 0..2 {
+        clients.spawn(Arc::clone(&workload).session_client(client, options.max_ops));
+    }
+    clients.spawn(Arc::clone(&workload).producer(
+        broker_url,
+        STREAM.into(),
+        Duration::from_millis(25),
+        options.max_ops,
+    ));
+
+    // The nemesis: each lane's faults in turn, at their times.
+    let began = Instant::now();
+    let mut lanes = tokio::task::JoinSet::new();
+    for lane in 0..options.concurrent.max(1) {
+        let mine: Vec<Planned> = planned.iter().filter(|p| p.lane == lane).cloned().collect();
+        let (system, recorder) = (Arc::clone(&system), recorder.clone());
+        lanes.spawn(async move {
+            for (n, fault) in mine.into_iter().enumerate() {
+                tokio::time::sleep_until(began + Duration::from_millis(fault.at_ms)).await;
+                let id = (lane as u64) << 32 | n as u64;
+                inject(&system, &recorder, id, &fault).await?;
+            }
+            Ok::<(), Infra>(())
+        });
+    }
+    tokio::time::sleep_until(began + options.duration).await;
+    workload.stop_sending();
+    while let Some(lane) = lanes.join_next().await {
+        lane.map_err(|e| format!("a fault lane failed: {e}"))??;
+    }
+    let healed = recorder.now();
+    recorder.record(Event::Healed { t: healed });
+    workload.give_up_at(Instant::now() + FINISH_BOUND);
+    while clients.join_next().await.is_some() {}
+    eprintln!(
+        "nemesis: {} operations; faults healed at {} s; replaying the answers",
+        workload.started(),
+        healed / 1000
+    );
+    Arc::clone(&workload).replay_all(8).await;
+
+    collect(&system, options, &recorder).await?;
+    recorder.record(Event::End { t: recorder.now() });
+    recorder
+        .flush()
+        .map_err(|e| format!("history.jsonl: {e}"))?;
+    if let Ok(system) = Arc::try_unwrap(system) {
+        stop(system).await;
+    }
+    Ok(recorder.events())
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+async fn start(options: &Options, recorder: &Recorder) -> Result<System, Infra> {
+    let bins = examples_dir(options.bin_dir.as_deref())?;
+    for name in ["payments", "ledger", "relay"] {
+        if !bins.join(name).exists() {
+            return Err(format!(
+                "{} is missing: build the examples (cargo build --examples) or pass --bin-dir",
+                bins.join(name).display()
+            ));
+        }
+    }
+    let netns = || {
+        Netns::create().ok_or_else(|| {
+            "network namespaces need root and `ip` (iproute2); see RELIABILITY.md".to_owned()
+        })
+    };
+    let store_netns = netns()?;
+    let broker_netns = netns()?;
+    let (store, store_url, ledger_server) = match options.store {
+        StoreKind::Redis => {
+            let redis = PrivateRedis::start_in("nemesis-store", &store_netns)
+                .await
+                .ok_or("redis-server is not installed")?;
+            let pg = PrivatePostgres::start()
+                .await
+                .ok_or("PostgreSQL's server binaries are not installed")?;
+            let url = redis.url();
+            (Store::Redis(redis), url, Some(pg))
+        }
+        StoreKind::Postgres => {
+            let pg = PrivatePostgres::start_in(&store_netns)
+                .await
+                .ok_or("PostgreSQL's server binaries are not installed")?;
+            let url = pg.url();
+            (Store::Postgres(pg), url, None)
+        }
+    };
+    let broker = PrivateRedis::start_durable_in("nemesis-broker", &broker_netns)
+        .await
+        .ok_or("redis-server is not installed")?;
+    let pg_url = match (&store, &ledger_server) {
+        (_, Some(pg)) | (Store::Postgres(pg), None) => pg.url(),
+        (Store::Redis(_), None) => return Err("no PostgreSQL for the ledger".into()),
+    };
+    let ledger_db = create_database(&pg_url, "ledger").await?;
+    let payments_db = match options.store {
+        StoreKind::Postgres => Some(store_url.clone()),
+        StoreKind::Redis => None,
+    };
+    let notifier = crate::notify::Notifier::start().await?;
+    let notify_url = notifier.url.clone();
+    NOTIFIER
+        .set(notifier)
+        .map_err(|_| "one run per process".to_owned())?;
+
+    let logs = options.out.clone();
+    let effects = options.out.join("effects.log");
+    let _ = std::fs::remove_file(&effects);
+    let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    };
+    let mut instances = Vec::new();
+    for n in 0..2 {
+        let port = free_port().to_string();
+        let effects = effects.display().to_string();
+        let mut proc = Proc::new(
+            &format!("payments-{n}"),
+            bins.join("payments"),
+            env(&[
+                ("PORT", &port),
+                ("IDEMPOTENCY_STORE", &store_url),
+                ("IDEMPOTENCY_LEASE", "2s"),
+                ("IDEMPOTENCY_COMPLETER_AFTER", "3s"),
+                ("IDEMPOTENCY_EFFECTS_LOG", &effects),
+                ("RUST_LOG", "warn"),
+            ]),
+            "listening on ",
+            &logs,
+        );
+        proc.port = Some(port);
+        proc.start(recorder, Duration::from_secs(60)).await?;
+        instances.push(Mutex::new(proc));
+    }
+    let broker_url = broker.url();
+    let mut consumers = Vec::new();
+    for n in 0..2 {
+        let name = format!("ledger-{n}");
+        let mut proc = Proc::new(
+            &name,
+            bins.join("ledger"),
+            env(&[
+                ("REDIS_URL", &broker_url),
+                ("DATABASE_URL", &ledger_db),
+                ("STREAM", STREAM),
+                ("GROUP", "ledger"),
+                ("CONSUMER", &name),
+                ("CLAIM_IDLE", "2s"),
+                ("MAX_DELIVERIES", "1000000"),
+                ("NOTIFY_URL", &notify_url),
+                ("RELAY", "0"),
+                ("RUST_LOG", "warn"),
+            ]),
+            "consuming ",
+            &logs,
+        );
+        proc.start(recorder, Duration::from_secs(60)).await?;
+        consumers.push(Mutex::new(proc));
+    }
+    let mut relay = Proc::new(
+        "relay",
+        bins.join("relay"),
+        env(&[
+            ("DATABASE_URL", &ledger_db),
+            ("NOTIFY_URL", &notify_url),
+            ("RELAY_MAX_ATTEMPTS", "1000000"),
+            ("RELAY_BACKOFF", "200ms"),
+            ("RELAY_POLL", "200ms"),
+            ("RELAY_DELIVERY_TIMEOUT", "5s"),
+            ("RUST_LOG", "warn"),
+        ]),
+        "relaying to ",
+        &logs,
+    );
+    relay.start(recorder, Duration::from_secs(60)).await?;
+    let targets = [
+        "payments-0",
+        "payments-1",
+        "ledger-0",
+        "ledger-1",
+        "relay",
+        "store",
+        "broker",
+    ]
+    .into_iter()
+    .map(|t| (t.to_owned(), Mutex::new(())))
+    .collect();
+    Ok(System {
+        store,
+        store_netns,
+        broker: Mutex::new(broker),
+        broker_netns,
+        _ledger_server: ledger_server,
+        ledger_db,
+        payments_db,
+        instances,
+        consumers,
+        relay: Mutex::new(relay),
+        targets,
+    })
+}
+
+/// The receiver of the relay's deliveries, for the whole process.
+static NOTIFIER: std::sync::OnceLock<crate::notify::Notifier> = std::sync::OnceLock::new();
+
+/// Creates database `name` on the server of `url`; its URL.
+async fn create_database(url: &str, name: &str) -> Result<String, Infra> {
+    let admin = sqlx::PgPool::connect(url)
+        .await
+        .map_err(|e| format!("PostgreSQL at {url}: {e}"))?;
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&admin)
+        .await
+        .map_err(|e| format!("CREATE DATABASE {name}: {e}"))?;
+    admin.close().await;
+    let base = url.rsplit_once('/').map_or(url, |(base, _)| base);
+    Ok(format!("{base}/{name}"))
+}
+
+/// Causes `fault`, holds it, ends it; the history gets its start and end.
+async fn inject(
+    system: &System,
+    recorder: &Recorder,
+    id: u64,
+    fault: &Planned,
+) -> Result<(), Infra> {
+    let target = fault.kind.target(fault.which);
+    let _held = match system.targets.get(&target) {
+        Some(lock) => Some(lock.lock().await),
+        None => None,
+    };
+    let hold = Duration::from_millis(fault.hold_ms);
+    let start = |recorder: &Recorder| {
+        recorder.record(Event::FaultStart {
+            t: recorder.now(),
+            fault: id,
+            kind: fault.kind.name().into(),
+            target: target.clone(),
+        });
+    };
+    match fault.kind {
+        FaultKind::KillInstance | FaultKind::KillConsumer | FaultKind::KillRelay => {
+            let proc = match fault.kind {
+                FaultKind::KillInstance => &system.instances[fault.which],
+                FaultKind::KillConsumer => &system.consumers[fault.which],
+                _ => &system.relay,
+            };
+            let mut proc = proc.lock().await;
+            start(recorder);
+            proc.kill().await;
+            tokio::time::sleep(hold).await;
+            proc.start(recorder, Duration::from_secs(60)).await?;
+        }
+        FaultKind::FreezeStore => {
+            let frozen = match &system.store {
+                Store::Redis(redis) => redis.freeze(),
+                Store::Postgres(pg) => pg.freeze(),
+            };
+            start(recorder);
+            tokio::time::sleep(hold).await;
+            frozen.thaw();
+        }
+        FaultKind::PartitionStore | FaultKind::PartitionBroker => {
+            let netns = match fault.kind {
+                FaultKind::PartitionStore => &system.store_netns,
+                _ => &system.broker_netns,
+            };
+            start(recorder);
+            netns.cut();
+            tokio::time::sleep(hold).await;
+            netns.heal();
+        }
+        FaultKind::RestartBroker => {
+            let mut broker = system.broker.lock().await;
+            start(recorder);
+            broker.restart().await;
+        }
+    }
+    recorder.record(Event::FaultEnd {
+        t: recorder.now(),
+        fault: id,
+    });
+    Ok(())
+}
+
+/// Waits until the ledger has applied and the receiver acted on every published posting (or
+/// the finish bound passes), then records every effect: the steps' lines, the receipts'
+/// outbox rows, the balances and the notifications.
+async fn collect(system: &System, options: &Options, recorder: &Recorder) -> Result<(), Infra> {
+    let ledger = sqlx::PgPool::connect(&system.ledger_db)
+        .await
+        .map_err(|e| format!("the ledger's database: {e}"))?;
+    let published = recorder
+        .events()
+        .iter()
+        .filter(|e| matches!(e, Event::Ok { status: 0, .. }))
+        .count();
+    let notifier = NOTIFIER.get().ok_or("no notifier")?;
+    let deadline = Instant::now() + FINISH_BOUND;
+    loop {
+        let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM accounts")
+            .fetch_one(&ledger)
+            .await
+            .map_err(|e| format!("the ledger's accounts: {e}"))?;
+        let acted = notifier.acted().len();
+        if (applied as usize >= published && acted >= published) || Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let effects = std::fs::read_to_string(options.out.join("effects.log")).unwrap_or_default();
+    for line in effects.lines() {
+        let mut words = line.split(' ');
+        if let (Some(step), Some(key), Some(pid), None) =
+            (words.next(), words.next(), words.next(), words.next())
+        {
+            recorder.record(Event::Step {
+                step: step.to_owned(),
+                key: key.to_owned(),
+                pid: pid.parse().unwrap_or(0),
+            });
+        } else {
+            return Err(format!("a malformed line in effects.log: {line:?}"));
+        }
+    }
+    if let Some(db) = &system.payments_db {
+        let payments = sqlx::PgPool::connect(db)
+            .await
+            .map_err(|e| format!("the payments' database: {e}"))?;
+        let rows: Vec<(String, String)> =
+            sqlx::query_as("SELECT message_key, destination FROM idempotent_outbox")
+                .fetch_all(&payments)
+                .await
+                .map_err(|e| format!("the receipts: {e}"))?;
+        for (key, destination) in rows {
+            let step = if destination == "receipts" {
+                "receipt"
+            } else {
+                &destination
+            };
+            recorder.record(Event::OutboxStep {
+                step: step.to_owned(),
+                key,
+            });
+        }
+    }
+    let balances: Vec<(String, i64)> = sqlx::query_as("SELECT account, balance FROM accounts")
+        .fetch_all(&ledger)
+        .await
+        .map_err(|e| format!("the ledger's accounts: {e}"))?;
+    for (account, balance) in balances {
+        recorder.record(Event::Balance { account, balance });
+    }
+    for (key, id) in notifier.acted() {
+        recorder.record(Event::Notified { key, id });
+    }
+    ledger.close().await;
+    Ok(())
+}
+
+async fn stop(system: System) {
+    for proc in system.instances.iter().chain(&system.consumers) {
+        proc.lock().await.stop().await;
+    }
+    system.relay.lock().await.stop().await;
+    drop(system.store);
+    drop(system.store_netns);
+    drop(system.broker_netns);
+}
