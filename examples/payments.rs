@@ -137,7 +137,7 @@
 //! | `IDEMPOTENCY_CACHE` | unset: no cache | finished records cached in front of the store: `memory:N` (in this process, at most `N` records) or `redis://HOST:PORT[/DB]` (a Redis every instance shares, in front of the store `IDEMPOTENCY_STORE` names); see `idempotent-cache` |
 //! | `IDEMPOTENCY_APP_VERSION` | this crate's version | the code version `/orders` keeps its requests with, and the only one whose orders the completer finishes: 1 to 64 visible ASCII characters (`1.4.2`, a commit id); see "Orders in steps" |
 //! | `IDEMPOTENCY_COMPLETER_AFTER` | unset: no completer | finish `/orders` operations abandoned for this long (their claim lapsed or released, no retry): `1ms` to `365d`; see "Orders in steps" |
-//! | `IDEMPOTENCY_EFFECTS_LOG` | unset: none | a file every run of an order's step is appended to as a line `<step> <step key> <pid>` (a step run again under the same key included), before the step's checkpoint is written: `reserve` and `charge`, and `receipt` but on PostgreSQL (where the receipt is its outbox row); a count of step runs that outlives the process |
+//! | `IDEMPOTENCY_EFFECTS_LOG` | unset: none | a file every run of an order's step is appended to as a line `<step> <step key> <pid>` (a step run again under the same key included), before the step's checkpoint is written: `reserve` and `charge`, and `receipt` but on PostgreSQL (where the receipt is its outbox row); and every charge `POST /payments` makes, as `payment <operation key> <pid>`, before its answer is recorded; a count of effects that outlives the process |
 //! | `RUST_LOG` | `warn,idempotent_tower=info` | log filter (logs go to stderr) |
 //!
 //! Durations are read by `idempotent_core::limits::parse_duration` (`500ms`, `30s`, `15m`,
@@ -340,17 +340,20 @@ async fn create_payment(
         .provider
         .charge(key.as_str(), payment.amount, &payment.currency)
     {
-        Ok(id) => (
-            StatusCode::CREATED,
-            [(header::LOCATION, format!("/payments/{id}"))],
-            Json(json!({
-                "id": id,
-                "amount": payment.amount,
-                "currency": payment.currency,
-                "principal": String::from_utf8_lossy(principal.id()),
-            })),
-        )
-            .into_response(),
+        Ok(id) => {
+            app.orders.log_effect("payment", &key);
+            (
+                StatusCode::CREATED,
+                [(header::LOCATION, format!("/payments/{id}"))],
+                Json(json!({
+                    "id": id,
+                    "amount": payment.amount,
+                    "currency": payment.currency,
+                    "principal": String::from_utf8_lossy(principal.id()),
+                })),
+            )
+                .into_response()
+        }
         Err(error) => refused(error),
     }
 }

@@ -88,14 +88,20 @@ impl Orders {
         })
     }
 
+    /// With `IDEMPOTENCY_EFFECTS_LOG`, appends `<what> <key> <pid>` to the log: the
+    /// `/payments` handler's charges (`payment`, under the claim's operation key) use it.
+    pub(crate) fn log_effect(&self, what: &str, key: &Key) {
+        if let Some(log) = &self.log {
+            log.append(what, key);
+        }
+    }
+
     /// Records the effect of `step` under `key` in this process (once per key, as a downstream
     /// that deduplicates by key does) and, with `IDEMPOTENCY_EFFECTS_LOG`, every run of it in
     /// the log, a repeated key included: the log shows a step that ran twice even where the
     /// downstream's key kept its effect to one.
     fn effect(&self, downstream: &Downstream, step: &str, key: &Key) {
-        if let Some(log) = &self.log {
-            log.append(step, key);
-        }
+        self.log_effect(step, key);
         downstream.apply(key.as_str());
     }
 }

@@ -13,6 +13,10 @@ use serde::{Deserialize, Serialize};
 pub(crate) enum FaultKind {
     /// `SIGKILL` of a `payments` instance, started again after the hold.
     KillInstance,
+    /// `SIGSTOP` of a `payments` instance, `SIGCONT` after the hold (longer than its claims'
+    /// lease: the other instance takes its operations over while it is paused, and what it
+    /// writes when it continues must be refused).
+    PauseInstance,
     /// `SIGKILL` of a `ledger` consumer, started again after the hold.
     KillConsumer,
     /// `SIGKILL` of the relay, started again after the hold.
@@ -28,8 +32,9 @@ pub(crate) enum FaultKind {
 }
 
 impl FaultKind {
-    const ALL: [FaultKind; 7] = [
+    const ALL: [FaultKind; 8] = [
         FaultKind::KillInstance,
+        FaultKind::PauseInstance,
         FaultKind::KillConsumer,
         FaultKind::KillRelay,
         FaultKind::FreezeStore,
@@ -39,16 +44,19 @@ impl FaultKind {
     ];
 
     /// The kinds every run injects at least once.
-    const REQUIRED: [FaultKind; 4] = [
+    const REQUIRED: [FaultKind; 6] = [
         FaultKind::PartitionStore,
         FaultKind::FreezeStore,
         FaultKind::KillInstance,
         FaultKind::RestartBroker,
+        FaultKind::PauseInstance,
+        FaultKind::KillConsumer,
     ];
 
     pub(crate) fn name(self) -> &'static str {
         match self {
             FaultKind::KillInstance => "kill-instance",
+            FaultKind::PauseInstance => "pause-instance",
             FaultKind::KillConsumer => "kill-consumer",
             FaultKind::KillRelay => "kill-relay",
             FaultKind::FreezeStore => "freeze-store",
@@ -61,7 +69,7 @@ impl FaultKind {
     /// What it acts on, so that two faults on one target do not overlap.
     pub(crate) fn target(self, which: usize) -> String {
         match self {
-            FaultKind::KillInstance => format!("payments-{which}"),
+            FaultKind::KillInstance | FaultKind::PauseInstance => format!("payments-{which}"),
             FaultKind::KillConsumer => format!("ledger-{which}"),
             FaultKind::KillRelay => "relay".into(),
             FaultKind::FreezeStore | FaultKind::PartitionStore => "store".into(),
@@ -95,8 +103,13 @@ pub(crate) struct Rng(u64);
 
 impl Rng {
     pub(crate) fn new(seed: u64) -> Rng {
-        // Never 0, which xorshift would keep.
-        Rng(seed ^ 0x9e37_79b9_7f4a_7c15 | 1)
+        // The seed through splitmix64's finaliser, so that nearby seeds start far apart; never
+        // 0, which xorshift would keep.
+        let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        Rng(if z == 0 { 1 } else { z })
     }
 
     pub(crate) fn next(&mut self) -> u64 {
@@ -113,8 +126,9 @@ impl Rng {
 }
 
 /// The schedule of a run of `duration` with `lanes` faults at a time: faults from 3 s in until
-/// 5 s before the end, each held 1–5 s (a killed process down up to 1.5 s), 1–3 s apart in a
-/// lane. Lane 0 begins with the four kinds every run must inject, in an order the seed picks.
+/// 5 s before the end, each held 1–5 s (a killed process down up to 1.5 s, a paused instance
+/// 3.5–6 s), 1–3 s apart in a lane. Lane 0 begins with the kinds every run must inject, in an
+/// order the seed picks.
 pub(crate) fn schedule(seed: u64, duration: Duration, lanes: usize) -> Vec<Planned> {
     let mut rng = Rng::new(seed);
     let end = u64::try_from(duration.as_millis())
@@ -144,6 +158,8 @@ pub(crate) fn schedule(seed: u64, duration: Duration, lanes: usize) -> Vec<Plann
                     rng.between(0, 1_500)
                 }
                 FaultKind::RestartBroker => 0,
+                // Past the lease (2 s) and the impatient client's second.
+                FaultKind::PauseInstance => rng.between(3_500, 6_000),
                 _ => rng.between(1_000, 5_000),
             };
             if at + hold > end {
@@ -172,6 +188,7 @@ mod tests {
         let a = schedule(42, Duration::from_secs(120), 1);
         assert_eq!(a, schedule(42, Duration::from_secs(120), 1));
         assert_ne!(a, schedule(43, Duration::from_secs(120), 1));
+        assert_ne!(a, schedule(42, Duration::from_secs(120), 2));
     }
 
     #[test]

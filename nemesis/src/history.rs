@@ -18,6 +18,8 @@ pub(crate) enum Kind {
     Order,
     /// `POST /orders` in a client session (`Idempotency-Session`).
     Session,
+    /// `POST /payments` with an `Idempotency-Key`, from an impatient client.
+    Payment,
     /// A posting published to the broker's stream, applied by a ledger consumer and notified
     /// through the outbox and the relay.
     Posting,
@@ -97,6 +99,17 @@ pub(crate) enum Event {
     Spawn { t: u64, process: String, pid: u32 },
     /// Collected at the end: a line of the effects log (a step run).
     Step { step: String, key: String, pid: u32 },
+    /// Collected at the end: a line of the effects log of a charge `POST /payments` made,
+    /// under the operation's key.
+    Charge { key: String, pid: u32 },
+    /// A batch of `payments_client` (through the load balancer) ended: its summary line.
+    Client {
+        t: u64,
+        name: String,
+        exit: i32,
+        sent: u64,
+        succeeded: u64,
+    },
     /// Collected at the end: an outbox row of a step (`receipt` on PostgreSQL).
     OutboxStep { step: String, key: String },
     /// Collected at the end: an account's balance.

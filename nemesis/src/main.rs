@@ -14,6 +14,7 @@ mod check;
 mod faults;
 mod history;
 mod notify;
+mod proxy;
 mod run;
 mod system;
 mod workload;

@@ -108,16 +108,26 @@ pub(crate) async fn run(options: &Options) -> Result<Vec<Event>, Infra> {
             .join(" ")
     );
 
-    let targets: Vec<String> = system
-        .instances
-        .iter()
-        .map(|i| i.try_lock().map(|p| p.url()).unwrap_or_default())
-        .collect();
+    let mut targets = Vec::new();
+    for instance in &system.instances {
+        let instance = instance.lock().await;
+        targets.push((instance.name.clone(), instance.url()));
+    }
+    let proxy = crate::proxy::Proxy::start(
+        targets
+            .iter()
+            .map(|(_, url)| url.trim_start_matches("http://").to_owned())
+            .collect(),
+    )
+    .await?;
     let workload = Arc::new(Workload::new(recorder.clone(), targets, options.seed));
     let broker_url = system.broker.lock().await.url();
     let mut clients = tokio::task::JoinSet::new();
     for _ in 0..4 {
         clients.spawn(Arc::clone(&workload).order_client(options.max_ops));
+    }
+    for _ in 0..2 {
+        clients.spawn(Arc::clone(&workload).payment_client(options.max_ops));
     }
     for client in 0..2 {
         clients.spawn(Arc::clone(&workload).session_client(client, options.max_ops));
@@ -128,6 +138,23 @@ pub(crate) async fn run(options: &Options) -> Result<Vec<Event>, Infra> {
         Duration::from_millis(25),
         options.max_ops,
     ));
+    // payments_client, the example, in batches through the load balancer: one batch with
+    // keys and one in a session at a time.
+    let bins = examples_dir(options.bin_dir.as_deref())?;
+    for session in [false, true] {
+        let (workload, recorder) = (Arc::clone(&workload), recorder.clone());
+        let (program, url) = (bins.join("payments_client"), proxy.url.clone());
+        let logs = options.out.clone();
+        clients.spawn(async move {
+            let mut batch = 0;
+            while workload.sending() {
+                let name = format!("payments_client-{}{batch}", if session { "s" } else { "k" });
+                batch += 1;
+                let event = client_batch(&program, &url, &name, session, &logs, &recorder).await;
+                recorder.record(event);
+            }
+        });
+    }
 
     // The nemesis: each lane's faults in turn, at their times.
     let began = Instant::now();
@@ -153,6 +180,7 @@ pub(crate) async fn run(options: &Options) -> Result<Vec<Event>, Infra> {
     recorder.record(Event::Healed { t: healed });
     workload.give_up_at(Instant::now() + FINISH_BOUND);
     while clients.join_next().await.is_some() {}
+    drop(proxy);
     eprintln!(
         "nemesis: {} operations; faults healed at {} s; replaying the answers",
         workload.started(),
@@ -379,6 +407,16 @@ async fn inject(
             tokio::time::sleep(hold).await;
             proc.start(recorder, Duration::from_secs(60)).await?;
         }
+        FaultKind::PauseInstance => {
+            let instance = system.instances[fault.which].lock().await;
+            let mut frozen = idempotent_test_kit::process::Frozen::new();
+            start(recorder);
+            if let Some(pid) = instance.pid() {
+                frozen.stop(pid);
+            }
+            tokio::time::sleep(hold).await;
+            frozen.thaw();
+        }
         FaultKind::FreezeStore => {
             let frozen = match &system.store {
                 Store::Redis(redis) => redis.freeze(),
@@ -442,10 +480,14 @@ async fn collect(system: &System, options: &Options, recorder: &Recorder) -> Res
         if let (Some(step), Some(key), Some(pid), None) =
             (words.next(), words.next(), words.next(), words.next())
         {
-            recorder.record(Event::Step {
-                step: step.to_owned(),
-                key: key.to_owned(),
-                pid: pid.parse().unwrap_or(0),
+            let (key, pid) = (key.to_owned(), pid.parse().unwrap_or(0));
+            recorder.record(match step {
+                "payment" => Event::Charge { key, pid },
+                _ => Event::Step {
+                    step: step.to_owned(),
+                    key,
+                    pid,
+                },
             });
         } else {
             return Err(format!("a malformed line in effects.log: {line:?}"));
@@ -484,6 +526,62 @@ async fn collect(system: &System, options: &Options, recorder: &Recorder) -> Res
     }
     ledger.close().await;
     Ok(())
+}
+
+/// A batch of 100 payments by `payments_client` through `url` (4 at a time; all in one session
+/// with `session`), waited for up to 3 minutes; its summary line as an event.
+async fn client_batch(
+    program: &std::path::Path,
+    url: &str,
+    name: &str,
+    session: bool,
+    logs: &std::path::Path,
+    recorder: &Recorder,
+) -> Event {
+    const SENT: u64 = 100;
+    let mut command = tokio::process::Command::new(program);
+    command
+        .args([
+            "--url",
+            url,
+            "--payments",
+            &SENT.to_string(),
+            "--concurrency",
+            "4",
+        ])
+        .args(["--user", name])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    if session {
+        command.arg("--session");
+    }
+    if let Ok(log) = std::fs::File::create(logs.join(format!("{name}.log"))) {
+        command.stderr(log);
+    }
+    let output = match command.spawn() {
+        Ok(child) => tokio::time::timeout(Duration::from_secs(180), child.wait_with_output()).await,
+        Err(error) => Ok(Err(error)),
+    };
+    let (exit, summary) = match output {
+        Ok(Ok(output)) => {
+            let text = String::from_utf8_lossy(&output.stdout).into_owned();
+            let last = text.lines().last().unwrap_or_default().to_owned();
+            (
+                output.status.code().unwrap_or(-1),
+                serde_json::from_str::<serde_json::Value>(&last).unwrap_or_default(),
+            )
+        }
+        Ok(Err(_)) => (-1, serde_json::Value::Null),
+        Err(_) => (-2, serde_json::Value::Null),
+    };
+    Event::Client {
+        t: recorder.now(),
+        name: name.to_owned(),
+        exit,
+        sent: SENT,
+        succeeded: summary["succeeded"].as_u64().unwrap_or(0),
+    }
 }
 
 async fn stop(system: System) {

@@ -57,6 +57,10 @@ impl Proc {
         }
     }
 
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(Child::id)
+    }
+
     /// `http://127.0.0.1:PORT`, for a server.
     pub(crate) fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port.as_deref().unwrap_or("0"))

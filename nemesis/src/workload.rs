@@ -24,8 +24,8 @@ const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(30);
 /// What every client shares.
 pub(crate) struct Workload {
     pub(crate) recorder: Recorder,
-    /// `http://127.0.0.1:PORT` of each instance.
-    pub(crate) targets: Vec<String>,
+    /// Each instance's name and `http://127.0.0.1:PORT`.
+    pub(crate) targets: Vec<(String, String)>,
     pub(crate) seed: u64,
     client: HyperClient<HttpConnector, Full<Bytes>>,
     next_op: AtomicU64,
@@ -42,9 +42,36 @@ pub(crate) struct Workload {
 #[derive(Clone)]
 pub(crate) struct Answered {
     op: u64,
+    request: Call,
+    answer: Bytes,
+}
+
+/// A request of the workload, as sent again and again.
+#[derive(Clone)]
+struct Call {
+    path: &'static str,
     header: (&'static str, String),
     body: String,
-    answer: Bytes,
+    patience: Patience,
+}
+
+/// How long a client waits for one attempt's answer: the order and session clients are
+/// patient (the checker's bound on an attempt is what they measure); the payment clients
+/// give up after a second, as a client with a short timeout does, so that a paused
+/// instance's operation is taken over by the other instance while it is paused.
+#[derive(Clone, Copy)]
+enum Patience {
+    Patient,
+    Impatient,
+}
+
+impl Patience {
+    fn timeout(self) -> Duration {
+        match self {
+            Patience::Patient => ATTEMPT_TIMEOUT,
+            Patience::Impatient => Duration::from_secs(1),
+        }
+    }
 }
 
 /// A final answer.
@@ -55,7 +82,7 @@ struct Answer {
 }
 
 impl Workload {
-    pub(crate) fn new(recorder: Recorder, targets: Vec<String>, seed: u64) -> Workload {
+    pub(crate) fn new(recorder: Recorder, targets: Vec<(String, String)>, seed: u64) -> Workload {
         let client = HyperClient::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(5))
             .build_http();
@@ -74,6 +101,11 @@ impl Workload {
     /// Operations started so far.
     pub(crate) fn started(&self) -> u64 {
         self.next_op.load(Ordering::SeqCst)
+    }
+
+    /// Whether new operations still begin.
+    pub(crate) fn sending(&self) -> bool {
+        self.sending.load(Ordering::SeqCst)
     }
 
     /// No new operation from now on.
@@ -122,25 +154,42 @@ impl Workload {
     /// An order client: a new key per order, until the run stops sending or `limit`
     /// operations were begun.
     pub(crate) async fn order_client(self: Arc<Self>, limit: u64) {
+        self.keyed_client(Kind::Order, limit).await;
+    }
+
+    /// A payment client: `POST /payments` with a new key each, impatient (see [`Patience`]).
+    pub(crate) async fn payment_client(self: Arc<Self>, limit: u64) {
+        self.keyed_client(Kind::Payment, limit).await;
+    }
+
+    async fn keyed_client(&self, kind: Kind, limit: u64) {
+        let (letter, path, patience) = match kind {
+            Kind::Payment => ('y', "/payments", Patience::Impatient),
+            _ => ('o', "/orders", Patience::Patient),
+        };
         loop {
             let seed = self.seed;
             let Some((op, key)) =
-                self.begin(Kind::Order, limit, |op| (format!("nem-{seed}-o{op}"), None))
+                self.begin(kind, limit, |op| (format!("nem-{seed}-{letter}{op}"), None))
             else {
                 return;
             };
-            let header = ("idempotency-key", format!("\"{key}\""));
-            let body = order_body(op);
-            if !self.order(op, &header, &body).await {
+            let request = Call {
+                path,
+                header: ("idempotency-key", format!("\"{key}\"")),
+                body: match kind {
+                    Kind::Payment => payment_body(op),
+                    _ => order_body(op),
+                },
+                patience,
+            };
+            let Some(answered) = self.call(op, request).await else {
                 continue;
-            }
-            // One order in eight is sent again at once, through the other instance: a client
-            // that retried after an answer it did not see.
+            };
+            // One operation in eight is sent again at once, through the other instance: a
+            // client that retried after an answer it did not see.
             if op % 8 == 3 {
-                let answered = self.last_answered(op);
-                if let Some(answered) = answered {
-                    self.replay(&answered, 1).await;
-                }
+                self.replay(&answered, 1).await;
             }
         }
     }
@@ -156,9 +205,16 @@ impl Workload {
             let Some((op, _)) = self.begin(Kind::Session, limit, |_| (key, None)) else {
                 return;
             };
-            let value = format!("id=\"{session}\", seq={seq}, ack={}", seq - 1);
-            let header = ("idempotency-session", value);
-            if !self.order(op, &header, &order_body(op)).await {
+            let request = Call {
+                path: "/orders",
+                header: (
+                    "idempotency-session",
+                    format!("id=\"{session}\", seq={seq}, ack={}", seq - 1),
+                ),
+                body: order_body(op),
+                patience: Patience::Patient,
+            };
+            if self.call(op, request).await.is_none() {
                 // Never answered: the session's next number would find this one unanswered,
                 // which the checker already reports; stop this session.
                 return;
@@ -166,21 +222,11 @@ impl Workload {
         }
     }
 
-    fn last_answered(&self, op: u64) -> Option<Answered> {
-        self.answered
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .rev()
-            .find(|a| a.op == op)
-            .cloned()
-    }
-
-    /// Sends an order until it has a final answer; records it. False when given up.
-    async fn order(&self, op: u64, header: &(&'static str, String), body: &str) -> bool {
-        let Some(answer) = self.until_final(op, header, body, op as usize).await else {
-            return false;
-        };
+    /// Sends a request until it has a final answer, and records it; `None` when given up.
+    async fn call(&self, op: u64, request: Call) -> Option<Answered> {
+        let answer = self.until_final(op, &request, op as usize).await?;
+        // An order's answer names its operation: `ord_` and the operation key's first 24
+        // characters.
         let id = serde_json::from_slice::<serde_json::Value>(&answer.body)
             .ok()
             .and_then(|json| json["order_id"].as_str().map(str::to_owned))
@@ -193,26 +239,26 @@ impl Workload {
             body: digest(&answer.body),
             id,
         });
+        let answered = Answered {
+            op,
+            request,
+            answer: answer.body,
+        };
         if answer.status == StatusCode::CREATED {
             self.answered
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .push(Answered {
-                    op,
-                    header: header.clone(),
-                    body: body.to_owned(),
-                    answer: answer.body,
-                });
+                .push(answered.clone());
         }
-        true
+        Some(answered)
     }
 
-    /// Sends an answered order again (through the instance `shift` from the first) and
+    /// Sends an answered request again (through the instance `shift` from the first) and
     /// records whether the same bytes came back, marked replayed.
     async fn replay(&self, answered: &Answered, shift: usize) {
         let first = answered.op as usize + shift;
         let Some(again) = self
-            .until_final(answered.op, &answered.header, &answered.body, first)
+            .until_final(answered.op, &answered.request, first)
             .await
         else {
             return;
@@ -226,7 +272,7 @@ impl Workload {
         });
     }
 
-    /// Every order answered with a key sent once more, and each session's last answer (the
+    /// Every request answered with a key sent once more, and each session's last answer (the
     /// one it still holds): all must replay.
     pub(crate) async fn replay_all(self: Arc<Self>, clients: usize) {
         let answered = self
@@ -237,8 +283,9 @@ impl Workload {
         let mut last_of_session = std::collections::BTreeMap::new();
         let mut todo = Vec::new();
         for a in answered {
-            if a.header.0 == "idempotency-session" {
-                let session = a.header.1.split(',').next().unwrap_or_default().to_owned();
+            if a.request.header.0 == "idempotency-session" {
+                let value = &a.request.header.1;
+                let session = value.split(',').next().unwrap_or_default().to_owned();
                 last_of_session.insert(session, a);
             } else {
                 todo.push(a);
@@ -263,33 +310,28 @@ impl Workload {
     /// Attempts through the instances in turn (beginning with `first`) until an answer that
     /// is final: anything but no answer, `409` (in flight), `429` and `5xx`. `None` once
     /// given up.
-    async fn until_final(
-        &self,
-        op: u64,
-        header: &(&'static str, String),
-        body: &str,
-        first: usize,
-    ) -> Option<Answer> {
+    async fn until_final(&self, op: u64, request: &Call, first: usize) -> Option<Answer> {
         let mut attempt = 0usize;
+        let timeout = request.patience.timeout();
         loop {
-            let target = &self.targets[(first + attempt) % self.targets.len()];
+            let (name, url) = &self.targets[(first + attempt) % self.targets.len()];
             attempt += 1;
             let started = Instant::now();
             let result = tokio::time::timeout(
-                ATTEMPT_TIMEOUT,
-                self.send(&format!("{target}/orders"), header, body),
+                timeout,
+                self.send(&format!("{url}{}", request.path), request),
             )
             .await;
             let ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
             let outcome = match &result {
                 Ok(Ok(answer)) => answer.status.as_u16().to_string(),
                 Ok(Err(error)) => format!("error: {error}"),
-                Err(_) => format!("error: no answer within {ATTEMPT_TIMEOUT:?}"),
+                Err(_) => format!("timeout: no answer within {timeout:?}"),
             };
             self.recorder.record(Event::Attempt {
                 t: self.recorder.now(),
                 op,
-                target: target.clone(),
+                target: name.clone(),
                 ms,
                 outcome,
             });
@@ -315,19 +357,14 @@ impl Workload {
         }
     }
 
-    async fn send(
-        &self,
-        url: &str,
-        header: &(&'static str, String),
-        body: &str,
-    ) -> Result<Answer, String> {
+    async fn send(&self, url: &str, call: &Call) -> Result<Answer, String> {
         let request = Request::builder()
             .method(Method::POST)
             .uri(url)
             .header("content-type", "application/json")
             .header("authorization", "Bearer nemesis")
-            .header(header.0, header.1.as_str())
-            .body(Full::new(Bytes::from(body.to_owned())))
+            .header(call.header.0, call.header.1.as_str())
+            .body(Full::new(Bytes::from(call.body.clone())))
             .map_err(|e| e.to_string())?;
         let response = self
             .client
@@ -457,6 +494,11 @@ async fn publish(
         .await
         .map(|_| ())
         .map_err(|e| e.to_string())
+}
+
+/// The body of payment `op`: an amount of its own (never 0, which the provider declines).
+fn payment_body(op: u64) -> String {
+    format!(r#"{{"amount":{},"currency":"EUR"}}"#, 1 + op % 1000)
 }
 
 /// The body of order `op`: a request of its own, so that no two orders share a fingerprint.
