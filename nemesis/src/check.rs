@@ -133,8 +133,8 @@ pub(crate) struct Report {
     pub(crate) step_reruns: u64,
     /// Answers sent again and compared.
     pub(crate) replays: u64,
-    /// Of them, payments run again because the instance that answered first was killed before
-    /// its record was written (see [`check`]).
+    /// Of them, operations that ran again under their operation key because their record was
+    /// never written (see [`check`]).
     pub(crate) replays_rerun: u64,
     /// Charges made (distinct operation keys), and payments answered `201` (this process's
     /// clients and the `payments_client` batches).
@@ -182,7 +182,7 @@ impl fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "replays compared: {} ({} payments run again under their operation key after a kill)",
+            "replays compared: {} ({} ran again under their operation key: the record's write refused)",
             self.replays, self.replays_rerun
         )?;
         writeln!(
@@ -208,9 +208,8 @@ struct Op {
     kind: Option<Kind>,
     key: String,
     amount: Option<i64>,
-    answer: Option<(u64, u16, String, String)>,
-    /// The instance whose answer was final.
-    answered_by: String,
+    /// When, the status, the body's digest, the id it names, whether it was replayed.
+    answer: Option<(u64, u16, String, String, bool)>,
     failed: Option<String>,
 }
 
@@ -263,7 +262,6 @@ pub(crate) fn check(events: &[Event]) -> Report {
             Event::Attempt {
                 t, op, ms, target, ..
             } => {
-                ops.entry(*op).or_default().answered_by.clone_from(target);
                 report.attempts += 1;
                 attempts.push((*op, t.saturating_sub(*ms), *t, *ms, target.as_str()));
             }
@@ -273,8 +271,10 @@ pub(crate) fn check(events: &[Event]) -> Report {
                 status,
                 body,
                 id,
+                replayed,
             } => {
-                ops.entry(*op).or_default().answer = Some((*t, *status, body.clone(), id.clone()));
+                let answer = (*t, *status, body.clone(), id.clone(), *replayed);
+                ops.entry(*op).or_default().answer = Some(answer);
             }
             Event::Fail { op, why, .. } => {
                 ops.entry(*op).or_default().failed = Some(why.clone());
@@ -321,7 +321,7 @@ pub(crate) fn check(events: &[Event]) -> Report {
     // Every operation answered, in time, as it deserves.
     for (&op, o) in &ops {
         let Some(kind) = o.kind else { continue };
-        let Some((t, status, _, _)) = &o.answer else {
+        let Some((t, status, ..)) = &o.answer else {
             let why = o.failed.clone().unwrap_or_else(|| "no answer".into());
             report.anomalies.push(Anomaly::Unfinished {
                 op,
@@ -407,56 +407,57 @@ pub(crate) fn check(events: &[Event]) -> Report {
     }
     check_postings(&ops, &balances, &notified, &mut report);
 
-    // Replays: the same bytes, marked replayed. One exception, which the operation key covers:
-    // a payment answered while its record could not be written (the store cut off) by an
-    // instance killed before the write landed runs again under the same operation key, and the
-    // example's provider, which lives in the killed process, answers with another id where a
-    // real provider would answer the first charge again (the charge count still holds it to
-    // one charge).
-    let kills: Vec<(u64, &str)> = faults
-        .values()
-        .filter(|f| f.2 == "kill-instance")
-        .map(|f| (f.0, f.3))
+    // Replays. A replay (marked so) must bring back the last answer the operation gave. An
+    // operation may run again, unmarked, under the same operation key when its claim was lost
+    // before its record was written (the store cut off or frozen past the lease after the
+    // work ran: the caller had its answer, the record's write was refused); an order's answer
+    // is the same again (its ids come from the operation key), a payment's may name another
+    // charge id (the example's provider lives in each process; a real one answers the first
+    // charge again, and the charge count holds it to one charge). Once an answer came back
+    // replayed, the record exists: running again after that is an anomaly.
+    let mut current: BTreeMap<u64, (String, bool)> = ops
+        .iter()
+        .filter_map(|(&op, o)| o.answer.as_ref().map(|a| (op, (a.2.clone(), a.4))))
         .collect();
     for event in replays {
         let Event::Replay {
-            t: replayed_at,
             op,
             status,
-            same,
+            body,
             replayed,
+            ..
         } = event
         else {
             continue;
         };
         report.replays += 1;
-        let first = ops.get(op).and_then(|o| o.answer.as_ref());
-        let what = if first.map(|a| a.1) != Some(*status) {
-            Some(format!("answered {status}, first {:?}", first.map(|a| a.1)))
-        } else if !same {
-            Some("a different body".to_owned())
-        } else if !replayed {
-            Some("not marked Idempotent-Replayed".to_owned())
+        let first = ops.get(op).and_then(|o| o.answer.as_ref()).map(|a| a.1);
+        let kind = ops.get(op).and_then(|o| o.kind);
+        let Some((last, recorded)) = current.get_mut(op) else {
+            continue;
+        };
+        let what = if first != Some(*status) {
+            Some(format!("answered {status}, first {first:?}"))
+        } else if *replayed && body != last {
+            Some("replayed another body than its last answer".to_owned())
+        } else if !*replayed && *recorded {
+            Some("ran again after its answer was replayed from its record".to_owned())
+        } else if !*replayed && body != last && kind != Some(Kind::Payment) {
+            Some("ran again with another answer".to_owned())
         } else {
             None
         };
-        let Some(what) = what else { continue };
-        let o = &ops[op];
-        let answered_at = first.map_or(0, |a| a.0);
-        let rerun = o.kind == Some(Kind::Payment)
-            && first.map(|a| a.1) == Some(*status)
-            && kills.iter().any(|&(at, target)| {
-                target == o.answered_by && answered_at < at && at < *replayed_at
-            });
-        if rerun {
-            report.replays_rerun += 1;
-        } else {
+        if let Some(what) = what {
             report.anomalies.push(Anomaly::ReplayMismatch {
                 op: *op,
                 key: key_of(*op),
                 what,
             });
+        } else if !*replayed {
+            report.replays_rerun += 1;
         }
+        last.clone_from(body);
+        *recorded |= *replayed;
     }
     report
 }
@@ -473,7 +474,7 @@ fn check_orders(
 ) {
     let mut by_id: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
     for (&op, o) in ops {
-        if let (Some(Kind::Order | Kind::Session), Some((_, 201, _, id))) = (o.kind, &o.answer) {
+        if let (Some(Kind::Order | Kind::Session), Some((_, 201, _, id, _))) = (o.kind, &o.answer) {
             by_id.entry(id.as_str()).or_default().push(op);
         }
     }
@@ -676,6 +677,7 @@ mod tests {
                 status: 201,
                 body: "b".into(),
                 id: operation[..24].into(),
+                replayed: false,
             },
             step("reserve", operation, 10),
             step("charge", operation, 10),
@@ -705,6 +707,7 @@ mod tests {
                 status: 0,
                 body: String::new(),
                 id: id.into(),
+                replayed: false,
             },
         ]
     }
@@ -725,7 +728,7 @@ mod tests {
             t: 30,
             op: 1,
             status: 201,
-            same: true,
+            body: "b".into(),
             replayed: true,
         });
         events
@@ -925,20 +928,30 @@ mod tests {
         assert!(found.iter().any(|a| a.contains("account acct-p9 holds 1")));
     }
 
+    fn replayed(op: u64, body: &str, replayed: bool) -> Event {
+        Event::Replay {
+            t: 40,
+            op,
+            status: 201,
+            body: body.into(),
+            replayed,
+        }
+    }
+
     #[test]
-    fn a_replay_that_differs_or_is_not_marked_is_a_mismatch() {
-        for (same, replayed, what) in [
-            (false, true, "a different body"),
-            (true, false, "not marked Idempotent-Replayed"),
+    fn a_replay_of_another_body_or_a_run_after_a_replay_is_a_mismatch() {
+        for (again, what) in [
+            (
+                replayed(1, "x", true),
+                "replayed another body than its last answer",
+            ),
+            (
+                replayed(1, "b", false),
+                "ran again after its answer was replayed from its record",
+            ),
         ] {
             let mut events = clean();
-            events.push(Event::Replay {
-                t: 40,
-                op: 1,
-                status: 201,
-                same,
-                replayed,
-            });
+            events.push(again);
             assert_eq!(
                 anomalies(&events),
                 [format!("replay mismatch: op 1 (k1): {what}")]
@@ -947,58 +960,58 @@ mod tests {
     }
 
     #[test]
-    fn a_payment_run_again_after_its_instance_was_killed_is_explained_and_no_other() {
-        let payment = |target: &str| {
-            let mut events = clean();
-            events.extend([
-                Event::Invoke {
-                    t: 1,
-                    op: 9,
-                    kind: Kind::Payment,
-                    key: "y9".into(),
-                    amount: None,
-                },
-                Event::Attempt {
-                    t: 20,
-                    op: 9,
-                    target: "payments-0".into(),
-                    ms: 10,
-                    outcome: "201".into(),
-                },
-                Event::Ok {
-                    t: 20,
-                    op: 9,
-                    status: 201,
-                    body: "b".into(),
-                    id: String::new(),
-                },
-                Event::Charge {
-                    key: OP_KEY.into(),
-                    pid: 10,
-                },
-                Event::FaultStart {
-                    t: 25,
-                    fault: 0,
-                    kind: "kill-instance".into(),
-                    target: target.into(),
-                },
-                Event::FaultEnd { t: 26, fault: 0 },
-                Event::Replay {
-                    t: 40,
-                    op: 9,
-                    status: 201,
-                    same: false,
-                    replayed: false,
-                },
-            ]);
-            check(&events)
-        };
-        let report = payment("payments-0");
+    fn an_order_run_again_before_its_record_must_answer_the_same() {
+        // The order's first answer, then its run again (its record never written): the same
+        // body is counted, another is an anomaly.
+        let mut events: Vec<Event> = clean()
+            .into_iter()
+            .filter(|e| !matches!(e, Event::Replay { .. }))
+            .collect();
+        events.push(replayed(1, "b", false));
+        let report = check(&events);
         assert!(report.ok(), "{report}");
         assert_eq!(report.replays_rerun, 1);
-        let report = payment("payments-1");
-        let found: Vec<String> = report.anomalies.iter().map(|a| a.to_string()).collect();
-        assert_eq!(found, ["replay mismatch: op 9 (y9): a different body"]);
+        events.push(replayed(1, "x", false));
+        assert_eq!(
+            anomalies(&events),
+            ["replay mismatch: op 1 (k1): ran again with another answer"]
+        );
+    }
+
+    #[test]
+    fn a_payment_run_again_before_its_record_may_name_another_charge_then_replays_it() {
+        let mut events = clean();
+        events.extend([
+            Event::Invoke {
+                t: 1,
+                op: 9,
+                kind: Kind::Payment,
+                key: "y9".into(),
+                amount: None,
+            },
+            Event::Ok {
+                t: 20,
+                op: 9,
+                status: 201,
+                body: "first".into(),
+                id: String::new(),
+                replayed: false,
+            },
+            Event::Charge {
+                key: OP_KEY.into(),
+                pid: 10,
+            },
+            replayed(9, "second", false),
+            replayed(9, "second", true),
+        ]);
+        let report = check(&events);
+        assert!(report.ok(), "{report}");
+        assert_eq!(report.replays_rerun, 1);
+        events.push(replayed(9, "first", true));
+        assert_eq!(
+            anomalies(&events),
+            ["replay mismatch: op 9 (y9): replayed another body than its last answer"]
+        );
     }
 
     #[test]

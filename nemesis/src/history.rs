@@ -73,15 +73,19 @@ pub(crate) enum Event {
         body: String,
         /// The operation the answer names (an order's 24 hex characters; a posting's id).
         id: String,
+        /// Marked `Idempotent-Replayed: true`: answered from a record.
+        #[serde(default)]
+        replayed: bool,
     },
     /// The operation was given up without a final answer.
     Fail { t: u64, op: u64, why: String },
-    /// The operation sent again after its answer: the same body (`same`) and marked replayed.
+    /// The operation sent again after its answer, and what came back: its status, BLAKE3 of
+    /// its body, and whether it was marked replayed (answered from the record) or ran again.
     Replay {
         t: u64,
         op: u64,
         status: u16,
-        same: bool,
+        body: String,
         replayed: bool,
     },
     /// A fault begins.
