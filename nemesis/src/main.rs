@@ -16,6 +16,7 @@ mod history;
 mod notify;
 mod proxy;
 mod run;
+mod svg;
 mod system;
 mod workload;
 
@@ -35,7 +36,7 @@ fn main() -> ExitCode {
         Some("check") if args.len() == 2 => {
             let dir = PathBuf::from(&args[1]);
             match history::load(&dir.join("history.jsonl")) {
-                Ok(events) => verdict(&check::check(&events), None),
+                Ok(events) => verdict(&events, &dir, None),
                 Err(error) => {
                     eprintln!("nemesis: {error}");
                     ExitCode::from(3)
@@ -143,7 +144,7 @@ fn run_and_check(options: &Options) -> ExitCode {
     };
     let _ = std::fs::remove_dir_all(&options.out);
     match runtime.block_on(run::run(options)) {
-        Ok(events) => verdict(&check::check(&events), Some(options)),
+        Ok(events) => verdict(&events, &options.out, Some(options.seed)),
         Err(error) => {
             eprintln!("nemesis: the run could not be carried out: {error}");
             ExitCode::from(3)
@@ -151,15 +152,34 @@ fn run_and_check(options: &Options) -> ExitCode {
     }
 }
 
-fn verdict(report: &check::Report, options: Option<&Options>) -> ExitCode {
+/// Checks `events`, prints the report, writes it and the timeline into `dir`; the exit
+/// status: 0 without anomaly, 1 with.
+fn verdict(events: &[history::Event], dir: &std::path::Path, seed: Option<u64>) -> ExitCode {
+    let report = check::check(events);
     print!("{report}");
-    if let Some(options) = options {
-        let _ = std::fs::write(options.out.join("report.txt"), report.to_string());
-        println!(
-            "history: {}; again with --seed {}",
-            options.out.join("history.jsonl").display(),
-            options.seed
-        );
+    let title = events
+        .iter()
+        .find_map(|e| match e {
+            history::Event::Run { store, seed, .. } => Some(format!("{store}, seed {seed}")),
+            _ => None,
+        })
+        .unwrap_or_default();
+    let picture = dir.join("timeline.svg");
+    for (path, text) in [
+        (dir.join("report.txt"), report.to_string()),
+        (picture.clone(), svg::timeline(events, &report, &title)),
+    ] {
+        if let Err(error) = std::fs::write(&path, text) {
+            eprintln!("nemesis: {}: {error}", path.display());
+        }
+    }
+    println!(
+        "history: {}; timeline: {}",
+        dir.join("history.jsonl").display(),
+        picture.display()
+    );
+    if let Some(seed) = seed {
+        println!("the same schedule again: --seed {seed}");
     }
     if report.ok() {
         ExitCode::SUCCESS

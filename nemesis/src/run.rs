@@ -305,6 +305,10 @@ async fn start(options: &Options, recorder: &Recorder) -> Result<System, Infra> 
                 ("MAX_DELIVERIES", "1000000"),
                 ("NOTIFY_URL", &notify_url),
                 ("RELAY", "0"),
+                // A pause between the effect and the commit, as real work has: a consumer
+                // killed mid-message is then killed inside its transaction, where acking
+                // before the commit would lose the message.
+                ("EFFECT_DELAY_MS", "100"),
                 ("RUST_LOG", "warn"),
             ]),
             "consuming ",
