@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::run::StoreKind;
+
 /// A kind of fault.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -29,29 +31,39 @@ pub(crate) enum FaultKind {
     PartitionBroker,
     /// The broker (a durable Redis) killed and started again on its data.
     RestartBroker,
+    /// A Redis Cluster store: a replica of one of its primaries takes over (`CLUSTER
+    /// FAILOVER`).
+    FailoverStore,
 }
 
 impl FaultKind {
-    const ALL: [FaultKind; 8] = [
-        FaultKind::KillInstance,
-        FaultKind::PauseInstance,
-        FaultKind::KillConsumer,
-        FaultKind::KillRelay,
-        FaultKind::FreezeStore,
-        FaultKind::PartitionStore,
-        FaultKind::PartitionBroker,
-        FaultKind::RestartBroker,
-    ];
-
-    /// The kinds every run injects at least once.
-    const REQUIRED: [FaultKind; 6] = [
-        FaultKind::PartitionStore,
-        FaultKind::FreezeStore,
-        FaultKind::KillInstance,
-        FaultKind::RestartBroker,
-        FaultKind::PauseInstance,
-        FaultKind::KillConsumer,
-    ];
+    /// The kinds a run over `store` draws from, and those it injects at least once. A store
+    /// in its own process and namespace (Redis, PostgreSQL) is frozen and cut off; a Redis
+    /// Cluster fails over; an embedded store (SQLite) has no process of its own to fault.
+    pub(crate) fn of(store: StoreKind) -> (Vec<FaultKind>, Vec<FaultKind>) {
+        use FaultKind::*;
+        let mut all = vec![
+            KillInstance,
+            PauseInstance,
+            KillConsumer,
+            KillRelay,
+            PartitionBroker,
+            RestartBroker,
+        ];
+        let mut required = vec![KillInstance, RestartBroker, PauseInstance, KillConsumer];
+        match store {
+            StoreKind::Redis | StoreKind::Postgres => {
+                all.extend([FreezeStore, PartitionStore]);
+                required.extend([PartitionStore, FreezeStore]);
+            }
+            StoreKind::RedisCluster => {
+                all.push(FailoverStore);
+                required.extend([FailoverStore, PartitionBroker]);
+            }
+            StoreKind::Sqlite => required.push(PartitionBroker),
+        }
+        (all, required)
+    }
 
     pub(crate) fn name(self) -> &'static str {
         match self {
@@ -63,6 +75,7 @@ impl FaultKind {
             FaultKind::PartitionStore => "partition-store",
             FaultKind::PartitionBroker => "partition-broker",
             FaultKind::RestartBroker => "restart-broker",
+            FaultKind::FailoverStore => "failover-store",
         }
     }
 
@@ -72,7 +85,9 @@ impl FaultKind {
             FaultKind::KillInstance | FaultKind::PauseInstance => format!("payments-{which}"),
             FaultKind::KillConsumer => format!("ledger-{which}"),
             FaultKind::KillRelay => "relay".into(),
-            FaultKind::FreezeStore | FaultKind::PartitionStore => "store".into(),
+            FaultKind::FreezeStore | FaultKind::PartitionStore | FaultKind::FailoverStore => {
+                "store".into()
+            }
             FaultKind::PartitionBroker | FaultKind::RestartBroker => "broker".into(),
         }
     }
@@ -129,12 +144,18 @@ impl Rng {
 /// 5 s before the end, each held 1–5 s (a killed process down up to 1.5 s, a paused instance
 /// 3.5–6 s), 1–3 s apart in a lane. Lane 0 begins with the kinds every run must inject, in an
 /// order the seed picks.
-pub(crate) fn schedule(seed: u64, duration: Duration, lanes: usize) -> Vec<Planned> {
+pub(crate) fn schedule(
+    seed: u64,
+    duration: Duration,
+    lanes: usize,
+    store: StoreKind,
+) -> Vec<Planned> {
+    let (all, required) = FaultKind::of(store);
     let mut rng = Rng::new(seed);
     let end = u64::try_from(duration.as_millis())
         .unwrap_or(u64::MAX)
         .saturating_sub(5_000);
-    let mut required = FaultKind::REQUIRED.to_vec();
+    let mut required = required;
     for i in (1..required.len()).rev() {
         let j = usize::try_from(rng.next() % (i as u64 + 1)).unwrap_or(0);
         required.swap(i, j);
@@ -150,14 +171,14 @@ pub(crate) fn schedule(seed: u64, duration: Duration, lanes: usize) -> Vec<Plann
         first.reverse();
         loop {
             let kind = first.pop().unwrap_or_else(|| {
-                let n = FaultKind::ALL.len() as u64;
-                FaultKind::ALL[usize::try_from(rng.next() % n).unwrap_or(0)]
+                let n = all.len() as u64;
+                all[usize::try_from(rng.next() % n).unwrap_or(0)]
             });
             let hold = match kind {
                 FaultKind::KillInstance | FaultKind::KillConsumer | FaultKind::KillRelay => {
                     rng.between(0, 1_500)
                 }
-                FaultKind::RestartBroker => 0,
+                FaultKind::RestartBroker | FaultKind::FailoverStore => 0,
                 // Past the lease (2 s) and the impatient client's second.
                 FaultKind::PauseInstance => rng.between(3_500, 6_000),
                 _ => rng.between(1_000, 5_000),
@@ -185,23 +206,32 @@ mod tests {
 
     #[test]
     fn a_seed_gives_one_schedule() {
-        let a = schedule(42, Duration::from_secs(120), 1);
-        assert_eq!(a, schedule(42, Duration::from_secs(120), 1));
-        assert_ne!(a, schedule(43, Duration::from_secs(120), 1));
-        assert_ne!(a, schedule(42, Duration::from_secs(120), 2));
+        let two_minutes = Duration::from_secs(120);
+        let a = schedule(42, two_minutes, 1, StoreKind::Redis);
+        assert_eq!(a, schedule(42, two_minutes, 1, StoreKind::Redis));
+        assert_ne!(a, schedule(43, two_minutes, 1, StoreKind::Redis));
+        assert_ne!(a, schedule(42, two_minutes, 2, StoreKind::Redis));
     }
 
     #[test]
     fn every_run_of_two_minutes_injects_the_required_kinds_within_its_window() {
-        for seed in 0..200 {
+        let stores = [
+            StoreKind::Redis,
+            StoreKind::Postgres,
+            StoreKind::RedisCluster,
+            StoreKind::Sqlite,
+        ];
+        for (seed, store) in (0..200).flat_map(|seed| stores.map(|store| (seed, store))) {
+            let (all, required) = FaultKind::of(store);
             for lanes in [1, 3] {
-                let planned = schedule(seed, Duration::from_secs(120), lanes);
-                for kind in FaultKind::REQUIRED {
+                let planned = schedule(seed, Duration::from_secs(120), lanes, store);
+                for kind in &required {
                     assert!(
-                        planned.iter().any(|p| p.kind == kind),
-                        "seed {seed}: no {kind}"
+                        planned.iter().any(|p| p.kind == *kind),
+                        "seed {seed}, {store:?}: no {kind}"
                     );
                 }
+                assert!(planned.iter().all(|p| all.contains(&p.kind)), "{planned:?}");
                 for p in &planned {
                     assert!(p.at_ms >= 3_000 && p.at_ms + p.hold_ms <= 115_000, "{p:?}");
                     assert!(p.which < 2 && p.lane < lanes);
@@ -219,6 +249,6 @@ mod tests {
 
     #[test]
     fn a_run_too_short_for_faults_has_none() {
-        assert!(schedule(7, Duration::from_secs(5), 2).is_empty());
+        assert!(schedule(7, Duration::from_secs(5), 2, StoreKind::Sqlite).is_empty());
     }
 }

@@ -2,7 +2,7 @@
 //! timeline. See `RELIABILITY.md`.
 //!
 //! ```text
-//! nemesis run --store redis|postgres [--seed N] [--duration SECS] [--max-ops N]
+//! nemesis run --store redis|postgres|redis-cluster|sqlite [--seed N] [--duration SECS] [--max-ops N]
 //!             [--concurrent N] [--out DIR] [--bin-dir DIR]
 //! nemesis check DIR
 //! ```
@@ -26,7 +26,8 @@ use std::time::Duration;
 
 use run::{Options, StoreKind};
 
-const USAGE: &str = "usage: nemesis run --store redis|postgres [--seed N] [--duration SECS] \
+const USAGE: &str =
+    "usage: nemesis run --store redis|postgres|redis-cluster|sqlite [--seed N] [--duration SECS] \
 [--max-ops N] [--concurrent N] [--out DIR] [--bin-dir DIR]
        nemesis check DIR";
 
@@ -81,7 +82,13 @@ fn options(args: &[String]) -> Result<Options, String> {
                 store = Some(match value()?.as_str() {
                     "redis" => StoreKind::Redis,
                     "postgres" => StoreKind::Postgres,
-                    other => return Err(format!("--store {other:?}: redis or postgres")),
+                    "redis-cluster" => StoreKind::RedisCluster,
+                    "sqlite" => StoreKind::Sqlite,
+                    other => {
+                        return Err(format!(
+                            "--store {other:?}: redis, postgres, redis-cluster or sqlite"
+                        ));
+                    }
                 })
             }
             "--seed" => seed = Some(number(value()?)?),
@@ -111,13 +118,7 @@ fn options(args: &[String]) -> Result<Options, String> {
             .map_or(1, |d| d.as_secs())
     });
     let out = out.unwrap_or_else(|| {
-        PathBuf::from("target/nemesis").join(format!(
-            "{}-{seed}",
-            match store {
-                StoreKind::Redis => "redis",
-                StoreKind::Postgres => "postgres",
-            }
-        ))
+        PathBuf::from("target/nemesis").join(format!("{}-{seed}", store.name()))
     });
     Ok(Options {
         store,

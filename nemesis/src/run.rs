@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use idempotent_test_kit::cluster::Cluster;
 use idempotent_test_kit::names::free_port;
 use idempotent_test_kit::netns::Netns;
 use idempotent_test_kit::postgres::PrivatePostgres;
@@ -22,8 +23,26 @@ use crate::workload::Workload;
 /// The stores a run can put the `payments` instances' records in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum StoreKind {
+    /// A Redis of the run's own, in a network namespace.
     Redis,
+    /// A PostgreSQL of the run's own, in a network namespace.
     Postgres,
+    /// The Redis Cluster of the environment (`IDEMPOTENT_TEST_REDIS_CLUSTER_URLS`, which
+    /// `scripts/services.sh` starts), one claim acknowledged by a replica.
+    RedisCluster,
+    /// A SQLite file both instances open: one host.
+    Sqlite,
+}
+
+impl StoreKind {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            StoreKind::Redis => "redis",
+            StoreKind::Postgres => "postgres",
+            StoreKind::RedisCluster => "redis-cluster",
+            StoreKind::Sqlite => "sqlite",
+        }
+    }
 }
 
 /// A run's settings (see `nemesis --help`).
@@ -45,15 +64,19 @@ pub(crate) struct Options {
 pub(crate) const ATTEMPT_BOUND: Duration = Duration::from_secs(15);
 pub(crate) const FINISH_BOUND: Duration = Duration::from_secs(30);
 
-/// The servers whose faults the nemesis causes.
+/// The store whose faults the nemesis causes.
 enum Store {
     Redis(PrivateRedis),
     Postgres(PrivatePostgres),
+    Cluster(Cluster),
+    /// Embedded in the instances: nothing of its own to fault.
+    Sqlite,
 }
 
 struct System {
     store: Store,
-    store_netns: Netns,
+    /// The store's namespace (Redis, PostgreSQL).
+    store_netns: Option<Netns>,
     broker: Mutex<PrivateRedis>,
     broker_netns: Netns,
     /// On Redis, the ledger's PostgreSQL (not faulted): on PostgreSQL, the store is it.
@@ -77,20 +100,28 @@ pub(crate) async fn run(options: &Options) -> Result<Vec<Event>, Infra> {
     std::fs::create_dir_all(&options.out).map_err(|e| format!("{}: {e}", options.out.display()))?;
     let recorder = Recorder::create(&options.out.join("history.jsonl"))
         .map_err(|e| format!("history.jsonl: {e}"))?;
-    let planned = schedule(options.seed, options.duration, options.concurrent);
+    let planned = schedule(
+        options.seed,
+        options.duration,
+        options.concurrent,
+        options.store,
+    );
     let system = Arc::new(start(options, &recorder).await?);
 
-    let logged_steps: Vec<String> = match options.store {
-        StoreKind::Postgres => vec!["reserve".into(), "charge".into()],
-        StoreKind::Redis => vec!["reserve".into(), "charge".into(), "receipt".into()],
-    };
-    let outbox_steps = match options.store {
-        StoreKind::Postgres => vec!["receipt".into()],
-        StoreKind::Redis => vec![],
+    // On PostgreSQL an order's receipt is an outbox row written with its checkpoint.
+    let (logged_steps, outbox_steps): (Vec<String>, Vec<String>) = match options.store {
+        StoreKind::Postgres => (
+            vec!["reserve".into(), "charge".into()],
+            vec!["receipt".into()],
+        ),
+        _ => (
+            vec!["reserve".into(), "charge".into(), "receipt".into()],
+            vec![],
+        ),
     };
     recorder.record(Event::Run {
         seed: options.seed,
-        store: format!("{:?}", options.store).to_lowercase(),
+        store: options.store.name().to_owned(),
         duration_ms: millis(options.duration),
         attempt_bound_ms: millis(ATTEMPT_BOUND),
         finish_bound_ms: millis(FINISH_BOUND),
@@ -126,7 +157,7 @@ pub(crate) async fn run(options: &Options) -> Result<Vec<Event>, Infra> {
     for _ in 0..4 {
         clients.spawn(Arc::clone(&workload).order_client(options.max_ops));
     }
-    for _ in 0..2 {
+    for _ in 0..4 {
         clients.spawn(Arc::clone(&workload).payment_client(options.max_ops));
     }
     for client in 0..2 {
@@ -218,38 +249,57 @@ async fn start(options: &Options, recorder: &Recorder) -> Result<System, Infra> 
             "network namespaces need root and `ip` (iproute2); see RELIABILITY.md".to_owned()
         })
     };
-    let store_netns = netns()?;
-    let broker_netns = netns()?;
-    let (store, store_url, ledger_server) = match options.store {
+    let mut store_netns = None;
+    let mut ledger_server = None;
+    let (store, store_url) = match options.store {
         StoreKind::Redis => {
-            let redis = PrivateRedis::start_in("nemesis-store", &store_netns)
+            let netns = store_netns.insert(netns()?);
+            let redis = PrivateRedis::start_in("nemesis-store", netns)
                 .await
                 .ok_or("redis-server is not installed")?;
-            let pg = PrivatePostgres::start()
-                .await
-                .ok_or("PostgreSQL's server binaries are not installed")?;
             let url = redis.url();
-            (Store::Redis(redis), url, Some(pg))
+            (Store::Redis(redis), url)
         }
         StoreKind::Postgres => {
-            let pg = PrivatePostgres::start_in(&store_netns)
+            let netns = store_netns.insert(netns()?);
+            let pg = PrivatePostgres::start_in(netns)
                 .await
                 .ok_or("PostgreSQL's server binaries are not installed")?;
             let url = pg.url();
-            (Store::Postgres(pg), url, None)
+            (Store::Postgres(pg), url)
+        }
+        StoreKind::RedisCluster => {
+            let cluster = Cluster::from_env().ok_or(
+                "--store redis-cluster needs IDEMPOTENT_TEST_REDIS_CLUSTER_URLS (a cluster \
+                 of three primaries with a replica each, as scripts/services.sh starts)",
+            )?;
+            let url = cluster.urls().to_owned();
+            (Store::Cluster(cluster), url)
+        }
+        StoreKind::Sqlite => {
+            let url = format!("sqlite://{}", options.out.join("store.sqlite").display());
+            (Store::Sqlite, url)
         }
     };
+    // The ledger's PostgreSQL: the store on PostgreSQL, a server of its own (on loopback,
+    // not faulted) otherwise.
+    let pg_url = match &store {
+        Store::Postgres(pg) => pg.url(),
+        _ => {
+            let pg = PrivatePostgres::start()
+                .await
+                .ok_or("PostgreSQL's server binaries are not installed")?;
+            ledger_server.insert(pg).url()
+        }
+    };
+    let broker_netns = netns()?;
     let broker = PrivateRedis::start_durable_in("nemesis-broker", &broker_netns)
         .await
         .ok_or("redis-server is not installed")?;
-    let pg_url = match (&store, &ledger_server) {
-        (_, Some(pg)) | (Store::Postgres(pg), None) => pg.url(),
-        (Store::Redis(_), None) => return Err("no PostgreSQL for the ledger".into()),
-    };
     let ledger_db = create_database(&pg_url, "ledger").await?;
     let payments_db = match options.store {
         StoreKind::Postgres => Some(store_url.clone()),
-        StoreKind::Redis => None,
+        _ => None,
     };
     let notifier = crate::notify::Notifier::start().await?;
     let notify_url = notifier.url.clone();
@@ -266,6 +316,11 @@ async fn start(options: &Options, recorder: &Recorder) -> Result<System, Infra> 
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect()
     };
+    let replicas = if options.store == StoreKind::RedisCluster {
+        "1"
+    } else {
+        "0"
+    };
     let mut instances = Vec::new();
     for n in 0..2 {
         let port = free_port().to_string();
@@ -279,6 +334,9 @@ async fn start(options: &Options, recorder: &Recorder) -> Result<System, Infra> 
                 ("IDEMPOTENCY_LEASE", "2s"),
                 ("IDEMPOTENCY_COMPLETER_AFTER", "3s"),
                 ("IDEMPOTENCY_EFFECTS_LOG", &effects),
+                // On the Cluster, a claim and a record are acknowledged by a replica before
+                // they count: a failover loses none.
+                ("IDEMPOTENCY_REDIS_REPLICAS", replicas),
                 ("RUST_LOG", "warn"),
             ]),
             "listening on ",
@@ -425,6 +483,7 @@ async fn inject(
             let frozen = match &system.store {
                 Store::Redis(redis) => redis.freeze(),
                 Store::Postgres(pg) => pg.freeze(),
+                Store::Cluster(_) | Store::Sqlite => return Err(not_here(fault)),
             };
             start(recorder);
             tokio::time::sleep(hold).await;
@@ -432,13 +491,25 @@ async fn inject(
         }
         FaultKind::PartitionStore | FaultKind::PartitionBroker => {
             let netns = match fault.kind {
-                FaultKind::PartitionStore => &system.store_netns,
-                _ => &system.broker_netns,
+                FaultKind::PartitionStore => system.store_netns.as_ref(),
+                _ => Some(&system.broker_netns),
             };
+            let netns = netns.ok_or_else(|| not_here(fault))?;
             start(recorder);
             netns.cut();
             tokio::time::sleep(hold).await;
             netns.heal();
+        }
+        FaultKind::FailoverStore => {
+            let Store::Cluster(cluster) = &system.store else {
+                return Err(not_here(fault));
+            };
+            let primaries = cluster.with_role("master").await;
+            let primary = primaries[fault.which % primaries.len()];
+            let replica = cluster.replica_of(primary).await;
+            start(recorder);
+            Cluster::failover_to(replica).await;
+            cluster.wait_until_ok().await;
         }
         FaultKind::RestartBroker => {
             let mut broker = system.broker.lock().await;
@@ -451,6 +522,10 @@ async fn inject(
         fault: id,
     });
     Ok(())
+}
+
+fn not_here(fault: &Planned) -> Infra {
+    format!("{} has no store of its own to fault here", fault.kind)
 }
 
 /// Waits until the ledger has applied and the receiver acted on every published posting (or
@@ -560,7 +635,16 @@ async fn client_batch(
     if session {
         command.arg("--session");
     }
-    if let Ok(log) = std::fs::File::create(logs.join(format!("{name}.log"))) {
+    // One log for all the batches of a kind (`payments_client-k.log`, `-s.log`).
+    let log = logs.join(format!(
+        "payments_client-{}.log",
+        if session { "s" } else { "k" }
+    ));
+    if let Ok(log) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+    {
         command.stderr(log);
     }
     let output = match command.spawn() {
