@@ -83,6 +83,29 @@ else
     cargo test --workspace --all-targets --all-features --locked
 fi
 
+# The nemesis (RELIABILITY.md): the whole system, two minutes on Redis and two on PostgreSQL
+# at once, under a schedule of faults from a fixed seed (NEMESIS_SEED to change it): kills,
+# pauses, store freezes and network partitions, broker restarts. Any anomaly fails the run;
+# the history, the report and the timeline stay in target/nemesis/STORE-SEED/.
+step "nemesis: two minutes on Redis and on PostgreSQL, under random faults"
+seed="${NEMESIS_SEED:-1}"
+nemesis="$target_dir/debug/nemesis"
+"$nemesis" run --store redis --duration 120 --seed "$seed" \
+    --out "$target_dir/nemesis/redis-$seed" >"$target_dir/nemesis-redis.log" 2>&1 &
+redis_run=$!
+"$nemesis" run --store postgres --duration 120 --seed "$seed" \
+    --out "$target_dir/nemesis/postgres-$seed" >"$target_dir/nemesis-postgres.log" 2>&1 &
+postgres_run=$!
+nemesis_failed=0
+for store in redis postgres; do
+    run="${store}_run"
+    if wait "${!run}"; then status=0; else status=$?; fi
+    echo "--- nemesis on $store (exit $status) ---"
+    cat "$target_dir/nemesis-$store.log"
+    [ "$status" -eq 0 ] || nemesis_failed=1
+done
+[ "$nemesis_failed" -eq 0 ]
+
 step "cargo test --doc"
 cargo test --workspace --all-features --doc --locked
 
