@@ -27,7 +27,11 @@ root="$PWD"
 work="$root/target/nemesis-broken/tree"
 export CARGO_TARGET_DIR="$root/target/nemesis-broken/target"
 export CARGO_INCREMENTAL=0 CARGO_PROFILE_DEV_DEBUG=line-tables-only
+# The broken tree is HEAD's: commit what it should hold first (the nemesis itself is built
+# from the working tree).
 git worktree remove --force "$work" 2>/dev/null || true
+rm -rf "$work"
+git worktree prune
 git worktree add --detach "$work" HEAD >/dev/null
 trap 'git worktree remove --force "$work"' EXIT
 
@@ -43,14 +47,17 @@ open(path, "w").write(text.replace(old, new))
 PY
 }
 
+# Each variant, and the anomaly it must produce (another kind of anomaly is not a catch).
 case "$variant" in
 ack-before-commit)
+    expected="missing effect"
     patch_once idempotent-consumer/src/runner.rs \
         "        let processed = match prepared {" \
         "        let _ = self.source.ack(&received.delivery).await;
         let processed = match prepared {"
     ;;
 no-fencing-redis)
+    expected="replay mismatch"
     patch_once idempotent-redis/src/scripts.rs \
         'const COMPLETE: &str = r"
 if owned then' \
@@ -73,7 +80,14 @@ set +e
 status=$?
 set -e
 case $status in
-1) echo "$variant: caught (the checker found anomalies; history in $out)" ;;
+1)
+    if grep -q "^  $expected" "$out/report.txt"; then
+        echo "$variant: caught ($expected; history in $out)"
+    else
+        echo "$variant: NOT caught as expected: anomalies, but none is \"$expected\" ($out/report.txt)"
+        exit 1
+    fi
+    ;;
 0) echo "$variant: NOT caught: the run passed"; exit 1 ;;
 *) echo "$variant: the run could not be carried out (exit $status)"; exit "$status" ;;
 esac

@@ -86,14 +86,15 @@ fi
 # The nemesis (RELIABILITY.md): the whole system, two minutes on Redis and two on PostgreSQL
 # at once, under a schedule of faults from a fixed seed (NEMESIS_SEED to change it): kills,
 # pauses, store freezes and network partitions, broker restarts. Any anomaly fails the run;
-# the history, the report and the timeline stay in target/nemesis/STORE-SEED/.
+# the history, the report and the timeline stay in target/nemesis/STORE-SEED/. A run that hangs
+# is stopped after 15 minutes (SIGTERM: it removes its servers and namespaces) and fails.
 step "nemesis: two minutes on Redis and on PostgreSQL, under random faults"
 seed="${NEMESIS_SEED:-1}"
 nemesis="$target_dir/debug/nemesis"
-"$nemesis" run --store redis --duration 120 --seed "$seed" \
+timeout 900 "$nemesis" run --store redis --duration 120 --seed "$seed" \
     --out "$target_dir/nemesis/redis-$seed" >"$target_dir/nemesis-redis.log" 2>&1 &
 redis_run=$!
-"$nemesis" run --store postgres --duration 120 --seed "$seed" \
+timeout 900 "$nemesis" run --store postgres --duration 120 --seed "$seed" \
     --out "$target_dir/nemesis/postgres-$seed" >"$target_dir/nemesis-postgres.log" 2>&1 &
 postgres_run=$!
 nemesis_failed=0

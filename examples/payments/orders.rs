@@ -132,9 +132,10 @@ impl Downstream {
     }
 }
 
-/// `IDEMPOTENCY_EFFECTS_LOG`: one line per effect, `<step> <step key> <pid>`, each written
-/// with one `write` to a file opened for appending, before the step's checkpoint is written,
-/// so the lines outlive a process killed at any moment.
+/// `IDEMPOTENCY_EFFECTS_LOG`: one line per effect, `<step> <step key> <pid>` (a step, before
+/// its checkpoint is written) or `payment <operation key> <pid>` (a charge of `POST
+/// /payments`, before its answer is recorded), each written with one `write` to a file opened
+/// for appending, so the lines outlive a process killed at any moment.
 struct EffectsLog(Mutex<File>);
 
 impl EffectsLog {

@@ -19,6 +19,19 @@ use std::fmt;
 
 use crate::history::{Event, Kind};
 
+/// The faults that can keep an answered operation's record from being written.
+const RECORD_FAULTS: [&str; 5] = [
+    "freeze-store",
+    "partition-store",
+    "pause-instance",
+    "kill-instance",
+    "failover-store",
+];
+
+/// How long after its answer such a fault can still keep the record from being written: the
+/// lease (2 s) the claim outlives the answer by at most, and the write's first retries.
+const RECORD_WINDOW_MS: u64 = 5_000;
+
 /// The account a posting is applied to: one per posting, so that a double apply shows.
 pub(crate) fn account_of(posting: &str) -> String {
     format!("acct-{posting}")
@@ -210,6 +223,10 @@ struct Op {
     amount: Option<i64>,
     /// When, the status, the body's digest, the id it names, whether it was replayed.
     answer: Option<(u64, u16, String, String, bool)>,
+    /// When its latest attempt began.
+    attempt_began: u64,
+    /// When the attempt that got its answer began.
+    answer_began: u64,
     failed: Option<String>,
 }
 
@@ -262,6 +279,7 @@ pub(crate) fn check(events: &[Event]) -> Report {
             Event::Attempt {
                 t, op, ms, target, ..
             } => {
+                ops.entry(*op).or_default().attempt_began = t.saturating_sub(*ms);
                 report.attempts += 1;
                 attempts.push((*op, t.saturating_sub(*ms), *t, *ms, target.as_str()));
             }
@@ -274,7 +292,9 @@ pub(crate) fn check(events: &[Event]) -> Report {
                 replayed,
             } => {
                 let answer = (*t, *status, body.clone(), id.clone(), *replayed);
-                ops.entry(*op).or_default().answer = Some(answer);
+                let o = ops.entry(*op).or_default();
+                o.answer = Some(answer);
+                o.answer_began = o.attempt_began;
             }
             Event::Fail { op, why, .. } => {
                 ops.entry(*op).or_default().failed = Some(why.clone());
@@ -352,9 +372,9 @@ pub(crate) fn check(events: &[Event]) -> Report {
         }
     }
 
-    // No attempt past the bound (but one sent to an instance paused while it waited: a
-    // paused process answers nothing, which is the fault); the worst, and the worst while a
-    // fault was on.
+    // No attempt past the bound (not counting the time it waited on an instance that was
+    // paused: a paused process answers nothing, which is the fault); the worst, and the worst
+    // while a fault was on.
     for &(op, start, end, ms, target) in &attempts {
         report.worst_attempt_ms = report.worst_attempt_ms.max(ms);
         let during = |fault: &&(u64, Option<u64>, &str, &str)| {
@@ -363,11 +383,16 @@ pub(crate) fn check(events: &[Event]) -> Report {
         if faults.values().any(|f| during(&f)) {
             report.worst_attempt_in_fault_ms = report.worst_attempt_in_fault_ms.max(ms);
         }
-        let paused = faults
+        // Time spent waiting on a paused instance is the fault's, not the system's.
+        let paused: u64 = faults
             .values()
-            .filter(during)
-            .any(|&(_, _, kind, paused)| kind == "pause-instance" && paused == target);
-        if ms > attempt_bound && !paused {
+            .filter(|&&(_, _, kind, paused)| kind == "pause-instance" && paused == target)
+            .map(|&(from, to, _, _)| {
+                let to = to.unwrap_or(u64::MAX);
+                end.min(to).saturating_sub(start.max(from))
+            })
+            .sum();
+        if ms.saturating_sub(paused) > attempt_bound {
             report.anomalies.push(Anomaly::SlowAttempt {
                 op,
                 key: key_of(op),
@@ -411,17 +436,31 @@ pub(crate) fn check(events: &[Event]) -> Report {
     // every later answer must be that one, replayed. Before that, the answers the client saw
     // may not have been recorded: an operation runs again under its operation key when its
     // claim was lost before its record was written (the store cut off, frozen or locked past
-    // the lease after the work ran: the caller had its answer, the write was refused), and
-    // the run that gets recorded may be one no client saw (a request a paused instance read
-    // when it continued). An order answers the same whichever run (its ids come from the
+    // the lease after the work ran, or the instance killed before the write landed: the
+    // caller had its answer, the write was refused or never made), and the run that gets
+    // recorded may be one no client saw (a request a paused instance read when it
+    // continued). That needs such a fault during the answer or in the few seconds after it
+    // (`RECORD_WINDOW_MS`). An order answers the same whichever run (its ids come from the
     // operation key); a payment may name another charge id (the example's provider lives in
     // each process; a real one answers the first charge again, and the charge count holds it
-    // to one charge).
-    let mut seen: BTreeMap<u64, (String, Option<String>)> = ops
+    // to one charge). Every answered order and payment must in the end come back replayed
+    // from its record.
+    let record_faults: Vec<(u64, u64)> = faults
+        .values()
+        .filter(|f| RECORD_FAULTS.contains(&f.2))
+        .map(|f| (f.0, f.1.unwrap_or(u64::MAX)))
+        .collect();
+    let mut seen: BTreeMap<u64, (String, Option<String>, bool)> = ops
         .iter()
         .filter_map(|(&op, o)| {
-            let (_, _, body, _, replayed) = o.answer.as_ref()?;
-            Some((op, (body.clone(), replayed.then(|| body.clone()))))
+            let (t, _, body, _, replayed) = o.answer.as_ref()?;
+            let explained = record_faults
+                .iter()
+                .any(|&(from, to)| from <= t + RECORD_WINDOW_MS && o.answer_began <= to);
+            Some((
+                op,
+                (body.clone(), replayed.then(|| body.clone()), explained),
+            ))
         })
         .collect();
     for event in replays {
@@ -438,9 +477,10 @@ pub(crate) fn check(events: &[Event]) -> Report {
         report.replays += 1;
         let first = ops.get(op).and_then(|o| o.answer.as_ref()).map(|a| a.1);
         let payment = ops.get(op).and_then(|o| o.kind) == Some(Kind::Payment);
-        let Some((last, recorded)) = seen.get_mut(op) else {
+        let Some((last, recorded, explained)) = seen.get_mut(op) else {
             continue;
         };
+        let rerun = recorded.is_none() && (!*replayed || body != last);
         let what = match (recorded.as_ref(), *replayed) {
             _ if first != Some(*status) => Some(format!("answered {status}, first {first:?}")),
             (Some(record), true) if body != record => {
@@ -449,21 +489,40 @@ pub(crate) fn check(events: &[Event]) -> Report {
             (Some(_), false) => {
                 Some("ran again after its answer was replayed from its record".to_owned())
             }
-            (None, _) if body != last && !payment => Some("answered another body".to_owned()),
+            _ if rerun && !*explained => Some(
+                "ran again, or replayed another body, with no fault to keep its record from \
+                 being written"
+                    .to_owned(),
+            ),
+            _ if rerun && body != last && !payment => Some("answered another body".to_owned()),
             _ => None,
         };
         if let Some(what) = what {
+            // Reported once: the answers after it are judged against the one before it.
             report.anomalies.push(Anomaly::ReplayMismatch {
                 op: *op,
                 key: key_of(*op),
                 what,
             });
-        } else if recorded.is_none() && (!*replayed || body != last) {
+            continue;
+        }
+        if rerun {
             report.replays_rerun += 1;
         }
         last.clone_from(body);
         if *replayed && recorded.is_none() {
             *recorded = Some(body.clone());
+        }
+    }
+    for (op, (_, recorded, _)) in &seen {
+        let o = &ops[op];
+        let answered = o.answer.as_ref().is_some_and(|a| a.1 == 201);
+        if recorded.is_none() && answered && matches!(o.kind, Some(Kind::Order | Kind::Payment)) {
+            report.anomalies.push(Anomaly::ReplayMismatch {
+                op: *op,
+                key: o.key.clone(),
+                what: "never came back replayed from a record".to_owned(),
+            });
         }
     }
     report
@@ -966,22 +1025,103 @@ mod tests {
         }
     }
 
+    fn fault(t: u64, kind: &str, target: &str) -> [Event; 2] {
+        [
+            Event::FaultStart {
+                t,
+                fault: t,
+                kind: kind.into(),
+                target: target.into(),
+            },
+            Event::FaultEnd {
+                t: t + 1000,
+                fault: t,
+            },
+        ]
+    }
+
     #[test]
     fn an_order_run_again_before_its_record_must_answer_the_same() {
-        // The order's first answer, then its run again (its record never written): the same
-        // body is counted, another is an anomaly.
+        // The order's first answer during a store freeze, then its run again (its record
+        // never written): the same body is counted, another is an anomaly.
         let mut events: Vec<Event> = clean()
             .into_iter()
             .filter(|e| !matches!(e, Event::Replay { .. }))
             .collect();
+        events.extend(fault(15, "freeze-store", "store"));
+        // The replays' own attempts, long after the fault, do not move the answer's time.
+        events.push(Event::Attempt {
+            t: 90_000,
+            op: 1,
+            target: "payments-1".into(),
+            ms: 5,
+            outcome: "201".into(),
+        });
         events.push(replayed(1, "b", false));
+        events.push(replayed(1, "b", true));
         let report = check(&events);
         assert!(report.ok(), "{report}");
         assert_eq!(report.replays_rerun, 1);
-        events.push(replayed(1, "x", false));
+        events.insert(events.len() - 1, replayed(1, "x", false));
         assert_eq!(
             anomalies(&events),
             ["replay mismatch: op 1 (k1): answered another body"]
+        );
+    }
+
+    #[test]
+    fn a_run_again_needs_a_fault_near_its_answer() {
+        // No fault, or one that ended before the answering attempt began or began more than
+        // five seconds after the answer: the record should have been written.
+        for faults in [
+            vec![],
+            fault(0, "kill-instance", "payments-0")[..1].to_vec(),
+            fault(5_021, "partition-store", "store").to_vec(),
+        ] {
+            let mut events: Vec<Event> = clean()
+                .into_iter()
+                .filter(|e| !matches!(e, Event::Replay { .. }))
+                .collect();
+            if let Some(Event::FaultStart { t: 0, .. }) = faults.first() {
+                // Ended at 5, before the attempt began at 10.
+                events.extend(faults);
+                events.push(Event::FaultEnd { t: 5, fault: 0 });
+            } else {
+                events.extend(faults);
+            }
+            events.push(replayed(1, "b", false));
+            events.push(replayed(1, "b", true));
+            assert_eq!(
+                anomalies(&events),
+                [
+                    "replay mismatch: op 1 (k1): ran again, or replayed another body, with no \
+                  fault to keep its record from being written"
+                ]
+            );
+        }
+    }
+
+    #[test]
+    fn an_answered_order_never_replayed_from_a_record_is_an_anomaly() {
+        // A store that keeps nothing: every replay runs again.
+        let mut events: Vec<Event> = clean()
+            .into_iter()
+            .filter(|e| !matches!(e, Event::Replay { .. }))
+            .collect();
+        events.extend(fault(15, "freeze-store", "store"));
+        events.push(replayed(1, "b", false));
+        assert_eq!(
+            anomalies(&events),
+            ["replay mismatch: op 1 (k1): never came back replayed from a record"]
+        );
+        // Nor a replay that never got an answer.
+        let events: Vec<Event> = clean()
+            .into_iter()
+            .filter(|e| !matches!(e, Event::Replay { .. }))
+            .collect();
+        assert_eq!(
+            anomalies(&events),
+            ["replay mismatch: op 1 (k1): never came back replayed from a record"]
         );
     }
 
@@ -996,6 +1136,13 @@ mod tests {
                 key: "y9".into(),
                 amount: None,
             },
+            Event::Attempt {
+                t: 20,
+                op: 9,
+                target: "payments-1".into(),
+                ms: 10,
+                outcome: "201".into(),
+            },
             Event::Ok {
                 t: 20,
                 op: 9,
@@ -1008,9 +1155,10 @@ mod tests {
                 key: OP_KEY.into(),
                 pid: 10,
             },
-            replayed(9, "second", false),
-            replayed(9, "second", true),
         ]);
+        events.extend(fault(12, "pause-instance", "payments-0"));
+        events.push(replayed(9, "second", false));
+        events.push(replayed(9, "second", true));
         let report = check(&events);
         assert!(report.ok(), "{report}");
         assert_eq!(report.replays_rerun, 1);
@@ -1029,6 +1177,36 @@ mod tests {
         let report = check(&events);
         assert!(report.ok(), "{report}");
         assert_eq!(report.replays_rerun, 1);
+    }
+
+    #[test]
+    fn only_the_time_beyond_a_pause_of_its_instance_counts_against_an_attempt() {
+        let attempt = |ms: u64| Event::Attempt {
+            t: 10_000 + ms,
+            op: 1,
+            target: "payments-0".into(),
+            ms,
+            outcome: "201".into(),
+        };
+        let mut events = clean();
+        // Paused from 10 s to 15 s: 5 s of the attempt are the pause's.
+        events.push(Event::FaultStart {
+            t: 10_000,
+            fault: 7,
+            kind: "pause-instance".into(),
+            target: "payments-0".into(),
+        });
+        events.push(Event::FaultEnd {
+            t: 15_000,
+            fault: 7,
+        });
+        events.push(attempt(5_500));
+        assert!(anomalies(&events).is_empty());
+        events.push(attempt(5_501));
+        assert_eq!(
+            anomalies(&events),
+            ["slow attempt: op 1 (k1) waited 5501 ms for one answer"]
+        );
     }
 
     #[test]

@@ -143,13 +143,68 @@ fn run_and_check(options: &Options) -> ExitCode {
             return ExitCode::from(3);
         }
     };
-    let _ = std::fs::remove_dir_all(&options.out);
-    match runtime.block_on(run::run(options)) {
-        Ok(events) => verdict(&events, &options.out, Some(options.seed)),
-        Err(error) => {
+    // The directory of an earlier run is replaced; any other that is not empty is refused.
+    if let Ok(mut entries) = std::fs::read_dir(&options.out) {
+        let earlier = options.out.join("history.jsonl").exists();
+        if !earlier && entries.next().is_some() {
+            eprintln!(
+                "nemesis: --out {} is not empty and holds no earlier run; choose another",
+                options.out.display()
+            );
+            return ExitCode::from(2);
+        }
+        if let Err(error) = std::fs::remove_dir_all(&options.out) {
+            eprintln!("nemesis: {}: {error}", options.out.display());
+            return ExitCode::from(3);
+        }
+    }
+    // The run in a task of its own: a panic in it (the test kit's fixtures panic when a server
+    // will not start) is an infrastructure failure, and SIGINT or SIGTERM stops it. Either
+    // way the runtime drops every task, and with them the servers, the processes (killed) and
+    // the network namespaces (deleted).
+    let task_options = options.clone();
+    let outcome = runtime.block_on(async move {
+        let run = tokio::spawn(async move { run::run(&task_options).await });
+        let abort = run.abort_handle();
+        tokio::select! {
+            joined = run => Some(joined),
+            () = stop_signal() => {
+                abort.abort();
+                None
+            }
+        }
+    });
+    match outcome {
+        Some(Ok(Ok(events))) => verdict(&events, &options.out, Some(options.seed)),
+        Some(Ok(Err(error))) => {
             eprintln!("nemesis: the run could not be carried out: {error}");
             ExitCode::from(3)
         }
+        Some(Err(error)) => {
+            eprintln!("nemesis: the run failed: {error}");
+            ExitCode::from(3)
+        }
+        None => {
+            eprintln!("nemesis: stopped by a signal; its servers and namespaces are removed");
+            ExitCode::from(3)
+        }
+    }
+}
+
+/// SIGINT or SIGTERM.
+async fn stop_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let terminate = async {
+        match signal(SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                terminate.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = terminate => {}
     }
 }
 

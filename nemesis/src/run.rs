@@ -182,7 +182,12 @@ pub(crate) async fn run(options: &Options) -> Result<Vec<Event>, Infra> {
                 let name = format!("payments_client-{}{batch}", if session { "s" } else { "k" });
                 batch += 1;
                 let event = client_batch(&program, &url, &name, session, &logs, &recorder).await;
+                let failed = matches!(event, Event::Client { exit, .. } if exit != 0);
                 recorder.record(event);
+                if failed {
+                    // The checker reports it; the next batch after a pause, not at once.
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
             }
         });
     }
@@ -217,6 +222,8 @@ pub(crate) async fn run(options: &Options) -> Result<Vec<Event>, Infra> {
         workload.started(),
         healed / 1000
     );
+    // The replays have a bound of their own, from now.
+    workload.give_up_at(Instant::now() + FINISH_BOUND);
     Arc::clone(&workload).replay_all(8).await;
 
     collect(&system, options, &recorder).await?;
@@ -236,7 +243,7 @@ fn millis(d: Duration) -> u64 {
 
 async fn start(options: &Options, recorder: &Recorder) -> Result<System, Infra> {
     let bins = examples_dir(options.bin_dir.as_deref())?;
-    for name in ["payments", "ledger", "relay"] {
+    for name in ["payments", "ledger", "relay", "payments_client"] {
         if !bins.join(name).exists() {
             return Err(format!(
                 "{} is missing: build the examples (cargo build --examples) or pass --bin-dir",
@@ -541,18 +548,28 @@ async fn collect(system: &System, options: &Options, recorder: &Recorder) -> Res
         .filter(|e| matches!(e, Event::Ok { status: 0, .. }))
         .count();
     let notifier = NOTIFIER.get().ok_or("no notifier")?;
+    // Caught up: every published posting applied and acted on, and the outbox delivered.
+    // Then a settling time longer than a pending message's redelivery (CLAIM_IDLE, 2 s) and the
+    // relay's poll, so that a late second apply or delivery lands before the effects are read.
     let deadline = Instant::now() + FINISH_BOUND;
     loop {
         let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM accounts")
             .fetch_one(&ledger)
             .await
             .map_err(|e| format!("the ledger's accounts: {e}"))?;
+        let undelivered: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM idempotent_outbox WHERE state <> 'delivered'")
+                .fetch_one(&ledger)
+                .await
+                .map_err(|e| format!("the ledger's outbox: {e}"))?;
         let acted = notifier.acted().len();
-        if (applied as usize >= published && acted >= published) || Instant::now() >= deadline {
+        let caught_up = applied as usize >= published && acted >= published && undelivered == 0;
+        if caught_up || Instant::now() >= deadline {
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    tokio::time::sleep(Duration::from_secs(5)).await;
     let effects = std::fs::read_to_string(options.out.join("effects.log")).unwrap_or_default();
     for line in effects.lines() {
         let mut words = line.split(' ');
