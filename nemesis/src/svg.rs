@@ -17,6 +17,8 @@ const BAND_TOP: f64 = 40.0;
 const BAND_ROW: f64 = 14.0;
 const PANEL: f64 = 180.0;
 const GAP: f64 = 40.0;
+/// The most faults named one by one above the panels.
+const LABELLED: usize = 60;
 
 /// One second of the run.
 #[derive(Default)]
@@ -74,7 +76,10 @@ pub(crate) fn timeline(events: &[Event], report: &Report, title: &str) -> String
     let end = end.max(1000);
     let x = |t: u64| LEFT + (t as f64 / end as f64) * (WIDTH - LEFT - RIGHT);
 
-    // Fault labels in rows, so that overlapping windows do not write over each other.
+    // Fault labels in rows, so that overlapping windows do not write over each other; past
+    // `LABELLED` faults (a long run) the windows are not named one by one, and the legend
+    // of colors names their kinds.
+    let labelled = faults.len() <= LABELLED;
     let mut rows: Vec<u64> = Vec::new();
     let mut placed = Vec::new();
     for (from, to, name) in faults.values() {
@@ -82,14 +87,17 @@ pub(crate) fn timeline(events: &[Event], report: &Report, title: &str) -> String
         // A label needs about 7 px a character.
         let label_end =
             from + ((name.len() as f64 * 7.0 + 10.0) / (WIDTH - LEFT - RIGHT) * end as f64) as u64;
-        let row = match rows.iter().position(|&free| free <= *from) {
-            Some(row) => row,
-            None => {
-                rows.push(0);
-                rows.len() - 1
-            }
+        let row = if !labelled {
+            0
+        } else if let Some(row) = rows.iter().position(|&free| free <= *from) {
+            row
+        } else {
+            rows.push(0);
+            rows.len() - 1
         };
-        rows[row] = label_end.max(to);
+        if labelled {
+            rows[row] = label_end.max(to);
+        }
         placed.push((*from, to, name.clone(), row));
     }
     let band = rows.len().max(1) as f64 * BAND_ROW;
@@ -125,12 +133,35 @@ pub(crate) fn timeline(events: &[Event], report: &Report, title: &str) -> String
             x1 - x0,
             top2 + PANEL - top1
         );
-        let y = BAND_TOP + (*row as f64 + 1.0) * BAND_ROW - 3.0;
-        let _ = writeln!(
-            svg,
-            r#"<text x="{x0:.1}" y="{y:.1}" fill="{color}">{}</text>"#,
-            escape(name)
-        );
+        if labelled {
+            let y = BAND_TOP + (*row as f64 + 1.0) * BAND_ROW - 3.0;
+            let _ = writeln!(
+                svg,
+                r#"<text x="{x0:.1}" y="{y:.1}" fill="{color}">{}</text>"#,
+                escape(name)
+            );
+        }
+    }
+    if !labelled {
+        // The legend: each kind of fault in the run, in its color.
+        let mut kinds: Vec<&str> = placed
+            .iter()
+            .map(|(_, _, name, _)| name.split(' ').next().unwrap_or_default())
+            .collect();
+        kinds.sort_unstable();
+        kinds.dedup();
+        let mut lx = LEFT;
+        for kind in kinds {
+            let color = color_of(kind);
+            let _ = writeln!(
+                svg,
+                r#"<rect x="{lx:.1}" y="{:.1}" width="10" height="10" fill="{color}" fill-opacity="0.5"/><text x="{:.1}" y="{:.1}" fill="{color}">{kind}</text>"#,
+                BAND_TOP + 2.0,
+                lx + 14.0,
+                BAND_TOP + 11.0
+            );
+            lx += 14.0 + kind.len() as f64 * 7.0 + 16.0;
+        }
     }
     if let Some(healed) = healed {
         let hx = x(healed);
@@ -293,6 +324,7 @@ fn color_of(name: &str) -> &'static str {
         "freeze-store" => "#1f6fd1",
         "pause-instance" => "#0a8f8f",
         "restart-broker" => "#c26a00",
+        "failover-store" => "#6b8e23",
         _ => "#b22",
     }
 }
@@ -309,6 +341,32 @@ mod tests {
     use super::*;
     use crate::check::check;
     use crate::history::Kind;
+
+    #[test]
+    fn a_long_run_names_its_kinds_of_fault_in_a_legend() {
+        let mut events = vec![Event::End { t: 1_000_000 }];
+        for fault in 0..100 {
+            events.push(Event::FaultStart {
+                t: fault * 9_000,
+                fault,
+                kind: if fault % 2 == 0 {
+                    "freeze-store"
+                } else {
+                    "kill-relay"
+                }
+                .into(),
+                target: String::new(),
+            });
+            events.push(Event::FaultEnd {
+                t: fault * 9_000 + 1_000,
+                fault,
+            });
+        }
+        let svg = timeline(&events, &check(&events), "long");
+        assert_eq!(svg.matches(">freeze-store<").count(), 1, "{svg}");
+        assert_eq!(svg.matches(">kill-relay<").count(), 1);
+        assert_eq!(svg.matches("fill-opacity=\"0.18\"").count(), 100);
+    }
 
     #[test]
     fn a_timeline_names_its_faults_and_marks_its_anomalies() {
