@@ -156,6 +156,8 @@ pub(crate) struct Report {
     /// The longest attempt, and the longest that overlapped a fault.
     pub(crate) worst_attempt_ms: u64,
     pub(crate) worst_attempt_in_fault_ms: u64,
+    /// The longest attempt that overlapped a fault of each kind.
+    pub(crate) worst_attempt_by_fault: BTreeMap<String, u64>,
     pub(crate) anomalies: Vec<Anomaly>,
 }
 
@@ -208,6 +210,15 @@ impl fmt::Display for Report {
             "worst attempt: {} ms; worst during a fault: {} ms",
             self.worst_attempt_ms, self.worst_attempt_in_fault_ms
         )?;
+        let by_fault = self
+            .worst_attempt_by_fault
+            .iter()
+            .map(|(kind, ms)| format!("{kind} {ms} ms"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        if !by_fault.is_empty() {
+            writeln!(f, "worst attempt during each kind of fault: {by_fault}")?;
+        }
         writeln!(f, "anomalies: {}", self.anomalies.len())?;
         for anomaly in &self.anomalies {
             writeln!(f, "  {anomaly}")?;
@@ -380,8 +391,13 @@ pub(crate) fn check(events: &[Event]) -> Report {
         let during = |fault: &&(u64, Option<u64>, &str, &str)| {
             start <= fault.1.unwrap_or(u64::MAX) && fault.0 <= end
         };
-        if faults.values().any(|f| during(&f)) {
+        for &(_, _, kind, _) in faults.values().filter(during) {
             report.worst_attempt_in_fault_ms = report.worst_attempt_in_fault_ms.max(ms);
+            let worst = report
+                .worst_attempt_by_fault
+                .entry(kind.to_owned())
+                .or_default();
+            *worst = (*worst).max(ms);
         }
         // Time spent waiting on a paused instance is the fault's, not the system's.
         let paused: u64 = faults
@@ -919,6 +935,7 @@ mod tests {
         events.push(Event::FaultEnd { t: 650, fault: 0 });
         let report = check(&events);
         assert_eq!(report.worst_attempt_in_fault_ms, 600);
+        assert_eq!(report.worst_attempt_by_fault["freeze"], 600);
         assert_eq!(report.faults["freeze"], 1);
         let found: Vec<String> = report.anomalies.iter().map(|a| a.to_string()).collect();
         assert_eq!(
