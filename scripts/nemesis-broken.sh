@@ -11,7 +11,7 @@
 #   no-fencing-redis    Redis's completion script no longer checks the claim's token and
 #                       lease: a stale owner's completion overwrites the record
 #
-# Default options: --store redis --duration 120 --seed 1. The broken build lives in a git
+# Default options: --store redis --duration 120 --seed 1 (the caller's come after and win). The broken build lives in a git
 # worktree under target/nemesis-broken (removed at the end) with its own target directory
 # (kept, so a second run builds only what the patch touches). Needs what `nemesis` needs:
 # root, redis-server, PostgreSQL's binaries, and this clone's `cargo build -p
@@ -20,8 +20,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 variant="${1:?usage: nemesis-broken.sh ack-before-commit|no-fencing-redis [options]}"
 shift
-options=("$@")
-[ ${#options[@]} -gt 0 ] || options=(--store redis --duration 120 --seed 1)
+# The defaults first: a later flag of the caller's wins.
+options=(--store redis --duration 120 --seed 1 "$@")
 
 root="$PWD"
 work="$root/target/nemesis-broken/tree"

@@ -87,16 +87,19 @@ fi
 # at once, under a schedule of faults from a fixed seed (NEMESIS_SEED to change it): kills,
 # pauses, store freezes and network partitions, broker restarts. Any anomaly fails the run;
 # the history, the report and the timeline stay in target/nemesis/STORE-SEED/. A run that hangs
-# is stopped after 15 minutes (SIGTERM: it removes its servers and namespaces) and fails.
+# is stopped after 15 minutes (SIGTERM: it removes its servers and namespaces; SIGKILL a
+# minute later) and fails.
 step "nemesis: two minutes on Redis and on PostgreSQL, under random faults"
 seed="${NEMESIS_SEED:-1}"
 nemesis="$target_dir/debug/nemesis"
-timeout 900 "$nemesis" run --store redis --duration 120 --seed "$seed" \
+timeout -k 60 900 "$nemesis" run --store redis --duration 120 --seed "$seed" \
     --out "$target_dir/nemesis/redis-$seed" >"$target_dir/nemesis-redis.log" 2>&1 &
 redis_run=$!
-timeout 900 "$nemesis" run --store postgres --duration 120 --seed "$seed" \
+timeout -k 60 900 "$nemesis" run --store postgres --duration 120 --seed "$seed" \
     --out "$target_dir/nemesis/postgres-$seed" >"$target_dir/nemesis-postgres.log" 2>&1 &
 postgres_run=$!
+# Stopped with the script (they remove their servers and namespaces on SIGTERM).
+trap 'kill "$redis_run" "$postgres_run" 2>/dev/null || true; stop_services' EXIT
 nemesis_failed=0
 for store in redis postgres; do
     run="${store}_run"
@@ -105,6 +108,7 @@ for store in redis postgres; do
     cat "$target_dir/nemesis-$store.log"
     [ "$status" -eq 0 ] || nemesis_failed=1
 done
+trap stop_services EXIT
 [ "$nemesis_failed" -eq 0 ]
 
 step "cargo test --doc"

@@ -69,6 +69,9 @@ pub(crate) enum Anomaly {
         sent: u64,
         succeeded: u64,
     },
+    /// A history that cannot be judged whole: it ends before its run did, an operation is
+    /// answered twice, or events name an operation never sent.
+    History { what: String },
     /// Charges made (distinct operation keys) against payments answered: more is a payment
     /// charged under two operations, fewer a payment answered without its charge.
     ChargeCount { charged: u64, answered: u64 },
@@ -122,6 +125,7 @@ impl fmt::Display for Anomaly {
                 f,
                 "client failed: {name} exited {exit} with {succeeded} of {sent} payments"
             ),
+            Anomaly::History { what } => write!(f, "history: {what}"),
             Anomaly::ChargeCount { charged, answered } => write!(
                 f,
                 "charge count: {charged} payments charged (distinct operations), {answered} answered"
@@ -238,6 +242,8 @@ struct Op {
     attempt_began: u64,
     /// When the attempt that got its answer began.
     answer_began: u64,
+    /// The instances its attempts went to until it was answered.
+    answered_through: BTreeSet<String>,
     failed: Option<String>,
 }
 
@@ -254,6 +260,9 @@ pub(crate) fn check(events: &[Event]) -> Report {
     let mut faults: BTreeMap<u64, (u64, Option<u64>, &str, &str)> = BTreeMap::new();
     let mut charges = BTreeSet::new();
     let mut clients = Vec::new();
+    let mut malformed = Vec::new();
+    let mut ended = false;
+    let mut store = String::new();
     let mut attempts = Vec::new();
     let mut steps = Vec::new();
     let mut outbox = Vec::new();
@@ -263,12 +272,14 @@ pub(crate) fn check(events: &[Event]) -> Report {
     for event in events {
         match event {
             Event::Run {
+                store: run_store,
                 attempt_bound_ms,
                 finish_bound_ms,
                 logged_steps: logged,
                 outbox_steps: rows,
                 ..
             } => {
+                store.clone_from(run_store);
                 attempt_bound = *attempt_bound_ms;
                 finish_bound = *finish_bound_ms;
                 logged_steps.clone_from(logged);
@@ -290,7 +301,11 @@ pub(crate) fn check(events: &[Event]) -> Report {
             Event::Attempt {
                 t, op, ms, target, ..
             } => {
-                ops.entry(*op).or_default().attempt_began = t.saturating_sub(*ms);
+                let o = ops.entry(*op).or_default();
+                o.attempt_began = t.saturating_sub(*ms);
+                if o.answer.is_none() {
+                    o.answered_through.insert(target.clone());
+                }
                 report.attempts += 1;
                 attempts.push((*op, t.saturating_sub(*ms), *t, *ms, target.as_str()));
             }
@@ -304,13 +319,19 @@ pub(crate) fn check(events: &[Event]) -> Report {
             } => {
                 let answer = (*t, *status, body.clone(), id.clone(), *replayed);
                 let o = ops.entry(*op).or_default();
+                if o.answer.is_some() {
+                    malformed.push(format!("op {op} answered twice"));
+                }
                 o.answer = Some(answer);
                 o.answer_began = o.attempt_began;
             }
             Event::Fail { op, why, .. } => {
                 ops.entry(*op).or_default().failed = Some(why.clone());
             }
-            Event::Replay { .. } => replays.push(event),
+            Event::Replay { op, .. } => {
+                ops.entry(*op).or_default();
+                replays.push(event);
+            }
             Event::FaultStart {
                 t,
                 fault,
@@ -344,10 +365,24 @@ pub(crate) fn check(events: &[Event]) -> Report {
             Event::Notified { key, id } => {
                 notified.entry(id.as_str()).or_default().push(key.as_str())
             }
-            Event::Spawn { .. } | Event::End { .. } => {}
+            Event::End { .. } => ended = true,
+            Event::Spawn { .. } => {}
         }
     }
     let key_of = |op: u64| ops.get(&op).map(|o| o.key.clone()).unwrap_or_default();
+
+    // A history that cannot be judged whole says so.
+    if !ended {
+        malformed.push("it ends before its run did (no end event)".to_owned());
+    }
+    for (op, o) in &ops {
+        if o.kind.is_none() {
+            malformed.push(format!("events of op {op}, which was never sent"));
+        }
+    }
+    for what in malformed {
+        report.anomalies.push(Anomaly::History { what });
+    }
 
     // Every operation answered, in time, as it deserves.
     for (&op, o) in &ops {
@@ -461,22 +496,35 @@ pub(crate) fn check(events: &[Event]) -> Report {
     // each process; a real one answers the first charge again, and the charge count holds it
     // to one charge). Every answered order and payment must in the end come back replayed
     // from its record.
-    let record_faults: Vec<(u64, u64)> = faults
+    // A store's fault can keep any record from being written; an instance's, only the
+    // records of the operations it handled (on SQLite, any: a paused instance holds the
+    // file's write lock).
+    let record_faults: Vec<(u64, u64, &str, &str)> = faults
         .values()
         .filter(|f| RECORD_FAULTS.contains(&f.2))
-        .map(|f| (f.0, f.1.unwrap_or(u64::MAX)))
+        .map(|f| (f.0, f.1.unwrap_or(u64::MAX), f.2, f.3))
         .collect();
+    let store_wide = |kind: &str| !kind.ends_with("-instance") || store == "sqlite";
     let mut seen: BTreeMap<u64, (String, Option<String>, bool)> = ops
         .iter()
         .filter_map(|(&op, o)| {
             let (t, _, body, _, replayed) = o.answer.as_ref()?;
-            let explained = record_faults
-                .iter()
-                .any(|&(from, to)| from <= t + RECORD_WINDOW_MS && o.answer_began <= to);
+            let explained = record_faults.iter().any(|&(from, to, kind, target)| {
+                from <= t + RECORD_WINDOW_MS
+                    && o.answer_began <= to
+                    && (store_wide(kind) || o.answered_through.contains(target))
+            });
             Some((
                 op,
                 (body.clone(), replayed.then(|| body.clone()), explained),
             ))
+        })
+        .collect();
+    let sent_again: BTreeSet<u64> = replays
+        .iter()
+        .filter_map(|e| match e {
+            Event::Replay { op, .. } => Some(*op),
+            _ => None,
         })
         .collect();
     for event in replays {
@@ -533,7 +581,8 @@ pub(crate) fn check(events: &[Event]) -> Report {
     for (op, (_, recorded, _)) in &seen {
         let o = &ops[op];
         let answered = o.answer.as_ref().is_some_and(|a| a.1 == 201);
-        if recorded.is_none() && answered && matches!(o.kind, Some(Kind::Order | Kind::Payment)) {
+        let keyed = matches!(o.kind, Some(Kind::Order | Kind::Payment));
+        if recorded.is_none() && answered && (keyed || sent_again.contains(op)) {
             report.anomalies.push(Anomaly::ReplayMismatch {
                 op: *op,
                 key: o.key.clone(),
@@ -813,6 +862,7 @@ mod tests {
             body: "b".into(),
             replayed: true,
         });
+        events.push(Event::End { t: 50 });
         events
     }
 
@@ -1119,6 +1169,82 @@ mod tests {
     }
 
     #[test]
+    fn an_instance_fault_explains_only_the_operations_that_instance_handled() {
+        // Op 1 went to payments-0 only: a pause of payments-1 does not explain its run again,
+        // but on SQLite (a paused instance holds the file's write lock) it does.
+        for (store, explained) in [("redis", false), ("sqlite", true)] {
+            let mut events: Vec<Event> = clean()
+                .into_iter()
+                .filter(|e| !matches!(e, Event::Replay { .. }))
+                .collect();
+            if let Event::Run { store: s, .. } = &mut events[0] {
+                *s = store.into();
+            }
+            events.extend(fault(15, "pause-instance", "payments-1"));
+            events.push(replayed(1, "b", false));
+            events.push(replayed(1, "b", true));
+            assert_eq!(check(&events).ok(), explained, "{store}");
+        }
+    }
+
+    #[test]
+    fn a_history_that_cannot_be_judged_whole_is_an_anomaly() {
+        let mut events: Vec<Event> = clean()
+            .into_iter()
+            .filter(|e| !matches!(e, Event::End { .. }))
+            .collect();
+        events.push(Event::Ok {
+            t: 60,
+            op: 1,
+            status: 201,
+            body: "b".into(),
+            id: OP_KEY[..24].into(),
+            replayed: true,
+        });
+        events.push(replayed(77, "b", true));
+        let found = anomalies(&events);
+        for what in [
+            "history: it ends before its run did (no end event)",
+            "history: op 1 answered twice",
+            "history: events of op 77, which was never sent",
+        ] {
+            assert!(found.contains(&what.to_owned()), "{what}: {found:?}");
+        }
+    }
+
+    #[test]
+    fn a_session_answer_sent_again_must_end_replayed() {
+        let mut events = clean();
+        events.extend([
+            Event::Invoke {
+                t: 1,
+                op: 4,
+                kind: Kind::Session,
+                key: "s:1".into(),
+                amount: None,
+            },
+            Event::Ok {
+                t: 20,
+                op: 4,
+                status: 201,
+                body: "b".into(),
+                id: OTHER_KEY[..24].into(),
+                replayed: false,
+            },
+            step("reserve", OTHER_KEY, 10),
+            step("charge", OTHER_KEY, 10),
+        ]);
+        // Not sent again (acknowledged by the next request): nothing to judge.
+        assert!(anomalies(&events).is_empty());
+        events.extend(fault(15, "freeze-store", "store"));
+        events.push(replayed(4, "b", false));
+        assert_eq!(
+            anomalies(&events),
+            ["replay mismatch: op 4 (s:1): never came back replayed from a record"]
+        );
+    }
+
+    #[test]
     fn an_answered_order_never_replayed_from_a_record_is_an_anomaly() {
         // A store that keeps nothing: every replay runs again.
         let mut events: Vec<Event> = clean()
@@ -1173,7 +1299,7 @@ mod tests {
                 pid: 10,
             },
         ]);
-        events.extend(fault(12, "pause-instance", "payments-0"));
+        events.extend(fault(12, "pause-instance", "payments-1"));
         events.push(replayed(9, "second", false));
         events.push(replayed(9, "second", true));
         let report = check(&events);

@@ -143,20 +143,10 @@ fn run_and_check(options: &Options) -> ExitCode {
             return ExitCode::from(3);
         }
     };
-    // The directory of an earlier run is replaced; any other that is not empty is refused.
-    if let Ok(mut entries) = std::fs::read_dir(&options.out) {
-        let earlier = options.out.join("history.jsonl").exists();
-        if !earlier && entries.next().is_some() {
-            eprintln!(
-                "nemesis: --out {} is not empty and holds no earlier run; choose another",
-                options.out.display()
-            );
-            return ExitCode::from(2);
-        }
-        if let Err(error) = std::fs::remove_dir_all(&options.out) {
-            eprintln!("nemesis: {}: {error}", options.out.display());
-            return ExitCode::from(3);
-        }
+    // The files of an earlier run are replaced; a directory holding anything else is refused.
+    if let Err(error) = clear_earlier_run(&options.out) {
+        eprintln!("nemesis: --out {}: {error}", options.out.display());
+        return ExitCode::from(2);
     }
     // The run in a task of its own: a panic in it (the test kit's fixtures panic when a server
     // will not start) is an infrastructure failure, and SIGINT or SIGTERM stops it. Either
@@ -189,6 +179,40 @@ fn run_and_check(options: &Options) -> ExitCode {
             ExitCode::from(3)
         }
     }
+}
+
+/// Removes what an earlier run wrote into `dir` (its history, report, timeline, effects log,
+/// SQLite store and process logs), if that is all `dir` holds; an error, touching nothing,
+/// if it holds anything else.
+fn clear_earlier_run(dir: &std::path::Path) -> Result<(), String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(());
+    };
+    let mut files = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| e.to_string())?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let ours = [
+            "history.jsonl",
+            "report.txt",
+            "timeline.svg",
+            "store.sqlite",
+            "store.sqlite-wal",
+            "store.sqlite-shm",
+        ]
+        .contains(&name.as_str())
+            || name.ends_with(".log");
+        if !ours || !entry.file_type().is_ok_and(|t| t.is_file()) {
+            return Err(format!(
+                "holds {name:?}, which no run writes; choose an empty or new directory"
+            ));
+        }
+        files.push(entry.path());
+    }
+    for file in files {
+        std::fs::remove_file(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+    }
+    Ok(())
 }
 
 /// SIGINT or SIGTERM.

@@ -128,6 +128,18 @@ pub(crate) async fn run(options: &Options) -> Result<Vec<Event>, Infra> {
         logged_steps,
         outbox_steps,
     });
+    let (_, required) = crate::faults::FaultKind::of(options.store);
+    let missing: Vec<&str> = required
+        .iter()
+        .filter(|kind| !planned.iter().any(|p| p.kind == **kind))
+        .map(|kind| kind.name())
+        .collect();
+    if !missing.is_empty() {
+        eprintln!(
+            "nemesis: warning: this run is too short for every kind of fault; it leaves out {}",
+            missing.join(", ")
+        );
+    }
     eprintln!(
         "nemesis: seed {}, {} faults planned: {}",
         options.seed,
