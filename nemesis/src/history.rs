@@ -170,6 +170,12 @@ impl Recorder {
             .flush()
     }
 
+    /// How many events so far `matches`, without copying the history.
+    pub(crate) fn count(&self, matches: impl Fn(&Event) -> bool) -> usize {
+        let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        inner.events.iter().filter(|e| matches(e)).count()
+    }
+
     pub(crate) fn events(&self) -> Vec<Event> {
         self.inner
             .lock()
@@ -235,6 +241,7 @@ mod tests {
         recorder.flush().unwrap();
         assert_eq!(load(&path).unwrap(), events);
         assert_eq!(recorder.events(), events);
+        assert_eq!(recorder.count(|e| matches!(e, Event::Balance { .. })), 1);
         std::fs::write(&path, "{\"event\":\"nothing\"}\n").unwrap();
         let error = load(&path).unwrap_err();
         assert!(error.contains("line 1"), "{error}");

@@ -554,11 +554,7 @@ async fn collect(system: &System, options: &Options, recorder: &Recorder) -> Res
     let ledger = sqlx::PgPool::connect(&system.ledger_db)
         .await
         .map_err(|e| format!("the ledger's database: {e}"))?;
-    let published = recorder
-        .events()
-        .iter()
-        .filter(|e| matches!(e, Event::Ok { status: 0, .. }))
-        .count();
+    let published = recorder.count(|e| matches!(e, Event::Ok { status: 0, .. }));
     let notifier = NOTIFIER.get().ok_or("no notifier")?;
     // Caught up: every published posting applied and acted on, and the outbox delivered.
     // Then a settling time longer than a pending message's redelivery (CLAIM_IDLE, 2 s) and the
