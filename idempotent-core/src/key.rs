@@ -291,12 +291,10 @@ impl StorageKey {
     }
 
     pub(crate) fn derive_raw(namespace: &[u8], scope: &Scope, key: &[u8]) -> Self {
-        // The context key is derived once per process; each call clones the keyed hasher and
-        // feeds it one buffer (a few small updates cost more than the hashing itself).
-        static KEYED: std::sync::OnceLock<blake3::Hasher> = std::sync::OnceLock::new();
-        let mut hasher = KEYED
-            .get_or_init(|| blake3::Hasher::new_derive_key(STORAGE_KEY_CONTEXT))
-            .clone();
+        // The context key is derived once per process; each call feeds a new hasher one
+        // buffer (a few small updates cost more than the hashing itself).
+        static KEYED: std::sync::OnceLock<blake3::hazmat::ContextKey> = std::sync::OnceLock::new();
+        let mut hasher = crate::fingerprint::keyed(STORAGE_KEY_CONTEXT, &KEYED);
         let fields = [
             (b'n', Some(namespace)),
             (b't', scope.tenant.as_deref()),

@@ -303,17 +303,18 @@ where
     let fingerprint = fingerprint(&parts, &body, &config.fingerprint_headers);
     // The result limit bounds the response body, which the layer reads itself; the record
     // around it (status, headers, trailers) adds what the server's header limits allow, so the
-    // runtime must not refuse again, by the record's size, a body within the limit.
-    let dress = |call: Call| {
-        call.scope(scope.clone())
-            .fingerprint(fingerprint)
-            .options(config.call_options.max_result_bytes(usize::MAX))
-    };
-    let max_response = config.keys.max_result_bytes(
-        &Call::new(Key::new("limit").expect("a valid key")).options(config.call_options),
-    );
-    let call = match target {
-        Target::Key(key) => Typed::Key(dress(Call::new(key))),
+    // runtime must not refuse again, by the record's size, a body within the limit. The limit
+    // is read from the call as configured, before that override.
+    let unbounded = config.call_options.max_result_bytes(usize::MAX);
+    let (call, max_response) = match target {
+        Target::Key(key) => {
+            let call = Call::new(key)
+                .scope(scope)
+                .fingerprint(fingerprint)
+                .options(config.call_options);
+            let max_response = config.keys.max_result_bytes(&call);
+            (Typed::Key(call.options(unbounded)), max_response)
+        }
         Target::Session(session) => {
             let Some(runtime) = &config.sessions else {
                 // The session header is read only where the store serves sessions.
@@ -326,8 +327,12 @@ where
             let call = Call::in_session(session.id().clone(), session.place())
                 .scope(scope)
                 .fingerprint(fingerprint)
-                .options(config.call_options.max_result_bytes(usize::MAX));
-            Typed::Session(call, runtime.clone())
+                .options(config.call_options);
+            let max_response = config.keys.max_result_bytes(&call);
+            (
+                Typed::Session(call.options(unbounded), runtime.clone()),
+                max_response,
+            )
         }
     };
     let storage_key = LoggedKey(&config.keys, &call);
