@@ -317,8 +317,7 @@ impl<C: Capabilities> Idempotency<C> {
         envelope: Bytes,
         ttl: Duration,
     ) -> BoxFuture<'static, Result<(), StoreError>> {
-        let store = Arc::clone(&self.inner.store);
-        Box::pin(async move { store.complete(&key, token, envelope, ttl).await })
+        Arc::clone(&self.inner.store).complete(key, token, envelope, ttl)
     }
 
     async fn acquire(

@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -184,7 +185,7 @@ impl<C: crate::capability::Capabilities> Idempotency<C> {
     ) -> Result<(), RecordError> {
         let key = claim.storage_key();
         let outcome = bounded(
-            self.inner.store.complete(&key, claim.token(), bytes, ttl),
+            Arc::clone(&self.inner.store).complete(key, claim.token(), bytes, ttl),
             limit,
         )
         .await;

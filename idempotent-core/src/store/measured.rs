@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -25,13 +26,15 @@ pub(crate) trait DynStore: Send + Sync + 'static {
         ttl: Duration,
         label: &'a crate::inspect::KeyLabel,
     ) -> BoxFuture<'a, Result<Claim, StoreError>>;
-    fn complete<'a>(
-        &'a self,
-        key: &'a StorageKey,
+    /// Owns what it is given, so that the runtime's first write of a record, which may be
+    /// finished on a task of its own, is one boxed future rather than a box around another.
+    fn complete(
+        self: Arc<Self>,
+        key: StorageKey,
         token: FencingToken,
         payload: Bytes,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<(), StoreError>>;
+    ) -> BoxFuture<'static, Result<(), StoreError>>;
     fn release<'a>(
         &'a self,
         key: &'a StorageKey,
@@ -150,17 +153,20 @@ impl<S: Store> DynStore for Measured<S> {
             ),
         )
     }
-    fn complete<'a>(
-        &'a self,
-        key: &'a StorageKey,
+    fn complete(
+        self: Arc<Self>,
+        key: StorageKey,
         token: FencingToken,
         payload: Bytes,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(self.timed(
-            Operation::Complete,
-            self.store.complete(key, token, payload, ttl),
-        ))
+    ) -> BoxFuture<'static, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.timed(
+                Operation::Complete,
+                self.store.complete(&key, token, payload, ttl),
+            )
+            .await
+        })
     }
     fn release<'a>(
         &'a self,

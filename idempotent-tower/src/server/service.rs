@@ -336,9 +336,10 @@ where
         }
     };
     let storage_key = LoggedKey(&config.keys, &call);
+    // Boxed: held across the whole call, and only where fail-open is on.
     let fallback = config
         .fail_open
-        .then(|| (inner.clone(), parts.clone(), body.clone()));
+        .then(|| Box::new((inner.clone(), parts.clone(), body.clone())));
 
     let request = Request::from_parts(parts, RequestBody::buffered(body));
     let cancel_on_loss = config.on_claim_lost == OnClaimLost::Cancel;
@@ -482,9 +483,10 @@ where
         Err(Error::Store(error @ StoreError::Unavailable(_)))
             if fallback.is_some() && !config.keys.is_shutting_down() =>
         {
-            let Some((mut inner, parts, body)) = fallback else {
+            let Some(fallback) = fallback else {
                 unreachable!("checked by the guard")
             };
+            let (mut inner, parts, body) = *fallback;
             tracing::warn!(
                 outcome = "bypassed",
                 %storage_key,
