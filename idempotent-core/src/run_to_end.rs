@@ -55,6 +55,20 @@ impl<T: 'static> RunToEnd<T> {
             future: Some(Box::pin(future)),
         }
     }
+
+    /// Like [`new`](Self::new), with the future `make` returns made for its box
+    /// (`Box::write` into a new box), which lets the optimizer build it there: a large future
+    /// (an HTTP request's is several kilobytes) made by the caller and then given to `new` is
+    /// copied into the box whole, whatever part of it is in use yet.
+    pub fn new_with<F>(make: impl FnOnce() -> F) -> Self
+    where
+        F: Future<Output = T> + Send + 'static,
+    {
+        let future: Box<F> = Box::write(Box::new_uninit(), make());
+        RunToEnd {
+            future: Some(Box::into_pin(future)),
+        }
+    }
 }
 
 impl<T: 'static> Future for RunToEnd<T> {
@@ -160,9 +174,20 @@ mod tests {
 
     #[tokio::test]
     async fn dropped_inside_a_runtime_it_finishes_on_a_task() {
+        dropped_and_finished(RunToEnd::new).await;
+    }
+
+    #[tokio::test]
+    async fn made_in_its_box_and_dropped_it_finishes_on_a_task() {
+        dropped_and_finished(|future| RunToEnd::new_with(|| future)).await;
+    }
+
+    type Work = Pin<Box<dyn Future<Output = u32> + Send>>;
+
+    async fn dropped_and_finished(make: impl FnOnce(Work) -> RunToEnd<u32>) {
         let probe = Probe::new();
         let (go, wait) = oneshot::channel();
-        let mut future = RunToEnd::new(probe.work(wait));
+        let mut future = make(Box::pin(probe.work(wait)));
         // Polled once, so it has begun; then abandoned.
         assert!(poll_once(&mut future).await.is_pending());
         drop(future);

@@ -71,9 +71,18 @@ where
     E: Send + 'static,
 {
     pub(crate) fn protected(request: impl Future<Output = Output<B, E>> + Send + 'static) -> Self {
+        Self::protected_with(|| request)
+    }
+
+    /// A protected request whose future `make` returns is made for its box (see
+    /// [`RunToEnd::new_with`]).
+    pub(crate) fn protected_with<R>(make: impl FnOnce() -> R) -> Self
+    where
+        R: Future<Output = Output<B, E>> + Send + 'static,
+    {
         ResponseFuture {
             kind: Kind::Protected {
-                request: RunToEnd::new(request),
+                request: RunToEnd::new_with(make),
             },
         }
     }

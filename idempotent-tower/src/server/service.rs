@@ -174,7 +174,8 @@ where
         // Polled in place; if the client goes away first, the response future hands the rest
         // to a task, so the handler runs to completion and its response is recorded: the retry
         // then gets a replay, not a second execution.
-        ResponseFuture::protected(handle(Arc::clone(config), inner, request, target, scope))
+        let config = Arc::clone(config);
+        ResponseFuture::protected_with(move || handle(config, inner, request, target, scope))
     }
 }
 
