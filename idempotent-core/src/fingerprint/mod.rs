@@ -210,7 +210,7 @@ impl FingerprintBuilder {
             self.pending[..bytes.len()].copy_from_slice(bytes);
             self.pending_len = bytes.len();
         } else {
-            self.hasher().update(bytes);
+            Self::made(&mut self.hasher).update(bytes);
         }
     }
 
@@ -219,10 +219,7 @@ impl FingerprintBuilder {
         Self::made(&mut self.hasher).update(&self.pending[..len]);
     }
 
-    fn hasher(&mut self) -> &mut blake3::Hasher {
-        Self::made(&mut self.hasher)
-    }
-
+    /// The builder's hasher, made on first use.
     fn made(hasher: &mut Option<Box<blake3::Hasher>>) -> &mut blake3::Hasher {
         hasher.get_or_insert_with(|| Box::new(keyed(FIELDS_CONTEXT, &FIELDS_KEY)))
     }
