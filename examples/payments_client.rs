@@ -15,7 +15,10 @@
 //! of the session, sent as `Idempotency-Session: id="…", seq=n, ack=…`, and every retry of it
 //! carries the same number and the newest acknowledged mark. The session's id is printed to
 //! stderr at the start (`session <id>`). The `payments` server accepts sessions on its
-//! protected routes.
+//! protected routes. The session's window is 64, the server's default
+//! (`IDEMPOTENCY_SESSION_WINDOW`): a payment numbered more than 64 past the lowest one still
+//! without its answer waits for that answer, unsent, instead of being refused with `429
+//! session_window_full` and spending its attempts on refusals.
 //!
 //! The last line printed is one JSON object:
 //! `{"sent": N, "succeeded": S, "replayed": R, "failed": F, "attempts": A}`: `succeeded` counts

@@ -312,8 +312,10 @@ fn delivery(response: &Response<Full<Bytes>>) -> Delivery {
 // 200 calls at once through one session, over a network that loses a request in 7 and drops
 // two answers in 7 (after the server ran them), with the server's window of 64: every call is
 // answered, the application ran each exactly once, the calls were numbered 1 to 200, each
-// attempt carried its call's number and a mark that never went back, and the next request
-// carries the mark 200.
+// attempt carried its call's number and a mark that never went back, none was sent more
+// than the window past its mark (so none was refused with `429`), and the next request
+// carries the mark 200. (Before the client held calls past its window back, calls were sent
+// past it and refused, and this test asserted that some were.)
 //
 // On a paused clock (one thread), and on two threads in real time (the client session's
 // state shared by calls running in parallel).
@@ -362,8 +364,9 @@ async fn two_hundred_calls() {
     assert_eq!(session.ack(), 200);
     assert_eq!(session.last_seq(), 200);
 
-    // The faults happened: lost requests, dropped answers (answered by replays), and calls
-    // past the window retried after the server's 429.
+    // The faults happened: lost requests and dropped answers (answered by replays). No call
+    // was sent past the window (the client's is the server's, 64): the calls after a slow one
+    // waited for the mark instead of being refused with `429`.
     let log = network.log();
     assert!(
         log.iter()
@@ -376,7 +379,7 @@ async fn two_hundred_calls() {
         .iter()
         .filter(|s| s.status.as_deref() == Some("429"))
         .count();
-    assert!(full > 0, "no call went past the window");
+    assert_eq!(full, 0, "a call went past the window");
     // Every attempt of a call carried its number, and the mark only rose between them.
     for seq in 1..=200 {
         let attempts = network.of(seq);
@@ -386,7 +389,9 @@ async fn two_hundred_calls() {
             "{seq}: {attempts:?}"
         );
         assert!(
-            attempts.iter().all(|s| s.ack() < seq),
+            attempts
+                .iter()
+                .all(|s| s.ack() < seq && seq <= s.ack() + 64),
             "{seq}: {attempts:?}"
         );
     }
@@ -629,6 +634,125 @@ async fn a_full_window_is_waited_out() {
         ) >= 1
     );
     assert_eq!(app.total(), 2);
+}
+
+// The client's own window: with the session's window at 1 (as the server's), call 2 is not
+// sent while call 1 runs (no attempt, no `429`, no retry spent), and goes once, at once, when
+// call 1's answer moves the mark. Before the client held such calls back, call 2 was sent,
+// refused with `429 session_window_full` and retried after the server's second, an attempt
+// spent on each refusal.
+#[tokio::test(start_paused = true)]
+async fn a_call_past_the_sessions_window_waits_unsent_for_the_mark() {
+    let app = App::default();
+    let network = Network::new(app.server(Wire::Http, 1), |_| Fault::None);
+    let session = ClientSession::new().with_window(1);
+    assert_eq!(session.window(), 1);
+    let (layer, recorded) = Recorded::capture(|| {
+        ClientLayer::http()
+            .policy(patient())
+            .session(session.clone())
+    });
+    let client = layer.layer(network.clone());
+    let slow = {
+        let client = client.clone();
+        tokio::spawn(async move { send(&client, payment("/slow", 1)).await })
+    };
+    while network.log().is_empty() {
+        tokio::task::yield_now().await;
+    }
+    let started = tokio::time::Instant::now();
+    let second = {
+        let client = client.clone();
+        tokio::spawn(async move { send(&client, payment("/payments", 2)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(network.of(2).is_empty(), "call 2 was sent past the window");
+    assert_eq!(session.ack(), 0);
+    let first = slow.await.unwrap().unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let second = second.await.unwrap().unwrap();
+    assert_eq!(second.status(), StatusCode::CREATED);
+    assert!(
+        started.elapsed() < Duration::from_millis(600),
+        "call 2 went when call 1 was answered, not after a polling delay: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(delivery(&second).attempts(), 1);
+    let attempts = network.of(2);
+    assert_eq!(attempts.len(), 1, "{attempts:?}");
+    assert_eq!(attempts[0].status.as_deref(), Some("201"));
+    assert_eq!(attempts[0].ack(), 1, "sent with the mark that admits it");
+    assert_eq!(recorded.counter(CLIENT_RETRIES, &[("protocol", "http")]), 0);
+    assert_eq!(app.total(), 2);
+    assert_eq!(session.ack(), 2);
+}
+
+// A call past the window whose deadline comes first ends unsent: `GaveUp` after 0 attempts,
+// reason deadline, its number unanswered like any call given up on; once the numbers holding
+// the mark are abandoned, the next call goes at once. A window of 0 counts as 1, one past
+// the largest as the largest.
+#[tokio::test(start_paused = true)]
+async fn a_call_past_the_window_at_its_deadline_ends_unsent() {
+    let app = App::default();
+    let network = Network::new(app.server(Wire::Http, 64), |a| {
+        if a.seq == 1 { Fault::Drop } else { Fault::None }
+    });
+    let session = ClientSession::new().with_window(2);
+    assert_eq!(ClientSession::new().with_window(0).window(), 1);
+    assert_eq!(
+        ClientSession::new().with_window(u64::MAX).window(),
+        idempotent_core::session::MAX_SESSION_WINDOW
+    );
+    let client = ClientLayer::http()
+        .policy(patient().max_attempts(2).deadline(Duration::from_secs(5)))
+        .session(session.clone())
+        .layer(network.clone());
+    let lost = send(&client, payment("/payments", 1)).await.unwrap_err();
+    assert!(
+        matches!(
+            lost,
+            ClientError::GaveUp {
+                seq: Some(1),
+                attempts: 2,
+                ..
+            }
+        ),
+        "{lost:?}"
+    );
+    // Call 2 is within the window (2 past the mark 0); call 3 is not.
+    send(&client, payment("/payments", 2)).await.unwrap();
+    let started = tokio::time::Instant::now();
+    let waited = send(&client, payment("/payments", 3)).await.unwrap_err();
+    let ClientError::GaveUp {
+        seq: Some(3),
+        attempts: 0,
+        reason: GiveUp::Deadline,
+        last,
+        ..
+    } = &waited
+    else {
+        panic!("expected GaveUp for call 3 after no attempt, got {waited:?}");
+    };
+    assert!(
+        last.to_string()
+            .contains("not sent: call 3 is more than 2 past the session's acknowledged mark 0"),
+        "{last}"
+    );
+    assert_eq!(
+        started.elapsed(),
+        Duration::from_secs(5),
+        "it waited its deadline"
+    );
+    assert!(network.of(3).is_empty(), "call 3 was never sent");
+    assert_eq!(session.ack(), 0);
+    session.abandon(1);
+    assert_eq!(session.ack(), 2);
+    session.abandon(3);
+    assert_eq!(session.ack(), 3);
+    let fourth = send(&client, payment("/payments", 4)).await.unwrap();
+    assert_eq!(delivery(&fourth).session_seq(), Some(4));
+    assert_eq!(network.of(4).len(), 1);
+    assert_eq!(app.total(), 3, "calls 1, 2 and 4 ran; 3 never went");
 }
 
 // A response body type that cannot be made from bytes (`RebuildBody` is `None` for a body

@@ -7,8 +7,9 @@ use std::future::Future;
 
 use http::{HeaderMap, HeaderName, Method, StatusCode};
 use idempotent_core::BoxError;
+use tokio::time::Instant;
 
-use super::error::ClientError;
+use super::error::{ClientError, GiveUp};
 use super::key::{Delivery, IdempotencyKey};
 use super::metrics::ClientMetrics;
 use super::policy::{Delivered, RetryPolicy, deliver};
@@ -136,7 +137,9 @@ impl<P: ClientProtocol> Config<P> {
         Refusal::from_document(document).map_or(Verdict::Done, Verdict::Refused)
     }
 
-    /// Sends one logical call by the policy, counting it if it fails.
+    /// Sends one logical call by the policy, counting it if it fails. A call in a session
+    /// first waits, within its deadline, for its number to be within the session's window
+    /// ([`ClientSession::with_window`]); not admitted by then, it ends unsent.
     pub(crate) async fn deliver<R, F, Fut>(
         &self,
         name: &Name,
@@ -147,15 +150,37 @@ impl<P: ClientProtocol> Config<P> {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<R, BoxError>>,
     {
-        let delivered = deliver(
-            &self.policy,
-            &self.metrics,
-            name.label(),
-            name.seq(),
-            send,
-            verdict,
-        )
-        .await;
+        let deadline = self.policy.deadline_from(Instant::now());
+        let admitted = match name {
+            Name::Session(ticket) => {
+                ticket
+                    .admitted(deadline)
+                    .await
+                    .map_err(|closed| ClientError::GaveUp {
+                        key: name.label().to_owned(),
+                        seq: name.seq(),
+                        attempts: 0,
+                        reason: GiveUp::Deadline,
+                        last: Box::new(closed),
+                    })
+            }
+            Name::Key(_) => Ok(()),
+        };
+        let delivered = match admitted {
+            Ok(()) => {
+                deliver(
+                    &self.policy,
+                    &self.metrics,
+                    name.label(),
+                    name.seq(),
+                    deadline,
+                    send,
+                    verdict,
+                )
+                .await
+            }
+            Err(error) => Err(error),
+        };
         if let Err(error) = &delivered {
             self.metrics.failed(error);
         }

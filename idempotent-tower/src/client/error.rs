@@ -40,7 +40,8 @@ pub enum ClientError {
         /// until the call is sent again and answered, or
         /// [`abandoned`](super::ClientSession::abandon).
         seq: Option<u64>,
-        /// Requests sent.
+        /// Requests sent: `0` for a call in a session that waited for the session's window
+        /// until its deadline and was never sent.
         attempts: u32,
         /// What ran out.
         reason: GiveUp,

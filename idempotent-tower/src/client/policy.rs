@@ -188,7 +188,14 @@ fn after(now: Instant, duration: Duration) -> Instant {
         .unwrap_or(now)
 }
 
-/// Sends one logical call: `send` makes one attempt (the same request, the same key or
+impl RetryPolicy {
+    /// When a call that starts `now` ends at the latest (its [`deadline`](Self::deadline)).
+    pub(crate) fn deadline_from(&self, now: Instant) -> Instant {
+        after(now, self.deadline)
+    }
+}
+
+/// Sends one logical call by `deadline`: `send` makes one attempt (the same request, the same key or
 /// session number `seq`), and `verdict` judges each answer. Ends with the first answer that
 /// is not to be retried (a session's refusal included), or,
 /// when the attempts, the deadline or the budget run out, with the last answer (a retryable
@@ -198,6 +205,7 @@ pub(crate) async fn deliver<R, F, Fut>(
     metrics: &ClientMetrics,
     key: &str,
     seq: Option<u64>,
+    deadline: Instant,
     mut send: F,
     verdict: impl Fn(&R) -> Verdict,
 ) -> Result<Delivered<R>, ClientError>
@@ -206,7 +214,6 @@ where
     Fut: Future<Output = Result<R, BoxError>>,
 {
     policy.budget.deposit();
-    let deadline = after(Instant::now(), policy.deadline);
     let mut attempts = 0u32;
     loop {
         attempts += 1;

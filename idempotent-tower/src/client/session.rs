@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use http::HeaderValue;
 use idempotent_core::Key;
-use idempotent_core::session::MAX_SEQ;
+use idempotent_core::session::{DEFAULT_SESSION_WINDOW, MAX_SEQ, MAX_SESSION_WINDOW};
+use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use super::error::ClientError;
 use crate::session::SessionHeader;
@@ -37,9 +39,12 @@ pub struct ClientSession {
 struct Shared {
     id: Key,
     state: Mutex<State>,
+    /// Woken when the acknowledged mark advances or the session expires: the calls waiting
+    /// for the window ([`Ticket::admitted`]) look again.
+    advanced: Notify,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct State {
     /// The highest number given to a call so far.
     last: u64,
@@ -49,18 +54,40 @@ struct State {
     answered: BTreeSet<u64>,
     /// The server said the session is unknown or expired.
     expired: bool,
+    /// How far past `ack` a call may be numbered and still be sent.
+    window: u64,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        State {
+            last: 0,
+            ack: 0,
+            answered: BTreeSet::new(),
+            expired: false,
+            window: DEFAULT_SESSION_WINDOW,
+        }
+    }
 }
 
 impl State {
-    /// `seq` needs no answer any more: it has one, or it never will be sent again.
-    fn settle(&mut self, seq: u64) {
+    /// `seq` needs no answer any more: it has one, or it never will be sent again. Whether
+    /// the mark advanced.
+    fn settle(&mut self, seq: u64) -> bool {
         if seq <= self.ack || seq > self.last {
-            return;
+            return false;
         }
         self.answered.insert(seq);
+        let before = self.ack;
         while self.answered.remove(&(self.ack + 1)) {
             self.ack += 1;
         }
+        self.ack != before
+    }
+
+    /// Whether call `seq` is within the window the server admits.
+    fn admits(&self, seq: u64) -> bool {
+        self.expired || seq <= self.ack.saturating_add(self.window)
     }
 }
 
@@ -78,8 +105,36 @@ impl ClientSession {
             shared: Arc::new(Shared {
                 id,
                 state: Mutex::new(State::default()),
+                advanced: Notify::new(),
             }),
         }
+    }
+
+    /// How far past the acknowledged mark this client numbers calls before it holds them
+    /// back: a call numbered past `ack + window` is not sent until the mark reaches
+    /// `seq - window` (see "Calls in a session" below), so that it is not refused with
+    /// `429 session_window_full`. Set it to the server's window
+    /// ([`Defaults::session_window`](idempotent_core::Defaults::session_window)); the
+    /// default is the server's default, [`DEFAULT_SESSION_WINDOW`] (64). A window larger than
+    /// the server's is harmless (the server's refusals are retried as before). Clamped, with a
+    /// warning, into 1 to [`MAX_SESSION_WINDOW`] (no server admits more), as the server's.
+    /// Shared by the session's clones.
+    pub fn with_window(self, window: u64) -> Self {
+        let clamped = window.clamp(1, MAX_SESSION_WINDOW);
+        if clamped != window {
+            tracing::warn!(
+                window,
+                clamped,
+                "a client session window out of its range was clamped into it"
+            );
+        }
+        self.state().window = clamped;
+        self
+    }
+
+    /// How far past the acknowledged mark calls are sent ([`with_window`](Self::with_window)).
+    pub fn window(&self) -> u64 {
+        self.state().window
     }
 
     /// The session id.
@@ -111,7 +166,16 @@ impl ClientSession {
     /// again: until it is answered or abandoned, the mark stays below it, and after a window
     /// of further calls the server refuses new ones (`429 session_window_full`).
     pub fn abandon(&self, seq: u64) {
-        self.state().settle(seq);
+        self.settle(seq);
+    }
+
+    /// Settles `seq` ([`State::settle`]), waking the calls waiting for the window if the
+    /// mark advanced.
+    fn settle(&self, seq: u64) {
+        let advanced = self.state().settle(seq);
+        if advanced {
+            self.shared.advanced.notify_waiters();
+        }
     }
 
     /// The number of a call: `resend` if the caller sends an earlier call again (it must be
@@ -132,8 +196,9 @@ impl ClientSession {
             }
         };
         if state.expired {
+            drop(state);
             // Never sent: as if abandoned, so that no clone waits on it.
-            state.settle(seq);
+            self.settle(seq);
             return Err(ClientError::SessionExpired { seq });
         }
         drop(state);
@@ -206,10 +271,42 @@ impl Ticket {
             .to_header_value()
     }
 
+    /// Waits until the call may be sent: its number is within the window past the
+    /// acknowledged mark (at once for most calls), or the session expired (the server's
+    /// `410` then ends the call). Fails if the mark has not advanced far enough by
+    /// `deadline`: the call was not sent.
+    pub(crate) async fn admitted(&self, deadline: Instant) -> Result<(), WindowClosed> {
+        loop {
+            // Made before the mark is read, so that an advance between the two wakes it.
+            let advanced = self.session.shared.advanced.notified();
+            let (ack, window) = {
+                let state = self.session.state();
+                if state.admits(self.seq) {
+                    return Ok(());
+                }
+                (state.ack, state.window)
+            };
+            tracing::debug!(
+                session = self.session.id().as_str(),
+                seq = self.seq,
+                ack,
+                window,
+                "idempotent request waits for the session's window"
+            );
+            if tokio::time::timeout_at(deadline, advanced).await.is_err() {
+                return Err(WindowClosed {
+                    seq: self.seq,
+                    ack,
+                    window,
+                });
+            }
+        }
+    }
+
     /// The call has its answer.
     pub(crate) fn answered(mut self) {
         self.open = false;
-        self.session.state().settle(self.seq);
+        self.session.settle(self.seq);
     }
 
     /// The server will never answer it (at or below its mark, or the session is gone).
@@ -225,6 +322,8 @@ impl Ticket {
     /// The server knows the session no more.
     pub(crate) fn expire(self) {
         self.session.state().expired = true;
+        // The calls waiting for the window go, to learn it from the server.
+        self.session.shared.advanced.notify_waiters();
         self.settled();
     }
 }
@@ -232,9 +331,21 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         if self.open {
-            self.session.state().settle(self.seq);
+            self.session.settle(self.seq);
         }
     }
+}
+
+/// Why a call in a session was not sent: the `last` error of its
+/// [`ClientError::GaveUp`] (with no attempts, for its deadline).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "not sent: call {seq} is more than {window} past the session's acknowledged mark {ack}, which did not advance before the call's deadline (an earlier call of the session has no answer yet: it is retrying, or it gave up and holds the mark until it is sent again or abandoned)"
+)]
+pub(crate) struct WindowClosed {
+    seq: u64,
+    ack: u64,
+    window: u64,
 }
 
 #[cfg(test)]
