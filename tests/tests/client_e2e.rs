@@ -487,6 +487,65 @@ async fn payments_client_survives_a_server_asking_to_wait_forever() {
     );
 }
 
+// In a session, a payment that ends without its answer (each of these 100: a 503 the client
+// does not retry, which the server did not mark as its answer) is abandoned by
+// `payments_client`, so that the session's mark passes it. Before, each held the mark: from
+// payment 65 on (the window, 64), every payment waited its 60 s deadline for the mark, unsent,
+// and this run did not end within its 30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_a_session_payments_that_fail_do_not_hold_the_ones_after_them() {
+    use axum::http::{HeaderName, StatusCode, header::RETRY_AFTER};
+
+    let sessions = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = Arc::clone(&sessions);
+    let hostile = axum::Router::new().route(
+        "/payments",
+        axum::routing::post(move |headers: axum::http::HeaderMap| {
+            let session = headers
+                .get("idempotency-session")
+                .map(|v| v.to_str().unwrap().to_owned());
+            seen.lock().unwrap().push(session);
+            async {
+                let forever: (HeaderName, String) = (RETRY_AFTER, u64::MAX.to_string());
+                (StatusCode::SERVICE_UNAVAILABLE, [forever], "busy")
+            }
+        }),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move { axum::serve(listener, hostile).await.unwrap() });
+
+    let output = tokio::time::timeout(
+        Duration::from_secs(30),
+        run_payments_client_with(&url, 100, 3, &["--session"]),
+    )
+    .await
+    .expect("payments_client waited for the session's mark");
+    server.abort();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{}: {stderr}", output.status);
+    assert_eq!(
+        summary(&output),
+        serde_json::json!({"sent": 100, "succeeded": 0, "replayed": 0, "failed": 100, "attempts": 100}),
+        "{stderr}"
+    );
+    let sessions = sessions.lock().unwrap();
+    assert_eq!(sessions.len(), 100, "one attempt per payment");
+    // Every payment went in the session, numbered 1 to 100, the mark rising past the ones
+    // abandoned.
+    let mut seqs: Vec<u64> = sessions
+        .iter()
+        .map(|header| {
+            let header = header.as_deref().expect("sent in the session");
+            idempotent_tower::SessionHeader::parse(header.as_bytes())
+                .unwrap()
+                .seq()
+        })
+        .collect();
+    seqs.sort_unstable();
+    assert_eq!(seqs, (1..=100).collect::<Vec<_>>());
+}
+
 /// A policy for a network losing a third of the answers (the `payments_client` example's).
 fn lossy() -> RetryPolicy {
     RetryPolicy::new()

@@ -110,15 +110,16 @@ impl ClientSession {
         }
     }
 
-    /// How far past the acknowledged mark this client numbers calls before it holds them
-    /// back: a call numbered past `ack + window` is not sent until the mark reaches
-    /// `seq - window` (see "Calls in a session" below), so that it is not refused with
-    /// `429 session_window_full`. Set it to the server's window
+    /// How far past the acknowledged mark this client sends calls: a call numbered past
+    /// `ack + window` is not sent until the mark reaches `seq - window` (see "Calls in a
+    /// session" in the type's documentation), so that it is not refused with `429
+    /// session_window_full`. Set it to the server's window
     /// ([`Defaults::session_window`](idempotent_core::Defaults::session_window)); the
-    /// default is the server's default, [`DEFAULT_SESSION_WINDOW`] (64). A window larger than
-    /// the server's is harmless (the server's refusals are retried as before). Clamped, with a
+    /// default is the server's default, [`DEFAULT_SESSION_WINDOW`] (64). With a window larger
+    /// than the server's, calls past the server's are sent and refused, and each refusal is
+    /// retried, spending one of the call's attempts, as without this window. Clamped, with a
     /// warning, into 1 to [`MAX_SESSION_WINDOW`] (no server admits more), as the server's.
-    /// Shared by the session's clones.
+    /// Shared by the session's clones; the calls waiting then look again.
     pub fn with_window(self, window: u64) -> Self {
         let clamped = window.clamp(1, MAX_SESSION_WINDOW);
         if clamped != window {
@@ -129,6 +130,7 @@ impl ClientSession {
             );
         }
         self.state().window = clamped;
+        self.shared.advanced.notify_waiters();
         self
     }
 
@@ -400,6 +402,88 @@ mod tests {
         six.unanswered();
         session.abandon(6);
         assert_eq!(session.ack(), 6);
+    }
+
+    // A call past the window waits for the mark; it goes (admitted) as soon as the number
+    // holding the mark is answered, abandoned or dropped, the window is raised, or the
+    // session expires, each long before its deadline; and not before.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_past_the_window_goes_when_the_mark_moves_or_the_session_ends() {
+        let hour = || Instant::now() + std::time::Duration::from_secs(3600);
+        let waits = |session: &ClientSession, waiting: Ticket| {
+            let session = session.clone();
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let admitted = waiting.admitted(hour()).await;
+                (admitted.is_ok(), started.elapsed(), session.ack())
+            })
+        };
+        let still_waits = |task: &tokio::task::JoinHandle<_>| {
+            assert!(!task.is_finished(), "admitted too early");
+        };
+        let session = ClientSession::with_id("s".parse().unwrap()).with_window(1);
+        let first = session.ticket(None).unwrap();
+        let second = session.ticket(None).unwrap();
+        // Answered.
+        let task = waits(&session, second);
+        tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+        still_waits(&task);
+        first.answered();
+        let (admitted, waited, ack) = task.await.unwrap();
+        assert!(admitted && ack == 1, "{ack}");
+        assert_eq!(waited, std::time::Duration::from_secs(60));
+        // Abandoned (2 was never answered: its ticket went to the waiting task and was
+        // dropped there, which settles it).
+        assert_eq!(session.ack(), 2);
+        let third = session.ticket(None).unwrap();
+        third.unanswered();
+        let fourth = session.ticket(None).unwrap();
+        let task = waits(&session, fourth);
+        tokio::task::yield_now().await;
+        still_waits(&task);
+        session.abandon(3);
+        assert!(task.await.unwrap().0);
+        // Dropped (4 settled as its task dropped it).
+        assert_eq!(session.ack(), 4);
+        let fifth = session.ticket(None).unwrap();
+        let sixth = session.ticket(None).unwrap();
+        let task = waits(&session, sixth);
+        tokio::task::yield_now().await;
+        still_waits(&task);
+        drop(fifth);
+        assert!(task.await.unwrap().0);
+        // The window raised.
+        let seventh = session.ticket(None).unwrap();
+        let eighth = session.ticket(None).unwrap();
+        let task = waits(&session, eighth);
+        tokio::task::yield_now().await;
+        still_waits(&task);
+        let session = session.with_window(2);
+        assert!(task.await.unwrap().0);
+        // The session expired (its refusal then comes from the server).
+        let ninth = session.ticket(None).unwrap();
+        let tenth = session.ticket(None).unwrap();
+        let task = waits(&session, tenth);
+        tokio::task::yield_now().await;
+        still_waits(&task);
+        ninth.expire();
+        assert!(task.await.unwrap().0);
+        seventh.unanswered();
+    }
+
+    // With nothing moving, the wait ends at its deadline, not admitted.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_past_the_window_is_not_admitted_after_its_deadline() {
+        let session = ClientSession::new().with_window(1);
+        let first = session.ticket(None).unwrap();
+        let second = session.ticket(None).unwrap();
+        let started = Instant::now();
+        let deadline = started + std::time::Duration::from_secs(5);
+        let closed = second.admitted(deadline).await.unwrap_err();
+        assert_eq!(Instant::now(), deadline);
+        assert_eq!((closed.seq, closed.ack, closed.window), (2, 0, 1));
+        first.unanswered();
+        second.unanswered();
     }
 
     #[test]
