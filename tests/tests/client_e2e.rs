@@ -287,7 +287,14 @@ fn upstream(server: &Server) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], server.port))
 }
 
-/// Runs the `payments_client` example to its end (killed if the test is dropped first).
+/// The attempts each call gets here (`payments_client --attempts`, and [`lossy`]). Through the
+/// proxy that loses about a third of the answers, a call gives up only if it loses all of them:
+/// with the example's 12, one call in 531,441 does, and these tests make over 4,000 calls a
+/// run (about one run in 125 would fail by chance); with 20, one in 3.5 billion.
+const ATTEMPTS: u32 = 20;
+
+/// Runs the `payments_client` example to its end (killed if the test is dropped first), with
+/// [`ATTEMPTS`] attempts a payment.
 async fn run_payments_client(url: &str, payments: u32, concurrency: u32) -> std::process::Output {
     run_payments_client_with(url, payments, concurrency, &[]).await
 }
@@ -307,6 +314,8 @@ async fn run_payments_client_with(
             &payments.to_string(),
             "--concurrency",
             &concurrency.to_string(),
+            "--attempts",
+            &ATTEMPTS.to_string(),
         ])
         .args(extra)
         .kill_on_drop(true)
@@ -405,7 +414,8 @@ async fn in_one_session_with_a_third_of_the_answers_lost_every_payment_is_charge
         assert_eq!(client.count(&server).await, 1_000, "{store}: one run each");
         // The client's window is the server's (64): the calls after a slow one waited for
         // the mark, and none was sent past it to be refused (each refusal had cost its call
-        // an attempt; with a third of the answers lost, one call ran out of its 12 in CI).
+        // an attempt; with a third of the answers lost, one call ran out of its attempts in
+        // CI).
         let scrape = client.get(&server.url("/metrics")).await;
         let scrape = String::from_utf8_lossy(&scrape.body);
         assert_eq!(
@@ -428,6 +438,26 @@ async fn in_one_session_with_a_third_of_the_answers_lost_every_payment_is_charge
             "{store}: the scrape counts the requests: {scrape}"
         );
         eprintln!("{store}: {summary}, {lost} answers lost");
+    }
+}
+
+// `--attempts` out of its range, or not a number, is refused with exit status 2 and a message
+// naming it, before anything is sent.
+#[tokio::test]
+async fn payments_client_refuses_bad_attempts() {
+    for bad in ["0", "1001", "-1", "many", ""] {
+        let output = tokio::process::Command::new(support::example_binary("payments_client"))
+            .args(["--url", "http://127.0.0.1:9", "--attempts", bad])
+            .output()
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{bad:?}: {stderr}");
+        assert!(
+            stderr.contains("--attempts takes a number from 1 to 1000"),
+            "{bad:?}: {stderr}"
+        );
+        assert!(output.stdout.is_empty(), "{bad:?}");
     }
 }
 
@@ -549,7 +579,7 @@ async fn in_a_session_payments_that_fail_do_not_hold_the_ones_after_them() {
 /// A policy for a network losing a third of the answers (the `payments_client` example's).
 fn lossy() -> RetryPolicy {
     RetryPolicy::new()
-        .max_attempts(12)
+        .max_attempts(ATTEMPTS)
         .deadline(Duration::from_secs(60))
         .attempt_timeout(Duration::from_secs(5))
         .backoff(Duration::from_millis(20), Duration::from_secs(1))
