@@ -441,6 +441,37 @@ async fn in_one_session_with_a_third_of_the_answers_lost_every_payment_is_charge
     }
 }
 
+/// A server that answers every `POST /payments` `503` with `Retry-After:
+/// 18446744073709551615`: its URL, the `Idempotency-Session` header of each request it got, in
+/// order, and its task.
+async fn asking_to_wait_forever() -> (
+    String,
+    Arc<std::sync::Mutex<Vec<Option<String>>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    use axum::http::{HeaderMap, HeaderName, StatusCode, header::RETRY_AFTER};
+
+    let requests = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = Arc::clone(&requests);
+    let hostile = axum::Router::new().route(
+        "/payments",
+        axum::routing::post(move |headers: HeaderMap| {
+            let session = headers
+                .get("idempotency-session")
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+            seen.lock().unwrap().push(session);
+            async {
+                let forever: (HeaderName, String) = (RETRY_AFTER, u64::MAX.to_string());
+                (StatusCode::SERVICE_UNAVAILABLE, [forever], "busy")
+            }
+        }),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move { axum::serve(listener, hostile).await.unwrap() });
+    (url, requests, server)
+}
+
 // `--attempts` out of its range, or not a number, is refused with exit status 2 and a message
 // naming it, before anything is sent.
 #[tokio::test]
@@ -468,23 +499,7 @@ async fn payments_client_refuses_bad_attempts() {
 // client exits 1 with its summary, as documented for payments that do not succeed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn payments_client_survives_a_server_asking_to_wait_forever() {
-    use axum::http::{HeaderName, StatusCode, header::RETRY_AFTER};
-
-    let requests = Arc::new(AtomicU64::new(0));
-    let counted = Arc::clone(&requests);
-    let hostile = axum::Router::new().route(
-        "/payments",
-        axum::routing::post(move || {
-            counted.fetch_add(1, Ordering::SeqCst);
-            async {
-                let forever: (HeaderName, String) = (RETRY_AFTER, u64::MAX.to_string());
-                (StatusCode::SERVICE_UNAVAILABLE, [forever], "busy")
-            }
-        }),
-    );
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let server = tokio::spawn(async move { axum::serve(listener, hostile).await.unwrap() });
+    let (url, requests, server) = asking_to_wait_forever().await;
 
     let started = std::time::Instant::now();
     // Its policy's deadline is 60 s: well under it means no payment waited.
@@ -505,11 +520,7 @@ async fn payments_client_survives_a_server_asking_to_wait_forever() {
         6,
         "{stderr}"
     );
-    assert_eq!(
-        requests.load(Ordering::SeqCst),
-        6,
-        "one attempt per payment"
-    );
+    assert_eq!(requests.lock().unwrap().len(), 6, "one attempt per payment");
     assert!(
         started.elapsed() < Duration::from_secs(20),
         "{:?}",
@@ -524,27 +535,7 @@ async fn payments_client_survives_a_server_asking_to_wait_forever() {
 // and this run did not end within its 30 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_a_session_payments_that_fail_do_not_hold_the_ones_after_them() {
-    use axum::http::{HeaderName, StatusCode, header::RETRY_AFTER};
-
-    let sessions = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let seen = Arc::clone(&sessions);
-    let hostile = axum::Router::new().route(
-        "/payments",
-        axum::routing::post(move |headers: axum::http::HeaderMap| {
-            let session = headers
-                .get("idempotency-session")
-                .map(|v| v.to_str().unwrap().to_owned());
-            seen.lock().unwrap().push(session);
-            async {
-                let forever: (HeaderName, String) = (RETRY_AFTER, u64::MAX.to_string());
-                (StatusCode::SERVICE_UNAVAILABLE, [forever], "busy")
-            }
-        }),
-    );
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let server = tokio::spawn(async move { axum::serve(listener, hostile).await.unwrap() });
-
+    let (url, requests, server) = asking_to_wait_forever().await;
     let output = tokio::time::timeout(
         Duration::from_secs(30),
         run_payments_client_with(&url, 100, 3, &["--session"]),
@@ -559,7 +550,7 @@ async fn in_a_session_payments_that_fail_do_not_hold_the_ones_after_them() {
         serde_json::json!({"sent": 100, "succeeded": 0, "replayed": 0, "failed": 100, "attempts": 100}),
         "{stderr}"
     );
-    let sessions = sessions.lock().unwrap();
+    let sessions = requests.lock().unwrap();
     assert_eq!(sessions.len(), 100, "one attempt per payment");
     // Every payment went in the session, numbered 1 to 100, the mark rising past the ones
     // abandoned.
