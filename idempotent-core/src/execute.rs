@@ -281,7 +281,8 @@ impl<C: Capabilities> Idempotency<C> {
         if let Some(claim) = slot.existing() {
             claim.start_recording();
         }
-        let mut first = self.write(key, token, payload.envelope(self.inner.integrity), ttl);
+        let envelope = payload.envelope(self.inner.integrity);
+        let mut first = Arc::clone(&self.inner.store).complete(key, token, envelope, ttl);
         let first = match std::future::poll_fn(|cx| Poll::Ready(first.as_mut().poll(cx))).await {
             Poll::Ready(Ok(())) => {
                 if let Some(claim) = slot.existing() {
@@ -307,17 +308,6 @@ impl<C: Capabilities> Idempotency<C> {
         let this = self.clone();
         RunToEnd::new(async move { this.record(recording, first).await }).await;
         Ok(Execution::Fresh(value))
-    }
-
-    /// One `complete` of the record of `key` held with `token`, owning what it needs.
-    fn write(
-        &self,
-        key: StorageKey,
-        token: FencingToken,
-        envelope: Bytes,
-        ttl: Duration,
-    ) -> BoxFuture<'static, Result<(), StoreError>> {
-        Arc::clone(&self.inner.store).complete(key, token, envelope, ttl)
     }
 
     async fn acquire(
