@@ -151,8 +151,8 @@ impl<P: ClientProtocol> Config<P> {
         Fut: Future<Output = Result<R, BoxError>>,
     {
         let deadline = self.policy.deadline_from(Instant::now());
-        let admitted = match name {
-            Name::Session(ticket) => {
+        let delivered = async {
+            if let Name::Session(ticket) = name {
                 ticket
                     .admitted(deadline)
                     .await
@@ -162,25 +162,20 @@ impl<P: ClientProtocol> Config<P> {
                         attempts: 0,
                         reason: GiveUp::Deadline,
                         last: Box::new(closed),
-                    })
+                    })?;
             }
-            Name::Key(_) => Ok(()),
-        };
-        let delivered = match admitted {
-            Ok(()) => {
-                deliver(
-                    &self.policy,
-                    &self.metrics,
-                    name.label(),
-                    name.seq(),
-                    deadline,
-                    send,
-                    verdict,
-                )
-                .await
-            }
-            Err(error) => Err(error),
-        };
+            deliver(
+                &self.policy,
+                &self.metrics,
+                name.label(),
+                name.seq(),
+                deadline,
+                send,
+                verdict,
+            )
+            .await
+        }
+        .await;
         if let Err(error) = &delivered {
             self.metrics.failed(error);
         }

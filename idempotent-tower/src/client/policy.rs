@@ -195,11 +195,11 @@ impl RetryPolicy {
     }
 }
 
-/// Sends one logical call by `deadline`: `send` makes one attempt (the same request, the same key or
-/// session number `seq`), and `verdict` judges each answer. Ends with the first answer that
-/// is not to be retried (a session's refusal included), or,
-/// when the attempts, the deadline or the budget run out, with the last answer (a retryable
-/// status is still an answer) or [`ClientError::GaveUp`] if the last attempt got none.
+/// Sends one logical call by `deadline`: `send` makes one attempt (the same request, the same
+/// key or session number `seq`), and `verdict` judges each answer. Ends with the first answer
+/// that is not to be retried (a session's refusal included), or, when the attempts, the
+/// deadline or the budget run out, with the last answer (a retryable status is still an
+/// answer) or [`ClientError::GaveUp`] if the last attempt got none.
 pub(crate) async fn deliver<R, F, Fut>(
     policy: &RetryPolicy,
     metrics: &ClientMetrics,

@@ -6,8 +6,8 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use http::HeaderValue;
-use idempotent_core::Key;
 use idempotent_core::session::{DEFAULT_SESSION_WINDOW, MAX_SEQ, MAX_SESSION_WINDOW};
+use idempotent_core::{Key, limits};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -121,15 +121,16 @@ impl ClientSession {
     /// warning, into 1 to [`MAX_SESSION_WINDOW`] (no server admits more), as the server's.
     /// Shared by the session's clones; the calls waiting then look again.
     pub fn with_window(self, window: u64) -> Self {
-        let clamped = window.clamp(1, MAX_SESSION_WINDOW);
-        if clamped != window {
+        let window = limits::check_session_window(window).unwrap_or_else(|error| {
+            let clamped = window.clamp(1, MAX_SESSION_WINDOW);
             tracing::warn!(
-                window,
+                %error,
                 clamped,
                 "a client session window out of its range was clamped into it"
             );
-        }
-        self.state().window = clamped;
+            clamped
+        });
+        self.state().window = window;
         self.shared.advanced.notify_waiters();
         self
     }
