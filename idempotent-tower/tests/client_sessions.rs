@@ -600,18 +600,22 @@ async fn the_session_refusals_are_typed_errors_and_not_retried() {
     assert_eq!(app.total(), 4);
 }
 
-// With a window of 1, a call numbered past it while the one before runs is refused with `429
-// session_window_full`, retried after the server's delay with the newer mark, and runs.
-#[tokio::test(start_paused = true)]
-async fn a_full_window_is_waited_out() {
+/// Call 1 of `session`, to `/slow` (500 ms), under way on the network to a server whose
+/// session window is 1: what the window tests need next to it.
+struct FirstCallSlow {
+    app: App,
+    network: Network,
+    /// The client layer in `session`, its metrics recorded.
+    client: Client<idempotent_tower::Http>,
+    recorded: Recorded,
+    slow: tokio::task::JoinHandle<Result<Response<Full<Bytes>>, ClientError>>,
+}
+
+async fn first_call_slow(session: ClientSession) -> FirstCallSlow {
     let app = App::default();
     let network = Network::new(app.server(Wire::Http, 1), |_| Fault::None);
-    let session = ClientSession::new();
-    let (layer, recorded) = Recorded::capture(|| {
-        ClientLayer::http()
-            .policy(patient())
-            .session(session.clone())
-    });
+    let (layer, recorded) =
+        Recorded::capture(|| ClientLayer::http().policy(patient()).session(session));
     let client = layer.layer(network.clone());
     let slow = {
         let client = client.clone();
@@ -620,6 +624,26 @@ async fn a_full_window_is_waited_out() {
     while network.log().is_empty() {
         tokio::task::yield_now().await;
     }
+    FirstCallSlow {
+        app,
+        network,
+        client,
+        recorded,
+        slow,
+    }
+}
+
+// With a window of 1, a call numbered past it while the one before runs is refused with `429
+// session_window_full`, retried after the server's delay with the newer mark, and runs.
+#[tokio::test(start_paused = true)]
+async fn a_full_window_is_waited_out() {
+    let FirstCallSlow {
+        app,
+        network,
+        client,
+        recorded,
+        slow,
+    } = first_call_slow(ClientSession::new()).await;
     let second = send(&client, payment("/payments", 2)).await.unwrap();
     assert_eq!(second.status(), StatusCode::CREATED);
     slow.await.unwrap().unwrap();
@@ -643,23 +667,15 @@ async fn a_full_window_is_waited_out() {
 // spent on each refusal.
 #[tokio::test(start_paused = true)]
 async fn a_call_past_the_sessions_window_waits_unsent_for_the_mark() {
-    let app = App::default();
-    let network = Network::new(app.server(Wire::Http, 1), |_| Fault::None);
     let session = ClientSession::new().with_window(1);
     assert_eq!(session.window(), 1);
-    let (layer, recorded) = Recorded::capture(|| {
-        ClientLayer::http()
-            .policy(patient())
-            .session(session.clone())
-    });
-    let client = layer.layer(network.clone());
-    let slow = {
-        let client = client.clone();
-        tokio::spawn(async move { send(&client, payment("/slow", 1)).await })
-    };
-    while network.log().is_empty() {
-        tokio::task::yield_now().await;
-    }
+    let FirstCallSlow {
+        app,
+        network,
+        client,
+        recorded,
+        slow,
+    } = first_call_slow(session.clone()).await;
     let started = tokio::time::Instant::now();
     let second = {
         let client = client.clone();
