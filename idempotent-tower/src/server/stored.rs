@@ -113,18 +113,19 @@ fn put_fields(
     fields: &HeaderMap,
     skip: &dyn Fn(&HeaderName) -> bool,
 ) -> Result<(), EncodeError> {
-    let kept: Vec<_> = fields.iter().filter(|(name, _)| !skip(name)).collect();
-    let count = match u16::try_from(kept.len()) {
-        Ok(count) if kept.len() <= MAX_FIELDS => count,
-        _ => {
+    // The count is written once the fields are: each is asked of `skip` once, and the kept
+    // ones are not gathered first.
+    let at = out.len();
+    out.put_u16(0);
+    let mut count = 0usize;
+    for (name, value) in fields.iter().filter(|(name, _)| !skip(name)) {
+        count += 1;
+        if count > MAX_FIELDS {
             return Err(EncodeError::TooManyFields {
                 section,
-                count: kept.len(),
+                count: fields.iter().filter(|(name, _)| !skip(name)).count(),
             });
         }
-    };
-    out.put_u16(count);
-    for (name, value) in kept {
         // `http` caps header names at 65,535 bytes, so the length always fits.
         let name_len = u16::try_from(name.as_str().len()).map_err(|_| EncodeError::TooLong {
             part: "header name",
@@ -135,6 +136,8 @@ fn put_fields(
         out.put_u32(stored_len("header value", value.len())?);
         out.put_slice(value.as_bytes());
     }
+    // At most `MAX_FIELDS`, far below `u16::MAX`.
+    out[at..at + 2].copy_from_slice(&(count as u16).to_be_bytes());
     Ok(())
 }
 
@@ -153,12 +156,14 @@ pub(crate) fn decode(mut input: Bytes) -> Result<StoredResponse, DecodeError> {
     if count == NO_TRAILERS {
         return Err(DecodeError("invalid header count"));
     }
-    let headers = take_fields(&mut input, count)?;
+    // Room for the one field a replay adds (`idempotent-replayed`), so that adding it does
+    // not grow the map.
+    let headers = take_fields(&mut input, count, 1)?;
     let body_len = usize::try_from(take_u32(&mut input)?).map_err(|_| DecodeError("truncated"))?;
     let body = take_bytes(&mut input, body_len)?;
     let trailers = match take_u16(&mut input)? {
         NO_TRAILERS => None,
-        count => Some(take_fields(&mut input, count)?),
+        count => Some(take_fields(&mut input, count, 0)?),
     };
     if input.has_remaining() {
         return Err(DecodeError("trailing bytes"));
@@ -171,13 +176,15 @@ pub(crate) fn decode(mut input: Bytes) -> Result<StoredResponse, DecodeError> {
     })
 }
 
-fn take_fields(input: &mut Bytes, count: u16) -> Result<HeaderMap, DecodeError> {
+/// `count` fields, in a map with room for `spare` more.
+fn take_fields(input: &mut Bytes, count: u16, spare: usize) -> Result<HeaderMap, DecodeError> {
     // The count is untrusted: reserve no more than the remaining bytes can hold, and never more
     // than `MAX_FIELDS` (far below the size `HeaderMap::with_capacity` panics at); the map grows
     // if a record written with more fields really holds them.
     let capacity = usize::from(count)
         .min(input.remaining() / MIN_FIELD_BYTES)
-        .min(MAX_FIELDS);
+        .min(MAX_FIELDS)
+        + spare;
     let mut fields = HeaderMap::with_capacity(capacity);
     for _ in 0..count {
         let name_len = usize::from(take_u16(input)?);
@@ -272,6 +279,25 @@ mod tests {
             decode(encode_all(StatusCode::OK, &HeaderMap::new(), b"", None).unwrap()).unwrap();
         assert_eq!(none.trailers, None);
         assert!(none.body.is_empty());
+    }
+
+    #[test]
+    fn decoded_headers_have_room_for_the_replay_marker() {
+        for count in [0, 1, 2, 5, 17] {
+            let mut headers = HeaderMap::new();
+            for i in 0..count {
+                headers.insert(
+                    HeaderName::try_from(format!("x-h{i}")).unwrap(),
+                    HeaderValue::from_static("v"),
+                );
+            }
+            let dec = decode(encode_all(StatusCode::OK, &headers, b"", None).unwrap()).unwrap();
+            assert_eq!(dec.headers, headers);
+            assert!(
+                dec.headers.capacity() > dec.headers.len(),
+                "{count} fields: room for one more without growing"
+            );
+        }
     }
 
     #[test]
@@ -393,6 +419,12 @@ mod tests {
             // Fields left out by `skip` do not count.
             let enc = encode(StatusCode::OK, &over, b"", None, |name| name == "h0");
             assert_eq!(enc.is_ok(), distinct);
+            if let Ok(enc) = enc {
+                // The count written is that of the fields kept, in their order.
+                let mut kept = over.clone();
+                kept.remove("h0");
+                assert_eq!(decode(enc).unwrap().headers, kept);
+            }
         }
         // More fields than a u16 counts: refused, not wrapped or cut.
         let huge = many(70_000, false);
