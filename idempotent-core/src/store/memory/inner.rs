@@ -313,12 +313,14 @@ impl Inner {
         resume: bool,
         label: Option<&KeyLabel>,
     ) -> Result<Option<Claim>, StoreError> {
-        let label = label.map(|label| label.as_bytes().clone());
         let now = self.now();
         // Replays and in-flight reports need only the shard's read lock.
         if let Some(found) = self.records.get(key).and_then(|r| r.report(now)) {
             return Ok(Some(found));
         }
+        // Kept only by a record made or taken over below: not cloned for a replay (the first
+        // clone of a label's bytes allocates their share count).
+        let label = label.map(|label| label.as_bytes().clone());
         let lease_until = now.saturating_add(nanos(limits::clamp_lease(lease)));
         let kept_until = now
             .saturating_add(nanos(limits::clamp_ttl(ttl)))
