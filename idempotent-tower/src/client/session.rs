@@ -405,23 +405,39 @@ mod tests {
         assert_eq!(session.ack(), 6);
     }
 
+    /// `waiting` waiting for the window on a task of its own, with an hour to go: whether it
+    /// was admitted, how long it waited, and the mark when it went.
+    fn waits(
+        session: &ClientSession,
+        waiting: Ticket,
+    ) -> tokio::task::JoinHandle<(bool, std::time::Duration, u64)> {
+        let session = session.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let hour = started + std::time::Duration::from_secs(3600);
+            let admitted = waiting.admitted(hour).await;
+            (admitted.is_ok(), started.elapsed(), session.ack())
+        })
+    }
+
+    fn still_waits<T>(task: &tokio::task::JoinHandle<T>) {
+        assert!(!task.is_finished(), "admitted too early");
+    }
+
+    /// `waiting` is not admitted until `release` runs, and is admitted then.
+    async fn goes_only_after(session: &ClientSession, waiting: Ticket, release: impl FnOnce()) {
+        let task = waits(session, waiting);
+        tokio::task::yield_now().await;
+        still_waits(&task);
+        release();
+        assert!(task.await.unwrap().0, "not admitted");
+    }
+
     // A call past the window waits for the mark; it goes (admitted) as soon as the number
     // holding the mark is answered, abandoned or dropped, the window is raised, or the
     // session expires, each long before its deadline; and not before.
     #[tokio::test(start_paused = true)]
     async fn a_call_past_the_window_goes_when_the_mark_moves_or_the_session_ends() {
-        let hour = || Instant::now() + std::time::Duration::from_secs(3600);
-        let waits = |session: &ClientSession, waiting: Ticket| {
-            let session = session.clone();
-            tokio::spawn(async move {
-                let started = Instant::now();
-                let admitted = waiting.admitted(hour()).await;
-                (admitted.is_ok(), started.elapsed(), session.ack())
-            })
-        };
-        let still_waits = |task: &tokio::task::JoinHandle<_>| {
-            assert!(!task.is_finished(), "admitted too early");
-        };
         let session = ClientSession::with_id("s".parse().unwrap()).with_window(1);
         let first = session.ticket(None).unwrap();
         let second = session.ticket(None).unwrap();
@@ -439,36 +455,24 @@ mod tests {
         let third = session.ticket(None).unwrap();
         third.unanswered();
         let fourth = session.ticket(None).unwrap();
-        let task = waits(&session, fourth);
-        tokio::task::yield_now().await;
-        still_waits(&task);
-        session.abandon(3);
-        assert!(task.await.unwrap().0);
+        goes_only_after(&session, fourth, || session.abandon(3)).await;
         // Dropped (4 settled as its task dropped it).
         assert_eq!(session.ack(), 4);
         let fifth = session.ticket(None).unwrap();
         let sixth = session.ticket(None).unwrap();
-        let task = waits(&session, sixth);
-        tokio::task::yield_now().await;
-        still_waits(&task);
-        drop(fifth);
-        assert!(task.await.unwrap().0);
-        // The window raised.
+        goes_only_after(&session, sixth, || drop(fifth)).await;
+        // The window raised (on a clone: the session's clones share it).
         let seventh = session.ticket(None).unwrap();
         let eighth = session.ticket(None).unwrap();
-        let task = waits(&session, eighth);
-        tokio::task::yield_now().await;
-        still_waits(&task);
-        let session = session.with_window(2);
-        assert!(task.await.unwrap().0);
+        goes_only_after(&session, eighth, || {
+            let _ = session.clone().with_window(2);
+        })
+        .await;
+        assert_eq!(session.window(), 2);
         // The session expired (its refusal then comes from the server).
         let ninth = session.ticket(None).unwrap();
         let tenth = session.ticket(None).unwrap();
-        let task = waits(&session, tenth);
-        tokio::task::yield_now().await;
-        still_waits(&task);
-        ninth.expire();
-        assert!(task.await.unwrap().0);
+        goes_only_after(&session, tenth, || ninth.expire()).await;
         seventh.unanswered();
     }
 
