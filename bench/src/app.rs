@@ -115,6 +115,7 @@ async fn router(
     let mut tier = None;
     let router = match row.implementation {
         Implementation::Bare => payments(),
+        Implementation::Floor => payments().route_layer(crate::floor::FloorLayer::new()),
         Implementation::Tower => {
             let (idempotency, cache) = idempotency(row, backends, cache_entries).await?;
             tier = cache;

@@ -11,6 +11,9 @@ pub(crate) enum Implementation {
     Idempotent2,
     /// The `axum-idempotent` 0.6 crate's `IdempotentLayer` (on a `ruts` session).
     AxumIdempotent,
+    /// The least a layer can do and answer each key once (`floor.rs`): the memory rows'
+    /// ceiling.
+    Floor,
 }
 
 impl Implementation {
@@ -20,13 +23,14 @@ impl Implementation {
             Implementation::Tower => "idempotent-tower",
             Implementation::Idempotent2 => "idempotent-2.0",
             Implementation::AxumIdempotent => "axum-idempotent-0.6",
+            Implementation::Floor => "floor",
         }
     }
 
     /// Whether this binary was built with the peer crates (`--cfg idempotent_bench_peers`).
     pub(crate) fn is_compiled_in(self) -> bool {
         match self {
-            Implementation::Bare | Implementation::Tower => true,
+            Implementation::Bare | Implementation::Tower | Implementation::Floor => true,
             Implementation::Idempotent2 | Implementation::AxumIdempotent => {
                 cfg!(idempotent_bench_peers)
             }
@@ -176,7 +180,7 @@ pub(crate) fn selects(filter: &[String], parts: [&str; 3]) -> bool {
         })
 }
 
-/// Every row, in table order: `bare`, ours on memory, the peers, ours on the shared stores,
+/// Every row, in table order: `bare`, the floor (`floor.rs`), ours on memory, the peers, ours on the shared stores,
 /// then ours on the shared stores behind a cache tier: the in-process tier in front of Redis
 /// and of PostgreSQL, and Redis in front of PostgreSQL (each only when the URLs it needs are
 /// known). Ours on a store without a tier also has a `session` row after its `replay` row.
@@ -204,6 +208,7 @@ pub(crate) fn all_rows(redis: bool, postgres: bool) -> Vec<Row> {
         cache: Cache::None,
         prefilled: 0,
     };
+    rows.extend(both(Implementation::Floor, StoreKind::Memory, Cache::None));
     rows.extend(both(Implementation::Tower, StoreKind::Memory, Cache::None));
     rows.push(session(StoreKind::Memory));
     rows.extend(both(
@@ -280,6 +285,8 @@ mod tests {
             labels,
             [
                 "bare/none/none",
+                "floor/fresh/memory",
+                "floor/replay/memory",
                 "idempotent-tower/fresh/memory",
                 "idempotent-tower/replay/memory",
                 "idempotent-tower/session/memory",
@@ -296,7 +303,7 @@ mod tests {
         );
         let labels: Vec<String> = all_rows(true, true).iter().map(Row::label).collect();
         assert_eq!(
-            labels[8..],
+            labels[10..],
             [
                 "idempotent-tower/fresh/redis",
                 "idempotent-tower/replay/redis",
@@ -312,9 +319,9 @@ mod tests {
                 "idempotent-tower/replay/postgres+rediscache",
             ]
         );
-        assert_eq!(all_rows(true, true).len(), 20);
+        assert_eq!(all_rows(true, true).len(), 22);
         let postgres_only: Vec<String> =
-            all_rows(false, true)[8..].iter().map(Row::label).collect();
+            all_rows(false, true)[10..].iter().map(Row::label).collect();
         assert_eq!(
             postgres_only,
             [
@@ -326,7 +333,7 @@ mod tests {
             ],
             "Redis in front of PostgreSQL needs both"
         );
-        assert_eq!(all_rows(false, false).len(), 8);
+        assert_eq!(all_rows(false, false).len(), 10);
     }
 
     #[test]
@@ -339,7 +346,7 @@ mod tests {
                 .map(Row::label)
                 .collect()
         };
-        assert_eq!(pick(&[]).len(), 20);
+        assert_eq!(pick(&[]).len(), 22);
         assert_eq!(
             pick(&["bare", "postgres"]).len(),
             8,
@@ -357,6 +364,10 @@ mod tests {
             ]
         );
         assert_eq!(pick(&["idempotent"]).len(), 0, "no partial names");
+        assert_eq!(
+            pick(&["floor"]),
+            ["floor/fresh/memory", "floor/replay/memory"]
+        );
         assert_eq!(pick(&["idempotent-tower"]).len(), 15);
         assert_eq!(
             pick(&["session"]),
@@ -391,8 +402,8 @@ mod tests {
         assert_eq!(pick(&["postgres+rediscache"]), cached[4..]);
         assert_eq!(
             pick(&["postgres+memcache", "replay"]).len(),
-            1 + 8,
-            "its fresh row, and the 8 replay rows"
+            1 + 9,
+            "its fresh row, and the 9 replay rows"
         );
         assert_eq!(
             pick(&["idempotent-tower/replay/postgres+memcache"]),
