@@ -17,6 +17,7 @@ use idempotent_tower::IdempotencyLayer;
 use crate::cache::RowTier;
 use crate::cli::Backends;
 use crate::fixture::{Tally, payments};
+use crate::floor::{FloorLayer, MemoryLedger, StoreLedger};
 use crate::rows::{Cache, Implementation, Row, StoreKind};
 
 /// The name of the server's runtime threads.
@@ -47,11 +48,7 @@ async fn idempotency(
             RowTier::create(cache, cache_entries, backends).await?,
         )),
     };
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos();
-    let namespace = format!("idempotent-bench-{}-{nanos}", std::process::id());
+    let namespace = namespace();
     let builder = match row.store {
         StoreKind::Memory => {
             let store = MemoryStore::builder()
@@ -63,34 +60,65 @@ async fn idempotency(
             }
             cached(store, tier.as_deref())
         }
-        StoreKind::Redis => {
-            let url = backends.redis_url.as_deref().ok_or("no Redis URL")?;
-            let redis = RedisStore::builder(url)
-                .replicas(backends.redis_replicas)
-                .connect()
-                .await
-                .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?;
-            cached(redis, tier.as_deref())
-        }
-        StoreKind::Postgres => {
-            let url = backends
-                .postgres_url
-                .as_deref()
-                .ok_or("no PostgreSQL URL")?;
-            let postgres = PostgresStore::connect(url)
-                .await
-                .map_err(|e| format!("cannot connect to PostgreSQL at {url}: {e}"))?;
-            postgres
-                .migrate()
-                .await
-                .map_err(|e| format!("cannot migrate PostgreSQL at {url}: {e}"))?;
-            // Stopped with the row's runtime.
-            postgres.spawn_reaper(REAP_EVERY);
-            cached(postgres, tier.as_deref())
-        }
+        StoreKind::Redis => cached(redis(backends).await?, tier.as_deref()),
+        StoreKind::Postgres => cached(postgres(backends).await?, tier.as_deref()),
         StoreKind::None => return Err("idempotent-tower needs a store".into()),
     };
     Ok((builder.namespace(namespace).build(), tier))
+}
+
+/// A namespace of the row's own, so that runs against the same Redis or PostgreSQL never see
+/// each other's keys.
+fn namespace() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    format!("idempotent-bench-{}-{nanos}", std::process::id())
+}
+
+/// The Redis store of a row.
+async fn redis(backends: &Backends) -> Result<RedisStore, String> {
+    let url = backends.redis_url.as_deref().ok_or("no Redis URL")?;
+    RedisStore::builder(url)
+        .replicas(backends.redis_replicas)
+        .connect()
+        .await
+        .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))
+}
+
+/// The PostgreSQL store of a row, migrated, its reaper running (stopped with the row's
+/// runtime).
+async fn postgres(backends: &Backends) -> Result<PostgresStore, String> {
+    let url = backends
+        .postgres_url
+        .as_deref()
+        .ok_or("no PostgreSQL URL")?;
+    let postgres = PostgresStore::connect(url)
+        .await
+        .map_err(|e| format!("cannot connect to PostgreSQL at {url}: {e}"))?;
+    postgres
+        .migrate()
+        .await
+        .map_err(|e| format!("cannot migrate PostgreSQL at {url}: {e}"))?;
+    postgres.spawn_reaper(REAP_EVERY);
+    Ok(postgres)
+}
+
+/// The floor's router on the row's store (`floor.rs`).
+async fn floor(row: Row, backends: &Backends) -> Result<Router<Arc<Tally>>, String> {
+    Ok(match row.store {
+        StoreKind::Memory => payments().route_layer(FloorLayer::new(MemoryLedger::new())),
+        StoreKind::Redis => payments().route_layer(FloorLayer::new(StoreLedger::new(
+            redis(backends).await?,
+            &namespace(),
+        ))),
+        StoreKind::Postgres => payments().route_layer(FloorLayer::new(StoreLedger::new(
+            postgres(backends).await?,
+            &namespace(),
+        ))),
+        StoreKind::None => return Err("the floor needs a store".into()),
+    })
 }
 
 /// The builder of a runtime over `store`, behind `tier` when there is one.
@@ -115,7 +143,7 @@ async fn router(
     let mut tier = None;
     let router = match row.implementation {
         Implementation::Bare => payments(),
-        Implementation::Floor => payments().route_layer(crate::floor::FloorLayer::new()),
+        Implementation::Floor => floor(row, backends).await?,
         Implementation::Tower => {
             let (idempotency, cache) = idempotency(row, backends, cache_entries).await?;
             tier = cache;

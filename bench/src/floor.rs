@@ -1,77 +1,125 @@
 //! The floor: the least an idempotency layer in front of the handler can do and still answer
-//! each key once. It is the memory rows' ceiling (`floor` in the table), not a product: what
-//! any layer that keeps the guarantee must pay on top of the bare handler, on this machine, in
-//! the same run.
+//! each key once. It is the rows' ceiling (`floor` in the tables), not a product: what any
+//! layer that keeps the guarantee must pay on top of the bare handler (on memory) or on top of
+//! the store's own statements (on Redis and PostgreSQL), on this machine, in the same run.
 //!
-//! Per request it reads the `Idempotency-Key` header, and under one shard's lock of a map of
-//! keys either finds the key's answer (a replay: the kept status, headers and body, marked
-//! `Idempotent-Replayed: true`), finds it in flight (`409`), or marks it in flight. An owner's
-//! request goes to the handler unread; its response body is collected and kept with its status
-//! and headers (a copy, so the kept answer and the one sent share the body's bytes). A `5xx`
-//! answer is not kept: the key is freed for a retry.
+//! Per request it reads the `Idempotency-Key` header and asks its ledger for the key: the
+//! key's answer (a replay: the kept status, headers and body, marked `Idempotent-Replayed:
+//! true`), the key in flight (`409`), or the key now the request's. An owner's request goes to
+//! the handler unread; its response body is collected and its status, headers and body kept.
+//! A `5xx` answer is not kept: the key is freed for a retry.
+//!
+//! - [`MemoryLedger`]: a map of keys in shards, each under a mutex; the kept answer is shared
+//!   with the response sent (its body's bytes are not copied).
+//! - [`StoreLedger`]: a [`Store`]'s own claim and completion (Redis's scripts, PostgreSQL's
+//!   statements, what `redis-benchmark` and `pgbench` run in the limit rows), with the empty
+//!   fingerprint, one scope, and the answer in the least encoding that keeps it (status,
+//!   header fields, body).
 //!
 //! What it leaves out, all of which `idempotent-tower` does: a fingerprint of the request (so
 //! a key reused for another request is refused, not answered with the first one's response),
-//! the scope and storage key, lifetimes, bounds, leases, the record's encoding and metrics.
+//! scopes, the record's label, checksum and envelope, lease renewal, the claim shared with the
+//! handler, shutdown, metrics.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry as MapEntry;
+use std::convert::Infallible;
 use std::future::Future;
 use std::hash::{BuildHasher, RandomState};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::Body;
-use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::BodyExt;
+use idempotent_core::{Claim, FencingToken, Fingerprint, Key, Scope, StorageKey, Store};
 
-/// Shards of the map: each is one mutex over a `HashMap`.
+/// Shards of the memory ledger's map: each is one mutex over a `HashMap`.
 const SHARDS: usize = 64;
-
-/// What the floor keeps for a key.
-enum Entry {
-    InFlight,
-    Done(Arc<Answer>),
-}
+/// The store ledger's lease and record lifetime: the layer's defaults.
+const LEASE: Duration = Duration::from_secs(30);
+const TTL: Duration = Duration::from_secs(24 * 3600);
 
 /// A kept answer.
-struct Answer {
+pub(crate) struct Answer {
     status: StatusCode,
     headers: HeaderMap,
     body: Bytes,
 }
 
-/// The floor's keys, shared by every request.
-struct Keys {
+/// What a ledger found for a key.
+pub(crate) enum Begin<O> {
+    /// The key is the request's; `O` is what the ledger needs to finish it.
+    Owner(O),
+    InFlight,
+    Replay(Arc<Answer>),
+    /// Not a key the ledger takes (`400`).
+    BadKey,
+    /// The ledger cannot answer (`503`).
+    Unavailable,
+}
+
+/// Where the floor keeps its keys.
+pub(crate) trait Ledger: Send + Sync + 'static {
+    /// What an owner hands back to finish its key.
+    type Owner: Send + 'static;
+
+    /// Looks `key` up, making it the caller's when it is new.
+    fn begin(&self, key: &str) -> impl Future<Output = Begin<Self::Owner>> + Send;
+
+    /// Keeps `answer` for the owner's key, or frees the key when there is none to keep.
+    fn finish(&self, owner: Self::Owner, answer: Option<Answer>)
+    -> impl Future<Output = ()> + Send;
+}
+
+/// The floor's keys in the server's memory.
+pub(crate) struct MemoryLedger {
     hasher: RandomState,
     shards: Vec<Mutex<HashMap<Box<str>, Entry>>>,
 }
 
-impl Keys {
-    fn shard(&self, key: &str) -> &Mutex<HashMap<Box<str>, Entry>> {
-        let index = self.hasher.hash_one(key) as usize % SHARDS;
-        &self.shards[index]
+/// What the memory ledger keeps for a key.
+enum Entry {
+    InFlight,
+    Done(Arc<Answer>),
+}
+
+impl MemoryLedger {
+    pub(crate) fn new() -> MemoryLedger {
+        MemoryLedger {
+            hasher: RandomState::new(),
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+        }
     }
 
-    /// Looks `key` up, marking it in flight when it is new.
-    fn begin(&self, key: &str) -> Begin {
-        let mut shard = self.shard(key).lock().unwrap_or_else(|e| e.into_inner());
+    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, HashMap<Box<str>, Entry>> {
+        let index = self.hasher.hash_one(key) as usize % SHARDS;
+        self.shards[index].lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Ledger for MemoryLedger {
+    type Owner = Box<str>;
+
+    async fn begin(&self, key: &str) -> Begin<Box<str>> {
+        let mut shard = self.shard(key);
         match shard.get(key) {
             Some(Entry::Done(answer)) => Begin::Replay(Arc::clone(answer)),
             Some(Entry::InFlight) => Begin::InFlight,
             None => {
-                shard.insert(key.into(), Entry::InFlight);
-                Begin::Owner
+                let key: Box<str> = key.into();
+                shard.insert(key.clone(), Entry::InFlight);
+                Begin::Owner(key)
             }
         }
     }
 
-    /// Keeps `answer` for `key`, or frees the key when there is none to keep.
-    fn finish(&self, key: &str, answer: Option<Answer>) {
-        let mut shard = self.shard(key).lock().unwrap_or_else(|e| e.into_inner());
-        match (shard.entry(key.into()), answer) {
+    async fn finish(&self, key: Box<str>, answer: Option<Answer>) {
+        let mut shard = self.shard(&key);
+        match (shard.entry(key), answer) {
             (MapEntry::Occupied(mut entry), Some(answer)) => {
                 entry.insert(Entry::Done(Arc::new(answer)));
             }
@@ -83,45 +131,149 @@ impl Keys {
     }
 }
 
-enum Begin {
-    Owner,
-    InFlight,
-    Replay(Arc<Answer>),
+/// The floor's keys in a store, by the store's own claim and completion.
+pub(crate) struct StoreLedger<S> {
+    store: S,
+    namespace: Vec<u8>,
+    scope: Scope,
 }
 
-/// The floor's layer.
-#[derive(Clone)]
-pub(crate) struct FloorLayer {
-    keys: Arc<Keys>,
-}
-
-impl FloorLayer {
-    pub(crate) fn new() -> FloorLayer {
-        FloorLayer {
-            keys: Arc::new(Keys {
-                hasher: RandomState::new(),
-                shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
-            }),
+impl<S: Store> StoreLedger<S> {
+    /// Keys under `namespace` in `store`.
+    pub(crate) fn new(store: S, namespace: &str) -> StoreLedger<S> {
+        StoreLedger {
+            store,
+            namespace: namespace.as_bytes().to_vec(),
+            scope: Scope::new(),
         }
     }
 }
 
-impl<S> tower::Layer<S> for FloorLayer {
-    type Service = Floor<S>;
+impl<S: Store> Ledger for StoreLedger<S> {
+    type Owner = (StorageKey, FencingToken);
 
-    fn layer(&self, inner: S) -> Floor<S> {
+    async fn begin(&self, key: &str) -> Begin<Self::Owner> {
+        let Ok(key) = Key::new(key) else {
+            return Begin::BadKey;
+        };
+        let storage = StorageKey::derive(&self.namespace, &self.scope, &key);
+        match self
+            .store
+            .claim(&storage, &Fingerprint::empty(), LEASE, TTL)
+            .await
+        {
+            Ok(Claim::Claimed(token) | Claim::TakenOver { token, .. }) => {
+                Begin::Owner((storage, token))
+            }
+            Ok(Claim::InFlight { .. }) => Begin::InFlight,
+            Ok(Claim::Completed { payload, .. }) => match decode(payload) {
+                Some(answer) => Begin::Replay(Arc::new(answer)),
+                None => Begin::Unavailable,
+            },
+            Err(_) => Begin::Unavailable,
+        }
+    }
+
+    async fn finish(&self, (storage, token): Self::Owner, answer: Option<Answer>) {
+        // A completion or release that fails leaves the key in flight until its lease ends,
+        // as a crashed owner would: the floor does not retry.
+        let _ = match answer {
+            Some(answer) => {
+                self.store
+                    .complete(&storage, token, encode(&answer), TTL)
+                    .await
+            }
+            None => self.store.release(&storage, token).await,
+        };
+    }
+}
+
+/// `status, fields, (name length, name, value length, value)*, body`, lengths as `u16`.
+fn encode(answer: &Answer) -> Bytes {
+    let fields: usize = answer
+        .headers
+        .iter()
+        .map(|(name, value)| 4 + name.as_str().len() + value.len())
+        .sum();
+    let mut out = BytesMut::with_capacity(4 + fields + answer.body.len());
+    out.put_u16(answer.status.as_u16());
+    out.put_u16(answer.headers.len() as u16);
+    for (name, value) in &answer.headers {
+        out.put_u16(name.as_str().len() as u16);
+        out.put_slice(name.as_str().as_bytes());
+        out.put_u16(value.len() as u16);
+        out.put_slice(value.as_bytes());
+    }
+    out.put_slice(&answer.body);
+    out.freeze()
+}
+
+/// [`encode`]'s answer back; `None` for anything else.
+fn decode(mut bytes: Bytes) -> Option<Answer> {
+    fn take(bytes: &mut Bytes) -> Option<Bytes> {
+        let len = usize::from(bytes.try_get_u16().ok()?);
+        (bytes.len() >= len).then(|| bytes.split_to(len))
+    }
+    let status = StatusCode::from_u16(bytes.try_get_u16().ok()?).ok()?;
+    let fields = bytes.try_get_u16().ok()?;
+    let mut headers = HeaderMap::with_capacity(usize::from(fields) + 1);
+    for _ in 0..fields {
+        let name = HeaderName::from_bytes(&take(&mut bytes)?).ok()?;
+        let value = HeaderValue::from_maybe_shared(take(&mut bytes)?).ok()?;
+        headers.append(name, value);
+    }
+    Some(Answer {
+        status,
+        headers,
+        body: bytes,
+    })
+}
+
+/// The floor's layer over ledger `L`.
+pub(crate) struct FloorLayer<L> {
+    ledger: Arc<L>,
+}
+
+impl<L> Clone for FloorLayer<L> {
+    fn clone(&self) -> Self {
+        FloorLayer {
+            ledger: Arc::clone(&self.ledger),
+        }
+    }
+}
+
+impl<L: Ledger> FloorLayer<L> {
+    pub(crate) fn new(ledger: L) -> FloorLayer<L> {
+        FloorLayer {
+            ledger: Arc::new(ledger),
+        }
+    }
+}
+
+impl<S, L> tower::Layer<S> for FloorLayer<L> {
+    type Service = Floor<S, L>;
+
+    fn layer(&self, inner: S) -> Floor<S, L> {
         Floor {
             inner,
-            keys: Arc::clone(&self.keys),
+            ledger: Arc::clone(&self.ledger),
         }
     }
 }
 
 /// The floor's service around the handler `S`.
-#[derive(Clone)]
-pub(crate) struct Floor<S> {
+pub(crate) struct Floor<S, L> {
     inner: S,
-    keys: Arc<Keys>,
+    ledger: Arc<L>,
+}
+
+impl<S: Clone, L> Clone for Floor<S, L> {
+    fn clone(&self) -> Self {
+        Floor {
+            inner: self.inner.clone(),
+            ledger: Arc::clone(&self.ledger),
+        }
+    }
 }
 
 fn status(status: StatusCode) -> Response<Body> {
@@ -145,19 +297,19 @@ fn replay(answer: &Answer) -> Response<Body> {
     response
 }
 
-type BoxFuture =
-    Pin<Box<dyn Future<Output = Result<Response<Body>, std::convert::Infallible>> + Send>>;
+type BoxFuture = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
 
-impl<S> tower::Service<Request<Body>> for Floor<S>
+impl<S, L> tower::Service<Request<Body>> for Floor<S, L>
 where
-    S: tower::Service<Request<Body>, Response = Response<Body>, Error = std::convert::Infallible>
+    S: tower::Service<Request<Body>, Response = Response<Body>, Error = Infallible>
         + Clone
         + Send
         + 'static,
     S::Future: Send + 'static,
+    L: Ledger,
 {
     type Response = Response<Body>;
-    type Error = std::convert::Infallible;
+    type Error = Infallible;
     type Future = BoxFuture;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
@@ -165,32 +317,31 @@ where
     }
 
     fn call(&mut self, request: Request<Body>) -> BoxFuture {
-        let key = match request
-            .headers()
-            .get("idempotency-key")
-            .map(HeaderValue::to_str)
-        {
-            Some(Ok(key)) if !key.is_empty() => key.to_owned(),
-            _ => return Box::pin(std::future::ready(Ok(status(StatusCode::BAD_REQUEST)))),
-        };
-        match self.keys.begin(&key) {
-            Begin::Replay(answer) => return Box::pin(std::future::ready(Ok(replay(&answer)))),
-            Begin::InFlight => {
-                return Box::pin(std::future::ready(Ok(status(StatusCode::CONFLICT))));
-            }
-            Begin::Owner => {}
-        }
         // The ready service answers this request; a clone waits for the next one.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let keys = Arc::clone(&self.keys);
+        let ledger = Arc::clone(&self.ledger);
         Box::pin(async move {
+            let key = match request.headers().get("idempotency-key") {
+                Some(key) => key.to_str().unwrap_or(""),
+                None => "",
+            };
+            if key.is_empty() {
+                return Ok(status(StatusCode::BAD_REQUEST));
+            }
+            let owner = match ledger.begin(key).await {
+                Begin::Owner(owner) => owner,
+                Begin::Replay(answer) => return Ok(replay(&answer)),
+                Begin::InFlight => return Ok(status(StatusCode::CONFLICT)),
+                Begin::BadKey => return Ok(status(StatusCode::BAD_REQUEST)),
+                Begin::Unavailable => return Ok(status(StatusCode::SERVICE_UNAVAILABLE)),
+            };
             let Ok(response) = inner.call(request).await;
             let (parts, body) = response.into_parts();
             let body = match body.collect().await {
                 Ok(collected) => collected.to_bytes(),
                 Err(_) => {
-                    keys.finish(&key, None);
+                    ledger.finish(owner, None).await;
                     return Ok(status(StatusCode::BAD_GATEWAY));
                 }
             };
@@ -199,7 +350,7 @@ where
                 headers: parts.headers.clone(),
                 body: body.clone(),
             });
-            keys.finish(&key, kept);
+            ledger.finish(owner, kept).await;
             Ok(Response::from_parts(parts, Body::from(body)))
         })
     }
@@ -224,8 +375,50 @@ mod tests {
         response.into_body().collect().await.unwrap().to_bytes()
     }
 
+    /// The store ledger on the memory store: the same claim and completion contract as the
+    /// rows' Redis and PostgreSQL stores (the conformance suite's).
+    fn store_ledger() -> StoreLedger<idempotent_core::memory::MemoryStore> {
+        StoreLedger::new(idempotent_core::memory::MemoryStore::new(), "floor-test")
+    }
+
     #[tokio::test]
     async fn answers_each_key_once_and_replays_the_kept_answer() {
+        answers_each_key_once(MemoryLedger::new()).await;
+        answers_each_key_once(store_ledger()).await;
+    }
+
+    #[tokio::test]
+    async fn a_key_in_flight_is_refused_and_a_server_error_is_not_kept() {
+        refuses_a_key_in_flight(MemoryLedger::new()).await;
+        refuses_a_key_in_flight(store_ledger()).await;
+    }
+
+    #[test]
+    fn an_answer_is_kept_whole_and_garbage_is_no_answer() {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        headers.append("x-two", HeaderValue::from_static("1"));
+        headers.append("x-two", HeaderValue::from_static("2"));
+        let answer = Answer {
+            status: StatusCode::CREATED,
+            headers,
+            body: Bytes::from_static(b"{\"id\":1}"),
+        };
+        let back = decode(encode(&answer)).unwrap();
+        assert_eq!(back.status, answer.status);
+        assert_eq!(back.headers, answer.headers);
+        assert_eq!(back.body, answer.body);
+        let whole = encode(&answer);
+        for cut in 0..whole.len() - answer.body.len() {
+            assert!(decode(whole.slice(..cut)).is_none(), "cut at {cut}");
+        }
+        assert!(
+            decode(Bytes::from_static(&[0, 1, 0, 0])).is_none(),
+            "status 1"
+        );
+    }
+
+    async fn answers_each_key_once(ledger: impl Ledger) {
         let runs = Arc::new(std::sync::atomic::AtomicU32::new(0));
         let counted = Arc::clone(&runs);
         let handler = service_fn(move |_request: Request<Body>| {
@@ -237,7 +430,7 @@ mod tests {
                 Ok::<_, std::convert::Infallible>(response)
             }
         });
-        let floor = FloorLayer::new().layer(handler);
+        let floor = FloorLayer::new(ledger).layer(handler);
 
         let first = floor.clone().oneshot(request(Some("a"))).await.unwrap();
         assert_eq!(first.status(), StatusCode::CREATED);
@@ -257,8 +450,7 @@ mod tests {
         assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
 
-    #[tokio::test]
-    async fn a_key_in_flight_is_refused_and_a_server_error_is_not_kept() {
+    async fn refuses_a_key_in_flight(ledger: impl Ledger) {
         let (started, on_start) = tokio::sync::oneshot::channel::<()>();
         let (release, released) = tokio::sync::oneshot::channel::<()>();
         let hold = Arc::new(Mutex::new(Some((started, released))));
@@ -280,7 +472,7 @@ mod tests {
                 Ok::<_, std::convert::Infallible>(response)
             }
         });
-        let floor = FloorLayer::new().layer(handler);
+        let floor = FloorLayer::new(ledger).layer(handler);
 
         let slow = tokio::spawn(floor.clone().oneshot(request(Some("slow"))));
         on_start.await.unwrap();

@@ -21,9 +21,10 @@
 //! - **Checks**: a row whose timed phase had a non-2xx response or a connection error, or a
 //!   `replay` row whose responses were not all marked as replays, is reported and makes the
 //!   program exit with status 1.
-//! - **Floor**: `floor/{fresh,replay}/memory` put the least a layer can do and answer each key
-//!   once in front of the handler (`floor.rs`: a sharded map of keys, the response kept): the
-//!   memory rows' ceiling on this machine, in the same rounds.
+//! - **Floor**: `floor/{fresh,replay}/{memory,redis,postgres}` put the least a layer can do and
+//!   answer each key once in front of the handler (`floor.rs`: a sharded map of keys in memory,
+//!   or the store's own claim and completion; the response kept): what a layer that does nothing
+//!   else reaches on this machine, over bare and over the limit rows, in the same rounds.
 //! - **Limits**: with PostgreSQL, the rows `pgbench/fresh/postgres` and
 //!   `pgbench/replay/postgres` run the PostgreSQL store's own claim and completion statements
 //!   under `pgbench -M prepared`; with Redis, `redis-benchmark/{fresh,replay}/redis` run the

@@ -126,8 +126,10 @@ pub(crate) fn limit_table(limits: &[LimitRecord], rows: &[HttpRecord]) -> String
 ///
 /// The rows against a store's tool also get the **ceiling on this machine** ([`ceiling`]):
 /// the ratio the layer's row would reach with every CPU busy, given the CPU per request this
-/// run measured. The memory rows' ceiling is the floor's row of the same scenario over bare
-/// (`floor.rs`: the least a layer can do and answer each key once).
+/// run measured. The rows over bare and over a store's tool also get the **floor**: the floor's
+/// row of the same scenario and store over the same denominator (`floor.rs`: the least a layer
+/// can do and answer each key once), what a layer that does nothing else reaches on this
+/// machine.
 pub(crate) fn goals_table(
     records: &[HttpRecord],
     limits: &[LimitRecord],
@@ -153,12 +155,25 @@ pub(crate) fn goals_table(
             .iter()
             .find(|l| l.implementation == tool && l.scenario == scenario)
     };
+    let floor = |scenario: &str, store: &str| {
+        records
+            .iter()
+            .find(|r| {
+                r.implementation == "floor"
+                    && r.scenario == scenario
+                    && r.store == store
+                    && r.prefilled == 0
+            })
+            .map(|r| r.rps)
+    };
+    // Over the store's own tool: the floor on the same store, and the CPU ceiling.
     let against_limit = |scenario: &str, store: &str, tool: &str| {
         let row = find(scenario, store, false);
         let tool = find_limit(tool, scenario);
         (
             row.map(|r| r.rps),
             tool.map(|l| l.rps),
+            floor(scenario, store),
             row.zip(tool)
                 .and_then(|(row, tool)| ceiling(row, tool, tool.cpus)),
         )
@@ -173,18 +188,14 @@ pub(crate) fn goals_table(
         })
         .map_or_else(String::new, |r| crate::rows::count_name(r.prefilled));
     let prefilled_name = format!("memory fresh, {prefilled} records before / none");
-    let plain = |over: Option<f64>, under: Option<f64>| (over, under, None);
-    // The memory rows' ceiling: the floor's row of the same scenario over bare.
+    let plain = |over: Option<f64>, under: Option<f64>| (over, under, None, None);
+    // Over bare: the floor on memory.
     let against_bare = |scenario: &str| {
-        let floor = records
-            .iter()
-            .find(|r| r.implementation == "floor" && r.scenario == scenario && r.prefilled == 0)
-            .map(|r| r.rps);
-        let ceiling = floor.zip(bare).filter(|(_, bare)| *bare > 0.0);
         (
             layer(scenario, "memory", false),
             bare,
-            ceiling.map(|(floor, bare)| floor / bare),
+            floor(scenario, "memory"),
+            None,
         )
     };
     let ratios: [(&str, Ratio, &str); 12] = [
@@ -254,24 +265,27 @@ pub(crate) fn goals_table(
         ),
     ];
     let mut out = String::from(
-        "| ratio | this run | goal | ceiling on this machine |\n|---|---:|---:|---:|\n",
+        "| ratio | this run | goal | floor | ceiling on this machine |\n|---|---:|---:|---:|---:|\n",
     );
-    for (name, (over, under, ceiling), goal) in ratios {
+    let two = |value: Option<f64>| value.map_or_else(|| "–".to_owned(), |v| format!("{v:.2}"));
+    for (name, (over, under, floor, ceiling), goal) in ratios {
         if let (Some(over), Some(under)) = (over, under)
             && under > 0.0
         {
-            let ceiling = ceiling.map_or_else(|| "–".to_owned(), |c| format!("{c:.2}"));
             out.push_str(&format!(
-                "| {name} | {:.2} | {goal} | {ceiling} |\n",
-                over / under
+                "| {name} | {:.2} | {goal} | {} | {} |\n",
+                over / under,
+                two(floor.map(|floor| floor / under)),
+                two(ceiling),
             ));
         }
     }
     out
 }
 
-/// A ratio's numerator and denominator, and its ceiling on this machine where it has one.
-type Ratio = (Option<f64>, Option<f64>, Option<f64>);
+/// A ratio's numerator and denominator, the floor's rate in the numerator's place (`floor.rs`)
+/// and the ceiling on this machine, where the ratio has them.
+type Ratio = (Option<f64>, Option<f64>, Option<f64>, Option<f64>);
 
 /// The ratio of `row` (the layer on a store) to `limit` (the store's own tool running the
 /// same statements or scripts) that the layer could reach on this machine of `cpus` CPUs (the
@@ -814,19 +828,25 @@ mod tests {
             &OtherRows::default(),
         );
         assert!(
-            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 | – |"),
+            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 | – | – |"),
             "{table}"
         );
-        // With the floor's fresh row, the memory fresh ratio gets its ceiling: floor / bare.
+        // With the floor's fresh rows, the memory fresh ratio gets floor / bare and the
+        // PostgreSQL fresh ratio floor / pgbench; the floor's replay row is not there.
         let mut with_floor = records.to_vec();
         with_floor.push(http("floor", "fresh", "memory", 870, 0));
+        with_floor.push(http("floor", "fresh", "postgres", 340, 0));
         let table = goals_table(&with_floor, &[pgbench], &OtherRows::default());
         assert!(
-            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 | 0.87 |"),
+            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 | 0.87 | – |"),
             "{table}"
         );
         assert!(
-            table.contains("| memory session / fresh | 0.95 | ≥ 0.95 | – |"),
+            table.contains("| PostgreSQL fresh / `pgbench` fresh | 0.75 | ≥ 0.85 | 0.85 |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| memory session / fresh | 0.95 | ≥ 0.95 | – | – |"),
             "{table}"
         );
         assert!(
@@ -834,7 +854,7 @@ mod tests {
             "{table}"
         );
         assert!(
-            table.contains("| memory fresh, 1M records before / none | 0.90 | ≥ 0.9 | – |"),
+            table.contains("| memory fresh, 1M records before / none | 0.90 | ≥ 0.9 | – | – |"),
             "{table}"
         );
         // No replay rows, no Redis rows: those ratios are left out.

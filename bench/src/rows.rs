@@ -183,7 +183,8 @@ pub(crate) fn selects(filter: &[String], parts: [&str; 3]) -> bool {
 /// Every row, in table order: `bare`, the floor (`floor.rs`), ours on memory, the peers, ours on the shared stores,
 /// then ours on the shared stores behind a cache tier: the in-process tier in front of Redis
 /// and of PostgreSQL, and Redis in front of PostgreSQL (each only when the URLs it needs are
-/// known). Ours on a store without a tier also has a `session` row after its `replay` row.
+/// known). Ours on a store without a tier also has a `session` row after its `replay` row,
+/// and on Redis and PostgreSQL the floor's rows after it.
 pub(crate) fn all_rows(redis: bool, postgres: bool) -> Vec<Row> {
     let mut rows = vec![Row {
         implementation: Implementation::Bare,
@@ -222,13 +223,16 @@ pub(crate) fn all_rows(redis: bool, postgres: bool) -> Vec<Row> {
         Cache::None,
     ));
     let tower = |store, cache| both(Implementation::Tower, store, cache);
+    let floor = |store| both(Implementation::Floor, store, Cache::None);
     if redis {
         rows.extend(tower(StoreKind::Redis, Cache::None));
         rows.push(session(StoreKind::Redis));
+        rows.extend(floor(StoreKind::Redis));
     }
     if postgres {
         rows.extend(tower(StoreKind::Postgres, Cache::None));
         rows.push(session(StoreKind::Postgres));
+        rows.extend(floor(StoreKind::Postgres));
     }
     if redis {
         rows.extend(tower(StoreKind::Redis, Cache::Memory));
@@ -297,6 +301,8 @@ mod tests {
                 "idempotent-tower/fresh/redis",
                 "idempotent-tower/replay/redis",
                 "idempotent-tower/session/redis",
+                "floor/fresh/redis",
+                "floor/replay/redis",
                 "idempotent-tower/fresh/redis+memcache",
                 "idempotent-tower/replay/redis+memcache",
             ]
@@ -308,9 +314,13 @@ mod tests {
                 "idempotent-tower/fresh/redis",
                 "idempotent-tower/replay/redis",
                 "idempotent-tower/session/redis",
+                "floor/fresh/redis",
+                "floor/replay/redis",
                 "idempotent-tower/fresh/postgres",
                 "idempotent-tower/replay/postgres",
                 "idempotent-tower/session/postgres",
+                "floor/fresh/postgres",
+                "floor/replay/postgres",
                 "idempotent-tower/fresh/redis+memcache",
                 "idempotent-tower/replay/redis+memcache",
                 "idempotent-tower/fresh/postgres+memcache",
@@ -319,7 +329,7 @@ mod tests {
                 "idempotent-tower/replay/postgres+rediscache",
             ]
         );
-        assert_eq!(all_rows(true, true).len(), 22);
+        assert_eq!(all_rows(true, true).len(), 26);
         let postgres_only: Vec<String> =
             all_rows(false, true)[10..].iter().map(Row::label).collect();
         assert_eq!(
@@ -328,6 +338,8 @@ mod tests {
                 "idempotent-tower/fresh/postgres",
                 "idempotent-tower/replay/postgres",
                 "idempotent-tower/session/postgres",
+                "floor/fresh/postgres",
+                "floor/replay/postgres",
                 "idempotent-tower/fresh/postgres+memcache",
                 "idempotent-tower/replay/postgres+memcache",
             ],
@@ -346,10 +358,10 @@ mod tests {
                 .map(Row::label)
                 .collect()
         };
-        assert_eq!(pick(&[]).len(), 22);
+        assert_eq!(pick(&[]).len(), 26);
         assert_eq!(
             pick(&["bare", "postgres"]).len(),
-            8,
+            10,
             "bare and every row on PostgreSQL, with or without a cache tier"
         );
         assert_eq!(
@@ -366,7 +378,14 @@ mod tests {
         assert_eq!(pick(&["idempotent"]).len(), 0, "no partial names");
         assert_eq!(
             pick(&["floor"]),
-            ["floor/fresh/memory", "floor/replay/memory"]
+            [
+                "floor/fresh/memory",
+                "floor/replay/memory",
+                "floor/fresh/redis",
+                "floor/replay/redis",
+                "floor/fresh/postgres",
+                "floor/replay/postgres",
+            ]
         );
         assert_eq!(pick(&["idempotent-tower"]).len(), 15);
         assert_eq!(
@@ -383,6 +402,8 @@ mod tests {
                 "idempotent-tower/fresh/redis",
                 "idempotent-tower/replay/redis",
                 "idempotent-tower/session/redis",
+                "floor/fresh/redis",
+                "floor/replay/redis",
                 "idempotent-tower/fresh/redis+memcache",
                 "idempotent-tower/replay/redis+memcache",
             ],
@@ -402,8 +423,8 @@ mod tests {
         assert_eq!(pick(&["postgres+rediscache"]), cached[4..]);
         assert_eq!(
             pick(&["postgres+memcache", "replay"]).len(),
-            1 + 9,
-            "its fresh row, and the 9 replay rows"
+            1 + 11,
+            "its fresh row, and the 11 replay rows"
         );
         assert_eq!(
             pick(&["idempotent-tower/replay/postgres+memcache"]),
