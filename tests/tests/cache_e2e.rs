@@ -730,26 +730,21 @@ async fn a_malformed_cache_setting_exits_with_status_2_naming_the_variable() {
         "ftp://x",
         "100",
     ] {
-        let output = within(
-            &format!("payments with IDEMPOTENCY_CACHE={value:?}"),
-            Duration::from_secs(30),
+        let refused = support::refused_at_start(
             tokio::process::Command::new(support::example_binary("payments"))
                 .env("PORT", "0")
                 .env_remove("IDEMPOTENCY_STORE")
-                .env("IDEMPOTENCY_CACHE", value)
-                .kill_on_drop(true)
-                .output(),
+                .env("IDEMPOTENCY_CACHE", value),
+            &format!("payments with IDEMPOTENCY_CACHE={value:?}"),
         )
-        .await
-        .unwrap();
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(2), "{value:?}: {stderr}");
+        .await;
+        let stderr = refused.stderr;
         assert!(
             stderr.contains(&format!("IDEMPOTENCY_CACHE={value:?} is not a cache tier")),
             "{value:?}: {stderr}"
         );
         assert!(
-            !String::from_utf8_lossy(&output.stdout).contains("listening"),
+            !refused.stdout.contains("listening"),
             "{value:?}: it listened"
         );
     }
@@ -759,20 +754,15 @@ async fn a_malformed_cache_setting_exits_with_status_2_naming_the_variable() {
 /// the store forgets with its process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_tier_in_front_of_the_memory_store_is_refused() {
-    let output = within(
-        "payments with a Redis tier on the memory store",
-        Duration::from_secs(30),
+    let stderr = support::refused_at_start(
         tokio::process::Command::new(support::example_binary("payments"))
             .env("PORT", "0")
             .env_remove("IDEMPOTENCY_STORE")
-            .env("IDEMPOTENCY_CACHE", "redis://127.0.0.1:1")
-            .kill_on_drop(true)
-            .output(),
+            .env("IDEMPOTENCY_CACHE", "redis://127.0.0.1:1"),
+        "payments with a Redis tier on the memory store",
     )
     .await
-    .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    .stderr;
     assert!(
         stderr.contains("IDEMPOTENCY_CACHE: a Redis cache tier in front of the memory store"),
         "{stderr}"

@@ -477,18 +477,24 @@ async fn asking_to_wait_forever() -> (
 #[tokio::test]
 async fn payments_client_refuses_bad_attempts() {
     for bad in ["0", "1001", "-1", "many", ""] {
-        let output = tokio::process::Command::new(support::example_binary("payments_client"))
-            .args(["--url", "http://127.0.0.1:9", "--attempts", bad])
-            .output()
-            .await
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(2), "{bad:?}: {stderr}");
+        let refused = support::refused_at_start(
+            tokio::process::Command::new(support::example_binary("payments_client")).args([
+                "--url",
+                "http://127.0.0.1:9",
+                "--attempts",
+                bad,
+            ]),
+            &format!("--attempts {bad:?}"),
+        )
+        .await;
         assert!(
-            stderr.contains("--attempts takes a number from 1 to 1000"),
-            "{bad:?}: {stderr}"
+            refused
+                .stderr
+                .contains("--attempts takes a number from 1 to 1000"),
+            "{bad:?}: {}",
+            refused.stderr
         );
-        assert!(output.stdout.is_empty(), "{bad:?}");
+        assert!(refused.stdout.is_empty(), "{bad:?}");
     }
 }
 

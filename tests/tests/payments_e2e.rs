@@ -445,13 +445,12 @@ async fn bad_configuration_exits_with_a_clear_message() {
         ("IDEMPOTENCY_STORE", "mongodb://x", "IDEMPOTENCY_STORE"),
         ("PORT", "http", "PORT"),
     ] {
-        let output = tokio::process::Command::new(support::example_binary("payments"))
-            .env(name, value)
-            .output()
-            .await
-            .unwrap();
-        assert_eq!(output.status.code(), Some(2), "{name}={value}");
-        let stderr = String::from_utf8_lossy(&output.stderr);
+        let stderr = support::refused_at_start(
+            tokio::process::Command::new(support::example_binary("payments")).env(name, value),
+            &format!("{name}={value}"),
+        )
+        .await
+        .stderr;
         assert!(stderr.contains(expected), "{name}={value}: {stderr}");
     }
 }

@@ -43,6 +43,31 @@ pub fn example_binary(name: &str) -> PathBuf {
     path
 }
 
+/// How long an example may take to refuse its settings and exit.
+const REFUSED_WITHIN: Duration = Duration::from_secs(60);
+
+/// What an example that refused its settings wrote.
+pub struct Refused {
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs `command` to its end and requires exit status 2, the status the examples exit with
+/// when they refuse a setting at start; `what` names the run in a failure. The process is
+/// killed if it has not exited within a minute (a failure too).
+pub async fn refused_at_start(command: &mut Command, what: &str) -> Refused {
+    let output = tokio::time::timeout(REFUSED_WITHIN, command.kill_on_drop(true).output())
+        .await
+        .unwrap_or_else(|_| panic!("{what}: did not exit within {REFUSED_WITHIN:?}"))
+        .unwrap_or_else(|e| panic!("{what}: cannot run: {e}"));
+    let refused = Refused {
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    };
+    assert_eq!(output.status.code(), Some(2), "{what}: {}", refused.stderr);
+    refused
+}
+
 /// A running example server; killed when dropped.
 pub struct Server {
     pub child: Child,
