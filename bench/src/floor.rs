@@ -177,19 +177,17 @@ impl<S: Store> Ledger for StoreLedger<S> {
     async fn finish(&self, (storage, token): Self::Owner, answer: Option<Answer>) {
         // A completion or release that fails leaves the key in flight until its lease ends,
         // as a crashed owner would: the floor does not retry.
-        let _ = match answer {
-            Some(answer) => {
-                self.store
-                    .complete(&storage, token, encode(&answer), TTL)
-                    .await
-            }
+        // An answer the encoding cannot keep is not kept, as a `5xx` is not.
+        let _ = match answer.as_ref().and_then(encode) {
+            Some(payload) => self.store.complete(&storage, token, payload, TTL).await,
             None => self.store.release(&storage, token).await,
         };
     }
 }
 
-/// `status, fields, (name length, name, value length, value)*, body`, lengths as `u16`.
-fn encode(answer: &Answer) -> Bytes {
+/// `status, fields, (name length, name, value length, value)*, body`, lengths as `u16`;
+/// `None` for an answer whose field count or a field's name or value does not fit one.
+fn encode(answer: &Answer) -> Option<Bytes> {
     let fields: usize = answer
         .headers
         .iter()
@@ -197,15 +195,15 @@ fn encode(answer: &Answer) -> Bytes {
         .sum();
     let mut out = BytesMut::with_capacity(4 + fields + answer.body.len());
     out.put_u16(answer.status.as_u16());
-    out.put_u16(answer.headers.len() as u16);
+    out.put_u16(u16::try_from(answer.headers.len()).ok()?);
     for (name, value) in &answer.headers {
-        out.put_u16(name.as_str().len() as u16);
+        out.put_u16(u16::try_from(name.as_str().len()).ok()?);
         out.put_slice(name.as_str().as_bytes());
-        out.put_u16(value.len() as u16);
+        out.put_u16(u16::try_from(value.len()).ok()?);
         out.put_slice(value.as_bytes());
     }
     out.put_slice(&answer.body);
-    out.freeze()
+    Some(out.freeze())
 }
 
 /// [`encode`]'s answer back; `None` for anything else.
@@ -404,11 +402,11 @@ mod tests {
             headers,
             body: Bytes::from_static(b"{\"id\":1}"),
         };
-        let back = decode(encode(&answer)).unwrap();
+        let back = decode(encode(&answer).unwrap()).unwrap();
         assert_eq!(back.status, answer.status);
         assert_eq!(back.headers, answer.headers);
         assert_eq!(back.body, answer.body);
-        let whole = encode(&answer);
+        let whole = encode(&answer).unwrap();
         for cut in 0..whole.len() - answer.body.len() {
             assert!(decode(whole.slice(..cut)).is_none(), "cut at {cut}");
         }
