@@ -7,7 +7,8 @@
 //! key's answer (a replay: the kept status, headers and body, marked `Idempotent-Replayed:
 //! true`), the key in flight (`409`), or the key now the request's. An owner's request goes to
 //! the handler unread; its response body is collected and its status, headers and body kept.
-//! A `5xx` answer is not kept: the key is freed for a retry.
+//! A `5xx` answer is not kept: the key is freed for a retry, as it is when the request ends
+//! before its answer is kept (the client went away, the handler panicked).
 //!
 //! - [`MemoryLedger`]: a map of keys in shards, each under a mutex; the kept answer is shared
 //!   with the response sent (its body's bytes are not copied).
@@ -19,7 +20,9 @@
 //! What it leaves out, all of which `idempotent-tower` does: a fingerprint of the request (so
 //! a key reused for another request is refused, not answered with the first one's response),
 //! scopes, the record's label, checksum and envelope, lease renewal, the claim shared with the
-//! handler, shutdown, metrics.
+//! handler, shutdown, metrics; on memory, the records' lifetime and the store's bounds; the
+//! choice of which answers to keep (it keeps all but `5xx`, where the layer also gives back
+//! `408`, `409`, `425` and `429`) and of which methods to protect (it protects every one).
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry as MapEntry;
@@ -214,7 +217,7 @@ fn decode(mut bytes: Bytes) -> Option<Answer> {
     }
     let status = StatusCode::from_u16(bytes.try_get_u16().ok()?).ok()?;
     let fields = bytes.try_get_u16().ok()?;
-    let mut headers = HeaderMap::with_capacity(usize::from(fields) + 1);
+    let mut headers = HeaderMap::try_with_capacity(usize::from(fields) + 1).ok()?;
     for _ in 0..fields {
         let name = HeaderName::from_bytes(&take(&mut bytes)?).ok()?;
         let value = HeaderValue::from_maybe_shared(take(&mut bytes)?).ok()?;
@@ -225,6 +228,33 @@ fn decode(mut bytes: Bytes) -> Option<Answer> {
         headers,
         body: bytes,
     })
+}
+
+/// An owner's key, given back (`finish` with no answer) if the request ends before its answer
+/// is kept: the client went away or the handler panicked. The give-back runs on a task of its
+/// own, as a drop cannot wait.
+struct Owned<L: Ledger> {
+    ledger: Arc<L>,
+    owner: Option<L::Owner>,
+}
+
+impl<L: Ledger> Owned<L> {
+    async fn finish(mut self, answer: Option<Answer>) {
+        if let Some(owner) = self.owner.take() {
+            self.ledger.finish(owner, answer).await;
+        }
+    }
+}
+
+impl<L: Ledger> Drop for Owned<L> {
+    fn drop(&mut self) {
+        if let Some(owner) = self.owner.take()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            let ledger = Arc::clone(&self.ledger);
+            runtime.spawn(async move { ledger.finish(owner, None).await });
+        }
+    }
 }
 
 /// The floor's layer over ledger `L`.
@@ -327,8 +357,11 @@ where
             if key.is_empty() {
                 return Ok(status(StatusCode::BAD_REQUEST));
             }
-            let owner = match ledger.begin(key).await {
-                Begin::Owner(owner) => owner,
+            let owned = match ledger.begin(key).await {
+                Begin::Owner(owner) => Owned {
+                    ledger: Arc::clone(&ledger),
+                    owner: Some(owner),
+                },
                 Begin::Replay(answer) => return Ok(replay(&answer)),
                 Begin::InFlight => return Ok(status(StatusCode::CONFLICT)),
                 Begin::BadKey => return Ok(status(StatusCode::BAD_REQUEST)),
@@ -339,7 +372,7 @@ where
             let body = match body.collect().await {
                 Ok(collected) => collected.to_bytes(),
                 Err(_) => {
-                    ledger.finish(owner, None).await;
+                    owned.finish(None).await;
                     return Ok(status(StatusCode::BAD_GATEWAY));
                 }
             };
@@ -348,7 +381,7 @@ where
                 headers: parts.headers.clone(),
                 body: body.clone(),
             });
-            ledger.finish(owner, kept).await;
+            owned.finish(kept).await;
             Ok(Response::from_parts(parts, Body::from(body)))
         })
     }
@@ -391,6 +424,44 @@ mod tests {
         refuses_a_key_in_flight(store_ledger()).await;
     }
 
+    #[tokio::test]
+    async fn a_request_that_ends_before_its_answer_gives_its_key_back() {
+        gives_back_a_dropped_key(MemoryLedger::new()).await;
+        gives_back_a_dropped_key(store_ledger()).await;
+    }
+
+    async fn gives_back_a_dropped_key(ledger: impl Ledger) {
+        let (started, on_start) = tokio::sync::oneshot::channel::<()>();
+        let first = Arc::new(Mutex::new(Some(started)));
+        let handler = service_fn(move |_request: Request<Body>| {
+            let first = first.lock().unwrap().take();
+            async move {
+                if let Some(started) = first {
+                    // The first request's handler never answers: its client goes away.
+                    let _ = started.send(());
+                    std::future::pending::<()>().await;
+                }
+                Ok::<_, std::convert::Infallible>(Response::new(Body::from("second")))
+            }
+        });
+        let floor = FloorLayer::new(ledger).layer(handler);
+        let abandoned = tokio::spawn(floor.clone().oneshot(request(Some("k"))));
+        on_start.await.unwrap();
+        abandoned.abort();
+        let _ = abandoned.await;
+        // The give-back runs on a task of its own: until it has, the key is in flight.
+        for _ in 0..100 {
+            let answer = floor.clone().oneshot(request(Some("k"))).await.unwrap();
+            if answer.status() != StatusCode::CONFLICT {
+                assert_eq!(answer.status(), StatusCode::OK);
+                assert_eq!(body(answer).await, "second");
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("the abandoned request's key was never given back");
+    }
+
     #[test]
     fn an_answer_is_kept_whole_and_garbage_is_no_answer() {
         let mut headers = HeaderMap::new();
@@ -414,6 +485,8 @@ mod tests {
             decode(Bytes::from_static(&[0, 1, 0, 0])).is_none(),
             "status 1"
         );
+        // More fields than a header map holds: no answer, no panic.
+        assert!(decode(Bytes::from_static(&[0, 200, 0xff, 0xff])).is_none());
     }
 
     async fn answers_each_key_once(ledger: impl Ledger) {

@@ -11,8 +11,8 @@ pub(crate) enum Implementation {
     Idempotent2,
     /// The `axum-idempotent` 0.6 crate's `IdempotentLayer` (on a `ruts` session).
     AxumIdempotent,
-    /// The least a layer can do and answer each key once (`floor.rs`): the memory rows'
-    /// ceiling.
+    /// The least a layer can do and answer each key once (`floor.rs`), on memory, Redis or
+    /// PostgreSQL: the summary's `floor` column.
     Floor,
 }
 
