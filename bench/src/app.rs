@@ -94,6 +94,14 @@ async fn postgres(backends: &Backends) -> Result<PostgresStore, String> {
         .postgres_url
         .as_deref()
         .ok_or("no PostgreSQL URL")?;
+    let postgres = migrated_postgres(url).await?;
+    postgres.spawn_reaper(REAP_EVERY);
+    Ok(postgres)
+}
+
+/// The PostgreSQL store at `url` on its default table, connected and migrated: what the rows,
+/// the prefills and the limit rows share.
+pub(crate) async fn migrated_postgres(url: &str) -> Result<PostgresStore, String> {
     let postgres = PostgresStore::connect(url)
         .await
         .map_err(|e| format!("cannot connect to PostgreSQL at {url}: {e}"))?;
@@ -101,7 +109,6 @@ async fn postgres(backends: &Backends) -> Result<PostgresStore, String> {
         .migrate()
         .await
         .map_err(|e| format!("cannot migrate PostgreSQL at {url}: {e}"))?;
-    postgres.spawn_reaper(REAP_EVERY);
     Ok(postgres)
 }
 

@@ -398,13 +398,7 @@ impl Postgres {
     /// keys.
     pub(crate) fn prepare(url: &str, runtime: &tokio::runtime::Runtime) -> Result<Self, String> {
         let (claim, complete, table) = runtime.block_on(async {
-            let store = idempotent_postgres::PostgresStore::connect(url)
-                .await
-                .map_err(|e| format!("cannot connect to PostgreSQL at {url}: {e}"))?;
-            store
-                .migrate()
-                .await
-                .map_err(|e| format!("cannot migrate PostgreSQL at {url}: {e}"))?;
+            let store = crate::app::migrated_postgres(url).await?;
             let [claim, complete] = store.claim_and_complete_sql();
             Ok::<_, String>((
                 claim.to_owned(),

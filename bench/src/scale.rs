@@ -25,7 +25,7 @@ use std::time::Instant;
 use http::StatusCode;
 use http_body_util::BodyExt;
 use idempotent_core::{CheckpointStore, Idempotency, Key, Scope, SessionStore, StorageKey};
-use idempotent_postgres::{DEFAULT_TABLE, PostgresStore};
+use idempotent_postgres::DEFAULT_TABLE;
 use idempotent_redis::RedisStore;
 use idempotent_tower::IdempotencyLayer;
 use tower::{Layer, ServiceExt};
@@ -223,13 +223,7 @@ impl Shared {
             .postgres_url
             .as_deref()
             .ok_or("no PostgreSQL URL")?;
-        let store = PostgresStore::connect(url)
-            .await
-            .map_err(|e| format!("PostgreSQL: {e}"))?;
-        store
-            .migrate()
-            .await
-            .map_err(|e| format!("PostgreSQL: {e}"))?;
+        let store = crate::app::migrated_postgres(url).await?;
         let pool = store.pool().clone();
         let table = format!("\"{DEFAULT_TABLE}\"");
         let sequence = format!("\"{DEFAULT_TABLE}_token_seq\"");
