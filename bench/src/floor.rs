@@ -217,7 +217,10 @@ fn decode(mut bytes: Bytes) -> Option<Answer> {
     }
     let status = StatusCode::from_u16(bytes.try_get_u16().ok()?).ok()?;
     let fields = bytes.try_get_u16().ok()?;
-    let mut headers = HeaderMap::try_with_capacity(usize::from(fields) + 1).ok()?;
+    // The count is untrusted, as the layer's record decoding treats it: reserve no more than
+    // the bytes left can hold (each field takes at least its two lengths).
+    let room = usize::from(fields).min(bytes.len() / 4);
+    let mut headers = HeaderMap::try_with_capacity(room + 1).ok()?;
     for _ in 0..fields {
         let name = HeaderName::from_bytes(&take(&mut bytes)?).ok()?;
         let value = HeaderValue::from_maybe_shared(take(&mut bytes)?).ok()?;
