@@ -74,9 +74,17 @@ start_redis_cluster() {
     fi
     local ports=() port dir urls=() addresses=()
     # A cluster node also listens on its port + 10000 (the cluster bus): six ports that are
-    # free, together with their bus ports, and at most 55535.
+    # free, together with their bus ports, both below the kernel's ephemeral range (tests kill
+    # a node and start it again on its ports: while it is down, no outbound connection's source
+    # port and no bind to port 0 can take one of them).
     read -r -a ports <<<"$(python3 -c '
 import random, socket
+try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        first = int(f.read().split()[0])
+except (OSError, ValueError, IndexError):
+    first = 32768
+low, high = (10000, first - 10001) if first >= 22000 else (20000, 55535)
 def free(port):
     s = socket.socket()
     try:
@@ -88,8 +96,8 @@ def free(port):
         s.close()
 ports = []
 while len(ports) < 6:
-    port = random.randint(20000, 55535)
-    if port not in ports and port + 10000 not in ports and free(port) and free(port + 10000):
+    port = random.randint(low, high)
+    if all(port not in (p, p + 10000, p - 10000) for p in ports) and free(port) and free(port + 10000):
         ports.append(port)
 print(*ports)
 ')"

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotent_test_kit::cluster::Cluster;
-use idempotent_test_kit::names::free_port;
+use idempotent_test_kit::names::restartable_port;
 use idempotent_test_kit::netns::Netns;
 use idempotent_test_kit::postgres::PrivatePostgres;
 use idempotent_test_kit::redis::PrivateRedis;
@@ -342,7 +342,7 @@ async fn start(options: &Options, recorder: &Recorder) -> Result<System, Infra> 
     };
     let mut instances = Vec::new();
     for n in 0..2 {
-        let port = free_port().to_string();
+        let port = restartable_port().to_string();
         let effects = effects.display().to_string();
         let mut proc = Proc::new(
             &format!("payments-{n}"),

@@ -1,7 +1,8 @@
 //! Message brokers of a test's own, for tests that kill them and start them again: a private
 //! `nats-server` with JetStream (file store), a private RabbitMQ node, or a private
 //! Kafka-protocol broker (`nisshi`, SQLite storage), each in a temporary directory on free
-//! loopback ports. [`kill`](PrivateNats::kill) is `SIGKILL` (for RabbitMQ, to
+//! loopback ports that no other process takes while it is down
+//! ([`restartable_port`](crate::names::restartable_port)). [`kill`](PrivateNats::kill) is `SIGKILL` (for RabbitMQ, to
 //! the node's whole process group); [`restart`](PrivateNats::restart) starts the broker again
 //! on the same port with the same data; dropping one kills it and removes its directory.
 //!
@@ -26,7 +27,7 @@ use tokio::process::{Child, Command};
 use tokio::time::{Instant, sleep, timeout};
 
 use crate::backend::{NISSHI, RABBITMQCTL, installed};
-use crate::names::free_port;
+use crate::names::restartable_port;
 use crate::process::{
     find_program, has_programs, kill_and_reap, kill_group, print_logs_on_panic, scratch_dir, tail,
     within,
@@ -151,7 +152,7 @@ impl PrivateNats {
         let mut nats = PrivateNats {
             bin,
             dir: scratch_dir("nats"),
-            port: free_port(),
+            port: restartable_port(),
             child: None,
         };
         nats.spawn().await;
@@ -297,7 +298,7 @@ impl PrivateKafka {
         let mut kafka = PrivateKafka {
             bin,
             dir: scratch_dir("kafka"),
-            port: free_port(),
+            port: restartable_port(),
             child: None,
         };
         kafka.spawn().await;
@@ -419,12 +420,12 @@ impl PrivateRabbit {
     /// `max_message_size = 8192`) added to the node's configuration file.
     pub async fn start_with_config(config: &str) -> Option<PrivateRabbit> {
         let scripts = installed("rabbitmq-server", rabbitmq_scripts())?;
-        let port = free_port();
+        let port = restartable_port();
         let mut rabbit = PrivateRabbit {
             scripts,
             dir: scratch_dir("rabbitmq"),
             port,
-            dist_port: free_port(),
+            dist_port: restartable_port(),
             node: format!("rabbit-{port}@localhost"),
             child: None,
             pgid: None,

@@ -12,7 +12,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use tokio::process::Command;
 
 use crate::backend::{PG_BIN, installed, postgres_url};
-use crate::names::free_port;
+use crate::names::restartable_port;
 use crate::netns::Netns;
 use crate::process::{
     Frozen, children, has_programs, print_logs_on_panic, scratch_dir, signal, within,
@@ -155,7 +155,7 @@ impl PrivatePostgres {
         let server = PrivatePostgres {
             bin,
             dir: scratch_dir("postgres"),
-            port: free_port(),
+            port: restartable_port(),
             as_postgres_user,
             host: netns.map_or(Ipv4Addr::LOCALHOST, Netns::address),
             netns: netns.map(|netns| netns.name().to_owned()),

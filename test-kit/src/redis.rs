@@ -12,7 +12,7 @@ use tokio::process::{Child, Command};
 use tokio::time::{Instant, sleep};
 
 use crate::backend::installed;
-use crate::names::free_port;
+use crate::names::restartable_port;
 use crate::netns::Netns;
 use crate::process::{
     Frozen, find_program, kill_and_reap, print_logs_on_panic, scratch_dir, signal, within,
@@ -85,7 +85,7 @@ impl PrivateRedis {
         installed("redis-server", find_program("redis-server"))?;
         let mut redis = PrivateRedis {
             child: None,
-            port: free_port(),
+            port: restartable_port(),
             dir: scratch_dir(&format!("redis-{name}")),
             durable,
             host: netns.map_or(Ipv4Addr::LOCALHOST, Netns::address),
