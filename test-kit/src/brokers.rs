@@ -2,8 +2,8 @@
 //! `nats-server` with JetStream (file store), a private RabbitMQ node, or a private
 //! Kafka-protocol broker (`nisshi`, SQLite storage), each in a temporary directory on free
 //! loopback ports that no other process takes while it is down
-//! ([`restartable_port`](crate::names::restartable_port)). [`kill`](PrivateNats::kill) is `SIGKILL` (for RabbitMQ, to
-//! the node's whole process group); [`restart`](PrivateNats::restart) starts the broker again
+//! ([`restartable_port`]). [`kill`](PrivateNats::kill) is `SIGKILL` (for RabbitMQ, to the
+//! node's whole process group); [`restart`](PrivateNats::restart) starts the broker again
 //! on the same port with the same data; dropping one kills it and removes its directory.
 //!
 //! The constructors return `None` when the broker is not installed, as
