@@ -43,7 +43,9 @@ options:
                       (default $IDEMPOTENT_TEST_REDIS_URL)
   --redis-replicas N  replicas that must acknowledge each claim and record on Redis
                       (RedisStoreBuilder::replicas; default 0); several comma-separated
-                      --redis-url URLs are a Redis Cluster
+                      --redis-url URLs are a Redis Cluster. While the rows run, each
+                      server's automatic rewrite of its append-only file is off and the
+                      file is rewritten between rows (restored at the end)
   --postgres-url URL  add idempotent-tower rows on PostgreSQL, and the pgbench limit rows
                       (default $IDEMPOTENT_TEST_POSTGRES_URL)
   --prefill LIST      the idempotent-tower rows again with this many records already in

@@ -56,6 +56,7 @@
 //! 2.0 declares rust-version 1.98); without them their rows are skipped.
 
 mod app;
+mod background;
 mod cache;
 mod cli;
 mod fixture;
@@ -205,6 +206,16 @@ fn http(options: &Options) -> Result<bool, String> {
         .map_err(|e| format!("cannot start the client runtime: {e}"))?;
 
     let limits = limit::Limits::prepare(&limit_rows, backends, &client)?;
+    // Redis's automatic rewrite of its append-only file off for the run, the file rewritten
+    // between rows instead (`background.rs`).
+    let quiet = match &backends.redis_url {
+        Some(url) => Some(client.block_on(background::RedisQuiet::start(url))?),
+        None => None,
+    };
+    let between = Between {
+        quiet: quiet.as_ref(),
+        client: &client,
+    };
 
     // Round-major order: a slow minute of the machine spreads over all rows.
     let mut results: Vec<Vec<(Traffic, Audit)>> = vec![Vec::new(); rows.len()];
@@ -212,9 +223,13 @@ fn http(options: &Options) -> Result<bool, String> {
     let mut failed = Vec::new();
     let mut failed_limits = Vec::new();
     for round in 1..=options.rounds {
-        run_round(&rows, &mut results, &mut failed, round, options, &client);
+        run_round(&rows, &mut results, &mut failed, round, options, &between);
         for (row, rounds) in limit_rows.iter().zip(&mut limit_results) {
             if failed_limits.iter().any(|(r, _)| r == row) {
+                continue;
+            }
+            if let Err(message) = between.settle() {
+                failed_limits.push((*row, message));
                 continue;
             }
             let before = machine::Reading::now();
@@ -277,9 +292,14 @@ fn http(options: &Options) -> Result<bool, String> {
         }
         let mut results: Vec<Vec<(Traffic, Audit)>> = vec![Vec::new(); rows.len()];
         for round in 1..=options.rounds {
-            run_round(&rows, &mut results, &mut failed, round, options, &client);
+            run_round(&rows, &mut results, &mut failed, round, options, &between);
         }
         prefilled_results.extend(rows.into_iter().zip(results));
+    }
+    if let Some(quiet) = quiet
+        && let Err(message) = client.block_on(quiet.finish())
+    {
+        eprintln!("Redis's automatic rewrite of its append-only file not restored: {message}");
     }
 
     let records: Vec<HttpRecord> = rows
@@ -353,19 +373,37 @@ fn http(options: &Options) -> Result<bool, String> {
 
 /// Round `round` of every row of `rows` that has not failed: its outcome goes to `results`
 /// (one list per row), or the row to `failed`.
+/// What is done between two rows: Redis's background work settled (see `background.rs`).
+struct Between<'a> {
+    quiet: Option<&'a background::RedisQuiet>,
+    client: &'a tokio::runtime::Runtime,
+}
+
+impl Between<'_> {
+    fn settle(&self) -> Result<(), String> {
+        match self.quiet {
+            Some(quiet) => self.client.block_on(quiet.settle()),
+            None => Ok(()),
+        }
+    }
+}
+
 fn run_round(
     rows: &[Row],
     results: &mut [Vec<(Traffic, Audit)>],
     failed: &mut Vec<(Row, String)>,
     round: usize,
     options: &Options,
-    client: &tokio::runtime::Runtime,
+    between: &Between<'_>,
 ) {
     for (row, rounds) in rows.iter().zip(results) {
         if failed.iter().any(|(r, _)| r == row) {
             continue;
         }
-        match run_logged(*row, round, options, client) {
+        let outcome = between
+            .settle()
+            .and_then(|()| run_logged(*row, round, options, between.client));
+        match outcome {
             Ok(outcome) => rounds.push(outcome),
             Err(message) => failed.push((*row, message)),
         }

@@ -189,12 +189,7 @@ impl Shared {
             // process that would share the CPUs with the rows: rewrite now and wait. Redis may
             // have started a rewrite of its own during the fill, and refuses a second one
             // meanwhile: wait for it first.
-            wait_for_rewrite(&mut connection).await?;
-            redis::cmd("BGREWRITEAOF")
-                .exec_async(&mut connection)
-                .await
-                .map_err(|e| format!("Redis BGREWRITEAOF: {e}"))?;
-            wait_for_rewrite(&mut connection).await?;
+            crate::background::rewrite(&mut connection).await?;
         }
         let fill_seconds = started.elapsed().as_secs_f64();
         let info: String = redis::cmd("INFO")
@@ -210,7 +205,7 @@ impl Shared {
             store: "redis".into(),
             records,
             fill_seconds,
-            store_bytes: info_field(&info, "used_memory").unwrap_or(0),
+            store_bytes: crate::background::info_field(&info, "used_memory").unwrap_or(0),
             index_bytes: None,
             entries,
         })
@@ -302,34 +297,6 @@ impl Shared {
     }
 }
 
-/// Waits until Redis has no append-only-file rewrite or snapshot running or scheduled.
-async fn wait_for_rewrite(
-    connection: &mut redis::aio::MultiplexedConnection,
-) -> Result<(), String> {
-    let deadline = Instant::now() + std::time::Duration::from_secs(600);
-    loop {
-        let info: String = redis::cmd("INFO")
-            .arg("persistence")
-            .query_async(connection)
-            .await
-            .map_err(|e| format!("Redis INFO: {e}"))?;
-        let busy = [
-            "aof_rewrite_in_progress",
-            "aof_rewrite_scheduled",
-            "rdb_bgsave_in_progress",
-        ]
-        .iter()
-        .any(|field| info_field(&info, field).unwrap_or(0) != 0);
-        if !busy {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            return Err("Redis: still rewriting its append-only file after 10 minutes".into());
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
-}
-
 async fn join_one(
     pending: &mut tokio::task::JoinSet<redis::RedisResult<()>>,
 ) -> Result<(), String> {
@@ -340,24 +307,9 @@ async fn join_one(
     }
 }
 
-/// A numeric field of `INFO` output (`name:value` lines).
-fn info_field(info: &str, name: &str) -> Option<u64> {
-    info.lines()
-        .find_map(|line| line.trim_end().strip_prefix(name)?.strip_prefix(':'))
-        .and_then(|value| value.parse().ok())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn info_fields() {
-        let info = "# Memory\r\nused_memory:1048576\r\nused_memory_human:1.00M\r\n";
-        assert_eq!(info_field(info, "used_memory"), Some(1_048_576));
-        assert_eq!(info_field(info, "used_memory_rss"), None);
-        assert_eq!(info_field(info, "used_memory_human"), None);
-    }
 
     #[test]
     fn prefill_keys_are_distinct_storage_keys() {
