@@ -208,10 +208,16 @@ fn http(options: &Options) -> Result<bool, String> {
     let limits = limit::Limits::prepare(&limit_rows, backends, &client)?;
     // Redis's automatic rewrite of its append-only file off for the run, the file rewritten
     // between rows instead (`background.rs`).
-    let quiet = match &backends.redis_url {
-        Some(url) => Some(client.block_on(background::RedisQuiet::start(url))?),
-        None => None,
-    };
+    // Without it (Redis unreachable now), the rows run as before: the Redis rows fail on
+    // their own if Redis stays so.
+    let quiet = backends.redis_url.as_ref().and_then(|url| {
+        client
+            .block_on(background::RedisQuiet::start(url))
+            .inspect_err(|message| {
+                eprintln!("Redis's rewrites not kept out of the rows: {message}")
+            })
+            .ok()
+    });
     let between = Between {
         quiet: quiet.as_ref(),
         client: &client,
@@ -228,10 +234,7 @@ fn http(options: &Options) -> Result<bool, String> {
             if failed_limits.iter().any(|(r, _)| r == row) {
                 continue;
             }
-            if let Err(message) = between.settle() {
-                failed_limits.push((*row, message));
-                continue;
-            }
+            between.settle();
             let before = machine::Reading::now();
             match limits.run(*row, options) {
                 Ok(rate) => {
@@ -371,8 +374,6 @@ fn http(options: &Options) -> Result<bool, String> {
     Ok(problems.is_empty() && failed.is_empty() && failed_limits.is_empty())
 }
 
-/// Round `round` of every row of `rows` that has not failed: its outcome goes to `results`
-/// (one list per row), or the row to `failed`.
 /// What is done between two rows: Redis's background work settled (see `background.rs`).
 struct Between<'a> {
     quiet: Option<&'a background::RedisQuiet>,
@@ -380,14 +381,19 @@ struct Between<'a> {
 }
 
 impl Between<'_> {
-    fn settle(&self) -> Result<(), String> {
-        match self.quiet {
-            Some(quiet) => self.client.block_on(quiet.settle()),
-            None => Ok(()),
+    /// Settles Redis before a row. A failure is told, not the row's: a Redis row fails on its
+    /// own if Redis is gone, and the other rows do not need it.
+    fn settle(&self) {
+        if let Some(quiet) = self.quiet
+            && let Err(message) = self.client.block_on(quiet.settle())
+        {
+            eprintln!("Redis not settled before the next row: {message}");
         }
     }
 }
 
+/// Round `round` of every row of `rows` that has not failed: its outcome goes to `results`
+/// (one list per row), or the row to `failed`.
 fn run_round(
     rows: &[Row],
     results: &mut [Vec<(Traffic, Audit)>],
@@ -400,10 +406,8 @@ fn run_round(
         if failed.iter().any(|(r, _)| r == row) {
             continue;
         }
-        let outcome = between
-            .settle()
-            .and_then(|()| run_logged(*row, round, options, between.client));
-        match outcome {
+        between.settle();
+        match run_logged(*row, round, options, between.client) {
             Ok(outcome) => rounds.push(outcome),
             Err(message) => failed.push((*row, message)),
         }
