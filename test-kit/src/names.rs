@@ -37,9 +37,15 @@ pub fn free_port() -> u16 {
 /// `bind(0)` ([`free_port`]) can take it. A port that [`free_port`] returned can be taken so,
 /// and the restart then fails to bind.
 ///
-/// Chosen at random from the upper half below the range's start (by default 16384 to 32767)
-/// and checked free by binding it; [`free_port`]'s when the range starts too low to leave such
-/// a half or no port there is free.
+/// Chosen at random from the upper half below the range's start (by default 16384 to 32767),
+/// reserved for this process until it exits, and checked free by binding it; [`free_port`]'s
+/// when the range starts too low to leave such a half or no port there is free.
+///
+/// The reservation is an exclusive `flock` on a file named after the port in
+/// `$TMPDIR/idempotent-test-ports`, held open until the process exits: another test process
+/// never picks the same port while this one may still start its server on it (a private
+/// RabbitMQ binds its ports seconds after they were chosen), and the kernel drops the lock
+/// when the process ends, however it ends. The files stay (empty, one a port at most).
 pub fn restartable_port() -> u16 {
     let first_ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
@@ -51,11 +57,40 @@ pub fn restartable_port() -> u16 {
     }
     for _ in 0..1000 {
         let port = fastrand::u16(low..high);
+        let Some(reservation) = reserve(port) else {
+            continue;
+        };
         if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            RESERVED
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .extend(reservation);
             return port;
         }
     }
     free_port()
+}
+
+/// The files whose locks reserve this process's ports ([`restartable_port`]).
+static RESERVED: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::new(Vec::new());
+
+/// `port`'s reservation: its file, locked by this process; `None` if another process holds
+/// it. Without a place for the files, a port is not reserved (the bind check still runs).
+fn reserve(port: u16) -> Option<Option<std::fs::File>> {
+    let dir = std::env::temp_dir().join("idempotent-test-ports");
+    let file = std::fs::create_dir_all(&dir).and_then(|()| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join(port.to_string()))
+    });
+    let Ok(file) = file else {
+        return Some(None);
+    };
+    rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+        .ok()
+        .map(|()| Some(file))
 }
 
 #[cfg(test)]
@@ -81,5 +116,30 @@ mod tests {
             }
             std::net::TcpListener::bind(("127.0.0.1", port)).expect("the port is free");
         }
+    }
+
+    /// A port once chosen stays reserved: no other lock on its file is granted while this
+    /// process lives (`flock` locks of two opens conflict as those of two processes do), so
+    /// no other test process chooses it.
+    #[test]
+    fn a_restartable_port_stays_reserved_for_this_process() {
+        let first_ephemeral: u16 =
+            std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+                .unwrap()
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
+        if first_ephemeral < 2048 {
+            return;
+        }
+        let port = restartable_port();
+        assert!(reserve(port).is_none(), "{port} could be reserved twice");
+        // A port nobody chose can be.
+        let other = (first_ephemeral / 2..first_ephemeral)
+            .find(|&p| p != port && reserve(p).is_some())
+            .expect("some port of the range is free to reserve");
+        assert_ne!(other, port);
     }
 }
