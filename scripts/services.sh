@@ -74,9 +74,10 @@ start_redis_cluster() {
     fi
     local ports=() port dir urls=() addresses=()
     # A cluster node also listens on its port + 10000 (the cluster bus): six ports that are
-    # free, together with their bus ports, both below the kernel's ephemeral range (tests kill
-    # a node and start it again on its ports: while it is down, no outbound connection's source
-    # port and no bind to port 0 can take one of them).
+    # free, together with their bus ports, both below the lower half of the range below the
+    # kernel's ephemeral range (tests kill a node and start it again on its ports: while it is
+    # down, no outbound connection's source port and no bind to port 0 can take one of them,
+    # nor a test's restartable_port in test-kit/src/names.rs, which draws from that half).
     read -r -a ports <<<"$(python3 -c '
 import random, socket
 try:
@@ -84,7 +85,7 @@ try:
         first = int(f.read().split()[0])
 except (OSError, ValueError, IndexError):
     first = 32768
-low, high = (10000, first - 10001) if first >= 22000 else (20000, 55535)
+low, high = (2048, first // 2 - 10001) if first // 2 >= 14000 else (20000, 55535)
 def free(port):
     s = socket.socket()
     try:
