@@ -97,16 +97,21 @@ fn reserve(port: u16) -> Option<Option<std::fs::File>> {
 mod tests {
     use super::*;
 
+    /// The first port of the kernel's ephemeral range, read here on its own (not by the code
+    /// under test, which falls back when it cannot read it).
+    fn first_ephemeral() -> u16 {
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    }
+
     #[test]
     fn a_restartable_port_is_free_and_below_the_ephemeral_range() {
-        let first_ephemeral: u16 =
-            std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-                .unwrap()
-                .split_whitespace()
-                .next()
-                .unwrap()
-                .parse()
-                .unwrap();
+        let first_ephemeral = first_ephemeral();
         for _ in 0..20 {
             let port = restartable_port();
             // Below 2048 there is no room below the range, and the port comes from it.
@@ -123,14 +128,7 @@ mod tests {
     /// no other test process chooses it.
     #[test]
     fn a_restartable_port_stays_reserved_for_this_process() {
-        let first_ephemeral: u16 =
-            std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-                .unwrap()
-                .split_whitespace()
-                .next()
-                .unwrap()
-                .parse()
-                .unwrap();
+        let first_ephemeral = first_ephemeral();
         if first_ephemeral < 2048 {
             return;
         }
