@@ -124,12 +124,20 @@ pub(crate) fn limit_table(limits: &[LimitRecord], rows: &[HttpRecord]) -> String
 /// the same work) come from the other binaries' output (`others`, see [`OtherRows`]). A ratio
 /// whose rows did not run is left out.
 ///
+/// **This run's ratio is paired by round** where its two rows ran in the same rounds (every
+/// row and limit row of the HTTP run's rounds, not the prefilled rows, which have rounds of
+/// their own, nor the other binaries' rows): the median over the rounds of the two rows'
+/// ratio in that round ([`paired`]). A slow minute of the machine that falls on one round
+/// slows both of that round's rows, and leaves the ratio as it is, where it would move one
+/// row's median and not the other's. The ratio of the two rows' medians is printed beside it
+/// (`of the medians`), and stands in for it where the rows are not paired.
+///
 /// The rows against a store's tool also get the **ceiling on this machine** ([`ceiling`]):
 /// the ratio the layer's row would reach with every CPU busy, given the CPU per request this
 /// run measured. The rows over bare and over a store's tool also get the **floor**: the floor's
 /// row of the same scenario and store over the same denominator (`floor.rs`: the least a layer
 /// can do and answer each key once), what a layer that does nothing else reaches on this
-/// machine.
+/// machine, paired by round in the same way.
 pub(crate) fn goals_table(
     records: &[HttpRecord],
     limits: &[LimitRecord],
@@ -143,13 +151,12 @@ pub(crate) fn goals_table(
                 && (r.prefilled > 0) == prefilled
         })
     };
-    let layer = |scenario: &str, store: &str, prefilled: bool| {
-        find(scenario, store, prefilled).map(|r| r.rps)
-    };
+    let layer =
+        |scenario: &str, store: &str, prefilled: bool| find(scenario, store, prefilled).map(rate);
     let bare = records
         .iter()
         .find(|r| r.implementation == "bare" && r.prefilled == 0)
-        .map(|r| r.rps);
+        .map(rate);
     let find_limit = |tool: &str, scenario: &str| {
         limits
             .iter()
@@ -164,19 +171,23 @@ pub(crate) fn goals_table(
                     && r.store == store
                     && r.prefilled == 0
             })
-            .map(|r| r.rps)
+            .map(rate)
     };
     // Over the store's own tool: the floor on the same store, and the CPU ceiling.
     let against_limit = |scenario: &str, store: &str, tool: &str| {
         let row = find(scenario, store, false);
         let tool = find_limit(tool, scenario);
-        (
-            row.map(|r| r.rps),
-            tool.map(|l| l.rps),
-            floor(scenario, store),
-            row.zip(tool)
+        Ratio {
+            over: row.map(rate),
+            under: tool.map(|l| Rate {
+                median: l.rps,
+                rounds: &l.rounds_rps,
+            }),
+            floor: floor(scenario, store),
+            ceiling: row
+                .zip(tool)
                 .and_then(|(row, tool)| ceiling(row, tool, tool.cpus)),
-        )
+        }
     };
     let prefilled = records
         .iter()
@@ -188,17 +199,20 @@ pub(crate) fn goals_table(
         })
         .map_or_else(String::new, |r| crate::rows::count_name(r.prefilled));
     let prefilled_name = format!("memory fresh, {prefilled} records before / none");
-    let plain = |over: Option<f64>, under: Option<f64>| (over, under, None, None);
-    // Over bare: the floor on memory.
-    let against_bare = |scenario: &str| {
-        (
-            layer(scenario, "memory", false),
-            bare,
-            floor(scenario, "memory"),
-            None,
-        )
+    let unpaired = |rate: Option<f64>| {
+        rate.map(|median| Rate {
+            median,
+            rounds: &[],
+        })
     };
-    let ratios: [(&str, Ratio, &str); 12] = [
+    // Over bare: the floor on memory.
+    let against_bare = |scenario: &str| Ratio {
+        over: layer(scenario, "memory", false),
+        under: bare,
+        floor: floor(scenario, "memory"),
+        ceiling: None,
+    };
+    let ratios: [(&str, Ratio<'_>, &str); 12] = [
         ("memory fresh / bare", against_bare("fresh"), "≥ 0.85"),
         ("memory replay / bare", against_bare("replay"), "≥ 0.95"),
         (
@@ -255,37 +269,97 @@ pub(crate) fn goals_table(
         ),
         (
             "relay, discarding sink, 1 relay / 0.2's 33k messages/s",
-            plain(others.relay, others.relay.map(|_| RELAY_0_2)),
+            plain(
+                unpaired(others.relay),
+                unpaired(others.relay.map(|_| RELAY_0_2)),
+            ),
             "≥ 0.8",
         ),
         (
             "consumer with the PostgreSQL effect / bare-pg loop (Redis Streams)",
-            plain(others.consumer_pg, others.bare_pg),
+            plain(unpaired(others.consumer_pg), unpaired(others.bare_pg)),
             "≥ 0.75",
         ),
     ];
     let mut out = String::from(
-        "| ratio | this run | goal | floor | ceiling on this machine |\n|---|---:|---:|---:|---:|\n",
+        "| ratio | this run | goal | of the medians | floor | ceiling on this machine |\n\
+         |---|---:|---:|---:|---:|---:|\n",
     );
     let two = |value: Option<f64>| value.map_or_else(|| "–".to_owned(), |v| format!("{v:.2}"));
-    for (name, (over, under, floor, ceiling), goal) in ratios {
-        if let (Some(over), Some(under)) = (over, under)
-            && under > 0.0
-        {
-            out.push_str(&format!(
-                "| {name} | {:.2} | {goal} | {} | {} |\n",
-                over / under,
-                two(floor.map(|floor| floor / under)),
-                two(ceiling),
-            ));
+    for (name, ratio, goal) in ratios {
+        let (Some(over), Some(under)) = (ratio.over, ratio.under) else {
+            continue;
+        };
+        if under.median <= 0.0 {
+            continue;
         }
+        let of_medians = over.median / under.median;
+        let this_run = paired(over.rounds, under.rounds).unwrap_or(of_medians);
+        let floor = ratio
+            .floor
+            .map(|floor| paired(floor.rounds, under.rounds).unwrap_or(floor.median / under.median));
+        out.push_str(&format!(
+            "| {name} | {this_run:.2} | {goal} | {of_medians:.2} | {} | {} |\n",
+            two(floor),
+            two(ratio.ceiling),
+        ));
     }
     out
 }
 
+/// A rate in one of the summary's ratios: a row's median rate, and its rate in each round of
+/// the HTTP run (empty for a rate that has no such rounds).
+#[derive(Debug, Clone, Copy)]
+struct Rate<'a> {
+    median: f64,
+    rounds: &'a [f64],
+}
+
+/// `record`'s rate. Its rounds are the HTTP run's unless it is a prefilled row, whose rounds
+/// are its own (they run after the prefill), so that it pairs with nothing.
+fn rate(record: &HttpRecord) -> Rate<'_> {
+    Rate {
+        median: record.rps,
+        rounds: if record.prefilled == 0 {
+            &record.rounds_rps
+        } else {
+            &[]
+        },
+    }
+}
+
 /// A ratio's numerator and denominator, the floor's rate in the numerator's place (`floor.rs`)
 /// and the ceiling on this machine, where the ratio has them.
-type Ratio = (Option<f64>, Option<f64>, Option<f64>, Option<f64>);
+struct Ratio<'a> {
+    over: Option<Rate<'a>>,
+    under: Option<Rate<'a>>,
+    floor: Option<Rate<'a>>,
+    ceiling: Option<f64>,
+}
+
+/// A ratio with neither a floor nor a ceiling.
+fn plain<'a>(over: Option<Rate<'a>>, under: Option<Rate<'a>>) -> Ratio<'a> {
+    Ratio {
+        over,
+        under,
+        floor: None,
+        ceiling: None,
+    }
+}
+
+/// The median over the rounds of `over`'s rate in a round divided by `under`'s in the same
+/// round (the upper one of an even count, as a row's own median is), or `None` when the two
+/// rows did not run the same rounds: one has none, or fewer (a row that fails stops running,
+/// so its rounds are the first ones and equal counts are the same rounds), or a rate that
+/// divides nothing.
+fn paired(over: &[f64], under: &[f64]) -> Option<f64> {
+    if over.is_empty() || over.len() != under.len() || under.iter().any(|&rate| rate <= 0.0) {
+        return None;
+    }
+    let mut ratios: Vec<f64> = over.iter().zip(under).map(|(o, u)| o / u).collect();
+    ratios.sort_by(f64::total_cmp);
+    Some(ratios[ratios.len() / 2])
+}
 
 /// The ratio of `row` (the layer on a store) to `limit` (the store's own tool running the
 /// same statements or scripts) that the layer could reach on this machine of `cpus` CPUs (the
@@ -828,7 +902,7 @@ mod tests {
             &OtherRows::default(),
         );
         assert!(
-            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 | – | – |"),
+            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 | 0.80 | – | – |"),
             "{table}"
         );
         // With the floor's fresh rows, the memory fresh ratio gets floor / bare and the
@@ -838,15 +912,15 @@ mod tests {
         with_floor.push(http("floor", "fresh", "postgres", 340, 0));
         let table = goals_table(&with_floor, &[pgbench], &OtherRows::default());
         assert!(
-            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 | 0.87 | – |"),
+            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 | 0.80 | 0.87 | – |"),
             "{table}"
         );
         assert!(
-            table.contains("| PostgreSQL fresh / `pgbench` fresh | 0.75 | ≥ 0.85 | 0.85 |"),
+            table.contains("| PostgreSQL fresh / `pgbench` fresh | 0.75 | ≥ 0.85 | 0.75 | 0.85 |"),
             "{table}"
         );
         assert!(
-            table.contains("| memory session / fresh | 0.95 | ≥ 0.95 | – | – |"),
+            table.contains("| memory session / fresh | 0.95 | ≥ 0.95 | 0.95 | – | – |"),
             "{table}"
         );
         assert!(
@@ -854,13 +928,95 @@ mod tests {
             "{table}"
         );
         assert!(
-            table.contains("| memory fresh, 1M records before / none | 0.90 | ≥ 0.9 | – | – |"),
+            table.contains(
+                "| memory fresh, 1M records before / none | 0.90 | ≥ 0.9 | 0.90 | – | – |"
+            ),
             "{table}"
         );
         // No replay rows, no Redis rows: those ratios are left out.
         assert!(!table.contains("replay"), "{table}");
         assert!(!table.contains("Redis"), "{table}");
         assert_eq!(table.lines().count(), 2 + 4, "{table}");
+    }
+
+    #[test]
+    fn a_ratio_is_paired_by_round_where_both_rows_ran_the_same_rounds() {
+        let http = |implementation: &str, scenario: &str, store: &str, prefilled, rates: &[u64]| {
+            let rounds: Vec<_> = rates
+                .iter()
+                .map(|&rps| (Traffic::sample(rps, 0, 1, 1), good_audit()))
+                .collect();
+            let mut record = summarize(row(), &rounds);
+            record.implementation = implementation.into();
+            record.scenario = scenario.into();
+            record.store = store.into();
+            record.prefilled = prefilled;
+            record
+        };
+        // The machine is slow in round 3 for every row, and in round 2 as well for the session
+        // row, the floor and the PostgreSQL row: their medians are slow rounds, bare's and
+        // fresh's are not.
+        let records = [
+            http("bare", "none", "none", 0, &[1000, 1000, 600]),
+            http("idempotent-tower", "fresh", "memory", 0, &[1000, 1000, 600]),
+            http("idempotent-tower", "session", "memory", 0, &[950, 570, 570]),
+            http("floor", "fresh", "memory", 0, &[870, 522, 522]),
+            http("idempotent-tower", "fresh", "postgres", 0, &[300, 150, 150]),
+            // The prefilled row's rounds are its own: never paired with the empty store's.
+            http(
+                "idempotent-tower",
+                "fresh",
+                "memory",
+                1_000_000,
+                &[500, 700, 560],
+            ),
+        ];
+        let pgbench = LimitRecord::summarize(
+            ["pgbench", "fresh", "postgres"],
+            16,
+            3,
+            &[(400.0, 0.5), (400.0, 0.5), (200.0, 0.5)],
+        );
+        let table = goals_table(&records, &[pgbench], &OtherRows::default());
+        // Paired: the median of 1.00, 1.00, 1.00; of the medians 1000 / 1000.
+        assert!(
+            table.contains("| memory fresh / bare | 1.00 | ≥ 0.85 | 1.00 | 0.87 | – |"),
+            "{table}"
+        );
+        // Paired: the median of 0.95, 0.57, 0.95; of the medians 570 / 1000.
+        assert!(
+            table.contains("| memory session / fresh | 0.95 | ≥ 0.95 | 0.57 | – | – |"),
+            "{table}"
+        );
+        // Against the tool of the same rounds: 0.75, 0.375, 0.75; of the medians 150 / 400.
+        assert!(
+            table.contains("| PostgreSQL fresh / `pgbench` fresh | 0.75 | ≥ 0.85 | 0.38 | – |"),
+            "{table}"
+        );
+        // Paired it would be 0.70 (0.50, 0.70, 0.93): the ratio of the medians, 560 / 1000.
+        assert!(
+            table.contains(
+                "| memory fresh, 1M records before / none | 0.56 | ≥ 0.9 | 0.56 | – | – |"
+            ),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn pairing_needs_the_same_rounds_on_both_sides() {
+        assert_eq!(paired(&[3.0, 1.0, 2.0], &[1.0, 1.0, 1.0]), Some(2.0));
+        assert_eq!(
+            paired(&[2.0, 4.0], &[1.0, 1.0]),
+            Some(4.0),
+            "the upper one of two"
+        );
+        assert_eq!(
+            paired(&[1.0, 2.0], &[1.0, 2.0, 3.0]),
+            None,
+            "a row that stopped"
+        );
+        assert_eq!(paired(&[], &[]), None);
+        assert_eq!(paired(&[1.0], &[0.0]), None);
     }
 
     #[test]
@@ -926,13 +1082,13 @@ mod tests {
         let table = goals_table(&[], &[], &others);
         assert!(
             table.contains(
-                "| relay, discarding sink, 1 relay / 0.2's 33k messages/s | 0.90 | ≥ 0.8 | – |"
+                "| relay, discarding sink, 1 relay / 0.2's 33k messages/s | 0.90 | ≥ 0.8 | 0.90 | – |"
             ),
             "{table}"
         );
         assert!(
             table.contains(
-                "| consumer with the PostgreSQL effect / bare-pg loop (Redis Streams) | 0.70 | ≥ 0.75 | – |"
+                "| consumer with the PostgreSQL effect / bare-pg loop (Redis Streams) | 0.70 | ≥ 0.75 | 0.70 | – |"
             ),
             "{table}"
         );
