@@ -14,7 +14,8 @@
 #                                          # round), 1M prefilled records only, then the relay
 #                                          # row (outbox --quick, three runs) and the consumer's
 #                                          # PostgreSQL rows on Redis Streams (three rounds), and
-#                                          # the summary's ratios of all of them (medians)
+#                                          # the summary's ratios of all of them (each
+#                                          # paired by round where its rows share rounds)
 #   bash scripts/bench.sh --no-backends    # without the Redis and PostgreSQL rows
 #   bash scripts/bench.sh --only idempotent-tower --duration 20   # any idempotent-bench option
 #
