@@ -307,25 +307,33 @@ local function count(s)
   return n
 end
 local function decimal(n) return string.format('%.0f', n) end
+-- `n` in decimal, as `s` (the digits `count` read `n` from) when `decimal` would write the
+-- same: formatting a number costs more than the rest of the gate's arithmetic together.
+local function digits(s, n)
+  if #s == 1 or string.byte(s) ~= 48 then return s end
+  return decimal(n)
+end
 local seq, ack, window, idle = count(ARGV[1]), count(ARGV[2]), count(ARGV[3]), tonumber(ARGV[4])
 if not seq or not ack or not window then
   return redis.error_reply('ERR idempotent: session request out of range')
 end
 local rec = redis.call('HMGET', KEYS[1], 'e', 'a', 'h')
 local known = rec[1] or rec[2] or rec[3]
-local epoch, mark, high
+local epoch, mark, high, epoch_digits
 if known then
   epoch, mark, high = count(rec[1]), count(rec[2]), count(rec[3])
   if not epoch then return {'?', 'epoch'} end
   if not mark then return {'?', 'ack'} end
   -- The window keeps `high` within MAX_WINDOW of the mark: the loops below are that short.
   if not high or high > mark + MAX_WINDOW then return {'?', 'high'} end
+  epoch_digits = digits(rec[1], epoch)
   redis.call('PEXPIRE', KEYS[1], idle)
 else
   if redis.call('EXISTS', KEYS[1]) == 1 then return {'?', 'fields'} end
   if ack > 0 then return {'expired'} end
   local now = redis.call('TIME')
   epoch, mark, high = tonumber(now[1]) * 1000000 + tonumber(now[2]), 0, 0
+  epoch_digits = decimal(epoch)
 end
 local old_high, to = high, math.max(mark, ack)
 local reply
@@ -334,18 +342,31 @@ if seq <= to then
 elseif seq > to + window then
   reply = {'window', decimal(to)}
 else
-  reply = {'open', decimal(epoch)}
+  reply = {'open', epoch_digits}
   high = math.max(high, seq)
 end
-if not known or to ~= mark or high ~= old_high then
-  redis.call('HSET', KEYS[1], 'e', decimal(epoch), 'a', decimal(to), 'h', decimal(high))
+-- A number the request sent is written as it sent it; a known session's record gets only
+-- the fields that moved.
+local function written(n)
+  if n == ack then return digits(ARGV[2], n) end
+  if n == seq then return digits(ARGV[1], n) end
+  return decimal(n)
+end
+if not known then
+  redis.call('HSET', KEYS[1], 'e', epoch_digits, 'a', written(to), 'h', written(high))
+elseif to ~= mark and high ~= old_high then
+  redis.call('HSET', KEYS[1], 'a', written(to), 'h', written(high))
+elseif to ~= mark then
+  redis.call('HSET', KEYS[1], 'a', written(to))
+elseif high ~= old_high then
+  redis.call('HSET', KEYS[1], 'h', written(high))
 end
 if not known then redis.call('PEXPIRE', KEYS[1], idle) end
 -- After the mark: a step cut short (a record moved away in a resharding) has refused the
 -- numbers whose records it did not get to drop, which expire by themselves.
-local base = KEYS[1] .. ':' .. decimal(epoch) .. ':'
+local base = KEYS[1] .. ':' .. epoch_digits .. ':'
 for s = mark + 1, math.min(to, old_high) do
-  redis.call('DEL', base .. decimal(s))
+  redis.call('DEL', base .. written(s))
 end
 -- An answer with less than the idle time left gets one and a half, so each is rewritten once
 -- per half idle time at most, not on every request, and still outlives its session.
@@ -383,12 +404,12 @@ fn session_claim_source() -> String {
             "local CK\n",
             &claim(STEP_CHUNKS),
             gate,
-            "if reply[1] ~= 'open' then return reply end\nCK = base .. decimal(seq)\n",
+            "if reply[1] ~= 'open' then return reply end\nCK = base .. written(seq)\n",
             "local function claim()\n",
             &claim(CLAIM),
             NOW_MS,
             &claim(CLAIM_IN_TIME),
-            "end\nreturn {'open', decimal(epoch), claim()}\n",
+            "end\nreturn {'open', epoch_digits, claim()}\n",
         ],
     )
 }

@@ -664,6 +664,104 @@ async fn garbage_in_a_session_is_a_corrupt_error() {
     }
 }
 
+/// A session's numbers stored with leading zeros (the store writes none; a hand or a tool may)
+/// are the same numbers: the gate names the request records from them as the store writes
+/// numbers, drops the acknowledged one, and writes only the fields that moved.
+#[tokio::test]
+async fn a_session_whose_numbers_have_leading_zeros_names_its_records_as_the_store_does() {
+    let Some(mut raw) = raw_connection().await else {
+        return;
+    };
+    let store = RedisStore::connect(&redis_url().unwrap()).await.unwrap();
+    let session = fresh_session();
+    let (idle, lease) = (Duration::from_secs(60), Duration::from_secs(30));
+    let label = KeyLabel::from_bytes(bytes::Bytes::new());
+    let f = Fingerprint::from_bytes(b"leading zeros");
+    let ask = |seq: u64, ack: u64| {
+        let (store, label) = (store.clone(), label.clone());
+        async move {
+            store
+                .claim_in_session(
+                    &session,
+                    SessionRequest::new(seq, ack, 8, idle),
+                    &f,
+                    lease,
+                    &label,
+                )
+                .await
+                .unwrap()
+        }
+    };
+    assert!(matches!(
+        ask(1, 0).await,
+        SessionClaim::Admitted {
+            claim: Claim::Claimed(_),
+            ..
+        }
+    ));
+    // A short epoch, as a hand would write it, and request 1's answer under it.
+    let name = store.redis_key(&session.record_key());
+    let _: () = redis::cmd("HSET")
+        .arg(&name)
+        .arg("e")
+        .arg("0042")
+        .arg("a")
+        .arg("00")
+        .arg("h")
+        .arg("01")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let first_record = store.redis_key(&session.seq_key(42, 1));
+    let _: () = redis::cmd("HSET")
+        .arg(&first_record)
+        .arg("s")
+        .arg("c")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let SessionClaim::Admitted {
+        epoch,
+        claim: Claim::Claimed(_),
+    } = ask(2, 1).await
+    else {
+        panic!("request 2 is admitted and claimed");
+    };
+    assert_eq!(epoch, 42);
+    let exists = |key: String| {
+        let mut raw = raw.clone();
+        async move {
+            let n: u64 = redis::cmd("EXISTS")
+                .arg(key)
+                .query_async(&mut raw)
+                .await
+                .unwrap();
+            n == 1
+        }
+    };
+    assert!(
+        exists(store.redis_key(&session.seq_key(42, 2))).await,
+        "request 2's record is named from the epoch as the store writes it"
+    );
+    assert!(
+        !exists(first_record).await,
+        "request 1's answer, acknowledged, is dropped"
+    );
+    let fields: Vec<Option<String>> = redis::cmd("HMGET")
+        .arg(&name)
+        .arg("e")
+        .arg("a")
+        .arg("h")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(
+        fields,
+        [Some("0042".into()), Some("1".into()), Some("2".into())],
+        "the mark and the highest number moved and are written; the epoch did not"
+    );
+}
+
 /// A request outside the ranges the runtime sends is refused before it reaches Redis.
 #[tokio::test]
 async fn a_session_request_out_of_range_is_refused() {
