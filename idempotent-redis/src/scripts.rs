@@ -346,13 +346,14 @@ else
   high = math.max(high, seq)
 end
 -- A number the request sent is written as it sent it; a known session's record gets only
--- the fields that moved.
+-- the fields that moved, unless its epoch is not in the store's own form (written by hand):
+-- other scripts name records from the epoch as stored, so it is then written again.
 local function written(n)
   if n == ack then return digits(ARGV[2], n) end
   if n == seq then return digits(ARGV[1], n) end
   return decimal(n)
 end
-if not known then
+if not known or (epoch_digits ~= rec[1] and (to ~= mark or high ~= old_high)) then
   redis.call('HSET', KEYS[1], 'e', epoch_digits, 'a', written(to), 'h', written(high))
 elseif to ~= mark and high ~= old_high then
   redis.call('HSET', KEYS[1], 'a', written(to), 'h', written(high))
