@@ -877,15 +877,30 @@ mod tests {
         );
     }
 
+    /// The record of a row named by its parts whose rounds had `rates`.
+    fn record(
+        implementation: &str,
+        scenario: &str,
+        store: &str,
+        prefilled: u64,
+        rates: &[u64],
+    ) -> HttpRecord {
+        let rounds: Vec<_> = rates
+            .iter()
+            .map(|&rps| (Traffic::sample(rps, 0, 1, 1), good_audit()))
+            .collect();
+        let mut record = summarize(row(), &rounds);
+        record.implementation = implementation.into();
+        record.scenario = scenario.into();
+        record.store = store.into();
+        record.prefilled = prefilled;
+        record
+    }
+
     #[test]
     fn the_goals_table_divides_the_rows_it_names_and_leaves_out_the_rest() {
         let http = |implementation: &str, scenario: &str, store: &str, rps: u64, prefilled| {
-            let mut record = summarize(row(), &[(Traffic::sample(rps, 0, 1, 1), good_audit())]);
-            record.implementation = implementation.into();
-            record.scenario = scenario.into();
-            record.store = store.into();
-            record.prefilled = prefilled;
-            record
+            record(implementation, scenario, store, prefilled, &[rps])
         };
         let records = [
             http("bare", "none", "none", 1000, 0),
@@ -941,18 +956,7 @@ mod tests {
 
     #[test]
     fn a_ratio_is_paired_by_round_where_both_rows_ran_the_same_rounds() {
-        let http = |implementation: &str, scenario: &str, store: &str, prefilled, rates: &[u64]| {
-            let rounds: Vec<_> = rates
-                .iter()
-                .map(|&rps| (Traffic::sample(rps, 0, 1, 1), good_audit()))
-                .collect();
-            let mut record = summarize(row(), &rounds);
-            record.implementation = implementation.into();
-            record.scenario = scenario.into();
-            record.store = store.into();
-            record.prefilled = prefilled;
-            record
-        };
+        let http = record;
         // The machine is slow in round 3 for every row, and in round 2 as well for the session
         // row, the floor and the PostgreSQL row: their medians are slow rounds, bare's and
         // fresh's are not.

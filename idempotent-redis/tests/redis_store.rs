@@ -11,7 +11,7 @@ use idempotent_core::conformance::{Harness, fresh_key, fresh_session};
 use idempotent_core::inspect::KeyLabel;
 use idempotent_core::session::{MAX_SEQ, MAX_SESSION_WINDOW};
 use idempotent_core::{
-    Claim, Fingerprint, SessionClaim, SessionGate, SessionRequest, Store, StoreError,
+    Claim, Fingerprint, SessionClaim, SessionGate, SessionKey, SessionRequest, Store, StoreError,
 };
 use idempotent_redis::RedisStore;
 use idempotent_test_kit::backend::{REDIS_CLUSTER_URLS, REDIS_URL, backend_url, redis_url};
@@ -316,6 +316,27 @@ mod cluster {
 
 async fn raw_connection() -> Option<redis::aio::MultiplexedConnection> {
     Some(idempotent_test_kit::redis::connect(&redis_url()?).await)
+}
+
+/// `store`'s claim of request `seq` of `session`, acknowledging `ack`, in a window of 8, with
+/// no label.
+async fn claim_in(
+    store: &RedisStore,
+    session: &SessionKey,
+    (seq, ack): (u64, u64),
+    (idle, lease): (Duration, Duration),
+    f: &Fingerprint,
+) -> Result<SessionClaim, StoreError> {
+    let label = KeyLabel::from_bytes(bytes::Bytes::new());
+    store
+        .claim_in_session(
+            session,
+            SessionRequest::new(seq, ack, 8, idle),
+            f,
+            lease,
+            &label,
+        )
+        .await
 }
 
 #[tokio::test]
@@ -675,22 +696,11 @@ async fn a_session_whose_numbers_have_leading_zeros_names_its_records_as_the_sto
     let store = RedisStore::connect(&redis_url().unwrap()).await.unwrap();
     let session = fresh_session();
     let (idle, lease) = (Duration::from_secs(60), Duration::from_secs(30));
-    let label = KeyLabel::from_bytes(bytes::Bytes::new());
     let f = Fingerprint::from_bytes(b"leading zeros");
-    let ask = |seq: u64, ack: u64| {
-        let (store, label) = (store.clone(), label.clone());
-        async move {
-            store
-                .claim_in_session(
-                    &session,
-                    SessionRequest::new(seq, ack, 8, idle),
-                    &f,
-                    lease,
-                    &label,
-                )
-                .await
-                .unwrap()
-        }
+    let ask = async |seq: u64, ack: u64| {
+        claim_in(&store, &session, (seq, ack), (idle, lease), &f)
+            .await
+            .unwrap()
     };
     assert!(matches!(
         ask(1, 0).await,
@@ -870,20 +880,8 @@ async fn without_the_replicas_required_a_session_claim_fails_closed_and_is_relea
     let session = fresh_session();
     let (idle, lease) = (Duration::from_secs(60), Duration::from_secs(30));
     let f = Fingerprint::from_bytes(b"session replicas");
-    let label = KeyLabel::from_bytes(bytes::Bytes::new());
-    let ask = |store: &RedisStore, seq: u64, ack: u64| {
-        let (store, label) = (store.clone(), label.clone());
-        async move {
-            store
-                .claim_in_session(
-                    &session,
-                    SessionRequest::new(seq, ack, 8, idle),
-                    &f,
-                    lease,
-                    &label,
-                )
-                .await
-        }
+    let ask = async |store: &RedisStore, seq: u64, ack: u64| {
+        claim_in(store, &session, (seq, ack), (idle, lease), &f).await
     };
     assert!(matches!(
         ask(&waiting, 2, 1).await,
@@ -922,21 +920,7 @@ async fn a_session_claim_whose_caller_stopped_waiting_is_given_back() {
     let session = fresh_session();
     let (idle, lease) = (Duration::from_secs(60), Duration::from_secs(60));
     let f = Fingerprint::from_bytes(b"session give-back");
-    let label = KeyLabel::from_bytes(bytes::Bytes::new());
-    let ask = |seq: u64| {
-        let (store, label) = (store.clone(), label.clone());
-        async move {
-            store
-                .claim_in_session(
-                    &session,
-                    SessionRequest::new(seq, 0, 8, idle),
-                    &f,
-                    lease,
-                    &label,
-                )
-                .await
-        }
-    };
+    let ask = async |seq: u64| claim_in(&store, &session, (seq, 0), (idle, lease), &f).await;
     // The session starts, so the request's record is found through its epoch.
     let epoch = match ask(1).await.unwrap() {
         SessionClaim::Admitted { epoch, .. } => epoch,
@@ -986,20 +970,9 @@ async fn a_full_redis_refuses_a_session_claim_and_still_takes_its_ack() {
     let store = RedisStore::connect(&redis.url()).await.unwrap();
     let session = fresh_session();
     let (idle, lease) = (Duration::from_secs(60), Duration::from_secs(30));
-    let label = KeyLabel::from_bytes(bytes::Bytes::new());
-    let ask = |seq: u64, ack: u64| {
-        let (store, label) = (store.clone(), label.clone());
-        async move {
-            store
-                .claim_in_session(
-                    &session,
-                    SessionRequest::new(seq, ack, 8, idle),
-                    &Fingerprint::from_bytes(&seq.to_be_bytes()),
-                    lease,
-                    &label,
-                )
-                .await
-        }
+    let ask = async |seq: u64, ack: u64| {
+        let f = Fingerprint::from_bytes(&seq.to_be_bytes());
+        claim_in(&store, &session, (seq, ack), (idle, lease), &f).await
     };
     let (epoch, token) = match ask(1, 0).await.unwrap() {
         SessionClaim::Admitted {
