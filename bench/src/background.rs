@@ -107,18 +107,25 @@ impl RedisQuiet {
 
 /// Sets `auto-aof-rewrite-percentage` to 0; the setting it had.
 async fn turn_off(connection: &mut redis::aio::MultiplexedConnection) -> Result<String, String> {
+    let percentage = read_percentage(connection).await?;
+    set_percentage(connection, "0").await?;
+    Ok(percentage)
+}
+
+/// `auto-aof-rewrite-percentage` as the server has it.
+async fn read_percentage(
+    connection: &mut redis::aio::MultiplexedConnection,
+) -> Result<String, String> {
     let setting: Vec<String> = redis::cmd("CONFIG")
         .arg("GET")
         .arg("auto-aof-rewrite-percentage")
         .query_async(connection)
         .await
         .map_err(|e| format!("CONFIG GET auto-aof-rewrite-percentage: {e}"))?;
-    let percentage = setting
+    setting
         .get(1)
         .cloned()
-        .ok_or("CONFIG GET auto-aof-rewrite-percentage: no value")?;
-    set_percentage(connection, "0").await?;
-    Ok(percentage)
+        .ok_or_else(|| "CONFIG GET auto-aof-rewrite-percentage: no value".to_owned())
 }
 
 async fn connect(url: &str) -> Result<redis::aio::MultiplexedConnection, String> {
@@ -163,11 +170,7 @@ pub(crate) async fn wait_for_rewrite(
 ) -> Result<String, String> {
     let deadline = Instant::now() + REWRITE_LIMIT;
     loop {
-        let info: String = redis::cmd("INFO")
-            .arg("persistence")
-            .query_async(connection)
-            .await
-            .map_err(|e| format!("Redis INFO: {e}"))?;
+        let info = persistence_info(connection).await?;
         let busy = [
             "aof_rewrite_in_progress",
             "aof_rewrite_scheduled",
@@ -187,6 +190,17 @@ pub(crate) async fn wait_for_rewrite(
     }
 }
 
+/// Redis's `INFO persistence`.
+async fn persistence_info(
+    connection: &mut redis::aio::MultiplexedConnection,
+) -> Result<String, String> {
+    redis::cmd("INFO")
+        .arg("persistence")
+        .query_async(connection)
+        .await
+        .map_err(|e| format!("Redis INFO: {e}"))
+}
+
 /// An integer field of Redis's `INFO` output.
 pub(crate) fn info_field(info: &str, name: &str) -> Option<u64> {
     info.lines()
@@ -201,21 +215,11 @@ mod tests {
     use super::*;
 
     async fn percentage(connection: &mut redis::aio::MultiplexedConnection) -> String {
-        let setting: Vec<String> = redis::cmd("CONFIG")
-            .arg("GET")
-            .arg("auto-aof-rewrite-percentage")
-            .query_async(connection)
-            .await
-            .unwrap();
-        setting[1].clone()
+        read_percentage(connection).await.unwrap()
     }
 
     async fn persistence(connection: &mut redis::aio::MultiplexedConnection, field: &str) -> u64 {
-        let info: String = redis::cmd("INFO")
-            .arg("persistence")
-            .query_async(connection)
-            .await
-            .unwrap();
+        let info = persistence_info(connection).await.unwrap();
         info_field(&info, field).unwrap_or_else(|| panic!("no {field} in {info}"))
     }
 

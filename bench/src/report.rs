@@ -356,9 +356,7 @@ fn paired(over: &[f64], under: &[f64]) -> Option<f64> {
     if over.is_empty() || over.len() != under.len() || under.iter().any(|&rate| rate <= 0.0) {
         return None;
     }
-    let mut ratios: Vec<f64> = over.iter().zip(under).map(|(o, u)| o / u).collect();
-    ratios.sort_by(f64::total_cmp);
-    Some(ratios[ratios.len() / 2])
+    median_rate(over.iter().zip(under).map(|(o, u)| o / u))
 }
 
 /// The ratio of `row` (the layer on a store) to `limit` (the store's own tool running the
@@ -956,18 +954,17 @@ mod tests {
 
     #[test]
     fn a_ratio_is_paired_by_round_where_both_rows_ran_the_same_rounds() {
-        let http = record;
         // The machine is slow in round 3 for every row, and in round 2 as well for the session
         // row, the floor and the PostgreSQL row: their medians are slow rounds, bare's and
         // fresh's are not.
         let records = [
-            http("bare", "none", "none", 0, &[1000, 1000, 600]),
-            http("idempotent-tower", "fresh", "memory", 0, &[1000, 1000, 600]),
-            http("idempotent-tower", "session", "memory", 0, &[950, 570, 570]),
-            http("floor", "fresh", "memory", 0, &[870, 522, 522]),
-            http("idempotent-tower", "fresh", "postgres", 0, &[300, 150, 150]),
+            record("bare", "none", "none", 0, &[1000, 1000, 600]),
+            record("idempotent-tower", "fresh", "memory", 0, &[1000, 1000, 600]),
+            record("idempotent-tower", "session", "memory", 0, &[950, 570, 570]),
+            record("floor", "fresh", "memory", 0, &[870, 522, 522]),
+            record("idempotent-tower", "fresh", "postgres", 0, &[300, 150, 150]),
             // The prefilled row's rounds are its own: never paired with the empty store's.
-            http(
+            record(
                 "idempotent-tower",
                 "fresh",
                 "memory",
