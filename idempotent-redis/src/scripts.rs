@@ -308,7 +308,7 @@ local function count(s)
 end
 local function decimal(n) return string.format('%.0f', n) end
 -- `n` in decimal, as `s` (the digits `count` read `n` from) when `decimal` would write the
--- same: formatting a number costs more than the rest of the gate's arithmetic together.
+-- same, so that the gate does not format again a number it was given.
 local function digits(s, n)
   if #s == 1 or string.byte(s) ~= 48 then return s end
   return decimal(n)
