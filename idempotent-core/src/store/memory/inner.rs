@@ -407,7 +407,11 @@ impl Inner {
                         }
                         return Ok(None);
                     }
-                    if reserved {
+                    // A store with room takes the record's share here, under the shard's
+                    // lock (atomics only), and the key is looked up once. A full one is swept
+                    // outside the lock (a sweep takes every shard's), and the key looked up
+                    // again: it may have been claimed meanwhile.
+                    if reserved || self.try_reserve(1, RECORD_OVERHEAD).is_ok() {
                         let added = label.as_ref().map_or(0, Bytes::len);
                         let (record, claim) =
                             in_flight(self.next_token(), None, (Vec::new(), None, label, 0));
@@ -415,8 +419,6 @@ impl Inner {
                         self.bytes.fetch_add(added, Ordering::AcqRel);
                         return Ok(Some(claim));
                     }
-                    // Reserve outside the shard lock (a full store sweeps every shard), then
-                    // look again: the key may have been claimed meanwhile.
                     drop(slot);
                     self.reserve(1, RECORD_OVERHEAD, now)?;
                     reserved = true;
