@@ -40,7 +40,8 @@ options:
                       `redis-benchmark` for the limit rows), scenario or store name, or a
                       label prefix such as idempotent-tower/replay; `cache`, `memcache`,
                       `rediscache` or a store with its tier (`postgres+rediscache`) for
-                      the rows with a cache tier in front of the store
+                      the rows with a cache tier in front of the store; `=LABEL` for
+                      the one row of that whole label (=idempotent-tower/fresh/redis)
   --redis-url URL     add idempotent-tower rows on Redis, and the redis-benchmark limit rows
                       (default $IDEMPOTENT_TEST_REDIS_URL)
   --redis-replicas N  replicas that must acknowledge each claim and record on Redis

@@ -70,7 +70,7 @@ impl LimitRow {
 
     /// Whether `filter` selects this row, as for the layer's rows.
     pub(crate) fn selected_by(&self, filter: &[String]) -> bool {
-        selects(filter, self.parts())
+        selects(filter, self.parts(), &self.label())
     }
 }
 
@@ -569,6 +569,25 @@ mod tests {
 
     const CLAIM: &str = "SELECT $1, $2, $3, $4, $5, $6";
     const COMPLETE: &str = "UPDATE t SET p = $3, e = $4 WHERE k = $1 AND t = $2";
+
+    /// A limit row is picked as the layer's rows are: by its tool, and by its whole label
+    /// after `=`.
+    #[test]
+    fn limit_rows_are_picked_by_tool_or_whole_label() {
+        let pick = |item: &str| -> Vec<String> {
+            rows(true, true)
+                .iter()
+                .filter(|row| row.selected_by(&[item.to_owned()]))
+                .map(LimitRow::label)
+                .collect()
+        };
+        assert_eq!(
+            pick("pgbench"),
+            ["pgbench/fresh/postgres", "pgbench/replay/postgres"]
+        );
+        assert_eq!(pick("=pgbench/fresh/postgres"), ["pgbench/fresh/postgres"]);
+        assert!(pick("=pgbench").is_empty());
+    }
 
     #[test]
     fn scripts_bind_the_statements_parameters() {

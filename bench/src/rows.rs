@@ -144,7 +144,9 @@ impl Row {
     /// starts the label `implementation/scenario/store`. An empty filter selects every row.
     /// A row with a cache tier is also selected by its store with the tier
     /// (`postgres+rediscache`), by the tier's name (`memcache`, `rediscache`), by `cache`, and
-    /// by a prefix of its whole label (`idempotent-tower/replay/redis+memcache`).
+    /// by a prefix of its whole label (`idempotent-tower/replay/redis+memcache`). An item
+    /// that begins with `=` selects the one row whose whole label follows it
+    /// (`=idempotent-tower/fresh/redis`, not the same row behind a tier or prefilled).
     pub(crate) fn selected_by(&self, filter: &[String]) -> bool {
         if self.prefilled > 0 && filter.iter().any(|item| item == "prefilled") {
             return true;
@@ -165,18 +167,22 @@ impl Row {
                 self.scenario.name(),
                 self.store.name(),
             ],
+            &self.label(),
         )
     }
 }
 
-/// Whether `filter` selects the row whose implementation, scenario and store are `parts`:
-/// see [`Row::selected_by`].
-pub(crate) fn selects(filter: &[String], parts: [&str; 3]) -> bool {
-    let label = parts.join("/");
+/// Whether `filter` selects the row whose implementation, scenario and store are `parts` and
+/// whose whole label is `label`: see [`Row::selected_by`].
+pub(crate) fn selects(filter: &[String], parts: [&str; 3], label: &str) -> bool {
+    let prefixed = parts.join("/");
     filter.is_empty()
-        || filter.iter().any(|item| {
-            parts.contains(&item.as_str())
-                || (item.contains('/') && label.starts_with(item.as_str()))
+        || filter.iter().any(|item| match item.strip_prefix('=') {
+            Some(exact) => exact == label,
+            None => {
+                parts.contains(&item.as_str())
+                    || (item.contains('/') && prefixed.starts_with(item.as_str()))
+            }
         })
 }
 
@@ -360,6 +366,20 @@ mod tests {
         };
         assert_eq!(pick(&[]).len(), 26);
         assert_eq!(
+            pick(&["=idempotent-tower/fresh/redis"]),
+            ["idempotent-tower/fresh/redis"],
+            "an exact label, not the same row behind a tier"
+        );
+        assert_eq!(
+            pick(&[
+                "=idempotent-tower/fresh/redis+memcache",
+                "=floor/fresh/redis"
+            ]),
+            ["floor/fresh/redis", "idempotent-tower/fresh/redis+memcache"]
+        );
+        assert!(pick(&["=idempotent-tower/fresh"]).is_empty(), "no prefix");
+        assert!(pick(&["=redis"]).is_empty(), "no part");
+        assert_eq!(
             pick(&["bare", "postgres"]).len(),
             10,
             "bare and every row on PostgreSQL, with or without a cache tier"
@@ -467,6 +487,17 @@ mod tests {
                 .count(),
             2
         );
+        let exact = |item: &str| -> Vec<String> {
+            rows.iter()
+                .filter(|r| r.selected_by(&only(&[item])))
+                .map(Row::label)
+                .collect()
+        };
+        assert_eq!(
+            exact("=idempotent-tower/fresh/postgres+10M"),
+            ["idempotent-tower/fresh/postgres+10M"]
+        );
+        assert!(exact("=idempotent-tower/fresh/postgres").is_empty());
         assert_eq!(count_name(1_000_000), "1M");
         assert_eq!(count_name(250_000), "250k");
         assert_eq!(count_name(1_234), "1234");
