@@ -257,3 +257,41 @@ async fn concurrent_claims_on_a_full_store_never_exceed_the_bound() {
     assert_eq!(store.stats().records, 100);
     assert_eq!(store.stats().bytes, 100 * RECORD_OVERHEAD);
 }
+
+/// A new session's record takes its share of the bounds as a claim's does: on a full store,
+/// concurrent first requests of new sessions open as many as the bound holds and are refused
+/// past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_new_sessions_on_a_full_store_never_exceed_the_bound() {
+    let store = MemoryStore::builder().max_entries(50).build();
+    let tasks: Vec<_> = (0..500u32)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let id = idempotent_core::Key::new(format!("session-{i}")).unwrap();
+                let session = idempotent_core::SessionKey::derive(
+                    b"app",
+                    &idempotent_core::Scope::new(),
+                    &id,
+                );
+                idempotent_core::SessionStore::open_session(
+                    &store,
+                    &session,
+                    idempotent_core::SessionRequest::new(1, 0, 64, Duration::from_secs(60)),
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut opened = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            Ok(idempotent_core::SessionGate::Open { .. }) => opened += 1,
+            Err(StoreError::Capacity { .. }) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(opened, 50);
+    assert_eq!(store.stats().records, 50);
+    assert_eq!(store.stats().bytes, 50 * RECORD_OVERHEAD);
+}

@@ -744,14 +744,16 @@ impl Inner {
                         }
                         break step;
                     };
-                    if reserved {
+                    // The record's share taken under the shard's lock when the store has
+                    // room; a full store is swept outside it and the key looked up again (as
+                    // a claim does).
+                    if reserved || self.try_reserve(1, RECORD_OVERHEAD).is_ok() {
                         slot.insert(Record::Session {
                             state,
                             expires: until,
                         });
                         break step;
                     }
-                    // Reserve outside the shard lock, then look again (as a claim does).
                     drop(slot);
                     self.reserve(1, RECORD_OVERHEAD, now)?;
                     reserved = true;
