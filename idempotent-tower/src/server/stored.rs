@@ -36,9 +36,9 @@ const _: () = assert!(MAX_FIELDS <= 6553 && MAX_FIELDS < NO_TRAILERS as usize);
 
 /// The fields a replayed response may get after it is decoded, for which its header map has
 /// room, so that adding them does not grow (rehash and move) the map: `idempotent-replayed`,
-/// a session's `idempotency-session-seq`, and the `content-length` the server writes into the
-/// map when it sends the response (a stored response usually has none: the handler's server
-/// had not added it yet when the layer captured it).
+/// a session's `idempotency-session-seq`, and the `content-length` the server sets on the
+/// response as it sends it (a stored response rarely has one: the layer captures the
+/// handler's response before any server sets it).
 const REPLAY_ADDS: usize = 3;
 
 /// The smallest a stored field can be: both lengths and a one-byte name.
