@@ -4,7 +4,8 @@
 //! and records) and replays (each request finds its answer). See `BENCHMARKS.md`.
 //!
 //! `cargo bench -p idempotent-tower --bench layer` runs criterion; `layer --loop N MODE` runs
-//! N requests of one kind (`bare`, `fresh`, `replay`, or `empty` iterations) and exits, for
+//! N requests of one kind (`bare`, `fresh`, `replay`, `replay-uuid` and `replay-quoted` (one
+//! UUID-shaped key, bare and as a quoted string), or `empty` iterations) and exits, for
 //! `valgrind --tool=callgrind` (instructions per request, which do not move with the machine's
 //! load).
 
@@ -23,6 +24,9 @@ use tower::{Layer, Service, ServiceExt, service_fn};
 
 const BODY: &[u8] = br#"{"amount":1999,"currency":"EUR","customer":"cus_8f14e45f"}"#;
 const ANSWER: &[u8] = br#"{"id":"ch_3PZx8rLk2eZvKYlo","status":"succeeded","amount":1999}"#;
+/// A UUID-shaped key, and the same key as an RFC 8941 string (the header's structured form).
+const UUID: &str = "0b6a3c52-9e41-4f7d-8c2a-5d1e7f906b38";
+const QUOTED_UUID: &str = "\"0b6a3c52-9e41-4f7d-8c2a-5d1e7f906b38\"";
 /// Fresh keys per store generation: the store never meets its bounds.
 const CHUNK: u64 = 200_000;
 
@@ -114,6 +118,18 @@ fn layered(runtime: &tokio::runtime::Runtime, c: &mut Criterion) {
             })
         })
     });
+    c.bench_function("layer, replay, quoted UUID key", |b| {
+        let mut service = layer().layer(service_fn(handler::<_>));
+        runtime.block_on(send(&mut service, Some(QUOTED_UUID)));
+        b.iter(|| {
+            runtime.block_on(async {
+                assert_eq!(
+                    send(&mut service, Some(QUOTED_UUID)).await,
+                    StatusCode::CREATED
+                );
+            })
+        })
+    });
     c.bench_function("layer, replay", |b| {
         let mut service = layer().layer(service_fn(handler::<_>));
         runtime.block_on(send(&mut service, Some("replayed")));
@@ -162,9 +178,11 @@ fn main() {
 /// the same `n` (`--loop n empty`) are what `n` requests cost.
 async fn looped(n: u64, mode: &str) {
     let mut service = layer().layer(service_fn(handler::<_>));
-    if mode == "replay" {
-        send(&mut service, Some("replayed")).await;
-    }
+    match mode {
+        "replay" => send(&mut service, Some("replayed")).await,
+        "replay-uuid" | "replay-quoted" => send(&mut service, Some(UUID)).await,
+        _ => StatusCode::OK,
+    };
     for i in 0..n {
         match mode {
             "empty" => {
@@ -187,7 +205,20 @@ async fn looped(n: u64, mode: &str) {
                     StatusCode::CREATED
                 );
             }
-            other => panic!("--loop N bare|fresh|replay|empty, not {other}"),
+            // A key as clients usually make one, unquoted and as the header's structured
+            // form writes it (a string): the same key, replayed.
+            "replay-uuid" => {
+                assert_eq!(send(&mut service, Some(UUID)).await, StatusCode::CREATED);
+            }
+            "replay-quoted" => {
+                assert_eq!(
+                    send(&mut service, Some(QUOTED_UUID)).await,
+                    StatusCode::CREATED
+                );
+            }
+            other => {
+                panic!("--loop N bare|fresh|replay|replay-uuid|replay-quoted|empty, not {other}")
+            }
         }
     }
 }

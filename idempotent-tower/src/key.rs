@@ -95,6 +95,13 @@ pub(crate) fn parse_value(value: &[u8], strict: bool) -> Result<String, KeyProbl
     }
 }
 
+/// Bytes the parser has checked to be printable ASCII, as a string of their own (exactly as
+/// long as they are: the key keeps it as it is).
+fn ascii(bytes: &[u8]) -> Result<String, KeyProblem> {
+    String::from_utf8(bytes.to_vec())
+        .map_err(|_| KeyProblem::Unparsable("strings may contain only printable ASCII"))
+}
+
 pub(crate) fn trim_ows(mut v: &[u8]) -> &[u8] {
     while let [b' ' | b'\t', rest @ ..] = v {
         v = rest;
@@ -130,6 +137,17 @@ impl Parser<'_> {
     /// RFC 8941 §4.2.5: `"` then printable ASCII with `\"` and `\\` escapes, then `"`.
     pub(crate) fn sf_string(&mut self) -> Result<String, KeyProblem> {
         self.bump(); // opening quote
+        // The usual string, without escapes (a key as the IETF draft writes one): its bytes up
+        // to the closing quote, copied once. Anything else (an escape, a byte that is not
+        // printable ASCII, no closing quote) is read byte by byte below, from the same place.
+        let rest = &self.input[self.pos..];
+        let plain = rest
+            .iter()
+            .position(|&c| c == b'"' || c == b'\\' || !(0x20..=0x7e).contains(&c));
+        if let Some(end) = plain.filter(|&end| rest[end] == b'"') {
+            self.pos += end + 1;
+            return ascii(&rest[..end]);
+        }
         let mut out = String::new();
         loop {
             match self.bump() {
@@ -190,8 +208,7 @@ impl Parser<'_> {
         }
         let key = &self.input[start..self.pos];
         self.skip_spaces();
-        // Visible ASCII only, so this is valid UTF-8.
-        Ok(String::from_utf8_lossy(key).into_owned())
+        ascii(key)
     }
 
     /// RFC 8941 §3.1.2 parameters, parsed for well-formedness and ignored.
@@ -414,6 +431,34 @@ mod tests {
         format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""))
     }
 
+    /// RFC 8941's string read one byte at a time, as `sf_string` read every string before
+    /// it took a string without escapes in one copy: the reference its answers are held to.
+    fn sf_string_byte_by_byte(input: &[u8]) -> (Result<String, KeyProblem>, usize) {
+        let mut p = Parser { input, pos: 1 };
+        let mut out = String::new();
+        let result = loop {
+            match p.bump() {
+                None => break Err(KeyProblem::Unparsable("unterminated string")),
+                Some(b'"') => break Ok(out),
+                Some(b'\\') => match p.bump() {
+                    Some(c @ (b'"' | b'\\')) => out.push(char::from(c)),
+                    _ => {
+                        break Err(KeyProblem::Unparsable(
+                            "a backslash may only escape a quote or a backslash",
+                        ));
+                    }
+                },
+                Some(c @ 0x20..=0x7e) => out.push(char::from(c)),
+                Some(_) => {
+                    break Err(KeyProblem::Unparsable(
+                        "strings may contain only printable ASCII",
+                    ));
+                }
+            }
+        };
+        (result, p.pos)
+    }
+
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
 
@@ -449,6 +494,26 @@ mod tests {
             }
             if trimmed.first().is_some_and(|&b| b != b'"') && trimmed.contains(&b';') {
                 proptest::prop_assert!(parse_value(&bytes, strict).is_err());
+            }
+        }
+
+        #[test]
+        fn a_string_reads_as_it_does_byte_by_byte(
+            rest in proptest::prop_oneof![
+                proptest::collection::vec(proptest::prelude::any::<u8>(), 0..80),
+                // Mostly quotes, escapes, spaces and what follows a string in a header.
+                "[a-c \"\\\\;,=\t~\u{7f}]{0,30}".prop_map(String::into_bytes),
+            ],
+        ) {
+            let mut input = vec![b'"'];
+            input.extend_from_slice(&rest);
+            let mut p = Parser { input: &input, pos: 0 };
+            let read = p.sf_string();
+            let (expected, expected_pos) = sf_string_byte_by_byte(&input);
+            proptest::prop_assert_eq!(&read, &expected);
+            if read.is_ok() {
+                // Where the parser goes on from: just past the closing quote.
+                proptest::prop_assert_eq!(p.pos, expected_pos);
             }
         }
 
