@@ -7,7 +7,9 @@
 //! N requests of one kind (`bare`, `fresh`, `replay`, `replay-uuid` and `replay-quoted` (one
 //! UUID-shaped key, bare and as a quoted string), or `empty` iterations) and exits, for
 //! `valgrind --tool=callgrind` (instructions per request, which do not move with the machine's
-//! load).
+//! load). `layer --threads T N bare|replay` sends N requests on each of T threads at once
+//! (replays of keys the threads share) and prints the time a request took on each: what
+//! several cores working on the same records cost, which callgrind cannot show.
 
 use std::convert::Infallible;
 use std::hint::black_box;
@@ -170,8 +172,87 @@ fn main() {
         runtime().block_on(looped(n, mode));
         return;
     }
+    if let Some(at) = args.iter().position(|a| a == "--threads") {
+        let threads: usize = args
+            .get(at + 1)
+            .and_then(|n| n.parse().ok())
+            .filter(|&n| n > 0)
+            .expect("--threads T N bare|replay");
+        let n: usize = args
+            .get(at + 2)
+            .and_then(|n| n.parse().ok())
+            .expect("--threads T N bare|replay");
+        let mode = args.get(at + 3).map(String::as_str).unwrap_or("replay");
+        threaded(threads, n, mode);
+        return;
+    }
     group();
     Criterion::default().configure_from_args().final_summary();
+}
+
+/// `threads` threads, each on a runtime of its own, each sending `n` requests of `mode` at
+/// once: `bare` to the handler alone, `replay` through clones of one layered service (as a
+/// server clones its service for each request), over 256 UUID-shaped keys completed before,
+/// which the threads take in different orders, so that they share the store's records and its
+/// shards as a server's worker threads do. Prints the time a request on each thread.
+fn threaded(threads: usize, n: usize, mode: &str) {
+    let keys: Vec<String> = (0..256)
+        .map(|i| format!("0b6a3c52-9e41-4f7d-8c2a-{i:012}"))
+        .collect();
+    let service = layer().layer(service_fn(handler::<_>));
+    runtime().block_on(async {
+        for key in &keys {
+            let response = service
+                .clone()
+                .oneshot(request(Some(key)))
+                .await
+                .expect("a response");
+            assert_eq!(response.status(), StatusCode::CREATED);
+        }
+    });
+    let start = std::sync::Barrier::new(threads);
+    let per_request: Vec<f64> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let (service, keys, start) = (service.clone(), &keys, &start);
+                scope.spawn(move || {
+                    runtime().block_on(async move {
+                        start.wait();
+                        let began = std::time::Instant::now();
+                        for i in 0..n {
+                            let key = &keys[(i * 7 + t * 131) % keys.len()];
+                            let response = match mode {
+                                "bare" => service_fn(handler::<_>)
+                                    .oneshot(request(Some(key)))
+                                    .await
+                                    .expect("a response")
+                                    .map(http_body_util::Either::Left),
+                                "replay" => service
+                                    .clone()
+                                    .oneshot(request(Some(key)))
+                                    .await
+                                    .expect("a response")
+                                    .map(http_body_util::Either::Right),
+                                other => panic!("--threads T N bare|replay, not {other}"),
+                            };
+                            assert_eq!(response.status(), StatusCode::CREATED);
+                            black_box(response.into_body().collect().await.expect("a body"));
+                        }
+                        began.elapsed().as_secs_f64() * 1e9 / n as f64
+                    })
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|worker| worker.join().expect("a worker thread"))
+            .collect()
+    });
+    let shown: Vec<String> = per_request.iter().map(|ns| format!("{ns:.0}")).collect();
+    println!(
+        "{mode}, {threads} thread(s): {} ns a request on each",
+        shown.join(", ")
+    );
 }
 
 /// `n` requests of `mode`, for callgrind: its instructions less those of an empty loop of
