@@ -286,7 +286,7 @@ pub(crate) fn goals_table(
          |---|---:|---:|---:|---:|---:|\n",
     );
     for (name, ratio, goal) in ratios {
-        let shown = |value: Option<f64>| value.map_or_else(|| "–".to_owned(), |v| shown(v, goal));
+        let cell = |value: Option<f64>| value.map_or_else(|| "–".to_owned(), |v| shown(v, goal));
         let (Some(over), Some(under)) = (ratio.over, ratio.under) else {
             continue;
         };
@@ -300,10 +300,10 @@ pub(crate) fn goals_table(
             .map(|floor| paired(floor.rounds, under.rounds).unwrap_or(floor.median / under.median));
         out.push_str(&format!(
             "| {name} | {} | ≥ {goal} | {} | {} | {} |\n",
-            shown(Some(this_run)),
-            shown(Some(of_medians)),
-            shown(floor),
-            shown(ratio.ceiling),
+            cell(Some(this_run)),
+            cell(Some(of_medians)),
+            cell(floor),
+            cell(ratio.ceiling),
         ));
     }
     out
