@@ -164,30 +164,30 @@ criterion_group!(group, benches);
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if let Some(at) = args.iter().position(|a| a == "--loop") {
-        let n: u64 = args
-            .get(at + 1)
-            .and_then(|n| n.parse().ok())
-            .expect("--loop N bare|fresh|replay|empty");
+        const USAGE: &str = "--loop N bare|fresh|replay|replay-uuid|replay-quoted|empty";
+        let n: u64 = argument(&args, at + 1, USAGE);
         let mode = args.get(at + 2).map(String::as_str).unwrap_or("fresh");
         runtime().block_on(looped(n, mode));
         return;
     }
     if let Some(at) = args.iter().position(|a| a == "--threads") {
-        let threads: usize = args
-            .get(at + 1)
-            .and_then(|n| n.parse().ok())
-            .filter(|&n| n > 0)
-            .expect("--threads T N bare|replay");
-        let n: usize = args
-            .get(at + 2)
-            .and_then(|n| n.parse().ok())
-            .expect("--threads T N bare|replay");
+        const USAGE: &str = "--threads T N bare|replay";
+        let threads: usize = argument(&args, at + 1, USAGE);
+        assert!(threads > 0, "{USAGE}: at least one thread");
+        let n: usize = argument(&args, at + 2, USAGE);
         let mode = args.get(at + 3).map(String::as_str).unwrap_or("replay");
         threaded(threads, n, mode);
         return;
     }
     group();
     Criterion::default().configure_from_args().final_summary();
+}
+
+/// The number at `args[at]`; the usage `usage` if there is none.
+fn argument<T: std::str::FromStr>(args: &[String], at: usize, usage: &str) -> T {
+    args.get(at)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{usage}"))
 }
 
 /// `threads` threads, each on a runtime of its own, each sending `n` requests of `mode` at
