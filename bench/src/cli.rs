@@ -32,6 +32,11 @@ options:
   --rounds N          rounds over all rows; each row reports its median round (default 3)
   --warmup SECS       untimed seconds before each timed phase (default 3)
   --duration SECS     timed seconds per row and round (default 10)
+  --turns N           after the rounds, each of the summary's ratios of two HTTP rows
+                      measured again with both rows' loads taking turns: N timed turns of
+                      each row (after 5 untimed), the order swapped from pair to pair; the
+                      summary's figure (default 100; 0 for none)
+  --turn-ms MS        how long a turn lasts, in milliseconds (default 50)
   --connections N     load-generator connections, HTTP/1.1 keep-alive (default 64)
   --replay-keys N     keys per connection in the replay scenario (default 4)
   --server-threads N  tokio worker threads of the server (default 2)
@@ -73,6 +78,11 @@ pub(crate) struct Backends {
     /// (`RedisStoreBuilder::replicas`).
     pub(crate) redis_replicas: usize,
 }
+
+/// The most timed turns of each row, and the longest turn, that `--turns` and `--turn-ms`
+/// take: more would only be a typo (an hour of turns).
+const MAX_TURNS: usize = 10_000;
+const MAX_TURN_MS: u64 = 10_000;
 
 /// Rounds with `--quick`: each row reports its median round, so that one slow or fast round
 /// on a shared machine does not decide a row (single rounds moved by a third between runs).
@@ -159,6 +169,10 @@ pub(crate) struct Options {
     pub(crate) requests: Vec<u64>,
     pub(crate) in_flight: usize,
     pub(crate) ack: AckPolicy,
+    /// Timed turns of each row of the summary's pairs of HTTP rows (`pair.rs`; 0 for none),
+    /// and how long a turn lasts.
+    pub(crate) turns: usize,
+    pub(crate) turn: Duration,
     pub(crate) out: PathBuf,
 }
 
@@ -190,6 +204,8 @@ pub(crate) fn parse(
         requests: REQUESTS.to_vec(),
         in_flight: IN_FLIGHT,
         ack: AckPolicy::Trailing,
+        turns: 100,
+        turn: Duration::from_millis(50),
         out: PathBuf::from("target/bench/http.json"),
     };
     let (mut rounds, mut warmup, mut measure) = (None, None, None);
@@ -261,6 +277,23 @@ pub(crate) fn parse(
             }
             "--requests" => requests = Some(counts(&arg, &value(&arg)?)?),
             "--in-flight" => options.in_flight = number(&arg, &value(&arg)?)?,
+            "--turns" => {
+                let n = value(&arg)?;
+                options.turns = match n.as_str() {
+                    "0" => 0,
+                    n => number(&arg, n)?,
+                };
+                if options.turns > MAX_TURNS {
+                    return Err(format!("--turns takes at most {MAX_TURNS}, not {n}"));
+                }
+            }
+            "--turn-ms" => {
+                let ms: u64 = number(&arg, &value(&arg)?)?;
+                if ms > MAX_TURN_MS {
+                    return Err(format!("--turn-ms takes at most {MAX_TURN_MS}, not {ms}"));
+                }
+                options.turn = Duration::from_millis(ms);
+            }
             "--ack" => {
                 let name = value(&arg)?;
                 options.ack = AckPolicy::parse(&name).ok_or_else(|| {
@@ -445,6 +478,26 @@ mod tests {
         );
         let e = parse_args(&["http", "--outbox", "o.json"]).unwrap_err();
         assert!(e.contains("--outbox is an option of `summary`"), "{e}");
+    }
+
+    #[test]
+    fn turns_default_to_100_of_50_ms_and_are_bounded() {
+        let o = parse_args(&["http"]).unwrap();
+        assert_eq!((o.turns, o.turn), (100, Duration::from_millis(50)));
+        let o = parse_args(&["http", "--turns", "0"]).unwrap();
+        assert_eq!(o.turns, 0);
+        let o = parse_args(&["--turns", "40", "--turn-ms", "20"]).unwrap();
+        assert_eq!((o.turns, o.turn), (40, Duration::from_millis(20)));
+        for bad in [
+            &["--turns", "-1"][..],
+            &["--turns", "x"],
+            &["--turns", "10001"],
+            &["--turn-ms", "0"],
+            &["--turn-ms", "10001"],
+            &["--turns"],
+        ] {
+            assert!(parse_args(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

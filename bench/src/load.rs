@@ -226,28 +226,10 @@ async fn drive(
     barrier: &Barrier,
     start: &OnceLock<Instant>,
 ) -> Result<Traffic, String> {
-    let mut connection = Connection::open(plan.addr).await;
-    let cookie = match (&mut connection, plan.session) {
-        (Ok(connection), true) => Some(connection.open_session().await),
-        _ => None,
-    };
-    let seeded = match (&mut connection, plan.scenario) {
-        (Ok(connection), Scenario::Replay) => {
-            seed(
-                connection,
-                lane,
-                plan,
-                cookie.as_ref().and_then(|c| c.as_ref().ok()),
-            )
-            .await
-        }
-        _ => Ok(()),
-    };
+    let prepared = prepare(lane, plan).await;
     // Every lane reaches the barrier, even a failed one, so the others are not left waiting.
     barrier.wait().await;
-    let mut connection = connection?;
-    let cookie = cookie.transpose()?;
-    seeded?;
+    let (mut connection, cookie) = prepared?;
 
     let begin = *start.get_or_init(Instant::now);
     let (timed_from, end) = (begin + plan.warmup, begin + plan.warmup + plan.measure);
@@ -285,6 +267,183 @@ async fn drive(
         }
     }
     Ok(traffic)
+}
+
+/// How two rows' loads take turns on the machine (`pair.rs`): slices of `slice` each, the
+/// first row's and the second's by turns, `warmup` of each row's untimed, then `timed` of each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Turns {
+    pub(crate) slice: Duration,
+    pub(crate) warmup: usize,
+    pub(crate) timed: usize,
+}
+
+impl Turns {
+    /// The slices of both rows together.
+    pub(crate) fn slices(&self) -> usize {
+        2 * (self.warmup + self.timed)
+    }
+
+    /// Which row (0 or 1) has slice `k`: 0 1, then 1 0, then 0 1, and so on. Each pair of
+    /// slices holds one turn of each row, and the order swaps from pair to pair, so that a
+    /// machine speeding up or slowing down steadily favours neither row.
+    pub(crate) fn owner(k: usize) -> usize {
+        let half = k % 2;
+        if (k / 2).is_multiple_of(2) {
+            half
+        } else {
+            1 - half
+        }
+    }
+
+    /// Whether slice `k` is timed.
+    pub(crate) fn timed(&self, k: usize) -> bool {
+        k >= 2 * self.warmup && k < self.slices()
+    }
+}
+
+/// What one row's connections did in their turns: 2xx responses to the requests sent in each
+/// slice (the other row's slices stay 0), and the requests of timed slices that got another
+/// status or none, and those marked as replays.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TurnTraffic {
+    pub(crate) successes: Vec<u64>,
+    pub(crate) failures: u64,
+    pub(crate) replayed: u64,
+}
+
+impl TurnTraffic {
+    fn new(slices: usize) -> Self {
+        TurnTraffic {
+            successes: vec![0; slices],
+            failures: 0,
+            replayed: 0,
+        }
+    }
+
+    fn merge(&mut self, other: &TurnTraffic) {
+        for (total, n) in self.successes.iter_mut().zip(&other.successes) {
+            *total += n;
+        }
+        self.failures += other.failures;
+        self.replayed += other.replayed;
+    }
+
+    /// 2xx responses in timed slices.
+    pub(crate) fn timed_successes(&self, turns: &Turns) -> u64 {
+        (0..turns.slices())
+            .filter(|&k| turns.timed(k))
+            .map(|k| self.successes[k])
+            .sum()
+    }
+}
+
+/// Runs two plans by turns (see [`Turns`]): every connection of both connects (opens its
+/// session, creates its replay keys), then each row's connections send only in that row's
+/// slices and wait through the other's.
+pub(crate) async fn run_turns(plans: [&Plan; 2], turns: Turns) -> Result<[TurnTraffic; 2], String> {
+    let barrier = Arc::new(Barrier::new(
+        plans.iter().map(|plan| plan.connections).sum::<usize>() + 1,
+    ));
+    let start = Arc::new(OnceLock::new());
+    let mut lanes = JoinSet::new();
+    for (row, plan) in plans.into_iter().enumerate() {
+        for lane in 0..plan.connections {
+            let (plan, barrier, start) = (plan.clone(), Arc::clone(&barrier), Arc::clone(&start));
+            lanes.spawn(async move {
+                let traffic = drive_turns(row, lane, &plan, turns, &barrier, &start).await;
+                (row, traffic)
+            });
+        }
+    }
+    barrier.wait().await;
+    start.get_or_init(Instant::now);
+    let mut total = [
+        TurnTraffic::new(turns.slices()),
+        TurnTraffic::new(turns.slices()),
+    ];
+    while let Some(lane) = lanes.join_next().await {
+        let (row, traffic) = lane.map_err(|e| format!("load task failed: {e}"))?;
+        total[row].merge(&traffic?);
+    }
+    Ok(total)
+}
+
+/// Connection `lane` of row `row` (0 or 1) of [`run_turns`].
+async fn drive_turns(
+    row: usize,
+    lane: usize,
+    plan: &Plan,
+    turns: Turns,
+    barrier: &Barrier,
+    start: &OnceLock<Instant>,
+) -> Result<TurnTraffic, String> {
+    let prepared = prepare(lane, plan).await;
+    barrier.wait().await;
+    let (mut connection, cookie) = prepared?;
+
+    let begin = *start.get_or_init(Instant::now);
+    let slice_nanos = turns.slice.as_nanos().max(1);
+    let slices = turns.slices();
+    let mut traffic = TurnTraffic::new(slices);
+    let mut n = 0u64;
+    loop {
+        let sent = Instant::now();
+        let slice = usize::try_from(sent.duration_since(begin).as_nanos() / slice_nanos)
+            .unwrap_or(usize::MAX);
+        if slice >= slices {
+            break;
+        }
+        if Turns::owner(slice) != row {
+            let Some(next) = (slice + 1..slices).find(|&k| Turns::owner(k) == row) else {
+                break;
+            };
+            let at = turns.slice * u32::try_from(next).unwrap_or(u32::MAX);
+            tokio::time::sleep_until((begin + at).into()).await;
+            continue;
+        }
+        let named = Named::of(
+            key_for(plan.scenario, plan.replay_keys, lane, n),
+            plan.scenario,
+        );
+        n += 1;
+        let answer = connection
+            .send(PAYMENTS, Some(&named), cookie.as_ref(), REQUEST_BODY)
+            .await;
+        let timed = turns.timed(slice);
+        match answer {
+            Ok(answer) if timed => {
+                if (200..300).contains(&answer.status) {
+                    traffic.successes[slice] += 1;
+                } else {
+                    traffic.failures += 1;
+                }
+                traffic.replayed += u64::from(answer.replayed);
+            }
+            Ok(_) => {}
+            Err(_) => {
+                if timed {
+                    traffic.failures += 1;
+                }
+                connection = Connection::open(plan.addr).await?;
+            }
+        }
+    }
+    Ok(traffic)
+}
+
+/// Connection `lane` of `plan`, ready to send: connected, its session opened when the row
+/// needs one (the `Cookie` value that carries it), its replay keys created.
+async fn prepare(lane: usize, plan: &Plan) -> Result<(Connection, Option<HeaderValue>), String> {
+    let mut connection = Connection::open(plan.addr).await?;
+    let cookie = match plan.session {
+        true => Some(connection.open_session().await?),
+        false => None,
+    };
+    if plan.scenario == Scenario::Replay {
+        seed(&mut connection, lane, plan, cookie.as_ref()).await?;
+    }
+    Ok((connection, cookie))
 }
 
 /// Creates connection `lane`'s replay keys, one request each.
@@ -368,6 +527,25 @@ pub(crate) async fn probe(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn turns_alternate_and_swap_order_each_pair() {
+        let owners: Vec<usize> = (0..8).map(Turns::owner).collect();
+        assert_eq!(owners, [0, 1, 1, 0, 0, 1, 1, 0]);
+        let turns = Turns {
+            slice: Duration::from_millis(100),
+            warmup: 2,
+            timed: 3,
+        };
+        assert_eq!(turns.slices(), 10);
+        assert_eq!(
+            (0..12).filter(|&k| turns.timed(k)).collect::<Vec<_>>(),
+            [4, 5, 6, 7, 8, 9]
+        );
+        let mut traffic = TurnTraffic::new(turns.slices());
+        traffic.successes = vec![100, 0, 0, 100, 7, 0, 0, 9, 11, 0];
+        assert_eq!(traffic.timed_successes(&turns), 27);
+    }
 
     #[test]
     fn keys_per_scenario() {

@@ -65,6 +65,7 @@ mod limit;
 mod load;
 mod measure;
 mod memory;
+mod pair;
 #[cfg(idempotent_bench_peers)]
 mod peers;
 mod report;
@@ -137,18 +138,19 @@ fn summary(
     consumer: &Option<std::path::PathBuf>,
 ) -> Result<bool, String> {
     let all = report::read_json(&options.out)?;
-    let (mut records, mut limits) = (Vec::new(), Vec::new());
+    let (mut records, mut limits, mut pairs) = (Vec::new(), Vec::new(), Vec::new());
     for record in all {
         match record {
             Record::Http(record) => records.push(record),
             Record::Limit(limit) => limits.push(limit),
+            Record::Pair(pair) => pairs.push(pair),
             _ => {}
         }
     }
     let others = report::OtherRows::read(outbox.as_deref(), consumer.as_deref());
     println!(
         "The summary's ratios (BENCHMARKS.md), this run:\n\n{}",
-        report::goals_table(&records, &limits, &others)
+        report::goals_table(&records, &limits, &pairs, &others)
     );
     Ok(true)
 }
@@ -258,6 +260,45 @@ fn http(options: &Options) -> Result<bool, String> {
         }
     }
 
+    // The summary's ratios of two HTTP rows again, by turns (`pair.rs`), before the prefilled
+    // rows fill the shared stores. A pair whose row failed in the rounds is left out.
+    let mut pairs = Vec::new();
+    let mut failed_pairs = Vec::new();
+    if options.turns > 0 {
+        let turns = load::Turns {
+            slice: options.turn,
+            warmup: pair::WARMUP_TURNS,
+            timed: options.turns,
+        };
+        for (over, under) in pair::selected(&rows) {
+            if failed.iter().any(|(r, _)| *r == over || *r == under) {
+                continue;
+            }
+            between.settle();
+            match pair::run((over, under), turns, options, &client) {
+                Ok(record) => {
+                    eprintln!(
+                        "by turns: {} / {}: {:.3} (median of {} pairs of {} ms turns; \
+                         {:.0} and {:.0} rps in their turns)",
+                        record.over,
+                        record.under,
+                        record.ratio,
+                        record.ratios.len(),
+                        record.turn_ms,
+                        record.over_rps,
+                        record.under_rps,
+                    );
+                    pairs.push(record);
+                }
+                Err(message) => {
+                    let name = format!("{} / {} by turns", over.label(), under.label());
+                    eprintln!("{name}: {message}");
+                    failed_pairs.push((name, message));
+                }
+            }
+        }
+    }
+
     // The prefilled rows, after the others: the shared stores keep their prefilled records
     // from one count to the next, and the other rows are measured without them.
     let mut shared = scale::Shared::new(backends);
@@ -336,7 +377,12 @@ fn http(options: &Options) -> Result<bool, String> {
     }
     println!(
         "The summary's ratios (BENCHMARKS.md):\n\n{}",
-        report::goals_table(&records, &limit_records, &report::OtherRows::default())
+        report::goals_table(
+            &records,
+            &limit_records,
+            &pairs,
+            &report::OtherRows::default()
+        )
     );
     if !skipped.is_empty() {
         println!(
@@ -356,12 +402,17 @@ fn http(options: &Options) -> Result<bool, String> {
             .map(Record::Http)
             .chain(limit_records.into_iter().map(Record::Limit))
             .chain(fills.into_iter().map(Record::Prefill))
+            .chain(pairs.iter().cloned().map(Record::Pair))
             .collect(),
     )
     .map_err(|e| format!("cannot write {}: {e}", options.out.display()))?;
     eprintln!("wrote {}", options.out.display());
 
-    let problems: Vec<String> = records.iter().flat_map(report::problems).collect();
+    let problems: Vec<String> = records
+        .iter()
+        .flat_map(report::problems)
+        .chain(pairs.iter().flat_map(pair::PairRecord::problems))
+        .collect();
     for problem in &problems {
         eprintln!("PROBLEM: {problem}");
     }
@@ -371,7 +422,13 @@ fn http(options: &Options) -> Result<bool, String> {
     for (row, message) in &failed_limits {
         eprintln!("FAILED: {}: {message}", row.label());
     }
-    Ok(problems.is_empty() && failed.is_empty() && failed_limits.is_empty())
+    for (name, message) in &failed_pairs {
+        eprintln!("FAILED: {name}: {message}");
+    }
+    Ok(problems.is_empty()
+        && failed.is_empty()
+        && failed_limits.is_empty()
+        && failed_pairs.is_empty())
 }
 
 /// What is done between two rows: Redis's background work settled (see `background.rs`).
@@ -601,6 +658,53 @@ mod tests {
         );
         assert_eq!(audit.executions - audit.distinct_keys, 2 * 3);
         assert!(!audit.exactly_once());
+    }
+
+    /// Two rows by turns through their real servers: each row's connections send only in its
+    /// turns, every timed pair of turns gives a ratio, and the replay row's answers are all
+    /// replays.
+    #[test]
+    fn two_rows_take_turns_through_their_servers() {
+        let args = [
+            "http",
+            "--connections",
+            "4",
+            "--turns",
+            "6",
+            "--turn-ms",
+            "20",
+        ];
+        let options = cli::parse(args.map(String::from), |_| None).unwrap();
+        let client = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let rows: Vec<Row> = rows::all_rows(false, false)
+            .into_iter()
+            .filter(|row| {
+                row.selected_by(&[
+                    "=bare/none/none".into(),
+                    "=idempotent-tower/replay/memory".into(),
+                ])
+            })
+            .collect();
+        let [(over, under)] = pair::selected(&rows)[..] else {
+            panic!("one pair of these rows: {rows:?}");
+        };
+        let turns = load::Turns {
+            slice: options.turn,
+            warmup: 1,
+            timed: options.turns,
+        };
+        let record = pair::run((over, under), turns, &options, &client).unwrap();
+        assert_eq!(
+            (record.over.as_str(), record.under.as_str()),
+            pair::MEMORY_REPLAY
+        );
+        assert_eq!(record.ratios.len(), 6, "{record:?}");
+        assert!(record.ratio > 0.0 && record.over_rps > 0.0 && record.under_rps > 0.0);
+        assert!(record.problems().is_empty(), "{:?}", record.problems());
     }
 
     /// A session row: each connection's session numbers its requests and acknowledges each

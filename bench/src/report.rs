@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cache::CacheWindow;
 use crate::measure::{Audit, Traffic, round1};
+use crate::pair::{self, PairRecord};
 use crate::rows::Row;
 use crate::sessions::SessionRecord;
 
@@ -24,6 +25,8 @@ pub(crate) enum Record {
     Prefill(FillRecord),
     /// What a store holds for one client session against keys (`sessions.rs`).
     Sessions(SessionRecord),
+    /// Two HTTP rows measured by turns (`pair.rs`).
+    Pair(PairRecord),
 }
 
 /// A limit row: what the backend's own benchmark tool does with the store's statements
@@ -141,6 +144,7 @@ pub(crate) fn limit_table(limits: &[LimitRecord], rows: &[HttpRecord]) -> String
 pub(crate) fn goals_table(
     records: &[HttpRecord],
     limits: &[LimitRecord],
+    pairs: &[PairRecord],
     others: &OtherRows,
 ) -> String {
     let find = |scenario: &str, store: &str, prefilled: bool| {
@@ -187,6 +191,7 @@ pub(crate) fn goals_table(
             ceiling: row
                 .zip(tool)
                 .and_then(|(row, tool)| ceiling(row, tool, tool.cpus)),
+            rows: None,
         }
     };
     let prefilled = records
@@ -206,15 +211,29 @@ pub(crate) fn goals_table(
         })
     };
     // Over bare: the floor on memory.
-    let against_bare = |scenario: &str| Ratio {
+    let against_bare = |scenario: &str, rows| Ratio {
         over: layer(scenario, "memory", false),
         under: bare,
         floor: floor(scenario, "memory"),
         ceiling: None,
+        rows: Some(rows),
+    };
+    // A session row over its store's fresh row, by turns where they took turns.
+    let session = |store: &str, rows| Ratio {
+        rows: Some(rows),
+        ..plain(layer("session", store, false), layer("fresh", store, false))
     };
     let ratios: [(&str, Ratio<'_>, f64); 12] = [
-        ("memory fresh / bare", against_bare("fresh"), 0.85),
-        ("memory replay / bare", against_bare("replay"), 0.95),
+        (
+            "memory fresh / bare",
+            against_bare("fresh", pair::MEMORY_FRESH),
+            0.85,
+        ),
+        (
+            "memory replay / bare",
+            against_bare("replay", pair::MEMORY_REPLAY),
+            0.95,
+        ),
         (
             "Redis fresh / `redis-benchmark` fresh",
             against_limit("fresh", "redis", "redis-benchmark"),
@@ -237,26 +256,17 @@ pub(crate) fn goals_table(
         ),
         (
             "memory session / fresh",
-            plain(
-                layer("session", "memory", false),
-                layer("fresh", "memory", false),
-            ),
+            session("memory", pair::MEMORY_SESSION),
             0.95,
         ),
         (
             "Redis session / fresh",
-            plain(
-                layer("session", "redis", false),
-                layer("fresh", "redis", false),
-            ),
+            session("redis", pair::REDIS_SESSION),
             0.85,
         ),
         (
             "PostgreSQL session / fresh",
-            plain(
-                layer("session", "postgres", false),
-                layer("fresh", "postgres", false),
-            ),
+            session("postgres", pair::POSTGRES_SESSION),
             0.85,
         ),
         (
@@ -282,8 +292,8 @@ pub(crate) fn goals_table(
         ),
     ];
     let mut out = String::from(
-        "| ratio | this run | goal | of the medians | floor | ceiling on this machine |\n\
-         |---|---:|---:|---:|---:|---:|\n",
+        "| ratio | this run | goal | by rounds | of the medians | floor | ceiling on this machine |\n\
+         |---|---:|---:|---:|---:|---:|---:|\n",
     );
     for (name, ratio, goal) in ratios {
         let cell = |value: Option<f64>| value.map_or_else(|| "–".to_owned(), |v| shown(v, goal));
@@ -294,13 +304,20 @@ pub(crate) fn goals_table(
             continue;
         }
         let of_medians = over.median / under.median;
-        let this_run = paired(over.rounds, under.rounds).unwrap_or(of_medians);
+        let by_rounds = paired(over.rounds, under.rounds).unwrap_or(of_medians);
+        let in_turns = ratio.rows.and_then(|(over, under)| {
+            pairs
+                .iter()
+                .find(|pair| pair.over == over && pair.under == under)
+                .map(|pair| pair.ratio)
+        });
         let floor = ratio
             .floor
             .map(|floor| paired(floor.rounds, under.rounds).unwrap_or(floor.median / under.median));
         out.push_str(&format!(
-            "| {name} | {} | ≥ {goal} | {} | {} | {} |\n",
-            cell(Some(this_run)),
+            "| {name} | {} | ≥ {goal} | {} | {} | {} | {} |\n",
+            cell(Some(in_turns.unwrap_or(by_rounds))),
+            cell(Some(by_rounds)),
             cell(Some(of_medians)),
             cell(floor),
             cell(ratio.ceiling),
@@ -347,6 +364,9 @@ struct Ratio<'a> {
     under: Option<Rate<'a>>,
     floor: Option<Rate<'a>>,
     ceiling: Option<f64>,
+    /// The labels of the numerator's and the denominator's rows, for a ratio of two HTTP rows
+    /// that `pair.rs` may have measured by turns.
+    rows: Option<(&'static str, &'static str)>,
 }
 
 /// A ratio with neither a floor nor a ceiling.
@@ -356,6 +376,7 @@ fn plain<'a>(over: Option<Rate<'a>>, under: Option<Rate<'a>>) -> Ratio<'a> {
         under,
         floor: None,
         ceiling: None,
+        rows: None,
     }
 }
 
@@ -748,13 +769,16 @@ pub(crate) fn read_json(path: &Path) -> Result<Vec<Record>, String> {
 /// rows and the prefill records belong to the HTTP mode.
 pub(crate) fn write_json(path: &Path, records: Vec<Record>) -> std::io::Result<()> {
     let mut all = read_json(path).unwrap_or_default();
-    let replaces_http = records
-        .iter()
-        .any(|r| matches!(r, Record::Http(_) | Record::Limit(_) | Record::Prefill(_)));
+    let replaces_http = records.iter().any(|r| {
+        matches!(
+            r,
+            Record::Http(_) | Record::Limit(_) | Record::Prefill(_) | Record::Pair(_)
+        )
+    });
     let replaces_memory = records.iter().any(|r| matches!(r, Record::Memory(_)));
     let replaces_sessions = records.iter().any(|r| matches!(r, Record::Sessions(_)));
     all.retain(|r| match r {
-        Record::Http(_) | Record::Limit(_) | Record::Prefill(_) => !replaces_http,
+        Record::Http(_) | Record::Limit(_) | Record::Prefill(_) | Record::Pair(_) => !replaces_http,
         Record::Memory(_) => !replaces_memory,
         Record::Sessions(_) => !replaces_sessions,
     });
@@ -924,10 +948,11 @@ mod tests {
         let table = goals_table(
             &records,
             std::slice::from_ref(&pgbench),
+            &[],
             &OtherRows::default(),
         );
         assert!(
-            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 | 0.80 | – | – |"),
+            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 | 0.80 | 0.80 | – | – |"),
             "{table}"
         );
         // With the floor's fresh rows, the memory fresh ratio gets floor / bare and the
@@ -935,26 +960,28 @@ mod tests {
         let mut with_floor = records.to_vec();
         with_floor.push(http("floor", "fresh", "memory", 870, 0));
         with_floor.push(http("floor", "fresh", "postgres", 340, 0));
-        let table = goals_table(&with_floor, &[pgbench], &OtherRows::default());
+        let table = goals_table(&with_floor, &[pgbench], &[], &OtherRows::default());
         assert!(
-            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 | 0.80 | 0.87 | – |"),
-            "{table}"
-        );
-        assert!(
-            table.contains("| PostgreSQL fresh / `pgbench` fresh | 0.75 | ≥ 0.85 | 0.75 | 0.85 |"),
-            "{table}"
-        );
-        assert!(
-            table.contains("| memory session / fresh | 0.95 | ≥ 0.95 | 0.95 | – | – |"),
-            "{table}"
-        );
-        assert!(
-            table.contains("| PostgreSQL fresh / `pgbench` fresh | 0.75 | ≥ 0.85 |"),
+            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 | 0.80 | 0.80 | 0.87 | – |"),
             "{table}"
         );
         assert!(
             table.contains(
-                "| memory fresh, 1M records before / none | 0.90 | ≥ 0.9 | 0.90 | – | – |"
+                "| PostgreSQL fresh / `pgbench` fresh | 0.75 | ≥ 0.85 | 0.75 | 0.75 | 0.85 |"
+            ),
+            "{table}"
+        );
+        assert!(
+            table.contains("| memory session / fresh | 0.95 | ≥ 0.95 | 0.95 | 0.95 | – | – |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| PostgreSQL fresh / `pgbench` fresh | 0.75 | ≥ 0.85 | 0.75 |"),
+            "{table}"
+        );
+        assert!(
+            table.contains(
+                "| memory fresh, 1M records before / none | 0.90 | ≥ 0.9 | 0.90 | 0.90 | – | – |"
             ),
             "{table}"
         );
@@ -974,20 +1001,69 @@ mod tests {
             ]
         };
         // 0.947 rounds to 0.95, its goal: three decimals; the floor, at the goal, meets it.
-        let table = goals_table(&records(947, 950), &[], &OtherRows::default());
+        let table = goals_table(&records(947, 950), &[], &[], &OtherRows::default());
         assert!(
-            table.contains("| memory replay / bare | 0.947 | ≥ 0.95 | 0.947 | 0.95 | – |"),
+            table.contains("| memory replay / bare | 0.947 | ≥ 0.95 | 0.947 | 0.947 | 0.95 | – |"),
             "{table}"
         );
-        let table = goals_table(&records(950, 9496), &[], &OtherRows::default());
+        let table = goals_table(&records(950, 9496), &[], &[], &OtherRows::default());
         assert!(
-            table.contains("| memory replay / bare | 0.95 | ≥ 0.95 | 0.95 | 9.50 | – |"),
+            table.contains("| memory replay / bare | 0.95 | ≥ 0.95 | 0.95 | 0.95 | 9.50 | – |"),
             "{table}"
         );
         // Below the goal by less than a thousandth: as many decimals as it takes.
         assert_eq!(shown(0.94996, 0.95), "0.94996");
         assert_eq!(shown(0.9449, 0.95), "0.94");
         assert_eq!(shown(1.0, 0.95), "1.00");
+    }
+
+    #[test]
+    fn a_ratio_measured_by_turns_is_this_runs_figure_and_by_rounds_stays_beside_it() {
+        let records = [
+            record("bare", "none", "none", 0, &[1000, 1100, 900]),
+            record("idempotent-tower", "replay", "memory", 0, &[900, 1100, 800]),
+            record("idempotent-tower", "fresh", "memory", 0, &[800, 800, 800]),
+            record("idempotent-tower", "session", "memory", 0, &[790, 790, 790]),
+        ];
+        let turned = |(over, under): crate::pair::Pair, ratio: f64| PairRecord {
+            over: over.into(),
+            under: under.into(),
+            turn_ms: 100.0,
+            turns: 3,
+            ratio,
+            ratios: vec![ratio; 3],
+            over_rps: 0.0,
+            under_rps: 0.0,
+            failures: 0,
+            not_replayed: 0,
+        };
+        // By rounds: replay 0.90, 1.00, 0.89 (median 0.90, as of the medians: 900 / 1000); by
+        // turns 0.96, the figure that decides. A pair of other rows (fresh over replay) is no
+        // ratio of the summary's.
+        let pairs = [
+            turned(crate::pair::MEMORY_REPLAY, 0.96),
+            turned(
+                (
+                    "idempotent-tower/fresh/memory",
+                    "idempotent-tower/replay/memory",
+                ),
+                0.5,
+            ),
+        ];
+        let table = goals_table(&records, &[], &pairs, &OtherRows::default());
+        assert!(
+            table.contains("| memory replay / bare | 0.96 | ≥ 0.95 | 0.90 | 0.90 | – | – |"),
+            "{table}"
+        );
+        // Not measured by turns: by rounds in both columns.
+        assert!(
+            table.contains("| memory fresh / bare | 0.80 | ≥ 0.85 | 0.80 | 0.80 | – | – |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| memory session / fresh | 0.99 | ≥ 0.95 | 0.99 | 0.99 | – | – |"),
+            "{table}"
+        );
     }
 
     #[test]
@@ -1016,26 +1092,28 @@ mod tests {
             3,
             &[(400.0, 0.5), (400.0, 0.5), (200.0, 0.5)],
         );
-        let table = goals_table(&records, &[pgbench], &OtherRows::default());
+        let table = goals_table(&records, &[pgbench], &[], &OtherRows::default());
         // Paired: the median of 1.00, 1.00, 1.00; of the medians 1000 / 1000.
         assert!(
-            table.contains("| memory fresh / bare | 1.00 | ≥ 0.85 | 1.00 | 0.87 | – |"),
+            table.contains("| memory fresh / bare | 1.00 | ≥ 0.85 | 1.00 | 1.00 | 0.87 | – |"),
             "{table}"
         );
         // Paired: the median of 0.95, 0.57, 0.95; of the medians 570 / 1000.
         assert!(
-            table.contains("| memory session / fresh | 0.95 | ≥ 0.95 | 0.57 | – | – |"),
+            table.contains("| memory session / fresh | 0.95 | ≥ 0.95 | 0.95 | 0.57 | – | – |"),
             "{table}"
         );
         // Against the tool of the same rounds: 0.75, 0.375, 0.75; of the medians 150 / 400.
         assert!(
-            table.contains("| PostgreSQL fresh / `pgbench` fresh | 0.75 | ≥ 0.85 | 0.38 | – |"),
+            table.contains(
+                "| PostgreSQL fresh / `pgbench` fresh | 0.75 | ≥ 0.85 | 0.75 | 0.38 | – |"
+            ),
             "{table}"
         );
         // Paired it would be 0.70 (0.50, 0.70, 0.93): the ratio of the medians, 560 / 1000.
         assert!(
             table.contains(
-                "| memory fresh, 1M records before / none | 0.56 | ≥ 0.9 | 0.56 | – | – |"
+                "| memory fresh, 1M records before / none | 0.56 | ≥ 0.9 | 0.56 | 0.56 | – | – |"
             ),
             "{table}"
         );
@@ -1118,16 +1196,16 @@ mod tests {
                 bare_pg: Some(9_000.0),
             }
         );
-        let table = goals_table(&[], &[], &others);
+        let table = goals_table(&[], &[], &[], &others);
         assert!(
             table.contains(
-                "| relay, discarding sink, 1 relay / 0.2's 33k messages/s | 0.90 | ≥ 0.8 | 0.90 | – |"
+                "| relay, discarding sink, 1 relay / 0.2's 33k messages/s | 0.90 | ≥ 0.8 | 0.90 | 0.90 | – |"
             ),
             "{table}"
         );
         assert!(
             table.contains(
-                "| consumer with the PostgreSQL effect / bare-pg loop (Redis Streams) | 0.70 | ≥ 0.75 | 0.70 | – |"
+                "| consumer with the PostgreSQL effect / bare-pg loop (Redis Streams) | 0.70 | ≥ 0.75 | 0.70 | 0.70 | – |"
             ),
             "{table}"
         );
