@@ -115,15 +115,17 @@ pub(crate) async fn migrated_postgres(url: &str) -> Result<PostgresStore, String
 /// The floor's router on the row's store (`floor.rs`).
 async fn floor(row: Row, backends: &Backends) -> Result<Router<Arc<Tally>>, String> {
     Ok(match row.store {
-        StoreKind::Memory => payments().route_layer(FloorLayer::new(MemoryLedger::new())),
-        StoreKind::Redis => payments().route_layer(FloorLayer::new(StoreLedger::new(
-            redis(backends).await?,
+        StoreKind::Memory => {
+            payments().route_layer(FloorLayer::new(MemoryLedger::new(), &namespace()))
+        }
+        StoreKind::Redis => payments().route_layer(FloorLayer::new(
+            StoreLedger::new(redis(backends).await?),
             &namespace(),
-        ))),
-        StoreKind::Postgres => payments().route_layer(FloorLayer::new(StoreLedger::new(
-            postgres(backends).await?,
+        )),
+        StoreKind::Postgres => payments().route_layer(FloorLayer::new(
+            StoreLedger::new(postgres(backends).await?),
             &namespace(),
-        ))),
+        )),
         StoreKind::None => return Err("the floor needs a store".into()),
     })
 }

@@ -3,26 +3,29 @@
 //! layer that keeps the guarantee must pay on top of the bare handler (on memory) or on top of
 //! the store's own statements (on Redis and PostgreSQL), on this machine, in the same run.
 //!
-//! Per request it reads the `Idempotency-Key` header and asks its ledger for the key: the
-//! key's answer (a replay: the kept status, headers and body, marked `Idempotent-Replayed:
-//! true`), the key in flight (`409`), or the key now the request's. An owner's request goes to
-//! the handler unread; its response body is collected and its status, headers and body kept.
-//! A `5xx` answer is not kept: the key is freed for a retry, as it is when the request ends
-//! before its answer is kept (the client went away, the handler panicked).
+//! Per request it reads the `Idempotency-Key` header and the body, computes the two digests the
+//! layer's guarantees rest on (the request's fingerprint, over its method, path, query and body,
+//! so that a key reused for another request is refused with `422` rather than answered with the
+//! first one's response; and the storage key, the key named within its scope), and asks its
+//! ledger for the storage key: the key's answer (a replay: the kept status, headers and body,
+//! marked `Idempotent-Replayed: true`), the key in flight (`409`), or the key now the request's.
+//! An owner's request goes to the handler with the body read; its response body is collected
+//! and its status, headers and body kept. A `5xx` answer is not kept: the key is freed for a
+//! retry, as it is when the request ends before its answer is kept (the client went away, the
+//! handler panicked).
 //!
-//! - [`MemoryLedger`]: a map of keys in shards, each under a mutex; the kept answer is shared
-//!   with the response sent (its body's bytes are not copied).
+//! - [`MemoryLedger`]: a map of storage keys in shards, each under a mutex; the kept answer is
+//!   shared with the response sent (its body's bytes are not copied).
 //! - [`StoreLedger`]: a [`Store`]'s own claim and completion (Redis's scripts, PostgreSQL's
-//!   statements, what `redis-benchmark` and `pgbench` run in the limit rows), with the empty
-//!   fingerprint, one scope, and the answer in the least encoding that keeps it (status,
-//!   header fields, body).
+//!   statements, what `redis-benchmark` and `pgbench` run in the limit rows), with one scope
+//!   and the answer in the least encoding that keeps it (status, header fields, body).
 //!
-//! What it leaves out, all of which `idempotent-tower` does: a fingerprint of the request (so
-//! a key reused for another request is refused, not answered with the first one's response),
-//! scopes, the record's label, checksum and envelope, lease renewal, the claim shared with the
-//! handler, shutdown, metrics; on memory, the records' lifetime and the store's bounds; the
-//! choice of which answers to keep (it keeps all but `5xx`, where the layer also gives back
-//! `408`, `409`, `425` and `429`) and of which methods to protect (it protects every one).
+//! What it leaves out, all of which `idempotent-tower` does: scopes from the request, the
+//! record's label, checksum and envelope, lease renewal, the claim shared with the handler,
+//! limits on the body, shutdown, metrics; on memory, the records' lifetime and the store's
+//! bounds; the choice of which answers to keep (it keeps all but `5xx`, where the layer also
+//! gives back `408`, `409`, `425` and `429`) and of which methods to protect (it protects every
+//! one). Until issue 43's twentieth part it also left out both digests (BENCHMARKS.md).
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry as MapEntry;
@@ -59,8 +62,8 @@ pub(crate) enum Begin<O> {
     Owner(O),
     InFlight,
     Replay(Arc<Answer>),
-    /// Not a key the ledger takes (`400`).
-    BadKey,
+    /// The key's answer is another request's (`422`).
+    Mismatch,
     /// The ledger cannot answer (`503`).
     Unavailable,
 }
@@ -70,8 +73,12 @@ pub(crate) trait Ledger: Send + Sync + 'static {
     /// What an owner hands back to finish its key.
     type Owner: Send + 'static;
 
-    /// Looks `key` up, making it the caller's when it is new.
-    fn begin(&self, key: &str) -> impl Future<Output = Begin<Self::Owner>> + Send;
+    /// Looks `key` up for the request of `fingerprint`, making it the caller's when it is new.
+    fn begin(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+    ) -> impl Future<Output = Begin<Self::Owner>> + Send;
 
     /// Keeps `answer` for the owner's key, or frees the key when there is none to keep.
     fn finish(&self, owner: Self::Owner, answer: Option<Answer>)
@@ -81,13 +88,14 @@ pub(crate) trait Ledger: Send + Sync + 'static {
 /// The floor's keys in the server's memory.
 pub(crate) struct MemoryLedger {
     hasher: RandomState,
-    shards: Vec<Mutex<HashMap<Box<str>, Entry>>>,
+    shards: Vec<Mutex<HashMap<StorageKey, Entry>>>,
 }
 
-/// What the memory ledger keeps for a key.
+/// What the memory ledger keeps for a key: the fingerprint of the request that has it, and
+/// that request's answer once kept.
 enum Entry {
-    InFlight,
-    Done(Arc<Answer>),
+    InFlight(Fingerprint),
+    Done(Fingerprint, Arc<Answer>),
 }
 
 impl MemoryLedger {
@@ -98,33 +106,37 @@ impl MemoryLedger {
         }
     }
 
-    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, HashMap<Box<str>, Entry>> {
+    fn shard(&self, key: &StorageKey) -> std::sync::MutexGuard<'_, HashMap<StorageKey, Entry>> {
         let index = self.hasher.hash_one(key) as usize % SHARDS;
         self.shards[index].lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 impl Ledger for MemoryLedger {
-    type Owner = Box<str>;
+    type Owner = StorageKey;
 
-    async fn begin(&self, key: &str) -> Begin<Box<str>> {
+    async fn begin(&self, key: &StorageKey, fingerprint: &Fingerprint) -> Begin<StorageKey> {
         let mut shard = self.shard(key);
         match shard.get(key) {
-            Some(Entry::Done(answer)) => Begin::Replay(Arc::clone(answer)),
-            Some(Entry::InFlight) => Begin::InFlight,
+            Some(Entry::Done(kept, answer)) if kept == fingerprint => {
+                Begin::Replay(Arc::clone(answer))
+            }
+            Some(Entry::InFlight(_)) => Begin::InFlight,
+            Some(Entry::Done(..)) => Begin::Mismatch,
             None => {
-                let key: Box<str> = key.into();
-                shard.insert(key.clone(), Entry::InFlight);
-                Begin::Owner(key)
+                shard.insert(*key, Entry::InFlight(*fingerprint));
+                Begin::Owner(*key)
             }
         }
     }
 
-    async fn finish(&self, key: Box<str>, answer: Option<Answer>) {
+    async fn finish(&self, key: StorageKey, answer: Option<Answer>) {
         let mut shard = self.shard(&key);
         match (shard.entry(key), answer) {
             (MapEntry::Occupied(mut entry), Some(answer)) => {
-                entry.insert(Entry::Done(Arc::new(answer)));
+                if let Entry::InFlight(fingerprint) = *entry.get() {
+                    entry.insert(Entry::Done(fingerprint, Arc::new(answer)));
+                }
             }
             (MapEntry::Occupied(entry), None) => {
                 entry.remove();
@@ -137,38 +149,26 @@ impl Ledger for MemoryLedger {
 /// The floor's keys in a store, by the store's own claim and completion.
 pub(crate) struct StoreLedger<S> {
     store: S,
-    namespace: Vec<u8>,
-    scope: Scope,
 }
 
 impl<S: Store> StoreLedger<S> {
-    /// Keys under `namespace` in `store`.
-    pub(crate) fn new(store: S, namespace: &str) -> StoreLedger<S> {
-        StoreLedger {
-            store,
-            namespace: namespace.as_bytes().to_vec(),
-            scope: Scope::new(),
-        }
+    pub(crate) fn new(store: S) -> StoreLedger<S> {
+        StoreLedger { store }
     }
 }
 
 impl<S: Store> Ledger for StoreLedger<S> {
     type Owner = (StorageKey, FencingToken);
 
-    async fn begin(&self, key: &str) -> Begin<Self::Owner> {
-        let Ok(key) = Key::new(key) else {
-            return Begin::BadKey;
-        };
-        let storage = StorageKey::derive(&self.namespace, &self.scope, &key);
-        match self
-            .store
-            .claim(&storage, &Fingerprint::empty(), LEASE, TTL)
-            .await
-        {
+    async fn begin(&self, key: &StorageKey, fingerprint: &Fingerprint) -> Begin<Self::Owner> {
+        match self.store.claim(key, fingerprint, LEASE, TTL).await {
             Ok(Claim::Claimed(token) | Claim::TakenOver { token, .. }) => {
-                Begin::Owner((storage, token))
+                Begin::Owner((*key, token))
             }
             Ok(Claim::InFlight { .. }) => Begin::InFlight,
+            Ok(Claim::Completed {
+                fingerprint: kept, ..
+            }) if kept != *fingerprint => Begin::Mismatch,
             Ok(Claim::Completed { payload, .. }) => match decode(payload) {
                 Some(answer) => Begin::Replay(Arc::new(answer)),
                 None => Begin::Unavailable,
@@ -260,23 +260,26 @@ impl<L: Ledger> Drop for Owned<L> {
     }
 }
 
-/// The floor's layer over ledger `L`.
+/// The floor's layer over ledger `L`, its storage keys derived in `namespace`.
 pub(crate) struct FloorLayer<L> {
     ledger: Arc<L>,
+    namespace: Arc<[u8]>,
 }
 
 impl<L> Clone for FloorLayer<L> {
     fn clone(&self) -> Self {
         FloorLayer {
             ledger: Arc::clone(&self.ledger),
+            namespace: Arc::clone(&self.namespace),
         }
     }
 }
 
 impl<L: Ledger> FloorLayer<L> {
-    pub(crate) fn new(ledger: L) -> FloorLayer<L> {
+    pub(crate) fn new(ledger: L, namespace: &str) -> FloorLayer<L> {
         FloorLayer {
             ledger: Arc::new(ledger),
+            namespace: namespace.as_bytes().into(),
         }
     }
 }
@@ -288,6 +291,7 @@ impl<S, L> tower::Layer<S> for FloorLayer<L> {
         Floor {
             inner,
             ledger: Arc::clone(&self.ledger),
+            namespace: Arc::clone(&self.namespace),
         }
     }
 }
@@ -296,6 +300,7 @@ impl<S, L> tower::Layer<S> for FloorLayer<L> {
 pub(crate) struct Floor<S, L> {
     inner: S,
     ledger: Arc<L>,
+    namespace: Arc<[u8]>,
 }
 
 impl<S: Clone, L> Clone for Floor<S, L> {
@@ -303,8 +308,31 @@ impl<S: Clone, L> Clone for Floor<S, L> {
         Floor {
             inner: self.inner.clone(),
             ledger: Arc::clone(&self.ledger),
+            namespace: Arc::clone(&self.namespace),
         }
     }
+}
+
+/// The request's fingerprint as the layer takes it: its method, its path, its query's
+/// `&`-separated pairs in sorted order (their count first), and its body, each a field.
+fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
+    let mut f = Fingerprint::builder();
+    f.push_field(parts.method.as_str().as_bytes());
+    f.push_field(parts.uri.path().as_bytes());
+    let mut pairs: Vec<&str> = parts
+        .uri
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .collect();
+    pairs.sort_unstable();
+    f.push_field(&(pairs.len() as u64).to_le_bytes());
+    for pair in pairs {
+        f.push_field(pair.as_bytes());
+    }
+    f.push_field(body);
+    f.finish()
 }
 
 fn status(status: StatusCode) -> Response<Body> {
@@ -352,24 +380,32 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let ledger = Arc::clone(&self.ledger);
+        let namespace = Arc::clone(&self.namespace);
         Box::pin(async move {
-            let key = match request.headers().get("idempotency-key") {
-                Some(key) => key.to_str().unwrap_or(""),
-                None => "",
-            };
-            if key.is_empty() {
+            let key = request
+                .headers()
+                .get("idempotency-key")
+                .and_then(|key| Key::new(key.to_str().ok()?).ok());
+            let Some(key) = key else {
                 return Ok(status(StatusCode::BAD_REQUEST));
-            }
-            let owned = match ledger.begin(key).await {
+            };
+            let (parts, body) = request.into_parts();
+            let Ok(body) = body.collect().await.map(|body| body.to_bytes()) else {
+                return Ok(status(StatusCode::BAD_REQUEST));
+            };
+            let fingerprint = fingerprint(&parts, &body);
+            let storage = StorageKey::derive(&namespace, &Scope::new(), &key);
+            let owned = match ledger.begin(&storage, &fingerprint).await {
                 Begin::Owner(owner) => Owned {
                     ledger: Arc::clone(&ledger),
                     owner: Some(owner),
                 },
                 Begin::Replay(answer) => return Ok(replay(&answer)),
                 Begin::InFlight => return Ok(status(StatusCode::CONFLICT)),
-                Begin::BadKey => return Ok(status(StatusCode::BAD_REQUEST)),
+                Begin::Mismatch => return Ok(status(StatusCode::UNPROCESSABLE_ENTITY)),
                 Begin::Unavailable => return Ok(status(StatusCode::SERVICE_UNAVAILABLE)),
             };
+            let request = Request::from_parts(parts, Body::from(body));
             let Ok(response) = inner.call(request).await;
             let (parts, body) = response.into_parts();
             let body = match body.collect().await {
@@ -412,11 +448,11 @@ mod tests {
     /// The store ledger on the memory store: the same claim and completion contract as the
     /// rows' Redis and PostgreSQL stores (the conformance suite's).
     fn store_ledger() -> StoreLedger<idempotent_core::memory::MemoryStore> {
-        StoreLedger::new(idempotent_core::memory::MemoryStore::new(), "floor-test")
+        StoreLedger::new(idempotent_core::memory::MemoryStore::new())
     }
 
     #[tokio::test]
-    async fn answers_each_key_once_and_replays_the_kept_answer() {
+    async fn answers_each_key_once_replays_the_kept_answer_and_refuses_a_reused_key() {
         answers_each_key_once(MemoryLedger::new()).await;
         answers_each_key_once(store_ledger()).await;
     }
@@ -447,7 +483,7 @@ mod tests {
                 Ok::<_, std::convert::Infallible>(Response::new(Body::from("second")))
             }
         });
-        let floor = FloorLayer::new(ledger).layer(handler);
+        let floor = FloorLayer::new(ledger, "floor-test").layer(handler);
         let abandoned = tokio::spawn(floor.clone().oneshot(request(Some("k"))));
         on_start.await.unwrap();
         abandoned.abort();
@@ -504,7 +540,7 @@ mod tests {
                 Ok::<_, std::convert::Infallible>(response)
             }
         });
-        let floor = FloorLayer::new(ledger).layer(handler);
+        let floor = FloorLayer::new(ledger, "floor-test").layer(handler);
 
         let first = floor.clone().oneshot(request(Some("a"))).await.unwrap();
         assert_eq!(first.status(), StatusCode::CREATED);
@@ -517,8 +553,20 @@ mod tests {
         assert_eq!(again.headers()["x-run"], "0");
         assert_eq!(body(again).await, "run 0");
 
+        // The same key for another request (another body): refused, not answered with the
+        // first one's response, and not run.
+        let mut reused = request(Some("a"));
+        *reused.body_mut() = Body::from("another body");
+        let reused = floor.clone().oneshot(reused).await.unwrap();
+        assert_eq!(reused.status(), StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(reused.headers().get("idempotent-replayed").is_none());
+
         let other = floor.clone().oneshot(request(Some("b"))).await.unwrap();
         assert_eq!(body(other).await, "run 1");
+        // Not a key (longer than a key may be): refused, not run.
+        let long = "k".repeat(idempotent_core::MAX_KEY_LEN + 1);
+        let bad = floor.clone().oneshot(request(Some(&long))).await.unwrap();
+        assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
         let none = floor.clone().oneshot(request(None)).await.unwrap();
         assert_eq!(none.status(), StatusCode::BAD_REQUEST);
         assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2);
@@ -546,7 +594,7 @@ mod tests {
                 Ok::<_, std::convert::Infallible>(response)
             }
         });
-        let floor = FloorLayer::new(ledger).layer(handler);
+        let floor = FloorLayer::new(ledger, "floor-test").layer(handler);
 
         let slow = tokio::spawn(floor.clone().oneshot(request(Some("slow"))));
         on_start.await.unwrap();

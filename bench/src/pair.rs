@@ -37,10 +37,16 @@ pub(crate) const POSTGRES_SESSION: Pair = (
     "idempotent-tower/fresh/postgres",
 );
 
-/// The summary's ratios of two HTTP rows, in the summary's order.
-pub(crate) const PAIRS: [Pair; 5] = [
+/// The floor's rows over bare: the summary's `floor` column of the memory ratios.
+pub(crate) const FLOOR_FRESH: Pair = ("floor/fresh/memory", "bare/none/none");
+pub(crate) const FLOOR_REPLAY: Pair = ("floor/replay/memory", "bare/none/none");
+
+/// The summary's ratios of two HTTP rows and the floor's beside them, in the summary's order.
+pub(crate) const PAIRS: [Pair; 7] = [
     MEMORY_FRESH,
+    FLOOR_FRESH,
     MEMORY_REPLAY,
+    FLOOR_REPLAY,
     MEMORY_SESSION,
     REDIS_SESSION,
     POSTGRES_SESSION,
