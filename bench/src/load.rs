@@ -240,30 +240,20 @@ async fn drive(
         if sent >= end {
             break;
         }
-        let named = Named::of(
-            key_for(plan.scenario, plan.replay_keys, lane, n),
-            plan.scenario,
-        );
+        let answer = send_next(&mut connection, lane, plan, n, cookie.as_ref()).await?;
         n += 1;
-        let answer = connection
-            .send(PAYMENTS, Some(&named), cookie.as_ref(), REQUEST_BODY)
-            .await;
         let timed = sent >= timed_from;
         match answer {
-            Ok(answer) if timed => {
+            Some(answer) if timed => {
                 if (200..300).contains(&answer.status) {
                     traffic.latencies.record(sent.elapsed());
                 }
                 *traffic.statuses.entry(answer.status).or_default() += 1;
                 traffic.replayed += u64::from(answer.replayed);
             }
-            Ok(_) => {}
-            Err(_) => {
-                if timed {
-                    traffic.transport_errors += 1;
-                }
-                connection = Connection::open(plan.addr).await?;
-            }
+            Some(_) => {}
+            None if timed => traffic.transport_errors += 1,
+            None => {}
         }
     }
     Ok(traffic)
@@ -402,34 +392,49 @@ async fn drive_turns(
             tokio::time::sleep_until((begin + at).into()).await;
             continue;
         }
-        let named = Named::of(
-            key_for(plan.scenario, plan.replay_keys, lane, n),
-            plan.scenario,
-        );
+        let answer = send_next(&mut connection, lane, plan, n, cookie.as_ref()).await?;
         n += 1;
-        let answer = connection
-            .send(PAYMENTS, Some(&named), cookie.as_ref(), REQUEST_BODY)
-            .await;
-        let timed = turns.timed(slice);
+        if !turns.timed(slice) {
+            continue;
+        }
         match answer {
-            Ok(answer) if timed => {
-                if (200..300).contains(&answer.status) {
-                    traffic.successes[slice] += 1;
-                } else {
-                    traffic.failures += 1;
-                }
+            Some(answer) if (200..300).contains(&answer.status) => {
+                traffic.successes[slice] += 1;
                 traffic.replayed += u64::from(answer.replayed);
             }
-            Ok(_) => {}
-            Err(_) => {
-                if timed {
-                    traffic.failures += 1;
-                }
-                connection = Connection::open(plan.addr).await?;
+            Some(answer) => {
+                traffic.failures += 1;
+                traffic.replayed += u64::from(answer.replayed);
             }
+            None => traffic.failures += 1,
         }
     }
     Ok(traffic)
+}
+
+/// Sends request number `n` of connection `lane` of `plan`: its answer, or `None` when it got
+/// none (the connection is opened again).
+async fn send_next(
+    connection: &mut Connection,
+    lane: usize,
+    plan: &Plan,
+    n: u64,
+    cookie: Option<&HeaderValue>,
+) -> Result<Option<Answer>, String> {
+    let named = Named::of(
+        key_for(plan.scenario, plan.replay_keys, lane, n),
+        plan.scenario,
+    );
+    match connection
+        .send(PAYMENTS, Some(&named), cookie, REQUEST_BODY)
+        .await
+    {
+        Ok(answer) => Ok(Some(answer)),
+        Err(_) => {
+            *connection = Connection::open(plan.addr).await?;
+            Ok(None)
+        }
+    }
 }
 
 /// Connection `lane` of `plan`, ready to send: connected, its session opened when the row

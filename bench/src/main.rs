@@ -526,31 +526,13 @@ fn run_row(
     options: &Options,
     client: &tokio::runtime::Runtime,
 ) -> Result<(Traffic, Audit), String> {
-    let cache_entries =
-        cache::memory_entries(options.connections, options.replay_keys, options.probe_keys);
-    let server = app::Server::start(
-        row,
-        options.connections,
-        options.server_threads,
-        &options.backends,
-        cache_entries,
-    )?;
-    let session = row.implementation == Implementation::AxumIdempotent;
-    let plan = load::Plan {
-        addr: server.addr,
-        connections: options.connections,
-        warmup: options.warmup,
-        measure: options.measure,
-        scenario: row.scenario,
-        replay_keys: options.replay_keys,
-        session,
-        cache: server.cache.clone(),
-    };
+    let server = start_server(row, options)?;
+    let plan = plan(row, &server, options);
     let outcome = client.block_on(async {
         let traffic = load::run(&plan).await?;
         load::probe(
             server.addr,
-            session,
+            plan.session,
             row.scenario,
             options.probe_keys,
             options.probe_duplicates,
@@ -561,6 +543,33 @@ fn run_row(
     let audit = Audit::of(&server.tally.executions());
     server.stop();
     Ok((outcome?, audit))
+}
+
+/// `row`'s server, as `options` size it.
+fn start_server(row: Row, options: &Options) -> Result<app::Server, String> {
+    let cache_entries =
+        cache::memory_entries(options.connections, options.replay_keys, options.probe_keys);
+    app::Server::start(
+        row,
+        options.connections,
+        options.server_threads,
+        &options.backends,
+        cache_entries,
+    )
+}
+
+/// The load of `row` on `server`, as `options` say.
+fn plan(row: Row, server: &app::Server, options: &Options) -> load::Plan {
+    load::Plan {
+        addr: server.addr,
+        connections: options.connections,
+        warmup: options.warmup,
+        measure: options.measure,
+        scenario: row.scenario,
+        replay_keys: options.replay_keys,
+        session: row.implementation == Implementation::AxumIdempotent,
+        cache: server.cache.clone(),
+    }
 }
 
 fn memory_mode(options: &Options) -> Result<bool, String> {

@@ -13,10 +13,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::app;
-use crate::cache;
 use crate::cli::Options;
-use crate::load::{self, Plan, TurnTraffic, Turns};
+use crate::load::{self, TurnTraffic, Turns};
 use crate::rows::{Implementation, Row, Scenario};
 
 /// A ratio of two HTTP rows by their labels: the numerator's row, the denominator's.
@@ -179,29 +177,8 @@ pub(crate) fn run(
     options: &Options,
     client: &tokio::runtime::Runtime,
 ) -> Result<PairRecord, String> {
-    let cache_entries =
-        cache::memory_entries(options.connections, options.replay_keys, options.probe_keys);
-    let start = |row: Row| {
-        app::Server::start(
-            row,
-            options.connections,
-            options.server_threads,
-            &options.backends,
-            cache_entries,
-        )
-    };
-    let plan = |row: Row, server: &app::Server| Plan {
-        addr: server.addr,
-        connections: options.connections,
-        warmup: options.warmup,
-        measure: options.measure,
-        scenario: row.scenario,
-        replay_keys: options.replay_keys,
-        session: row.implementation == Implementation::AxumIdempotent,
-        cache: server.cache.clone(),
-    };
-    let under_server = start(under)?;
-    let over_server = match start(over) {
+    let under_server = crate::start_server(under, options)?;
+    let over_server = match crate::start_server(over, options) {
         Ok(server) => server,
         Err(message) => {
             under_server.stop();
@@ -209,7 +186,10 @@ pub(crate) fn run(
         }
     };
     let outcome = client.block_on(load::run_turns(
-        [&plan(under, &under_server), &plan(over, &over_server)],
+        [
+            &crate::plan(under, &under_server, options),
+            &crate::plan(over, &over_server, options),
+        ],
         turns,
     ));
     over_server.stop();
