@@ -15,7 +15,9 @@
 #                                          # row (outbox --quick, three runs) and the consumer's
 #                                          # PostgreSQL rows on Redis Streams (three rounds), and
 #                                          # the summary's ratios of all of them (each
-#                                          # paired by round where its rows share rounds)
+#                                          # ratio of two HTTP rows measured again with
+#                                          # the two rows taking turns; the others paired
+#                                          # by round where their rows share rounds)
 #   bash scripts/bench.sh --no-backends    # without the Redis and PostgreSQL rows
 #   bash scripts/bench.sh --only idempotent-tower --duration 20   # any idempotent-bench option
 #

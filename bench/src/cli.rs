@@ -22,9 +22,10 @@ usage: idempotent-bench [all|http|memory|sessions|steps|summary] [options]
   summary             the summary's ratios (BENCHMARKS.md) from the files of one run: the
                       HTTP rows' JSON (--out), `--outbox FILE` (the outbox binary's output)
                       and `--consumer FILE` (the consumer binary's --out); scripts/bench.sh
-                      --quick prints it last. A ratio of two rows of the same rounds is the
-                      median of their ratios round by round, the ratio of their medians
-                      beside it
+                      --quick prints it last. A ratio of two HTTP rows is the one measured
+                      by turns (--turns); another ratio of two rows of the same rounds is the
+                      median of their ratios round by round; the ratio by rounds and the
+                      ratio of the medians are beside it
 
 options:
   --quick             short run: 3 rounds (each row its median), 1 s warm-up, 2 s timed per
