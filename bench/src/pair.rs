@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cli::Options;
 use crate::load::{self, TurnTraffic, Turns};
-use crate::rows::{Implementation, Row, Scenario};
+use crate::rows::{Row, Scenario};
 
 /// A ratio of two HTTP rows by their labels: the numerator's row, the denominator's.
 pub(crate) type Pair = (&'static str, &'static str);
@@ -84,23 +84,18 @@ impl PairRecord {
         over: &TurnTraffic,
         under: &TurnTraffic,
     ) -> PairRecord {
-        let timed_slices: Vec<usize> = (0..turns.slices()).filter(|&k| turns.timed(k)).collect();
-        let ratios: Vec<f64> = timed_slices
-            .chunks(2)
+        // A row's successes are 0 in the other row's slices, so each pair of slices' sum is
+        // the row's turn in it.
+        let ratios: Vec<f64> = (turns.warmup..turns.warmup + turns.timed)
             .filter_map(|pair| {
-                let (mut o, mut u) = (0, 0);
-                for &k in pair {
-                    match Turns::owner(k) {
-                        1 => o += over.successes[k],
-                        _ => u += under.successes[k],
-                    }
-                }
+                let turn = |traffic: &TurnTraffic| {
+                    traffic.successes[2 * pair] + traffic.successes[2 * pair + 1]
+                };
+                let (o, u) = (turn(over), turn(under));
                 (u > 0).then(|| o as f64 / u as f64)
             })
             .collect();
-        let mut sorted = ratios.clone();
-        sorted.sort_by(f64::total_cmp);
-        let ratio = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+        let ratio = crate::report::median_rate(ratios.iter().copied()).unwrap_or(0.0);
         let seconds = turns.slice.as_secs_f64() * turns.timed as f64;
         let per_second = |n: u64| {
             if seconds > 0.0 {
@@ -110,14 +105,11 @@ impl PairRecord {
             }
         };
         let over_successes = over.timed_successes(turns);
-        let not_replayed = |row: &Row, traffic: &TurnTraffic, successes: u64| {
-            let replays =
-                row.scenario == Scenario::Replay && row.implementation != Implementation::Bare;
-            if replays {
-                successes.saturating_sub(traffic.replayed)
-            } else {
-                0
-            }
+        // Only a numerator replays (no pair divides by a replay row).
+        let not_replayed = if over_row.scenario == Scenario::Replay {
+            over_successes.saturating_sub(over.replayed)
+        } else {
+            0
         };
         PairRecord {
             over: over_row.label(),
@@ -129,7 +121,7 @@ impl PairRecord {
             over_rps: per_second(over_successes),
             under_rps: per_second(under.timed_successes(turns)),
             failures: over.failures + under.failures,
-            not_replayed: not_replayed(over_row, over, over_successes),
+            not_replayed,
         }
     }
 
@@ -208,7 +200,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::rows::{Cache, StoreKind};
+    use crate::rows::{Cache, Implementation, StoreKind};
 
     fn row(implementation: Implementation, scenario: Scenario) -> Row {
         let store = match implementation {

@@ -439,7 +439,7 @@ pub(crate) struct OtherRows {
 }
 
 /// The median of `rates` (the upper one of an even count), `None` for none.
-fn median_rate(rates: impl Iterator<Item = f64>) -> Option<f64> {
+pub(crate) fn median_rate(rates: impl Iterator<Item = f64>) -> Option<f64> {
     let mut rates: Vec<f64> = rates.collect();
     rates.sort_by(f64::total_cmp);
     rates.get(rates.len() / 2).copied()
