@@ -192,6 +192,7 @@ pub(crate) fn goals_table(
                 .zip(tool)
                 .and_then(|(row, tool)| ceiling(row, tool, tool.cpus)),
             rows: None,
+            floor_rows: None,
         }
     };
     let prefilled = records
@@ -211,12 +212,13 @@ pub(crate) fn goals_table(
         })
     };
     // Over bare: the floor on memory.
-    let against_bare = |scenario: &str, rows| Ratio {
+    let against_bare = |scenario: &str, rows, floor_rows| Ratio {
         over: layer(scenario, "memory", false),
         under: bare,
         floor: floor(scenario, "memory"),
         ceiling: None,
         rows: Some(rows),
+        floor_rows: Some(floor_rows),
     };
     // A session row over its store's fresh row, by turns where they took turns.
     let session = |store: &str, rows| Ratio {
@@ -226,12 +228,12 @@ pub(crate) fn goals_table(
     let ratios: [(&str, Ratio<'_>, f64); 12] = [
         (
             "memory fresh / bare",
-            against_bare("fresh", pair::MEMORY_FRESH),
+            against_bare("fresh", pair::MEMORY_FRESH, pair::FLOOR_FRESH),
             0.85,
         ),
         (
             "memory replay / bare",
-            against_bare("replay", pair::MEMORY_REPLAY),
+            against_bare("replay", pair::MEMORY_REPLAY, pair::FLOOR_REPLAY),
             0.95,
         ),
         (
@@ -305,18 +307,14 @@ pub(crate) fn goals_table(
         }
         let of_medians = over.median / under.median;
         let by_rounds = paired(over.rounds, under.rounds).unwrap_or(of_medians);
-        let in_turns = |over: &str, under: &str| {
+        let turned = |rows: Option<pair::Pair>| {
+            let (over, under) = rows?;
             pairs
                 .iter()
                 .find(|pair| pair.over == over && pair.under == under)
                 .map(|pair| pair.ratio)
         };
-        // The floor's row is the layer's with `floor` for the implementation.
-        let floor_in_turns = ratio.rows.and_then(|(over, under)| {
-            let floor = format!("floor/{}", over.strip_prefix("idempotent-tower/")?);
-            in_turns(&floor, under)
-        });
-        let in_turns = ratio.rows.and_then(|(over, under)| in_turns(over, under));
+        let (in_turns, floor_in_turns) = (turned(ratio.rows), turned(ratio.floor_rows));
         let floor = ratio.floor.map(|floor| {
             floor_in_turns.unwrap_or_else(|| {
                 paired(floor.rounds, under.rounds).unwrap_or(floor.median / under.median)
@@ -373,8 +371,9 @@ struct Ratio<'a> {
     floor: Option<Rate<'a>>,
     ceiling: Option<f64>,
     /// The labels of the numerator's and the denominator's rows, for a ratio of two HTTP rows
-    /// that `pair.rs` may have measured by turns.
-    rows: Option<(&'static str, &'static str)>,
+    /// that `pair.rs` may have measured by turns; the same for the floor's ratio.
+    rows: Option<pair::Pair>,
+    floor_rows: Option<pair::Pair>,
 }
 
 /// A ratio with neither a floor nor a ceiling.
@@ -385,6 +384,7 @@ fn plain<'a>(over: Option<Rate<'a>>, under: Option<Rate<'a>>) -> Ratio<'a> {
         floor: None,
         ceiling: None,
         rows: None,
+        floor_rows: None,
     }
 }
 
