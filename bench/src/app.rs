@@ -114,17 +114,18 @@ pub(crate) async fn migrated_postgres(url: &str) -> Result<PostgresStore, String
 
 /// The floor's router on the row's store (`floor.rs`).
 async fn floor(row: Row, backends: &Backends) -> Result<Router<Arc<Tally>>, String> {
+    let namespace = namespace();
     Ok(match row.store {
         StoreKind::Memory => {
-            payments().route_layer(FloorLayer::new(MemoryLedger::new(), &namespace()))
+            payments().route_layer(FloorLayer::new(MemoryLedger::new(), &namespace))
         }
         StoreKind::Redis => payments().route_layer(FloorLayer::new(
             StoreLedger::new(redis(backends).await?),
-            &namespace(),
+            &namespace,
         )),
         StoreKind::Postgres => payments().route_layer(FloorLayer::new(
             StoreLedger::new(postgres(backends).await?),
-            &namespace(),
+            &namespace,
         )),
         StoreKind::None => return Err("the floor needs a store".into()),
     })

@@ -17,8 +17,11 @@
 //! - [`MemoryLedger`]: a map of storage keys in shards, each under a mutex; the kept answer is
 //!   shared with the response sent (its body's bytes are not copied).
 //! - [`StoreLedger`]: a [`Store`]'s own claim and completion (Redis's scripts, PostgreSQL's
-//!   statements, what `redis-benchmark` and `pgbench` run in the limit rows), with one scope
-//!   and the answer in the least encoding that keeps it (status, header fields, body).
+//!   statements, what `redis-benchmark` and `pgbench` run in the limit rows), with the answer
+//!   in the least encoding that keeps it (status, header fields, body).
+//!
+//! Every key is in one scope, the empty one; its storage key is derived in the namespace the
+//! [`FloorLayer`] is given.
 //!
 //! What it leaves out, all of which `idempotent-tower` does: scopes from the request, the
 //! record's label, checksum and envelope, lease renewal, the claim shared with the handler,
