@@ -290,6 +290,11 @@ impl Turns {
     pub(crate) fn timed(&self, k: usize) -> bool {
         k >= 2 * self.warmup && k < self.slices()
     }
+
+    /// The timed pairs of slices, by number (pair `p` is slices `2p` and `2p + 1`).
+    pub(crate) fn timed_pairs(&self) -> std::ops::Range<usize> {
+        self.warmup..self.warmup + self.timed
+    }
 }
 
 /// What one row's connections did in their turns: 2xx responses to the requests sent in each
@@ -319,12 +324,15 @@ impl TurnTraffic {
         self.replayed += other.replayed;
     }
 
+    /// 2xx responses in pair of slices `pair`: the row's turn in it (its successes are 0 in
+    /// the other row's slice).
+    pub(crate) fn in_pair(&self, pair: usize) -> u64 {
+        self.successes[2 * pair] + self.successes[2 * pair + 1]
+    }
+
     /// 2xx responses in timed slices.
     pub(crate) fn timed_successes(&self, turns: &Turns) -> u64 {
-        (0..turns.slices())
-            .filter(|&k| turns.timed(k))
-            .map(|k| self.successes[k])
-            .sum()
+        turns.timed_pairs().map(|pair| self.in_pair(pair)).sum()
     }
 }
 

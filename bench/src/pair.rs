@@ -84,14 +84,10 @@ impl PairRecord {
         over: &TurnTraffic,
         under: &TurnTraffic,
     ) -> PairRecord {
-        // A row's successes are 0 in the other row's slices, so each pair of slices' sum is
-        // the row's turn in it.
-        let ratios: Vec<f64> = (turns.warmup..turns.warmup + turns.timed)
+        let ratios: Vec<f64> = turns
+            .timed_pairs()
             .filter_map(|pair| {
-                let turn = |traffic: &TurnTraffic| {
-                    traffic.successes[2 * pair] + traffic.successes[2 * pair + 1]
-                };
-                let (o, u) = (turn(over), turn(under));
+                let (o, u) = (over.in_pair(pair), under.in_pair(pair));
                 (u > 0).then(|| o as f64 / u as f64)
             })
             .collect();
