@@ -791,6 +791,16 @@ impl Store for AnyStore {
         each!(self, |store| store.keeps_records_in_process())
     }
 
+    /// The chosen store's (the memory store answers it, the others do not), unless a cache
+    /// tier is in front: claims then go through the tier, and so does every replay.
+    fn completed_in_process(&self, key: &StorageKey) -> Option<(Fingerprint, Bytes)> {
+        #[cfg(feature = "cache")]
+        if self.cache.is_some() {
+            return None;
+        }
+        each!(self, |store| store.completed_in_process(key))
+    }
+
     /// The chosen store's, so that an atomic step finds its claim's records.
     fn location(&self) -> Option<String> {
         each!(self, |store| store.location())

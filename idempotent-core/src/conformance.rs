@@ -100,6 +100,7 @@ macro_rules! store_conformance_tests {
             completed_record_tells_the_time_left,
             tokens_increase_across_expiry_and_release,
             keys_are_isolated,
+            completed_in_process_agrees_with_claim,
         );
         $crate::store_conformance_tests!(@tests $harness; sessions;
             session_starts_only_without_an_ack,
@@ -872,6 +873,46 @@ pub async fn ttl_expiry_frees_the_key<H: Harness>(h: &H) {
     h.advance(2 * unit).await;
     let next = claimed(store, &key, &fp("after ttl"), 2 * unit).await;
     assert!(next > token);
+}
+
+/// What a store tells of a record in this process without a claim
+/// ([`Store::completed_in_process`]) is what a claim reports of it, and only while it is
+/// completed and live: nothing of an absent key, a claim in flight or a record past its TTL.
+/// The runtime replays what it tells without claiming, so a store that told more would replay
+/// a record a claim would not. A store that tells nothing (`None` throughout, the default)
+/// passes.
+pub async fn completed_in_process_agrees_with_claim<H: Harness>(h: &H) {
+    let (store, key, unit) = (h.store(), fresh_key(), h.time_unit());
+    let f = fp("request");
+    assert_eq!(store.completed_in_process(&key), None, "an absent key");
+    let token = claimed(store, &key, &f, 2 * unit).await;
+    assert_eq!(store.completed_in_process(&key), None, "a claim in flight");
+    let payload = Bytes::from_static(b"{\"id\":1,\"status\":201}");
+    store
+        .complete(&key, token, payload.clone(), 3 * unit)
+        .await
+        .expect("complete with the current token");
+    if let Some(told) = store.completed_in_process(&key) {
+        assert_eq!(told, (f, payload.clone()), "the record as it was completed");
+    }
+    assert_completed(store, &key, &f, &payload).await;
+    h.advance(4 * unit).await;
+    assert_eq!(
+        store.completed_in_process(&key),
+        None,
+        "a record past its TTL"
+    );
+    let released = fresh_key();
+    let token = claimed(store, &released, &f, 2 * unit).await;
+    store
+        .release(&released, token)
+        .await
+        .expect("release with the current token");
+    assert_eq!(
+        store.completed_in_process(&released),
+        None,
+        "a released claim"
+    );
 }
 
 /// A completed record tells how long it has left (what a cache tier keeps a copy for): more

@@ -107,8 +107,22 @@ impl<C: Capabilities> Idempotency<C> {
         // of this future: a handler's whole future) is not moved again, nor held twice. The
         // watcher drops it in place as soon as it ends or is stopped, and when the watcher is
         // dropped: always inside the claim's scope, and before the claim's slot.
-        let mut work = std::pin::pin!(Some(work));
         let inner = &*self.inner;
+        // A replay that a store in this process can answer at once needs none of the claim's
+        // machinery (the count in flight, the label, the timed claim, its answer): the call
+        // is answered before any of it is built. Not during a shutdown, which refuses calls
+        // below; never for a session's request, which passes its gate first, nor for a
+        // completer's resume.
+        let key = call.session().is_none().then(|| self.storage_key(call));
+        if let Some(key) = &key
+            && !call.is_resume_only()
+            && inner.drain.is_open()
+            && let Some(bytes) = self.replay_in_process(key, call.fingerprint_ref())
+        {
+            tracing::debug!(storage_key = %key, "idempotent call replayed from the store's record in this process");
+            return Ok(Execution::Replayed(bytes));
+        }
+        let mut work = std::pin::pin!(Some(work));
         // Counted in flight from before its claim until its outcome is recorded, so that a
         // shutdown waits for a claim still on its way to the store; refused without touching
         // the store once shutdown has begun.
@@ -129,7 +143,7 @@ impl<C: Capabilities> Idempotency<C> {
         // both (and the check of the session's mark that follows a claim) in one call.
         let (target, ttl, label) = match call.session() {
             None => (
-                Target::Key(self.storage_key(call)),
+                Target::Key(key.unwrap_or_else(|| self.storage_key(call))),
                 ttl,
                 KeyLabel::new(call.key(), call.scope_ref(), inner.keys_in_clear),
             ),
@@ -308,6 +322,24 @@ impl<C: Capabilities> Idempotency<C> {
         let this = self.clone();
         RunToEnd::new(async move { this.record(recording, first).await }).await;
         Ok(Execution::Fresh(value))
+    }
+
+    /// The result `key`'s completed record keeps for a call of `fingerprint`, if the store
+    /// can say so in this process without a claim ([`Store::completed_in_process`]) and the
+    /// claim would replay it: the same fingerprint, and a result kept and readable. `None`
+    /// otherwise, and the claim answers (a reused key, a result not retained, a damaged
+    /// record are refused there, as ever).
+    ///
+    /// [`Store::completed_in_process`]: crate::Store::completed_in_process
+    fn replay_in_process(&self, key: &StorageKey, fingerprint: &Fingerprint) -> Option<Bytes> {
+        let (recorded, payload) = self.inner.store.completed_in_process(key)?;
+        if recorded != *fingerprint {
+            return None;
+        }
+        match crate::envelope::decode(&payload, self.inner.integrity) {
+            Ok(crate::envelope::Stored::Value(bytes)) => Some(bytes),
+            Ok(crate::envelope::Stored::NotRetained) | Err(_) => None,
+        }
     }
 
     async fn acquire(

@@ -48,6 +48,8 @@ pub(crate) trait DynStore: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<(), StoreError>>;
     fn wait_for_change<'a>(&'a self, key: &'a StorageKey, max_wait: Duration) -> BoxFuture<'a, ()>;
     fn keeps_records_in_process(&self) -> bool;
+    /// [`Store::completed_in_process`]: not a store operation, so not timed.
+    fn completed_in_process(&self, key: &StorageKey) -> Option<(Fingerprint, Bytes)>;
     /// [`Store::location`].
     fn location(&self) -> Option<String>;
     /// The metrics of the runtime this store serves.
@@ -188,6 +190,9 @@ impl<S: Store> DynStore for Measured<S> {
     }
     fn keeps_records_in_process(&self) -> bool {
         self.store.keeps_records_in_process()
+    }
+    fn completed_in_process(&self, key: &StorageKey) -> Option<(Fingerprint, Bytes)> {
+        self.store.completed_in_process(key)
     }
     fn location(&self) -> Option<String> {
         self.store.location()

@@ -275,6 +275,28 @@ pub trait Store: Send + Sync + 'static {
         false
     }
 
+    /// The fingerprint and payload of `key`'s record if it is completed and live, read at once
+    /// in this process, without a claim and without changing anything; `None` when it is not
+    /// (absent, in flight, expired) or when the store cannot say without a round trip.
+    /// Default `None`.
+    ///
+    /// The runtime asks it before it claims a key (never for a session's request, nor for a
+    /// completer's resume): a record it returns whose fingerprint is the call's and whose
+    /// payload holds a result is replayed at once, without the claim's machinery (no claim is
+    /// sent, so no store operation is timed); anything else, and `None`, goes on to
+    /// [`claim`](Self::claim) as before. So it must report a completed record exactly as `claim`
+    /// would at that moment (the same fingerprint and payload, and only while it is live), and
+    /// it is called on the request's own task: it must not block or wait. A store whose
+    /// records are not in this process's memory returns `None`; so does a wrapper that changes
+    /// what claims answer (one that injects faults, counts or times claims), lest replays
+    /// bypass it. [`MemoryStore`] answers it from its map.
+    ///
+    /// [`MemoryStore`]: crate::memory::MemoryStore
+    fn completed_in_process(&self, key: &StorageKey) -> Option<(Fingerprint, Bytes)> {
+        let _ = key;
+        None
+    }
+
     /// Where this store keeps its records, as a URL without credentials (for example
     /// `postgres://db.internal:5432/app?table=idempotency`): for logs, and for a companion
     /// that must write beside the records of a claim this store made (an atomic step checks
@@ -715,6 +737,9 @@ impl<S: Store> Store for Arc<S> {
     }
     fn keeps_records_in_process(&self) -> bool {
         S::keeps_records_in_process(self)
+    }
+    fn completed_in_process(&self, key: &StorageKey) -> Option<(Fingerprint, Bytes)> {
+        S::completed_in_process(self, key)
     }
     fn location(&self) -> Option<String> {
         S::location(self)

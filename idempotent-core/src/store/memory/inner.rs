@@ -279,6 +279,20 @@ impl Inner {
         }
     }
 
+    /// [`Store::completed_in_process`](crate::Store::completed_in_process): `key`'s record if it
+    /// is completed and live now, as a claim would report it; under the shard's read lock, and
+    /// nothing changed.
+    pub(super) fn completed(&self, key: &StorageKey) -> Option<(Fingerprint, Bytes)> {
+        match self.records.get(key)?.report(self.now())? {
+            Claim::Completed {
+                fingerprint,
+                payload,
+                ..
+            } => Some((fingerprint, payload)),
+            Claim::InFlight { .. } | Claim::Claimed(_) | Claim::TakenOver { .. } => None,
+        }
+    }
+
     pub(super) fn claim(
         &self,
         key: &StorageKey,

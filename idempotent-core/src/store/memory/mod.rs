@@ -299,6 +299,12 @@ impl Store for MemoryStore {
     fn keeps_records_in_process(&self) -> bool {
         true
     }
+
+    /// From its map, under the shard's read lock: the record a claim would report now, if it
+    /// is completed and live.
+    fn completed_in_process(&self, key: &StorageKey) -> Option<(Fingerprint, Bytes)> {
+        self.inner.completed(key)
+    }
 }
 
 impl crate::SessionStore for MemoryStore {
