@@ -895,8 +895,22 @@ pub async fn completed_in_process_agrees_with_claim<H: Harness>(h: &H) {
     if let Some(told) = store.completed_in_process(&key) {
         assert_eq!(told, (f, payload.clone()), "the record as it was completed");
     }
+    // A repeated completion changes nothing, here either.
+    let _ = store
+        .complete(&key, token, Bytes::from_static(b"other"), 3 * unit)
+        .await;
+    if let Some(told) = store.completed_in_process(&key) {
+        assert_eq!(told, (f, payload.clone()), "the record as first completed");
+    }
     assert_completed(store, &key, &f, &payload).await;
+    let lapsed = fresh_key();
+    claimed(store, &lapsed, &f, unit).await;
     h.advance(4 * unit).await;
+    assert_eq!(
+        store.completed_in_process(&lapsed),
+        None,
+        "a claim whose lease lapsed"
+    );
     assert_eq!(
         store.completed_in_process(&key),
         None,

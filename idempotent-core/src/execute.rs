@@ -110,9 +110,10 @@ impl<C: Capabilities> Idempotency<C> {
         let inner = &*self.inner;
         // A replay that a store in this process can answer at once needs none of the claim's
         // machinery (the count in flight, the label, the timed claim, its answer): the call
-        // is answered before any of it is built. Not during a shutdown, which refuses calls
-        // below; never for a session's request, which passes its gate first, nor for a
-        // completer's resume.
+        // is answered before any of it is built. Not once the shutdown is seen to have begun
+        // (calls are refused below); a replay answered in the same instant is not counted in
+        // flight, and needs not be: it reads this process's memory and runs nothing. Never
+        // for a session's request, which passes its gate first, nor for a completer's resume.
         let key = call.session().is_none().then(|| self.storage_key(call));
         if let Some(key) = &key
             && !call.is_resume_only()

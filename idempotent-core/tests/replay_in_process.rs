@@ -18,6 +18,8 @@ use idempotent_core::{
 };
 use support::{call, counted};
 
+/// The answer is the one the claim gave before (that no claim is sent for it is shown by
+/// `metrics.rs`, which counts the store's claims).
 #[tokio::test]
 async fn a_completed_record_is_replayed_and_the_work_does_not_run_again() {
     let idempotency = Idempotency::new(MemoryStore::new());

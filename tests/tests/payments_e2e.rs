@@ -509,8 +509,9 @@ async fn metrics_count_a_fresh_request_a_replay_a_409_and_a_422() {
                 ("result", "ok")
             ],
         ),
-        Some(5.0),
-        "fresh, replay, mismatch, and the two claims of m-2"
+        Some(4.0),
+        "fresh, mismatch, and the two claims of m-2: the replay is answered from the memory \
+         store's record in process, without a claim (Store::completed_in_process)"
     );
     assert_eq!(
         metric(&scrape, "idempotency_work_duration_seconds_count", &[]),
