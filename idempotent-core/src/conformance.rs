@@ -876,8 +876,9 @@ pub async fn ttl_expiry_frees_the_key<H: Harness>(h: &H) {
 }
 
 /// What a store tells of a record in this process without a claim
-/// ([`Store::completed_in_process`]) is what a claim reports of it, and only while it is
-/// completed and live: nothing of an absent key, a claim in flight or a record past its TTL.
+/// ([`Store::completed_in_process`]) is what a claim reports of it (the first completion's,
+/// whatever a repeated one brought), and only while it is completed and live: nothing of an
+/// absent key, a claim in flight, a lapsed lease, a released claim or a record past its TTL.
 /// The runtime replays what it tells without claiming, so a store that told more would replay
 /// a record a claim would not. A store that tells nothing (`None` throughout, the default)
 /// passes.

@@ -103,10 +103,6 @@ impl<C: Capabilities> Idempotency<C> {
         C: Runs<N>,
         F: Future<Output = V>,
     {
-        // Pinned once, here, and lent to the watcher below, so the work (often the largest part
-        // of this future: a handler's whole future) is not moved again, nor held twice. The
-        // watcher drops it in place as soon as it ends or is stopped, and when the watcher is
-        // dropped: always inside the claim's scope, and before the claim's slot.
         let inner = &*self.inner;
         // A replay that a store in this process can answer at once needs none of the claim's
         // machinery (the count in flight, the label, the timed claim, its answer): the call
@@ -123,6 +119,10 @@ impl<C: Capabilities> Idempotency<C> {
             tracing::debug!(storage_key = %key, "idempotent call replayed from the store's record in this process");
             return Ok(Execution::Replayed(bytes));
         }
+        // Pinned once, here, and lent to the watcher below, so the work (often the largest part
+        // of this future: a handler's whole future) is not moved again, nor held twice. The
+        // watcher drops it in place as soon as it ends or is stopped, and when the watcher is
+        // dropped: always inside the claim's scope, and before the claim's slot.
         let mut work = std::pin::pin!(Some(work));
         // Counted in flight from before its claim until its outcome is recorded, so that a
         // shutdown waits for a claim still on its way to the store; refused without touching
